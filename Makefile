@@ -1,0 +1,42 @@
+# Entry points. `make test` and `make run` work on a fresh machine: they create .venv and
+# install the project into it first.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# CPU machines take the CPU build that lies on disk here; with CUDA, pass your own, e.g.
+# `make TORCH=torch==2.13.0 test` against a CUDA wheel index.
+TORCH ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: setup test test-unit run data bench clean
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip setuptools wheel
+	$(PY) -m pip install -q "$(TORCH)"
+	# deepspeed ships as an sdist whose setup imports torch: build it against the torch above.
+	$(PY) -m pip install -q --no-build-isolation "deepspeed>=0.15"
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+setup: $(VENV)/.installed
+
+# Every test tier this machine can run (unit, dist; slurm where Slurm can be installed; gpu with CUDA).
+test: setup
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-unit: setup
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not dist and not slurm" $(PYTEST_ARGS)
+
+data: setup
+	$(PY) -m ttt_lm.data.default_corpus
+
+# The main job: a short pretraining run of the default tiny hybrid on the bundled corpus, on CPU.
+run: setup data
+	$(PY) train.py
+
+bench: setup
+	$(PY) benchmarks/kernels.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,23 @@
+import os
+
+# Triton kernels run under the interpreter on machines without CUDA. This must be set before
+# triton is imported anywhere.
+try:
+    import torch
+
+    _HAS_CUDA = torch.cuda.is_available()
+except Exception:  # pragma: no cover
+    _HAS_CUDA = False
+if not _HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if not any(item.iter_markers(name=m) for m in ("dist", "slurm", "gpu")):
+            item.add_marker(pytest.mark.unit)
+        if item.get_closest_marker("gpu") and not _HAS_CUDA:
+            item.add_marker(pytest.mark.skip(reason="needs CUDA"))

@@ -1,0 +1,134 @@
+"""Model configuration: one structured schema (dataclasses read by omegaconf), the single place a
+model's shape lives. Every mixer reads its own section (``ttt``, ``attention``, ``rglru``,
+``titans``, ``deltanet``, ``mamba``)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+#: layer kinds a pattern may name; see ttt_lm.model.mixers.MIXERS
+LAYER_KINDS = ("attention", "local_attention", "ttt_linear", "ttt_mlp", "titans", "titans_mag",
+               "deltanet", "rglru", "mamba")
+
+
+@dataclass
+class TTTConfig:
+    """TTT-Linear / TTT-MLP (Sun et al. 2024)."""
+    mini_batch_size: int = 16          # b: tokens per TTT mini-batch
+    base_lr: Optional[float] = None    # η_base; None: 1.0 for TTT-Linear, 0.1 for TTT-MLP
+    mlp_expansion: int = 4             # TTT-MLP inner hidden = expansion × head_dim
+    use_gate: bool = False             # GELU output gate (the "Mamba backbone" variant)
+    share_qk: bool = False             # one Q/K projection, separate causal convs for Q and K
+    pre_conv: bool = False             # causal conv before the mixer in the block
+    conv_width: int = 4
+    rope_theta: float = 10000.0
+
+
+@dataclass
+class AttentionConfig:
+    num_kv_heads: Optional[int] = None  # grouped/multi-query attention; None = n_heads
+    window: int = 1024                  # sliding window of "local_attention" layers (keys t-window+1..t)
+    rope_theta: float = 10000.0
+    backend: str = "auto"               # auto | sdpa | flex | flash | math
+
+
+@dataclass
+class RGLRUConfig:
+    """Griffin's recurrent block (De et al. 2024)."""
+    lru_width: Optional[int] = None     # width of the recurrence; None = d_model
+    num_heads: Optional[int] = None     # blocks of the block-diagonal gate weights; None = n_heads
+    c: float = 8.0
+    a_min: float = 0.9                  # a^c ~ U[a_min, a_max] at init
+    a_max: float = 0.999
+    conv_width: int = 4
+
+
+@dataclass
+class TitansConfig:
+    """Titans neural memory (Behrouz et al. 2025)."""
+    memory: str = "linear"              # linear | mlp
+    memory_expansion: int = 2           # MLP memory hidden = expansion × head_dim
+    chunk_size: int = 16                # tokens whose gradients are taken at one memory state
+    conv_width: int = 4
+    window: int = 256                   # sliding window of the attention branch in titans_mag
+
+
+@dataclass
+class DeltaNetConfig:
+    """DeltaNet fast weights (Schlag et al. 2021; Yang et al. 2024)."""
+    feature_map: str = "identity"       # identity (L2-normalized) | dpfp
+    dpfp_nu: int = 1
+    chunk_size: int = 64
+    conv_width: int = 4                 # short causal conv on q/k/v (0 = none)
+
+
+@dataclass
+class MambaConfig:
+    """Mamba selective SSM (Gu & Dao 2023)."""
+    d_state: int = 16
+    d_conv: int = 4
+    expand: int = 2
+    dt_rank: Optional[int] = None       # None = ceil(d_model / 16)
+    dt_min: float = 0.001
+    dt_max: float = 0.1
+    chunk_size: int = 64
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 4096
+    d_model: int = 256
+    n_layers: int = 4
+    n_heads: int = 4
+    head_dim: Optional[int] = None      # None = d_model // n_heads
+    # Mixer of each layer, repeated cyclically to n_layers (n_layers must be a multiple of its
+    # length): ["ttt_linear"] is pure TTT-Linear; ["rglru", "rglru", "local_attention"] is Griffin.
+    layer_pattern: List[str] = field(default_factory=lambda: ["ttt_linear"])
+    d_ff: Optional[int] = None          # gated MLP width; None = 8/3·d_model rounded up to 64
+    mlp_act: str = "silu"               # silu (SwiGLU) | gelu (GeGLU)
+    norm_eps: float = 1e-6
+    tie_embeddings: bool = True
+    max_seq_len: int = 2048             # longest context the model is built/evaluated for
+    init_std: float = 0.02
+    kernel_backend: str = "auto"        # auto | torch | triton (see Mixer.kernel_backend)
+    ttt: TTTConfig = field(default_factory=TTTConfig)
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    rglru: RGLRUConfig = field(default_factory=RGLRUConfig)
+    titans: TitansConfig = field(default_factory=TitansConfig)
+    deltanet: DeltaNetConfig = field(default_factory=DeltaNetConfig)
+    mamba: MambaConfig = field(default_factory=MambaConfig)
+
+    # ---- derived ---------------------------------------------------------------------------
+    @property
+    def hd(self) -> int:
+        return self.head_dim if self.head_dim is not None else self.d_model // self.n_heads
+
+    @property
+    def ff(self) -> int:
+        if self.d_ff is not None:
+            return self.d_ff
+        return int(64 * -(-(8 * self.d_model // 3) // 64))
+
+    def layer_kinds(self) -> List[str]:
+        pat = list(self.layer_pattern)
+        return [pat[i % len(pat)] for i in range(self.n_layers)]
+
+    def validate(self) -> "ModelConfig":
+        pat = list(self.layer_pattern)
+        if not pat:
+            raise ValueError("model.layer_pattern is empty")
+        bad = [k for k in pat if k not in LAYER_KINDS]
+        if bad:
+            raise ValueError(f"model.layer_pattern: unknown layer kind(s) {bad}; known: {list(LAYER_KINDS)}")
+        if self.n_layers % len(pat) != 0:
+            raise ValueError(f"model.n_layers={self.n_layers} is not a multiple of len(model.layer_pattern)={len(pat)}")
+        if self.head_dim is None and self.d_model % self.n_heads != 0:
+            raise ValueError(f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}")
+        if self.mlp_act not in ("silu", "gelu"):
+            raise ValueError(f"model.mlp_act must be silu or gelu, got {self.mlp_act!r}")
+        if self.kernel_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"model.kernel_backend must be auto, torch or triton, got {self.kernel_backend!r}")
+        kv = self.attention.num_kv_heads
+        if kv is not None and self.n_heads % kv != 0:
+            raise ValueError(f"model.attention.num_kv_heads={kv} must divide model.n_heads={self.n_heads}")
+        return self

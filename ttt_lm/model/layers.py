@@ -1,0 +1,113 @@
+"""Building blocks shared by the mixers and the block: RMSNorm, rotary embeddings, the gated MLP,
+and a causal depthwise convolution with a decode cache."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def acc(x: torch.Tensor) -> torch.Tensor:
+    """x in its accumulation dtype: float32 for half types, else unchanged (float64 stays)."""
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm (Zhang & Sennrich 2019): y = x / sqrt(mean(x²) + ε) · g, computed in float32."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = acc(x)
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * acc(self.weight)).to(x.dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, dim: int, theta: float = 10000.0, dtype=torch.float32):
+    """Rotary embedding tables (Su et al. 2021) for integer `positions` (any shape), half-split
+    layout: cos/sin have shape positions.shape + (dim,), frequencies θ^(-2i/dim) for i < dim/2."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, device=positions.device, dtype=torch.float64) / dim))
+    ang = positions.to(torch.float64)[..., None] * inv_freq
+    ang = torch.cat([ang, ang], dim=-1)
+    return ang.cos().to(dtype), ang.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x·cos + rotate_half(x)·sin; cos/sin broadcast against x (e.g. [T, D] against [B, H, T, D])."""
+    xf = acc(x)
+    return (xf * cos.to(xf.dtype) + rotate_half(xf) * sin.to(xf.dtype)).to(x.dtype)
+
+
+class GatedMLP(nn.Module):
+    """Gated MLP (Shazeer 2020): y = W_down(act(W_gate x) ⊙ W_up x). act = SiLU gives SwiGLU
+    (Llama), GELU gives GeGLU (Griffin). Names follow Llama: gate_proj, up_proj, down_proj."""
+
+    def __init__(self, d_model: int, d_ff: int, act: str = "silu"):
+        super().__init__()
+        self.gate_proj = nn.Linear(d_model, d_ff, bias=False)
+        self.up_proj = nn.Linear(d_model, d_ff, bias=False)
+        self.down_proj = nn.Linear(d_ff, d_model, bias=False)
+        self.down_proj._is_residual_out = True
+        if act == "silu":
+            self.act = F.silu
+        elif act == "gelu":
+            self.act = lambda t: F.gelu(t, approximate="tanh")
+        else:
+            raise ValueError(f"model.mlp_act must be 'silu' or 'gelu', got {act!r}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class CausalConv1d(nn.Module):
+    """Depthwise causal convolution over time: y_t = b + Σ_{j<w} W[:, j] ⊙ x_{t-w+1+j}.
+
+    forward takes [B, T, C] and an optional cache ([B, C, w-1], the last w-1 inputs) and can
+    return the new cache, so a long sequence can be processed segment by segment or one token at
+    a time with the same result as one pass."""
+
+    def __init__(self, channels: int, width: int = 4, bias: bool = True):
+        super().__init__()
+        self.width = width
+        self.conv = nn.Conv1d(channels, channels, width, groups=channels, bias=bias, padding=0)
+
+    def init_cache(self, batch_size: int, device=None, dtype=None) -> torch.Tensor:
+        return torch.zeros(batch_size, self.conv.in_channels, self.width - 1, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor, cache: torch.Tensor | None = None, output_cache: bool = False):
+        xt = x.transpose(1, 2)  # [B, C, T]
+        if cache is None:
+            cache = xt.new_zeros(xt.shape[0], xt.shape[1], self.width - 1)
+        xt = torch.cat([cache.to(xt.dtype), xt], dim=-1)
+        y = self.conv(xt).transpose(1, 2)
+        new_cache = xt[..., xt.shape[-1] - (self.width - 1):] if output_cache else None
+        return y, new_cache
+
+
+def init_weights(module: nn.Module, std: float, n_layers: int) -> None:
+    """Initialization used by every model: N(0, std) for linear and embedding weights, zero
+    biases, and depth-scaled N(0, std / sqrt(2·n_layers)) for the projections that write into the
+    residual stream (marked `_is_residual_out`), as in GPT-2 and Megatron-LM, so the residual
+    stream's variance does not grow with depth. Parameters a mixer initializes itself (decays,
+    gates, inner-model weights) are left to its `reset_parameters`."""
+    for m in module.modules():
+        if isinstance(m, nn.Linear):
+            s = std / math.sqrt(2 * n_layers) if getattr(m, "_is_residual_out", False) else std
+            nn.init.normal_(m.weight, mean=0.0, std=s)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, mean=0.0, std=std)
+    for m in module.modules():
+        if m is not module and hasattr(m, "reset_parameters") and getattr(m, "_mixer_init", False):
+            m.reset_parameters()

@@ -1,0 +1,180 @@
+"""The language model: token embedding → blocks → RMSNorm → LM head.
+
+A block is pre-norm residual (as in Llama and Griffin):
+
+    h = x + Mixer(RMSNorm(x))          # the mixer of this layer, from model.layer_pattern
+    y = h + GatedMLP(RMSNorm(h))
+
+TTT layers with ``ttt.pre_conv`` add, before the mixer, the residual causal convolution of the TTT
+paper's "Mamba backbone": x ← x + Conv(RMSNorm(x)).
+
+``forward(input_ids, labels)`` takes labels aligned with the inputs (labels[t] is the token that
+should follow input_ids[t]; −100 is ignored), so the data pipeline does the shift once.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ttt_lm.model.config import ModelConfig
+from ttt_lm.model.layers import CausalConv1d, GatedMLP, RMSNorm, init_weights
+from ttt_lm.model.mixers import build_mixer
+
+TTT_KINDS = ("ttt_linear", "ttt_mlp")
+
+
+@dataclass
+class LMOutput:
+    logits: Optional[torch.Tensor]
+    loss: Optional[torch.Tensor] = None
+    states: Optional[List[dict]] = None
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.kind = cfg.layer_kinds()[layer_idx]
+        self.pre_conv = None
+        if self.kind in TTT_KINDS and cfg.ttt.pre_conv:
+            self.pre_conv_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+            self.pre_conv = CausalConv1d(cfg.d_model, cfg.ttt.conv_width)
+        self.mixer_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mixer = build_mixer(self.kind, cfg, layer_idx)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = GatedMLP(cfg.d_model, cfg.ff, cfg.mlp_act)
+
+    def init_state(self, batch_size: int, device=None, dtype=None) -> dict:
+        st = {"mixer": self.mixer.init_state(batch_size, device, dtype)}
+        if self.pre_conv is not None:
+            st["pre_conv"] = self.pre_conv.init_cache(batch_size, device, dtype)
+        return st
+
+    def forward(self, x: torch.Tensor, state: Optional[dict] = None, output_state: bool = False):
+        new_state = {} if output_state else None
+        if self.pre_conv is not None:
+            c, cc = self.pre_conv(self.pre_conv_norm(x), None if state is None else state["pre_conv"], output_state)
+            x = x + c
+            if output_state:
+                new_state["pre_conv"] = cc
+        h, ms = self.mixer(self.mixer_norm(x), None if state is None else state["mixer"], output_state)
+        x = x + h
+        x = x + self.mlp(self.mlp_norm(x))
+        if output_state:
+            new_state["mixer"] = ms
+        return x, new_state
+
+    def step(self, x: torch.Tensor, state: dict):
+        new_state = {}
+        if self.pre_conv is not None:
+            c, new_state["pre_conv"] = self.pre_conv(self.pre_conv_norm(x), state["pre_conv"], True)
+            x = x + c
+        h, new_state["mixer"] = self.mixer.step(self.mixer_norm(x), state["mixer"])
+        x = x + h
+        x = x + self.mlp(self.mlp_norm(x))
+        return x, new_state
+
+
+class LM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        cfg.validate()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        init_weights(self, cfg.init_std, cfg.n_layers)
+        self.set_kernel_backend(cfg.kernel_backend)
+        #: run each block under activation checkpointing in training (set by the trainer)
+        self.activation_checkpointing = False
+
+    # ---- configuration switches --------------------------------------------------------------
+    def set_impl(self, impl: str) -> "LM":
+        """"chunked" (training form, default) or "reference" (sequential forms) for every mixer."""
+        for b in self.layers:
+            b.mixer.impl = impl
+        return self
+
+    def set_kernel_backend(self, backend: str) -> "LM":
+        for b in self.layers:
+            b.mixer.kernel_backend = backend
+        return self
+
+    def num_params(self, exclude_embeddings: bool = False) -> int:
+        n = sum(p.numel() for p in self.parameters())  # tied weights are counted once
+        if exclude_embeddings:
+            n -= self.embed.weight.numel()
+            if not self.cfg.tie_embeddings:
+                n -= self.lm_head.weight.numel()
+        return n
+
+    # ---- forward -----------------------------------------------------------------------------
+    def init_states(self, batch_size: int, device=None, dtype=None) -> List[dict]:
+        return [b.init_state(batch_size, device, dtype) for b in self.layers]
+
+    def hidden(self, input_ids: torch.Tensor, states=None, output_states: bool = False):
+        x = self.embed(input_ids)
+        new_states = [] if output_states else None
+        for i, block in enumerate(self.layers):
+            st = None if states is None else states[i]
+            if self.activation_checkpointing and self.training and torch.is_grad_enabled():
+                x, ns = torch.utils.checkpoint.checkpoint(block, x, st, output_states, use_reentrant=False)
+            else:
+                x, ns = block(x, st, output_states)
+            if output_states:
+                new_states.append(ns)
+        return self.norm(x), new_states
+
+    def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None,
+                states=None, output_states: bool = False) -> LMOutput:
+        h, new_states = self.hidden(input_ids, states, output_states)
+        logits = self.lm_head(h)
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
+        return LMOutput(logits=logits, loss=loss, states=new_states)
+
+    def step(self, token_ids: torch.Tensor, states: List[dict]):
+        """One decode step: token_ids [B] → logits [B, V] and the new states."""
+        x = self.embed(token_ids[:, None])
+        new_states = []
+        for block, st in zip(self.layers, states):
+            x, ns = block.step(x, st)
+            new_states.append(ns)
+        return self.lm_head(self.norm(x))[:, 0], new_states
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+                 top_k: Optional[int] = None, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+        """Sample continuations of prompt_ids [B, T0]; returns [B, T0 + max_new_tokens].
+        temperature 0 is greedy decoding."""
+        out = self(prompt_ids, output_states=True)
+        logits, states = out.logits[:, -1], out.states
+        toks = [prompt_ids]
+        for i in range(max_new_tokens):
+            nxt = sample_next(logits, temperature, top_k, generator)
+            toks.append(nxt[:, None])
+            if i + 1 < max_new_tokens:
+                logits, states = self.step(nxt, states)
+        return torch.cat(toks, dim=1)
+
+
+def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: Optional[int] = None,
+                generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    if temperature <= 0:
+        return logits.argmax(-1)
+    logits = logits.float() / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(logits.softmax(-1), 1, generator=generator)[:, 0]
+
+
+def build_model(cfg: ModelConfig) -> LM:
+    return LM(cfg)

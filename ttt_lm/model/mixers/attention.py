@@ -1,0 +1,175 @@
+r"""Causal multi-head attention with grouped/multi-query KV heads, RoPE and an optional sliding
+window (Vaswani et al. 2017; GQA: Ainslie et al. 2023; local attention as in Griffin, De et al. 2024).
+
+For head h and query position t (RoPE applied to q and k, Su et al. 2021):
+
+    o_t = Σ_{s ∈ S(t)} softmax_s( q_t·k_s / √d_h ) v_s,     S(t) = { s : t − w < s ≤ t }
+
+with window w = ∞ for global ("attention") layers and w = ``attention.window`` for
+"local_attention" layers. KV head g serves query heads g·H/H_kv … (g+1)·H/H_kv − 1.
+
+Implementations: ``reference`` is the explicit softmax above; ``chunked`` (the training form)
+uses flash-attn's ``flash_attn_func`` when installed, on CUDA, in half precision; else
+``flex_attention`` for a window on CUDA; else torch's ``scaled_dot_product_attention`` (a boolean
+mask for a window; CPU training works through it). The decode state is the KV cache, holding at
+most w − 1 past keys for a local layer, so its memory is flat in the sequence length.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ttt_lm.model.layers import acc, apply_rope, rope_cos_sin
+from ttt_lm.model.mixers.base import Mixer, State
+
+try:  # optional extra
+    from flash_attn import flash_attn_func as _flash_attn_func  # type: ignore
+except Exception:  # noqa: BLE001 - any import problem means "not available"
+    _flash_attn_func = None
+
+
+def _window_mask(tq: int, tk: int, window: Optional[int], device) -> torch.Tensor:
+    """Boolean [tq, tk] mask, True where query i may see key j; the last query and the last key
+    are the same position (the keys are a cache followed by the queries' own keys)."""
+    qpos = torch.arange(tq, device=device)[:, None] + (tk - tq)
+    kpos = torch.arange(tk, device=device)[None, :]
+    m = kpos <= qpos
+    if window is not None:
+        m = m & (kpos > qpos - window)
+    return m
+
+
+class Attention(Mixer):
+    window: Optional[int] = None
+
+    def __init__(self, cfg, layer_idx: int):
+        super().__init__()
+        a = cfg.attention
+        self.d_model = cfg.d_model
+        self.n_heads = cfg.n_heads
+        self.n_kv = a.num_kv_heads or cfg.n_heads
+        self.hd = cfg.hd
+        self.rope_theta = a.rope_theta
+        self.backend = a.backend
+        self.q_proj = nn.Linear(cfg.d_model, self.n_heads * self.hd, bias=False)
+        self.k_proj = nn.Linear(cfg.d_model, self.n_kv * self.hd, bias=False)
+        self.v_proj = nn.Linear(cfg.d_model, self.n_kv * self.hd, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.hd, cfg.d_model, bias=False)
+        self.o_proj._is_residual_out = True
+
+    # ---- helpers -----------------------------------------------------------------------------
+    def _qkv(self, x: torch.Tensor, pos0: int):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.hd).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.n_kv, self.hd).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.n_kv, self.hd).transpose(1, 2)
+        cos, sin = rope_cos_sin(torch.arange(pos0, pos0 + T, device=x.device), self.hd, self.rope_theta)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def init_state(self, batch_size: int, device=None, dtype=None) -> State:
+        z = torch.zeros(batch_size, self.n_kv, 0, self.hd, device=device, dtype=dtype)
+        return {"k": z, "v": z.clone(), "pos": 0}
+
+    def _cat_cache(self, state: Optional[State], k, v):
+        if state is None:
+            return k, v, 0
+        return (torch.cat([state["k"].to(k.dtype), k], dim=2),
+                torch.cat([state["v"].to(v.dtype), v], dim=2), int(state["pos"]))
+
+    def _new_state(self, k_all, v_all, pos_end: int) -> State:
+        if self.window is not None and k_all.shape[2] > self.window - 1:
+            keep = self.window - 1
+            k_all, v_all = k_all[:, :, k_all.shape[2] - keep:], v_all[:, :, v_all.shape[2] - keep:]
+        return {"k": k_all, "v": v_all, "pos": pos_end}
+
+    def _out(self, o: torch.Tensor) -> torch.Tensor:  # o: [B, H, T, hd]
+        B, H, T, D = o.shape
+        return self.o_proj(o.transpose(1, 2).reshape(B, T, H * D))
+
+    # ---- forms -------------------------------------------------------------------------------
+    def reference(self, x, state=None, output_state=False):
+        pos0 = int(state["pos"]) if state is not None else 0
+        q, k, v = self._qkv(x, pos0)
+        k_all, v_all, _ = self._cat_cache(state, k, v)
+        rep = self.n_heads // self.n_kv
+        kk, vv = k_all.repeat_interleave(rep, 1), v_all.repeat_interleave(rep, 1)
+        s = (acc(q) @ acc(kk).transpose(-1, -2)) / math.sqrt(self.hd)
+        m = _window_mask(q.shape[2], kk.shape[2], self.window, x.device)
+        s = s.masked_fill(~m, float("-inf"))
+        o = (s.softmax(-1) @ acc(vv)).to(x.dtype)
+        st = self._new_state(k_all, v_all, pos0 + x.shape[1]) if output_state else None
+        return self._out(o), st
+
+    def chunked(self, x, state=None, output_state=False):
+        pos0 = int(state["pos"]) if state is not None else 0
+        q, k, v = self._qkv(x, pos0)
+        k_all, v_all, _ = self._cat_cache(state, k, v)
+        o = self._attend(q, k_all, v_all)
+        st = self._new_state(k_all, v_all, pos0 + x.shape[1]) if output_state else None
+        return self._out(o), st
+
+    def step(self, x, state):
+        return self.chunked(x, state, output_state=True)
+
+    def _attend(self, q, k, v):
+        tq, tk = q.shape[2], k.shape[2]
+        be = self.backend
+        half = q.dtype in (torch.float16, torch.bfloat16)
+        if be in ("auto", "flash") and _flash_attn_func is not None and q.is_cuda and half:
+            ws = (-1, -1) if self.window is None else (self.window - 1, 0)
+            o = _flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                 causal=True, window_size=ws)
+            return o.transpose(1, 2)
+        if be == "flash":
+            raise RuntimeError("attention.backend=flash needs the flash-attn package, CUDA and bf16/fp16 inputs")
+        if be == "math":
+            rep = self.n_heads // self.n_kv
+            kk, vv = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+            s = (acc(q) @ acc(kk).transpose(-1, -2)) / math.sqrt(self.hd)
+            s = s.masked_fill(~_window_mask(tq, tk, self.window, q.device), float("-inf"))
+            return (s.softmax(-1) @ acc(vv)).to(q.dtype)
+        if (be == "flex" or (be == "auto" and self.window is not None and q.is_cuda)) and tq == tk:
+            return self._flex(q, k, v)
+        gqa = self.n_kv != self.n_heads
+        if self.window is None and tq == tk:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        mask = _window_mask(tq, tk, self.window, q.device)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+    def _flex(self, q, k, v):
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        w = self.window
+
+        def mask_mod(b, h, qi, ki):
+            ok = ki <= qi
+            if w is not None:
+                ok = ok & (ki > qi - w)
+            return ok
+
+        T = q.shape[2]
+        bm = create_block_mask(mask_mod, None, None, T, T, device=q.device)
+        return flex_attention(q, k, v, block_mask=bm, enable_gqa=self.n_kv != self.n_heads)
+
+    @staticmethod
+    def flops_per_token(cfg, seq_len: int) -> float:
+        # q·k and p·v: 2 matmuls × 2 FLOPs × H × d_h × (average keys seen per query)
+        return 4.0 * cfg.n_heads * cfg.hd * (seq_len + 1) / 2.0
+
+
+class LocalAttention(Attention):
+    """Sliding-window attention: keys t − window + 1 … t (``attention.window``)."""
+
+    def __init__(self, cfg, layer_idx: int):
+        super().__init__(cfg, layer_idx)
+        self.window = cfg.attention.window
+
+    @staticmethod
+    def flops_per_token(cfg, seq_len: int) -> float:
+        w = cfg.attention.window
+        T = seq_len
+        seen = (T + 1) / 2.0 if T <= w else (w * (w + 1) / 2.0 + (T - w) * w) / T
+        return 4.0 * cfg.n_heads * cfg.hd * seen

@@ -1,0 +1,73 @@
+"""The interface every sequence mixer implements.
+
+A mixer maps x ∈ R^{B×T×D} to y ∈ R^{B×T×D} causally, and has three forms that tests hold equal:
+
+* ``reference(x, state, output_state)`` — the sequential recurrence (or plain attention), one
+  token at a time where the math is a recurrence. It is the specification.
+* ``chunked(x, state, output_state)`` — the training form: chunked / dual / parallel, the one
+  ``forward`` uses unless ``impl == "reference"``. On CUDA it may call a Triton kernel from
+  ``kernels/`` (``kernel_backend``: ``"auto"`` picks Triton on CUDA and PyTorch elsewhere,
+  ``"torch"`` / ``"triton"`` force one).
+* ``step(x, state)`` — one-token decode: x is [B, 1, D], state is the cache.
+
+``state`` is a dict of tensors (recurrent state, conv caches, KV cache, position). Feeding the
+state returned by one segment into the next gives the same outputs as one pass over the
+concatenation; ``init_state`` returns the state before any token.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+from torch import nn
+
+State = Dict[str, Any]
+
+
+class Mixer(nn.Module):
+    """Subclasses set ``self.d_model`` and implement chunked, reference, step and init_state."""
+
+    #: set by the model: "chunked" (default) or "reference"
+    impl: str = "chunked"
+    #: "auto" | "torch" | "triton": which implementation of a kernels/ op the chunked form uses
+    kernel_backend: str = "auto"
+    #: init_weights() calls reset_parameters() on mixers after the generic init
+    _mixer_init: bool = True
+
+    def forward(self, x: torch.Tensor, state: Optional[State] = None,
+                output_state: bool = False) -> Tuple[torch.Tensor, Optional[State]]:
+        if self.impl == "reference":
+            return self.reference(x, state, output_state)
+        if self.impl != "chunked":
+            raise ValueError(f"mixer impl must be 'chunked' or 'reference', got {self.impl!r}")
+        return self.chunked(x, state, output_state)
+
+    def chunked(self, x, state=None, output_state=False):
+        raise NotImplementedError(f"{type(self).__name__} has no chunked form")
+
+    def reference(self, x, state=None, output_state=False):
+        raise NotImplementedError(f"{type(self).__name__} has no reference form")
+
+    def step(self, x: torch.Tensor, state: State) -> Tuple[torch.Tensor, State]:
+        raise NotImplementedError(f"{type(self).__name__} has no decode step")
+
+    def init_state(self, batch_size: int, device=None, dtype=None) -> State:
+        raise NotImplementedError(f"{type(self).__name__} has no init_state")
+
+    def reset_parameters(self) -> None:
+        """Mixer-specific initialization, run after the model's generic init."""
+
+    @staticmethod
+    def flops_per_token(cfg, seq_len: int) -> float:
+        """Forward FLOPs per token of this mixer beyond its dense projections (those are counted
+        from parameter shapes in ttt_lm.model.flops): attention scores, inner-model updates,
+        scans. ``cfg`` is the ModelConfig."""
+        return 0.0
+
+    def _resolve_backend(self, x: torch.Tensor) -> str:
+        kb = self.kernel_backend
+        if kb == "auto":
+            return "triton" if x.is_cuda else "torch"
+        if kb not in ("torch", "triton"):
+            raise ValueError(f"model.kernel_backend must be auto, torch or triton, got {kb!r}")
+        return kb
