@@ -41,6 +41,7 @@ class RGLRUConfig:
     a_min: float = 0.9                  # a^c ~ U[a_min, a_max] at init
     a_max: float = 0.999
     conv_width: int = 4
+    chunk_size: int = 64                # tokens per chunk of the chunked linear scan
 
 
 @dataclass

@@ -1,0 +1,35 @@
+r"""Gated linear recurrence, element-wise over channels (the specification):
+
+    h_t = a_t ⊙ h_{t−1} + b_t,      a_t = exp(log_a_t),      h_{−1} = initial_state (or 0)
+
+log_a, b: [B, T, D]; initial_state: [B, D]. The gate is taken in log space so that callers
+(RG-LRU: log a_t = −c·r_t·softplus(−Λ)) never form a_t^{c·r_t} by a power of a number near 1.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation dtype: float32 for half types, else unchanged (float64 stays float64)."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def linear_scan_ref(log_a: torch.Tensor, b: torch.Tensor, initial_state: Optional[torch.Tensor] = None,
+                    output_final_state: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """One step per token. Returns h [B, T, D] in b's dtype and, if asked, h_{T−1} [B, D] in the
+    accumulation dtype."""
+    dt = acc_dtype(b.dtype)
+    B, T, D = b.shape
+    h = (torch.zeros(B, D, dtype=dt, device=b.device) if initial_state is None
+         else initial_state.to(dt))
+    a = log_a.to(dt).exp()
+    bb = b.to(dt)
+    hs = []
+    for t in range(T):
+        h = a[:, t] * h + bb[:, t]
+        hs.append(h)
+    out = torch.stack(hs, 1) if T > 0 else bb
+    return out.to(b.dtype), (h if output_final_state else None)

@@ -1,0 +1,124 @@
+r"""Mamba block: a selective state-space model (Gu & Dao 2023, "Mamba: Linear-Time Sequence
+Modeling with Selective State Spaces", §3 and Fig. 3).
+
+With d_inner = expand·d_model, state size N = d_state and R = dt_rank:
+
+    [x, z]        = W_in u_t                                  x, z ∈ R^{d_inner}
+    x             = SiLU(Conv1D_{d_conv}(x))                  causal, depthwise
+    [δ, B_t, C_t] = W_x x                                     δ ∈ R^R, B_t, C_t ∈ R^N
+    Δ_t           = softplus(W_Δ δ + b_Δ)                     ∈ R^{d_inner}
+    A             = −exp(A_log)                               ∈ R^{d_inner×N}
+    h_t           = exp(Δ_t A) ⊙ h_{t−1} + (Δ_t ⊙ x_t) B_t^T   Ā = exp(ΔA), B̄x ≈ ΔBx
+    y_t           = h_t C_t + D ⊙ x_t
+    out_t         = W_out (y_t ⊙ SiLU(z_t))
+
+Initialization as the paper's code: A_log = log(1..N) on every channel (S4D-real), D = 1,
+b_Δ = softplus⁻¹(Δ₀) with Δ₀ ~ logU[dt_min, dt_max] (floored at 1e-4), W_Δ ~ U(±R^{−1/2}),
+the convolution at PyTorch's default; W_in, W_x, W_out follow the model's generic init.
+
+Forms: ``reference`` runs the scan token by token, ``chunked`` the chunked scan
+(kernels.selective_scan; Triton on CUDA when present), ``step`` one token with the cache
+{conv: last d_conv−1 inputs of the convolution, ssm: h_{t−1} ∈ R^{d_inner×N}}.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.selective_scan import has_triton_backend, selective_scan
+from ttt_lm.model.layers import CausalConv1d, acc
+from ttt_lm.model.mixers.base import Mixer, State
+
+_DT_INIT_FLOOR = 1e-4
+
+
+class Mamba(Mixer):
+    def __init__(self, cfg, layer_idx: int):
+        super().__init__()
+        mc = cfg.mamba
+        self.d_model = cfg.d_model
+        self.d_inner = mc.expand * cfg.d_model
+        self.d_state = mc.d_state
+        self.dt_rank = mc.dt_rank or math.ceil(cfg.d_model / 16)
+        self.dt_min, self.dt_max = mc.dt_min, mc.dt_max
+        self.chunk_size = mc.chunk_size
+        if not 0.0 < mc.dt_min <= mc.dt_max:
+            raise ValueError(f"model.mamba needs 0 < dt_min <= dt_max, got {mc.dt_min}, {mc.dt_max}")
+        self.in_proj = nn.Linear(cfg.d_model, 2 * self.d_inner, bias=False)
+        self.conv1d = CausalConv1d(self.d_inner, mc.d_conv)
+        self.x_proj = nn.Linear(self.d_inner, self.dt_rank + 2 * self.d_state, bias=False)
+        self.dt_proj = nn.Linear(self.dt_rank, self.d_inner, bias=True)
+        self.A_log = nn.Parameter(torch.empty(self.d_inner, self.d_state))
+        self.D = nn.Parameter(torch.empty(self.d_inner))
+        self.A_log._no_weight_decay = True
+        self.D._no_weight_decay = True
+        self.out_proj = nn.Linear(self.d_inner, cfg.d_model, bias=False)
+        self.out_proj._is_residual_out = True
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            nn.init.uniform_(self.dt_proj.weight, -self.dt_rank ** -0.5, self.dt_rank ** -0.5)
+            u = torch.rand(self.d_inner, dtype=torch.float64)
+            dt0 = torch.exp(u * (math.log(self.dt_max) - math.log(self.dt_min)) + math.log(self.dt_min))
+            dt0 = dt0.clamp(min=_DT_INIT_FLOOR)
+            self.dt_proj.bias.copy_(dt0 + torch.log(-torch.expm1(-dt0)))    # softplus⁻¹(Δ₀)
+            n = torch.arange(1, self.d_state + 1, dtype=torch.float64)
+            self.A_log.copy_(torch.log(n).expand(self.d_inner, -1))
+            self.D.fill_(1.0)
+        self.conv1d.conv.reset_parameters()
+
+    def init_state(self, batch_size: int, device=None, dtype=None) -> State:
+        dt = acc(torch.empty(0, dtype=dtype or torch.get_default_dtype())).dtype
+        return {"conv": self.conv1d.init_cache(batch_size, device, dtype),
+                "ssm": torch.zeros(batch_size, self.d_inner, self.d_state, device=device, dtype=dt)}
+
+    def _project(self, u: torch.Tensor, state, output_state: bool):
+        """u → (x, z, δ = W_Δ·(W_x x)_δ without bias, B_t, C_t, conv cache)."""
+        x, z = self.in_proj(u).chunk(2, dim=-1)
+        x, conv_cache = self.conv1d(x, None if state is None else state["conv"], output_state)
+        x = F.silu(x)
+        dbc = self.x_proj(x)
+        delta, B_t, C_t = dbc.split([self.dt_rank, self.d_state, self.d_state], dim=-1)
+        delta = F.linear(delta, self.dt_proj.weight)    # b_Δ enters inside the scan, before softplus
+        return x, z, delta, B_t, C_t, conv_cache
+
+    def _scan(self, u, state, output_state, backend):
+        x, z, delta, B_t, C_t, conv_cache = self._project(u, state, output_state)
+        A = -torch.exp(acc(self.A_log))
+        y, hT = selective_scan(x, delta, A, B_t, C_t, D=self.D, z=z, delta_bias=self.dt_proj.bias,
+                               delta_softplus=True, initial_state=None if state is None else state["ssm"],
+                               output_final_state=output_state, backend=backend, chunk_size=self.chunk_size)
+        st = {"conv": conv_cache, "ssm": hT} if output_state else None
+        return self.out_proj(y), st
+
+    def reference(self, x, state=None, output_state=False):
+        return self._scan(x, state, output_state, "reference")
+
+    def chunked(self, x, state=None, output_state=False):
+        backend = self._resolve_backend(x)
+        if backend == "triton" and self.kernel_backend == "auto" and not has_triton_backend():
+            backend = "torch"
+        return self._scan(x, state, output_state, backend)
+
+    def step(self, u, state):
+        x, z, delta, B_t, C_t, conv_cache = self._project(u, state, True)
+        x, z, delta, B_t, C_t = (acc(t[:, 0]) for t in (x, z, delta, B_t, C_t))
+        Delta = F.softplus(delta + acc(self.dt_proj.bias))                     # [B, d_inner]
+        A = -torch.exp(acc(self.A_log))
+        h = torch.exp(Delta[..., None] * A) * state["ssm"] + (Delta * x)[..., None] * B_t[:, None, :]
+        y = torch.einsum("bdn,bn->bd", h, C_t) + acc(self.D) * x
+        y = (y * F.silu(z)).to(u.dtype)
+        return self.out_proj(y[:, None]), {"conv": conv_cache, "ssm": h}
+
+    @staticmethod
+    def flops_per_token(cfg, seq_len: int) -> float:
+        # The scan per (channel, state): Δ·A and exp(ΔA), (Δx)·B, Ā·h, + ΔBx, C·h multiply-add =
+        # 7 per (d, n). ttt_lm.model.flops already counts the 2-D A_log [d_inner, N] as a matrix
+        # (2 per (d, n)), which stands for Δ·A and exp(ΔA); the remaining 5 are counted here.
+        # Per-channel elementwise work (softplus, D skip, SiLU gate) is left out by convention.
+        d_inner = cfg.mamba.expand * cfg.d_model
+        return 5.0 * d_inner * cfg.mamba.d_state
