@@ -85,7 +85,7 @@ class ModelConfig:
     # Mixer of each layer, repeated cyclically to n_layers (n_layers must be a multiple of its
     # length): ["ttt_linear"] is pure TTT-Linear; ["rglru", "rglru", "local_attention"] is Griffin.
     layer_pattern: List[str] = field(default_factory=lambda: ["ttt_linear"])
-    d_ff: Optional[int] = None          # gated MLP width; None = 8/3·d_model rounded up to 64
+    d_ff: Optional[int] = None          # gated MLP width; None = 8/3·d_model rounded up to 64; 0 = no MLP
     mlp_act: str = "silu"               # silu (SwiGLU) | gelu (GeGLU)
     norm_eps: float = 1e-6
     tie_embeddings: bool = True

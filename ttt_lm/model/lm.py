@@ -3,7 +3,7 @@
 A block is pre-norm residual (as in Llama and Griffin):
 
     h = x + Mixer(RMSNorm(x))          # the mixer of this layer, from model.layer_pattern
-    y = h + GatedMLP(RMSNorm(h))
+    y = h + GatedMLP(RMSNorm(h))        # left out when model.d_ff = 0 (Mamba's blocks)
 
 TTT layers with ``ttt.pre_conv`` add, before the mixer, the residual causal convolution of the TTT
 paper's "Mamba backbone": x ← x + Conv(RMSNorm(x)).
@@ -44,8 +44,9 @@ class Block(nn.Module):
             self.pre_conv = CausalConv1d(cfg.d_model, cfg.ttt.conv_width)
         self.mixer_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mixer = build_mixer(self.kind, cfg, layer_idx)
-        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mlp = GatedMLP(cfg.d_model, cfg.ff, cfg.mlp_act)
+        # d_ff = 0 leaves the MLP out (Mamba's blocks are mixer-only)
+        self.mlp = GatedMLP(cfg.d_model, cfg.ff, cfg.mlp_act) if cfg.ff > 0 else None
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps) if self.mlp is not None else None
 
     def init_state(self, batch_size: int, device=None, dtype=None) -> dict:
         st = {"mixer": self.mixer.init_state(batch_size, device, dtype)}
@@ -62,7 +63,8 @@ class Block(nn.Module):
                 new_state["pre_conv"] = cc
         h, ms = self.mixer(self.mixer_norm(x), None if state is None else state["mixer"], output_state)
         x = x + h
-        x = x + self.mlp(self.mlp_norm(x))
+        if self.mlp is not None:
+            x = x + self.mlp(self.mlp_norm(x))
         if output_state:
             new_state["mixer"] = ms
         return x, new_state
@@ -74,7 +76,8 @@ class Block(nn.Module):
             x = x + c
         h, new_state["mixer"] = self.mixer.step(self.mixer_norm(x), state["mixer"])
         x = x + h
-        x = x + self.mlp(self.mlp_norm(x))
+        if self.mlp is not None:
+            x = x + self.mlp(self.mlp_norm(x))
         return x, new_state
 
 

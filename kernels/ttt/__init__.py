@@ -1,0 +1,96 @@
+r"""TTT-Linear and TTT-MLP inner loops (Sun et al. 2024, "Learning to (Learn at Test Time)").
+
+Per head h, inputs are row vectors q_t, k_t, v_t ∈ R^d ([B, H, T, d] tensors XQ, XK, XV after
+the outer projections and RoPE), the learnable per-token inner learning rate η_t ([B, H, T], the
+official ``ttt_lr_eta`` = η_base·σ(θ_η·x_t + b)/d) and the per-position scale token_idx ∈ R^b
+(official: clamp(1/(p+1) + learnable_token_idx[p], 0)). Token t at position p inside its
+mini-batch of b tokens produces, with θ_0 the inner weights at the start of that mini-batch,
+
+    θ_t = θ_0 − token_idx[p] · Σ_{s ≤ t, same mini-batch} η_s ∇_θ ℓ(θ_0; k_s, v_s)
+    out_t = q_t + LN(f(q_t; θ_t)),     ℓ(θ; k, v) = ½‖LN(f(k; θ)) − (v − k)‖²
+
+(see ``reference.py`` for the spec, ``torch_chunk.py`` for the dual form). Shapes: ln_weight,
+ln_bias [H, d]; W1 [H, d, d] and b1 [H, 1, d] for TTT-Linear, or W1 [H, d, m], b1 [H, 1, m],
+W2 [H, m, d], b2 [H, 1, d] for TTT-MLP; each may carry a leading batch axis [B, …].
+
+State (``initial_state`` / final state), a dict: "W1", "b1"(, "W2", "b2") = θ_0 of the current
+mini-batch [B, H, …]; "grad_W1", … = Σ η_s ∇ℓ_s over the tokens of the current mini-batch seen so
+far (zero at a boundary); "pos" = how many of them (int in [0, b)). When ``initial_state`` is
+given it replaces the weights arguments. Returns (out [B, H, T, d], final_state or None).
+
+``backend``: "torch" (dual form, training and prefill), "primal" (token by token with the
+per-token θ_t materialized: decoding), "reference" (the specification), "triton" (Triton kernel
+in ``chunk.py``, when present).
+"""
+from __future__ import annotations
+
+import importlib.util
+from typing import Optional, Tuple
+
+import torch
+
+from kernels.ttt.reference import ttt_linear_ref, ttt_mlp_ref
+from kernels.ttt.torch_chunk import ttt_linear_chunk, ttt_linear_primal, ttt_mlp_chunk, ttt_mlp_primal
+
+
+def has_triton_backend() -> bool:
+    return importlib.util.find_spec("kernels.ttt.chunk") is not None
+
+
+def _check(XQ, XK, XV, eta, token_idx, mini_batch_size):
+    if XQ.dim() != 4 or XK.shape != XQ.shape or XV.shape != XQ.shape:
+        raise ValueError(f"ttt: XQ, XK, XV must all be [B, H, T, d], got {tuple(XQ.shape)}, "
+                         f"{tuple(XK.shape)}, {tuple(XV.shape)}")
+    if eta.shape != XQ.shape[:3]:
+        raise ValueError(f"ttt: eta must be [B, H, T] = {tuple(XQ.shape[:3])}, got {tuple(eta.shape)}")
+    if token_idx.shape != (mini_batch_size,):
+        raise ValueError(f"ttt: token_idx must be [mini_batch_size] = [{mini_batch_size}], got {tuple(token_idx.shape)}")
+
+
+def ttt_linear(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: torch.Tensor,
+               token_idx: torch.Tensor, ln_weight: torch.Tensor, ln_bias: torch.Tensor,
+               W1: torch.Tensor, b1: torch.Tensor, mini_batch_size: int = 16,
+               initial_state: Optional[dict] = None, output_final_state: bool = False,
+               backend: str = "torch") -> Tuple[torch.Tensor, Optional[dict]]:
+    """TTT-Linear: f(x; W1, b1) = x W1 + b1."""
+    _check(XQ, XK, XV, eta, token_idx, mini_batch_size)
+    args = (XQ, XK, XV, eta, token_idx, ln_weight, ln_bias, W1, b1, mini_batch_size, initial_state, output_final_state)
+    if backend == "torch":
+        return ttt_linear_chunk(*args)
+    if backend == "primal":
+        return ttt_linear_primal(*args)
+    if backend == "reference":
+        return ttt_linear_ref(*args)
+    if backend == "triton":
+        if not has_triton_backend():
+            raise RuntimeError("ttt_linear: backend='triton' needs kernels/ttt/chunk.py, which is absent")
+        from kernels.ttt.chunk import ttt_linear_triton
+        return ttt_linear_triton(*args)
+    raise ValueError(f"ttt_linear: backend must be torch, primal, reference or triton, got {backend!r}")
+
+
+def ttt_mlp(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: torch.Tensor,
+            token_idx: torch.Tensor, ln_weight: torch.Tensor, ln_bias: torch.Tensor,
+            W1: torch.Tensor, b1: torch.Tensor, W2: torch.Tensor, b2: torch.Tensor,
+            mini_batch_size: int = 16, initial_state: Optional[dict] = None,
+            output_final_state: bool = False, backend: str = "torch") -> Tuple[torch.Tensor, Optional[dict]]:
+    """TTT-MLP: f(x; W1, b1, W2, b2) = GELU_tanh(x W1 + b1) W2 + b2."""
+    _check(XQ, XK, XV, eta, token_idx, mini_batch_size)
+    args = (XQ, XK, XV, eta, token_idx, ln_weight, ln_bias, W1, b1, W2, b2, mini_batch_size,
+            initial_state, output_final_state)
+    if backend == "torch":
+        return ttt_mlp_chunk(*args)
+    if backend == "primal":
+        return ttt_mlp_primal(*args)
+    if backend == "reference":
+        return ttt_mlp_ref(*args)
+    if backend == "triton":
+        if not has_triton_backend():
+            raise RuntimeError("ttt_mlp: backend='triton' needs kernels/ttt/chunk.py, which is absent")
+        from kernels.ttt.chunk import ttt_mlp_triton
+        return ttt_mlp_triton(*args)
+    raise ValueError(f"ttt_mlp: backend must be torch, primal, reference or triton, got {backend!r}")
+
+
+__all__ = ["ttt_linear", "ttt_mlp", "ttt_linear_ref", "ttt_mlp_ref", "ttt_linear_chunk", "ttt_mlp_chunk",
+           "ttt_linear_primal", "ttt_mlp_primal", "has_triton_backend"]

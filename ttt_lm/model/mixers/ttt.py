@@ -1,0 +1,302 @@
+r"""TTT-Linear and TTT-MLP: sequence modeling layers whose hidden state is the weights of an inner
+model trained by gradient descent on a self-supervised loss as the sequence is read (Sun et al.
+2024, "Learning to (Learn at Test Time): RNNs with Expressive Hidden States"), in the formulation
+of the official ttt-lm-pytorch / ttt-lm-jax code.
+
+Per head (H heads of width d; row vectors), for the layer input x_t ∈ R^{d_model}:
+
+    k_t = θ_K x_t,  v_t = θ_V x_t,  q_t = θ_Q x_t       (RoPE on q, k at position t mod b)
+    f(k; W) = k W1 + b1                                  TTT-Linear, W = (W1 ∈ R^{d×d}, b1)
+    f(k; W) = GELU_tanh(k W1 + b1) W2 + b2               TTT-MLP, W1 ∈ R^{d×4d}, W2 ∈ R^{4d×d}
+    ℓ(W; x_t) = ½ ‖LN(f(k_t; W)) + k_t − v_t‖²           LN: per-head LayerNorm (γ, β learnable)
+
+The official gradient is that of ½‖·‖² (LN's Jacobian applied to LN(f(k)) − (v − k)), computed
+in closed form (``ln_fused_l2_bwd`` in kernels/ttt/torch_chunk.py); the specification
+(kernels/ttt/reference.py) takes it with autograd instead.
+
+Mini-batch TTT with mini-batch size b. Token t is at position p = t mod b inside mini-batch
+i = ⌊t/b⌋; W_0^{(i)} is the state at the start of that mini-batch:
+
+    η_t = η_base · σ(θ_η · x_t + b_η) / d                  per head and token (official ttt_lr_eta)
+    τ_p = max(0, 1/(p+1) + learnable_token_idx[p])         official token_idx
+    W_t = W_0^{(i)} − τ_p · Σ_{s = ib}^{t} η_s ∇ℓ(W_0^{(i)}; x_s)
+    z_t = q_t + LN(f(q_t; W_t))                            output rule
+    W_0^{(i+1)} = W_{ib+b−1}
+
+η_base is 1.0 for TTT-Linear and 0.1 for TTT-MLP unless ``ttt.base_lr`` is set. With τ_p = 1/(p+1)
+(learnable_token_idx = 0) W_t takes one step with the η-weighted mean of the mini-batch's
+gradients so far.
+
+Which W does the output use? Every gradient inside mini-batch i is taken at W_0^{(i)}, the state
+at the start of the mini-batch, never at a partly updated one; but token t's output uses W_t, the
+state after the cumulative update through t itself (its own gradient included), not W_0^{(i)}
+and not the state at the end of the mini-batch. In the paper's notation (Sec. 2.7, App. A),
+"W_0" in the dual form is the initial state of an arbitrary mini-batch and W_1 … W_b the states
+after each of its tokens; W^k with a layer index names the k-th layer of the inner MLP.
+
+Dual form (training; ``chunked``). Within a mini-batch stack the rows: K, Q ∈ R^{n×d}, the
+gradients w.r.t. the inner pre-activations Γ = [g_s] at W_0 (∇_{W1}ℓ_s = k_sᵀ g_s), and
+E_ts = τ_t η_s for s ≤ t (else 0). Then, since q_t k_sᵀ g_s = (q_t · k_s) g_s,
+
+    Z̄ = Q W1_0 + b1_0 − (E ⊙ tril(Q Kᵀ)) Γ − E Γ,           z = Q + LN(Z̄)
+    W1_0' = W1_0 − τ_{b−1} Kᵀ diag(η) Γ,    b1_0' = b1_0 − τ_{b−1} ηᵀ Γ
+
+so no per-token W_t is formed: the cost per mini-batch is matrix products of b×d, b×b and d×d
+blocks. TTT-MLP applies this to each layer (layer 2's inputs are GELU(K W1_0 + b1_0) on the
+gradient side and GELU(Z̄1) on the output side). The mini-batches themselves run in sequence.
+The primal form (``step``, decoding) materializes W_t per token from the same quantities.
+
+A partial mini-batch (a length that is not a multiple of b, or a segment boundary inside one) is
+handled exactly: the state carries W_0 of the current mini-batch, the running sums
+Σ η_s ∇ℓ_s of its tokens seen so far (``grad_W1`` …), the position ``pos`` in it, and the
+causal-conv caches; the next segment continues the same mini-batch.
+
+Layer output: o = o_proj(gate(post_norm(concat_heads(z)))), post_norm a LayerNorm(eps 1e-6) over
+all heads; gate (``use_gate``, "Mamba backbone") multiplies by GELU_tanh(g_proj x).
+``share_qk``: one projection q_proj, then separate causal depthwise convs of width
+``conv_width`` for Q and K (no k_proj). The block's optional ``pre_conv`` lives in lm.Block.
+
+Parameters map one-to-one onto ttt-lm-pytorch's ``TTTLinear`` / ``TTTMLP`` (under
+``model.layers.{i}.seq_modeling_block.``), same names and shapes (W = H·d):
+
+    q_proj.weight [W, D]     k_proj.weight [W, D] (not with share_qk)    v_proj.weight [W, D]
+    o_proj.weight [D, W]     g_proj.weight [W, D] (use_gate)             post_norm.weight/bias [W]
+    conv_q.weight, conv_k.weight [W, 1, conv_width], .bias [W] (share_qk)
+    learnable_ttt_lr_weight [H, 1, D]   learnable_ttt_lr_bias [H, 1]   learnable_token_idx [b]
+    ttt_norm_weight, ttt_norm_bias [H, d]
+    W1 [H, d, d] b1 [H, 1, d] (Linear);  W1 [H, d, 4d] b1 [H, 1, 4d] W2 [H, 4d, d] b2 [H, 1, d] (MLP)
+
+``token_idx`` (1/(p+1)) is a non-persistent buffer there and here. RoPE is the official one:
+q, k are permuted (pairs (2i, 2i+1) → halves) before the half-split rotation and permuted back,
+i.e. the interleaved rotation, so released weights need no reordering.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.ttt import has_triton_backend, ttt_linear, ttt_mlp
+from ttt_lm.model.layers import acc, apply_rope, rope_cos_sin
+from ttt_lm.model.mixers.base import Mixer, State
+
+#: N(0, 0.02) for W1, W2 and θ_η, as in the official code (independent of model.init_std)
+INNER_INIT_STD = 0.02
+
+
+def _causal_conv(conv: nn.Conv1d, x: torch.Tensor, cache: Optional[torch.Tensor]):
+    """Depthwise causal conv of x [B, T, C] with the last w−1 inputs in ``cache`` [B, C, w−1];
+    returns y [B, T, C] and the new cache."""
+    xt = x.transpose(1, 2)
+    w = conv.kernel_size[0]
+    if cache is None:
+        cache = xt.new_zeros(xt.shape[0], xt.shape[1], w - 1)
+    xt = torch.cat([cache.to(xt.dtype), xt], dim=-1)
+    return conv(xt).transpose(1, 2), xt[..., xt.shape[-1] - (w - 1):]
+
+
+def _permute(x: torch.Tensor) -> torch.Tensor:
+    """(x0, x1, x2, x3, …) → (x0, x2, …, x1, x3, …): the official permute_qk."""
+    *s, d = x.shape
+    return x.reshape(*s, d // 2, 2).transpose(-1, -2).reshape(*s, d)
+
+
+def _unpermute(x: torch.Tensor) -> torch.Tensor:
+    *s, d = x.shape
+    return x.reshape(*s, 2, d // 2).transpose(-1, -2).reshape(*s, d)
+
+
+class _TTTBase(Mixer):
+    #: "linear" (TTTLinear) or "mlp" (TTTMLP)
+    kind: str = "linear"
+
+    def __init__(self, cfg, layer_idx: int):
+        super().__init__()
+        t = cfg.ttt
+        self.layer_idx = layer_idx
+        self.d_model = cfg.d_model
+        self.n_heads = cfg.n_heads
+        self.hd = cfg.hd
+        self.width = self.n_heads * self.hd
+        self.mini_batch_size = t.mini_batch_size
+        self.base_lr = t.base_lr if t.base_lr is not None else (1.0 if self.kind == "linear" else 0.1)
+        self.share_qk = t.share_qk
+        self.use_gate = t.use_gate
+        self.conv_width = t.conv_width
+        self.rope_theta = t.rope_theta
+        if self.hd % 2:
+            raise ValueError(f"TTT layers need an even head_dim for RoPE, got {self.hd}")
+        H, D, W = self.n_heads, self.d_model, self.width
+
+        self.q_proj = nn.Linear(D, W, bias=False)
+        if not self.share_qk:
+            self.k_proj = nn.Linear(D, W, bias=False)
+        self.v_proj = nn.Linear(D, W, bias=False)
+        self.o_proj = nn.Linear(W, D, bias=False)
+        self.o_proj._is_residual_out = True
+        if self.share_qk:
+            self.conv_q = nn.Conv1d(W, W, self.conv_width, groups=W, bias=True)
+            self.conv_k = nn.Conv1d(W, W, self.conv_width, groups=W, bias=True)
+
+        self.register_buffer("token_idx", 1.0 / torch.arange(1, self.mini_batch_size + 1), persistent=False)
+        self.learnable_token_idx = nn.Parameter(torch.zeros(self.mini_batch_size))
+        self.learnable_ttt_lr_weight = nn.Parameter(torch.empty(H, 1, D))   # θ_η
+        self.learnable_ttt_lr_bias = nn.Parameter(torch.zeros(H, 1))
+        self.ttt_norm_weight = nn.Parameter(torch.ones(H, self.hd))         # γ of the inner LN
+        self.ttt_norm_bias = nn.Parameter(torch.zeros(H, self.hd))          # β
+        if self.use_gate:
+            self.g_proj = nn.Linear(D, W, bias=False)
+        self.post_norm = nn.LayerNorm(W, eps=1e-6)
+        d = self.hd
+        if self.kind == "linear":
+            self.inner_keys = ("W1", "b1")
+            self.W1 = nn.Parameter(torch.empty(H, d, d))
+            self.b1 = nn.Parameter(torch.zeros(H, 1, d))
+        else:
+            self.inner_keys = ("W1", "b1", "W2", "b2")
+            m = self.hidden = d * t.mlp_expansion
+            self.W1 = nn.Parameter(torch.empty(H, d, m))
+            self.b1 = nn.Parameter(torch.zeros(H, 1, m))
+            self.W2 = nn.Parameter(torch.empty(H, m, d))
+            self.b2 = nn.Parameter(torch.zeros(H, 1, d))
+        self.reset_parameters()
+
+    # ---- parameters --------------------------------------------------------------------------
+    def reset_parameters(self) -> None:
+        """Official init of the TTT-specific parameters: W ~ N(0, 0.02), inner biases 0, θ_η ~
+        N(0, 0.02) with bias 0, learnable_token_idx 0, LayerNorms γ = 1 and β = 0, and PyTorch's
+        default for the Q/K convs. The dense projections are left to the model's init."""
+        with torch.no_grad():
+            for n in self.inner_keys:
+                p = getattr(self, n)
+                if n.startswith("W"):
+                    p.normal_(0.0, INNER_INIT_STD)
+                else:
+                    p.zero_()
+            self.learnable_ttt_lr_weight.normal_(0.0, INNER_INIT_STD)
+            self.learnable_ttt_lr_bias.zero_()
+            self.learnable_token_idx.zero_()
+            self.ttt_norm_weight.fill_(1.0)
+            self.ttt_norm_bias.zero_()
+        self.post_norm.reset_parameters()
+        if self.share_qk:
+            self.conv_q.reset_parameters()
+            self.conv_k.reset_parameters()
+
+    # ---- pieces ------------------------------------------------------------------------------
+    def _qkv(self, x: torch.Tensor, state: Optional[State]):
+        """XQ, XK, XV [B, H, T, d] (RoPE applied at positions mod b) and the new conv caches."""
+        B, T, _ = x.shape
+        caches = {}
+        if self.share_qk:
+            xq = self.q_proj(x)
+            XQ, caches["conv_q"] = _causal_conv(self.conv_q, xq, None if state is None else state["conv_q"])
+            XK, caches["conv_k"] = _causal_conv(self.conv_k, xq, None if state is None else state["conv_k"])
+        else:
+            XQ, XK = self.q_proj(x), self.k_proj(x)
+        XV = self.v_proj(x)
+        XQ, XK, XV = (y.view(B, T, self.n_heads, self.hd).transpose(1, 2) for y in (XQ, XK, XV))
+        pos0 = 0 if state is None else int(state["pos"])
+        positions = (pos0 + torch.arange(T, device=x.device)) % self.mini_batch_size
+        cos, sin = rope_cos_sin(positions, self.hd, self.rope_theta, dtype=acc(XQ).dtype)
+        XQ = _unpermute(apply_rope(_permute(XQ), cos, sin))
+        XK = _unpermute(apply_rope(_permute(XK), cos, sin))
+        return XQ, XK, XV, caches
+
+    def _eta(self, x: torch.Tensor) -> torch.Tensor:
+        """η_t = η_base σ(θ_η·x_t + b_η) / d, [B, H, T]."""
+        xf = acc(x)
+        a = torch.einsum("btc,hc->bht", xf, self.learnable_ttt_lr_weight[:, 0].to(xf.dtype))
+        a = a + self.learnable_ttt_lr_bias.to(xf.dtype)[None, :, :]
+        return self.base_lr * torch.sigmoid(a) / self.hd
+
+    def _tau(self) -> torch.Tensor:
+        """τ_p = max(0, 1/(p+1) + learnable_token_idx[p]), [b]."""
+        return torch.clamp_min(self.token_idx.to(self.learnable_token_idx.dtype) + self.learnable_token_idx, 0.0)
+
+    def _inner_weights(self):
+        return [getattr(self, n) for n in self.inner_keys]
+
+    def _run(self, x: torch.Tensor, state: Optional[State], output_state: bool, backend: str):
+        XQ, XK, XV, caches = self._qkv(x, state)
+        op_state = None if state is None else {k: v for k, v in state.items() if not k.startswith("conv_")}
+        op = ttt_linear if self.kind == "linear" else ttt_mlp
+        z, new = op(XQ, XK, XV, self._eta(x), self._tau(), self.ttt_norm_weight, self.ttt_norm_bias,
+                          *self._inner_weights(), mini_batch_size=self.mini_batch_size,
+                          initial_state=op_state, output_final_state=output_state, backend=backend)
+        B, H, T, d = z.shape
+        z = z.transpose(1, 2).reshape(B, T, H * d)
+        zf = acc(z)
+        y = F.layer_norm(zf, (self.width,), self.post_norm.weight.to(zf.dtype),
+                         self.post_norm.bias.to(zf.dtype), self.post_norm.eps)
+        if self.use_gate:
+            y = F.gelu(acc(self.g_proj(x)), approximate="tanh") * y
+        out = self.o_proj(y.to(x.dtype))
+        if output_state:
+            new.update(caches)
+        return out, (new if output_state else None)
+
+    # ---- forms -------------------------------------------------------------------------------
+    def chunked(self, x, state=None, output_state=False):
+        backend = self._resolve_backend(x)
+        if backend == "triton" and self.kernel_backend == "auto" and not has_triton_backend():
+            backend = "torch"
+        return self._run(x, state, output_state, backend)
+
+    def reference(self, x, state=None, output_state=False):
+        return self._run(x, state, output_state, "reference")
+
+    def step(self, x, state):
+        return self._run(x, state, True, "primal")
+
+    def init_state(self, batch_size: int, device=None, dtype=None) -> State:
+        st: State = {}
+        dtype = dtype if dtype is not None else self.q_proj.weight.dtype
+        sdt = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype  # as the ops keep it
+        for n, w in zip(self.inner_keys, self._inner_weights()):
+            w = w.to(device=device, dtype=sdt)
+            st[n] = w.expand(batch_size, *w.shape).clone()
+            st["grad_" + n] = torch.zeros_like(st[n])
+        st["pos"] = 0
+        if self.share_qk:
+            for n in ("conv_q", "conv_k"):
+                st[n] = torch.zeros(batch_size, self.width, self.conv_width - 1, device=device, dtype=dtype)
+        return st
+
+    @staticmethod
+    def _inner_flops(cfg, hidden: Optional[int]) -> float:
+        """Forward FLOPs per token of the dual form beyond what ttt_lm.model.flops counts from
+        parameter shapes, summed over heads (multiply-add = 2). Per inner linear layer
+        d_in → d_out and mini-batch b the dual form costs k W_0, Q W_0 and the state update
+        Kᵀ diag(η) Γ (2 d_in d_out each), tril(Q Kᵀ) (2 b d_in), (E ⊙ A) Γ and E Γ (4 b d_out);
+        TTT-MLP adds the backward through W2 to reach layer 1 (2 d m). The k W_0 product
+        (2 FLOPs per entry of W1, W2) is already in the parameter-shape count, as is θ_η·x, so
+        both are left out here; LayerNorms and GELU are O(d)."""
+        d, b = cfg.hd, cfg.ttt.mini_batch_size
+        if hidden is None:
+            per_head = 4 * d * d + 2 * b * d + 4 * b * d
+        else:
+            m = hidden
+            per_head = (4 * d * m + 2 * b * d + 4 * b * m) + (4 * m * d + 2 * b * m + 4 * b * d) + 2 * d * m
+        return float(cfg.n_heads * per_head)
+
+
+class TTTLinear(_TTTBase):
+    """TTT-Linear: inner model f(k) = k W1 + b1 per head; η_base = 1.0 by default."""
+    kind = "linear"
+
+    @staticmethod
+    def flops_per_token(cfg, seq_len: int) -> float:
+        return _TTTBase._inner_flops(cfg, None)
+
+
+class TTTMLP(_TTTBase):
+    """TTT-MLP: inner model f(k) = GELU_tanh(k W1 + b1) W2 + b2 per head, hidden width
+    ``ttt.mlp_expansion`` × head_dim (4 in the paper); η_base = 0.1 by default."""
+    kind = "mlp"
+
+    @staticmethod
+    def flops_per_token(cfg, seq_len: int) -> float:
+        return _TTTBase._inner_flops(cfg, cfg.hd * cfg.ttt.mlp_expansion)
