@@ -1,0 +1,36 @@
+r"""The delta rule (Schlag et al. 2021; Widrow & Hoff 1960), the fast-weight update of DeltaNet:
+
+    S_t = S_{t−1} + β_t k_t (v_t − S_{t−1}ᵀ k_t)ᵀ,     o_t = S_tᵀ q_t
+
+``reference.py`` is the sequential specification; ``torch_chunk.py`` the chunkwise WY/UT form
+(Yang et al. 2024) used for training.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from kernels.delta_rule.reference import delta_rule_reference
+from kernels.delta_rule.torch_chunk import delta_rule_chunk_torch
+
+#: implementations ``delta_rule`` can dispatch to
+BACKENDS = ("torch", "reference")
+
+
+def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
+               initial_state: Optional[torch.Tensor] = None, output_final_state: bool = False,
+               backend: str = "torch", chunk_size: int = 64) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """q, k [B, H, T, d_k]; v [B, H, T, d_v]; beta [B, H, T]; initial_state [B, H, d_k, d_v] or None.
+
+    Returns (o [B, H, T, d_v] in v's dtype, final state [B, H, d_k, d_v] in the accumulation
+    dtype — float32 for half inputs — or None unless ``output_final_state``). ``backend``: "torch"
+    (chunked, ``chunk_size`` tokens per chunk) or "reference" (sequential)."""
+    if backend == "torch":
+        return delta_rule_chunk_torch(q, k, v, beta, initial_state, output_final_state, chunk_size)
+    if backend == "reference":
+        return delta_rule_reference(q, k, v, beta, initial_state, output_final_state)
+    raise ValueError(f"delta_rule: unknown backend {backend!r}; available: {list(BACKENDS)}")
+
+
+__all__ = ["delta_rule", "delta_rule_reference", "delta_rule_chunk_torch", "BACKENDS"]

@@ -1,0 +1,65 @@
+r"""Chunkwise-parallel delta rule in PyTorch (Yang et al. 2024, "Parallelizing Linear Transformers
+with the Delta Rule over Sequence Length"), the WY / UT form.
+
+Split the sequence into chunks of C tokens. Within a chunk that starts from state S (rows
+i = 1..C, K ∈ R^{C×d_k}, V ∈ R^{C×d_v}, β ∈ R^C), unrolling S_t = (I − β_t k_t k_tᵀ) S_{t−1} + β_t k_t v_tᵀ
+gives the WY representation
+
+    S_t = S + Σ_{i≤t} k_i (u_i − w_iᵀ S)ᵀ,
+    u_i = β_i (v_i − Σ_{j<i} (k_iᵀ k_j) u_j),     w_i = β_i (k_i − Σ_{j<i} (k_iᵀ k_j) w_j),
+
+which in matrix form is the UT transform with A = I + tril(diag(β) K Kᵀ, −1) (unit lower
+triangular):  U = A⁻¹ diag(β) V,  W = A⁻¹ diag(β) K.  With the pseudo-values Ṽ = U − W S:
+
+    O     = Q S + tril(Q Kᵀ) Ṽ          (tril includes the diagonal: o_t sees its own write)
+    S_end = S + Kᵀ Ṽ
+
+A⁻¹ is applied by a unit-triangular solve. U and W of all chunks are computed at once; only the
+C-step-long recurrence over chunk states is sequential. A ragged tail is padded with β = 0, k = 0,
+which leaves the state unchanged. Gradients come from autograd through these operations.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+
+def _acc(x: torch.Tensor) -> torch.Tensor:
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+
+
+def delta_rule_chunk_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
+                           initial_state: Optional[torch.Tensor] = None, output_final_state: bool = False,
+                           chunk_size: int = 64) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    B, H, T, dk = k.shape
+    dv = v.shape[-1]
+    out_dtype = v.dtype
+    q, k, v, beta = _acc(q), _acc(k), _acc(v), _acc(beta)
+    C = max(1, min(chunk_size, T)) if T > 0 else 1
+    pad = (-T) % C
+    if pad:
+        q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+        beta = F.pad(beta, (0, pad))
+    N = (T + pad) // C
+    q, k, v = (t.reshape(B, H, N, C, -1) for t in (q, k, v))
+    beta = beta.reshape(B, H, N, C, 1)
+
+    # UT transform for every chunk at once
+    strict = torch.ones(C, C, dtype=torch.bool, device=k.device).tril(-1)
+    A = (beta * (k @ k.transpose(-1, -2))).masked_fill(~strict, 0.0)
+    A = A + torch.eye(C, dtype=k.dtype, device=k.device)
+    U = torch.linalg.solve_triangular(A, beta * v, upper=False, unitriangular=True)
+    W = torch.linalg.solve_triangular(A, beta * k, upper=False, unitriangular=True)
+    QK = (q @ k.transpose(-1, -2)).masked_fill(~strict.logical_or(torch.eye(C, dtype=torch.bool, device=k.device)), 0.0)
+
+    S = (torch.zeros(B, H, dk, dv, dtype=k.dtype, device=k.device) if initial_state is None
+         else _acc(initial_state).to(k.dtype))
+    outs = []
+    for n in range(N):
+        v_new = U[:, :, n] - W[:, :, n] @ S
+        outs.append(q[:, :, n] @ S + QK[:, :, n] @ v_new)
+        S = S + k[:, :, n].transpose(-1, -2) @ v_new
+    o = torch.stack(outs, dim=2).reshape(B, H, N * C, dv)[:, :, :T]
+    return o.to(out_dtype), (S if output_final_state else None)

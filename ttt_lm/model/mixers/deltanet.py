@@ -1,0 +1,146 @@
+r"""DeltaNet: a linear transformer whose fast weights are written with the delta rule
+(Schlag et al. 2021, "Linear Transformers Are Secretly Fast Weight Programmers"; chunkwise
+training after Yang et al. 2024, "Parallelizing Linear Transformers with the Delta Rule over
+Sequence Length"; layer layout as in flash-linear-attention's DeltaNet).
+
+Per head, with fast weight W_t ∈ R^{d_v×d_φ}:
+
+    q_t, k_t, v_t = SiLU(Conv(W_q x)_t), SiLU(Conv(W_k x)_t), SiLU(Conv(W_v x)_t)
+    β_t = σ(W_β x_t)
+    W_t = W_{t−1} + β_t (v_t − W_{t−1} φ(k_t)) φ(k_t)ᵀ
+    y_t = W_t φ(q_t)
+    o_t = W_o [RMSNorm(y_t^{(h)})]_h
+
+W_{t−1} φ(k_t) is the value currently stored under the key; the write moves it a fraction β_t
+of the way to v_t, so (with ‖φ(k)‖ ≤ 1 and β < 1) the fast weights stay bounded, unlike the
+purely additive W_t = W_{t−1} + v_t φ(k_t)ᵀ of linear attention.
+
+Feature map φ (``deltanet.feature_map``):
+
+* ``identity``: φ(x) = x / ‖x‖₂, d_φ = d_h.
+* ``dpfp``: deterministic parameter-free projection with ν = ``deltanet.dpfp_nu``
+  (Schlag et al. 2021, §5.3). With r = ReLU([x, −x]) ∈ R^{2d_h},
+
+      φ_{2d_h(i−1)+j}(x) = r_j · r_{j+i}     (i = 1..ν, j = 1..2d_h, index j+i taken mod 2d_h)
+      φ(x) ← φ(x) / Σ_j φ_j(x)
+
+  so d_φ = 2 d_h ν and the features are non-negative and sum to one. DPFP's ReLU([x, −x]) is
+  its own nonlinearity, so with it q and k skip the SiLU (v keeps it).
+
+The short causal depthwise convolution (width ``deltanet.conv_width``, 0 = none) runs on q, k and
+v. The state is S = Wᵀ ∈ R^{d_φ×d_v} per head (the layout of ``kernels.delta_rule``) plus the
+convolution cache. ``reference`` runs the token-by-token delta rule, ``chunked`` the WY/UT
+chunkwise form with ``deltanet.chunk_size`` tokens per chunk.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels import delta_rule as _dr
+from ttt_lm.model.layers import CausalConv1d, RMSNorm
+from ttt_lm.model.mixers.base import Mixer, State
+
+
+def dpfp(x: torch.Tensor, nu: int = 1, eps: float = 1e-6) -> torch.Tensor:
+    """DPFP features of x [..., d] → [..., 2·d·ν], non-negative, summing to one (see module doc)."""
+    r = F.relu(torch.cat([x, -x], dim=-1))
+    # roll by +i puts r_{j−i} at position j; rolling by −i gives the r_{j+i} of the formula
+    rolled = torch.cat([r.roll(shifts=-i, dims=-1) for i in range(1, nu + 1)], dim=-1)
+    phi = torch.cat([r] * nu, dim=-1) * rolled
+    return phi / (phi.sum(-1, keepdim=True) + eps)
+
+
+class DeltaNet(Mixer):
+    def __init__(self, cfg, layer_idx: int):
+        super().__init__()
+        c = cfg.deltanet
+        if c.feature_map not in ("identity", "dpfp"):
+            raise ValueError(f"model.deltanet.feature_map must be identity or dpfp, got {c.feature_map!r}")
+        if c.feature_map == "dpfp" and not 1 <= c.dpfp_nu <= 2 * cfg.hd - 1:
+            raise ValueError(f"model.deltanet.dpfp_nu must be in [1, 2·head_dim − 1], got {c.dpfp_nu}")
+        self.d_model = cfg.d_model
+        self.n_heads = cfg.n_heads
+        self.hd = cfg.hd
+        self.feature_map = c.feature_map
+        self.nu = c.dpfp_nu
+        self.chunk_size = c.chunk_size
+        self.d_phi = self.hd if c.feature_map == "identity" else 2 * self.hd * self.nu
+        inner = self.n_heads * self.hd
+        self.q_proj = nn.Linear(cfg.d_model, inner, bias=False)
+        self.k_proj = nn.Linear(cfg.d_model, inner, bias=False)
+        self.v_proj = nn.Linear(cfg.d_model, inner, bias=False)
+        self.b_proj = nn.Linear(cfg.d_model, self.n_heads, bias=False)   # W_β
+        # one depthwise conv over [q, k, v] channels is the same as three separate ones
+        self.conv = CausalConv1d(3 * inner, c.conv_width, bias=False) if c.conv_width > 0 else None
+        self.o_norm = RMSNorm(self.hd, cfg.norm_eps)
+        self.o_proj = nn.Linear(inner, cfg.d_model, bias=False)
+        self.o_proj._is_residual_out = True
+
+    # ---- pieces ------------------------------------------------------------------------------
+    def _phi(self, x: torch.Tensor) -> torch.Tensor:
+        if self.feature_map == "identity":
+            return F.normalize(F.silu(x), p=2.0, dim=-1, eps=1e-6)
+        return dpfp(x, self.nu)
+
+    def _inputs(self, x: torch.Tensor, state):
+        """φ(q), φ(k), v as [B, H, T, ·], β [B, H, T], and the new conv cache."""
+        B, T, _ = x.shape
+        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        cache = None
+        if self.conv is not None:
+            qkv, cache = self.conv(qkv, None if state is None else state["conv"], output_cache=True)
+        q, k, v = (t.view(B, T, self.n_heads, self.hd).transpose(1, 2) for t in qkv.chunk(3, dim=-1))
+        beta = torch.sigmoid(self.b_proj(x)).transpose(1, 2)
+        return self._phi(q), self._phi(k), F.silu(v), beta, cache
+
+    def _out(self, y: torch.Tensor, x_dtype) -> torch.Tensor:
+        B, H, T, D = y.shape
+        y = self.o_norm(y.to(x_dtype)).transpose(1, 2).reshape(B, T, H * D)
+        return self.o_proj(y)
+
+    def _run(self, x, state, output_state, backend):
+        q, k, v, beta, cache = self._inputs(x, state)
+        S0 = None if state is None else state["S"]
+        y, S = _dr.delta_rule(q, k, v, beta, initial_state=S0, output_final_state=output_state,
+                              backend=backend, chunk_size=self.chunk_size)
+        st = None
+        if output_state:
+            st = {"S": S}
+            if self.conv is not None:
+                st["conv"] = cache
+        return self._out(y, x.dtype), st
+
+    # ---- forms -------------------------------------------------------------------------------
+    def reference(self, x, state=None, output_state=False):
+        return self._run(x, state, output_state, "reference")
+
+    def chunked(self, x, state=None, output_state=False):
+        be = self._resolve_backend(x)
+        if be not in _dr.BACKENDS:
+            if self.kernel_backend == "triton":
+                raise ValueError(f"kernel_backend=triton: kernels.delta_rule has only {list(_dr.BACKENDS)}")
+            be = "torch"  # "auto" on CUDA before a Triton kernel exists
+        return self._run(x, state, output_state, be)
+
+    def step(self, x, state):
+        return self._run(x, state, True, "reference")
+
+    def init_state(self, batch_size: int, device=None, dtype=None) -> State:
+        sd = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+        st = {"S": torch.zeros(batch_size, self.n_heads, self.d_phi, self.hd, device=device, dtype=sd)}
+        if self.conv is not None:
+            st["conv"] = self.conv.init_cache(batch_size, device, dtype)
+        return st
+
+    @staticmethod
+    def flops_per_token(cfg, seq_len: int) -> float:
+        """Chunked form, per token and head (d = d_φ, e = d_v, C = chunk): K Kᵀ and Q Kᵀ (2·2Cd),
+        the two triangular solves (C(d+e)), W S (2de), Q S (2de), the pseudo-value product
+        (2Ce) and the state update Kᵀ Ṽ (2de)."""
+        c = cfg.deltanet
+        e = cfg.hd
+        d = e if c.feature_map == "identity" else 2 * e * c.dpfp_nu
+        C = min(c.chunk_size, max(seq_len, 1))
+        return float(cfg.n_heads * (4 * C * d + C * (d + e) + 6 * d * e + 2 * C * e))

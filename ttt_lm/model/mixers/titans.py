@@ -1,0 +1,326 @@
+r"""Titans neural long-term memory (Behrouz et al. 2025, "Titans: Learning to Memorize at Test Time").
+
+Variants here: the memory alone as a sequence layer (LMM, kind "titans", ``TitansMemory``) and
+memory as a gate (MAG, kind "titans_mag", ``TitansMAG``): a sliding-window attention branch and the
+memory branch, combined by a gate. Not here: memory as a context (MAC), memory as a layer (MAL)
+and the persistent memory tokens.
+
+Per head, with q_t, k_t, v_t = SiLU(Conv(W_Q x)_t), … (short causal depthwise conv, then q and k
+L2-normalized), data-dependent gates
+
+    θ_t = σ(W_θ x_t + b_θ),   η_t = σ(W_η x_t + b_η),   α_t = σ(W_α x_t + b_α),
+
+the associative loss ℓ(M; k, v) = ‖M(k) − v‖² and the memory M (its weights; the surprise S has
+the same shape), the update and retrieval are
+
+    S_t = η_t S_{t−1} − θ_t ∇ℓ(M̂_t; k_t, v_t)        (momentary surprise with momentum)
+    M_t = (1 − α_t) M_{t−1} + S_t                     (forgetting gate)
+    y_t = M_t(q_t)
+    o_t = W_O [RMSNorm(y_t^{(h)}) ⊙ SiLU(W_G x_t)^{(h)}]_h
+
+Chunked gradients (the paper's parallel training, §3.2): positions are cut into chunks of
+C = ``titans.chunk_size`` tokens counted from the start of the sequence, and every gradient in a
+chunk is taken at the memory at the start of that chunk, M̂_t = M_{τ(t)−1} (τ(t) the chunk's first
+position). C = 1 is the per-token rule M̂_t = M_{t−1}. The S and M recurrences stay per token, so
+y_t reads the memory after every update up to and including token t. All three forms use these
+semantics; the decode state therefore carries M̂ and the position besides M and S.
+
+Memory (``titans.memory``), in the row layout M(k) = k W:
+
+* ``linear``: M(k) = k W, W ∈ R^{d×d}, ∇_W ℓ = 2 kᵀ (k W − v). Update and retrieval are
+  ``kernels.titans.titans_linear``.
+* ``mlp``: M(k) = GELU(k W₁) W₂, W₁ ∈ R^{d×ed}, W₂ ∈ R^{ed×d} (e = ``titans.memory_expansion``).
+  With h = k W₁, a = GELU(h), err = 2(a W₂ − v): ∇_{W₂} ℓ = aᵀ err,
+  ∇_{W₁} ℓ = kᵀ [(err W₂ᵀ) ⊙ GELU′(h)]. Both are rank one per token, so the chunk-parallel form
+  (``kernels.titans.chunk_memory_step``) runs each layer as decayed linear attention.
+
+The inner gradients are closed-form tensor expressions (``reference`` for the MLP memory takes
+them with ``torch.func.grad``), never written into parameters, so the outer loss reaches W_Q, W_K,
+W_V and the gate projections through every memory update. The memory at the start of the sequence
+(W, or W₁ and W₂) is a learned parameter; S starts at zero. Inside a chunk the momentum and decay
+recurrences are cumulative products taken in log space (log η_t = log σ(·),
+log(1 − α_t) = log σ(−·)).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import List
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels import titans as _tk
+from ttt_lm.model.layers import CausalConv1d, RMSNorm, acc
+from ttt_lm.model.mixers.attention import LocalAttention
+from ttt_lm.model.mixers.base import Mixer, State
+
+
+def _gelu_grad(h: torch.Tensor) -> torch.Tensor:
+    """d/dh GELU(h) = Φ(h) + h φ(h) (exact, erf form)."""
+    return 0.5 * (1.0 + torch.erf(h / math.sqrt(2.0))) + h * torch.exp(-0.5 * h * h) / math.sqrt(2.0 * math.pi)
+
+
+def _logit(p: float) -> float:
+    return math.log(p / (1.0 - p))
+
+
+class TitansMemory(Mixer):
+    """The long-term memory module (LMM) as a sequence layer."""
+
+    #: gate values at initialization: θ (inner step), η (momentum), α (forgetting)
+    theta_init, eta_init, alpha_init = 0.1, 0.9, 0.01
+
+    def __init__(self, cfg, layer_idx: int):
+        super().__init__()
+        c = cfg.titans
+        if c.memory not in ("linear", "mlp"):
+            raise ValueError(f"model.titans.memory must be linear or mlp, got {c.memory!r}")
+        if c.chunk_size < 1:
+            raise ValueError(f"model.titans.chunk_size must be ≥ 1, got {c.chunk_size}")
+        self.d_model = cfg.d_model
+        self.n_heads = H = cfg.n_heads
+        self.hd = d = cfg.hd
+        self.memory = c.memory
+        self.chunk_size = c.chunk_size
+        inner = H * d
+        self.q_proj = nn.Linear(cfg.d_model, inner, bias=False)    # W_Q
+        self.k_proj = nn.Linear(cfg.d_model, inner, bias=False)    # W_K
+        self.v_proj = nn.Linear(cfg.d_model, inner, bias=False)    # W_V
+        self.theta_proj = nn.Linear(cfg.d_model, H)                 # W_θ, b_θ
+        self.eta_proj = nn.Linear(cfg.d_model, H)                   # W_η, b_η
+        self.alpha_proj = nn.Linear(cfg.d_model, H)                 # W_α, b_α
+        self.conv = CausalConv1d(3 * inner, c.conv_width, bias=False) if c.conv_width > 0 else None
+        if c.memory == "linear":
+            self.M_init = nn.ParameterList([nn.Parameter(torch.zeros(H, d, d))])
+        else:
+            e = c.memory_expansion * d
+            self.M_init = nn.ParameterList([nn.Parameter(torch.zeros(H, d, e)), nn.Parameter(torch.zeros(H, e, d))])
+        self.g_proj = nn.Linear(cfg.d_model, inner, bias=False)    # W_G
+        self.o_norm = RMSNorm(d, cfg.norm_eps)
+        self.o_proj = nn.Linear(inner, cfg.d_model, bias=False)    # W_O
+        self.o_proj._is_residual_out = True
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.theta_proj.bias.fill_(_logit(self.theta_init))
+            self.eta_proj.bias.fill_(_logit(self.eta_init))
+            self.alpha_proj.bias.fill_(_logit(self.alpha_init))
+            if self.memory == "linear":
+                self.M_init[0].zero_()
+            else:
+                # the MLP memory cannot start at zero: both of its gradients would vanish
+                for W in self.M_init:
+                    nn.init.normal_(W, std=1.0 / math.sqrt(W.shape[1]))
+
+    @property
+    def n_mem(self) -> int:
+        return len(self.M_init)
+
+    # ---- pieces ------------------------------------------------------------------------------
+    def _inputs(self, x: torch.Tensor, state):
+        """q, k, v [B, H, T, d]; θ, log η, log(1 − α) [B, H, T] (accumulation dtype); conv cache."""
+        B, T, _ = x.shape
+        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        cache = None
+        if self.conv is not None:
+            qkv, cache = self.conv(qkv, None if state is None else state["conv"], output_cache=True)
+        q, k, v = (F.silu(t).view(B, T, self.n_heads, self.hd).transpose(1, 2) for t in qkv.chunk(3, dim=-1))
+        q = F.normalize(acc(q), p=2.0, dim=-1, eps=1e-6)
+        k = F.normalize(acc(k), p=2.0, dim=-1, eps=1e-6)
+        theta = torch.sigmoid(acc(self.theta_proj(x))).transpose(1, 2)
+        log_eta = F.logsigmoid(acc(self.eta_proj(x))).transpose(1, 2)
+        log_keep = F.logsigmoid(-acc(self.alpha_proj(x))).transpose(1, 2)
+        return q, k, acc(v), theta, log_eta, log_keep, cache
+
+    def _mem_state(self, state, B: int, like: torch.Tensor):
+        """Lists M, S, M̂ (one entry per memory layer) and the position."""
+        if state is None:
+            M = [W.to(device=like.device, dtype=like.dtype).unsqueeze(0).expand(B, *W.shape) for W in self.M_init]
+            return M, [torch.zeros_like(m) for m in M], list(M), 0
+        n = range(1, self.n_mem + 1)
+        return ([state[f"M{i}"] for i in n], [state[f"S{i}"] for i in n],
+                [state[f"Mh{i}"] for i in n], int(state["pos"]))
+
+    def _new_state(self, M, S, Mh, pos, cache) -> State:
+        st = {"pos": pos}
+        for i, (m, s, mh) in enumerate(zip(M, S, Mh), start=1):
+            st[f"M{i}"], st[f"S{i}"], st[f"Mh{i}"] = m, s, mh
+        if self.conv is not None:
+            st["conv"] = cache
+        return st
+
+    def _out(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        B, H, T, D = y.shape
+        y = self.o_norm(y.to(x.dtype)).transpose(1, 2).reshape(B, T, H * D)
+        return self.o_proj(y * F.silu(self.g_proj(x)))
+
+    def _run(self, x, state, output_state, sequential: bool, backend: str = "torch"):
+        B, T, _ = x.shape
+        q, k, v, theta, log_eta, log_keep, cache = self._inputs(x, state)
+        M, S, Mh, pos = self._mem_state(state, B, q)
+        C = self.chunk_size
+        if self.memory == "linear":
+            y, fin = _tk.titans_linear(q, k, v, theta, log_eta, log_keep, (M[0], S[0], Mh[0]), True,
+                                       backend="reference" if sequential else backend,
+                                       chunk_size=C, offset=pos)
+            M, S, Mh = [fin[0]], [fin[1]], [fin[2]]
+        elif sequential:
+            y, M, S, Mh = self._mlp_reference(q, k, v, theta, log_eta, log_keep, M, S, Mh, pos)
+        else:
+            y, M, S, Mh = self._mlp_chunked(q, k, v, theta, log_eta, log_keep, M, S, Mh, pos)
+        st = self._new_state(M, S, Mh, pos + T, cache) if output_state else None
+        return self._out(y, x), st
+
+    # ---- MLP memory ----------------------------------------------------------------------------
+    def _mlp_reference(self, q, k, v, theta, log_eta, log_keep, M: List, S: List, Mh: List, pos: int):
+        """Token by token; ∇ℓ by torch.func.grad of ℓ(W₁, W₂; k, v) = ‖GELU(k W₁) W₂ − v‖²."""
+        def loss(W1, W2, k_t, v_t):
+            return (F.gelu(k_t @ W1) @ W2 - v_t).pow(2).sum()
+
+        grad_fn = torch.func.vmap(torch.func.vmap(torch.func.grad(loss, argnums=(0, 1))))
+        C = self.chunk_size
+        eta, keep = log_eta.exp(), log_keep.exp()
+        outs = []
+        for t in range(q.shape[2]):
+            if (pos + t) % C == 0:
+                Mh = list(M)
+            G = grad_fn(Mh[0], Mh[1], k[:, :, t], v[:, :, t])
+            e_t, th_t, kp_t = eta[:, :, t, None, None], theta[:, :, t, None, None], keep[:, :, t, None, None]
+            S = [e_t * s - th_t * g for s, g in zip(S, G)]
+            M = [kp_t * m + s for m, s in zip(M, S)]
+            z = F.gelu(torch.einsum("bhi,bhij->bhj", q[:, :, t], M[0]))
+            outs.append(torch.einsum("bhi,bhij->bhj", z, M[1]))
+        if (pos + q.shape[2]) % C == 0:
+            Mh = list(M)
+        y = torch.stack(outs, 2) if outs else v.new_zeros(v.shape)
+        return y, M, S, Mh
+
+    def _mlp_chunked(self, q, k, v, theta, log_eta, log_keep, M: List, S: List, Mh: List, pos: int):
+        """Chunk-parallel: per chunk, closed-form rank-one gradients at the anchor, then
+        ``chunk_memory_step`` for W₁ (query side: q) and for W₂ (query side: GELU(q W₁,t))."""
+        C = self.chunk_size
+        outs = []
+        for i, (t0, t1) in enumerate(_tk.chunk_spans(q.shape[2], C, pos)):
+            A1, A2 = Mh if (i == 0 and pos % C) else M
+            kc, vc, qc = k[:, :, t0:t1], v[:, :, t0:t1], q[:, :, t0:t1]
+            h = kc @ A1
+            a = F.gelu(h)
+            err = 2.0 * (a @ A2 - vc)
+            delta1 = (err @ A2.transpose(-1, -2)) * _gelu_grad(h)
+            dec = _tk.chunk_decays(theta[:, :, t0:t1], log_eta[:, :, t0:t1], log_keep[:, :, t0:t1])
+            hq, M1, S1 = _tk.chunk_memory_step(M[0], S[0], kc, delta1, qc, dec)
+            y, M2, S2 = _tk.chunk_memory_step(M[1], S[1], a, err, F.gelu(hq), dec)
+            outs.append(y)
+            Mh = [A1, A2]
+            M, S = [M1, M2], [S1, S2]
+        if (pos + q.shape[2]) % C == 0:
+            Mh = list(M)
+        y = torch.cat(outs, 2) if outs else v.new_zeros(v.shape)
+        return y, M, S, Mh
+
+    # ---- forms -------------------------------------------------------------------------------
+    def reference(self, x, state=None, output_state=False):
+        return self._run(x, state, output_state, sequential=True)
+
+    def chunked(self, x, state=None, output_state=False):
+        be = self._resolve_backend(x)
+        if be not in _tk.BACKENDS:
+            if self.kernel_backend == "triton":
+                raise ValueError(f"kernel_backend=triton: kernels.titans has only {list(_tk.BACKENDS)}")
+            be = "torch"  # "auto" on CUDA before a Triton kernel exists
+        return self._run(x, state, output_state, sequential=False, backend=be)
+
+    def step(self, x, state):
+        return self._run(x, state, True, sequential=True)
+
+    def init_state(self, batch_size: int, device=None, dtype=None) -> State:
+        sd = torch.float32 if dtype in (torch.float16, torch.bfloat16) else (dtype or self.M_init[0].dtype)
+        M, S, Mh, pos = self._mem_state(None, batch_size, torch.empty(0, device=device, dtype=sd))
+        cache = self.conv.init_cache(batch_size, device, dtype) if self.conv is not None else None
+        return self._new_state(M, S, Mh, pos, cache)
+
+    @staticmethod
+    def flops_per_token(cfg, seq_len: int) -> float:
+        """Chunked form, per token and head. One memory layer (d_in × d_out) in
+        ``chunk_memory_step``: z S₀ (2 d_in d_out), the chunk-end M and S (4 d_in d_out), z·x
+        scores and their product with δ (2C d_in + 2C d_out); z M₀ is counted by
+        ``ttt_lm.model.flops`` from the shape of M_init. Anchor gradients: the memory's forward at
+        k (2 d_in d_out per layer) and, for the MLP, the error backpropagated through W₂ (2 d·ed).
+        """
+        c = cfg.titans
+        d = cfg.hd
+        C = min(c.chunk_size, max(seq_len, 1))
+
+        def layer(di, do):
+            return 8 * di * do + 2 * C * (di + do)
+
+        if c.memory == "linear":
+            per_head = layer(d, d)
+        else:
+            e = c.memory_expansion * d
+            per_head = layer(d, e) + layer(e, d) + 2 * d * e
+        return float(cfg.n_heads * per_head)
+
+
+class TitansMAG(Mixer):
+    r"""Memory as a gate (Titans §4.2, without persistent memory tokens):
+
+        y = SW-Attn(x)          (sliding window of ``titans.window`` keys, ``LocalAttention``)
+        m = LMM(x)              (``TitansMemory``)
+        o = W_O [RMSNorm(y) ⊙ σ(RMSNorm(m))]
+
+    the paper's y ⊗ M(x): both branches normalized with learnable weights, the memory branch
+    through a sigmoid, so it gates the attention output per channel."""
+
+    def __init__(self, cfg, layer_idx: int):
+        super().__init__()
+        self.d_model = cfg.d_model
+        acfg = dataclasses.replace(cfg, attention=dataclasses.replace(cfg.attention, window=cfg.titans.window))
+        self.attn = LocalAttention(acfg, layer_idx)
+        self.memory = TitansMemory(cfg, layer_idx)
+        # the branches feed the gate, not the residual stream: only W_O gets the depth-scaled init
+        self.attn.o_proj._is_residual_out = False
+        self.memory.o_proj._is_residual_out = False
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mem_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.o_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.o_proj._is_residual_out = True
+
+    def reset_parameters(self) -> None:
+        self.memory.reset_parameters()
+
+    def _combine(self, y, m):
+        return self.o_proj(self.attn_norm(y) * torch.sigmoid(self.mem_norm(m)))
+
+    def _split(self, state):
+        return (None, None) if state is None else (state["attn"], state["mem"])
+
+    def reference(self, x, state=None, output_state=False):
+        sa, sm = self._split(state)
+        y, sa = self.attn.reference(x, sa, output_state)
+        m, sm = self.memory.reference(x, sm, output_state)
+        return self._combine(y, m), ({"attn": sa, "mem": sm} if output_state else None)
+
+    def chunked(self, x, state=None, output_state=False):
+        sa, sm = self._split(state)
+        self.attn.kernel_backend = self.memory.kernel_backend = self.kernel_backend
+        y, sa = self.attn.chunked(x, sa, output_state)
+        m, sm = self.memory.chunked(x, sm, output_state)
+        return self._combine(y, m), ({"attn": sa, "mem": sm} if output_state else None)
+
+    def step(self, x, state):
+        y, sa = self.attn.step(x, state["attn"])
+        m, sm = self.memory.step(x, state["mem"])
+        return self._combine(y, m), {"attn": sa, "mem": sm}
+
+    def init_state(self, batch_size: int, device=None, dtype=None) -> State:
+        return {"attn": self.attn.init_state(batch_size, device, dtype),
+                "mem": self.memory.init_state(batch_size, device, dtype)}
+
+    @staticmethod
+    def flops_per_token(cfg, seq_len: int) -> float:
+        acfg = dataclasses.replace(cfg, attention=dataclasses.replace(cfg.attention, window=cfg.titans.window))
+        return LocalAttention.flops_per_token(acfg, seq_len) + TitansMemory.flops_per_token(cfg, seq_len)
