@@ -8,5 +8,9 @@ from dataclasses import dataclass
 class DataConfig:
     path: str = "data/shakespeare"      # a prepared directory (manifest.json + shards + tokenizer)
     seq_len: int = 256                  # tokens per training sequence
-    num_workers: int = 0                # DataLoader worker processes per rank
-    seed: int = 1234
+    num_workers: int = 0                # DataLoader worker processes per rank (0: read in the main process)
+    seed: int = 1234                    # shard and sample order; part of the loader state
+    shuffle: bool = True                # False: shards and sequences in manifest order (debugging)
+    prefetch_factor: int = 2            # batches each worker prepares ahead (num_workers > 0 only)
+    pin_memory: bool = False
+    verify_checksums: bool = False      # sha256 every shard against the manifest before first use
