@@ -1,0 +1,16 @@
+"""Training: DeepSpeed ZeRO engine, loop, checkpoints with exact resume, preemption, metrics.
+
+Light to import: the engine and DeepSpeed load only when a run starts."""
+from ttt_lm.train.preempt import PREEMPTED_EXIT_CODE
+
+__all__ = ["PREEMPTED_EXIT_CODE", "main", "train"]
+
+
+def main(argv=None, data_api=None) -> int:
+    from ttt_lm.train.trainer import main as _main
+    return _main(argv, data_api=data_api)
+
+
+def train(cfg, data_api=None) -> int:
+    from ttt_lm.train.trainer import train as _train
+    return _train(cfg, data_api=data_api)

@@ -9,24 +9,32 @@ from typing import Optional
 @dataclass
 class OptimConfig:
     lr: float = 3e-3
-    weight_decay: float = 0.1
+    weight_decay: float = 0.1           # AdamW decoupled decay; never on norms, biases, embeddings
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
-    grad_clip: float = 1.0
-    schedule: str = "cosine"            # cosine | wsd | constant
+    grad_clip: float = 1.0              # global L2 norm; 0 disables
+    schedule: str = "cosine"            # cosine | wsd | constant (each after a linear warmup)
     warmup_steps: int = 20
-    min_lr_ratio: float = 0.1
+    min_lr_ratio: float = 0.1           # final lr = min_lr_ratio · lr (cosine, wsd)
+    decay_fraction: float = 0.2         # wsd: the last fraction of the steps decays linearly
+    total_steps: Optional[int] = None   # length of the schedule; None = train.max_steps
 
 
 @dataclass
 class TrainConfig:
     run_dir: str = "runs/default"
     max_steps: int = 200
-    micro_batch_size: int = 8
-    grad_accum: int = 1
+    micro_batch_size: int = 8           # sequences per rank per micro-step
+    grad_accum: int = 1                 # micro-steps per optimizer step
     precision: str = "fp32"             # fp32 | bf16
     seed: int = 0
+    activation_checkpointing: bool = False  # recompute each block in the backward pass
+    resume_from: Optional[str] = None   # a checkpoint dir (or a run dir); None = the run dir's newest
+    init_from: Optional[str] = None     # an exported model dir whose weights start a new run
+    stop_after: Optional[int] = None    # end this invocation after this step (schedule unchanged)
+    max_nonfinite_steps: int = 5        # stop after this many non-finite losses in a row
+    device: str = "auto"                # auto | cpu | cuda
 
 
 @dataclass
@@ -35,24 +43,28 @@ class ParallelConfig:
     tensor_parallel: int = 1
     sequence_parallel: bool = False
     context_parallel: int = 1
-    deepspeed_config: Optional[str] = None
+    deepspeed_config: Optional[str] = None  # a DeepSpeed JSON to start from instead of the generated one
 
 
 @dataclass
 class CheckpointConfig:
-    every: int = 100
-    keep_last: int = 3
+    every: int = 100                    # steps between checkpoints (0: only at the end)
+    keep_last: int = 3                  # complete checkpoints kept (0 keeps all)
+    at_end: bool = True
 
 
 @dataclass
 class EvalConfig:
-    every: int = 100
-    batches: int = 8
+    every: int = 100                    # steps between validation passes (0: never)
+    batches: int = 8                    # validation micro-batches per rank
 
 
 @dataclass
 class LoggingConfig:
-    log_every: int = 10
+    log_every: int = 10                 # steps between console lines (metrics.jsonl gets every step)
     tensorboard: bool = True
     wandb: bool = False
+    wandb_project: str = "ttt-lm"
+    wandb_run_name: Optional[str] = None
+    progress: bool = True               # tqdm bar on rank 0
     peak_flops: float = 989e12          # per device, for MFU (H100 SXM dense bf16)

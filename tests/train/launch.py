@@ -1,0 +1,97 @@
+"""Spawning real training processes for the tests: each rank is its own ``python
+tests/train/runner.py`` with RANK/WORLD_SIZE/LOCAL_RANK/MASTER_* in its environment (what torchrun
+or srun would set), gloo on CPU, OMP_NUM_THREADS=1."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence
+
+RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "runner.py")
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+#: a 2-layer d_model=32 attention-only model on 16-token sequences: seconds per run
+TINY = ["model.vocab_size=64", "model.d_model=32", "model.n_layers=2", "model.n_heads=2",
+        "model.layer_pattern=[attention]", "data.seq_len=16", "train.micro_batch_size=2",
+        "optim.warmup_steps=2", "optim.lr=1e-2", "logging.tensorboard=false", "logging.progress=false",
+        "eval.every=0", "checkpoint.every=0", "train.device=cpu"]
+
+
+@dataclass
+class Run:
+    procs: List[subprocess.Popen]
+    logs: List[str]
+    run_dir: str
+
+    def wait(self, timeout: float = 180) -> List[int]:
+        end = time.time() + timeout
+        rcs = []
+        for p in self.procs:
+            try:
+                rcs.append(p.wait(max(1.0, end - time.time())))
+            except subprocess.TimeoutExpired:
+                for q in self.procs:
+                    q.kill()
+                raise AssertionError(f"training timed out; logs:\n{self.output()}")
+        return rcs
+
+    def signal(self, sig=signal.SIGTERM, ranks: Optional[Sequence[int]] = None) -> None:
+        for r, p in enumerate(self.procs):
+            if ranks is None or r in ranks:
+                p.send_signal(sig)
+
+    def output(self, rank: int = 0) -> str:
+        with open(self.logs[rank]) as f:
+            return f.read()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(run_dir: str, overrides: Sequence[str] = (), nprocs: int = 1, env: Optional[Dict[str, str]] = None,
+          tag: str = "run") -> Run:
+    port = str(_free_port())
+    procs, logs = [], []
+    os.makedirs(run_dir, exist_ok=True)
+    for r in range(nprocs):
+        e = dict(os.environ)
+        for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS"):
+            e.pop(k, None)
+        e.update({"RANK": str(r), "WORLD_SIZE": str(nprocs), "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(nprocs),
+                  "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1",
+                  "DS_ACCELERATOR": "cpu", "PYTHONPATH": REPO})
+        e.update(env or {})
+        log = os.path.join(os.path.dirname(run_dir.rstrip("/")), f"{os.path.basename(run_dir)}.{tag}.rank{r}.log")
+        with open(log, "w") as f:
+            procs.append(subprocess.Popen([sys.executable, RUNNER, f"train.run_dir={run_dir}", *TINY, *overrides],
+                                          stdout=f, stderr=subprocess.STDOUT, env=e, cwd=REPO))
+        logs.append(log)
+    return Run(procs, logs, run_dir)
+
+
+def run(run_dir: str, overrides: Sequence[str] = (), nprocs: int = 1, env=None, tag="run", timeout=180,
+        expect: Optional[int] = 0) -> Run:
+    r = spawn(run_dir, overrides, nprocs, env, tag)
+    rcs = r.wait(timeout)
+    if expect is not None:
+        assert rcs == [expect] * nprocs, f"exit codes {rcs}, expected {expect}; rank 0 log:\n{r.output()[-4000:]}"
+    return r
+
+
+def metrics(run_dir: str, kind: str = "train") -> List[dict]:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [rec for rec in map(json.loads, f) if rec["kind"] == kind]
+
+
+def losses_by_step(run_dir: str) -> Dict[int, float]:
+    """The last logged loss of each step (a resumed run appends to the same file)."""
+    return {rec["step"]: rec["loss"] for rec in metrics(run_dir)}

@@ -1,0 +1,93 @@
+"""Entry point of the training processes the tests spawn: ``python tests/train/runner.py
+[key=value ...]`` trains like train.py, on a synthetic in-memory corpus with the data-pipeline
+interface (so the tests need no prepared corpus), with fault injection from the environment:
+
+    TTT_TEST_NAN_STEPS=3,4      the loss of those optimizer steps (1-based) is NaN
+    TTT_TEST_CHECKSUMS=path     append Σ|θ| of the model before every training forward to path
+    TTT_TEST_STEP_SLEEP=0.2     sleep that long in every training forward (to signal mid-run)
+"""
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import torch  # noqa: E402
+
+VOCAB = 64
+
+
+class SyntheticLoader:
+    """Infinite, counter-based: batch i of rank r is a pure function of (seed, r, i), so the
+    state is the counter. Each sequence counts up mod VOCAB from a random start: learnable."""
+
+    def __init__(self, seq_len, batch_size, seed, rank, world, start=0, limit=None):
+        self.T, self.B, self.seed, self.rank, self.world = seq_len, batch_size, seed, rank, world
+        self.i, self.limit = start, limit
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.limit is not None and self.i >= self.limit:
+            raise StopIteration
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.rank * 7919 + self.i)
+        self.i += 1
+        start = torch.randint(0, VOCAB, (self.B, 1), generator=g)
+        seq = (start + torch.arange(self.T + 1)) % VOCAB
+        return {"input_ids": seq[:, :-1].long(), "labels": seq[:, 1:].long()}
+
+    def state_dict(self):
+        return {"i": self.i}
+
+    def load_state_dict(self, sd):
+        self.i = sd["i"]
+
+
+class SyntheticData:
+    @staticmethod
+    def build_train_loader(data_cfg, micro_batch_size, dp_rank, dp_world):
+        return SyntheticLoader(data_cfg.seq_len, micro_batch_size, data_cfg.seed, dp_rank, dp_world)
+
+    @staticmethod
+    def build_val_loader(data_cfg, micro_batch_size, dp_rank, dp_world):
+        return SyntheticLoader(data_cfg.seq_len, micro_batch_size, data_cfg.seed + 1, dp_rank, dp_world, limit=4)
+
+    @staticmethod
+    def load_manifest(path):
+        return {"vocab_size": VOCAB, "tokenizer": "synthetic"}
+
+
+def _install_faults():
+    from ttt_lm.model.lm import LM
+    nan_steps = {int(s) for s in os.environ.get("TTT_TEST_NAN_STEPS", "").split(",") if s}
+    sums_path = os.environ.get("TTT_TEST_CHECKSUMS")
+    sleep = float(os.environ.get("TTT_TEST_STEP_SLEEP", "0"))
+    if not (nan_steps or sums_path or sleep):
+        return
+    fwd = LM.forward
+    calls = {"n": 0}
+
+    def forward(self, input_ids, labels=None, **kw):
+        if not self.training:
+            return fwd(self, input_ids, labels=labels, **kw)
+        calls["n"] += 1  # with grad_accum=1 the n-th training forward is optimizer step n
+        if sums_path:
+            with torch.no_grad():
+                s = sum(float(p.detach().double().abs().sum()) for p in self.parameters())
+            with open(sums_path, "a") as f:
+                f.write(f"{calls['n']} {s!r}\n")
+        if sleep:
+            time.sleep(sleep)
+        out = fwd(self, input_ids, labels=labels, **kw)
+        if calls["n"] in nan_steps:
+            out.loss = out.loss * float("nan")
+        return out
+
+    LM.forward = forward
+
+
+if __name__ == "__main__":
+    _install_faults()
+    from ttt_lm.train import main
+    sys.exit(main(sys.argv[1:], data_api=SyntheticData))

@@ -1,0 +1,215 @@
+"""Unit tests of the trainer's pieces, in-process and without DeepSpeed's engine."""
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from ttt_lm.config import ExperimentConfig
+from ttt_lm.model import LM
+from ttt_lm.model.config import ModelConfig
+from ttt_lm.model.flops import flops_per_token, matmul_params
+from ttt_lm.train import PREEMPTED_EXIT_CODE
+from ttt_lm.train import checkpoint as ck
+from ttt_lm.train.config import OptimConfig
+from ttt_lm.train.dist import detect_env, export_env
+from ttt_lm.train.engine import ParallelConfigError, check_parallel, deepspeed_config
+from ttt_lm.train.optim import lr_multiplier, param_groups
+from ttt_lm.train.trainer import DEFAULT_CONFIG, check_resume, invariants, parse_args
+
+
+def tiny_model_cfg(**kw):
+    return ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, layer_pattern=["attention"], **kw)
+
+
+# ---- FLOPs -----------------------------------------------------------------------------------
+
+def test_flops_per_token_counts_projections_head_and_attention():
+    cfg = tiny_model_cfg()
+    d, ff, V, T = 32, cfg.ff, 64, 16
+    per_layer = 4 * d * d + 3 * d * ff          # q, k, v, o and the gated MLP's three matrices
+    assert matmul_params(cfg) == 2 * per_layer + V * d  # + LM head (tied: counted anyway)
+    attn = 4.0 * cfg.n_heads * cfg.hd * (T + 1) / 2.0   # q·k and p·v over (T+1)/2 keys on average
+    f = flops_per_token(cfg, T)
+    assert f["forward"] == 2.0 * (2 * per_layer + V * d) + 2 * attn
+    assert f["train"] == 3 * f["forward"]
+    # tying changes the parameter count, not the work
+    assert flops_per_token(tiny_model_cfg(tie_embeddings=False), T) == f
+
+
+def test_flops_grows_with_context_for_global_not_local_attention():
+    g = tiny_model_cfg()
+    loc = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, layer_pattern=["local_attention"])
+    loc.attention.window = 8
+    assert flops_per_token(g, 64)["forward"] > flops_per_token(g, 32)["forward"]
+    # beyond the window each query sees `window` keys: the per-token cost approaches a constant
+    a, b = flops_per_token(loc, 4096)["forward"], flops_per_token(loc, 8192)["forward"]
+    assert abs(a - b) / a < 1e-3
+
+
+# ---- optimizer ---------------------------------------------------------------------------------
+
+def test_schedules():
+    c = OptimConfig(lr=1.0, warmup_steps=4, min_lr_ratio=0.1, schedule="cosine")
+    m = lr_multiplier(c, 104)
+    assert [m(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert m(4) == 1.0 and abs(m(54) - 0.55) < 1e-12 and abs(m(104) - 0.1) < 1e-12
+    c.schedule = "wsd"
+    c.decay_fraction = 0.2
+    m = lr_multiplier(c, 100)
+    assert m(4) == m(79) == 1.0                 # stable until the last 20 steps
+    assert abs(m(90) - 0.55) < 1e-12 and abs(m(100) - 0.1) < 1e-12
+    c.schedule = "constant"
+    assert lr_multiplier(c, 100)(99) == 1.0
+    c.schedule = "linear"
+    with pytest.raises(ValueError, match="optim.schedule"):
+        lr_multiplier(c, 10)
+
+
+def test_weight_decay_skips_norms_biases_embeddings():
+    model = LM(tiny_model_cfg(tie_embeddings=False))
+    model.layers[0].mixer.q_proj.bias = torch.nn.Parameter(torch.zeros(32))
+    decay, keep = param_groups(model, 0.1)
+    names = {id(p): n for n, p in model.named_parameters()}
+    decayed = {names[id(p)] for p in decay["params"]}
+    kept = {names[id(p)] for p in keep["params"]}
+    assert decay["weight_decay"] == 0.1 and keep["weight_decay"] == 0.0
+    assert "embed.weight" in kept and "lm_head.weight" in decayed
+    assert "layers.0.mixer.q_proj.bias" in kept and "layers.0.mixer_norm.weight" in kept
+    assert all("norm" not in n for n in decayed)
+    assert len(decayed) + len(kept) == len(list(model.parameters()))
+
+
+# ---- engine config -----------------------------------------------------------------------------
+
+def test_deepspeed_config_generated_and_from_file(tmp_path):
+    cfg = ExperimentConfig()
+    cfg.train.micro_batch_size, cfg.train.grad_accum, cfg.parallel.zero_stage = 4, 3, 2
+    cfg.train.precision = "bf16"
+    ds = deepspeed_config(cfg, dp_world=2)
+    assert ds["train_batch_size"] == 24 and ds["gradient_accumulation_steps"] == 3
+    assert ds["zero_optimization"]["stage"] == 2 and ds["bf16"]["enabled"]
+    assert ds["gradient_clipping"] == cfg.optim.grad_clip
+    p = tmp_path / "ds.json"
+    p.write_text(json.dumps({"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": "auto"}))
+    cfg.parallel.deepspeed_config = str(p)
+    ds = deepspeed_config(cfg, dp_world=2)
+    assert ds["zero_optimization"]["stage"] == 3 and ds["train_micro_batch_size_per_gpu"] == 4
+    p.write_text(json.dumps({"train_micro_batch_size_per_gpu": 16}))
+    with pytest.raises(ParallelConfigError, match="train_micro_batch_size_per_gpu=16"):
+        deepspeed_config(cfg, dp_world=2)
+
+
+def test_tensor_parallel_refused_with_message():
+    cfg = ExperimentConfig()
+    cfg.parallel.tensor_parallel = 2
+    with pytest.raises(ParallelConfigError, match="tensor parallelism is not available"):
+        check_parallel(cfg)
+    cfg.parallel.tensor_parallel, cfg.parallel.zero_stage = 1, 0
+    with pytest.raises(ParallelConfigError, match="zero_stage must be 1, 2 or 3"):
+        check_parallel(cfg)
+
+
+# ---- launch environment ------------------------------------------------------------------------
+
+def test_env_from_torchrun_slurm_or_nothing(monkeypatch):
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID",
+              "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    e = detect_env()
+    assert (e.rank, e.world_size, e.launcher) == (0, 1, "single")
+    monkeypatch.setenv("SLURM_PROCID", "3")
+    monkeypatch.setenv("SLURM_NTASKS", "8")
+    monkeypatch.setenv("SLURM_LOCALID", "1")
+    e = detect_env()
+    assert (e.rank, e.world_size, e.local_rank, e.launcher) == (3, 8, 1, "slurm")
+    with pytest.raises(RuntimeError, match="MASTER_ADDR and MASTER_PORT not set"):
+        export_env(e)
+    monkeypatch.setenv("RANK", "5")
+    monkeypatch.setenv("WORLD_SIZE", "6")
+    assert detect_env().rank == 5  # torchrun/deepspeed variables win over Slurm's
+
+
+def test_command_line():
+    assert parse_args([]) == (DEFAULT_CONFIG, [])
+    assert os.path.isfile(DEFAULT_CONFIG)
+    assert parse_args(["optim.lr=1"]) == (DEFAULT_CONFIG, ["optim.lr=1"])
+    assert parse_args(["--local_rank=3", "c.yaml", "a.b=1"]) == ("c.yaml", ["a.b=1"])
+    assert PREEMPTED_EXIT_CODE not in (0, 1, 2)
+
+
+# ---- checkpoints -------------------------------------------------------------------------------
+
+class FakeEngine:
+    """Writes what engine.save_checkpoint would, or dies half-way."""
+
+    def __init__(self, die=False):
+        self.die = die
+
+    def save_checkpoint(self, save_dir, tag, save_latest=True):
+        os.makedirs(os.path.join(save_dir, tag))
+        with open(os.path.join(save_dir, tag, "model.pt"), "w") as f:
+            f.write("x")
+        if self.die:
+            raise KeyboardInterrupt("killed while saving")
+
+
+def _save(root, step, die=False, keep=2):
+    return ck.save(FakeEngine(die), root, step, {"step": step}, {"loader": {}}, "a: 1\n", rank=0, keep_last=keep)
+
+
+def test_save_is_atomic_and_keeps_last_k(tmp_path):
+    root = str(tmp_path / "checkpoints")
+    for s in (1, 2, 3):
+        _save(root, s)
+    assert [s for s, _ in ck.list_checkpoints(root)] == [2, 3]
+    assert open(os.path.join(root, "latest")).read().strip() == "step_00000003"
+    with pytest.raises(KeyboardInterrupt):
+        _save(root, 4, die=True)
+    # the interrupted save left only a .tmp- dir; latest and resume still name step 3
+    assert os.path.isdir(os.path.join(root, ".tmp-step_00000004"))
+    assert ck.find_latest(root).endswith("step_00000003")
+    assert ck.resolve(str(tmp_path)).endswith("step_00000003")
+    _save(root, 4)  # a later save of the same step replaces the leftover
+    assert ck.find_latest(root).endswith("step_00000004")
+    assert not any(n.startswith((".tmp-", ".trash-")) for n in os.listdir(root))
+    # a `latest` naming a checkpoint that is gone falls back to the newest complete one
+    with open(os.path.join(root, "latest"), "w") as f:
+        f.write("step_00000009\n")
+    assert ck.find_latest(root).endswith("step_00000004")
+    rs = torch.load(os.path.join(root, "step_00000004", ck.rank_file(0)), weights_only=False)
+    assert set(rs["rng"]) >= {"python", "numpy", "torch"}
+
+
+def test_resume_checks_what_must_not_change():
+    cfg = ExperimentConfig()
+    man = {"vocab_size": 4096, "tokenizer": "tok.model"}
+    saved = {"invariants": invariants(cfg, man), "dp_world": 2}
+    check_resume(saved, invariants(cfg, man), "ck", 2)
+    cfg.model.kernel_backend = "torch"  # chooses kernels, not the model: allowed
+    check_resume(saved, invariants(cfg, man), "ck", 2)
+    cfg.model.d_model = 512
+    with pytest.raises(ck.CheckpointError, match=r"model.d_model: 256 -> 512"):
+        check_resume(saved, invariants(cfg, man), "ck", 2)
+    cfg = ExperimentConfig()
+    cfg.data.path = "data/other"
+    with pytest.raises(ck.CheckpointError, match="data_path"):
+        check_resume(saved, invariants(cfg, man), "ck", 2)
+    with pytest.raises(ck.CheckpointError, match="vocab_size: 4096 -> 8192"):
+        check_resume(saved, invariants(ExperimentConfig(), {**man, "vocab_size": 8192}), "ck", 2)
+    with pytest.raises(ck.CheckpointError, match="ds_to_universal"):
+        check_resume(saved, invariants(ExperimentConfig(), man), "ck", 4)
+
+
+def test_preemption_signals_set_the_flag():
+    import signal
+    from ttt_lm.train.preempt import PreemptionFlag
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        flag = PreemptionFlag().install()
+        try:
+            assert not flag.requested
+            os.kill(os.getpid(), sig)  # handled synchronously in the main thread: no exit
+            assert flag.requested and flag.signum == sig
+        finally:
+            flag.uninstall()

@@ -1,0 +1,77 @@
+"""Export a training checkpoint to a plain PyTorch state dict and its config.
+
+    python -m ttt_lm.train.export runs/tiny/checkpoints/step_00000200 out/tiny
+    python -m ttt_lm.train.export runs/tiny out/tiny          # the run's newest checkpoint
+
+writes ``out/tiny/model.pt`` (the LM's full fp32 state dict, consolidated from the ZeRO shards with
+DeepSpeed's zero_to_fp32, whatever the stage) and ``out/tiny/config.yaml``.
+``load_pretrained("out/tiny")`` returns the LM, on CPU, in eval mode. Needs no process group.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+from ttt_lm.config import load_config, save_config
+
+WEIGHTS = "model.pt"
+CONFIG = "config.yaml"
+
+
+def consolidated_state_dict(ckpt: str) -> dict:
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    from ttt_lm.train.checkpoint import DS_TAG
+    sd = get_fp32_state_dict_from_zero_checkpoint(ckpt, tag=DS_TAG)
+    return {k: v.detach().clone().contiguous() for k, v in sd.items()}
+
+
+def export(ckpt: str, out_dir: str) -> str:
+    from ttt_lm.model import LM
+    from ttt_lm.train.checkpoint import resolve
+    ckpt = resolve(ckpt)
+    cfg = load_config(os.path.join(ckpt, CONFIG))
+    sd = consolidated_state_dict(ckpt)
+    model = LM(cfg.model)
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    # a tied LM head is one tensor with the embedding; zero_to_fp32 may list it under either name
+    missing = [k for k in missing if not (cfg.model.tie_embeddings and k == "lm_head.weight")]
+    if missing or unexpected:
+        raise RuntimeError(f"checkpoint {ckpt} does not match its config: missing {missing}, unexpected {unexpected}")
+    os.makedirs(out_dir, exist_ok=True)
+    tmp = os.path.join(out_dir, WEIGHTS + ".tmp")
+    torch.save(model.state_dict(), tmp)
+    os.replace(tmp, os.path.join(out_dir, WEIGHTS))
+    save_config(cfg, os.path.join(out_dir, CONFIG))
+    return out_dir
+
+
+def load_state_dict_into(model, out_dir: str) -> None:
+    sd = torch.load(os.path.join(out_dir, WEIGHTS), map_location="cpu", weights_only=True)
+    model.load_state_dict(sd)
+
+
+def load_pretrained(out_dir: str, map_location="cpu"):
+    """The LM saved by ``export`` in out_dir."""
+    from ttt_lm.model import LM
+    cfg = load_config(os.path.join(out_dir, CONFIG))
+    model = LM(cfg.model)
+    model.load_state_dict(torch.load(os.path.join(out_dir, WEIGHTS), map_location=map_location, weights_only=True))
+    return model.eval()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m ttt_lm.train.export", description=__doc__.splitlines()[0])
+    ap.add_argument("ckpt", help="a checkpoint dir (step_…), a checkpoints/ dir or a run dir")
+    ap.add_argument("out_dir")
+    a = ap.parse_args(argv)
+    out = export(a.ckpt, a.out_dir)
+    print(f"exported {a.ckpt} -> {os.path.abspath(out)} ({WEIGHTS}, {CONFIG})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""AdamW parameter groups and learning-rate schedules.
+
+Schedules are multipliers of ``optim.lr`` as a function of the optimizer step s (0-based), with a
+linear warmup over W = ``warmup_steps`` steps and S = ``total_steps`` (default ``train.max_steps``):
+
+    warmup            m(s) = (s + 1) / W                                      for s < W
+    cosine            m(s) = r + (1 − r) · ½(1 + cos(π · (s − W) / (S − W)))
+    wsd               m(s) = 1 until the last D = ⌈decay_fraction · S⌉ steps,
+                      then linear from 1 to r            (warmup-stable-decay, Hu et al. 2024)
+    constant          m(s) = 1
+
+with r = ``min_lr_ratio``. The schedule is a ``LambdaLR`` that DeepSpeed steps after every applied
+optimizer step, so its position is saved and restored with the engine's checkpoint.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, List
+
+import torch
+from torch import nn
+
+from ttt_lm.train.config import OptimConfig
+
+SCHEDULES = ("cosine", "wsd", "constant")
+
+
+def lr_multiplier(cfg: OptimConfig, total_steps: int) -> Callable[[int], float]:
+    if cfg.schedule not in SCHEDULES:
+        raise ValueError(f"optim.schedule must be one of {SCHEDULES}, got {cfg.schedule!r}")
+    W, S, r = max(0, cfg.warmup_steps), max(1, total_steps), cfg.min_lr_ratio
+    D = max(1, math.ceil(cfg.decay_fraction * S))
+
+    def m(s: int) -> float:
+        if s < W:
+            return (s + 1) / W
+        if cfg.schedule == "constant":
+            return 1.0
+        if cfg.schedule == "cosine":
+            p = min(1.0, (s - W) / max(1, S - W))
+            return r + (1.0 - r) * 0.5 * (1.0 + math.cos(math.pi * p))
+        start = max(W, S - D)  # wsd
+        if s < start:
+            return 1.0
+        p = min(1.0, (s - start) / max(1, S - start))
+        return 1.0 + (r - 1.0) * p
+
+    return m
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> List[dict]:
+    """Two groups: decayed matrices, and undecayed norms, biases, embeddings and any parameter
+    marked ``_no_weight_decay`` (mixer decay rates, gates) — decaying those pulls them toward 0,
+    which is not the prior they were initialized with."""
+    no_decay = set()
+    for m in model.modules():
+        if isinstance(m, nn.Embedding):
+            no_decay.update(id(p) for p in m.parameters(recurse=False))
+    decay, keep = [], []
+    for p in model.parameters():  # tied weights appear once
+        if not p.requires_grad:
+            continue
+        if p.ndim < 2 or id(p) in no_decay or getattr(p, "_no_weight_decay", False):
+            keep.append(p)
+        else:
+            decay.append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": keep, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig, total_steps: int):
+    """torch AdamW (no CUDA extension needed) and its LambdaLR schedule."""
+    opt = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                            eps=cfg.eps)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_multiplier(cfg, total_steps))
+    return opt, sched
