@@ -3,7 +3,8 @@ r"""The delta rule (Schlag et al. 2021; Widrow & Hoff 1960), the fast-weight upd
     S_t = S_{t−1} + β_t k_t (v_t − S_{t−1}ᵀ k_t)ᵀ,     o_t = S_tᵀ q_t
 
 ``reference.py`` is the sequential specification; ``torch_chunk.py`` the chunkwise WY/UT form
-(Yang et al. 2024) used for training.
+(Yang et al. 2024) used for training; ``chunk.py`` the same form as Triton kernels (forward and
+backward, optional variable-length batches via ``delta_rule_triton(..., cu_seqlens=...)``).
 """
 from __future__ import annotations
 
@@ -14,8 +15,13 @@ import torch
 from kernels.delta_rule.reference import delta_rule_reference
 from kernels.delta_rule.torch_chunk import delta_rule_chunk_torch
 
+try:
+    from kernels.delta_rule.chunk import delta_rule_triton
+except ImportError:  # no triton installed: the PyTorch forms still work
+    delta_rule_triton = None
+
 #: implementations ``delta_rule`` can dispatch to
-BACKENDS = ("torch", "reference")
+BACKENDS = ("torch", "reference") + (("triton",) if delta_rule_triton is not None else ())
 
 
 def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
@@ -25,7 +31,10 @@ def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Te
 
     Returns (o [B, H, T, d_v] in v's dtype, final state [B, H, d_k, d_v] in the accumulation
     dtype — float32 for half inputs — or None unless ``output_final_state``). ``backend``: "torch"
-    (chunked, ``chunk_size`` tokens per chunk) or "reference" (sequential)."""
+    (chunked, ``chunk_size`` tokens per chunk), "triton" (``chunk.py``; chunk rounded to a power
+    of two in [16, 64]) or "reference" (sequential)."""
+    if backend == "triton" and delta_rule_triton is not None:
+        return delta_rule_triton(q, k, v, beta, initial_state, output_final_state, chunk_size)
     if backend == "torch":
         return delta_rule_chunk_torch(q, k, v, beta, initial_state, output_final_state, chunk_size)
     if backend == "reference":
@@ -33,4 +42,4 @@ def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Te
     raise ValueError(f"delta_rule: unknown backend {backend!r}; available: {list(BACKENDS)}")
 
 
-__all__ = ["delta_rule", "delta_rule_reference", "delta_rule_chunk_torch", "BACKENDS"]
+__all__ = ["delta_rule", "delta_rule_reference", "delta_rule_chunk_torch", "delta_rule_triton", "BACKENDS"]

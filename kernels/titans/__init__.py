@@ -17,7 +17,7 @@ from kernels.titans.torch_chunk import (chunk_decays, chunk_memory_step, chunk_s
                                         titans_linear_chunk_torch)
 
 #: implementations ``titans_linear`` can dispatch to
-BACKENDS = ("torch", "reference")
+BACKENDS = ("torch", "reference", "triton")
 
 
 def titans_linear(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, theta: torch.Tensor,
@@ -33,6 +33,12 @@ def titans_linear(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, theta: torc
     if backend == "torch":
         return titans_linear_chunk_torch(q, k, v, theta, log_eta, log_keep, initial_state,
                                          output_final_state, chunk_size, offset)
+    if backend == "triton":
+        # imported here so that importing kernels.titans neither needs triton nor fixes
+        # TRITON_INTERPRET before a caller sets it
+        from kernels.titans.chunk import titans_linear_triton
+        return titans_linear_triton(q, k, v, theta, log_eta, log_keep, initial_state,
+                                    output_final_state, chunk_size, offset)
     if backend == "reference":
         return titans_linear_reference(q, k, v, theta, log_eta, log_keep, initial_state,
                                        output_final_state, chunk_size, offset)

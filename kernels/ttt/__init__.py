@@ -33,8 +33,15 @@ from kernels.ttt.reference import ttt_linear_ref, ttt_mlp_ref
 from kernels.ttt.torch_chunk import ttt_linear_chunk, ttt_linear_primal, ttt_mlp_chunk, ttt_mlp_primal
 
 
-def has_triton_backend() -> bool:
-    return importlib.util.find_spec("kernels.ttt.chunk") is not None
+def has_triton_backend(kind: str = "linear") -> bool:
+    """Whether ``chunk.py`` provides ``ttt_<kind>_triton`` (kind: "linear" or "mlp")."""
+    if importlib.util.find_spec("kernels.ttt.chunk") is None:
+        return False
+    try:
+        from kernels.ttt import chunk
+    except ImportError:  # triton itself missing
+        return False
+    return hasattr(chunk, f"ttt_{kind}_triton")
 
 
 def _check(XQ, XK, XV, eta, token_idx, mini_batch_size):
@@ -62,8 +69,8 @@ def ttt_linear(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: torch.
     if backend == "reference":
         return ttt_linear_ref(*args)
     if backend == "triton":
-        if not has_triton_backend():
-            raise RuntimeError("ttt_linear: backend='triton' needs kernels/ttt/chunk.py, which is absent")
+        if not has_triton_backend("linear"):
+            raise RuntimeError("ttt_linear: backend='triton' needs ttt_linear_triton in kernels/ttt/chunk.py, which is absent")
         from kernels.ttt.chunk import ttt_linear_triton
         return ttt_linear_triton(*args)
     raise ValueError(f"ttt_linear: backend must be torch, primal, reference or triton, got {backend!r}")
@@ -85,8 +92,8 @@ def ttt_mlp(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: torch.Ten
     if backend == "reference":
         return ttt_mlp_ref(*args)
     if backend == "triton":
-        if not has_triton_backend():
-            raise RuntimeError("ttt_mlp: backend='triton' needs kernels/ttt/chunk.py, which is absent")
+        if not has_triton_backend("mlp"):
+            raise RuntimeError("ttt_mlp: backend='triton' needs ttt_mlp_triton in kernels/ttt/chunk.py, which is absent")
         from kernels.ttt.chunk import ttt_mlp_triton
         return ttt_mlp_triton(*args)
     raise ValueError(f"ttt_mlp: backend must be torch, primal, reference or triton, got {backend!r}")

@@ -102,9 +102,11 @@ def test_lm_decode_matches_forward():
     torch.testing.assert_close(torch.stack(steps, 1), logits, atol=1e-10, rtol=0)
 
 
-def test_triton_backend_is_refused_until_a_kernel_exists():
-    """kernel_backend="triton" names an implementation kernels.delta_rule lacks: a clear error,
-    not a silent fallback (only "auto" falls back to PyTorch)."""
+def test_triton_backend_is_refused_until_a_kernel_exists(monkeypatch):
+    """kernel_backend="triton" names an implementation kernels.delta_rule lacks (here: without
+    triton installed): a clear error, not a silent fallback (only "auto" falls back to PyTorch)."""
+    import kernels.delta_rule as dr
+    monkeypatch.setattr(dr, "BACKENDS", ("torch", "reference"))
     m, _ = make_mixer("deltanet")
     m.kernel_backend = "triton"
     with pytest.raises(ValueError, match="triton"):

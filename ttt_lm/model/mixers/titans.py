@@ -227,10 +227,12 @@ class TitansMemory(Mixer):
 
     def chunked(self, x, state=None, output_state=False):
         be = self._resolve_backend(x)
-        if be not in _tk.BACKENDS:
+        # the Triton kernel (kernels/titans/chunk.py) covers the linear memory only
+        if be not in _tk.BACKENDS or (be == "triton" and self.memory != "linear"):
             if self.kernel_backend == "triton":
-                raise ValueError(f"kernel_backend=triton: kernels.titans has only {list(_tk.BACKENDS)}")
-            be = "torch"  # "auto" on CUDA before a Triton kernel exists
+                raise ValueError("kernel_backend=triton: kernels.titans has a Triton kernel only for "
+                                 f"the linear memory, not titans.memory={self.memory!r}")
+            be = "torch"  # "auto" on CUDA: the MLP memory runs in PyTorch
         return self._run(x, state, output_state, sequential=False, backend=be)
 
     def step(self, x, state):

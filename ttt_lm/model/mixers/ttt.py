@@ -241,7 +241,7 @@ class _TTTBase(Mixer):
     # ---- forms -------------------------------------------------------------------------------
     def chunked(self, x, state=None, output_state=False):
         backend = self._resolve_backend(x)
-        if backend == "triton" and self.kernel_backend == "auto" and not has_triton_backend():
+        if backend == "triton" and self.kernel_backend == "auto" and not has_triton_backend(self.kind):
             backend = "torch"
         return self._run(x, state, output_state, backend)
 

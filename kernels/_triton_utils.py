@@ -1,0 +1,105 @@
+"""What every Triton kernel under ``kernels/`` needs from its surroundings.
+
+* ``is_interpreting()`` — ``TRITON_INTERPRET=1``: kernels run on CPU tensors through Triton's
+  numpy interpreter (tests on machines without a GPU).
+* ``triton_available(device)`` — whether a Triton kernel can run on tensors of ``device`` here:
+  CUDA tensors with a working CUDA runtime, or any CPU tensor under the interpreter.
+* ``autotune_configs(space, ...)`` — the ``configs`` of ``@triton.autotune``: the product of the
+  search space on a GPU, exactly one config under the interpreter, whose autotuner fails with
+  "0 active drivers" when it has more than one to benchmark.
+* ``check_triton_device(name, *tensors)`` — a clear error instead of a driver failure deep in the
+  launcher when the tensors sit where no kernel can run.
+* ``num_sms(device)`` — streaming multiprocessors, to size grids that must fill the GPU.
+
+Whether the interpreter is on is decided when ``@triton.jit`` runs, i.e. when a ``chunk.py`` is
+imported: set ``TRITON_INTERPRET`` before that (``tests/conftest.py`` does).
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import itertools
+import os
+from typing import Iterable, List, Mapping, Optional, Sequence
+
+import torch
+
+
+def is_interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def has_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def triton_available(device: Optional[torch.device | str] = None) -> bool:
+    """Can a Triton kernel run on tensors of ``device`` (default: wherever it would run here)?"""
+    if not has_triton():
+        return False
+    if device is None:
+        return is_interpreting() or torch.cuda.is_available()
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return torch.cuda.is_available() and not is_interpreting()
+    return dev.type == "cpu" and is_interpreting()
+
+
+def check_triton_device(name: str, *tensors: Optional[torch.Tensor]) -> None:
+    ts = [t for t in tensors if t is not None]
+    devices = {t.device for t in ts}
+    if len(devices) > 1:
+        raise ValueError(f"{name}: tensors on different devices {sorted(map(str, devices))}")
+    if ts and not triton_available(ts[0].device):
+        where = ts[0].device
+        hint = ("set TRITON_INTERPRET=1 before triton is imported to run it on CPU (slowly)"
+                if where.type == "cpu" else "under TRITON_INTERPRET=1 only CPU tensors can be used")
+        raise RuntimeError(f"{name}: the Triton kernel cannot run on {where} here; {hint}, "
+                           f"or use backend='torch'")
+
+
+def autotune_configs(space: Mapping[str, Sequence], num_warps: Sequence[int] = (4,),
+                     num_stages: Sequence[int] = (1,), interpret: Optional[Mapping] = None,
+                     keep=None) -> List["triton.Config"]:
+    """Configs for ``@triton.autotune(configs=...)``.
+
+    ``space`` maps meta-parameter names to candidate values; on a GPU every combination with every
+    ``num_warps`` × ``num_stages`` is returned (``keep(meta_dict, num_warps)`` may drop some).
+    Under the interpreter one config: ``interpret`` if given, else the first value of each list.
+    """
+    import triton
+
+    if is_interpreting():
+        meta = dict(interpret) if interpret is not None else {k: v[0] for k, v in space.items()}
+        return [triton.Config(meta, num_warps=num_warps[0], num_stages=num_stages[0])]
+    names = list(space)
+    out = []
+    for values in itertools.product(*(space[k] for k in names)):
+        meta = dict(zip(names, values))
+        for w, s in itertools.product(num_warps, num_stages):
+            if keep is None or keep(meta, w):
+                out.append(triton.Config(meta, num_warps=w, num_stages=s))
+    if not out:
+        raise ValueError("autotune_configs: the search space is empty after `keep`")
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device: Optional[torch.device | str] = None) -> int:
+    """SMs of a CUDA device; 1 elsewhere (the interpreter runs programs one after another)."""
+    dev = torch.device(device) if device is not None else None
+    if dev is None or dev.type != "cuda" or not torch.cuda.is_available():
+        return 1
+    return _num_sms(dev.index if dev.index is not None else torch.cuda.current_device())
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+__all__: Iterable[str] = ["is_interpreting", "has_triton", "triton_available", "check_triton_device",
+                          "autotune_configs", "num_sms", "next_power_of_2"]

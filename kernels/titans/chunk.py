@@ -1,0 +1,352 @@
+r"""Triton chunked forward and backward of the Titans linear memory (Behrouz et al. 2025, §3.2).
+
+Per batch element and head, with the chunk's gradients taken at the memory M₀ at its start,
+
+    S_t = η_t S_{t−1} − θ_t ∇ℓ(M₀; k_t, v_t),   M_t = (1 − α_t) M_{t−1} + S_t,   o_t = q_t M_t,
+
+∇ℓ(M₀; k_j, v_j) = k_jᵀ δ_j with δ_j = 2(k_j M₀ − v_j). With A = cumsum log η, B = cumsum log(1 − α)
+inside the chunk, L_a[i, j] = e^{A_i − A_j}, L_b[t, i] = e^{B_t − B_i} (lower triangular),
+a = e^A, b = e^B, c = L_b a and D = L_b L_a (see ``torch_chunk.py``), one chunk is
+
+    O   = diag(b) q M₀ + diag(c) q S₀ − [(q kᵀ) ∘ D diag(θ)] δ
+    M_C = b_C M₀ + c_C S₀ − kᵀ diag(D[C, :] θ) δ
+    S_C = a_C S₀ − kᵀ diag(e^{A_C − A} θ) δ
+
+Every term is a [C, C] or [C, d] tile product (``tl.dot``). One program per (batch·head, block of
+d_v columns) walks the chunks with (M, S) in registers; the columns of M are independent (δ, O
+and the updates act column-wise), so splitting d_v needs no communication. The forward stores
+each chunk's starting (M, S); the backward sweeps the chunks in reverse, recomputes the chunk
+from them and carries (∂M, ∂S). Gradients of q, k, θ, log η, log(1 − α) sum over the d_v blocks
+and are reduced afterwards.
+
+Coverage: the kernel runs chunks counted from its first token (offset ≡ 0 mod C), a trailing
+partial chunk included, for any C: a chunk sits in a tile of max(16, 2^⌈log₂ C⌉) rows and the
+rows past the chunk or past T are masked (θ = 0, zero inputs, their rows of L_a and a zeroed,
+which makes them exact no-ops for the chunk's final state). A call that starts
+inside a chunk (offset % C ≠ 0) runs that first partial chunk, whose gradients are taken at the
+carried anchor M̂, with ``titans_linear_chunk_torch`` and the rest with the kernel.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._triton_utils import check_triton_device
+from kernels.titans.reference import _acc, _initial
+from kernels.titans.torch_chunk import titans_linear_chunk_torch
+
+# log-gates are clamped as in torch_chunk.chunk_decays: e^{−1e4} is already 0 and keeps −inf − −inf
+# from producing nan
+_LOG_MIN: tl.constexpr = tl.constexpr(-1e4)
+
+
+@triton.jit
+def _chunk_coefs(th_ptr, le_ptr, lk_ptr, base_g, n, T, C, BC: tl.constexpr, ACC: tl.constexpr):
+    """Decay coefficients of chunk n in a tile of BC ≥ C rows (see the module docstring); rows
+    past the chunk or past T get θ = 0, log-gates 0 and zero rows of L_a and a."""
+    oc = tl.arange(0, BC)
+    t = n * C + oc
+    mt = (oc < C) & (t < T)
+    th = tl.load(th_ptr + base_g + t, mask=mt, other=0.).to(ACC)
+    le_raw = tl.load(le_ptr + base_g + t, mask=mt, other=0.).to(ACC)
+    lk_raw = tl.load(lk_ptr + base_g + t, mask=mt, other=0.).to(ACC)
+    le = tl.maximum(le_raw, _LOG_MIN)
+    lk = tl.maximum(lk_raw, _LOG_MIN)
+    low = oc[:, None] >= oc[None, :]
+    # within-chunk cumulative sums as masked row sums of a [BC, BC] tile
+    A = tl.sum(tl.where(low, le[None, :], 0.), 1)
+    Bc = tl.sum(tl.where(low, lk[None, :], 0.), 1)
+    A_L = tl.sum(le, 0)
+    B_L = tl.sum(lk, 0)
+    La = tl.exp(tl.where(low & mt[:, None], A[:, None] - A[None, :], float("-inf")))
+    Lb = tl.exp(tl.where(low, Bc[:, None] - Bc[None, :], float("-inf")))
+    a = tl.where(mt, tl.exp(A), 0.)
+    b = tl.exp(Bc)
+    La_last = tl.exp(A_L - A)
+    Lb_last = tl.exp(B_L - Bc)
+    return th, le_raw, lk_raw, t, mt, low, La, Lb, a, b, A_L, B_L, La_last, Lb_last
+
+
+@triton.jit
+def _titans_fwd_kernel(q_ptr, k_ptr, v_ptr, th_ptr, le_ptr, lk_ptr, M0_ptr, S0_ptr,
+                       y_ptr, Mst_ptr, Sst_ptr, MT_ptr, ST_ptr,
+                       T, N, DK, DV, C,
+                       BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                       ACC: tl.constexpr, PREC: tl.constexpr):
+    i_v = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    ok = tl.arange(0, BK)
+    ov = i_v * BV + tl.arange(0, BV)
+    mk = ok < DK
+    mv = ov < DV
+    mkv = mk[:, None] & mv[None, :]
+    st_off = ok[:, None] * DV + ov[None, :]
+    base_s = i_bh.to(tl.int64) * DK * DV
+    M = tl.load(M0_ptr + base_s + st_off, mask=mkv, other=0.).to(ACC)
+    S = tl.load(S0_ptr + base_s + st_off, mask=mkv, other=0.).to(ACC)
+    base_g = i_bh.to(tl.int64) * T
+    for n in range(N):
+        base_n = (i_bh.to(tl.int64) * N + n) * DK * DV
+        tl.store(Mst_ptr + base_n + st_off, M.to(Mst_ptr.dtype.element_ty), mask=mkv)
+        tl.store(Sst_ptr + base_n + st_off, S.to(Sst_ptr.dtype.element_ty), mask=mkv)
+        th, le_raw, lk_raw, t, mt, low, La, Lb, a, b, A_L, B_L, La_last, Lb_last = _chunk_coefs(
+            th_ptr, le_ptr, lk_ptr, base_g, n, T, C, BC, ACC)
+        rows = (base_g + t)[:, None]
+        q = tl.load(q_ptr + rows * DK + ok[None, :], mask=mt[:, None] & mk[None, :], other=0.).to(ACC)
+        k = tl.load(k_ptr + rows * DK + ok[None, :], mask=mt[:, None] & mk[None, :], other=0.).to(ACC)
+        v = tl.load(v_ptr + rows * DV + ov[None, :], mask=mt[:, None] & mv[None, :], other=0.).to(ACC)
+
+        D = tl.dot(Lb, La, input_precision=PREC)
+        c = tl.sum(Lb * a[None, :], 1)
+        P = tl.dot(q, tl.trans(k), input_precision=PREC) * D * th[None, :]
+        delta = 2. * (tl.dot(k, M, input_precision=PREC) - v)
+        y = (b[:, None] * tl.dot(q, M, input_precision=PREC) + c[:, None] * tl.dot(q, S, input_precision=PREC)
+             - tl.dot(P, delta, input_precision=PREC))
+        tl.store(y_ptr + rows * DV + ov[None, :], y.to(y_ptr.dtype.element_ty), mask=mt[:, None] & mv[None, :])
+
+        D_last = tl.sum(Lb_last[:, None] * La, 0)
+        u = D_last * th
+        w = La_last * th
+        c_L = tl.sum(Lb_last * a, 0)
+        kt = tl.trans(k)
+        M_new = (tl.exp(B_L) * M + c_L * S - tl.dot(kt, u[:, None] * delta, input_precision=PREC))
+        S = tl.exp(A_L) * S - tl.dot(kt, w[:, None] * delta, input_precision=PREC)
+        M = M_new
+    tl.store(MT_ptr + base_s + st_off, M.to(MT_ptr.dtype.element_ty), mask=mkv)
+    tl.store(ST_ptr + base_s + st_off, S.to(ST_ptr.dtype.element_ty), mask=mkv)
+
+
+@triton.jit
+def _titans_bwd_kernel(q_ptr, k_ptr, v_ptr, th_ptr, le_ptr, lk_ptr, Mst_ptr, Sst_ptr,
+                       dy_ptr, dMT_ptr, dST_ptr, dMh_ptr,
+                       dq_ptr, dk_ptr, dv_ptr, dth_ptr, dle_ptr, dlk_ptr, dM0_ptr, dS0_ptr,
+                       T, N, DK, DV, BH, C,
+                       BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                       ACC: tl.constexpr, PREC: tl.constexpr):
+    i_v = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    oc = tl.arange(0, BC)
+    ok = tl.arange(0, BK)
+    ov = i_v * BV + tl.arange(0, BV)
+    mk = ok < DK
+    mv = ov < DV
+    mkv = mk[:, None] & mv[None, :]
+    st_off = ok[:, None] * DV + ov[None, :]
+    base_s = i_bh.to(tl.int64) * DK * DV
+    dM = tl.load(dMT_ptr + base_s + st_off, mask=mkv, other=0.).to(ACC)
+    dS = tl.load(dST_ptr + base_s + st_off, mask=mkv, other=0.).to(ACC)
+    base_g = i_bh.to(tl.int64) * T
+    # per-d_v-block partial sums of the gradients shared by all columns
+    base_p = (i_v.to(tl.int64) * BH + i_bh) * T
+    for i in range(N):
+        n = N - 1 - i
+        base_n = (i_bh.to(tl.int64) * N + n) * DK * DV
+        M = tl.load(Mst_ptr + base_n + st_off, mask=mkv, other=0.).to(ACC)
+        S = tl.load(Sst_ptr + base_n + st_off, mask=mkv, other=0.).to(ACC)
+        th, le_raw, lk_raw, t, mt, low, La, Lb, a, b, A_L, B_L, La_last, Lb_last = _chunk_coefs(
+            th_ptr, le_ptr, lk_ptr, base_g, n, T, C, BC, ACC)
+        rows = (base_g + t)[:, None]
+        mtk = mt[:, None] & mk[None, :]
+        mtv = mt[:, None] & mv[None, :]
+        q = tl.load(q_ptr + rows * DK + ok[None, :], mask=mtk, other=0.).to(ACC)
+        k = tl.load(k_ptr + rows * DK + ok[None, :], mask=mtk, other=0.).to(ACC)
+        v = tl.load(v_ptr + rows * DV + ov[None, :], mask=mtv, other=0.).to(ACC)
+        dy = tl.load(dy_ptr + rows * DV + ov[None, :], mask=mtv, other=0.).to(ACC)
+
+        # recompute the chunk's forward
+        D = tl.dot(Lb, La, input_precision=PREC)
+        Dth = D * th[None, :]
+        Qk = tl.dot(q, tl.trans(k), input_precision=PREC)
+        P = Qk * Dth
+        delta = 2. * (tl.dot(k, M, input_precision=PREC) - v)
+        D_last = tl.sum(Lb_last[:, None] * La, 0)
+        u = D_last * th
+        w = La_last * th
+        c = tl.sum(Lb * a[None, :], 1)
+        c_L = tl.sum(Lb_last * a, 0)
+        a_L = tl.exp(A_L)
+        b_L = tl.exp(B_L)
+
+        # tile gradients
+        kdM = tl.dot(k, dM, input_precision=PREC)
+        kdS = tl.dot(k, dS, input_precision=PREC)
+        ddelta = (-tl.dot(tl.trans(P), dy, input_precision=PREC)
+                  - u[:, None] * kdM - w[:, None] * kdS)
+        dP = tl.where(low, -tl.dot(dy, tl.trans(delta), input_precision=PREC), 0.)
+        du = -tl.sum(kdM * delta, 1)
+        dw = -tl.sum(kdS * delta, 1)
+        dQk = dP * Dth
+        dDth = dP * Qk
+        dq = (tl.dot(dQk, k, input_precision=PREC)
+              + b[:, None] * tl.dot(dy, tl.trans(M), input_precision=PREC)
+              + c[:, None] * tl.dot(dy, tl.trans(S), input_precision=PREC))
+        dk = (tl.dot(tl.trans(dQk), q, input_precision=PREC)
+              + 2. * tl.dot(ddelta, tl.trans(M), input_precision=PREC)
+              - tl.dot(u[:, None] * delta, tl.trans(dM), input_precision=PREC)
+              - tl.dot(w[:, None] * delta, tl.trans(dS), input_precision=PREC))
+        tl.store(dv_ptr + rows * DV + ov[None, :], (-2. * ddelta).to(dv_ptr.dtype.element_ty), mask=mtv)
+        db = tl.sum(dy * tl.dot(q, M, input_precision=PREC), 1)
+        dc = tl.sum(dy * tl.dot(q, S, input_precision=PREC), 1)
+        db_L = tl.sum(tl.sum(dM * M, 1), 0)
+        dc_L = tl.sum(tl.sum(dM * S, 1), 0)
+        da_L = tl.sum(tl.sum(dS * S, 1), 0)
+        qt = tl.trans(q)
+        dM_new = (2. * tl.dot(tl.trans(k), ddelta, input_precision=PREC)
+                  + tl.dot(qt, b[:, None] * dy, input_precision=PREC) + b_L * dM)
+        dS = tl.dot(qt, c[:, None] * dy, input_precision=PREC) + c_L * dM + a_L * dS
+        dM = dM_new
+        if n == N - 1:
+            # the returned anchor M̂ is the memory at the start of the last (partial) chunk
+            dM += tl.load(dMh_ptr + base_s + st_off, mask=mkv, other=0.).to(ACC)
+
+        # gate gradients: through D = L_b L_a, c = L_b a, the last rows, then the cumulative sums
+        dth = tl.sum(dDth * D, 0) + du * D_last + dw * La_last
+        dD = dDth * th[None, :]
+        dD_last = du * th
+        dLb = tl.dot(dD, tl.trans(La), input_precision=PREC) + dc[:, None] * a[None, :]
+        dLa = tl.dot(tl.trans(Lb), dD, input_precision=PREC) + Lb_last[:, None] * dD_last[None, :]
+        dLb_last = tl.sum(La * dD_last[None, :], 1) + dc_L * a
+        da = tl.sum(Lb * dc[:, None], 0) + dc_L * Lb_last
+        G = dLa * La
+        g = dw * th * La_last
+        dA = da * a + tl.sum(G, 1) - tl.sum(G, 0) - g
+        dA_L = tl.sum(g, 0) + da_L * a_L
+        Hb = dLb * Lb
+        h = dLb_last * Lb_last
+        dB = db * b + tl.sum(Hb, 1) - tl.sum(Hb, 0) - h
+        dB_L = tl.sum(h, 0) + db_L * b_L
+        # A_i = Σ_{l≤i} log η_l, A_L = Σ_l log η_l: reverse cumulative sums
+        up = oc[None, :] >= oc[:, None]
+        dle = tl.sum(tl.where(up, dA[None, :], 0.), 1) + dA_L
+        dlk = tl.sum(tl.where(up, dB[None, :], 0.), 1) + dB_L
+        dle = tl.where(le_raw >= _LOG_MIN, dle, 0.)
+        dlk = tl.where(lk_raw >= _LOG_MIN, dlk, 0.)
+
+        prow = (base_p + t)[:, None]
+        tl.store(dq_ptr + prow * DK + ok[None, :], dq.to(dq_ptr.dtype.element_ty), mask=mtk)
+        tl.store(dk_ptr + prow * DK + ok[None, :], dk.to(dk_ptr.dtype.element_ty), mask=mtk)
+        tl.store(dth_ptr + base_p + t, dth.to(dth_ptr.dtype.element_ty), mask=mt)
+        tl.store(dle_ptr + base_p + t, dle.to(dle_ptr.dtype.element_ty), mask=mt)
+        tl.store(dlk_ptr + base_p + t, dlk.to(dlk_ptr.dtype.element_ty), mask=mt)
+    tl.store(dM0_ptr + base_s + st_off, dM.to(dM0_ptr.dtype.element_ty), mask=mkv)
+    tl.store(dS0_ptr + base_s + st_off, dS.to(dS0_ptr.dtype.element_ty), mask=mkv)
+
+
+def _tile(C: int) -> int:
+    # tl.dot needs every block dim ≥ 16; shorter chunks sit in the first C rows of the tile
+    return max(16, triton.next_power_of_2(C))
+
+
+def _blocks(dk: int, dv: int) -> Tuple[int, int, int]:
+    BK = max(16, triton.next_power_of_2(dk))  # tl.dot needs every block dim ≥ 16
+    BV = min(max(16, triton.next_power_of_2(dv)), 64)
+    num_warps = 4 if BK * BV <= 64 * 64 else 8
+    return BK, BV, num_warps
+
+
+def _precision(dtype: torch.dtype) -> str:
+    # half-precision inputs already carry ~1e-3 error, so TF32 tiles cost nothing visible there;
+    # fp32/fp64 inputs get IEEE products so the chunk recurrence matches the reference tightly
+    return "tf32" if dtype in (torch.float16, torch.bfloat16) else "ieee"
+
+
+class TitansLinearChunkFunction(torch.autograd.Function):
+    """(q, k, v, θ, log η, log(1 − α), M₀, S₀) → (O, M_T, S_T, M̂) for a call starting at a chunk
+    boundary. M₀, S₀ in the accumulation dtype; M̂ is M_T when T is a multiple of C, else the
+    memory at the start of the last chunk."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, theta, log_eta, log_keep, M0, S0, chunk_size: int):
+        B, H, T, dk = k.shape
+        dv = v.shape[-1]
+        C = chunk_size
+        N = triton.cdiv(T, C)
+        acc = M0.dtype
+        q, k, v, theta, log_eta, log_keep = (t.contiguous() for t in (q, k, v, theta, log_eta, log_keep))
+        M0, S0 = M0.contiguous(), S0.contiguous()
+        BK, BV, nw = _blocks(dk, dv)
+        y = torch.empty(B, H, T, dv, dtype=v.dtype, device=v.device)
+        Mst = torch.empty(B, H, N, dk, dv, dtype=acc, device=v.device)
+        Sst = torch.empty_like(Mst)
+        MT = torch.empty(B, H, dk, dv, dtype=acc, device=v.device)
+        ST = torch.empty_like(MT)
+        ACC = tl.float64 if acc == torch.float64 else tl.float32
+        grid = (triton.cdiv(dv, BV), B * H)
+        _titans_fwd_kernel[grid](q, k, v, theta, log_eta, log_keep, M0, S0, y, Mst, Sst, MT, ST,
+                                 T, N, dk, dv, C, BC=_tile(C), BK=BK, BV=BV, ACC=ACC, PREC=_precision(v.dtype),
+                                 num_warps=nw)
+        tail = T % C != 0
+        Mh = Mst[:, :, N - 1].clone() if tail else MT.clone()
+        ctx.save_for_backward(q, k, v, theta, log_eta, log_keep, Mst, Sst)
+        ctx.meta = (C, tail, M0.dtype, S0.dtype)
+        return y, MT, ST, Mh
+
+    @staticmethod
+    def backward(ctx, dy, dMT, dST, dMh):
+        q, k, v, theta, log_eta, log_keep, Mst, Sst = ctx.saved_tensors
+        C, tail, M0_dtype, S0_dtype = ctx.meta
+        B, H, T, dk = k.shape
+        dv = v.shape[-1]
+        N = Mst.shape[2]
+        acc = Mst.dtype
+        z = torch.zeros(B, H, dk, dv, dtype=acc, device=v.device)
+        dy = torch.zeros_like(v) if dy is None else dy.contiguous()
+        dMT = z if dMT is None else dMT.to(acc)
+        dST = z if dST is None else dST.to(acc).contiguous()
+        dMh = z if dMh is None else dMh.to(acc)
+        if not tail:
+            dMT, dMh = dMT + dMh, z
+        dMT, dMh = dMT.contiguous(), dMh.contiguous()
+        BK, BV, nw = _blocks(dk, dv)
+        NV = triton.cdiv(dv, BV)
+        pd = torch.float64 if acc == torch.float64 else torch.float32
+        dq = torch.empty(NV, B, H, T, dk, dtype=pd, device=v.device)
+        dk_ = torch.empty_like(dq)
+        dth = torch.empty(NV, B, H, T, dtype=pd, device=v.device)
+        dle = torch.empty_like(dth)
+        dlk = torch.empty_like(dth)
+        dv_ = torch.empty(B, H, T, dv, dtype=pd, device=v.device)
+        dM0 = torch.empty(B, H, dk, dv, dtype=acc, device=v.device)
+        dS0 = torch.empty_like(dM0)
+        ACC = tl.float64 if acc == torch.float64 else tl.float32
+        _titans_bwd_kernel[(NV, B * H)](q, k, v, theta, log_eta, log_keep, Mst, Sst, dy, dMT, dST, dMh,
+                                        dq, dk_, dv_, dth, dle, dlk, dM0, dS0,
+                                        T, N, dk, dv, B * H, C, BC=_tile(C), BK=BK, BV=BV, ACC=ACC,
+                                        PREC=_precision(v.dtype), num_warps=nw)
+        return (dq.sum(0).to(q.dtype), dk_.sum(0).to(k.dtype), dv_.to(v.dtype), dth.sum(0).to(theta.dtype),
+                dle.sum(0).to(log_eta.dtype), dlk.sum(0).to(log_keep.dtype), dM0.to(M0_dtype),
+                dS0.to(S0_dtype), None)
+
+
+def titans_linear_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, theta: torch.Tensor,
+                         log_eta: torch.Tensor, log_keep: torch.Tensor,
+                         initial_state: Optional[Sequence[torch.Tensor]] = None,
+                         output_final_state: bool = False, chunk_size: int = 16, offset: int = 0
+                         ) -> Tuple[torch.Tensor, Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
+    """Same contract as ``titans_linear_reference``; a first partial chunk (offset % C ≠ 0)
+    runs in PyTorch. A chunk of C tokens occupies a tile of max(16, 2^⌈log₂ C⌉) rows, so C below
+    16 (C = 1 included) is exact but wastes most of each tile."""
+    C = chunk_size
+    check_triton_device("titans_linear_triton", q, k, v, theta, log_eta, log_keep,
+                        *(initial_state or ()))
+    B, H, T, dk = k.shape
+    dv = v.shape[-1]
+    head = min((C - offset % C) % C, T)
+    if head == T:  # the whole call lies inside one chunk started before it (or T = 0)
+        return titans_linear_chunk_torch(q, k, v, theta, log_eta, log_keep, initial_state,
+                                         output_final_state, C, offset)
+    like = _acc(k[..., :0])
+    M, S, Mh = _initial(initial_state, B, H, dk, dv, like)
+    y_head = None
+    if head:
+        y_head, (M, S, Mh) = titans_linear_chunk_torch(
+            q[:, :, :head], k[:, :, :head], v[:, :, :head], theta[:, :, :head], log_eta[:, :, :head],
+            log_keep[:, :, :head], (M, S, Mh), True, C, offset)
+        q, k, v, theta, log_eta, log_keep = (t[:, :, head:] for t in (q, k, v, theta, log_eta, log_keep))
+    y, M, S, Mh = TitansLinearChunkFunction.apply(q, k, v, theta, log_eta, log_keep, M, S, C)
+    if y_head is not None:
+        y = torch.cat([y_head, y], 2)
+    return y, ((M, S, Mh) if output_final_state else None)

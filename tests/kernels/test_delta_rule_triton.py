@@ -1,0 +1,194 @@
+"""Triton chunked delta rule (kernels/delta_rule/chunk.py) against the sequential reference:
+outputs, final state and every input gradient. Without CUDA these run under the Triton
+interpreter (tests/conftest.py sets TRITON_INTERPRET=1), so shapes are tiny; the ``gpu`` tests
+repeat the checks at training-like sizes."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernels.delta_rule.chunk as dr_chunk
+from kernels.delta_rule import BACKENDS, delta_rule, delta_rule_reference, delta_rule_triton
+
+D64 = torch.float64
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _inputs(B, H, T, dk, dv, dtype, seed=0, with_state=False, n_states=None):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, T, dk, generator=g, dtype=D64)
+    k = F.normalize(torch.randn(B, H, T, dk, generator=g, dtype=D64), dim=-1)
+    v = torch.randn(B, H, T, dv, generator=g, dtype=D64)
+    beta = torch.rand(B, H, T, generator=g, dtype=D64)
+    S0 = torch.randn(n_states or B, H, dk, dv, generator=g, dtype=D64) if with_state else None
+    ins = [q, k, v, beta]
+    return [t.to(dtype=dtype, device=DEV) for t in ins], (None if S0 is None else S0.to(DEV))
+
+
+def _run(fn, ins, S0, wo, wS):
+    """o, S and the gradients of Σ o∘wo + Σ S∘wS with respect to q, k, v, β (and S0)."""
+    leaves = [t.clone().requires_grad_(True) for t in ins]
+    s0 = None if S0 is None else S0.clone().requires_grad_(True)
+    o, S = fn(*leaves, s0)
+    ((o.to(D64) * wo).sum() + (S.to(D64) * wS).sum()).backward()
+    return [o.detach(), S.detach()] + [t.grad for t in leaves] + ([] if s0 is None else [s0.grad])
+
+
+def _compare(B, H, T, dk, dv, chunk, dtype, with_state, atol, rtol=0.0):
+    ins, S0 = _inputs(B, H, T, dk, dv, dtype, with_state=with_state)
+    g = torch.Generator().manual_seed(9)
+    wo = torch.randn(B, H, T, dv, generator=g, dtype=D64).to(DEV)
+    wS = torch.randn(B, H, dk, dv, generator=g, dtype=D64).to(DEV)
+    # the reference sees exactly the (possibly rounded) inputs the kernel sees, in float64
+    ref = _run(lambda *a: delta_rule_reference(*a, output_final_state=True),
+               [t.to(D64) for t in ins], S0, wo, wS)
+    tri = _run(lambda q, k, v, b, s: delta_rule_triton(q, k, v, b, s, True, chunk_size=chunk),
+               ins, None if S0 is None else S0.float(), wo, wS)
+    assert tri[0].dtype == dtype and tri[1].dtype == torch.float32
+    names = ["o", "S_T", "dq", "dk", "dv", "dbeta", "dS0"]
+    for n, a, b in zip(names, ref, tri):
+        assert b.dtype == (torch.float32 if n in ("S_T", "dS0") else dtype), n
+        torch.testing.assert_close(b.to(D64), a, atol=atol, rtol=rtol, msg=lambda s: f"{n}: {s}")
+
+
+@pytest.mark.parametrize("B,H,T,dk,dv,chunk,with_state", [
+    (1, 1, 20, 8, 8, 16, True),      # ragged second chunk
+    (2, 2, 37, 5, 12, 16, False),    # batch and heads, padded d_k and d_v, three chunks
+    (1, 2, 16, 16, 16, 4, True),     # chunk_size below 16 is rounded up: one full chunk
+])
+def test_float32_matches_reference(B, H, T, dk, dv, chunk, with_state):
+    """float32 kernel (IEEE products, float32 accumulation) vs the float64 reference on the same
+    inputs: triangular solves and sums of ≤ 40 O(1) terms keep errors near 1e-5 (dk and dβ reach
+    ~50, with errors ~1e-5 there), so 1e-4 absolute plus 1e-4 relative."""
+    _compare(B, H, T, dk, dv, chunk, torch.float32, with_state, atol=1e-4, rtol=1e-4)
+
+
+def test_several_dv_blocks(monkeypatch):
+    """d_v split over programs (state tile [d_k, 16], d_v = 40 → three blocks, the last ragged):
+    the d_v blocks are independent in the forward and summed over in the backward."""
+    monkeypatch.setattr(dr_chunk, "BV_MAX", 16)
+    _compare(1, 1, 21, 6, 40, 16, torch.float32, True, atol=1e-4, rtol=1e-4)
+
+
+def test_float64_is_exact():
+    """float64 inputs run in float64: the chunked form differs from the sequential one by
+    rounding only, 1e-10 on O(1) values."""
+    ins, S0 = _inputs(2, 1, 23, 7, 9, D64, seed=3, with_state=True)
+    g = torch.Generator().manual_seed(4)
+    wo, wS = torch.randn(2, 1, 23, 9, generator=g, dtype=D64), torch.randn(2, 1, 7, 9, generator=g, dtype=D64)
+    ref = _run(lambda *a: delta_rule_reference(*a, output_final_state=True), ins, S0, wo, wS)
+    tri = _run(lambda *a: delta_rule(*a, output_final_state=True, backend="triton", chunk_size=16),
+               ins, S0, wo, wS)
+    for a, b in zip(ref, tri):
+        assert b.dtype == D64
+        torch.testing.assert_close(b, a, atol=1e-10, rtol=1e-10)
+
+
+def test_bfloat16_inputs():
+    """bf16 inputs, float32 accumulation (TF32 products on a GPU): outputs and input gradients
+    are rounded to bf16 (relative error 2^-8 ≈ 4e-3; dk and dβ reach ~40 and are off by up to
+    ~0.25 there), so 5e-2 absolute plus 2e-2 relative."""
+    _compare(2, 1, 27, 8, 8, 16, torch.bfloat16, True, atol=5e-2, rtol=2e-2)
+
+
+def test_no_final_state_and_no_grad_for_state():
+    """output_final_state=False returns None and the same o; gradients flow without dht."""
+    ins, _ = _inputs(1, 1, 18, 4, 4, torch.float32, seed=5)
+    leaves = [t.clone().requires_grad_(True) for t in ins]
+    o, S = delta_rule_triton(*leaves, chunk_size=16)
+    assert S is None
+    o.sum().backward()
+    leaves_r = [t.to(D64).requires_grad_(True) for t in ins]
+    o_r, _ = delta_rule_reference(*leaves_r)
+    o_r.sum().backward()
+    torch.testing.assert_close(o.to(D64), o_r, atol=1e-4, rtol=1e-4)  # float32, as above
+    for a, b in zip(leaves_r, leaves):
+        torch.testing.assert_close(b.grad.to(D64), a.grad, atol=1e-4, rtol=1e-4)
+
+
+def test_varlen_matches_separate_sequences():
+    """cu_seqlens: one packed row of sequences of lengths 5, 0, 17, 18 equals the reference run
+    on each sequence alone with its own initial state (float64, so 1e-10), in every gradient
+    too; the empty sequence passes its initial state through unchanged."""
+    lens = [5, 0, 17, 18]
+    T = sum(lens)
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    ins, S0 = _inputs(1, 2, T, 6, 5, D64, seed=6, with_state=True, n_states=len(lens))
+    g = torch.Generator().manual_seed(7)
+    wo = torch.randn(1, 2, T, 5, generator=g, dtype=D64).to(DEV)
+    wS = torch.randn(len(lens), 2, 6, 5, generator=g, dtype=D64).to(DEV)
+
+    def per_sequence(q, k, v, b, s0):
+        outs, states = [], []
+        for i in range(len(lens)):
+            a, e = int(cu[i]), int(cu[i + 1])
+            o_i, S_i = delta_rule_reference(q[:, :, a:e], k[:, :, a:e], v[:, :, a:e], b[:, :, a:e],
+                                            s0[i:i + 1], True)
+            outs.append(o_i)
+            states.append(S_i)
+        return torch.cat(outs, 2), torch.cat(states, 0)
+
+    ref = _run(per_sequence, ins, S0, wo, wS)
+    tri = _run(lambda q, k, v, b, s: delta_rule_triton(q, k, v, b, s, True, chunk_size=16, cu_seqlens=cu),
+               ins, S0, wo, wS)
+    for a, b in zip(ref, tri):
+        torch.testing.assert_close(b, a, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(tri[1][1], S0[1])
+
+
+def test_bad_arguments_are_refused():
+    ins, _ = _inputs(2, 1, 8, 4, 4, torch.float32)
+    with pytest.raises(ValueError, match="packed batch"):
+        delta_rule_triton(*ins, cu_seqlens=torch.tensor([0, 8], dtype=torch.int32))
+    with pytest.raises(ValueError, match="initial_state"):
+        delta_rule_triton(*ins, initial_state=torch.zeros(1, 1, 4, 4))
+
+
+def test_mixer_triton_equals_torch():
+    """DeltaNet with kernel_backend="triton" vs "torch": same outputs and parameter gradients
+    (float64, both chunked forms of the same recurrence: 1e-9 on O(1) values)."""
+    from tests.model.mixer_checks import make_mixer
+
+    assert "triton" in BACKENDS
+    m, _ = make_mixer("deltanet", deltanet={"chunk_size": 16})
+    torch.manual_seed(1)
+    x = torch.randn(2, 19, m.d_model, dtype=D64, requires_grad=True)
+    w = torch.randn(2, 19, m.d_model, dtype=D64)
+    res = []
+    for be in ("torch", "triton"):
+        m.kernel_backend = be
+        m.zero_grad()
+        x.grad = None
+        y, st = m.chunked(x, output_state=True)
+        ((y * w).sum() + st["S"].sum()).backward()
+        res.append([y.detach(), st["S"].detach(), x.grad.clone()] + [p.grad.clone() for p in m.parameters()])
+    for a, b in zip(res[0], res[1]):
+        torch.testing.assert_close(b, a, atol=1e-9, rtol=1e-7)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,H,T,d,chunk", [(2, 4, 1000, 64, 64), (1, 2, 777, 128, 64), (2, 2, 300, 32, 32)])
+def test_gpu_float32_matches_reference(B, H, T, d, chunk):
+    """float32 with IEEE products over up to 1000 steps of O(1) values: 2e-3 (the sequential
+    reference accumulates its own float64 rounding only; the kernel's is ~1e-6 per step)."""
+    _compare(B, H, T, d, d, chunk, torch.float32, True, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.gpu
+def test_gpu_bfloat16_inputs():
+    """bf16 inputs with TF32 products (10-bit mantissa) over 512 steps: 1e-1 absolute plus 5e-2
+    relative on values up to O(10)."""
+    _compare(2, 2, 512, 64, 64, 64, torch.bfloat16, True, atol=1e-1, rtol=5e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_varlen():
+    """Varlen at GPU sizes, float32: each sequence equals running the kernel on it alone."""
+    lens = [100, 1, 513, 64, 200]
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    ins, S0 = _inputs(1, 2, sum(lens), 64, 64, torch.float32, with_state=True, n_states=len(lens))
+    o, S = delta_rule_triton(*ins, S0.float(), True, cu_seqlens=cu)
+    for i in range(len(lens)):
+        a, e = int(cu[i]), int(cu[i + 1])
+        o_i, S_i = delta_rule_triton(*[t[:, :, a:e] for t in ins], S0[i:i + 1].float(), True)
+        torch.testing.assert_close(o[:, :, a:e], o_i, atol=1e-5, rtol=1e-5)  # same kernel: rounding order only
+        torch.testing.assert_close(S[i:i + 1], S_i, atol=1e-5, rtol=1e-5)
