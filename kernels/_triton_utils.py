@@ -9,6 +9,8 @@
   "0 active drivers" when it has more than one to benchmark.
 * ``check_triton_device(name, *tensors)`` — a clear error instead of a driver failure deep in the
   launcher when the tensors sit where no kernel can run.
+* ``prune_by_elements_per_thread(tile_elements)`` — keeps the autotune configs that give each thread
+  about 8 elements of a register tile whose size is known only at the call.
 * ``num_sms(device)`` — streaming multiprocessors, to size grids that must fill the GPU.
 
 Whether the interpreter is on is decided when ``@triton.jit`` runs, i.e. when a ``chunk.py`` is
@@ -19,6 +21,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import itertools
+import math
 import os
 from typing import Iterable, List, Mapping, Optional, Sequence
 
@@ -84,6 +87,25 @@ def autotune_configs(space: Mapping[str, Sequence], num_warps: Sequence[int] = (
     return out
 
 
+def prune_by_elements_per_thread(tile_elements, target: int = 8):
+    """An ``early_config_prune`` for ``@triton.autotune(prune_configs_by=...)``: keeps the configs
+    whose main register tile, ``tile_elements(meta)`` elements (``meta``: the call's keyword
+    arguments and the config's meta-parameters), spreads closest to ``target`` elements per
+    thread. Scans and reductions over register tiles spill once a thread holds too many of them
+    and waste lanes on layout shuffles when it holds too few; the elements per thread also depend
+    on a call-time constexpr (a tile length), which a static config list cannot see."""
+    def prune(configs, named_args, **kwargs):
+        if len(configs) <= 1:
+            return configs
+
+        def dist(c):
+            e = tile_elements({**kwargs, **c.kwargs}) / (32 * c.num_warps)
+            return abs(math.log2(max(e, 1e-9) / target))
+        best = min(dist(c) for c in configs)
+        return [c for c in configs if dist(c) <= best + 1e-9]
+    return prune
+
+
 @functools.lru_cache(maxsize=None)
 def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
@@ -102,4 +124,4 @@ def next_power_of_2(n: int) -> int:
 
 
 __all__: Iterable[str] = ["is_interpreting", "has_triton", "triton_available", "check_triton_device",
-                          "autotune_configs", "num_sms", "next_power_of_2"]
+                          "autotune_configs", "prune_by_elements_per_thread", "num_sms", "next_power_of_2"]

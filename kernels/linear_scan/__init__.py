@@ -22,25 +22,37 @@ def has_triton_backend() -> bool:
 
 
 def linear_scan(log_a: torch.Tensor, b: torch.Tensor, initial_state: Optional[torch.Tensor] = None,
-                output_final_state: bool = False, backend: str = "torch", chunk_size: int = 64
-                ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+                output_final_state: bool = False, backend: str = "torch", chunk_size: int = 64,
+                cu_seqlens: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """h [B, T, D] (b's dtype) and, if ``output_final_state``, h_{T−1} [B, D] in the accumulation
     dtype (float32 for half inputs). ``backend``: "torch" (chunked PyTorch), "reference"
-    (sequential), "triton"."""
+    (sequential), "triton". ``cu_seqlens`` (int32 [N+1], B = 1): N packed sequences, the state
+    restarting at each (from ``initial_state`` [N, D] or 0); the final state is then [N, D]."""
     if log_a.shape != b.shape or b.dim() != 3:
         raise ValueError(f"linear_scan: log_a and b must both be [B, T, D], got {tuple(log_a.shape)} and {tuple(b.shape)}")
-    if initial_state is not None and initial_state.shape != (b.shape[0], b.shape[2]):
-        raise ValueError(f"linear_scan: initial_state must be [B, D] = {(b.shape[0], b.shape[2])}, "
-                         f"got {tuple(initial_state.shape)}")
+    if cu_seqlens is not None and b.shape[0] != 1:
+        raise ValueError(f"linear_scan: cu_seqlens needs packed input with B = 1, got B = {b.shape[0]}")
+    rows = b.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
+    if initial_state is not None and initial_state.shape != (rows, b.shape[2]):
+        raise ValueError(f"linear_scan: initial_state must be {'[B, D]' if cu_seqlens is None else '[N, D]'} = "
+                         f"{(rows, b.shape[2])}, got {tuple(initial_state.shape)}")
     if backend == "torch":
+        if cu_seqlens is not None:
+            # one chunked scan per sequence (reads the offsets on the host)
+            bounds = cu_seqlens.tolist()
+            parts = [linear_scan_chunk(log_a[:, s0:s1], b[:, s0:s1],
+                                       None if initial_state is None else initial_state[n:n + 1], True, chunk_size)
+                     for n, (s0, s1) in enumerate(zip(bounds[:-1], bounds[1:]))]
+            h = torch.cat([p[0] for p in parts], 1) if parts else b
+            return h, (torch.cat([p[1] for p in parts], 0) if output_final_state else None)
         return linear_scan_chunk(log_a, b, initial_state, output_final_state, chunk_size)
     if backend == "reference":
-        return linear_scan_ref(log_a, b, initial_state, output_final_state)
+        return linear_scan_ref(log_a, b, initial_state, output_final_state, cu_seqlens)
     if backend == "triton":
         if not has_triton_backend():
             raise RuntimeError("linear_scan: backend='triton' needs kernels/linear_scan/chunk.py, which is absent")
         from kernels.linear_scan.chunk import linear_scan_triton
-        return linear_scan_triton(log_a, b, initial_state, output_final_state, chunk_size)
+        return linear_scan_triton(log_a, b, initial_state, output_final_state, chunk_size, cu_seqlens=cu_seqlens)
     raise ValueError(f"linear_scan: backend must be torch, reference or triton, got {backend!r}")
 
 

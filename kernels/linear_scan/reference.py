@@ -18,9 +18,22 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def linear_scan_ref(log_a: torch.Tensor, b: torch.Tensor, initial_state: Optional[torch.Tensor] = None,
-                    output_final_state: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+                    output_final_state: bool = False, cu_seqlens: Optional[torch.Tensor] = None
+                    ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """One step per token. Returns h [B, T, D] in b's dtype and, if asked, h_{T−1} [B, D] in the
-    accumulation dtype."""
+    accumulation dtype. With ``cu_seqlens`` (int [N+1], B = 1): N packed sequences, each started
+    from ``initial_state[n]`` ([N, D]) or 0; the final state is then [N, D]."""
+    if cu_seqlens is not None:
+        bounds = cu_seqlens.tolist()
+        outs, finals = [], []
+        for n in range(len(bounds) - 1):
+            s0, s1 = bounds[n], bounds[n + 1]
+            o, f = linear_scan_ref(log_a[:, s0:s1], b[:, s0:s1],
+                                   None if initial_state is None else initial_state[n:n + 1], True)
+            outs.append(o)
+            finals.append(f)
+        out = torch.cat(outs, 1) if outs else b
+        return out, (torch.cat(finals, 0) if output_final_state else None)
     dt = acc_dtype(b.dtype)
     B, T, D = b.shape
     h = (torch.zeros(B, D, dtype=dt, device=b.device) if initial_state is None

@@ -1,0 +1,236 @@
+"""Speed and memory of the sequence-mixing ops in ``kernels/``: each op's Triton kernel against its
+chunked PyTorch form and against causal flash attention (``scaled_dot_product_attention`` with the
+flash backend) on q, k, v of the same [B, H, T, D].
+
+Sizes: T ∈ {2k, 8k, 32k} with B·T = 64k tokens, H = 12 heads, D = 64, bfloat16, on CUDA. For each
+form: forward time, forward+backward time (median of CUDA-event timings), the peak memory each
+allocates beyond its inputs, and for the Triton forms the bandwidth implied by the bytes the op
+must move at least (reads of its inputs, writes of its outputs) as a share of the device's peak.
+
+    python benchmarks/kernels.py                    # every registered op, CUDA
+    python benchmarks/kernels.py --ops linear_scan --seq-lens 2048 8192
+    python benchmarks/kernels.py --smoke            # tiny size; on CPU through the Triton interpreter
+
+An op is added by registering a function that builds its inputs and forms:
+
+    @register("my_op")
+    def my_op(B, T, H, D, dtype, device) -> Bench: ...
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+if not torch.cuda.is_available():
+    # Triton kernels can only run through the interpreter here; it must be on before triton loads
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch.nn.functional as F  # noqa: E402
+
+
+@dataclass
+class Bench:
+    """One op at one size. ``forms`` map a name ("triton", "torch") to a closure running the
+    forward on ``inputs`` and returning the tensors to backpropagate from; ``min_bytes`` gives the
+    least traffic of the forward and of forward+backward, for the bandwidth figure."""
+    inputs: List[torch.Tensor]
+    forms: Dict[str, Callable[[], Sequence[torch.Tensor]]]
+    min_bytes_fwd: int = 0
+    min_bytes_fwd_bwd: int = 0
+    notes: Dict[str, str] = field(default_factory=dict)
+
+
+REGISTRY: Dict[str, Callable[..., Bench]] = {}
+
+
+def register(name: str):
+    def deco(fn):
+        REGISTRY[name] = fn
+        return fn
+    return deco
+
+
+# ---- ops ---------------------------------------------------------------------------------------
+
+@register("linear_scan")
+def linear_scan_bench(B: int, T: int, H: int, D: int, dtype: torch.dtype, device: str) -> Bench:
+    """h_t = exp(log_a_t) ⊙ h_{t−1} + b_t over C = H·D channels (RG-LRU's recurrence width)."""
+    from kernels.linear_scan import linear_scan
+
+    C = H * D
+    log_a = (-torch.rand(B, T, C, device=device).mul(3).add(0.01)).to(dtype).requires_grad_()
+    b = torch.randn(B, T, C, device=device, dtype=dtype, requires_grad=True)
+    n = B * T * C * torch.finfo(dtype).bits // 8
+    return Bench(
+        inputs=[log_a, b],
+        forms={
+            "triton": lambda: linear_scan(log_a, b, backend="triton")[:1],
+            "torch": lambda: linear_scan(log_a, b, backend="torch")[:1],
+        },
+        min_bytes_fwd=3 * n,            # read log_a, b; write h
+        min_bytes_fwd_bwd=8 * n,        # + read log_a, b, dh; write dlog_a, db
+    )
+
+
+# ---- timing ------------------------------------------------------------------------------------
+
+def _sdpa_form(B, T, H, D, dtype, device):
+    q, k, v = (torch.randn(B, H, T, D, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    if device == "cuda":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        def run():
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                return (F.scaled_dot_product_attention(q, k, v, is_causal=True),)
+    else:
+        def run():
+            return (F.scaled_dot_product_attention(q, k, v, is_causal=True),)
+    return [q, k, v], run
+
+
+def _sync(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _time(fn, device, reps, warmup):
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    out = []
+    for _ in range(reps):
+        if device == "cuda":
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn()
+            e.record()
+            torch.cuda.synchronize()
+            out.append(s.elapsed_time(e))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            out.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(out)
+
+
+def _peak(fn, device):
+    """MiB allocated at the peak of one call, beyond what was allocated before it."""
+    if device != "cuda":
+        return float("nan")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+
+
+def _measure(run, inputs, device, reps, warmup):
+    def fwd():
+        return run()
+
+    def fwd_bwd():
+        outs = run()
+        grads = [torch.ones_like(o) for o in outs]
+        torch.autograd.backward(list(outs), grads)
+        for x in inputs:
+            x.grad = None
+
+    r = {}
+    for name, fn in (("fwd", fwd), ("fwd_bwd", fwd_bwd)):
+        try:
+            r[name + "_ms"] = _time(fn, device, reps, warmup)
+            r[name + "_mib"] = _peak(fn, device)
+        except torch.OutOfMemoryError:
+            r[name + "_ms"] = r[name + "_mib"] = "OOM"
+            torch.cuda.empty_cache()
+    return r
+
+
+def peak_bandwidth_gbps(device: str) -> Optional[float]:
+    """Nominal DRAM bandwidth of known devices (GB/s); None when unknown."""
+    if device != "cuda":
+        return None
+    name = torch.cuda.get_device_name()
+    table = [("H200", 4800.0), ("H100 PCIe", 2000.0), ("H100 NVL", 3900.0), ("H100", 3350.0),
+             ("A100-SXM4-80GB", 2039.0), ("A100", 1555.0)]
+    for key, bw in table:
+        if key in name:
+            return bw
+    return None
+
+
+def _fmt(x, spec=".3f"):
+    return x if isinstance(x, str) else ("-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ops", nargs="*", default=None, help=f"registered ops (default all: {', '.join(REGISTRY)})")
+    p.add_argument("--seq-lens", nargs="*", type=int, default=[2048, 8192, 32768])
+    p.add_argument("--tokens", type=int, default=65536, help="B·T")
+    p.add_argument("--heads", type=int, default=12)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny size (T=64, B=2, H=2, D=16, float32) that runs anywhere, the CPU included")
+    a = p.parse_args(argv)
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if a.smoke:
+        a.seq_lens, a.tokens, a.heads, a.head_dim, a.dtype, a.reps, a.warmup = [64], 128, 2, 16, "float32", 1, 1
+    elif device != "cuda":
+        sys.exit("benchmarks/kernels.py: no CUDA device; the benchmark sizes need a GPU "
+                 "(use --smoke for a tiny run through the Triton interpreter)")
+    dtype = getattr(torch, a.dtype)
+    ops = a.ops or list(REGISTRY)
+    unknown = [o for o in ops if o not in REGISTRY]
+    if unknown:
+        sys.exit(f"benchmarks/kernels.py: unknown ops {unknown}; registered: {list(REGISTRY)}")
+
+    peak = peak_bandwidth_gbps(device)
+    dev_name = torch.cuda.get_device_name() if device == "cuda" else "CPU (Triton interpreter)"
+    print(f"# device: {dev_name}; dtype {a.dtype}; H={a.heads}, D={a.head_dim}, B·T={a.tokens}; "
+          f"median of {a.reps}" + (f"; peak DRAM bandwidth {peak:.0f} GB/s" if peak else ""))
+    print("| op | T | B | form | fwd ms | fwd+bwd ms | fwd peak MiB | fwd+bwd peak MiB | fwd GB/s | fwd+bwd GB/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for T in a.seq_lens:
+        B = max(1, a.tokens // T)
+        qkv, sdpa_run = _sdpa_form(B, T, a.heads, a.head_dim, dtype, device)
+        s = _measure(sdpa_run, qkv, device, a.reps, a.warmup)
+        label = "sdpa (flash, causal)" if device == "cuda" else "sdpa (causal)"
+        print(f"| {label} | {T} | {B} | sdpa | {_fmt(s['fwd_ms'])} | {_fmt(s['fwd_bwd_ms'])} | "
+              f"{_fmt(s['fwd_mib'], '.0f')} | {_fmt(s['fwd_bwd_mib'], '.0f')} | - | - |")
+        del qkv, sdpa_run
+        for op in ops:
+            bench = REGISTRY[op](B, T, a.heads, a.head_dim, dtype, device)
+            for form, run in bench.forms.items():
+                r = _measure(run, bench.inputs, device, a.reps, a.warmup)
+                bw = ["-", "-"]
+                if form == "triton":
+                    for j, (k, nb) in enumerate((("fwd_ms", bench.min_bytes_fwd), ("fwd_bwd_ms", bench.min_bytes_fwd_bwd))):
+                        if isinstance(r[k], float) and nb:
+                            gbps = nb / (r[k] * 1e-3) / 1e9
+                            bw[j] = f"{gbps:.0f}" + (f" ({100 * gbps / peak:.0f}%)" if peak else "")
+                print(f"| {op} | {T} | {B} | {form} | {_fmt(r['fwd_ms'])} | {_fmt(r['fwd_bwd_ms'])} | "
+                      f"{_fmt(r['fwd_mib'], '.0f')} | {_fmt(r['fwd_bwd_mib'], '.0f')} | {bw[0]} | {bw[1]} |")
+            del bench
+            if device == "cuda":
+                torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
