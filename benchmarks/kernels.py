@@ -83,6 +83,85 @@ def linear_scan_bench(B: int, T: int, H: int, D: int, dtype: torch.dtype, device
     )
 
 
+def _qkv(B, H, T, D, dtype, device, normalize_k=False):
+    q, k, v = (torch.randn(B, H, T, D, device=device) for _ in range(3))
+    if normalize_k:
+        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+    return [t.to(dtype).requires_grad_() for t in (q, k, v)]
+
+
+@register("delta_rule")
+def delta_rule_bench(B: int, T: int, H: int, D: int, dtype: torch.dtype, device: str) -> Bench:
+    """DeltaNet's S_t = S_{t−1} + β_t k_t (v_t − S_{t−1}ᵀ k_t)ᵀ, o_t = S_tᵀ q_t; L2-normalized q, k."""
+    from kernels.delta_rule import delta_rule
+
+    q, k, v = _qkv(B, H, T, D, dtype, device, normalize_k=True)
+    beta = torch.rand(B, H, T, device=device).to(dtype).requires_grad_()
+    n = B * H * T * D * torch.finfo(dtype).bits // 8
+    return Bench(
+        inputs=[q, k, v, beta],
+        forms={f: (lambda f=f: delta_rule(q, k, v, beta, backend=f, chunk_size=64)[:1]) for f in ("triton", "torch")},
+        min_bytes_fwd=4 * n, min_bytes_fwd_bwd=11 * n,
+    )
+
+
+@register("titans_linear")
+def titans_linear_bench(B: int, T: int, H: int, D: int, dtype: torch.dtype, device: str) -> Bench:
+    """Titans' linear memory with momentum and forgetting, chunks of 64 tokens."""
+    from kernels.titans import titans_linear
+
+    q, k, v = _qkv(B, H, T, D, dtype, device, normalize_k=True)
+    theta = (0.5 * torch.rand(B, H, T, device=device)).to(dtype).requires_grad_()
+    log_eta = F.logsigmoid(torch.randn(B, H, T, device=device) + 2).to(dtype).requires_grad_()
+    log_keep = F.logsigmoid(torch.randn(B, H, T, device=device) + 3).to(dtype).requires_grad_()
+    n = B * H * T * D * torch.finfo(dtype).bits // 8
+    return Bench(
+        inputs=[q, k, v, theta, log_eta, log_keep],
+        forms={f: (lambda f=f: titans_linear(q, k, v, theta, log_eta, log_keep, backend=f, chunk_size=64)[:1])
+               for f in ("triton", "torch")},
+        min_bytes_fwd=4 * n, min_bytes_fwd_bwd=11 * n,
+    )
+
+
+def _ttt_inputs(B, H, T, D, dtype, device, mlp: bool):
+    q, k, v = _qkv(B, H, T, D, dtype, device)
+    eta = (0.01 * torch.sigmoid(torch.randn(B, H, T, device=device))).to(dtype).requires_grad_()
+    b = 16
+    token_idx = (1.0 / torch.arange(1, b + 1, device=device, dtype=torch.float32)).requires_grad_()
+    ln_w = torch.ones(H, D, device=device, requires_grad=True)
+    ln_b = torch.zeros(H, D, device=device, requires_grad=True)
+    inner = [(0.02 * torch.randn(H, D, 4 * D if mlp else D, device=device)).requires_grad_(),
+             torch.zeros(H, 1, 4 * D if mlp else D, device=device, requires_grad=True)]
+    if mlp:
+        inner += [(0.02 * torch.randn(H, 4 * D, D, device=device)).requires_grad_(),
+                  torch.zeros(H, 1, D, device=device, requires_grad=True)]
+    return [q, k, v, eta, token_idx, ln_w, ln_b, *inner], b
+
+
+@register("ttt_linear")
+def ttt_linear_bench(B: int, T: int, H: int, D: int, dtype: torch.dtype, device: str) -> Bench:
+    """TTT-Linear's dual form over mini-batches of 16, inner LayerNorm fused, per-head per-token η."""
+    from kernels.ttt import ttt_linear
+
+    ins, b = _ttt_inputs(B, H, T, D, dtype, device, mlp=False)
+    n = B * H * T * D * torch.finfo(dtype).bits // 8
+    return Bench(inputs=ins, forms={f: (lambda f=f: ttt_linear(*ins, mini_batch_size=b, backend=f)[:1])
+                                    for f in ("triton", "torch")},
+                 min_bytes_fwd=4 * n, min_bytes_fwd_bwd=11 * n)
+
+
+@register("ttt_mlp")
+def ttt_mlp_bench(B: int, T: int, H: int, D: int, dtype: torch.dtype, device: str) -> Bench:
+    """TTT-MLP's dual form (inner MLP D → 4D → D), mini-batches of 16."""
+    from kernels.ttt import has_triton_backend, ttt_mlp
+
+    ins, b = _ttt_inputs(B, H, T, D, dtype, device, mlp=True)
+    n = B * H * T * D * torch.finfo(dtype).bits // 8
+    forms = ("triton", "torch") if has_triton_backend("mlp") else ("torch",)
+    return Bench(inputs=ins, forms={f: (lambda f=f: ttt_mlp(*ins, mini_batch_size=b, backend=f)[:1]) for f in forms},
+                 min_bytes_fwd=4 * n, min_bytes_fwd_bwd=11 * n)
+
+
 # ---- timing ------------------------------------------------------------------------------------
 
 def _sdpa_form(B, T, H, D, dtype, device):

@@ -31,7 +31,7 @@ Precision: float64 inputs are computed in float64; float32, bfloat16 and float16
 float32 (products with ``input_precision="ieee"``, i.e. no TF32 rounding). Outputs come back in
 the input dtype, the state in float32 (float64 for float64 inputs), as in ``torch_chunk.py``.
 
-``ttt_mlp_triton`` is not provided: ``backend="triton"`` for TTT-MLP raises in the dispatcher.
+``ttt_mlp_triton`` (TTT-MLP, same structure and coverage) follows below the TTT-Linear part.
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from kernels._triton_utils import check_triton_device, is_interpreting
-from kernels.ttt.torch_chunk import LN_EPS, acc_dtype, make_state, ttt_linear_chunk
+from kernels.ttt.torch_chunk import LN_EPS, acc_dtype, make_state, ttt_linear_chunk, ttt_mlp_chunk
 
 #: b×b and b×d tiles live in registers; beyond 64 they spill
 _MAX_MB = 64
@@ -335,4 +335,399 @@ def ttt_linear_triton(XQ, XK, XV, eta, token_idx, ln_weight, ln_bias, W1, b1, mi
     return out, (st if output_final_state else None)
 
 
-__all__ = ["ttt_linear_triton"]
+# =================================================================================================
+# TTT-MLP (math and coverage in ttt_mlp_triton's docstring)
+# =================================================================================================
+
+@triton.jit
+def _gelu_tanh3(x):
+    """GELU_tanh(x), GELU'(x) and GELU''(x) (c = √(2/π), a = 0.044715, u = c(x + a x³))."""
+    u = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+    t = 1.0 - 2.0 / (tl.exp(2.0 * u) + 1.0)
+    du = 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * x * x)
+    s = 1.0 - t * t
+    g = 0.5 * x * (1.0 + t)
+    dg = 0.5 * (1.0 + t) + 0.5 * x * s * du
+    ddg = s * (du - x * t * du * du + 3.0 * 0.7978845608028654 * 0.044715 * x * x)
+    return g, dg, ddg
+
+
+@triton.jit
+def _ln_l2_bwd_bwd(dG, G, gh, xh, rstd, gamma, beta, tgt, cmask, D: tl.constexpr):
+    """Backward of Γ = ∂/∂Z ½‖γ x̂ + β − tgt‖² (x̂, σ of Z): given ∂/∂Γ, return ∂/∂Z, ∂/∂tgt and
+    the row-summed contributions to ∂/∂γ, ∂/∂β (ĝ = γ(γ x̂ + β − tgt))."""
+    dgh = _ln_bwd(dG, xh, rstd, cmask, D)
+    c2 = tl.sum(gh * xh, axis=1) / D
+    mux = tl.sum(dG * xh, axis=1) / D
+    dxh = -(dG * c2[:, None] + gh * mux[:, None]) * rstd[:, None] + gamma[None, :] * gamma[None, :] * dgh
+    dsig = -tl.sum(dG * G, axis=1) * rstd
+    dgamma = tl.sum(dgh * (2.0 * gamma[None, :] * xh + beta[None, :] - tgt), axis=0)
+    dbeta = tl.sum(dgh * gamma[None, :], axis=0)
+    dtgt = -gamma[None, :] * dgh
+    dZ = _ln_bwd(dxh, xh, rstd, cmask, D) + tl.where(cmask[None, :], dsig[:, None] * xh / D, 0.0)
+    return dZ, dtgt, dgamma, dbeta
+
+
+@triton.jit
+def _mlp_mini_batch_fwd(q, k, v, e, tau, W1, b1, W2, b2, gamma, beta, cmask, rmask, tril,
+                        D: tl.constexpr, eps, PREC: tl.constexpr):
+    """Everything of one TTT-MLP mini-batch that the forward and the backward both need."""
+    Z1 = tl.dot(k, W1, input_precision=PREC) + b1[None, :]
+    X2, gp, gpp = _gelu_tanh3(Z1)
+    # padded rows (zero k) would give X2 = GELU(b1) ≠ 0; they carry η = 0, zero them anyway
+    X2 = tl.where(rmask[:, None], X2, 0.0)
+    Z2 = tl.dot(X2, W2, input_precision=PREC) + b2[None, :]
+    xh, rstd = _ln_stats(Z2, cmask, D, eps)
+    tgt = v - k
+    gh = (gamma[None, :] * xh + beta[None, :] - tgt) * gamma[None, :]
+    G2 = _ln_bwd(gh, xh, rstd, cmask, D)                                    # Γ2
+    S = tl.dot(G2, tl.trans(W2), input_precision=PREC)
+    G1 = S * gp                                                             # Γ1
+    Ev = tau[:, None] * e[None, :]
+    A1 = tl.dot(q, tl.trans(k), input_precision=PREC)
+    M1 = tl.where(tril, Ev * (A1 + 1.0), 0.0)
+    Z1b = tl.dot(q, W1, input_precision=PREC) + b1[None, :] - tl.dot(M1, G1, input_precision=PREC)
+    X2b, gpb, _unused = _gelu_tanh3(Z1b)
+    A2 = tl.dot(X2b, tl.trans(X2), input_precision=PREC)
+    M2 = tl.where(tril, Ev * (A2 + 1.0), 0.0)
+    Z2b = tl.dot(X2b, W2, input_precision=PREC) + b2[None, :] - tl.dot(M2, G2, input_precision=PREC)
+    xhb, rstdb = _ln_stats(Z2b, cmask, D, eps)
+    return X2, gp, gpp, xh, rstd, tgt, gh, G2, S, G1, Ev, A1, M1, X2b, gpb, A2, M2, xhb, rstdb
+
+
+@triton.jit
+def _ttt_mlp_fwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, W10, B10, W20, B20, OUT,
+                        W1S, B1S, W2S, B2S, W1F, B1F, W2F, B2F,
+                        T, NMB, H, eps,
+                        D: tl.constexpr, BD: tl.constexpr, M: tl.constexpr, BM: tl.constexpr,
+                        MB: tl.constexpr, BT: tl.constexpr, SAVE: tl.constexpr, PREC: tl.constexpr):
+    pid = tl.program_id(0)                      # = b_idx * H + h_idx
+    h = pid % H
+    cdt = W10.dtype.element_ty
+    rows = tl.arange(0, BT)
+    cols = tl.arange(0, BD)
+    hcols = tl.arange(0, BM)
+    cmask = cols < D
+    hmask = hcols < M
+    rmask = rows < MB
+    xmask = rmask[:, None] & cmask[None, :]
+    w1mask = cmask[:, None] & hmask[None, :]
+    w2mask = hmask[:, None] & cmask[None, :]
+    w1off = cols[:, None] * M + hcols[None, :]
+    w2off = hcols[:, None] * D + cols[None, :]
+    tril = rows[None, :] <= rows[:, None]
+
+    W1 = tl.load(W10 + pid * D * M + w1off, mask=w1mask, other=0.0).to(cdt)
+    b1 = tl.load(B10 + pid * M + hcols, mask=hmask, other=0.0).to(cdt)
+    W2 = tl.load(W20 + pid * M * D + w2off, mask=w2mask, other=0.0).to(cdt)
+    b2 = tl.load(B20 + pid * D + cols, mask=cmask, other=0.0).to(cdt)
+    gamma = tl.load(LNW + h * D + cols, mask=cmask, other=0.0).to(cdt)
+    beta = tl.load(LNB + h * D + cols, mask=cmask, other=0.0).to(cdt)
+    # padded rows (MB < BT) get τ = η = 0, so they enter no product that reaches a real row
+    tau = tl.load(TAU + rows, mask=rmask, other=0.0).to(cdt)
+    tau_last = tl.load(TAU + MB - 1).to(cdt)
+
+    for n in range(NMB):
+        if SAVE:
+            s = pid * NMB + n
+            tl.store(W1S + s * D * M + w1off, W1, mask=w1mask)
+            tl.store(B1S + s * M + hcols, b1, mask=hmask)
+            tl.store(W2S + s * M * D + w2off, W2, mask=w2mask)
+            tl.store(B2S + s * D + cols, b2, mask=cmask)
+        t_off = n * MB + rows
+        xoff = pid * T * D + t_off[:, None] * D + cols[None, :]
+        q = tl.load(XQ + xoff, mask=xmask, other=0.0).to(cdt)
+        k = tl.load(XK + xoff, mask=xmask, other=0.0).to(cdt)
+        v = tl.load(XV + xoff, mask=xmask, other=0.0).to(cdt)
+        e = tl.load(ETA + pid * T + t_off, mask=rmask, other=0.0).to(cdt)
+        X2, gp, gpp, xh, rstd, tgt, gh, G2, S, G1, Ev, A1, M1, X2b, gpb, A2, M2, xhb, rstdb = \
+            _mlp_mini_batch_fwd(q, k, v, e, tau, W1, b1, W2, b2, gamma, beta, cmask, rmask, tril, D, eps, PREC)
+        out = q + gamma[None, :] * xhb + beta[None, :]
+        tl.store(OUT + xoff, out.to(OUT.dtype.element_ty), mask=xmask)
+        eG1 = e[:, None] * G1
+        eG2 = e[:, None] * G2
+        W1 = W1 - tau_last * tl.dot(tl.trans(k), eG1, input_precision=PREC)
+        b1 = b1 - tau_last * tl.sum(eG1, axis=0)
+        W2 = W2 - tau_last * tl.dot(tl.trans(X2), eG2, input_precision=PREC)
+        b2 = b2 - tau_last * tl.sum(eG2, axis=0)
+
+    tl.store(W1F + pid * D * M + w1off, W1, mask=w1mask)
+    tl.store(B1F + pid * M + hcols, b1, mask=hmask)
+    tl.store(W2F + pid * M * D + w2off, W2, mask=w2mask)
+    tl.store(B2F + pid * D + cols, b2, mask=cmask)
+
+
+@triton.jit
+def _ttt_mlp_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, W1S, B1S, W2S, B2S, DOUT,
+                        DW1F, DB1F, DW2F, DB2F,
+                        DXQ, DXK, DXV, DETA, DTAU, DLNW, DLNB, DW10, DB10, DW20, DB20,
+                        T, NMB, H, eps,
+                        D: tl.constexpr, BD: tl.constexpr, M: tl.constexpr, BM: tl.constexpr,
+                        MB: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr):
+    pid = tl.program_id(0)
+    h = pid % H
+    cdt = W1S.dtype.element_ty
+    rows = tl.arange(0, BT)
+    cols = tl.arange(0, BD)
+    hcols = tl.arange(0, BM)
+    cmask = cols < D
+    hmask = hcols < M
+    rmask = rows < MB
+    xmask = rmask[:, None] & cmask[None, :]
+    w1mask = cmask[:, None] & hmask[None, :]
+    w2mask = hmask[:, None] & cmask[None, :]
+    w1off = cols[:, None] * M + hcols[None, :]
+    w2off = hcols[:, None] * D + cols[None, :]
+    tril = rows[None, :] <= rows[:, None]
+
+    gamma = tl.load(LNW + h * D + cols, mask=cmask, other=0.0).to(cdt)
+    beta = tl.load(LNB + h * D + cols, mask=cmask, other=0.0).to(cdt)
+    tau = tl.load(TAU + rows, mask=rmask, other=0.0).to(cdt)
+    tau_last = tl.load(TAU + MB - 1).to(cdt)
+    is_last = rows == MB - 1
+
+    # gradients with respect to the weights at the END of the current mini-batch
+    dW1 = tl.load(DW1F + pid * D * M + w1off, mask=w1mask, other=0.0).to(cdt)
+    db1 = tl.load(DB1F + pid * M + hcols, mask=hmask, other=0.0).to(cdt)
+    dW2 = tl.load(DW2F + pid * M * D + w2off, mask=w2mask, other=0.0).to(cdt)
+    db2 = tl.load(DB2F + pid * D + cols, mask=cmask, other=0.0).to(cdt)
+    dgamma = tl.zeros([BD], dtype=cdt)
+    dbeta = tl.zeros([BD], dtype=cdt)
+    dtau = tl.zeros([BT], dtype=cdt)
+
+    for i in range(NMB):
+        n = NMB - 1 - i
+        s = pid * NMB + n
+        W1 = tl.load(W1S + s * D * M + w1off, mask=w1mask, other=0.0)
+        b1 = tl.load(B1S + s * M + hcols, mask=hmask, other=0.0)
+        W2 = tl.load(W2S + s * M * D + w2off, mask=w2mask, other=0.0)
+        b2 = tl.load(B2S + s * D + cols, mask=cmask, other=0.0)
+        t_off = n * MB + rows
+        xoff = pid * T * D + t_off[:, None] * D + cols[None, :]
+        q = tl.load(XQ + xoff, mask=xmask, other=0.0).to(cdt)
+        k = tl.load(XK + xoff, mask=xmask, other=0.0).to(cdt)
+        v = tl.load(XV + xoff, mask=xmask, other=0.0).to(cdt)
+        e = tl.load(ETA + pid * T + t_off, mask=rmask, other=0.0).to(cdt)
+        do = tl.load(DOUT + xoff, mask=xmask, other=0.0).to(cdt)
+        X2, gp, gpp, xh, rstd, tgt, gh, G2, S, G1, Ev, A1, M1, X2b, gpb, A2, M2, xhb, rstdb = \
+            _mlp_mini_batch_fwd(q, k, v, e, tau, W1, b1, W2, b2, gamma, beta, cmask, rmask, tril, D, eps, PREC)
+
+        # end-of-mini-batch update, read with the end-weight gradients before they are extended:
+        # W1' = W1 − τ_{b−1} Kᵀ(η⊙Γ1), W2' = W2 − τ_{b−1} X2ᵀ(η⊙Γ2), biases likewise
+        P1 = tl.dot(k, dW1, input_precision=PREC) + db1[None, :]
+        P2 = tl.dot(X2, dW2, input_precision=PREC) + db2[None, :]
+        GP = tl.sum(G1 * P1, axis=1) + tl.sum(G2 * P2, axis=1)
+        dG1 = -tau_last * e[:, None] * P1
+        dG2 = -tau_last * e[:, None] * P2
+        de = -tau_last * GP
+        dtau += tl.where(is_last, -tl.sum(e * GP, axis=0), 0.0)
+        dk = -tau_last * tl.dot(e[:, None] * G1, tl.trans(dW1), input_precision=PREC)
+        dX2 = -tau_last * tl.dot(e[:, None] * G2, tl.trans(dW2), input_precision=PREC)
+
+        # out = Q + γ x̂(Z̄2) + β
+        dgamma += tl.sum(do * xhb, axis=0)
+        dbeta += tl.sum(do, axis=0)
+        dZ2b = _ln_bwd(do * gamma[None, :], xhb, rstdb, cmask, D)
+        # Z̄2 = X̄2 W2 + b2 − M2 Γ2,  M2 = tril(E ⊙ (X̄2 X2ᵀ + 1))
+        dX2b = tl.dot(dZ2b, tl.trans(W2), input_precision=PREC)
+        dW2 += tl.dot(tl.trans(X2b), dZ2b, input_precision=PREC)
+        db2 += tl.sum(dZ2b, axis=0)
+        dM2 = tl.where(tril, -tl.dot(dZ2b, tl.trans(G2), input_precision=PREC), 0.0)
+        dG2 += -tl.dot(tl.trans(M2), dZ2b, input_precision=PREC)
+        dE = dM2 * (A2 + 1.0)
+        dA2 = dM2 * Ev
+        dX2b += tl.dot(dA2, X2, input_precision=PREC)
+        dX2 += tl.dot(tl.trans(dA2), X2b, input_precision=PREC)
+        # X̄2 = GELU(Z̄1),  Z̄1 = Q W1 + b1 − M1 Γ1,  M1 = tril(E ⊙ (Q Kᵀ + 1))
+        dZ1b = dX2b * gpb
+        dq = do + tl.dot(dZ1b, tl.trans(W1), input_precision=PREC)
+        dW1 += tl.dot(tl.trans(q), dZ1b, input_precision=PREC)
+        db1 += tl.sum(dZ1b, axis=0)
+        dM1 = tl.where(tril, -tl.dot(dZ1b, tl.trans(G1), input_precision=PREC), 0.0)
+        dG1 += -tl.dot(tl.trans(M1), dZ1b, input_precision=PREC)
+        dE += dM1 * (A1 + 1.0)
+        dA1 = dM1 * Ev
+        dq += tl.dot(dA1, k, input_precision=PREC)
+        dk += tl.dot(tl.trans(dA1), q, input_precision=PREC)
+        # E_ij = τ_i η_j
+        de += tl.sum(dE * tau[:, None], axis=0)
+        dtau += tl.sum(dE * e[None, :], axis=1)
+        # Γ1 = (Γ2 W2ᵀ) ⊙ GELU'(Z1)
+        dS = dG1 * gp
+        dZ1 = dG1 * S * gpp
+        dG2 += tl.dot(dS, W2, input_precision=PREC)
+        dW2 += tl.dot(tl.trans(dS), G2, input_precision=PREC)
+        # Γ2 from Z2 and the target V − K
+        dZ2, dtgt, dg, dbt = _ln_l2_bwd_bwd(dG2, G2, gh, xh, rstd, gamma, beta, tgt, cmask, D)
+        dgamma += dg
+        dbeta += dbt
+        # Z2 = X2 W2 + b2,  X2 = GELU(Z1),  Z1 = K W1 + b1
+        dX2 += tl.dot(dZ2, tl.trans(W2), input_precision=PREC)
+        dW2 += tl.dot(tl.trans(X2), dZ2, input_precision=PREC)
+        db2 += tl.sum(dZ2, axis=0)
+        dZ1 += tl.where(rmask[:, None], dX2 * gp, 0.0)
+        dk += tl.dot(dZ1, tl.trans(W1), input_precision=PREC) - dtgt
+        dW1 += tl.dot(tl.trans(k), dZ1, input_precision=PREC)
+        db1 += tl.sum(dZ1, axis=0)
+
+        tl.store(DXQ + xoff, dq.to(DXQ.dtype.element_ty), mask=xmask)
+        tl.store(DXK + xoff, dk.to(DXK.dtype.element_ty), mask=xmask)
+        tl.store(DXV + xoff, dtgt.to(DXV.dtype.element_ty), mask=xmask)
+        tl.store(DETA + pid * T + t_off, de.to(DETA.dtype.element_ty), mask=rmask)
+
+    tl.store(DW10 + pid * D * M + w1off, dW1, mask=w1mask)
+    tl.store(DB10 + pid * M + hcols, db1, mask=hmask)
+    tl.store(DW20 + pid * M * D + w2off, dW2, mask=w2mask)
+    tl.store(DB20 + pid * D + cols, db2, mask=cmask)
+    tl.store(DLNW + pid * D + cols, dgamma, mask=cmask)
+    tl.store(DLNB + pid * D + cols, dbeta, mask=cmask)
+    tl.store(DTAU + pid * MB + rows, dtau, mask=rmask)
+
+
+def _mlp_launch_cfg(d: int, m: int, b: int):
+    """Padded tile sizes (every tl.dot block dim ≥ 16) and launch options for TTT-MLP."""
+    BD = max(16, triton.next_power_of_2(d))
+    BM = max(16, triton.next_power_of_2(m))
+    BT = max(16, triton.next_power_of_2(b))
+    if is_interpreting():
+        return BD, BM, BT, {}
+    # four weight tiles of BD×BM live at once: beyond small heads they spill to local memory
+    return BD, BM, BT, {"num_warps": 4 if BD * BM <= 32 * 128 else 8, "num_stages": 1}
+
+
+class _TTTMLPFull(torch.autograd.Function):
+    """Full mini-batches from a boundary: (XQ, XK, XV, η, τ, γ, β, W1_0 [B,H,d,m], b1_0 [B,H,1,m],
+    W2_0 [B,H,m,d], b2_0 [B,H,1,d]) → (out [B,H,T,d], W1_end, b1_end, W2_end, b2_end)."""
+
+    @staticmethod
+    def forward(ctx, XQ, XK, XV, eta, tau, ln_w, ln_b, W1, b1, W2, b2, mini_batch_size):
+        B, H, T, d = XQ.shape
+        m = W1.shape[-1]
+        bsz = mini_batch_size
+        NMB = T // bsz
+        cdt = acc_dtype(XQ.dtype)
+        dev = XQ.device
+        XQ, XK, XV, eta = (x.contiguous() for x in (XQ, XK, XV, eta))
+        tau_c = tau.to(cdt).contiguous()
+        lw, lb = ln_w.to(cdt).contiguous(), ln_b.to(cdt).contiguous()
+        W1c, b1c, W2c, b2c = (w.to(cdt).contiguous() for w in (W1, b1, W2, b2))
+        out = torch.empty_like(XQ)
+        save = any(ctx.needs_input_grad)  # the per-mini-batch start weights serve only the backward
+        ns = NMB if save else 1
+        W1S = torch.empty(B, H, ns, d, m, dtype=cdt, device=dev)
+        B1S = torch.empty(B, H, ns, m, dtype=cdt, device=dev)
+        W2S = torch.empty(B, H, ns, m, d, dtype=cdt, device=dev)
+        B2S = torch.empty(B, H, ns, d, dtype=cdt, device=dev)
+        W1F = torch.empty(B, H, d, m, dtype=cdt, device=dev)
+        B1F = torch.empty(B, H, 1, m, dtype=cdt, device=dev)
+        W2F = torch.empty(B, H, m, d, dtype=cdt, device=dev)
+        B2F = torch.empty(B, H, 1, d, dtype=cdt, device=dev)
+        BD, BM, BT, kw = _mlp_launch_cfg(d, m, bsz)
+        _ttt_mlp_fwd_kernel[(B * H,)](
+            XQ, XK, XV, eta, tau_c, lw, lb, W1c, b1c, W2c, b2c, out,
+            W1S, B1S, W2S, B2S, W1F, B1F, W2F, B2F,
+            T, NMB, H, LN_EPS, D=d, BD=BD, M=m, BM=BM, MB=bsz, BT=BT, SAVE=save, PREC="ieee", **kw)
+        ctx.save_for_backward(XQ, XK, XV, eta, tau_c, lw, lb, W1S, B1S, W2S, B2S)
+        ctx.meta = (bsz, tau.dtype, ln_w.dtype, ln_b.dtype, W1.dtype, b1.dtype, W2.dtype, b2.dtype)
+        return out, W1F, B1F, W2F, B2F
+
+    @staticmethod
+    def backward(ctx, dout, dW1F, dB1F, dW2F, dB2F):
+        XQ, XK, XV, eta, tau_c, lw, lb, W1S, B1S, W2S, B2S = ctx.saved_tensors
+        bsz, tau_dt, lw_dt, lb_dt, W1_dt, b1_dt, W2_dt, b2_dt = ctx.meta
+        B, H, T, d = XQ.shape
+        m = W1S.shape[-1]
+        NMB = T // bsz
+        cdt = W1S.dtype
+        dev = XQ.device
+
+        def grad_or_zero(g, *shape):
+            return torch.zeros(*shape, dtype=cdt, device=dev) if g is None else g.to(cdt).contiguous()
+
+        dout = torch.zeros_like(XQ) if dout is None else dout.contiguous()
+        dW1F, dB1F = grad_or_zero(dW1F, B, H, d, m), grad_or_zero(dB1F, B, H, 1, m)
+        dW2F, dB2F = grad_or_zero(dW2F, B, H, m, d), grad_or_zero(dB2F, B, H, 1, d)
+        dXQ, dXK, dXV = (torch.empty_like(XQ) for _ in range(3))
+        dETA = torch.empty_like(eta)
+        dTAU = torch.empty(B, H, bsz, dtype=cdt, device=dev)
+        dLNW = torch.empty(B, H, d, dtype=cdt, device=dev)
+        dLNB = torch.empty(B, H, d, dtype=cdt, device=dev)
+        dW10 = torch.empty(B, H, d, m, dtype=cdt, device=dev)
+        dB10 = torch.empty(B, H, 1, m, dtype=cdt, device=dev)
+        dW20 = torch.empty(B, H, m, d, dtype=cdt, device=dev)
+        dB20 = torch.empty(B, H, 1, d, dtype=cdt, device=dev)
+        BD, BM, BT, kw = _mlp_launch_cfg(d, m, bsz)
+        _ttt_mlp_bwd_kernel[(B * H,)](
+            XQ, XK, XV, eta, tau_c, lw, lb, W1S, B1S, W2S, B2S, dout, dW1F, dB1F, dW2F, dB2F,
+            dXQ, dXK, dXV, dETA, dTAU, dLNW, dLNB, dW10, dB10, dW20, dB20,
+            T, NMB, H, LN_EPS, D=d, BD=BD, M=m, BM=BM, MB=bsz, BT=BT, PREC="ieee", **kw)
+        return (dXQ, dXK, dXV, dETA, dTAU.sum((0, 1)).to(tau_dt), dLNW.sum(0).to(lw_dt),
+                dLNB.sum(0).to(lb_dt), dW10.to(W1_dt), dB10.to(b1_dt), dW20.to(W2_dt), dB20.to(b2_dt), None)
+
+
+def ttt_mlp_triton(XQ, XK, XV, eta, token_idx, ln_weight, ln_bias, W1, b1, W2, b2, mini_batch_size=16,
+                   initial_state: Optional[dict] = None, output_final_state: bool = False
+                   ) -> Tuple[torch.Tensor, Optional[dict]]:
+    r"""Same contract as ``kernels.ttt.ttt_mlp``. The full mini-batches from a boundary run in the
+    Triton kernel; the head (completing a mini-batch begun in ``initial_state``) and the tail (a
+    trailing partial mini-batch) run in the PyTorch dual form.
+
+    TTT-MLP dual form (f(x) = GELU_tanh(x W1 + b1) W2 + b2, W1 [d, m], W2 [m, d], m = 4d in the
+    paper). One program per (batch, head) walks the full mini-batches with (W1, b1, W2, b2) in
+    registers. For a mini-batch with rows K, Q, V ∈ R^{b×d}, η, τ as for TTT-Linear and the weights
+    at its start:
+
+        Z1 = K W1 + b1,   X2 = GELU(Z1),   Z2 = X2 W2 + b2
+        Γ2 = ∂/∂Z2 ½‖LN_γβ(Z2) − (V − K)‖²,   Γ1 = (Γ2 W2ᵀ) ⊙ GELU'(Z1)          (gradients at W_0)
+        M1 = tril(E ⊙ (Q Kᵀ + 1)),        Z̄1 = Q W1 + b1 − M1 Γ1,   X̄2 = GELU(Z̄1)
+        M2 = tril(E ⊙ (X̄2 X2ᵀ + 1)),      Z̄2 = X̄2 W2 + b2 − M2 Γ2,  out = Q + LN_γβ(Z̄2)
+        W1 ← W1 − τ_{b−1} Kᵀ(η ⊙ Γ1),  b1 ← b1 − τ_{b−1} Σ_j η_j Γ1_j      (same for W2, b2 with X2, Γ2)
+
+    The forward stores the four weights at the start of every mini-batch (2dm + m + d numbers per
+    mini-batch and head); the backward walks the mini-batches in reverse from them, carrying the
+    gradient with respect to the weights at the end of the current mini-batch, as for TTT-Linear.
+    The GELU''(Z1) term enters through Γ1's dependence on Z1. Coverage is that of the TTT-Linear
+    kernel (full mini-batches from pos = 0 in Triton, b ≤ 64, any d and m padded to powers of two
+    ≥ 16; head and tail in the PyTorch dual form through autograd). tanh is written with exp
+    (tanh u = 1 − 2/(e^{2u} + 1), exact at ±∞), which behaves the same in float32 and float64.
+    Precision as for TTT-Linear: float64 inputs in float64, others in float32 with IEEE products.
+    At d = 64, m = 256 the two weight tiles alone are 32K float32 per program: expect register
+    spills on a GPU (a hidden-dimension split of the tiles is the next step for speed).
+    """
+    if not 1 <= mini_batch_size <= _MAX_MB:
+        raise ValueError(f"ttt_mlp_triton: mini_batch_size must be in [1, {_MAX_MB}], got {mini_batch_size}")
+    check_triton_device("ttt_mlp_triton", XQ, XK, XV, eta)
+    B, H, T, d = XQ.shape
+    bsz = mini_batch_size
+    dt = acc_dtype(XQ.dtype)
+    st = make_state({"W1": W1, "b1": b1, "W2": W2, "b2": b2}, B, dt, initial_state)
+    pos = st["pos"]
+    outs, t = [], 0
+
+    def torch_part(t0, t1, st):
+        return ttt_mlp_chunk(XQ[:, :, t0:t1], XK[:, :, t0:t1], XV[:, :, t0:t1], eta[:, :, t0:t1],
+                             token_idx, ln_weight, ln_bias, W1, b1, W2, b2, bsz, st, True)
+
+    if pos > 0 and T > 0:
+        t = min(bsz - pos, T)
+        o, st = torch_part(0, t, st)
+        outs.append(o)
+    n_full = (T - t) // bsz * bsz
+    if n_full > 0:
+        sl = slice(t, t + n_full)
+        o, *ws = _TTTMLPFull.apply(XQ[:, :, sl], XK[:, :, sl], XV[:, :, sl], eta[:, :, sl], token_idx,
+                                   ln_weight, ln_bias, st["W1"], st["b1"], st["W2"], st["b2"], bsz)
+        outs.append(o)
+        # the kernel starts at a boundary, where the carried sums are zero by construction
+        st = {"pos": 0}
+        for name, w in zip(("W1", "b1", "W2", "b2"), ws):
+            st[name], st["grad_" + name] = w, torch.zeros_like(w)
+        t += n_full
+    if t < T:
+        o, st = torch_part(t, T, st)
+        outs.append(o)
+    out = torch.cat(outs, dim=2) if len(outs) > 1 else (outs[0] if outs else XQ.clone())
+    return out, (st if output_final_state else None)
+
+
+__all__ = ["ttt_linear_triton", "ttt_mlp_triton"]

@@ -1,0 +1,235 @@
+"""The Triton TTT-MLP kernel (kernels/ttt/chunk.py) against the specification
+(kernels/ttt/reference.py): output, final state and the gradient of every input, including
+``initial_state``. On CPU it runs under the Triton interpreter (tests/conftest.py), where tl.dot
+needs blocks ≥ 16 and the hidden tiles are [b, m]: b = 16 and d ∈ {8, 16} (m = 4d, or m = 24 to
+pad the hidden width), B = H = 2, T ≤ 45."""
+import pytest
+import torch
+
+from kernels.ttt import ttt_mlp
+from kernels.ttt.chunk import ttt_mlp_triton
+
+B, H = 2, 2
+WEIGHTS = ["W1", "b1", "W2", "b2"]
+
+
+def _inputs(T, d, b, m=None, dtype=torch.float64, seed=0, device="cpu"):
+    m = 4 * d if m is None else m
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*s, scale=1.0):
+        x = scale * torch.randn(*s, generator=g, dtype=torch.float64)
+        return x.to(device=device, dtype=dtype).requires_grad_()
+
+    q, k, v = r(B, H, T, d), r(B, H, T, d), r(B, H, T, d)
+    eta = (0.5 * torch.rand(B, H, T, generator=g, dtype=torch.float64)).to(device=device, dtype=dtype).requires_grad_()
+    tau = (1.0 / torch.arange(1, b + 1, dtype=torch.float64) + 0.1 * torch.randn(b, generator=g, dtype=torch.float64)
+           ).to(device=device, dtype=dtype).requires_grad_()
+    lw = (1 + 0.1 * torch.randn(H, d, generator=g, dtype=torch.float64)).to(device=device, dtype=dtype).requires_grad_()
+    lb = r(H, d, scale=0.1)
+    # scales that keep GELU's pre-activations O(1), so its curvature (GELU'') matters
+    W1, b1 = r(H, d, m, scale=0.5), r(H, 1, m, scale=0.2)
+    W2, b2 = r(H, m, d, scale=0.3), r(H, 1, d, scale=0.1)
+    return [q, k, v, eta, tau, lw, lb, W1, b1, W2, b2]
+
+
+def _prefix_state(args, b, n):
+    """The state after n fresh tokens (pos = n, inside a mini-batch), as leaves that require grad."""
+    d, m = args[0].shape[-1], args[7].shape[-1]
+    pre = _inputs(n, d, b, m, dtype=args[0].dtype, seed=1, device=args[0].device)[:4]
+    fixed = [a.detach() for a in args[4:]]
+    with torch.no_grad():
+        _, st = ttt_mlp(*[a.detach() for a in pre], *fixed, mini_batch_size=b, output_final_state=True,
+                        backend="torch")
+    return {k: (v.clone().requires_grad_() if torch.is_tensor(v) else v) for k, v in st.items()}
+
+
+def _state_names(initial_state):
+    return [] if initial_state is None else ["state." + k for k, v in initial_state.items() if torch.is_tensor(v)]
+
+
+def _run(backend, args, b, w_out, initial_state=None):
+    """Output, final state and the gradients of every input of loss = Σ out ⊙ w + Σ‖state‖²."""
+    leaves = list(args) + ([] if initial_state is None else [v for v in initial_state.values() if torch.is_tensor(v)])
+    for t in leaves:
+        t.grad = None
+    out, st = ttt_mlp(*args, mini_batch_size=b, initial_state=initial_state, output_final_state=True,
+                      backend=backend)
+    loss = (out.float() * w_out).sum() + sum((v.float() ** 2).sum() for v in st.values() if torch.is_tensor(v))
+    loss.backward()
+    grads = [t.grad.clone() if t.grad is not None else torch.zeros_like(t) for t in leaves]
+    return out.detach(), {k: (v.detach() if torch.is_tensor(v) else v) for k, v in st.items()}, grads
+
+
+NAMES = ["XQ", "XK", "XV", "eta", "token_idx", "ln_weight", "ln_bias", "W1", "b1", "W2", "b2"]
+
+
+def _compare(got, ref, T, b, atol, rtol, pos0=0, state_names=()):
+    """Tolerances are relative to each tensor's largest entry (grads of τ sum over B·H·T terms and
+    are ~100× larger than those of XQ)."""
+    def close(a, c, what):
+        scale = c.abs().max().item() + 1e-30
+        torch.testing.assert_close(a.double(), c.double(), atol=atol * scale, rtol=rtol,
+                                   msg=lambda s: f"{what}: {s}")
+
+    close(got[0], ref[0], "out")
+    assert got[1]["pos"] == ref[1]["pos"] == (pos0 + T) % b
+    assert set(got[1]) == set(ref[1]) == {"pos", *WEIGHTS, *("grad_" + k for k in WEIGHTS)}
+    for k in ref[1]:
+        if k != "pos":
+            close(got[1][k], ref[1][k], "state " + k)
+    names = NAMES + list(state_names)
+    assert len(got[2]) == len(ref[2]) == len(names)
+    # with an initial_state the weight arguments are replaced by it and get no gradient
+    unused = set(WEIGHTS) if state_names else set()
+    for name, g1, g0 in zip(names, got[2], ref[2]):
+        if name in unused:
+            assert g0.abs().max() == 0 and g1.abs().max() == 0, f"grad {name} of a replaced weight"
+            continue
+        assert g0.abs().max() > 0, f"grad {name} is zero in the reference: the test would not see it"
+        close(g1, g0, "grad " + name)
+
+
+# (T, d, b, m, prefix): T = 32 (kernel only), 37 (kernel + partial tail), 45 after a 5-token
+# prefix (torch head of 11 tokens, kernel over 32, tail of 2), 9 after a prefix (no full
+# mini-batch); d = 8 pads the d-tiles to 16, m = 24 pads the hidden tiles to 32, b ∈ {4, 8}
+# pads the rows to 16
+SHAPES = [(32, 16, 16, None, 0), (37, 16, 16, None, 0), (45, 16, 16, None, 5), (9, 16, 16, None, 5),
+          (20, 8, 16, 24, 0), (11, 8, 4, None, 0), (19, 8, 8, None, 3)]
+
+
+@pytest.mark.parametrize("T,d,b,m,prefix", SHAPES)
+def test_float64_matches_reference(T, d, b, m, prefix):
+    """float64 throughout (the kernel computes in float64 for float64 inputs): only rounding
+    differs from the autograd spec, so 1e-10 relative to each tensor's scale."""
+    args = _inputs(T, d, b, m)
+    st = _prefix_state(args, b, prefix) if prefix else None
+    w = torch.randn(B, H, T, d, dtype=torch.float64)
+    ref = _run("reference", args, b, w, st)
+    got = _run("triton", args, b, w, st)
+    _compare(got, ref, T, b, atol=1e-10, rtol=1e-10, pos0=prefix, state_names=_state_names(st))
+
+
+@pytest.mark.parametrize("T,prefix", [(37, 0), (45, 5)])
+def test_float32_matches_reference(T, prefix):
+    """float32 inputs, float32 kernel vs float32 spec: different summation orders over d, m and
+    b, LayerNorm's 1/σ amplification and two chained layers give ~1e-6 relative differences;
+    2e-4 leaves headroom while a wrong term (O(1) relative) still fails."""
+    b, d = 16, 16
+    args = _inputs(T, d, b, dtype=torch.float32)
+    st = _prefix_state(args, b, prefix) if prefix else None
+    w = torch.randn(B, H, T, d)
+    ref = _run("reference", args, b, w, st)
+    got = _run("triton", args, b, w, st)
+    _compare(got, ref, T, b, atol=2e-4, rtol=2e-4, pos0=prefix, state_names=_state_names(st))
+
+
+def test_bfloat16_matches_reference():
+    """bfloat16 inputs, float32 inside both: the output and the input gradients are rounded to
+    bfloat16 (8 mantissa bits, 2^-8 ≈ 4e-3 relative), and the backward consumes a bfloat16 output
+    gradient rounded differently on each side; 3e-2 of each tensor's scale covers that."""
+    b, d, T = 16, 16, 37
+    args = _inputs(T, d, b, dtype=torch.bfloat16)
+    w = torch.randn(B, H, T, d)
+    ref = _run("reference", args, b, w)
+    got = _run("triton", args, b, w)
+    assert got[0].dtype == torch.bfloat16 and all(got[1][k].dtype == torch.float32 for k in WEIGHTS)
+    _compare(got, ref, T, b, atol=3e-2, rtol=3e-2)
+
+
+def test_no_grad_forward_and_weights_with_batch_axis():
+    """Without autograd the kernel skips saving the per-mini-batch weights; per-sequence weights
+    [B, H, …] are accepted and get per-sequence gradients. float64: 1e-12."""
+    b, d, T = 16, 8, 32
+    args = _inputs(T, d, b)
+    g = torch.Generator().manual_seed(5)
+    ws = [(a.detach() + 0.1 * torch.randn(B, *a.shape, generator=g, dtype=torch.float64)).requires_grad_()
+          for a in args[7:]]
+    full = args[:7] + ws
+    with torch.no_grad():
+        o_ng, s_ng = ttt_mlp(*full, mini_batch_size=b, output_final_state=True, backend="triton")
+        o_t, s_t = ttt_mlp(*full, mini_batch_size=b, output_final_state=True, backend="torch")
+    torch.testing.assert_close(o_ng, o_t, atol=1e-12, rtol=0)
+    for k in WEIGHTS:
+        torch.testing.assert_close(s_ng[k], s_t[k], atol=1e-12, rtol=0)
+    out, _ = ttt_mlp(*full, mini_batch_size=b, backend="triton")
+    gk = torch.autograd.grad(out.sum(), ws)
+    out_t, _ = ttt_mlp(*full, mini_batch_size=b, backend="torch")
+    gt = torch.autograd.grad(out_t.sum(), ws)
+    for a, x, y in zip(ws, gk, gt):
+        assert x.shape == a.shape and a.shape[0] == B
+        torch.testing.assert_close(x, y, atol=1e-12, rtol=0)
+
+
+def test_rejects_unsupported_mini_batch():
+    args = _inputs(4, 8, 128)
+    with pytest.raises(ValueError, match="mini_batch_size"):
+        ttt_mlp_triton(*args, mini_batch_size=128)
+
+
+@pytest.mark.parametrize("ttt", [{"mini_batch_size": 16},
+                                 {"mini_batch_size": 4, "share_qk": True, "use_gate": True}])
+def test_mixer_triton_equals_torch(ttt):
+    """TTTMLP (head dim 16, hidden 64) with kernel_backend="triton" == "torch": output, every
+    parameter gradient and a continued segment (state stopping inside a mini-batch). float64
+    (the model's exactness dtype), so 1e-10."""
+    from tests.model.mixer_checks import make_mixer
+    m, _ = make_mixer("ttt_mlp", d_model=32, n_heads=2, ttt=dict(ttt))
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():  # move the symmetric init points so that every gradient path is used
+        for n in ("learnable_token_idx", "ttt_norm_weight", "ttt_norm_bias", "b1", "b2", "learnable_ttt_lr_bias"):
+            p = getattr(m, n)
+            p.add_(0.1 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+        m.W1.mul_(10.0)
+        m.W2.mul_(10.0)
+    x1 = torch.randn(2, 21, 32, generator=g, dtype=torch.float64)
+    x2 = torch.randn(2, 19, 32, generator=g, dtype=torch.float64)
+
+    def go(backend):
+        m.kernel_backend = backend
+        m.zero_grad()
+        y1, st = m.chunked(x1, None, output_state=True)
+        y2, _ = m.chunked(x2, st, output_state=False)  # starts at pos = 5 of a mini-batch
+        ((y1 * y1).sum() + (y2 ** 3).sum()).backward()
+        return torch.cat([y1, y2], 1).detach(), {n: p.grad.clone() for n, p in m.named_parameters()}
+
+    y_t, g_t = go("torch")
+    y_k, g_k = go("triton")
+    torch.testing.assert_close(y_k, y_t, atol=1e-10, rtol=0)
+    for n in g_t:
+        torch.testing.assert_close(g_k[n], g_t[n], atol=1e-10, rtol=1e-10, msg=lambda s: f"grad {n}: {s}")
+
+
+# ---- GPU: the sizes the model uses ------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("b", [16, 32])
+@pytest.mark.parametrize("d", [64, 48])
+@pytest.mark.parametrize("prefix", [0, 7])
+def test_gpu_float32_matches_float64_dual_form(b, d, prefix):
+    """float32 kernel on CUDA vs the PyTorch dual form in float64 (itself equal to the spec, see
+    test_ttt_ops.py) at T = 5b + 3, hidden width 4d: float32 rounding through 5 sequential
+    mini-batches of a two-layer inner model; 1e-3 of each tensor's scale."""
+    T = 5 * b + 3
+    args = _inputs(T, d, b, dtype=torch.float32, device="cuda")
+    args64 = [a.detach().double().requires_grad_() for a in args]
+    st = _prefix_state(args, b, prefix) if prefix else None
+    st64 = None if st is None else {k: (v.detach().double().requires_grad_() if torch.is_tensor(v) else v)
+                                    for k, v in st.items()}
+    w = torch.randn(B, H, T, d, device="cuda")
+    ref = _run("torch", args64, b, w.double(), st64)
+    got = _run("triton", args, b, w, st)
+    _compare(got, ref, T, b, atol=1e-3, rtol=1e-3, pos0=prefix, state_names=_state_names(st))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b", [16, 64])
+def test_gpu_bfloat16_matches_float64_dual_form(b):
+    """bfloat16 inputs on CUDA (float32 inside) vs the float64 dual form on the same rounded
+    inputs: outputs and gradients rounded to bfloat16; 3e-2 of each tensor's scale."""
+    d, T = 64, 4 * b + 5
+    args = _inputs(T, d, b, dtype=torch.bfloat16, device="cuda")
+    args64 = [a.detach().double().requires_grad_() for a in args]
+    w = torch.randn(B, H, T, d, device="cuda")
+    ref = _run("torch", args64, b, w.double())
+    got = _run("triton", args, b, w)
+    _compare(got, ref, T, b, atol=3e-2, rtol=3e-2)
