@@ -1,0 +1,495 @@
+r"""Context (sequence) parallelism: the sequence is split into contiguous slices, rank r of the
+context-parallel (CP) group holding tokens [start_r, start_r + T_r).
+
+Three schemes, each exact (outputs and gradients equal one pass over the whole sequence):
+
+* **Linear recurrences by chunk summaries.** A diagonal recurrence h_t = a_t ⊙ h_{t−1} + b_t
+  (RG-LRU, Mamba's selective scan) is affine in its initial state. Rank r scans its slice from
+  h = 0, giving h^loc_t, and summarizes the slice by its total transition A_r = Π_t a_t
+  (exp of Σ log a_t) and its local final state h^loc(r). After an all-gather of the summaries,
+
+      h_in(r) = Σ_{s<r} (Π_{s<q<r} A_q) h^loc(s)          (exclusive scan over ranks)
+      h_t     = h^loc_t + (Π_{τ≤t} a_τ) ⊙ h_in(r)
+
+  The delta rule S_t = (I − β_t k_t k_tᵀ) S_{t−1} + β_t k_t v_tᵀ is affine in S too:
+  S_out = P_r S_in + S^loc(r) with P_r = Π_t (I − β_t k_t k_tᵀ) ∈ R^{d_k×d_k} per head. One run
+  of the op on the values [v, 0] from the initial state [0, I] yields [S^loc(r), P_r]; the
+  exclusive scan S_in(r) = P_{r−1} S_in(r−1) + S^loc(r−1) runs over the gathered summaries; a
+  second run from S_in(r) gives the outputs.
+
+* **Nonlinear recurrences by state passing** (TTT with its inner LayerNorm, TTT-MLP, Titans'
+  MLP memory, and any module with the ``(x, state, output_state)`` interface): rank r receives
+  the final state of rank r − 1, runs its slice from it and sends its own final state to
+  r + 1; in the backward pass the state's gradient travels from r + 1 back to r. The ranks run
+  one after another for such a layer (no micro-batch pipelining here).
+
+* **Attention** all-gathers the keys and values (after RoPE at their global positions); rank r
+  attends from its queries (RoPE at start_r + t) to the keys of ranks < r and its own, causally.
+
+Short causal convolutions (RG-LRU, DeltaNet, Mamba) need the last w − 1 inputs of the tokens
+before the slice: an all-gather of each rank's last w − 1 mixer inputs (the "halo").
+
+Gradients flow through collectives wrapped in autograd Functions: all-gather's backward sums
+every rank's gradient for the gathered tensor (all-reduce) and keeps the slice of this rank;
+send's backward receives, receive's backward sends. Each rank's backward reaches every
+collective in the same order, which is why gathered tensors are always used (an empty slice on
+rank 0 where nothing earlier exists) so that the backward all-reduce runs on every rank.
+
+``context_parallel_forward(model, input_ids_local, labels_local, group)`` applies this to a
+whole ``LM`` and returns a local loss whose mean over the CP group is the full-sequence mean
+cross-entropy; after ``loss.backward()`` on every rank, ``allreduce_gradients`` (mean over the
+group) leaves every rank with the full-sequence gradient.
+"""
+from __future__ import annotations
+
+import pickle
+from typing import Any, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from kernels import delta_rule as _dr
+from kernels.linear_scan import has_triton_backend as _ls_has_triton
+from kernels.linear_scan import linear_scan
+from kernels.selective_scan import has_triton_backend as _ss_has_triton
+from kernels.selective_scan import selective_scan
+from ttt_lm.model.layers import acc
+
+# ---------------------------------------------------------------------------------------------
+# group helpers and differentiable collectives
+# ---------------------------------------------------------------------------------------------
+
+
+def _rank_world(group) -> Tuple[int, int]:
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _global(group, r: int) -> int:
+    return r if group is None else dist.get_global_rank(group, r)
+
+
+def split_lengths(T: int, world: int) -> List[int]:
+    """Contiguous split of T tokens over ``world`` ranks, the first T mod world ranks one longer."""
+    return [T // world + (1 if r < T % world else 0) for r in range(world)]
+
+
+def gather_lengths(n: int, group=None) -> List[int]:
+    """Every rank's local sequence length."""
+    _, world = _rank_world(group)
+    t = torch.tensor([n], dtype=torch.int64)
+    out = [torch.zeros_like(t) for _ in range(world)]
+    dist.all_gather(out, t, group=group)
+    return [int(o) for o in out]
+
+
+class _AllGather(torch.autograd.Function):
+    """x (same shape on every rank) → [world, *x.shape]. Backward: every rank's gradient for
+    the gathered tensor summed (all-reduce), this rank's slice kept."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        rank, world = _rank_world(group)
+        ctx.rank = rank
+        x = x.contiguous()
+        out = [torch.empty_like(x) for _ in range(world)]
+        dist.all_gather(out, x, group=group)
+        return torch.stack(out, 0)
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.contiguous().clone()
+        dist.all_reduce(g, group=ctx.group)
+        return g[ctx.rank], None
+
+
+def all_gather(x: torch.Tensor, group=None) -> torch.Tensor:
+    """Differentiable all-gather: [world, *x.shape]."""
+    return _AllGather.apply(x, group)
+
+
+def all_gather_varlen(x: torch.Tensor, dim: int, lengths: Sequence[int], group=None) -> List[torch.Tensor]:
+    """Differentiable all-gather of tensors whose size along ``dim`` is ``lengths[rank]``
+    (other dims equal): the list of every rank's tensor."""
+    n_max = max(lengths)
+    pad = [0, 0] * (x.dim() - 1 - dim % x.dim()) + [0, n_max - x.shape[dim]]
+    g = all_gather(F.pad(x, pad), group)
+    return [g[s].narrow(dim, 0, lengths[s]) for s in range(len(lengths))]
+
+
+def halo(x: torch.Tensor, n: int, lengths: Sequence[int], group=None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The n tokens of x [B, T_r, C] just before this rank's slice, from earlier ranks (several
+    when their slices are shorter than n): (x_halo [B, n, C], valid [n] bool, False before the
+    sequence start, where the halo is zero)."""
+    rank, _ = _rank_world(group)
+    B, T, C = x.shape
+    tails = [min(n, L) for L in lengths]
+    tail = x[:, T - tails[rank]:]
+    parts = all_gather_varlen(tail, 1, tails, group)
+    # rank 0 has no earlier token; its empty slice keeps the gather in its graph (see module doc)
+    pieces = [x.new_zeros(B, n, C), parts[0][:, :0]] + [parts[s] for s in range(rank)]
+    valid = torch.cat([torch.zeros(n, dtype=torch.bool)] + [torch.ones(tails[s], dtype=torch.bool) for s in range(rank)])
+    return torch.cat(pieces, 1)[:, -n:], valid[-n:].to(x.device)
+
+
+# ---- point to point -------------------------------------------------------------------------
+
+#: isend works whose tensors must live until completion; ``wait_pending`` finishes them
+_PENDING: List[Tuple[Any, torch.Tensor]] = []
+
+
+def wait_pending() -> None:
+    """Complete the sends issued by state passing (forward and backward)."""
+    while _PENDING:
+        work, _ = _PENDING.pop(0)
+        work.wait()
+
+
+def _isend(t: torch.Tensor, dst: int, group, tag: int) -> None:
+    t = t.contiguous()
+    _PENDING.append((dist.isend(t, dst=_global(group, dst), group=group, tag=tag), t))
+
+
+def _recv(t: torch.Tensor, src: int, group, tag: int) -> torch.Tensor:
+    dist.recv(t, src=_global(group, src), group=group, tag=tag)
+    return t
+
+
+def _flatten(obj) -> Tuple[Any, List[torch.Tensor]]:
+    """A nested dict/list/tuple → (its structure with tensors replaced by indices, the tensors)."""
+    tensors: List[torch.Tensor] = []
+
+    def rec(o):
+        if torch.is_tensor(o):
+            tensors.append(o)
+            return ("__tensor__", len(tensors) - 1, tuple(o.shape), o.dtype)
+        if isinstance(o, dict):
+            return {k: rec(v) for k, v in o.items()}
+        if isinstance(o, (list, tuple)):
+            return type(o)(rec(v) for v in o)
+        return o
+    return rec(obj), tensors
+
+
+def _unflatten(spec, tensors: Sequence[torch.Tensor]):
+    if isinstance(spec, tuple) and len(spec) == 4 and spec[0] == "__tensor__":
+        return tensors[spec[1]]
+    if isinstance(spec, dict):
+        return {k: _unflatten(v, tensors) for k, v in spec.items()}
+    if isinstance(spec, (list, tuple)):
+        return type(spec)(_unflatten(v, tensors) for v in spec)
+    return spec
+
+
+def _tensor_specs(spec) -> List[Tuple[tuple, torch.dtype]]:
+    out = []
+
+    def rec(o):
+        if isinstance(o, tuple) and len(o) == 4 and o[0] == "__tensor__":
+            out.append((o[1], o[2], o[3]))
+        elif isinstance(o, dict):
+            for v in o.values():
+                rec(v)
+        elif isinstance(o, (list, tuple)):
+            for v in o:
+                rec(v)
+    rec(spec)
+    return [(s, d) for _, s, d in sorted(out, key=lambda e: e[0])]
+
+
+class _SendState(torch.autograd.Function):
+    """Forward: y unchanged, the state's tensors sent to ``dst``. Backward: their gradients
+    received from ``dst`` (it sends one for every floating tensor)."""
+
+    @staticmethod
+    def forward(ctx, y, dst, group, tag, *tensors):
+        ctx.dst, ctx.group, ctx.tag = dst, group, tag
+        ctx.meta = [(t.shape, t.dtype, t.device) for t in tensors]
+        for t in tensors:
+            _isend(t.detach(), dst, group, tag)
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, gy):
+        grads = []
+        for shape, dtype, device in ctx.meta:
+            if dtype.is_floating_point or dtype.is_complex:
+                grads.append(_recv(torch.empty(shape, dtype=dtype, device=device), ctx.dst, ctx.group, ctx.tag))
+            else:
+                grads.append(None)
+        return (gy, None, None, None, *grads)
+
+
+class _RecvState(torch.autograd.Function):
+    """Forward: the state's tensors received from ``src`` (``anchor`` only puts this node in the
+    graph). Backward: their gradients sent back to ``src`` (zeros where none arrived)."""
+
+    @staticmethod
+    def forward(ctx, anchor, src, group, tag, specs, device):
+        ctx.src, ctx.group, ctx.tag = src, group, tag
+        out = [_recv(torch.empty(s, dtype=d, device=device), src, group, tag) for s, d in specs]
+        ctx.mark_non_differentiable(*[t for t in out if not t.dtype.is_floating_point])
+        ctx.set_materialize_grads(True)
+        return tuple(out)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        for g in grads:
+            if g is not None and (g.dtype.is_floating_point or g.dtype.is_complex):
+                _isend(g, ctx.src, ctx.group, ctx.tag)
+        return (None,) * 6
+
+
+def _send_spec(spec, dst: int, group, tag: int) -> None:
+    data = torch.frombuffer(bytearray(pickle.dumps(spec)), dtype=torch.uint8)
+    _isend(torch.tensor([data.numel()], dtype=torch.int64), dst, group, tag)
+    _isend(data, dst, group, tag)
+
+
+def _recv_spec(src: int, group, tag: int):
+    n = _recv(torch.zeros(1, dtype=torch.int64), src, group, tag)
+    data = _recv(torch.empty(int(n), dtype=torch.uint8), src, group, tag)
+    return pickle.loads(data.numpy().tobytes())
+
+
+def pass_state_forward(module, x_local: torch.Tensor, group=None, tag: int = 0):
+    """Run ``module(x, state, output_state=True)`` (a Mixer or a Block) over a sequence split
+    across the CP group: rank r starts from the final state of rank r − 1 (rank 0 from
+    ``state=None``) and hands its final state to rank r + 1; gradients of the state go back
+    from r + 1 to r. Returns (y_local, the final state after this rank's slice). ``tag``
+    tells apart the messages of different layers. Sends are asynchronous: call
+    ``wait_pending()`` (or ``allreduce_gradients``) after the backward pass."""
+    rank, world = _rank_world(group)
+    state = None
+    if rank > 0:
+        spec = _recv_spec(rank - 1, group, tag)
+        anchor = torch.zeros((), dtype=x_local.dtype, device=x_local.device, requires_grad=True)
+        tensors = _RecvState.apply(anchor, rank - 1, group, tag, _tensor_specs(spec), x_local.device)
+        state = _unflatten(spec, tensors)
+    y, final = module(x_local, state, True)
+    if rank < world - 1:
+        spec, tensors = _flatten(final)
+        _send_spec(spec, rank + 1, group, tag)
+        y = _SendState.apply(y, rank + 1, group, tag, *tensors)
+    return y, final
+
+
+# ---------------------------------------------------------------------------------------------
+# linear recurrences: summaries and their exclusive scan over ranks
+# ---------------------------------------------------------------------------------------------
+
+
+def _diag_initial_state(log_A: torch.Tensor, h_loc: torch.Tensor, group) -> torch.Tensor:
+    """h_in(r) = Σ_{s<r} exp(Σ_{s<q<r} log A_q) ⊙ h^loc(s) from this rank's log A_r and h^loc(r)
+    (any equal shapes)."""
+    rank, _ = _rank_world(group)
+    g = all_gather(torch.stack([log_A, h_loc], 0), group)        # [world, 2, …]
+    L, H = g[:rank, 0], g[:rank, 1]
+    # Σ_{s<q<r} log A_q = (Σ_{q≥s, q<r} log A_q) − log A_s; on rank 0 an empty sum that keeps
+    # the gather in the graph
+    between = L.flip(0).cumsum(0).flip(0) - L
+    return (between.exp() * H).sum(0)
+
+
+def cp_linear_scan(log_a: torch.Tensor, b: torch.Tensor, group=None, backend: str = "torch",
+                   chunk_size: int = 64) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``kernels.linear_scan.linear_scan`` over a sequence split across the group (each rank
+    passes its slice [B, T_r, D], T_r ≥ 1, the whole sequence starting from h = 0). Returns
+    (h [B, T_r, D] in b's dtype, the state after this rank's slice [B, D])."""
+    h_loc, _ = linear_scan(log_a, b, None, False, backend=backend, chunk_size=chunk_size)
+    cum = acc(log_a).cumsum(1)                                        # log Π_{τ≤t} a_τ
+    h_in = _diag_initial_state(cum[:, -1], acc(h_loc[:, -1]), group)
+    h = acc(h_loc) + cum.exp() * h_in[:, None]
+    return h.to(b.dtype), h[:, -1]
+
+
+def cp_delta_rule(q, k, v, beta, group=None, backend: str = "torch", chunk_size: int = 64
+                  ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``kernels.delta_rule.delta_rule`` over a sequence split along T across the group (q, k
+    [B, H, T_r, d_k], v [B, H, T_r, d_v], β [B, H, T_r]; the sequence starts from S = 0).
+    Returns (o [B, H, T_r, d_v], the state after this rank's slice [B, H, d_k, d_v])."""
+    rank, _ = _rank_world(group)
+    B, H, T, dk = k.shape
+    dv = v.shape[-1]
+    sd = acc(v[:0]).dtype
+    # [v, 0] from [0, I]: the final state is [S^loc, P] with P = Π (I − β k kᵀ)
+    v_ext = torch.cat([v, v.new_zeros(B, H, T, dk)], -1)
+    eye = torch.eye(dk, dtype=sd, device=v.device).expand(B, H, dk, dk)
+    init = torch.cat([torch.zeros(B, H, dk, dv, dtype=sd, device=v.device), eye], -1)
+    _, fin = _dr.delta_rule(q, k, v_ext, beta, init, True, backend=backend, chunk_size=chunk_size)
+    g = all_gather(fin, group)                                        # [world, B, H, dk, dv + dk]
+    S_in = g[:0, ..., :dv].sum(0)   # zeros, connected to the gather (see module doc)
+    for s in range(rank):
+        S_in = g[s, ..., dv:] @ S_in + g[s, ..., :dv]
+    return _dr.delta_rule(q, k, v, beta, S_in, True, backend=backend, chunk_size=chunk_size)
+
+
+# ---------------------------------------------------------------------------------------------
+# per-mixer forms (use the mixers' own pieces; only the cross-rank parts are new)
+# ---------------------------------------------------------------------------------------------
+
+
+def _conv_cache(conv, x, proj, lengths, group):
+    """The cache [B, C, w − 1] of ``conv`` for this rank's slice: ``proj`` of the mixer inputs
+    just before it (zero before the sequence start, as a fresh cache)."""
+    xh, valid = halo(x, conv.width - 1, lengths, group)
+    return (proj(xh) * valid[None, :, None].to(x.dtype)).transpose(1, 2)
+
+
+def cp_attention(mixer, x, lengths, group=None) -> torch.Tensor:
+    """Attention / LocalAttention: queries at their global positions attend to the gathered
+    keys and values of earlier ranks (a window keeps the last w − 1) and to their own."""
+    rank, _ = _rank_world(group)
+    start = sum(lengths[:rank])
+    q, k, v = mixer._qkv(x, start)
+    parts = all_gather_varlen(torch.cat([k, v], 1), 2, lengths, group)
+    kv = torch.cat([parts[0][:, :, :0]] + [parts[s] for s in range(rank)] + [torch.cat([k, v], 1)], 2)
+    if mixer.window is not None:
+        kv = kv[:, :, max(0, kv.shape[2] - (mixer.window - 1) - x.shape[1]):]
+    k_all, v_all = kv.split([mixer.n_kv, mixer.n_kv], 1)
+    if mixer.impl == "reference":
+        o, _ = mixer.reference(x, {"k": k_all[:, :, :-x.shape[1]], "v": v_all[:, :, :-x.shape[1]], "pos": start})
+        return o
+    return mixer._out(mixer._attend(q, k_all, v_all))
+
+
+def cp_rglru(mixer, x, lengths, group=None) -> torch.Tensor:
+    """Griffin's recurrent block: conv halo, then the RG-LRU scan by summaries."""
+    rank, _ = _rank_world(group)
+    state = {"conv": _conv_cache(mixer.conv1d, x, mixer.linear_x, lengths, group), "h": None,
+             "pos": sum(lengths[:rank])}
+    gelu_y, log_a, b, _, _, pos0 = mixer._gates(x, state, False)
+    if mixer.impl == "reference":
+        backend = "reference"
+    else:
+        backend = mixer._resolve_backend(x)
+        if backend == "triton" and mixer.kernel_backend == "auto" and not _ls_has_triton():
+            backend = "torch"
+    h, _ = cp_linear_scan(log_a, b, group, backend, mixer.chunk_size)
+    y, _ = mixer._finish(h, gelu_y, x, None, None, pos0, False)
+    return y
+
+
+def cp_deltanet(mixer, x, lengths, group=None) -> torch.Tensor:
+    """DeltaNet: conv halo, then the delta rule by summaries."""
+    state = None
+    if mixer.conv is not None:
+        proj = lambda u: torch.cat([mixer.q_proj(u), mixer.k_proj(u), mixer.v_proj(u)], -1)  # noqa: E731
+        state = {"conv": _conv_cache(mixer.conv, x, proj, lengths, group)}
+    q, k, v, beta, _ = mixer._inputs(x, state)
+    if mixer.impl == "reference":
+        be = "reference"
+    else:
+        be = mixer._resolve_backend(x)
+        if be not in _dr.BACKENDS:
+            be = "torch"
+    y, _ = cp_delta_rule(q, k, v, beta, group, be, mixer.chunk_size)
+    return mixer._out(y, x.dtype)
+
+
+def cp_mamba(mixer, u, lengths, group=None) -> torch.Tensor:
+    """Mamba: conv halo; the selective scan's summary is A_r = exp(Σ_t Δ_t A) and the final
+    state from zero; a second scan from the combined initial state gives the outputs."""
+    d_inner = mixer.d_inner
+    cache = _conv_cache(mixer.conv1d, u, lambda w: mixer.in_proj(w)[..., :d_inner], lengths, group)
+    x, z, delta, B_t, C_t, _ = mixer._project(u, {"conv": cache}, False)
+    A = -torch.exp(acc(mixer.A_log))
+    if mixer.impl == "reference":
+        backend = "reference"
+    else:
+        backend = mixer._resolve_backend(u)
+        if backend == "triton" and mixer.kernel_backend == "auto" and not _ss_has_triton():
+            backend = "torch"
+    kw = dict(D=mixer.D, z=z, delta_bias=mixer.dt_proj.bias, delta_softplus=True, backend=backend,
+              chunk_size=mixer.chunk_size)
+    _, h_loc = selective_scan(x, delta, A, B_t, C_t, initial_state=None, output_final_state=True, **kw)
+    Delta = F.softplus(acc(delta) + acc(mixer.dt_proj.bias))
+    log_A = Delta.sum(1)[..., None] * A                               # [B, d_inner, N]
+    h_in = _diag_initial_state(log_A, h_loc, group)
+    y, _ = selective_scan(x, delta, A, B_t, C_t, initial_state=h_in, output_final_state=False, **kw)
+    return mixer.out_proj(y)
+
+
+def _parallel_form(mixer):
+    """The summary / gather form for this mixer's exact class, or None (state passing)."""
+    from ttt_lm.model.mixers.attention import Attention, LocalAttention
+    from ttt_lm.model.mixers.deltanet import DeltaNet
+    from ttt_lm.model.mixers.mamba import Mamba
+    from ttt_lm.model.mixers.rglru import RGLRUBlock
+    return {Attention: cp_attention, LocalAttention: cp_attention, RGLRUBlock: cp_rglru,
+            DeltaNet: cp_deltanet, Mamba: cp_mamba}.get(type(mixer))
+
+
+def cp_mixer(mixer, x_local, lengths, group=None, tag: int = 0) -> torch.Tensor:
+    """One mixer over a split sequence: its parallel form when it has one, else state passing."""
+    form = _parallel_form(mixer)
+    if form is not None:
+        return form(mixer, x_local, lengths, group)
+    return pass_state_forward(mixer, x_local, group, tag)[0]
+
+
+def block_scheme(block) -> str:
+    """"parallel" (summaries / gathers) or "state" (the whole block passes its state)."""
+    return "parallel" if block.pre_conv is None and _parallel_form(block.mixer) is not None else "state"
+
+
+# ---------------------------------------------------------------------------------------------
+# the whole LM
+# ---------------------------------------------------------------------------------------------
+
+
+def context_parallel_forward(model, input_ids_local: torch.Tensor, labels_local: Optional[torch.Tensor],
+                             group=None):
+    """``model`` (an ``LM``) over a sequence split across ``group``: input_ids_local,
+    labels_local [B, T_r] are this rank's contiguous slice (labels aligned as for ``LM.forward``,
+    −100 ignored; every T_r ≥ 1). Returns (loss_local, logits_local): loss_local is this rank's
+    summed cross-entropy × world / (valid labels in the whole sequence), so its mean over the
+    group is the full-sequence mean cross-entropy (None without labels). Blocks of attention,
+    RG-LRU, DeltaNet or Mamba run in parallel; the others (TTT, Titans, pre-conv blocks) pass
+    their block state from rank to rank. Activation checkpointing is not applied here."""
+    rank, world = _rank_world(group)
+    lengths = gather_lengths(input_ids_local.shape[1], group)
+    if min(lengths) < 1:
+        raise ValueError(f"context parallel: every rank needs at least one token, got lengths {lengths}")
+    x = model.embed(input_ids_local)
+    for i, block in enumerate(model.layers):
+        if block_scheme(block) == "state":
+            x, _ = pass_state_forward(block, x, group, tag=i)
+        else:
+            x = x + cp_mixer(block.mixer, block.mixer_norm(x), lengths, group, tag=i)
+            if block.mlp is not None:
+                x = x + block.mlp(block.mlp_norm(x))
+    logits = model.lm_head(model.norm(x))
+    wait_pending()   # this pass's state sends (the next rank has received them by now)
+    loss = None
+    if labels_local is not None:
+        lg = acc(logits)
+        ce = F.cross_entropy(lg.reshape(-1, lg.shape[-1]), labels_local.reshape(-1), ignore_index=-100,
+                             reduction="sum")
+        n = (labels_local != -100).sum().to(torch.int64).reshape(1)
+        dist.all_reduce(n, group=group)
+        loss = ce * world / n.clamp(min=1).to(ce.dtype)
+    return loss, logits
+
+
+def allreduce_gradients(model, group=None) -> None:
+    """Finish pending state sends, then average every parameter gradient over the group: with
+    the losses of ``context_parallel_forward`` this is the full-sequence gradient."""
+    wait_pending()
+    _, world = _rank_world(group)
+    for p in model.parameters():
+        if not p.requires_grad:
+            continue
+        # a parameter can be unused on some ranks only (TTT's initial inner weights reach the
+        # later ranks through the passed state): zeros there keep the all-reduces matched
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        dist.all_reduce(p.grad, group=group)
+        p.grad.div_(world)
+
+
+__all__ = ["split_lengths", "gather_lengths", "all_gather", "all_gather_varlen", "halo",
+           "pass_state_forward", "wait_pending", "cp_linear_scan", "cp_delta_rule", "cp_attention",
+           "cp_rglru", "cp_deltanet", "cp_mamba", "cp_mixer", "block_scheme",
+           "context_parallel_forward", "allreduce_gradients"]
