@@ -108,3 +108,31 @@ def test_preset_parameter_count_within_5_percent(path):
     nominal = float(size.group(1)) * (1e6 if size.group(2) == "m" else 1e9)
     n = param_counts(load_config(path).model)["total"]
     assert abs(n - nominal) / nominal < 0.05, f"{os.path.basename(path)}: {n / 1e6:.1f}M vs nominal {nominal / 1e6:.0f}M"
+
+
+@pytest.mark.parametrize("kind", LAYER_KINDS)
+def test_reset_at_doc_boundaries_equals_separate_documents(kind):
+    """With resets, a row packing documents [a | b | c] gives, on each document, the logits of that
+    document run alone; without resets, later documents see earlier ones."""
+    m = tiny_lm([kind, "attention"], reset_at_doc_boundaries=True).eval()
+    lens = [5, 7, 3]
+    docs = [torch.randint(0, 61, (1, n)) for n in lens]
+    ids = torch.cat(docs, 1)
+    pos = torch.cat([torch.arange(n) for n in lens])[None]
+    with torch.no_grad():
+        packed = m(torch.cat([ids, ids.flip(1)]), position_ids=torch.cat([pos, pos.flip(1) * 0 + pos]))
+        alone = [m(d).logits for d in docs]
+        plain = m(ids).logits
+    torch.testing.assert_close(packed.logits[:1], torch.cat(alone, 1), atol=1e-10, rtol=0)
+    assert (plain[:, 5:] - torch.cat(alone[1:], 1)).abs().max() > 1e-6
+
+
+def test_reset_needs_the_flag_and_refuses_states():
+    m = tiny_lm(["attention"]).eval()
+    ids = torch.randint(0, 61, (1, 8))
+    pos = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]])
+    with torch.no_grad():
+        torch.testing.assert_close(m(ids, position_ids=pos).logits, m(ids).logits)   # flag off: ignored
+        m.cfg.reset_at_doc_boundaries = True
+        with pytest.raises(ValueError, match="carried states"):
+            m(ids, position_ids=pos, output_states=True)

@@ -202,6 +202,19 @@ def test_resume_checks_what_must_not_change():
         check_resume(saved, invariants(ExperimentConfig(), man), "ck", 4)
 
 
+def test_resume_accepts_a_checkpoint_older_than_a_new_config_key():
+    """A key added to the schema after a checkpoint was written counts as its default; a
+    non-default value for it is a change."""
+    man = {"vocab_size": 4096, "tokenizer": "tok.model"}
+    saved = {"invariants": invariants(ExperimentConfig(), man), "dp_world": 1}
+    del saved["invariants"]["model"]["reset_at_doc_boundaries"]
+    check_resume(saved, invariants(ExperimentConfig(), man), "ck", 1)
+    cfg = ExperimentConfig()
+    cfg.model.reset_at_doc_boundaries = True
+    with pytest.raises(ck.CheckpointError, match="reset_at_doc_boundaries: False -> True"):
+        check_resume(saved, invariants(cfg, man), "ck", 1)
+
+
 def test_preemption_signals_set_the_flag():
     import signal
     from ttt_lm.train.preempt import PreemptionFlag

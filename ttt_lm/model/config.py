@@ -72,7 +72,8 @@ class MambaConfig:
     dt_rank: Optional[int] = None       # None = ceil(d_model / 16)
     dt_min: float = 0.001
     dt_max: float = 0.1
-    chunk_size: int = 64
+    # the PyTorch chunked scan holds an [L, L, d_inner, d_state] tensor per chunk: small L is fastest
+    chunk_size: int = 8
 
 
 @dataclass
@@ -92,6 +93,9 @@ class ModelConfig:
     max_seq_len: int = 2048             # longest context the model is built/evaluated for
     init_std: float = 0.02
     kernel_backend: str = "auto"        # auto | torch | triton (see Mixer.kernel_backend)
+    # Restart every mixer's state (and attention's context) where a document starts inside a
+    # packed training row (position_ids == 0), so no layer carries memory across documents.
+    reset_at_doc_boundaries: bool = False
     ttt: TTTConfig = field(default_factory=TTTConfig)
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     rglru: RGLRUConfig = field(default_factory=RGLRUConfig)

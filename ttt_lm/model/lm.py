@@ -10,18 +10,23 @@ paper's "Mamba backbone": x ← x + Conv(RMSNorm(x)).
 
 ``forward(input_ids, labels)`` takes labels aligned with the inputs (labels[t] is the token that
 should follow input_ids[t]; −100 is ignored), so the data pipeline does the shift once.
+
+Packed rows: with ``model.reset_at_doc_boundaries`` and the data's ``position_ids`` (0 at each
+document's first token), every token-mixing part of a block (the mixer and the pre-conv) runs
+separately on each document of a row from a fresh state, exactly as if each document were its
+own sequence; the position-wise parts (norms, MLP, LM head) run on the whole batch.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ttt_lm.model.config import ModelConfig
-from ttt_lm.model.layers import CausalConv1d, GatedMLP, RMSNorm, init_weights
+from ttt_lm.model.layers import CausalConv1d, GatedMLP, RMSNorm, acc, init_weights
 from ttt_lm.model.mixers import build_mixer
 
 TTT_KINDS = ("ttt_linear", "ttt_mlp")
@@ -32,6 +37,27 @@ class LMOutput:
     logits: Optional[torch.Tensor]
     loss: Optional[torch.Tensor] = None
     states: Optional[List[dict]] = None
+
+
+Segments = List[List[Tuple[int, int]]]  # per row: [start, end) of each document piece
+
+
+def doc_segments(position_ids: torch.Tensor) -> Segments:
+    """Per row, the [start, end) spans that begin at index 0 or where position_ids == 0."""
+    T = position_ids.shape[1]
+    out = []
+    for row in position_ids.detach().cpu():
+        starts = sorted({0} | set((row == 0).nonzero().flatten().tolist()))
+        out.append([(s, e) for s, e in zip(starts, starts[1:] + [T])])
+    return out
+
+
+def _per_segment(fn, x: torch.Tensor, segments: Segments) -> torch.Tensor:
+    """fn applied to each document piece of each row on its own (fresh state), reassembled."""
+    rows = []
+    for b, segs in enumerate(segments):
+        rows.append(torch.cat([fn(x[b:b + 1, s:e]) for s, e in segs], dim=1))
+    return torch.cat(rows, dim=0)
 
 
 class Block(nn.Module):
@@ -54,7 +80,10 @@ class Block(nn.Module):
             st["pre_conv"] = self.pre_conv.init_cache(batch_size, device, dtype)
         return st
 
-    def forward(self, x: torch.Tensor, state: Optional[dict] = None, output_state: bool = False):
+    def forward(self, x: torch.Tensor, state: Optional[dict] = None, output_state: bool = False,
+                segments: Optional[Segments] = None):
+        if segments is not None:
+            return self._forward_segments(x, segments), None
         new_state = {} if output_state else None
         if self.pre_conv is not None:
             c, cc = self.pre_conv(self.pre_conv_norm(x), None if state is None else state["pre_conv"], output_state)
@@ -68,6 +97,14 @@ class Block(nn.Module):
         if output_state:
             new_state["mixer"] = ms
         return x, new_state
+
+    def _forward_segments(self, x: torch.Tensor, segments: Segments) -> torch.Tensor:
+        if self.pre_conv is not None:
+            x = x + _per_segment(lambda xs: self.pre_conv(xs)[0], self.pre_conv_norm(x), segments)
+        x = x + _per_segment(lambda xs: self.mixer(xs)[0], self.mixer_norm(x), segments)
+        if self.mlp is not None:
+            x = x + self.mlp(self.mlp_norm(x))
+        return x
 
     def step(self, x: torch.Tensor, state: dict):
         new_state = {}
@@ -121,26 +158,38 @@ class LM(nn.Module):
     def init_states(self, batch_size: int, device=None, dtype=None) -> List[dict]:
         return [b.init_state(batch_size, device, dtype) for b in self.layers]
 
-    def hidden(self, input_ids: torch.Tensor, states=None, output_states: bool = False):
+    def hidden(self, input_ids: torch.Tensor, states=None, output_states: bool = False,
+               position_ids: Optional[torch.Tensor] = None):
+        segments = None
+        if self.cfg.reset_at_doc_boundaries and position_ids is not None:
+            segments = doc_segments(position_ids)
+            if all(len(s) == 1 for s in segments):
+                segments = None  # no document starts inside a row: one batched pass
+            elif states is not None or output_states:
+                raise ValueError("resetting at document boundaries (model.reset_at_doc_boundaries with "
+                                 "position_ids) cannot be combined with carried states")
         x = self.embed(input_ids)
         new_states = [] if output_states else None
         for i, block in enumerate(self.layers):
             st = None if states is None else states[i]
             if self.activation_checkpointing and self.training and torch.is_grad_enabled():
-                x, ns = torch.utils.checkpoint.checkpoint(block, x, st, output_states, use_reentrant=False)
+                x, ns = torch.utils.checkpoint.checkpoint(block, x, st, output_states, segments, use_reentrant=False)
             else:
-                x, ns = block(x, st, output_states)
+                x, ns = block(x, st, output_states, segments)
             if output_states:
                 new_states.append(ns)
         return self.norm(x), new_states
 
     def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None,
-                states=None, output_states: bool = False) -> LMOutput:
-        h, new_states = self.hidden(input_ids, states, output_states)
+                states=None, output_states: bool = False,
+                position_ids: Optional[torch.Tensor] = None) -> LMOutput:
+        """position_ids (0 at a document's first token) matter only with
+        model.reset_at_doc_boundaries."""
+        h, new_states = self.hidden(input_ids, states, output_states, position_ids)
         logits = self.lm_head(h)
         loss = None
         if labels is not None:
-            loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
+            loss = F.cross_entropy(acc(logits).view(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
         return LMOutput(logits=logits, loss=loss, states=new_states)
 
     def step(self, token_ids: torch.Tensor, states: List[dict]):

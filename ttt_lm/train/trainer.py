@@ -32,6 +32,13 @@ class NonFiniteLossError(RuntimeError):
     pass
 
 
+def _pos(batch: dict, dev):
+    """Position of each token in its document (0 at a document's first token), which the model
+    uses to reset its state at document boundaries when model.reset_at_doc_boundaries is set."""
+    p = batch.get("position_ids")
+    return None if p is None else p.to(dev, non_blocking=True)
+
+
 def parse_args(argv: Sequence[str]):
     # the deepspeed launcher appends --local_rank=N; the rank comes from the environment instead
     argv = [a for a in argv if not a.startswith("--local_rank")]
@@ -84,9 +91,15 @@ def invariants(cfg, manifest: dict) -> dict:
 
 def check_resume(saved: dict, now: dict, ckpt: str, dp_world: int) -> None:
     from ttt_lm.train.checkpoint import CheckpointError
+    from omegaconf import OmegaConf
+    from ttt_lm.model.config import ModelConfig
     inv = saved["invariants"]
-    diff = [f"model.{k}: {inv['model'].get(k)!r} -> {now['model'].get(k)!r}"
-            for k in sorted(set(inv["model"]) | set(now["model"])) if inv["model"].get(k) != now["model"].get(k)]
+    # a key the checkpoint lacks was added to the schema after it was written: its default is
+    # what that run used
+    defaults = _flat(OmegaConf.to_container(OmegaConf.structured(ModelConfig())))
+    old = {**{k: v for k, v in defaults.items() if k in now["model"]}, **inv["model"]}
+    diff = [f"model.{k}: {old.get(k)!r} -> {now['model'].get(k)!r}"
+            for k in sorted(set(old) | set(now["model"])) if old.get(k) != now["model"].get(k)]
     for k in ("data_path", "vocab_size", "tokenizer"):
         if inv.get(k) != now.get(k):
             diff.append(f"{k}: {inv.get(k)!r} -> {now.get(k)!r}")
@@ -213,7 +226,7 @@ def train(cfg, data_api=None) -> int:
         with torch.no_grad():
             for b in batches[: int(n)]:
                 labels = b["labels"].to(dev)
-                out = engine(b["input_ids"].to(dev), labels=labels)
+                out = engine(b["input_ids"].to(dev), labels=labels, position_ids=_pos(b, dev))
                 cnt = int((labels != -100).sum())
                 tot += torch.tensor([float(out.loss) * cnt, cnt], dtype=torch.float64)
         engine.train()
@@ -236,7 +249,7 @@ def train(cfg, data_api=None) -> int:
         for _ in range(t.grad_accum):
             b = next(batches)
             ids = b["input_ids"].to(dev, non_blocking=True)
-            out = engine(ids, labels=b["labels"].to(dev, non_blocking=True))
+            out = engine(ids, labels=b["labels"].to(dev, non_blocking=True), position_ids=_pos(b, dev))
             engine.backward(out.loss)
             engine.step()
             loss_sum += out.loss.detach().to(torch.float64).cpu()
