@@ -1,0 +1,59 @@
+"""Fixtures for the eval tests: a tiny prepared corpus and tiny exported models."""
+import os
+import random
+
+import pytest
+import torch
+
+from ttt_lm.config import ExperimentConfig
+from ttt_lm.eval.checkpoint import save_export
+from ttt_lm.model import LM, ModelConfig
+
+WORDS = ("the quick brown fox jumps over a lazy dog and then the cat sat on my mat while seven old "
+         "kings sang loud songs of war and peace").split()
+VOCAB = 300  # the smallest vocabulary the project's SentencePiece recipe accepts
+
+
+def tiny_model(pattern=("attention",), vocab_size=VOCAB, max_seq_len=256, seed=0, n_layers=2) -> LM:
+    torch.manual_seed(seed)
+    cfg = ModelConfig(vocab_size=vocab_size, d_model=32, n_layers=n_layers, n_heads=2,
+                      layer_pattern=list(pattern), max_seq_len=max_seq_len)
+    cfg.attention.window = 8
+    cfg.mamba.chunk_size = 8
+    cfg.deltanet.chunk_size = 8
+    cfg.ttt.mini_batch_size = 8
+    cfg.titans.chunk_size = 8
+    return LM(cfg).eval()
+
+
+def export_model(model: LM, out_dir: str, data_path=None) -> str:
+    e = ExperimentConfig(model=model.cfg)
+    if data_path:
+        e.data.path = data_path
+    return save_export(model, out_dir, e)
+
+
+@pytest.fixture(scope="session")
+def prepared(tmp_path_factory):
+    """24 documents of ~400 words (~1300 tokens each); the validation split holds 3 of them."""
+    from ttt_lm.data.prepare import prepare
+    raw = str(tmp_path_factory.mktemp("raw"))
+    rng = random.Random(0)
+    for i in range(24):
+        with open(os.path.join(raw, f"d{i:02d}.txt"), "w") as f:
+            f.write(" ".join(rng.choice(WORDS) for _ in range(400)) + "\n")
+    out = str(tmp_path_factory.mktemp("prepared"))
+    prepare([raw], out, vocab_size=VOCAB, shard_tokens=4000, val_fraction=0.1, workers=1, progress=False,
+            overwrite=True)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tokenizer(prepared):
+    from ttt_lm.data import load_tokenizer
+    return load_tokenizer(prepared)
+
+
+@pytest.fixture(scope="session")
+def attn_export(tmp_path_factory, prepared):
+    return export_model(tiny_model(("attention",), max_seq_len=512), str(tmp_path_factory.mktemp("attn")), prepared)

@@ -1,0 +1,98 @@
+"""The lm-evaluation-harness adapter, run through lm_eval's own evaluator on local tasks
+(tests/eval/lm_eval_tasks: three task YAMLs over one JSONL file), offline."""
+import os
+
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+import math  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from tests.eval.conftest import export_model, tiny_model  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+
+
+@pytest.fixture(scope="module")
+def harness_results(prepared, tmp_path_factory):
+    import ttt_lm.eval.lm_eval_adapter  # noqa: F401  (registers "ttt_lm")
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+    m = tiny_model(("mamba", "attention"), max_seq_len=64)
+    d = export_model(m, str(tmp_path_factory.mktemp("harness")), prepared)
+    cwd = os.getcwd()
+    os.chdir(ROOT)  # the task YAMLs name their data file relative to the repository root
+    try:
+        res = simple_evaluate(model="ttt_lm", model_args=f"checkpoint={d},device=cpu,chunk_len=16",
+                              tasks=["ttt_tiny_choice", "ttt_tiny_rolling", "ttt_tiny_gen"],
+                              task_manager=TaskManager(include_path=os.path.join(HERE, "lm_eval_tasks"),
+                                                       include_defaults=False),
+                              bootstrap_iters=0, log_samples=True)
+    finally:
+        os.chdir(cwd)
+    return res, m
+
+
+def _logprob(m, ids, n_cont):
+    with torch.no_grad():
+        lp = F.log_softmax(m(torch.tensor([ids[:-1]])).logits[0].float(), -1)
+    tgt = torch.tensor(ids[1:])
+    return float(lp.gather(1, tgt[:, None])[-n_cont:].sum())
+
+
+def test_multiple_choice_accuracy_is_our_own_argmax(harness_results, tokenizer):
+    res, m = harness_results
+    got = res["results"]["ttt_tiny_choice"]["acc,none"]
+    correct = []
+    for s in res["samples"]["ttt_tiny_choice"]:
+        doc = s["doc"]
+        scores = []
+        for c in doc["choices"]:
+            if doc["question"]:
+                ctx = tokenizer.encode(doc["question"])
+                whole = tokenizer.encode(doc["question"] + c)
+            else:
+                ctx, whole = [tokenizer.eos_id], [tokenizer.eos_id] + tokenizer.encode(c)
+            scores.append(_logprob(m, whole, len(whole) - len(ctx)))
+        # the harness's per-choice log-likelihoods are ours (float32, 16-token chunks vs one pass)
+        harness = [r[0] for r in s["filtered_resps"]]
+        assert harness == pytest.approx(scores, abs=1e-4)
+        correct.append(max(range(len(scores)), key=scores.__getitem__) == doc["answer"])
+    assert len(correct) == 5 and got == pytest.approx(sum(correct) / 5)
+
+
+def test_rolling_loglikelihood_is_the_documents_log_probability(harness_results, tokenizer):
+    res, m = harness_results
+    total_ll, words = 0.0, 0
+    for s in res["samples"]["ttt_tiny_rolling"]:
+        text = s["doc"]["question"] + s["doc"]["choices"][0]
+        ids = [tokenizer.eos_id] + tokenizer.encode(text)
+        total_ll += _logprob(m, ids, len(ids) - 1)
+        words += len(text.split())
+    wp = res["results"]["ttt_tiny_rolling"]["word_perplexity,none"]
+    assert wp == pytest.approx(math.exp(-total_ll / words), rel=1e-4)
+
+
+def test_generation_is_greedy_and_stops_at_until(harness_results, tokenizer):
+    from ttt_lm.eval.passkey import greedy_continue
+    res, m = harness_results
+    for s in res["samples"]["ttt_tiny_gen"]:
+        q = s["doc"]["question"]
+        ids = tokenizer.encode(q) or [tokenizer.eos_id]
+        want = tokenizer.decode(greedy_continue(m, ids, 5, chunk_len=16))
+        for u in ("\n", "."):
+            want = want.split(u)[0]
+        assert s["resps"][0][0] == want
+    assert 0.0 <= res["results"]["ttt_tiny_gen"]["exact_match,none"] <= 1.0
+
+
+def test_bad_tokenizer_is_refused(tmp_path, prepared):
+    from ttt_lm.eval import EvalError
+    from ttt_lm.eval.lm_eval_adapter import TTTLMHarness
+    d = export_model(tiny_model(vocab_size=100), str(tmp_path / "v100"), prepared)
+    with pytest.raises(EvalError, match="vocabulary mismatch"):
+        TTTLMHarness(checkpoint=d)

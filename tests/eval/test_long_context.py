@@ -1,0 +1,73 @@
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.eval.conftest import export_model, tiny_model
+from ttt_lm.eval import EvalError, loss_by_position, summarize
+from ttt_lm.eval.__main__ import main
+from ttt_lm.eval.long_context import log_buckets
+from ttt_lm.model.config import LAYER_KINDS
+
+
+@pytest.mark.parametrize("kind", LAYER_KINDS)
+def test_chunked_with_carried_state_equals_one_pass(kind):
+    """Per-position losses from 16-token chunks with states carried equal those of one forward over
+    the whole document (float32; 1e-4 absolute on losses ~5.7 covers reassociated sums)."""
+    m = tiny_model((kind, "attention"), max_seq_len=64)
+    g = torch.Generator().manual_seed(0)
+    docs = [torch.randint(3, 300, (n,), generator=g) for n in (49, 60, 49)]
+    st = loss_by_position(m, docs, max_len=48, chunk_len=16, batch_size=2, show_progress=False)
+    with torch.no_grad():
+        want = sum(F.cross_entropy(m(d[None, :48]).logits[0], d[1:49], reduction="none").double() for d in docs)
+    np.testing.assert_allclose(st["sum"], want.numpy(), atol=1e-4, rtol=0)
+    assert (st["count"] == 3).all() and st["documents"] == 3
+
+
+def test_short_documents_are_skipped_or_counted_where_they_reach():
+    m = tiny_model()
+    docs = [torch.randint(3, 300, (n,)) for n in (10, 33, 5)]
+    st = loss_by_position(m, docs, max_len=32, chunk_len=8, show_progress=False)
+    assert st["documents"] == 1 and st["skipped"] == 2 and (st["count"] == 1).all()
+    st = loss_by_position(m, docs, max_len=32, chunk_len=8, min_len=2, show_progress=False)
+    assert list(st["count"][:4]) == [3, 3, 3, 3] and st["count"][4] == 2 and st["count"][9] == 1 and st["count"][31] == 1
+    with pytest.raises(EvalError, match="no document has >= 100 tokens"):
+        loss_by_position(m, docs, max_len=99, show_progress=False)
+
+
+def test_context_beyond_max_seq_len_is_refused_for_global_attention_only():
+    docs = [torch.randint(3, 300, (80,))]
+    with pytest.raises(EvalError, match="exceeds model.max_seq_len=64 .*global attention"):
+        loss_by_position(tiny_model(("attention",), max_seq_len=64), docs, 72, show_progress=False)
+    st = loss_by_position(tiny_model(("mamba", "local_attention"), max_seq_len=64), docs, 72, chunk_len=32,
+                          show_progress=False)
+    assert st["count"].sum() == 72
+
+
+def test_buckets_partition_the_positions_and_lengths_average_prefixes():
+    e = log_buckets(1000, 16)
+    assert e[0] == 1 and e[-1] == 1001 and (np.diff(e) > 0).all()
+    S = np.arange(1, 101, dtype=np.float64)
+    C = np.ones(100, dtype=np.int64)
+    s = summarize({"sum": S, "count": C, "documents": 1, "skipped": 0}, [10, 100], n_buckets=8)
+    assert sum(b["tokens"] for b in s["buckets"]) == 100
+    assert s["mean_loss_at_length"]["10"]["loss"] == pytest.approx(5.5)
+    assert s["mean_loss_at_length"]["100"]["loss"] == pytest.approx(50.5)
+    first = s["buckets"][0]
+    assert first["start"] == 1 and first["loss"] == pytest.approx(1.0)
+
+
+def test_cli_plots_several_checkpoints(prepared, attn_export, tmp_path):
+    other = export_model(tiny_model(("deltanet", "local_attention"), seed=1), str(tmp_path / "dn"), prepared)
+    rc = main(["long_context", "--checkpoint", attn_export, "--checkpoint", other, "--names", "attn,deltanet",
+               "--max-len", "256", "--lengths", "64,256", "--chunk-len", "128", "--max-docs", "2",
+               "--out", str(tmp_path), "--no-progress"])
+    assert rc == 0
+    out = json.loads((tmp_path / "long_context.json").read_text())
+    assert set(out["result"]) == {"attn", "deltanet"}
+    for r in out["result"].values():
+        assert r["documents"] == 2 and set(r["mean_loss_at_length"]) == {"64", "256"}
+    png = (tmp_path / "long_context.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000

@@ -1,0 +1,59 @@
+import json
+import re
+
+import pytest
+import torch
+
+from tests.eval.conftest import tiny_model
+from ttt_lm.eval import EvalError, build_prompt, passkey_grid
+from ttt_lm.eval.__main__ import main
+from ttt_lm.eval.passkey import FILLER, greedy_continue
+
+
+def test_prompt_length_and_needle_depth(tokenizer):
+    filler = len(tokenizer.encode(FILLER))
+    positions = []
+    for depth in (0.0, 0.25, 0.5, 0.75, 1.0):
+        ids, ans, pos = build_prompt(tokenizer, 600, depth, "48213")
+        assert 600 - filler < len(ids) <= 600
+        text = tokenizer.decode(ids)
+        assert text.count("48213") == 2 and len(re.findall(r"\d{5}", text)) == 2  # only in the needle
+        assert tokenizer.decode(ids[pos:]).startswith(" The pass key is 48213.")
+        assert text.endswith("The pass key is") and tokenizer.decode(ans) == " 48213"
+        positions.append(pos)
+    assert positions == sorted(positions) and positions[0] < positions[-1]
+    with pytest.raises(EvalError, match="too short"):
+        build_prompt(tokenizer, 50, 0.5, "48213")
+
+
+def test_scoring_counts_exactly_the_correct_retrievals(tokenizer):
+    m = tiny_model(("mamba", "local_attention"), max_seq_len=64)
+
+    def oracle(ids, n):  # reads the key out of the prompt, as a perfect model would
+        return tokenizer.encode(" " + re.search(r"pass key is (\d+)", tokenizer.decode(ids)).group(1))[:n]
+
+    def wrong(ids, n):
+        return tokenizer.encode(" 00000")[:n]
+
+    # the recurrent/windowed model accepts lengths beyond max_seq_len=64
+    good = passkey_grid(m, tokenizer, [400, 600], [0.0, 0.5, 1.0], trials=3, generate=oracle, show_progress=False)
+    assert good["accuracy"] == [[1.0] * 3] * 2 and good["mean_accuracy"] == 1.0
+    bad = passkey_grid(m, tokenizer, [400], [0.5], trials=3, generate=wrong, show_progress=False)
+    assert bad["accuracy"] == [[0.0]]
+    with pytest.raises(EvalError, match="exceeds model.max_seq_len"):
+        passkey_grid(tiny_model(("attention",), max_seq_len=64), tokenizer, [400], [0.5], show_progress=False)
+
+
+def test_chunked_greedy_decoding_matches_generate():
+    m = tiny_model(("rglru", "attention"), max_seq_len=64)
+    ids = torch.randint(3, 300, (37,))
+    want = m.generate(ids[None], 6, temperature=0)[0, 37:].tolist()
+    assert greedy_continue(m, ids.tolist(), 6, chunk_len=8) == want
+
+
+def test_cli_heatmap(attn_export, tmp_path):
+    assert main(["passkey", "--checkpoint", attn_export, "--lengths", "300,400", "--depths", "0,1",
+                 "--trials", "1", "--out", str(tmp_path), "--no-progress"]) == 0
+    r = json.loads((tmp_path / "passkey.json").read_text())["result"]
+    assert len(r["accuracy"]) == 2 and all(len(row) == 2 for row in r["accuracy"])
+    assert (tmp_path / "passkey.png").read_bytes()[:4] == b"\x89PNG"

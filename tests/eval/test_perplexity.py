@@ -1,0 +1,74 @@
+import json
+import math
+
+import pytest
+import torch
+
+from tests.eval.conftest import VOCAB, export_model, tiny_model
+from ttt_lm.data import DataConfig, build_val_loader, iter_documents
+from ttt_lm.eval import EvalError, evaluate_perplexity, token_byte_lengths
+from ttt_lm.eval.__main__ import main
+from ttt_lm.eval.perplexity import text_batches
+
+
+def test_matches_the_models_own_mean_loss_and_counts_every_token(prepared, tokenizer):
+    m = tiny_model()
+    loader = build_val_loader(DataConfig(path=prepared, seq_len=32, shuffle=False), 4)
+    res = evaluate_perplexity(m, loader, token_byte_lengths(tokenizer), show_progress=False)
+    with torch.no_grad():
+        losses = [(m(b["input_ids"], labels=b["labels"]).loss.double() * b["labels"].numel(), b["labels"].numel())
+                  for b in loader]
+    n = sum(c for _, c in losses)
+    assert res["tokens"] == n == loader.num_tokens
+    # float32 logits, sums of ~4k terms: the two orders of summation agree to ~1e-6 relative
+    assert res["loss"] == pytest.approx(float(sum(s for s, _ in losses)) / n, rel=1e-5)
+    assert res["perplexity"] == pytest.approx(math.exp(res["loss"]), rel=1e-12)
+    again = evaluate_perplexity(m, loader, token_byte_lengths(tokenizer), show_progress=False)
+    assert again == res  # deterministic: bit-identical on a second run
+
+
+def test_bits_per_byte_counts_the_bytes_of_the_decoded_text(prepared, tokenizer):
+    docs = list(iter_documents(prepared, "val"))
+    tb = token_byte_lengths(tokenizer)
+    for d in docs:
+        assert int(tb[d].sum()) == len(tokenizer.decode(d.tolist()).encode("utf-8"))
+    ids = torch.cat(docs)
+    m = tiny_model()
+    res = evaluate_perplexity(m, text_batches(ids, 64, 3), tb, show_progress=False)
+    scored = ids[1:1 + res["tokens"]]
+    assert res["tokens"] == ((len(ids) - 1) // 64) * 64
+    assert res["bytes"] == len(tokenizer.decode(scored.tolist()).encode("utf-8"))
+    assert res["bits_per_byte"] == pytest.approx(res["nll_sum"] / math.log(2) / res["bytes"], rel=1e-12)
+
+
+def test_batch_size_does_not_change_the_result(prepared):
+    m = tiny_model()
+    ids = torch.cat(list(iter_documents(prepared, "val")))
+    a = evaluate_perplexity(m, text_batches(ids, 32, 1), show_progress=False)
+    b = evaluate_perplexity(m, text_batches(ids, 32, 7), show_progress=False)
+    assert a["tokens"] == b["tokens"]
+    assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)  # float32 matmuls batched differently
+
+
+def test_bad_inputs(prepared, tmp_path, capsys):
+    small = tiny_model(vocab_size=100)
+    ids = torch.cat(list(iter_documents(prepared, "val")))
+    with pytest.raises(EvalError, match="vocabulary mismatch.*vocab_size is 100"):
+        evaluate_perplexity(small, text_batches(ids, 32, 2), show_progress=False)
+    with pytest.raises(EvalError, match="exceeds model.max_seq_len=256"):
+        evaluate_perplexity(tiny_model(), text_batches(ids, 512, 1), show_progress=False)
+    # the CLI checks the manifest before reading anything
+    d = export_model(tiny_model(vocab_size=320), str(tmp_path / "v320"), prepared)
+    assert main(["perplexity", "--checkpoint", d, "--out", str(tmp_path), "--no-progress"]) == 2
+    assert "vocabulary mismatch: the model has vocab_size=320" in capsys.readouterr().err
+
+
+def test_cli_writes_json(attn_export, tmp_path, capsys):
+    assert main(["perplexity", "--checkpoint", attn_export, "--seq-len", "64", "--out", str(tmp_path),
+                 "--no-progress"]) == 0
+    out = json.loads((tmp_path / "perplexity.json").read_text())
+    r = out["result"]
+    assert r["tokens"] > 0 and r["seq_len"] == 64 and 0 < r["bits_per_byte"] < 20
+    # an untrained model is close to uniform over the vocabulary
+    assert abs(r["loss"] - math.log(VOCAB)) < 0.2
+    assert "perplexity" in capsys.readouterr().out

@@ -1,0 +1,293 @@
+"""python -m ttt_lm.eval <task> --checkpoint <export or run dir> [options]
+
+Tasks: perplexity, long_context, passkey, synthetic, lm_eval. Each writes ``<out>/<task>.json``
+(and a PNG where a picture helps) and prints a one-line summary.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from typing import List, Optional, Sequence
+
+import torch
+
+from ttt_lm.eval.common import EvalError, dtype_of, pick_device, token_byte_lengths, write_json
+
+
+def _ints(s: str) -> List[int]:
+    return [int(float(x)) for x in s.split(",") if x.strip()]
+
+
+def _floats(s: str) -> List[float]:
+    return [float(x) for x in s.split(",") if x.strip()]
+
+
+def _commit() -> Optional[str]:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
+    except Exception:  # noqa: BLE001 - no git is fine
+        return None
+
+
+def _meta(args, device) -> dict:
+    d = {k: v for k, v in vars(args).items() if k not in ("func",)}
+    return {"args": d, "device": str(device), "torch": torch.__version__, "commit": _commit(),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def _out(args, name: str) -> str:
+    os.makedirs(args.out, exist_ok=True)
+    return os.path.join(args.out, name)
+
+
+def _tokenizer(path: Optional[str], ck, what: str):
+    from ttt_lm.data import load_tokenizer
+    p = path or ck.tokenizer_path
+    if p is None:
+        raise EvalError(f"{what} needs a tokenizer: pass --tokenizer (a .model file or a prepared data dir); "
+                        f"{ck.path} has no tokenizer.model and its config names no prepared data")
+    return load_tokenizer(p)
+
+
+def _load(args, path: str):
+    from ttt_lm.eval.checkpoint import load_checkpoint
+    return load_checkpoint(path, device=pick_device(args.device), dtype=dtype_of(args.dtype))
+
+
+def _data_path(args, ck) -> str:
+    p = args.data or ck.data_path
+    if not p:
+        raise EvalError("no data: pass --data <prepared dir> (the checkpoint's config names none)")
+    return p
+
+
+# ---- tasks ---------------------------------------------------------------------------------------
+
+def cmd_perplexity(args) -> dict:
+    from ttt_lm.data import DataConfig, build_val_loader, check_vocab, iter_documents, load_manifest
+    from ttt_lm.eval.perplexity import evaluate_perplexity, text_batches
+    ck = _load(args, args.checkpoint)
+    model = ck.model
+    seq_len = args.seq_len or min(model.cfg.max_seq_len, 2048)
+    if args.text:
+        tok = _tokenizer(args.tokenizer, ck, "--text")
+        from ttt_lm.eval.common import check_vocab as check_tok_vocab
+        check_tok_vocab(model, tok.vocab_size, f"the tokenizer {tok.path}", allow_padding=True)
+        with open(args.text, encoding="utf-8") as f:
+            ids = torch.tensor(tok.encode(f.read()), dtype=torch.long)
+        batches, total, source = text_batches(ids, seq_len, args.batch_size), None, args.text
+    else:
+        path = _data_path(args, ck)
+        man = load_manifest(path)
+        check_vocab(man, model.cfg.vocab_size)
+        from ttt_lm.data import load_tokenizer
+        tok = load_tokenizer(path)
+        if args.split == "val":
+            loader = build_val_loader(DataConfig(path=path, seq_len=seq_len, shuffle=False), args.batch_size)
+            batches, total = loader, len(loader)
+        else:
+            docs = list(iter_documents(path, args.split))
+            ids = torch.cat(docs) if docs else torch.zeros(0, dtype=torch.long)
+            batches, total = text_batches(ids, seq_len, args.batch_size), None
+        source = f"{path}:{args.split}"
+    res = evaluate_perplexity(model, batches, token_byte_lengths(tok, model.cfg.vocab_size), args.max_batches,
+                              show_progress=not args.no_progress, total=total)
+    res.update(source=source, seq_len=seq_len, checkpoint=ck.path)
+    out = dict(task="perplexity", result=res, **_meta(args, model.embed.weight.device))
+    write_json(_out(args, "perplexity.json"), out)
+    print(f"perplexity {ck.name} on {source}: loss {res['loss']:.4f}  ppl {res['perplexity']:.3f}  "
+          f"bpb {res.get('bits_per_byte', float('nan')):.4f}  tokens {res['tokens']}")
+    return out
+
+
+def cmd_long_context(args) -> dict:
+    from ttt_lm.data import check_vocab, iter_documents, load_manifest
+    from ttt_lm.eval.long_context import loss_by_position, plot_loss_by_position, summarize
+    curves, names = {}, list(args.names.split(",")) if args.names else []
+    for i, path in enumerate(args.checkpoint):
+        ck = _load(args, path)
+        name = names[i] if i < len(names) else ck.name
+        data = _data_path(args, ck)
+        check_vocab(load_manifest(data), ck.model.cfg.vocab_size)
+        stats = loss_by_position(ck.model, iter_documents(data, args.split), args.max_len, args.chunk_len,
+                                 args.min_len, args.max_docs, args.batch_size, not args.no_progress)
+        summ = summarize(stats, args.lengths or [args.max_len], args.buckets)
+        summ.update(checkpoint=ck.path, data=f"{data}:{args.split}")
+        curves[name] = summ
+        del ck
+        at = summ["mean_loss_at_length"]
+        print(f"long_context {name}: " + "  ".join(f"L={k}: {v['loss']:.4f}" for k, v in at.items())
+              + f"  ({summ['documents']} documents)")
+    png = _out(args, "long_context.png")
+    plot_loss_by_position(curves, png, f"loss by token position ({args.split}, {args.max_len} tokens)")
+    out = dict(task="long_context", result=curves, plot=png, **_meta(args, pick_device(args.device)))
+    write_json(_out(args, "long_context.json"), out)
+    return out
+
+
+def cmd_passkey(args) -> dict:
+    from ttt_lm.eval.passkey import passkey_grid, plot_heatmap
+    ck = _load(args, args.checkpoint)
+    tok = _tokenizer(args.tokenizer, ck, "passkey")
+    res = passkey_grid(ck.model, tok, args.lengths, args.depths, args.trials, args.seed, args.chunk_len,
+                       show_progress=not args.no_progress)
+    png = _out(args, "passkey.png")
+    plot_heatmap(res, png, f"passkey retrieval: {ck.name}")
+    res["checkpoint"] = ck.path
+    out = dict(task="passkey", result=res, plot=png, **_meta(args, ck.model.embed.weight.device))
+    write_json(_out(args, "passkey.json"), out)
+    print(f"passkey {ck.name}: mean accuracy {res['mean_accuracy']:.3f} over {len(args.lengths)} lengths x "
+          f"{len(args.depths)} depths x {args.trials} trials")
+    return out
+
+
+def cmd_synthetic(args) -> dict:
+    from ttt_lm.eval.synthetic import make_task, plot_accuracy, result_dict, results_table, run_synthetic
+    task = make_task(args.task, args.vocab_size, num_kv_pairs=args.num_kv_pairs, num_tokens=args.num_tokens)
+    torch.manual_seed(args.seed)
+    results = []
+    for mixer in [m for m in args.mixers.split(",") if m]:
+        t0 = time.time()
+        r = run_synthetic(task, mixer, args.train_len, args.test_lens, args.steps, batch_size=args.batch_size,
+                          lr=args.lr, d_model=args.d_model, n_layers=args.n_layers, n_heads=args.n_heads,
+                          num_eval=args.num_eval, seed=args.seed, device=str(pick_device(args.device)),
+                          progress=not args.no_progress, stop_at=args.stop_at, impl=args.impl)
+        results.append(r)
+        print(f"{task.name} {mixer}: " + "  ".join(f"{T}: {a:.2f}" for T, a in r.accuracy.items())
+              + f"  ({time.time() - t0:.0f}s)", flush=True)
+    table = results_table(results)
+    hdr = (f"# {task.name}: accuracy vs sequence length\n\n"
+           f"Trained at length {args.train_len} (*) for up to {args.steps} steps of batch {args.batch_size}; "
+           f"{args.n_layers} layers, d_model {args.d_model}, vocabulary {task.vocab_size}; "
+           f"{args.num_eval} test sequences per length.\n\n")
+    with open(_out(args, f"{task.name}.md"), "w") as f:
+        f.write(hdr + table)
+    png = _out(args, f"{task.name}.png")
+    plot_accuracy(results, png, f"{task.name} (trained at {args.train_len})")
+    out = dict(task="synthetic", synthetic_task=task.name, results=[result_dict(r) for r in results],
+               table=table, plot=png, **_meta(args, pick_device(args.device)))
+    write_json(_out(args, f"{task.name}.json"), out)
+    print(table)
+    return out
+
+
+def cmd_lm_eval(args) -> dict:
+    from ttt_lm.eval.lm_eval_adapter import run_tasks
+    res = run_tasks(args.checkpoint, [t for t in args.tasks.split(",") if t], args.include_path, args.limit,
+                    args.num_fewshot, args.tokenizer, args.device, args.dtype, args.chunk_len, args.seed)
+    out = dict(task="lm_eval", results=res.get("results", {}), versions=res.get("versions", {}),
+               n_samples=res.get("n-samples", {}), **_meta(args, pick_device(args.device)))
+    write_json(_out(args, "lm_eval.json"), out)
+    for t, r in out["results"].items():
+        print(f"lm_eval {t}: " + "  ".join(f"{k}={v:.4f}" for k, v in r.items() if isinstance(v, float)))
+    return out
+
+
+# ---- parser --------------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m ttt_lm.eval", description="Evaluate ttt-lm checkpoints.")
+    sub = ap.add_subparsers(dest="task", required=True)
+
+    def common(p, checkpoint=True, multi=False):
+        if checkpoint:
+            if multi:
+                p.add_argument("--checkpoint", action="append", required=True,
+                               help="export dir (model.pt + config.yaml) or run dir; repeat for several")
+            else:
+                p.add_argument("--checkpoint", required=True, help="export dir (model.pt + config.yaml) or run dir")
+        p.add_argument("--out", default="eval_results", help="directory for the JSON result and plots")
+        p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+        p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float64")
+        p.add_argument("--no-progress", action="store_true")
+        p.add_argument("--seed", type=int, default=0)
+
+    p = sub.add_parser("perplexity", help="loss, perplexity and bits per byte on a validation split or text")
+    common(p)
+    p.add_argument("--data", help="prepared data dir (default: the checkpoint config's data.path)")
+    p.add_argument("--split", default="val", help="val (the validation loader) or train")
+    p.add_argument("--text", help="a UTF-8 text file to score instead of prepared data (needs a tokenizer)")
+    p.add_argument("--tokenizer", help=".model file or prepared data dir (for --text)")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per window (default min(max_seq_len, 2048))")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--max-batches", type=int, default=None)
+    p.set_defaults(func=cmd_perplexity)
+
+    p = sub.add_parser("long_context", help="loss by token position over whole documents")
+    common(p, multi=True)
+    p.add_argument("--names", help="comma-separated legend labels, one per --checkpoint")
+    p.add_argument("--data", help="prepared data dir (default: the checkpoint config's data.path)")
+    p.add_argument("--split", default="val")
+    p.add_argument("--max-len", type=int, required=True, help="tokens of each document to score")
+    p.add_argument("--lengths", type=_ints, default=None, help="context lengths to report the mean loss at")
+    p.add_argument("--chunk-len", type=int, default=2048, help="tokens per forward; states carried between")
+    p.add_argument("--min-len", type=int, default=None, help="skip shorter documents (default max-len + 1)")
+    p.add_argument("--max-docs", type=int, default=None)
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--buckets", type=int, default=32)
+    p.set_defaults(func=cmd_long_context)
+
+    p = sub.add_parser("passkey", help="passkey retrieval over context lengths x depths (heatmap)")
+    common(p)
+    p.add_argument("--tokenizer", help=".model file or prepared data dir (default: beside the checkpoint)")
+    p.add_argument("--lengths", type=_ints, default=[256, 512, 1024, 2048])
+    p.add_argument("--depths", type=_floats, default=[0.0, 0.25, 0.5, 0.75, 1.0])
+    p.add_argument("--trials", type=int, default=5)
+    p.add_argument("--chunk-len", type=int, default=2048)
+    p.set_defaults(func=cmd_passkey)
+
+    p = sub.add_parser("synthetic", help="train tiny models on a recall task and test length generalization")
+    common(p, checkpoint=False)
+    p.add_argument("--task", default="induction", help="induction | mqar | selective_copying")
+    p.add_argument("--mixers", default="attention,mamba",
+                   help="comma-separated layer kinds; a+b is the hybrid pattern [a, b]")
+    p.add_argument("--train-len", type=int, default=256)
+    p.add_argument("--test-lens", type=_ints, default=[64, 128, 256, 512, 1024, 2048, 4096])
+    p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--stop-at", type=float, default=None,
+                   help="stop training once accuracy at the train length reaches this")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--d-model", type=int, default=64)
+    p.add_argument("--n-layers", type=int, default=2)
+    p.add_argument("--n-heads", type=int, default=2)
+    p.add_argument("--vocab-size", type=int, default=None, help="default: induction 16, mqar 256, copying 16")
+    p.add_argument("--num-kv-pairs", type=int, default=None, help="mqar (default 8)")
+    p.add_argument("--num-tokens", type=int, default=None, help="selective copying (default 8)")
+    p.add_argument("--num-eval", type=int, default=64, help="test sequences per length")
+    p.add_argument("--impl", default="chunked", choices=["chunked", "reference"],
+                   help="mixer form; the sequential reference forms are faster on a CPU for these tiny "
+                        "models (Mamba, RG-LRU), and compute the same function")
+    p.set_defaults(func=cmd_synthetic)
+
+    p = sub.add_parser("lm_eval", help="run lm-evaluation-harness tasks on a checkpoint")
+    common(p)
+    p.add_argument("--tasks", required=True, help="comma-separated lm_eval task names")
+    p.add_argument("--include-path", help="directory of extra task YAMLs")
+    p.add_argument("--limit", type=float, default=None)
+    p.add_argument("--num-fewshot", type=int, default=None)
+    p.add_argument("--tokenizer", help=".model file or prepared data dir (default: beside the checkpoint)")
+    p.add_argument("--chunk-len", type=int, default=2048)
+    p.set_defaults(func=cmd_lm_eval)
+    return ap
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    from ttt_lm.config import ConfigError
+    from ttt_lm.data import DataError
+    from ttt_lm.data.tokenizer import TokenizerError
+    try:
+        args.func(args)
+    except (EvalError, DataError, TokenizerError, ConfigError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

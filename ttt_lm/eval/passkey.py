@@ -1,0 +1,116 @@
+"""Passkey retrieval (Mohtashami & Jaggi 2023): a random number hidden at a chosen depth of
+repetitive filler text must be repeated at the end.
+
+Prompt, in tokens (``context_len`` = its length, at most; filler is repeated whole sentences):
+
+    INTRO  FILLER × n₁  NEEDLE("The pass key is 68130. Remember it. 68130 is the pass key.")
+    FILLER × n₂  QUESTION("What is the pass key? The pass key is")
+
+with n₁ = round(depth · (n₁ + n₂)), so depth 0 puts the needle right after the introduction and
+depth 1 right before the question. The model decodes greedily as many tokens as the answer
+" 68130" has; a trial is correct when the decoded text, stripped, starts with the passkey. The
+prompt is read ``chunk_len`` tokens at a time with states carried, then decoded with ``step``.
+"""
+from __future__ import annotations
+
+import random
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import torch
+
+from ttt_lm.eval.common import EvalError, check_context, check_vocab, progress
+from ttt_lm.model import LM
+
+INTRO = ("There is an important piece of information hidden inside a lot of irrelevant text. "
+         "Find it and memorize it. I will quiz you about it.")
+FILLER = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key."
+QUESTION = " What is the pass key? The pass key is"
+
+
+def build_prompt(tok, context_len: int, depth: float, key: str) -> Tuple[List[int], List[int], int]:
+    """(prompt ids, answer ids, index of the needle's first token). Raises if ``context_len`` is too
+    short for the introduction, the needle, the question and one filler sentence group."""
+    if not 0.0 <= depth <= 1.0:
+        raise EvalError(f"depth must be in [0, 1], got {depth}")
+    intro, filler = tok.encode(INTRO), tok.encode(FILLER)
+    needle, question = tok.encode(NEEDLE.format(key=key)), tok.encode(QUESTION)
+    fixed = len(intro) + len(needle) + len(question)
+    n = (context_len - fixed) // len(filler)
+    if n < 1:
+        raise EvalError(f"context length {context_len} is too short for a passkey prompt "
+                        f"(needs at least {fixed + len(filler)} tokens with this tokenizer)")
+    n1 = int(round(depth * n))
+    ids = intro + filler * n1
+    pos = len(ids)
+    ids += needle + filler * (n - n1) + question
+    return ids, tok.encode(" " + key), pos
+
+
+@torch.no_grad()
+def greedy_continue(model: LM, ids: Sequence[int], n: int, chunk_len: int = 2048) -> List[int]:
+    """Greedy decoding of ``n`` tokens after ``ids``, reading the prompt chunk by chunk."""
+    dev = next(model.parameters()).device
+    x = torch.tensor([list(ids)], dtype=torch.long, device=dev)
+    states = None
+    for s in range(0, x.shape[1], chunk_len):
+        out = model(x[:, s:s + chunk_len], states=states, output_states=True)
+        states = out.states
+    logits = out.logits[:, -1]
+    res = []
+    for i in range(n):
+        nxt = logits.argmax(-1)
+        res.append(int(nxt))
+        if i + 1 < n:
+            logits, states = model.step(nxt, states)
+    return res
+
+
+def passkey_grid(model: LM, tok, lengths: Sequence[int], depths: Sequence[float], trials: int = 5,
+                 seed: int = 0, chunk_len: int = 2048, digits: int = 5, show_progress: bool = True,
+                 generate: Optional[Callable] = None) -> dict:
+    """Accuracy for each (context length, depth) over ``trials`` random passkeys (the same keys in
+    every cell, so cells differ only in length and depth)."""
+    for L in lengths:
+        check_context(model, L)
+    check_vocab(model, tok.vocab_size, "the tokenizer", allow_padding=True)
+    model.eval()
+    gen = generate or (lambda ids, n: greedy_continue(model, ids, n, chunk_len))
+    rng = random.Random(seed)
+    keys = [str(rng.randrange(10 ** (digits - 1), 10 ** digits)) for _ in range(trials)]
+    acc = [[0.0] * len(depths) for _ in lengths]
+    samples = []
+    cells = [(i, j) for i in range(len(lengths)) for j in range(len(depths))]
+    for i, j in progress(cells, total=len(cells), desc="passkey", enable=show_progress):
+        ok = 0
+        for key in keys:
+            ids, ans, _ = build_prompt(tok, lengths[i], depths[j], key)
+            out = tok.decode(gen(ids, len(ans))).strip()
+            hit = out.startswith(key)
+            ok += hit
+            if len(samples) < 20:
+                samples.append({"length": lengths[i], "depth": depths[j], "key": key, "output": out, "correct": hit})
+        acc[i][j] = ok / len(keys)
+    return {"lengths": list(lengths), "depths": list(depths), "trials": trials, "accuracy": acc,
+            "mean_accuracy": sum(map(sum, acc)) / (len(lengths) * len(depths)), "samples": samples}
+
+
+def plot_heatmap(result: dict, path: str, title: str = "") -> None:
+    from ttt_lm.eval.common import pyplot
+    plt = pyplot()
+    acc = result["accuracy"]
+    fig, ax = plt.subplots(figsize=(max(4.5, 1.8 + 0.7 * len(result["lengths"])), max(3.2, 1.4 + 0.45 * len(result["depths"]))))
+    data = [[acc[i][j] for i in range(len(result["lengths"]))] for j in range(len(result["depths"]))]
+    im = ax.imshow(data, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto", origin="upper")
+    ax.set_xticks(range(len(result["lengths"])), [str(x) for x in result["lengths"]], rotation=45)
+    ax.set_yticks(range(len(result["depths"])), [f"{d:.0%}" for d in result["depths"]])
+    for i in range(len(result["lengths"])):
+        for j in range(len(result["depths"])):
+            ax.text(i, j, f"{acc[i][j]:.1f}", ha="center", va="center", fontsize=7)
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("passkey depth")
+    ax.set_title(title or "passkey retrieval accuracy")
+    fig.colorbar(im, ax=ax, fraction=0.046)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

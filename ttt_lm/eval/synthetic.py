@@ -1,0 +1,295 @@
+r"""Synthetic recall tasks: generators, a small train-and-test loop, and an accuracy table.
+
+Each generator returns ``(inputs, labels)`` LongTensors of shape [B, T] in the model's convention
+(labels[t] is the target for inputs[t], −100 where nothing is scored). The answer is fully
+determined by the sequence, so a model that implements the right mechanism can reach accuracy 1.
+
+* **Induction heads** (Olsson et al. 2022; the setting of Mamba, Gu & Dao 2023, §4.1.2/E.1):
+  random data tokens, a special token S at a random position p followed by a memory token M,
+  and S again at the last position. The only scored target is at the last position: M. Mamba
+  trains at T = 256 with vocabulary 16 and tests at lengths up to 2^20 — the question is whether
+  the mechanism length-generalizes.
+
+* **Multi-query associative recall** (MQAR; Arora et al. 2023, "Zoology"): N key–value pairs
+  k_1 v_1 … k_N v_N, then a query region of zeros in which every key appears once more at an
+  even offset drawn from a power law (small gaps more likely, exponent ``power_a``); the target at
+  a query k_i is v_i. Keys come from [1, V/2), values from [V/2, V); 0 is the filler.
+
+* **Selective copying** (Gu & Dao 2023 §3.1, after Arjovsky et al. 2016's copying task): N data
+  tokens scattered at random positions of a region of blanks, then N marker tokens; the target at
+  the i-th marker is the i-th data token in order. Blank = 0, marker = 1, data tokens 2 … V−1.
+
+``run_synthetic`` builds a tiny LM of a given layer pattern directly (no trainer), trains it on
+fresh batches at one length and measures accuracy at several test lengths, carrying recurrent
+state chunk by chunk so memory stays flat in the test length.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from ttt_lm.model import LM, ModelConfig
+
+IGNORE = -100
+
+
+# ---- generators -----------------------------------------------------------------------------
+
+def induction_heads(batch: int, seq_len: int, vocab_size: int = 16,
+                    generator: Optional[torch.Generator] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Data tokens 0 … V−2, special S = V−1 (``vocab_size`` = V counts S). S occurs exactly twice:
+    at p ∈ [0, T−3] followed by M = x[p+1], and at T−1, where the label is M."""
+    if seq_len < 3:
+        raise ValueError(f"induction heads needs seq_len >= 3, got {seq_len}")
+    if vocab_size < 3:
+        raise ValueError(f"induction heads needs vocab_size >= 3 (two data tokens and S), got {vocab_size}")
+    S = vocab_size - 1
+    x = torch.randint(0, S, (batch, seq_len), generator=generator)
+    p = torch.randint(0, seq_len - 2, (batch,), generator=generator)
+    rows = torch.arange(batch)
+    x[rows, p] = S
+    x[:, -1] = S
+    y = torch.full_like(x, IGNORE)
+    y[:, -1] = x[rows, p + 1]
+    return x, y
+
+
+def mqar(batch: int, seq_len: int, vocab_size: int = 256, num_kv_pairs: int = 8, power_a: float = 0.01,
+         generator: Optional[torch.Generator] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Zoology's multi-query associative recall. Layout of one sequence of length T:
+    positions 0 … 2N−1 hold k_1 v_1 … k_N v_N; the query region starts at 2N and holds key k_i at
+    2N + 2·g_i (distinct gaps g_i drawn with P(g) ∝ a·g^(a−1), g = 1 … (T−2N)/2) and 0 elsewhere."""
+    N = num_kv_pairs
+    ctx = 2 * N
+    space = (seq_len - ctx) // 2
+    if space < N:
+        raise ValueError(f"mqar: seq_len={seq_len} too short for {N} pairs (needs >= {4 * N})")
+    nk = vocab_size // 2 - 1
+    if nk < N:
+        raise ValueError(f"mqar: vocab_size={vocab_size} gives {nk} keys (1 … V/2−1) < num_kv_pairs={N}")
+    keys = torch.rand(batch, nk, generator=generator).argsort(-1)[:, :N] + 1
+    values = torch.randint(vocab_size // 2, vocab_size, (batch, N), generator=generator)
+    g = torch.arange(1, space + 1, dtype=torch.float64)
+    p = power_a * g ** (power_a - 1)
+    gaps = torch.multinomial((p / p.sum()).float().expand(batch, space).contiguous(), N, replacement=False,
+                             generator=generator)  # index 0 … space−1
+    x = torch.zeros(batch, seq_len, dtype=torch.long)
+    x[:, 0:ctx:2] = keys
+    x[:, 1:ctx:2] = values
+    y = torch.full_like(x, IGNORE)
+    qpos = ctx + 2 * gaps
+    x.scatter_(1, qpos, keys)
+    y.scatter_(1, qpos, values)
+    return x, y
+
+
+def selective_copying(batch: int, seq_len: int, vocab_size: int = 16, num_tokens: int = 8,
+                      generator: Optional[torch.Generator] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Region of T − N positions with N data tokens (2 … V−1) at sorted random positions and blanks
+    (0) elsewhere, followed by N markers (1). Target at marker i: the i-th data token."""
+    N = num_tokens
+    region = seq_len - N
+    if region < N:
+        raise ValueError(f"selective copying: seq_len={seq_len} too short for {N} tokens (needs >= {2 * N})")
+    if vocab_size < 3:
+        raise ValueError("selective copying needs vocab_size >= 3 (blank, marker, data)")
+    pos = torch.rand(batch, region, generator=generator).argsort(-1)[:, :N].sort(-1).values
+    data = torch.randint(2, vocab_size, (batch, N), generator=generator)
+    x = torch.zeros(batch, seq_len, dtype=torch.long)
+    x.scatter_(1, pos, data)
+    x[:, region:] = 1
+    y = torch.full_like(x, IGNORE)
+    y[:, region:] = data
+    return x, y
+
+
+@dataclass
+class Task:
+    name: str
+    make: Callable[..., Tuple[torch.Tensor, torch.Tensor]]
+    vocab_size: int
+    kwargs: Dict = field(default_factory=dict)
+
+    def batch(self, b: int, T: int, g: torch.Generator):
+        return self.make(b, T, vocab_size=self.vocab_size, generator=g, **self.kwargs)
+
+
+def make_task(name: str, vocab_size: Optional[int] = None, **kw) -> Task:
+    if name == "induction":
+        return Task(name, induction_heads, vocab_size or 16)
+    if name == "mqar":
+        return Task(name, mqar, vocab_size or 256, {"num_kv_pairs": kw.get("num_kv_pairs") or 8})
+    if name in ("selective_copying", "selcopy"):
+        return Task("selective_copying", selective_copying, vocab_size or 16,
+                    {"num_tokens": kw.get("num_tokens") or 8})
+    raise ValueError(f"unknown synthetic task {name!r}; known: induction, mqar, selective_copying")
+
+
+# ---- models ---------------------------------------------------------------------------------
+
+def parse_mixer_spec(spec: str) -> List[str]:
+    """"mamba" → [mamba]; "mamba+attention" → [mamba, attention] (a hybrid's layer pattern)."""
+    return [s.strip() for s in spec.split("+") if s.strip()]
+
+
+def build_tiny_lm(pattern: Sequence[str], vocab_size: int, n_layers: int = 2, d_model: int = 64,
+                  n_heads: int = 2, max_seq_len: int = 4096, seed: int = 0) -> LM:
+    """A small LM for synthetic tasks. Chunk/mini-batch sizes are 16 so that short training
+    sequences span several chunks; attention is global (``attention``) unless the pattern says
+    ``local_attention``."""
+    torch.manual_seed(seed)
+    pat = list(pattern)
+    if n_layers % len(pat):
+        n_layers = len(pat) * max(1, round(n_layers / len(pat)))
+    cfg = ModelConfig(vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, n_heads=n_heads,
+                      layer_pattern=pat, max_seq_len=max_seq_len, tie_embeddings=True)
+    cfg.ttt.mini_batch_size = 16
+    cfg.titans.chunk_size = 16
+    cfg.deltanet.chunk_size = 16
+    cfg.mamba.chunk_size = 16
+    return LM(cfg)
+
+
+# ---- train and test -------------------------------------------------------------------------
+
+def masked_accuracy(logits: torch.Tensor, labels: torch.Tensor) -> Tuple[int, int]:
+    m = labels != IGNORE
+    return int((logits.argmax(-1)[m] == labels[m]).sum()), int(m.sum())
+
+
+@torch.no_grad()
+def evaluate_task(model: LM, task: Task, seq_len: int, num_examples: int = 64, batch_size: int = 16,
+                  chunk_len: int = 512, seed: int = 10_000) -> float:
+    """Accuracy over the scored positions of ``num_examples`` fresh sequences of ``seq_len``,
+    processed ``chunk_len`` tokens at a time with the model's states carried across chunks."""
+    model.eval()
+    g = torch.Generator().manual_seed(seed + seq_len)
+    dev = next(model.parameters()).device
+    correct = total = 0
+    for i in range(0, num_examples, batch_size):
+        b = min(batch_size, num_examples - i)
+        x, y = task.batch(b, seq_len, g)
+        x, y = x.to(dev), y.to(dev)
+        states = None
+        for s in range(0, seq_len, chunk_len):
+            out = model(x[:, s:s + chunk_len], states=states, output_states=s + chunk_len < seq_len)
+            states = out.states
+            c, n = masked_accuracy(out.logits, y[:, s:s + chunk_len])
+            correct += c
+            total += n
+    return correct / max(total, 1)
+
+
+@dataclass
+class SyntheticResult:
+    task: str
+    mixer: str
+    pattern: List[str]
+    train_len: int
+    steps: int
+    final_train_loss: float
+    train_seconds: float
+    accuracy: Dict[int, float]
+    num_params: int
+    steps_to_solve: Optional[int] = None
+
+
+def train_task(model: LM, task: Task, train_len: int, steps: int, batch_size: int = 32, lr: float = 3e-3,
+               weight_decay: float = 0.0, warmup: int = 50, seed: int = 0, stop_at: Optional[float] = None,
+               check_every: int = 50, progress: bool = False) -> Tuple[float, Optional[int]]:
+    """AdamW on fresh batches at ``train_len``; linear warmup then cosine decay to 10%. With
+    ``stop_at``, every ``check_every`` steps accuracy is measured on 64 held-out sequences at
+    ``train_len`` and training stops once it reaches ``stop_at``; returns (last loss, that step)."""
+    dev = next(model.parameters()).device
+    g = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.98))
+
+    def lr_at(i):
+        if i < warmup:
+            return lr * (i + 1) / warmup
+        t = (i - warmup) / max(1, steps - warmup)
+        return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+
+    it = range(steps)
+    if progress:
+        from tqdm import tqdm
+        it = tqdm(it, desc=f"train {task.name}", leave=False)
+    loss_v = float("nan")
+    for i in it:
+        model.train()
+        for pg in opt.param_groups:
+            pg["lr"] = lr_at(i)
+        x, y = task.batch(batch_size, train_len, g)
+        loss = model(x.to(dev), labels=y.to(dev)).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        loss_v = float(loss.detach())
+        if stop_at is not None and (i + 1) % check_every == 0:
+            if evaluate_task(model, task, train_len, num_examples=64, seed=seed + 77) >= stop_at:
+                return loss_v, i + 1
+    return loss_v, None
+
+
+def run_synthetic(task: Task, mixer: str, train_len: int, test_lens: Sequence[int], steps: int,
+                  batch_size: int = 32, lr: float = 3e-3, d_model: int = 64, n_layers: int = 2,
+                  n_heads: int = 2, num_eval: int = 64, seed: int = 0, device: str = "cpu",
+                  progress: bool = False, stop_at: Optional[float] = None,
+                  impl: str = "chunked") -> SyntheticResult:
+    pattern = parse_mixer_spec(mixer)
+    model = build_tiny_lm(pattern, task.vocab_size, n_layers=n_layers, d_model=d_model, n_heads=n_heads,
+                          max_seq_len=max([train_len, *test_lens]), seed=seed).to(device)
+    model.set_impl(impl)
+    t0 = time.time()
+    loss, solved = train_task(model, task, train_len, steps, batch_size=batch_size, lr=lr, seed=seed,
+                              progress=progress, stop_at=stop_at)
+    dt = time.time() - t0
+    acc = {int(T): evaluate_task(model, task, int(T), num_examples=num_eval, seed=seed + 10_000)
+           for T in test_lens}
+    return SyntheticResult(task.name, mixer, model.cfg.layer_kinds(), train_len, steps if solved is None else solved,
+                           loss, dt, acc, model.num_params(), solved)
+
+
+def results_table(results: Sequence[SyntheticResult]) -> str:
+    """Markdown: one row per mixer, accuracy at each test length (train length marked *)."""
+    lens = sorted({T for r in results for T in r.accuracy})
+    tl = {r.train_len for r in results}
+    head = ["mixer", "layers", "params", "steps", "train loss"] + [f"{T}{'*' if T in tl else ''}" for T in lens]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * 5 + ["---:"] * len(lens)) + "|"]
+    for r in results:
+        row = [r.mixer, ",".join(r.pattern), f"{r.num_params / 1e3:.0f}k", str(r.steps), f"{r.final_train_loss:.3f}"]
+        row += [f"{r.accuracy[T]:.2f}" if T in r.accuracy else "" for T in lens]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_accuracy(results: Sequence[SyntheticResult], path: str, title: str = "") -> None:
+    from ttt_lm.eval.common import pyplot
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in results:
+        xs = sorted(r.accuracy)
+        ax.plot(xs, [r.accuracy[x] for x in xs], marker="o", label=r.mixer)
+    if results:
+        ax.axvline(results[0].train_len, color="gray", ls=":", lw=1)
+    ax.set_xscale("log", base=2)
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_xlabel("test sequence length (tokens)")
+    ax.set_ylabel("accuracy")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def result_dict(r: SyntheticResult) -> dict:
+    d = asdict(r)
+    d["accuracy"] = {str(k): v for k, v in r.accuracy.items()}
+    return d
