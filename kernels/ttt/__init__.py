@@ -21,16 +21,25 @@ given it replaces the weights arguments. Returns (out [B, H, T, d], final_state 
 ``backend``: "torch" (dual form, training and prefill), "primal" (token by token with the
 per-token θ_t materialized: decoding), "reference" (the specification), "triton" (Triton kernel
 in ``chunk.py``, when present).
+
+Variable-length batches: ``cu_seqlens`` (int32 [N+1], cumulative lengths, B = 1) packs N
+sequences along T. Each starts at a mini-batch boundary from θ_0 = ``initial_state`` row n (every
+tensor [N, H, …], "pos" 0 for all) or from the weights arguments ([H, …] or [1, H, …]); the final
+state then holds every tensor stacked [N, H, …] and "pos" as a list of N ints. Sequences may be
+empty (their final state is their initial one). This is done per sequence: the chosen backend
+runs once on each sequence, so its kernels are launched N times; one launch over the packed
+batch is future work.
 """
 from __future__ import annotations
 
 import importlib.util
-from typing import Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
 from kernels.ttt.reference import ttt_linear_ref, ttt_mlp_ref
-from kernels.ttt.torch_chunk import ttt_linear_chunk, ttt_linear_primal, ttt_mlp_chunk, ttt_mlp_primal
+from kernels.ttt.torch_chunk import (acc_dtype, make_state, ttt_linear_chunk, ttt_linear_primal, ttt_mlp_chunk,
+                                     ttt_mlp_primal)
 
 
 def has_triton_backend(kind: str = "linear") -> bool:
@@ -54,13 +63,76 @@ def _check(XQ, XK, XV, eta, token_idx, mini_batch_size):
         raise ValueError(f"ttt: token_idx must be [mini_batch_size] = [{mini_batch_size}], got {tuple(token_idx.shape)}")
 
 
+def _seq_bounds(name: str, cu_seqlens: torch.Tensor, B: int, T: int) -> List[int]:
+    """The packed batch's offsets on the host, checked."""
+    if B != 1:
+        raise ValueError(f"{name}: cu_seqlens needs packed input with B = 1, got B = {B}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.is_floating_point():
+        raise ValueError(f"{name}: cu_seqlens must be an integer tensor [N+1] with N ≥ 1, "
+                         f"got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
+    bounds = [int(x) for x in cu_seqlens.tolist()]
+    if bounds[0] != 0 or bounds[-1] != T or any(a > b for a, b in zip(bounds[:-1], bounds[1:])):
+        raise ValueError(f"{name}: cu_seqlens must rise from 0 to T = {T} without decreasing, got {bounds}")
+    return bounds
+
+
+def _varlen(name: str, run: Callable, weights: Dict[str, torch.Tensor], XQ: torch.Tensor,
+            initial_state: Optional[dict], output_final_state: bool, cu_seqlens: torch.Tensor):
+    """``run(t0, t1, state_n)`` on every sequence [t0, t1) of the packed batch, each from its own
+    initial state; outputs concatenated along T, final states stacked along the batch axis."""
+    B, H, T, d = XQ.shape
+    bounds = _seq_bounds(name, cu_seqlens, B, T)
+    N = len(bounds) - 1
+    for k, w in weights.items():
+        if w.dim() == 4 and w.shape[0] != 1:
+            raise ValueError(f"{name}: with cu_seqlens the weight {k} must be [H, …] or [1, H, …], got "
+                             f"{tuple(w.shape)}; per-sequence weights go in initial_state [N, H, …]")
+    if initial_state is not None:
+        pos = initial_state["pos"]
+        # one int for all sequences, or one per sequence (a stacked final state's list)
+        pos = pos.reshape(-1).tolist() if torch.is_tensor(pos) else (
+            list(pos) if isinstance(pos, (list, tuple)) else [pos])
+        if any(p != 0 for p in pos):
+            raise ValueError(f"{name}: with cu_seqlens every sequence must start at a mini-batch boundary "
+                             f"(initial_state['pos'] = 0), got pos = {pos}")
+        for k in list(weights) + ["grad_" + k for k in weights]:
+            if initial_state[k].shape[0] != N:
+                raise ValueError(f"{name}: with cu_seqlens initial_state[{k!r}] must be [N = {N}, H, …], "
+                                 f"got {tuple(initial_state[k].shape)}")
+    outs, finals = [], []
+    for n, (t0, t1) in enumerate(zip(bounds[:-1], bounds[1:])):
+        st = None
+        if initial_state is not None:
+            st = {k: v[n:n + 1] for k, v in initial_state.items() if k != "pos"}
+            st["pos"] = 0
+        if t1 > t0:
+            o, fin = run(t0, t1, st)
+            outs.append(o)
+        else:
+            fin = make_state(weights, 1, acc_dtype(XQ.dtype), st) if output_final_state else None
+        finals.append(fin)
+    out = torch.cat(outs, dim=2) if outs else XQ.new_zeros(1, H, 0, d)
+    if not output_final_state:
+        return out, None
+    final = {k: torch.cat([f[k] for f in finals], 0) for k in finals[0] if k != "pos"}
+    final["pos"] = [int(f["pos"]) for f in finals]
+    return out, final
+
+
 def ttt_linear(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: torch.Tensor,
                token_idx: torch.Tensor, ln_weight: torch.Tensor, ln_bias: torch.Tensor,
                W1: torch.Tensor, b1: torch.Tensor, mini_batch_size: int = 16,
                initial_state: Optional[dict] = None, output_final_state: bool = False,
-               backend: str = "torch") -> Tuple[torch.Tensor, Optional[dict]]:
-    """TTT-Linear: f(x; W1, b1) = x W1 + b1."""
+               backend: str = "torch", cu_seqlens: Optional[torch.Tensor] = None
+               ) -> Tuple[torch.Tensor, Optional[dict]]:
+    """TTT-Linear: f(x; W1, b1) = x W1 + b1. With ``cu_seqlens`` (int32 [N+1], B = 1) the N packed
+    sequences run one after another through ``backend`` (see the module docstring)."""
     _check(XQ, XK, XV, eta, token_idx, mini_batch_size)
+    if cu_seqlens is not None:
+        def run(t0, t1, st):
+            return ttt_linear(XQ[:, :, t0:t1], XK[:, :, t0:t1], XV[:, :, t0:t1], eta[:, :, t0:t1], token_idx,
+                              ln_weight, ln_bias, W1, b1, mini_batch_size, st, output_final_state, backend)
+        return _varlen("ttt_linear", run, {"W1": W1, "b1": b1}, XQ, initial_state, output_final_state, cu_seqlens)
     args = (XQ, XK, XV, eta, token_idx, ln_weight, ln_bias, W1, b1, mini_batch_size, initial_state, output_final_state)
     if backend == "torch":
         return ttt_linear_chunk(*args)
@@ -80,9 +152,18 @@ def ttt_mlp(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: torch.Ten
             token_idx: torch.Tensor, ln_weight: torch.Tensor, ln_bias: torch.Tensor,
             W1: torch.Tensor, b1: torch.Tensor, W2: torch.Tensor, b2: torch.Tensor,
             mini_batch_size: int = 16, initial_state: Optional[dict] = None,
-            output_final_state: bool = False, backend: str = "torch") -> Tuple[torch.Tensor, Optional[dict]]:
-    """TTT-MLP: f(x; W1, b1, W2, b2) = GELU_tanh(x W1 + b1) W2 + b2."""
+            output_final_state: bool = False, backend: str = "torch",
+            cu_seqlens: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Optional[dict]]:
+    """TTT-MLP: f(x; W1, b1, W2, b2) = GELU_tanh(x W1 + b1) W2 + b2. With ``cu_seqlens`` (int32
+    [N+1], B = 1) the N packed sequences run one after another through ``backend`` (see the module
+    docstring)."""
     _check(XQ, XK, XV, eta, token_idx, mini_batch_size)
+    if cu_seqlens is not None:
+        def run(t0, t1, st):
+            return ttt_mlp(XQ[:, :, t0:t1], XK[:, :, t0:t1], XV[:, :, t0:t1], eta[:, :, t0:t1], token_idx,
+                           ln_weight, ln_bias, W1, b1, W2, b2, mini_batch_size, st, output_final_state, backend)
+        return _varlen("ttt_mlp", run, {"W1": W1, "b1": b1, "W2": W2, "b2": b2}, XQ, initial_state,
+                       output_final_state, cu_seqlens)
     args = (XQ, XK, XV, eta, token_idx, ln_weight, ln_bias, W1, b1, W2, b2, mini_batch_size,
             initial_state, output_final_state)
     if backend == "torch":

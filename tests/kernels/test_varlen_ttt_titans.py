@@ -1,0 +1,251 @@
+"""Variable-length (packed) batches for ``ttt_linear``, ``ttt_mlp`` and ``titans_linear``:
+with ``cu_seqlens`` the output, the stacked final states and the gradient of every input must
+equal running each sequence on its own through the reference, including an empty sequence
+(final state = initial state). Backends "torch" and "triton" (under the Triton interpreter on CPU,
+tests/conftest.py, where tl.dot needs 16-wide blocks: d = b = 16 there), all in float64."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels.titans import titans_linear
+from kernels.ttt import ttt_linear, ttt_mlp
+
+D64 = torch.float64
+H = 2
+LENGTHS = (5, 0, 17, 11)
+
+
+def _cu(lengths):
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+
+
+def _leaf(x):
+    return x.detach().clone().requires_grad_(True)
+
+
+def _weighted_loss(tensors, seed=7):
+    """A fixed random linear functional of every returned tensor, so that each one's gradient
+    path is exercised and a mismatch anywhere changes the input gradients."""
+    g = torch.Generator().manual_seed(seed)
+    return sum((t * torch.randn(t.shape, generator=g, dtype=D64)).sum() for t in tensors)
+
+
+def _assert_close(got, want, what, tol):
+    """Relative to each tensor's largest entry: the gradients of τ and of the weights sum over
+    every token and are much larger than those of single tokens."""
+    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    scale = want.abs().max().item() + 1e-30
+    err = (got - want).abs().max().item()
+    assert err <= tol * scale + 1e-13, f"{what}: max error {err:.3e} (scale {scale:.3e})"
+
+
+# ---- TTT ----------------------------------------------------------------------------------------
+TTT_WEIGHTS = {"linear": ("W1", "b1"), "mlp": ("W1", "b1", "W2", "b2")}
+
+
+def _ttt_inputs(kind, T, d, b, N, with_state, seed=0):
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*s, scale=1.0):
+        return scale * torch.randn(*s, generator=g, dtype=D64)
+
+    m = 2 * d
+    xs = {"XQ": r(1, H, T, d), "XK": r(1, H, T, d), "XV": r(1, H, T, d),
+          "eta": 0.5 * torch.rand(1, H, T, generator=g, dtype=D64),
+          "token_idx": 1.0 / torch.arange(1, b + 1, dtype=D64) + 0.1 * r(b),
+          "ln_weight": 1 + 0.1 * r(H, d), "ln_bias": r(H, d, scale=0.1)}
+    shapes = {"W1": (d, d), "b1": (1, d)} if kind == "linear" else {"W1": (d, m), "b1": (1, m),
+                                                                     "W2": (m, d), "b2": (1, d)}
+    xs.update({k: r(H, *s, scale=0.3) for k, s in shapes.items()})
+    state = None
+    if with_state:
+        # a state at a mini-batch boundary: per-sequence θ_0, zero carried sums, pos 0
+        state = {k: r(N, H, *s, scale=0.3) for k, s in shapes.items()}
+        state.update({"grad_" + k: torch.zeros(N, H, *s, dtype=D64) for k, s in shapes.items()})
+        state["pos"] = 0
+    return xs, state
+
+
+def _ttt_call(kind, xs, state, b, backend, cu_seqlens):
+    fn = ttt_linear if kind == "linear" else ttt_mlp
+    args = [xs[k] for k in ("XQ", "XK", "XV", "eta", "token_idx", "ln_weight", "ln_bias")]
+    args += [xs[k] for k in TTT_WEIGHTS[kind]]
+    return fn(*args, mini_batch_size=b, initial_state=state, output_final_state=True, backend=backend,
+              cu_seqlens=cu_seqlens)
+
+
+def _ttt_packed(kind, xs, state, b, backend, lengths):
+    return _ttt_call(kind, xs, state, b, backend, _cu(lengths))
+
+
+def _ttt_separate(kind, xs, state, b, lengths):
+    """Each sequence alone through the reference; an empty one keeps its initial state."""
+    keys = TTT_WEIGHTS[kind]
+    outs, finals, t0 = [], [], 0
+    for n, L in enumerate(lengths):
+        st = None if state is None else {**{k: v[n:n + 1] for k, v in state.items() if k != "pos"}, "pos": 0}
+        if L == 0:
+            if st is None:
+                st = {k: xs[k].unsqueeze(0) for k in keys}
+                st.update({"grad_" + k: torch.zeros_like(st[k]) for k in keys})
+                st["pos"] = 0
+            finals.append(st)
+            continue
+        seg = {k: (v[:, :, t0:t0 + L] if k in ("XQ", "XK", "XV", "eta") else v) for k, v in xs.items()}
+        o, f = _ttt_call(kind, seg, st, b, "reference", None)
+        outs.append(o)
+        finals.append(f)
+        t0 += L
+    final = {k: torch.cat([f[k] for f in finals], 0) for k in finals[0] if k != "pos"}
+    final["pos"] = [f["pos"] for f in finals]
+    return torch.cat(outs, 2), final
+
+
+def _ttt_run(fn, xs, state):
+    xs = {k: _leaf(v) for k, v in xs.items()}
+    st = None
+    if state is not None:
+        st = {k: (_leaf(v) if torch.is_tensor(v) and not k.startswith("grad_") else v) for k, v in state.items()}
+    out, fin = fn(xs, st)
+    tensor_keys = sorted(k for k in fin if k != "pos")
+    _weighted_loss([out] + [fin[k] for k in tensor_keys]).backward()
+    leaves = dict(xs)
+    if st is not None:
+        leaves.update({"state." + k: v for k, v in st.items() if torch.is_tensor(v) and v.requires_grad})
+    grads = {k: (v.grad if v.grad is not None else torch.zeros_like(v)) for k, v in leaves.items()}
+    return out.detach(), {k: (v.detach() if torch.is_tensor(v) else v) for k, v in fin.items()}, grads
+
+
+TTT_CASES = [("linear", "torch", 8, 4, LENGTHS), ("mlp", "torch", 8, 4, LENGTHS),
+             ("linear", "primal", 8, 4, LENGTHS),
+             # b = 16: the 17- and 33-token sequences run full mini-batches inside the kernel,
+             # the 5-token one and the tails fall back to PyTorch
+             ("linear", "triton", 16, 16, (17, 0, 5, 33)), ("mlp", "triton", 16, 16, (17, 0, 5, 33))]
+
+
+@pytest.mark.parametrize("with_state", [False, True])
+@pytest.mark.parametrize("kind,backend,d,b,lengths", TTT_CASES)
+def test_ttt_varlen_matches_separate_reference(kind, backend, d, b, lengths, with_state):
+    xs, state = _ttt_inputs(kind, sum(lengths), d, b, len(lengths), with_state)
+    got = _ttt_run(lambda x, s: _ttt_packed(kind, x, s, b, backend, lengths), xs, state)
+    want = _ttt_run(lambda x, s: _ttt_separate(kind, x, s, b, lengths), xs, state)
+    # float64 throughout; the dual form and the kernels reorder sums against the reference's
+    # autograd, so agreement is to ~1e-12 of each tensor's scale
+    tol = 1e-9
+    _assert_close(got[0], want[0], "out", tol)
+    assert got[1]["pos"] == want[1]["pos"] == [L % b for L in lengths]
+    assert set(got[1]) == set(want[1])
+    for k in want[1]:
+        if k != "pos":
+            _assert_close(got[1][k], want[1][k], f"final {k}", tol)
+    assert set(got[2]) == set(want[2])
+    for k in want[2]:
+        _assert_close(got[2][k], want[2][k], f"grad {k}", tol)
+    # the packed sequences are independent: a nonzero gradient reaches every state row in use
+    if with_state:
+        assert all(got[2]["state.W1"][n].abs().max() > 0 for n in range(len(lengths)))
+
+
+def test_ttt_varlen_empty_sequence_keeps_initial_state_and_chains():
+    """A final state with every pos = 0 can be fed back; the empty sequence's state passes through."""
+    lengths = (8, 0, 4)
+    xs, state = _ttt_inputs("linear", 12, 8, 4, 3, True)
+    out, fin = _ttt_packed("linear", xs, state, 4, "torch", lengths)
+    assert fin["pos"] == [0, 0, 0] and out.shape == (1, H, 12, 8)
+    assert torch.equal(fin["W1"][1], state["W1"][1])
+    assert not torch.allclose(fin["W1"][0], state["W1"][0])
+    out2, fin2 = _ttt_packed("linear", xs, fin, 4, "torch", lengths)
+    want, _ = _ttt_packed("linear", xs, {**fin, "pos": 0}, 4, "reference", lengths)
+    _assert_close(out2, want, "chained out", 1e-9)
+
+
+def test_ttt_varlen_refuses_bad_input():
+    xs, state = _ttt_inputs("linear", 9, 8, 4, 2, True)
+    with pytest.raises(ValueError, match="mini-batch boundary"):
+        _ttt_packed("linear", xs, {**state, "pos": 1}, 4, "torch", (4, 5))
+    with pytest.raises(ValueError, match="mini-batch boundary"):
+        _ttt_packed("linear", xs, {**state, "pos": [0, 3]}, 4, "torch", (4, 5))
+    with pytest.raises(ValueError, match="rise from 0"):
+        _ttt_packed("linear", xs, state, 4, "torch", (4, 4))
+    with pytest.raises(ValueError, match=r"\[N = 3"):
+        _ttt_packed("linear", xs, state, 4, "torch", (4, 5, 0))
+    xs2 = {k: (torch.cat([v, v]) if k in ("XQ", "XK", "XV", "eta") else v) for k, v in xs.items()}
+    with pytest.raises(ValueError, match="B = 1"):
+        _ttt_packed("linear", xs2, state, 4, "torch", (4, 5))
+
+
+# ---- Titans -------------------------------------------------------------------------------------
+def _titans_inputs(T, dk, dv, N, with_state, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ins = [F.normalize(torch.randn(1, H, T, dk, generator=g, dtype=D64), dim=-1),
+           F.normalize(torch.randn(1, H, T, dk, generator=g, dtype=D64), dim=-1),
+           torch.randn(1, H, T, dv, generator=g, dtype=D64),
+           0.5 * torch.rand(1, H, T, generator=g, dtype=D64),
+           F.logsigmoid(torch.randn(1, H, T, generator=g, dtype=D64) + 2),
+           F.logsigmoid(torch.randn(1, H, T, generator=g, dtype=D64) + 3)]
+    state = [0.3 * torch.randn(N, H, dk, dv, generator=g, dtype=D64) for _ in range(2)] if with_state else None
+    return ins, state
+
+
+def _titans_separate(ins, state, C, lengths):
+    """Each sequence alone through the reference (which handles T = 0 itself)."""
+    outs, finals, t0 = [], [], 0
+    for n, L in enumerate(lengths):
+        st = None if state is None else [s[n:n + 1] for s in state]
+        o, f = titans_linear(*(x[:, :, t0:t0 + L] for x in ins), initial_state=st, output_final_state=True,
+                             backend="reference", chunk_size=C)
+        outs.append(o)
+        finals.append(f)
+        t0 += L
+    return torch.cat(outs, 2), tuple(torch.cat([f[i] for f in finals], 0) for i in range(3))
+
+
+def _titans_run(fn, ins, state):
+    ins = [_leaf(x) for x in ins]
+    state = None if state is None else [_leaf(s) for s in state]
+    o, fin = fn(ins, state)
+    _weighted_loss([o, *fin]).backward()
+    leaves = ins + (state or [])
+    return o.detach(), [f.detach() for f in fin], [x.grad if x.grad is not None else torch.zeros_like(x)
+                                                   for x in leaves]
+
+
+TITANS_NAMES = ["q", "k", "v", "theta", "log_eta", "log_keep", "state.M", "state.S"]
+
+
+@pytest.mark.parametrize("with_state", [False, True])
+@pytest.mark.parametrize("backend,dk", [("torch", 8), ("reference", 8), ("triton", 16)])
+def test_titans_varlen_matches_separate_reference(backend, dk, with_state):
+    C = 4
+    ins, state = _titans_inputs(sum(LENGTHS), dk, dk, len(LENGTHS), with_state)
+    got = _titans_run(lambda x, s: titans_linear(*x, initial_state=s, output_final_state=True, backend=backend,
+                                                 chunk_size=C, cu_seqlens=_cu(LENGTHS)), ins, state)
+    want = _titans_run(lambda x, s: _titans_separate(x, s, C, LENGTHS), ins, state)
+    # float64; the chunked forms reorder sums, agreement to ~1e-12 of each tensor's scale
+    tol = 1e-9
+    _assert_close(got[0], want[0], "out", tol)
+    for name, a, b in zip(("M", "S", "M̂"), got[1], want[1]):
+        _assert_close(a, b, f"final {name}", tol)
+    for name, a, b in zip(TITANS_NAMES, got[2], want[2]):
+        _assert_close(a, b, f"grad {name}", tol)
+    if with_state:  # the empty sequence's state passes through untouched, with M̂ = M
+        assert torch.equal(got[1][0][1], state[0][1]) and torch.equal(got[1][2][1], state[0][1])
+        assert torch.equal(got[1][1][1], state[1][1])
+
+
+def test_titans_varlen_chunk_aligned_offset_and_refusals():
+    C = 4
+    ins, state = _titans_inputs(sum(LENGTHS), 8, 8, len(LENGTHS), True)
+    base = titans_linear(*ins, initial_state=state, output_final_state=True, chunk_size=C, cu_seqlens=_cu(LENGTHS))
+    # an offset that is a whole number of chunks is a chunk boundary; a given M̂ is never read there
+    shifted = titans_linear(*ins, initial_state=state + [torch.full_like(state[0], 9.0)], output_final_state=True,
+                            chunk_size=C, offset=2 * C, cu_seqlens=_cu(LENGTHS))
+    assert torch.equal(base[0], shifted[0]) and all(torch.equal(a, b) for a, b in zip(base[1], shifted[1]))
+    o, fin = titans_linear(*ins, chunk_size=C, cu_seqlens=_cu(LENGTHS))
+    assert fin is None and o.shape == (1, H, sum(LENGTHS), 8)
+    with pytest.raises(ValueError, match="chunk boundary"):
+        titans_linear(*ins, initial_state=state, chunk_size=C, offset=1, cu_seqlens=_cu(LENGTHS))
+    with pytest.raises(ValueError, match=r"\[N, H, d_k, d_v\]"):
+        titans_linear(*ins, initial_state=[s[:2] for s in state], chunk_size=C, cu_seqlens=_cu(LENGTHS))
+    with pytest.raises(ValueError, match="rise from 0"):
+        titans_linear(*ins, chunk_size=C, cu_seqlens=_cu((5, 0, 17, 10)))
