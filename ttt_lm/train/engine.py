@@ -1,9 +1,15 @@
 """The DeepSpeed engine: its JSON config generated from ours (or read from
-``parallel.deepspeed_config``), and ``deepspeed.initialize`` with torch's AdamW and our schedule."""
+``parallel.deepspeed_config``), and ``deepspeed.initialize`` with torch's AdamW and our schedule.
+
+Parallel layouts (``check_parallel``): data parallel with ZeRO 1/2/3, optionally combined with
+Megatron tensor parallelism (``parallel.tensor_parallel`` = p ranks per model replica, attention
+models only: ``ttt_lm.parallel.tp_model.TP_READY_KINDS``) and its sequence parallelism. With p > 1
+the batch size counts the data-parallel ranks (world / p) and DeepSpeed gets the ``mpu`` of
+``ttt_lm.parallel.groups``, so ZeRO reduces and shards over the data-parallel group only."""
 from __future__ import annotations
 
 import json
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import torch
 
@@ -17,17 +23,50 @@ class ParallelConfigError(ValueError):
     """A parallel layout this trainer cannot run."""
 
 
-def check_parallel(cfg) -> None:
+def check_parallel(cfg, world_size: Optional[int] = None) -> None:
+    """Refuse, before any process group exists, a parallel layout this trainer cannot run.
+    ``world_size`` (when known) must be a multiple of ``parallel.tensor_parallel``."""
     p = cfg.parallel
-    if p.tensor_parallel != 1:
+    tp = p.tensor_parallel
+    if tp < 1:
+        raise ParallelConfigError(f"parallel.tensor_parallel must be >= 1, got {tp}")
+    if p.context_parallel != 1:
         raise ParallelConfigError(
-            f"parallel.tensor_parallel={p.tensor_parallel}: tensor parallelism is not available in the trainer "
-            "yet; run with parallel.tensor_parallel=1 (data parallel + ZeRO shards the optimizer state, "
-            "gradients and, with zero_stage=3, the parameters)")
-    if p.context_parallel != 1 or p.sequence_parallel:
+            f"parallel.context_parallel={p.context_parallel}: context parallelism is not wired into the trainer "
+            "(ttt_lm/parallel/context_parallel.py implements the layers and is tested on its own, but the "
+            "trainer's data split, loss and checkpoints do not use it); set parallel.context_parallel=1")
+    if p.sequence_parallel and tp == 1:
         raise ParallelConfigError(
-            "parallel.context_parallel / parallel.sequence_parallel are not available in the trainer yet; "
-            "set parallel.context_parallel=1 parallel.sequence_parallel=false")
+            "parallel.sequence_parallel=true needs parallel.tensor_parallel > 1: it splits the sequence across "
+            "the tensor-parallel group between its regions")
+    if tp > 1:
+        from ttt_lm.parallel.tp_model import TP_READY_KINDS
+        m = cfg.model
+        kinds = m.layer_kinds()
+        bad = sorted({k for k in kinds if k not in TP_READY_KINDS})
+        if bad:
+            layers = [i for i, k in enumerate(kinds) if k not in TP_READY_KINDS]
+            raise ParallelConfigError(
+                f"parallel.tensor_parallel={tp}: layer kind(s) {bad} (layers {layers}) are not TP-ready; "
+                f"tensor parallelism supports {list(TP_READY_KINDS)}. Use parallel.tensor_parallel=1 for this model "
+                "(data parallel + ZeRO-3 also shards the parameters)")
+        if world_size is not None and world_size % tp:
+            raise ParallelConfigError(
+                f"parallel.tensor_parallel={tp} does not divide the world size {world_size}")
+        n_kv = m.attention.num_kv_heads or m.n_heads
+        errs = [f"{name}={v}" for name, v in (("model.n_heads", m.n_heads), ("model.attention.num_kv_heads", n_kv),
+                                               ("the MLP width d_ff", m.ff), ("model.vocab_size", m.vocab_size))
+                if v % tp]
+        if errs:
+            raise ParallelConfigError(f"parallel.tensor_parallel={tp} must divide {', '.join(errs)}")
+        if p.sequence_parallel and cfg.data.seq_len % tp:
+            raise ParallelConfigError(
+                f"parallel.sequence_parallel splits each sequence across tensor_parallel={tp} ranks: "
+                f"data.seq_len={cfg.data.seq_len} must be a multiple of it")
+        if m.reset_at_doc_boundaries:
+            raise ParallelConfigError(
+                "model.reset_at_doc_boundaries=true is not available with parallel.tensor_parallel > 1 "
+                "(the tensor-parallel forward takes no position_ids); use tensor_parallel=1")
     if p.zero_stage not in (1, 2, 3):
         raise ParallelConfigError(f"parallel.zero_stage must be 1, 2 or 3, got {p.zero_stage}")
     if cfg.train.precision not in ("fp32", "bf16"):
@@ -70,9 +109,11 @@ def deepspeed_config(cfg, dp_world: int) -> Dict[str, Any]:
     return ds
 
 
-def build_engine(model: torch.nn.Module, cfg, dp_world: int):
-    """deepspeed.initialize → (engine, lr_scheduler). An mpu is passed only when the data-parallel
-    group is not the whole world (tensor/context parallel), which check_parallel refuses for now."""
+def build_engine(model: torch.nn.Module, cfg, dp_world: int, mpu=None):
+    """deepspeed.initialize → (engine, lr_scheduler). ``dp_world`` is the data-parallel size (the
+    world over tensor_parallel); ``mpu`` (``ParallelGroups.mpu()``) is given when tensor_parallel > 1,
+    so DeepSpeed reduces gradients and shards ZeRO state over the data-parallel group only and
+    counts TP-sharded parameters once per shard in the clipping norm."""
     import deepspeed
 
     check_parallel(cfg)
@@ -81,7 +122,7 @@ def build_engine(model: torch.nn.Module, cfg, dp_world: int):
                             betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps)
     mult = lr_multiplier(cfg.optim, total)
     engine, _, _, sched = deepspeed.initialize(
-        model=model, optimizer=opt, config=deepspeed_config(cfg, dp_world),
+        model=model, optimizer=opt, config=deepspeed_config(cfg, dp_world), mpu=mpu,
         lr_scheduler=lambda o: torch.optim.lr_scheduler.LambdaLR(o, mult))
     return engine, sched
 

@@ -4,14 +4,21 @@
     python -m ttt_lm.train.export runs/tiny out/tiny          # the run's newest checkpoint
 
 writes ``out/tiny/model.pt`` (the LM's full fp32 state dict, consolidated from the ZeRO shards with
-DeepSpeed's zero_to_fp32, whatever the stage) and ``out/tiny/config.yaml``.
+DeepSpeed's zero_to_fp32, whatever the stage) and ``out/tiny/config.yaml``. A checkpoint of a
+tensor-parallel run (``parallel.tensor_parallel`` = p > 1) holds p slices of the model, DeepSpeed's
+``…mp_rank_0r…`` files of TP rank r: each is consolidated on its own, then the slices are
+concatenated along the dimension the checkpoint's ``partition_dims`` records for each parameter
+(replicated ones, the norms' gains, are taken from TP rank 0). The result is the single-rank LM,
+which ``train.init_from`` loads whatever tensor_parallel the new run uses.
 ``load_pretrained("out/tiny")`` returns the LM, on CPU, in eval mode. Needs no process group.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+import tempfile
 
 import torch
 
@@ -21,12 +28,53 @@ WEIGHTS = "model.pt"
 CONFIG = "config.yaml"
 
 
-def consolidated_state_dict(ckpt: str) -> dict:
+def _zero_fp32(ckpt_dir: str) -> dict:
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     from ttt_lm.train.checkpoint import DS_TAG
-    sd = get_fp32_state_dict_from_zero_checkpoint(ckpt, tag=DS_TAG)
+    sd = get_fp32_state_dict_from_zero_checkpoint(ckpt_dir, tag=DS_TAG)
     return {k: v.detach().clone().contiguous() for k, v in sd.items()}
+
+
+def _tp_rank_state_dict(ckpt: str, tp_rank: int) -> dict:
+    """TP rank r's slice of the model, consolidated over its ZeRO (data-parallel) shards.
+    zero_to_fp32 reads only the ``mp_rank_00`` files, so rank r's files are shown to it under
+    that name (symbolic links in a temporary directory)."""
+    from ttt_lm.train.checkpoint import DS_TAG
+    src = os.path.join(ckpt, DS_TAG)
+    mine = f"mp_rank_{tp_rank:02d}"
+    with tempfile.TemporaryDirectory(prefix="ttt_export_") as tmp:
+        os.makedirs(os.path.join(tmp, DS_TAG))
+        found = False
+        for name in os.listdir(src):
+            if mine in name:
+                os.symlink(os.path.abspath(os.path.join(src, name)),
+                           os.path.join(tmp, DS_TAG, name.replace(mine, "mp_rank_00")))
+                found = True
+        if not found:
+            raise RuntimeError(f"{src} has no files of tensor-parallel rank {tp_rank} (*{mine}*)")
+        return _zero_fp32(tmp)
+
+
+def consolidated_state_dict(ckpt: str) -> dict:
+    """The single-rank LM's fp32 state dict from a checkpoint directory (step_…)."""
+    from ttt_lm.train.checkpoint import STATE_FILE
+    with open(os.path.join(ckpt, STATE_FILE)) as f:
+        state = json.load(f)
+    tp = state.get("tensor_parallel", 1)  # checkpoints from before TP support are tp = 1
+    if tp == 1:
+        return _zero_fp32(ckpt)
+    dims = state["partition_dims"]
+    slices = [_tp_rank_state_dict(ckpt, r) for r in range(tp)]
+    out = {}
+    for k, v in slices[0].items():
+        if any(k not in s for s in slices):
+            # a tied LM head is listed under its own name by some TP ranks only (DeepSpeed's
+            # shared_params); its tensor is the embedding's, and export's load checks the rest
+            continue
+        d = dims.get(k)
+        out[k] = v if d is None else torch.cat([s[k] for s in slices], dim=d).contiguous()
+    return out
 
 
 def export(ckpt: str, out_dir: str) -> str:

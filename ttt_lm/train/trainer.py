@@ -3,7 +3,10 @@
 ``main(argv)`` is what ``train.py`` runs; ``train(cfg)`` runs a resolved ExperimentConfig and
 returns the process exit status (0, or PREEMPTED_EXIT_CODE after a preemption checkpoint).
 
-One step = ``train.grad_accum`` micro-batches per rank, then one optimizer update. A step whose
+One step = ``train.grad_accum`` micro-batches per rank, then one optimizer update. With
+``parallel.tensor_parallel`` = p > 1 the model is built whole from the same seed on every rank,
+then ``parallelize_tp`` keeps this rank's slice; the p ranks of a TP group read the same batches
+(the loaders are split over the world / p data-parallel ranks). A step whose
 loss is NaN/Inf on any rank is skipped: DeepSpeed sees a non-finite gradient norm and drops the
 update (optimizer state and the lr schedule do not move); the loop counts it and stops with
 NonFiniteLossError after ``train.max_nonfinite_steps`` of them in a row.
@@ -79,14 +82,16 @@ def _flat(d, prefix=""):
 
 
 def invariants(cfg, manifest: dict) -> dict:
-    """What a resumed run must share with the checkpoint it resumes."""
+    """What a resumed run must share with the checkpoint it resumes. ``tensor_parallel`` is among
+    them: DeepSpeed writes the module and the ZeRO state per TP rank, sliced for that TP size."""
     from omegaconf import OmegaConf
     model = _flat(OmegaConf.to_container(OmegaConf.structured(cfg.model)))
     for k in RUNTIME_MODEL_KEYS:
         model.pop(k, None)
     return {"model": model, "data_path": os.path.normpath(cfg.data.path),
             "vocab_size": manifest.get("vocab_size"),
-            "tokenizer": manifest.get("tokenizer_sha256") or manifest.get("tokenizer")}
+            "tokenizer": manifest.get("tokenizer_sha256") or manifest.get("tokenizer"),
+            "tensor_parallel": cfg.parallel.tensor_parallel}
 
 
 def check_resume(saved: dict, now: dict, ckpt: str, dp_world: int) -> None:
@@ -103,6 +108,15 @@ def check_resume(saved: dict, now: dict, ckpt: str, dp_world: int) -> None:
     for k in ("data_path", "vocab_size", "tokenizer"):
         if inv.get(k) != now.get(k):
             diff.append(f"{k}: {inv.get(k)!r} -> {now.get(k)!r}")
+    # checkpoints written before tensor parallelism was recorded were all tensor_parallel=1
+    tp_old, tp_new = inv.get("tensor_parallel", 1), now.get("tensor_parallel", 1)
+    if tp_old != tp_new:
+        raise CheckpointError(
+            f"cannot resume from {ckpt}: it was written with parallel.tensor_parallel={tp_old} and this run has "
+            f"{tp_new}; the weights and ZeRO optimizer state are stored as per-TP-rank slices. Resume with "
+            f"parallel.tensor_parallel={tp_old}, or export the weights with `python -m ttt_lm.train.export {ckpt} "
+            "<out>` (which consolidates the slices) and start a new run with train.init_from=<out> "
+            "(fresh optimizer state)")
     if diff:
         raise CheckpointError(
             f"cannot resume from {ckpt}: the run changed what a resumed run must keep:\n  " + "\n  ".join(diff)
@@ -143,13 +157,16 @@ def train(cfg, data_api=None) -> int:
     if device == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed picks one
     from ttt_lm.train.engine import check_parallel
-    check_parallel(cfg)  # before any process group exists: fail fast and the same on every rank
+    from ttt_lm.train.dist import detect_env
+    # before any process group exists: fail fast and the same on every rank
+    check_parallel(cfg, detect_env().world_size)
 
     import torch
     import torch.distributed as tdist
 
     from ttt_lm.model import LM
     from ttt_lm.model.flops import flops_per_token
+    from ttt_lm.parallel.groups import build_groups
     from ttt_lm.train import checkpoint as ck
     from ttt_lm.train.dist import init_distributed
     from ttt_lm.train.engine import build_engine
@@ -161,6 +178,10 @@ def train(cfg, data_api=None) -> int:
     preempt = PreemptionFlag().install()
     env = init_distributed(device)
     rank, world = env.rank, env.world_size
+    tp = cfg.parallel.tensor_parallel
+    # TP peers are consecutive ranks; they see the same batches, so the data is split dp ways
+    groups = build_groups(tp_size=tp)
+    dp_rank, dp_world = groups.dp_rank, groups.dp_size
     if device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", world)))))
     dev = torch.device("cuda", env.local_rank) if device == "cuda" else torch.device("cpu")
@@ -175,19 +196,25 @@ def train(cfg, data_api=None) -> int:
 
     resume = ck.resolve(t.resume_from) if t.resume_from else ck.find_latest(ckpt_root)
     if resume is not None:
-        check_resume(ck.read_state(resume), inv, resume, world)
+        check_resume(ck.read_state(resume), inv, resume, dp_world)
 
-    _seed_all(t.seed)  # same initial weights on every rank
+    _seed_all(t.seed)  # same initial weights on every rank: each TP rank slices the same full model
     model = LM(cfg.model)
     model.activation_checkpointing = t.activation_checkpointing
     if t.init_from and resume is None:
         from ttt_lm.train.export import load_state_dict_into
-        load_state_dict_into(model, t.init_from)
+        load_state_dict_into(model, t.init_from)  # full weights: the conversion below slices them
+    n_params = model.num_params()  # of the whole model, before TP keeps a slice per rank
+    pdims = {}
+    if tp > 1:
+        from ttt_lm.parallel.tp_model import parallelize_tp, partition_dims
+        parallelize_tp(model, groups, cfg.parallel.sequence_parallel)
+        pdims = {k: d for k, d in partition_dims(model).items() if d is not None}
     model.to(dev)
-    engine, sched = build_engine(model, cfg, world)
+    engine, sched = build_engine(model, cfg, dp_world, mpu=groups.mpu() if tp > 1 else None)
     _seed_all(t.seed + 1 + rank)  # per-rank streams for anything random in the loop
 
-    loader = data_api.build_train_loader(cfg.data, t.micro_batch_size, rank, world)
+    loader = data_api.build_train_loader(cfg.data, t.micro_batch_size, dp_rank, dp_world)
     step, tokens, skipped_total, nonfinite_run = 0, 0, 0, 0
     if resume is not None:
         state, rs = ck.load(engine, resume, rank)
@@ -200,21 +227,29 @@ def train(cfg, data_api=None) -> int:
     if rank == 0:
         save_config(cfg, os.path.join(run_dir, "config.yaml"))
         print(f"[train] {'resuming from ' + resume if resume else 'starting'} at step {step}; "
-              f"{world} rank(s) on {device}, ZeRO-{cfg.parallel.zero_stage}, {t.precision}, "
-              f"{model.num_params() / 1e6:.2f}M parameters", flush=True)
+              f"{world} rank(s) on {device} (data parallel {dp_world} × tensor parallel {tp}"
+              f"{', sequence parallel' if cfg.parallel.sequence_parallel else ''}), "
+              f"ZeRO-{cfg.parallel.zero_stage}, {t.precision}, {n_params / 1e6:.2f}M parameters", flush=True)
     fpt = flops_per_token(cfg.model, cfg.data.seq_len)["train"]
     cfg_yaml = to_yaml(cfg)
 
+    def fwd_kw(b):
+        # the tensor-parallel forward takes no position_ids (check_parallel refuses
+        # reset_at_doc_boundaries with TP, the only use of them)
+        return {} if tp > 1 else {"position_ids": _pos(b, dev)}
+
     def save_ckpt():
         state = {"step": step, "tokens": tokens, "skipped_steps": skipped_total,
-                 "nonfinite_in_a_row": nonfinite_run, "dp_world": world, "invariants": inv,
-                 "zero_stage": cfg.parallel.zero_stage, "time": time.time()}
+                 "nonfinite_in_a_row": nonfinite_run, "dp_world": dp_world, "invariants": inv,
+                 "zero_stage": cfg.parallel.zero_stage, "tensor_parallel": tp,
+                 # parameter name → dimension sliced across TP ranks (export concatenates along it)
+                 "partition_dims": pdims, "time": time.time()}
         return ck.save(engine, ckpt_root, step, state, {"loader": loader.state_dict()}, cfg_yaml, rank,
                        cfg.checkpoint.keep_last)
 
     def evaluate():
         batches = []
-        for b in data_api.build_val_loader(cfg.data, t.micro_batch_size, rank, world):
+        for b in data_api.build_val_loader(cfg.data, t.micro_batch_size, dp_rank, dp_world):
             batches.append(b)
             if len(batches) >= cfg.eval.batches:
                 break
@@ -226,7 +261,8 @@ def train(cfg, data_api=None) -> int:
         with torch.no_grad():
             for b in batches[: int(n)]:
                 labels = b["labels"].to(dev)
-                out = engine(b["input_ids"].to(dev), labels=labels, position_ids=_pos(b, dev))
+                out = engine(b["input_ids"].to(dev), labels=labels, **fwd_kw(b))
+                # TP peers count the same batch: every replica weighs tp times, the mean is unchanged
                 cnt = int((labels != -100).sum())
                 tot += torch.tensor([float(out.loss) * cnt, cnt], dtype=torch.float64)
         engine.train()
@@ -249,17 +285,19 @@ def train(cfg, data_api=None) -> int:
         for _ in range(t.grad_accum):
             b = next(batches)
             ids = b["input_ids"].to(dev, non_blocking=True)
-            out = engine(ids, labels=b["labels"].to(dev, non_blocking=True), position_ids=_pos(b, dev))
+            out = engine(ids, labels=b["labels"].to(dev, non_blocking=True), **fwd_kw(b))
             engine.backward(out.loss)
             engine.step()
             loss_sum += out.loss.detach().to(torch.float64).cpu()
             local_tokens += ids.numel()
-        # one collective per step: mean loss over ranks, and whether any rank was signalled
+        # one collective per step: mean loss over ranks, and whether any rank was signalled.
+        # TP peers hold the same (full, vocab-parallel) loss of the same batch, so the mean over
+        # the world is the mean over the data-parallel replicas.
         agg = torch.tensor([float(loss_sum) / t.grad_accum, float(preempt.requested)], dtype=torch.float64)
         tdist.all_reduce(agg)
         loss = float(agg[0]) / world
         step += 1
-        tokens += local_tokens * world
+        tokens += local_tokens * dp_world
         applied = engine.was_step_applied()
         skipped = not math.isfinite(loss) or not applied
         if skipped:
@@ -270,7 +308,7 @@ def train(cfg, data_api=None) -> int:
         gn = engine.get_global_grad_norm()
         gn = float(gn) if gn is not None else None
         dt = time.perf_counter() - t0
-        tps = local_tokens * world / dt
+        tps = local_tokens * dp_world / dt
         rec = {"kind": "train", "step": step, "loss": loss, "lr": lr, "grad_norm": gn if not skipped else None,
                "tokens": tokens, "tokens_per_s": tps, "mfu": mfu(tps, fpt, cfg.logging.peak_flops, world),
                "step_time_s": dt, "skipped": skipped, "skipped_total": skipped_total, **memory_mb(device)}
