@@ -2,6 +2,10 @@
 
 Tasks: perplexity, long_context, passkey, synthetic, lm_eval. Each writes ``<out>/<task>.json``
 (and a PNG where a picture helps) and prints a one-line summary.
+
+perplexity, long_context and passkey also run as several processes (``torchrun --nproc_per_node N
+-m ttt_lm.eval ...`` or srun): each rank scores its share, the sums meet by all-reduce, and rank 0
+alone writes and prints.
 """
 from __future__ import annotations
 
@@ -14,7 +18,11 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from ttt_lm.eval.common import EvalError, dtype_of, pick_device, token_byte_lengths, write_json
+from ttt_lm.eval.common import (SINGLE, EvalError, dtype_of, init_distributed, rank_from_env, token_byte_lengths,
+                                write_json)
+
+#: tasks that split their work over the processes of a torchrun/srun launch
+DISTRIBUTED_TASKS = ("perplexity", "long_context", "passkey")
 
 
 def _ints(s: str) -> List[int]:
@@ -34,9 +42,9 @@ def _commit() -> Optional[str]:
 
 
 def _meta(args, device) -> dict:
-    d = {k: v for k, v in vars(args).items() if k not in ("func",)}
-    return {"args": d, "device": str(device), "torch": torch.__version__, "commit": _commit(),
-            "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    d = {k: v for k, v in vars(args).items() if k not in ("func", "dist", "dev")}
+    return {"args": d, "device": str(device), "world_size": args.dist.world_size, "torch": torch.__version__,
+            "commit": _commit(), "date": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
 def _out(args, name: str) -> str:
@@ -55,7 +63,11 @@ def _tokenizer(path: Optional[str], ck, what: str):
 
 def _load(args, path: str):
     from ttt_lm.eval.checkpoint import load_checkpoint
-    return load_checkpoint(path, device=pick_device(args.device), dtype=dtype_of(args.dtype))
+    return load_checkpoint(path, device=args.dev, dtype=dtype_of(args.dtype))
+
+
+def _progress(args) -> bool:
+    return not args.no_progress and args.dist.is_main
 
 
 def _data_path(args, ck) -> str:
@@ -95,9 +107,11 @@ def cmd_perplexity(args) -> dict:
             batches, total = text_batches(ids, seq_len, args.batch_size), None
         source = f"{path}:{args.split}"
     res = evaluate_perplexity(model, batches, token_byte_lengths(tok, model.cfg.vocab_size), args.max_batches,
-                              show_progress=not args.no_progress, total=total)
+                              show_progress=_progress(args), total=total, dist=args.dist)
     res.update(source=source, seq_len=seq_len, checkpoint=ck.path)
     out = dict(task="perplexity", result=res, **_meta(args, model.embed.weight.device))
+    if not args.dist.is_main:
+        return out
     write_json(_out(args, "perplexity.json"), out)
     print(f"perplexity {ck.name} on {source}: loss {res['loss']:.4f}  ppl {res['perplexity']:.3f}  "
           f"bpb {res.get('bits_per_byte', float('nan')):.4f}  tokens {res['tokens']}")
@@ -114,17 +128,20 @@ def cmd_long_context(args) -> dict:
         data = _data_path(args, ck)
         check_vocab(load_manifest(data), ck.model.cfg.vocab_size)
         stats = loss_by_position(ck.model, iter_documents(data, args.split), args.max_len, args.chunk_len,
-                                 args.min_len, args.max_docs, args.batch_size, not args.no_progress)
+                                 args.min_len, args.max_docs, args.batch_size, _progress(args), dist=args.dist)
         summ = summarize(stats, args.lengths or [args.max_len], args.buckets)
         summ.update(checkpoint=ck.path, data=f"{data}:{args.split}")
         curves[name] = summ
         del ck
         at = summ["mean_loss_at_length"]
-        print(f"long_context {name}: " + "  ".join(f"L={k}: {v['loss']:.4f}" for k, v in at.items())
-              + f"  ({summ['documents']} documents)")
+        if args.dist.is_main:
+            print(f"long_context {name}: " + "  ".join(f"L={k}: {v['loss']:.4f}" for k, v in at.items())
+                  + f"  ({summ['documents']} documents)")
+    if not args.dist.is_main:
+        return dict(task="long_context", result=curves)
     png = _out(args, "long_context.png")
     plot_loss_by_position(curves, png, f"loss by token position ({args.split}, {args.max_len} tokens)")
-    out = dict(task="long_context", result=curves, plot=png, **_meta(args, pick_device(args.device)))
+    out = dict(task="long_context", result=curves, plot=png, **_meta(args, args.dev))
     write_json(_out(args, "long_context.json"), out)
     return out
 
@@ -134,7 +151,9 @@ def cmd_passkey(args) -> dict:
     ck = _load(args, args.checkpoint)
     tok = _tokenizer(args.tokenizer, ck, "passkey")
     res = passkey_grid(ck.model, tok, args.lengths, args.depths, args.trials, args.seed, args.chunk_len,
-                       show_progress=not args.no_progress)
+                       show_progress=_progress(args), dist=args.dist)
+    if not args.dist.is_main:
+        return dict(task="passkey", result=res)
     png = _out(args, "passkey.png")
     plot_heatmap(res, png, f"passkey retrieval: {ck.name}")
     res["checkpoint"] = ck.path
@@ -154,7 +173,7 @@ def cmd_synthetic(args) -> dict:
         t0 = time.time()
         r = run_synthetic(task, mixer, args.train_len, args.test_lens, args.steps, batch_size=args.batch_size,
                           lr=args.lr, d_model=args.d_model, n_layers=args.n_layers, n_heads=args.n_heads,
-                          num_eval=args.num_eval, seed=args.seed, device=str(pick_device(args.device)),
+                          num_eval=args.num_eval, seed=args.seed, device=str(args.dev),
                           progress=not args.no_progress, stop_at=args.stop_at, impl=args.impl)
         results.append(r)
         print(f"{task.name} {mixer}: " + "  ".join(f"{T}: {a:.2f}" for T, a in r.accuracy.items())
@@ -169,7 +188,7 @@ def cmd_synthetic(args) -> dict:
     png = _out(args, f"{task.name}.png")
     plot_accuracy(results, png, f"{task.name} (trained at {args.train_len})")
     out = dict(task="synthetic", synthetic_task=task.name, results=[result_dict(r) for r in results],
-               table=table, plot=png, **_meta(args, pick_device(args.device)))
+               table=table, plot=png, **_meta(args, args.dev))
     write_json(_out(args, f"{task.name}.json"), out)
     print(table)
     return out
@@ -180,7 +199,7 @@ def cmd_lm_eval(args) -> dict:
     res = run_tasks(args.checkpoint, [t for t in args.tasks.split(",") if t], args.include_path, args.limit,
                     args.num_fewshot, args.tokenizer, args.device, args.dtype, args.chunk_len, args.seed)
     out = dict(task="lm_eval", results=res.get("results", {}), versions=res.get("versions", {}),
-               n_samples=res.get("n-samples", {}), **_meta(args, pick_device(args.device)))
+               n_samples=res.get("n-samples", {}), **_meta(args, args.dev))
     write_json(_out(args, "lm_eval.json"), out)
     for t, r in out["results"].items():
         print(f"lm_eval {t}: " + "  ".join(f"{k}={v:.4f}" for k, v in r.items() if isinstance(v, float)))
@@ -281,11 +300,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from ttt_lm.config import ConfigError
     from ttt_lm.data import DataError
     from ttt_lm.data.tokenizer import TokenizerError
+    args.dist = SINGLE
     try:
+        _, world, _ = rank_from_env()
+        if world > 1 and args.task not in DISTRIBUTED_TASKS:
+            raise EvalError(f"{args.task} runs as one process; launch it without torchrun/srun "
+                            f"(tasks that run distributed: {', '.join(DISTRIBUTED_TASKS)})")
+        args.dist, args.dev = init_distributed(args.device)
         args.func(args)
     except (EvalError, DataError, TokenizerError, ConfigError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error{f' (rank {args.dist.rank})' if args.dist.distributed else ''}: {e}", file=sys.stderr)
         return 2
+    finally:
+        args.dist.close()
     return 0
 
 

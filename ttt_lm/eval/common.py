@@ -1,10 +1,12 @@
-"""Pieces every eval shares: input checks, token byte lengths, progress bars, JSON and plots."""
+"""Pieces every eval shares: input checks, token byte lengths, progress bars, JSON and plots, and
+the process group of a multi-process run."""
 from __future__ import annotations
 
 import json
 import os
 import sys
-from typing import Iterable, Optional
+from dataclasses import dataclass, field
+from typing import Any, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -69,10 +71,120 @@ def progress(it: Iterable, total: Optional[int] = None, desc: str = "", enable: 
     return tqdm(it, total=total, desc=desc, file=sys.stderr, dynamic_ncols=True, leave=False)
 
 
-def pick_device(device: Optional[str]) -> torch.device:
+def pick_device(device: Optional[str], local_rank: Optional[int] = None) -> torch.device:
+    """``auto`` is CUDA when there is one; with ``local_rank`` (a multi-process run) a bare ``cuda``
+    or ``auto`` becomes this process's own GPU, ``cuda:<local_rank>``."""
     if device in (None, "auto"):
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and local_rank is not None:
+        return torch.device("cuda", local_rank)
     return torch.device(device)
+
+
+# ---- several processes ---------------------------------------------------------------------------
+
+def rank_from_env(environ=None) -> Tuple[int, int, int]:
+    """(rank, world size, local rank) from the launcher's variables: torchrun and the DeepSpeed
+    launcher set RANK/WORLD_SIZE/LOCAL_RANK, srun sets SLURM_PROCID/SLURM_STEP_NUM_TASKS/SLURM_LOCALID;
+    neither means one process, (0, 1, 0).
+
+    The Slurm variables count only inside an srun step (SLURM_STEP_NUM_TASKS set): the shell of an
+    sbatch script also has SLURM_PROCID=0 and SLURM_NTASKS=<the allocation's tasks>, yet an eval
+    started there directly is one process, not rank 0 of ranks that will never start."""
+    e = os.environ if environ is None else environ
+    if "RANK" in e and "WORLD_SIZE" in e:
+        return int(e["RANK"]), int(e["WORLD_SIZE"]), int(e.get("LOCAL_RANK", 0))
+    if "SLURM_PROCID" in e and "SLURM_STEP_NUM_TASKS" in e:
+        # the step's own task count: an `srun -n 2` inside a 4-task allocation is 2 processes
+        return int(e["SLURM_PROCID"]), int(e["SLURM_STEP_NUM_TASKS"]), int(e.get("SLURM_LOCALID", 0))
+    return 0, 1, 0
+
+
+@dataclass
+class DistContext:
+    """This process's place in an eval run. Work item ``i`` of a sequence every rank enumerates in
+    the same order belongs to rank ``i mod world_size``; partial sums meet in :meth:`sum`. With
+    ``world_size == 1`` every method is the identity, so one process runs the same code."""
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    #: where collective tensors live: the rank's GPU for NCCL, the CPU for gloo
+    comm_device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def mine(self, index: int) -> bool:
+        return index % self.world_size == self.rank
+
+    def sum(self, *tensors: torch.Tensor, error: Optional[BaseException] = None) -> Tuple[torch.Tensor, ...]:
+        """Element-wise sums over ranks (CPU tensors of the same dtype back; pass float64 and int64 so
+        counts stay exact). ``error``, an exception this rank caught while doing its share, is
+        re-raised after the collective, and every other rank raises an EvalError too, so a failure
+        on one rank ends the run instead of leaving the others waiting."""
+        if not self.distributed:
+            if error is not None:
+                raise error
+            return tensors
+        import torch.distributed as tdist
+        failed = torch.tensor([0 if error is None else 1], dtype=torch.int64, device=self.comm_device)
+        tdist.all_reduce(failed)
+        out = []
+        for t in tensors:
+            t = t.detach().to(self.comm_device, copy=True)
+            tdist.all_reduce(t)
+            out.append(t.cpu())
+        if error is not None:
+            raise error
+        if int(failed):
+            raise EvalError(f"the evaluation failed on {int(failed)} other rank(s) of {self.world_size}; "
+                            f"see their error messages")
+        return tuple(out)
+
+    def gather(self, obj: Any) -> List[Any]:
+        """Every rank's ``obj``, in rank order (picklable objects)."""
+        if not self.distributed:
+            return [obj]
+        import torch.distributed as tdist
+        out: List[Any] = [None] * self.world_size
+        tdist.all_gather_object(out, obj)
+        return out
+
+    def close(self) -> None:
+        if self.distributed:
+            import torch.distributed as tdist
+            if tdist.is_initialized():
+                tdist.destroy_process_group()
+
+
+SINGLE = DistContext()
+
+
+def init_distributed(device: Optional[str]) -> Tuple[DistContext, torch.device]:
+    """The process group of a run launched as several processes (torchrun, srun) and this rank's
+    device: gloo on the CPU, NCCL on CUDA with rank r on its local GPU ``cuda:<LOCAL_RANK>``. One
+    process gets :data:`SINGLE` and no process group. MASTER_ADDR/MASTER_PORT name the rendezvous
+    (torchrun sets them; under srun export them before launching)."""
+    rank, world, local = rank_from_env()
+    if world <= 1:
+        return SINGLE, pick_device(device)
+    dev = pick_device(device, local)
+    missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise EvalError(f"{' and '.join(missing)} not set for a {world}-process eval: export MASTER_ADDR (the "
+                        f"first node's host name) and MASTER_PORT (a free port) before srun, or launch with torchrun")
+    import torch.distributed as tdist
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    backend = "nccl" if dev.type == "cuda" else "gloo"
+    if not tdist.is_initialized():
+        tdist.init_process_group(backend, init_method="env://", rank=rank, world_size=world)
+    return DistContext(rank, world, local, dev if backend == "nccl" else torch.device("cpu")), dev
 
 
 def dtype_of(name: str) -> torch.dtype:

@@ -12,6 +12,11 @@ attention keeps its full KV cache (it is bounded by ``model.max_seq_len``). For 
 
 and report bucket means Σ_{t∈b} S_t / Σ_{t∈b} C_t over log-spaced buckets of token index
 (1-based, as plotted), and for each requested context length L the mean over all t < L.
+
+With several processes every rank reads the documents in the same order and forms the same
+batches (documents of equal length, ``batch_size`` at a time); batch i runs on rank i mod world,
+and S and C are summed over ranks, so C and the document counts equal one process's exactly and S
+up to the order of float64 additions.
 """
 from __future__ import annotations
 
@@ -22,15 +27,17 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ttt_lm.eval.common import EvalError, check_context, progress
+from ttt_lm.eval.common import SINGLE, DistContext, EvalError, check_context, progress
 from ttt_lm.model import LM
 
 
 @torch.no_grad()
 def loss_by_position(model: LM, docs: Iterable[torch.Tensor], max_len: int, chunk_len: int = 2048,
                      min_len: Optional[int] = None, max_docs: Optional[int] = None, batch_size: int = 1,
-                     show_progress: bool = True) -> Dict[str, np.ndarray]:
+                     show_progress: bool = True, dist: DistContext = SINGLE) -> Dict[str, np.ndarray]:
     """Per-position loss sums S and counts C (float64/int64 arrays of length ``max_len``).
+
+    ``docs`` is the whole corpus on every rank; ``dist`` runs this rank's batches and sums them.
 
     Documents with fewer than ``min_len`` tokens (default ``max_len + 1``: only documents that
     cover every position, so each position averages over the same documents) are skipped."""
@@ -59,24 +66,39 @@ def loss_by_position(model: LM, docs: Iterable[torch.Tensor], max_len: int, chun
             S[s:e] += nll.double().sum(0).cpu()
             C[s:e] += x.shape[0]
 
+    n_groups = 0
+
+    def dispatch(group: List[torch.Tensor]):
+        nonlocal n_groups
+        if dist.mine(n_groups):
+            run(group)
+        n_groups += 1
+
     bar = progress(None, total=max_docs, desc=f"documents @ {max_len}", enable=show_progress)
-    for doc in docs:
-        if max_docs is not None and used >= max_docs:
-            break
-        if len(doc) < min_len:
-            skipped += 1
-            continue
-        d = doc[:max_len + 1].long()
-        pending.setdefault(len(d), []).append(d)
-        used += 1
-        if len(pending[len(d)]) >= batch_size:
-            run(pending.pop(len(d)))
-        if bar is not None and hasattr(bar, "update"):
-            bar.update(1)
-    for group in pending.values():
-        run(group)
+    err = None
+    try:
+        for doc in docs:
+            if max_docs is not None and used >= max_docs:
+                break
+            if len(doc) < min_len:
+                skipped += 1
+                continue
+            d = doc[:max_len + 1].long()
+            pending.setdefault(len(d), []).append(d)
+            used += 1
+            if len(pending[len(d)]) >= batch_size:
+                dispatch(pending.pop(len(d)))
+            if bar is not None and hasattr(bar, "update"):
+                bar.update(1)
+        for group in pending.values():
+            dispatch(group)
+    except Exception as e:  # noqa: BLE001 - re-raised by dist.sum once the other ranks know
+        if not dist.distributed:
+            raise
+        err = e
     if bar is not None and hasattr(bar, "close"):
         bar.close()
+    S, C = dist.sum(S, C, error=err)
     if used == 0:
         raise EvalError(f"no document has >= {min_len} tokens ({skipped} shorter ones skipped); lower --max-len "
                         f"or pass --min-len to include shorter documents")

@@ -10,6 +10,10 @@ with n₁ = round(depth · (n₁ + n₂)), so depth 0 puts the needle right afte
 depth 1 right before the question. The model decodes greedily as many tokens as the answer
 " 68130" has; a trial is correct when the decoded text, stripped, starts with the passkey. The
 prompt is read ``chunk_len`` tokens at a time with states carried, then decoded with ``step``.
+
+With several processes trial k of the grid (cells in row-major order, trials within a cell) runs
+on rank k mod world; the correct counts per cell are summed over ranks and the samples gathered,
+so the result is exactly one process's.
 """
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from ttt_lm.eval.common import EvalError, check_context, check_vocab, progress
+from ttt_lm.eval.common import SINGLE, DistContext, EvalError, check_context, check_vocab, progress
 from ttt_lm.model import LM
 
 INTRO = ("There is an important piece of information hidden inside a lot of irrelevant text. "
@@ -68,9 +72,10 @@ def greedy_continue(model: LM, ids: Sequence[int], n: int, chunk_len: int = 2048
 
 def passkey_grid(model: LM, tok, lengths: Sequence[int], depths: Sequence[float], trials: int = 5,
                  seed: int = 0, chunk_len: int = 2048, digits: int = 5, show_progress: bool = True,
-                 generate: Optional[Callable] = None) -> dict:
+                 generate: Optional[Callable] = None, dist: DistContext = SINGLE, max_samples: int = 20) -> dict:
     """Accuracy for each (context length, depth) over ``trials`` random passkeys (the same keys in
-    every cell, so cells differ only in length and depth)."""
+    every cell, so cells differ only in length and depth), and the first ``max_samples`` trials'
+    outputs."""
     for L in lengths:
         check_context(model, L)
     check_vocab(model, tok.vocab_size, "the tokenizer", allow_padding=True)
@@ -78,19 +83,30 @@ def passkey_grid(model: LM, tok, lengths: Sequence[int], depths: Sequence[float]
     gen = generate or (lambda ids, n: greedy_continue(model, ids, n, chunk_len))
     rng = random.Random(seed)
     keys = [str(rng.randrange(10 ** (digits - 1), 10 ** digits)) for _ in range(trials)]
-    acc = [[0.0] * len(depths) for _ in lengths]
-    samples = []
     cells = [(i, j) for i in range(len(lengths)) for j in range(len(depths))]
-    for i, j in progress(cells, total=len(cells), desc="passkey", enable=show_progress):
-        ok = 0
-        for key in keys:
-            ids, ans, _ = build_prompt(tok, lengths[i], depths[j], key)
-            out = tok.decode(gen(ids, len(ans))).strip()
-            hit = out.startswith(key)
-            ok += hit
-            if len(samples) < 20:
-                samples.append({"length": lengths[i], "depth": depths[j], "key": key, "output": out, "correct": hit})
-        acc[i][j] = ok / len(keys)
+    correct = torch.zeros(len(cells), dtype=torch.int64)
+    samples = []
+    err = None
+    try:
+        for c, (i, j) in enumerate(progress(cells, total=len(cells), desc="passkey", enable=show_progress)):
+            for t, key in enumerate(keys):
+                k = c * len(keys) + t
+                if not dist.mine(k):
+                    continue
+                ids, ans, _ = build_prompt(tok, lengths[i], depths[j], key)
+                out = tok.decode(gen(ids, len(ans))).strip()
+                hit = out.startswith(key)
+                correct[c] += int(hit)
+                if k < max_samples:
+                    samples.append((k, {"length": lengths[i], "depth": depths[j], "key": key, "output": out,
+                                        "correct": hit}))
+    except Exception as e:  # noqa: BLE001 - re-raised by dist.sum once the other ranks know
+        if not dist.distributed:
+            raise
+        err = e
+    (correct,) = dist.sum(correct, error=err)
+    samples = [s for _, s in sorted((x for part in dist.gather(samples) for x in part), key=lambda x: x[0])]
+    acc = [[int(correct[i * len(depths) + j]) / len(keys) for j in range(len(depths))] for i in range(len(lengths))]
     return {"lengths": list(lengths), "depths": list(depths), "trials": trials, "accuracy": acc,
             "mean_accuracy": sum(map(sum, acc)) / (len(lengths) * len(depths)), "samples": samples}
 
