@@ -115,12 +115,16 @@ def test_tensor_parallel_refused_with_message():
 
 def test_env_from_torchrun_slurm_or_nothing(monkeypatch):
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID",
-              "MASTER_ADDR", "MASTER_PORT"):
+              "SLURM_STEP_NUM_TASKS", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(k, raising=False)
     e = detect_env()
     assert (e.rank, e.world_size, e.launcher) == (0, 1, "single")
-    monkeypatch.setenv("SLURM_PROCID", "3")
+    monkeypatch.setenv("SLURM_PROCID", "0")
     monkeypatch.setenv("SLURM_NTASKS", "8")
+    # the batch script's shell (no srun step): one process, not rank 0 of 8
+    assert detect_env().launcher == "single"
+    monkeypatch.setenv("SLURM_PROCID", "3")
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "8")
     monkeypatch.setenv("SLURM_LOCALID", "1")
     e = detect_env()
     assert (e.rank, e.world_size, e.local_rank, e.launcher) == (3, 8, 1, "slurm")

@@ -1,5 +1,5 @@
 """Process-group setup from whatever launched us: torchrun and the deepspeed launcher set
-RANK/WORLD_SIZE/LOCAL_RANK; srun sets SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID; a bare
+RANK/WORLD_SIZE/LOCAL_RANK; srun sets SLURM_PROCID/SLURM_STEP_NUM_TASKS/SLURM_LOCALID in each task of a step; a bare
 ``python train.py`` is one process. MASTER_ADDR/MASTER_PORT name the rendezvous."""
 from __future__ import annotations
 
@@ -20,8 +20,11 @@ def detect_env() -> DistEnv:
     e = os.environ
     if "RANK" in e and "WORLD_SIZE" in e:
         return DistEnv(int(e["RANK"]), int(e["WORLD_SIZE"]), int(e.get("LOCAL_RANK", 0)), "env")
-    if "SLURM_PROCID" in e and "SLURM_NTASKS" in e:
-        return DistEnv(int(e["SLURM_PROCID"]), int(e["SLURM_NTASKS"]), int(e.get("SLURM_LOCALID", 0)), "slurm")
+    # Slurm ranks only inside an srun step: the batch script's own shell also has SLURM_PROCID=0
+    # and SLURM_NTASKS=<allocation>, and must not wait for ranks that will never start
+    if "SLURM_PROCID" in e and "SLURM_STEP_NUM_TASKS" in e:
+        return DistEnv(int(e["SLURM_PROCID"]), int(e["SLURM_STEP_NUM_TASKS"]), int(e.get("SLURM_LOCALID", 0)),
+                       "slurm")
     return DistEnv(0, 1, 0, "single")
 
 
