@@ -16,6 +16,7 @@ concatenation; ``init_state`` returns the state before any token.
 """
 from __future__ import annotations
 
+import abc
 from typing import Any, Dict, Optional, Tuple
 
 import torch
@@ -24,7 +25,7 @@ from torch import nn
 State = Dict[str, Any]
 
 
-class Mixer(nn.Module):
+class Mixer(nn.Module, metaclass=abc.ABCMeta):
     """Subclasses set ``self.d_model`` and implement chunked, reference, step and init_state."""
 
     #: set by the model: "chunked" (default) or "reference"
@@ -42,17 +43,21 @@ class Mixer(nn.Module):
             raise ValueError(f"mixer impl must be 'chunked' or 'reference', got {self.impl!r}")
         return self.chunked(x, state, output_state)
 
+    @abc.abstractmethod
     def chunked(self, x, state=None, output_state=False):
-        raise NotImplementedError(f"{type(self).__name__} has no chunked form")
+        """Training form: (y [B, T, D], the state after the last token if output_state else None)."""
 
+    @abc.abstractmethod
     def reference(self, x, state=None, output_state=False):
-        raise NotImplementedError(f"{type(self).__name__} has no reference form")
+        """Sequential form, same contract as chunked: the specification the other forms match."""
 
+    @abc.abstractmethod
     def step(self, x: torch.Tensor, state: State) -> Tuple[torch.Tensor, State]:
-        raise NotImplementedError(f"{type(self).__name__} has no decode step")
+        """One token: x [B, 1, D] and the cache → (y [B, 1, D], the updated cache)."""
 
+    @abc.abstractmethod
     def init_state(self, batch_size: int, device=None, dtype=None) -> State:
-        raise NotImplementedError(f"{type(self).__name__} has no init_state")
+        """The state before the first token."""
 
     def reset_parameters(self) -> None:
         """Mixer-specific initialization, run after the model's generic init."""
