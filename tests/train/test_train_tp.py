@@ -153,9 +153,9 @@ def test_tp_layout_refusals():
         check_parallel(cfg, world_size=2)
 
 
-def test_context_parallel_refused_with_message():
-    with pytest.raises(ParallelConfigError, match=r"context_parallel=2: .*not wired into the trainer"):
-        check_parallel(_attn_cfg(context_parallel=2), world_size=2)
+def test_context_parallel_refused_with_tensor_parallel():
+    with pytest.raises(ParallelConfigError, match=r"context_parallel=2 with parallel.tensor_parallel=2: .*not combined"):
+        check_parallel(_attn_cfg(context_parallel=2, tensor_parallel=2), world_size=4)
 
 
 def test_resume_refuses_another_tensor_parallel_size():

@@ -5,7 +5,11 @@ Parallel layouts (``check_parallel``): data parallel with ZeRO 1/2/3, optionally
 Megatron tensor parallelism (``parallel.tensor_parallel`` = p ranks per model replica, attention
 models only: ``ttt_lm.parallel.tp_model.TP_READY_KINDS``) and its sequence parallelism. With p > 1
 the batch size counts the data-parallel ranks (world / p) and DeepSpeed gets the ``mpu`` of
-``ttt_lm.parallel.groups``, so ZeRO reduces and shards over the data-parallel group only."""
+``ttt_lm.parallel.groups``, so ZeRO reduces and shards over the data-parallel group only.
+Context parallelism (``parallel.context_parallel`` = c > 1, not with TP): each row's tokens split
+across c ranks (``ttt_lm.train.context``); the loaders are split over world / c data-parallel
+ranks and DeepSpeed's gradient-averaging group (the mpu's) is all world ranks, dp × c; ZeRO-1 only.
+"""
 from __future__ import annotations
 
 import json
@@ -30,11 +34,38 @@ def check_parallel(cfg, world_size: Optional[int] = None) -> None:
     tp = p.tensor_parallel
     if tp < 1:
         raise ParallelConfigError(f"parallel.tensor_parallel must be >= 1, got {tp}")
-    if p.context_parallel != 1:
-        raise ParallelConfigError(
-            f"parallel.context_parallel={p.context_parallel}: context parallelism is not wired into the trainer "
-            "(ttt_lm/parallel/context_parallel.py implements the layers and is tested on its own, but the "
-            "trainer's data split, loss and checkpoints do not use it); set parallel.context_parallel=1")
+    cp = p.context_parallel
+    if cp < 1:
+        raise ParallelConfigError(f"parallel.context_parallel must be >= 1, got {cp}")
+    if cp > 1:
+        if tp > 1:
+            raise ParallelConfigError(
+                f"parallel.context_parallel={cp} with parallel.tensor_parallel={tp}: context parallelism is not "
+                "combined with tensor parallelism in this trainer; use one of them (the other = 1)")
+        if world_size is not None and world_size % cp:
+            raise ParallelConfigError(
+                f"parallel.context_parallel={cp} does not divide the world size {world_size}")
+        if p.zero_stage != 1:
+            raise ParallelConfigError(
+                f"parallel.context_parallel={cp} needs parallel.zero_stage=1, got {p.zero_stage}: ZeRO-2 reduces "
+                "gradients into buckets in the order each rank's backward produces them, which differs between "
+                "the ranks of a context-parallel group (their graphs differ by the state sends and receives), and "
+                "ZeRO-3's parameter all-gathers over the context-parallel ranks deadlock against the rank-to-rank "
+                "state passing")
+        if cfg.data.seq_len < cp:
+            raise ParallelConfigError(
+                f"parallel.context_parallel={cp} splits each row across {cp} ranks: data.seq_len={cfg.data.seq_len} "
+                "must be at least that (every rank needs a token)")
+        if cfg.model.reset_at_doc_boundaries:
+            raise ParallelConfigError(
+                "model.reset_at_doc_boundaries=true is not available with parallel.context_parallel > 1 (the "
+                "context-parallel forward passes states across ranks without document resets); use "
+                "context_parallel=1")
+        if cfg.train.activation_checkpointing:
+            raise ParallelConfigError(
+                "train.activation_checkpointing=true is not available with parallel.context_parallel > 1 (the "
+                "context-parallel forward does not recompute blocks: its collectives would run twice); set "
+                "train.activation_checkpointing=false (each rank holds only 1/context_parallel of the activations)")
     if p.sequence_parallel and tp == 1:
         raise ParallelConfigError(
             "parallel.sequence_parallel=true needs parallel.tensor_parallel > 1: it splits the sequence across "
@@ -88,6 +119,12 @@ def deepspeed_config(cfg, dp_world: int) -> Dict[str, Any]:
                 raise ParallelConfigError(
                     f"{p.deepspeed_config}: {k}={ds[k]} contradicts the experiment config ({ours[k]}); "
                     "set it to \"auto\" or remove it, and use train.micro_batch_size / train.grad_accum")
+        zo = ds.get("zero_optimization", {})
+        if p.context_parallel > 1 and (zo.get("stage", 0) != 1 or zo.get("overlap_comm", False)):
+            raise ParallelConfigError(
+                f"{p.deepspeed_config}: parallel.context_parallel={p.context_parallel} needs zero_optimization "
+                f"stage 1 without overlap_comm (got {zo}): gradients must be reduced in parameter order, not in the "
+                "order each rank's backward produces them")
         ds.update(ours)
         ds.setdefault("zero_allow_untested_optimizer", True)
         return ds
@@ -110,10 +147,11 @@ def deepspeed_config(cfg, dp_world: int) -> Dict[str, Any]:
 
 
 def build_engine(model: torch.nn.Module, cfg, dp_world: int, mpu=None):
-    """deepspeed.initialize → (engine, lr_scheduler). ``dp_world`` is the data-parallel size (the
-    world over tensor_parallel); ``mpu`` (``ParallelGroups.mpu()``) is given when tensor_parallel > 1,
-    so DeepSpeed reduces gradients and shards ZeRO state over the data-parallel group only and
-    counts TP-sharded parameters once per shard in the clipping norm."""
+    """deepspeed.initialize → (engine, lr_scheduler). ``dp_world`` is DeepSpeed's data-parallel size,
+    the ranks that average gradients: world / tensor_parallel (= data parallel × context parallel);
+    ``mpu`` (``ParallelGroups.mpu()``) is given when tensor_parallel or context_parallel > 1, so
+    DeepSpeed reduces gradients and shards ZeRO state over that group only and counts TP-sharded
+    parameters once per shard in the clipping norm."""
     import deepspeed
 
     check_parallel(cfg)

@@ -6,7 +6,10 @@ returns the process exit status (0, or PREEMPTED_EXIT_CODE after a preemption ch
 One step = ``train.grad_accum`` micro-batches per rank, then one optimizer update. With
 ``parallel.tensor_parallel`` = p > 1 the model is built whole from the same seed on every rank,
 then ``parallelize_tp`` keeps this rank's slice; the p ranks of a TP group read the same batches
-(the loaders are split over the world / p data-parallel ranks). A step whose
+(the loaders are split over the world / p data-parallel ranks). With
+``parallel.context_parallel`` = c > 1 the c ranks of a CP group also read the same batches and each
+computes its contiguous slice of every row (``ttt_lm.train.context.ContextParallelLM``); DeepSpeed
+averages gradients over the dp × c ranks. A step whose
 loss is NaN/Inf on any rank is skipped: DeepSpeed sees a non-finite gradient norm and drops the
 update (optimizer state and the lr schedule do not move); the loop counts it and stops with
 NonFiniteLossError after ``train.max_nonfinite_steps`` of them in a row.
@@ -83,7 +86,8 @@ def _flat(d, prefix=""):
 
 def invariants(cfg, manifest: dict) -> dict:
     """What a resumed run must share with the checkpoint it resumes. ``tensor_parallel`` is among
-    them: DeepSpeed writes the module and the ZeRO state per TP rank, sliced for that TP size."""
+    them: DeepSpeed writes the module and the ZeRO state per TP rank, sliced for that TP size; so
+    is ``context_parallel``: ZeRO shards over data_parallel × context_parallel ranks."""
     from omegaconf import OmegaConf
     model = _flat(OmegaConf.to_container(OmegaConf.structured(cfg.model)))
     for k in RUNTIME_MODEL_KEYS:
@@ -91,7 +95,7 @@ def invariants(cfg, manifest: dict) -> dict:
     return {"model": model, "data_path": os.path.normpath(cfg.data.path),
             "vocab_size": manifest.get("vocab_size"),
             "tokenizer": manifest.get("tokenizer_sha256") or manifest.get("tokenizer"),
-            "tensor_parallel": cfg.parallel.tensor_parallel}
+            "tensor_parallel": cfg.parallel.tensor_parallel, "context_parallel": cfg.parallel.context_parallel}
 
 
 def check_resume(saved: dict, now: dict, ckpt: str, dp_world: int) -> None:
@@ -117,6 +121,14 @@ def check_resume(saved: dict, now: dict, ckpt: str, dp_world: int) -> None:
             f"parallel.tensor_parallel={tp_old}, or export the weights with `python -m ttt_lm.train.export {ckpt} "
             "<out>` (which consolidates the slices) and start a new run with train.init_from=<out> "
             "(fresh optimizer state)")
+    cp_old, cp_new = inv.get("context_parallel", 1), now.get("context_parallel", 1)
+    if cp_old != cp_new:
+        raise CheckpointError(
+            f"cannot resume from {ckpt}: it was written with parallel.context_parallel={cp_old} and this run has "
+            f"{cp_new}; ZeRO's optimizer state is sharded over data_parallel × context_parallel ranks and the "
+            f"data-loader states are per data-parallel rank. Resume with parallel.context_parallel={cp_old}, or "
+            f"export the weights with `python -m ttt_lm.train.export {ckpt} <out>` and start a new run with "
+            "train.init_from=<out> (fresh optimizer state)")
     if diff:
         raise CheckpointError(
             f"cannot resume from {ckpt}: the run changed what a resumed run must keep:\n  " + "\n  ".join(diff)
@@ -178,9 +190,9 @@ def train(cfg, data_api=None) -> int:
     preempt = PreemptionFlag().install()
     env = init_distributed(device)
     rank, world = env.rank, env.world_size
-    tp = cfg.parallel.tensor_parallel
-    # TP peers are consecutive ranks; they see the same batches, so the data is split dp ways
-    groups = build_groups(tp_size=tp)
+    tp, cp = cfg.parallel.tensor_parallel, cfg.parallel.context_parallel
+    # TP peers (consecutive ranks), then CP peers, see the same batches: the data is split dp ways
+    groups = build_groups(tp_size=tp, cp_size=cp)
     dp_rank, dp_world = groups.dp_rank, groups.dp_size
     if device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", world)))))
@@ -199,7 +211,12 @@ def train(cfg, data_api=None) -> int:
         check_resume(ck.read_state(resume), inv, resume, dp_world)
 
     _seed_all(t.seed)  # same initial weights on every rank: each TP rank slices the same full model
-    model = LM(cfg.model)
+    if cp > 1:
+        from ttt_lm.parallel.context_parallel import wait_pending
+        from ttt_lm.train.context import ContextParallelLM
+        model = ContextParallelLM(cfg.model, groups.cp_group)
+    else:
+        model = LM(cfg.model)
     model.activation_checkpointing = t.activation_checkpointing
     if t.init_from and resume is None:
         from ttt_lm.train.export import load_state_dict_into
@@ -211,7 +228,8 @@ def train(cfg, data_api=None) -> int:
         parallelize_tp(model, groups, cfg.parallel.sequence_parallel)
         pdims = {k: d for k, d in partition_dims(model).items() if d is not None}
     model.to(dev)
-    engine, sched = build_engine(model, cfg, dp_world, mpu=groups.mpu() if tp > 1 else None)
+    # DeepSpeed's data-parallel group is dp × cp (the mpu's): those ranks average gradients
+    engine, sched = build_engine(model, cfg, dp_world * cp, mpu=groups.mpu() if tp > 1 or cp > 1 else None)
     _seed_all(t.seed + 1 + rank)  # per-rank streams for anything random in the loop
 
     loader = data_api.build_train_loader(cfg.data, t.micro_batch_size, dp_rank, dp_world)
@@ -227,21 +245,21 @@ def train(cfg, data_api=None) -> int:
     if rank == 0:
         save_config(cfg, os.path.join(run_dir, "config.yaml"))
         print(f"[train] {'resuming from ' + resume if resume else 'starting'} at step {step}; "
-              f"{world} rank(s) on {device} (data parallel {dp_world} × tensor parallel {tp}"
+              f"{world} rank(s) on {device} (data parallel {dp_world} × context parallel {cp} × tensor parallel {tp}"
               f"{', sequence parallel' if cfg.parallel.sequence_parallel else ''}), "
               f"ZeRO-{cfg.parallel.zero_stage}, {t.precision}, {n_params / 1e6:.2f}M parameters", flush=True)
     fpt = flops_per_token(cfg.model, cfg.data.seq_len)["train"]
     cfg_yaml = to_yaml(cfg)
 
     def fwd_kw(b):
-        # the tensor-parallel forward takes no position_ids (check_parallel refuses
-        # reset_at_doc_boundaries with TP, the only use of them)
-        return {} if tp > 1 else {"position_ids": _pos(b, dev)}
+        # the tensor- and context-parallel forwards take no position_ids (check_parallel refuses
+        # reset_at_doc_boundaries with them, the only use of them)
+        return {} if tp > 1 or cp > 1 else {"position_ids": _pos(b, dev)}
 
     def save_ckpt():
         state = {"step": step, "tokens": tokens, "skipped_steps": skipped_total,
                  "nonfinite_in_a_row": nonfinite_run, "dp_world": dp_world, "invariants": inv,
-                 "zero_stage": cfg.parallel.zero_stage, "tensor_parallel": tp,
+                 "zero_stage": cfg.parallel.zero_stage, "tensor_parallel": tp, "context_parallel": cp,
                  # parameter name → dimension sliced across TP ranks (export concatenates along it)
                  "partition_dims": pdims, "time": time.time()}
         return ck.save(engine, ckpt_root, step, state, {"loader": loader.state_dict()}, cfg_yaml, rank,
@@ -262,7 +280,9 @@ def train(cfg, data_api=None) -> int:
             for b in batches[: int(n)]:
                 labels = b["labels"].to(dev)
                 out = engine(b["input_ids"].to(dev), labels=labels, **fwd_kw(b))
-                # TP peers count the same batch: every replica weighs tp times, the mean is unchanged
+                # TP peers count the same batch: every replica weighs tp times, the mean is unchanged.
+                # CP peers hold loss shares whose mean is the rows' mean loss: weighing each by the
+                # rows' label count sums to cp × (the rows' summed loss) over cp × count.
                 cnt = int((labels != -100).sum())
                 tot += torch.tensor([float(out.loss) * cnt, cnt], dtype=torch.float64)
         engine.train()
@@ -287,12 +307,15 @@ def train(cfg, data_api=None) -> int:
             ids = b["input_ids"].to(dev, non_blocking=True)
             out = engine(ids, labels=b["labels"].to(dev, non_blocking=True), **fwd_kw(b))
             engine.backward(out.loss)
+            if cp > 1:
+                wait_pending()  # the state sends of the backward pass
             engine.step()
             loss_sum += out.loss.detach().to(torch.float64).cpu()
             local_tokens += ids.numel()
         # one collective per step: mean loss over ranks, and whether any rank was signalled.
-        # TP peers hold the same (full, vocab-parallel) loss of the same batch, so the mean over
-        # the world is the mean over the data-parallel replicas.
+        # TP peers hold the same (full, vocab-parallel) loss of the same batch and CP peers loss
+        # shares whose mean is that loss, so the mean over the world is the mean over the
+        # data-parallel replicas.
         agg = torch.tensor([float(loss_sum) / t.grad_accum, float(preempt.requested)], dtype=torch.float64)
         tdist.all_reduce(agg)
         loss = float(agg[0]) / world

@@ -1,0 +1,178 @@
+"""Context parallelism in the trainer: real gloo processes on CPU, fp32, tiny models of launch.TINY
+(d_model 32, 16-token rows, 2 rows per micro-batch): 2 processes with context_parallel=2 (each
+computes 8 tokens of every row) against the 1-process run.
+
+Two models: attention + RG-LRU (the gather and chunk-summary schemes, with the RG-LRU's conv
+halo) and TTT-Linear with mini-batches of 6 tokens (state passing: the split at token 8 falls
+inside the second mini-batch, and the initial inner weights W_0, b_0 are used on rank 0 only).
+
+Tolerance. The CP run is the 1-process computation with sums reordered (attention over the
+gathered keys, exp of summed log-gates for the scan's carried state, the loss as two partial
+sums), ~1e-7 relative per step in fp32: not bitwise. AdamW makes a near-zero gradient component's
+update nearly its sign, so those differences grow over steps; with optim.lr=1e-3 the losses of 4
+steps stay within ~1e-6 and the gradient norms within ~2e-6 (measured); LOSS_ATOL = NORM_RTOL =
+1e-4 leaves margin. A wrong carried state, position or halo moves the loss by ≥ 1e-2; a wrong
+gradient scale (e.g. the loss shares summed instead of averaged) does not show in the losses,
+because clipping (optim.grad_clip=1, norms here ≈ 1.5–3) normalizes the update, but it doubles the
+logged gradient norm, which the norm check catches.
+"""
+import json
+import os
+
+import pytest
+
+from ttt_lm.config import ExperimentConfig
+from ttt_lm.train.checkpoint import CheckpointError
+from ttt_lm.train.engine import ParallelConfigError, check_parallel, deepspeed_config
+from ttt_lm.train.export import export, load_pretrained
+from ttt_lm.train.trainer import check_resume, invariants
+
+from launch import losses_by_step, metrics, run
+
+N = 2  # resume point; the runs are 2N steps
+COMMON = [f"train.max_steps={2 * N}", "optim.lr=1e-3"]
+MODELS = {"attn_rglru": ["model.layer_pattern=[attention,rglru]"],
+          "ttt": ["model.layer_pattern=[ttt_linear]", "model.n_layers=1", "model.ttt.mini_batch_size=6",
+                  f"eval.every={N}"]}
+CP2 = ["parallel.context_parallel=2"]
+LOSS_ATOL = 1e-4
+NORM_RTOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("cp")
+    d = {}
+    for name, model in MODELS.items():
+        d[name + "/ref"], d[name + "/cp2"] = str(base / name / "ref"), str(base / name / "cp2")
+        run(d[name + "/ref"], [*COMMON, *model], nprocs=1)
+        run(d[name + "/cp2"], [*COMMON, *model, *CP2, f"checkpoint.every={N}"], nprocs=2)
+    return d
+
+
+def _by_step(run_dir, key, kind="train"):
+    return {r["step"]: r[key] for r in metrics(run_dir, kind)}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_cp2_matches_single_process(runs, name):
+    ref, cp2 = runs[name + "/ref"], runs[name + "/cp2"]
+    a, b = losses_by_step(cp2), losses_by_step(ref)
+    assert sorted(a) == sorted(b) == list(range(1, 2 * N + 1))
+    for s in b:
+        assert abs(a[s] - b[s]) <= LOSS_ATOL, (s, a[s], b[s])
+    ga, gb = _by_step(cp2, "grad_norm"), _by_step(ref, "grad_norm")
+    for s in gb:
+        assert abs(ga[s] - gb[s]) <= NORM_RTOL * gb[s], (s, ga[s], gb[s])
+    assert b[2 * N] < b[1]
+    # the CP peers read the same rows: tokens count full rows × data-parallel ranks (1), not × cp
+    assert metrics(cp2)[-1]["tokens"] == metrics(ref)[-1]["tokens"] == 2 * N * 2 * 16
+
+
+@pytest.mark.dist
+def test_cp2_validation_loss_matches_single_process(runs):
+    a, b = _by_step(runs["ttt/cp2"], "loss", "val"), _by_step(runs["ttt/ref"], "loss", "val")
+    assert sorted(a) == sorted(b) == [N, 2 * N]
+    for s in b:
+        assert abs(a[s] - b[s]) <= LOSS_ATOL, (s, a[s], b[s])
+
+
+@pytest.mark.dist
+def test_cp2_exact_resume(runs, tmp_path):
+    done = runs["ttt/cp2"]
+    ckpt = os.path.join(done, "checkpoints", f"step_{N:08d}")
+    state = json.load(open(os.path.join(ckpt, "trainer_state.json")))
+    assert state["context_parallel"] == 2 and state["invariants"]["context_parallel"] == 2
+    assert state["dp_world"] == 1
+    resumed = str(tmp_path / "resumed")
+    r = run(resumed, [*COMMON, *MODELS["ttt"], *CP2, f"train.resume_from={ckpt}"], nprocs=2)
+    assert f"resuming from {ckpt} at step {N}" in r.output()
+    a, b = losses_by_step(done), losses_by_step(resumed)
+    assert sorted(b) == list(range(N + 1, 2 * N + 1))
+    # bit-identical: the same weights and ZeRO shards, data, RNG and gloo reductions
+    assert [b[s] for s in sorted(b)] == [a[s] for s in sorted(b)]
+
+
+@pytest.mark.dist
+def test_export_of_a_cp_checkpoint_is_the_plain_lm(runs, tmp_path):
+    # ZeRO-1 shards the optimizer state over both CP ranks; the export consolidates it into the
+    # single-process LM's state dict, equal to the 1-process run's weights up to the rounding above
+    # (4 AdamW steps of size ≤ lr = 1e-3)
+    sds = {}
+    for k in ("ttt/ref", "ttt/cp2"):
+        out = str(tmp_path / k.replace("/", "_"))
+        export(runs[k], out)
+        sds[k] = load_pretrained(out).state_dict()
+    assert sds["ttt/cp2"].keys() == sds["ttt/ref"].keys()
+    for name, v in sds["ttt/ref"].items():
+        assert (sds["ttt/cp2"][name] - v).abs().max() <= 1e-4, name
+
+
+# ---- configuration checks (in-process) ---------------------------------------------------------
+
+def _cfg(**parallel):
+    cfg = ExperimentConfig()
+    cfg.model.layer_pattern = ["attention", "rglru"]
+    cfg.model.vocab_size = 64
+    cfg.data.seq_len = 16
+    for k, v in parallel.items():
+        setattr(cfg.parallel, k, v)
+    return cfg
+
+
+def test_cp_allowed_when_it_divides_the_world():
+    check_parallel(_cfg(context_parallel=2), world_size=2)
+    check_parallel(_cfg(context_parallel=2), world_size=6)
+    check_parallel(_cfg(context_parallel=4), world_size=8)
+
+
+def test_cp_refusals():
+    with pytest.raises(ParallelConfigError, match="context_parallel must be >= 1"):
+        check_parallel(_cfg(context_parallel=0))
+    with pytest.raises(ParallelConfigError, match="context_parallel=2 does not divide the world size 3"):
+        check_parallel(_cfg(context_parallel=2), world_size=3)
+    cfg = _cfg(context_parallel=2, tensor_parallel=2)
+    cfg.model.layer_pattern = ["attention"]
+    with pytest.raises(ParallelConfigError, match="not combined with tensor parallelism"):
+        check_parallel(cfg, world_size=4)
+    for stage in (2, 3):
+        with pytest.raises(ParallelConfigError, match=f"needs parallel.zero_stage=1, got {stage}"):
+            check_parallel(_cfg(context_parallel=2, zero_stage=stage), world_size=2)
+    cfg = _cfg(context_parallel=4)
+    cfg.data.seq_len = 3
+    with pytest.raises(ParallelConfigError, match="data.seq_len=3 must be at least that"):
+        check_parallel(cfg, world_size=4)
+    cfg = _cfg(context_parallel=2)
+    cfg.model.reset_at_doc_boundaries = True
+    with pytest.raises(ParallelConfigError, match="reset_at_doc_boundaries"):
+        check_parallel(cfg, world_size=2)
+    cfg = _cfg(context_parallel=2)
+    cfg.train.activation_checkpointing = True
+    with pytest.raises(ParallelConfigError, match="activation_checkpointing"):
+        check_parallel(cfg, world_size=2)
+
+
+def test_cp_refuses_a_deepspeed_file_with_zero2_or_overlapped_reduction(tmp_path):
+    for zo in ({"stage": 2}, {"stage": 1, "overlap_comm": True}):
+        path = tmp_path / "ds.json"
+        path.write_text(json.dumps({"zero_optimization": zo}))
+        cfg = _cfg(context_parallel=2, deepspeed_config=str(path))
+        with pytest.raises(ParallelConfigError, match="needs zero_optimization stage 1 without overlap_comm"):
+            deepspeed_config(cfg, dp_world=2)
+        cfg.parallel.context_parallel = 1
+        deepspeed_config(cfg, dp_world=2)
+
+
+def test_resume_refuses_another_context_parallel_size():
+    man = {"vocab_size": 64, "tokenizer": "t"}
+    cfg = _cfg(context_parallel=2)
+    saved = {"invariants": invariants(cfg, man), "dp_world": 1}
+    check_resume(saved, invariants(cfg, man), "ck", 1)
+    with pytest.raises(CheckpointError, match="context_parallel=2 and this run has 1"):
+        check_resume(saved, invariants(_cfg(), man), "ck", 1)
+    # a checkpoint from before the key existed was written with context_parallel=1
+    del saved["invariants"]["context_parallel"]
+    check_resume(saved, invariants(_cfg(), man), "ck", 1)
+    with pytest.raises(CheckpointError, match="context_parallel=1 and this run has 2"):
+        check_resume(saved, invariants(cfg, man), "ck", 1)
