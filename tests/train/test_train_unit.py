@@ -104,8 +104,15 @@ def test_deepspeed_config_generated_and_from_file(tmp_path):
 def test_tensor_parallel_refused_with_message():
     cfg = ExperimentConfig()
     cfg.parallel.tensor_parallel = 2
-    with pytest.raises(ParallelConfigError, match=r"layer kind\(s\) \['ttt_linear'\] .* not TP-ready"):
+    cfg.model.layer_pattern = ["ttt_linear", "deltanet"]
+    with pytest.raises(ParallelConfigError, match=r"layer kind\(s\) \['deltanet'\] .* not TP-ready"):
         check_parallel(cfg)
+    cfg.model.layer_pattern = ["ttt_linear"]
+    cfg.model.ttt.pre_conv, cfg.parallel.sequence_parallel = True, True
+    with pytest.raises(ParallelConfigError, match="pre_conv is not available with parallel.sequence_parallel"):
+        check_parallel(cfg, world_size=2)
+    cfg.parallel.sequence_parallel = False
+    check_parallel(cfg, world_size=2)   # TTT with pre_conv under plain TP is supported
     cfg.parallel.tensor_parallel, cfg.parallel.zero_stage = 1, 0
     with pytest.raises(ParallelConfigError, match="zero_stage must be 1, 2 or 3"):
         check_parallel(cfg)

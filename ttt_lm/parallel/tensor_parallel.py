@@ -31,6 +31,15 @@ with z the logits of one token, split into shards z^(i), and target y,
     ∂ℓ/∂z^(i)_v = exp(z^(i)_v − m)/S − [v is y]
 
 using three all-reduces of one number per token (max, the target logit, S).
+
+LayerNorm over split features. When the features of x are split across the ranks (a TP region's
+column-parallel output, e.g. TTT's heads before its post_norm), ``tp_layer_norm`` takes the mean
+and the variance over all n features with two all-reduces of one number per token:
+
+    μ = (Σ_i Σ_j x^(i)_j) / n,   σ² = (Σ_i Σ_j (x^(i)_j − μ)²) / n,   y^(i) = (x^(i) − μ)/√(σ² + ε) · γ^(i) + β^(i)
+
+(centered second pass, as F.layer_norm, rather than E[x²] − μ², which cancels when |μ| ≫ σ).
+Each sum is used by every rank, so its backward all-reduces the gradient too (``all_reduce_sum``).
 """
 from __future__ import annotations
 
@@ -137,6 +146,18 @@ class _ReduceFromRegion(torch.autograd.Function):
         return g, None
 
 
+class _AllReduceSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        # every rank consumes the sum: a rank's term gets the sum of all ranks' gradients
+        return _all_reduce(g, ctx.group), None
+
+
 class _ScatterToRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
@@ -204,6 +225,12 @@ def reduce_from_tensor_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
     return _ReduceFromRegion.apply(x, group)
 
 
+def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
+    """Σ over the ranks, used by every rank afterwards: all-reduce forward and backward (unlike g,
+    whose result feeds a replicated region that already holds the full gradient)."""
+    return _AllReduceSum.apply(x, group)
+
+
 def scatter_to_tensor_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
     """Keep this rank's slice of the last dimension; backward all-gathers it."""
     return _ScatterToRegion.apply(x, group)
@@ -228,6 +255,23 @@ def gather_from_sequence_parallel_region(x: torch.Tensor, group, grad_is_partial
 def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
     """ḡ: sum the partial results of the ranks and keep this rank's T/p slice; backward all-gathers."""
     return _ReduceScatterToSeq.apply(x, group)
+
+
+def tp_layer_norm(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], eps: float,
+                  group) -> torch.Tensor:
+    """LayerNorm over the last dimension of x when that dimension is split across ``group``
+    (this rank's [..., n/p] shard, with its slices of γ and β); equals this rank's slice of
+    F.layer_norm of the full x. Computed in x's dtype (pass acc(x) for float32 statistics)."""
+    n = x.shape[-1] * dist.get_world_size(group)
+    mu = all_reduce_sum(x.sum(-1, keepdim=True), group) / n
+    xc = x - mu
+    var = all_reduce_sum(xc.pow(2).sum(-1, keepdim=True), group) / n
+    y = xc * torch.rsqrt(var + eps)
+    if weight is not None:
+        y = y * weight.to(y.dtype)
+    if bias is not None:
+        y = y + bias.to(y.dtype)
+    return y
 
 
 # ---- layers ----------------------------------------------------------------------------------
@@ -404,5 +448,5 @@ __all__ = [
     "vocab_parallel_cross_entropy", "copy_to_tensor_parallel_region", "reduce_from_tensor_parallel_region",
     "scatter_to_tensor_parallel_region", "gather_from_tensor_parallel_region",
     "scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",
-    "reduce_scatter_to_sequence_parallel_region",
+    "reduce_scatter_to_sequence_parallel_region", "all_reduce_sum", "tp_layer_norm",
 ]

@@ -14,34 +14,46 @@ Per block (p = tensor-parallel size, r = this rank):
   through f̄ (all-gather of the sequence), once for all the column-parallel linears that read it.
   With sequence parallelism the embedding output, the residual stream and the norms hold T/p
   tokens per rank, and the norms' gains get their gradient all-reduced over the group.
+* ttt_linear / ttt_mlp: heads are independent, so they split like attention: q_proj, k_proj,
+  v_proj and g_proj (use_gate) column-parallel by heads; the share_qk depthwise convs conv_q,
+  conv_k sliced by channels (= by heads); the per-head parameters θ_η and b_η
+  (learnable_ttt_lr_weight/bias), the inner LayerNorm γ, β (ttt_norm_weight/bias) and the inner
+  model W1, b1 (W2, b2) sliced along their head dimension; o_proj row-parallel. The inner states
+  (and a decode state's W, gradient sums and conv caches) hold only the local heads, so the dual
+  form's FLOPs and the state shrink by p. ``post_norm`` is a LayerNorm over all heads: its γ, β
+  are sliced and its mean and variance come from ``tp_layer_norm`` (two all-reduces of one
+  number per token). learnable_token_idx (τ, shared by all heads) is replicated: each rank's
+  gradient for it covers its heads only, so it is all-reduced (f on τ). The block's optional
+  pre_conv reads the residual stream, so it is replicated; it is refused with sequence
+  parallelism (a causal conv over a T/p shard would miss the previous shard's last tokens).
 
 Every sharded weight is a slice of the single-rank weight (``partition_dim`` on the parameter
 says which dimension), so ``gather_full_state_dict`` rebuilds the single-rank state dict.
 
-TP-ready layer kinds: ``TP_READY_KINDS`` (attention, local_attention). The recurrent mixers
-(TTT, Titans, DeltaNet, RG-LRU, Mamba) are refused. TTT-Linear's heads are independent too, so
-it can be split the same way (q/k/v/gate column-parallel by heads, the per-head inner W₀, b₀,
-η projection and inner LayerNorm sliced by heads), but its ``post_norm`` is a LayerNorm over the
-whole model dimension, i.e. over all heads: it would need its mean and variance all-reduced
-across the group (or to become per-head) before o_proj; that is not done here.
+TP-ready layer kinds: ``TP_READY_KINDS`` (attention, local_attention, ttt_linear, ttt_mlp). The
+other recurrent mixers (Titans, DeltaNet, RG-LRU, Mamba) are refused.
 """
 from __future__ import annotations
 
 from typing import Dict, List, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from kernels.ttt import ttt_linear, ttt_mlp
 from ttt_lm.model.layers import GatedMLP, RMSNorm, acc
 from ttt_lm.model.lm import LM, LMOutput
 from ttt_lm.model.mixers.attention import Attention
+from ttt_lm.model.mixers.ttt import TTTLinear, TTTMLP, _TTTBase
 from ttt_lm.parallel.groups import ParallelGroups
 from ttt_lm.parallel.tensor_parallel import (
-    ColumnParallelLinear, RowParallelLinear, TPContext, VocabParallelEmbedding, _all_gather,
+    ColumnParallelLinear, RowParallelLinear, TPContext, VocabParallelEmbedding, _all_gather, _mark, _shard,
     copy_to_tensor_parallel_region, gather_from_sequence_parallel_region, gather_from_tensor_parallel_region,
-    vocab_parallel_cross_entropy)
+    tp_layer_norm, vocab_parallel_cross_entropy)
 
-TP_READY_KINDS = ("attention", "local_attention")
+TP_READY_KINDS = ("attention", "local_attention", "ttt_linear", "ttt_mlp")
+_TTT_KINDS = ("ttt_linear", "ttt_mlp")
 
 
 class RegionEntryRMSNorm(RMSNorm):
@@ -66,6 +78,76 @@ def _entry_norm(norm: RMSNorm, ctx: TPContext) -> RegionEntryRMSNorm:
     m.weight = norm.weight
     m.weight.sequence_parallel = True  # Megatron's marker: replicated, gradient summed over the group
     return m
+
+
+class _TPTTT:
+    """The TTT mixer on this rank's n_heads/p heads (see the module docstring); the layer's math
+    is _TTTBase's, only post_norm spans the group."""
+
+    tp_ctx: TPContext
+
+    def _tau(self) -> torch.Tensor:
+        # τ is shared by the heads of every rank: its gradient here is this rank's heads' part
+        return copy_to_tensor_parallel_region(super()._tau(), self.tp_ctx.group)
+
+    def _run(self, x: torch.Tensor, state, output_state: bool, backend: str):
+        XQ, XK, XV, caches = self._qkv(x, state)
+        op_state = None if state is None else {k: v for k, v in state.items() if not k.startswith("conv_")}
+        op = ttt_linear if self.kind == "linear" else ttt_mlp
+        z, new = op(XQ, XK, XV, self._eta(x), self._tau(), self.ttt_norm_weight, self.ttt_norm_bias,
+                    *self._inner_weights(), mini_batch_size=self.mini_batch_size,
+                    initial_state=op_state, output_final_state=output_state, backend=backend)
+        B, H, T, d = z.shape
+        zf = acc(z.transpose(1, 2).reshape(B, T, H * d))
+        y = tp_layer_norm(zf, self.post_norm.weight, self.post_norm.bias, self.post_norm.eps, self.tp_ctx.group)
+        if self.use_gate:
+            y = F.gelu(acc(self.g_proj(x)), approximate="tanh") * y
+        out = self.o_proj(y.to(x.dtype))
+        if output_state:
+            new.update(caches)
+        return out, (new if output_state else None)
+
+
+class TPTTTLinear(_TPTTT, TTTLinear):
+    """TTT-Linear converted by ``parallelize_tp``."""
+
+
+class TPTTTMLP(_TPTTT, TTTMLP):
+    """TTT-MLP converted by ``parallelize_tp``."""
+
+
+def _shard_param(p: nn.Parameter, dim: int, ctx: TPContext) -> nn.Parameter:
+    return _mark(nn.Parameter(_shard(p, dim, ctx), requires_grad=p.requires_grad), dim)
+
+
+def _shard_conv(conv: nn.Conv1d, ctx: TPContext) -> nn.Conv1d:
+    c = conv.in_channels // ctx.world_size
+    m = nn.Conv1d(c, c, conv.kernel_size[0], groups=c, bias=conv.bias is not None,
+                  device=conv.weight.device, dtype=conv.weight.dtype)
+    m.weight = _shard_param(conv.weight, 0, ctx)
+    if conv.bias is not None:
+        m.bias = _shard_param(conv.bias, 0, ctx)
+    return m
+
+
+def _parallelize_ttt(mx: _TTTBase, ctx: TPContext) -> None:
+    p = ctx.world_size
+    names = ["q_proj", "v_proj"] + ([] if mx.share_qk else ["k_proj"]) + (["g_proj"] if mx.use_gate else [])
+    for name in names:
+        setattr(mx, name, ColumnParallelLinear.from_linear(getattr(mx, name), ctx, input_in_region=True))
+    mx.o_proj = RowParallelLinear.from_linear(mx.o_proj, ctx, input_is_parallel=True)
+    if mx.share_qk:
+        mx.conv_q, mx.conv_k = _shard_conv(mx.conv_q, ctx), _shard_conv(mx.conv_k, ctx)
+    for name in ("learnable_ttt_lr_weight", "learnable_ttt_lr_bias", "ttt_norm_weight", "ttt_norm_bias",
+                 *mx.inner_keys):
+        setattr(mx, name, _shard_param(getattr(mx, name), 0, ctx))
+    pn = mx.post_norm
+    pn.weight, pn.bias = _shard_param(pn.weight, 0, ctx), _shard_param(pn.bias, 0, ctx)
+    pn.normalized_shape = (pn.weight.shape[0],)
+    mx.n_heads //= p
+    mx.width //= p
+    mx.__class__ = TPTTTLinear if isinstance(mx, TTTLinear) else TPTTTMLP
+    mx.tp_ctx = ctx
 
 
 class TPLM(LM):
@@ -120,9 +202,10 @@ class TPLM(LM):
         return gather_from_tensor_parallel_region(logits, ctx.group)[:, 0], new_states
 
 
-def _check(model: LM, p: int) -> None:
+def _check(model: LM, p: int, sequence_parallel: bool) -> None:
     cfg = model.cfg
-    bad = [(i, k) for i, k in enumerate(cfg.layer_kinds()) if k not in TP_READY_KINDS]
+    kinds = cfg.layer_kinds()
+    bad = [(i, k) for i, k in enumerate(kinds) if k not in TP_READY_KINDS]
     if bad:
         kinds = sorted({k for _, k in bad})
         raise ValueError(
@@ -140,6 +223,10 @@ def _check(model: LM, p: int) -> None:
         errs.append(f"model.vocab_size={cfg.vocab_size}")
     if errs:
         raise ValueError(f"tensor_parallel={p} must divide {', '.join(errs)}")
+    if sequence_parallel and p > 1 and cfg.ttt.pre_conv and any(k in _TTT_KINDS for k in kinds):
+        raise ValueError("model.ttt.pre_conv (a causal conv over the residual stream) is not supported with "
+                         "sequence parallelism, which splits that stream along the sequence; set "
+                         "parallel.sequence_parallel=false or model.ttt.pre_conv=false")
 
 
 def parallelize_tp(model: LM, groups, sequence_parallel: bool = False) -> TPLM:
@@ -150,15 +237,19 @@ def parallelize_tp(model: LM, groups, sequence_parallel: bool = False) -> TPLM:
     p = ctx.world_size
     if type(model) is not LM:
         raise TypeError(f"parallelize_tp takes a single-rank LM, got {type(model).__name__}")
-    _check(model, p)  # before any change, so a refusal leaves the model intact
+    _check(model, p, sequence_parallel)  # before any change, so a refusal leaves the model intact
 
     for block in model.layers:
-        mx: Attention = block.mixer
-        for name in ("q_proj", "k_proj", "v_proj"):
-            setattr(mx, name, ColumnParallelLinear.from_linear(getattr(mx, name), ctx, input_in_region=True))
-        mx.o_proj = RowParallelLinear.from_linear(mx.o_proj, ctx, input_is_parallel=True)
-        mx.n_heads //= p
-        mx.n_kv //= p
+        mx = block.mixer
+        if isinstance(mx, _TTTBase):
+            _parallelize_ttt(mx, ctx)
+        else:
+            assert isinstance(mx, Attention), type(mx)
+            for name in ("q_proj", "k_proj", "v_proj"):
+                setattr(mx, name, ColumnParallelLinear.from_linear(getattr(mx, name), ctx, input_in_region=True))
+            mx.o_proj = RowParallelLinear.from_linear(mx.o_proj, ctx, input_is_parallel=True)
+            mx.n_heads //= p
+            mx.n_kv //= p
         block.mixer_norm = _entry_norm(block.mixer_norm, ctx)
         if block.mlp is not None:
             mlp: GatedMLP = block.mlp
@@ -202,5 +293,5 @@ def gather_full_state_dict(model: TPLM) -> Dict[str, torch.Tensor]:
     return out
 
 
-__all__ = ["parallelize_tp", "TPLM", "TP_READY_KINDS", "RegionEntryRMSNorm", "partition_dims",
+__all__ = ["parallelize_tp", "TPLM", "TP_READY_KINDS", "RegionEntryRMSNorm", "TPTTTLinear", "TPTTTMLP", "partition_dims",
            "gather_tp_tensor", "gather_full_state_dict"]

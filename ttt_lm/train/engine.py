@@ -94,6 +94,10 @@ def check_parallel(cfg, world_size: Optional[int] = None) -> None:
             raise ParallelConfigError(
                 f"parallel.sequence_parallel splits each sequence across tensor_parallel={tp} ranks: "
                 f"data.seq_len={cfg.data.seq_len} must be a multiple of it")
+        if p.sequence_parallel and m.ttt.pre_conv and any(k in ("ttt_linear", "ttt_mlp") for k in m.layer_kinds()):
+            raise ParallelConfigError(
+                "model.ttt.pre_conv is not available with parallel.sequence_parallel: the causal conv "
+                "would miss the previous rank's last tokens; set parallel.sequence_parallel=false")
         if m.reset_at_doc_boundaries:
             raise ParallelConfigError(
                 "model.reset_at_doc_boundaries=true is not available with parallel.tensor_parallel > 1 "

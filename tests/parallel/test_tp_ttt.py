@@ -1,0 +1,207 @@
+"""Tensor (and sequence) parallelism of the TTT mixers against the single-process model, with
+two real gloo processes on CPU.
+
+The workers are spawned once (a module fixture), run every check and report, per check, None or
+the failure's traceback; each test asserts one check.
+
+Tolerance: float64 throughout. The TP computation differs from the single-process one only in
+the order of summation (o_proj's partial products summed by the all-reduce, post_norm's mean and
+variance summed per rank then across ranks), so the differences are rounding, ~1e-15 relative.
+rtol = 1e-9, atol = 1e-12 leaves margin for that and still fails on any missing, duplicated or
+mis-sliced term (an O(1) relative error; the parameters are perturbed away from their
+structured init so that no slice is all zeros or all ones).
+"""
+from __future__ import annotations
+
+import copy
+import os
+import socket
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+pytestmark = pytest.mark.dist
+
+TOL = dict(rtol=1e-9, atol=1e-12)
+WORLD = 2
+
+
+def close(a, b, msg=""):
+    torch.testing.assert_close(a, b, **TOL, msg=lambda m: f"{msg}: {m}")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world, port, out_dir):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    results = {}
+    try:
+        for name, fn in CHECKS:
+            try:
+                fn()
+                results[name] = None
+            except Exception:  # noqa: BLE001 - reported to the test of that check
+                results[name] = traceback.format_exc()
+            dist.barrier()
+    finally:
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.destroy_process_group()
+
+
+_GROUPS = {}
+
+
+def _groups():
+    from ttt_lm.parallel.groups import build_groups
+    if "g" not in _GROUPS:
+        _GROUPS["g"] = build_groups(tp_size=WORLD)
+    return _GROUPS["g"]
+
+
+def _rand(*shape, seed):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+# ---- checks (run inside the workers) -----------------------------------------------------------
+def check_layer_norm():
+    """tp_layer_norm on feature shards = the slice of F.layer_norm, gradients of x, γ, β included;
+    a large common offset checks the centered variance (E[x²] − μ² would lose ~8 digits here)."""
+    from ttt_lm.parallel.tensor_parallel import tp_layer_norm
+    g = _groups().tp_group
+    p, r = dist.get_world_size(g), dist.get_rank(g)
+    x = _rand(2, 3, 8, seed=1) + 1e4
+    w, b, gy = _rand(8, seed=2), _rand(8, seed=3), _rand(2, 3, 8, seed=4)
+    xr, wr, br = (t.clone().requires_grad_() for t in (x, w, b))
+    want = F.layer_norm(xr, (8,), wr, br, 1e-6)
+    (want * gy).sum().backward()
+    xl, wl, bl = (t.chunk(p, -1)[r].clone().requires_grad_() for t in (x, w, b))
+    y = tp_layer_norm(xl, wl, bl, 1e-6, g)
+    close(y, want.detach().chunk(p, -1)[r], "forward")
+    (y * gy.chunk(p, -1)[r]).sum().backward()
+    # x ~ 1e4 scales the LN Jacobian's rounding by the offset: 1e-9 relative still holds
+    close(xl.grad, xr.grad.chunk(p, -1)[r], "x grad")
+    close(wl.grad, wr.grad.chunk(p, -1)[r], "weight grad")
+    close(bl.grad, br.grad.chunk(p, -1)[r], "bias grad")
+
+
+def _cfg(pattern, d_ff=0, **ttt):
+    from ttt_lm.model.config import AttentionConfig, ModelConfig
+    cfg = ModelConfig(vocab_size=32, d_model=16, n_layers=2, n_heads=4, layer_pattern=list(pattern),
+                      d_ff=d_ff, tie_embeddings=True, max_seq_len=64,
+                      attention=AttentionConfig(num_kv_heads=2, window=3))
+    cfg.ttt.mini_batch_size = 4
+    for k, v in ttt.items():
+        setattr(cfg.ttt, k, v)
+    return cfg
+
+
+def _lm_vs_single(cfg, sp):
+    from ttt_lm.model.lm import LM
+    from ttt_lm.model.mixers.ttt import _TTTBase
+    from ttt_lm.parallel.tp_model import gather_full_state_dict, gather_tp_tensor, parallelize_tp
+    groups = _groups()
+    p = WORLD
+    torch.manual_seed(0)
+    ref = LM(cfg).double()
+    with torch.no_grad():  # away from the structured init (zero biases, unit gains, zero τ offsets)
+        gen = torch.Generator().manual_seed(7)
+        for prm in ref.parameters():
+            prm.add_(0.05 * torch.randn(prm.shape, generator=gen, dtype=prm.dtype))
+    tpm = parallelize_tp(copy.deepcopy(ref), groups, sequence_parallel=sp)
+    # 6 tokens with mini-batch 4: one full and one partial TTT mini-batch; 6 % p == 0 for SP
+    B, T = 2, 6
+    gen = torch.Generator().manual_seed(100)
+    ids = torch.randint(0, cfg.vocab_size, (B, T), generator=gen)
+    labels = torch.randint(0, cfg.vocab_size, (B, T), generator=gen)
+    labels[0, :2] = -100
+
+    sd, full_sd = ref.state_dict(), gather_full_state_dict(tpm)
+    assert sd.keys() == full_sd.keys()
+    for k in sd:
+        assert torch.equal(sd[k], full_sd[k]), f"{k}: the TP weights must be slices of the single-rank ones"
+    for i, (blk, rblk) in enumerate(zip(tpm.layers, ref.layers)):
+        if isinstance(rblk.mixer, _TTTBase):
+            st, rst = blk.mixer.init_state(B), rblk.mixer.init_state(B)
+            for k, v in rst.items():
+                if torch.is_tensor(v):  # heads (dim 1) or conv channels (dim 1) split by p
+                    assert st[k].shape[1] * p == v.shape[1] and st[k].shape[2:] == v.shape[2:], (i, k, st[k].shape)
+
+    logits = ref(ids).logits
+    want = F.cross_entropy(logits.view(-1, cfg.vocab_size), labels.view(-1), ignore_index=-100)
+    want.backward()
+    tpm.train()
+    out = tpm(ids, labels=labels)
+    close(out.loss, want.detach(), f"loss sp={sp}")
+    out.loss.backward()
+    refp = dict(ref.named_parameters())
+    for name, prm in tpm.named_parameters():
+        gfull = gather_tp_tensor(prm.grad, getattr(prm, "partition_dim", None), groups.tp_group)
+        assert refp[name].grad.abs().max() > 0, f"{name}: a zero gradient would check nothing"
+        close(gfull, refp[name].grad, f"grad {name} sp={sp}")
+    with torch.no_grad():
+        close(tpm(ids).logits, logits.detach(), "gathered logits")
+        # prefill of 5 tokens (not a multiple of p: no sequence split), then step() per token,
+        # crossing the mini-batch boundary at position 4 with the local heads' decode state
+        prompt = ids[:, :5]
+        close(tpm.generate(prompt, 3, temperature=0), ref.generate(prompt, 3, temperature=0).to(torch.long),
+              "greedy generation")
+
+
+def check_refusals():
+    from ttt_lm.model.lm import LM
+    from ttt_lm.parallel.tp_model import parallelize_tp
+    groups = _groups()
+    m = LM(_cfg(["ttt_linear"], pre_conv=True))
+    try:
+        parallelize_tp(m, groups, sequence_parallel=True)
+    except ValueError as e:
+        assert "pre_conv" in str(e) and "sequence_parallel" in str(e), str(e)
+    else:
+        raise AssertionError("pre_conv with sequence parallelism must be refused")
+    assert type(m) is LM, "refusal must leave the model as it was"
+    m = LM(_cfg(["ttt_mlp", "deltanet"]))
+    try:
+        parallelize_tp(m, groups)
+    except ValueError as e:
+        assert "deltanet" in str(e) and "ttt_mlp" in str(e), str(e)
+    else:
+        raise AssertionError("a deltanet layer must be refused")
+
+
+CHECKS = [
+    ("layer_norm", check_layer_norm),
+    ("linear_attention", lambda: _lm_vs_single(_cfg(["ttt_linear", "attention"], d_ff=24), False)),
+    ("linear_attention_sp", lambda: _lm_vs_single(_cfg(["ttt_linear", "attention"], d_ff=24), True)),
+    ("mlp_gate_shareqk", lambda: _lm_vs_single(_cfg(["ttt_mlp"], use_gate=True, share_qk=True), False)),
+    ("mlp_gate_shareqk_sp", lambda: _lm_vs_single(_cfg(["ttt_mlp"], use_gate=True, share_qk=True), True)),
+    ("mlp_plain_sp", lambda: _lm_vs_single(_cfg(["ttt_mlp"]), True)),
+    ("linear_preconv", lambda: _lm_vs_single(_cfg(["ttt_linear"], pre_conv=True, use_gate=True), False)),
+    ("refusals", check_refusals),
+]
+
+
+# ---- tests -------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tp_ttt")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    mp.spawn(_worker, args=(WORLD, _free_port(), str(out)), nprocs=WORLD, join=True)
+    return [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(WORLD)]
+
+
+@pytest.mark.parametrize("check", [n for n, _ in CHECKS])
+def test_tp_ttt(results, check):
+    errs = [f"rank {r}:\n{res[check]}" for r, res in enumerate(results) if res.get(check, "not run") is not None]
+    assert not errs, "\n".join(errs)
