@@ -7,7 +7,6 @@ batches, 3 documents, 3 passkey trials) so the ranks get unequal shares.
 """
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -15,20 +14,15 @@ import pytest
 
 from ttt_lm.eval.__main__ import main
 from ttt_lm.eval.common import rank_from_env
+from tests.distributed import free_port
 
 pytestmark = pytest.mark.dist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(argv, out_dir, launcher="torchrun", world=2):
-    port = str(_free_port())
+    port = str(free_port())
     procs = []
     for r in range(world):
         env = {k: v for k, v in os.environ.items()

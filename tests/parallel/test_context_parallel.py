@@ -18,7 +18,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import socket
 import traceback
 
 import pytest
@@ -30,16 +29,11 @@ import torch.nn.functional as F
 from ttt_lm.model import LM, ModelConfig
 from ttt_lm.model.config import LAYER_KINDS
 from ttt_lm.parallel import context_parallel as cp
+from tests.distributed import free_port
 
 TOL = 1e-9
 LM_PATTERN = ["attention", "rglru", "ttt_linear", "deltanet", "local_attention", "ttt_mlp",
               "titans", "mamba", "titans_mag"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _tiny_lm(pattern, **ttt) -> LM:
@@ -252,7 +246,7 @@ def results(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"cp{world}")
     err = None
     try:
-        mp.spawn(_worker, args=(world, _free_port(), str(out)), nprocs=world, join=True)
+        mp.spawn(_worker, args=(world, free_port(), str(out)), nprocs=world, join=True)
     except Exception as e:  # noqa: BLE001 - the per-check results say which check broke
         err = e
     res = []

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
 import traceback
 
 import pytest
@@ -22,6 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
+from tests.distributed import free_port
 
 pytestmark = pytest.mark.dist
 
@@ -33,10 +33,6 @@ def close(a, b, msg=""):
 
 
 # ---- process launch ----------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank, world, port, suite, out_dir):
@@ -61,7 +57,7 @@ def _worker(rank, world, port, suite, out_dir):
 
 def _launch(world, suite, out_dir):
     os.environ["OMP_NUM_THREADS"] = "1"
-    mp.spawn(_worker, args=(world, _free_port(), suite, str(out_dir)), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, free_port(), suite, str(out_dir)), nprocs=world, join=True)
     return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(world)]
 
 

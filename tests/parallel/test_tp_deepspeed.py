@@ -12,22 +12,16 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
 import traceback
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+from tests.distributed import free_port
 
 pytestmark = pytest.mark.dist
 
 STAGES = (1, 2, 3)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _one_stage(stage):
@@ -97,7 +91,7 @@ def _worker(rank, world, port, out_dir):
 @pytest.fixture(scope="module")
 def zero_results(tmp_path_factory):
     d = tmp_path_factory.mktemp("tp_zero")
-    mp.spawn(_worker, args=(4, _free_port(), str(d)), nprocs=4, join=True)
+    mp.spawn(_worker, args=(4, free_port(), str(d)), nprocs=4, join=True)
     return [torch.load(os.path.join(d, f"rank{r}.pt")) for r in range(4)]
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
 import traceback
 
 import pytest
@@ -23,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from tests.distributed import free_port
 
 pytestmark = pytest.mark.dist
 
@@ -32,12 +32,6 @@ WORLD = 2
 
 def close(a, b, msg=""):
     torch.testing.assert_close(a, b, **TOL, msg=lambda m: f"{msg}: {m}")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank, world, port, out_dir):
@@ -197,7 +191,7 @@ CHECKS = [
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("tp_ttt")
     os.environ["OMP_NUM_THREADS"] = "1"
-    mp.spawn(_worker, args=(WORLD, _free_port(), str(out)), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(WORLD, free_port(), str(out)), nprocs=WORLD, join=True)
     return [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(WORLD)]
 
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
+from tests.distributed import free_port
 
 RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "runner.py")
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -51,15 +51,9 @@ class Run:
             return f.read()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def spawn(run_dir: str, overrides: Sequence[str] = (), nprocs: int = 1, env: Optional[Dict[str, str]] = None,
           tag: str = "run") -> Run:
-    port = str(_free_port())
+    port = str(free_port())
     procs, logs = [], []
     os.makedirs(run_dir, exist_ok=True)
     for r in range(nprocs):
