@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-unit run data bench clean
+.PHONY: setup test test-unit run data bench gpu-bench clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,16 @@ run: setup data
 
 bench: setup
 	$(PY) benchmarks/kernels.py
+
+# The GPU campaign (on a CUDA machine): the gpu test tier, kernel and training benchmarks, in parts of
+# at most ~8 minutes each (`make gpu-bench-tests`, -kernels, -kernels128, -train, -train8k), tables in
+# benchmarks/gpu_results/; `make gpu-bench-record` puts them into benchmarks/RESULTS.md. Uses .venv
+# where it exists, else the machine's python3 (a GPU image with torch and triton installed).
+BENCH_PY ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
+gpu-bench:
+	$(BENCH_PY) benchmarks/gpu_campaign.py all
+gpu-bench-%:
+	$(BENCH_PY) benchmarks/gpu_campaign.py $*
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -90,6 +90,24 @@ def _qkv(B, H, T, D, dtype, device, normalize_k=False):
     return [t.to(dtype).requires_grad_() for t in (q, k, v)]
 
 
+def _fla_op(module: str, name: str, device: str):
+    """flash-linear-attention's op ``fla.ops.<module>.<name>`` for the side-by-side, or None where the
+    package is not installed or there is no GPU (its kernels need CUDA)."""
+    if device != "cuda":
+        return None
+    try:
+        mod = __import__(f"fla.ops.{module}", fromlist=[name])
+    except Exception:  # not installed, or it does not import with this torch/triton
+        return None
+    return getattr(mod, name, None)
+
+
+def _bthd_leaves(*ts):
+    """Copies of [B, H, T, D] (or [B, H, T]) inputs in flash-linear-attention's [B, T, H, ...] layout, as
+    leaves of their own so the layout change is not timed."""
+    return [t.detach().transpose(1, 2).contiguous().requires_grad_() for t in ts]
+
+
 @register("delta_rule")
 def delta_rule_bench(B: int, T: int, H: int, D: int, dtype: torch.dtype, device: str) -> Bench:
     """DeltaNet's S_t = S_{t−1} + β_t k_t (v_t − S_{t−1}ᵀ k_t)ᵀ, o_t = S_tᵀ q_t; L2-normalized q, k."""
@@ -98,11 +116,14 @@ def delta_rule_bench(B: int, T: int, H: int, D: int, dtype: torch.dtype, device:
     q, k, v = _qkv(B, H, T, D, dtype, device, normalize_k=True)
     beta = torch.rand(B, H, T, device=device).to(dtype).requires_grad_()
     n = B * H * T * D * torch.finfo(dtype).bits // 8
-    return Bench(
-        inputs=[q, k, v, beta],
-        forms={f: (lambda f=f: delta_rule(q, k, v, beta, backend=f, chunk_size=64)[:1]) for f in ("triton", "torch")},
-        min_bytes_fwd=4 * n, min_bytes_fwd_bwd=11 * n,
-    )
+    forms = {f: (lambda f=f: delta_rule(q, k, v, beta, backend=f, chunk_size=64)[:1]) for f in ("triton", "torch")}
+    inputs = [q, k, v, beta]
+    fla = _fla_op("delta_rule", "chunk_delta_rule", device)
+    if fla is not None:
+        fq, fk, fv, fbeta = _bthd_leaves(q, k, v, beta)
+        forms["fla chunk_delta_rule"] = lambda: fla(fq, fk, fv, fbeta)[:1]
+        inputs += [fq, fk, fv, fbeta]
+    return Bench(inputs=inputs, forms=forms, min_bytes_fwd=4 * n, min_bytes_fwd_bwd=11 * n)
 
 
 @register("titans_linear")
@@ -145,9 +166,17 @@ def ttt_linear_bench(B: int, T: int, H: int, D: int, dtype: torch.dtype, device:
 
     ins, b = _ttt_inputs(B, H, T, D, dtype, device, mlp=False)
     n = B * H * T * D * torch.finfo(dtype).bits // 8
-    return Bench(inputs=ins, forms={f: (lambda f=f: ttt_linear(*ins, mini_batch_size=b, backend=f)[:1])
-                                    for f in ("triton", "torch")},
-                 min_bytes_fwd=4 * n, min_bytes_fwd_bwd=11 * n)
+    forms = {f: (lambda f=f: ttt_linear(*ins, mini_batch_size=b, backend=f)[:1]) for f in ("triton", "torch")}
+    inputs = list(ins)
+    fla = _fla_op("ttt", "chunk_ttt_linear", device)
+    if fla is not None:
+        # the same recurrence in flash-linear-attention's form: one η per token ([B, T, H, 1]), inner
+        # LayerNorm weight and bias per head, mini-batches (chunks) of 16, zero initial state
+        fq, fk, fv, feta = _bthd_leaves(*ins[:4])
+        fw, fb = ins[5].detach().clone().requires_grad_(), ins[6].detach().clone().requires_grad_()
+        forms["fla chunk_ttt_linear"] = lambda: fla(fq, fk, fv, fw, fb, feta.unsqueeze(-1), chunk_size=b)[:1]
+        inputs += [fq, fk, fv, feta, fw, fb]
+    return Bench(inputs=inputs, forms=forms, min_bytes_fwd=4 * n, min_bytes_fwd_bwd=11 * n)
 
 
 @register("ttt_mlp")
@@ -234,6 +263,11 @@ def _measure(run, inputs, device, reps, warmup):
         except torch.OutOfMemoryError:
             r[name + "_ms"] = r[name + "_mib"] = "OOM"
             torch.cuda.empty_cache()
+        except Exception as e:  # a kernel that cannot launch here (e.g. Triton's OutOfResources)
+            r[name + "_ms"] = r[name + "_mib"] = f"error: {type(e).__name__}"
+            print(f"# {name}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", file=sys.stderr)
+            if device == "cuda":
+                torch.cuda.empty_cache()
     return r
 
 
