@@ -97,7 +97,8 @@ class Part:
 
     def section(self, title: str) -> str:
         head = [f"### {title}", "", f"- Date: {datetime.date.today().isoformat()}", f"- Device: {_device()}",
-                f"- Commit: {_commit()}", f"- Command: `python benchmarks/gpu_campaign.py {self.name}`, which ran:"]
+                f"- Commit: {_commit()}",
+                f"- Command: `python benchmarks/gpu_campaign.py {' '.join(sys.argv[1:]) or self.name}`, which ran:"]
         head += [f"  `{c}`" for c in self.commands[:3]] + (["  … (one per item)"] if len(self.commands) > 3 else [])
         return "\n".join(head + [""] + self.lines) + "\n"
 
