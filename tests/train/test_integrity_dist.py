@@ -4,6 +4,7 @@ losses and checkpoints, signals during startup, metrics after a restart, data mo
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -138,3 +139,34 @@ def test_signal_during_startup_exits_for_requeue(tmp_path, sig):
     assert r.wait() == [PREEMPTED_EXIT_CODE], r.output()
     assert "preempted during startup" in r.output() and "nothing to save" in r.output()
     assert not os.path.exists(os.path.join(d, "checkpoints"))
+
+
+def test_full_disk_on_a_tmpfs_is_named_and_no_crash_loop(tmp_path, small_disk):
+    """A real full disk: DeepSpeed's torch.save failing mid-write says "no space left", and a
+    killed save's leftover that keeps the disk full no longer stops the next start."""
+    import subprocess
+    mnt = Path(small_disk("8m"))
+    # the run directory lives on the small disk; the runner's logs (beside it) do not
+    (mnt / "run").mkdir()
+    (tmp_path / "runs").mkdir()
+    os.symlink(mnt / "run", tmp_path / "runs" / "run")
+    d = str(tmp_path / "runs" / "run")
+    run(d, ["train.max_steps=1", "checkpoint.every=1"], tag="size")  # how big is one checkpoint?
+    size = ck.checkpoint_bytes(ck.find_latest(os.path.join(d, "checkpoints")))
+    subprocess.run(f"rm -rf {d}/* {d}/.[!.]*", shell=True, check=True)
+    # a disk with less room than one checkpoint: DeepSpeed's torch.save fails mid-write
+    filler = mnt / "filler"
+    filler.write_bytes(b"\0" * (ck.free_bytes(str(mnt)) - size // 2))
+    r = run(d, ["train.max_steps=2", "checkpoint.every=1", "logging.tensorboard=true"], tag="full", expect=1)
+    assert f"error: no space left on {d}/checkpoints" in r.output(), r.output()[-3000:]
+    assert "Traceback" not in r.output() and os.listdir(os.path.join(d, "checkpoints")) == []
+    # a killed save's leftover that fills the disk is removed at the next start, which then works
+    os.remove(filler)
+    os.makedirs(os.path.join(d, "checkpoints", ".tmp-step_00000009"))
+    with open(os.path.join(d, "checkpoints", ".tmp-step_00000009", "big"), "wb", buffering=0) as f:
+        with pytest.raises(OSError, match="No space left"):
+            while True:  # to the last byte: not even a lock file fits
+                f.write(b"\0" * 4096)
+    r = run(d, ["train.max_steps=2", "checkpoint.every=1", "logging.tensorboard=true"], tag="after")
+    assert f"removed {d}/checkpoints/.tmp-step_00000009" in r.output()
+    assert [s for s, _ in ck.list_checkpoints(os.path.join(d, "checkpoints"))] == [1, 2]

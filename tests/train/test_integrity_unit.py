@@ -61,8 +61,9 @@ def test_digests_are_recorded_and_a_flipped_bit_or_missing_file_is_named(tmp_pat
     assert all(ck.verify(c) == [] for _, c in ck.list_checkpoints(root))
     _flip(os.path.join(root, "step_00000003", OPTIM))
     os.remove(os.path.join(root, "step_00000002", "rank_00000.pt"))
+    bad = os.path.join(root, "step_00000003", OPTIM)
     assert ck.verify(os.path.join(root, "step_00000003")) == [
-        f"{os.path.join(root, 'step_00000003', OPTIM)}: sha256 differs from the one recorded at save (the file is corrupt)"]
+        f"{bad}: sha256 differs from the one recorded at save (the file is corrupt)"]
     assert ck.verify(os.path.join(root, "step_00000002")) == [
         f"{os.path.join(root, 'step_00000002', 'rank_00000.pt')} is missing"]
     # from a run directory: the newest checkpoint that verifies, saying what was passed over
@@ -173,34 +174,19 @@ def test_disk_filling_during_a_save_is_named_and_cleaned_up(tmp_path, monkeypatc
     assert sorted(os.listdir(root)) == ["latest", "step_00000001"]
 
 
-TMPFS_OK = os.geteuid() == 0 and sys.platform.startswith("linux")
-
-
-@pytest.mark.skipif(not TMPFS_OK, reason="mounting a tmpfs needs root (the simulated disk-full tests above run)")
-def test_real_full_disk_on_a_tmpfs(tmp_path):
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
-    try:
-        root = str(mnt / "checkpoints")
-        c = _save(root, 1)
-        filler = mnt / "filler"
-        with open(filler, "wb") as f:  # leave less than one checkpoint free
-            try:
-                f.write(b"\0" * (ck.free_bytes(root) - 6000))
-            except OSError:
-                pass
-        # a save of unknown size (no estimate) runs into the full disk: named, and cleaned up
-        with pytest.raises(ck.CheckpointError, match=rf"no space left on {root}"):
-            _save(root, 2)
-        assert sorted(os.listdir(root)) == ["latest", "step_00000001"]
-        # with the estimate from the last checkpoint it stops before writing anything
-        with pytest.raises(ck.CheckpointError, match=rf"no space left on {root}: need ~.*, have"):
-            _save(root, 2, need_bytes=ck.checkpoint_bytes(c))
-    finally:
-        subprocess.run(["umount", str(mnt)], check=False)
+def test_real_full_disk_on_a_tmpfs(small_disk):
+    mnt = small_disk("1m")
+    root = os.path.join(mnt, "checkpoints")
+    c = _save(root, 1)
+    with open(os.path.join(mnt, "filler"), "wb") as f:  # leave less than one checkpoint free
+        f.write(b"\0" * (ck.free_bytes(root) - 6000))
+    # a save of unknown size (no estimate) runs into the full disk: named, and cleaned up
+    with pytest.raises(ck.CheckpointError, match=rf"no space left on {root}"):
+        _save(root, 2)
+    assert sorted(os.listdir(root)) == ["latest", "step_00000001"]
+    # with the estimate from the last checkpoint it stops before writing anything
+    with pytest.raises(ck.CheckpointError, match=rf"no space left on {root}: need ~.*, have"):
+        _save(root, 2, need_bytes=ck.checkpoint_bytes(c))
 
 
 # ---- item 6: the run-directory lock -------------------------------------------------------------

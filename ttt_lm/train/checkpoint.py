@@ -245,9 +245,10 @@ def set_aside(path: str, reason: str) -> str:
 
 # ---- space and leftovers -----------------------------------------------------------------------
 
-def clean_stale(root: str) -> List[Tuple[str, int]]:
+def clean_stale(root: str, say: Optional[Callable[[str], Any]] = None) -> List[Tuple[str, int]]:
     """Remove what killed saves and clean-ups left under root (``.tmp-step_…``, ``.trash-step_…``,
-    ``latest.tmp``); returns [(name, bytes)]. Call on one rank, while holding the run's lock."""
+    ``latest.tmp``); returns [(name, bytes)], and tells ``say`` of each. Call on one rank, while
+    holding the run's lock (or knowing that no other run holds it)."""
     if not os.path.isdir(root):
         return []
     out = []
@@ -260,6 +261,8 @@ def clean_stale(root: str) -> List[Tuple[str, int]]:
             else:
                 os.remove(p)
             out.append((name, size))
+            if say is not None:
+                say(f"[train] removed {p} ({size} bytes) left by an interrupted save or clean-up")
     return out
 
 
@@ -313,17 +316,18 @@ def _no_space(root: str, need: Optional[int], have: int) -> str:
 
 
 def _disk_full(exc: BaseException, root: str) -> bool:
+    """Did ``exc`` (raised while writing under root) come from a full disk? An ENOSPC/EDQUOT in
+    its chain says so; torch.save's C++ writer reports a full disk without an errno ("basic_ios::
+    clear: iostream error", "unexpected pos N vs M", "PytorchStreamWriter failed writing file"),
+    so otherwise the disk itself is asked, before the partial files are removed: a failed write
+    fills a file system to the brim, so less than max(1 MiB, min(1 % of it, 64 MiB)) free counts."""
     e: Optional[BaseException] = exc
     while e is not None:
         if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
         e = e.__cause__ or e.__context__
-    # torch.save's C++ writer reports a full disk as "basic_ios::clear: iostream error" or
-    # "PytorchStreamWriter failed writing file": no errno, so look at the disk itself
-    text = str(exc)
-    if any(t in text for t in ("iostream error", "failed writing", "write failed", "No space left")):
-        return free_bytes(root) < max(1 << 20, 0.01 * shutil.disk_usage(free_path(root)).total)
-    return False
+    usage = shutil.disk_usage(free_path(root))
+    return free_bytes(root) < max(1 << 20, min(0.01 * usage.total, 64 << 20))
 
 
 def free_path(path: str) -> str:

@@ -124,10 +124,14 @@ class RunDirLock:
                 os.remove(aside)
                 note = f"took over the lock of a run that is gone ({self._describe(info, age)}): {why}"
                 continue
-            with os.fdopen(fd, "w") as f:
-                json.dump(self._info(), f)
-                f.flush()
-                os.fsync(f.fileno())
+            try:
+                with os.fdopen(fd, "w") as f:
+                    json.dump(self._info(), f)
+                    f.flush()
+                    os.fsync(f.fileno())
+            except OSError:  # a full disk: the caller may free space (it held no lock) and retry
+                os.remove(self.path)
+                raise
             self.held = True
             self._thread = threading.Thread(target=self._beat, name="run-dir-lock", daemon=True)
             self._thread.start()

@@ -257,7 +257,15 @@ def _train(cfg, data_api, preempt, held) -> int:
     if rank == 0:
         lock = RunDirLock(run_dir)
         try:
-            took_over = lock.acquire()
+            try:
+                took_over = lock.acquire()
+            except OSError as e:
+                # not even the lock file fits: a disk filled by a killed save's leftovers. No lock
+                # file existed (creating one failed), so no other run is using them: remove, retry
+                import errno
+                if e.errno not in (errno.ENOSPC, errno.EDQUOT) or not ck.clean_stale(ckpt_root, say=print):
+                    raise
+                took_over = lock.acquire()
             held.append(lock)
             if took_over:
                 print(f"[train] {took_over}", flush=True)
@@ -284,9 +292,7 @@ def _train(cfg, data_api, preempt, held) -> int:
     if startup_preempted():
         return PREEMPTED_EXIT_CODE
     if rank == 0:
-        for name, size in ck.clean_stale(ckpt_root):
-            print(f"[train] removed {os.path.join(ckpt_root, name)} ({size} bytes) left by an interrupted save",
-                  flush=True)
+        ck.clean_stale(ckpt_root, say=print)
 
     manifest = data_api.load_manifest(cfg.data.path)
     if manifest.get("vocab_size") is not None and manifest["vocab_size"] > cfg.model.vocab_size:
