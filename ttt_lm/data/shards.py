@@ -88,7 +88,8 @@ def read_shard(root: str, shard: dict, vocab_size: int, dtype: str,
 
     - its size and (unless ``verify_sha256=False``) its sha256: one flipped byte anywhere, in a tar
       header or in token data, is caught here. Hashing costs one pass over bytes already in
-      memory (~1 GB/s), small next to parsing them;
+      memory: ~0.1 s for a 16M-token (39 MiB) shard on a 2-core CPU, against several seconds to
+      parse it;
     - after parsing, the number of samples (documents read + damaged ones skipped) and, when none
       was skipped, the number of tokens. A damaged tar header in the middle of a shard reads as
       the end of the archive in ``tarfile``: without these counts the rest of the shard would be
