@@ -155,13 +155,11 @@ def check_resume(saved: dict, now: dict, ckpt: str, dp_world: int) -> None:
     if saved["dp_world"] != dp_world:
         raise CheckpointError(
             f"cannot resume from {ckpt}: it was written by {saved['dp_world']} data-parallel ranks and this run has "
-            f"{dp_world}; ZeRO keeps optimizer state in per-rank shards. Resume on {saved['dp_world']} ranks, or "
-            f"convert it to a rank-independent DeepSpeed universal checkpoint with\n"
-            f"  python -m deepspeed.checkpoint.ds_to_universal --input_folder {ckpt}/ds "
-            f"--output_folder {ckpt}/ds_universal\n"
-            "(this trainer does not load universal checkpoints yet), or export the weights with "
+            f"{dp_world}; ZeRO keeps optimizer state in per-rank shards and the data loader's position is per "
+            f"rank. Resume on {saved['dp_world']} ranks, or export the weights with "
             f"`python -m ttt_lm.train.export {ckpt} <out>` and start a new run with train.init_from=<out> "
-            "(fresh optimizer state)")
+            "(fresh optimizer state and data order). DeepSpeed's universal checkpoints (ds_to_universal) are "
+            "not loaded by this trainer")
 
 
 # ---- the run ---------------------------------------------------------------------------------
