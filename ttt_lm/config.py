@@ -17,7 +17,7 @@ from omegaconf.errors import OmegaConfBaseException
 from ttt_lm.data.config import DataConfig
 from ttt_lm.model.config import ModelConfig
 from ttt_lm.train.config import (CheckpointConfig, EvalConfig, LoggingConfig, OptimConfig,
-                                 ParallelConfig, TrainConfig)
+                                 ParallelConfig, TrainConfig, check_training_config)
 
 
 @dataclass
@@ -81,6 +81,8 @@ def load_config(path: Optional[str] = None, overrides: Sequence[str] = (), schem
         raise ConfigError(_explain(e)) from e
     try:
         obj.model.validate()
+        if isinstance(obj, ExperimentConfig):
+            check_training_config(obj)
     except ValueError as e:
         raise ConfigError(str(e)) from e
     return obj

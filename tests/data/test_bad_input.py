@@ -54,6 +54,7 @@ def test_broken_tar_structure_is_an_error_not_a_hang(copy):
     path, man = copy
     for s in man["splits"]["train"]["shards"]:
         _patch(os.path.join(path, s["name"]), 0, b"\x7f" * 512)  # garbage tar header, same size
+    man = _reseal(path, man)  # written that way (digests match): the tar parser must still refuse it
     with pytest.raises(DataError, match="corrupt and cannot be read as a tar file"):
         read_shard(path, man["splits"]["train"]["shards"][0], VOCAB, man["dtype"])
     # raised inside a DataLoader worker, it reaches the training loop
@@ -66,11 +67,74 @@ def _multi_doc_shard(man):
     return next(s for s in man["splits"]["train"]["shards"] if s["documents"] >= 2)
 
 
+def _reseal(path, man):
+    """Record the shards' current digests in the manifest, as if they had been written that way."""
+    from ttt_lm.data.manifest import MANIFEST, manifest_checksum
+    from ttt_lm.data.tokenizer import sha256_file
+    with open(os.path.join(path, MANIFEST)) as f:
+        raw = json.load(f)
+    for split in raw["splits"].values():
+        for s in split["shards"]:
+            s["sha256"] = sha256_file(os.path.join(path, s["name"]))
+    raw["checksum"] = manifest_checksum(raw["tokenizer_sha256"], raw["splits"])
+    with open(os.path.join(path, MANIFEST), "w") as f:
+        json.dump(raw, f)
+    return load_manifest(path)
+
+
+def test_flipped_byte_in_a_member_header_stops_naming_the_shard(copy):
+    """tarfile reads a damaged header after the first as the end of the archive: the rest of the
+    shard would vanish without a word. The digest catches it; without the digest, the counts do."""
+    path, man = copy
+    shard = max(man["splits"]["train"]["shards"], key=lambda s: s["documents"])
+    f = os.path.join(path, shard["name"])
+    with tarfile.open(f) as t:
+        second = t.getmembers()[1].offset  # header of the second document (one member per document)
+    with open(f, "rb") as fh:
+        fh.seek(second + 10)
+        b = fh.read(1)
+    _patch(f, second + 10, bytes([b[0] ^ 0x01]))
+    with pytest.raises(DataError, match=f"{shard['name']}: sha256 differs from the manifest"):
+        read_shard(path, shard, VOCAB, man["dtype"])
+    with pytest.raises(DataError, match=rf"{shard['name']}: read 1 document\(s\), the manifest says "
+                                        rf"{shard['documents']}"):
+        read_shard(path, shard, VOCAB, man["dtype"], verify_sha256=False)
+    # the loader (and so training) stops on it too, with the same message
+    with pytest.raises(DataError, match=f"{shard['name']}: sha256 differs"):
+        list(itertools.islice(iter(build_train_loader(data_cfg(path, shuffle=False), B)), 1000))
+
+
+def test_flipped_byte_in_token_data_stops_naming_the_shard(copy):
+    path, man = copy
+    shard = _multi_doc_shard(man)
+    f = os.path.join(path, shard["name"])
+    off = _first_payload(f) + 130  # inside the first document's uint16 tokens, after the npy header
+    with open(f, "rb") as fh:
+        fh.seek(off)
+        b = fh.read(1)
+    _patch(f, off, bytes([b[0] ^ 0x01]))  # a valid token id still: only the digest can tell
+    with pytest.raises(DataError, match=f"{shard['name']}: sha256 differs from the manifest"):
+        read_shard(path, shard, VOCAB, man["dtype"])
+
+
+def test_manifest_counts_are_checked(copy):
+    path, man = copy
+    shard = dict(_multi_doc_shard(man))
+    with pytest.raises(DataError, match=rf"read {shard['tokens']} tokens, the manifest says {shard['tokens'] + 1}"):
+        read_shard(path, dict(shard, tokens=shard["tokens"] + 1), VOCAB, man["dtype"])
+
+
 def test_corrupt_sample_is_skipped_and_counted(copy, caplog):
     path, man = copy
     shard = _multi_doc_shard(man)
     f = os.path.join(path, shard["name"])
     _patch(f, _first_payload(f), b"garbage!")  # the npy magic of the first document
+    # damaged after it was written: the digest stops it
+    with pytest.raises(DataError, match=f"{shard['name']}: sha256 differs"):
+        read_shard(path, shard, VOCAB, man["dtype"])
+    # written damaged (the digest matches): the sample is skipped, counted and logged
+    man = _reseal(path, man)
+    shard = next(s for s in man["splits"]["train"]["shards"] if s["name"] == shard["name"])
     with caplog.at_level(logging.WARNING):
         docs, skipped = read_shard(path, shard, VOCAB, man["dtype"])
     assert skipped == 1 and len(docs) == shard["documents"] - 1
@@ -79,7 +143,13 @@ def test_corrupt_sample_is_skipped_and_counted(copy, caplog):
     # the loader reads past it, and deterministically: two loaders agree
     a, b = (list(itertools.islice(iter(build_train_loader(data_cfg(path), B)), 40)) for _ in range(2))
     assert all((x["input_ids"] == y["input_ids"]).all() for x, y in zip(a, b))
-    # same size, so only the optional checksum pass notices at startup
+
+
+def test_startup_checksum_pass_names_the_shard(copy):
+    path, man = copy
+    shard = _multi_doc_shard(man)
+    _patch(os.path.join(path, shard["name"]), _first_payload(os.path.join(path, shard["name"])), b"garbage!")
+    # same size: only a digest notices; verify_checksums hashes every shard before the first batch
     with pytest.raises(DataError, match=f"{shard['name']}: sha256 differs"):
         build_train_loader(data_cfg(path, verify_checksums=True), B)
 
@@ -90,6 +160,8 @@ def test_token_ids_outside_the_vocabulary_are_corrupt(copy, caplog):
     f = os.path.join(path, shard["name"])
     # the npy v1 header of a small 1-D array is 128 bytes; the first uint16 token follows it
     _patch(f, _first_payload(f) + 128, b"\xff\xff")
+    man = _reseal(path, man)
+    shard = next(s for s in man["splits"]["train"]["shards"] if s["name"] == shard["name"])
     with caplog.at_level(logging.WARNING):
         docs, skipped = read_shard(path, shard, VOCAB, man["dtype"])
     assert skipped == 1 and "token id 65535 >= vocab_size 300" in caplog.text

@@ -126,3 +126,54 @@ def test_default_corpus_preparation_is_idempotent(tmp_path):
         verify_checksums(load_manifest(out))
     assert prepare_corpus(files, out, **kw) is True
     assert load_manifest(out)["checksum"] == first
+
+
+def test_prepare_never_deletes_what_it_did_not_write(tmp_path):
+    raw = write_corpus(str(tmp_path / "raw"), make_texts(8, seed=1))
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    (out / "old.tar").write_text("mine too")
+    args = ["--input", raw, "--output", str(out), "--vocab-size", "300", "--shard-tokens", "500",
+            "--val-fraction", "0.2", "--workers", "1", "--no-progress"]
+    # a non-empty directory that is not a prepared one is refused, with or without --overwrite
+    for extra in ([], ["--overwrite"]):
+        with pytest.raises(DataError, match=r"--output .*out is not empty and is not a prepared data directory.*"
+                                            r"notes.txt, old.tar"):
+            prepare([raw], str(out), vocab_size=300, shard_tokens=500, workers=1, progress=False,
+                    overwrite=bool(extra))
+        assert main(args + extra) == 1
+    assert sorted(os.listdir(out)) == ["notes.txt", "old.tar"]
+    # into a prepared directory (with --overwrite) it replaces its own files and keeps the others
+    out2 = tmp_path / "out2"
+    assert main(["--input", raw, "--output", str(out2)] + args[4:]) == 0
+    (out2 / "notes.txt").write_text("mine")
+    (out2 / "old.tar").write_text("mine too")
+    assert main(["--input", raw, "--output", str(out2)] + args[4:] + ["--overwrite"]) == 0
+    assert (out2 / "notes.txt").read_text() == "mine" and (out2 / "old.tar").read_text() == "mine too"
+    assert not (out2 / ".prepare-incomplete").exists()
+    load_manifest(str(out2))
+
+
+def test_unfinished_preparation_is_resumed_without_overwrite(tmp_path):
+    raw = write_corpus(str(tmp_path / "raw"), make_texts(8, seed=1))
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / ".prepare-incomplete").write_text("")
+    (out / "train-000000.tar.tmp").write_bytes(b"partial")
+    prepare([raw], str(out), vocab_size=300, shard_tokens=500, val_fraction=0.2, workers=1, progress=False)
+    assert not (out / "train-000000.tar.tmp").exists() and load_manifest(str(out))["vocab_size"] == 300
+
+
+def test_missing_data_hint_names_the_directory_itself(tmp_path):
+    d = tmp_path / "data" / "mycorpus"
+    with pytest.raises(DataError, match=rf"--output {d}`"):
+        load_manifest(str(d))
+
+
+def test_too_small_vocabulary_is_named(tmp_path):
+    """Not "no documents found … all were empty" on a corpus of non-empty files."""
+    raw = write_corpus(str(tmp_path / "raw"), make_texts(8, seed=1))
+    with pytest.raises(DataError, match=r"--vocab-size 256: vocab_size 256 is too small: byte fallback .* "
+                                        r"use at least 300"):
+        prepare([raw], str(tmp_path / "out"), vocab_size=256, workers=1, progress=False)

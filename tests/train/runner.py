@@ -5,14 +5,17 @@ interface (so the tests need no prepared corpus), with fault injection from the 
     TTT_TEST_NAN_STEPS=3,4      the loss of those optimizer steps (1-based) is NaN
     TTT_TEST_CHECKSUMS=path     append Σ|θ| of the model before every training forward to path
     TTT_TEST_STEP_SLEEP=0.2     sleep that long in every training forward (to signal mid-run)
+    TTT_TEST_DISK_FREE=bytes    the free space the checkpoint code sees (a disk about to fill up)
+    TTT_TEST_CHECKSUM=x         the data manifest's checksum (the synthetic data's identity)
+
+Like train.py, it imports only ``ttt_lm.train`` before calling ``main`` (which installs the
+preemption handler first); torch and the model load afterwards, as in a real start.
 """
 import os
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
-import torch  # noqa: E402
 
 VOCAB = 64
 
@@ -29,6 +32,7 @@ class SyntheticLoader:
         return self
 
     def __next__(self):
+        import torch
         if self.limit is not None and self.i >= self.limit:
             raise StopIteration
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.rank * 7919 + self.i)
@@ -47,6 +51,7 @@ class SyntheticLoader:
 class SyntheticData:
     @staticmethod
     def build_train_loader(data_cfg, micro_batch_size, dp_rank, dp_world):
+        _install_faults()
         return SyntheticLoader(data_cfg.seq_len, micro_batch_size, data_cfg.seed, dp_rank, dp_world)
 
     @staticmethod
@@ -55,11 +60,16 @@ class SyntheticData:
 
     @staticmethod
     def load_manifest(path):
-        return {"vocab_size": VOCAB, "tokenizer": "synthetic"}
+        return {"vocab_size": VOCAB, "tokenizer": "synthetic", "checksum": os.environ.get("TTT_TEST_CHECKSUM")}
 
 
 def _install_faults():
+    import torch
     from ttt_lm.model.lm import LM
+    free = os.environ.get("TTT_TEST_DISK_FREE")
+    if free:
+        from ttt_lm.train import checkpoint
+        checkpoint.free_bytes = lambda path: int(free)
     nan_steps = {int(s) for s in os.environ.get("TTT_TEST_NAN_STEPS", "").split(",") if s}
     sums_path = os.environ.get("TTT_TEST_CHECKSUMS")
     sleep = float(os.environ.get("TTT_TEST_STEP_SLEEP", "0"))
@@ -88,6 +98,5 @@ def _install_faults():
 
 
 if __name__ == "__main__":
-    _install_faults()
     from ttt_lm.train import main
     sys.exit(main(sys.argv[1:], data_api=SyntheticData))

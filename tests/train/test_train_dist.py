@@ -70,7 +70,7 @@ def test_resume_on_other_world_size_refused(full_runs, tmp_path):
     r = run(str(tmp_path / "one"), [f"train.max_steps={2 * N}", f"train.resume_from={full_runs[1]}"], nprocs=1,
             expect=1)
     assert "written by 2 data-parallel ranks and this run has 1" in r.output()
-    assert "ds_to_universal" in r.output()
+    assert "python -m ttt_lm.train.export" in r.output() and "train.init_from=<out>" in r.output()
 
 
 def _wait_for_steps(run_dir, n, procs, timeout=120):

@@ -203,13 +203,21 @@ def test_resume_checks_what_must_not_change():
     cfg.model.d_model = 512
     with pytest.raises(ck.CheckpointError, match=r"model.d_model: 256 -> 512"):
         check_resume(saved, invariants(cfg, man), "ck", 2)
-    cfg = ExperimentConfig()
-    cfg.data.path = "data/other"
-    with pytest.raises(ck.CheckpointError, match="data_path"):
+    # the data is its manifest's checksum, not its path: the same data elsewhere resumes, other
+    # data under the same path does not
+    man = {**man, "checksum": "abc"}
+    saved = {"invariants": invariants(ExperimentConfig(), man), "dp_world": 2}
+    for path in (os.path.abspath("data/shakespeare"), "/scratch/job1/shakespeare", "data/shakespeare/"):
+        cfg = ExperimentConfig()
+        cfg.data.path = path
         check_resume(saved, invariants(cfg, man), "ck", 2)
+    with pytest.raises(ck.CheckpointError, match=r"data \(manifest checksum\): 'abc' at 'data/shakespeare' -> "
+                                                 r"'def' at 'data/shakespeare'"):
+        check_resume(saved, invariants(ExperimentConfig(), {**man, "checksum": "def"}), "ck", 2)
     with pytest.raises(ck.CheckpointError, match="vocab_size: 4096 -> 8192"):
         check_resume(saved, invariants(ExperimentConfig(), {**man, "vocab_size": 8192}), "ck", 2)
-    with pytest.raises(ck.CheckpointError, match="ds_to_universal"):
+    with pytest.raises(ck.CheckpointError, match=r"written by 2 data-parallel ranks and this run has 4.*"
+                                                 r"train.init_from=<out>"):
         check_resume(saved, invariants(ExperimentConfig(), man), "ck", 4)
 
 

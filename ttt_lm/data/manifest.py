@@ -45,7 +45,8 @@ def manifest_checksum(tokenizer_sha256: str, splits: Dict[str, dict]) -> str:
 
 def _manifest_file(path: str) -> str:
     path = os.fspath(path)
-    if os.path.isdir(path):
+    # a directory, existing or not (then the hint below names it, not its parent), or the file
+    if os.path.isdir(path) or not path.endswith(".json"):
         return os.path.join(path, MANIFEST)
     return path
 

@@ -21,6 +21,7 @@ import logging
 import math
 import multiprocessing as mp
 import os
+import re
 import sys
 from typing import Iterator, List, Optional, Sequence, Tuple
 
@@ -69,9 +70,33 @@ def _windows(docs: Iterator[Tuple[int, str]], max_docs: int = 2048, max_bytes: i
         yield group
 
 
-def _clean_output(output: str) -> None:
-    for f in os.listdir(output):
-        if f == MANIFEST or f.endswith((".tar", ".tar.tmp")) or f.startswith("tokenizer."):
+#: written into --output when preparation starts, removed once manifest.json is in place: a
+#: directory holding it is one that prepare began and did not finish
+MARKER = ".prepare-incomplete"
+_OWN_FILE = re.compile(r"^(?:(?:train|val)-\d{6}\.tar(?:\.tmp)?|tokenizer\.(?:model|vocab)|manifest\.json(?:\.tmp)?)$")
+
+
+def _claim_output(output: str, overwrite: bool) -> None:
+    """Make ``output`` ours to write, deleting only what prepare itself writes.
+
+    Accepted: a new or empty directory; one that prepare began and did not finish (MARKER); a
+    prepared one (manifest.json) with ``overwrite``. Anything else that is not empty is refused,
+    naming a few of its entries: prepare never deletes a file it did not write, and even in a
+    directory it may write, only its own names (shards, tokenizer, manifest) are removed.
+    """
+    os.makedirs(output, exist_ok=True)
+    entries = sorted(os.listdir(output))
+    if MANIFEST in entries and not overwrite:
+        raise DataError(f"{output} already holds prepared data (manifest.json); pass --overwrite to replace it")
+    if entries and MANIFEST not in entries and MARKER not in entries:
+        few = ", ".join(entries[:5]) + (f", … ({len(entries)} entries)" if len(entries) > 5 else "")
+        raise DataError(f"--output {output} is not empty and is not a prepared data directory (no manifest.json); "
+                        f"it holds {few}. prepare writes only into a new or empty directory (or replaces prepared "
+                        "data with --overwrite): choose another --output")
+    with open(os.path.join(output, MARKER), "w"):
+        pass
+    for f in entries:
+        if _OWN_FILE.match(f):
             os.remove(os.path.join(output, f))
 
 
@@ -93,16 +118,13 @@ def prepare(inputs: Sequence[str], output: str, *, vocab_size: int = 32000, mode
     if not 0 <= val_fraction < 1:
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
     workers = max(1, workers if workers is not None else (os.cpu_count() or 1))
-    os.makedirs(output, exist_ok=True)
-    if os.path.exists(os.path.join(output, MANIFEST)) and not overwrite:
-        raise DataError(f"{output} already holds prepared data (manifest.json); pass --overwrite to replace it")
     given = None
     if tokenizer is not None:
         src = tokenizer if not os.path.isdir(tokenizer) else os.path.join(tokenizer, TOKENIZER_FILE)
         Tokenizer(src)  # fails clearly if it is not a SentencePiece model
         with open(src, "rb") as f:  # read before cleaning: it may live in the output directory
             given = f.read()
-    _clean_output(output)
+    _claim_output(output, overwrite)
     model_file = os.path.join(output, TOKENIZER_FILE)
 
     # 1. tokenizer
@@ -113,13 +135,21 @@ def prepare(inputs: Sequence[str], output: str, *, vocab_size: int = 32000, mode
     else:
         log.info("training a %s tokenizer with %d pieces on %d input file(s)", model_type, vocab_size, len(files))
         seen = SourceStats()
-        train_texts = (text for i, (_, text) in enumerate(read_documents(files, text_field, seen))
-                       if not is_val_document(i, val_fraction))
+        read_all = []  # set once the inputs were read to the end
+
+        def train_texts():
+            for i, (_, text) in enumerate(read_documents(files, text_field, seen)):
+                if not is_val_document(i, val_fraction):
+                    yield text
+            read_all.append(True)
+
         try:
-            train_tokenizer(train_texts, os.path.join(output, "tokenizer"), vocab_size, model_type,
+            train_tokenizer(train_texts(), os.path.join(output, "tokenizer"), vocab_size, model_type,
                             max_bytes=tokenizer_train_bytes, num_threads=workers,
                             character_coverage=character_coverage)
-        except TokenizerError:
+        except TokenizerError as e:
+            if not read_all:  # refused before reading the corpus (e.g. --vocab-size too small): say why
+                raise DataError(f"cannot train the tokenizer with --vocab-size {vocab_size}: {e}") from e
             n_train = sum(not is_val_document(i, val_fraction) for i in range(seen.documents))
             _check_counts(seen.documents, n_train, len(files))
             raise
@@ -174,6 +204,7 @@ def prepare(inputs: Sequence[str], output: str, *, vocab_size: int = 32000, mode
     with open(tmp, "w") as f:
         json.dump(man, f, indent=1)
     os.replace(tmp, os.path.join(output, MANIFEST))
+    os.remove(os.path.join(output, MARKER))
     log.info("prepared %s: %d documents, %d tokens (train %d in %d shards, val %d in %d shards), vocab %d",
              output, stats.documents, total_tokens, splits["train"]["tokens"], len(splits["train"]["shards"]),
              splits["val"]["tokens"], len(splits["val"]["shards"]), tok.vocab_size)

@@ -109,7 +109,8 @@ def train_tokenizer(texts: Iterable[str], model_prefix: str, vocab_size: int, mo
         raise TokenizerError(f"model_type must be one of {MODEL_TYPES}, got {model_type!r}")
     if vocab_size < 300:
         # 3 special ids + 256 byte pieces + the corpus's characters
-        raise TokenizerError(f"vocab_size {vocab_size} is too small: byte fallback alone takes 259 ids")
+        raise TokenizerError(f"vocab_size {vocab_size} is too small: byte fallback alone takes 259 ids (3 special "
+                             "ids and 256 byte pieces), and the corpus's characters need more; use at least 300")
     try:
         spm.SentencePieceTrainer.Train(
             sentence_iterator=iter(_lines(texts, max_bytes)),

@@ -152,10 +152,14 @@ def load_checkpoint(path: str, device="cpu", dtype: Optional[torch.dtype] = None
     if os.path.isfile(path):
         raise EvalError(f"checkpoint {path} is a file; pass the export directory holding it and {CONFIG}")
     if _weights_file(path) is None and _is_training_checkpoint(path):
+        from ttt_lm.train.checkpoint import CheckpointError
         from ttt_lm.train.export import export
         tmp = tempfile.mkdtemp(prefix="ttt_lm_eval_export_")
         try:
-            export(path, tmp)
+            try:
+                export(path, tmp)  # verifies the checkpoint's files first (ttt_lm.train.checkpoint.select)
+            except CheckpointError as e:
+                raise EvalError(str(e)) from e
             ck = _load_export(tmp, device, dtype, name or os.path.basename(os.path.normpath(path)))
         finally:
             shutil.rmtree(tmp, ignore_errors=True)

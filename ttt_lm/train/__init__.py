@@ -7,8 +7,13 @@ __all__ = ["PREEMPTED_EXIT_CODE", "main", "train"]
 
 
 def main(argv=None, data_api=None) -> int:
+    # First thing, before the imports and the distributed start-up that take the first seconds:
+    # a SIGTERM/SIGUSR1 (preemption) from now on ends the run with PREEMPTED_EXIT_CODE, which the
+    # Slurm scripts requeue, instead of killing it with -15/-10.
+    from ttt_lm.train.preempt import PreemptionFlag
+    flag = PreemptionFlag().install()
     from ttt_lm.train.trainer import main as _main
-    return _main(argv, data_api=data_api)
+    return _main(argv, data_api=data_api, preempt=flag)
 
 
 def train(cfg, data_api=None) -> int:

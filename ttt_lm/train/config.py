@@ -2,6 +2,7 @@
 logging."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -68,3 +69,40 @@ class LoggingConfig:
     wandb_run_name: Optional[str] = None
     progress: bool = True               # tqdm bar on rank 0
     peak_flops: float = 989e12          # per device, for MFU (H100 SXM dense bf16)
+
+
+def check_training_config(cfg) -> None:
+    """Refuse values no run can use, naming the key: ValueError("key: must be …, got …"). Called by
+    ``ttt_lm.config.load_config`` (so train.py, slurm/submit.py and resumed runs all check) and by
+    the trainer for configs built in Python."""
+    from ttt_lm.train.optim import SCHEDULES
+    t, o, c, e, lg = cfg.train, cfg.optim, cfg.checkpoint, cfg.eval, cfg.logging
+    rules = [
+        ("train.max_steps", t.max_steps, t.max_steps >= 1, ">= 1"),
+        ("train.micro_batch_size", t.micro_batch_size, t.micro_batch_size >= 1, ">= 1"),
+        ("train.grad_accum", t.grad_accum, t.grad_accum >= 1, ">= 1"),
+        ("train.max_nonfinite_steps", t.max_nonfinite_steps, t.max_nonfinite_steps >= 1, ">= 1"),
+        ("train.stop_after", t.stop_after, t.stop_after is None or t.stop_after >= 1, ">= 1 (or null)"),
+        ("train.precision", t.precision, t.precision in ("fp32", "bf16"), "fp32 or bf16"),
+        ("train.device", t.device, t.device in ("auto", "cpu", "cuda"), "auto, cpu or cuda"),
+        ("optim.lr", o.lr, o.lr > 0 and math.isfinite(o.lr), "a positive number"),
+        ("optim.weight_decay", o.weight_decay, o.weight_decay >= 0, ">= 0"),
+        ("optim.beta1", o.beta1, 0 <= o.beta1 < 1, "in [0, 1)"),
+        ("optim.beta2", o.beta2, 0 <= o.beta2 < 1, "in [0, 1)"),
+        ("optim.eps", o.eps, o.eps > 0, "> 0"),
+        ("optim.grad_clip", o.grad_clip, o.grad_clip >= 0, ">= 0 (0 disables clipping)"),
+        ("optim.schedule", o.schedule, o.schedule in SCHEDULES, f"one of {list(SCHEDULES)}"),
+        ("optim.warmup_steps", o.warmup_steps, o.warmup_steps >= 0, ">= 0"),
+        ("optim.min_lr_ratio", o.min_lr_ratio, 0 <= o.min_lr_ratio <= 1, "in [0, 1]"),
+        ("optim.decay_fraction", o.decay_fraction, 0 < o.decay_fraction <= 1, "in (0, 1]"),
+        ("optim.total_steps", o.total_steps, o.total_steps is None or o.total_steps >= 1, ">= 1 (or null)"),
+        ("checkpoint.every", c.every, c.every >= 0, ">= 0 (0: only at the end)"),
+        ("checkpoint.keep_last", c.keep_last, c.keep_last >= 0, ">= 0 (0 keeps all)"),
+        ("eval.every", e.every, e.every >= 0, ">= 0 (0: never)"),
+        ("eval.batches", e.batches, e.batches >= 1, ">= 1"),
+        ("logging.log_every", lg.log_every, lg.log_every >= 0, ">= 0"),
+        ("logging.peak_flops", lg.peak_flops, lg.peak_flops > 0, "> 0"),
+    ]
+    for key, value, ok, want in rules:
+        if not ok:
+            raise ValueError(f"{key} must be {want}, got {value!r}")

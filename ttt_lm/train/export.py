@@ -11,6 +11,9 @@ concatenated along the dimension the checkpoint's ``partition_dims`` records for
 (replicated ones, the norms' gains, are taken from TP rank 0). The result is the single-rank LM,
 which ``train.init_from`` loads whatever tensor_parallel the new run uses.
 ``load_pretrained("out/tiny")`` returns the LM, on CPU, in eval mode. Needs no process group.
+The checkpoint is verified first (``ttt_lm.train.checkpoint.select``): from a run directory the
+newest checkpoint whose files match their recorded digests is exported, and a damaged step
+directory is an error naming the file.
 """
 from __future__ import annotations
 
@@ -79,10 +82,13 @@ def consolidated_state_dict(ckpt: str) -> dict:
 
 def export(ckpt: str, out_dir: str) -> str:
     from ttt_lm.model import LM
-    from ttt_lm.train.checkpoint import resolve
+    from ttt_lm.train.checkpoint import CheckpointError, resolve
     ckpt = resolve(ckpt)
     cfg = load_config(os.path.join(ckpt, CONFIG))
-    sd = consolidated_state_dict(ckpt)
+    try:
+        sd = consolidated_state_dict(ckpt)
+    except Exception as e:  # noqa: BLE001 - DeepSpeed asserts, zip and pickle errors alike
+        raise CheckpointError(f"cannot read the weights of {ckpt}: {type(e).__name__}: {e}") from e
     model = LM(cfg.model)
     missing, unexpected = model.load_state_dict(sd, strict=False)
     # a tied LM head is one tensor with the embedding; zero_to_fp32 may list it under either name
@@ -116,7 +122,12 @@ def main(argv=None) -> int:
     ap.add_argument("ckpt", help="a checkpoint dir (step_…), a checkpoints/ dir or a run dir")
     ap.add_argument("out_dir")
     a = ap.parse_args(argv)
-    out = export(a.ckpt, a.out_dir)
+    from ttt_lm.train.checkpoint import CheckpointError
+    try:
+        out = export(a.ckpt, a.out_dir)
+    except CheckpointError as e:  # missing, incomplete or damaged: the message names the file
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     print(f"exported {a.ckpt} -> {os.path.abspath(out)} ({WEIGHTS}, {CONFIG})")
     return 0
 

@@ -11,6 +11,14 @@ linear warmup over W = ``warmup_steps`` steps and S = ``total_steps`` (default `
 
 with r = ``min_lr_ratio``. The schedule is a ``LambdaLR`` that DeepSpeed steps after every applied
 optimizer step, so its position is saved and restored with the engine's checkpoint.
+
+On resume the checkpoint restores, besides that position, the optimizer's hyperparameters and
+the schedule's base rates: ``optim.lr`` given anew would be recorded but not used.
+``changed_hyperparameters`` lists what the new config changes and ``apply_hyperparameters`` puts
+it in force from the resumed step on: base rate lr, so step s trains at lr · m(s) of the new m
+(the schedule's shape always comes from the running config: its multiplier is a function, which
+LambdaLR does not save), betas, eps and weight decay on the optimizer's parameter groups. The
+optimizer's moments are kept.
 """
 from __future__ import annotations
 
@@ -74,3 +82,40 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, total_steps: int):
                             eps=cfg.eps)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_multiplier(cfg, total_steps))
     return opt, sched
+
+
+#: optim keys a resumed run takes from its config: every one (the checkpoint's only seed them)
+RESUMABLE_KEYS = ("lr", "weight_decay", "beta1", "beta2", "eps", "grad_clip", "schedule", "warmup_steps",
+                  "min_lr_ratio", "decay_fraction", "total_steps")
+
+
+def changed_hyperparameters(old: dict, new: OptimConfig, old_total: int, new_total: int) -> List[str]:
+    """``["optim.lr: 0.003 -> 1e-05", ...]``: the optim keys whose value differs between a
+    checkpoint's config (``old``, its ``optim`` section as a dict) and the running one, and the
+    schedule's length (``optim.total_steps`` or ``train.max_steps``)."""
+    out = [f"optim.{k}: {old[k]!r} -> {getattr(new, k)!r}" for k in RESUMABLE_KEYS
+           if k in old and old[k] != getattr(new, k)]
+    if old_total != new_total:
+        out.append(f"schedule length (optim.total_steps or train.max_steps): {old_total} -> {new_total}")
+    return out
+
+
+def apply_hyperparameters(sched, cfg: OptimConfig, group_weight_decay: List[float]) -> None:
+    """Put ``cfg``'s lr, betas, eps and weight decay in force on a restored optimizer and its
+    LambdaLR (``sched``) at the schedule's current step: group i gets base rate ``cfg.lr``, lr
+    ``cfg.lr · m_i(last_epoch)`` and weight decay ``group_weight_decay[i]`` (the groups of
+    ``param_groups``, in order)."""
+    opt = sched.optimizer
+    if len(opt.param_groups) != len(group_weight_decay):
+        raise ValueError(f"the optimizer has {len(opt.param_groups)} parameter groups, expected "
+                         f"{len(group_weight_decay)}")
+    sched.base_lrs = [cfg.lr] * len(opt.param_groups)
+    lrs = []
+    for g, wd, m in zip(opt.param_groups, group_weight_decay, sched.lr_lambdas):
+        g["initial_lr"] = cfg.lr
+        g["lr"] = cfg.lr * m(sched.last_epoch)
+        g["betas"] = (cfg.beta1, cfg.beta2)
+        g["eps"] = cfg.eps
+        g["weight_decay"] = wd
+        lrs.append(g["lr"])
+    sched._last_lr = lrs

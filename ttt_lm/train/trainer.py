@@ -12,10 +12,21 @@ computes its contiguous slice of every row (``ttt_lm.train.context.ContextParall
 averages gradients over the dp × c ranks. A step whose
 loss is NaN/Inf on any rank is skipped: DeepSpeed sees a non-finite gradient norm and drops the
 update (optimizer state and the lr schedule do not move); the loop counts it and stops with
-NonFiniteLossError after ``train.max_nonfinite_steps`` of them in a row.
+NonFiniteLossError after ``train.max_nonfinite_steps`` of them in a row. No checkpoint is written
+while the last step's loss was non-finite, so the newest checkpoint is always one saved after a
+finite loss; the error names it, and a rerun resumes from it.
+
+Startup, in order: the SIGTERM/SIGUSR1 handler (installed by ``ttt_lm.train.main`` before the heavy
+imports; a signal during startup ends the run with PREEMPTED_EXIT_CODE and nothing to save), the
+config check, the process group, the run directory's lock (``ttt_lm.train.lock``: one run per
+``train.run_dir``), removal of what killed saves left behind, the choice of checkpoint (the newest
+that verifies, ``ttt_lm.train.checkpoint.select``) and the resume checks. A resumed run takes its
+optimizer hyperparameters from its own config (``ttt_lm.train.optim.apply_hyperparameters``) and
+says which changed.
 """
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import random
@@ -58,14 +69,14 @@ def parse_args(argv: Sequence[str]):
     return path, argv
 
 
-def main(argv: Optional[Sequence[str]] = None, data_api=None) -> int:
+def main(argv: Optional[Sequence[str]] = None, data_api=None, preempt: Optional[PreemptionFlag] = None) -> int:
     path, overrides = parse_args(sys.argv[1:] if argv is None else argv)
     from ttt_lm.train.checkpoint import CheckpointError
     from ttt_lm.data import DataError
     from ttt_lm.train.engine import ParallelConfigError
     try:
         cfg = load_config(path, overrides)
-        return train(cfg, data_api=data_api)
+        return train(cfg, data_api=data_api, preempt=preempt)
     except (ConfigError, CheckpointError, ParallelConfigError, NonFiniteLossError, DataError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2 if isinstance(e, (ConfigError, ParallelConfigError)) else 1
@@ -92,7 +103,10 @@ def invariants(cfg, manifest: dict) -> dict:
     model = _flat(OmegaConf.to_container(OmegaConf.structured(cfg.model)))
     for k in RUNTIME_MODEL_KEYS:
         model.pop(k, None)
-    return {"model": model, "data_path": os.path.normpath(cfg.data.path),
+    # the data is identified by its manifest's checksum (tokenizer and every shard's digest), not by
+    # its path: the same data under another path (absolute, or copied to node-local scratch) is
+    # the same data; data_path is kept for the record only
+    return {"model": model, "data_path": os.path.normpath(cfg.data.path), "data_checksum": manifest.get("checksum"),
             "vocab_size": manifest.get("vocab_size"),
             "tokenizer": manifest.get("tokenizer_sha256") or manifest.get("tokenizer"),
             "tensor_parallel": cfg.parallel.tensor_parallel, "context_parallel": cfg.parallel.context_parallel}
@@ -109,9 +123,14 @@ def check_resume(saved: dict, now: dict, ckpt: str, dp_world: int) -> None:
     old = {**{k: v for k, v in defaults.items() if k in now["model"]}, **inv["model"]}
     diff = [f"model.{k}: {old.get(k)!r} -> {now['model'].get(k)!r}"
             for k in sorted(set(old) | set(now["model"])) if old.get(k) != now["model"].get(k)]
-    for k in ("data_path", "vocab_size", "tokenizer"):
+    for k in ("vocab_size", "tokenizer"):
         if inv.get(k) != now.get(k):
             diff.append(f"{k}: {inv.get(k)!r} -> {now.get(k)!r}")
+    # checkpoints from before data_checksum was recorded: the loader state's own data checksum
+    # still refuses other data when it is loaded
+    if "data_checksum" in inv and inv["data_checksum"] != now.get("data_checksum"):
+        diff.append(f"data (manifest checksum): {inv['data_checksum']!r} at {inv.get('data_path')!r} -> "
+                    f"{now.get('data_checksum')!r} at {now.get('data_path')!r}")
     # checkpoints written before tensor parallelism was recorded were all tensor_parallel=1
     tp_old, tp_new = inv.get("tensor_parallel", 1), now.get("tensor_parallel", 1)
     if tp_old != tp_new:
@@ -136,13 +155,11 @@ def check_resume(saved: dict, now: dict, ckpt: str, dp_world: int) -> None:
     if saved["dp_world"] != dp_world:
         raise CheckpointError(
             f"cannot resume from {ckpt}: it was written by {saved['dp_world']} data-parallel ranks and this run has "
-            f"{dp_world}; ZeRO keeps optimizer state in per-rank shards. Resume on {saved['dp_world']} ranks, or "
-            f"convert it to a rank-independent DeepSpeed universal checkpoint with\n"
-            f"  python -m deepspeed.checkpoint.ds_to_universal --input_folder {ckpt}/ds "
-            f"--output_folder {ckpt}/ds_universal\n"
-            "(this trainer does not load universal checkpoints yet), or export the weights with "
+            f"{dp_world}; ZeRO keeps optimizer state in per-rank shards and the data loader's position is per "
+            f"rank. Resume on {saved['dp_world']} ranks, or export the weights with "
             f"`python -m ttt_lm.train.export {ckpt} <out>` and start a new run with train.init_from=<out> "
-            "(fresh optimizer state)")
+            "(fresh optimizer state and data order). DeepSpeed's universal checkpoints (ds_to_universal) are "
+            "not loaded by this trainer")
 
 
 # ---- the run ---------------------------------------------------------------------------------
@@ -164,7 +181,39 @@ def _seed_all(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def train(cfg, data_api=None) -> int:
+def train(cfg, data_api=None, preempt: Optional[PreemptionFlag] = None) -> int:
+    """Run ``cfg``; the run directory's lock (taken inside) is released however the run ends."""
+    held = []
+    try:
+        return _train(cfg, data_api, preempt, held)
+    finally:
+        for lock in held:
+            lock.release()
+
+
+def _optim_changes(ckpt: str, cfg) -> list:
+    """What the running config changes in the optimizer against the checkpoint's config.yaml."""
+    from omegaconf import OmegaConf
+    from ttt_lm.train.optim import changed_hyperparameters
+    try:
+        old = OmegaConf.to_container(OmegaConf.load(os.path.join(ckpt, "config.yaml")))
+    except Exception as e:  # noqa: BLE001 - verified at select(); yaml errors name the file
+        from ttt_lm.train.checkpoint import CheckpointError
+        raise CheckpointError(f"cannot read {ckpt}/config.yaml: {e}") from e
+    o, t = old.get("optim", {}), old.get("train", {})
+    old_total = o.get("total_steps") or t.get("max_steps")
+    return changed_hyperparameters(o, cfg.optim, old_total, cfg.optim.total_steps or cfg.train.max_steps)
+
+
+def _train(cfg, data_api, preempt, held) -> int:
+    from ttt_lm.train.config import check_training_config
+    try:
+        check_training_config(cfg)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    if cfg.logging.wandb and importlib.util.find_spec("wandb") is None:
+        raise ConfigError("logging.wandb=true needs the wandb package, which is not installed: "
+                          "pip install 'ttt-lm[wandb]', or set logging.wandb=false")
     device = _device(cfg)
     if device == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed picks one
@@ -187,7 +236,7 @@ def train(cfg, data_api=None) -> int:
     if data_api is None:
         import ttt_lm.data as data_api
 
-    preempt = PreemptionFlag().install()
+    preempt = preempt if preempt is not None else PreemptionFlag().install()
     env = init_distributed(device)
     rank, world = env.rank, env.world_size
     tp, cp = cfg.parallel.tensor_parallel, cfg.parallel.context_parallel
@@ -200,15 +249,78 @@ def train(cfg, data_api=None) -> int:
     t, run_dir = cfg.train, cfg.train.run_dir
     ckpt_root = os.path.join(run_dir, "checkpoints")
 
+    # one run per run directory: rank 0 holds the lock, every rank learns the outcome
+    from ttt_lm.train.lock import RunDirInUse, RunDirLock
+    refused = None
+    if rank == 0:
+        lock = RunDirLock(run_dir)
+        try:
+            try:
+                took_over = lock.acquire()
+            except OSError as e:
+                # not even the lock file fits: a disk filled by a killed save's leftovers. No lock
+                # file existed (creating one failed), so no other run is using them: remove, retry
+                import errno
+                if e.errno not in (errno.ENOSPC, errno.EDQUOT) or not ck.clean_stale(ckpt_root, say=print):
+                    raise
+                took_over = lock.acquire()
+            held.append(lock)
+            if took_over:
+                print(f"[train] {took_over}", flush=True)
+        except RunDirInUse as e:
+            refused = str(e)
+    refused = ck.gather(refused)[0]
+    if refused:
+        raise RunDirInUse(refused)
+
+    def startup_preempted() -> bool:
+        """Collective: was any rank signalled? Then end now, before the first step: nothing to save."""
+        flag = torch.tensor([float(preempt.requested)])
+        tdist.all_reduce(flag)
+        if float(flag) == 0:
+            return False
+        if rank == 0:
+            print(f"[train] preempted during startup (signal {preempt.signum or 'on another rank'}), before the "
+                  f"first step: nothing to save; exiting with {PREEMPTED_EXIT_CODE}", flush=True)
+        preempt.uninstall()
+        tdist.barrier()
+        tdist.destroy_process_group()
+        return True
+
+    if startup_preempted():
+        return PREEMPTED_EXIT_CODE
+    if rank == 0:
+        ck.clean_stale(ckpt_root, say=print)
+
     manifest = data_api.load_manifest(cfg.data.path)
     if manifest.get("vocab_size") is not None and manifest["vocab_size"] > cfg.model.vocab_size:
         raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
                           f"vocab_size={manifest['vocab_size']} ({cfg.data.path}); set model.vocab_size >= it")
     inv = invariants(cfg, manifest)
 
-    resume = ck.resolve(t.resume_from) if t.resume_from else ck.find_latest(ckpt_root)
+    def after_finite_loss(c):
+        n = ck.read_state(c).get("nonfinite_in_a_row", 0)
+        return f"saved during {n} non-finite losses in a row" if n else None
+
+    say = (lambda m: print(f"[train] {m}", flush=True)) if rank == 0 else (lambda m: None)
+    resume, passed = None, []
+    if t.resume_from:
+        resume, passed = ck.select(t.resume_from, accept=after_finite_loss, note=say)
+    elif ck.list_checkpoints(ckpt_root):
+        resume, passed = ck.select(ckpt_root, accept=after_finite_loss, note=say)
     if resume is not None:
         check_resume(ck.read_state(resume), inv, resume, dp_world)
+        # newer checkpoints of this run directory that are not resumed from are renamed aside
+        # (kept, never pruned): a later restart must not pick them over the new branch
+        if rank == 0:
+            rejected = {os.path.abspath(c) for c, _ in passed}
+            r_step = ck.read_state(resume)["step"]
+            for s_, c in ck.list_checkpoints(ckpt_root):
+                if s_ > r_step:
+                    why = "rejected" if os.path.abspath(c) in rejected else "superseded"
+                    print(f"[train] {c} is newer than the checkpoint resumed from: renamed to "
+                          f"{ck.set_aside(c, why)} (delete it when no longer needed)", flush=True)
+        tdist.barrier()
 
     _seed_all(t.seed)  # same initial weights on every rank: each TP rank slices the same full model
     if cp > 1:
@@ -228,20 +340,34 @@ def train(cfg, data_api=None) -> int:
         parallelize_tp(model, groups, cfg.parallel.sequence_parallel)
         pdims = {k: d for k, d in partition_dims(model).items() if d is not None}
     model.to(dev)
+    from ttt_lm.train.optim import apply_hyperparameters, param_groups
+    group_wd = [g["weight_decay"] for g in param_groups(model, cfg.optim.weight_decay)]  # as build_engine's
     # DeepSpeed's data-parallel group is dp × cp (the mpu's): those ranks average gradients
     engine, sched = build_engine(model, cfg, dp_world * cp, mpu=groups.mpu() if tp > 1 or cp > 1 else None)
     _seed_all(t.seed + 1 + rank)  # per-rank streams for anything random in the loop
 
     loader = data_api.build_train_loader(cfg.data, t.micro_batch_size, dp_rank, dp_world)
     step, tokens, skipped_total, nonfinite_run = 0, 0, 0, 0
+    changes, last_bytes = [], None
     if resume is not None:
         state, rs = ck.load(engine, resume, rank)
         loader.load_state_dict(rs["loader"])
         step, tokens, skipped_total = state["step"], state["tokens"], state["skipped_steps"]
         nonfinite_run = state.get("nonfinite_in_a_row", 0)
+        changes = _optim_changes(resume, cfg)
+        if changes:
+            # the checkpoint restored the old rates into the optimizer and the schedule
+            apply_hyperparameters(sched, cfg.optim, group_wd)
+            if rank == 0:
+                print(f"[train] resumed with changed optimizer settings, in force from step {step + 1}: "
+                      + "; ".join(changes), flush=True)
+        last_bytes = ck.checkpoint_bytes(resume)
+    if startup_preempted():
+        return PREEMPTED_EXIT_CODE
 
     batches = iter(loader)  # after load_state_dict: continues with the next batch
-    log = MetricsWriter(run_dir, cfg, enabled=rank == 0)
+    log = MetricsWriter(run_dir, cfg, enabled=rank == 0, start_step=step,
+                        restart={"checkpoint": resume, "changed": changes} if resume else None)
     if rank == 0:
         save_config(cfg, os.path.join(run_dir, "config.yaml"))
         print(f"[train] {'resuming from ' + resume if resume else 'starting'} at step {step}; "
@@ -257,13 +383,19 @@ def train(cfg, data_api=None) -> int:
         return {} if tp > 1 or cp > 1 else {"position_ids": _pos(b, dev)}
 
     def save_ckpt():
+        nonlocal last_bytes
+        lost = ck.gather(held[0].lost if held else None)[0]
+        if lost:
+            raise RunDirInUse(f"{lost}: stopping without saving")
         state = {"step": step, "tokens": tokens, "skipped_steps": skipped_total,
                  "nonfinite_in_a_row": nonfinite_run, "dp_world": dp_world, "invariants": inv,
                  "zero_stage": cfg.parallel.zero_stage, "tensor_parallel": tp, "context_parallel": cp,
                  # parameter name → dimension sliced across TP ranks (export concatenates along it)
                  "partition_dims": pdims, "time": time.time()}
-        return ck.save(engine, ckpt_root, step, state, {"loader": loader.state_dict()}, cfg_yaml, rank,
-                       cfg.checkpoint.keep_last)
+        path = ck.save(engine, ckpt_root, step, state, {"loader": loader.state_dict()}, cfg_yaml, rank,
+                       cfg.checkpoint.keep_last, need_bytes=last_bytes)
+        last_bytes = ck.checkpoint_bytes(path)
+        return path
 
     def evaluate():
         batches = []
@@ -342,10 +474,13 @@ def train(cfg, data_api=None) -> int:
         if rank == 0 and cfg.logging.log_every and step % cfg.logging.log_every == 0 and bar is None:
             print(f"[train] step {step}/{t.max_steps} loss {loss:.4f} lr {lr:.3e} tok/s {tps:.0f}", flush=True)
         if nonfinite_run >= t.max_nonfinite_steps:
+            good = ck.find_latest(ckpt_root)  # no checkpoint is saved after a non-finite loss
             raise NonFiniteLossError(
                 f"loss was NaN/Inf for {nonfinite_run} steps in a row (steps {step - nonfinite_run + 1}..{step}; "
-                f"train.max_nonfinite_steps={t.max_nonfinite_steps}); those updates were skipped. Lower optim.lr, "
-                f"check the data, or resume from the last checkpoint in {ckpt_root}")
+                f"train.max_nonfinite_steps={t.max_nonfinite_steps}); those updates were skipped. The last good "
+                f"checkpoint is {good or '(none: the run starts from scratch)'}; running the same command again "
+                "resumes from it, with a lower optim.lr (applied from the resumed step on) or after checking "
+                "the data")
         if cfg.eval.every and step % cfg.eval.every == 0:
             vl = evaluate()
             log.log({"kind": "val", "step": step, "loss": vl, "ppl": math.exp(min(vl, 700.0))})
@@ -354,16 +489,22 @@ def train(cfg, data_api=None) -> int:
         preempted = agg[1] > 0
         stop_here = t.stop_after is not None and step >= t.stop_after
         if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or preempted or stop_here:
-            save_ckpt()
-            last_saved = step
+            if nonfinite_run == 0:
+                save_ckpt()
+                last_saved = step
+            elif rank == 0:
+                print(f"[train] no checkpoint at step {step}: its loss was non-finite "
+                      f"({nonfinite_run} in a row); the newest checkpoint stays the last good one", flush=True)
         if preempted:
             exit_code = PREEMPTED_EXIT_CODE
             if rank == 0:
-                print(f"\n[train] preempted at step {step}: checkpoint saved; exiting with {exit_code}", flush=True)
+                print(f"\n[train] preempted at step {step}: "
+                      + ("checkpoint saved" if last_saved == step else "no checkpoint (non-finite loss)")
+                      + f"; exiting with {exit_code}", flush=True)
             break
         if stop_here:
             break
-    if exit_code == 0 and cfg.checkpoint.at_end and last_saved != step:
+    if exit_code == 0 and cfg.checkpoint.at_end and last_saved != step and nonfinite_run == 0:
         save_ckpt()
     if bar is not None:
         bar.close()
