@@ -38,7 +38,10 @@ class RGLRUConfig:
     lru_width: Optional[int] = None     # width of the recurrence; None = d_model
     num_heads: Optional[int] = None     # blocks of the block-diagonal gate weights; None = n_heads
     c: float = 8.0
-    a_min: float = 0.9                  # a^c ~ U[a_min, a_max] at init
+    # Λ init: official (recurrentgemma: a ∈ [a_min, a_max] with a² uniform) | paper (the paper's
+    # text: a^c uniform on [a_min, a_max]); see ttt_lm/model/mixers/rglru.py
+    a_init: str = "official"
+    a_min: float = 0.9
     a_max: float = 0.999
     conv_width: int = 4
     chunk_size: int = 64                # tokens per chunk of the chunked linear scan

@@ -252,9 +252,10 @@ def train(cfg, data_api=None) -> int:
     cfg_yaml = to_yaml(cfg)
 
     def fwd_kw(b):
-        # the tensor- and context-parallel forwards take no position_ids (check_parallel refuses
-        # reset_at_doc_boundaries with them, the only use of them)
-        return {} if tp > 1 or cp > 1 else {"position_ids": _pos(b, dev)}
+        # the tensor-parallel forward takes no position_ids (check_parallel refuses
+        # reset_at_doc_boundaries and the RG-LRU, their users, with it); the context-parallel one
+        # hands them to the RG-LRU as segment positions
+        return {} if tp > 1 else {"position_ids": _pos(b, dev)}
 
     def save_ckpt():
         state = {"step": step, "tokens": tokens, "skipped_steps": skipped_total,
