@@ -9,6 +9,9 @@ from typing import List, Optional
 #: layer kinds a pattern may name; see ttt_lm.model.mixers.MIXERS
 LAYER_KINDS = ("attention", "local_attention", "ttt_linear", "ttt_mlp", "titans", "titans_mag",
                "deltanet", "rglru", "mamba")
+#: model.init: which official code the dense layers' initialization follows
+#: (ttt_lm.model.layers.init_weights)
+INIT_SCHEMES = ("gpt2", "ttt", "griffin", "mamba")
 
 
 @dataclass
@@ -22,6 +25,10 @@ class TTTConfig:
     pre_conv: bool = False             # causal conv before the mixer in the block
     conv_width: int = 4
     rope_theta: float = 10000.0
+    # Warmup of η_base in training, as ttt-lm-jax's TTT-MLP runs: from base_lr_init to base_lr
+    # linearly over base_lr_warmup optimizer steps (None / 0: no warmup)
+    base_lr_init: Optional[float] = None
+    base_lr_warmup: int = 0
 
 
 @dataclass
@@ -95,6 +102,9 @@ class ModelConfig:
     tie_embeddings: bool = True
     max_seq_len: int = 2048             # longest context the model is built/evaluated for
     init_std: float = 0.02
+    # which official code the dense layers' init follows: gpt2 | ttt | griffin | mamba
+    # (ttt_lm.model.layers.init_weights); the paper presets set their architecture's
+    init: str = "gpt2"
     kernel_backend: str = "auto"        # auto | torch | triton (see Mixer.kernel_backend)
     # Restart every mixer's state (and attention's context) where a document starts inside a
     # packed training row (position_ids == 0), so no layer carries memory across documents.
@@ -136,6 +146,16 @@ class ModelConfig:
             raise ValueError(f"model.mlp_act must be silu or gelu, got {self.mlp_act!r}")
         if self.kernel_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"model.kernel_backend must be auto, torch or triton, got {self.kernel_backend!r}")
+        if self.init not in INIT_SCHEMES:
+            raise ValueError(f"model.init must be one of {list(INIT_SCHEMES)}, got {self.init!r}")
+        t = self.ttt
+        if (t.base_lr_init is None) != (t.base_lr_warmup == 0):
+            raise ValueError("model.ttt.base_lr_init and model.ttt.base_lr_warmup go together: set both "
+                             f"(a warmup from base_lr_init over base_lr_warmup > 0 steps) or neither; got "
+                             f"{t.base_lr_init} and {t.base_lr_warmup}")
+        if t.base_lr_init is not None and (t.base_lr_init <= 0 or t.base_lr_warmup < 0):
+            raise ValueError(f"model.ttt.base_lr_init must be > 0 and base_lr_warmup > 0, got "
+                             f"{t.base_lr_init} and {t.base_lr_warmup}")
         kv = self.attention.num_kv_heads
         if kv is not None and self.n_heads % kv != 0:
             raise ValueError(f"model.attention.num_kv_heads={kv} must divide model.n_heads={self.n_heads}")

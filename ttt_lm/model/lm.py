@@ -148,7 +148,7 @@ class LM(nn.Module):
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
-        init_weights(self, cfg.init_std, cfg.n_layers)
+        init_weights(self, cfg.init_std, cfg.n_layers, cfg.init, n_residuals_per_layer=2 if cfg.ff > 0 else 1)
         self.set_kernel_backend(cfg.kernel_backend)
         #: run each block under activation checkpointing in training (set by the trainer)
         self.activation_checkpointing = False
@@ -158,6 +158,14 @@ class LM(nn.Module):
         """"chunked" (training form, default) or "reference" (sequential forms) for every mixer."""
         for b in self.layers:
             b.mixer.impl = impl
+        return self
+
+    def set_train_step(self, step: int) -> "LM":
+        """Tell the layers with a training schedule of their own which optimizer step (1-based)
+        comes next: TTT's inner base learning-rate warmup (``model.ttt.base_lr_init``)."""
+        for b in self.layers:
+            if hasattr(b.mixer, "set_train_step"):
+                b.mixer.set_train_step(step)
         return self
 
     def set_kernel_backend(self, backend: str) -> "LM":

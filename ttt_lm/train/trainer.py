@@ -303,6 +303,7 @@ def train(cfg, data_api=None) -> int:
         lr = sched.get_last_lr()[0]
         loss_sum = torch.zeros((), dtype=torch.float64)
         local_tokens = 0
+        engine.module.set_train_step(step + 1)   # schedules inside the model (TTT's η_base warmup)
         for _ in range(t.grad_accum):
             b = next(batches)
             ids = b["input_ids"].to(dev, non_blocking=True)

@@ -40,7 +40,10 @@ carried cache and context-parallel slices.)
   a^c ~ U[a_min, a_max], a = u^{1/c}, Λ = logit(a); a ∈ [0.987, 0.9999]. This decays far more
   slowly than the official init (two-sample KS distance between the two a's: 0.87).
 
-A linspace over Λ is neither.
+A linspace over Λ is neither. The gates W_a, W_x start at N(0, 1/block width) and the conv at
+N(0, 0.01/conv_width), zero biases (recurrentgemma); the dense projections W_x', W_y, W_out
+follow ``model.init`` (``griffin`` in the Griffin and Hawk presets: N(0, 1/width), and W_out
+N(0, (2/n_layers)/lru_width)).
 
 The recurrent block (Griffin Fig. 2):
 
