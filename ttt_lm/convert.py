@@ -43,37 +43,36 @@ from typing import Dict, Tuple
 
 import torch
 
-from ttt_lm.config import ExperimentConfig, save_config
+from ttt_lm.config import ExperimentConfig
 from ttt_lm.model.config import ModelConfig
-from ttt_lm.train.export import CONFIG, WEIGHTS, load_pretrained
+from ttt_lm.train.export import CONFIG, WEIGHTS, load_pretrained, save_export
 
 HF_CONFIG = "config.json"
 HF_SAFETENSORS = "model.safetensors"
 HF_BIN = "pytorch_model.bin"
 
-#: (ttt-lm-pytorch prefix pattern, ours); applied in order, first match wins
-_RENAMES = [
-    (r"model\.embed_tokens\.", "embed."),
-    (r"model\.layers\.(\d+)\.seq_modeling_block\.", r"layers.\1.mixer."),
-    (r"model\.layers\.(\d+)\.seq_norm\.", r"layers.\1.mixer_norm."),
-    (r"model\.layers\.(\d+)\.ffn_norm\.", r"layers.\1.mlp_norm."),
-    (r"model\.layers\.(\d+)\.mlp\.", r"layers.\1.mlp."),
-    (r"model\.layers\.(\d+)\.conv\.norm\.", r"layers.\1.pre_conv_norm."),
-    (r"model\.layers\.(\d+)\.conv\.conv\.", r"layers.\1.pre_conv.conv."),
-    (r"model\.norm\.", "norm."),
-    (r"lm_head\.", "lm_head."),
+#: (ttt-lm-pytorch prefix, ours), {i} standing for a layer index; tried in order, and since
+#: every prefix ends at a dot, none is a prefix of another's key
+_PREFIXES = [
+    ("model.embed_tokens.", "embed."),
+    ("model.layers.{i}.seq_modeling_block.", "layers.{i}.mixer."),
+    ("model.layers.{i}.seq_norm.", "layers.{i}.mixer_norm."),
+    ("model.layers.{i}.ffn_norm.", "layers.{i}.mlp_norm."),
+    ("model.layers.{i}.mlp.", "layers.{i}.mlp."),
+    ("model.layers.{i}.conv.norm.", "layers.{i}.pre_conv_norm."),
+    ("model.layers.{i}.conv.conv.", "layers.{i}.pre_conv.conv."),
+    ("model.norm.", "norm."),
+    ("lm_head.", "lm_head."),
 ]
-_INVERSE = [
-    (r"embed\.", "model.embed_tokens."),
-    (r"layers\.(\d+)\.mixer\.", r"model.layers.\1.seq_modeling_block."),
-    (r"layers\.(\d+)\.mixer_norm\.", r"model.layers.\1.seq_norm."),
-    (r"layers\.(\d+)\.mlp_norm\.", r"model.layers.\1.ffn_norm."),
-    (r"layers\.(\d+)\.mlp\.", r"model.layers.\1.mlp."),
-    (r"layers\.(\d+)\.pre_conv_norm\.", r"model.layers.\1.conv.norm."),
-    (r"layers\.(\d+)\.pre_conv\.conv\.", r"model.layers.\1.conv.conv."),
-    (r"norm\.", "model.norm."),
-    (r"lm_head\.", "lm_head."),
-]
+
+
+def _rule(src: str, dst: str):
+    return re.escape(src).replace(re.escape("{i}"), r"(\d+)"), dst.replace("{i}", r"\1")
+
+
+_RENAMES = [_rule(a, b) for a, b in _PREFIXES]
+_INVERSE = [_rule(b, a) for a, b in _PREFIXES]
+
 #: non-persistent buffers of ttt-lm-pytorch that some files may still hold
 _BUFFERS = re.compile(r".*\.(token_idx|rotary_emb\.inv_freq)$")
 
@@ -232,12 +231,7 @@ def from_ttt(src: str, out_dir: str) -> str:
     model.load_state_dict({k: v.to(torch.float32) for k, v in ours.items()})
     exp = ExperimentConfig()
     exp.model = mcfg
-    os.makedirs(out_dir, exist_ok=True)
-    tmp = os.path.join(out_dir, WEIGHTS + ".tmp")
-    torch.save(model.state_dict(), tmp)
-    os.replace(tmp, os.path.join(out_dir, WEIGHTS))
-    save_config(exp, os.path.join(out_dir, CONFIG))
-    return out_dir
+    return save_export(model, exp, out_dir)
 
 
 def to_ttt(src: str, out_dir: str, fmt: str = "safetensors") -> str:
