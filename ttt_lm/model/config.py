@@ -8,7 +8,7 @@ from typing import List, Optional
 
 #: layer kinds a pattern may name; see ttt_lm.model.mixers.MIXERS
 LAYER_KINDS = ("attention", "local_attention", "ttt_linear", "ttt_mlp", "titans", "titans_mag",
-               "deltanet", "rglru", "mamba")
+               "titans_mac", "titans_mal", "deltanet", "rglru", "mamba")
 #: model.init: which official code the dense layers' initialization follows
 #: (ttt_lm.model.layers.init_weights)
 INIT_SCHEMES = ("gpt2", "ttt", "griffin", "mamba")
@@ -61,7 +61,9 @@ class TitansConfig:
     memory_expansion: int = 2           # MLP memory hidden = expansion × head_dim
     chunk_size: int = 16                # tokens whose gradients are taken at one memory state
     conv_width: int = 4
-    window: int = 256                   # sliding window of the attention branch in titans_mag
+    window: int = 256                   # sliding window of the attention in titans_mag and titans_mal
+    segment_len: int = 64               # titans_mac: tokens per segment (attention within a segment)
+    persistent_tokens: int = 4          # titans_mac, titans_mal: learned persistent memory tokens
 
 
 @dataclass
