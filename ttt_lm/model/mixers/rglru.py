@@ -125,7 +125,7 @@ def reset_scan(log_a: torch.Tensor, b: torch.Tensor, h0: Optional[torch.Tensor],
     (``cu_seqlens``, one sequence per document piece). Returns (h, the final state or None)."""
     B, T, D = b.shape
     if h0 is not None and T > 0:
-        h0 = h0 * (~reset[:, 0, None]).to(h0.dtype)                  # a reset drops the carried state
+        h0 = torch.where(reset[:, 0, None], torch.zeros_like(h0), h0)   # a reset drops the carried state
     inner = reset[:, 1:].nonzero()
     if inner.numel() == 0:
         return linear_scan(log_a, b, h0, output_state, backend=backend, chunk_size=chunk_size)
@@ -276,8 +276,8 @@ class RGLRUBlock(Mixer):
 
     def step(self, x, state, segment_pos=None):
         gelu_y, log_a_t, b_t, reset, h0, conv_cache, pos0 = self._gates(x, state, True, segment_pos)
-        a_t = torch.exp(log_a_t[:, 0]) * (~reset[:, 0, None]).to(b_t.dtype)
-        h = a_t * h0.to(b_t.dtype) + b_t[:, 0]
+        h_prev = torch.where(reset[:, 0, None], torch.zeros_like(b_t[:, 0]), h0.to(b_t.dtype))
+        h = torch.exp(log_a_t[:, 0]) * h_prev + b_t[:, 0]
         return self._finish(h[:, None], gelu_y, x, h, conv_cache, pos0, True)
 
     @staticmethod
