@@ -122,7 +122,8 @@ def reset_scan(log_a: torch.Tensor, b: torch.Tensor, h0: Optional[torch.Tensor],
                output_state: bool, backend: str, chunk_size: int):
     """kernels.linear_scan with h_t = b_t where ``reset`` [B, T] (a_t replaced by 0): a reset at
     a row's first token drops h0; resets inside rows split the rows into packed sequences
-    (``cu_seqlens``, one sequence per document piece). Returns (h, the final state or None)."""
+    (``cu_seqlens``, one sequence per document piece; their offsets are read on the host).
+    Returns (h, the final state or None)."""
     B, T, D = b.shape
     if h0 is not None and T > 0:
         h0 = torch.where(reset[:, 0, None], torch.zeros_like(h0), h0)   # a reset drops the carried state
