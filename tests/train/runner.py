@@ -5,6 +5,8 @@ interface (so the tests need no prepared corpus), with fault injection from the 
     TTT_TEST_NAN_STEPS=3,4      the loss of those optimizer steps (1-based) is NaN
     TTT_TEST_CHECKSUMS=path     append Σ|θ| of the model before every training forward to path
     TTT_TEST_STEP_SLEEP=0.2     sleep that long in every training forward (to signal mid-run)
+    TTT_TEST_LR_MULTS=path      append the TTT layers' η_base multipliers (lr_mult) before every
+                                training forward to path
 """
 import os
 import sys
@@ -63,7 +65,8 @@ def _install_faults():
     nan_steps = {int(s) for s in os.environ.get("TTT_TEST_NAN_STEPS", "").split(",") if s}
     sums_path = os.environ.get("TTT_TEST_CHECKSUMS")
     sleep = float(os.environ.get("TTT_TEST_STEP_SLEEP", "0"))
-    if not (nan_steps or sums_path or sleep):
+    mults_path = os.environ.get("TTT_TEST_LR_MULTS")
+    if not (nan_steps or sums_path or sleep or mults_path):
         return
     fwd = LM.forward
     calls = {"n": 0}
@@ -77,6 +80,10 @@ def _install_faults():
                 s = sum(float(p.detach().double().abs().sum()) for p in self.parameters())
             with open(sums_path, "a") as f:
                 f.write(f"{calls['n']} {s!r}\n")
+        if mults_path:
+            with open(mults_path, "a") as f:
+                f.write(f"{calls['n']} " + " ".join(repr(b.mixer.lr_mult) for b in self.layers
+                                                    if hasattr(b.mixer, "lr_mult")) + "\n")
         if sleep:
             time.sleep(sleep)
         out = fwd(self, input_ids, labels=labels, **kw)
