@@ -42,6 +42,16 @@ W_V and the gate projections through every memory update. The memory at the star
 (W, or W₁ and W₂) is a learned parameter; S starts at zero. Inside a chunk the momentum and decay
 recurrences are cumulative products taken in log space (log η_t = log σ(·),
 log(1 − α_t) = log σ(−·)).
+
+We follow the paper's equations, not titans-pytorch (lucidrains), which departs from them:
+there the momentum and forgetting gates are computed once per chunk from a pooled chunk
+representation and S, M advance once per chunk (the chunk's gradients summed), where the paper
+(and this file) has per-token gates and per-token S_t, M_t; retrieval there reads the memory as
+it was after the previous chunk (its weights shifted by one chunk), here y_t = M_t(q_t) reads
+the memory after token t's own update; its inner step is θ_t = max_lr · σ(·) (max_lr 0.01 by
+default) where the paper has a plain data-dependent θ_t ∈ (0, 1); and it adds options the
+paper does not have (q/k RMSNorm, spectral-normed surprises, higher-order or learned momentum,
+weight residuals across layers).
 """
 from __future__ import annotations
 
