@@ -12,6 +12,13 @@ CASES = [
     ("titans", {"titans": {"chunk_size": 1, "conv_width": 0}}),
     ("titans", {"titans": {"memory": "mlp", "chunk_size": 3}}),
     ("titans_mag", {"titans": {"chunk_size": 4, "window": 3}}),
+    # MAC: segments of 4 with chunks of 3 (segment and chunk boundaries apart), and the MLP memory
+    # without persistent tokens with segments of 5
+    ("titans_mac", {"titans": {"chunk_size": 3, "segment_len": 4, "persistent_tokens": 2}}),
+    ("titans_mac", {"titans": {"memory": "mlp", "chunk_size": 2, "segment_len": 5, "persistent_tokens": 0},
+                    "attention": {"num_kv_heads": 1}}),
+    ("titans_mal", {"titans": {"chunk_size": 4, "window": 3, "persistent_tokens": 2}}),
+    ("titans_mal", {"titans": {"memory": "mlp", "chunk_size": 3, "window": 5, "persistent_tokens": 3}}),
 ]
 
 
@@ -147,3 +154,51 @@ def test_lm_decode_matches_forward(pattern):
             lt, states = lm.step(ids[:, t], states)
             steps.append(lt)
     torch.testing.assert_close(torch.stack(steps, 1), logits, atol=1e-10, rtol=0)
+
+
+def test_mac_attention_stays_in_its_segment_and_memory_carries_across():
+    """MAC (segments of 4): with the memory frozen (θ = 0: no surprise, α = 0: no forgetting) a
+    token of segment 2 does not see segment 0 at all, since attention covers only the persistent
+    tokens, the retrieved memory and its own segment; with the memory learning, segment 0 reaches
+    segment 2 through M^{(1)}, M^{(2)}."""
+    m, _ = make_mixer("titans_mac", titans={"chunk_size": 2, "segment_len": 4, "persistent_tokens": 2})
+    torch.manual_seed(11)
+    x = torch.randn(1, 12, m.d_model, dtype=torch.float64)
+    x2 = x.clone()
+    x2[:, :4] += torch.randn_like(x2[:, :4])
+    with torch.no_grad():
+        y1, y2 = m(x)[0], m(x2)[0]
+        assert (y1[:, 8:] - y2[:, 8:]).abs().max() > 1e-6
+        m.memory.theta_proj.bias.fill_(-1e4)
+        m.memory.alpha_proj.bias.fill_(-1e4)
+        y1, y2 = m(x)[0], m(x2)[0]
+    torch.testing.assert_close(y1[:, 4:], y2[:, 4:], atol=1e-12, rtol=0)
+    assert (y1[:, :4] - y2[:, :4]).abs().max() > 1e-6
+
+
+@pytest.mark.parametrize("kind", ["titans_mac", "titans_mal"])
+def test_persistent_tokens_are_trained(kind):
+    """The outer loss reaches the persistent memory tokens (and every other parameter)."""
+    m, _ = make_mixer(kind, titans={"chunk_size": 2, "segment_len": 3, "window": 4, "persistent_tokens": 2})
+    x = torch.randn(2, 7, m.d_model, dtype=torch.float64)
+    m(x)[0].pow(2).sum().backward()
+    assert m.persistent.grad.abs().max() > 1e-8
+    none = [n for n, p in m.named_parameters() if p.grad is None or p.grad.abs().max() == 0]
+    assert not none, f"no gradient reaches {none}"
+
+
+def test_mal_is_memory_then_window_attention_over_persistent_and_input():
+    """MAL: o = SW-Attn(M([p ‖ x])) at the positions of x (Eqs. 29–31), from its sub-layers."""
+    m, _ = make_mixer("titans_mal", titans={"chunk_size": 3, "window": 4, "persistent_tokens": 3})
+    x = torch.randn(2, 9, m.d_model, dtype=torch.float64)
+    with torch.no_grad():
+        xt = torch.cat([m.persistent.expand(2, -1, -1), x], 1)
+        o = m.attn(m.memory(xt)[0])[0][:, 3:]
+        torch.testing.assert_close(m(x)[0], o, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("kind,key,bad", [("titans_mac", "segment_len", 0), ("titans_mac", "persistent_tokens", -1),
+                                          ("titans_mal", "persistent_tokens", -1)])
+def test_mac_mal_config_checked(kind, key, bad):
+    with pytest.raises(ValueError, match=f"model.titans.{key}"):
+        make_mixer(kind, titans={key: bad})

@@ -125,21 +125,32 @@ def check_delta_rule(rank, world, T):
     return err
 
 
-def check_mixer(kind, rank, world, T):
+def _packed_positions(T):
+    """Segment positions of two packed rows: row 0 starts inside a document and has resets on
+    several ranks (a one-token document included), row 1 one reset."""
+    row0 = [7, 8, 0, 1, 2, 0, 0, 1, 2, 3, 4, 5][:T]
+    row1 = [3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6][:T]
+    return torch.tensor([row0, row1])
+
+
+def check_mixer(kind, rank, world, T, segment_pos=None):
     """One mixer (inside a 1-layer LM, for its initialization) through ``cp_mixer``: the
-    summary / gather form for attention, RG-LRU, DeltaNet, Mamba; state passing otherwise."""
+    summary / gather form for attention, RG-LRU, DeltaNet, Mamba; state passing otherwise.
+    ``segment_pos``: the RG-LRU's packed-row positions, sliced per rank."""
     mixer = _tiny_lm([kind]).layers[0].mixer
     g = torch.Generator().manual_seed(3)
     x = torch.randn(2, T, 16, generator=g, dtype=torch.float64)
     w = torch.randn(2, T, 16, generator=g, dtype=torch.float64)
     xf = _leaf(x)
-    y, _ = mixer(xf)
+    kw = {} if segment_pos is None else {"segment_pos": segment_pos}
+    y, _ = mixer(xf, **kw)
     (y * w).sum().backward()
     ref_grads = {n: p.grad.clone() for n, p in mixer.named_parameters() if p.grad is not None}
     mixer.zero_grad(set_to_none=True)
     s, e = _bounds(T, world, rank)
     xr = _leaf(x[:, s:e])
-    y_r = cp.cp_mixer(mixer, xr, cp.split_lengths(T, world), tag=7)
+    y_r = cp.cp_mixer(mixer, xr, cp.split_lengths(T, world), tag=7,
+                      position_ids_local=None if segment_pos is None else segment_pos[:, s:e])
     (y_r * w[:, s:e]).sum().backward()
     cp.wait_pending()
     _sum_grads(mixer.parameters())
@@ -178,19 +189,21 @@ def check_state_passing_block(rank, world, T):
     return err
 
 
-def check_lm(rank, world, T, pattern=LM_PATTERN, impl="chunked"):
+def check_lm(rank, world, T, pattern=LM_PATTERN, impl="chunked", position_ids=None):
     model = _tiny_lm(pattern, pre_conv=True).set_impl(impl)
     g = torch.Generator().manual_seed(5)
     ids = torch.randint(0, 61, (2, T), generator=g)
     labels = torch.randint(0, 61, (2, T), generator=g)
     labels[0, 1] = labels[1, T - 1] = -100
-    logits = model(ids).logits
+    logits = model(ids, position_ids=position_ids).logits
     loss = F.cross_entropy(logits.reshape(-1, 61), labels.reshape(-1), ignore_index=-100)
     loss.backward()
     ref = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
     s, e = _bounds(T, world, rank)
-    loss_r, logits_r = cp.context_parallel_forward(model, ids[:, s:e], labels[:, s:e])
+    loss_r, logits_r = cp.context_parallel_forward(model, ids[:, s:e], labels[:, s:e],
+                                                   position_ids_local=None if position_ids is None
+                                                   else position_ids[:, s:e])
     loss_r.backward()
     cp.allreduce_gradients(model)
     mean_loss = loss_r.detach().clone()
@@ -215,7 +228,10 @@ def _checks(rank, world):
            "lm": lambda: check_lm(rank, world, T),
            # the sequential forms (impl="reference") of the mixers with a parallel form
            "lm_reference": lambda: check_lm(rank, world, T, ["local_attention", "rglru", "deltanet", "mamba"],
-                                            "reference")}
+                                            "reference"),
+           # the loader's positions through the whole LM: RG-LRU resets on several ranks
+           "lm_positions": lambda: check_lm(rank, world, T, LM_PATTERN, position_ids=_packed_positions(T)),
+           "mixer_rglru_positions": lambda: check_mixer("rglru", rank, world, T, _packed_positions(T))}
     for kind in LAYER_KINDS:
         out["mixer_" + kind] = (lambda kk: lambda: check_mixer(kk, rank, world, T))(kind)
     return out
@@ -304,6 +320,20 @@ def test_split_lengths():
     assert cp.split_lengths(11, 4) == [3, 3, 3, 2]
     assert cp.split_lengths(8, 2) == [4, 4]
     assert sum(cp.split_lengths(5, 8)) == 5
+
+
+@pytest.mark.dist
+def test_rglru_segment_positions(results):
+    """RG-LRU with packed-row segment positions (a row starting inside a document, resets on
+    several ranks): the summaries cut at resets, the conv halo masked by position; outputs and
+    gradients equal the single-process run."""
+    _assert_check(results, "mixer_rglru_positions")
+
+
+@pytest.mark.dist
+def test_lm_position_ids(results):
+    """The whole LM given position_ids (they reach the RG-LRU) equals the single-process run."""
+    _assert_check(results, "lm_positions")
 
 
 @pytest.mark.dist

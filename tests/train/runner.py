@@ -7,6 +7,8 @@ interface (so the tests need no prepared corpus), with fault injection from the 
     TTT_TEST_STEP_SLEEP=0.2     sleep that long in every training forward (to signal mid-run)
     TTT_TEST_DISK_FREE=bytes    the free space the checkpoint code sees (a disk about to fill up)
     TTT_TEST_CHECKSUM=x         the data manifest's checksum (the synthetic data's identity)
+    TTT_TEST_LR_MULTS=path      append the TTT layers' η_base multipliers (lr_mult) before every
+                                training forward to path
 
 Like train.py, it imports only ``ttt_lm.train`` before calling ``main`` (which installs the
 preemption handler first); torch and the model load afterwards, as in a real start.
@@ -73,7 +75,8 @@ def _install_faults():
     nan_steps = {int(s) for s in os.environ.get("TTT_TEST_NAN_STEPS", "").split(",") if s}
     sums_path = os.environ.get("TTT_TEST_CHECKSUMS")
     sleep = float(os.environ.get("TTT_TEST_STEP_SLEEP", "0"))
-    if not (nan_steps or sums_path or sleep):
+    mults_path = os.environ.get("TTT_TEST_LR_MULTS")
+    if not (nan_steps or sums_path or sleep or mults_path):
         return
     fwd = LM.forward
     calls = {"n": 0}
@@ -87,6 +90,10 @@ def _install_faults():
                 s = sum(float(p.detach().double().abs().sum()) for p in self.parameters())
             with open(sums_path, "a") as f:
                 f.write(f"{calls['n']} {s!r}\n")
+        if mults_path:
+            with open(mults_path, "a") as f:
+                f.write(f"{calls['n']} " + " ".join(repr(b.mixer.lr_mult) for b in self.layers
+                                                    if hasattr(b.mixer, "lr_mult")) + "\n")
         if sleep:
             time.sleep(sleep)
         out = fwd(self, input_ids, labels=labels, **kw)

@@ -8,7 +8,10 @@ from typing import List, Optional
 
 #: layer kinds a pattern may name; see ttt_lm.model.mixers.MIXERS
 LAYER_KINDS = ("attention", "local_attention", "ttt_linear", "ttt_mlp", "titans", "titans_mag",
-               "deltanet", "rglru", "mamba")
+               "titans_mac", "titans_mal", "deltanet", "rglru", "mamba")
+#: model.init: which official code the dense layers' initialization follows
+#: (ttt_lm.model.layers.init_weights)
+INIT_SCHEMES = ("gpt2", "ttt", "griffin", "mamba")
 
 
 @dataclass
@@ -22,6 +25,10 @@ class TTTConfig:
     pre_conv: bool = False             # causal conv before the mixer in the block
     conv_width: int = 4
     rope_theta: float = 10000.0
+    # Warmup of η_base in training, as ttt-lm-jax's TTT-MLP runs: from base_lr_init to base_lr
+    # linearly over base_lr_warmup optimizer steps (None / 0: no warmup)
+    base_lr_init: Optional[float] = None
+    base_lr_warmup: int = 0
 
 
 @dataclass
@@ -38,7 +45,10 @@ class RGLRUConfig:
     lru_width: Optional[int] = None     # width of the recurrence; None = d_model
     num_heads: Optional[int] = None     # blocks of the block-diagonal gate weights; None = n_heads
     c: float = 8.0
-    a_min: float = 0.9                  # a^c ~ U[a_min, a_max] at init
+    # Λ init: official (recurrentgemma: a ∈ [a_min, a_max] with a² uniform) | paper (the paper's
+    # text: a^c uniform on [a_min, a_max]); see ttt_lm/model/mixers/rglru.py
+    a_init: str = "official"
+    a_min: float = 0.9
     a_max: float = 0.999
     conv_width: int = 4
     chunk_size: int = 64                # tokens per chunk of the chunked linear scan
@@ -51,7 +61,9 @@ class TitansConfig:
     memory_expansion: int = 2           # MLP memory hidden = expansion × head_dim
     chunk_size: int = 16                # tokens whose gradients are taken at one memory state
     conv_width: int = 4
-    window: int = 256                   # sliding window of the attention branch in titans_mag
+    window: int = 256                   # sliding window of the attention in titans_mag and titans_mal
+    segment_len: int = 64               # titans_mac: tokens per segment (attention within a segment)
+    persistent_tokens: int = 4          # titans_mac, titans_mal: learned persistent memory tokens
 
 
 @dataclass
@@ -92,6 +104,9 @@ class ModelConfig:
     tie_embeddings: bool = True
     max_seq_len: int = 2048             # longest context the model is built/evaluated for
     init_std: float = 0.02
+    # which official code the dense layers' init follows: gpt2 | ttt | griffin | mamba
+    # (ttt_lm.model.layers.init_weights); the paper presets set their architecture's
+    init: str = "gpt2"
     kernel_backend: str = "auto"        # auto | torch | triton (see Mixer.kernel_backend)
     # Restart every mixer's state (and attention's context) where a document starts inside a
     # packed training row (position_ids == 0), so no layer carries memory across documents.
@@ -133,6 +148,16 @@ class ModelConfig:
             raise ValueError(f"model.mlp_act must be silu or gelu, got {self.mlp_act!r}")
         if self.kernel_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"model.kernel_backend must be auto, torch or triton, got {self.kernel_backend!r}")
+        if self.init not in INIT_SCHEMES:
+            raise ValueError(f"model.init must be one of {list(INIT_SCHEMES)}, got {self.init!r}")
+        t = self.ttt
+        if (t.base_lr_init is None) != (t.base_lr_warmup == 0):
+            raise ValueError("model.ttt.base_lr_init and model.ttt.base_lr_warmup go together: set both "
+                             f"(a warmup from base_lr_init over base_lr_warmup > 0 steps) or neither; got "
+                             f"{t.base_lr_init} and {t.base_lr_warmup}")
+        if t.base_lr_init is not None and (t.base_lr_init <= 0 or t.base_lr_warmup < 0):
+            raise ValueError(f"model.ttt.base_lr_init must be > 0 and base_lr_warmup > 0, got "
+                             f"{t.base_lr_init} and {t.base_lr_warmup}")
         kv = self.attention.num_kv_heads
         if kv is not None and self.n_heads % kv != 0:
             raise ValueError(f"model.attention.num_kv_heads={kv} must divide model.n_heads={self.n_heads}")

@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ttt_lm.model.config import INIT_SCHEMES
+
 
 def acc(x: torch.Tensor) -> torch.Tensor:
     """x in its accumulation dtype: float32 for half types, else unchanged (float64 stays)."""
@@ -94,16 +96,44 @@ class CausalConv1d(nn.Module):
         return y, new_cache
 
 
-def init_weights(module: nn.Module, std: float, n_layers: int) -> None:
-    """Initialization used by every model: N(0, std) for linear and embedding weights, zero
-    biases, and depth-scaled N(0, std / sqrt(2·n_layers)) for the projections that write into the
-    residual stream (marked `_is_residual_out`), as in GPT-2 and Megatron-LM, so the residual
-    stream's variance does not grow with depth. Parameters a mixer initializes itself (decays,
-    gates, inner-model weights) are left to its `reset_parameters`."""
+
+
+def init_weights(module: nn.Module, std: float, n_layers: int, scheme: str = "gpt2",
+                 n_residuals_per_layer: int = 2) -> None:
+    """Initialize every nn.Linear and nn.Embedding of ``module`` by ``scheme`` (``model.init``),
+    then run the mixers' own ``reset_parameters`` (decays, gates, inner-model weights, convs),
+    which every scheme shares. "Residual outs" are the projections that write into the residual
+    stream (marked ``_is_residual_out``: o_proj, out_proj, linear_out, the MLP's down_proj);
+    biases start at zero.
+
+    * ``gpt2`` (GPT-2, Megatron-LM): N(0, std), residual outs N(0, std / √(2·n_layers)), so the
+      residual stream's variance does not grow with depth.
+    * ``ttt`` (ttt-lm-pytorch ``TTTPreTrainedModel._init_weights``, ttt-lm-jax): N(0, std) for
+      every linear and embedding (std = initializer_range = 0.02), residual outs included.
+    * ``griffin`` (recurrentgemma ``reset_parameters``, ``final_w_init_variance_scale = 2 /
+      n_layers``): N(0, 1/fan_in) for linears, residual outs N(0, (2/n_layers)/fan_in):
+      linear_x, linear_y N(0, 1/width), linear_out N(0, (2/L)/lru_width), q/k/v N(0, 1/width),
+      the MLP's up N(0, 1/width), down N(0, (2/L)/d_ff). Embeddings keep N(0, std): recurrentgemma
+      draws N(0, 1/width) and multiplies by √width in the forward pass, which this LM does not.
+    * ``mamba`` (mamba_ssm ``MambaLMHeadModel`` ``_init_weights``): linears keep PyTorch's
+      default (kaiming-uniform, a = √5), residual outs that divided by √(n_residuals_per_layer ·
+      n_layers) (1 residual per layer without an MLP, 2 with one), embeddings N(0, std)."""
+    if scheme not in INIT_SCHEMES:
+        raise ValueError(f"model.init must be one of {INIT_SCHEMES}, got {scheme!r}")
     for m in module.modules():
         if isinstance(m, nn.Linear):
-            s = std / math.sqrt(2 * n_layers) if getattr(m, "_is_residual_out", False) else std
-            nn.init.normal_(m.weight, mean=0.0, std=s)
+            out = getattr(m, "_is_residual_out", False)
+            if scheme == "gpt2":
+                nn.init.normal_(m.weight, mean=0.0, std=std / math.sqrt(2 * n_layers) if out else std)
+            elif scheme == "ttt":
+                nn.init.normal_(m.weight, mean=0.0, std=std)
+            elif scheme == "griffin":
+                nn.init.normal_(m.weight, mean=0.0, std=math.sqrt((2.0 / n_layers if out else 1.0) / m.in_features))
+            else:  # mamba
+                m.reset_parameters()
+                if out:
+                    with torch.no_grad():
+                        m.weight.div_(math.sqrt(n_residuals_per_layer * n_layers))
             if m.bias is not None:
                 nn.init.zeros_(m.bias)
         elif isinstance(m, nn.Embedding):

@@ -15,6 +15,11 @@ Packed rows: with ``model.reset_at_doc_boundaries`` and the data's ``position_id
 document's first token), every token-mixing part of a block (the mixer and the pre-conv) runs
 separately on each document of a row from a fresh state, exactly as if each document were its
 own sequence; the position-wise parts (norms, MLP, LM head) run on the whole batch.
+
+Segment positions: mixers whose official code reads them (``Mixer.takes_segment_pos``: Griffin's
+RG-LRU block) get ``position_ids`` as ``segment_pos`` whenever they are given, in training and in
+``step``, whatever ``model.reset_at_doc_boundaries`` says: the RG-LRU resets where
+segment_pos = 0 and normalizes every other token, as recurrentgemma does.
 """
 from __future__ import annotations
 
@@ -52,11 +57,15 @@ def doc_segments(position_ids: torch.Tensor) -> Segments:
     return out
 
 
-def _per_segment(fn, x: torch.Tensor, segments: Segments) -> torch.Tensor:
-    """fn applied to each document piece of each row on its own (fresh state), reassembled."""
+def _per_segment(fn, x: torch.Tensor, segments: Segments, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """fn applied to each document piece of each row on its own (fresh state), reassembled;
+    with ``position_ids``, fn also gets the piece's positions."""
     rows = []
     for b, segs in enumerate(segments):
-        rows.append(torch.cat([fn(x[b:b + 1, s:e]) for s, e in segs], dim=1))
+        if position_ids is None:
+            rows.append(torch.cat([fn(x[b:b + 1, s:e]) for s, e in segs], dim=1))
+        else:
+            rows.append(torch.cat([fn(x[b:b + 1, s:e], position_ids[b:b + 1, s:e]) for s, e in segs], dim=1))
     return torch.cat(rows, dim=0)
 
 
@@ -80,17 +89,22 @@ class Block(nn.Module):
             st["pre_conv"] = self.pre_conv.init_cache(batch_size, device, dtype)
         return st
 
+    def mixer_kw(self, position_ids: Optional[torch.Tensor]) -> dict:
+        """What the mixer takes beyond (x, state): segment_pos for mixers that read it."""
+        return {"segment_pos": position_ids} if position_ids is not None and self.mixer.takes_segment_pos else {}
+
     def forward(self, x: torch.Tensor, state: Optional[dict] = None, output_state: bool = False,
-                segments: Optional[Segments] = None):
+                segments: Optional[Segments] = None, position_ids: Optional[torch.Tensor] = None):
         if segments is not None:
-            return self._forward_segments(x, segments), None
+            return self._forward_segments(x, segments, position_ids), None
         new_state = {} if output_state else None
         if self.pre_conv is not None:
             c, cc = self.pre_conv(self.pre_conv_norm(x), None if state is None else state["pre_conv"], output_state)
             x = x + c
             if output_state:
                 new_state["pre_conv"] = cc
-        h, ms = self.mixer(self.mixer_norm(x), None if state is None else state["mixer"], output_state)
+        h, ms = self.mixer(self.mixer_norm(x), None if state is None else state["mixer"], output_state,
+                           **self.mixer_kw(position_ids))
         x = x + h
         if self.mlp is not None:
             x = x + self.mlp(self.mlp_norm(x))
@@ -98,20 +112,25 @@ class Block(nn.Module):
             new_state["mixer"] = ms
         return x, new_state
 
-    def _forward_segments(self, x: torch.Tensor, segments: Segments) -> torch.Tensor:
+    def _forward_segments(self, x: torch.Tensor, segments: Segments,
+                          position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         if self.pre_conv is not None:
             x = x + _per_segment(lambda xs: self.pre_conv(xs)[0], self.pre_conv_norm(x), segments)
-        x = x + _per_segment(lambda xs: self.mixer(xs)[0], self.mixer_norm(x), segments)
+        if self.mixer_kw(position_ids):
+            x = x + _per_segment(lambda xs, ps: self.mixer(xs, **self.mixer_kw(ps))[0], self.mixer_norm(x),
+                                 segments, position_ids)
+        else:
+            x = x + _per_segment(lambda xs: self.mixer(xs)[0], self.mixer_norm(x), segments)
         if self.mlp is not None:
             x = x + self.mlp(self.mlp_norm(x))
         return x
 
-    def step(self, x: torch.Tensor, state: dict):
+    def step(self, x: torch.Tensor, state: dict, position_ids: Optional[torch.Tensor] = None):
         new_state = {}
         if self.pre_conv is not None:
             c, new_state["pre_conv"] = self.pre_conv(self.pre_conv_norm(x), state["pre_conv"], True)
             x = x + c
-        h, new_state["mixer"] = self.mixer.step(self.mixer_norm(x), state["mixer"])
+        h, new_state["mixer"] = self.mixer.step(self.mixer_norm(x), state["mixer"], **self.mixer_kw(position_ids))
         x = x + h
         if self.mlp is not None:
             x = x + self.mlp(self.mlp_norm(x))
@@ -129,7 +148,7 @@ class LM(nn.Module):
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
-        init_weights(self, cfg.init_std, cfg.n_layers)
+        init_weights(self, cfg.init_std, cfg.n_layers, cfg.init, n_residuals_per_layer=2 if cfg.ff > 0 else 1)
         self.set_kernel_backend(cfg.kernel_backend)
         #: run each block under activation checkpointing in training (set by the trainer)
         self.activation_checkpointing = False
@@ -139,6 +158,14 @@ class LM(nn.Module):
         """"chunked" (training form, default) or "reference" (sequential forms) for every mixer."""
         for b in self.layers:
             b.mixer.impl = impl
+        return self
+
+    def set_train_step(self, step: int) -> "LM":
+        """Tell the layers with a training schedule of their own which optimizer step (1-based)
+        comes next: TTT's inner base learning-rate warmup (``model.ttt.base_lr_init``)."""
+        for b in self.layers:
+            if hasattr(b.mixer, "set_train_step"):
+                b.mixer.set_train_step(step)
         return self
 
     def set_kernel_backend(self, backend: str) -> "LM":
@@ -173,9 +200,10 @@ class LM(nn.Module):
         for i, block in enumerate(self.layers):
             st = None if states is None else states[i]
             if self.activation_checkpointing and self.training and torch.is_grad_enabled():
-                x, ns = torch.utils.checkpoint.checkpoint(block, x, st, output_states, segments, use_reentrant=False)
+                x, ns = torch.utils.checkpoint.checkpoint(block, x, st, output_states, segments, position_ids,
+                                                          use_reentrant=False)
             else:
-                x, ns = block(x, st, output_states, segments)
+                x, ns = block(x, st, output_states, segments, position_ids)
             if output_states:
                 new_states.append(ns)
         return self.norm(x), new_states
@@ -183,8 +211,8 @@ class LM(nn.Module):
     def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None,
                 states=None, output_states: bool = False,
                 position_ids: Optional[torch.Tensor] = None) -> LMOutput:
-        """position_ids (0 at a document's first token) matter only with
-        model.reset_at_doc_boundaries."""
+        """position_ids [B, T] (0 at a document's first token): segment positions for the mixers
+        that read them (RG-LRU), and document resets with model.reset_at_doc_boundaries."""
         h, new_states = self.hidden(input_ids, states, output_states, position_ids)
         logits = self.lm_head(h)
         loss = None
@@ -192,12 +220,15 @@ class LM(nn.Module):
             loss = F.cross_entropy(acc(logits).view(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
         return LMOutput(logits=logits, loss=loss, states=new_states)
 
-    def step(self, token_ids: torch.Tensor, states: List[dict]):
-        """One decode step: token_ids [B] → logits [B, V] and the new states."""
+    def step(self, token_ids: torch.Tensor, states: List[dict], position_ids: Optional[torch.Tensor] = None):
+        """One decode step: token_ids [B] → logits [B, V] and the new states. ``position_ids``
+        [B]: the tokens' segment positions (0 starts a new document: the RG-LRU drops its
+        state); by default each state's own position."""
         x = self.embed(token_ids[:, None])
+        pos = None if position_ids is None else position_ids.reshape(-1, 1)
         new_states = []
         for block, st in zip(self.layers, states):
-            x, ns = block.step(x, st)
+            x, ns = block.step(x, st, pos)
             new_states.append(ns)
         return self.lm_head(self.norm(x))[:, 0], new_states
 

@@ -50,7 +50,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from kernels import delta_rule as _dr
-from kernels.linear_scan import has_triton_backend as _ls_has_triton
 from kernels.linear_scan import linear_scan
 from kernels.selective_scan import has_triton_backend as _ss_has_triton
 from kernels.selective_scan import selective_scan
@@ -286,18 +285,26 @@ def _diag_initial_state(log_A: torch.Tensor, h_loc: torch.Tensor, group) -> torc
     rank, _ = _rank_world(group)
     g = all_gather(torch.stack([log_A, h_loc], 0), group)        # [world, 2, …]
     L, H = g[:rank, 0], g[:rank, 1]
-    # Σ_{s<q<r} log A_q = (Σ_{q≥s, q<r} log A_q) − log A_s; on rank 0 an empty sum that keeps
-    # the gather in the graph
-    between = L.flip(0).cumsum(0).flip(0) - L
+    # Σ_{s<q<r} log A_q = C_{s+1} with C_s = Σ_{s≤q<r} log A_q (C_r = 0), a sum without a
+    # difference, so a slice with a reset (log A = −∞) cuts off everything before it; on rank 0
+    # an empty sum that keeps the gather in the graph
+    C = L.flip(0).cumsum(0).flip(0)
+    between = torch.cat([C[1:], torch.zeros_like(L[:1])], 0) if rank > 0 else L
     return (between.exp() * H).sum(0)
 
 
 def cp_linear_scan(log_a: torch.Tensor, b: torch.Tensor, group=None, backend: str = "torch",
-                   chunk_size: int = 64) -> Tuple[torch.Tensor, torch.Tensor]:
+                   chunk_size: int = 64, reset: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """``kernels.linear_scan.linear_scan`` over a sequence split across the group (each rank
-    passes its slice [B, T_r, D], T_r ≥ 1, the whole sequence starting from h = 0). Returns
-    (h [B, T_r, D] in b's dtype, the state after this rank's slice [B, D])."""
-    h_loc, _ = linear_scan(log_a, b, None, False, backend=backend, chunk_size=chunk_size)
+    passes its slice [B, T_r, D], T_r ≥ 1, the whole sequence starting from h = 0). ``reset``
+    [B, T_r] (bool): h_t = b_t there (a_t replaced by 0), which cuts the reach of every earlier
+    state. Returns (h [B, T_r, D] in b's dtype, the state after this rank's slice [B, D])."""
+    if reset is None:
+        h_loc, _ = linear_scan(log_a, b, None, False, backend=backend, chunk_size=chunk_size)
+    else:
+        from ttt_lm.model.mixers.rglru import reset_scan
+        h_loc, _ = reset_scan(log_a, b, None, reset, False, backend, chunk_size)
+        log_a = acc(log_a).masked_fill(reset[..., None], float("-inf"))
     cum = acc(log_a).cumsum(1)                                        # log Π_{τ≤t} a_τ
     h_in = _diag_initial_state(cum[:, -1], acc(h_loc[:, -1]), group)
     h = acc(h_loc) + cum.exp() * h_in[:, None]
@@ -354,19 +361,15 @@ def cp_attention(mixer, x, lengths, group=None) -> torch.Tensor:
     return mixer._out(mixer._attend(q, k_all, v_all))
 
 
-def cp_rglru(mixer, x, lengths, group=None) -> torch.Tensor:
-    """Griffin's recurrent block: conv halo, then the RG-LRU scan by summaries."""
+def cp_rglru(mixer, x, lengths, group=None, segment_pos: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Griffin's recurrent block: conv halo, then the RG-LRU scan by summaries. ``segment_pos``
+    [B, T_r]: this slice's segment positions (default: the global positions, one stream)."""
     rank, _ = _rank_world(group)
     state = {"conv": _conv_cache(mixer.conv1d, x, mixer.linear_x, lengths, group), "h": None,
              "pos": sum(lengths[:rank])}
-    gelu_y, log_a, b, _, _, pos0 = mixer._gates(x, state, False)
-    if mixer.impl == "reference":
-        backend = "reference"
-    else:
-        backend = mixer._resolve_backend(x)
-        if backend == "triton" and mixer.kernel_backend == "auto" and not _ls_has_triton():
-            backend = "torch"
-    h, _ = cp_linear_scan(log_a, b, group, backend, mixer.chunk_size)
+    gelu_y, log_a, b, reset, _, _, pos0 = mixer._gates(x, state, False, segment_pos)
+    backend = "reference" if mixer.impl == "reference" else mixer.scan_backend(x)
+    h, _ = cp_linear_scan(log_a, b, group, backend, mixer.chunk_size, reset if bool(reset.any()) else None)
     y, _ = mixer._finish(h, gelu_y, x, None, None, pos0, False)
     return y
 
@@ -421,11 +424,16 @@ def _parallel_form(mixer):
             DeltaNet: cp_deltanet, Mamba: cp_mamba}.get(type(mixer))
 
 
-def cp_mixer(mixer, x_local, lengths, group=None, tag: int = 0) -> torch.Tensor:
-    """One mixer over a split sequence: its parallel form when it has one, else state passing."""
+def cp_mixer(mixer, x_local, lengths, group=None, tag: int = 0,
+             position_ids_local: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """One mixer over a split sequence: its parallel form when it has one, else state passing.
+    ``position_ids_local`` reach the mixers that read segment positions (``takes_segment_pos``)."""
     form = _parallel_form(mixer)
+    kw = {"segment_pos": position_ids_local} if position_ids_local is not None and mixer.takes_segment_pos else {}
     if form is not None:
-        return form(mixer, x_local, lengths, group)
+        return form(mixer, x_local, lengths, group, **kw)
+    if kw:
+        raise ValueError(f"context parallel: {type(mixer).__name__} reads segment positions but has no parallel form")
     return pass_state_forward(mixer, x_local, group, tag)[0]
 
 
@@ -440,14 +448,16 @@ def block_scheme(block) -> str:
 
 
 def context_parallel_forward(model, input_ids_local: torch.Tensor, labels_local: Optional[torch.Tensor],
-                             group=None):
+                             group=None, position_ids_local: Optional[torch.Tensor] = None):
     """``model`` (an ``LM``) over a sequence split across ``group``: input_ids_local,
     labels_local [B, T_r] are this rank's contiguous slice (labels aligned as for ``LM.forward``,
     −100 ignored; every T_r ≥ 1). Returns (loss_local, logits_local): loss_local is this rank's
     summed cross-entropy × world / (valid labels in the whole sequence), so its mean over the
     group is the full-sequence mean cross-entropy (None without labels). Blocks of attention,
     RG-LRU, DeltaNet or Mamba run in parallel; the others (TTT, Titans, pre-conv blocks) pass
-    their block state from rank to rank. Activation checkpointing is not applied here."""
+    their block state from rank to rank. Activation checkpointing is not applied here.
+    ``position_ids_local`` [B, T_r] (this slice of the loader's positions) reach the RG-LRU as its
+    segment positions, as in ``LM.forward``."""
     rank, world = _rank_world(group)
     lengths = gather_lengths(input_ids_local.shape[1], group)
     if min(lengths) < 1:
@@ -457,7 +467,8 @@ def context_parallel_forward(model, input_ids_local: torch.Tensor, labels_local:
         if block_scheme(block) == "state":
             x, _ = pass_state_forward(block, x, group, tag=i)
         else:
-            x = x + cp_mixer(block.mixer, block.mixer_norm(x), lengths, group, tag=i)
+            x = x + cp_mixer(block.mixer, block.mixer_norm(x), lengths, group, tag=i,
+                             position_ids_local=position_ids_local)
             if block.mlp is not None:
                 x = x + block.mlp(block.mlp_norm(x))
     logits = model.lm_head(model.norm(x))

@@ -45,12 +45,14 @@ class ContextParallelLM(LM):
 
     def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None, states=None,
                 output_states: bool = False, position_ids: Optional[torch.Tensor] = None) -> LMOutput:
-        """input_ids, labels: the full rows [B, T] (the same on every CP rank). Returns this rank's
-        logits [B, T_r] and its loss share (see the module docstring)."""
-        if states is not None or output_states or position_ids is not None:
-            raise ValueError("the context-parallel LM runs whole rows from the start: no states or position_ids")
+        """input_ids, labels, position_ids: the full rows [B, T] (the same on every CP rank;
+        position_ids reach the RG-LRU as segment positions). Returns this rank's logits [B, T_r]
+        and its loss share (see the module docstring)."""
+        if states is not None or output_states:
+            raise ValueError("the context-parallel LM runs whole rows from the start: no states")
         loss, logits = context_parallel_forward(
-            self, self.local_slice(input_ids), None if labels is None else self.local_slice(labels), self.cp_group)
+            self, self.local_slice(input_ids), None if labels is None else self.local_slice(labels), self.cp_group,
+            None if position_ids is None else self.local_slice(position_ids))
         if loss is not None:
             loss = loss.reshape(())  # the library's loss has shape [1]; LM's is a scalar
         if loss is not None and torch.is_grad_enabled():

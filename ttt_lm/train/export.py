@@ -95,6 +95,12 @@ def export(ckpt: str, out_dir: str) -> str:
     missing = [k for k in missing if not (cfg.model.tie_embeddings and k == "lm_head.weight")]
     if missing or unexpected:
         raise RuntimeError(f"checkpoint {ckpt} does not match its config: missing {missing}, unexpected {unexpected}")
+    return save_export(model, cfg, out_dir)
+
+
+def save_export(model, cfg, out_dir: str) -> str:
+    """Write an export directory: ``model``'s state dict (renamed into place when complete) and
+    the experiment config ``cfg``."""
     os.makedirs(out_dir, exist_ok=True)
     tmp = os.path.join(out_dir, WEIGHTS + ".tmp")
     torch.save(model.state_dict(), tmp)

@@ -378,9 +378,10 @@ def _train(cfg, data_api, preempt, held) -> int:
     cfg_yaml = to_yaml(cfg)
 
     def fwd_kw(b):
-        # the tensor- and context-parallel forwards take no position_ids (check_parallel refuses
-        # reset_at_doc_boundaries with them, the only use of them)
-        return {} if tp > 1 or cp > 1 else {"position_ids": _pos(b, dev)}
+        # the tensor-parallel forward takes no position_ids (check_parallel refuses
+        # reset_at_doc_boundaries and the RG-LRU, their users, with it); the context-parallel one
+        # hands them to the RG-LRU as segment positions
+        return {} if tp > 1 else {"position_ids": _pos(b, dev)}
 
     def save_ckpt():
         nonlocal last_bytes
@@ -434,6 +435,7 @@ def _train(cfg, data_api, preempt, held) -> int:
         lr = sched.get_last_lr()[0]
         loss_sum = torch.zeros((), dtype=torch.float64)
         local_tokens = 0
+        engine.module.set_train_step(step + 1)   # schedules inside the model (TTT's η_base warmup)
         for _ in range(t.grad_accum):
             b = next(batches)
             ids = b["input_ids"].to(dev, non_blocking=True)

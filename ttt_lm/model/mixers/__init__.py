@@ -13,6 +13,8 @@ MIXERS = {
     "ttt_mlp": "ttt_lm.model.mixers.ttt:TTTMLP",
     "titans": "ttt_lm.model.mixers.titans:TitansMemory",
     "titans_mag": "ttt_lm.model.mixers.titans:TitansMAG",
+    "titans_mac": "ttt_lm.model.mixers.titans:TitansMAC",
+    "titans_mal": "ttt_lm.model.mixers.titans:TitansMAL",
     "deltanet": "ttt_lm.model.mixers.deltanet:DeltaNet",
     "rglru": "ttt_lm.model.mixers.rglru:RGLRUBlock",
     "mamba": "ttt_lm.model.mixers.mamba:Mamba",

@@ -13,6 +13,10 @@ A mixer maps x ∈ R^{B×T×D} to y ∈ R^{B×T×D} causally, and has three form
 ``state`` is a dict of tensors (recurrent state, conv caches, KV cache, position). Feeding the
 state returned by one segment into the next gives the same outputs as one pass over the
 concatenation; ``init_state`` returns the state before any token.
+
+A mixer whose official code reads segment positions (the position of each token in its document,
+0 at a document's first token; the data loader's ``position_ids``) sets ``takes_segment_pos``;
+its three forms then accept ``segment_pos`` ([B, T] integers) and the block passes it through.
 """
 from __future__ import annotations
 
@@ -34,14 +38,17 @@ class Mixer(nn.Module, metaclass=abc.ABCMeta):
     kernel_backend: str = "auto"
     #: init_weights() calls reset_parameters() on mixers after the generic init
     _mixer_init: bool = True
+    #: the forms take ``segment_pos`` [B, T] (position of each token in its document)
+    takes_segment_pos: bool = False
 
     def forward(self, x: torch.Tensor, state: Optional[State] = None,
-                output_state: bool = False) -> Tuple[torch.Tensor, Optional[State]]:
+                output_state: bool = False, **kw) -> Tuple[torch.Tensor, Optional[State]]:
+        """``kw``: ``segment_pos`` for mixers that set ``takes_segment_pos``."""
         if self.impl == "reference":
-            return self.reference(x, state, output_state)
+            return self.reference(x, state, output_state, **kw)
         if self.impl != "chunked":
             raise ValueError(f"mixer impl must be 'chunked' or 'reference', got {self.impl!r}")
-        return self.chunked(x, state, output_state)
+        return self.chunked(x, state, output_state, **kw)
 
     @abc.abstractmethod
     def chunked(self, x, state=None, output_state=False):

@@ -14,7 +14,9 @@ With d_inner = expand·d_model, state size N = d_state and R = dt_rank:
 
 Initialization as the paper's code: A_log = log(1..N) on every channel (S4D-real), D = 1,
 b_Δ = softplus⁻¹(Δ₀) with Δ₀ ~ logU[dt_min, dt_max] (floored at 1e-4), W_Δ ~ U(±R^{−1/2}),
-the convolution at PyTorch's default; W_in, W_x, W_out follow the model's generic init.
+the convolution at PyTorch's default. W_in, W_x, W_out follow ``model.init``: with ``mamba``
+(the Mamba presets) mamba_ssm's MambaLMHeadModel ``_init_weights``: PyTorch's kaiming-uniform
+for W_in and W_x, and for W_out divided by √(n_residuals_per_layer · n_layers).
 
 Forms: ``reference`` runs the scan token by token, ``chunked`` the chunked scan
 (kernels.selective_scan; Triton on CUDA when present), ``step`` one token with the cache

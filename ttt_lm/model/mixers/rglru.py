@@ -1,5 +1,6 @@
 r"""Griffin's recurrent block with the Real-Gated Linear Recurrent Unit (RG-LRU)
-(De et al. 2024, "Griffin: Mixing Gated Linear Recurrences with Local Attention", §2.4).
+(De et al. 2024, "Griffin: Mixing Gated Linear Recurrences with Local Attention", §2.4), checked
+against the official recurrentgemma code (its PyTorch port, ``recurrentgemma/torch/layers.py``).
 
 RG-LRU, per channel of the recurrence width W, for the block's input x_t to the layer:
 
@@ -11,13 +12,38 @@ RG-LRU, per channel of the recurrence width W, for the block's input x_t to the 
 W_a, W_x are block-diagonal with ``num_heads`` blocks. a_t is formed in log space: a^{c·r_t} as a
 power of a number near 1 would lose its digits, and √(1 − a_t²) = √(−expm1(2 log a_t)) keeps
 them. The derivative of the square root is bounded (at 1000, as in the official recurrentgemma
-code) so that a_t → 1 cannot blow up gradients in low precision. At the first token of a stream
-(no carried state, or a state at position 0) the normalization is skipped, h_0 = i_0 ⊙ x_0, as
-recurrentgemma does at a document start.
+code) so that a_t → 1 cannot blow up gradients in low precision. (recurrentgemma's ``a_param``
+is −Λ: its a = exp(−softplus(a_param)) = σ(−a_param).)
 
-Λ is initialized so that a^c ~ U[a_min, a_max] = U[0.9, 0.999], as the paper states:
-a = u^{1/c}, Λ = logit(a). (recurrentgemma's code instead draws a itself with a² uniform on
-[0.9², 0.999²]; a linspace over Λ is neither.)
+Document resets follow recurrentgemma's ``segment_pos`` (the position of each token in its
+document, 0 at a document's first token; the data loader's ``position_ids``). Where
+segment_pos_t = 0 the state is dropped and the input is not normalized:
+
+    h_t = i_t ⊙ x_t                             (segment_pos_t = 0: a_t is replaced by 0)
+    h_t = a_t ⊙ h_{t−1} + √(1 − a_t²) ⊙ (i_t ⊙ x_t)   (every other token, the first token of a
+                                                  row that starts inside a document included)
+
+and the convolution only reads inputs of the token's own document: Conv1D(x)_t = b + Σ_{j<w,
+j ≤ segment_pos_t} W_j ⊙ x_{t−j}. Without ``segment_pos`` the positions are the stream's own
+(state["pos"] + t): a reset only at the stream's first token. A decode state at pos = 0 drops
+its h and its conv cache, as the official RG-LRU drops h there. (recurrentgemma masks the
+convolution only when it has no cache and then by the document boundaries it sees; for the
+consecutive positions of a document the rule above is the same, and it also holds across a
+carried cache and context-parallel slices.)
+
+Λ initialization, ``rglru.a_init``:
+
+* ``official`` (default): recurrentgemma's ``rnn_param_init(min_rad=0.9, max_rad=0.999)``,
+  which produced the paper's results: a² ~ U[a_min² + 10⁻⁸, a_max² + 10⁻⁸], a = √(a²),
+  Λ = logit(a). So a ∈ [0.9, 0.999] and the decay at r_t = 1, a^c, spans [0.43, 0.992].
+* ``paper``: the paper's sentence (§2.4, "a^c is uniformly distributed between 0.9 and 0.999"):
+  a^c ~ U[a_min, a_max], a = u^{1/c}, Λ = logit(a); a ∈ [0.987, 0.9999]. This decays far more
+  slowly than the official init (two-sample KS distance between the two a's: 0.87).
+
+A linspace over Λ is neither. The gates W_a, W_x start at N(0, 1/block width) and the conv at
+N(0, 0.01/conv_width), zero biases (recurrentgemma); the dense projections W_x', W_y, W_out
+follow ``model.init`` (``griffin`` in the Griffin and Hawk presets: N(0, 1/width), and W_out
+N(0, (2/n_layers)/lru_width)).
 
 The recurrent block (Griffin Fig. 2):
 
@@ -26,11 +52,13 @@ The recurrent block (Griffin Fig. 2):
 with a causal depthwise convolution of width ``conv_width``. Forms: ``reference`` runs the
 recurrence token by token (kernels.linear_scan reference), ``chunked`` the chunked scan
 (kernels.linear_scan, Triton on CUDA when present), ``step`` one token with the cache
-{conv: last conv_width−1 inputs, h: h_{t−1}, pos}.
+{conv: last conv_width−1 inputs, h: h_{t−1}, pos}. Resets inside a row run the scan as packed
+sequences (``cu_seqlens``), one per document piece.
 """
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -56,11 +84,65 @@ class _SqrtBoundDerivative(torch.autograd.Function):
         return g / torch.sqrt(torch.clamp(4.0 * x, min=1.0 / _MAX_SQRT_GRAD ** 2))
 
 
-def lambda_init(width: int, c: float, a_min: float, a_max: float, generator=None) -> torch.Tensor:
-    """Λ with a^c ~ U[a_min, a_max] for a = σ(Λ) (float64)."""
-    u = torch.empty(width, dtype=torch.float64).uniform_(a_min, a_max, generator=generator)
-    log_a = torch.log(u) / c
+#: recurrentgemma's rnn_param_init adds this to both ends of the a² range
+_RNN_INIT_EPS = 1e-8
+A_INITS = ("official", "paper")
+
+
+def lambda_init(width: int, c: float, a_min: float, a_max: float, mode: str = "official",
+                generator=None) -> torch.Tensor:
+    """Λ (float64) such that a = σ(Λ) follows ``mode``: "official" (recurrentgemma): a² ~
+    U[a_min² + 1e-8, a_max² + 1e-8]; "paper": a^c ~ U[a_min, a_max]. See the module docstring."""
+    if mode == "official":
+        u = torch.empty(width, dtype=torch.float64).uniform_(a_min ** 2 + _RNN_INIT_EPS, a_max ** 2 + _RNN_INIT_EPS,
+                                                             generator=generator)
+        log_a = 0.5 * torch.log(u)
+    elif mode == "paper":
+        u = torch.empty(width, dtype=torch.float64).uniform_(a_min, a_max, generator=generator)
+        log_a = torch.log(u) / c
+    else:
+        raise ValueError(f"model.rglru.a_init must be one of {A_INITS}, got {mode!r}")
     return log_a - torch.log(-torch.expm1(log_a))          # logit(a) = log a − log(1 − a)
+
+
+def segment_positions(segment_pos: Optional[torch.Tensor], x: torch.Tensor, pos0: int) -> torch.Tensor:
+    """The [B, T] segment positions of x's tokens: ``segment_pos`` checked, or the stream's own
+    positions pos0 + t."""
+    B, T = x.shape[:2]
+    if segment_pos is None:
+        return (pos0 + torch.arange(T, device=x.device)).expand(B, T)
+    if segment_pos.shape != (B, T):
+        raise ValueError(f"RG-LRU: segment_pos must be [B, T] = {(B, T)} like the input, got {tuple(segment_pos.shape)}")
+    if segment_pos.dtype.is_floating_point or segment_pos.dtype == torch.bool:
+        raise ValueError(f"RG-LRU: segment_pos must hold integer positions, got {segment_pos.dtype}")
+    return segment_pos.to(x.device)
+
+
+def reset_scan(log_a: torch.Tensor, b: torch.Tensor, h0: Optional[torch.Tensor], reset: torch.Tensor,
+               output_state: bool, backend: str, chunk_size: int):
+    """kernels.linear_scan with h_t = b_t where ``reset`` [B, T] (a_t replaced by 0): a reset at
+    a row's first token drops h0; resets inside rows split the rows into packed sequences
+    (``cu_seqlens``, one sequence per document piece; their offsets are read on the host).
+    Returns (h, the final state or None)."""
+    B, T, D = b.shape
+    if h0 is not None and T > 0:
+        h0 = torch.where(reset[:, 0, None], torch.zeros_like(h0), h0)   # a reset drops the carried state
+    inner = reset[:, 1:].nonzero()
+    if inner.numel() == 0:
+        return linear_scan(log_a, b, h0, output_state, backend=backend, chunk_size=chunk_size)
+    starts = sorted(set(range(0, B * T, T)) | set((inner[:, 0] * T + inner[:, 1] + 1).tolist()))
+    cu = torch.tensor(starts + [B * T], dtype=torch.int32, device=b.device)
+    row_first = torch.tensor([s % T == 0 for s in starts], device=b.device)
+    init = torch.zeros(len(starts), D, dtype=acc(b).dtype, device=b.device)
+    if h0 is not None:
+        init = init.index_put((row_first.nonzero()[:, 0],), h0.to(init.dtype))
+    h, fin = linear_scan(log_a.reshape(1, B * T, D), b.reshape(1, B * T, D), init, output_state,
+                         backend=backend, chunk_size=chunk_size, cu_seqlens=cu)
+    if output_state:
+        last = torch.tensor([i for i, s in enumerate(starts) if i + 1 == len(starts) or starts[i + 1] % T == 0],
+                            device=b.device)
+        fin = fin[last]
+    return h.reshape(B, T, D), fin
 
 
 class BlockDiagonalLinear(nn.Module):
@@ -85,6 +167,8 @@ class BlockDiagonalLinear(nn.Module):
 
 
 class RGLRUBlock(Mixer):
+    takes_segment_pos = True
+
     def __init__(self, cfg, layer_idx: int):
         super().__init__()
         rc = cfg.rglru
@@ -92,9 +176,12 @@ class RGLRUBlock(Mixer):
         self.width = rc.lru_width or cfg.d_model
         self.num_heads = rc.num_heads or cfg.n_heads
         self.c, self.a_min, self.a_max = rc.c, rc.a_min, rc.a_max
+        self.a_init = rc.a_init
         self.chunk_size = rc.chunk_size
         if not 0.0 < rc.a_min < rc.a_max < 1.0:
             raise ValueError(f"model.rglru needs 0 < a_min < a_max < 1, got {rc.a_min}, {rc.a_max}")
+        if rc.a_init not in A_INITS:
+            raise ValueError(f"model.rglru.a_init must be one of {A_INITS}, got {rc.a_init!r}")
         self.linear_y = nn.Linear(cfg.d_model, self.width)          # GeLU branch
         self.linear_x = nn.Linear(cfg.d_model, self.width)          # recurrence branch
         self.conv1d = CausalConv1d(self.width, rc.conv_width)
@@ -108,7 +195,7 @@ class RGLRUBlock(Mixer):
 
     def reset_parameters(self) -> None:
         with torch.no_grad():
-            self.Lambda.copy_(lambda_init(self.width, self.c, self.a_min, self.a_max))
+            self.Lambda.copy_(lambda_init(self.width, self.c, self.a_min, self.a_max, self.a_init))
         self.gate_a.reset_parameters()
         self.gate_x.reset_parameters()
         # recurrentgemma's Conv1D: N(0, 0.01 / width), zero bias
@@ -121,47 +208,77 @@ class RGLRUBlock(Mixer):
                 "h": torch.zeros(batch_size, self.width, device=device, dtype=dt), "pos": 0}
 
     # ---- shared pieces -----------------------------------------------------------------------
-    def _gates(self, x: torch.Tensor, state, output_state: bool):
-        """Branches up to the scan: GeLU branch, log a_t and b_t = √(1 − a_t²) ⊙ i_t ⊙ x_t."""
+    def _conv(self, u: torch.Tensor, cache, output_state: bool, seg: torch.Tensor, pos0_known: Optional[int]):
+        """Conv1D_w within each document: y_t = b + Σ_{j<w, j ≤ seg_t} W_j ⊙ u_{t−j} (u before
+        the call from ``cache``). The masked sum runs only where a mask can drop a non-zero input;
+        ``pos0_known`` is the stream position when ``seg`` is the stream's own (no host sync)."""
+        w = self.conv1d.width
+        y, new_cache = self.conv1d(u, cache, output_state)
+        T = u.shape[1]
+        if pos0_known is not None:
+            need = cache is not None and pos0_known < w - 1
+        else:
+            reach = torch.arange(T, device=u.device).clamp(max=w - 1) if cache is None else torch.full(
+                (T,), w - 1, device=u.device)
+            need = bool((seg < reach).any())
+        if not need or T == 0:
+            return y, new_cache
+        B, _, C = u.shape
+        prev = u.new_zeros(B, w - 1, C) if cache is None else cache.to(u.dtype).transpose(1, 2)
+        ut = torch.cat([prev, u], 1)                                   # [B, w − 1 + T, C]
+        weight = self.conv1d.conv.weight[:, 0, :]                      # [C, w]; W_j = weight[:, w − 1 − j]
+        y = self.conv1d.conv.bias.to(u.dtype).expand(B, T, C)
+        for j in range(w):
+            keep = (seg >= j)[..., None].to(u.dtype)
+            y = y + keep * ut[:, w - 1 - j:w - 1 - j + T] * weight[:, w - 1 - j]
+        return y, new_cache
+
+    def _gates(self, x: torch.Tensor, state, output_state: bool, segment_pos=None):
+        """Branches up to the scan: GeLU branch, log a_t, b_t = √(1 − a_t²) ⊙ i_t ⊙ x_t (1 in
+        place of the root where segment_pos_t = 0), the resets, h0 and the conv cache."""
         pos0 = 0 if state is None else int(state["pos"])
+        seg = segment_positions(segment_pos, x, pos0)
+        reset = seg == 0
         gelu_y = F.gelu(self.linear_y(x), approximate="tanh")
-        xb, conv_cache = self.conv1d(self.linear_x(x), None if state is None else state["conv"], output_state)
+        xb, conv_cache = self._conv(self.linear_x(x), None if state is None else state["conv"], output_state, seg,
+                                    pos0 if segment_pos is None else None)
         r_t = torch.sigmoid(acc(self.gate_a(xb)))
         i_t = torch.sigmoid(acc(self.gate_x(xb)))
         log_a_t = -self.c * r_t * F.softplus(-acc(self.Lambda))
         norm = _SqrtBoundDerivative.apply(-torch.expm1(2.0 * log_a_t))
-        if pos0 == 0 and x.shape[1] > 0:
-            # stream start: h_0 = i_0 ⊙ x_0, unnormalized (recurrentgemma's reset)
-            first = torch.zeros_like(norm[:1, :, :1], dtype=torch.bool)
-            first[:, 0] = True
-            norm = torch.where(first, torch.ones_like(norm), norm)
+        norm = torch.where(reset[..., None], torch.ones_like(norm), norm)   # recurrentgemma's reset
         b_t = norm * i_t * acc(xb)
         h0 = None if state is None else state["h"]
-        return gelu_y, log_a_t, b_t, h0, conv_cache, pos0
+        return gelu_y, log_a_t, b_t, reset, h0, conv_cache, pos0
 
     def _finish(self, h, gelu_y, x, hT, conv_cache, pos0, output_state):
         y = self.linear_out(h.to(x.dtype) * gelu_y)
         st = {"conv": conv_cache, "h": hT, "pos": pos0 + x.shape[1]} if output_state else None
         return y, st
 
-    def _scan(self, x, state, output_state, backend):
-        gelu_y, log_a_t, b_t, h0, conv_cache, pos0 = self._gates(x, state, output_state)
-        h, hT = linear_scan(log_a_t, b_t, h0, output_state, backend=backend, chunk_size=self.chunk_size)
+    def _scan(self, x, state, output_state, backend, segment_pos=None):
+        gelu_y, log_a_t, b_t, reset, h0, conv_cache, pos0 = self._gates(x, state, output_state, segment_pos)
+        h, hT = reset_scan(log_a_t, b_t, h0, reset, output_state, backend, self.chunk_size)
         return self._finish(h, gelu_y, x, hT, conv_cache, pos0, output_state)
 
-    # ---- forms -------------------------------------------------------------------------------
-    def reference(self, x, state=None, output_state=False):
-        return self._scan(x, state, output_state, "reference")
-
-    def chunked(self, x, state=None, output_state=False):
+    def scan_backend(self, x: torch.Tensor) -> str:
+        """The kernels.linear_scan backend of the chunked form."""
         backend = self._resolve_backend(x)
         if backend == "triton" and self.kernel_backend == "auto" and not has_triton_backend():
             backend = "torch"
-        return self._scan(x, state, output_state, backend)
+        return backend
 
-    def step(self, x, state):
-        gelu_y, log_a_t, b_t, h0, conv_cache, pos0 = self._gates(x, state, True)
-        h = torch.exp(log_a_t[:, 0]) * h0.to(b_t.dtype) + b_t[:, 0]
+    # ---- forms -------------------------------------------------------------------------------
+    def reference(self, x, state=None, output_state=False, segment_pos=None):
+        return self._scan(x, state, output_state, "reference", segment_pos)
+
+    def chunked(self, x, state=None, output_state=False, segment_pos=None):
+        return self._scan(x, state, output_state, self.scan_backend(x), segment_pos)
+
+    def step(self, x, state, segment_pos=None):
+        gelu_y, log_a_t, b_t, reset, h0, conv_cache, pos0 = self._gates(x, state, True, segment_pos)
+        h_prev = torch.where(reset[:, 0, None], torch.zeros_like(b_t[:, 0]), h0.to(b_t.dtype))
+        h = torch.exp(log_a_t[:, 0]) * h_prev + b_t[:, 0]
         return self._finish(h[:, None], gelu_y, x, h, conv_cache, pos0, True)
 
     @staticmethod

@@ -1,9 +1,11 @@
 r"""Titans neural long-term memory (Behrouz et al. 2025, "Titans: Learning to Memorize at Test Time").
 
-Variants here: the memory alone as a sequence layer (LMM, kind "titans", ``TitansMemory``) and
-memory as a gate (MAG, kind "titans_mag", ``TitansMAG``): a sliding-window attention branch and the
-memory branch, combined by a gate. Not here: memory as a context (MAC), memory as a layer (MAL)
-and the persistent memory tokens.
+Variants here: the memory alone as a sequence layer (LMM, kind "titans", ``TitansMemory``),
+memory as a gate (MAG, kind "titans_mag", ``TitansMAG``: a sliding-window attention branch and the
+memory branch, combined by a gate), memory as a context (MAC, kind "titans_mac", ``TitansMAC``:
+attention within segments over persistent tokens, the memory's retrieval and the segment) and
+memory as a layer (MAL, kind "titans_mal", ``TitansMAL``: persistent tokens, the memory, then
+sliding-window attention); their equations are in their classes. MAG has no persistent tokens.
 
 Per head, with q_t, k_t, v_t = SiLU(Conv(W_Q x)_t), … (short causal depthwise conv, then q and k
 L2-normalized), data-dependent gates
@@ -40,6 +42,16 @@ W_V and the gate projections through every memory update. The memory at the star
 (W, or W₁ and W₂) is a learned parameter; S starts at zero. Inside a chunk the momentum and decay
 recurrences are cumulative products taken in log space (log η_t = log σ(·),
 log(1 − α_t) = log σ(−·)).
+
+We follow the paper's equations, not titans-pytorch (lucidrains), which departs from them:
+there the momentum and forgetting gates are computed once per chunk from a pooled chunk
+representation and S, M advance once per chunk (the chunk's gradients summed), where the paper
+(and this file) has per-token gates and per-token S_t, M_t; retrieval there reads the memory as
+it was after the previous chunk (its weights shifted by one chunk), here y_t = M_t(q_t) reads
+the memory after token t's own update; its inner step is θ_t = max_lr · σ(·) (max_lr 0.01 by
+default), here θ_t = σ(W_θ x_t + b_θ); and it adds options the
+paper does not have (q/k RMSNorm, spectral-normed surprises, higher-order or learned momentum,
+weight residuals across layers).
 """
 from __future__ import annotations
 
@@ -52,7 +64,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import titans as _tk
-from ttt_lm.model.layers import CausalConv1d, RMSNorm, acc
+from ttt_lm.model.layers import CausalConv1d, RMSNorm, acc, apply_rope, rope_cos_sin
 from ttt_lm.model.mixers.attention import LocalAttention
 from ttt_lm.model.mixers.base import Mixer, State
 
@@ -326,3 +338,229 @@ class TitansMAG(Mixer):
     def flops_per_token(cfg, seq_len: int) -> float:
         acfg = dataclasses.replace(cfg, attention=dataclasses.replace(cfg.attention, window=cfg.titans.window))
         return LocalAttention.flops_per_token(acfg, seq_len) + TitansMemory.flops_per_token(cfg, seq_len)
+
+
+class TitansMAL(Mixer):
+    r"""Memory as a layer (Titans §4.3, Eqs. 29–31):
+
+        x̃ = [p_1 … p_{N_p}] ‖ x          persistent memory: N_p = ``titans.persistent_tokens``
+                                          learned tokens, prepended once, at the stream start
+        y = M(x̃)                          the LMM (``TitansMemory``) as a layer
+        o = SW-Attn(y)                    sliding window of ``titans.window`` keys
+
+    The outputs at the persistent positions are dropped; the tokens act through the memory's
+    state and through the attention's keys (while they are inside its window). Positions count
+    from the first persistent token, so x_t sits at N_p + t. The persistent tokens start at
+    N(0, 1), the scale of the RMS-normalized block input they stand beside (the paper gives no
+    init). All three forms run both sub-layers in the matching form; ``init_state`` has read
+    the persistent tokens already."""
+
+    def __init__(self, cfg, layer_idx: int):
+        super().__init__()
+        self.d_model = cfg.d_model
+        self.n_persist = cfg.titans.persistent_tokens
+        if self.n_persist < 0:
+            raise ValueError(f"model.titans.persistent_tokens must be ≥ 0, got {self.n_persist}")
+        acfg = dataclasses.replace(cfg, attention=dataclasses.replace(cfg.attention, window=cfg.titans.window))
+        self.memory = TitansMemory(cfg, layer_idx)
+        self.memory.o_proj._is_residual_out = False   # feeds the attention, not the residual stream
+        self.attn = LocalAttention(acfg, layer_idx)    # its o_proj writes the residual stream
+        self.persistent = nn.Parameter(torch.empty(self.n_persist, cfg.d_model))
+        self.persistent._no_weight_decay = True
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        self.memory.reset_parameters()
+        nn.init.normal_(self.persistent, std=1.0)
+
+    def _run(self, x, state, output_state, form: str):
+        self.attn.kernel_backend = self.memory.kernel_backend = self.kernel_backend
+        if state is None:
+            x = torch.cat([self.persistent.to(x.dtype).expand(x.shape[0], -1, -1), x], 1)
+        y, sm = getattr(self.memory, form)(x, None if state is None else state["mem"], output_state)
+        o, sa = getattr(self.attn, form)(y, None if state is None else state["attn"], output_state)
+        if state is None:
+            o = o[:, self.n_persist:]
+        return o, ({"mem": sm, "attn": sa} if output_state else None)
+
+    def reference(self, x, state=None, output_state=False):
+        return self._run(x, state, output_state, "reference")
+
+    def chunked(self, x, state=None, output_state=False):
+        return self._run(x, state, output_state, "chunked")
+
+    def step(self, x, state):
+        y, sm = self.memory.step(x, state["mem"])
+        o, sa = self.attn.step(y, state["attn"])
+        return o, {"mem": sm, "attn": sa}
+
+    def init_state(self, batch_size: int, device=None, dtype=None) -> State:
+        """The state after the persistent tokens (run through the chunked forms)."""
+        dtype = dtype or self.persistent.dtype
+        x = torch.zeros(batch_size, 0, self.d_model, device=device, dtype=dtype)
+        return self._run(x, None, True, "chunked")[1]
+
+    @staticmethod
+    def flops_per_token(cfg, seq_len: int) -> float:
+        acfg = dataclasses.replace(cfg, attention=dataclasses.replace(cfg.attention, window=cfg.titans.window))
+        return LocalAttention.flops_per_token(acfg, seq_len) + TitansMemory.flops_per_token(cfg, seq_len)
+
+
+class TitansMAC(Mixer):
+    r"""Memory as a context (Titans §4.1, Eqs. 21–25), with causal masks for language modeling.
+
+    The sequence is cut into segments S^{(i)} of C = ``titans.segment_len`` tokens (counted from
+    the stream start). M^{(i)} is the long-term memory (``TitansMemory``, the LMM) after the
+    segments before i; p_1 … p_{N_p} are ``titans.persistent_tokens`` learned tokens. For
+    segment i:
+
+        h_j = M*^{(i)}(q_j),  q_j = x_j W_Q                     (21) retrieval, no update
+        S̃   = [p_1 … p_{N_p}] ‖ h ‖ S^{(i)}                     (22)
+        y   = Attn(S̃)  at the positions of S^{(i)}              (23)
+        M^{(i+1)} = M^{(i)} updated on y                         (24)
+        o_j = W_O [RMSNorm(y_j) ⊙ σ(RMSNorm(M*_j(y_j)))]         (25) o = y ⊗ M*(y)
+
+    Causal reading (the paper states the segment form, not the masks): token j of the segment
+    attends to every persistent token, to h_{j'} and x_{j'} for j' ≤ j (h_j depends on x_j and
+    on earlier segments only); in (25) M*_j is the memory updated on y up to token j (the LMM
+    run as a sequence layer over y, with its own chunk_size), so o_j never reads later tokens;
+    the memory reaches the next segment as M^{(i+1)}, the state after the whole segment. The
+    retrieval h_j = W_O^M [RMSNorm(M^{(i)}(q_j)) ⊙ SiLU(W_G^M x_j)] uses the LMM's own query,
+    gate and output projections (q_j L2-normalized after SiLU as in the LMM, without its
+    convolution, which belongs to the stream of y). ⊗ is the gate of MAG. Positions (RoPE):
+    p_n at n, h_j and x_j both at N_p + j, restarting every segment. Attention is over
+    N_p + 2C keys at most, so the cost is linear in the sequence length.
+
+    Forms: ``reference`` (explicit softmax, the LMM's sequential form), ``chunked`` (SDPA with
+    the mask above, the LMM's chunked form), ``step`` one token. The state carries the LMM's
+    state, the memory at the current segment's start (R1, R2 …: M^{(i)} for retrieval), the
+    current segment's inputs so far (``seg``; their keys and values are recomputed, exactly)
+    and the position."""
+
+    def __init__(self, cfg, layer_idx: int):
+        super().__init__()
+        from ttt_lm.model.mixers.attention import Attention
+        c = cfg.titans
+        self.d_model = cfg.d_model
+        self.n_persist, self.segment_len = c.persistent_tokens, c.segment_len
+        if self.n_persist < 0:
+            raise ValueError(f"model.titans.persistent_tokens must be ≥ 0, got {self.n_persist}")
+        if self.segment_len < 1:
+            raise ValueError(f"model.titans.segment_len must be ≥ 1, got {self.segment_len}")
+        self.attn = Attention(cfg, layer_idx)
+        self.memory = TitansMemory(cfg, layer_idx)
+        # the branches feed the gate, not the residual stream: only W_O gets the depth-scaled init
+        self.attn.o_proj._is_residual_out = False
+        self.memory.o_proj._is_residual_out = False
+        self.persistent = nn.Parameter(torch.empty(self.n_persist, cfg.d_model))
+        self.persistent._no_weight_decay = True
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mem_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.o_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.o_proj._is_residual_out = True
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        self.memory.reset_parameters()
+        nn.init.normal_(self.persistent, std=1.0)
+
+    # ---- pieces ------------------------------------------------------------------------------
+    def _retrieve(self, x: torch.Tensor, R) -> torch.Tensor:
+        """h = W_O^M [RMSNorm(M(q)) ⊙ SiLU(W_G^M x)] with the memory weights R, [B, n, D]."""
+        mem = self.memory
+        B, n, _ = x.shape
+        q = F.silu(mem.q_proj(x)).view(B, n, mem.n_heads, mem.hd).transpose(1, 2)
+        q = F.normalize(acc(q), p=2.0, dim=-1, eps=1e-6)
+        y = q @ R[0].to(q.dtype) if mem.memory == "linear" else F.gelu(q @ R[0].to(q.dtype)) @ R[1].to(q.dtype)
+        return mem._out(y, x)
+
+    def _segment_attention(self, full: torch.Tensor, h: torch.Tensor, n_old: int, explicit: bool) -> torch.Tensor:
+        """Attn(p ‖ h ‖ S) at the positions of S[n_old:] (the tokens of this call), [B, L − n_old, D]."""
+        a = self.attn
+        B, L, D = full.shape
+        Np, Tq = self.n_persist, L - n_old
+        ext = torch.cat([self.persistent.to(full.dtype).expand(B, -1, -1), h.to(full.dtype), full], 1)
+        q = a.q_proj(full[:, n_old:]).view(B, Tq, a.n_heads, a.hd).transpose(1, 2)
+        k = a.k_proj(ext).view(B, -1, a.n_kv, a.hd).transpose(1, 2)
+        v = a.v_proj(ext).view(B, -1, a.n_kv, a.hd).transpose(1, 2)
+        seg_pos = Np + torch.arange(L, device=full.device)
+        k_pos = torch.cat([torch.arange(Np, device=full.device), seg_pos, seg_pos])
+        cq, sq = rope_cos_sin(seg_pos[n_old:], a.hd, a.rope_theta)
+        ck, sk = rope_cos_sin(k_pos, a.hd, a.rope_theta)
+        q, k = apply_rope(q, cq, sq), apply_rope(k, ck, sk)
+        j = torch.arange(n_old, L, device=full.device)[:, None]
+        jk = torch.arange(L, device=full.device)[None, :]
+        mask = torch.cat([torch.ones(Tq, Np, dtype=torch.bool, device=full.device), jk <= j, jk <= j], 1)
+        rep = a.n_heads // a.n_kv
+        if explicit:
+            kk, vv = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+            s = (acc(q) @ acc(kk).transpose(-1, -2)) / math.sqrt(a.hd)
+            o = (s.masked_fill(~mask, float("-inf")).softmax(-1) @ acc(vv)).to(q.dtype)
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=rep > 1)
+        return a.o_proj(o.transpose(1, 2).reshape(B, Tq, a.n_heads * a.hd))
+
+    def _combine(self, y, m):
+        return self.o_proj(self.attn_norm(y) * torch.sigmoid(self.mem_norm(m)))
+
+    def _run(self, x, state, output_state, sequential: bool):
+        self.attn.kernel_backend = self.memory.kernel_backend = self.kernel_backend
+        B, T, _ = x.shape
+        if state is None:
+            state = self.init_state(B, x.device, x.dtype)
+        n_mem = self.memory.n_mem
+        R = [state[f"R{i}"] for i in range(1, n_mem + 1)]
+        mem_state, seg, pos = state["mem"], state["seg"].to(x.dtype), int(state["pos"])
+        form = self.memory.reference if sequential else self.memory.chunked
+        outs, t = [], 0
+        while t < T:
+            n_old = seg.shape[1]
+            take = min(self.segment_len - n_old, T - t)
+            full = torch.cat([seg, x[:, t:t + take]], 1)
+            y = self._segment_attention(full, self._retrieve(full, R), n_old, explicit=sequential)
+            m, mem_state = form(y, mem_state, True)
+            outs.append(self._combine(y, m))
+            seg, t = full, t + take
+            if seg.shape[1] == self.segment_len:       # segment done: M^{(i+1)} for the next one
+                R = [mem_state[f"M{i}"] for i in range(1, n_mem + 1)]
+                seg = seg[:, :0]
+        out = torch.cat(outs, 1) if outs else x.new_zeros(B, 0, self.d_model)
+        if not output_state:
+            return out, None
+        st = {"mem": mem_state, "seg": seg, "pos": pos + T}
+        st.update({f"R{i}": r for i, r in enumerate(R, start=1)})
+        return out, st
+
+    # ---- forms -------------------------------------------------------------------------------
+    def reference(self, x, state=None, output_state=False):
+        return self._run(x, state, output_state, sequential=True)
+
+    def chunked(self, x, state=None, output_state=False):
+        return self._run(x, state, output_state, sequential=False)
+
+    def step(self, x, state):
+        return self._run(x, state, True, sequential=True)
+
+    def init_state(self, batch_size: int, device=None, dtype=None) -> State:
+        dtype = dtype or self.persistent.dtype
+        mem = self.memory.init_state(batch_size, device, dtype)
+        st = {"mem": mem, "seg": torch.zeros(batch_size, 0, self.d_model, device=device, dtype=dtype), "pos": 0}
+        for i in range(1, self.memory.n_mem + 1):
+            st[f"R{i}"] = mem[f"M{i}"]
+        return st
+
+    @staticmethod
+    def flops_per_token(cfg, seq_len: int) -> float:
+        """Attention: each query scores N_p + 2·(j + 1) keys (j its index in the segment), on
+        average N_p + C + 1 over a full segment of C; the key/value projections of the N_p + C
+        extra keys per segment (p and h) add 4·D·(n_kv·hd)·(N_p + C)/C per token beyond the
+        parameter-shape count. Retrieval: the memory read at q (2 d·d per head, or 4 d·ed for
+        the MLP memory) and the LMM's W_Q, W_G, W_O applied once more (2·3·D·H·d). Plus the LMM
+        over y (TitansMemory)."""
+        c = cfg.titans
+        C = max(1, min(c.segment_len, max(seq_len, 1)))
+        H, d, D = cfg.n_heads, cfg.hd, cfg.d_model
+        n_kv = cfg.attention.num_kv_heads or H
+        attn = 4.0 * H * d * (c.persistent_tokens + C + 1) + 4.0 * D * n_kv * d * (c.persistent_tokens + C) / C
+        read = H * (2 * d * d if c.memory == "linear" else 4 * d * c.memory_expansion * d) + 6.0 * D * H * d
+        return attn + read + TitansMemory.flops_per_token(cfg, seq_len)

@@ -23,7 +23,14 @@ i = ⌊t/b⌋; W_0^{(i)} is the state at the start of that mini-batch:
     z_t = q_t + LN(f(q_t; W_t))                            output rule
     W_0^{(i+1)} = W_{ib+b−1}
 
-η_base is 1.0 for TTT-Linear and 0.1 for TTT-MLP unless ``ttt.base_lr`` is set. With τ_p = 1/(p+1)
+η_base is 1.0 for TTT-Linear and 0.1 for TTT-MLP unless ``ttt.base_lr`` is set. ttt-lm-jax's
+TTT-MLP runs warm η_base up in training (``ttt_base_lr_init`` 0.01 → ``ttt_base_lr`` 0.1 over
+``ttt_base_lr_warmup`` steps, the optimizer's warmup): at optimizer step s (1-based)
+
+    η_base(s) = η_init + min(1, (s − 1)/n_warmup) · (η_base − η_init)
+
+(``ttt.base_lr_init``, ``ttt.base_lr_warmup``; the trainer calls ``LM.set_train_step``). As
+there, only training uses it: evaluation and decoding use η_base. With τ_p = 1/(p+1)
 (learnable_token_idx = 0) W_t takes one step with the η-weighted mean of the mini-batch's
 gradients so far.
 
@@ -122,6 +129,9 @@ class _TTTBase(Mixer):
         self.width = self.n_heads * self.hd
         self.mini_batch_size = t.mini_batch_size
         self.base_lr = t.base_lr if t.base_lr is not None else (1.0 if self.kind == "linear" else 0.1)
+        self.base_lr_init, self.base_lr_warmup = t.base_lr_init, t.base_lr_warmup
+        #: η_base(s) / η_base in training (set_train_step); 1 until a step is set
+        self.lr_mult = 1.0
         self.share_qk = t.share_qk
         self.use_gate = t.use_gate
         self.conv_width = t.conv_width
@@ -205,12 +215,20 @@ class _TTTBase(Mixer):
         XK = _unpermute(apply_rope(_permute(XK), cos, sin))
         return XQ, XK, XV, caches
 
+    def set_train_step(self, step: int) -> None:
+        """η_base's warmup at optimizer step ``step`` (1-based), as ttt-lm-jax's get_ttt_lr_mult."""
+        if self.base_lr_init is None:
+            return
+        frac = min(1.0, (step - 1) / self.base_lr_warmup)
+        self.lr_mult = (self.base_lr_init + frac * (self.base_lr - self.base_lr_init)) / self.base_lr
+
     def _eta(self, x: torch.Tensor) -> torch.Tensor:
-        """η_t = η_base σ(θ_η·x_t + b_η) / d, [B, H, T]."""
+        """η_t = η_base σ(θ_η·x_t + b_η) / d, [B, H, T] (η_base warmed up in training)."""
         xf = acc(x)
         a = torch.einsum("btc,hc->bht", xf, self.learnable_ttt_lr_weight[:, 0].to(xf.dtype))
         a = a + self.learnable_ttt_lr_bias.to(xf.dtype)[None, :, :]
-        return self.base_lr * torch.sigmoid(a) / self.hd
+        base = self.base_lr * (self.lr_mult if self.training else 1.0)
+        return base * torch.sigmoid(a) / self.hd
 
     def _tau(self) -> torch.Tensor:
         """τ_p = max(0, 1/(p+1) + learnable_token_idx[p]), [b]."""

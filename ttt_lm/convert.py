@@ -1,0 +1,282 @@
+r"""Convert between ttt-lm-pytorch's ``TTTForCausalLM`` (a Hugging Face directory: ``config.json``
+and ``model.safetensors`` or ``pytorch_model.bin``) and this project's export directory
+(``model.pt`` + ``config.yaml``, what ``python -m ttt_lm.train.export`` writes and
+``ttt_lm.train.export.load_pretrained`` / ``train.init_from`` read):
+
+    python -m ttt_lm.convert from-ttt path/to/hf_ttt_model out/ttt_125m     # theirs → ours
+    python -m ttt_lm.convert to-ttt out/ttt_125m path/to/hf_dir               # ours → theirs
+
+The TTT layers' parameters already carry ttt-lm-pytorch's names and shapes (see
+``ttt_lm/model/mixers/ttt.py``); the rest is renamed (``i`` is the layer index):
+
+    model.embed_tokens.weight                    embed.weight
+    model.layers.i.seq_modeling_block.<name>     layers.i.mixer.<name>
+    model.layers.i.seq_norm.weight               layers.i.mixer_norm.weight
+    model.layers.i.ffn_norm.weight               layers.i.mlp_norm.weight
+    model.layers.i.mlp.{gate,up,down}_proj.weight  layers.i.mlp.{gate,up,down}_proj.weight
+    model.layers.i.conv.norm.weight              layers.i.pre_conv_norm.weight       (pre_conv)
+    model.layers.i.conv.conv.{weight,bias}       layers.i.pre_conv.conv.{weight,bias} (pre_conv)
+    model.norm.weight                            norm.weight
+    lm_head.weight                               lm_head.weight (left out when tied, as
+                                                 save_pretrained does; read if present)
+
+and ``config.json`` maps onto ``model``: hidden_size → d_model, intermediate_size → d_ff,
+num_hidden_layers → n_layers, num_attention_heads → n_heads, ttt_layer_type → layer_pattern
+[ttt_linear | ttt_mlp], mini_batch_size, ttt_base_lr → ttt.base_lr (1.0 when absent, their
+default for both layer types), use_gate, share_qk, pre_conv, conv_kernel → ttt.conv_width,
+rope_theta, rms_norm_eps → norm_eps, tie_word_embeddings, vocab_size, max_position_embeddings
+→ max_seq_len, initializer_range → init_std (and init = ttt). Settings this LM cannot express
+(an activation other than SiLU, pretraining_tp > 1) stop the conversion with a message, as do
+missing, unknown or misshapen tensors, naming them. The non-persistent buffers ``token_idx`` and
+``rotary_emb.inv_freq`` are recomputed, so they are dropped if a file has them. ``to-ttt``
+needs a pure TTT-Linear or TTT-MLP model with their block (SwiGLU MLP, head_dim = d_model /
+n_heads, 4× inner MLP).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from typing import Dict, Tuple
+
+import torch
+
+from ttt_lm.config import ExperimentConfig
+from ttt_lm.model.config import ModelConfig
+from ttt_lm.train.export import CONFIG, WEIGHTS, load_pretrained, save_export
+
+HF_CONFIG = "config.json"
+HF_SAFETENSORS = "model.safetensors"
+HF_BIN = "pytorch_model.bin"
+
+#: (ttt-lm-pytorch prefix, ours), {i} standing for a layer index; tried in order, and since
+#: every prefix ends at a dot, none is a prefix of another's key
+_PREFIXES = [
+    ("model.embed_tokens.", "embed."),
+    ("model.layers.{i}.seq_modeling_block.", "layers.{i}.mixer."),
+    ("model.layers.{i}.seq_norm.", "layers.{i}.mixer_norm."),
+    ("model.layers.{i}.ffn_norm.", "layers.{i}.mlp_norm."),
+    ("model.layers.{i}.mlp.", "layers.{i}.mlp."),
+    ("model.layers.{i}.conv.norm.", "layers.{i}.pre_conv_norm."),
+    ("model.layers.{i}.conv.conv.", "layers.{i}.pre_conv.conv."),
+    ("model.norm.", "norm."),
+    ("lm_head.", "lm_head."),
+]
+
+
+def _rule(src: str, dst: str):
+    return re.escape(src).replace(re.escape("{i}"), r"(\d+)"), dst.replace("{i}", r"\1")
+
+
+_RENAMES = [_rule(a, b) for a, b in _PREFIXES]
+_INVERSE = [_rule(b, a) for a, b in _PREFIXES]
+
+#: non-persistent buffers of ttt-lm-pytorch that some files may still hold
+_BUFFERS = re.compile(r".*\.(token_idx|rotary_emb\.inv_freq)$")
+
+
+class ConversionError(ValueError):
+    """A checkpoint or config that cannot be converted; the message names the problem."""
+
+
+def _rename(key: str, table) -> str:
+    for pat, rep in table:
+        new, n = re.subn("^" + pat, rep, key)
+        if n:
+            return new
+    raise ConversionError(f"no mapping for tensor {key!r}")
+
+
+def ttt_to_ours_key(key: str) -> str:
+    return _rename(key, _RENAMES)
+
+
+def ours_to_ttt_key(key: str) -> str:
+    return _rename(key, _INVERSE)
+
+
+# ---- configs --------------------------------------------------------------------------------
+
+def model_config_from_hf(hf: dict) -> ModelConfig:
+    """Our ModelConfig from a ttt-lm-pytorch ``TTTConfig`` dict (config.json)."""
+    if hf.get("model_type", "ttt") != "ttt":
+        raise ConversionError(f"{HF_CONFIG}: model_type is {hf['model_type']!r}, not 'ttt' (ttt-lm-pytorch's TTTConfig)")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ConversionError(f"{HF_CONFIG}: hidden_act={hf['hidden_act']!r}; the SwiGLU MLP here uses silu only")
+    if hf.get("pretraining_tp", 1) != 1:
+        raise ConversionError(f"{HF_CONFIG}: pretraining_tp={hf['pretraining_tp']} is not supported (1 only)")
+    kind = hf.get("ttt_layer_type", "linear")
+    if kind not in ("linear", "mlp"):
+        raise ConversionError(f"{HF_CONFIG}: ttt_layer_type={kind!r}, expected 'linear' or 'mlp'")
+    missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                           "num_attention_heads") if k not in hf]
+    if missing:
+        raise ConversionError(f"{HF_CONFIG}: missing {missing}")
+    cfg = ModelConfig(
+        vocab_size=int(hf["vocab_size"]), d_model=int(hf["hidden_size"]), d_ff=int(hf["intermediate_size"]),
+        n_layers=int(hf["num_hidden_layers"]), n_heads=int(hf["num_attention_heads"]),
+        layer_pattern=["ttt_linear" if kind == "linear" else "ttt_mlp"], mlp_act="silu",
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)), tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
+        max_seq_len=int(hf.get("max_position_embeddings", 2048)), init_std=float(hf.get("initializer_range", 0.02)),
+        init="ttt")
+    t = cfg.ttt
+    t.mini_batch_size = int(hf.get("mini_batch_size", 16))
+    t.base_lr = float(hf.get("ttt_base_lr", 1.0))
+    t.use_gate = bool(hf.get("use_gate", False))
+    t.share_qk = bool(hf.get("share_qk", False))
+    t.pre_conv = bool(hf.get("pre_conv", False))
+    t.conv_width = int(hf.get("conv_kernel", 4))
+    t.rope_theta = float(hf.get("rope_theta", 10000.0))
+    t.mlp_expansion = 4
+    return cfg.validate()
+
+
+def hf_config_from(cfg: ModelConfig) -> dict:
+    """ttt-lm-pytorch's config.json for a pure TTT-Linear / TTT-MLP model."""
+    kinds = set(cfg.layer_kinds())
+    if kinds not in ({"ttt_linear"}, {"ttt_mlp"}):
+        raise ConversionError(f"to-ttt needs every layer to be ttt_linear or every layer ttt_mlp, got {sorted(kinds)}")
+    problems = []
+    if cfg.mlp_act != "silu" or cfg.ff == 0:
+        problems.append(f"a SwiGLU MLP in every block (model.mlp_act={cfg.mlp_act}, d_ff={cfg.ff})")
+    if cfg.hd * cfg.n_heads != cfg.d_model:
+        problems.append(f"head_dim = d_model / n_heads (head_dim={cfg.hd}, d_model={cfg.d_model}, n_heads={cfg.n_heads})")
+    if kinds == {"ttt_mlp"} and cfg.ttt.mlp_expansion != 4:
+        problems.append(f"model.ttt.mlp_expansion=4 (got {cfg.ttt.mlp_expansion})")
+    if problems:
+        raise ConversionError("ttt-lm-pytorch's TTTForCausalLM cannot express this model; it needs " + "; ".join(problems))
+    kind = "linear" if kinds == {"ttt_linear"} else "mlp"
+    base_lr = cfg.ttt.base_lr if cfg.ttt.base_lr is not None else (1.0 if kind == "linear" else 0.1)
+    return {
+        "architectures": ["TTTForCausalLM"], "model_type": "ttt",
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model, "intermediate_size": cfg.ff,
+        "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads, "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_seq_len, "initializer_range": cfg.init_std,
+        "rms_norm_eps": cfg.norm_eps, "use_cache": False, "pretraining_tp": 1,
+        "tie_word_embeddings": cfg.tie_embeddings, "rope_theta": cfg.ttt.rope_theta,
+        "use_gate": cfg.ttt.use_gate, "share_qk": cfg.ttt.share_qk, "ttt_layer_type": kind,
+        "ttt_base_lr": base_lr, "mini_batch_size": cfg.ttt.mini_batch_size, "pre_conv": cfg.ttt.pre_conv,
+        "conv_kernel": cfg.ttt.conv_width, "bos_token_id": 1, "eos_token_id": 2,
+    }
+
+
+# ---- state dicts ----------------------------------------------------------------------------
+
+def state_dict_from_ttt(sd: Dict[str, torch.Tensor], cfg: ModelConfig) -> Dict[str, torch.Tensor]:
+    """Our LM's state dict from a TTTForCausalLM one; checks names and shapes against the LM
+    that ``cfg`` builds."""
+    from ttt_lm.model import LM
+    want = LM(cfg).state_dict()
+    out = {}
+    for k, v in sd.items():
+        if _BUFFERS.match(k):
+            continue
+        out[ttt_to_ours_key(k)] = v
+    if cfg.tie_embeddings and "lm_head.weight" in out:
+        if not torch.equal(out["lm_head.weight"], out["embed.weight"]):
+            raise ConversionError("tie_word_embeddings is true but lm_head.weight differs from model.embed_tokens.weight")
+    if cfg.tie_embeddings:
+        out["lm_head.weight"] = out.get("embed.weight")
+    unknown = sorted(set(out) - set(want))
+    missing = sorted(set(want) - set(k for k, v in out.items() if v is not None))
+    if unknown or missing:
+        raise ConversionError(f"the checkpoint does not match its {HF_CONFIG}: missing "
+                              f"{[ours_to_ttt_key(k) for k in missing]}, unexpected {[ours_to_ttt_key(k) for k in unknown]}")
+    bad = [f"{ours_to_ttt_key(k)}: {tuple(out[k].shape)} (expected {tuple(want[k].shape)})"
+           for k in want if tuple(out[k].shape) != tuple(want[k].shape)]
+    if bad:
+        raise ConversionError("tensor shapes do not match the config: " + "; ".join(bad))
+    return out
+
+
+def state_dict_to_ttt(sd: Dict[str, torch.Tensor], cfg: ModelConfig) -> Dict[str, torch.Tensor]:
+    """TTTForCausalLM's state dict from ours (lm_head.weight left out when tied)."""
+    out = {}
+    for k, v in sd.items():
+        if cfg.tie_embeddings and k == "lm_head.weight":
+            continue
+        out[ours_to_ttt_key(k)] = v.detach().clone().contiguous()
+    return out
+
+
+# ---- files ----------------------------------------------------------------------------------
+
+def read_ttt_dir(src: str) -> Tuple[dict, Dict[str, torch.Tensor]]:
+    """(config.json, the state dict) of a ttt-lm-pytorch / Hugging Face directory."""
+    cpath = os.path.join(src, HF_CONFIG)
+    if not os.path.isfile(cpath):
+        raise ConversionError(f"{src}: no {HF_CONFIG} (a ttt-lm-pytorch TTTForCausalLM directory has one)")
+    with open(cpath) as f:
+        hf = json.load(f)
+    st, binp = os.path.join(src, HF_SAFETENSORS), os.path.join(src, HF_BIN)
+    if os.path.isfile(st):
+        from safetensors.torch import load_file
+        sd = load_file(st)
+    elif os.path.isfile(binp):
+        sd = torch.load(binp, map_location="cpu", weights_only=True)
+    else:
+        raise ConversionError(f"{src}: no {HF_SAFETENSORS} or {HF_BIN} (sharded checkpoints are not read)")
+    return hf, sd
+
+
+def from_ttt(src: str, out_dir: str) -> str:
+    """ttt-lm-pytorch directory → our export directory (model.pt, config.yaml)."""
+    hf, sd = read_ttt_dir(src)
+    mcfg = model_config_from_hf(hf)
+    ours = state_dict_from_ttt(sd, mcfg)
+    from ttt_lm.model import LM
+    model = LM(mcfg)
+    model.load_state_dict({k: v.to(torch.float32) for k, v in ours.items()})
+    exp = ExperimentConfig()
+    exp.model = mcfg
+    return save_export(model, exp, out_dir)
+
+
+def to_ttt(src: str, out_dir: str, fmt: str = "safetensors") -> str:
+    """Our export directory → a ttt-lm-pytorch directory (config.json and model.safetensors, or
+    pytorch_model.bin with ``fmt="bin"``)."""
+    model = load_pretrained(src)
+    hf = hf_config_from(model.cfg)
+    sd = state_dict_to_ttt(model.state_dict(), model.cfg)
+    os.makedirs(out_dir, exist_ok=True)
+    if fmt == "safetensors":
+        from safetensors.torch import save_file
+        save_file(sd, os.path.join(out_dir, HF_SAFETENSORS), metadata={"format": "pt"})
+    elif fmt == "bin":
+        torch.save(sd, os.path.join(out_dir, HF_BIN))
+    else:
+        raise ConversionError(f"--format must be safetensors or bin, got {fmt!r}")
+    with open(os.path.join(out_dir, HF_CONFIG), "w") as f:
+        json.dump(hf, f, indent=2, sort_keys=True)
+    return out_dir
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m ttt_lm.convert", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    a1 = sub.add_parser("from-ttt", help="ttt-lm-pytorch TTTForCausalLM directory -> export directory")
+    a1.add_argument("src")
+    a1.add_argument("out_dir")
+    a2 = sub.add_parser("to-ttt", help="export directory -> ttt-lm-pytorch TTTForCausalLM directory")
+    a2.add_argument("src")
+    a2.add_argument("out_dir")
+    a2.add_argument("--format", default="safetensors", choices=["safetensors", "bin"])
+    a = ap.parse_args(argv)
+    try:
+        if a.cmd == "from-ttt":
+            out = from_ttt(a.src, a.out_dir)
+            print(f"converted {a.src} -> {os.path.abspath(out)} ({WEIGHTS}, {CONFIG})")
+        else:
+            out = to_ttt(a.src, a.out_dir, a.format)
+            print(f"converted {a.src} -> {os.path.abspath(out)} ({HF_CONFIG}, "
+                  f"{HF_SAFETENSORS if a.format == 'safetensors' else HF_BIN})")
+    except ConversionError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
