@@ -44,6 +44,7 @@ import triton
 import triton.language as tl
 
 from kernels._triton_utils import check_triton_device
+from kernels.delta_rule.shapes import check_delta_rule_inputs, fold_channel_beta, unfold_channel_beta
 
 
 def _pow2(n: int, lo: int = 16) -> int:
@@ -293,6 +294,7 @@ def _acc_dtype(x: torch.Tensor) -> torch.dtype:
 BV_MAX = 64
 
 _TL = {torch.float32: tl.float32, torch.float64: tl.float64}
+_IN_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 class DeltaRuleChunkFunction(torch.autograd.Function):
@@ -359,23 +361,28 @@ def delta_rule_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: t
                       initial_state: Optional[torch.Tensor] = None, output_final_state: bool = False,
                       chunk_size: int = 64, cu_seqlens: Optional[torch.Tensor] = None
                       ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """q, k [B, H, T, d_k]; v [B, H, T, d_v]; beta [B, H, T]; initial_state [N, H, d_k, d_v] or None
-    (N = B, or the number of sequences with ``cu_seqlens``, int32 [N+1] over a B = 1 packed row).
+    """q, k [B, H, T, d_k]; v [B, H, T, d_v]; beta [B, H, T] or [B, H, T, d_v] (per value
+    channel, run as d_v scalar-β problems of width 1, see ``shapes.py``); initial_state
+    [N, H, d_k, d_v] or None (N = B, or the number of sequences with ``cu_seqlens``, int32 [N+1]
+    over a B = 1 packed row).
 
     Returns (o [B, H, T, d_v] in v's dtype, final state [N, H, d_k, d_v] in float32 — float64
     for float64 inputs — or None unless ``output_final_state``)."""
+    per_channel = check_delta_rule_inputs("delta_rule_triton", q, k, v, beta, initial_state, chunk_size,
+                                          cu_seqlens)
     check_triton_device("delta_rule_triton", q, k, v, beta, initial_state)
+    if q.dtype not in _IN_DTYPES:
+        raise ValueError(f"delta_rule_triton: inputs must be one of {[str(d) for d in _IN_DTYPES]}, got {q.dtype}")
+    if per_channel:
+        H, DV = k.shape[1], v.shape[-1]
+        o, S = delta_rule_triton(*fold_channel_beta(q, k, v, beta, initial_state), output_final_state,
+                                 chunk_size, cu_seqlens)
+        return unfold_channel_beta(o, S, H, DV)
     B, H, T, DK = k.shape
     if cu_seqlens is not None:
-        if B != 1:
-            raise ValueError(f"delta_rule_triton: cu_seqlens needs a packed batch of 1, got B={B}")
         if int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != T:
             raise ValueError("delta_rule_triton: cu_seqlens must start at 0 and end at T")
         cu_seqlens = cu_seqlens.to(device=k.device, dtype=torch.int32).contiguous()
-    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
-    if initial_state is not None and tuple(initial_state.shape) != (N, H, DK, v.shape[-1]):
-        raise ValueError(f"delta_rule_triton: initial_state must be {(N, H, DK, v.shape[-1])}, "
-                         f"got {tuple(initial_state.shape)}")
     C = min(64, _pow2(chunk_size))
     res = DeltaRuleChunkFunction.apply(q, k, v, beta, initial_state, cu_seqlens, C, output_final_state)
     if output_final_state:

@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from kernels._triton_utils import check_triton_device
-from kernels.titans.reference import _acc, _initial
+from kernels.titans.reference import _acc, _initial, check_titans_inputs
 from kernels.titans.torch_chunk import titans_linear_chunk_torch
 
 # log-gates are clamped as in torch_chunk.chunk_decays: e^{−1e4} is already 0 and keeps −inf − −inf
@@ -329,6 +329,8 @@ def titans_linear_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, thet
     """Same contract as ``titans_linear_reference``; a first partial chunk (offset % C ≠ 0)
     runs in PyTorch. A chunk of C tokens occupies a tile of max(16, 2^⌈log₂ C⌉) rows, so C below
     16 (C = 1 included) is exact but wastes most of each tile."""
+    check_titans_inputs("titans_linear_triton", q, k, v, theta, log_eta, log_keep, initial_state,
+                        chunk_size, offset)
     C = chunk_size
     check_triton_device("titans_linear_triton", q, k, v, theta, log_eta, log_keep,
                         *(initial_state or ()))
