@@ -533,38 +533,3 @@ def delta_rule_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: t
         return res[0], res[1]
     return res, None
 
-
-def gate_configs():
-    """The launch configurations the model uses, for the ahead-of-time compile gate: one entry
-    per kernel × head dim (d_k = d_v = 64 and 128, the presets') × input dtype (bf16, fp32) at
-    the DeltaNet chunk of 64, with the signature, constexprs, warps and stages the launches above
-    use (fixed-length batches, initial and final state present). Each entry: dict(name, kernel,
-    signature, constexprs, num_warps, num_stages)."""
-    out = []
-    for d in (64, 128):
-        for dtype, ptr in ((torch.bfloat16, "*bf16"), (torch.float32, "*fp32")):
-            mt = launch_meta(d, d, dtype)
-            acc = "*fp32"
-            base = dict(C=64, IS_VARLEN=False, ACC=tl.float32, EMU=False, cu_seqlens=None, chunk_offsets=None)
-            ints = dict(T="i32", H="i32")
-            BKW, BVW = min(mt["BK"], 64), min(_pow2(d), 64)
-            entries = [
-                ("_wy_inv", _wy_inv, dict(k=ptr, beta=ptr, Tm=acc, **ints),
-                 dict(base, chunk_indices=None, DK=d, BK=mt["BK"], PK=mt["PREC"], PS=mt["PS"]), mt["warps_inv"]),
-                ("_wy_fwd", _wy_fwd, dict(k=ptr, v=ptr, beta=ptr, Tm=acc, W=acc, U=acc, **ints),
-                 dict(base, chunk_indices=None, DK=d, DV=d, BK=BKW, BV=BVW, PS=mt["PS"]), mt["warps_wy"]),
-                ("_fwd_state", _fwd_state, dict(q=ptr, k=ptr, W=acc, U=acc, Hs=acc, VN=acc, o=ptr, h0=acc, ht=acc, **ints),
-                 dict(base, DK=d, DV=d, BK=mt["BK"], BV=mt["BV"], USE_H0=True, STORE_HT=True, PREC=mt["PREC"],
-                      PS=mt["PS"]), mt["warps_state"]),
-                ("_bwd_state", _bwd_state, dict(q=ptr, k=ptr, W=acc, do=ptr, dht=acc, dHs=acc, dVN=acc, dh0=acc, **ints),
-                 dict(base, DK=d, DV=d, BK=mt["BK"], BV=mt["BV"], USE_DHT=True, STORE_DH0=True, PREC=mt["PREC"],
-                      PS=mt["PS"]), mt["warps_state"]),
-                ("_bwd_chunk", _bwd_chunk, dict(q=ptr, k=ptr, v=ptr, beta=ptr, Tm=acc, VN=acc, do=ptr, dVN=acc, Hs=acc,
-                                                dHs=acc, dq=ptr, dk=ptr, dv=ptr, dbeta=ptr, **ints),
-                 dict(base, chunk_indices=None, DK=d, DV=d, BK=mt["BK"], BV=mt["BV"], PREC=mt["PREC"], PS=mt["PS"]),
-                 mt["warps_chunk"]),
-            ]
-            for name, fn, sig, cex, warps in entries:
-                out.append(dict(name=f"delta_rule.{name} d={d} {str(dtype)[6:]} C=64", kernel=fn, signature=sig,
-                                constexprs=cex, num_warps=warps, num_stages=mt["stages"]))
-    return out
