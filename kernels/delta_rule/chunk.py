@@ -24,7 +24,9 @@ Kernels, forward:
 Backward, with dS the gradient of the state at the end of the chunk being processed:
   ``_bwd_state``  grid (d_v blocks, sequences·H), chunks in reverse:
                   dṼ = (M ∘ Q Kᵀ)ᵀ dO + K dS;   dS ← dS + Qᵀ dO − Wᵀ dṼ   (stores each dS and dṼ)
-  ``_bwd_chunk``  grid (chunks, H), everything else, chunk-local:
+  ``_bwd_dqk``, ``_bwd_wy``  grid (chunks, H), everything else, chunk-local, split in two so
+                  that each keeps fewer tiles live (the first ends at dQ, dW and the dK terms
+                  through the state; the second goes through W, U and T):
                   dP = M ∘ dO Ṽᵀ,  dQ = dO S_nᵀ + dP K,  dK ∋ dPᵀ Q + Ṽ dSᵀ,  dW = −dṼ S_nᵀ, dU = dṼ;
                   through W, U:  dT = dW (βK)ᵀ + dU (βV)ᵀ,  d(βK) = Tᵀ dW,  d(βV) = Tᵀ dU;
                   through T = (I + L)⁻¹:  dL = −tril(Tᵀ dT Tᵀ, −1),  dG = diag(β) dL (G = K Kᵀ),
@@ -322,11 +324,14 @@ def _bwd_state(q, k, W, do, dht, dHs, dVN, dh0, cu_seqlens, chunk_offsets, T, H,
 
 
 @triton.jit
-def _bwd_chunk(q, k, v, beta, Tm, VN, do, dVN, Hs, dHs, dq, dk, dv, dbeta,
-               cu_seqlens, chunk_offsets, chunk_indices, T, H,
-               DK: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-               IS_VARLEN: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr, PS: tl.constexpr,
-               EMU: tl.constexpr):
+def _bwd_dqk(q, k, VN, do, dVN, Hs, dHs, dq, dk_part, dw,
+             cu_seqlens, chunk_offsets, chunk_indices, T, H,
+             DK: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+             IS_VARLEN: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr, PS: tl.constexpr,
+             EMU: tl.constexpr):
+    """Chunk-local gradients through the state and the intra-chunk attention, summed over d_v
+    blocks: dP = M ∘ dO Ṽᵀ, dQ = dO S_nᵀ + dP K, dK ∋ dPᵀ Q + Ṽ dSᵀ (stored as dk_part), and
+    dW = −dṼ S_nᵀ (stored for ``_bwd_wy``)."""
     i_c, h = tl.program_id(0), tl.program_id(1)
     n, c = _chunk_id(chunk_indices, i_c, T, C, IS_VARLEN)
     row0, Tn, coff = _seq_info(cu_seqlens, chunk_offsets, n, h, T, H, C, IS_VARLEN)
@@ -337,53 +342,80 @@ def _bwd_chunk(q, k, v, beta, Tm, VN, do, dVN, Hs, dHs, dq, dk, dv, dbeta,
     o_k = tl.arange(0, BK)
     o_c = tl.arange(0, C)
     m_tk = m_t[:, None] & (o_k[None, :] < DK)
-    b_q = tl.load(q + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0)
-    b_k = tl.load(k + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0)
-    b_b = tl.load(beta + rows, mask=m_t, other=0.0).to(ACC)
-    X = tl.load(Tm + rows[:, None] * C + o_c[None, :], mask=m_t[:, None], other=0.0).to(ACC)
     b_dq = tl.zeros([C, BK], dtype=ACC)
     b_dk = tl.zeros([C, BK], dtype=ACC)
     b_dw = tl.zeros([C, BK], dtype=ACC)
     dP = tl.zeros([C, C], dtype=ACC)
-    dX = tl.zeros([C, C], dtype=ACC)
-    b_db = tl.zeros([C], dtype=ACC)
     for i_v in range(tl.cdiv(DV, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_tv = m_t[:, None] & (o_v[None, :] < DV)
         m_kv = (o_k[:, None] < DK) & (o_v[None, :] < DV)
         kv_off = o_k[:, None] * DV + o_v[None, :]
-        S = tl.load(Hs + hs_off + kv_off, mask=m_kv, other=0.0).to(ACC)
-        dS = tl.load(dHs + hs_off + kv_off, mask=m_kv, other=0.0).to(ACC)
-        b_v = tl.load(v + rows[:, None] * DV + o_v[None, :], mask=m_tv, other=0.0)
-        b_vn = tl.load(VN + rows[:, None] * DV + o_v[None, :], mask=m_tv, other=0.0).to(ACC)
+        S = tl.load(Hs + hs_off + kv_off, mask=m_kv, other=0.0)
+        dS = tl.load(dHs + hs_off + kv_off, mask=m_kv, other=0.0)
+        b_vn = tl.load(VN + rows[:, None] * DV + o_v[None, :], mask=m_tv, other=0.0)
         b_do = tl.load(do + rows[:, None] * DV + o_v[None, :], mask=m_tv, other=0.0)
-        b_du = tl.load(dVN + rows[:, None] * DV + o_v[None, :], mask=m_tv, other=0.0).to(ACC)
+        b_du = tl.load(dVN + rows[:, None] * DV + o_v[None, :], mask=m_tv, other=0.0)
         b_dq += _mm(b_do, tl.trans(S), PS, EMU)
         dP += _mm(b_do, tl.trans(b_vn), PS, EMU)
         b_dk += _mm(b_vn, tl.trans(dS), PS, EMU)
         b_dw -= _mm(b_du, tl.trans(S), PS, EMU)
+    tl.store(dw + rows[:, None] * DK + o_k[None, :], b_dw.to(dw.dtype.element_ty), mask=m_tk)
+    dP = tl.where(o_c[:, None] >= o_c[None, :], dP, 0.0)
+    b_k = tl.load(k + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0)
+    b_dq += _mm(dP, b_k, PS, EMU)
+    tl.store(dq + rows[:, None] * DK + o_k[None, :], b_dq.to(dq.dtype.element_ty), mask=m_tk)
+    b_q = tl.load(q + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0)
+    b_dk += _mm(tl.trans(dP), b_q, PS, EMU)
+    tl.store(dk_part + rows[:, None] * DK + o_k[None, :], b_dk.to(dk_part.dtype.element_ty), mask=m_tk)
+
+
+@triton.jit
+def _bwd_wy(k, v, beta, Tm, dVN, dk_part, dw, dk, dv, dbeta,
+            cu_seqlens, chunk_offsets, chunk_indices, T, H,
+            DK: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+            IS_VARLEN: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr, PS: tl.constexpr,
+            EMU: tl.constexpr):
+    """Gradients through U = T (βV), W = T (βK) and T = (I + L)⁻¹ (module docstring), given
+    dU = dṼ and dW from ``_bwd_dqk``: writes dv, dβ and dk = dk_part + β Tᵀ dW + (dG + dGᵀ) K."""
+    i_c, h = tl.program_id(0), tl.program_id(1)
+    n, c = _chunk_id(chunk_indices, i_c, T, C, IS_VARLEN)
+    row0, Tn, coff = _seq_info(cu_seqlens, chunk_offsets, n, h, T, H, C, IS_VARLEN)
+    o_t = c * C + tl.arange(0, C)
+    m_t = o_t < Tn
+    rows = row0 + o_t
+    o_k = tl.arange(0, BK)
+    o_c = tl.arange(0, C)
+    m_tk = m_t[:, None] & (o_k[None, :] < DK)
+    b_b = tl.load(beta + rows, mask=m_t, other=0.0).to(ACC)
+    X = tl.load(Tm + rows[:, None] * C + o_c[None, :], mask=m_t[:, None], other=0.0)
+    dX = tl.zeros([C, C], dtype=ACC)
+    b_db = tl.zeros([C], dtype=ACC)
+    for i_v in range(tl.cdiv(DV, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_tv = m_t[:, None] & (o_v[None, :] < DV)
+        b_v = tl.load(v + rows[:, None] * DV + o_v[None, :], mask=m_tv, other=0.0).to(ACC)
+        b_du = tl.load(dVN + rows[:, None] * DV + o_v[None, :], mask=m_tv, other=0.0)
         # U = T (βV)
         dX += _mm(b_du, tl.trans(b_b[:, None] * b_v), PS, EMU)
         b_dvb = _mm(tl.trans(X), b_du, PS, EMU)
         tl.store(dv + rows[:, None] * DV + o_v[None, :], (b_b[:, None] * b_dvb).to(dv.dtype.element_ty), mask=m_tv)
         b_db += tl.sum(b_dvb * b_v, 1)
-    dP = tl.where(o_c[:, None] >= o_c[None, :], dP, 0.0)
-    b_dq += _mm(dP, b_k, PS, EMU)
-    b_dk += _mm(tl.trans(dP), b_q, PS, EMU)
     # W = T (βK)
-    dX += _mm(b_dw, tl.trans(b_b[:, None] * b_k), PS, EMU)
+    b_k = tl.load(k + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0)
+    b_dw = tl.load(dw + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0)
+    dX += _mm(b_dw, tl.trans(b_b[:, None] * b_k.to(ACC)), PS, EMU)
     b_dkb = _mm(tl.trans(X), b_dw, PS, EMU)
-    b_dk += b_b[:, None] * b_dkb
-    b_db += tl.sum(b_dkb * b_k, 1)
+    b_db += tl.sum(b_dkb * b_k.to(ACC), 1)
+    b_dk = b_b[:, None] * b_dkb
     # T = (I + L)⁻¹  ⇒  dL = −Tᵀ dT Tᵀ, kept on the strictly lower part where L lives
     dL = _mm(_mm(tl.trans(X), dX, PS, EMU), tl.trans(X), PS, EMU)
     dL = tl.where(o_c[:, None] > o_c[None, :], -dL, 0.0)
     G = _mm(b_k, tl.trans(b_k), PREC, EMU)
     b_db += tl.sum(dL * G, 1)
     dG = b_b[:, None] * dL
-    b_dk += (_mm(dG, b_k, PS, EMU)
-             + _mm(tl.trans(dG), b_k, PS, EMU))
-    tl.store(dq + rows[:, None] * DK + o_k[None, :], b_dq.to(dq.dtype.element_ty), mask=m_tk)
+    b_dk += _mm(dG, b_k, PS, EMU) + _mm(tl.trans(dG), b_k, PS, EMU)
+    b_dk += tl.load(dk_part + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0)
     tl.store(dk + rows[:, None] * DK + o_k[None, :], b_dk.to(dk.dtype.element_ty), mask=m_tk)
     tl.store(dbeta + rows, b_db.to(dbeta.dtype.element_ty), mask=m_t)
 
@@ -430,9 +462,8 @@ def launch_meta(DK: int, DV: int, dtype: torch.dtype):
     the launches and ``gate_configs`` read them from."""
     BK = _pow2(DK)
     BV = min(_pow2(DV), BV_MAX, max(16, STATE_TILE // BK))
-    big = BK * BV > 32 * 64 or DK > 64
     return dict(BK=BK, BV=BV, PREC=_PREC[dtype], PS=_PREC_SOLVE[dtype],
-                warps_inv=4, warps_wy=4, warps_state=8 if big else 4, warps_chunk=8, stages=1)
+                warps_inv=4 if dtype != torch.float32 else 8, warps_wy=8, warps_state=8, warps_chunk=8, stages=1)
 
 
 class DeltaRuleChunkFunction(torch.autograd.Function):
@@ -493,9 +524,15 @@ class DeltaRuleChunkFunction(torch.autograd.Function):
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         dbeta = torch.empty_like(beta)
         if NC > 0:
-            _bwd_chunk[(NC, H)](q, k, v, beta, Tm, VN, do, dVN, Hs, dHs, dq, dk, dv, dbeta,
-                                cu, chunk_offsets, chunk_indices, T, H, DK=DK, DV=DV, BK=BK, BV=BV,
-                                PREC=mt["PREC"], PS=mt["PS"], num_warps=mt["warps_chunk"], **common)
+            acc = Hs.dtype
+            dk_part = torch.empty(B, H, T, DK, dtype=acc, device=k.device)
+            dw = torch.empty_like(dk_part)
+            _bwd_dqk[(NC, H)](q, k, VN, do, dVN, Hs, dHs, dq, dk_part, dw, cu, chunk_offsets, chunk_indices, T, H,
+                              DK=DK, DV=DV, BK=BK, BV=BV, PREC=mt["PREC"], PS=mt["PS"],
+                              num_warps=mt["warps_chunk"], **common)
+            _bwd_wy[(NC, H)](k, v, beta, Tm, dVN, dk_part, dw, dk, dv, dbeta, cu, chunk_offsets, chunk_indices,
+                             T, H, DK=DK, DV=DV, BK=BK, BV=BV, PREC=mt["PREC"], PS=mt["PS"],
+                             num_warps=mt["warps_chunk"], **common)
         if dh0 is not None:
             dh0 = dh0.to(h0_dtype)
         return dq, dk, dv, dbeta, dh0, None, None, None
