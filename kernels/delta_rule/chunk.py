@@ -42,7 +42,7 @@ products with a float32 intermediate (the states S and dS, Ṽ, W, T and their g
 TF32 operands for half inputs — rounding those to bf16 instead made outputs and dk miss the
 bf16 tolerances of the tests — and TF32×3 (about float32 accuracy) for float32 inputs. Under
 the interpreter bf16 operands are emulated (``_mm``). The state tile [d_k, BV] is capped at
-64 × 64 elements (BV = 32 at d_k = 128), the rest of d_v going to more programs.
+64 × 32 elements (BV = 16 at d_k = 128), the rest of d_v going to more programs.
 The kernel chunk is a power of two in [16, 64] (``tl.dot`` needs tiles of at least 16): the
 result does not depend on it, only the speed does.
 """
@@ -442,8 +442,10 @@ def _acc_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 #: the state tile one program holds is [d_k, BV] with BK · BV ≤ STATE_TILE: d_v is split into more
-#: programs as d_k grows (64 × 64, or 128 × 32)
-STATE_TILE = 64 * 64
+#: programs as d_k grows (64 × 32, or 128 × 16). Compiled for sm_90 at d = 64, bf16, C = 64 with
+#: 8 warps: BV = 64 spilled in all three state/backward kernels, BV = 32 spills 24 bytes in
+#: ``_fwd_state`` only (4 warps spilled more)
+STATE_TILE = 64 * 32
 #: widest d_v block one program holds
 BV_MAX = 64
 
