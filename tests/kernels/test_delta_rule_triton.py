@@ -59,8 +59,8 @@ def _compare(B, H, T, dk, dv, chunk, dtype, with_state, atol, rtol=0.0, channel_
     (1, 2, 16, 16, 16, 4, True),     # chunk_size below 16 is rounded up: one full chunk
 ])
 def test_float32_matches_reference(B, H, T, dk, dv, chunk, with_state):
-    """float32 kernel (IEEE products, float32 accumulation) vs the float64 reference on the same
-    inputs: triangular solves and sums of ≤ 40 O(1) terms keep errors near 1e-5 (dk and dβ reach
+    """float32 kernel (TF32×3 products on a GPU, float32 under the interpreter; float32
+    accumulation) vs the float64 reference on the same inputs: triangular solves and sums of ≤ 40 O(1) terms keep errors near 1e-5 (dk and dβ reach
     ~50, with errors ~1e-5 there), so 1e-4 absolute plus 1e-4 relative."""
     _compare(B, H, T, dk, dv, chunk, torch.float32, with_state, atol=1e-4, rtol=1e-4)
 
@@ -87,7 +87,8 @@ def test_float64_is_exact():
 
 
 def test_bfloat16_inputs():
-    """bf16 inputs, float32 accumulation (TF32 products on a GPU): outputs and input gradients
+    """bf16 inputs, float32 accumulation (bf16 operands for Q Kᵀ and K Kᵀ, TF32 for the rest on a GPU;
+    bf16 operand rounding emulated under the interpreter): outputs and input gradients
     are rounded to bf16 (relative error 2^-8 ≈ 4e-3; dk and dβ reach ~40 and are off by up to
     ~0.25 there), so 5e-2 absolute plus 2e-2 relative."""
     _compare(2, 1, 27, 8, 8, 16, torch.bfloat16, True, atol=5e-2, rtol=2e-2)
@@ -200,7 +201,7 @@ def test_mixer_triton_equals_torch():
 @pytest.mark.gpu
 @pytest.mark.parametrize("B,H,T,d,chunk", [(2, 4, 1000, 64, 64), (1, 2, 777, 128, 64), (2, 2, 300, 32, 32)])
 def test_gpu_float32_matches_reference(B, H, T, d, chunk):
-    """float32 with IEEE products over up to 1000 steps of O(1) values: 2e-3 (the sequential
+    """float32 with TF32×3 products (about float32 accuracy) over up to 1000 steps of O(1) values: 2e-3 (the sequential
     reference accumulates its own float64 rounding only; the kernel's is ~1e-6 per step)."""
     _compare(B, H, T, d, d, chunk, torch.float32, True, atol=2e-3, rtol=2e-3)
 
