@@ -14,13 +14,19 @@ Per chunk of C tokens (K, Q ∈ R^{C×d_k}, V ∈ R^{C×d_v}, β ∈ R^C, chunk-
     S_{n+1} = S_n + Kᵀ Ṽ
 
 Kernels, forward:
-  ``_wy_fwd``     grid (chunks, H): T (stored for the backward), W and U.
+  ``_wy_inv``     grid (chunks, H): T by blocked forward substitution — the 16 × 16 diagonal
+                  blocks by 15-step substitution, the blocks below from them (``_wy_inv``'s
+                  docstring); stored for the backward. (The serial alternative, 63 steps of
+                  full C × C reductions per chunk, is what this replaces.)
+  ``_wy_fwd``     grid (chunks, H, column blocks of d_k and d_v): W and U.
   ``_fwd_state``  grid (d_v blocks, sequences·H): the sequential sweep over chunks with S_n in
                   registers; stores every S_n, Ṽ, and writes O and the final state.
 Backward, with dS the gradient of the state at the end of the chunk being processed:
   ``_bwd_state``  grid (d_v blocks, sequences·H), chunks in reverse:
                   dṼ = (M ∘ Q Kᵀ)ᵀ dO + K dS;   dS ← dS + Qᵀ dO − Wᵀ dṼ   (stores each dS and dṼ)
-  ``_bwd_chunk``  grid (chunks, H), everything else, chunk-local:
+  ``_bwd_dqk``, ``_bwd_wy``  grid (chunks, H), everything else, chunk-local, split in two so
+                  that each keeps fewer tiles live (the first ends at dQ, dW and the dK terms
+                  through the state; the second goes through W, U and T):
                   dP = M ∘ dO Ṽᵀ,  dQ = dO S_nᵀ + dP K,  dK ∋ dPᵀ Q + Ṽ dSᵀ,  dW = −dṼ S_nᵀ, dU = dṼ;
                   through W, U:  dT = dW (βK)ᵀ + dU (βV)ᵀ,  d(βK) = Tᵀ dW,  d(βV) = Tᵀ dU;
                   through T = (I + L)⁻¹:  dL = −tril(Tᵀ dT Tᵀ, −1),  dG = diag(β) dL (G = K Kᵀ),
@@ -30,8 +36,13 @@ Variable-length batches: with ``cu_seqlens`` (int32 [N+1]) the input is one pack
 (B = 1, T = cu_seqlens[-1]) and the state restarts at every sequence start (from
 ``initial_state[i]`` for sequence i when given); chunks never straddle two sequences.
 
-All arithmetic is in float32 (float64 for float64 inputs). Products of float32 inputs use IEEE
-precision so results match the reference closely; half-precision inputs use TF32 tensor cores.
+Precision (``_mm``): accumulation in float32 (float64 for float64 inputs); every product runs
+on tensor cores. Products of two inputs (Q Kᵀ, K Kᵀ) take the inputs' own type (bf16/fp16);
+products with a float32 intermediate (the states S and dS, Ṽ, W, T and their gradients) take
+TF32 operands for half inputs — rounding those to bf16 instead made outputs and dk miss the
+bf16 tolerances of the tests — and TF32×3 (about float32 accuracy) for float32 inputs. Under
+the interpreter bf16 operands are emulated (``_mm``). The state tile [d_k, BV] is capped at
+64 × 32 elements (BV = 16 at d_k = 128), the rest of d_v going to more programs.
 The kernel chunk is a power of two in [16, 64] (``tl.dot`` needs tiles of at least 16): the
 result does not depend on it, only the speed does.
 """
@@ -43,7 +54,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton_utils import check_triton_device
+from kernels._triton_utils import check_triton_device, is_interpreting
+from kernels.delta_rule.shapes import check_delta_rule_inputs, fold_channel_beta, unfold_channel_beta
 
 
 def _pow2(n: int, lo: int = 16) -> int:
@@ -67,12 +79,39 @@ def _seq_info(cu_seqlens, chunk_offsets, n, h, T, H, C: tl.constexpr, IS_VARLEN:
 
 
 @triton.jit
-def _unit_lower_inverse(L, C: tl.constexpr):
-    """(I + L)⁻¹ for strictly lower triangular L [C, C] by forward substitution on rows:
-    X_i = −L_i − Σ_{j<i} L_ij X_j for the off-diagonal part, rows j < i already final."""
-    o = tl.arange(0, C)
+def _mm(a, b, PREC: tl.constexpr, EMU: tl.constexpr):
+    """a @ b accumulated in float32 (float64 for PREC = "fp64").
+
+    PREC: "bf16" / "fp16" — both operands rounded to that type (the inputs' own type), tensor
+    cores, float32 accumulation; "tf32x3" — float32 operands split into three TF32 products on
+    tensor cores (about float32 accuracy); "tf32" — one TF32 product; "fp64" — IEEE float64.
+    EMU (the Triton interpreter): its ``tl.dot`` multiplies the bit patterns of bf16 operands,
+    so there the operands are rounded to bf16/fp16 and multiplied in float32 instead — the
+    same rounding as on the GPU."""
+    if PREC == "fp64":
+        return tl.dot(a.to(tl.float64), b.to(tl.float64), input_precision="ieee", out_dtype=tl.float64)
+    elif PREC == "bf16":
+        if EMU:
+            return tl.dot(a.to(tl.bfloat16).to(tl.float32), b.to(tl.bfloat16).to(tl.float32),
+                          input_precision="ieee")
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), out_dtype=tl.float32)
+    elif PREC == "fp16":
+        if EMU:
+            return tl.dot(a.to(tl.float16).to(tl.float32), b.to(tl.float16).to(tl.float32),
+                          input_precision="ieee")
+        return tl.dot(a.to(tl.float16), b.to(tl.float16), out_dtype=tl.float32)
+    else:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PREC)
+
+
+@triton.jit
+def _unit_lower_inverse16(L):
+    """(I + L)⁻¹ for strictly lower triangular L [16, 16] by forward substitution on rows:
+    X_i = −L_i − Σ_{j<i} L_ij X_j for the off-diagonal part, rows j < i already final
+    (15 steps on a 16 × 16 tile)."""
+    o = tl.arange(0, 16)
     X = -L
-    for i in range(1, C):
+    for i in tl.static_range(1, 16):
         row = tl.sum(tl.where(o[:, None] == i, X, 0.0), 0)
         row = row + tl.sum(row[:, None] * X, 0)
         X = tl.where(o[:, None] == i, row[None, :], X)
@@ -80,10 +119,7 @@ def _unit_lower_inverse(L, C: tl.constexpr):
 
 
 @triton.jit
-def _wy_fwd(k, v, beta, Tm, W, U, cu_seqlens, chunk_offsets, chunk_indices, T, H,
-            DK: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-            IS_VARLEN: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr):
-    i_c, h = tl.program_id(0), tl.program_id(1)
+def _chunk_id(chunk_indices, i_c, T, C: tl.constexpr, IS_VARLEN: tl.constexpr):
     if IS_VARLEN:
         n = tl.load(chunk_indices + 2 * i_c)
         c = tl.load(chunk_indices + 2 * i_c + 1)
@@ -91,26 +127,118 @@ def _wy_fwd(k, v, beta, Tm, W, U, cu_seqlens, chunk_offsets, chunk_indices, T, H
         NT = tl.cdiv(T, C)
         n = i_c // NT
         c = i_c % NT
+    return n, c
+
+
+@triton.jit
+def _kblock(k, beta, row0, Tn, c, i: tl.constexpr, C: tl.constexpr, DK: tl.constexpr, BK: tl.constexpr,
+            ACC: tl.constexpr):
+    """Rows 16i … 16i+15 of chunk c: k [16, BK] (input dtype) and β [16] (masked past the sequence)."""
+    o_t = c * C + i * 16 + tl.arange(0, 16)
+    m_t = o_t < Tn
+    o_k = tl.arange(0, BK)
+    b_k = tl.load(k + (row0 + o_t)[:, None] * DK + o_k[None, :], mask=m_t[:, None] & (o_k[None, :] < DK), other=0.0)
+    b_b = tl.load(beta + row0 + o_t, mask=m_t, other=0.0).to(ACC)
+    return b_k, b_b
+
+
+@triton.jit
+def _offdiag(k_i, b_i, k_j, PK: tl.constexpr, EMU: tl.constexpr):
+    """Block (i, j), i > j, of L = diag(β) K Kᵀ: every entry is below the diagonal."""
+    return b_i[:, None] * _mm(k_i, tl.trans(k_j), PK, EMU)
+
+
+@triton.jit
+def _store_block(Tm, X, row0, Tn, c, i: tl.constexpr, j: tl.constexpr, C: tl.constexpr):
+    o_t = c * C + i * 16 + tl.arange(0, 16)
+    o_j = j * 16 + tl.arange(0, 16)
+    tl.store(Tm + (row0 + o_t)[:, None] * C + o_j[None, :], X.to(Tm.dtype.element_ty), mask=(o_t < Tn)[:, None])
+
+
+@triton.jit
+def _wy_inv(k, beta, Tm, cu_seqlens, chunk_offsets, chunk_indices, T, H,
+            DK: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr,
+            ACC: tl.constexpr, PK: tl.constexpr, PS: tl.constexpr, EMU: tl.constexpr):
+    """T = (I + L)⁻¹ of one chunk by blocked forward substitution on 16 × 16 blocks: the
+    diagonal blocks by 15-step substitution, then, block row by block row,
+
+        T_ii = (I + L_ii)⁻¹,      T_ij = −T_ii Σ_{m=j}^{i−1} L_im T_mj     (i > j),
+
+    (from (I + L) T = I), at most 4 × 4 blocks (C = 64). Blocks above the diagonal are stored
+    as zeros. PK: precision of K Kᵀ (the inputs' type); PS: of the products of the float32
+    blocks of L and T."""
+    i_c, h = tl.program_id(0), tl.program_id(1)
+    n, c = _chunk_id(chunk_indices, i_c, T, C, IS_VARLEN)
+    row0, Tn, coff = _seq_info(cu_seqlens, chunk_offsets, n, h, T, H, C, IS_VARLEN)
+    o = tl.arange(0, 16)
+    low = o[:, None] > o[None, :]
+    zero = tl.zeros([16, 16], dtype=ACC)
+    k0, b0 = _kblock(k, beta, row0, Tn, c, 0, C, DK, BK, ACC)
+    T00 = _unit_lower_inverse16(tl.where(low, b0[:, None] * _mm(k0, tl.trans(k0), PK, EMU), 0.0))
+    _store_block(Tm, T00, row0, Tn, c, 0, 0, C)
+    if C > 16:
+        k1, b1 = _kblock(k, beta, row0, Tn, c, 1, C, DK, BK, ACC)
+        T11 = _unit_lower_inverse16(tl.where(low, b1[:, None] * _mm(k1, tl.trans(k1), PK, EMU), 0.0))
+        L10 = _offdiag(k1, b1, k0, PK, EMU)
+        T10 = -_mm(T11, _mm(L10, T00, PS, EMU), PS, EMU)
+        _store_block(Tm, T10, row0, Tn, c, 1, 0, C)
+        _store_block(Tm, T11, row0, Tn, c, 1, 1, C)
+        _store_block(Tm, zero, row0, Tn, c, 0, 1, C)
+        if C > 32:
+            k2, b2 = _kblock(k, beta, row0, Tn, c, 2, C, DK, BK, ACC)
+            k3, b3 = _kblock(k, beta, row0, Tn, c, 3, C, DK, BK, ACC)
+            T22 = _unit_lower_inverse16(tl.where(low, b2[:, None] * _mm(k2, tl.trans(k2), PK, EMU), 0.0))
+            T33 = _unit_lower_inverse16(tl.where(low, b3[:, None] * _mm(k3, tl.trans(k3), PK, EMU), 0.0))
+            L20 = _offdiag(k2, b2, k0, PK, EMU)
+            L21 = _offdiag(k2, b2, k1, PK, EMU)
+            T21 = -_mm(T22, _mm(L21, T11, PS, EMU), PS, EMU)
+            T20 = -_mm(T22, _mm(L20, T00, PS, EMU) + _mm(L21, T10, PS, EMU), PS, EMU)
+            L30 = _offdiag(k3, b3, k0, PK, EMU)
+            L31 = _offdiag(k3, b3, k1, PK, EMU)
+            L32 = _offdiag(k3, b3, k2, PK, EMU)
+            T32 = -_mm(T33, _mm(L32, T22, PS, EMU), PS, EMU)
+            T31 = -_mm(T33, _mm(L31, T11, PS, EMU) + _mm(L32, T21, PS, EMU), PS, EMU)
+            T30 = -_mm(T33, _mm(L30, T00, PS, EMU) + _mm(L31, T10, PS, EMU) + _mm(L32, T20, PS, EMU), PS, EMU)
+            _store_block(Tm, T20, row0, Tn, c, 2, 0, C)
+            _store_block(Tm, T21, row0, Tn, c, 2, 1, C)
+            _store_block(Tm, T22, row0, Tn, c, 2, 2, C)
+            _store_block(Tm, T30, row0, Tn, c, 3, 0, C)
+            _store_block(Tm, T31, row0, Tn, c, 3, 1, C)
+            _store_block(Tm, T32, row0, Tn, c, 3, 2, C)
+            _store_block(Tm, T33, row0, Tn, c, 3, 3, C)
+            for i in tl.static_range(2):
+                _store_block(Tm, zero, row0, Tn, c, i, 2, C)
+                _store_block(Tm, zero, row0, Tn, c, i, 3, C)
+            _store_block(Tm, zero, row0, Tn, c, 2, 3, C)
+
+
+@triton.jit
+def _wy_fwd(k, v, beta, Tm, W, U, cu_seqlens, chunk_offsets, chunk_indices, T, H,
+            DK: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+            IS_VARLEN: tl.constexpr, ACC: tl.constexpr, PS: tl.constexpr, EMU: tl.constexpr):
+    """W = T (βK) and U = T (βV) for one chunk and one block of BK key / BV value columns
+    (grid: chunks, H, column blocks of d_k then of d_v)."""
+    i_c, h, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    n, c = _chunk_id(chunk_indices, i_c, T, C, IS_VARLEN)
     row0, Tn, coff = _seq_info(cu_seqlens, chunk_offsets, n, h, T, H, C, IS_VARLEN)
     o_t = c * C + tl.arange(0, C)
     m_t = o_t < Tn
     rows = row0 + o_t
-    o_k = tl.arange(0, BK)
     o_c = tl.arange(0, C)
-    b_k = tl.load(k + rows[:, None] * DK + o_k[None, :], mask=m_t[:, None] & (o_k[None, :] < DK), other=0.0).to(ACC)
     b_b = tl.load(beta + rows, mask=m_t, other=0.0).to(ACC)
-    G = tl.dot(b_k, tl.trans(b_k), input_precision=PREC, out_dtype=ACC)
-    L = tl.where(o_c[:, None] > o_c[None, :], b_b[:, None] * G, 0.0)
-    X = _unit_lower_inverse(L, C)
-    tl.store(Tm + rows[:, None] * C + o_c[None, :], X.to(Tm.dtype.element_ty), mask=m_t[:, None])
-    b_w = tl.dot(X, b_b[:, None] * b_k, input_precision=PREC, out_dtype=ACC)
-    tl.store(W + rows[:, None] * DK + o_k[None, :], b_w.to(W.dtype.element_ty),
-             mask=m_t[:, None] & (o_k[None, :] < DK))
-    for i_v in range(tl.cdiv(DV, BV)):
-        o_v = i_v * BV + tl.arange(0, BV)
+    X = tl.load(Tm + rows[:, None] * C + o_c[None, :], mask=m_t[:, None], other=0.0)
+    NK = tl.cdiv(DK, BK)
+    if i_b < NK:
+        o_k = i_b * BK + tl.arange(0, BK)
+        m_k = m_t[:, None] & (o_k[None, :] < DK)
+        b_k = tl.load(k + rows[:, None] * DK + o_k[None, :], mask=m_k, other=0.0).to(ACC)
+        b_w = _mm(X, b_b[:, None] * b_k, PS, EMU)
+        tl.store(W + rows[:, None] * DK + o_k[None, :], b_w.to(W.dtype.element_ty), mask=m_k)
+    else:
+        o_v = (i_b - NK) * BV + tl.arange(0, BV)
         m_v = m_t[:, None] & (o_v[None, :] < DV)
         b_v = tl.load(v + rows[:, None] * DV + o_v[None, :], mask=m_v, other=0.0).to(ACC)
-        b_u = tl.dot(X, b_b[:, None] * b_v, input_precision=PREC, out_dtype=ACC)
+        b_u = _mm(X, b_b[:, None] * b_v, PS, EMU)
         tl.store(U + rows[:, None] * DV + o_v[None, :], b_u.to(U.dtype.element_ty), mask=m_v)
 
 
@@ -118,7 +246,7 @@ def _wy_fwd(k, v, beta, Tm, W, U, cu_seqlens, chunk_offsets, chunk_indices, T, H
 def _fwd_state(q, k, W, U, Hs, VN, o, h0, ht, cu_seqlens, chunk_offsets, T, H,
                DK: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                USE_H0: tl.constexpr, STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr,
-               ACC: tl.constexpr, PREC: tl.constexpr):
+               ACC: tl.constexpr, PREC: tl.constexpr, PS: tl.constexpr, EMU: tl.constexpr):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     n = i_nh // H
     h = i_nh % H
@@ -139,16 +267,16 @@ def _fwd_state(q, k, W, U, Hs, VN, o, h0, ht, cu_seqlens, chunk_offsets, T, H,
         rows = row0 + o_t
         m_tk = m_t[:, None] & (o_k[None, :] < DK)
         m_tv = m_t[:, None] & (o_v[None, :] < DV)
-        b_q = tl.load(q + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0).to(ACC)
-        b_k = tl.load(k + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0).to(ACC)
+        b_q = tl.load(q + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0)
+        b_k = tl.load(k + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0)
         b_w = tl.load(W + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0).to(ACC)
         b_u = tl.load(U + rows[:, None] * DV + o_v[None, :], mask=m_tv, other=0.0).to(ACC)
-        b_vn = b_u - tl.dot(b_w, S, input_precision=PREC, out_dtype=ACC)
+        b_vn = b_u - _mm(b_w, S, PS, EMU)
         tl.store(VN + rows[:, None] * DV + o_v[None, :], b_vn.to(VN.dtype.element_ty), mask=m_tv)
-        P = tl.where(causal, tl.dot(b_q, tl.trans(b_k), input_precision=PREC, out_dtype=ACC), 0.0)
-        b_o = tl.dot(b_q, S, input_precision=PREC, out_dtype=ACC) + tl.dot(P, b_vn, input_precision=PREC, out_dtype=ACC)
+        P = tl.where(causal, _mm(b_q, tl.trans(b_k), PREC, EMU), 0.0)
+        b_o = _mm(b_q, S, PS, EMU) + _mm(P, b_vn, PS, EMU)
         tl.store(o + rows[:, None] * DV + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
-        S += tl.dot(tl.trans(b_k), b_vn, input_precision=PREC, out_dtype=ACC)
+        S += _mm(tl.trans(b_k), b_vn, PS, EMU)
     if STORE_HT:
         tl.store(ht + i_nh.to(tl.int64) * DK * DV + kv_off, S.to(ht.dtype.element_ty), mask=m_kv)
 
@@ -157,7 +285,7 @@ def _fwd_state(q, k, W, U, Hs, VN, o, h0, ht, cu_seqlens, chunk_offsets, T, H,
 def _bwd_state(q, k, W, do, dht, dHs, dVN, dh0, cu_seqlens, chunk_offsets, T, H,
                DK: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, IS_VARLEN: tl.constexpr,
-               ACC: tl.constexpr, PREC: tl.constexpr):
+               ACC: tl.constexpr, PREC: tl.constexpr, PS: tl.constexpr, EMU: tl.constexpr):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     n = i_nh // H
     h = i_nh % H
@@ -181,33 +309,31 @@ def _bwd_state(q, k, W, do, dht, dHs, dVN, dh0, cu_seqlens, chunk_offsets, T, H,
         rows = row0 + o_t
         m_tk = m_t[:, None] & (o_k[None, :] < DK)
         m_tv = m_t[:, None] & (o_v[None, :] < DV)
-        b_q = tl.load(q + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0).to(ACC)
-        b_k = tl.load(k + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0).to(ACC)
+        b_q = tl.load(q + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0)
+        b_k = tl.load(k + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0)
         b_w = tl.load(W + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0).to(ACC)
-        b_do = tl.load(do + rows[:, None] * DV + o_v[None, :], mask=m_tv, other=0.0).to(ACC)
-        P = tl.where(causal, tl.dot(b_q, tl.trans(b_k), input_precision=PREC, out_dtype=ACC), 0.0)
-        b_dvn = (tl.dot(tl.trans(P), b_do, input_precision=PREC, out_dtype=ACC)
-                 + tl.dot(b_k, dS, input_precision=PREC, out_dtype=ACC))
+        b_do = tl.load(do + rows[:, None] * DV + o_v[None, :], mask=m_tv, other=0.0)
+        P = tl.where(causal, _mm(b_q, tl.trans(b_k), PREC, EMU), 0.0)
+        b_dvn = (_mm(tl.trans(P), b_do, PS, EMU)
+                 + _mm(b_k, dS, PS, EMU))
         tl.store(dVN + rows[:, None] * DV + o_v[None, :], b_dvn.to(dVN.dtype.element_ty), mask=m_tv)
-        dS += (tl.dot(tl.trans(b_q), b_do, input_precision=PREC, out_dtype=ACC)
-               - tl.dot(tl.trans(b_w), b_dvn, input_precision=PREC, out_dtype=ACC))
+        dS += (_mm(tl.trans(b_q), b_do, PS, EMU)
+               - _mm(tl.trans(b_w), b_dvn, PS, EMU))
     if STORE_DH0:
         tl.store(dh0 + i_nh.to(tl.int64) * DK * DV + kv_off, dS.to(dh0.dtype.element_ty), mask=m_kv)
 
 
 @triton.jit
-def _bwd_chunk(q, k, v, beta, Tm, VN, do, dVN, Hs, dHs, dq, dk, dv, dbeta,
-               cu_seqlens, chunk_offsets, chunk_indices, T, H,
-               DK: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-               IS_VARLEN: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr):
+def _bwd_dqk(q, k, VN, do, dVN, Hs, dHs, dq, dk_part, dw,
+             cu_seqlens, chunk_offsets, chunk_indices, T, H,
+             DK: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+             IS_VARLEN: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr, PS: tl.constexpr,
+             EMU: tl.constexpr):
+    """Chunk-local gradients through the state and the intra-chunk attention, summed over d_v
+    blocks: dP = M ∘ dO Ṽᵀ, dQ = dO S_nᵀ + dP K, dK ∋ dPᵀ Q + Ṽ dSᵀ (stored as dk_part), and
+    dW = −dṼ S_nᵀ (stored for ``_bwd_wy``)."""
     i_c, h = tl.program_id(0), tl.program_id(1)
-    if IS_VARLEN:
-        n = tl.load(chunk_indices + 2 * i_c)
-        c = tl.load(chunk_indices + 2 * i_c + 1)
-    else:
-        NT = tl.cdiv(T, C)
-        n = i_c // NT
-        c = i_c % NT
+    n, c = _chunk_id(chunk_indices, i_c, T, C, IS_VARLEN)
     row0, Tn, coff = _seq_info(cu_seqlens, chunk_offsets, n, h, T, H, C, IS_VARLEN)
     hs_off = ((coff + c) * H + h) * DK * DV
     o_t = c * C + tl.arange(0, C)
@@ -216,54 +342,80 @@ def _bwd_chunk(q, k, v, beta, Tm, VN, do, dVN, Hs, dHs, dq, dk, dv, dbeta,
     o_k = tl.arange(0, BK)
     o_c = tl.arange(0, C)
     m_tk = m_t[:, None] & (o_k[None, :] < DK)
-    b_q = tl.load(q + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0).to(ACC)
-    b_k = tl.load(k + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0).to(ACC)
-    b_b = tl.load(beta + rows, mask=m_t, other=0.0).to(ACC)
-    X = tl.load(Tm + rows[:, None] * C + o_c[None, :], mask=m_t[:, None], other=0.0).to(ACC)
     b_dq = tl.zeros([C, BK], dtype=ACC)
     b_dk = tl.zeros([C, BK], dtype=ACC)
     b_dw = tl.zeros([C, BK], dtype=ACC)
     dP = tl.zeros([C, C], dtype=ACC)
-    dX = tl.zeros([C, C], dtype=ACC)
-    b_db = tl.zeros([C], dtype=ACC)
     for i_v in range(tl.cdiv(DV, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_tv = m_t[:, None] & (o_v[None, :] < DV)
         m_kv = (o_k[:, None] < DK) & (o_v[None, :] < DV)
         kv_off = o_k[:, None] * DV + o_v[None, :]
-        S = tl.load(Hs + hs_off + kv_off, mask=m_kv, other=0.0).to(ACC)
-        dS = tl.load(dHs + hs_off + kv_off, mask=m_kv, other=0.0).to(ACC)
+        S = tl.load(Hs + hs_off + kv_off, mask=m_kv, other=0.0)
+        dS = tl.load(dHs + hs_off + kv_off, mask=m_kv, other=0.0)
+        b_vn = tl.load(VN + rows[:, None] * DV + o_v[None, :], mask=m_tv, other=0.0)
+        b_do = tl.load(do + rows[:, None] * DV + o_v[None, :], mask=m_tv, other=0.0)
+        b_du = tl.load(dVN + rows[:, None] * DV + o_v[None, :], mask=m_tv, other=0.0)
+        b_dq += _mm(b_do, tl.trans(S), PS, EMU)
+        dP += _mm(b_do, tl.trans(b_vn), PS, EMU)
+        b_dk += _mm(b_vn, tl.trans(dS), PS, EMU)
+        b_dw -= _mm(b_du, tl.trans(S), PS, EMU)
+    tl.store(dw + rows[:, None] * DK + o_k[None, :], b_dw.to(dw.dtype.element_ty), mask=m_tk)
+    dP = tl.where(o_c[:, None] >= o_c[None, :], dP, 0.0)
+    b_k = tl.load(k + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0)
+    b_dq += _mm(dP, b_k, PS, EMU)
+    tl.store(dq + rows[:, None] * DK + o_k[None, :], b_dq.to(dq.dtype.element_ty), mask=m_tk)
+    b_q = tl.load(q + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0)
+    b_dk += _mm(tl.trans(dP), b_q, PS, EMU)
+    tl.store(dk_part + rows[:, None] * DK + o_k[None, :], b_dk.to(dk_part.dtype.element_ty), mask=m_tk)
+
+
+@triton.jit
+def _bwd_wy(k, v, beta, Tm, dVN, dk_part, dw, dk, dv, dbeta,
+            cu_seqlens, chunk_offsets, chunk_indices, T, H,
+            DK: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+            IS_VARLEN: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr, PS: tl.constexpr,
+            EMU: tl.constexpr):
+    """Gradients through U = T (βV), W = T (βK) and T = (I + L)⁻¹ (module docstring), given
+    dU = dṼ and dW from ``_bwd_dqk``: writes dv, dβ and dk = dk_part + β Tᵀ dW + (dG + dGᵀ) K."""
+    i_c, h = tl.program_id(0), tl.program_id(1)
+    n, c = _chunk_id(chunk_indices, i_c, T, C, IS_VARLEN)
+    row0, Tn, coff = _seq_info(cu_seqlens, chunk_offsets, n, h, T, H, C, IS_VARLEN)
+    o_t = c * C + tl.arange(0, C)
+    m_t = o_t < Tn
+    rows = row0 + o_t
+    o_k = tl.arange(0, BK)
+    o_c = tl.arange(0, C)
+    m_tk = m_t[:, None] & (o_k[None, :] < DK)
+    b_b = tl.load(beta + rows, mask=m_t, other=0.0).to(ACC)
+    X = tl.load(Tm + rows[:, None] * C + o_c[None, :], mask=m_t[:, None], other=0.0)
+    dX = tl.zeros([C, C], dtype=ACC)
+    b_db = tl.zeros([C], dtype=ACC)
+    for i_v in range(tl.cdiv(DV, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_tv = m_t[:, None] & (o_v[None, :] < DV)
         b_v = tl.load(v + rows[:, None] * DV + o_v[None, :], mask=m_tv, other=0.0).to(ACC)
-        b_vn = tl.load(VN + rows[:, None] * DV + o_v[None, :], mask=m_tv, other=0.0).to(ACC)
-        b_do = tl.load(do + rows[:, None] * DV + o_v[None, :], mask=m_tv, other=0.0).to(ACC)
-        b_du = tl.load(dVN + rows[:, None] * DV + o_v[None, :], mask=m_tv, other=0.0).to(ACC)
-        b_dq += tl.dot(b_do, tl.trans(S), input_precision=PREC, out_dtype=ACC)
-        dP += tl.dot(b_do, tl.trans(b_vn), input_precision=PREC, out_dtype=ACC)
-        b_dk += tl.dot(b_vn, tl.trans(dS), input_precision=PREC, out_dtype=ACC)
-        b_dw -= tl.dot(b_du, tl.trans(S), input_precision=PREC, out_dtype=ACC)
+        b_du = tl.load(dVN + rows[:, None] * DV + o_v[None, :], mask=m_tv, other=0.0)
         # U = T (βV)
-        dX += tl.dot(b_du, tl.trans(b_b[:, None] * b_v), input_precision=PREC, out_dtype=ACC)
-        b_dvb = tl.dot(tl.trans(X), b_du, input_precision=PREC, out_dtype=ACC)
+        dX += _mm(b_du, tl.trans(b_b[:, None] * b_v), PS, EMU)
+        b_dvb = _mm(tl.trans(X), b_du, PS, EMU)
         tl.store(dv + rows[:, None] * DV + o_v[None, :], (b_b[:, None] * b_dvb).to(dv.dtype.element_ty), mask=m_tv)
         b_db += tl.sum(b_dvb * b_v, 1)
-    dP = tl.where(o_c[:, None] >= o_c[None, :], dP, 0.0)
-    b_dq += tl.dot(dP, b_k, input_precision=PREC, out_dtype=ACC)
-    b_dk += tl.dot(tl.trans(dP), b_q, input_precision=PREC, out_dtype=ACC)
     # W = T (βK)
-    dX += tl.dot(b_dw, tl.trans(b_b[:, None] * b_k), input_precision=PREC, out_dtype=ACC)
-    b_dkb = tl.dot(tl.trans(X), b_dw, input_precision=PREC, out_dtype=ACC)
-    b_dk += b_b[:, None] * b_dkb
-    b_db += tl.sum(b_dkb * b_k, 1)
+    b_k = tl.load(k + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0)
+    b_dw = tl.load(dw + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0)
+    dX += _mm(b_dw, tl.trans(b_b[:, None] * b_k.to(ACC)), PS, EMU)
+    b_dkb = _mm(tl.trans(X), b_dw, PS, EMU)
+    b_db += tl.sum(b_dkb * b_k.to(ACC), 1)
+    b_dk = b_b[:, None] * b_dkb
     # T = (I + L)⁻¹  ⇒  dL = −Tᵀ dT Tᵀ, kept on the strictly lower part where L lives
-    dL = tl.dot(tl.dot(tl.trans(X), dX, input_precision=PREC, out_dtype=ACC), tl.trans(X),
-                input_precision=PREC, out_dtype=ACC)
+    dL = _mm(_mm(tl.trans(X), dX, PS, EMU), tl.trans(X), PS, EMU)
     dL = tl.where(o_c[:, None] > o_c[None, :], -dL, 0.0)
-    G = tl.dot(b_k, tl.trans(b_k), input_precision=PREC, out_dtype=ACC)
+    G = _mm(b_k, tl.trans(b_k), PREC, EMU)
     b_db += tl.sum(dL * G, 1)
     dG = b_b[:, None] * dL
-    b_dk += (tl.dot(dG, b_k, input_precision=PREC, out_dtype=ACC)
-             + tl.dot(tl.trans(dG), b_k, input_precision=PREC, out_dtype=ACC))
-    tl.store(dq + rows[:, None] * DK + o_k[None, :], b_dq.to(dq.dtype.element_ty), mask=m_tk)
+    b_dk += _mm(dG, b_k, PS, EMU) + _mm(tl.trans(dG), b_k, PS, EMU)
+    b_dk += tl.load(dk_part + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0)
     tl.store(dk + rows[:, None] * DK + o_k[None, :], b_dk.to(dk.dtype.element_ty), mask=m_tk)
     tl.store(dbeta + rows, b_db.to(dbeta.dtype.element_ty), mask=m_t)
 
@@ -289,10 +441,31 @@ def _acc_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-#: widest d_v block one program holds (the state tile is [d_k, BV]); more d_v means more programs
+#: the state tile one program holds is [d_k, BV] with BK · BV ≤ STATE_TILE: d_v is split into more
+#: programs as d_k grows (64 × 32, or 128 × 16). Compiled for sm_90 at d = 64, bf16, C = 64 with
+#: 8 warps: BV = 64 spilled in all three state/backward kernels, BV = 32 spills 24 bytes in
+#: ``_fwd_state`` only (4 warps spilled more)
+STATE_TILE = 64 * 32
+#: widest d_v block one program holds
 BV_MAX = 64
 
 _TL = {torch.float32: tl.float32, torch.float64: tl.float64}
+_IN_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+#: tl.dot operand precision by input dtype (see ``_mm``): half inputs go to the tensor cores as
+#: they are, float32 as three TF32 products, float64 stays IEEE
+_PREC = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "tf32x3", torch.float64: "fp64"}
+#: precision of the products between float32 intermediates (blocks of L and T = (I + L)⁻¹):
+#: TF32 for half inputs, whose own rounding (2^-9) is coarser than TF32's (2^-11)
+_PREC_SOLVE = {torch.bfloat16: "tf32", torch.float16: "tf32", torch.float32: "tf32x3", torch.float64: "fp64"}
+
+
+def launch_meta(DK: int, DV: int, dtype: torch.dtype):
+    """Tile sizes and warps of every kernel for head dims (DK, DV) and input dtype: the one place
+    the launches and ``gate_configs`` read them from."""
+    BK = _pow2(DK)
+    BV = min(_pow2(DV), BV_MAX, max(16, STATE_TILE // BK))
+    return dict(BK=BK, BV=BV, PREC=_PREC[dtype], PS=_PREC_SOLVE[dtype],
+                warps_inv=4 if dtype != torch.float32 else 8, warps_wy=8, warps_state=8, warps_chunk=8, stages=1)
 
 
 class DeltaRuleChunkFunction(torch.autograd.Function):
@@ -303,11 +476,12 @@ class DeltaRuleChunkFunction(torch.autograd.Function):
         q, k, v, beta = (t.contiguous() for t in (q, k, v, beta))
         acc = _acc_dtype(k)
         N, NC, chunk_offsets, chunk_indices = _layout(B, T, C, cu_seqlens, k.device)
-        BK, BVW = _pow2(DK), _pow2(DV)
-        BV = min(BVW, BV_MAX)
+        mt = launch_meta(DK, DV, q.dtype)
+        BK, BV = mt["BK"], mt["BV"]
         NV = triton.cdiv(DV, BV)
         ACC = _TL[acc]
-        PREC = "ieee" if q.dtype in (torch.float32, torch.float64) else "tf32"
+        EMU = is_interpreting()
+        common = dict(C=C, IS_VARLEN=cu_seqlens is not None, ACC=ACC, EMU=EMU, num_stages=mt["stages"])
         Tm = torch.empty(B, H, T, C, dtype=acc, device=k.device)
         W = torch.empty(B, H, T, DK, dtype=acc, device=k.device)
         U = torch.empty(B, H, T, DV, dtype=acc, device=k.device)
@@ -318,13 +492,17 @@ class DeltaRuleChunkFunction(torch.autograd.Function):
         ht = torch.empty(N, H, DK, DV, dtype=acc, device=k.device) if output_final_state else None
         cu = cu_seqlens
         if NC > 0:
-            _wy_fwd[(NC, H)](k, v, beta, Tm, W, U, cu, chunk_offsets, chunk_indices, T, H,
-                             DK=DK, DV=DV, C=C, BK=BK, BV=BV, IS_VARLEN=cu is not None, ACC=ACC, PREC=PREC)
+            _wy_inv[(NC, H)](k, beta, Tm, cu, chunk_offsets, chunk_indices, T, H, DK=DK, BK=BK,
+                             PK=mt["PREC"], PS=mt["PS"], num_warps=mt["warps_inv"], **common)
+            BKW, BVW = min(BK, 64), min(_pow2(DV), 64)
+            _wy_fwd[(NC, H, triton.cdiv(DK, BKW) + triton.cdiv(DV, BVW))](
+                k, v, beta, Tm, W, U, cu, chunk_offsets, chunk_indices, T, H, DK=DK, DV=DV, BK=BKW, BV=BVW,
+                PS=mt["PS"], num_warps=mt["warps_wy"], **common)
         _fwd_state[(NV, N * H)](q, k, W, U, Hs, VN, o, h0, ht, cu, chunk_offsets, T, H,
-                                DK=DK, DV=DV, C=C, BK=BK, BV=BV, USE_H0=h0 is not None,
-                                STORE_HT=ht is not None, IS_VARLEN=cu is not None, ACC=ACC, PREC=PREC)
+                                DK=DK, DV=DV, BK=BK, BV=BV, USE_H0=h0 is not None, STORE_HT=ht is not None,
+                                PREC=mt["PREC"], PS=mt["PS"], num_warps=mt["warps_state"], **common)
         ctx.save_for_backward(q, k, v, beta, Tm, W, VN, Hs, cu_seqlens, chunk_offsets, chunk_indices)
-        ctx.meta = (N, NC, C, BK, BV, NV, ACC, PREC, initial_state is not None,
+        ctx.meta = (N, NC, NV, mt, common, initial_state is not None,
                     None if initial_state is None else initial_state.dtype)
         if ht is not None:
             return o, ht
@@ -333,7 +511,8 @@ class DeltaRuleChunkFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, dht=None):
         q, k, v, beta, Tm, W, VN, Hs, cu, chunk_offsets, chunk_indices = ctx.saved_tensors
-        N, NC, C, BK, BV, NV, ACC, PREC, has_h0, h0_dtype = ctx.meta
+        N, NC, NV, mt, common, has_h0, h0_dtype = ctx.meta
+        BK, BV = mt["BK"], mt["BV"]
         B, H, T, DK = k.shape
         DV = v.shape[-1]
         do = do.contiguous()
@@ -342,14 +521,20 @@ class DeltaRuleChunkFunction(torch.autograd.Function):
         dVN = torch.empty_like(VN)
         dh0 = torch.empty(N, H, DK, DV, dtype=Hs.dtype, device=k.device) if has_h0 else None
         _bwd_state[(NV, N * H)](q, k, W, do, dht, dHs, dVN, dh0, cu, chunk_offsets, T, H,
-                                DK=DK, DV=DV, C=C, BK=BK, BV=BV, USE_DHT=dht is not None,
-                                STORE_DH0=has_h0, IS_VARLEN=cu is not None, ACC=ACC, PREC=PREC)
+                                DK=DK, DV=DV, BK=BK, BV=BV, USE_DHT=dht is not None, STORE_DH0=has_h0,
+                                PREC=mt["PREC"], PS=mt["PS"], num_warps=mt["warps_state"], **common)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         dbeta = torch.empty_like(beta)
         if NC > 0:
-            _bwd_chunk[(NC, H)](q, k, v, beta, Tm, VN, do, dVN, Hs, dHs, dq, dk, dv, dbeta,
-                                cu, chunk_offsets, chunk_indices, T, H,
-                                DK=DK, DV=DV, C=C, BK=BK, BV=BV, IS_VARLEN=cu is not None, ACC=ACC, PREC=PREC)
+            acc = Hs.dtype
+            dk_part = torch.empty(B, H, T, DK, dtype=acc, device=k.device)
+            dw = torch.empty_like(dk_part)
+            _bwd_dqk[(NC, H)](q, k, VN, do, dVN, Hs, dHs, dq, dk_part, dw, cu, chunk_offsets, chunk_indices, T, H,
+                              DK=DK, DV=DV, BK=BK, BV=BV, PREC=mt["PREC"], PS=mt["PS"],
+                              num_warps=mt["warps_chunk"], **common)
+            _bwd_wy[(NC, H)](k, v, beta, Tm, dVN, dk_part, dw, dk, dv, dbeta, cu, chunk_offsets, chunk_indices,
+                             T, H, DK=DK, DV=DV, BK=BK, BV=BV, PREC=mt["PREC"], PS=mt["PS"],
+                             num_warps=mt["warps_chunk"], **common)
         if dh0 is not None:
             dh0 = dh0.to(h0_dtype)
         return dq, dk, dv, dbeta, dh0, None, None, None
@@ -359,25 +544,31 @@ def delta_rule_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: t
                       initial_state: Optional[torch.Tensor] = None, output_final_state: bool = False,
                       chunk_size: int = 64, cu_seqlens: Optional[torch.Tensor] = None
                       ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """q, k [B, H, T, d_k]; v [B, H, T, d_v]; beta [B, H, T]; initial_state [N, H, d_k, d_v] or None
-    (N = B, or the number of sequences with ``cu_seqlens``, int32 [N+1] over a B = 1 packed row).
+    """q, k [B, H, T, d_k]; v [B, H, T, d_v]; beta [B, H, T] or [B, H, T, d_v] (per value
+    channel, run as d_v scalar-β problems of width 1, see ``shapes.py``); initial_state
+    [N, H, d_k, d_v] or None (N = B, or the number of sequences with ``cu_seqlens``, int32 [N+1]
+    over a B = 1 packed row).
 
     Returns (o [B, H, T, d_v] in v's dtype, final state [N, H, d_k, d_v] in float32 — float64
     for float64 inputs — or None unless ``output_final_state``)."""
+    per_channel = check_delta_rule_inputs("delta_rule_triton", q, k, v, beta, initial_state, chunk_size,
+                                          cu_seqlens)
     check_triton_device("delta_rule_triton", q, k, v, beta, initial_state)
+    if q.dtype not in _IN_DTYPES:
+        raise ValueError(f"delta_rule_triton: inputs must be one of {[str(d) for d in _IN_DTYPES]}, got {q.dtype}")
+    if per_channel:
+        H, DV = k.shape[1], v.shape[-1]
+        o, S = delta_rule_triton(*fold_channel_beta(q, k, v, beta, initial_state), output_final_state,
+                                 chunk_size, cu_seqlens)
+        return unfold_channel_beta(o, S, H, DV)
     B, H, T, DK = k.shape
     if cu_seqlens is not None:
-        if B != 1:
-            raise ValueError(f"delta_rule_triton: cu_seqlens needs a packed batch of 1, got B={B}")
         if int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != T:
             raise ValueError("delta_rule_triton: cu_seqlens must start at 0 and end at T")
         cu_seqlens = cu_seqlens.to(device=k.device, dtype=torch.int32).contiguous()
-    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
-    if initial_state is not None and tuple(initial_state.shape) != (N, H, DK, v.shape[-1]):
-        raise ValueError(f"delta_rule_triton: initial_state must be {(N, H, DK, v.shape[-1])}, "
-                         f"got {tuple(initial_state.shape)}")
     C = min(64, _pow2(chunk_size))
     res = DeltaRuleChunkFunction.apply(q, k, v, beta, initial_state, cu_seqlens, C, output_final_state)
     if output_final_state:
         return res[0], res[1]
     return res, None
+

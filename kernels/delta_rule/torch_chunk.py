@@ -17,6 +17,14 @@ triangular):  U = A⁻¹ diag(β) V,  W = A⁻¹ diag(β) K.  With the pseudo-va
 A⁻¹ is applied by a unit-triangular solve. U and W of all chunks are computed at once; only the
 C-step-long recurrence over chunk states is sequential. A ragged tail is padded with β = 0, k = 0,
 which leaves the state unchanged. Gradients come from autograd through these operations.
+
+Linear cost in T: the per-chunk tensors are split once (``unbind``) before the chunk loop and the
+outputs stacked once after it. Indexing chunk n inside the loop instead (``U[:, :, n]``) would
+make autograd's backward of every such slice a zero-filled gradient of the whole sequence, so
+forward+backward would grow as T²/C.
+
+A per-channel β ([B, H, T, d_v]) runs as d_v scalar-β delta rules of value width 1
+(``shapes.fold_channel_beta``).
 """
 from __future__ import annotations
 
@@ -24,6 +32,8 @@ from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
+
+from kernels.delta_rule.shapes import check_delta_rule_inputs, fold_channel_beta, unfold_channel_beta
 
 
 def _acc(x: torch.Tensor) -> torch.Tensor:
@@ -33,11 +43,23 @@ def _acc(x: torch.Tensor) -> torch.Tensor:
 def delta_rule_chunk_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
                            initial_state: Optional[torch.Tensor] = None, output_final_state: bool = False,
                            chunk_size: int = 64) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """q, k [B, H, T, d_k]; v [B, H, T, d_v]; beta [B, H, T] or [B, H, T, d_v] (per value
+    channel); initial_state [B, H, d_k, d_v]. Returns (o in v's dtype, final state or None)."""
+    if check_delta_rule_inputs("delta_rule_chunk_torch", q, k, v, beta, initial_state, chunk_size):
+        H, dv = k.shape[1], v.shape[-1]
+        o, S = delta_rule_chunk_torch(*fold_channel_beta(q, k, v, beta, initial_state),
+                                      output_final_state, chunk_size)
+        return unfold_channel_beta(o, S, H, dv)
     B, H, T, dk = k.shape
     dv = v.shape[-1]
     out_dtype = v.dtype
     q, k, v, beta = _acc(q), _acc(k), _acc(v), _acc(beta)
-    C = max(1, min(chunk_size, T)) if T > 0 else 1
+    if T == 0:
+        S = None if not output_final_state else (
+            torch.zeros(B, H, dk, dv, dtype=k.dtype, device=k.device) if initial_state is None
+            else _acc(initial_state).to(k.dtype))
+        return v.new_zeros(B, H, 0, dv).to(out_dtype), S
+    C = max(1, min(chunk_size, T))
     pad = (-T) % C
     if pad:
         q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
@@ -57,9 +79,10 @@ def delta_rule_chunk_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, be
     S = (torch.zeros(B, H, dk, dv, dtype=k.dtype, device=k.device) if initial_state is None
          else _acc(initial_state).to(k.dtype))
     outs = []
-    for n in range(N):
-        v_new = U[:, :, n] - W[:, :, n] @ S
-        outs.append(q[:, :, n] @ S + QK[:, :, n] @ v_new)
-        S = S + k[:, :, n].transpose(-1, -2) @ v_new
+    # split once: slicing chunk n inside the loop would cost a full-size gradient per chunk
+    for q_n, k_n, U_n, W_n, QK_n in zip(*(t.unbind(2) for t in (q, k, U, W, QK))):
+        v_new = U_n - W_n @ S
+        outs.append(q_n @ S + QK_n @ v_new)
+        S = S + k_n.transpose(-1, -2) @ v_new
     o = torch.stack(outs, dim=2).reshape(B, H, N * C, dv)[:, :, :T]
     return o.to(out_dtype), (S if output_final_state else None)

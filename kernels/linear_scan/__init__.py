@@ -13,7 +13,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from kernels.linear_scan.reference import linear_scan_ref
+from kernels.linear_scan.reference import check_linear_scan_inputs, linear_scan_ref
 from kernels.linear_scan.torch_chunk import linear_scan_chunk
 
 
@@ -28,14 +28,7 @@ def linear_scan(log_a: torch.Tensor, b: torch.Tensor, initial_state: Optional[to
     dtype (float32 for half inputs). ``backend``: "torch" (chunked PyTorch), "reference"
     (sequential), "triton". ``cu_seqlens`` (int32 [N+1], B = 1): N packed sequences, the state
     restarting at each (from ``initial_state`` [N, D] or 0); the final state is then [N, D]."""
-    if log_a.shape != b.shape or b.dim() != 3:
-        raise ValueError(f"linear_scan: log_a and b must both be [B, T, D], got {tuple(log_a.shape)} and {tuple(b.shape)}")
-    if cu_seqlens is not None and b.shape[0] != 1:
-        raise ValueError(f"linear_scan: cu_seqlens needs packed input with B = 1, got B = {b.shape[0]}")
-    rows = b.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
-    if initial_state is not None and initial_state.shape != (rows, b.shape[2]):
-        raise ValueError(f"linear_scan: initial_state must be {'[B, D]' if cu_seqlens is None else '[N, D]'} = "
-                         f"{(rows, b.shape[2])}, got {tuple(initial_state.shape)}")
+    check_linear_scan_inputs("linear_scan", log_a, b, initial_state, chunk_size, cu_seqlens)
     if backend == "torch":
         if cu_seqlens is not None:
             # one chunked scan per sequence (reads the offsets on the host)

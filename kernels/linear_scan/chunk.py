@@ -40,7 +40,7 @@ import triton.language as tl
 
 from kernels._triton_utils import (autotune_configs, check_triton_device, is_interpreting,
                                    next_power_of_2, num_sms, prune_by_elements_per_thread)
-from kernels.linear_scan.reference import acc_dtype
+from kernels.linear_scan.reference import acc_dtype, check_linear_scan_inputs
 
 _CONFIGS = autotune_configs({"BLOCK_D": [16, 32, 64, 128]}, num_warps=(1, 2, 4, 8, 16), num_stages=(1, 2),
                             interpret={"BLOCK_D": 16})
@@ -315,21 +315,13 @@ def linear_scan_triton(log_a: torch.Tensor, b: torch.Tensor, initial_state: Opti
     ``num_segments``: parallel pieces along time per row (default: enough to fill the GPU; always 1
     with ``cu_seqlens``).
     """
-    if log_a.shape != b.shape or b.dim() != 3:
-        raise ValueError(f"linear_scan_triton: log_a and b must both be [B, T, D], got "
-                         f"{tuple(log_a.shape)} and {tuple(b.shape)}")
+    check_linear_scan_inputs("linear_scan_triton", log_a, b, initial_state, chunk_size, cu_seqlens)
     B, T, D = b.shape
     if cu_seqlens is not None:
-        if B != 1:
-            raise ValueError(f"linear_scan_triton: cu_seqlens needs packed input with B = 1, got B = {B}")
-        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-            raise ValueError("linear_scan_triton: cu_seqlens must be 1-D [N+1]")
         cu_seqlens = cu_seqlens.to(device=b.device, dtype=torch.int32).contiguous()
         NB = cu_seqlens.numel() - 1
     else:
         NB = B
-    if initial_state is not None and initial_state.shape != (NB, D):
-        raise ValueError(f"linear_scan_triton: initial_state must be {(NB, D)}, got {tuple(initial_state.shape)}")
     check_triton_device("linear_scan_triton", log_a, b, initial_state)
     acc = acc_dtype(b.dtype)
     if T == 0:

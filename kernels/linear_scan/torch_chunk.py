@@ -19,12 +19,13 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from kernels.linear_scan.reference import acc_dtype
+from kernels.linear_scan.reference import acc_dtype, check_linear_scan_inputs
 
 
 def linear_scan_chunk(log_a: torch.Tensor, b: torch.Tensor, initial_state: Optional[torch.Tensor] = None,
                       output_final_state: bool = False, chunk_size: int = 64
                       ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    check_linear_scan_inputs("linear_scan_chunk", log_a, b, initial_state, chunk_size)
     dt = acc_dtype(b.dtype)
     B, T, D = b.shape
     L = max(1, min(chunk_size, T))
@@ -44,9 +45,11 @@ def linear_scan_chunk(log_a: torch.Tensor, b: torch.Tensor, initial_state: Optio
     h_local = torch.einsum("bctsd,bcsd->bctd", w, bb)             # chunk started from zero state
     decay = cum.exp()                                             # exp(Λ_t): reach of H_{c−1}
     # H_c = exp(Λ_last) ⊙ H_{c−1} + h_local_last: the scan across chunks
+    # (chunk-end values split once: indexing chunk c inside the loop would make the backward of
+    # every index a zero-filled gradient of the whole sequence, a cost quadratic in T)
     carry = [h0]
-    for c in range(n):
-        carry.append(decay[:, c, -1] * carry[-1] + h_local[:, c, -1])
+    for d_c, l_c in zip(decay[:, :, -1].unbind(1), h_local[:, :, -1].unbind(1)):
+        carry.append(d_c * carry[-1] + l_c)
     h_prev = torch.stack(carry[:-1], 1)                           # [B, n, D]
     h = (h_local + decay * h_prev[:, :, None]).reshape(B, n * L, D)[:, :T]
     return h.to(b.dtype), (carry[-1] if output_final_state else None)

@@ -19,7 +19,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from kernels.titans.reference import _acc, _initial, titans_linear_reference
+from kernels.titans.reference import _acc, _initial, check_titans_inputs, titans_linear_reference
 from kernels.titans.torch_chunk import (chunk_decays, chunk_memory_step, chunk_spans,
                                         titans_linear_chunk_torch)
 
@@ -40,6 +40,11 @@ def titans_linear(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, theta: torc
     Returns (o [B, H, T, d_v] in v's dtype, (M, S, M̂) in the accumulation dtype or None).
     With ``cu_seqlens`` (int32 [N+1], B = 1) the N packed sequences run one after another through
     ``backend``, each from its row of ``initial_state`` [N, …] (see the module docstring)."""
+    n_states = None
+    if cu_seqlens is not None and isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dim() == 1:
+        n_states = cu_seqlens.numel() - 1
+    check_titans_inputs("titans_linear", q, k, v, theta, log_eta, log_keep, initial_state, chunk_size,
+                        offset, n_states)
     if cu_seqlens is not None:
         return _titans_varlen(q, k, v, theta, log_eta, log_keep, initial_state, output_final_state,
                               backend, chunk_size, offset, cu_seqlens)

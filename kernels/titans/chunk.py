@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from kernels._triton_utils import check_triton_device
-from kernels.titans.reference import _acc, _initial
+from kernels.titans.reference import _acc, _initial, check_titans_inputs
 from kernels.titans.torch_chunk import titans_linear_chunk_torch
 
 # log-gates are clamped as in torch_chunk.chunk_decays: e^{−1e4} is already 0 and keeps −inf − −inf
@@ -240,17 +240,34 @@ def _tile(C: int) -> int:
     return max(16, triton.next_power_of_2(C))
 
 
+#: software pipelining of the chunk loop's loads would keep extra copies of every tile in shared
+#: memory; the loop is bound by its serial dependence on (M, S), not by the loads
+NUM_STAGES = 1
+#: the memory tiles one program holds are [d_k, BV] with BK · BV ≤ STATE_TILE (BV = 32 at d_k = 64,
+#: 16 at 128). Compiled for sm_90 (bf16, d = 64, C = 16), the backward spilled 4.7 KB of stack at
+#: BV = 64 and 8 warps, 2.9 KB at BV = 32 (8 warps), 1.7 KB at BV = 16 (4 warps): its chunk-local
+#: work, not the memory tiles, is what overflows the registers
+STATE_TILE = 64 * 32
+
+
 def _blocks(dk: int, dv: int) -> Tuple[int, int, int]:
+    """(BK, BV, num_warps). The backward keeps four memory tiles (M, S, ∂M, ∂S) live across the
+    chunk loop, 4 · BK · BV float32 values besides the chunk's own tiles; 8 warps from
+    BK · BV = 64 × 32 on."""
     BK = max(16, triton.next_power_of_2(dk))  # tl.dot needs every block dim ≥ 16
-    BV = min(max(16, triton.next_power_of_2(dv)), 64)
-    num_warps = 4 if BK * BV <= 64 * 64 else 8
+    BV = min(max(16, triton.next_power_of_2(dv)), 64, max(16, STATE_TILE // BK))
+    num_warps = 8 if BK * BV >= 64 * 32 else 4
     return BK, BV, num_warps
 
 
 def _precision(dtype: torch.dtype) -> str:
-    # half-precision inputs already carry ~1e-3 error, so TF32 tiles cost nothing visible there;
-    # fp32/fp64 inputs get IEEE products so the chunk recurrence matches the reference tightly
-    return "tf32" if dtype in (torch.float16, torch.bfloat16) else "ieee"
+    """``tl.dot`` precision. Half inputs: TF32 products (their own rounding, 2^-9, exceeds TF32's).
+    float32: TF32×3, three TF32 products on tensor cores with about float32 accuracy — IEEE
+    float32 products are scalar FMA loops, and with them the backward at chunk 64 (B2 H4 T1000
+    d64 on an H100) did not finish compiling in 110 s. float64: IEEE."""
+    if dtype in (torch.float16, torch.bfloat16):
+        return "tf32"
+    return "tf32x3" if dtype == torch.float32 else "ieee"
 
 
 class TitansLinearChunkFunction(torch.autograd.Function):
@@ -277,7 +294,7 @@ class TitansLinearChunkFunction(torch.autograd.Function):
         grid = (triton.cdiv(dv, BV), B * H)
         _titans_fwd_kernel[grid](q, k, v, theta, log_eta, log_keep, M0, S0, y, Mst, Sst, MT, ST,
                                  T, N, dk, dv, C, BC=_tile(C), BK=BK, BV=BV, ACC=ACC, PREC=_precision(v.dtype),
-                                 num_warps=nw)
+                                 num_warps=nw, num_stages=NUM_STAGES)
         tail = T % C != 0
         Mh = Mst[:, :, N - 1].clone() if tail else MT.clone()
         ctx.save_for_backward(q, k, v, theta, log_eta, log_keep, Mst, Sst)
@@ -315,7 +332,7 @@ class TitansLinearChunkFunction(torch.autograd.Function):
         _titans_bwd_kernel[(NV, B * H)](q, k, v, theta, log_eta, log_keep, Mst, Sst, dy, dMT, dST, dMh,
                                         dq, dk_, dv_, dth, dle, dlk, dM0, dS0,
                                         T, N, dk, dv, B * H, C, BC=_tile(C), BK=BK, BV=BV, ACC=ACC,
-                                        PREC=_precision(v.dtype), num_warps=nw)
+                                        PREC=_precision(v.dtype), num_warps=nw, num_stages=NUM_STAGES)
         return (dq.sum(0).to(q.dtype), dk_.sum(0).to(k.dtype), dv_.to(v.dtype), dth.sum(0).to(theta.dtype),
                 dle.sum(0).to(log_eta.dtype), dlk.sum(0).to(log_keep.dtype), dM0.to(M0_dtype),
                 dS0.to(S0_dtype), None)
@@ -329,6 +346,8 @@ def titans_linear_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, thet
     """Same contract as ``titans_linear_reference``; a first partial chunk (offset % C ≠ 0)
     runs in PyTorch. A chunk of C tokens occupies a tile of max(16, 2^⌈log₂ C⌉) rows, so C below
     16 (C = 1 included) is exact but wastes most of each tile."""
+    check_titans_inputs("titans_linear_triton", q, k, v, theta, log_eta, log_keep, initial_state,
+                        chunk_size, offset)
     C = chunk_size
     check_triton_device("titans_linear_triton", q, k, v, theta, log_eta, log_keep,
                         *(initial_state or ()))

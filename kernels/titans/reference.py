@@ -42,6 +42,53 @@ def _initial(initial_state, B, H, dk, dv, like):
     return M, S, Mh
 
 
+def check_titans_inputs(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, theta: torch.Tensor,
+                        log_eta: torch.Tensor, log_keep: torch.Tensor, initial_state=None,
+                        chunk_size: int = 16, offset: int = 0, n_states: Optional[int] = None) -> None:
+    """Raises ValueError naming the first problem with the op's inputs: q, k [B, H, T, d_k];
+    v [B, H, T, d_v]; θ, log η, log(1 − α) [B, H, T] (one gate per token and head);
+    initial_state None or (M, S[, M̂]) each [n_states (default B), H, d_k, d_v];
+    chunk_size ≥ 1; offset ≥ 0."""
+    named = (("q", q), ("k", k), ("v", v), ("theta", theta), ("log_eta", log_eta), ("log_keep", log_keep))
+    for n, t in named:
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            raise ValueError(f"{name}: {n} must be a floating-point tensor, got "
+                             f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}")
+    for n, t in named[:3]:
+        if t.dim() != 4:
+            raise ValueError(f"{name}: {n} must be [B, H, T, d], got shape {tuple(t.shape)}")
+    if q.shape != k.shape:
+        raise ValueError(f"{name}: q and k must have the same shape [B, H, T, d_k], got "
+                         f"q {tuple(q.shape)} and k {tuple(k.shape)}")
+    B, H, T, dk = k.shape
+    dv = v.shape[-1]
+    if v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"{name}: v must be [B, H, T, d_v] = [{B}, {H}, {T}, d_v] like k, got {tuple(v.shape)}")
+    for n, t in named[3:]:
+        if t.shape != (B, H, T):
+            raise ValueError(f"{name}: {n} must be [B, H, T] = {(B, H, T)} (one gate per token and head), "
+                             f"got {tuple(t.shape)}")
+    devices = {t.device for _, t in named}
+    if initial_state is not None:
+        if isinstance(initial_state, torch.Tensor) or len(initial_state) not in (2, 3):
+            raise ValueError(f"{name}: initial_state must be a tuple (M, S) or (M, S, M̂)")
+        want = (B if n_states is None else n_states, H, dk, dv)
+        for n, t in zip(("M", "S", "M̂"), initial_state):
+            if t is None and n == "M̂":
+                continue
+            if not isinstance(t, torch.Tensor) or not t.is_floating_point() or tuple(t.shape) != want:
+                raise ValueError(f"{name}: initial {n} must be a floating-point tensor of shape "
+                                 f"[{'B' if n_states is None else 'N'}, H, d_k, d_v] = {want}, got "
+                                 f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+            devices.add(t.device)
+    if len(devices) > 1:
+        raise ValueError(f"{name}: inputs on different devices {sorted(map(str, devices))}")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"{name}: chunk_size must be a positive int, got {chunk_size!r}")
+    if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+        raise ValueError(f"{name}: offset must be a non-negative int, got {offset!r}")
+
+
 def titans_linear_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, theta: torch.Tensor,
                             log_eta: torch.Tensor, log_keep: torch.Tensor,
                             initial_state: Optional[Sequence[torch.Tensor]] = None,
@@ -49,6 +96,8 @@ def titans_linear_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, t
                             ) -> Tuple[torch.Tensor, Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
     """q, k [B, H, T, d_k]; v [B, H, T, d_v]; theta, log_eta, log_keep [B, H, T];
     initial_state (M, S[, M̂]) each [B, H, d_k, d_v]. Returns o [B, H, T, d_v] and (M, S, M̂)."""
+    check_titans_inputs("titans_linear_reference", q, k, v, theta, log_eta, log_keep, initial_state,
+                        chunk_size, offset)
     B, H, T, dk = k.shape
     dv = v.shape[-1]
     out_dtype = v.dtype

@@ -28,7 +28,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from kernels.titans.reference import _acc, _initial
+from kernels.titans.reference import _acc, _initial, check_titans_inputs
 
 
 def chunk_decays(theta: torch.Tensor, log_eta: torch.Tensor, log_keep: torch.Tensor) -> Dict[str, torch.Tensor]:
@@ -88,6 +88,8 @@ def titans_linear_chunk_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                               log_eta: torch.Tensor, log_keep: torch.Tensor,
                               initial_state: Optional[Sequence[torch.Tensor]] = None,
                               output_final_state: bool = False, chunk_size: int = 16, offset: int = 0):
+    check_titans_inputs("titans_linear_chunk_torch", q, k, v, theta, log_eta, log_keep, initial_state,
+                        chunk_size, offset)
     B, H, T, dk = k.shape
     dv = v.shape[-1]
     out_dtype = v.dtype

@@ -96,3 +96,72 @@ def test_chunk_function_direct_call_matches():
     a = delta_rule_chunk_torch(q, k, v, beta, S0, True, chunk_size=5)
     b = delta_rule(q, k, v, beta, S0, True, backend="reference")
     torch.testing.assert_close(a[0], b[0], atol=1e-12, rtol=0)
+
+
+def _channel_beta(B=2, H=2, T=7, dv=3, seed=11):
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand(B, H, T, dv, generator=g, dtype=D64)
+
+
+def test_per_channel_beta_reference_is_one_delta_rule_per_value_channel():
+    """The specification with β [B, H, T, d_v]: value channel j of the output and of the state
+    equals the scalar-β rule run on v[..., j] alone with β[..., j] (the columns of S are
+    independent); float64, so 1e-12. Also differs from any scalar β (the test can fail)."""
+    q, k, v, _, S0 = _inputs(T=9, with_state=True)
+    beta = _channel_beta(T=9)
+    o, S = delta_rule_reference(q, k, v, beta, S0, True)
+    for j in range(v.shape[-1]):
+        o_j, S_j = delta_rule_reference(q, k, v[..., j:j + 1], beta[..., j], S0[..., j:j + 1], True)
+        torch.testing.assert_close(o[..., j:j + 1], o_j, atol=1e-12, rtol=0)
+        torch.testing.assert_close(S[..., j:j + 1], S_j, atol=1e-12, rtol=0)
+    o_mean, _ = delta_rule_reference(q, k, v, beta.mean(-1), S0, True)
+    assert (o - o_mean).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("T,chunk", [(7, 4), (16, 16), (10, 1)])
+def test_per_channel_beta_chunk_matches_reference_fwd_and_grads(T, chunk):
+    """PyTorch chunked form with a per-channel β vs the reference: output, final state and the
+    gradients of q, k, v, β and S0, float64, so 1e-10 as for the scalar case."""
+    q, k, v, _, S0 = _inputs(T=T, with_state=True)
+    beta = _channel_beta(T=T)
+    g = torch.Generator().manual_seed(9)
+    wo, wS = torch.randn(2, 2, T, 3, generator=g, dtype=D64), torch.randn(2, 2, 5, 3, generator=g, dtype=D64)
+    res = []
+    for be in ("reference", "torch"):
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v, beta, S0)]
+        o, S = delta_rule(*leaves, output_final_state=True, backend=be, chunk_size=chunk)
+        assert o.shape == v.shape and S.shape == S0.shape
+        ((o * wo).sum() + (S * wS).sum()).backward()
+        res.append([o.detach(), S.detach()] + [t.grad for t in leaves])
+    for a, b in zip(res[0], res[1]):
+        torch.testing.assert_close(b, a, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch"])
+def test_bad_shapes_are_refused_with_the_reason(backend):
+    q, k, v, beta, S0 = _inputs(T=5, with_state=True)
+    bad = [
+        (dict(beta=beta[..., :4]), r"beta must be \[B, H, T\]"),
+        (dict(beta=beta[..., None].expand(2, 2, 5, 2)), r"per value channel"),
+        (dict(k=k[..., :4]), "q and k must have the same shape"),
+        (dict(q=q[0], k=k[0]), r"must be \[B, H, T, d\]"),
+        (dict(v=v[:, :1]), "v must be"),
+        (dict(initial_state=S0[..., :2]), "initial_state must be"),
+        (dict(v=v.float()), "share one dtype"),
+        (dict(beta=(beta > 0.5)), "floating-point"),
+    ]
+    base = dict(q=q, k=k, v=v, beta=beta, initial_state=S0)
+    for change, msg in bad:
+        args = {**base, **change}
+        with pytest.raises(ValueError, match=msg):
+            delta_rule(args["q"], args["k"], args["v"], args["beta"], args["initial_state"], backend=backend)
+    with pytest.raises(ValueError, match="chunk_size"):
+        delta_rule(q, k, v, beta, backend=backend, chunk_size=0)
+
+
+def test_torch_chunk_empty_sequence():
+    """T = 0: no output rows, the final state is the initial state."""
+    q, k, v, beta, S0 = _inputs(T=0, with_state=True)
+    o, S = delta_rule_chunk_torch(q, k, v, beta, S0, True)
+    assert o.shape == (2, 2, 0, 3)
+    torch.testing.assert_close(S, S0)

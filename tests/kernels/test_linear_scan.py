@@ -82,3 +82,20 @@ def test_gradcheck_chunk():
     log_a, b, h0 = _inputs(1, 6, 2)
     assert torch.autograd.gradcheck(
         lambda la, bb, s: linear_scan(la, bb, s, True, chunk_size=4), (log_a, b, h0), eps=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch", "triton"])
+def test_bad_inputs_are_refused_with_the_reason(backend):
+    """Every backend checks shapes, dtypes and the chunk size at entry and names the problem."""
+    la, b, s = (t.detach() for t in _inputs(2, 5, 3))
+    cases = [
+        ((la[:, :4], b, s), {}, r"log_a and b must both be \[B, T, D\]"),
+        ((la, b, s[:, :2]), {}, "initial_state must be"),
+        ((la, b.long(), s), {}, "floating-point"),
+        ((la, b, s), {"chunk_size": 0}, "chunk_size"),
+        ((la[:1], b[:1], None), {"cu_seqlens": torch.tensor([[0, 5]])}, "cu_seqlens must be"),
+        ((la, b, None), {"cu_seqlens": torch.tensor([0, 5])}, "B = 1"),
+    ]
+    for args, kw, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            linear_scan(*args, backend=backend, **kw)

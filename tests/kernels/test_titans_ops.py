@@ -117,3 +117,26 @@ def test_unknown_backend_is_refused():
     ins, _ = _inputs(T=2)
     with pytest.raises(ValueError, match="backend"):
         titans_linear(*ins, backend="nope")
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch", "triton"])
+def test_bad_shapes_are_refused_with_the_reason(backend):
+    """Every backend checks the op's inputs at entry and names what is wrong (before, a
+    [B, H, T, 1] gate broadcast silently and a wrong state shape failed deep inside)."""
+    ins, st = _inputs(T=6, with_state=True)
+    q, k, v, th, le, lk = ins
+    cases = [
+        ((q, k, v, th[..., None], le, lk), st, {}, r"theta must be \[B, H, T\]"),
+        ((q, k, v, th, le[:, :1], lk), st, {}, r"log_eta must be \[B, H, T\]"),
+        ((q, k[..., :3], v, th, le, lk), st, {}, "q and k must have the same shape"),
+        ((q, k, v[:, :, :5], th, le, lk), st, {}, "v must be"),
+        ((q[0], k[0], v, th, le, lk), st, {}, r"must be \[B, H, T, d\]"),
+        ((q, k, v, th, le, lk), (st[0][..., :2], st[1]), {}, "initial M must be"),
+        ((q, k, v, th, le, lk), st[0], {}, "tuple"),
+        ((q, k, v, th.long(), le, lk), st, {}, "floating-point"),
+        ((q, k, v, th, le, lk), st, {"chunk_size": 0}, "chunk_size"),
+        ((q, k, v, th, le, lk), st, {"offset": -1}, "offset"),
+    ]
+    for args, state, kw, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            titans_linear(*args, state, backend=backend, **kw)

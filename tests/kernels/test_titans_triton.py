@@ -71,9 +71,20 @@ def test_float64_matches_reference(B, H, T, dk, dv, chunk, with_state, offset):
     _compare(B, H, T, dk, dv, chunk, D64, with_state, offset)
 
 
+def test_several_dv_blocks(monkeypatch):
+    """d_v split over programs (memory tiles [d_k, 16], d_v = 40 → three blocks, the last ragged),
+    as d = 64 runs on a GPU (BV = 32): the blocks are independent in the forward and the
+    gradients of q, k and the gates are summed over them (float64, rounding only)."""
+    import kernels.titans.chunk as ti_chunk
+
+    monkeypatch.setattr(ti_chunk, "STATE_TILE", 16 * 16)
+    assert ti_chunk._blocks(16, 40)[:2] == (16, 16)
+    _compare(1, 2, 21, 16, 40, 16, D64, True)
+
+
 def test_float32_matches_reference():
-    """float32 inputs, float32 accumulation with IEEE products: ~40 steps of rounding (2⁻²⁴) on
-    sums of O(100) terms, on values up to ~400: 1e-3 absolute, 1e-5 relative."""
+    """float32 inputs, float32 accumulation (TF32×3 products on a GPU, float32 ones under the
+    interpreter): ~40 steps of rounding (2⁻²⁴) on sums of O(100) terms, on values up to ~400: 1e-3 absolute, 1e-5 relative."""
     _compare(2, 2, 37, 16, 16, 16, torch.float32, True, atol=1e-3, rtol=1e-5)
 
 
@@ -154,7 +165,7 @@ def test_mixer_triton_rejects_mlp_memory():
 @pytest.mark.gpu
 @pytest.mark.parametrize("B,H,T,d,chunk", [(2, 4, 1000, 64, 64), (1, 2, 777, 128, 16), (2, 2, 300, 32, 32)])
 def test_gpu_float32_matches_reference(B, H, T, d, chunk):
-    """float32, IEEE products, up to 1000 steps of O(1)–O(100) values: 2e-3 relative and absolute
+    """float32, TF32×3 products (about float32 accuracy), up to 1000 steps of O(1)–O(100) values: 2e-3 relative and absolute
     (the kernel's rounding compounds through the carried M and S, ~1e-6 per chunk)."""
     _compare(B, H, T, d, d, chunk, torch.float32, True, atol=2e-3, rtol=2e-3)
 

@@ -41,8 +41,9 @@ def test_gradcheck(kw):
 @pytest.mark.parametrize("nu", [1, 2, 3])
 def test_dpfp_features(nu):
     """φ(x) has 2·d·ν non-negative entries; entry 2d(i−1)+j is r_j · r_{(j+i) mod 2d} with
-    r = ReLU([x, −x]), divided by the sum (+ ε = 1e-6), so the features sum to one up to
-    ε / Σ ≤ 1e-4 where Σ > 1e-2."""
+    r = ReLU([x, −x]), divided by their sum, so the features sum to one (float64 rounding:
+    1e-12) — at any input scale, small inputs included (an absolute ε of 1e-6 made inputs of
+    size 1e-4 sum to ~1e-2), and φ(c x) = φ(x)."""
     d = 5
     torch.manual_seed(0)
     x = torch.randn(3, 4, d, dtype=torch.float64)
@@ -54,18 +55,29 @@ def test_dpfp_features(nu):
     for i in range(1, nu + 1):
         for j in range(2 * d):
             raw[..., 2 * d * (i - 1) + j] = r[..., j] * r[..., (j + i) % (2 * d)]
-    torch.testing.assert_close(phi, raw / (raw.sum(-1, keepdim=True) + 1e-6), atol=1e-12, rtol=0)
-    big = raw.sum(-1) > 1e-2
-    assert big.any()
-    torch.testing.assert_close(phi.sum(-1)[big], torch.ones_like(phi.sum(-1)[big]), atol=1e-4, rtol=0)
+    big = raw.sum(-1) > 1e-6 * r.square().amax(-1)
+    assert big.all()   # random inputs never hit the floor
+    torch.testing.assert_close(phi, raw / raw.sum(-1, keepdim=True), atol=1e-12, rtol=0)
+    for scale in (1e-4, 1e-8, 1e4):
+        phi_s = dpfp(scale * x, nu)
+        torch.testing.assert_close(phi_s.sum(-1), torch.ones(3, 4, dtype=torch.float64), atol=1e-12, rtol=0)
+        torch.testing.assert_close(phi_s, phi, atol=1e-12, rtol=1e-10)
+    small = dpfp(1e-4 * x.float(), nu)   # float32: x² ≈ 1e-8, still summing to one
+    torch.testing.assert_close(small.sum(-1), torch.ones(3, 4), atol=1e-5, rtol=0)
 
 
 def test_dpfp_nu1_can_be_all_zero_without_nan():
     """ν = 1 multiplies neighbours of [x, −x]; signs alternating over an odd d make every product
-    zero. The ε keeps the features at 0 instead of 0/0."""
-    x = torch.tensor([1.0, -2.0, 3.0, -4.0, 5.0], dtype=torch.float64)
+    zero. The floor keeps the features at 0 instead of 0/0, for x = 0 too, gradients included."""
+    x = torch.tensor([1.0, -2.0, 3.0, -4.0, 5.0], dtype=torch.float64, requires_grad=True)
     phi = dpfp(x, 1)
     assert torch.isfinite(phi).all() and phi.abs().max() == 0
+    phi.sum().backward()
+    assert torch.isfinite(x.grad).all()
+    z = torch.zeros(5, dtype=torch.float64, requires_grad=True)
+    phi0 = dpfp(z, 2)
+    phi0.sum().backward()
+    assert phi0.abs().max() == 0 and torch.isfinite(z.grad).all()
 
 
 def test_dpfp_state_shape_and_invalid_nu():

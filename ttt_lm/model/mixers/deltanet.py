@@ -22,9 +22,13 @@ Feature map φ (``deltanet.feature_map``):
   (Schlag et al. 2021, §5.3). With r = ReLU([x, −x]) ∈ R^{2d_h},
 
       φ_{2d_h(i−1)+j}(x) = r_j · r_{j+i}     (i = 1..ν, j = 1..2d_h, index j+i taken mod 2d_h)
-      φ(x) ← φ(x) / Σ_j φ_j(x)
+      φ(x) ← φ(x) / max(Σ_j φ_j(x), ε · max_j r_j²)
 
-  so d_φ = 2 d_h ν and the features are non-negative and sum to one. DPFP's ReLU([x, −x]) is
+  so d_φ = 2 d_h ν and the features are non-negative and sum to one. The floor ε · max_j r_j²
+  (ε = 1e-6) scales with the input like the sum does (both are quadratic in x), so φ(c x) = φ(x)
+  for c > 0 and the features sum to one at any input scale; it only acts when nearly every
+  product r_j r_{j+i} vanishes (e.g. ν = 1 with signs alternating along x), and keeps 0/0 out
+  (an absolute ε would instead shrink the features of small inputs towards 0). DPFP's ReLU([x, −x]) is
   its own nonlinearity, so with it q and k skip the SiLU (v keeps it).
 
 The short causal depthwise convolution (width ``deltanet.conv_width``, 0 = none) runs on q, k and
@@ -44,12 +48,16 @@ from ttt_lm.model.mixers.base import Mixer, State
 
 
 def dpfp(x: torch.Tensor, nu: int = 1, eps: float = 1e-6) -> torch.Tensor:
-    """DPFP features of x [..., d] → [..., 2·d·ν], non-negative, summing to one (see module doc)."""
+    """DPFP features of x [..., d] → [..., 2·d·ν], non-negative, summing to one; ``eps`` is
+    relative to the largest r_j² (see module doc)."""
     r = F.relu(torch.cat([x, -x], dim=-1))
     # roll by +i puts r_{j−i} at position j; rolling by −i gives the r_{j+i} of the formula
     rolled = torch.cat([r.roll(shifts=-i, dims=-1) for i in range(1, nu + 1)], dim=-1)
     phi = torch.cat([r] * nu, dim=-1) * rolled
-    return phi / (phi.sum(-1, keepdim=True) + eps)
+    floor = eps * r.square().amax(-1, keepdim=True)
+    # the smallest normal number only matters for x = 0, where every term is 0
+    denom = torch.maximum(phi.sum(-1, keepdim=True), floor).clamp_min(torch.finfo(phi.dtype).tiny)
+    return phi / denom
 
 
 class DeltaNet(Mixer):
