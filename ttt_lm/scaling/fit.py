@@ -275,12 +275,8 @@ def bootstrap(t: Table, best_theta: np.ndarray, ranked_starts: np.ndarray, n: in
     return out
 
 
-def _theta(p: Dict[str, float]) -> np.ndarray:
-    return np.array([math.log(p["A"]), math.log(p["B"]), math.log(p["E"]), p["alpha"], p["beta"]])
-
-
 # ---------------------------------------------------------------------------- approach 2
-def _budget_groups(t: Table) -> List[np.ndarray]:
+def budget_groups(t: Table) -> List[np.ndarray]:
     """Indices of the runs of each compute budget: the ladder's budget column, else flops within 10%."""
     if t.budget is not None:
         return [np.flatnonzero(t.budget == c) for c in np.unique(t.budget)]
@@ -301,7 +297,7 @@ def fit_isoflop(t: Table, fpt: FlopsModel) -> Dict:
     """Approach 2 on the final points of one architecture."""
     C_all = t.flops if t.flops is not None else 6.0 * t.params * t.tokens
     budgets, notes = [], []
-    for g in _budget_groups(t):
+    for g in budget_groups(t):
         C = float(np.exp(np.mean(np.log(C_all[g])))) if t.budget is None else float(t.budget[g[0]])
         x, y = np.log(t.params[g]), t.loss[g]
         if len(np.unique(x)) < 3:
@@ -362,7 +358,7 @@ def fit_table(t: Table, points: str = "final", n_bootstrap: int = 100, level: fl
             entry.update(compute_optimal_exponents(p))
             entry["objective"] = fun
             entry["residual_rms"] = float(np.sqrt(np.mean((np.log(law(p, tf.params, tf.tokens)) - np.log(tf.loss)) ** 2)))
-            boots = bootstrap(tf, _theta(p), ranked, n_bootstrap, seed=seed, delta=delta) if n_bootstrap else []
+            boots = bootstrap(tf, ranked[0], ranked, n_bootstrap, seed=seed, delta=delta) if n_bootstrap else []
             entry["bootstrap_samples"] = len(boots)
             for k in PARAM_NAMES:
                 entry[f"{k}_ci"] = _interval([b[k] for b in boots], level)

@@ -2,8 +2,8 @@
 
 * ``loss_vs_flops.png``: validation loss against training compute, log-log, one colour per
   architecture; final losses as filled markers, intermediate ones small and faint; the fitted
-  compute-optimal frontier L*(C) = min over N of L(N, C / f(N)) as a line; the fitted exponents
-  in the legend.
+  compute-optimal frontier L*(C) = min over N of L(N, C / f(N)) as a line, the fitted law along
+  each trained size N as a dotted line; the fitted exponents in the legend.
 * ``isoflop.png``: one panel per architecture, loss against non-embedding parameters at each
   compute budget with the approach-2 parabola and its minimum; the exponents a, b in the title.
 """
@@ -15,7 +15,7 @@ from typing import Dict, List
 
 import numpy as np
 
-from ttt_lm.scaling.fit import FlopsModel, Table, optimal_allocation
+from ttt_lm.scaling.fit import FlopsModel, Table, budget_groups, law, optimal_allocation
 
 
 def _plt():
@@ -42,12 +42,15 @@ def loss_vs_flops(t: Table, res: Dict, path: str) -> str:
             fpt = FlopsModel(**{k: e["flops_per_token"][k] for k in ("k", "gamma", "source")})
             Cs = np.logspace(math.log10(C.min()) - 0.3, math.log10(C.max()) + 0.3, 60)
             ax.plot(Cs, [optimal_allocation(e, c, fpt)["loss"] for c in Cs], color=color, lw=1.5)
+            # the fitted law along each trained size: L(N, C / f(N)), dotted
+            for N in np.unique(t.params[m][fin]):
+                ax.plot(Cs, law(e, N, Cs / fpt(N)), color=color, lw=0.6, ls=":")
         ax.scatter(C[fin], L[fin], s=30, color=color, label=label, edgecolor="k", linewidth=0.5, zorder=3)
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("training compute C (FLOPs)")
     ax.set_ylabel("validation loss (nats / token)")
-    ax.set_title("loss vs compute; lines: fitted compute-optimal frontier (approach 3)")
+    ax.set_title("loss vs compute; solid: fitted compute-optimal frontier, dotted: fit per size", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -63,15 +66,27 @@ def isoflop(t: Table, res: Dict, path: str) -> str:
     for ax, arch in zip(axes[0], archs):
         m = (t.arch == arch) & (t.final if t.final is not None else True)
         iso = res["archs"].get(arch, {}).get("isoflop", {"budgets": [], "a": None})
-        C_all = t.flops if t.flops is not None else 6.0 * t.params * t.tokens
-        for j, b in enumerate(sorted(iso["budgets"], key=lambda b: b["C"])):
-            g = m & (np.abs(np.log((t.budget if t.budget is not None else C_all) / b["C"])) < math.log(1.1))
+        ta = t.select(m)
+        C_a = ta.budget if ta.budget is not None else (ta.flops if ta.flops is not None else 6.0 * ta.params * ta.tokens)
+        for j, g in enumerate(sorted(budget_groups(ta), key=lambda g: C_a[g].mean())):
             color = f"C{j}"
-            ax.scatter(t.params[g], t.loss[g], color=color, s=25, label=f"C = {b['C']:.2g} FLOPs")
-            x = np.linspace(np.log(t.params[g]).min() - 0.2, np.log(t.params[g]).max() + 0.2, 50)
+            C = float(np.exp(np.log(C_a[g]).mean()))
+            fitted = [b for b in iso["budgets"] if abs(math.log(b["C"] / C)) < math.log(1.1)]
+            ax.scatter(ta.params[g], ta.loss[g], color=color, s=25,
+                       label=f"C = {C:.2g} FLOPs" + ("" if fitted else " (no parabola with a minimum)"))
+            if not fitted:
+                continue
+            b = fitted[0]
+            lx = np.log(ta.params[g])
+            x = np.linspace(lx.min() - 0.2, lx.max() + 0.2, 50)
             c0, c1, c2 = b["parabola"]
             ax.plot(np.exp(x), c0 + c1 * x + c2 * x * x, color=color, lw=1)
-            ax.scatter([b["N_opt"]], [b["loss_opt"]], marker="*", s=120, color=color, edgecolor="k", zorder=3)
+            if b["inside"]:
+                ax.scatter([b["N_opt"]], [b["loss_opt"]], marker="*", s=120, color=color, edgecolor="k", zorder=3)
+            else:
+                x0 = lx.min()
+                ax.annotate(f"minimum outside the sizes (N_opt {b['N_opt']:.2g})", (math.exp(x0), c0 + c1 * x0 + c2 * x0 * x0),
+                            fontsize=7, color=color, textcoords="offset points", xytext=(5, -12))
         title = arch
         if iso.get("a") is not None:
             title += f": N_opt ∝ C^{iso['a']:.2f}, D_opt ∝ C^{iso['b']:.2f}"
@@ -80,10 +95,7 @@ def isoflop(t: Table, res: Dict, path: str) -> str:
         ax.set_xlabel("non-embedding parameters N")
         ax.set_ylabel("final validation loss (nats / token)")
         ax.grid(True, which="both", alpha=0.3)
-        if iso["budgets"]:
-            ax.legend(fontsize=8)
-        else:
-            ax.text(0.5, 0.5, "no isoFLOP group with 3 sizes", transform=ax.transAxes, ha="center")
+        ax.legend(fontsize=8)
     fig.suptitle("isoFLOP profiles (approach 2): parabolas in log N, ★ = minimum")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
