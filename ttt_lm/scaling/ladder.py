@@ -33,6 +33,9 @@ Rules for a size that is not in the table:
   · 20N), or the given sizes at every budget, each trained on D = C / f(N) tokens, f the training
   FLOPs per token of ``ttt_lm.model.flops.flops_per_token``.
 * warmup 10% of the steps, cosine to 10%.
+* validation: every steps/evals steps, the last pass at the final step (the largest divisor of
+  the step count at most steps/evals; where that would mean more than 4 × evals passes, the step
+  count is rounded to a multiple of evals instead, a change of at most evals/2 batches).
 """
 from __future__ import annotations
 
@@ -193,6 +196,15 @@ class Run:
     extra: Dict = field(default_factory=dict)
 
 
+def _eval_every(steps: int, evals: int) -> int:
+    """Steps between validation passes: the largest divisor of steps at most steps / evals, so
+    that the last pass falls on the final step (``collect`` needs the final loss)."""
+    e = max(1, steps // max(1, evals))
+    while steps % e:
+        e -= 1
+    return e
+
+
 def arch_name(path: str) -> str:
     """A family's label: the YAML's name without a size suffix (transformer_125m -> transformer)."""
     import re
@@ -260,6 +272,12 @@ def plan(families: Sequence[str], out_dir: str, sizes: Sequence[float] = (), bud
             else:
                 want = C / fpt
             steps = max(min_steps, int(round(want / bt)))
+            every = _eval_every(steps, eval_points)
+            if every < steps // (4 * max(1, eval_points)):
+                # a step count with no divisor near steps / evals (e.g. 2 × a prime) would validate
+                # far more often than asked: round it to a multiple of evals instead
+                steps = max(eval_points, eval_points * int(round(steps / eval_points)))
+                every = steps // eval_points
             tokens = steps * bt
             name = f"{arch}_{_label(c[key])}" + (f"_C{budget:.2g}".replace("+", "") if budget else "")
             while name in names:
@@ -277,10 +295,7 @@ def plan(families: Sequence[str], out_dir: str, sizes: Sequence[float] = (), bud
             cfg.train.global_batch_size = B
             cfg.train.grad_accum = 1
             cfg.train.run_dir = os.path.join(runs_root, name)
-            # intermediate validation losses for `collect`; the last one at the final step
-            cfg.eval.every = max(1, steps // max(1, eval_points))
-            if steps % cfg.eval.every:
-                cfg.eval.every = next(e for e in range(cfg.eval.every, 0, -1) if steps % e == 0)
+            cfg.eval.every = every
             path = os.path.join(out_dir, "configs", f"{name}.yaml")
             save_config(cfg, path)
             runs.append(Run(name=name, arch=arch, config=path, run_dir=cfg.train.run_dir, d_model=m.d_model,
