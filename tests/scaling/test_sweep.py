@@ -100,3 +100,12 @@ def test_cli_errors_name_the_problem(tmp_path, capsys):
     assert main(["ladder", os.path.join(ROOT, "configs", "tiny.yaml"), "--sizes", "1M", "--out", str(tmp_path / "l"),
                  "model.nope=1"]) == 2
     assert "model.nope" in capsys.readouterr().err
+
+
+def test_cli_passes_options_after_dashes_to_submit_py(ladder, monkeypatch):
+    got = {}
+    monkeypatch.setattr(S, "submit_slurm", lambda d, args: got.update(d=d, args=args) or 0)
+    assert main(["run", ladder, "--slurm", "--", "--gpus-per-node", "8", "--max-running", "4"]) == 0
+    assert got == {"d": ladder, "args": ["--gpus-per-node", "8", "--max-running", "4"]}
+    with pytest.raises(SystemExit):  # submit.py options without --slurm are refused
+        main(["run", ladder, "--", "--gpus-per-node", "8"])

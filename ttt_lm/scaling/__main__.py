@@ -49,7 +49,6 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--slurm", action="store_true",
                    help="submit through slurm/submit.py sweep; options after -- go to submit.py")
     s.add_argument("--only", default="", help="comma-separated run names")
-    s.add_argument("submit_args", nargs=argparse.REMAINDER, help="after --: slurm/submit.py options")
 
     s = sub.add_parser("collect", help="every run's validation losses into one CSV")
     s.add_argument("sources", nargs="+", help="ladder directories or run directories")
@@ -76,7 +75,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra = []
+    if "--" in argv:  # run --slurm: what follows -- goes to slurm/submit.py
+        i = argv.index("--")
+        argv, extra = argv[:i], argv[i + 1:]
     a, unknown = parser.parse_known_args(argv)
+    a.submit_args = extra
+    if extra and not (a.command == "run" and a.slurm):
+        parser.error(f"{' '.join(extra)}: options after -- go to slurm/submit.py, with `run --slurm` only")
     # key=value overrides of a ladder may follow its options
     if a.command == "ladder":
         a.families += [u for u in unknown if "=" in u and not u.startswith("-")]
@@ -107,12 +114,8 @@ def _dispatch(a) -> int:
         return 0
     if a.command == "run":
         from ttt_lm.scaling.sweep import run_local, submit_slurm
-        extra = a.submit_args[1:] if a.submit_args[:1] == ["--"] else a.submit_args
         if a.slurm:
-            return submit_slurm(a.ladder, extra)
-        if extra:
-            print(f"error: {extra} are slurm/submit.py options; add --slurm", file=sys.stderr)
-            return 2
+            return submit_slurm(a.ladder, a.submit_args)
         failed = run_local(a.ladder, only=[x for x in a.only.split(",") if x])
         return 1 if failed else 0
     if a.command == "collect":
