@@ -24,7 +24,8 @@ implausibly narrow intervals partly to an optimiser stopped early).
 Confidence intervals come from a bootstrap: B resamples of the runs with replacement (all the
 points of a run travel together when the table has a ``run`` column, since the intermediate
 losses of one run are not independent), each refitted by L-BFGS from the full-data optimum and
-the best grid starts; the interval is the percentile interval of the resampled estimates.
+the two next-best optima of the full fit (not from the whole grid, to keep B refits cheap); the
+interval is the percentile interval of the resampled estimates.
 Hoffmann report no intervals for approach 3; this is the procedure of Besiroglu et al. 2024.
 
 Compute-optimal allocation. With training compute C = k·N·D (k = 6 in Hoffmann's convention),
@@ -263,7 +264,7 @@ def bootstrap(t: Table, best_theta: np.ndarray, ranked_starts: np.ndarray, n: in
     groups = t.run if t.run is not None else np.arange(len(t)).astype(str)
     keys = np.unique(groups)
     members = {k: np.flatnonzero(groups == k) for k in keys}
-    starts = np.vstack([best_theta[None], ranked_starts[:n_starts]])
+    starts = np.vstack([best_theta[None], ranked_starts[1:n_starts + 1]])  # ranked_starts[0] is best_theta
     out = []
     for _ in range(n):
         idx = np.concatenate([members[k] for k in rng.choice(keys, size=len(keys), replace=True)])
