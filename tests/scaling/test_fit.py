@@ -28,6 +28,9 @@ def test_hoffmann_coefficients_give_a_045():
     for C in (1e20, 5.76e23):
         num, closed = F.optimal_allocation(F.HOFFMANN_2022, C), F.closed_form_allocation(F.HOFFMANN_2022, C)
         assert num["N"] == pytest.approx(closed["N"], rel=1e-5) and num["D"] == pytest.approx(closed["D"], rel=1e-5)
+        assert not num["at_bound"]
+    # a law without a parameter term has no optimum: the search ends on its edge and says so
+    assert F.optimal_allocation(dict(F.HOFFMANN_2022, A=0.0), 1e20)["at_bound"]
     n1, n2 = (F.optimal_allocation(F.HOFFMANN_2022, C)["N"] for C in (1e20, 1e24))
     assert math.log(n2 / n1) / math.log(1e4) == pytest.approx(ab["a"], abs=1e-4)
 

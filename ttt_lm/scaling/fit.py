@@ -247,7 +247,9 @@ def optimal_allocation(p: Dict[str, float], C: float, fpt: FlopsModel = FlopsMod
     lo, hi = math.log(1e2), math.log(max(1e3, (C / fpt.k) ** (1.0 / (1.0 + fpt.gamma)) * 1e6))
     r = minimize_scalar(loss_at, bounds=(lo, hi), method="bounded", options={"xatol": 1e-9})
     N = math.exp(r.x)
-    return {"N": N, "D": C / float(fpt(N)), "loss": float(r.fun)}
+    # a minimum on the edge of the search range means the fitted law has none inside it
+    at_bound = min(r.x - lo, hi - r.x) < 1e-3
+    return {"N": N, "D": C / float(fpt(N)), "loss": float(r.fun), "at_bound": bool(at_bound)}
 
 
 def closed_form_allocation(p: Dict[str, float], C: float, k: float = 6.0) -> Dict[str, float]:
@@ -397,7 +399,9 @@ def format_table(res: Dict) -> str:
                          f"b {_fmt_ci(e['b'], e['b_ci'])} (D_opt ∝ C^b); residual rms {e['residual_rms']:.3g} (log loss)")
             for o in e.get("compute_optimal", []):
                 lines.append(f"  budget {o['C']:.3g} FLOPs: N_opt {_fmt_ci(o['N'], o['N_ci'])}, "
-                             f"D_opt {_fmt_ci(o['D'], o['D_ci'])} tokens, loss {o['loss']:.4g}")
+                             f"D_opt {_fmt_ci(o['D'], o['D_ci'])} tokens, loss {o['loss']:.4g}"
+                             + (" (at the edge of the search range: the fitted law has no optimum)"
+                                if o.get("at_bound") else ""))
         iso = e["isoflop"]
         if iso["a"] is not None:
             lines.append(f"  approach 2 (isoFLOP, {len(iso['budgets'])} budgets): a {iso['a']:.3g}, b {iso['b']:.3g}")
