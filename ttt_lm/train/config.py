@@ -28,6 +28,10 @@ class TrainConfig:
     max_steps: int = 200
     micro_batch_size: int = 8           # sequences per rank per micro-step
     grad_accum: int = 1                 # micro-steps per optimizer step
+    # sequences per optimizer step over all data-parallel ranks; when set, grad_accum is derived
+    # from it (global / (micro_batch_size × data-parallel ranks)), so a recipe's batch does not
+    # depend on how many GPUs run it
+    global_batch_size: Optional[int] = None
     precision: str = "fp32"             # fp32 | bf16
     seed: int = 0
     activation_checkpointing: bool = False  # recompute each block in the backward pass

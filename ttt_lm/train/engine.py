@@ -108,6 +108,24 @@ def check_parallel(cfg, world_size: Optional[int] = None) -> None:
         raise ParallelConfigError(f"train.precision must be fp32 or bf16, got {cfg.train.precision!r}")
 
 
+def resolve_grad_accum(t, dp_world: int) -> int:
+    """``train.grad_accum``, or, with ``train.global_batch_size`` = G set, G / (micro × dp_world),
+    which must be a whole number (a given grad_accum other than 1 must equal it)."""
+    if t.global_batch_size is None:
+        return t.grad_accum
+    G, per_step = t.global_batch_size, t.micro_batch_size * dp_world
+    if G < 1 or G % per_step:
+        raise ParallelConfigError(
+            f"train.global_batch_size={G} is not a multiple of train.micro_batch_size={t.micro_batch_size} x "
+            f"{dp_world} data-parallel rank(s) = {per_step}; change the micro-batch size or the number of GPUs")
+    if t.grad_accum not in (1, G // per_step):
+        raise ParallelConfigError(
+            f"train.grad_accum={t.grad_accum} contradicts train.global_batch_size={G} (which needs grad_accum "
+            f"{G // per_step} with micro_batch_size {t.micro_batch_size} on {dp_world} data-parallel rank(s)); "
+            "set one of them")
+    return G // per_step
+
+
 def deepspeed_config(cfg, dp_world: int) -> Dict[str, Any]:
     t, p = cfg.train, cfg.parallel
     ours: Dict[str, Any] = {

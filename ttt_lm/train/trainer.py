@@ -243,6 +243,8 @@ def _train(cfg, data_api, preempt, held) -> int:
     # TP peers (consecutive ranks), then CP peers, see the same batches: the data is split dp ways
     groups = build_groups(tp_size=tp, cp_size=cp)
     dp_rank, dp_world = groups.dp_rank, groups.dp_size
+    from ttt_lm.train.engine import resolve_grad_accum
+    cfg.train.grad_accum = resolve_grad_accum(cfg.train, dp_world)  # saved with the config: the value used
     if device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", world)))))
     dev = torch.device("cuda", env.local_rank) if device == "cuda" else torch.device("cpu")
