@@ -44,9 +44,11 @@ def linear_scan_chunk(log_a: torch.Tensor, b: torch.Tensor, initial_state: Optio
     h_local = torch.einsum("bctsd,bcsd->bctd", w, bb)             # chunk started from zero state
     decay = cum.exp()                                             # exp(Λ_t): reach of H_{c−1}
     # H_c = exp(Λ_last) ⊙ H_{c−1} + h_local_last: the scan across chunks
+    # (the chunk ends are unbound once: indexing them inside the loop would make each index's
+    # backward write a zero-filled gradient of the whole sequence, quadratic in T)
     carry = [h0]
-    for c in range(n):
-        carry.append(decay[:, c, -1] * carry[-1] + h_local[:, c, -1])
+    for d_c, l_c in zip(decay[:, :, -1].unbind(1), h_local[:, :, -1].unbind(1)):
+        carry.append(d_c * carry[-1] + l_c)
     h_prev = torch.stack(carry[:-1], 1)                           # [B, n, D]
     h = (h_local + decay * h_prev[:, :, None]).reshape(B, n * L, D)[:, :T]
     return h.to(b.dtype), (carry[-1] if output_final_state else None)
