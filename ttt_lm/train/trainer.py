@@ -38,11 +38,13 @@ class NonFiniteLossError(RuntimeError):
     pass
 
 
-def _pos(batch: dict, dev):
+def _pos(batch: dict):
     """Position of each token in its document (0 at a document's first token), which the model
-    uses to reset its state at document boundaries when model.reset_at_doc_boundaries is set."""
-    p = batch.get("position_ids")
-    return None if p is None else p.to(dev, non_blocking=True)
+    uses to reset its state at document boundaries when model.reset_at_doc_boundaries is set.
+    Kept where the loader made it (the host): the model only reads the document spans from it on
+    the host (``lm.doc_segments``), so a copy to the device would cost a round trip and a sync per
+    micro-batch."""
+    return batch.get("position_ids")
 
 
 def parse_args(argv: Sequence[str]):
@@ -254,7 +256,7 @@ def train(cfg, data_api=None) -> int:
     def fwd_kw(b):
         # the tensor- and context-parallel forwards take no position_ids (check_parallel refuses
         # reset_at_doc_boundaries with them, the only use of them)
-        return {} if tp > 1 or cp > 1 else {"position_ids": _pos(b, dev)}
+        return {} if tp > 1 or cp > 1 else {"position_ids": _pos(b)}
 
     def save_ckpt():
         state = {"step": step, "tokens": tokens, "skipped_steps": skipped_total,
@@ -300,7 +302,8 @@ def train(cfg, data_api=None) -> int:
     while step < t.max_steps:
         t0 = time.perf_counter()
         lr = sched.get_last_lr()[0]
-        loss_sum = torch.zeros((), dtype=torch.float64)
+        # summed on the device: the host reads it once per step, not once per micro-batch
+        loss_sum = torch.zeros((), dtype=torch.float64, device=dev)
         local_tokens = 0
         for _ in range(t.grad_accum):
             b = next(batches)
@@ -310,13 +313,13 @@ def train(cfg, data_api=None) -> int:
             if cp > 1:
                 wait_pending()  # the state sends of the backward pass
             engine.step()
-            loss_sum += out.loss.detach().to(torch.float64).cpu()
+            loss_sum += out.loss.detach().to(torch.float64)
             local_tokens += ids.numel()
         # one collective per step: mean loss over ranks, and whether any rank was signalled.
         # TP peers hold the same (full, vocab-parallel) loss of the same batch and CP peers loss
         # shares whose mean is that loss, so the mean over the world is the mean over the
         # data-parallel replicas.
-        agg = torch.tensor([float(loss_sum) / t.grad_accum, float(preempt.requested)], dtype=torch.float64)
+        agg = torch.tensor([float(loss_sum.cpu()) / t.grad_accum, float(preempt.requested)], dtype=torch.float64)
         tdist.all_reduce(agg)
         loss = float(agg[0]) / world
         step += 1
