@@ -46,6 +46,10 @@ ptxas for sm_90 and sm_80 (bf16 and fp32, N = 16, BT = 4, 8, 16) neither kernel 
 ≤ 75 registers, backward ≤ 249) and both use ≤ 2 KB of shared memory; BT = 32 spills in the
 fp32 backward on sm_90, hence the cap (figures in ``benchmarks/RESULTS.md``).
 
+The ∂B, ∂C partial sums are [Di / BLOCK_D, tokens, N] float32 (at Di = 1536, BLOCK_D = 16:
+96 × 64 bytes per token), several times the traffic of x itself; a reduction across programs
+(atomics, or a second pass over channel blocks) would cut that (not done).
+
 The forward writes one [Di, N] float32 state per tile per sequence: 64/BT bytes per token and
 channel at N = 16, next to ~10 bytes of x, Δ and y; storing them more sparsely and recomputing
 the tile states of a span in the backward would save that traffic (not done).
@@ -259,8 +263,10 @@ class SelectiveScanFunction(torch.autograd.Function):
         dx = torch.empty_like(x)
         dDelta = torch.empty_like(Delta)
         dA = torch.empty(NB, Di, N, dtype=acc, device=x.device)
-        dBp = torch.zeros(nblk, Bt * T, N, dtype=acc, device=x.device)
-        dCp = torch.zeros(nblk, Bt * T, N, dtype=acc, device=x.device)
+        # every token's row is written unless packed sequences leave tokens out (varlen)
+        part = torch.zeros if varlen else torch.empty
+        dBp = part(nblk, Bt * T, N, dtype=acc, device=x.device)
+        dCp = part(nblk, Bt * T, N, dtype=acc, device=x.device)
         dh0 = torch.empty(NB, Di, N, dtype=ctx.h0_dtype, device=x.device) if ctx.has_h0 else None
         _bwd_kernel[(nblk, NB)](
             x, Delta, A, B, C, states, gy, ghT.contiguous() if ghT is not None else dA,
