@@ -13,7 +13,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from kernels.selective_scan.reference import selective_scan_ref
+from kernels.selective_scan.reference import check_inputs, selective_scan_ref
 from kernels.selective_scan.torch_chunk import selective_scan_chunk
 
 
@@ -36,20 +36,7 @@ def selective_scan(x: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: tor
     ``initial_state`` [S, Di, N] or 0); the final state is then [S, Di, N]. The Triton kernel
     runs them in one launch; the other backends run one call per sequence (reading the offsets
     on the host)."""
-    if x.dim() != 3:
-        raise ValueError(f"selective_scan: x must be [Bt, T, Di], got {tuple(x.shape)}")
-    Bt, T, Di = x.shape
-    N = A.shape[-1]
-    if delta.shape != x.shape or A.shape != (Di, N) or B.shape != (Bt, T, N) or C.shape != (Bt, T, N):
-        raise ValueError(f"selective_scan: expected x, delta [Bt, T, Di], A [Di, N], B, C [Bt, T, N]; got "
-                         f"x {tuple(x.shape)}, delta {tuple(delta.shape)}, A {tuple(A.shape)}, "
-                         f"B {tuple(B.shape)}, C {tuple(C.shape)}")
-    if cu_seqlens is not None and Bt != 1:
-        raise ValueError(f"selective_scan: cu_seqlens needs packed input with Bt = 1, got Bt = {Bt}")
-    rows = Bt if cu_seqlens is None else cu_seqlens.numel() - 1
-    if initial_state is not None and initial_state.shape != (rows, Di, N):
-        raise ValueError(f"selective_scan: initial_state must be {'[Bt, Di, N]' if cu_seqlens is None else '[S, Di, N]'}"
-                         f" = {(rows, Di, N)}, got {tuple(initial_state.shape)}")
+    check_inputs("selective_scan", x, delta, A, B, C, initial_state, cu_seqlens)
     if backend == "triton":
         if not has_triton_backend():
             raise RuntimeError("selective_scan: backend='triton' needs kernels/selective_scan/chunk.py, which is absent")
@@ -60,11 +47,16 @@ def selective_scan(x: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: tor
         raise ValueError(f"selective_scan: backend must be torch, reference or triton, got {backend!r}")
     if cu_seqlens is not None:
         bounds = cu_seqlens.tolist()
-        parts = [selective_scan(x[:, s0:s1], delta[:, s0:s1], A, B[:, s0:s1], C[:, s0:s1], D,
-                                None if z is None else z[:, s0:s1], delta_bias, delta_softplus,
-                                None if initial_state is None else initial_state[n:n + 1], True,
-                                backend, chunk_size)
-                 for n, (s0, s1) in enumerate(zip(bounds[:-1], bounds[1:]))]
+        sizes = [s1 - s0 for s0, s1 in zip(bounds[:-1], bounds[1:])]
+        if bounds[-1] != x.shape[1] or bounds[0] != 0 or min(sizes) < 0:
+            raise ValueError(f"selective_scan: cu_seqlens must rise from 0 to T = {x.shape[1]}, got {bounds}")
+        # each input split once (slicing per sequence would make each slice's backward write a
+        # zero-filled gradient of the whole packed row)
+        pieces = [t.split(sizes, 1) if t is not None else [None] * len(sizes) for t in (x, delta, B, C, z)]
+        h0s = initial_state.unbind(0) if initial_state is not None else [None] * len(sizes)
+        parts = [selective_scan(xs, ds, A, bs, cs, D, zs, delta_bias, delta_softplus,
+                                None if h0 is None else h0[None], True, backend, chunk_size)
+                 for xs, ds, bs, cs, zs, h0 in zip(*pieces, h0s)]
         out = torch.cat([p[0] for p in parts], 1) if parts else x
         return out, (torch.cat([p[1] for p in parts], 0) if output_final_state else None)
     args = (x, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, output_final_state)

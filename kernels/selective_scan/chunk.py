@@ -63,7 +63,7 @@ import triton
 import triton.language as tl
 
 from kernels._triton_utils import check_triton_device, is_interpreting, next_power_of_2
-from kernels.selective_scan.reference import acc_dtype, discretize, finish
+from kernels.selective_scan.reference import acc_dtype, check_inputs, discretize, finish
 
 #: elements of one [BT, BLOCK_D, N] register block
 _BLOCK_ELEMS = 4096
@@ -287,26 +287,11 @@ def selective_scan_triton(x, delta, A, B, C, D=None, z=None, delta_bias=None, de
     S packed sequences in one launch, the state restarting at each (from ``initial_state[s]``
     [S, Di, N] or 0); the final state is then [S, Di, N]. ``chunk_size``: time steps per tile
     (rounded to a power of two in [4, 16])."""
-    if x.dim() != 3:
-        raise ValueError(f"selective_scan_triton: x must be [Bt, T, Di], got {tuple(x.shape)}")
+    NB = check_inputs("selective_scan_triton", x, delta, A, B, C, initial_state, cu_seqlens)
     Bt, T, Di = x.shape
     N = A.shape[-1]
-    if delta.shape != x.shape or A.shape != (Di, N) or B.shape != (Bt, T, N) or C.shape != (Bt, T, N):
-        raise ValueError(f"selective_scan_triton: expected x, delta [Bt, T, Di], A [Di, N], B, C [Bt, T, N]; "
-                         f"got x {tuple(x.shape)}, delta {tuple(delta.shape)}, A {tuple(A.shape)}, "
-                         f"B {tuple(B.shape)}, C {tuple(C.shape)}")
     if cu_seqlens is not None:
-        if Bt != 1:
-            raise ValueError(f"selective_scan_triton: cu_seqlens needs packed input with Bt = 1, got Bt = {Bt}")
-        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-            raise ValueError("selective_scan_triton: cu_seqlens must be 1-D [S+1]")
         cu_seqlens = cu_seqlens.to(device=x.device, dtype=torch.int32).contiguous()
-        NB = cu_seqlens.numel() - 1
-    else:
-        NB = Bt
-    if initial_state is not None and initial_state.shape != (NB, Di, N):
-        raise ValueError(f"selective_scan_triton: initial_state must be {(NB, Di, N)}, "
-                         f"got {tuple(initial_state.shape)}")
     check_triton_device("selective_scan_triton", x, delta, A, B, C, D, z, delta_bias, initial_state)
     dt = acc_dtype(x.dtype)
     Delta = discretize(delta, delta_bias, delta_softplus, dt)

@@ -140,20 +140,12 @@ def test_strong_decay_stays_finite():
 def test_mamba_mixer_triton_equals_torch():
     """The Mamba mixer with kernel_backend="triton" (the kernel, under the interpreter here)
     against "torch": output, carried state and every gradient, float64, so 1e-9 absolute."""
-    from tests.model.mixer_checks import make_mixer
+    from tests.model.mixer_checks import backend_results, make_mixer
 
     m, _ = make_mixer("mamba", d_model=8, n_heads=2, mamba={"chunk_size": 4, "d_state": 4})
     torch.manual_seed(1)
     x = torch.randn(2, 9, 8, dtype=torch.float64, requires_grad=True)
-    w = torch.randn(2, 9, 8, dtype=torch.float64)
-    res = []
-    for backend in ("torch", "triton"):
-        m.kernel_backend = backend
-        m.zero_grad()
-        x.grad = None
-        y, st = m(x, None, True)
-        ((y * w).sum() + st["ssm"].sum()).backward()
-        res.append([y.detach(), st["ssm"].detach(), x.grad.clone()] + [p.grad.clone() for p in m.parameters()])
+    res = backend_results(m, x, torch.randn(2, 9, 8, dtype=torch.float64), "ssm")
     names = ["y", "state ssm", "x"] + [n for n, _ in m.named_parameters()]
     for n, got, want in zip(names, res[1], res[0]):
         torch.testing.assert_close(got, want, atol=1e-9, rtol=1e-9, msg=lambda s: f"{n}: {s}")
@@ -172,6 +164,11 @@ def test_tile_sizes_and_bad_arguments():
         selective_scan_triton(a["x"], a["delta"], a["A"][:, :1], a["B"], a["C"])
     with pytest.raises(ValueError, match="backend"):
         selective_scan(**a, backend="cuda")
+    c, _, _ = _inputs(1, 4, 3, 2, torch.float32, h0=False)
+    with pytest.raises(ValueError, match="rise from 0 to T = 4"):
+        selective_scan(**c, backend="torch", cu_seqlens=torch.tensor([0, 1, 3]))
+    with pytest.raises(ValueError, match="1-D"):
+        selective_scan(**c, backend="triton", cu_seqlens=torch.tensor([[0, 4]]))
 
 
 # ---- on a GPU: compiled kernels at Mamba's shapes -----------------------------------------------
@@ -200,18 +197,11 @@ def test_gpu_varlen_matches_reference():
 
 @pytest.mark.gpu
 def test_gpu_mamba_mixer_triton_equals_torch():
-    from tests.model.mixer_checks import make_mixer
+    from tests.model.mixer_checks import backend_results, make_mixer
 
     m, _ = make_mixer("mamba", dtype=torch.float32, d_model=256, n_heads=4)
     m = m.cuda()
     x = torch.randn(2, 500, 256, device="cuda", requires_grad=True)
-    res = []
-    for backend in ("torch", "triton"):
-        m.kernel_backend = backend
-        m.zero_grad()
-        x.grad = None
-        y, _ = m(x)
-        y.square().sum().backward()
-        res.append([y.detach(), x.grad.clone()] + [p.grad.clone() for p in m.parameters()])
+    res = backend_results(m, x, torch.randn(2, 500, 256, device="cuda"), "ssm")
     for got, want in zip(res[1], res[0]):
         torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
