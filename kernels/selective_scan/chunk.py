@@ -91,7 +91,7 @@ def _bounds(CU, i, T, NT, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
 
 
 @triton.jit
-def _fwd_kernel(X, DT, A, BM, CM, H0, Y, HT, ST, CU, T, DI, N, NT,
+def _selective_scan_fwd(X, DT, A, BM, CM, H0, Y, HT, ST, CU, T, DI, N, NT,
                 HAS_H0: tl.constexpr, STORE_ST: tl.constexpr, IS_VARLEN: tl.constexpr,
                 ACC: tl.constexpr, BT: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
     pid_d = tl.program_id(0)
@@ -135,7 +135,7 @@ def _fwd_kernel(X, DT, A, BM, CM, H0, Y, HT, ST, CU, T, DI, N, NT,
 
 
 @triton.jit
-def _bwd_kernel(X, DT, A, BM, CM, ST, GY, GHT, DX, DDT, DA, DBP, DCP, DH0, CU, T, TOTAL, DI, N, NT,
+def _selective_scan_bwd(X, DT, A, BM, CM, ST, GY, GHT, DX, DDT, DA, DBP, DCP, DH0, CU, T, TOTAL, DI, N, NT,
                 HAS_GHT: tl.constexpr, HAS_H0: tl.constexpr, IS_VARLEN: tl.constexpr,
                 ACC: tl.constexpr, BT: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
     pid_d = tl.program_id(0)
@@ -205,11 +205,13 @@ def _acc_tl(dt: torch.dtype):
     return tl.float64 if dt == torch.float64 else tl.float32
 
 
-def tile_sizes(chunk_size: int, N: int) -> Tuple[int, int, int]:
-    """(BT, BLOCK_D, BLOCK_N): time steps per tile, channels per program, padded state size."""
+def tile_sizes(chunk_size: int, N: int, interpreting: Optional[bool] = None) -> Tuple[int, int, int]:
+    """(BT, BLOCK_D, BLOCK_N): time steps per tile, channels per program, padded state size.
+    ``interpreting`` (default: whether TRITON_INTERPRET is on) picks the interpreter's small
+    channel block; the compile gate asks for the GPU's."""
     BT = min(max(next_power_of_2(int(chunk_size)), 4), 16)
     BN = next_power_of_2(N)
-    if is_interpreting():
+    if is_interpreting() if interpreting is None else interpreting:
         return BT, 8, BN          # several channel blocks at the tests' small widths
     return BT, max(1, _BLOCK_ELEMS // (BT * BN)), BN
 
@@ -238,7 +240,7 @@ class SelectiveScanFunction(torch.autograd.Function):
         y = torch.empty(Bt, T, Di, dtype=acc, device=x.device)
         hT = torch.empty(NB, Di, N, dtype=acc, device=x.device)
         h0c = h0.to(acc).contiguous() if h0 is not None else None
-        _fwd_kernel[(triton.cdiv(Di, BD), NB)](
+        _selective_scan_fwd[(triton.cdiv(Di, BD), NB)](
             x, Delta, A, B, C, h0c if h0c is not None else hT, y, hT, states, cu if varlen else x,
             T, Di, N, triton.cdiv(T, BT),
             HAS_H0=h0 is not None, STORE_ST=store, IS_VARLEN=varlen, ACC=_acc_tl(acc),
@@ -268,7 +270,7 @@ class SelectiveScanFunction(torch.autograd.Function):
         dBp = part(nblk, Bt * T, N, dtype=acc, device=x.device)
         dCp = part(nblk, Bt * T, N, dtype=acc, device=x.device)
         dh0 = torch.empty(NB, Di, N, dtype=ctx.h0_dtype, device=x.device) if ctx.has_h0 else None
-        _bwd_kernel[(nblk, NB)](
+        _selective_scan_bwd[(nblk, NB)](
             x, Delta, A, B, C, states, gy, ghT.contiguous() if ghT is not None else dA,
             dx, dDelta, dA, dBp, dCp, dh0 if dh0 is not None else dA, cu if varlen else x,
             T, Bt * T, Di, N, triton.cdiv(T, BT),
