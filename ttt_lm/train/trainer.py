@@ -274,22 +274,25 @@ def train(cfg, data_api=None) -> int:
             if len(batches) >= cfg.eval.batches:
                 break
         # every rank must run the same number of forwards (ZeRO-3 gathers parameters in them)
-        n = torch.tensor([len(batches)], dtype=torch.long)
+        # collectives on the training device (NCCL reduces CUDA tensors only)
+        n = torch.tensor([len(batches)], dtype=torch.long, device=dev)
         tdist.all_reduce(n, op=tdist.ReduceOp.MIN)
-        tot = torch.zeros(2, dtype=torch.float64)
+        # the loss sum stays on the device; the host reads it once, after the last batch
+        tot = torch.zeros(2, dtype=torch.float64, device=dev)
         engine.eval()
         with torch.no_grad():
             for b in batches[: int(n)]:
-                labels = b["labels"].to(dev)
-                out = engine(b["input_ids"].to(dev), labels=labels, **fwd_kw(b))
+                out = engine(b["input_ids"].to(dev), labels=b["labels"].to(dev), **fwd_kw(b))
                 # TP peers count the same batch: every replica weighs tp times, the mean is unchanged.
                 # CP peers hold loss shares whose mean is the rows' mean loss: weighing each by the
                 # rows' label count sums to cp × (the rows' summed loss) over cp × count.
-                cnt = int((labels != -100).sum())
-                tot += torch.tensor([float(out.loss) * cnt, cnt], dtype=torch.float64)
+                cnt = int((b["labels"] != -100).sum())      # on the loader's host copy: no sync
+                tot[0] += out.loss.detach().to(torch.float64) * cnt
+                tot[1] += cnt
         engine.train()
         tdist.all_reduce(tot)
-        return float(tot[0] / tot[1]) if tot[1] > 0 else float("nan")
+        s, c = tot.tolist()
+        return s / c if c > 0 else float("nan")
 
     last_saved = step if resume is not None else -1
     bar = None
@@ -319,9 +322,12 @@ def train(cfg, data_api=None) -> int:
         # TP peers hold the same (full, vocab-parallel) loss of the same batch and CP peers loss
         # shares whose mean is that loss, so the mean over the world is the mean over the
         # data-parallel replicas.
-        agg = torch.tensor([float(loss_sum.cpu()) / t.grad_accum, float(preempt.requested)], dtype=torch.float64)
+        # Built on the training device (NCCL reduces CUDA tensors only) and read on the host once.
+        agg = torch.stack([loss_sum / t.grad_accum,
+                           torch.tensor(float(preempt.requested), dtype=torch.float64, device=dev)])
         tdist.all_reduce(agg)
-        loss = float(agg[0]) / world
+        agg = agg.tolist()
+        loss = agg[0] / world
         step += 1
         tokens += local_tokens * dp_world
         applied = engine.was_step_applied()
