@@ -191,6 +191,28 @@ def ttt_mlp_bench(B: int, T: int, H: int, D: int, dtype: torch.dtype, device: st
                  min_bytes_fwd=4 * n, min_bytes_fwd_bwd=11 * n)
 
 
+@register("selective_scan")
+def selective_scan_bench(B: int, T: int, H: int, D: int, dtype: torch.dtype, device: str) -> Bench:
+    """Mamba's selective scan at the width of a model with d_model = H·D: d_inner = 2·H·D channels,
+    state size N = 16, Δ = softplus(δ + b_Δ), D skip and SiLU(z) gate, tiles of 16 steps."""
+    from kernels.selective_scan import selective_scan
+
+    Di, N = 2 * H * D, 16
+    x, delta, z = (torch.randn(B, T, Di, device=device).to(dtype).requires_grad_() for _ in range(3))
+    Bm, Cm = (torch.randn(B, T, N, device=device).to(dtype).requires_grad_() for _ in range(2))
+    A = (-torch.arange(1, N + 1, device=device, dtype=torch.float32).expand(Di, N).contiguous()).requires_grad_()
+    Dp = torch.ones(Di, device=device, requires_grad=True)
+    bias = torch.full((Di,), -4.0, device=device, requires_grad=True)     # Δ ≈ softplus(−4) ≈ 0.018
+    n = B * T * Di * torch.finfo(dtype).bits // 8
+    return Bench(
+        inputs=[x, delta, z, Bm, Cm, A, Dp, bias],
+        forms={f: (lambda f=f: selective_scan(x, delta, A, Bm, Cm, D=Dp, z=z, delta_bias=bias, delta_softplus=True,
+                                              backend=f, chunk_size=16)[:1]) for f in ("triton", "torch")},
+        min_bytes_fwd=4 * n,            # read x, δ, z; write out (B, C are N/Di of that)
+        min_bytes_fwd_bwd=11 * n,       # + read x, δ, z, d_out; write dx, dδ, dz
+    )
+
+
 # ---- timing ------------------------------------------------------------------------------------
 
 def _sdpa_form(B, T, H, D, dtype, device):

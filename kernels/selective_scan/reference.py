@@ -22,6 +22,29 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
+def check_inputs(name: str, x, delta, A, B, C, initial_state=None, cu_seqlens=None) -> int:
+    """Shapes of a selective-scan call; a clear error naming the wrong one. Returns the number of
+    sequences (Bt, or S with ``cu_seqlens`` [S+1], which needs Bt = 1)."""
+    if x.dim() != 3:
+        raise ValueError(f"{name}: x must be [Bt, T, Di], got {tuple(x.shape)}")
+    Bt, T, Di = x.shape
+    N = A.shape[-1]
+    if delta.shape != x.shape or A.shape != (Di, N) or B.shape != (Bt, T, N) or C.shape != (Bt, T, N):
+        raise ValueError(f"{name}: expected x, delta [Bt, T, Di], A [Di, N], B, C [Bt, T, N]; got "
+                         f"x {tuple(x.shape)}, delta {tuple(delta.shape)}, A {tuple(A.shape)}, "
+                         f"B {tuple(B.shape)}, C {tuple(C.shape)}")
+    if cu_seqlens is not None:
+        if Bt != 1:
+            raise ValueError(f"{name}: cu_seqlens needs packed input with Bt = 1, got Bt = {Bt}")
+        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+            raise ValueError(f"{name}: cu_seqlens must be 1-D [S+1], got shape {tuple(cu_seqlens.shape)}")
+    rows = Bt if cu_seqlens is None else cu_seqlens.numel() - 1
+    if initial_state is not None and initial_state.shape != (rows, Di, N):
+        raise ValueError(f"{name}: initial_state must be {'[Bt, Di, N]' if cu_seqlens is None else '[S, Di, N]'}"
+                         f" = {(rows, Di, N)}, got {tuple(initial_state.shape)}")
+    return rows
+
+
 def discretize(delta: torch.Tensor, delta_bias: Optional[torch.Tensor], delta_softplus: bool, dt: torch.dtype):
     d = delta.to(dt)
     if delta_bias is not None:

@@ -84,6 +84,15 @@ def chunk_spans(T: int, chunk_size: int, offset: int = 0) -> List[Tuple[int, int
     return spans
 
 
+def split_spans(spans: List[Tuple[int, int]], *xs: torch.Tensor, dim: int = 2) -> List[Tuple[torch.Tensor, ...]]:
+    """Each tensor cut once along ``dim`` into the consecutive ``spans``: per span, the tuple of
+    its pieces. One split per tensor is one autograd node whose backward concatenates the pieces'
+    gradients; slicing inside the chunk loop instead writes a zero-filled gradient of the whole
+    sequence per slice in backward, which grows quadratically with T."""
+    sizes = [t1 - t0 for t0, t1 in spans]
+    return list(zip(*(x.split(sizes, dim=dim) for x in xs))) if sizes else []
+
+
 def titans_linear_chunk_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, theta: torch.Tensor,
                               log_eta: torch.Tensor, log_keep: torch.Tensor,
                               initial_state: Optional[Sequence[torch.Tensor]] = None,
@@ -96,13 +105,13 @@ def titans_linear_chunk_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q, k, v, theta, log_eta, log_keep = (_acc(t) for t in (q, k, v, theta, log_eta, log_keep))
     M, S, Mh = _initial(initial_state, B, H, dk, dv, k)
     outs = []
-    for i, (t0, t1) in enumerate(chunk_spans(T, chunk_size, offset)):
+    pieces = split_spans(chunk_spans(T, chunk_size, offset), q, k, v, theta, log_eta, log_keep)
+    for i, (qc, kn, vc, thc, lec, lkc) in enumerate(pieces):
         # the given anchor only matters when the call starts inside a chunk
         anchor = Mh if (i == 0 and offset % chunk_size) else M
-        kn = k[:, :, t0:t1]
-        delta = 2.0 * (kn @ anchor - v[:, :, t0:t1])
-        dec = chunk_decays(theta[:, :, t0:t1], log_eta[:, :, t0:t1], log_keep[:, :, t0:t1])
-        Y, M, S = chunk_memory_step(M, S, kn, delta, q[:, :, t0:t1], dec)
+        delta = 2.0 * (kn @ anchor - vc)
+        dec = chunk_decays(thc, lec, lkc)
+        Y, M, S = chunk_memory_step(M, S, kn, delta, qc, dec)
         outs.append(Y)
         Mh = anchor
     if (offset + T) % chunk_size == 0:

@@ -110,17 +110,25 @@ def scan_mini_batches(segment: Callable, st: TTTState, keys, xs: List[torch.Tens
     """Split the time axis (dim 2 of every tensor in xs) at mini-batch boundaries, counting from
     st["pos"], and run ``segment(st, *xs_seg, tau_seg)`` on each piece in order."""
     T = xs[0].shape[2]
-    outs, t = [], 0
+    # the pieces' lengths: the rest of the current mini-batch, then whole ones, then the tail.
+    # Each input is split once (one autograd node whose backward concatenates the pieces'
+    # gradients), not sliced per piece: a slice's backward writes a zero-filled gradient of the
+    # whole sequence, which made forward+backward grow quadratically with T.
+    sizes, p, t = [], st["pos"], 0
     while t < T:
-        p = st["pos"]
         n = min(mini_batch_size - p, T - t)
-        o, st = segment(st, *[x[:, :, t:t + n] for x in xs], token_idx[p:p + n])
+        sizes.append(n)
+        p, t = (p + n) % mini_batch_size, t + n
+    pieces = [x.split(sizes, dim=2) for x in xs]
+    outs = []
+    for i, n in enumerate(sizes):
+        p = st["pos"]
+        o, st = segment(st, *[xp[i] for xp in pieces], token_idx[p:p + n])
         full = p + n == mini_batch_size
         st["pos"] = p + n
         st = _close_mini_batch(st, keys, token_idx[mini_batch_size - 1], full)
         outs.append(o)
-        t += n
-    return torch.cat(outs, dim=2), st
+    return (torch.cat(outs, dim=2) if outs else xs[0][:, :, :0]), st
 
 
 # ---- dual form ------------------------------------------------------------------------------

@@ -84,8 +84,8 @@ class MambaConfig:
     dt_rank: Optional[int] = None       # None = ceil(d_model / 16)
     dt_min: float = 0.001
     dt_max: float = 0.1
-    # the PyTorch chunked scan holds an [L, L, d_inner, d_state] tensor per chunk: small L is fastest
-    chunk_size: int = 8
+    # tokens per chunk: the PyTorch form's vectorized unit, the Triton kernel's tile (at most 16)
+    chunk_size: int = 16
 
 
 @dataclass

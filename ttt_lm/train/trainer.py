@@ -49,11 +49,13 @@ class NonFiniteLossError(RuntimeError):
     pass
 
 
-def _pos(batch: dict, dev):
+def _pos(batch: dict):
     """Position of each token in its document (0 at a document's first token), which the model
-    uses to reset its state at document boundaries when model.reset_at_doc_boundaries is set."""
-    p = batch.get("position_ids")
-    return None if p is None else p.to(dev, non_blocking=True)
+    uses to reset its state at document boundaries when model.reset_at_doc_boundaries is set.
+    Kept where the loader made it (the host): the model only reads the document spans from it on
+    the host (``lm.doc_segments``), so a copy to the device would cost a round trip and a sync per
+    micro-batch."""
+    return batch.get("position_ids")
 
 
 def parse_args(argv: Sequence[str]):
@@ -382,8 +384,8 @@ def _train(cfg, data_api, preempt, held) -> int:
     def fwd_kw(b):
         # the tensor-parallel forward takes no position_ids (check_parallel refuses
         # reset_at_doc_boundaries and the RG-LRU, their users, with it); the context-parallel one
-        # hands them to the RG-LRU as segment positions
-        return {} if tp > 1 else {"position_ids": _pos(b, dev)}
+        # hands them to the RG-LRU as segment positions. They stay on the host (see _pos).
+        return {} if tp > 1 else {"position_ids": _pos(b)}
 
     def save_ckpt():
         nonlocal last_bytes
@@ -407,22 +409,25 @@ def _train(cfg, data_api, preempt, held) -> int:
             if len(batches) >= cfg.eval.batches:
                 break
         # every rank must run the same number of forwards (ZeRO-3 gathers parameters in them)
-        n = torch.tensor([len(batches)], dtype=torch.long)
+        # collectives on the training device (NCCL reduces CUDA tensors only)
+        n = torch.tensor([len(batches)], dtype=torch.long, device=dev)
         tdist.all_reduce(n, op=tdist.ReduceOp.MIN)
-        tot = torch.zeros(2, dtype=torch.float64)
+        # the loss sum stays on the device; the host reads it once, after the last batch
+        tot = torch.zeros(2, dtype=torch.float64, device=dev)
         engine.eval()
         with torch.no_grad():
             for b in batches[: int(n)]:
-                labels = b["labels"].to(dev)
-                out = engine(b["input_ids"].to(dev), labels=labels, **fwd_kw(b))
+                out = engine(b["input_ids"].to(dev), labels=b["labels"].to(dev), **fwd_kw(b))
                 # TP peers count the same batch: every replica weighs tp times, the mean is unchanged.
                 # CP peers hold loss shares whose mean is the rows' mean loss: weighing each by the
                 # rows' label count sums to cp × (the rows' summed loss) over cp × count.
-                cnt = int((labels != -100).sum())
-                tot += torch.tensor([float(out.loss) * cnt, cnt], dtype=torch.float64)
+                cnt = int((b["labels"] != -100).sum())      # on the loader's host copy: no sync
+                tot[0] += out.loss.detach().to(torch.float64) * cnt
+                tot[1] += cnt
         engine.train()
         tdist.all_reduce(tot)
-        return float(tot[0] / tot[1]) if tot[1] > 0 else float("nan")
+        s, c = tot.tolist()
+        return s / c if c > 0 else float("nan")
 
     last_saved = step if resume is not None else -1
     bar = None
@@ -435,7 +440,8 @@ def _train(cfg, data_api, preempt, held) -> int:
     while step < t.max_steps:
         t0 = time.perf_counter()
         lr = sched.get_last_lr()[0]
-        loss_sum = torch.zeros((), dtype=torch.float64)
+        # summed on the device: the host reads it once per step, not once per micro-batch
+        loss_sum = torch.zeros((), dtype=torch.float64, device=dev)
         local_tokens = 0
         engine.module.set_train_step(step + 1)   # schedules inside the model (TTT's η_base warmup)
         for _ in range(t.grad_accum):
@@ -446,15 +452,18 @@ def _train(cfg, data_api, preempt, held) -> int:
             if cp > 1:
                 wait_pending()  # the state sends of the backward pass
             engine.step()
-            loss_sum += out.loss.detach().to(torch.float64).cpu()
+            loss_sum += out.loss.detach().to(torch.float64)
             local_tokens += ids.numel()
         # one collective per step: mean loss over ranks, and whether any rank was signalled.
         # TP peers hold the same (full, vocab-parallel) loss of the same batch and CP peers loss
         # shares whose mean is that loss, so the mean over the world is the mean over the
         # data-parallel replicas.
-        agg = torch.tensor([float(loss_sum) / t.grad_accum, float(preempt.requested)], dtype=torch.float64)
+        # Built on the training device (NCCL reduces CUDA tensors only) and read on the host once.
+        agg = torch.stack([loss_sum / t.grad_accum,
+                           torch.tensor(float(preempt.requested), dtype=torch.float64, device=dev)])
         tdist.all_reduce(agg)
-        loss = float(agg[0]) / world
+        agg = agg.tolist()
+        loss = agg[0] / world
         step += 1
         tokens += local_tokens * dp_world
         applied = engine.was_step_applied()

@@ -13,9 +13,19 @@ uses flash-attn's ``flash_attn_func`` when installed, on CUDA, in half precision
 ``flex_attention`` for a window on CUDA; else torch's ``scaled_dot_product_attention`` (a boolean
 mask for a window; CPU training works through it). The decode state is the KV cache, holding at
 most w − 1 past keys for a local layer, so its memory is flat in the sequence length.
+
+The cache lives in a preallocated buffer (``_KVBuffer``): a step writes its key and value in
+place after the cached ones and the state's "k" / "v" are views of the filled part, so decoding
+does not copy the whole cache per token (``torch.cat``). The buffer doubles when full (for a
+local layer it is rebuilt from the last w − 1 keys), an amortized O(1) copy per token. A state
+appends in place only while it is the buffer's newest (its "kv_end" equals the buffer's fill):
+stepping twice from the same state (two continuations of one prompt) gives the second a copy,
+so neither overwrites the other. Where gradients flow through the cache, steps concatenate as
+before (in-place writes would alter tensors saved for the backward).
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -41,6 +51,30 @@ def _window_mask(tq: int, tk: int, window: Optional[int], device) -> torch.Tenso
     if window is not None:
         m = m & (kpos > qpos - window)
     return m
+
+
+class _KVBuffer:
+    """Keys and values [B, H_kv, capacity, d_h] and how far they are filled (``end``)."""
+    __slots__ = ("k", "v", "end")
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, end: int):
+        self.k, self.v, self.end = k, v, end
+
+
+@functools.lru_cache(maxsize=16)
+def _flex_block_mask(T: int, window: Optional[int], device: str):
+    """flex_attention's block mask for causal (windowed) attention over T tokens, built once per
+    (T, window, device) and shared by every layer: building it costs a pass over all T × T
+    blocks."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def mask_mod(b, h, qi, ki):
+        ok = ki <= qi
+        if window is not None:
+            ok = ok & (ki > qi - window)
+        return ok
+
+    return create_block_mask(mask_mod, None, None, T, T, device=device)
 
 
 class Attention(Mixer):
@@ -75,16 +109,39 @@ class Attention(Mixer):
         return {"k": z, "v": z.clone(), "pos": 0}
 
     def _cat_cache(self, state: Optional[State], k, v):
+        """(cached keys followed by k, the same for values, the buffer holding them or None)."""
         if state is None:
-            return k, v, 0
-        return (torch.cat([state["k"].to(k.dtype), k], dim=2),
-                torch.cat([state["v"].to(v.dtype), v], dim=2), int(state["pos"]))
+            return k, v, None
+        ck, cv = state["k"], state["v"]
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (k, v, ck, cv)):
+            # differentiating through the cache: in-place writes would change tensors that the
+            # backward of earlier steps saved, so concatenate
+            return torch.cat([ck.to(k.dtype), k], dim=2), torch.cat([cv.to(v.dtype), v], dim=2), None
+        n, T = ck.shape[2], k.shape[2]
+        buf = state.get("kv_buf")
+        if (buf is not None and buf.end == state.get("kv_end") and buf.end + T <= buf.k.shape[2]
+                and buf.k.dtype == k.dtype and buf.k.device == k.device and buf.k.shape[:2] == k.shape[:2]):
+            buf.k[:, :, buf.end:buf.end + T] = k
+            buf.v[:, :, buf.end:buf.end + T] = v
+            buf.end += T
+        else:  # a new buffer with room to grow: twice what it holds now
+            cap = max(2 * (n + T), 16)
+            bk = k.new_empty(k.shape[0], k.shape[1], cap, k.shape[3])
+            bv = v.new_empty(v.shape[0], v.shape[1], cap, v.shape[3])
+            bk[:, :, :n], bv[:, :, :n] = ck, cv
+            bk[:, :, n:n + T], bv[:, :, n:n + T] = k, v
+            buf = _KVBuffer(bk, bv, n + T)
+        s0 = buf.end - n - T
+        return buf.k[:, :, s0:buf.end], buf.v[:, :, s0:buf.end], buf
 
-    def _new_state(self, k_all, v_all, pos_end: int) -> State:
+    def _new_state(self, k_all, v_all, pos_end: int, buf: Optional[_KVBuffer] = None) -> State:
         if self.window is not None and k_all.shape[2] > self.window - 1:
             keep = self.window - 1
             k_all, v_all = k_all[:, :, k_all.shape[2] - keep:], v_all[:, :, v_all.shape[2] - keep:]
-        return {"k": k_all, "v": v_all, "pos": pos_end}
+        st = {"k": k_all, "v": v_all, "pos": pos_end}
+        if buf is not None:
+            st.update(kv_buf=buf, kv_end=buf.end)
+        return st
 
     def _out(self, o: torch.Tensor) -> torch.Tensor:  # o: [B, H, T, hd]
         B, H, T, D = o.shape
@@ -107,9 +164,9 @@ class Attention(Mixer):
     def chunked(self, x, state=None, output_state=False):
         pos0 = int(state["pos"]) if state is not None else 0
         q, k, v = self._qkv(x, pos0)
-        k_all, v_all, _ = self._cat_cache(state, k, v)
+        k_all, v_all, buf = self._cat_cache(state, k, v)
         o = self._attend(q, k_all, v_all)
-        st = self._new_state(k_all, v_all, pos0 + x.shape[1]) if output_state else None
+        st = self._new_state(k_all, v_all, pos0 + x.shape[1], buf) if output_state else None
         return self._out(o), st
 
     def step(self, x, state):
@@ -141,17 +198,8 @@ class Attention(Mixer):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
     def _flex(self, q, k, v):
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-        w = self.window
-
-        def mask_mod(b, h, qi, ki):
-            ok = ki <= qi
-            if w is not None:
-                ok = ok & (ki > qi - w)
-            return ok
-
-        T = q.shape[2]
-        bm = create_block_mask(mask_mod, None, None, T, T, device=q.device)
+        from torch.nn.attention.flex_attention import flex_attention
+        bm = _flex_block_mask(q.shape[2], self.window, str(q.device))
         return flex_attention(q, k, v, block_mask=bm, enable_gqa=self.n_kv != self.n_heads)
 
     @staticmethod

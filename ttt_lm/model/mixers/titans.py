@@ -64,6 +64,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import titans as _tk
+from kernels.titans.torch_chunk import split_spans
 from ttt_lm.model.layers import CausalConv1d, RMSNorm, acc, apply_rope, rope_cos_sin
 from ttt_lm.model.mixers.attention import LocalAttention
 from ttt_lm.model.mixers.base import Mixer, State
@@ -215,14 +216,14 @@ class TitansMemory(Mixer):
         ``chunk_memory_step`` for W₁ (query side: q) and for W₂ (query side: GELU(q W₁,t))."""
         C = self.chunk_size
         outs = []
-        for i, (t0, t1) in enumerate(_tk.chunk_spans(q.shape[2], C, pos)):
+        pieces = split_spans(_tk.chunk_spans(q.shape[2], C, pos), q, k, v, theta, log_eta, log_keep)
+        for i, (qc, kc, vc, thc, lec, lkc) in enumerate(pieces):
             A1, A2 = Mh if (i == 0 and pos % C) else M
-            kc, vc, qc = k[:, :, t0:t1], v[:, :, t0:t1], q[:, :, t0:t1]
             h = kc @ A1
             a = F.gelu(h)
             err = 2.0 * (a @ A2 - vc)
             delta1 = (err @ A2.transpose(-1, -2)) * _gelu_grad(h)
-            dec = _tk.chunk_decays(theta[:, :, t0:t1], log_eta[:, :, t0:t1], log_keep[:, :, t0:t1])
+            dec = _tk.chunk_decays(thc, lec, lkc)
             hq, M1, S1 = _tk.chunk_memory_step(M[0], S[0], kc, delta1, qc, dec)
             y, M2, S2 = _tk.chunk_memory_step(M[1], S[1], a, err, F.gelu(hq), dec)
             outs.append(y)

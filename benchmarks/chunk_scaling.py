@@ -1,0 +1,119 @@
+"""How the cost of each recurrent mixer's PyTorch form grows with the sequence length.
+
+For every recurrent mixer (TTT-Linear, TTT-MLP, Titans with linear and with MLP memory, DeltaNet,
+Mamba, RG-LRU), built at d_model 256 with 4 heads and its config's chunk size, forward+backward of
+one sequence of T tokens through the mixer's chunked PyTorch form (``kernel_backend="torch"``) is
+timed at T = 2k, 4k, 8k on the CPU, and the slope of log(time) against log(T) is fitted by least
+squares. A form whose cost is linear in T has slope 1; a chunk loop whose backward allocates a
+full-length gradient per chunk (slicing inside the loop) grows quadratically and shows a slope
+well above 1. Goal: slope ≤ 1.15 for every mixer.
+
+    python benchmarks/chunk_scaling.py                       # every mixer, T = 2048 4096 8192
+    python benchmarks/chunk_scaling.py --mixers mamba --seq-lens 1024 2048 --reps 1
+
+Figures go to ``benchmarks/RESULTS.md`` with date, device, commit and command. On a shared CPU
+the absolute times move with the load; the slope within one run is what the benchmark is for.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ttt_lm.model.config import ModelConfig  # noqa: E402
+from ttt_lm.model.layers import init_weights  # noqa: E402
+from ttt_lm.model.mixers import build_mixer  # noqa: E402
+
+#: name → (layer kind, settings of its sub-config)
+MIXERS = {
+    "ttt_linear": ("ttt_linear", {}),
+    "ttt_mlp": ("ttt_mlp", {}),
+    "titans_linear": ("titans", {"memory": "linear"}),
+    "titans_mlp": ("titans", {"memory": "mlp"}),
+    "deltanet": ("deltanet", {}),
+    "mamba": ("mamba", {}),
+    "rglru": ("rglru", {}),
+}
+_SUB = {"ttt_linear": "ttt", "ttt_mlp": "ttt", "titans": "titans", "deltanet": "deltanet",
+        "mamba": "mamba", "rglru": "rglru"}
+
+
+def build(name: str, d_model: int, n_heads: int, seed: int = 0):
+    kind, sub = MIXERS[name]
+    cfg = ModelConfig(vocab_size=64, d_model=d_model, n_layers=1, n_heads=n_heads, layer_pattern=[kind])
+    for k, v in sub.items():
+        setattr(getattr(cfg, _SUB[kind]), k, v)
+    cfg.validate()
+    torch.manual_seed(seed)
+    m = build_mixer(kind, cfg, 0)
+    init_weights(m, cfg.init_std, 1)
+    m.reset_parameters()
+    m.impl = "chunked"
+    m.kernel_backend = "torch"
+    return m
+
+
+def time_fwd_bwd(m, T: int, d_model: int, reps: int) -> float:
+    """Median seconds of forward + backward of one [1, T, d_model] sequence (after one warm-up)."""
+    x = torch.randn(1, T, d_model, requires_grad=True)
+    w = torch.randn(1, T, d_model)
+
+    def once():
+        m.zero_grad(set_to_none=True)
+        x.grad = None
+        y, _ = m(x)
+        (y * w).sum().backward()
+
+    once()
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        once()
+        out.append(time.perf_counter() - t0)
+    return statistics.median(out)
+
+
+def loglog_slope(lengths, times) -> float:
+    """Least-squares slope of log(time) against log(T)."""
+    xs = [math.log(t) for t in lengths]
+    ys = [math.log(s) for s in times]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--mixers", nargs="*", default=list(MIXERS), choices=list(MIXERS))
+    p.add_argument("--seq-lens", nargs="*", type=int, default=[2048, 4096, 8192])
+    p.add_argument("--d-model", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--goal", type=float, default=1.15)
+    a = p.parse_args(argv)
+    if len(a.seq_lens) < 2:
+        p.error("--seq-lens needs at least two lengths to fit a slope")
+
+    print(f"# CPU, {torch.get_num_threads()} thread(s), float32, d_model {a.d_model}, heads {a.heads}, "
+          f"batch 1; forward+backward seconds (median of {a.reps} after one warm-up)")
+    print("| mixer | " + " | ".join(f"T={t}" for t in a.seq_lens) + " | log-log slope | ≤ goal |")
+    print("|---|" + "---|" * len(a.seq_lens) + "---|---|")
+    worst = 0.0
+    for name in a.mixers:
+        m = build(name, a.d_model, a.heads)
+        times = [time_fwd_bwd(m, T, a.d_model, a.reps) for T in a.seq_lens]
+        s = loglog_slope(a.seq_lens, times)
+        worst = max(worst, s)
+        print(f"| {name} | " + " | ".join(f"{t:.3f}" for t in times) + f" | {s:.2f} | "
+              f"{'yes' if s <= a.goal else 'no'} |", flush=True)
+    print(f"# largest slope {worst:.2f} (goal ≤ {a.goal})")
+
+
+if __name__ == "__main__":
+    main()
