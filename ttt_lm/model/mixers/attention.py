@@ -46,6 +46,9 @@ def _window_mask(tq: int, tk: int, window: Optional[int], device) -> torch.Tenso
 class Attention(Mixer):
     window: Optional[int] = None
 
+    #: attention picks SDPA / flex / flash-attn by attention.backend, not kernel_backend
+    uses_kernel_op = False
+
     def __init__(self, cfg, layer_idx: int):
         super().__init__()
         a = cfg.attention

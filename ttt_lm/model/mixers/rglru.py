@@ -153,11 +153,11 @@ class RGLRUBlock(Mixer):
     def reference(self, x, state=None, output_state=False):
         return self._scan(x, state, output_state, "reference")
 
+    def triton_unavailable(self):
+        return None if has_triton_backend() else "kernels/linear_scan has no Triton kernel"
+
     def chunked(self, x, state=None, output_state=False):
-        backend = self._resolve_backend(x)
-        if backend == "triton" and self.kernel_backend == "auto" and not has_triton_backend():
-            backend = "torch"
-        return self._scan(x, state, output_state, backend)
+        return self._scan(x, state, output_state, self._resolve_backend(x))
 
     def step(self, x, state):
         gelu_y, log_a_t, b_t, h0, conv_cache, pos0 = self._gates(x, state, True)
