@@ -29,8 +29,8 @@ gradient (XQ, XK, XV, η, token_idx, ln_weight, ln_bias, W1, b1 and the tensors 
 
 Precision (``_precision``, ``_dot``): everything is carried and accumulated in float32 (float64
 for float64 inputs); the tl.dot operands are bfloat16 for bfloat16/float16 inputs (bf16 tensor-core
-MMA, fp32 accumulator), 3×TF32 for float32 inputs (tensor cores; the error of a float32 product to
-within a few ulps, so the float32 tolerances of the tests are unchanged), exact for float64.
+MMA, fp32 accumulator), 3×TF32 for float32 inputs (tensor cores, error within a few fp32 ulps:
+float32 tolerances unchanged; the interpreter multiplies exactly, only a GPU checks it), exact for float64.
 The bf16 operands round every product's inputs to 8 mantissa bits: the bfloat16 tests' 3e-2 of
 each tensor's scale, set for bfloat16 inputs and outputs, covers it unchanged. For bfloat16
 inputs the per-mini-batch start weights that the backward re-reads are stored in bfloat16 — they
