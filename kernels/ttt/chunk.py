@@ -266,16 +266,18 @@ def _precision(dtype: torch.dtype) -> str:
     return "bf16_emulated" if is_interpreting() else "bf16"
 
 
-def _launch_cfg(d: int, b: int, backward: bool = False):
+def _launch_cfg(d: int, b: int, backward: bool = False, half: bool = True):
     """Padded tile sizes (tl.dot needs every block dim ≥ 16) and launch options. Compiled for
-    sm_90 and sm_80 (``python -m kernels.compile_report --op ttt``): the forward at d = 64 fits
-    4 warps without spilling; the backward, with W and dW [d, d] and ~20 [b, d] tiles live, and
-    everything at d = 128 need 8 warps (the tiles spread over twice the register files)."""
+    sm_90 and sm_80 (``python -m kernels.compile_report --op ttt``): the forward at d = 64, b = 16
+    with bf16 operands fits 4 warps without spilling; the backward (W and dW [d, d] and ~20
+    [b, d] tiles live), 3×TF32 operands (``half`` False: float32 inputs), b > 16 and d = 128 need
+    8 warps (the tiles spread over twice the register files). 16 warps cap a thread at 128
+    registers and spill more."""
     BD = max(16, triton.next_power_of_2(d))
     BT = max(16, triton.next_power_of_2(b))
     if is_interpreting():
         return BD, BT, {}
-    small = BD * max(BD, BT) <= 64 * 64 and not backward
+    small = BD <= 64 and BT <= 16 and half and not backward
     return BD, BT, {"num_warps": 4 if small else 8, "num_stages": 1}
 
 
@@ -305,7 +307,7 @@ class _TTTLinearFull(torch.autograd.Function):
         BS = torch.empty(B, H, NMB if save else 1, d, dtype=cdt, device=XQ.device)
         WF = torch.empty(B, H, d, d, dtype=cdt, device=XQ.device)
         BF = torch.empty(B, H, 1, d, dtype=cdt, device=XQ.device)
-        BD, BT, kw = _launch_cfg(d, bsz)
+        BD, BT, kw = _launch_cfg(d, bsz, half=XQ.dtype in (torch.bfloat16, torch.float16))
         _ttt_linear_fwd_kernel[(B * H,)](
             XQ, XK, XV, eta, tau_c, lw, lb, W0c, b0c, out, WS, BS, WF, BF,
             T, NMB, H, LN_EPS, D=d, BD=BD, MB=bsz, BT=BT, SAVE=save, PREC=prec, **kw)
@@ -331,7 +333,7 @@ class _TTTLinearFull(torch.autograd.Function):
         dLNB = torch.empty(B, H, d, dtype=cdt, device=dev)
         dW0 = torch.empty(B, H, d, d, dtype=cdt, device=dev)
         dB0 = torch.empty(B, H, 1, d, dtype=cdt, device=dev)
-        BD, BT, kw = _launch_cfg(d, bsz, backward=True)
+        BD, BT, kw = _launch_cfg(d, bsz, backward=True, half=XQ.dtype in (torch.bfloat16, torch.float16))
         _ttt_linear_bwd_kernel[(B * H,)](
             XQ, XK, XV, eta, tau_c, lw, lb, WS, BS, dout, dWF, dBF,
             dXQ, dXK, dXV, dETA, dTAU, dLNW, dLNB, dW0, dB0,

@@ -26,7 +26,7 @@ def compile_cases():
                 cfg = f"{dt} d={d} b={b}"
                 for kern, extra, bwd in ((chunk._ttt_linear_fwd_kernel, {"SAVE": True}, False),
                                          (chunk._ttt_linear_bwd_kernel, {}, True)):
-                    BD, BT, kw = chunk._launch_cfg(d, b, backward=bwd)
+                    BD, BT, kw = chunk._launch_cfg(d, b, backward=bwd, half=dt == "bf16")
                     names = set(arg_names(kern))
                     ptrs = {n: dt for n in io_names if n in names}
                     if dt == "bf16":
