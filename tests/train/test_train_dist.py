@@ -115,3 +115,15 @@ def test_nonfinite_loss_skips_then_stops(tmp_path):
     # two in a row were tolerated; the third in a row stops the run with a clear error
     assert max(m) == 9
     assert "NaN/Inf for 3 steps in a row (steps 7..9" in r.output()
+
+
+def test_kernel_backends_logged_and_triton_refused_where_no_kernel(tmp_path):
+    """The startup log names each layer kind's implementation; kernel_backend=triton with a layer
+    no Triton kernel covers (Titans' MLP memory) stops before training, naming the layer kind."""
+    r = run(str(tmp_path / "ok"), ["train.max_steps=1"])
+    assert "[train] kernels: attention attention:auto (model.kernel_backend=auto)" in r.output()
+    r = run(str(tmp_path / "bad"), ["train.max_steps=1", "model.layer_pattern=[titans]", "model.titans.memory=mlp",
+                                    "model.kernel_backend=triton"], expect=2)
+    out = r.output()
+    assert "error: layer kind 'titans' (layer 0): model.kernel_backend=triton" in out and "linear memory" in out
+    assert not os.path.exists(str(tmp_path / "bad" / "metrics.jsonl"))   # stopped before any step

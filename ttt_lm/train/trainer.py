@@ -224,7 +224,10 @@ def train(cfg, data_api=None) -> int:
     n_params = model.num_params()  # of the whole model, before TP keeps a slice per rank
     # which implementation every layer kind runs here (never a silent fallback: kernel_backend=triton
     # where no kernel applies stops the run now, naming the layer kind)
-    backends = model.kernel_backends(dev)
+    try:
+        backends = model.kernel_backends(dev)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     pdims = {}
     if tp > 1:
         from ttt_lm.parallel.tp_model import parallelize_tp, partition_dims
