@@ -23,12 +23,12 @@ $(VENV)/.installed: pyproject.toml Makefile
 
 setup: $(VENV)/.installed
 
-# Every test tier this machine can run (unit, dist; slurm where Slurm can be installed; gpu with CUDA).
+# Every test tier this machine can run (unit, dist, aot; slurm where Slurm can be installed; gpu with CUDA).
 test: setup
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(PYTEST_ARGS)
 
 test-unit: setup
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not dist and not slurm" $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not dist and not slurm and not aot" $(PYTEST_ARGS)
 
 data: setup
 	$(PY) -m ttt_lm.data.default_corpus

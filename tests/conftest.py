@@ -17,7 +17,7 @@ import pytest  # noqa: E402
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if not any(item.iter_markers(name=m) for m in ("dist", "slurm", "gpu")):
+        if not any(item.iter_markers(name=m) for m in ("dist", "slurm", "gpu", "aot")):
             item.add_marker(pytest.mark.unit)
         if item.get_closest_marker("gpu") and not _HAS_CUDA:
             item.add_marker(pytest.mark.skip(reason="needs CUDA"))

@@ -27,9 +27,19 @@ the kernel, a trailing partial mini-batch (T − pos not a multiple of b) runs a
 gradient (XQ, XK, XV, η, token_idx, ln_weight, ln_bias, W1, b1 and the tensors of
 ``initial_state``) flows through both parts.
 
-Precision: float64 inputs are computed in float64; float32, bfloat16 and float16 inputs in
-float32 (products with ``input_precision="ieee"``, i.e. no TF32 rounding). Outputs come back in
-the input dtype, the state in float32 (float64 for float64 inputs), as in ``torch_chunk.py``.
+Precision (``_precision``, ``_dot``): everything is carried and accumulated in float32 (float64
+for float64 inputs); the tl.dot operands are bfloat16 for bfloat16/float16 inputs (bf16 tensor-core
+MMA, fp32 accumulator), 3×TF32 for float32 inputs (tensor cores, error within a few fp32 ulps:
+float32 tolerances unchanged; the interpreter multiplies exactly, only a GPU checks it), exact for float64.
+The bf16 operands round every product's inputs to 8 mantissa bits: the bfloat16 tests' 3e-2 of
+each tensor's scale, set for bfloat16 inputs and outputs, covers it unchanged. For bfloat16
+inputs the per-mini-batch start weights that the backward re-reads are stored in bfloat16 — they
+enter only tl.dot there, whose operands are rounded to bfloat16 anyway. Outputs come back in the
+input dtype, the state in float32 (float64 for float64 inputs), as in ``torch_chunk.py``.
+
+Registers (``python -m kernels.compile_report --op ttt``): the backward re-reads Wᵀ from the
+stored weights as a transposed tile where it needs it instead of keeping W live through the
+mini-batch, and runs on 8 warps.
 
 ``ttt_mlp_triton`` (TTT-MLP, same structure and coverage) follows below the TTT-Linear part.
 """
@@ -49,6 +59,22 @@ _MAX_MB = 64
 
 
 # ---- in-kernel pieces -------------------------------------------------------------------------
+@triton.jit
+def _dot(a, b, PREC: tl.constexpr):
+    """a @ b with a float32 (float64) accumulator. PREC = "bf16": both operands rounded to
+    bfloat16 (the tensor cores' bf16 MMA; for bfloat16/float16 inputs); "tf32x3": float32
+    operands split into three TF32 products (tensor cores, error close to float32's; for float32
+    inputs); "ieee": exact products on the CUDA cores (float64 inputs)."""
+    if PREC == "bf16":
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), out_dtype=tl.float32)
+    elif PREC == "bf16_emulated":
+        # under the interpreter (Triton 3.9) a tl.dot of bfloat16 tiles returns garbage: the same
+        # operand rounding, with the (exact) products accumulated in float32
+        return tl.dot(a.to(tl.bfloat16).to(tl.float32), b.to(tl.bfloat16).to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b, input_precision=PREC)
+
+
 @triton.jit
 def _ln_stats(z, cmask, D: tl.constexpr, eps):
     """Centered, normalized rows x̂ (zero in padded columns) and 1/σ of z [BT, BD]."""
@@ -72,15 +98,15 @@ def _ln_bwd(dy_hat, x_hat, rstd, cmask, D: tl.constexpr):
 def _mini_batch_fwd(q, k, v, e, tau, W, bb, gamma, beta, cmask, tril, D: tl.constexpr, eps,
                     PREC: tl.constexpr):
     """Everything of one mini-batch that the forward and the backward both need."""
-    Z = tl.dot(k, W, input_precision=PREC) + bb[None, :]
+    Z = _dot(k, W, PREC) + bb[None, :]
     xh, rstd = _ln_stats(Z, cmask, D, eps)
     tgt = v - k
     gh = (gamma[None, :] * xh + beta[None, :] - tgt) * gamma[None, :]
     G = _ln_bwd(gh, xh, rstd, cmask, D)                                   # Γ
-    A = tl.dot(q, tl.trans(k), input_precision=PREC)
+    A = _dot(q, tl.trans(k), PREC)
     Ev = tau[:, None] * e[None, :]
     M = tl.where(tril, Ev * (A + 1.0), 0.0)
-    Zb = tl.dot(q, W, input_precision=PREC) + bb[None, :] - tl.dot(M, G, input_precision=PREC)
+    Zb = _dot(q, W, PREC) + bb[None, :] - _dot(M, G, PREC)
     xhb, rstdb = _ln_stats(Zb, cmask, D, eps)
     return xh, rstd, tgt, gh, G, A, Ev, M, xhb, rstdb
 
@@ -124,7 +150,7 @@ def _ttt_linear_fwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, W0, B0, OUT, WS, BS, 
         out = q + gamma[None, :] * xhb + beta[None, :]
         tl.store(OUT + xoff, out.to(OUT.dtype.element_ty), mask=xmask)
         eG = e[:, None] * G
-        W = W - tau_last * tl.dot(tl.trans(k), eG, input_precision=PREC)
+        W = W - tau_last * _dot(tl.trans(k), eG, PREC)
         bb = bb - tau_last * tl.sum(eG, axis=0)
 
     tl.store(WF + pid * D * D + cols[:, None] * D + cols[None, :], W, mask=wmask)
@@ -139,7 +165,7 @@ def _ttt_linear_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, WS, BS, DOUT, DWF, DB
                            PREC: tl.constexpr):
     pid = tl.program_id(0)
     h = pid % H
-    cdt = WS.dtype.element_ty
+    cdt = DW0.dtype.element_ty
     rows = tl.arange(0, BT)
     cols = tl.arange(0, BD)
     cmask = cols < D
@@ -182,23 +208,23 @@ def _ttt_linear_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, WS, BS, DOUT, DWF, DB
         dbeta += tl.sum(do, axis=0)
         dZb = _ln_bwd(do * gamma[None, :], xhb, rstdb, cmask, D)
         # Z̄ = Q W1 + b1 − M Γ
-        dq = do + tl.dot(dZb, tl.trans(W), input_precision=PREC)
-        dM = tl.where(tril, -tl.dot(dZb, tl.trans(G), input_precision=PREC), 0.0)
-        dG = -tl.dot(tl.trans(M), dZb, input_precision=PREC)
+        dq = do
+        dM = tl.where(tril, -_dot(dZb, tl.trans(G), PREC), 0.0)
+        dG = -_dot(tl.trans(M), dZb, PREC)
         # M = tril(E ⊙ (A + 1)), E_ij = τ_i η_j, A = Q Kᵀ
         dE = dM * (A + 1.0)
         dA = dM * Ev
-        dq += tl.dot(dA, k, input_precision=PREC)
-        dk = tl.dot(tl.trans(dA), q, input_precision=PREC)
+        dq += _dot(dA, k, PREC)
+        dk = _dot(tl.trans(dA), q, PREC)
         de = tl.sum(dE * tau[:, None], axis=0)
         dtau += tl.sum(dE * e[None, :], axis=1)
         # end-of-mini-batch update W1' = W1 − τ_{b−1} Kᵀ(η⊙Γ), b1' = b1 − τ_{b−1} Σ η Γ
-        P = tl.dot(k, dW, input_precision=PREC) + dbb[None, :]
+        P = _dot(k, dW, PREC) + dbb[None, :]
         GP = tl.sum(G * P, axis=1)
         dG += -tau_last * e[:, None] * P
         de += -tau_last * GP
         dtau += tl.where(is_last, -tl.sum(e * GP, axis=0), 0.0)
-        dk += -tau_last * tl.dot(e[:, None] * G, tl.trans(dW), input_precision=PREC)
+        dk += -tau_last * _dot(e[:, None] * G, tl.trans(dW), PREC)
         # Γ = (ĝ − mean ĝ − x̂ mean(ĝ x̂)) / σ with ĝ = γ(γ x̂ + β − (V − K)), x̂, σ of Z
         dgh = _ln_bwd(dG, xh, rstd, cmask, D)
         c2 = tl.sum(gh * xh, axis=1) / D
@@ -210,9 +236,12 @@ def _ttt_linear_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, WS, BS, DOUT, DWF, DB
         dtgt = -gamma[None, :] * dgh
         dZ = _ln_bwd(dxh, xh, rstd, cmask, D) + tl.where(cmask[None, :], dsig[:, None] * xh / D, 0.0)
         # Z = K W1 + b1, target = V − K
-        dk += tl.dot(dZ, tl.trans(W), input_precision=PREC) - dtgt
+        # Wᵀ read again (as a transposed tile) rather than kept live through the lines above
+        Wt = tl.load(WS + (pid * NMB + n) * D * D + cols[:, None] + cols[None, :] * D, mask=wmask, other=0.0)
+        dq += _dot(dZb, Wt, PREC)
+        dk += _dot(dZ, Wt, PREC) - dtgt
         dv = dtgt
-        dW += tl.dot(tl.trans(q), dZb, input_precision=PREC) + tl.dot(tl.trans(k), dZ, input_precision=PREC)
+        dW += _dot(tl.trans(q), dZb, PREC) + _dot(tl.trans(k), dZ, PREC)
         dbb += tl.sum(dZb, axis=0) + tl.sum(dZ, axis=0)
 
         tl.store(DXQ + xoff, dq.to(DXQ.dtype.element_ty), mask=xmask)
@@ -228,14 +257,28 @@ def _ttt_linear_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, WS, BS, DOUT, DWF, DB
 
 
 # ---- autograd -----------------------------------------------------------------------------------
-def _launch_cfg(d: int, b: int):
-    """Padded tile sizes (tl.dot needs every block dim ≥ 16) and launch options."""
+def _precision(dtype: torch.dtype) -> str:
+    """The ``tl.dot`` mode for inputs of ``dtype`` (see ``_dot``)."""
+    if dtype == torch.float64:
+        return "ieee"
+    if dtype == torch.float32:
+        return "tf32x3"
+    return "bf16_emulated" if is_interpreting() else "bf16"
+
+
+def _launch_cfg(d: int, b: int, backward: bool = False, half: bool = True):
+    """Padded tile sizes (tl.dot needs every block dim ≥ 16) and launch options. Compiled for
+    sm_90 and sm_80 (``python -m kernels.compile_report --op ttt``): the forward at d = 64, b = 16
+    with bf16 operands fits 4 warps without spilling; the backward (W and dW [d, d] and ~20
+    [b, d] tiles live), 3×TF32 operands (``half`` False: float32 inputs), b > 16 and d = 128 need
+    8 warps (the tiles spread over twice the register files). 16 warps cap a thread at 128
+    registers and spill more."""
     BD = max(16, triton.next_power_of_2(d))
     BT = max(16, triton.next_power_of_2(b))
     if is_interpreting():
         return BD, BT, {}
-    # register pressure grows with the b×d and d×d tiles that live at once
-    return BD, BT, {"num_warps": 4 if BD * max(BD, BT) <= 64 * 64 else 8, "num_stages": 1}
+    small = BD <= 64 and BT <= 16 and half and not backward
+    return BD, BT, {"num_warps": 4 if small else 8, "num_stages": 1}
 
 
 class _TTTLinearFull(torch.autograd.Function):
@@ -255,14 +298,19 @@ class _TTTLinearFull(torch.autograd.Function):
         b0c = b0.to(cdt).contiguous()
         out = torch.empty_like(XQ)
         save = any(ctx.needs_input_grad)  # the per-mini-batch start weights serve only the backward
-        WS = torch.empty(B, H, NMB if save else 1, d, d, dtype=cdt, device=XQ.device)
+        prec = _precision(XQ.dtype)
+        # the stored start weights enter the backward only as tl.dot operands: with bf16 operands
+        # they are stored in bfloat16 (the same rounding the forward's products saw; half the
+        # registers and traffic)
+        WS = torch.empty(B, H, NMB if save else 1, d, d, dtype=torch.bfloat16 if prec.startswith("bf16") else cdt,
+                         device=XQ.device)
         BS = torch.empty(B, H, NMB if save else 1, d, dtype=cdt, device=XQ.device)
         WF = torch.empty(B, H, d, d, dtype=cdt, device=XQ.device)
         BF = torch.empty(B, H, 1, d, dtype=cdt, device=XQ.device)
-        BD, BT, kw = _launch_cfg(d, bsz)
+        BD, BT, kw = _launch_cfg(d, bsz, half=XQ.dtype in (torch.bfloat16, torch.float16))
         _ttt_linear_fwd_kernel[(B * H,)](
             XQ, XK, XV, eta, tau_c, lw, lb, W0c, b0c, out, WS, BS, WF, BF,
-            T, NMB, H, LN_EPS, D=d, BD=BD, MB=bsz, BT=BT, SAVE=save, PREC="ieee", **kw)
+            T, NMB, H, LN_EPS, D=d, BD=BD, MB=bsz, BT=BT, SAVE=save, PREC=prec, **kw)
         ctx.save_for_backward(XQ, XK, XV, eta, tau_c, lw, lb, WS, BS)
         ctx.meta = (bsz, tau.dtype, ln_w.dtype, ln_b.dtype, W0.dtype, b0.dtype)
         return out, WF, BF
@@ -273,7 +321,7 @@ class _TTTLinearFull(torch.autograd.Function):
         bsz, tau_dt, lw_dt, lb_dt, W_dt, b_dt = ctx.meta
         B, H, T, d = XQ.shape
         NMB = T // bsz
-        cdt = WS.dtype
+        cdt = BS.dtype
         dev = XQ.device
         dout = torch.zeros_like(XQ) if dout is None else dout.contiguous()
         dWF = torch.zeros(B, H, d, d, dtype=cdt, device=dev) if dWF is None else dWF.to(cdt).contiguous()
@@ -285,11 +333,11 @@ class _TTTLinearFull(torch.autograd.Function):
         dLNB = torch.empty(B, H, d, dtype=cdt, device=dev)
         dW0 = torch.empty(B, H, d, d, dtype=cdt, device=dev)
         dB0 = torch.empty(B, H, 1, d, dtype=cdt, device=dev)
-        BD, BT, kw = _launch_cfg(d, bsz)
+        BD, BT, kw = _launch_cfg(d, bsz, backward=True, half=XQ.dtype in (torch.bfloat16, torch.float16))
         _ttt_linear_bwd_kernel[(B * H,)](
             XQ, XK, XV, eta, tau_c, lw, lb, WS, BS, dout, dWF, dBF,
             dXQ, dXK, dXV, dETA, dTAU, dLNW, dLNB, dW0, dB0,
-            T, NMB, H, LN_EPS, D=d, BD=BD, MB=bsz, BT=BT, PREC="ieee", **kw)
+            T, NMB, H, LN_EPS, D=d, BD=BD, MB=bsz, BT=BT, PREC=_precision(XQ.dtype), **kw)
         return (dXQ, dXK, dXV, dETA, dTAU.sum((0, 1)).to(tau_dt), dLNW.sum(0).to(lw_dt),
                 dLNB.sum(0).to(lb_dt), dW0.to(W_dt), dB0.to(b_dt), None)
 
@@ -372,25 +420,25 @@ def _ln_l2_bwd_bwd(dG, G, gh, xh, rstd, gamma, beta, tgt, cmask, D: tl.constexpr
 def _mlp_mini_batch_fwd(q, k, v, e, tau, W1, b1, W2, b2, gamma, beta, cmask, rmask, tril,
                         D: tl.constexpr, eps, PREC: tl.constexpr):
     """Everything of one TTT-MLP mini-batch that the forward and the backward both need."""
-    Z1 = tl.dot(k, W1, input_precision=PREC) + b1[None, :]
+    Z1 = _dot(k, W1, PREC) + b1[None, :]
     X2, gp, gpp = _gelu_tanh3(Z1)
     # padded rows (zero k) would give X2 = GELU(b1) ≠ 0; they carry η = 0, zero them anyway
     X2 = tl.where(rmask[:, None], X2, 0.0)
-    Z2 = tl.dot(X2, W2, input_precision=PREC) + b2[None, :]
+    Z2 = _dot(X2, W2, PREC) + b2[None, :]
     xh, rstd = _ln_stats(Z2, cmask, D, eps)
     tgt = v - k
     gh = (gamma[None, :] * xh + beta[None, :] - tgt) * gamma[None, :]
     G2 = _ln_bwd(gh, xh, rstd, cmask, D)                                    # Γ2
-    S = tl.dot(G2, tl.trans(W2), input_precision=PREC)
+    S = _dot(G2, tl.trans(W2), PREC)
     G1 = S * gp                                                             # Γ1
     Ev = tau[:, None] * e[None, :]
-    A1 = tl.dot(q, tl.trans(k), input_precision=PREC)
+    A1 = _dot(q, tl.trans(k), PREC)
     M1 = tl.where(tril, Ev * (A1 + 1.0), 0.0)
-    Z1b = tl.dot(q, W1, input_precision=PREC) + b1[None, :] - tl.dot(M1, G1, input_precision=PREC)
+    Z1b = _dot(q, W1, PREC) + b1[None, :] - _dot(M1, G1, PREC)
     X2b, gpb, _unused = _gelu_tanh3(Z1b)
-    A2 = tl.dot(X2b, tl.trans(X2), input_precision=PREC)
+    A2 = _dot(X2b, tl.trans(X2), PREC)
     M2 = tl.where(tril, Ev * (A2 + 1.0), 0.0)
-    Z2b = tl.dot(X2b, W2, input_precision=PREC) + b2[None, :] - tl.dot(M2, G2, input_precision=PREC)
+    Z2b = _dot(X2b, W2, PREC) + b2[None, :] - _dot(M2, G2, PREC)
     xhb, rstdb = _ln_stats(Z2b, cmask, D, eps)
     return X2, gp, gpp, xh, rstd, tgt, gh, G2, S, G1, Ev, A1, M1, X2b, gpb, A2, M2, xhb, rstdb
 
@@ -446,9 +494,9 @@ def _ttt_mlp_fwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, W10, B10, W20, B20, OUT,
         tl.store(OUT + xoff, out.to(OUT.dtype.element_ty), mask=xmask)
         eG1 = e[:, None] * G1
         eG2 = e[:, None] * G2
-        W1 = W1 - tau_last * tl.dot(tl.trans(k), eG1, input_precision=PREC)
+        W1 = W1 - tau_last * _dot(tl.trans(k), eG1, PREC)
         b1 = b1 - tau_last * tl.sum(eG1, axis=0)
-        W2 = W2 - tau_last * tl.dot(tl.trans(X2), eG2, input_precision=PREC)
+        W2 = W2 - tau_last * _dot(tl.trans(X2), eG2, PREC)
         b2 = b2 - tau_last * tl.sum(eG2, axis=0)
 
     tl.store(W1F + pid * D * M + w1off, W1, mask=w1mask)
@@ -514,60 +562,60 @@ def _ttt_mlp_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, W1S, B1S, W2S, B2S, DOUT
 
         # end-of-mini-batch update, read with the end-weight gradients before they are extended:
         # W1' = W1 − τ_{b−1} Kᵀ(η⊙Γ1), W2' = W2 − τ_{b−1} X2ᵀ(η⊙Γ2), biases likewise
-        P1 = tl.dot(k, dW1, input_precision=PREC) + db1[None, :]
-        P2 = tl.dot(X2, dW2, input_precision=PREC) + db2[None, :]
+        P1 = _dot(k, dW1, PREC) + db1[None, :]
+        P2 = _dot(X2, dW2, PREC) + db2[None, :]
         GP = tl.sum(G1 * P1, axis=1) + tl.sum(G2 * P2, axis=1)
         dG1 = -tau_last * e[:, None] * P1
         dG2 = -tau_last * e[:, None] * P2
         de = -tau_last * GP
         dtau += tl.where(is_last, -tl.sum(e * GP, axis=0), 0.0)
-        dk = -tau_last * tl.dot(e[:, None] * G1, tl.trans(dW1), input_precision=PREC)
-        dX2 = -tau_last * tl.dot(e[:, None] * G2, tl.trans(dW2), input_precision=PREC)
+        dk = -tau_last * _dot(e[:, None] * G1, tl.trans(dW1), PREC)
+        dX2 = -tau_last * _dot(e[:, None] * G2, tl.trans(dW2), PREC)
 
         # out = Q + γ x̂(Z̄2) + β
         dgamma += tl.sum(do * xhb, axis=0)
         dbeta += tl.sum(do, axis=0)
         dZ2b = _ln_bwd(do * gamma[None, :], xhb, rstdb, cmask, D)
         # Z̄2 = X̄2 W2 + b2 − M2 Γ2,  M2 = tril(E ⊙ (X̄2 X2ᵀ + 1))
-        dX2b = tl.dot(dZ2b, tl.trans(W2), input_precision=PREC)
-        dW2 += tl.dot(tl.trans(X2b), dZ2b, input_precision=PREC)
+        dX2b = _dot(dZ2b, tl.trans(W2), PREC)
+        dW2 += _dot(tl.trans(X2b), dZ2b, PREC)
         db2 += tl.sum(dZ2b, axis=0)
-        dM2 = tl.where(tril, -tl.dot(dZ2b, tl.trans(G2), input_precision=PREC), 0.0)
-        dG2 += -tl.dot(tl.trans(M2), dZ2b, input_precision=PREC)
+        dM2 = tl.where(tril, -_dot(dZ2b, tl.trans(G2), PREC), 0.0)
+        dG2 += -_dot(tl.trans(M2), dZ2b, PREC)
         dE = dM2 * (A2 + 1.0)
         dA2 = dM2 * Ev
-        dX2b += tl.dot(dA2, X2, input_precision=PREC)
-        dX2 += tl.dot(tl.trans(dA2), X2b, input_precision=PREC)
+        dX2b += _dot(dA2, X2, PREC)
+        dX2 += _dot(tl.trans(dA2), X2b, PREC)
         # X̄2 = GELU(Z̄1),  Z̄1 = Q W1 + b1 − M1 Γ1,  M1 = tril(E ⊙ (Q Kᵀ + 1))
         dZ1b = dX2b * gpb
-        dq = do + tl.dot(dZ1b, tl.trans(W1), input_precision=PREC)
-        dW1 += tl.dot(tl.trans(q), dZ1b, input_precision=PREC)
+        dq = do + _dot(dZ1b, tl.trans(W1), PREC)
+        dW1 += _dot(tl.trans(q), dZ1b, PREC)
         db1 += tl.sum(dZ1b, axis=0)
-        dM1 = tl.where(tril, -tl.dot(dZ1b, tl.trans(G1), input_precision=PREC), 0.0)
-        dG1 += -tl.dot(tl.trans(M1), dZ1b, input_precision=PREC)
+        dM1 = tl.where(tril, -_dot(dZ1b, tl.trans(G1), PREC), 0.0)
+        dG1 += -_dot(tl.trans(M1), dZ1b, PREC)
         dE += dM1 * (A1 + 1.0)
         dA1 = dM1 * Ev
-        dq += tl.dot(dA1, k, input_precision=PREC)
-        dk += tl.dot(tl.trans(dA1), q, input_precision=PREC)
+        dq += _dot(dA1, k, PREC)
+        dk += _dot(tl.trans(dA1), q, PREC)
         # E_ij = τ_i η_j
         de += tl.sum(dE * tau[:, None], axis=0)
         dtau += tl.sum(dE * e[None, :], axis=1)
         # Γ1 = (Γ2 W2ᵀ) ⊙ GELU'(Z1)
         dS = dG1 * gp
         dZ1 = dG1 * S * gpp
-        dG2 += tl.dot(dS, W2, input_precision=PREC)
-        dW2 += tl.dot(tl.trans(dS), G2, input_precision=PREC)
+        dG2 += _dot(dS, W2, PREC)
+        dW2 += _dot(tl.trans(dS), G2, PREC)
         # Γ2 from Z2 and the target V − K
         dZ2, dtgt, dg, dbt = _ln_l2_bwd_bwd(dG2, G2, gh, xh, rstd, gamma, beta, tgt, cmask, D)
         dgamma += dg
         dbeta += dbt
         # Z2 = X2 W2 + b2,  X2 = GELU(Z1),  Z1 = K W1 + b1
-        dX2 += tl.dot(dZ2, tl.trans(W2), input_precision=PREC)
-        dW2 += tl.dot(tl.trans(X2), dZ2, input_precision=PREC)
+        dX2 += _dot(dZ2, tl.trans(W2), PREC)
+        dW2 += _dot(tl.trans(X2), dZ2, PREC)
         db2 += tl.sum(dZ2, axis=0)
         dZ1 += tl.where(rmask[:, None], dX2 * gp, 0.0)
-        dk += tl.dot(dZ1, tl.trans(W1), input_precision=PREC) - dtgt
-        dW1 += tl.dot(tl.trans(k), dZ1, input_precision=PREC)
+        dk += _dot(dZ1, tl.trans(W1), PREC) - dtgt
+        dW1 += _dot(tl.trans(k), dZ1, PREC)
         db1 += tl.sum(dZ1, axis=0)
 
         tl.store(DXQ + xoff, dq.to(DXQ.dtype.element_ty), mask=xmask)
@@ -626,7 +674,7 @@ class _TTTMLPFull(torch.autograd.Function):
         _ttt_mlp_fwd_kernel[(B * H,)](
             XQ, XK, XV, eta, tau_c, lw, lb, W1c, b1c, W2c, b2c, out,
             W1S, B1S, W2S, B2S, W1F, B1F, W2F, B2F,
-            T, NMB, H, LN_EPS, D=d, BD=BD, M=m, BM=BM, MB=bsz, BT=BT, SAVE=save, PREC="ieee", **kw)
+            T, NMB, H, LN_EPS, D=d, BD=BD, M=m, BM=BM, MB=bsz, BT=BT, SAVE=save, PREC=_precision(XQ.dtype), **kw)
         ctx.save_for_backward(XQ, XK, XV, eta, tau_c, lw, lb, W1S, B1S, W2S, B2S)
         ctx.meta = (bsz, tau.dtype, ln_w.dtype, ln_b.dtype, W1.dtype, b1.dtype, W2.dtype, b2.dtype)
         return out, W1F, B1F, W2F, B2F
@@ -660,7 +708,7 @@ class _TTTMLPFull(torch.autograd.Function):
         _ttt_mlp_bwd_kernel[(B * H,)](
             XQ, XK, XV, eta, tau_c, lw, lb, W1S, B1S, W2S, B2S, dout, dW1F, dB1F, dW2F, dB2F,
             dXQ, dXK, dXV, dETA, dTAU, dLNW, dLNB, dW10, dB10, dW20, dB20,
-            T, NMB, H, LN_EPS, D=d, BD=BD, M=m, BM=BM, MB=bsz, BT=BT, PREC="ieee", **kw)
+            T, NMB, H, LN_EPS, D=d, BD=BD, M=m, BM=BM, MB=bsz, BT=BT, PREC=_precision(XQ.dtype), **kw)
         return (dXQ, dXK, dXV, dETA, dTAU.sum((0, 1)).to(tau_dt), dLNW.sum(0).to(lw_dt),
                 dLNB.sum(0).to(lb_dt), dW10.to(W1_dt), dB10.to(b1_dt), dW20.to(W2_dt), dB20.to(b2_dt), None)
 

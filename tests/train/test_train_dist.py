@@ -130,3 +130,15 @@ def test_trainer_warms_up_ttt_inner_lr(tmp_path):
     assert sorted(got) == [1, 2, 3, 4]
     for step, m in want.items():
         assert len(got[step]) == 2 and all(abs(v - m) < 1e-12 for v in got[step]), (step, got[step])
+
+
+def test_kernel_backends_logged_and_triton_refused_where_no_kernel(tmp_path):
+    """The startup log names each layer kind's implementation; kernel_backend=triton with a layer
+    no Triton kernel covers (Titans' MLP memory) stops before training, naming the layer kind."""
+    r = run(str(tmp_path / "ok"), ["train.max_steps=1"])
+    assert "[train] kernels: attention attention:auto (model.kernel_backend=auto)" in r.output()
+    r = run(str(tmp_path / "bad"), ["train.max_steps=1", "model.layer_pattern=[titans]", "model.titans.memory=mlp",
+                                    "model.kernel_backend=triton"], expect=2)
+    out = r.output()
+    assert "error: layer kind 'titans' (layer 0): model.kernel_backend=triton" in out and "linear memory" in out
+    assert not os.path.exists(str(tmp_path / "bad" / "metrics.jsonl"))   # stopped before any step

@@ -24,7 +24,7 @@ segment_pos = 0 and normalizes every other token, as recurrentgemma does.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -172,6 +172,23 @@ class LM(nn.Module):
         for b in self.layers:
             b.mixer.kernel_backend = backend
         return self
+
+    def kernel_backends(self, device) -> Dict[str, str]:
+        """Per layer kind, what its chunked form runs on ``device`` ("cuda" or "cpu"; no tensor
+        needed): "triton" (a kernel in ``kernels/``), "torch" (the PyTorch chunked form), or for
+        attention "attention:<attention.backend>". With ``kernel_backend=triton`` a layer that no
+        kernel covers raises a ValueError naming its kind."""
+        out: Dict[str, str] = {}
+        for i, b in enumerate(self.layers):
+            m = b.mixer
+            if not m.uses_kernel_op:
+                out[b.kind] = f"attention:{getattr(m, 'backend', 'auto')}"
+                continue
+            try:
+                out[b.kind] = m.resolve_backend(device)
+            except ValueError as e:
+                raise ValueError(f"layer kind {b.kind!r} (layer {i}): {e}") from None
+        return out
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())  # tied weights are counted once

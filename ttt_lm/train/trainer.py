@@ -338,6 +338,12 @@ def _train(cfg, data_api, preempt, held) -> int:
         from ttt_lm.train.export import load_state_dict_into
         load_state_dict_into(model, t.init_from)  # full weights: the conversion below slices them
     n_params = model.num_params()  # of the whole model, before TP keeps a slice per rank
+    # which implementation every layer kind runs here (never a silent fallback: kernel_backend=triton
+    # where no kernel applies stops the run now, naming the layer kind)
+    try:
+        backends = model.kernel_backends(dev)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     pdims = {}
     if tp > 1:
         from ttt_lm.parallel.tp_model import parallelize_tp, partition_dims
@@ -378,6 +384,8 @@ def _train(cfg, data_api, preempt, held) -> int:
               f"{world} rank(s) on {device} (data parallel {dp_world} × context parallel {cp} × tensor parallel {tp}"
               f"{', sequence parallel' if cfg.parallel.sequence_parallel else ''}), "
               f"ZeRO-{cfg.parallel.zero_stage}, {t.precision}, {n_params / 1e6:.2f}M parameters", flush=True)
+        print("[train] kernels: " + ", ".join(f"{k} {v}" for k, v in backends.items())
+              + f" (model.kernel_backend={cfg.model.kernel_backend})", flush=True)
     fpt = flops_per_token(cfg.model, cfg.data.seq_len)["train"]
     cfg_yaml = to_yaml(cfg)
 

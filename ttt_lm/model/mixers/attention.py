@@ -80,6 +80,9 @@ def _flex_block_mask(T: int, window: Optional[int], device: str):
 class Attention(Mixer):
     window: Optional[int] = None
 
+    #: attention picks SDPA / flex / flash-attn by attention.backend, not kernel_backend
+    uses_kernel_op = False
+
     def __init__(self, cfg, layer_idx: int):
         super().__init__()
         a = cfg.attention

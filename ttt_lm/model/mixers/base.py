@@ -76,10 +76,32 @@ class Mixer(nn.Module, metaclass=abc.ABCMeta):
         scans. ``cfg`` is the ModelConfig."""
         return 0.0
 
-    def _resolve_backend(self, x: torch.Tensor) -> str:
+    #: whether the chunked form calls a ``kernels/`` op that ``kernel_backend`` selects (attention
+    #: does not: it picks SDPA, flex or flash-attn by ``attention.backend``)
+    uses_kernel_op: bool = True
+
+    def triton_unavailable(self) -> Optional[str]:
+        """Why no Triton kernel covers this layer as configured (None when one does). Mixers that
+        call a ``kernels/`` op override it."""
+        return "no Triton kernel for this layer kind"
+
+    def resolve_backend(self, device) -> str:
+        """What the chunked form runs on ``device``: "triton" or "torch" ("auto": Triton on CUDA
+        where a kernel covers the layer, PyTorch otherwise). ``kernel_backend="triton"`` where no
+        kernel applies is an error naming the reason, never a silent fallback. A mixer that uses
+        no ``kernels/`` op returns "torch"."""
         kb = self.kernel_backend
-        if kb == "auto":
-            return "triton" if x.is_cuda else "torch"
-        if kb not in ("torch", "triton"):
+        if kb not in ("auto", "torch", "triton"):
             raise ValueError(f"model.kernel_backend must be auto, torch or triton, got {kb!r}")
-        return kb
+        if kb == "torch" or not self.uses_kernel_op:
+            return "torch"
+        why = self.triton_unavailable()
+        if kb == "triton":
+            if why is not None:
+                raise ValueError(f"model.kernel_backend=triton: {type(self).__name__} has no Triton kernel: {why}; "
+                                 f"use kernel_backend=auto (PyTorch where no kernel applies) or torch")
+            return "triton"
+        return "triton" if torch.device(device).type == "cuda" and why is None else "torch"
+
+    def _resolve_backend(self, x: torch.Tensor) -> str:
+        return self.resolve_backend(x.device)

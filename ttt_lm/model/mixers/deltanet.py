@@ -124,13 +124,11 @@ class DeltaNet(Mixer):
     def reference(self, x, state=None, output_state=False):
         return self._run(x, state, output_state, "reference")
 
+    def triton_unavailable(self):
+        return None if "triton" in _dr.BACKENDS else f"kernels.delta_rule has only {list(_dr.BACKENDS)}"
+
     def chunked(self, x, state=None, output_state=False):
-        be = self._resolve_backend(x)
-        if be not in _dr.BACKENDS:
-            if self.kernel_backend == "triton":
-                raise ValueError(f"kernel_backend=triton: kernels.delta_rule has only {list(_dr.BACKENDS)}")
-            be = "torch"  # "auto" on CUDA before a Triton kernel exists
-        return self._run(x, state, output_state, be)
+        return self._run(x, state, output_state, self._resolve_backend(x))
 
     def step(self, x, state):
         return self._run(x, state, True, "reference")

@@ -100,11 +100,11 @@ class Mamba(Mixer):
     def reference(self, x, state=None, output_state=False):
         return self._scan(x, state, output_state, "reference")
 
+    def triton_unavailable(self):
+        return None if has_triton_backend() else "kernels/selective_scan has no Triton kernel"
+
     def chunked(self, x, state=None, output_state=False):
-        backend = self._resolve_backend(x)
-        if backend == "triton" and self.kernel_backend == "auto" and not has_triton_backend():
-            backend = "torch"
-        return self._scan(x, state, output_state, backend)
+        return self._scan(x, state, output_state, self._resolve_backend(x))
 
     def step(self, u, state):
         x, z, delta, B_t, C_t, conv_cache = self._project(u, state, True)

@@ -261,12 +261,12 @@ class RGLRUBlock(Mixer):
         h, hT = reset_scan(log_a_t, b_t, h0, reset, output_state, backend, self.chunk_size)
         return self._finish(h, gelu_y, x, hT, conv_cache, pos0, output_state)
 
+    def triton_unavailable(self):
+        return None if has_triton_backend() else "kernels/linear_scan has no Triton kernel"
+
     def scan_backend(self, x: torch.Tensor) -> str:
-        """The kernels.linear_scan backend of the chunked form."""
-        backend = self._resolve_backend(x)
-        if backend == "triton" and self.kernel_backend == "auto" and not has_triton_backend():
-            backend = "torch"
-        return backend
+        """The kernels.linear_scan backend of the chunked form (the one resolver's answer)."""
+        return self._resolve_backend(x)
 
     # ---- forms -------------------------------------------------------------------------------
     def reference(self, x, state=None, output_state=False, segment_pos=None):

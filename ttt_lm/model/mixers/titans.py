@@ -238,15 +238,16 @@ class TitansMemory(Mixer):
     def reference(self, x, state=None, output_state=False):
         return self._run(x, state, output_state, sequential=True)
 
-    def chunked(self, x, state=None, output_state=False):
-        be = self._resolve_backend(x)
+    def triton_unavailable(self):
         # the Triton kernel (kernels/titans/chunk.py) covers the linear memory only
-        if be not in _tk.BACKENDS or (be == "triton" and self.memory != "linear"):
-            if self.kernel_backend == "triton":
-                raise ValueError("kernel_backend=triton: kernels.titans has a Triton kernel only for "
-                                 f"the linear memory, not titans.memory={self.memory!r}")
-            be = "torch"  # "auto" on CUDA: the MLP memory runs in PyTorch
-        return self._run(x, state, output_state, sequential=False, backend=be)
+        if "triton" not in _tk.BACKENDS:
+            return f"kernels.titans has only {list(_tk.BACKENDS)}"
+        if self.memory != "linear":
+            return f"kernels/titans has a Triton kernel only for the linear memory, not titans.memory={self.memory!r}"
+        return None
+
+    def chunked(self, x, state=None, output_state=False):
+        return self._run(x, state, output_state, sequential=False, backend=self._resolve_backend(x))
 
     def step(self, x, state):
         return self._run(x, state, True, sequential=True)
@@ -318,6 +319,9 @@ class TitansMAG(Mixer):
         y, sa = self.attn.reference(x, sa, output_state)
         m, sm = self.memory.reference(x, sm, output_state)
         return self._combine(y, m), ({"attn": sa, "mem": sm} if output_state else None)
+
+    def triton_unavailable(self):
+        return self.memory.triton_unavailable()     # the attention half uses no kernels/ op
 
     def chunked(self, x, state=None, output_state=False):
         sa, sm = self._split(state)

@@ -257,11 +257,11 @@ class _TTTBase(Mixer):
         return out, (new if output_state else None)
 
     # ---- forms -------------------------------------------------------------------------------
+    def triton_unavailable(self):
+        return None if has_triton_backend(self.kind) else f"kernels/ttt/chunk.py has no ttt_{self.kind}_triton"
+
     def chunked(self, x, state=None, output_state=False):
-        backend = self._resolve_backend(x)
-        if backend == "triton" and self.kernel_backend == "auto" and not has_triton_backend(self.kind):
-            backend = "torch"
-        return self._run(x, state, output_state, backend)
+        return self._run(x, state, output_state, self._resolve_backend(x))
 
     def reference(self, x, state=None, output_state=False):
         return self._run(x, state, output_state, "reference")

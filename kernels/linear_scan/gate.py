@@ -1,0 +1,28 @@
+"""Launch configurations of the linear-scan (RG-LRU) Triton kernels for the compile gate
+(``python -m kernels.compile_report``): every autotune config the pruner keeps at the default
+tile of 64 steps and at the 16-step tile of the segment pass, bfloat16 and float32 inputs, the
+training path's flags (states stored for the backward, no initial state)."""
+from __future__ import annotations
+
+from kernels.compile_report import autotune_cases
+from kernels.linear_scan import chunk
+
+DTYPES = ("bf16", "fp32")
+TILES = (64, chunk._SEG_BT)
+
+
+def compile_cases():
+    import triton.language as tl
+    out = []
+    ints = {n: "i32" for n in ("T", "D", "TILES_PER_SEG", "NT")}
+    for dt in DTYPES:
+        # without cu_seqlens the wrapper passes b as the (unused) CU pointer
+        io = {n: dt for n in ("LA", "BX", "H", "G", "DLA", "DB", "CU")}
+        for BT in TILES:
+            cfg = f"{dt} BT={BT}"
+            fwd = dict(HAS_H0=False, STORE_H=True, STORE_ST=True, STORE_LSUM=False, IS_VARLEN=False,
+                       ACC=tl.float32, BT=BT)
+            bwd = dict(HAS_X0=False, HAS_H0=False, FULL=True, IS_VARLEN=False, ACC=tl.float32, BT=BT)
+            out += autotune_cases(chunk._fwd_kernel, cfg, constexprs=fwd, scalars=ints, pointers=io, matmul=False)
+            out += autotune_cases(chunk._bwd_kernel, cfg, constexprs=bwd, scalars=ints, pointers=io, matmul=False)
+    return out
