@@ -54,10 +54,10 @@ def _out(args, name: str) -> str:
 
 def _tokenizer(path: Optional[str], ck, what: str):
     from ttt_lm.data import load_tokenizer
+    from ttt_lm.eval.checkpoint import missing_tokenizer
     p = path or ck.tokenizer_path
     if p is None:
-        raise EvalError(f"{what} needs a tokenizer: pass --tokenizer (a .model file or a prepared data dir); "
-                        f"{ck.path} has no tokenizer.model and its config names no prepared data")
+        raise EvalError(f"{what} needs a tokenizer: {missing_tokenizer(ck)}")
     return load_tokenizer(p)
 
 

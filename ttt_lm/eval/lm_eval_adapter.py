@@ -50,7 +50,8 @@ class TTTLMHarness(HarnessLM):
             tokenizer = tokenizer or ck.tokenizer_path
         if tokenizer_obj is None:
             if tokenizer is None:
-                raise EvalError("no tokenizer: pass model_args tokenizer=<.model file or prepared data dir>")
+                raise EvalError("no tokenizer: " + (missing_tokenizer(ck, "model_args tokenizer=<path>") if model is None
+                                                    else "pass tokenizer=<.model file or prepared data dir>"))
             tokenizer_obj = load_tokenizer(tokenizer)
         self.model = model.eval()
         self.tok = tokenizer_obj
