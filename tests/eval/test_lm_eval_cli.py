@@ -71,3 +71,18 @@ def test_a_dataset_that_cannot_be_loaded_is_one_line(export_dir, tmp_path):
                  cwd=str(tmp_path))
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("error: task ttt_tiny_cloze: its dataset 'json'")
+
+
+def test_project_cli_writes_standard_errors_and_samples(export_dir, tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
+    r = subprocess.run([sys.executable, "-m", "ttt_lm.eval", "lm_eval", "--checkpoint", export_dir, "--device", "cpu",
+                        "--include-path", "ttt_lm/eval/tasks", "--tasks", "ttt_tiny_cloze", "--batch-size", "5",
+                        "--bootstrap-iters", "300", "--log-samples", "--chunk-len", "16", "--out", str(tmp_path),
+                        "--no-progress"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    assert r.returncode == 0, r.stderr[-3000:]
+    with open(tmp_path / "lm_eval.json") as f:
+        res = json.load(f)["results"]["ttt_tiny_cloze"]
+    assert res["perplexity,none"] > 1 and res["perplexity_stderr,none"] > 0 and res["acc_stderr,none"] >= 0
+    with open(tmp_path / "lm_eval_samples" / "ttt_tiny_cloze.jsonl") as f:
+        samples = [json.loads(line) for line in f]
+    assert len(samples) == N_DOCS and sum(s["acc"] for s in samples) / N_DOCS == pytest.approx(res["acc,none"])
