@@ -127,3 +127,13 @@ def test_auto_batch_size_is_refused(harness_export):
     from ttt_lm.eval.lm_eval_adapter import TTTLMHarness
     with pytest.raises(EvalError, match="batch_size=auto is not supported"):
         TTTLMHarness(checkpoint=harness_export[0], batch_size="auto")
+
+
+def test_pretrained_is_another_name_for_checkpoint(harness_export, prepared):
+    from ttt_lm.eval import EvalError
+    from ttt_lm.eval.lm_eval_adapter import TTTLMHarness
+    d, m = harness_export
+    h = TTTLMHarness(pretrained=d, device="cpu")
+    assert torch.equal(h.model.embed.weight, m.embed.weight)
+    with pytest.raises(EvalError, match="two checkpoints"):
+        TTTLMHarness(pretrained=d, checkpoint=prepared, device="cpu")

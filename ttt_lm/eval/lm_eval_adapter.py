@@ -73,7 +73,8 @@ def _batch_size(value) -> int:
 
 @register_model("ttt_lm")
 class TTTLMHarness(HarnessLM):
-    """``model_args``: checkpoint (export or run dir), tokenizer (a ``.model`` file or a prepared
+    """``model_args``: checkpoint (export or run dir; ``pretrained`` is an alias, the key lm_eval
+    names its output directory after), tokenizer (a ``.model`` file or a prepared
     data dir; default: the export's tokenizer.model, else its config's data.path), dtype,
     chunk_len, max_gen_toks. ``device`` and ``batch_size`` come from lm_eval's ``--device`` and
     ``--batch_size`` (in Python: model_args or simple_evaluate's arguments). A CUDA device on a
@@ -81,8 +82,13 @@ class TTTLMHarness(HarnessLM):
 
     def __init__(self, checkpoint: Optional[str] = None, tokenizer: Optional[str] = None, device: str = "auto",
                  dtype: str = "float32", chunk_len: int = 2048, max_gen_toks: int = 256, model=None,
-                 tokenizer_obj=None, batch_size=1, max_batch_size=None, **_unused):
+                 tokenizer_obj=None, batch_size=1, max_batch_size=None, pretrained: Optional[str] = None,
+                 **_unused):
         super().__init__()
+        if pretrained is not None:
+            if checkpoint is not None and checkpoint != pretrained:
+                raise EvalError(f"model_args name two checkpoints: checkpoint={checkpoint} and pretrained={pretrained}")
+            checkpoint = pretrained
         from ttt_lm.data import load_tokenizer
         if str(device).startswith("cuda") and not torch.cuda.is_available():
             # lm_eval's CLI passes --device, default cuda:0, to every model: on a machine without
