@@ -116,6 +116,28 @@ def test_export_without_the_data_writes_no_tokenizer_and_says_so(trained_run, mo
     assert r.returncode == 1 and "does not exist" in r.stderr
 
 
+def test_export_takes_only_the_tokenizer_the_run_trained_with(trained_run, moved_export, tmp_path):
+    """Another corpus prepared at the run's data.path (another tokenizer, same vocabulary size): the
+    checkpoint's recorded tokenizer digest keeps it out of the export."""
+    from ttt_lm.data.prepare import prepare
+    _, data, run = trained_run
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    for i in range(10):
+        (raw / f"d{i}.txt").write_text("zebra yak xylophone walrus vulture umbrella tiger\n" * 40)
+    prepare([str(raw)], data, vocab_size=300, shard_tokens=4000, val_fraction=0.1, workers=1, progress=False,
+            overwrite=True)
+    try:
+        r = _run(["-m", "ttt_lm.train.export", run, str(tmp_path / "e")])
+        assert r.returncode == 0, r.stderr
+        assert "is not the one this checkpoint was trained with" in r.stderr
+        assert not (tmp_path / "e" / "tokenizer.model").exists()
+        r = _run(["-m", "ttt_lm.train.export", run, str(tmp_path / "f"), "--tokenizer", data])
+        assert r.returncode == 1 and "is not the one this checkpoint was trained with" in r.stderr
+    finally:
+        shutil.rmtree(data)
+
+
 # ---- sampling rules on fixed logits ------------------------------------------------------------
 
 LOGITS = torch.log(torch.tensor([[0.05, 0.5, 0.3, 0.15]]))  # probabilities by token: 1 > 2 > 3 > 0

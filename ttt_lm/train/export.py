@@ -9,9 +9,10 @@ DeepSpeed's zero_to_fp32, whatever the stage), ``out/tiny/config.yaml`` and
 config's ``data.path``; ``--tokenizer PATH`` names another ``.model`` file or prepared directory).
 The tokenizer file is all a reader needs to encode and decode (its ids, the end-of-document id 2
 and the byte fallback are inside it), so the export directory can be moved anywhere and evaluated
-or sampled from without the data directory. The copy is checked against the manifest's sha256 and
-against the model's vocabulary. When the data directory is not at hand and no ``--tokenizer`` is
-given the export is written without one and says so. A checkpoint of a
+or sampled from without the data directory. The file must match the manifest's sha256, the
+tokenizer sha256 the checkpoint recorded when it was trained, and the model's vocabulary. When the
+data directory is not at hand, or holds another tokenizer, and no ``--tokenizer`` is given, the
+export is written without one and says so; a ``--tokenizer`` that fails a check is an error. A checkpoint of a
 tensor-parallel run (``parallel.tensor_parallel`` = p > 1) holds p slices of the model, DeepSpeed's
 ``…mp_rank_0r…`` files of TP rank r: each is consolidated on its own, then the slices are
 concatenated along the dimension the checkpoint's ``partition_dims`` records for each parameter
@@ -119,28 +120,44 @@ def find_tokenizer(cfg, tokenizer: Optional[str] = None) -> TokenizerSource:
     return TokenizerSource(man["tokenizer_path"], man.get("tokenizer_sha256"))
 
 
-def copy_tokenizer(source: TokenizerSource, vocab_size: int, out_dir: str) -> str:
-    """Copy ``source`` to ``out_dir/tokenizer.model``, verifying its digest (when the manifest
-    records one) and that the model's embedding covers its vocabulary."""
-    from ttt_lm.data.tokenizer import Tokenizer, TokenizerError, sha256_file
+def trained_tokenizer_sha256(ckpt: str) -> Optional[str]:
+    """The sha256 of the tokenizer a checkpoint's run trained with, as its ``trainer_state.json``
+    records it (the data manifest's ``tokenizer_sha256`` among the resume invariants); None for a
+    checkpoint that records none (older ones, synthetic data)."""
+    from ttt_lm.train.checkpoint import STATE_FILE
+    try:
+        with open(os.path.join(ckpt, STATE_FILE)) as f:
+            rec = json.load(f).get("invariants", {}).get("tokenizer")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return rec if isinstance(rec, str) and len(rec) == 64 and all(c in "0123456789abcdef" for c in rec) else None
+
+
+def tokenizer_problem(source: TokenizerSource, vocab_size: int, trained_sha256: Optional[str] = None) -> str:
+    """Why ``source`` is not this model's tokenizer ("" when it is): a digest that differs from its
+    data manifest or from the one the run trained with, or more tokens than the model's
+    embedding has."""
+    from ttt_lm.data.tokenizer import Tokenizer, sha256_file
     if not os.path.isfile(source.path):
-        raise TokenizerError(f"tokenizer {source.path} does not exist")
-    if source.sha256 is not None and sha256_file(source.path) != source.sha256:
-        raise TokenizerError(f"tokenizer {source.path}: sha256 differs from its data manifest")
+        return f"tokenizer {source.path} does not exist"
+    digest = sha256_file(source.path)
+    if source.sha256 is not None and digest != source.sha256:
+        return f"tokenizer {source.path}: sha256 differs from its data manifest"
+    if trained_sha256 is not None and digest != trained_sha256:
+        return (f"tokenizer {source.path} is not the one this checkpoint was trained with (sha256 {digest[:12]}… "
+                f"vs {trained_sha256[:12]}… recorded in the checkpoint)")
     n = Tokenizer(source.path).vocab_size
     if n > vocab_size:
-        raise TokenizerError(f"tokenizer {source.path} has {n} tokens but the model's vocab_size is {vocab_size}: "
-                             f"not this model's tokenizer")
-    dst = os.path.join(out_dir, TOKENIZER)
-    shutil.copyfile(source.path, dst + ".tmp")
-    os.replace(dst + ".tmp", dst)
-    return dst
+        return f"tokenizer {source.path} has {n} tokens but the model's vocab_size is {vocab_size}"
+    return ""
 
 
 def export(ckpt: str, out_dir: str, tokenizer: Optional[str] = "auto") -> str:
     """Export checkpoint ``ckpt`` into ``out_dir``. ``tokenizer``: ``"auto"`` copies the tokenizer
-    of the checkpoint config's ``data.path`` when that directory is here, a path copies that
-    ``.model`` file or prepared directory's tokenizer (an error if it cannot), None copies none."""
+    of the checkpoint config's ``data.path`` when it is there and is the one the run trained with
+    (else the export has none, with a note saying why); a path copies that ``.model`` file or
+    prepared directory's tokenizer, and any problem with it is an error; None copies none."""
+    from ttt_lm.data.tokenizer import TokenizerError
     from ttt_lm.model import LM
     from ttt_lm.train.checkpoint import CheckpointError, resolve
     ckpt = resolve(ckpt)
@@ -155,26 +172,34 @@ def export(ckpt: str, out_dir: str, tokenizer: Optional[str] = "auto") -> str:
     missing = [k for k in missing if not (cfg.model.tie_embeddings and k == "lm_head.weight")]
     if missing or unexpected:
         raise RuntimeError(f"checkpoint {ckpt} does not match its config: missing {missing}, unexpected {unexpected}")
-    source = None
+    tok_path = None
     if tokenizer is not None:
-        source = find_tokenizer(cfg, None if tokenizer == "auto" else tokenizer)
-        if source.path is None:
-            print(f"note: {out_dir} gets no {TOKENIZER}: {source.reason}; evaluating text or generating from "
-                  f"this export will need --tokenizer (or export again with --tokenizer PATH)", file=sys.stderr)
-            source = None
-    return save_export(model, cfg, out_dir, source)
+        auto = tokenizer == "auto"
+        source = find_tokenizer(cfg, None if auto else tokenizer)
+        problem = source.reason if source.path is None else tokenizer_problem(
+            source, cfg.model.vocab_size, trained_tokenizer_sha256(ckpt))
+        if problem and not auto:
+            raise TokenizerError(problem)
+        if problem:
+            print(f"note: {out_dir} gets no {TOKENIZER}: {problem}; evaluating text or generating from this "
+                  f"export will need --tokenizer (or export again with --tokenizer PATH)", file=sys.stderr)
+        else:
+            tok_path = source.path
+    return save_export(model, cfg, out_dir, tok_path)
 
 
-def save_export(model, cfg, out_dir: str, tokenizer: Optional[TokenizerSource] = None) -> str:
+def save_export(model, cfg, out_dir: str, tokenizer: Optional[str] = None) -> str:
     """Write an export directory: ``model``'s state dict (renamed into place when complete), the
-    experiment config ``cfg`` and, given a ``tokenizer``, its copy as ``tokenizer.model``."""
+    experiment config ``cfg`` and, given a ``tokenizer`` file, its copy as ``tokenizer.model``."""
     os.makedirs(out_dir, exist_ok=True)
     tmp = os.path.join(out_dir, WEIGHTS + ".tmp")
     torch.save(model.state_dict(), tmp)
     os.replace(tmp, os.path.join(out_dir, WEIGHTS))
     save_config(cfg, os.path.join(out_dir, CONFIG))
     if tokenizer is not None:
-        copy_tokenizer(tokenizer, cfg.model.vocab_size, out_dir)
+        dst = os.path.join(out_dir, TOKENIZER)
+        shutil.copyfile(tokenizer, dst + ".tmp")
+        os.replace(dst + ".tmp", dst)
     return out_dir
 
 
