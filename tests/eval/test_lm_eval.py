@@ -17,24 +17,34 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 
 
-@pytest.fixture(scope="module")
-def harness_results(prepared, tmp_path_factory):
+def _evaluate(d, batch_size):
     import ttt_lm.eval.lm_eval_adapter  # noqa: F401  (registers "ttt_lm")
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
-    m = tiny_model(("mamba", "attention"), max_seq_len=64)
-    d = export_model(m, str(tmp_path_factory.mktemp("harness")), prepared)
     cwd = os.getcwd()
     os.chdir(ROOT)  # the task YAMLs name their data file relative to the repository root
     try:
-        res = simple_evaluate(model="ttt_lm", model_args=f"checkpoint={d},device=cpu,chunk_len=16",
-                              tasks=["ttt_tiny_choice", "ttt_tiny_rolling", "ttt_tiny_gen"],
-                              task_manager=TaskManager(include_path=os.path.join(HERE, "lm_eval_tasks"),
-                                                       include_defaults=False),
-                              bootstrap_iters=0, log_samples=True)
+        return simple_evaluate(model="ttt_lm", model_args=f"checkpoint={d},device=cpu,chunk_len=16",
+                               tasks=["ttt_tiny_choice", "ttt_tiny_rolling", "ttt_tiny_gen"], batch_size=batch_size,
+                               task_manager=TaskManager(include_path=os.path.join(HERE, "lm_eval_tasks"),
+                                                        include_defaults=False),
+                               bootstrap_iters=0, log_samples=True)
     finally:
         os.chdir(cwd)
-    return res, m
+
+
+@pytest.fixture(scope="module")
+def harness_export(prepared, tmp_path_factory):
+    m = tiny_model(("mamba", "attention"), max_seq_len=64)
+    return export_model(m, str(tmp_path_factory.mktemp("harness")), prepared), m
+
+
+@pytest.fixture(scope="module")
+def harness_results(harness_export):
+    """Batches of 3: rows of different lengths padded together (scoring) and prompts of different
+    lengths advancing together (generation); the tests below compare them with one-row passes."""
+    d, m = harness_export
+    return _evaluate(d, 3), m
 
 
 def _logprob(m, ids, n_cont):
@@ -96,3 +106,34 @@ def test_bad_tokenizer_is_refused(tmp_path, prepared):
     d = export_model(tiny_model(vocab_size=100), str(tmp_path / "v100"), prepared)
     with pytest.raises(EvalError, match="vocabulary mismatch"):
         TTTLMHarness(checkpoint=d)
+
+
+def test_batch_size_does_not_change_the_responses(harness_results, harness_export):
+    one = _evaluate(harness_export[0], 1)
+    three = harness_results[0]
+    for task in ("ttt_tiny_choice", "ttt_tiny_rolling", "ttt_tiny_gen"):
+        for a, b in zip(one["samples"][task], three["samples"][task], strict=True):
+            assert a["doc"] == b["doc"]
+            if task == "ttt_tiny_gen":
+                assert a["resps"] == b["resps"]
+            else:  # float32 sums of a padded batch vs one row
+                for ra, rb in zip(a["resps"], b["resps"], strict=True):
+                    assert (ra[0][0] if isinstance(ra[0], (list, tuple)) else ra[0]) == pytest.approx(
+                        rb[0][0] if isinstance(rb[0], (list, tuple)) else rb[0], abs=1e-4)
+
+
+def test_auto_batch_size_is_refused(harness_export):
+    from ttt_lm.eval import EvalError
+    from ttt_lm.eval.lm_eval_adapter import TTTLMHarness
+    with pytest.raises(EvalError, match="batch_size=auto is not supported"):
+        TTTLMHarness(checkpoint=harness_export[0], batch_size="auto")
+
+
+def test_pretrained_is_another_name_for_checkpoint(harness_export, prepared):
+    from ttt_lm.eval import EvalError
+    from ttt_lm.eval.lm_eval_adapter import TTTLMHarness
+    d, m = harness_export
+    h = TTTLMHarness(pretrained=d, device="cpu")
+    assert torch.equal(h.model.embed.weight, m.embed.weight)
+    with pytest.raises(EvalError, match="two checkpoints"):
+        TTTLMHarness(pretrained=d, checkpoint=prepared, device="cpu")

@@ -10,6 +10,7 @@ alone writes and prints.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -54,10 +55,10 @@ def _out(args, name: str) -> str:
 
 def _tokenizer(path: Optional[str], ck, what: str):
     from ttt_lm.data import load_tokenizer
+    from ttt_lm.eval.checkpoint import missing_tokenizer
     p = path or ck.tokenizer_path
     if p is None:
-        raise EvalError(f"{what} needs a tokenizer: pass --tokenizer (a .model file or a prepared data dir); "
-                        f"{ck.path} has no tokenizer.model and its config names no prepared data")
+        raise EvalError(f"{what} needs a tokenizer: {missing_tokenizer(ck)}")
     return load_tokenizer(p)
 
 
@@ -195,12 +196,22 @@ def cmd_synthetic(args) -> dict:
 
 
 def cmd_lm_eval(args) -> dict:
+    from lm_eval.utils import handle_non_serializable
+
     from ttt_lm.eval.lm_eval_adapter import run_tasks
     res = run_tasks(args.checkpoint, [t for t in args.tasks.split(",") if t], args.include_path, args.limit,
-                    args.num_fewshot, args.tokenizer, args.device, args.dtype, args.chunk_len, args.seed)
+                    args.num_fewshot, args.tokenizer, args.device, args.dtype, args.chunk_len, args.seed,
+                    args.batch_size, args.bootstrap_iters, args.log_samples)
     out = dict(task="lm_eval", results=res.get("results", {}), versions=res.get("versions", {}),
                n_samples=res.get("n-samples", {}), **_meta(args, args.dev))
     write_json(_out(args, "lm_eval.json"), out)
+    if args.log_samples:
+        d = _out(args, "lm_eval_samples")
+        os.makedirs(d, exist_ok=True)
+        for task, samples in res.get("samples", {}).items():
+            with open(os.path.join(d, f"{task}.jsonl"), "w") as f:
+                for s in samples:
+                    f.write(json.dumps(s, default=handle_non_serializable, ensure_ascii=False) + "\n")
     for t, r in out["results"].items():
         print(f"lm_eval {t}: " + "  ".join(f"{k}={v:.4f}" for k, v in r.items() if isinstance(v, float)))
     return out
@@ -291,6 +302,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-fewshot", type=int, default=None)
     p.add_argument("--tokenizer", help=".model file or prepared data dir (default: beside the checkpoint)")
     p.add_argument("--chunk-len", type=int, default=2048)
+    p.add_argument("--batch-size", type=int, default=1, help="requests scored (or generated) together")
+    p.add_argument("--bootstrap-iters", type=int, default=100000,
+                   help="lm_eval's bootstrap resamples for standard errors (0: none)")
+    p.add_argument("--log-samples", action="store_true",
+                   help="also write every request and response to <out>/lm_eval_samples/<task>.jsonl")
     p.set_defaults(func=cmd_lm_eval)
     return ap
 

@@ -8,7 +8,8 @@ An **export directory** is what every eval reads::
     <dir>/config.yaml    the experiment config (ttt_lm.config.save_config) — its ``model`` section
                          builds the LM and its ``data.path`` names the default data and tokenizer —
                          or a bare ModelConfig YAML (the fields of ``model`` at the top level)
-    <dir>/tokenizer.model  optional: the SentencePiece model, if the data directory is not at hand
+    <dir>/tokenizer.model  the SentencePiece model (``python -m ttt_lm.train.export`` copies the
+                         run's); without it the tokenizer comes from the config's data.path
 
 ``python -m ttt_lm.train.export <run> <dir>`` writes exactly this. A training run directory
 (``<run>/checkpoints/step_…``), a ``checkpoints/`` directory or one ``step_…`` checkpoint is also
@@ -144,6 +145,17 @@ def _load_export(d: str, device, dtype, name: Optional[str]) -> Checkpoint:
     return Checkpoint(model, d, label, data_path, tok)
 
 
+def missing_tokenizer(ck: Checkpoint, flag: str = "--tokenizer") -> str:
+    """Why ``ck`` has no tokenizer, and what to do: one sentence for an error message."""
+    if ck.data_path and not os.path.isfile(os.path.join(ck.data_path, "manifest.json")):
+        why = (f"{ck.path} holds no {TOKENIZER} and its config's data.path {ck.data_path!r} is not a prepared "
+               f"data directory here (moved, or on another machine)")
+    else:
+        why = f"{ck.path} holds no {TOKENIZER} and its config names no prepared data"
+    return (f"{why}; pass {flag} (a .model file or a prepared data dir), or export the run again with "
+            f"`python -m ttt_lm.train.export <run dir> <out dir>`, which copies the tokenizer into the export")
+
+
 def load_checkpoint(path: str, device="cpu", dtype: Optional[torch.dtype] = None,
                     name: Optional[str] = None) -> Checkpoint:
     """A :class:`Checkpoint` from an export directory, a run directory or a training checkpoint."""
@@ -157,7 +169,7 @@ def load_checkpoint(path: str, device="cpu", dtype: Optional[torch.dtype] = None
         tmp = tempfile.mkdtemp(prefix="ttt_lm_eval_export_")
         try:
             try:
-                export(path, tmp)  # verifies the checkpoint's files first (ttt_lm.train.checkpoint.select)
+                export(path, tmp, tokenizer=None)  # verifies the checkpoint's files first (ttt_lm.train.checkpoint.select)
             except CheckpointError as e:
                 raise EvalError(str(e)) from e
             ck = _load_export(tmp, device, dtype, name or os.path.basename(os.path.normpath(path)))

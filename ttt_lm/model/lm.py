@@ -251,29 +251,76 @@ class LM(nn.Module):
 
     @torch.no_grad()
     def generate(self, prompt_ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
-                 top_k: Optional[int] = None, generator: Optional[torch.Generator] = None) -> torch.Tensor:
-        """Sample continuations of prompt_ids [B, T0]; returns [B, T0 + max_new_tokens].
-        temperature 0 is greedy decoding."""
+                 top_k: Optional[int] = None, generator: Optional[torch.Generator] = None,
+                 top_p: Optional[float] = None, eos_id: Optional[int] = None) -> torch.Tensor:
+        """Sample continuations of prompt_ids [B, T0]; returns [B, T0 + n], n <= max_new_tokens.
+
+        The prompt is read in one forward pass that returns every layer's state; each new token is
+        then one :meth:`step` with those states (the mixers' decode forms: KV caches for attention,
+        the recurrent or fast-weight state for the others), so a token costs the same at any
+        position for the recurrent layers. Sampling: :func:`sample_next` (temperature, then top-k,
+        then top-p; temperature 0 is greedy). With ``eos_id`` a row that emits it is finished: its
+        later positions hold ``eos_id``, and generation ends when every row is finished (n can then
+        be below max_new_tokens)."""
+        check_sampling(temperature, top_k, top_p)
         out = self(prompt_ids, output_states=True)
         logits, states = out.logits[:, -1], out.states
         toks = [prompt_ids]
+        done = torch.zeros(prompt_ids.shape[0], dtype=torch.bool, device=prompt_ids.device)
         for i in range(max_new_tokens):
-            nxt = sample_next(logits, temperature, top_k, generator)
+            nxt = sample_next(logits, temperature, top_k, generator, top_p)
+            if eos_id is not None:
+                nxt = nxt.masked_fill(done, eos_id)
+                done = done | (nxt == eos_id)
             toks.append(nxt[:, None])
-            if i + 1 < max_new_tokens:
+            if i + 1 < max_new_tokens and not bool(done.all()):
                 logits, states = self.step(nxt, states)
+            else:
+                break
         return torch.cat(toks, dim=1)
 
 
-def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: Optional[int] = None,
-                generator: Optional[torch.Generator] = None) -> torch.Tensor:
-    if temperature <= 0:
-        return logits.argmax(-1)
-    logits = logits.float() / temperature
+def check_sampling(temperature: float = 1.0, top_k: Optional[int] = None, top_p: Optional[float] = None) -> None:
+    """Refuse sampling settings that mean nothing, naming the argument."""
+    if not temperature >= 0:
+        raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be >= 1 (or None for no limit), got {top_k}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1] (or None for no limit), got {top_p}")
+
+
+def filter_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: Optional[int] = None,
+                  top_p: Optional[float] = None) -> torch.Tensor:
+    """The logits [B, V] that sampling draws from, in float32: divided by ``temperature`` (> 0),
+    then every token outside the ``top_k`` largest set to -inf, then top-p (nucleus sampling,
+    Holtzman et al. 2020): of the remaining distribution p (sorted, descending) the smallest
+    prefix whose mass reaches ``top_p`` is kept, i.e. token i (in sorted order) is dropped when
+    p_1 + … + p_{i-1} >= top_p; the most likely token is always kept. This is the order and rule of
+    Hugging Face's TemperatureLogitsWarper, TopKLogitsWarper and TopPLogitsWarper. Ties at the
+    k-th value are all kept."""
+    check_sampling(temperature, top_k, top_p)
+    logits = logits.float() / max(temperature, 1e-12)
     if top_k is not None and top_k < logits.shape[-1]:
         kth = logits.topk(top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    return torch.multinomial(logits.softmax(-1), 1, generator=generator)[:, 0]
+    if top_p is not None and top_p < 1:
+        p_sorted, order = logits.softmax(-1).sort(-1, descending=True)
+        before = p_sorted.cumsum(-1) - p_sorted  # mass of the tokens ranked above each one
+        drop = torch.zeros_like(before, dtype=torch.bool).scatter(-1, order, before >= top_p)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: Optional[int] = None,
+                generator: Optional[torch.Generator] = None, top_p: Optional[float] = None) -> torch.Tensor:
+    """One token per row of logits [B, V]: argmax when temperature is 0, else a draw from
+    softmax(:func:`filter_logits`)."""
+    if temperature <= 0:
+        check_sampling(temperature, top_k, top_p)
+        return logits.argmax(-1)
+    probs = filter_logits(logits, temperature, top_k, top_p).softmax(-1)
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]
 
 
 def build_model(cfg: ModelConfig) -> LM:

@@ -4,7 +4,15 @@
     python -m ttt_lm.train.export runs/tiny out/tiny          # the run's newest checkpoint
 
 writes ``out/tiny/model.pt`` (the LM's full fp32 state dict, consolidated from the ZeRO shards with
-DeepSpeed's zero_to_fp32, whatever the stage) and ``out/tiny/config.yaml``. A checkpoint of a
+DeepSpeed's zero_to_fp32, whatever the stage), ``out/tiny/config.yaml`` and
+``out/tiny/tokenizer.model``: the SentencePiece model of the run's prepared data (the checkpoint
+config's ``data.path``; ``--tokenizer PATH`` names another ``.model`` file or prepared directory).
+The tokenizer file is all a reader needs to encode and decode (its ids, the end-of-document id 2
+and the byte fallback are inside it), so the export directory can be moved anywhere and evaluated
+or sampled from without the data directory. The file must match the manifest's sha256, the
+tokenizer sha256 the checkpoint recorded when it was trained, and the model's vocabulary. When the
+data directory is not at hand, or holds another tokenizer, and no ``--tokenizer`` is given, the
+export is written without one and says so; a ``--tokenizer`` that fails a check is an error. A checkpoint of a
 tensor-parallel run (``parallel.tensor_parallel`` = p > 1) holds p slices of the model, DeepSpeed's
 ``…mp_rank_0r…`` files of TP rank r: each is consolidated on its own, then the slices are
 concatenated along the dimension the checkpoint's ``partition_dims`` records for each parameter
@@ -20,8 +28,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
+from typing import Optional
 
 import torch
 
@@ -29,6 +39,7 @@ from ttt_lm.config import load_config, save_config
 
 WEIGHTS = "model.pt"
 CONFIG = "config.yaml"
+TOKENIZER = "tokenizer.model"
 
 
 def _zero_fp32(ckpt_dir: str) -> dict:
@@ -80,7 +91,73 @@ def consolidated_state_dict(ckpt: str) -> dict:
     return out
 
 
-def export(ckpt: str, out_dir: str) -> str:
+class TokenizerSource:
+    """Where an export's tokenizer comes from: ``path`` (a ``.model`` file) or, when there is none,
+    ``reason``, a sentence saying why."""
+
+    def __init__(self, path: Optional[str] = None, sha256: Optional[str] = None, reason: str = ""):
+        self.path, self.sha256, self.reason = path, sha256, reason
+
+
+def find_tokenizer(cfg, tokenizer: Optional[str] = None) -> TokenizerSource:
+    """The tokenizer of a run: ``tokenizer`` (a ``.model`` file or a prepared data directory) if
+    given, else the one in the config's ``data.path`` (with the manifest's sha256)."""
+    from ttt_lm.data import DataError, load_manifest
+    from ttt_lm.data.tokenizer import TokenizerError
+    src = tokenizer or cfg.data.path
+    if tokenizer is not None and os.path.isfile(tokenizer):
+        return TokenizerSource(os.path.abspath(tokenizer))
+    if tokenizer is not None and not os.path.isdir(tokenizer):
+        raise TokenizerError(f"tokenizer {tokenizer} does not exist (a .model file or a prepared data directory)")
+    if not src or not os.path.isdir(src):
+        return TokenizerSource(reason=f"the checkpoint config's data.path {src!r} is not a directory here")
+    try:
+        man = load_manifest(src, check_files=False)
+    except DataError as e:
+        if tokenizer:
+            raise
+        return TokenizerSource(reason=str(e))
+    return TokenizerSource(man["tokenizer_path"], man.get("tokenizer_sha256"))
+
+
+def trained_tokenizer_sha256(ckpt: str) -> Optional[str]:
+    """The sha256 of the tokenizer a checkpoint's run trained with, as its ``trainer_state.json``
+    records it (the data manifest's ``tokenizer_sha256`` among the resume invariants); None for a
+    checkpoint that records none (older ones, synthetic data)."""
+    from ttt_lm.train.checkpoint import STATE_FILE
+    try:
+        with open(os.path.join(ckpt, STATE_FILE)) as f:
+            rec = json.load(f).get("invariants", {}).get("tokenizer")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return rec if isinstance(rec, str) and len(rec) == 64 and all(c in "0123456789abcdef" for c in rec) else None
+
+
+def tokenizer_problem(source: TokenizerSource, vocab_size: int, trained_sha256: Optional[str] = None) -> str:
+    """Why ``source`` is not this model's tokenizer ("" when it is): a digest that differs from its
+    data manifest or from the one the run trained with, or more tokens than the model's
+    embedding has."""
+    from ttt_lm.data.tokenizer import Tokenizer, sha256_file
+    if not os.path.isfile(source.path):
+        return f"tokenizer {source.path} does not exist"
+    digest = sha256_file(source.path)
+    if source.sha256 is not None and digest != source.sha256:
+        return f"tokenizer {source.path}: sha256 differs from its data manifest"
+    if trained_sha256 is not None and digest != trained_sha256:
+        return (f"tokenizer {source.path} is not the one this checkpoint was trained with (sha256 {digest[:12]}… "
+                f"vs {trained_sha256[:12]}… recorded in the checkpoint)")
+    n = Tokenizer(source.path).vocab_size
+    if n > vocab_size:
+        return f"tokenizer {source.path} has {n} tokens but the model's vocab_size is {vocab_size}"
+    return ""
+
+
+def export(ckpt: str, out_dir: str, tokenizer: Optional[str] = "auto") -> str:
+    """Export checkpoint ``ckpt`` into ``out_dir``. ``tokenizer``: ``"auto"`` copies the tokenizer
+    of the checkpoint config's ``data.path`` when it is there and is the one the run trained with
+    (else the export has none, with a note saying why); a path copies that ``.model`` file or
+    prepared directory's tokenizer, and any problem with it is an error; None copies none."""
+    from ttt_lm.data.tokenizer import TokenizerError
     from ttt_lm.model import LM
     from ttt_lm.train.checkpoint import CheckpointError, resolve
     ckpt = resolve(ckpt)
@@ -95,17 +172,34 @@ def export(ckpt: str, out_dir: str) -> str:
     missing = [k for k in missing if not (cfg.model.tie_embeddings and k == "lm_head.weight")]
     if missing or unexpected:
         raise RuntimeError(f"checkpoint {ckpt} does not match its config: missing {missing}, unexpected {unexpected}")
-    return save_export(model, cfg, out_dir)
+    tok_path = None
+    if tokenizer is not None:
+        auto = tokenizer == "auto"
+        source = find_tokenizer(cfg, None if auto else tokenizer)
+        problem = source.reason if source.path is None else tokenizer_problem(
+            source, cfg.model.vocab_size, trained_tokenizer_sha256(ckpt))
+        if problem and not auto:
+            raise TokenizerError(problem)
+        if problem:
+            print(f"note: {out_dir} gets no {TOKENIZER}: {problem}; evaluating text or generating from this "
+                  f"export will need --tokenizer (or export again with --tokenizer PATH)", file=sys.stderr)
+        else:
+            tok_path = source.path
+    return save_export(model, cfg, out_dir, tok_path)
 
 
-def save_export(model, cfg, out_dir: str) -> str:
-    """Write an export directory: ``model``'s state dict (renamed into place when complete) and
-    the experiment config ``cfg``."""
+def save_export(model, cfg, out_dir: str, tokenizer: Optional[str] = None) -> str:
+    """Write an export directory: ``model``'s state dict (renamed into place when complete), the
+    experiment config ``cfg`` and, given a ``tokenizer`` file, its copy as ``tokenizer.model``."""
     os.makedirs(out_dir, exist_ok=True)
     tmp = os.path.join(out_dir, WEIGHTS + ".tmp")
     torch.save(model.state_dict(), tmp)
     os.replace(tmp, os.path.join(out_dir, WEIGHTS))
     save_config(cfg, os.path.join(out_dir, CONFIG))
+    if tokenizer is not None:
+        dst = os.path.join(out_dir, TOKENIZER)
+        shutil.copyfile(tokenizer, dst + ".tmp")
+        os.replace(dst + ".tmp", dst)
     return out_dir
 
 
@@ -127,14 +221,20 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m ttt_lm.train.export", description=__doc__.splitlines()[0])
     ap.add_argument("ckpt", help="a checkpoint dir (step_…), a checkpoints/ dir or a run dir")
     ap.add_argument("out_dir")
+    ap.add_argument("--tokenizer", default="auto",
+                    help="a .model file or prepared data dir to copy as tokenizer.model (default: the one of "
+                         "the checkpoint config's data.path, when that directory is here)")
     a = ap.parse_args(argv)
+    from ttt_lm.data import DataError
+    from ttt_lm.data.tokenizer import TokenizerError
     from ttt_lm.train.checkpoint import CheckpointError
     try:
-        out = export(a.ckpt, a.out_dir)
-    except CheckpointError as e:  # missing, incomplete or damaged: the message names the file
+        out = export(a.ckpt, a.out_dir, a.tokenizer)
+    except (CheckpointError, DataError, TokenizerError) as e:  # the message names the file
         print(f"error: {e}", file=sys.stderr)
         return 1
-    print(f"exported {a.ckpt} -> {os.path.abspath(out)} ({WEIGHTS}, {CONFIG})")
+    files = [WEIGHTS, CONFIG] + ([TOKENIZER] if os.path.isfile(os.path.join(out, TOKENIZER)) else [])
+    print(f"exported {a.ckpt} -> {os.path.abspath(out)} ({', '.join(files)})")
     return 0
 
 
