@@ -163,6 +163,19 @@ def case(kernel, config: str, *, constexprs: Mapping[str, Any], scalars: Mapping
                 bool(matmul), tuple(archs))
 
 
+def cases_from_launches(launches: Iterable[Mapping[str, Any]]) -> List[Case]:
+    """Cases from launch descriptions (dicts with kernel, config, signature — every non-constexpr
+    argument mapped to a Triton type, ``*`` before a pointer's element type — constexprs, num_warps,
+    num_stages), the form an op's ``launch_configs()`` returns."""
+    out = []
+    for c in launches:
+        scalars = {n: t for n, t in c["signature"].items() if not t.startswith("*")}
+        pointers = {n: t[1:] for n, t in c["signature"].items() if t.startswith("*")}
+        out.append(case(c["kernel"], c["config"], constexprs=c["constexprs"], scalars=scalars,
+                        pointers=pointers, num_warps=c["num_warps"], num_stages=c["num_stages"]))
+    return out
+
+
 def autotune_cases(kernel, config: str, *, constexprs: Mapping[str, Any], **kw) -> List[Case]:
     """One case per config of an ``@triton.autotune`` kernel that its ``early_config_prune`` keeps
     for these call-time ``constexprs`` (the configs a GPU can pick for this call)."""

@@ -39,12 +39,6 @@ def launch_configs() -> List[dict]:
 
 def compile_cases():
     """``launch_configs`` as ``kernels.compile_report`` cases."""
-    from kernels.compile_report import case
+    from kernels.compile_report import cases_from_launches
 
-    out = []
-    for c in launch_configs():
-        scalars = {n: t for n, t in c["signature"].items() if not t.startswith("*")}
-        pointers = {n: t[1:] for n, t in c["signature"].items() if t.startswith("*")}
-        out.append(case(c["kernel"], c["config"], constexprs=c["constexprs"], scalars=scalars,
-                        pointers=pointers, num_warps=c["num_warps"], num_stages=c["num_stages"]))
-    return out
+    return cases_from_launches(launch_configs())
