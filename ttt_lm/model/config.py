@@ -6,9 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-#: layer kinds a pattern may name; see ttt_lm.model.mixers.MIXERS
-LAYER_KINDS = ("attention", "local_attention", "ttt_linear", "ttt_mlp", "titans", "titans_mag",
-               "titans_mac", "titans_mal", "deltanet", "rglru", "mamba")
+from ttt_lm.model import registry
+
+#: the built-in layer kinds (ttt_lm.model.registry); a pattern may also name a kind registered
+#: since by ``@register_mixer`` (``registry.layer_kinds()``)
+LAYER_KINDS = tuple(registry.BUILTIN_KINDS)
 #: model.init: which official code the dense layers' initialization follows
 #: (ttt_lm.model.layers.init_weights)
 INIT_SCHEMES = ("gpt2", "ttt", "griffin", "mamba")
@@ -137,9 +139,10 @@ class ModelConfig:
         pat = list(self.layer_pattern)
         if not pat:
             raise ValueError("model.layer_pattern is empty")
-        bad = [k for k in pat if k not in LAYER_KINDS]
+        known = registry.layer_kinds()
+        bad = [k for k in pat if k not in known]
         if bad:
-            raise ValueError(f"model.layer_pattern: unknown layer kind(s) {bad}; known: {list(LAYER_KINDS)}")
+            raise ValueError(f"model.layer_pattern: unknown layer kind(s) {bad}; known: {list(known)}")
         if self.n_layers % len(pat) != 0:
             raise ValueError(f"model.n_layers={self.n_layers} is not a multiple of len(model.layer_pattern)={len(pat)}")
         if self.head_dim is None and self.d_model % self.n_heads != 0:

@@ -32,9 +32,7 @@ from torch import nn
 
 from ttt_lm.model.config import ModelConfig
 from ttt_lm.model.layers import CausalConv1d, GatedMLP, RMSNorm, acc, init_weights
-from ttt_lm.model.mixers import build_mixer
-
-TTT_KINDS = ("ttt_linear", "ttt_mlp")
+from ttt_lm.model.mixers import build_mixer, mixer_class
 
 
 @dataclass
@@ -74,9 +72,10 @@ class Block(nn.Module):
         super().__init__()
         self.kind = cfg.layer_kinds()[layer_idx]
         self.pre_conv = None
-        if self.kind in TTT_KINDS and cfg.ttt.pre_conv:
+        pre_conv = mixer_class(self.kind).block_pre_conv(cfg)
+        if pre_conv is not None:
             self.pre_conv_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-            self.pre_conv = CausalConv1d(cfg.d_model, cfg.ttt.conv_width)
+            self.pre_conv = CausalConv1d(cfg.d_model, pre_conv)
         self.mixer_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mixer = build_mixer(self.kind, cfg, layer_idx)
         # d_ff = 0 leaves the MLP out (Mamba's blocks are mixer-only)

@@ -44,6 +44,7 @@ from torch import nn
 from kernels.ttt import ttt_linear, ttt_mlp
 from ttt_lm.model.layers import GatedMLP, RMSNorm, acc
 from ttt_lm.model.lm import LM, LMOutput
+from ttt_lm.model.mixers import mixer_class
 from ttt_lm.model.mixers.attention import Attention
 from ttt_lm.model.mixers.ttt import TTTLinear, TTTMLP, _TTTBase
 from ttt_lm.parallel.groups import ParallelGroups
@@ -53,7 +54,6 @@ from ttt_lm.parallel.tensor_parallel import (
     tp_layer_norm, vocab_parallel_cross_entropy)
 
 TP_READY_KINDS = ("attention", "local_attention", "ttt_linear", "ttt_mlp")
-_TTT_KINDS = ("ttt_linear", "ttt_mlp")
 
 
 class RegionEntryRMSNorm(RMSNorm):
@@ -223,7 +223,7 @@ def _check(model: LM, p: int, sequence_parallel: bool) -> None:
         errs.append(f"model.vocab_size={cfg.vocab_size}")
     if errs:
         raise ValueError(f"tensor_parallel={p} must divide {', '.join(errs)}")
-    if sequence_parallel and p > 1 and cfg.ttt.pre_conv and any(k in _TTT_KINDS for k in kinds):
+    if sequence_parallel and p > 1 and any(mixer_class(k).block_pre_conv(cfg) is not None for k in kinds):
         raise ValueError("model.ttt.pre_conv (a causal conv over the residual stream) is not supported with "
                          "sequence parallelism, which splits that stream along the sequence; set "
                          "parallel.sequence_parallel=false or model.ttt.pre_conv=false")

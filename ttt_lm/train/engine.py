@@ -71,6 +71,7 @@ def check_parallel(cfg, world_size: Optional[int] = None) -> None:
             "parallel.sequence_parallel=true needs parallel.tensor_parallel > 1: it splits the sequence across "
             "the tensor-parallel group between its regions")
     if tp > 1:
+        from ttt_lm.model.mixers import mixer_class
         from ttt_lm.parallel.tp_model import TP_READY_KINDS
         m = cfg.model
         kinds = m.layer_kinds()
@@ -94,7 +95,7 @@ def check_parallel(cfg, world_size: Optional[int] = None) -> None:
             raise ParallelConfigError(
                 f"parallel.sequence_parallel splits each sequence across tensor_parallel={tp} ranks: "
                 f"data.seq_len={cfg.data.seq_len} must be a multiple of it")
-        if p.sequence_parallel and m.ttt.pre_conv and any(k in ("ttt_linear", "ttt_mlp") for k in m.layer_kinds()):
+        if p.sequence_parallel and any(mixer_class(k).block_pre_conv(m) is not None for k in m.layer_kinds()):
             raise ParallelConfigError(
                 "model.ttt.pre_conv is not available with parallel.sequence_parallel: the causal conv "
                 "would miss the previous rank's last tokens; set parallel.sequence_parallel=false")

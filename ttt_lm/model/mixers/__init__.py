@@ -1,35 +1,39 @@
-"""Registry of sequence mixers by the names a layer pattern uses."""
+"""Sequence mixers by the names a layer pattern uses; the registry is ``ttt_lm.model.registry``
+(each mixer registers itself with ``@register_mixer`` in its own file)."""
 from __future__ import annotations
 
-import importlib
+from typing import Iterator, Mapping
 
 from ttt_lm.model.mixers.base import Mixer, State
-
-#: layer kind -> "module:Class" (imported on first use)
-MIXERS = {
-    "attention": "ttt_lm.model.mixers.attention:Attention",
-    "local_attention": "ttt_lm.model.mixers.attention:LocalAttention",
-    "ttt_linear": "ttt_lm.model.mixers.ttt:TTTLinear",
-    "ttt_mlp": "ttt_lm.model.mixers.ttt:TTTMLP",
-    "titans": "ttt_lm.model.mixers.titans:TitansMemory",
-    "titans_mag": "ttt_lm.model.mixers.titans:TitansMAG",
-    "titans_mac": "ttt_lm.model.mixers.titans:TitansMAC",
-    "titans_mal": "ttt_lm.model.mixers.titans:TitansMAL",
-    "deltanet": "ttt_lm.model.mixers.deltanet:DeltaNet",
-    "rglru": "ttt_lm.model.mixers.rglru:RGLRUBlock",
-    "mamba": "ttt_lm.model.mixers.mamba:Mamba",
-}
+from ttt_lm.model.registry import layer_kinds, mixer_class, register_mixer
 
 
-def mixer_class(kind: str) -> type:
-    if kind not in MIXERS:
-        raise ValueError(f"unknown layer kind {kind!r}; known: {sorted(MIXERS)}")
-    mod, cls = MIXERS[kind].split(":")
-    return getattr(importlib.import_module(mod), cls)
+class _Mixers(Mapping):
+    """Read-only view of the registry: layer kind → mixer class (built-in ones imported on
+    first use)."""
+
+    def __getitem__(self, kind: str) -> type:
+        try:
+            return mixer_class(kind)
+        except ValueError:
+            raise KeyError(kind) from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(layer_kinds())
+
+    def __len__(self) -> int:
+        return len(layer_kinds())
+
+    def __contains__(self, kind) -> bool:
+        return kind in layer_kinds()
+
+
+#: layer kind → mixer class
+MIXERS: Mapping[str, type] = _Mixers()
 
 
 def build_mixer(kind: str, cfg, layer_idx: int) -> Mixer:
     return mixer_class(kind)(cfg, layer_idx)
 
 
-__all__ = ["Mixer", "State", "MIXERS", "mixer_class", "build_mixer"]
+__all__ = ["Mixer", "State", "MIXERS", "mixer_class", "build_mixer", "register_mixer"]

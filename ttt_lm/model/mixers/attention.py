@@ -35,6 +35,7 @@ from torch import nn
 
 from ttt_lm.model.layers import acc, apply_rope, rope_cos_sin
 from ttt_lm.model.mixers.base import Mixer, State
+from ttt_lm.model.registry import register_mixer
 
 try:  # optional extra
     from flash_attn import flash_attn_func as _flash_attn_func  # type: ignore
@@ -77,6 +78,7 @@ def _flex_block_mask(T: int, window: Optional[int], device: str):
     return create_block_mask(mask_mod, None, None, T, T, device=device)
 
 
+@register_mixer("attention")
 class Attention(Mixer):
     window: Optional[int] = None
 
@@ -211,6 +213,7 @@ class Attention(Mixer):
         return 4.0 * cfg.n_heads * cfg.hd * (seq_len + 1) / 2.0
 
 
+@register_mixer("local_attention")
 class LocalAttention(Attention):
     """Sliding-window attention: keys t − window + 1 … t (``attention.window``)."""
 

@@ -69,6 +69,12 @@ class Mixer(nn.Module, metaclass=abc.ABCMeta):
     def reset_parameters(self) -> None:
         """Mixer-specific initialization, run after the model's generic init."""
 
+    @classmethod
+    def block_pre_conv(cls, cfg) -> Optional[int]:
+        """Width of the causal convolution that the block runs over the residual stream before
+        this mixer (TTT's ``ttt.pre_conv``), or None for none. ``cfg`` is the ModelConfig."""
+        return None
+
     @staticmethod
     def flops_per_token(cfg, seq_len: int) -> float:
         """Forward FLOPs per token of this mixer beyond its dense projections (those are counted

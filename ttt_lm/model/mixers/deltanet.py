@@ -45,6 +45,7 @@ from torch import nn
 from kernels import delta_rule as _dr
 from ttt_lm.model.layers import CausalConv1d, RMSNorm
 from ttt_lm.model.mixers.base import Mixer, State
+from ttt_lm.model.registry import register_mixer
 
 
 def dpfp(x: torch.Tensor, nu: int = 1, eps: float = 1e-6) -> torch.Tensor:
@@ -60,6 +61,7 @@ def dpfp(x: torch.Tensor, nu: int = 1, eps: float = 1e-6) -> torch.Tensor:
     return phi / denom
 
 
+@register_mixer("deltanet")
 class DeltaNet(Mixer):
     def __init__(self, cfg, layer_idx: int):
         super().__init__()

@@ -33,10 +33,12 @@ from torch import nn
 from kernels.selective_scan import has_triton_backend, selective_scan
 from ttt_lm.model.layers import CausalConv1d, acc
 from ttt_lm.model.mixers.base import Mixer, State
+from ttt_lm.model.registry import register_mixer
 
 _DT_INIT_FLOOR = 1e-4
 
 
+@register_mixer("mamba")
 class Mamba(Mixer):
     def __init__(self, cfg, layer_idx: int):
         super().__init__()

@@ -67,6 +67,7 @@ from torch import nn
 from kernels.linear_scan import has_triton_backend, linear_scan
 from ttt_lm.model.layers import CausalConv1d, acc
 from ttt_lm.model.mixers.base import Mixer, State
+from ttt_lm.model.registry import register_mixer
 
 #: bound on d√x/dx, as recurrentgemma's RG-LRU
 _MAX_SQRT_GRAD = 1000.0
@@ -166,6 +167,7 @@ class BlockDiagonalLinear(nn.Module):
         return (torch.einsum("...hi,hij->...hj", xs, self.weight) + self.bias).flatten(-2)
 
 
+@register_mixer("rglru")
 class RGLRUBlock(Mixer):
     takes_segment_pos = True
 

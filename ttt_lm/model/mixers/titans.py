@@ -68,6 +68,7 @@ from kernels.titans.torch_chunk import split_spans
 from ttt_lm.model.layers import CausalConv1d, RMSNorm, acc, apply_rope, rope_cos_sin
 from ttt_lm.model.mixers.attention import LocalAttention
 from ttt_lm.model.mixers.base import Mixer, State
+from ttt_lm.model.registry import register_mixer
 
 
 def _gelu_grad(h: torch.Tensor) -> torch.Tensor:
@@ -79,6 +80,7 @@ def _logit(p: float) -> float:
     return math.log(p / (1.0 - p))
 
 
+@register_mixer("titans")
 class TitansMemory(Mixer):
     """The long-term memory module (LMM) as a sequence layer."""
 
@@ -281,6 +283,7 @@ class TitansMemory(Mixer):
         return float(cfg.n_heads * per_head)
 
 
+@register_mixer("titans_mag")
 class TitansMAG(Mixer):
     r"""Memory as a gate (Titans §4.2, without persistent memory tokens):
 
@@ -345,6 +348,7 @@ class TitansMAG(Mixer):
         return LocalAttention.flops_per_token(acfg, seq_len) + TitansMemory.flops_per_token(cfg, seq_len)
 
 
+@register_mixer("titans_mal")
 class TitansMAL(Mixer):
     r"""Memory as a layer (Titans §4.3, Eqs. 29–31):
 
@@ -411,6 +415,7 @@ class TitansMAL(Mixer):
         return LocalAttention.flops_per_token(acfg, seq_len) + TitansMemory.flops_per_token(cfg, seq_len)
 
 
+@register_mixer("titans_mac")
 class TitansMAC(Mixer):
     r"""Memory as a context (Titans §4.1, Eqs. 21–25), with causal masks for language modeling.
 

@@ -88,6 +88,7 @@ from torch import nn
 from kernels.ttt import has_triton_backend, ttt_linear, ttt_mlp
 from ttt_lm.model.layers import acc, apply_rope, rope_cos_sin
 from ttt_lm.model.mixers.base import Mixer, State
+from ttt_lm.model.registry import register_mixer
 
 #: N(0, 0.02) for W1, W2 and θ_η, as in the official code (independent of model.init_std)
 INNER_INIT_STD = 0.02
@@ -172,6 +173,11 @@ class _TTTBase(Mixer):
             self.W2 = nn.Parameter(torch.empty(H, m, d))
             self.b2 = nn.Parameter(torch.zeros(H, 1, d))
         self.reset_parameters()
+
+    @classmethod
+    def block_pre_conv(cls, cfg) -> Optional[int]:
+        """The "Mamba backbone" residual conv (``ttt.pre_conv``), run by the block."""
+        return cfg.ttt.conv_width if cfg.ttt.pre_conv else None
 
     # ---- parameters --------------------------------------------------------------------------
     def reset_parameters(self) -> None:
@@ -301,6 +307,7 @@ class _TTTBase(Mixer):
         return float(cfg.n_heads * per_head)
 
 
+@register_mixer("ttt_linear")
 class TTTLinear(_TTTBase):
     """TTT-Linear: inner model f(k) = k W1 + b1 per head; η_base = 1.0 by default."""
     kind = "linear"
@@ -310,6 +317,7 @@ class TTTLinear(_TTTBase):
         return _TTTBase._inner_flops(cfg, None)
 
 
+@register_mixer("ttt_mlp")
 class TTTMLP(_TTTBase):
     """TTT-MLP: inner model f(k) = GELU_tanh(k W1 + b1) W2 + b2 per head, hidden width
     ``ttt.mlp_expansion`` × head_dim (4 in the paper); η_base = 0.1 by default."""
