@@ -49,4 +49,6 @@ def linear_scan(log_a: torch.Tensor, b: torch.Tensor, initial_state: Optional[to
     raise ValueError(f"linear_scan: backend must be torch, reference or triton, got {backend!r}")
 
 
-__all__ = ["linear_scan", "linear_scan_ref", "linear_scan_chunk", "has_triton_backend"]
+from kernels.linear_scan.resets import linear_scan_reset  # noqa: E402  (it calls linear_scan)
+
+__all__ = ["linear_scan", "linear_scan_reset", "linear_scan_ref", "linear_scan_chunk", "has_triton_backend"]

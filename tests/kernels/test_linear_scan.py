@@ -99,3 +99,24 @@ def test_bad_inputs_are_refused_with_the_reason(backend):
     for args, kw, msg in cases:
         with pytest.raises(ValueError, match=msg):
             linear_scan(*args, backend=backend, **kw)
+
+
+@pytest.mark.parametrize("backend", ["torch", "reference"])
+def test_resets_restart_the_recurrence(backend):
+    """linear_scan_reset = the recurrence with a_t replaced by 0 where reset (one step per
+    token), the carried state dropped by a reset at a row's first token; float64, so the chunked
+    form matches the steps to rounding (1e-12)."""
+    from kernels.linear_scan import linear_scan_reset
+    log_a, b, h0 = _inputs(2, 9, 3)
+    log_a, b, h0 = log_a.detach(), b.detach(), h0.detach()
+    reset = torch.zeros(2, 9, dtype=torch.bool)
+    reset[0, 0] = reset[0, 4] = reset[1, 7] = True
+    h, hT = linear_scan_reset(log_a, b, h0, reset, True, backend, 4)
+    want, prev = [], h0
+    for t in range(9):
+        a = torch.where(reset[:, t, None], torch.zeros_like(prev), log_a[:, t].exp())
+        prev = a * prev + b[:, t]
+        want.append(prev)
+    want = torch.stack(want, 1)
+    torch.testing.assert_close(h, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(hT, want[:, -1], rtol=1e-12, atol=1e-12)

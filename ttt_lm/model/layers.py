@@ -95,6 +95,12 @@ class CausalConv1d(nn.Module):
         new_cache = xt[..., xt.shape[-1] - (self.width - 1):] if output_cache else None
         return y, new_cache
 
+    def cache_from(self, x_before: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """The cache [B, C, w − 1] after reading ``x_before`` [B, w − 1, C], the inputs just
+        before a slice; ``valid`` [w − 1] (bool) is False before the sequence start, where the
+        cache holds zeros as a fresh one does."""
+        return (x_before * valid[None, :, None].to(x_before.dtype)).transpose(1, 2)
+
 
 
 

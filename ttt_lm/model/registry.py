@@ -43,9 +43,10 @@ def register_mixer(kind: str) -> Callable[[type], type]:
         raise ValueError(f"register_mixer: a layer kind must be an identifier string, got {kind!r}")
 
     def deco(cls: type) -> type:
-        from ttt_lm.model.mixers.base import Mixer
+        from ttt_lm.model.mixers.base import Mixer, check_contract
         if not (isinstance(cls, type) and issubclass(cls, Mixer)):
             raise TypeError(f"register_mixer({kind!r}): {cls!r} is not a subclass of ttt_lm.model.mixers.Mixer")
+        check_contract(cls)
         home = BUILTIN_KINDS.get(kind)
         if home is not None and cls.__module__ != home:
             raise ValueError(f"register_mixer({kind!r}): the built-in kind {kind!r} belongs to {home}, "

@@ -4,7 +4,7 @@ context-parallel (CP) group holding tokens [start_r, start_r + T_r).
 Three schemes, each exact (outputs and gradients equal one pass over the whole sequence):
 
 * **Linear recurrences by chunk summaries.** A diagonal recurrence h_t = a_t ⊙ h_{t−1} + b_t
-  (RG-LRU, Mamba's selective scan) is affine in its initial state. Rank r scans its slice from
+  (``kernels.linear_scan``, ``kernels.selective_scan``) is affine in its initial state. Rank r scans its slice from
   h = 0, giving h^loc_t, and summarizes the slice by its total transition A_r = Π_t a_t
   (exp of Σ log a_t) and its local final state h^loc(r). After an all-gather of the summaries,
 
@@ -17,16 +17,17 @@ Three schemes, each exact (outputs and gradients equal one pass over the whole s
   exclusive scan S_in(r) = P_{r−1} S_in(r−1) + S^loc(r−1) runs over the gathered summaries; a
   second run from S_in(r) gives the outputs.
 
-* **Nonlinear recurrences by state passing** (TTT with its inner LayerNorm, TTT-MLP, Titans'
-  MLP memory, and any module with the ``(x, state, output_state)`` interface): rank r receives
+* **Nonlinear recurrences by state passing** (TTT with its inner LayerNorm, TTT-MLP, the
+  Titans MLP memory, and any module with the ``(x, state, output_state)`` interface): rank r receives
   the final state of rank r − 1, runs its slice from it and sends its own final state to
   r + 1; in the backward pass the state's gradient travels from r + 1 back to r. The ranks run
   one after another for such a layer (no micro-batch pipelining here).
 
-* **Attention** all-gathers the keys and values (after RoPE at their global positions); rank r
-  attends from its queries (RoPE at start_r + t) to the keys of ranks < r and its own, causally.
+* **Key-value exchange** (attention) all-gathers the keys and values (after RoPE at their global
+  positions); rank r attends from its queries (RoPE at start_r + t) to the keys of ranks < r and
+  its own, causally.
 
-Short causal convolutions (RG-LRU, DeltaNet, Mamba) need the last w − 1 inputs of the tokens
+Short causal convolutions before an op need the last w − 1 inputs of the tokens
 before the slice: an all-gather of each rank's last w − 1 mixer inputs (the "halo").
 
 Gradients flow through collectives wrapped in autograd Functions: all-gather's backward sums
@@ -34,6 +35,10 @@ every rank's gradient for the gathered tensor (all-reduce) and keeps the slice o
 send's backward receives, receive's backward sends. Each rank's backward reaches every
 collective in the same order, which is why gathered tensors are always used (an empty slice on
 rank 0 where nothing earlier exists) so that the backward all-reduce runs on every rank.
+
+Which scheme a mixer gets is its own declaration (``Mixer.cp_form``, ``op_name``, ``cp_halo``),
+and the parallel forms call only its public stages (``context_state``, ``inputs``, ``op``,
+``output``; see ``ttt_lm.model.mixers.base``): this module knows ops and forms, not mixers.
 
 ``context_parallel_forward(model, input_ids_local, labels_local, group)`` applies this to a
 whole ``LM`` and returns a local loss whose mean over the CP group is the full-sequence mean
@@ -50,9 +55,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from kernels import delta_rule as _dr
-from kernels.linear_scan import linear_scan
-from kernels.selective_scan import has_triton_backend as _ss_has_triton
-from kernels.selective_scan import selective_scan
+from kernels.linear_scan import linear_scan, linear_scan_reset
 from ttt_lm.model.layers import acc
 
 # ---------------------------------------------------------------------------------------------
@@ -302,8 +305,7 @@ def cp_linear_scan(log_a: torch.Tensor, b: torch.Tensor, group=None, backend: st
     if reset is None:
         h_loc, _ = linear_scan(log_a, b, None, False, backend=backend, chunk_size=chunk_size)
     else:
-        from ttt_lm.model.mixers.rglru import reset_scan
-        h_loc, _ = reset_scan(log_a, b, None, reset, False, backend, chunk_size)
+        h_loc, _ = linear_scan_reset(log_a, b, None, reset, False, backend, chunk_size)
         log_a = acc(log_a).masked_fill(reset[..., None], float("-inf"))
     cum = acc(log_a).cumsum(1)                                        # log Π_{τ≤t} a_τ
     h_in = _diag_initial_state(cum[:, -1], acc(h_loc[:, -1]), group)
@@ -333,95 +335,89 @@ def cp_delta_rule(q, k, v, beta, group=None, backend: str = "torch", chunk_size:
 
 
 # ---------------------------------------------------------------------------------------------
-# per-mixer forms (use the mixers' own pieces; only the cross-rank parts are new)
+# the mixer contract's parallel forms (ttt_lm.model.mixers.base: cp_form, the public stages)
 # ---------------------------------------------------------------------------------------------
 
 
-def _conv_cache(conv, x, proj, lengths, group):
-    """The cache [B, C, w − 1] of ``conv`` for this rank's slice: ``proj`` of the mixer inputs
-    just before it (zero before the sequence start, as a fresh cache)."""
-    xh, valid = halo(x, conv.width - 1, lengths, group)
-    return (proj(xh) * valid[None, :, None].to(x.dtype)).transpose(1, 2)
+def _summary_linear_scan(mixer, inp, group, backend):
+    reset = inp.get("reset")
+    h, _ = cp_linear_scan(inp["log_a"], inp["b"], group, backend, inp["chunk_size"],
+                          reset if reset is not None and bool(reset.any()) else None)
+    return h
 
 
-def cp_attention(mixer, x, lengths, group=None) -> torch.Tensor:
-    """Attention / LocalAttention: queries at their global positions attend to the gathered
-    keys and values of earlier ranks (a window keeps the last w − 1) and to their own."""
+def _summary_delta_rule(mixer, inp, group, backend):
+    y, _ = cp_delta_rule(inp["q"], inp["k"], inp["v"], inp["beta"], group, backend, inp["chunk_size"])
+    return y
+
+
+def _summary_selective_scan(mixer, inp, group, backend):
+    """The selective scan's summary is A_r = exp(Σ_t Δ_t A) and the final state from zero; a
+    second run of the op from the combined initial state gives the outputs."""
+    _, h_loc = mixer.op(inp, None, True, backend)
+    Delta = acc(inp["delta"])
+    if inp.get("delta_bias") is not None:
+        Delta = Delta + acc(inp["delta_bias"])
+    if inp.get("delta_softplus"):
+        Delta = F.softplus(Delta)
+    log_A = Delta.sum(1)[..., None] * inp["A"]                        # [B, d_inner, N]
+    h_in = _diag_initial_state(log_A, h_loc, group)
+    y, _ = mixer.op(inp, h_in, False, backend)
+    return y
+
+
+#: ``Mixer.op_name`` → how the ranks combine that op's chunk summaries
+SUMMARY_COMBINES = {"linear_scan": _summary_linear_scan, "delta_rule": _summary_delta_rule,
+                    "selective_scan": _summary_selective_scan}
+
+
+def _context_state(mixer, x, lengths, group):
+    """The mixer's state at the start of this rank's slice, without its recurrent part: from the
+    halo of earlier ranks' mixer inputs (zero before the sequence start) and the global start."""
     rank, _ = _rank_world(group)
-    start = sum(lengths[:rank])
-    q, k, v = mixer._qkv(x, start)
+    n = mixer.cp_halo
+    xh, valid = halo(x, n, lengths, group) if n > 0 else (x[:, :0], torch.zeros(0, dtype=torch.bool, device=x.device))
+    return mixer.context_state(xh, valid, sum(lengths[:rank]))
+
+
+def cp_summary(mixer, x, lengths, group=None, **kw) -> torch.Tensor:
+    """A mixer with ``cp_form="summary"``: its inputs stage (conv halo from earlier ranks), its
+    op by chunk summaries combined across ranks (``SUMMARY_COMBINES[mixer.op_name]``), its
+    output stage. ``kw``: ``segment_pos`` for mixers that read it."""
+    inp, _ = mixer.inputs(x, _context_state(mixer, x, lengths, group), False, **kw)
+    y = SUMMARY_COMBINES[mixer.op_name](mixer, inp, group, mixer.op_backend(x))
+    return mixer.output(y, x)
+
+
+def cp_kv_exchange(mixer, x, lengths, group=None, **kw) -> torch.Tensor:
+    """A mixer with ``cp_form="kv_exchange"`` (attention): queries at their global positions
+    attend to the gathered keys and values of earlier ranks (a window keeps the last w − 1) and
+    to their own."""
+    rank, _ = _rank_world(group)
+    inp, _ = mixer.inputs(x, _context_state(mixer, x, lengths, group), False, **kw)
+    k, v = inp["k"], inp["v"]
     parts = all_gather_varlen(torch.cat([k, v], 1), 2, lengths, group)
     kv = torch.cat([parts[0][:, :, :0]] + [parts[s] for s in range(rank)] + [torch.cat([k, v], 1)], 2)
     if mixer.window is not None:
         kv = kv[:, :, max(0, kv.shape[2] - (mixer.window - 1) - x.shape[1]):]
-    k_all, v_all = kv.split([mixer.n_kv, mixer.n_kv], 1)
-    if mixer.impl == "reference":
-        o, _ = mixer.reference(x, {"k": k_all[:, :, :-x.shape[1]], "v": v_all[:, :, :-x.shape[1]], "pos": start})
-        return o
-    return mixer._out(mixer._attend(q, k_all, v_all))
+    k_all, v_all = kv.split([k.shape[1], v.shape[1]], 1)
+    y, _ = mixer.op({**inp, "k": k_all, "v": v_all}, backend=mixer.op_backend(x))
+    return mixer.output(y, x)
 
 
-def cp_rglru(mixer, x, lengths, group=None, segment_pos: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Griffin's recurrent block: conv halo, then the RG-LRU scan by summaries. ``segment_pos``
-    [B, T_r]: this slice's segment positions (default: the global positions, one stream)."""
-    rank, _ = _rank_world(group)
-    state = {"conv": _conv_cache(mixer.conv1d, x, mixer.linear_x, lengths, group), "h": None,
-             "pos": sum(lengths[:rank])}
-    gelu_y, log_a, b, reset, _, _, pos0 = mixer._gates(x, state, False, segment_pos)
-    backend = "reference" if mixer.impl == "reference" else mixer.scan_backend(x)
-    h, _ = cp_linear_scan(log_a, b, group, backend, mixer.chunk_size, reset if bool(reset.any()) else None)
-    y, _ = mixer._finish(h, gelu_y, x, None, None, pos0, False)
-    return y
-
-
-def cp_deltanet(mixer, x, lengths, group=None) -> torch.Tensor:
-    """DeltaNet: conv halo, then the delta rule by summaries."""
-    state = None
-    if mixer.conv is not None:
-        proj = lambda u: torch.cat([mixer.q_proj(u), mixer.k_proj(u), mixer.v_proj(u)], -1)  # noqa: E731
-        state = {"conv": _conv_cache(mixer.conv, x, proj, lengths, group)}
-    q, k, v, beta, _ = mixer._inputs(x, state)
-    if mixer.impl == "reference":
-        be = "reference"
-    else:
-        be = mixer._resolve_backend(x)
-        if be not in _dr.BACKENDS:
-            be = "torch"
-    y, _ = cp_delta_rule(q, k, v, beta, group, be, mixer.chunk_size)
-    return mixer._out(y, x.dtype)
-
-
-def cp_mamba(mixer, u, lengths, group=None) -> torch.Tensor:
-    """Mamba: conv halo; the selective scan's summary is A_r = exp(Σ_t Δ_t A) and the final
-    state from zero; a second scan from the combined initial state gives the outputs."""
-    d_inner = mixer.d_inner
-    cache = _conv_cache(mixer.conv1d, u, lambda w: mixer.in_proj(w)[..., :d_inner], lengths, group)
-    x, z, delta, B_t, C_t, _ = mixer._project(u, {"conv": cache}, False)
-    A = -torch.exp(acc(mixer.A_log))
-    if mixer.impl == "reference":
-        backend = "reference"
-    else:
-        backend = mixer._resolve_backend(u)
-        if backend == "triton" and mixer.kernel_backend == "auto" and not _ss_has_triton():
-            backend = "torch"
-    kw = dict(D=mixer.D, z=z, delta_bias=mixer.dt_proj.bias, delta_softplus=True, backend=backend,
-              chunk_size=mixer.chunk_size)
-    _, h_loc = selective_scan(x, delta, A, B_t, C_t, initial_state=None, output_final_state=True, **kw)
-    Delta = F.softplus(acc(delta) + acc(mixer.dt_proj.bias))
-    log_A = Delta.sum(1)[..., None] * A                               # [B, d_inner, N]
-    h_in = _diag_initial_state(log_A, h_loc, group)
-    y, _ = selective_scan(x, delta, A, B_t, C_t, initial_state=h_in, output_final_state=False, **kw)
-    return mixer.out_proj(y)
+#: ``Mixer.cp_form`` → the parallel form (None: the mixer passes its state from rank to rank)
+CP_FORMS = {"summary": cp_summary, "kv_exchange": cp_kv_exchange, "state_passing": None}
 
 
 def _parallel_form(mixer):
-    """The summary / gather form for this mixer's exact class, or None (state passing)."""
-    from ttt_lm.model.mixers.attention import Attention, LocalAttention
-    from ttt_lm.model.mixers.deltanet import DeltaNet
-    from ttt_lm.model.mixers.mamba import Mamba
-    from ttt_lm.model.mixers.rglru import RGLRUBlock
-    return {Attention: cp_attention, LocalAttention: cp_attention, RGLRUBlock: cp_rglru,
-            DeltaNet: cp_deltanet, Mamba: cp_mamba}.get(type(mixer))
+    """The summary / gather form the mixer declares, or None (state passing)."""
+    if mixer.cp_form not in CP_FORMS:
+        raise ValueError(f"context parallel: {type(mixer).__name__}.cp_form={mixer.cp_form!r} is not one of "
+                         f"{list(CP_FORMS)}")
+    if mixer.cp_form == "summary" and mixer.op_name not in SUMMARY_COMBINES:
+        raise ValueError(f"context parallel: {type(mixer).__name__}.op_name={mixer.op_name!r} has no summary "
+                         f"combine; known ops: {list(SUMMARY_COMBINES)}")
+    return CP_FORMS[mixer.cp_form]
 
 
 def cp_mixer(mixer, x_local, lengths, group=None, tag: int = 0,
@@ -453,9 +449,9 @@ def context_parallel_forward(model, input_ids_local: torch.Tensor, labels_local:
     labels_local [B, T_r] are this rank's contiguous slice (labels aligned as for ``LM.forward``,
     −100 ignored; every T_r ≥ 1). Returns (loss_local, logits_local): loss_local is this rank's
     summed cross-entropy × world / (valid labels in the whole sequence), so its mean over the
-    group is the full-sequence mean cross-entropy (None without labels). Blocks of attention,
-    RG-LRU, DeltaNet or Mamba run in parallel; the others (TTT, Titans, pre-conv blocks) pass
-    their block state from rank to rank. Activation checkpointing is not applied here.
+    group is the full-sequence mean cross-entropy (None without labels). Blocks whose mixer
+    declares a "summary" or "kv_exchange" ``cp_form`` run in parallel; the others (state
+    passing, and blocks with a pre-conv) pass their block state from rank to rank. Activation checkpointing is not applied here.
     ``position_ids_local`` [B, T_r] (this slice of the loader's positions) reach the RG-LRU as its
     segment positions, as in ``LM.forward``."""
     rank, world = _rank_world(group)
@@ -501,6 +497,6 @@ def allreduce_gradients(model, group=None) -> None:
 
 
 __all__ = ["split_lengths", "gather_lengths", "all_gather", "all_gather_varlen", "halo",
-           "pass_state_forward", "wait_pending", "cp_linear_scan", "cp_delta_rule", "cp_attention",
-           "cp_rglru", "cp_deltanet", "cp_mamba", "cp_mixer", "block_scheme",
+           "pass_state_forward", "wait_pending", "cp_linear_scan", "cp_delta_rule", "cp_summary",
+           "cp_kv_exchange", "SUMMARY_COMBINES", "CP_FORMS", "cp_mixer", "block_scheme",
            "context_parallel_forward", "allreduce_gradients"]

@@ -81,6 +81,8 @@ def _flex_block_mask(T: int, window: Optional[int], device: str):
 @register_mixer("attention")
 class Attention(Mixer):
     window: Optional[int] = None
+    #: context parallelism gathers the keys and values of earlier ranks
+    cp_form = "kv_exchange"
 
     #: attention picks SDPA / flex / flash-attn by attention.backend, not kernel_backend
     uses_kernel_op = False
@@ -100,14 +102,42 @@ class Attention(Mixer):
         self.o_proj = nn.Linear(self.n_heads * self.hd, cfg.d_model, bias=False)
         self.o_proj._is_residual_out = True
 
-    # ---- helpers -----------------------------------------------------------------------------
-    def _qkv(self, x: torch.Tensor, pos0: int):
+    # ---- stages ------------------------------------------------------------------------------
+    def inputs(self, x: torch.Tensor, state: Optional[State] = None, output_state: bool = False):
+        """q [B, H, T, d_h], k, v [B, H_kv, T, d_h] with RoPE at positions state["pos"] + t; the
+        carry is the next position (the KV cache is built by the forms)."""
         B, T, _ = x.shape
+        pos0 = int(state["pos"]) if state is not None else 0
         q = self.q_proj(x).view(B, T, self.n_heads, self.hd).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.n_kv, self.hd).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.n_kv, self.hd).transpose(1, 2)
         cos, sin = rope_cos_sin(torch.arange(pos0, pos0 + T, device=x.device), self.hd, self.rope_theta)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        return {"q": apply_rope(q, cos, sin), "k": apply_rope(k, cos, sin), "v": v}, \
+            ({"pos": pos0 + T} if output_state else None)
+
+    def op(self, inp, initial_state=None, output_final_state: bool = False, backend: str = "torch"):
+        """Causal (windowed) attention of q over k, v, where k and v may be longer than q (keys
+        before the queries' own, the last query and key being the same position): the explicit
+        softmax for backend "reference", else ``attention.backend``'s implementation. Attention
+        keeps no op state (the KV cache is the forms')."""
+        if initial_state is not None or output_final_state:
+            raise ValueError("attention's op keeps no state; the KV cache belongs to the forms")
+        q, k, v = inp["q"], inp["k"], inp["v"]
+        if backend == "reference":
+            rep = self.n_heads // self.n_kv
+            kk, vv = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+            s = (acc(q) @ acc(kk).transpose(-1, -2)) / math.sqrt(self.hd)
+            m = _window_mask(q.shape[2], kk.shape[2], self.window, q.device)
+            s = s.masked_fill(~m, float("-inf"))
+            return (s.softmax(-1) @ acc(vv)).to(q.dtype), None
+        return self._attend(q, k, v), None
+
+    def output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:  # o: [B, H, T, hd]
+        B, H, T, D = o.shape
+        return self.o_proj(o.transpose(1, 2).reshape(B, T, H * D))
+
+    def context_state(self, x_before, valid, start: int) -> State:
+        return {"pos": start}
 
     def init_state(self, batch_size: int, device=None, dtype=None) -> State:
         z = torch.zeros(batch_size, self.n_kv, 0, self.hd, device=device, dtype=dtype)
@@ -148,31 +178,22 @@ class Attention(Mixer):
             st.update(kv_buf=buf, kv_end=buf.end)
         return st
 
-    def _out(self, o: torch.Tensor) -> torch.Tensor:  # o: [B, H, T, hd]
-        B, H, T, D = o.shape
-        return self.o_proj(o.transpose(1, 2).reshape(B, T, H * D))
-
     # ---- forms -------------------------------------------------------------------------------
-    def reference(self, x, state=None, output_state=False):
+    def _run(self, x, state, output_state, backend: str):
         pos0 = int(state["pos"]) if state is not None else 0
-        q, k, v = self._qkv(x, pos0)
-        k_all, v_all, _ = self._cat_cache(state, k, v)
-        rep = self.n_heads // self.n_kv
-        kk, vv = k_all.repeat_interleave(rep, 1), v_all.repeat_interleave(rep, 1)
-        s = (acc(q) @ acc(kk).transpose(-1, -2)) / math.sqrt(self.hd)
-        m = _window_mask(q.shape[2], kk.shape[2], self.window, x.device)
-        s = s.masked_fill(~m, float("-inf"))
-        o = (s.softmax(-1) @ acc(vv)).to(x.dtype)
-        st = self._new_state(k_all, v_all, pos0 + x.shape[1]) if output_state else None
-        return self._out(o), st
+        inp, _ = self.inputs(x, state)
+        k_all, v_all, buf = self._cat_cache(state, inp["k"], inp["v"])
+        o, _ = self.op({"q": inp["q"], "k": k_all, "v": v_all}, backend=backend)
+        st = None
+        if output_state:
+            st = self._new_state(k_all, v_all, pos0 + x.shape[1], None if backend == "reference" else buf)
+        return self.output(o, x), st
+
+    def reference(self, x, state=None, output_state=False):
+        return self._run(x, state, output_state, "reference")
 
     def chunked(self, x, state=None, output_state=False):
-        pos0 = int(state["pos"]) if state is not None else 0
-        q, k, v = self._qkv(x, pos0)
-        k_all, v_all, buf = self._cat_cache(state, k, v)
-        o = self._attend(q, k_all, v_all)
-        st = self._new_state(k_all, v_all, pos0 + x.shape[1], buf) if output_state else None
-        return self._out(o), st
+        return self._run(x, state, output_state, self.resolve_backend(x.device))
 
     def step(self, x, state):
         return self.chunked(x, state, output_state=True)

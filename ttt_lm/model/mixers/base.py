@@ -14,6 +14,32 @@ A mixer maps x ∈ R^{B×T×D} to y ∈ R^{B×T×D} causally, and has three form
 state returned by one segment into the next gives the same outputs as one pass over the
 concatenation; ``init_state`` returns the state before any token.
 
+Public stages. A mixer whose sequence can be split across ranks (``cp_form`` other than
+"state_passing") writes its training form as three public stages, which the context-parallel code
+in ``ttt_lm/parallel`` calls without knowing the mixer:
+
+* ``inputs(x, state=None, output_state=False, **kw) -> (op_inputs, carry)``: everything before the
+  op. ``op_inputs`` is a dict of the op's keyword arguments (its tensors and settings, not the
+  initial state); ``carry`` is the rest of the next state (conv caches, position), or None unless
+  ``output_state``.
+* ``op(op_inputs, initial_state=None, output_final_state=False, backend="torch") -> (y, final)``:
+  the ``kernels/`` op (``backend`` from ``op_backend``, the one resolver).
+* ``output(y, x) -> out``: everything after the op.
+
+and declares how the ranks combine (``cp_form``):
+
+* "summary": the op is a linear recurrence, affine in its initial state; ``op_name`` names it
+  (one of ``SUMMARY_OPS``) and the ranks combine chunk summaries of it.
+* "kv_exchange": attention; ``op_inputs`` holds q, k, v [B, H, T, d] and the ranks gather keys and
+  values (``window``: the keys a query sees, None for all).
+* "state_passing" (the default): each rank runs the whole mixer from the state the previous rank
+  hands it; no stages needed.
+
+For the first two, ``cp_halo`` is how many tokens before a slice ``inputs`` reads (a causal
+convolution's width − 1), and ``context_state(x_before, valid, start)`` the state at a slice's
+start built from them (the mixer inputs x_before [B, cp_halo, D], ``valid`` False before the
+sequence start) and the slice's global start position, without the recurrent part.
+
 A mixer whose official code reads segment positions (the position of each token in its document,
 0 at a document's first token; the data loader's ``position_ids``) sets ``takes_segment_pos``;
 its three forms then accept ``segment_pos`` ([B, T] integers) and the block passes it through.
@@ -28,6 +54,13 @@ from torch import nn
 
 State = Dict[str, Any]
 
+#: how a mixer runs over a sequence split across context-parallel ranks (``Mixer.cp_form``)
+CP_FORMS = ("state_passing", "summary", "kv_exchange")
+#: the ``kernels/`` ops whose chunk summaries the context-parallel code can combine
+SUMMARY_OPS = ("linear_scan", "delta_rule", "selective_scan")
+#: the public stages a mixer with a parallel context-parallel form defines
+STAGES = ("inputs", "op", "output", "context_state")
+
 
 class Mixer(nn.Module, metaclass=abc.ABCMeta):
     """Subclasses set ``self.d_model`` and implement chunked, reference, step and init_state."""
@@ -40,6 +73,19 @@ class Mixer(nn.Module, metaclass=abc.ABCMeta):
     _mixer_init: bool = True
     #: the forms take ``segment_pos`` [B, T] (position of each token in its document)
     takes_segment_pos: bool = False
+    #: set by ``@register_mixer``: the kind a layer pattern names this mixer by
+    layer_kind: Optional[str] = None
+    #: context-parallel form, one of CP_FORMS (see the module docstring)
+    cp_form: str = "state_passing"
+    #: "summary" form: the kernels/ op whose summaries combine across ranks, one of SUMMARY_OPS
+    op_name: Optional[str] = None
+    #: "kv_exchange" form: keys a query sees (None: every earlier key)
+    window: Optional[int] = None
+
+    @property
+    def cp_halo(self) -> int:
+        """Tokens before a slice that ``inputs`` reads (a causal conv's width − 1); 0 for none."""
+        return 0
 
     def forward(self, x: torch.Tensor, state: Optional[State] = None,
                 output_state: bool = False, **kw) -> Tuple[torch.Tensor, Optional[State]]:
@@ -111,3 +157,23 @@ class Mixer(nn.Module, metaclass=abc.ABCMeta):
 
     def _resolve_backend(self, x: torch.Tensor) -> str:
         return self.resolve_backend(x.device)
+
+    def op_backend(self, x: torch.Tensor) -> str:
+        """The ``backend`` argument of ``op`` for input x: "reference" under ``impl="reference"``,
+        else ``resolve_backend``'s answer for x's device."""
+        return "reference" if self.impl == "reference" else self.resolve_backend(x.device)
+
+
+def check_contract(cls: type) -> None:
+    """Refuse a mixer class whose declarations do not fit together (run by ``@register_mixer``)."""
+    name = cls.__qualname__
+    if cls.cp_form not in CP_FORMS:
+        raise ValueError(f"{name}.cp_form must be one of {CP_FORMS}, got {cls.cp_form!r}")
+    if cls.cp_form == "state_passing":
+        return
+    missing = [m for m in STAGES if not callable(getattr(cls, m, None))]
+    if missing:
+        raise TypeError(f"{name} declares cp_form={cls.cp_form!r} but does not define the public stage(s) {missing}")
+    if cls.cp_form == "summary" and cls.op_name not in SUMMARY_OPS:
+        raise ValueError(f"{name} declares cp_form='summary': op_name must be one of {SUMMARY_OPS}, "
+                         f"got {cls.op_name!r}")

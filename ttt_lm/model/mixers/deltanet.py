@@ -63,6 +63,10 @@ def dpfp(x: torch.Tensor, nu: int = 1, eps: float = 1e-6) -> torch.Tensor:
 
 @register_mixer("deltanet")
 class DeltaNet(Mixer):
+    #: the delta rule is affine in its state: context parallelism combines chunk summaries
+    cp_form = "summary"
+    op_name = "delta_rule"
+
     def __init__(self, cfg, layer_idx: int):
         super().__init__()
         c = cfg.deltanet
@@ -94,8 +98,20 @@ class DeltaNet(Mixer):
             return F.normalize(F.silu(x), p=2.0, dim=-1, eps=1e-6)
         return dpfp(x, self.nu)
 
-    def _inputs(self, x: torch.Tensor, state):
-        """φ(q), φ(k), v as [B, H, T, ·], β [B, H, T], and the new conv cache."""
+    # ---- stages ------------------------------------------------------------------------------
+    @property
+    def cp_halo(self) -> int:
+        return 0 if self.conv is None else self.conv.width - 1
+
+    def context_state(self, x_before, valid, start: int):
+        if self.conv is None:
+            return None
+        qkv = torch.cat([self.q_proj(x_before), self.k_proj(x_before), self.v_proj(x_before)], -1)
+        return {"conv": self.conv.cache_from(qkv, valid)}
+
+    def inputs(self, x: torch.Tensor, state=None, output_state: bool = False):
+        """φ(q), φ(k), v as [B, H, T, ·] and β [B, H, T] (``delta_rule``'s arguments); the carry is
+        the conv cache."""
         B, T, _ = x.shape
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         cache = None
@@ -103,24 +119,23 @@ class DeltaNet(Mixer):
             qkv, cache = self.conv(qkv, None if state is None else state["conv"], output_cache=True)
         q, k, v = (t.view(B, T, self.n_heads, self.hd).transpose(1, 2) for t in qkv.chunk(3, dim=-1))
         beta = torch.sigmoid(self.b_proj(x)).transpose(1, 2)
-        return self._phi(q), self._phi(k), F.silu(v), beta, cache
+        carry = ({} if self.conv is None else {"conv": cache}) if output_state else None
+        return {"q": self._phi(q), "k": self._phi(k), "v": F.silu(v), "beta": beta, "chunk_size": self.chunk_size}, carry
 
-    def _out(self, y: torch.Tensor, x_dtype) -> torch.Tensor:
+    def op(self, inp, initial_state=None, output_final_state: bool = False, backend: str = "torch"):
+        """The delta rule, ``kernels.delta_rule``."""
+        return _dr.delta_rule(inp["q"], inp["k"], inp["v"], inp["beta"], initial_state=initial_state,
+                              output_final_state=output_final_state, backend=backend, chunk_size=inp["chunk_size"])
+
+    def output(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         B, H, T, D = y.shape
-        y = self.o_norm(y.to(x_dtype)).transpose(1, 2).reshape(B, T, H * D)
+        y = self.o_norm(y.to(x.dtype)).transpose(1, 2).reshape(B, T, H * D)
         return self.o_proj(y)
 
     def _run(self, x, state, output_state, backend):
-        q, k, v, beta, cache = self._inputs(x, state)
-        S0 = None if state is None else state["S"]
-        y, S = _dr.delta_rule(q, k, v, beta, initial_state=S0, output_final_state=output_state,
-                              backend=backend, chunk_size=self.chunk_size)
-        st = None
-        if output_state:
-            st = {"S": S}
-            if self.conv is not None:
-                st["conv"] = cache
-        return self._out(y, x.dtype), st
+        inp, carry = self.inputs(x, state, output_state)
+        y, S = self.op(inp, None if state is None else state["S"], output_state, backend)
+        return self.output(y, x), ({"S": S, **carry} if output_state else None)
 
     # ---- forms -------------------------------------------------------------------------------
     def reference(self, x, state=None, output_state=False):

@@ -40,6 +40,10 @@ _DT_INIT_FLOOR = 1e-4
 
 @register_mixer("mamba")
 class Mamba(Mixer):
+    #: a diagonal linear recurrence: context parallelism combines the scan's chunk summaries
+    cp_form = "summary"
+    op_name = "selective_scan"
+
     def __init__(self, cfg, layer_idx: int):
         super().__init__()
         mc = cfg.mamba
@@ -80,24 +84,41 @@ class Mamba(Mixer):
         return {"conv": self.conv1d.init_cache(batch_size, device, dtype),
                 "ssm": torch.zeros(batch_size, self.d_inner, self.d_state, device=device, dtype=dt)}
 
-    def _project(self, u: torch.Tensor, state, output_state: bool):
-        """u → (x, z, δ = W_Δ·(W_x x)_δ without bias, B_t, C_t, conv cache)."""
+    # ---- stages ------------------------------------------------------------------------------
+    @property
+    def cp_halo(self) -> int:
+        return self.conv1d.width - 1
+
+    def context_state(self, u_before, valid, start: int) -> State:
+        return {"conv": self.conv1d.cache_from(self.in_proj(u_before)[..., :self.d_inner], valid)}
+
+    def inputs(self, u: torch.Tensor, state=None, output_state: bool = False):
+        """u → ``selective_scan``'s arguments: x, z, δ = W_Δ·(W_x x)_δ without bias (b_Δ enters
+        inside the scan, before softplus), B_t, C_t, A = −exp(A_log), D; the carry is the conv
+        cache."""
         x, z = self.in_proj(u).chunk(2, dim=-1)
         x, conv_cache = self.conv1d(x, None if state is None else state["conv"], output_state)
         x = F.silu(x)
         dbc = self.x_proj(x)
         delta, B_t, C_t = dbc.split([self.dt_rank, self.d_state, self.d_state], dim=-1)
-        delta = F.linear(delta, self.dt_proj.weight)    # b_Δ enters inside the scan, before softplus
-        return x, z, delta, B_t, C_t, conv_cache
+        delta = F.linear(delta, self.dt_proj.weight)
+        A = -torch.exp(acc(self.A_log))
+        inp = dict(x=x, delta=delta, A=A, B=B_t, C=C_t, D=self.D, z=z, delta_bias=self.dt_proj.bias,
+                   delta_softplus=True, chunk_size=self.chunk_size)
+        return inp, ({"conv": conv_cache} if output_state else None)
+
+    def op(self, inp, initial_state=None, output_final_state: bool = False, backend: str = "torch"):
+        """The selective scan, ``kernels.selective_scan``."""
+        return selective_scan(**inp, initial_state=initial_state, output_final_state=output_final_state,
+                              backend=backend)
+
+    def output(self, y: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        return self.out_proj(y)
 
     def _scan(self, u, state, output_state, backend):
-        x, z, delta, B_t, C_t, conv_cache = self._project(u, state, output_state)
-        A = -torch.exp(acc(self.A_log))
-        y, hT = selective_scan(x, delta, A, B_t, C_t, D=self.D, z=z, delta_bias=self.dt_proj.bias,
-                               delta_softplus=True, initial_state=None if state is None else state["ssm"],
-                               output_final_state=output_state, backend=backend, chunk_size=self.chunk_size)
-        st = {"conv": conv_cache, "ssm": hT} if output_state else None
-        return self.out_proj(y), st
+        inp, carry = self.inputs(u, state, output_state)
+        y, hT = self.op(inp, None if state is None else state["ssm"], output_state, backend)
+        return self.output(y, u), ({**carry, "ssm": hT} if output_state else None)
 
     def reference(self, x, state=None, output_state=False):
         return self._scan(x, state, output_state, "reference")
@@ -109,14 +130,14 @@ class Mamba(Mixer):
         return self._scan(x, state, output_state, self._resolve_backend(x))
 
     def step(self, u, state):
-        x, z, delta, B_t, C_t, conv_cache = self._project(u, state, True)
-        x, z, delta, B_t, C_t = (acc(t[:, 0]) for t in (x, z, delta, B_t, C_t))
+        inp, carry = self.inputs(u, state, True)
+        x, z, delta, B_t, C_t = (acc(inp[n][:, 0]) for n in ("x", "z", "delta", "B", "C"))
         Delta = F.softplus(delta + acc(self.dt_proj.bias))                     # [B, d_inner]
-        A = -torch.exp(acc(self.A_log))
+        A = inp["A"]
         h = torch.exp(Delta[..., None] * A) * state["ssm"] + (Delta * x)[..., None] * B_t[:, None, :]
         y = torch.einsum("bdn,bn->bd", h, C_t) + acc(self.D) * x
         y = (y * F.silu(z)).to(u.dtype)
-        return self.out_proj(y[:, None]), {"conv": conv_cache, "ssm": h}
+        return self.output(y[:, None], u), {**carry, "ssm": h}
 
     @staticmethod
     def flops_per_token(cfg, seq_len: int) -> float:

@@ -64,7 +64,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.linear_scan import has_triton_backend, linear_scan
+from kernels.linear_scan import has_triton_backend, linear_scan_reset
 from ttt_lm.model.layers import CausalConv1d, acc
 from ttt_lm.model.mixers.base import Mixer, State
 from ttt_lm.model.registry import register_mixer
@@ -119,33 +119,6 @@ def segment_positions(segment_pos: Optional[torch.Tensor], x: torch.Tensor, pos0
     return segment_pos.to(x.device)
 
 
-def reset_scan(log_a: torch.Tensor, b: torch.Tensor, h0: Optional[torch.Tensor], reset: torch.Tensor,
-               output_state: bool, backend: str, chunk_size: int):
-    """kernels.linear_scan with h_t = b_t where ``reset`` [B, T] (a_t replaced by 0): a reset at
-    a row's first token drops h0; resets inside rows split the rows into packed sequences
-    (``cu_seqlens``, one sequence per document piece; their offsets are read on the host).
-    Returns (h, the final state or None)."""
-    B, T, D = b.shape
-    if h0 is not None and T > 0:
-        h0 = torch.where(reset[:, 0, None], torch.zeros_like(h0), h0)   # a reset drops the carried state
-    inner = reset[:, 1:].nonzero()
-    if inner.numel() == 0:
-        return linear_scan(log_a, b, h0, output_state, backend=backend, chunk_size=chunk_size)
-    starts = sorted(set(range(0, B * T, T)) | set((inner[:, 0] * T + inner[:, 1] + 1).tolist()))
-    cu = torch.tensor(starts + [B * T], dtype=torch.int32, device=b.device)
-    row_first = torch.tensor([s % T == 0 for s in starts], device=b.device)
-    init = torch.zeros(len(starts), D, dtype=acc(b).dtype, device=b.device)
-    if h0 is not None:
-        init = init.index_put((row_first.nonzero()[:, 0],), h0.to(init.dtype))
-    h, fin = linear_scan(log_a.reshape(1, B * T, D), b.reshape(1, B * T, D), init, output_state,
-                         backend=backend, chunk_size=chunk_size, cu_seqlens=cu)
-    if output_state:
-        last = torch.tensor([i for i, s in enumerate(starts) if i + 1 == len(starts) or starts[i + 1] % T == 0],
-                            device=b.device)
-        fin = fin[last]
-    return h.reshape(B, T, D), fin
-
-
 class BlockDiagonalLinear(nn.Module):
     """y = x W + b with W block-diagonal: heads h = 1..H each map their W/H channels."""
 
@@ -170,6 +143,9 @@ class BlockDiagonalLinear(nn.Module):
 @register_mixer("rglru")
 class RGLRUBlock(Mixer):
     takes_segment_pos = True
+    #: a diagonal linear recurrence: context parallelism combines the scan's chunk summaries
+    cp_form = "summary"
+    op_name = "linear_scan"
 
     def __init__(self, cfg, layer_idx: int):
         super().__init__()
@@ -209,7 +185,14 @@ class RGLRUBlock(Mixer):
         return {"conv": self.conv1d.init_cache(batch_size, device, dtype),
                 "h": torch.zeros(batch_size, self.width, device=device, dtype=dt), "pos": 0}
 
-    # ---- shared pieces -----------------------------------------------------------------------
+    # ---- stages ------------------------------------------------------------------------------
+    @property
+    def cp_halo(self) -> int:
+        return self.conv1d.width - 1
+
+    def context_state(self, x_before, valid, start: int) -> State:
+        return {"conv": self.conv1d.cache_from(self.linear_x(x_before), valid), "h": None, "pos": start}
+
     def _conv(self, u: torch.Tensor, cache, output_state: bool, seg: torch.Tensor, pos0_known: Optional[int]):
         """Conv1D_w within each document: y_t = b + Σ_{j<w, j ≤ seg_t} W_j ⊙ u_{t−j} (u before
         the call from ``cache``). The masked sum runs only where a mask can drop a non-zero input;
@@ -235,13 +218,13 @@ class RGLRUBlock(Mixer):
             y = y + keep * ut[:, w - 1 - j:w - 1 - j + T] * weight[:, w - 1 - j]
         return y, new_cache
 
-    def _gates(self, x: torch.Tensor, state, output_state: bool, segment_pos=None):
-        """Branches up to the scan: GeLU branch, log a_t, b_t = √(1 − a_t²) ⊙ i_t ⊙ x_t (1 in
-        place of the root where segment_pos_t = 0), the resets, h0 and the conv cache."""
+    def inputs(self, x: torch.Tensor, state=None, output_state: bool = False, segment_pos=None):
+        """The recurrence branch up to the scan: log a_t, b_t = √(1 − a_t²) ⊙ i_t ⊙ x_t (1 in place
+        of the root where segment_pos_t = 0) and the resets, as ``linear_scan_reset``'s
+        arguments; the carry is the conv cache and the next position."""
         pos0 = 0 if state is None else int(state["pos"])
         seg = segment_positions(segment_pos, x, pos0)
         reset = seg == 0
-        gelu_y = F.gelu(self.linear_y(x), approximate="tanh")
         xb, conv_cache = self._conv(self.linear_x(x), None if state is None else state["conv"], output_state, seg,
                                     pos0 if segment_pos is None else None)
         r_t = torch.sigmoid(acc(self.gate_a(xb)))
@@ -250,38 +233,43 @@ class RGLRUBlock(Mixer):
         norm = _SqrtBoundDerivative.apply(-torch.expm1(2.0 * log_a_t))
         norm = torch.where(reset[..., None], torch.ones_like(norm), norm)   # recurrentgemma's reset
         b_t = norm * i_t * acc(xb)
-        h0 = None if state is None else state["h"]
-        return gelu_y, log_a_t, b_t, reset, h0, conv_cache, pos0
+        carry = {"conv": conv_cache, "pos": pos0 + x.shape[1]} if output_state else None
+        return {"log_a": log_a_t, "b": b_t, "reset": reset, "chunk_size": self.chunk_size}, carry
 
-    def _finish(self, h, gelu_y, x, hT, conv_cache, pos0, output_state):
-        y = self.linear_out(h.to(x.dtype) * gelu_y)
-        st = {"conv": conv_cache, "h": hT, "pos": pos0 + x.shape[1]} if output_state else None
-        return y, st
+    def op(self, inp, initial_state=None, output_final_state: bool = False, backend: str = "torch"):
+        """h_t = a_t ⊙ h_{t−1} + b_t (h_t = b_t at a reset): ``kernels.linear_scan``."""
+        return linear_scan_reset(inp["log_a"], inp["b"], initial_state, inp["reset"], output_final_state, backend,
+                                 inp["chunk_size"])
+
+    def output(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """y = W_out(GeLU(W_y x) ⊙ h)."""
+        return self.linear_out(h.to(x.dtype) * F.gelu(self.linear_y(x), approximate="tanh"))
 
     def _scan(self, x, state, output_state, backend, segment_pos=None):
-        gelu_y, log_a_t, b_t, reset, h0, conv_cache, pos0 = self._gates(x, state, output_state, segment_pos)
-        h, hT = reset_scan(log_a_t, b_t, h0, reset, output_state, backend, self.chunk_size)
-        return self._finish(h, gelu_y, x, hT, conv_cache, pos0, output_state)
+        inp, carry = self.inputs(x, state, output_state, segment_pos)
+        h, hT = self.op(inp, None if state is None else state["h"], output_state, backend)
+        return self.output(h, x), (self._state(carry, hT) if output_state else None)
+
+    @staticmethod
+    def _state(carry, h) -> State:
+        return {"conv": carry["conv"], "h": h, "pos": carry["pos"]}
 
     def triton_unavailable(self):
         return None if has_triton_backend() else "kernels/linear_scan has no Triton kernel"
-
-    def scan_backend(self, x: torch.Tensor) -> str:
-        """The kernels.linear_scan backend of the chunked form (the one resolver's answer)."""
-        return self._resolve_backend(x)
 
     # ---- forms -------------------------------------------------------------------------------
     def reference(self, x, state=None, output_state=False, segment_pos=None):
         return self._scan(x, state, output_state, "reference", segment_pos)
 
     def chunked(self, x, state=None, output_state=False, segment_pos=None):
-        return self._scan(x, state, output_state, self.scan_backend(x), segment_pos)
+        return self._scan(x, state, output_state, self._resolve_backend(x), segment_pos)
 
     def step(self, x, state, segment_pos=None):
-        gelu_y, log_a_t, b_t, reset, h0, conv_cache, pos0 = self._gates(x, state, True, segment_pos)
-        h_prev = torch.where(reset[:, 0, None], torch.zeros_like(b_t[:, 0]), h0.to(b_t.dtype))
+        inp, carry = self.inputs(x, state, True, segment_pos)
+        log_a_t, b_t, reset = inp["log_a"], inp["b"], inp["reset"]
+        h_prev = torch.where(reset[:, 0, None], torch.zeros_like(b_t[:, 0]), state["h"].to(b_t.dtype))
         h = torch.exp(log_a_t[:, 0]) * h_prev + b_t[:, 0]
-        return self._finish(h[:, None], gelu_y, x, h, conv_cache, pos0, True)
+        return self.output(h[:, None], x), self._state(carry, h)
 
     @staticmethod
     def flops_per_token(cfg, seq_len: int) -> float:

@@ -1,0 +1,84 @@
+"""The mixer contract: declarations that fit together, public stages that compose to the
+training form, and a parallel package that reads only those declarations."""
+from __future__ import annotations
+
+import pathlib
+import re
+
+import pytest
+import torch
+
+from ttt_lm.model import registry
+from ttt_lm.model.config import LAYER_KINDS, ModelConfig
+from ttt_lm.model.mixers import Mixer, build_mixer, mixer_class
+from ttt_lm.model.mixers.base import CP_FORMS, SUMMARY_OPS, check_contract
+
+PARALLEL = pathlib.Path(__file__).resolve().parents[2] / "ttt_lm" / "parallel"
+
+
+def _cfg(kind):
+    cfg = ModelConfig(d_model=16, n_heads=2, n_layers=1, layer_pattern=[kind], vocab_size=32)
+    cfg.attention.window = 4
+    cfg.ttt.mini_batch_size = 4
+    cfg.deltanet.chunk_size = 3
+    cfg.rglru.chunk_size = 3
+    cfg.mamba.chunk_size = 3
+    return cfg
+
+
+@pytest.mark.parametrize("kind", LAYER_KINDS)
+def test_declarations_are_valid(kind):
+    cls = mixer_class(kind)
+    assert cls.cp_form in CP_FORMS
+    if cls.cp_form == "summary":
+        assert cls.op_name in SUMMARY_OPS
+
+
+@pytest.mark.parametrize("kind", [k for k in LAYER_KINDS if mixer_class(k).cp_form != "state_passing"])
+def test_stages_compose_to_the_chunked_form(kind):
+    """inputs → op → output from a state built by context_state (no earlier tokens: the halo is
+    all invalid) is the chunked form from no state. float64; the RG-LRU's conv takes its masked
+    path when handed a cache, another summation order, so 1e-12 rather than exact."""
+    torch.manual_seed(0)
+    m = build_mixer(kind, _cfg(kind), 0).double()
+    x = torch.randn(2, 7, 16, dtype=torch.float64)
+    n = m.cp_halo
+    st = m.context_state(torch.zeros(2, n, 16, dtype=torch.float64), torch.zeros(n, dtype=torch.bool), 0)
+    inp, _ = m.inputs(x, st)
+    y, _ = m.op(inp, backend=m.op_backend(x))
+    want, _ = m.chunked(x)
+    torch.testing.assert_close(m.output(y, x), want, rtol=1e-12, atol=1e-12)
+
+
+def test_inconsistent_declarations_are_refused():
+    class NoStages(Mixer):
+        cp_form = "summary"
+        op_name = "linear_scan"
+    with pytest.raises(TypeError, match="does not define the public stage"):
+        check_contract(NoStages)
+
+    class BadForm(Mixer):
+        cp_form = "ring"
+    with pytest.raises(ValueError, match="cp_form must be one of"):
+        check_contract(BadForm)
+
+    class BadOp(NoStages):
+        op_name = "fft"
+        inputs = op = output = context_state = lambda self, *a: None
+    with pytest.raises(ValueError, match="op_name must be one of"):
+        check_contract(BadOp)
+
+
+def test_parallel_names_no_mixer_class_and_no_private_mixer_method():
+    for kind in registry.BUILTIN_KINDS:
+        mixer_class(kind)
+    names = {cls.__name__ for cls in registry.registered().values()}
+    names |= {base.__name__ for cls in registry.registered().values() for base in cls.__mro__
+              if base.__module__.startswith("ttt_lm.model.mixers.") and base is not Mixer}
+    for path in [PARALLEL / "context_parallel.py"]:
+        src = path.read_text()
+        for name in names:
+            assert not re.search(rf"\b{name}\b", src), f"{path.name} names the mixer class {name}"
+        assert not re.search(r"ttt_lm\.model\.mixers\.(?!base\b)", src), f"{path.name} imports a mixer module"
+        hits = re.findall(r"\b(?:mixer|mx|m)\._[a-z]\w*", src)
+        assert not hits, f"{path.name} calls private mixer members {hits}"
