@@ -2,10 +2,15 @@
 
 Per block (p = tensor-parallel size, r = this rank):
 
-* attention / local_attention: q_proj, k_proj, v_proj column-parallel by heads (rank r holds
+* the mixer: as its own declaration says (``Mixer.tp_plan``, a ``TPPlan``): column- and
+  row-parallel projections, depthwise convs and per-head parameters sliced by heads, norms over
+  all heads whose statistics span the group (``tp_layer_norm``: two all-reduces of one number per
+  token), values shared by all heads whose gradient is all-reduced (f), head counts divided by p.
+  Heads are independent, so the mixer's own code then runs unchanged on its n_heads/p heads (its
+  decode state holds only the local heads too). attention layers split q, k, v by heads (rank r holds
   query heads r·H/p … and KV heads r·H_kv/p …, so each query head keeps its KV head under GQA);
-  o_proj row-parallel. Heads are independent, so the attention itself runs unchanged on the
-  local heads (the KV cache holds only the local heads too).
+  TTT-Linear and TTT-MLP split like it, with their per-head inner weights, θ_η, b_η and inner
+  LayerNorm sliced, their post-norm spanning the group and τ (shared by all heads) replicated.
 * GatedMLP: gate_proj and up_proj column-parallel, down_proj row-parallel.
 * embedding and LM head vocab-parallel (a tied head keeps sharing the embedding's shard); the
   loss is ``vocab_parallel_cross_entropy``, so full logits are never formed in training.
@@ -14,46 +19,46 @@ Per block (p = tensor-parallel size, r = this rank):
   through f̄ (all-gather of the sequence), once for all the column-parallel linears that read it.
   With sequence parallelism the embedding output, the residual stream and the norms hold T/p
   tokens per rank, and the norms' gains get their gradient all-reduced over the group.
-* ttt_linear / ttt_mlp: heads are independent, so they split like attention: q_proj, k_proj,
-  v_proj and g_proj (use_gate) column-parallel by heads; the share_qk depthwise convs conv_q,
-  conv_k sliced by channels (= by heads); the per-head parameters θ_η and b_η
-  (learnable_ttt_lr_weight/bias), the inner LayerNorm γ, β (ttt_norm_weight/bias) and the inner
-  model W1, b1 (W2, b2) sliced along their head dimension; o_proj row-parallel. The inner states
-  (and a decode state's W, gradient sums and conv caches) hold only the local heads, so the dual
-  form's FLOPs and the state shrink by p. ``post_norm`` is a LayerNorm over all heads: its γ, β
-  are sliced and its mean and variance come from ``tp_layer_norm`` (two all-reduces of one
-  number per token). learnable_token_idx (τ, shared by all heads) is replicated: each rank's
-  gradient for it covers its heads only, so it is all-reduced (f on τ). The block's optional
-  pre_conv reads the residual stream, so it is replicated; it is refused with sequence
-  parallelism (a causal conv over a T/p shard would miss the previous shard's last tokens).
+* a block's pre-conv (``Mixer.block_pre_conv``) reads the residual stream, so it is replicated;
+  it is refused with sequence parallelism (a causal conv over a T/p shard would miss the previous
+  shard's last tokens).
 
 Every sharded weight is a slice of the single-rank weight (``partition_dim`` on the parameter
 says which dimension), so ``gather_full_state_dict`` rebuilds the single-rank state dict.
 
-TP-ready layer kinds: ``TP_READY_KINDS`` (attention, local_attention, ttt_linear, ttt_mlp). The
-other recurrent mixers (Titans, DeltaNet, RG-LRU, Mamba) are refused.
+TP-ready layer kinds: those whose mixer declares a plan (``TP_READY_KINDS``: attention,
+local_attention, ttt_linear, ttt_mlp). The other kinds (titans*, deltanet, rglru, mamba) declare
+none, and a model with one is refused before any change.
 """
 from __future__ import annotations
 
 from typing import Dict, List, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from kernels.ttt import ttt_linear, ttt_mlp
+from ttt_lm.model.config import LAYER_KINDS, ModelConfig
 from ttt_lm.model.layers import GatedMLP, RMSNorm, acc
 from ttt_lm.model.lm import LM, LMOutput
-from ttt_lm.model.mixers import mixer_class
-from ttt_lm.model.mixers.attention import Attention
-from ttt_lm.model.mixers.ttt import TTTLinear, TTTMLP, _TTTBase
+from ttt_lm.model.mixers import Mixer, mixer_class
+from ttt_lm.model.mixers.base import TPPlan
 from ttt_lm.parallel.groups import ParallelGroups
 from ttt_lm.parallel.tensor_parallel import (
     ColumnParallelLinear, RowParallelLinear, TPContext, VocabParallelEmbedding, _all_gather, _mark, _shard,
     copy_to_tensor_parallel_region, gather_from_sequence_parallel_region, gather_from_tensor_parallel_region,
     tp_layer_norm, vocab_parallel_cross_entropy)
 
-TP_READY_KINDS = ("attention", "local_attention", "ttt_linear", "ttt_mlp")
+
+def tp_ready_kinds(cfg: Optional[ModelConfig] = None) -> tuple:
+    """The layer kinds whose mixer declares a tensor-parallel plan (for ``cfg``; default config
+    when None), among every kind registered now."""
+    from ttt_lm.model.registry import layer_kinds
+    cfg = cfg if cfg is not None else ModelConfig()
+    return tuple(k for k in layer_kinds() if mixer_class(k).tp_plan(cfg) is not None)
+
+
+#: the built-in TP-ready layer kinds
+TP_READY_KINDS = tuple(k for k in tp_ready_kinds() if k in LAYER_KINDS)
 
 
 class RegionEntryRMSNorm(RMSNorm):
@@ -80,40 +85,33 @@ def _entry_norm(norm: RMSNorm, ctx: TPContext) -> RegionEntryRMSNorm:
     return m
 
 
-class _TPTTT:
-    """The TTT mixer on this rank's n_heads/p heads (see the module docstring); the layer's math
-    is _TTTBase's, only post_norm spans the group."""
+class GroupLayerNorm(nn.Module):
+    """A LayerNorm over features split across the TP group (``TPPlan.group_norms``): this rank's
+    slice of the gain and bias, mean and variance over every rank's features (``tp_layer_norm``)."""
 
-    tp_ctx: TPContext
+    def __init__(self, norm: nn.LayerNorm, ctx: TPContext):
+        super().__init__()
+        if not isinstance(norm, nn.LayerNorm) or norm.weight is None or norm.bias is None:
+            raise TypeError(f"TPPlan.group_norms: expected an nn.LayerNorm with gain and bias, got {type(norm).__name__}")
+        self.ctx = ctx
+        self.eps = norm.eps
+        self.weight = _shard_param(norm.weight, 0, ctx)
+        self.bias = _shard_param(norm.bias, 0, ctx)
 
-    def _tau(self) -> torch.Tensor:
-        # τ is shared by the heads of every rank: its gradient here is this rank's heads' part
-        return copy_to_tensor_parallel_region(super()._tau(), self.tp_ctx.group)
-
-    def _run(self, x: torch.Tensor, state, output_state: bool, backend: str):
-        XQ, XK, XV, caches = self._qkv(x, state)
-        op_state = None if state is None else {k: v for k, v in state.items() if not k.startswith("conv_")}
-        op = ttt_linear if self.kind == "linear" else ttt_mlp
-        z, new = op(XQ, XK, XV, self._eta(x), self._tau(), self.ttt_norm_weight, self.ttt_norm_bias,
-                    *self._inner_weights(), mini_batch_size=self.mini_batch_size,
-                    initial_state=op_state, output_final_state=output_state, backend=backend)
-        B, H, T, d = z.shape
-        zf = acc(z.transpose(1, 2).reshape(B, T, H * d))
-        y = tp_layer_norm(zf, self.post_norm.weight, self.post_norm.bias, self.post_norm.eps, self.tp_ctx.group)
-        if self.use_gate:
-            y = F.gelu(acc(self.g_proj(x)), approximate="tanh") * y
-        out = self.o_proj(y.to(x.dtype))
-        if output_state:
-            new.update(caches)
-        return out, (new if output_state else None)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return tp_layer_norm(x, self.weight, self.bias, self.eps, self.ctx.group)
 
 
-class TPTTTLinear(_TPTTT, TTTLinear):
-    """TTT-Linear converted by ``parallelize_tp``."""
+class SharedAcrossHeads(nn.Module):
+    """f on a value every head uses (``TPPlan.shared``): identity forward, its gradient summed
+    over the group (each rank's gradient covers its own heads)."""
 
+    def __init__(self, ctx: TPContext):
+        super().__init__()
+        self.ctx = ctx
 
-class TPTTTMLP(_TPTTT, TTTMLP):
-    """TTT-MLP converted by ``parallelize_tp``."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return copy_to_tensor_parallel_region(x, self.ctx.group)
 
 
 def _shard_param(p: nn.Parameter, dim: int, ctx: TPContext) -> nn.Parameter:
@@ -130,24 +128,28 @@ def _shard_conv(conv: nn.Conv1d, ctx: TPContext) -> nn.Conv1d:
     return m
 
 
-def _parallelize_ttt(mx: _TTTBase, ctx: TPContext) -> None:
+def _parallelize_mixer(mx: Mixer, plan: TPPlan, ctx: TPContext) -> None:
+    """Apply ``plan`` to ``mx`` in place (see ``TPPlan``)."""
     p = ctx.world_size
-    names = ["q_proj", "v_proj"] + ([] if mx.share_qk else ["k_proj"]) + (["g_proj"] if mx.use_gate else [])
-    for name in names:
+    for name in plan.column:
         setattr(mx, name, ColumnParallelLinear.from_linear(getattr(mx, name), ctx, input_in_region=True))
-    mx.o_proj = RowParallelLinear.from_linear(mx.o_proj, ctx, input_is_parallel=True)
-    if mx.share_qk:
-        mx.conv_q, mx.conv_k = _shard_conv(mx.conv_q, ctx), _shard_conv(mx.conv_k, ctx)
-    for name in ("learnable_ttt_lr_weight", "learnable_ttt_lr_bias", "ttt_norm_weight", "ttt_norm_bias",
-                 *mx.inner_keys):
+    for name in plan.row:
+        setattr(mx, name, RowParallelLinear.from_linear(getattr(mx, name), ctx, input_is_parallel=True))
+    for name in plan.channel_convs:
+        setattr(mx, name, _shard_conv(getattr(mx, name), ctx))
+    for name in plan.head_params:
         setattr(mx, name, _shard_param(getattr(mx, name), 0, ctx))
-    pn = mx.post_norm
-    pn.weight, pn.bias = _shard_param(pn.weight, 0, ctx), _shard_param(pn.bias, 0, ctx)
-    pn.normalized_shape = (pn.weight.shape[0],)
-    mx.n_heads //= p
-    mx.width //= p
-    mx.__class__ = TPTTTLinear if isinstance(mx, TTTLinear) else TPTTTMLP
-    mx.tp_ctx = ctx
+    for name in plan.group_norms:
+        setattr(mx, name, GroupLayerNorm(getattr(mx, name), ctx))
+    for name in plan.shared:
+        if not isinstance(getattr(mx, name), nn.Identity):
+            raise TypeError(f"TPPlan.shared: {type(mx).__name__}.{name} must be an nn.Identity hook")
+        setattr(mx, name, SharedAcrossHeads(ctx))
+    for name in plan.head_counts:
+        n = getattr(mx, name)
+        if n % p:
+            raise ValueError(f"tensor_parallel={p} must divide {type(mx).__name__}.{name}={n}")
+        setattr(mx, name, n // p)
 
 
 class TPLM(LM):
@@ -170,12 +172,22 @@ class TPLM(LM):
         return sp
 
     def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None,
-                states=None, output_states: bool = False) -> LMOutput:
+                states=None, output_states: bool = False,
+                position_ids: Optional[torch.Tensor] = None) -> LMOutput:
+        """As ``LM.forward``; ``position_ids`` reach the blocks as there (document resets with
+        ``model.reset_at_doc_boundaries``, segment positions), except that document resets
+        inside a row are refused with sequence parallelism (a block's pieces would each be
+        split across the ranks)."""
         ctx = self.tp_ctx
         sp0 = ctx.sequence_parallel
         ctx.sequence_parallel = self._sp_for(input_ids.shape[1])
+        if ctx.sequence_parallel and position_ids is not None and self.cfg.reset_at_doc_boundaries \
+                and bool((position_ids[:, 1:] == 0).any()):
+            ctx.sequence_parallel = sp0
+            raise ValueError("model.reset_at_doc_boundaries with documents starting inside a row is not "
+                             "available with sequence parallelism; set parallel.sequence_parallel=false")
         try:
-            h, new_states = self.hidden(input_ids, states, output_states)
+            h, new_states = self.hidden(input_ids, states, output_states, position_ids)
             logits = self.lm_head(h)  # [B, T, V/p]
         finally:
             ctx.sequence_parallel = sp0
@@ -187,14 +199,15 @@ class TPLM(LM):
             if labels is None or self.tp_gather_logits else None
         return LMOutput(logits=full, loss=loss, states=new_states)
 
-    def step(self, token_ids: torch.Tensor, states: List[dict]):
+    def step(self, token_ids: torch.Tensor, states: List[dict], position_ids: Optional[torch.Tensor] = None):
         ctx = self.tp_ctx
         sp0, ctx.sequence_parallel = ctx.sequence_parallel, False  # one token cannot be split
         try:
             x = self.embed(token_ids[:, None])
+            pos = None if position_ids is None else position_ids.reshape(-1, 1)
             new_states = []
             for block, st in zip(self.layers, states):
-                x, ns = block.step(x, st)
+                x, ns = block.step(x, st, pos)
                 new_states.append(ns)
             logits = self.lm_head(self.norm(x))
         finally:
@@ -205,12 +218,13 @@ class TPLM(LM):
 def _check(model: LM, p: int, sequence_parallel: bool) -> None:
     cfg = model.cfg
     kinds = cfg.layer_kinds()
-    bad = [(i, k) for i, k in enumerate(kinds) if k not in TP_READY_KINDS]
+    bad = [(i, k) for i, k in enumerate(kinds) if mixer_class(k).tp_plan(cfg) is None]
     if bad:
         kinds = sorted({k for _, k in bad})
         raise ValueError(
-            f"tensor parallelism does not support layer kind(s) {kinds} (layers {[i for i, _ in bad]}); "
-            f"TP-ready kinds: {list(TP_READY_KINDS)}. Run these models with parallel.tensor_parallel=1")
+            f"tensor parallelism does not support layer kind(s) {kinds} (layers {[i for i, _ in bad]}): their "
+            f"mixers declare no tensor-parallel plan; TP-ready kinds: {list(tp_ready_kinds(cfg))}. Run these "
+            "models with parallel.tensor_parallel=1")
     n_kv = cfg.attention.num_kv_heads or cfg.n_heads
     errs = []
     if cfg.n_heads % p:
@@ -240,16 +254,7 @@ def parallelize_tp(model: LM, groups, sequence_parallel: bool = False) -> TPLM:
     _check(model, p, sequence_parallel)  # before any change, so a refusal leaves the model intact
 
     for block in model.layers:
-        mx = block.mixer
-        if isinstance(mx, _TTTBase):
-            _parallelize_ttt(mx, ctx)
-        else:
-            assert isinstance(mx, Attention), type(mx)
-            for name in ("q_proj", "k_proj", "v_proj"):
-                setattr(mx, name, ColumnParallelLinear.from_linear(getattr(mx, name), ctx, input_in_region=True))
-            mx.o_proj = RowParallelLinear.from_linear(mx.o_proj, ctx, input_is_parallel=True)
-            mx.n_heads //= p
-            mx.n_kv //= p
+        _parallelize_mixer(block.mixer, type(block.mixer).tp_plan(model.cfg), ctx)
         block.mixer_norm = _entry_norm(block.mixer_norm, ctx)
         if block.mlp is not None:
             mlp: GatedMLP = block.mlp
@@ -293,5 +298,6 @@ def gather_full_state_dict(model: TPLM) -> Dict[str, torch.Tensor]:
     return out
 
 
-__all__ = ["parallelize_tp", "TPLM", "TP_READY_KINDS", "RegionEntryRMSNorm", "TPTTTLinear", "TPTTTMLP", "partition_dims",
+__all__ = ["parallelize_tp", "TPLM", "TP_READY_KINDS", "tp_ready_kinds", "RegionEntryRMSNorm", "GroupLayerNorm",
+           "SharedAcrossHeads", "partition_dims",
            "gather_tp_tensor", "gather_full_state_dict"]

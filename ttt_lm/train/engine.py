@@ -3,7 +3,7 @@
 
 Parallel layouts (``check_parallel``): data parallel with ZeRO 1/2/3, optionally combined with
 Megatron tensor parallelism (``parallel.tensor_parallel`` = p ranks per model replica, attention
-models only: ``ttt_lm.parallel.tp_model.TP_READY_KINDS``) and its sequence parallelism. With p > 1
+models only: those whose mixers declare a ``tp_plan``, ``ttt_lm.parallel.tp_model.tp_ready_kinds``) and its sequence parallelism. With p > 1
 the batch size counts the data-parallel ranks (world / p) and DeepSpeed gets the ``mpu`` of
 ``ttt_lm.parallel.groups``, so ZeRO reduces and shards over the data-parallel group only.
 Context parallelism (``parallel.context_parallel`` = c > 1, not with TP): each row's tokens split
@@ -72,15 +72,15 @@ def check_parallel(cfg, world_size: Optional[int] = None) -> None:
             "the tensor-parallel group between its regions")
     if tp > 1:
         from ttt_lm.model.mixers import mixer_class
-        from ttt_lm.parallel.tp_model import TP_READY_KINDS
+        from ttt_lm.parallel.tp_model import tp_ready_kinds
         m = cfg.model
         kinds = m.layer_kinds()
-        bad = sorted({k for k in kinds if k not in TP_READY_KINDS})
+        layers = [i for i, k in enumerate(kinds) if mixer_class(k).tp_plan(m) is None]
+        bad = sorted({kinds[i] for i in layers})
         if bad:
-            layers = [i for i, k in enumerate(kinds) if k not in TP_READY_KINDS]
             raise ParallelConfigError(
                 f"parallel.tensor_parallel={tp}: layer kind(s) {bad} (layers {layers}) are not TP-ready; "
-                f"tensor parallelism supports {list(TP_READY_KINDS)}. Use parallel.tensor_parallel=1 for this model "
+                f"tensor parallelism supports {list(tp_ready_kinds(m))}. Use parallel.tensor_parallel=1 for this model "
                 "(data parallel + ZeRO-3 also shards the parameters)")
         if world_size is not None and world_size % tp:
             raise ParallelConfigError(
@@ -102,7 +102,7 @@ def check_parallel(cfg, world_size: Optional[int] = None) -> None:
         if m.reset_at_doc_boundaries:
             raise ParallelConfigError(
                 "model.reset_at_doc_boundaries=true is not available with parallel.tensor_parallel > 1 "
-                "(the tensor-parallel forward takes no position_ids); use tensor_parallel=1")
+                "(the tensor-parallel trainer does not pass position_ids); use tensor_parallel=1")
     if p.zero_stage not in (1, 2, 3):
         raise ParallelConfigError(f"parallel.zero_stage must be 1, 2 or 3, got {p.zero_stage}")
     if cfg.train.precision not in ("fp32", "bf16"):

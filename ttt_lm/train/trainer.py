@@ -390,7 +390,7 @@ def _train(cfg, data_api, preempt, held) -> int:
     cfg_yaml = to_yaml(cfg)
 
     def fwd_kw(b):
-        # the tensor-parallel forward takes no position_ids (check_parallel refuses
+        # with tensor parallelism nothing reads position_ids (check_parallel refuses
         # reset_at_doc_boundaries and the RG-LRU, their users, with it); the context-parallel one
         # hands them to the RG-LRU as segment positions. They stay on the host (see _pos).
         return {} if tp > 1 else {"position_ids": _pos(b)}

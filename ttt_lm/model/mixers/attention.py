@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ttt_lm.model.layers import acc, apply_rope, rope_cos_sin
-from ttt_lm.model.mixers.base import Mixer, State
+from ttt_lm.model.mixers.base import Mixer, State, TPPlan
 from ttt_lm.model.registry import register_mixer
 
 try:  # optional extra
@@ -138,6 +138,12 @@ class Attention(Mixer):
 
     def context_state(self, x_before, valid, start: int) -> State:
         return {"pos": start}
+
+    @classmethod
+    def tp_plan(cls, cfg) -> TPPlan:
+        """Heads are independent: q, k, v split by heads (rank r holds query heads r·H/p … and KV
+        heads r·H_kv/p …, so each query head keeps its KV head under GQA), o_proj by rows."""
+        return TPPlan(column=("q_proj", "k_proj", "v_proj"), row=("o_proj",), head_counts=("n_heads", "n_kv"))
 
     def init_state(self, batch_size: int, device=None, dtype=None) -> State:
         z = torch.zeros(batch_size, self.n_kv, 0, self.hd, device=device, dtype=dtype)

@@ -47,6 +47,7 @@ its three forms then accept ``segment_pos`` ([B, T] integers) and the block pass
 from __future__ import annotations
 
 import abc
+from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
 import torch
@@ -60,6 +61,32 @@ CP_FORMS = ("state_passing", "summary", "kv_exchange")
 SUMMARY_OPS = ("linear_scan", "delta_rule", "selective_scan")
 #: the public stages a mixer with a parallel context-parallel form defines
 STAGES = ("inputs", "op", "output", "context_state")
+
+
+@dataclass(frozen=True)
+class TPPlan:
+    """How Megatron tensor parallelism splits a mixer across p ranks by heads (``Mixer.tp_plan``):
+    each entry names attributes of the mixer. ``ttt_lm.parallel.tp_model`` applies it.
+
+    * ``column``: nn.Linear layers split by output features (rank r keeps heads r·H/p …); their
+      input is the replicated block input.
+    * ``row``: nn.Linear layers split by input features, reading the column-split activations;
+      their partial outputs are summed across ranks.
+    * ``channel_convs``: depthwise nn.Conv1d split by channels (= by heads).
+    * ``head_params``: parameters sliced along dimension 0 (one entry per head).
+    * ``group_norms``: nn.LayerNorm layers over the features of all heads: their gain and bias
+      are sliced and their mean and variance come from every rank.
+    * ``shared``: nn.Identity hooks the mixer passes a value through that every head uses (a
+      replicated parameter): tensor parallelism swaps them for f (identity forward, the gradient
+      summed across ranks, since each rank's gradient covers its heads only).
+    * ``head_counts``: integer attributes divided by p (number of heads, widths)."""
+    column: Tuple[str, ...] = ()
+    row: Tuple[str, ...] = ()
+    channel_convs: Tuple[str, ...] = ()
+    head_params: Tuple[str, ...] = ()
+    group_norms: Tuple[str, ...] = ()
+    shared: Tuple[str, ...] = ()
+    head_counts: Tuple[str, ...] = ()
 
 
 class Mixer(nn.Module, metaclass=abc.ABCMeta):
@@ -114,6 +141,12 @@ class Mixer(nn.Module, metaclass=abc.ABCMeta):
 
     def reset_parameters(self) -> None:
         """Mixer-specific initialization, run after the model's generic init."""
+
+    @classmethod
+    def tp_plan(cls, cfg) -> Optional[TPPlan]:
+        """How tensor parallelism splits this mixer as ``cfg`` (the ModelConfig) builds it; None:
+        not TP-ready (tensor parallelism refuses a model with such a layer)."""
+        return None
 
     @classmethod
     def block_pre_conv(cls, cfg) -> Optional[int]:

@@ -87,7 +87,7 @@ from torch import nn
 
 from kernels.ttt import has_triton_backend, ttt_linear, ttt_mlp
 from ttt_lm.model.layers import acc, apply_rope, rope_cos_sin
-from ttt_lm.model.mixers.base import Mixer, State
+from ttt_lm.model.mixers.base import Mixer, State, TPPlan
 from ttt_lm.model.registry import register_mixer
 
 #: N(0, 0.02) for W1, W2 and θ_η, as in the official code (independent of model.init_std)
@@ -114,6 +114,15 @@ def _permute(x: torch.Tensor) -> torch.Tensor:
 def _unpermute(x: torch.Tensor) -> torch.Tensor:
     *s, d = x.shape
     return x.reshape(*s, 2, d // 2).transpose(-1, -2).reshape(*s, d)
+
+
+class HeadsLayerNorm(nn.LayerNorm):
+    """LayerNorm over the features of all heads, its gain and bias cast to the input's dtype (the
+    input is float32 for half-precision models). Tensor parallelism swaps it for one whose
+    statistics span the ranks (``TPPlan.group_norms``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.normalized_shape, self.weight.to(x.dtype), self.bias.to(x.dtype), self.eps)
 
 
 class _TTTBase(Mixer):
@@ -159,7 +168,9 @@ class _TTTBase(Mixer):
         self.ttt_norm_bias = nn.Parameter(torch.zeros(H, self.hd))          # β
         if self.use_gate:
             self.g_proj = nn.Linear(D, W, bias=False)
-        self.post_norm = nn.LayerNorm(W, eps=1e-6)
+        self.post_norm = HeadsLayerNorm(W, eps=1e-6)
+        #: τ passes through here: it is shared by all heads (tensor parallelism sums its gradient)
+        self.tau_shared = nn.Identity()
         d = self.hd
         if self.kind == "linear":
             self.inner_keys = ("W1", "b1")
@@ -173,6 +184,20 @@ class _TTTBase(Mixer):
             self.W2 = nn.Parameter(torch.empty(H, m, d))
             self.b2 = nn.Parameter(torch.zeros(H, 1, d))
         self.reset_parameters()
+
+    @classmethod
+    def tp_plan(cls, cfg) -> TPPlan:
+        """Heads are independent, so they split like attention: q, k, v and g (use_gate) by
+        columns, the share_qk convs by channels, the per-head θ_η, b_η, inner LayerNorm γ, β and
+        inner weights by heads, o_proj by rows; post_norm spans all heads (statistics across
+        ranks) and τ is shared by all heads."""
+        t = cfg.ttt
+        inner = ("W1", "b1") if cls.kind == "linear" else ("W1", "b1", "W2", "b2")
+        return TPPlan(column=("q_proj", "v_proj") + (() if t.share_qk else ("k_proj",)) + (("g_proj",) if t.use_gate else ()),
+                      row=("o_proj",), channel_convs=("conv_q", "conv_k") if t.share_qk else (),
+                      head_params=("learnable_ttt_lr_weight", "learnable_ttt_lr_bias", "ttt_norm_weight",
+                                   "ttt_norm_bias") + inner,
+                      group_norms=("post_norm",), shared=("tau_shared",), head_counts=("n_heads", "width"))
 
     @classmethod
     def block_pre_conv(cls, cfg) -> Optional[int]:
@@ -238,7 +263,8 @@ class _TTTBase(Mixer):
 
     def _tau(self) -> torch.Tensor:
         """τ_p = max(0, 1/(p+1) + learnable_token_idx[p]), [b]."""
-        return torch.clamp_min(self.token_idx.to(self.learnable_token_idx.dtype) + self.learnable_token_idx, 0.0)
+        return self.tau_shared(torch.clamp_min(self.token_idx.to(self.learnable_token_idx.dtype)
+                                               + self.learnable_token_idx, 0.0))
 
     def _inner_weights(self):
         return [getattr(self, n) for n in self.inner_keys]
@@ -251,10 +277,7 @@ class _TTTBase(Mixer):
                           *self._inner_weights(), mini_batch_size=self.mini_batch_size,
                           initial_state=op_state, output_final_state=output_state, backend=backend)
         B, H, T, d = z.shape
-        z = z.transpose(1, 2).reshape(B, T, H * d)
-        zf = acc(z)
-        y = F.layer_norm(zf, (self.width,), self.post_norm.weight.to(zf.dtype),
-                         self.post_norm.bias.to(zf.dtype), self.post_norm.eps)
+        y = self.post_norm(acc(z.transpose(1, 2).reshape(B, T, H * d)))
         if self.use_gate:
             y = F.gelu(acc(self.g_proj(x)), approximate="tanh") * y
         out = self.o_proj(y.to(x.dtype))
