@@ -97,6 +97,23 @@ def test_readme_mixer_registers_and_its_forms_agree():
     _close(torch.cat(steps, 1), chunked, "decode steps vs one pass")
 
 
+def test_a_plan_that_does_not_fit_is_refused_before_any_change(monkeypatch):
+    """Checked without a process group (``_check`` runs before any collective or conversion)."""
+    ns = load_readme_mixer()
+    from ttt_lm.model.config import ModelConfig
+    from ttt_lm.model.lm import LM
+    from ttt_lm.model.mixers.base import TPPlan
+    from ttt_lm.parallel.tp_model import _check
+    cfg = ModelConfig(vocab_size=32, d_model=18, head_dim=4, n_heads=4, n_layers=1, layer_pattern=[KIND], d_ff=24)
+    model = LM(cfg)
+    with pytest.raises(ValueError, match=r"tensor_parallel=4 must divide width=18 of layer 0 \(gated_sum\)"):
+        _check(model, 4, False)
+    monkeypatch.setattr(ns["GatedSum"], "tp_plan", classmethod(lambda cls, cfg: TPPlan(column=("q_proj",))))
+    with pytest.raises(ValueError, match=r"names attribute\(s\) the mixer does not have: \['q_proj'\]"):
+        _check(model, 2, False)
+    assert type(model.layers[0].mixer.a_proj) is torch.nn.Linear   # untouched
+
+
 # ---- in 2 processes ------------------------------------------------------------------------------
 def check_tp():
     """TP=2 (with and without sequence parallelism): loss and every gradient equal one process."""

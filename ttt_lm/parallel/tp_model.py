@@ -146,10 +146,21 @@ def _parallelize_mixer(mx: Mixer, plan: TPPlan, ctx: TPContext) -> None:
             raise TypeError(f"TPPlan.shared: {type(mx).__name__}.{name} must be an nn.Identity hook")
         setattr(mx, name, SharedAcrossHeads(ctx))
     for name in plan.head_counts:
+        setattr(mx, name, getattr(mx, name) // p)
+
+
+def _check_plan(i: int, mx: Mixer, plan: TPPlan, p: int) -> None:
+    """Refuse a plan that names what the mixer does not have, or a head count that p does not
+    divide, before anything is converted."""
+    where = f"layer {i} ({mx.layer_kind}): {type(mx).__name__}.tp_plan"
+    fields = ("column", "row", "channel_convs", "head_params", "group_norms", "shared", "head_counts")
+    missing = [n for f in fields for n in getattr(plan, f) if not hasattr(mx, n)]
+    if missing:
+        raise ValueError(f"{where} names attribute(s) the mixer does not have: {missing}")
+    for name in plan.head_counts:
         n = getattr(mx, name)
-        if n % p:
-            raise ValueError(f"tensor_parallel={p} must divide {type(mx).__name__}.{name}={n}")
-        setattr(mx, name, n // p)
+        if not isinstance(n, int) or n % p:
+            raise ValueError(f"tensor_parallel={p} must divide {name}={n} of {where.split(':')[0]}")
 
 
 class TPLM(LM):
@@ -237,6 +248,8 @@ def _check(model: LM, p: int, sequence_parallel: bool) -> None:
         errs.append(f"model.vocab_size={cfg.vocab_size}")
     if errs:
         raise ValueError(f"tensor_parallel={p} must divide {', '.join(errs)}")
+    for i, block in enumerate(model.layers):
+        _check_plan(i, block.mixer, type(block.mixer).tp_plan(cfg), p)
     if sequence_parallel and p > 1 and any(mixer_class(k).block_pre_conv(cfg) is not None for k in kinds):
         raise ValueError("model.ttt.pre_conv (a causal conv over the residual stream) is not supported with "
                          "sequence parallelism, which splits that stream along the sequence; set "
