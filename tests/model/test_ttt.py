@@ -130,7 +130,8 @@ def test_rope_positions_restart_every_mini_batch():
     q (k), and a different one at positions 1 and 2."""
     m, _ = make_mixer("ttt_linear", ttt={"mini_batch_size": 4})
     x = torch.randn(1, 1, m.d_model, dtype=torch.float64).expand(1, 9, m.d_model)
-    XQ, XK, _, _ = m._qkv(x, None)
+    inp, _ = m.inputs(x)
+    XQ, XK = inp["q"], inp["k"]
     torch.testing.assert_close(XQ[:, :, 1], XQ[:, :, 5], atol=1e-12, rtol=0)
     torch.testing.assert_close(XK[:, :, 2], XK[:, :, 6], atol=1e-12, rtol=0)
     assert (XQ[:, :, 1] - XQ[:, :, 2]).abs().max() > 1e-6
@@ -140,7 +141,7 @@ def test_rope_is_interleaved_pairs():
     """The official permute → half-split RoPE → unpermute rotates pairs (2i, 2i+1) by angle p·θ^(−2i/d)."""
     m, _ = make_mixer("ttt_linear", ttt={"mini_batch_size": 4})
     x = torch.randn(1, 4, m.d_model, dtype=torch.float64)
-    XQ, _, _, _ = m._qkv(x, None)
+    XQ = m.inputs(x)[0]["q"]
     raw = m.q_proj(x).view(1, 4, m.n_heads, m.hd).transpose(1, 2)
     d, p = m.hd, 3
     ang = p * m.rope_theta ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)

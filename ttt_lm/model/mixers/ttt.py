@@ -226,9 +226,11 @@ class _TTTBase(Mixer):
             self.conv_q.reset_parameters()
             self.conv_k.reset_parameters()
 
-    # ---- pieces ------------------------------------------------------------------------------
-    def _qkv(self, x: torch.Tensor, state: Optional[State]):
-        """XQ, XK, XV [B, H, T, d] (RoPE applied at positions mod b) and the new conv caches."""
+    # ---- stages ------------------------------------------------------------------------------
+    def inputs(self, x: torch.Tensor, state: Optional[State] = None, output_state: bool = False):
+        """The op's arguments: XQ, XK, XV [B, H, T, d] (RoPE at positions mod b), η, τ, the inner
+        LayerNorm's γ, β, the inner weights (the initial state when none is carried) and b; the
+        carry is the conv caches (share_qk)."""
         B, T, _ = x.shape
         caches = {}
         if self.share_qk:
@@ -244,7 +246,25 @@ class _TTTBase(Mixer):
         cos, sin = rope_cos_sin(positions, self.hd, self.rope_theta, dtype=acc(XQ).dtype)
         XQ = _unpermute(apply_rope(_permute(XQ), cos, sin))
         XK = _unpermute(apply_rope(_permute(XK), cos, sin))
-        return XQ, XK, XV, caches
+        inp = {"q": XQ, "k": XK, "v": XV, "eta": self._eta(x), "tau": self._tau(),
+               "ln_weight": self.ttt_norm_weight, "ln_bias": self.ttt_norm_bias, "inner": self._inner_weights(),
+               "mini_batch_size": self.mini_batch_size}
+        return inp, (caches if output_state else None)
+
+    def op(self, inp, initial_state=None, output_final_state: bool = False, backend: str = "torch"):
+        """Mini-batch TTT: ``kernels.ttt.ttt_linear`` / ``ttt_mlp``."""
+        op = ttt_linear if self.kind == "linear" else ttt_mlp
+        return op(inp["q"], inp["k"], inp["v"], inp["eta"], inp["tau"], inp["ln_weight"], inp["ln_bias"],
+                  *inp["inner"], mini_batch_size=inp["mini_batch_size"], initial_state=initial_state,
+                  output_final_state=output_final_state, backend=backend)
+
+    def output(self, z: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """o = o_proj(gate(post_norm(concat_heads(z))))."""
+        B, H, T, d = z.shape
+        y = self.post_norm(acc(z.transpose(1, 2).reshape(B, T, H * d)))
+        if self.use_gate:
+            y = F.gelu(acc(self.g_proj(x)), approximate="tanh") * y
+        return self.o_proj(y.to(x.dtype))
 
     def set_train_step(self, step: int) -> None:
         """η_base's warmup at optimizer step ``step`` (1-based), as ttt-lm-jax's get_ttt_lr_mult."""
@@ -270,17 +290,10 @@ class _TTTBase(Mixer):
         return [getattr(self, n) for n in self.inner_keys]
 
     def _run(self, x: torch.Tensor, state: Optional[State], output_state: bool, backend: str):
-        XQ, XK, XV, caches = self._qkv(x, state)
+        inp, caches = self.inputs(x, state, output_state)
         op_state = None if state is None else {k: v for k, v in state.items() if not k.startswith("conv_")}
-        op = ttt_linear if self.kind == "linear" else ttt_mlp
-        z, new = op(XQ, XK, XV, self._eta(x), self._tau(), self.ttt_norm_weight, self.ttt_norm_bias,
-                          *self._inner_weights(), mini_batch_size=self.mini_batch_size,
-                          initial_state=op_state, output_final_state=output_state, backend=backend)
-        B, H, T, d = z.shape
-        y = self.post_norm(acc(z.transpose(1, 2).reshape(B, T, H * d)))
-        if self.use_gate:
-            y = F.gelu(acc(self.g_proj(x)), approximate="tanh") * y
-        out = self.o_proj(y.to(x.dtype))
+        z, new = self.op(inp, op_state, output_state, backend)
+        out = self.output(z, x)
         if output_state:
             new.update(caches)
         return out, (new if output_state else None)
