@@ -108,7 +108,9 @@ def invariants(cfg, manifest: dict) -> dict:
     # the data is identified by its manifest's checksum (tokenizer and every shard's digest), not by
     # its path: the same data under another path (absolute, or copied to node-local scratch) is
     # the same data; data_path is kept for the record only
-    return {"model": model, "data_path": os.path.normpath(cfg.data.path), "data_checksum": manifest.get("checksum"),
+    from ttt_lm.data.remote import is_remote
+    data_path = cfg.data.path if is_remote(cfg.data.path) else os.path.normpath(cfg.data.path)
+    return {"model": model, "data_path": data_path, "data_checksum": manifest.get("checksum"),
             "vocab_size": manifest.get("vocab_size"),
             "tokenizer": manifest.get("tokenizer_sha256") or manifest.get("tokenizer"),
             "tensor_parallel": cfg.parallel.tensor_parallel, "context_parallel": cfg.parallel.context_parallel}
