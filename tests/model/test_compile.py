@@ -99,4 +99,9 @@ def test_compile_settings_are_checked():
         load_config(None, ["model.compile_backend=tensorrt"])
     with pytest.raises(ConfigError, match="model.compile=true is supported with parallel.tensor_parallel=1"):
         load_config(None, ["model.compile=true", "parallel.tensor_parallel=2"])
-    assert load_config(None, ["model.compile=true"]).model.compile is True
+    on = load_config(None, ["model.compile=true"])
+    assert on.model.compile is True
+    # a runtime choice, like kernel_backend: a run may resume with compile switched on or off
+    from ttt_lm.train.trainer import invariants
+    man = {"checksum": "c", "vocab_size": 64, "tokenizer": "t"}
+    assert invariants(on, man) == invariants(load_config(None, []), man)
