@@ -38,7 +38,8 @@ def test_git_commit_of_a_checkout_and_outside_one(tmp_path):
     assert git_commit(str(tmp_path)) is None
     repo = tmp_path / "repo"
     repo.mkdir()
-    run = lambda *a: subprocess.run(["git", "-C", str(repo), *a], check=True, capture_output=True, text=True)  # noqa: E731
+    def run(*a):
+        return subprocess.run(["git", "-C", str(repo), *a], check=True, capture_output=True, text=True)
     run("init", "-q")
     (repo / "f.txt").write_text("a\n")
     run("add", "f.txt")
@@ -70,3 +71,16 @@ def test_tensorboard_gets_the_resolved_config_commit_and_hparams(tmp_path):
     exp = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/experiment"]).experiment
     assert {m.name.tag for m in exp.metric_infos} == {"val/loss", "train/loss"}
     assert [e.value for e in ea.Scalars("val/loss")] == [2.5]
+
+
+def test_wandb_config_gets_the_resolved_config_and_run_info(tmp_path, monkeypatch):
+    import sys
+    import types
+    calls = []
+    fake = types.SimpleNamespace(init=lambda **kw: calls.append(kw) or types.SimpleNamespace(
+        log=lambda *a, **k: None, finish=lambda: None))
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    cfg = load_config(None, ["logging.tensorboard=false", "logging.wandb=true", "model.d_model=48"])
+    MetricsWriter(str(tmp_path), cfg, enabled=True, run_info={"git_commit": "abc123"}).close()
+    config = calls[0]["config"]
+    assert config["model"]["d_model"] == 48 and config["run"] == {"git_commit": "abc123"}

@@ -155,7 +155,8 @@ class ModelConfig:
         if self.kernel_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"model.kernel_backend must be auto, torch or triton, got {self.kernel_backend!r}")
         if self.compile_backend not in COMPILE_BACKENDS:
-            raise ValueError(f"model.compile_backend must be one of {list(COMPILE_BACKENDS)}, got {self.compile_backend!r}")
+            raise ValueError(f"model.compile_backend must be one of {list(COMPILE_BACKENDS)}, "
+                             f"got {self.compile_backend!r}")
         if self.init not in INIT_SCHEMES:
             raise ValueError(f"model.init must be one of {list(INIT_SCHEMES)}, got {self.init!r}")
         t = self.ttt
