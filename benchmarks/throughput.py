@@ -38,6 +38,8 @@ def measure(path: str, overrides, steps: int, warmup: int, peak_flops=None, devi
     torch.manual_seed(0)
     model = LM(cfg.model).to(dev).train()
     model.activation_checkpointing = cfg.train.activation_checkpointing
+    if cfg.model.compile:  # --set model.compile=true: the warm-up steps include the compilation
+        model.compile_blocks(cfg.model.compile_backend)
     opt = torch.optim.AdamW(param_groups(model, cfg.optim.weight_decay), lr=cfg.optim.lr)
     B, T = cfg.train.micro_batch_size, cfg.data.seq_len
     ids = torch.randint(0, cfg.model.vocab_size, (B, T + 1), device=dev)
