@@ -9,7 +9,8 @@ An **export directory** is what every eval reads::
                          builds the LM and its ``data.path`` names the default data and tokenizer —
                          or a bare ModelConfig YAML (the fields of ``model`` at the top level)
     <dir>/tokenizer.model  the SentencePiece model (``python -m ttt_lm.train.export`` copies the
-                         run's); without it the tokenizer comes from the config's data.path
+                         run's), or <dir>/tokenizer.json for data prepared with a Hugging Face
+                         tokenizer; without one the tokenizer comes from the config's data.path
 
 ``python -m ttt_lm.train.export <run> <dir>`` writes exactly this. A training run directory
 (``<run>/checkpoints/step_…``), a ``checkpoints/`` directory or one ``step_…`` checkpoint is also
@@ -32,6 +33,7 @@ from ttt_lm.model import LM, ModelConfig
 WEIGHTS = ("model.pt", "model.pth", "pytorch_model.bin")
 CONFIG = "config.yaml"
 TOKENIZER = "tokenizer.model"
+TOKENIZERS = (TOKENIZER, "tokenizer.json")
 
 
 @dataclass
@@ -135,9 +137,8 @@ def _load_export(d: str, device, dtype, name: Optional[str]) -> Checkpoint:
         raise EvalError(f"{w} holds a {type(sd).__name__}, not a state dict")
     load_state_dict_checked(model, sd, w)
     model = model.to(device=device, dtype=dtype).eval()
-    tok = os.path.join(d, TOKENIZER)
-    if not os.path.isfile(tok):
-        tok = None
+    tok = next((os.path.join(d, t) for t in TOKENIZERS if os.path.isfile(os.path.join(d, t))), None)
+    if tok is None:
         if data_path and os.path.isfile(os.path.join(data_path, "manifest.json")):
             from ttt_lm.data import load_manifest
             tok = load_manifest(data_path, check_files=False)["tokenizer_path"]
