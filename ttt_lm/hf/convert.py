@@ -7,7 +7,8 @@ A Hugging Face export folder::
     generation_config.json    eos_token_id, so generate stops at the end-of-document token
     configuration_ttt_lm.py   copied from ttt_lm/hf by save_pretrained (trust_remote_code)
     modeling_ttt_lm.py
-    tokenizer.json + tokenizer_config.json   a Hugging Face tokenizer (AutoTokenizer reads them), or
+    tokenizer.json + tokenizer_config.json   a Hugging Face tokenizer, copied as it is, with its
+                              eos/bos tokens (AutoTokenizer reads the pair), or
     tokenizer.model           a SentencePiece model, copied as it is (AutoTokenizer does not read it)
 
 The weights are written and read by transformers (``save_pretrained`` / ``from_pretrained``),
@@ -29,6 +30,7 @@ from ttt_lm.hf.modeling_ttt_lm import TTTLMForCausalLM
 
 HF_CONFIG = "config.json"
 SP_TOKENIZER = "tokenizer.model"
+HF_TOKENIZER = "tokenizer.json"
 
 
 class HFError(ValueError):
@@ -86,8 +88,8 @@ def save_hf(lm, out_dir: str, tokenizer: Optional[str] = None) -> str:
         if hf.generation_config is not None and eos is not None:
             hf.generation_config.eos_token_id = eos
             hf.generation_config.save_pretrained(tmp)
-        if tok is not None and tok.kind == "hf":
-            tok.to_transformers().save_pretrained(tmp)
+        if tok is not None and tok.kind == "hf":  # the file as it is, and what AutoTokenizer needs beside it
+            tok.save_copy(os.path.join(tmp, HF_TOKENIZER))
         elif tok is not None:
             shutil.copyfile(tok.path, os.path.join(tmp, SP_TOKENIZER))
         os.makedirs(out_dir, exist_ok=True)
