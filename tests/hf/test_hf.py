@@ -202,7 +202,7 @@ with torch.no_grad():
     logits = m(ids).logits
 gen = m.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=None)
 torch.save({"logits": logits, "gen": gen}, ids_file + ".out")
-print(json.dumps({"module": type(m).__module__, "hf_imported": "ttt_lm.hf" in sys.modules,
+print(json.dumps({"module": type(m).__module__, "transformers": __import__("transformers").__version__, "hf_imported": "ttt_lm.hf" in sys.modules,
                   "eos": tok.eos_token, "ids": tok("the quick fox")["input_ids"]}))
 """
 
@@ -214,7 +214,8 @@ def test_trust_remote_code_from_the_folder_alone(exported, tmp_path):
     lm, out = exported
     ids = torch.randint(1, V, (2, 9), generator=torch.Generator().manual_seed(3))
     torch.save(ids, str(tmp_path / "ids.pt"))
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", HF_HOME=str(tmp_path / "hf_home"),
+    path = os.pathsep.join([ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1", HF_HOME=str(tmp_path / "hf_home"),
                HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     r = subprocess.run([sys.executable, "-c", REMOTE, out, str(tmp_path / "ids.pt")], env=env,
                        capture_output=True, text=True, timeout=300)
@@ -222,11 +223,22 @@ def test_trust_remote_code_from_the_folder_alone(exported, tmp_path):
     info = json.loads(r.stdout.strip().splitlines()[-1])
     assert info["module"].startswith("transformers_modules") and info["module"].endswith("modeling_ttt_lm")
     assert info["eos"] == "<|endoftext|>"
+    assert info["transformers"] == __import__("transformers").__version__  # the version this process tests
     assert info["ids"] == Tokenizer.from_file(os.path.join(out, "tokenizer.json")).encode("the quick fox").ids
     got = torch.load(str(tmp_path / "ids.pt.out"))
     with torch.no_grad():
         assert torch.equal(got["logits"], lm(ids).logits)
         assert torch.equal(got["gen"], lm.generate(ids, 6, temperature=0))
+
+
+def test_evals_read_the_hf_folder(exported):
+    """load_checkpoint (what every eval and the generate CLI read) takes the folder as it is."""
+    lm, out = exported
+    ck = load_checkpoint(out)
+    ids = torch.randint(1, V, (1, 7))
+    with torch.no_grad():
+        assert torch.equal(ck.model(ids).logits, lm(ids).logits)
+    assert ck.tokenizer_path == os.path.join(out, "tokenizer.json")
 
 
 def test_autotokenizer_reads_the_folder(exported):
