@@ -112,6 +112,28 @@ def test_same_logits_and_greedy_generate_as_our_lm(exported):
     assert torch.equal(no_cache, ours)
 
 
+def test_cache_continuation_labels_and_bf16(exported, tmp_path):
+    """A forward that continues a returned cache with several tokens gives the full pass's
+    logits (float32; the chunked forms split the sequence elsewhere, so rounding-level 1e-5);
+    labels are shifted inside as in transformers; a bfloat16 model round-trips in bfloat16."""
+    lm, out = exported
+    hf = AutoModelForCausalLM.from_pretrained(out).eval()
+    ids = torch.randint(1, V, (2, 14), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        full = lm(ids).logits
+        first = hf(ids[:, :9], use_cache=True)
+        rest = hf(ids[:, 9:], past_key_values=first.past_key_values, use_cache=True)
+        assert rest.past_key_values.get_seq_length() == 14
+        torch.testing.assert_close(rest.logits, full[:, 9:], atol=1e-5, rtol=0)
+        aligned = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], 1)
+        assert torch.equal(hf(ids, labels=ids).loss, lm(ids, labels=aligned).loss)
+    bf = tiny_lm().to(torch.bfloat16)
+    back = load_hf(save_hf(bf, str(tmp_path / "bf16")))
+    assert back.embed.weight.dtype == torch.bfloat16
+    a, b = bf.state_dict(), back.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_sampling_and_eos(exported):
     """Sampling runs on the decode state too, and generation stops at the config's eos id."""
     lm, out = exported
