@@ -167,6 +167,13 @@ def test_refusals(exported, tmp_path):
     with pytest.raises(HFError, match="not a ttt-lm Hugging Face export"):
         save_hf(lm, str(foreign))
     assert (foreign / "notes.txt").read_text() == "mine"
+    # exported again without a tokenizer: the earlier export's tokenizer does not stay behind
+    again = tmp_path / "again"
+    save_hf(lm, str(again), tokenizer=os.path.join(out, "tokenizer.json"))
+    (again / "README.md").write_text("my notes")
+    save_hf(lm, str(again))
+    assert not (again / "tokenizer.json").exists() and not (again / "tokenizer_config.json").exists()
+    assert (again / "README.md").read_text() == "my notes" and (again / "model.safetensors").exists()
     # a folder whose tensors do not match its config is refused, naming the tensor
     broken = tmp_path / "broken"
     save_hf(lm, str(broken))

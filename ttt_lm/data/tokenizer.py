@@ -185,11 +185,6 @@ class HFTokenizer:
             json.dump(self.sidecar(), f, indent=1)
         os.replace(side + ".tmp", side)
 
-    def to_transformers(self):
-        """The same tokenizer as a transformers ``PreTrainedTokenizerFast``."""
-        from transformers import PreTrainedTokenizerFast
-        return PreTrainedTokenizerFast(tokenizer_file=self.path, eos_token=self.eos_token, bos_token=self.bos_token)
-
     def __repr__(self) -> str:
         return f"HFTokenizer({self.path!r}, vocab_size={self.vocab_size}, eos={self.eos_token!r})"
 

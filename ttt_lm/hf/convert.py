@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from typing import Optional
@@ -31,6 +32,13 @@ from ttt_lm.hf.modeling_ttt_lm import TTTLMForCausalLM
 HF_CONFIG = "config.json"
 SP_TOKENIZER = "tokenizer.model"
 HF_TOKENIZER = "tokenizer.json"
+
+
+#: the files an export writes (save_pretrained's, the tokenizer's): replaced when a folder is
+#: exported again, so no file of the earlier export stays beside the new one
+_OWN_FILE = re.compile(r"^(?:config\.json|generation_config\.json|model(?:-\d+-of-\d+)?\.safetensors"
+                       r"|model\.safetensors\.index\.json|(?:configuration|modeling)_ttt_lm\.py"
+                       r"|tokenizer\.(?:json|model)|tokenizer_config\.json|special_tokens_map\.json)$")
 
 
 class HFError(ValueError):
@@ -93,8 +101,12 @@ def save_hf(lm, out_dir: str, tokenizer: Optional[str] = None) -> str:
         elif tok is not None:
             shutil.copyfile(tok.path, os.path.join(tmp, SP_TOKENIZER))
         os.makedirs(out_dir, exist_ok=True)
-        for name in sorted(os.listdir(tmp)):
+        new = sorted(os.listdir(tmp))
+        for name in new:
             os.replace(os.path.join(tmp, name), os.path.join(out_dir, name))
+        for name in os.listdir(out_dir):  # what an earlier export wrote and this one did not
+            if name not in new and _OWN_FILE.match(name):
+                os.remove(os.path.join(out_dir, name))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
