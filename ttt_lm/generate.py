@@ -59,7 +59,8 @@ def generate_text(ck, tok, prompt: str, max_new_tokens: int = 100, temperature: 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m ttt_lm.generate", description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("--checkpoint", required=True, help="export dir (model.pt + config.yaml), Hugging Face folder or run dir")
+    ap.add_argument("--checkpoint", required=True,
+                    help="export dir (model.pt + config.yaml), Hugging Face folder or run dir")
     ap.add_argument("--prompt", default="", help="text to continue (default: empty, a new document)")
     ap.add_argument("--tokenizer", help=".model or tokenizer.json file or prepared data dir (default: the export's)")
     ap.add_argument("--max-new-tokens", type=int, default=100)

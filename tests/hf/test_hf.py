@@ -231,7 +231,8 @@ with torch.no_grad():
     logits = m(ids).logits
 gen = m.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=None)
 torch.save({"logits": logits, "gen": gen}, ids_file + ".out")
-print(json.dumps({"module": type(m).__module__, "transformers": __import__("transformers").__version__, "hf_imported": "ttt_lm.hf" in sys.modules,
+print(json.dumps({"module": type(m).__module__, "transformers": __import__("transformers").__version__,
+                  "hf_imported": "ttt_lm.hf" in sys.modules,
                   "eos": tok.eos_token, "ids": tok("the quick fox")["input_ids"]}))
 """
 

@@ -1,4 +1,5 @@
-"""Data: raw text (or Hugging Face datasets) -> SentencePiece or Hugging Face tokenizer -> webdataset token shards -> resumable batches.
+"""Data: raw text (or Hugging Face datasets) -> SentencePiece or Hugging Face tokenizer -> webdataset
+token shards -> resumable batches.
 
 Never imports the model: the data path knows token ids, not embeddings.
 """

@@ -130,7 +130,8 @@ class HFTokenizer:
                                  f"({special[:8]}); name one with --eos-token")
         self._eos = self.tk.token_to_id(self.eos_token)
         if self._eos is None:
-            raise TokenizerError(f"tokenizer {path}: the end-of-document token {self.eos_token!r} is not in its vocabulary")
+            raise TokenizerError(f"tokenizer {path}: the end-of-document token {self.eos_token!r} is not in its "
+                                 "vocabulary")
         self.bos_token = _token_name(side.get("bos_token"))
         self._bos = self.tk.token_to_id(self.bos_token) if self.bos_token is not None else None
 

@@ -13,9 +13,10 @@ An **export directory** is what every eval reads::
                          tokenizer; without one the tokenizer comes from the config's data.path
 
 ``python -m ttt_lm.train.export <run> <dir>`` writes exactly this. A Hugging Face folder written by
-``export --format hf`` (``config.json`` + ``model.safetensors``, see :mod:`ttt_lm.hf`) is read too. A training run directory
-(``<run>/checkpoints/step_…``), a ``checkpoints/`` directory or one ``step_…`` checkpoint is also
-accepted: it is exported (ZeRO shards consolidated) into a temporary directory first.
+``export --format hf`` (``config.json`` + ``model.safetensors``, see :mod:`ttt_lm.hf`) is read too.
+A training run directory (``<run>/checkpoints/step_…``), a ``checkpoints/`` directory or one
+``step_…`` checkpoint is also accepted: it is exported (ZeRO shards consolidated) into a temporary
+directory first.
 """
 from __future__ import annotations
 
