@@ -3,7 +3,9 @@
 Layout of a prepared directory::
 
     manifest.json
-    tokenizer.model               SentencePiece model the shards were encoded with
+    tokenizer.model               SentencePiece model the shards were encoded with, or
+    tokenizer.json                a Hugging Face tokenizer (given to prepare), with
+    tokenizer_config.json           its end-of-document token ("eos_token")
     train-000000.tar ...          webdataset shards; one sample per document:
     val-000000.tar ...              <10-digit document index>.tokens.npy (uint16 or uint32, ends in eos)
 
