@@ -14,6 +14,7 @@ from tests.data.corpus import data_cfg
 from tests.data.test_loader import B, take
 from ttt_lm.data import (DataError, build_train_loader, build_val_loader, iter_documents, load_manifest,
                          load_tokenizer, verify_checksums)
+from ttt_lm.data.prepare import prepare
 from ttt_lm.data.remote import is_remote, locate
 
 
@@ -170,3 +171,20 @@ def test_a_tokenizer_that_differs_from_the_manifest_is_refused(prepared, serve, 
     url = serve(str(bad))
     with pytest.raises(DataError, match=f"{url}/{man['tokenizer']}: sha256 .* differs from the manifest"):
         load_manifest(url)
+
+
+def test_a_hugging_face_tokenizer_comes_with_its_config(tmp_path, cache):
+    """A tokenizer.json whose end-of-document token only its tokenizer_config.json names: the
+    cached copy gets the config beside it and reads the same eos id."""
+    from tests.data.test_prepare_hf import TEXTS, _bpe
+    bare = _bpe(str(tmp_path / "bare.json"), special=("[SEP]", "[PAD]"))
+    with open(tmp_path / "docs.jsonl", "w") as f:
+        for t in TEXTS:
+            f.write(json.dumps({"text": t}) + "\n")
+    out = str(tmp_path / "out")
+    man = prepare([str(tmp_path / "docs.jsonl")], out, tokenizer=bare, eos_token="[SEP]", val_fraction=0,
+                  workers=1, progress=False)
+    remote = load_manifest(f"pipe:cat {out}/{{file}}")
+    assert remote["tokenizer_path"].startswith(str(cache)) and remote["tokenizer_path"].endswith("tokenizer.json")
+    assert load_tokenizer(remote["tokenizer_path"]).eos_id == man["eos_id"]
+    assert load_manifest(f"pipe:cat {out}/{{file}}")["tokenizer_path"] == remote["tokenizer_path"]  # cached

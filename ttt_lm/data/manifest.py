@@ -100,7 +100,9 @@ def load_manifest(path: str, check_files: bool = True) -> dict:
     if remote.is_remote(root):
         # fetched (and its sha256 checked) into a local cache: SentencePiece loads from a file.
         # The shards are checked when read (size and sha256, see ttt_lm.data.remote)
-        man["tokenizer_path"] = remote.fetch_cached(root, man["tokenizer"], man.get("tokenizer_sha256"))
+        from ttt_lm.data.tokenizer import HF_TOKENIZER_CONFIG
+        beside = (HF_TOKENIZER_CONFIG,) if man["tokenizer"].endswith(".json") else ()
+        man["tokenizer_path"] = remote.fetch_cached(root, man["tokenizer"], man.get("tokenizer_sha256"), beside)
         return man
     man["tokenizer_path"] = os.path.join(root, man["tokenizer"])
     if check_files:

@@ -23,7 +23,8 @@ file); ``data.verify_checksums=true`` does read (and hash) every shard up front,
 
 Each read fetches the whole file into memory (a shard is read whole locally, too). The tokenizer
 is cached on local disk, content-addressed by its sha256, under ``$TTT_LM_CACHE`` (default
-``~/.cache/ttt_lm``), because SentencePiece loads from a file.
+``~/.cache/ttt_lm``), because SentencePiece and ``tokenizers`` load from a file; a Hugging Face
+``tokenizer.json`` gets its ``tokenizer_config.json`` (the end-of-document token) beside it.
 """
 from __future__ import annotations
 
@@ -107,24 +108,35 @@ def cache_dir() -> str:
     return os.environ.get("TTT_LM_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "ttt_lm")
 
 
-def fetch_cached(base: str, name: str, sha256: Optional[str]) -> str:
-    """A local copy of file ``name``, checked against ``sha256`` and kept under :func:`cache_dir`."""
+def fetch_cached(base: str, name: str, sha256: Optional[str], beside: Tuple[str, ...] = ()) -> str:
+    """A local copy of file ``name``, checked against ``sha256`` and kept under :func:`cache_dir`
+    in a folder named by its digest. ``beside``: files that must lie next to the copy (a Hugging
+    Face tokenizer's ``tokenizer_config.json``), fetched with it; the manifest holds no digest of
+    theirs."""
     from ttt_lm.data.tokenizer import sha256_file
-    ext = os.path.splitext(name)[1]
-    d = os.path.join(cache_dir(), "files")
+    fname = os.path.basename(name)
     if sha256:
-        path = os.path.join(d, sha256 + ext)
-        if os.path.isfile(path) and sha256_file(path) == sha256:
+        d = os.path.join(cache_dir(), "files", sha256)
+        path = os.path.join(d, fname)
+        if (os.path.isfile(path) and all(os.path.isfile(os.path.join(d, b)) for b in beside)
+                and sha256_file(path) == sha256):
             return path
     raw = read_bytes(base, name)
     digest = hashlib.sha256(raw).hexdigest()
     if sha256 and digest != sha256:
         raise DataError(f"{locate(base, name)}: sha256 {digest[:12]}… differs from the manifest's "
                         f"{sha256[:12]}…: the file is corrupt or belongs to another corpus")
+    d = os.path.join(cache_dir(), "files", digest)
     os.makedirs(d, exist_ok=True)
-    path = os.path.join(d, digest + ext)
+    for b in beside:
+        _write(os.path.join(d, b), read_bytes(base, b))
+    path = os.path.join(d, fname)
+    _write(path, raw)  # last: a complete folder is one whose file is present
+    return path
+
+
+def _write(path: str, data: bytes) -> None:
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "wb") as f:
-        f.write(raw)
+        f.write(data)
     os.replace(tmp, path)  # atomic: concurrent ranks write the same bytes
-    return path
