@@ -7,7 +7,8 @@
 Each preset runs forward + backward + AdamW on random tokens of [micro_batch_size, seq_len] in
 one process (no DeepSpeed: this measures the model), after warm-up steps. MFU divides the
 achieved training FLOPs (ttt_lm.model.flops, 3 × forward) by --peak-flops (default: the preset's
-logging.peak_flops); on a CPU pass the CPU's own peak if MFU should mean anything.
+logging.peak_flops, else the GPU's dense bf16 peak from ttt_lm.train.metrics.PEAK_FLOPS); on a CPU
+(no peak known: MFU is nan) pass the CPU's own peak if MFU should mean anything.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ import torch  # noqa: E402
 from ttt_lm.config import load_config  # noqa: E402
 from ttt_lm.model import LM  # noqa: E402
 from ttt_lm.model.flops import flops_per_token  # noqa: E402
+from ttt_lm.train.metrics import resolve_peak_flops  # noqa: E402
 from ttt_lm.train.optim import param_groups  # noqa: E402
 
 
@@ -36,6 +38,8 @@ def measure(path: str, overrides, steps: int, warmup: int, peak_flops=None, devi
     torch.manual_seed(0)
     model = LM(cfg.model).to(dev).train()
     model.activation_checkpointing = cfg.train.activation_checkpointing
+    if cfg.model.compile:  # --set model.compile=true: the warm-up steps include the compilation
+        model.compile_blocks(cfg.model.compile_backend)
     opt = torch.optim.AdamW(param_groups(model, cfg.optim.weight_decay), lr=cfg.optim.lr)
     B, T = cfg.train.micro_batch_size, cfg.data.seq_len
     ids = torch.randint(0, cfg.model.vocab_size, (B, T + 1), device=dev)
@@ -61,7 +65,8 @@ def measure(path: str, overrides, steps: int, warmup: int, peak_flops=None, devi
     dt = time.perf_counter() - t0
     tps = B * T * steps / dt
     fpt = flops_per_token(cfg.model, T)["train"]
-    peak = peak_flops if peak_flops is not None else cfg.logging.peak_flops
+    # --peak-flops, else logging.peak_flops, else the device's entry in the table (nan where unknown)
+    peak = resolve_peak_flops(peak_flops or cfg.logging.peak_flops, dev)[0] or float("nan")
     return {"preset": os.path.relpath(path, ROOT), "params_M": model.num_params() / 1e6, "batch": f"{B}x{T}",
             "precision": cfg.train.precision, "tokens_per_s": tps, "train_GFLOP_per_token": fpt / 1e9,
             "achieved_GFLOP_s": tps * fpt / 1e9, "peak_TFLOP_s": peak / 1e12, "mfu": tps * fpt / peak,

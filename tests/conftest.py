@@ -21,3 +21,19 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.unit)
         if item.get_closest_marker("gpu") and not _HAS_CUDA:
             item.add_marker(pytest.mark.skip(reason="needs CUDA"))
+
+
+_DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(autouse=True)
+def _restore_dist_env():
+    """In-process training runs export RANK/WORLD_SIZE/MASTER_* (as torch.distributed needs); put
+    them back after each test so a later test's subprocesses do not inherit a stale rendezvous."""
+    saved = {k: os.environ.get(k) for k in _DIST_VARS}
+    yield
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v

@@ -6,6 +6,13 @@ and ``model.safetensors`` or ``pytorch_model.bin``) and this project's export di
     python -m ttt_lm.convert from-ttt path/to/hf_ttt_model out/ttt_125m     # theirs → ours
     python -m ttt_lm.convert to-ttt out/ttt_125m path/to/hf_dir               # ours → theirs
 
+and between this project's export directory and its own Hugging Face folder (``ttt_lm.hf``:
+``config.json`` with model_type ``ttt_lm``, ``model.safetensors``, the modeling code), bit-identical
+both ways:
+
+    python -m ttt_lm.convert to-hf out/tiny out/tiny-hf        # ours → transformers
+    python -m ttt_lm.convert from-hf out/tiny-hf out/tiny2     # transformers → ours (init_from, evals)
+
 The TTT layers' parameters already carry ttt-lm-pytorch's names and shapes (see
 ``ttt_lm/model/mixers/ttt.py``); the rest is renamed (``i`` is the layer index):
 
@@ -253,6 +260,40 @@ def to_ttt(src: str, out_dir: str, fmt: str = "safetensors") -> str:
     return out_dir
 
 
+def _tokenizer_in(d: str):
+    """The tokenizer file a folder holds (Hugging Face ``tokenizer.json`` first), or None."""
+    for name in ("tokenizer.json", "tokenizer.model"):
+        if os.path.isfile(os.path.join(d, name)):
+            return os.path.join(d, name)
+    return None
+
+
+def from_hf(src: str, out_dir: str) -> str:
+    """A ttt-lm Hugging Face folder (``export --format hf``, ``to-hf``, or one saved with
+    transformers' ``save_pretrained`` after fine-tuning there) → an export directory, with the
+    folder's tokenizer; the weights are bit-identical."""
+    from ttt_lm.hf import HFError, load_hf
+    try:
+        lm = load_hf(src)
+    except HFError as e:
+        raise ConversionError(str(e)) from e
+    exp = ExperimentConfig()
+    exp.model = lm.cfg
+    return save_export(lm, exp, out_dir, _tokenizer_in(src))
+
+
+def to_hf(src: str, out_dir: str) -> str:
+    """An export directory → a ttt-lm Hugging Face folder (safetensors + config.json + modeling
+    code), with the export's tokenizer."""
+    from ttt_lm.hf import HFError, save_hf
+    if not os.path.isfile(os.path.join(src, CONFIG)) or not os.path.isfile(os.path.join(src, WEIGHTS)):
+        raise ConversionError(f"{src} is not an export directory: it needs {WEIGHTS} and {CONFIG}")
+    try:
+        return save_hf(load_pretrained(src), out_dir, _tokenizer_in(src))
+    except HFError as e:
+        raise ConversionError(str(e)) from e
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m ttt_lm.convert", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -263,9 +304,18 @@ def main(argv=None) -> int:
     a2.add_argument("src")
     a2.add_argument("out_dir")
     a2.add_argument("--format", default="safetensors", choices=["safetensors", "bin"])
+    a3 = sub.add_parser("from-hf", help="ttt-lm Hugging Face folder (export --format hf) -> export directory")
+    a3.add_argument("src")
+    a3.add_argument("out_dir")
+    a4 = sub.add_parser("to-hf", help="export directory -> ttt-lm Hugging Face folder")
+    a4.add_argument("src")
+    a4.add_argument("out_dir")
     a = ap.parse_args(argv)
     try:
-        if a.cmd == "from-ttt":
+        if a.cmd in ("from-hf", "to-hf"):
+            out = (from_hf if a.cmd == "from-hf" else to_hf)(a.src, a.out_dir)
+            print(f"converted {a.src} -> {os.path.abspath(out)} ({', '.join(sorted(os.listdir(out)))})")
+        elif a.cmd == "from-ttt":
             out = from_ttt(a.src, a.out_dir)
             print(f"converted {a.src} -> {os.path.abspath(out)} ({WEIGHTS}, {CONFIG})")
         else:

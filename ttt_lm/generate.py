@@ -4,8 +4,10 @@
         --temperature 0.8 --top-k 50 --top-p 0.95 --seed 0 [--num-samples 3] [--device cuda]
 
 ``--checkpoint`` is an export directory (``python -m ttt_lm.train.export``, which copies the
-tokenizer into it) or a run directory; ``--tokenizer`` names another ``.model`` file or prepared
-data directory. The prompt is encoded after the end-of-document id (2): every training document
+tokenizer into it), a Hugging Face folder (``export --format hf``) or a run directory;
+``--tokenizer`` names another ``.model`` or ``tokenizer.json`` file or prepared data directory. The
+prompt is encoded after the end-of-document id (2 for the SentencePiece tokenizers trained here,
+the tokenizer's own for a ``tokenizer.json``): every training document
 followed one, so the model reads the prompt as the start of a document. Generation uses
 :meth:`ttt_lm.model.LM.generate`: one forward pass over the prompt, then one decode step per token
 with each layer's state (attention's KV cache, the recurrent layers' states), sampling with
@@ -57,9 +59,10 @@ def generate_text(ck, tok, prompt: str, max_new_tokens: int = 100, temperature: 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m ttt_lm.generate", description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("--checkpoint", required=True, help="export dir (model.pt + config.yaml) or run dir")
+    ap.add_argument("--checkpoint", required=True,
+                    help="export dir (model.pt + config.yaml), Hugging Face folder or run dir")
     ap.add_argument("--prompt", default="", help="text to continue (default: empty, a new document)")
-    ap.add_argument("--tokenizer", help=".model file or prepared data dir (default: the export's tokenizer.model)")
+    ap.add_argument("--tokenizer", help=".model or tokenizer.json file or prepared data dir (default: the export's)")
     ap.add_argument("--max-new-tokens", type=int, default=100)
     ap.add_argument("--temperature", type=float, default=1.0, help="0 is greedy decoding")
     ap.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")

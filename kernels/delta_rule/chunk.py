@@ -540,6 +540,9 @@ class DeltaRuleChunkFunction(torch.autograd.Function):
         return dq, dk, dv, dbeta, dh0, None, None, None
 
 
+# torch.compile (model.compile) runs this op as an opaque call, not traced: Triton launches and the
+# autograd.Function stay as they are in eager mode
+@torch.compiler.disable
 def delta_rule_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
                       initial_state: Optional[torch.Tensor] = None, output_final_state: bool = False,
                       chunk_size: int = 64, cu_seqlens: Optional[torch.Tensor] = None

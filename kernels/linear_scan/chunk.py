@@ -302,6 +302,9 @@ class LinearScanFunction(torch.autograd.Function):
         return dla, db, dh0, None, None, None
 
 
+# torch.compile (model.compile) runs this op as an opaque call, not traced: Triton launches and the
+# autograd.Function stay as they are in eager mode
+@torch.compiler.disable
 def linear_scan_triton(log_a: torch.Tensor, b: torch.Tensor, initial_state: Optional[torch.Tensor] = None,
                        output_final_state: bool = False, chunk_size: int = 64,
                        cu_seqlens: Optional[torch.Tensor] = None, num_segments: Optional[int] = None

@@ -281,6 +281,9 @@ class SelectiveScanFunction(torch.autograd.Function):
         return dx, dDelta, dA.sum(0).to(A.dtype), dB, dC, dh0, None, None
 
 
+# torch.compile (model.compile) runs this op as an opaque call, not traced: Triton launches and the
+# autograd.Function stay as they are in eager mode
+@torch.compiler.disable
 def selective_scan_triton(x, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
                           initial_state=None, output_final_state=False, chunk_size: int = 16,
                           cu_seqlens: Optional[torch.Tensor] = None

@@ -338,6 +338,9 @@ class TitansLinearChunkFunction(torch.autograd.Function):
                 dS0.to(S0_dtype), None)
 
 
+# torch.compile (model.compile) runs this op as an opaque call, not traced: Triton launches and the
+# autograd.Function stay as they are in eager mode
+@torch.compiler.disable
 def titans_linear_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, theta: torch.Tensor,
                          log_eta: torch.Tensor, log_keep: torch.Tensor,
                          initial_state: Optional[Sequence[torch.Tensor]] = None,

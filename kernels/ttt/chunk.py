@@ -343,6 +343,9 @@ class _TTTLinearFull(torch.autograd.Function):
 
 
 # ---- public -------------------------------------------------------------------------------------
+# torch.compile (model.compile) runs this op as an opaque call, not traced: Triton launches and the
+# autograd.Function stay as they are in eager mode
+@torch.compiler.disable
 def ttt_linear_triton(XQ, XK, XV, eta, token_idx, ln_weight, ln_bias, W1, b1, mini_batch_size=16,
                       initial_state: Optional[dict] = None, output_final_state: bool = False
                       ) -> Tuple[torch.Tensor, Optional[dict]]:
@@ -713,6 +716,9 @@ class _TTTMLPFull(torch.autograd.Function):
                 dLNB.sum(0).to(lb_dt), dW10.to(W1_dt), dB10.to(b1_dt), dW20.to(W2_dt), dB20.to(b2_dt), None)
 
 
+# torch.compile (model.compile) runs this op as an opaque call, not traced: Triton launches and the
+# autograd.Function stay as they are in eager mode
+@torch.compiler.disable
 def ttt_mlp_triton(XQ, XK, XV, eta, token_idx, ln_weight, ln_bias, W1, b1, W2, b2, mini_batch_size=16,
                    initial_state: Optional[dict] = None, output_final_state: bool = False
                    ) -> Tuple[torch.Tensor, Optional[dict]]:

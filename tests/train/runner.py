@@ -9,6 +9,7 @@ interface (so the tests need no prepared corpus), with fault injection from the 
     TTT_TEST_CHECKSUM=x         the data manifest's checksum (the synthetic data's identity)
     TTT_TEST_LR_MULTS=path      append the TTT layers' η_base multipliers (lr_mult) before every
                                 training forward to path
+    TTT_TEST_REAL_DATA=1        read data.path with the real data pipeline instead (no fault injection)
 
 Like train.py, it imports only ``ttt_lm.train`` before calling ``main`` (which installs the
 preemption handler first); torch and the model load afterwards, as in a real start.
@@ -106,4 +107,5 @@ def _install_faults():
 
 if __name__ == "__main__":
     from ttt_lm.train import main
-    sys.exit(main(sys.argv[1:], data_api=SyntheticData))
+    # TTT_TEST_REAL_DATA=1: the real data pipeline (ttt_lm.data) reads data.path instead
+    sys.exit(main(sys.argv[1:], data_api=None if os.environ.get("TTT_TEST_REAL_DATA") else SyntheticData))

@@ -1,4 +1,5 @@
-"""Data: raw text -> SentencePiece tokenizer -> webdataset token shards -> resumable batches.
+"""Data: raw text (or Hugging Face datasets) -> SentencePiece or Hugging Face tokenizer -> webdataset
+token shards -> resumable batches.
 
 Never imports the model: the data path knows token ids, not embeddings.
 """
@@ -6,10 +7,10 @@ from ttt_lm.data.config import DataConfig
 from ttt_lm.data.loader import (TrainLoader, ValLoader, build_train_loader, build_val_loader,
                                 iter_documents)
 from ttt_lm.data.manifest import DataError, check_vocab, load_manifest, verify_checksums
-from ttt_lm.data.tokenizer import Tokenizer, load_tokenizer
+from ttt_lm.data.tokenizer import HFTokenizer, Tokenizer, load_tokenizer, open_tokenizer
 
 __all__ = [
-    "DataConfig", "DataError", "TrainLoader", "ValLoader", "Tokenizer", "build_train_loader",
-    "build_val_loader", "check_vocab", "iter_documents", "load_manifest", "load_tokenizer",
+    "DataConfig", "DataError", "HFTokenizer", "TrainLoader", "ValLoader", "Tokenizer", "build_train_loader",
+    "build_val_loader", "check_vocab", "iter_documents", "load_manifest", "load_tokenizer", "open_tokenizer",
     "verify_checksums",
 ]

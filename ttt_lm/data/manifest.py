@@ -3,7 +3,9 @@
 Layout of a prepared directory::
 
     manifest.json
-    tokenizer.model               SentencePiece model the shards were encoded with
+    tokenizer.model               SentencePiece model the shards were encoded with, or
+    tokenizer.json                a Hugging Face tokenizer (given to prepare), with
+    tokenizer_config.json           its end-of-document token ("eos_token")
     train-000000.tar ...          webdataset shards; one sample per document:
     val-000000.tar ...              <10-digit document index>.tokens.npy (uint16 or uint32, ends in eos)
 
@@ -52,25 +54,35 @@ def _manifest_file(path: str) -> str:
 
 
 def load_manifest(path: str, check_files: bool = True) -> dict:
-    """Read and check ``manifest.json`` (``path`` is the directory or the file).
+    """Read and check ``manifest.json`` (``path`` is the directory or the file, or a URL or
+    ``pipe:`` command as :mod:`ttt_lm.data.remote` describes).
 
-    Adds ``root`` (the directory, absolute) and ``tokenizer_path`` (absolute). With
-    ``check_files`` every listed shard must exist with its recorded size, which catches truncated
-    copies and missing files at startup rather than mid-run.
+    Adds ``root`` (the directory, absolute; for remote data the URL base or command template) and
+    ``tokenizer_path`` (absolute; for remote data a verified local copy). With ``check_files``
+    every listed shard of a local directory must exist with its recorded size, which catches
+    truncated copies and missing files at startup rather than mid-run; remote shards are checked
+    when read.
     """
-    mfile = _manifest_file(path)
-    root = os.path.dirname(os.path.abspath(mfile))
-    if not os.path.exists(mfile):
-        hint = ""
-        if os.path.isdir(root) and any(f.endswith(".tar") for f in os.listdir(root)):
-            hint = " (it holds .tar files but no manifest: preparation did not finish)"
-        raise DataError(f"no prepared data at {path}: {mfile} does not exist{hint}; prepare it with "
-                        f"`python -m ttt_lm.data.prepare --input <raw text> --output {root}`")
-    if os.path.getsize(mfile) == 0:
+    from ttt_lm.data import remote
+    if remote.is_remote(path):
+        root, name = remote.split_manifest(os.fspath(path), MANIFEST)
+        mfile = remote.locate(root, name)
+        raw = remote.read_bytes(root, name)
+    else:
+        mfile = _manifest_file(path)
+        root = os.path.dirname(os.path.abspath(mfile))
+        if not os.path.exists(mfile):
+            hint = ""
+            if os.path.isdir(root) and any(f.endswith(".tar") for f in os.listdir(root)):
+                hint = " (it holds .tar files but no manifest: preparation did not finish)"
+            raise DataError(f"no prepared data at {path}: {mfile} does not exist{hint}; prepare it with "
+                            f"`python -m ttt_lm.data.prepare --input <raw text> --output {root}`")
+        with open(mfile, "rb") as f:
+            raw = f.read()
+    if not raw:
         raise DataError(f"manifest {mfile} is empty")
     try:
-        with open(mfile) as f:
-            man = json.load(f)
+        man = json.loads(raw.decode("utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise DataError(f"manifest {mfile} is not valid JSON: {e}") from e
     if not isinstance(man, dict) or man.get("format") != FORMAT:
@@ -85,6 +97,13 @@ def load_manifest(path: str, check_files: bool = True) -> dict:
     if not train:
         raise DataError(f"manifest {mfile} lists no train shards")
     man["root"] = root
+    if remote.is_remote(root):
+        # fetched (and its sha256 checked) into a local cache: SentencePiece loads from a file.
+        # The shards are checked when read (size and sha256, see ttt_lm.data.remote)
+        from ttt_lm.data.tokenizer import HF_TOKENIZER_CONFIG
+        beside = (HF_TOKENIZER_CONFIG,) if man["tokenizer"].endswith(".json") else ()
+        man["tokenizer_path"] = remote.fetch_cached(root, man["tokenizer"], man.get("tokenizer_sha256"), beside)
+        return man
     man["tokenizer_path"] = os.path.join(root, man["tokenizer"])
     if check_files:
         problems: List[str] = []
@@ -105,14 +124,18 @@ def load_manifest(path: str, check_files: bool = True) -> dict:
 
 def verify_checksums(man: dict) -> None:
     """Hash the tokenizer and every shard; raise DataError naming the first file that differs."""
+    from ttt_lm.data import remote
     from ttt_lm.data.tokenizer import sha256_file
 
     if sha256_file(man["tokenizer_path"]) != man["tokenizer_sha256"]:
         raise DataError(f"tokenizer {man['tokenizer_path']}: sha256 differs from the manifest")
+    root, fetch = man["root"], remote.is_remote(man["root"])
     for split in SPLITS:
         for s in man["splits"].get(split, {}).get("shards", []):
-            if sha256_file(os.path.join(man["root"], s["name"])) != s["sha256"]:
-                raise DataError(f"shard {os.path.join(man['root'], s['name'])}: sha256 differs from the manifest")
+            where = remote.locate(root, s["name"])
+            digest = hashlib.sha256(remote.read_bytes(root, s["name"])).hexdigest() if fetch else sha256_file(where)
+            if digest != s["sha256"]:
+                raise DataError(f"shard {where}: sha256 differs from the manifest")
     if manifest_checksum(man["tokenizer_sha256"], man["splits"]) != man["checksum"]:
         raise DataError(f"manifest in {man['root']}: checksum does not match its shard list")
 

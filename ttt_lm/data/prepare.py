@@ -31,11 +31,13 @@ from tqdm import tqdm
 from ttt_lm.data.manifest import FORMAT, MANIFEST, DataError, load_manifest, manifest_checksum
 from ttt_lm.data.shards import ShardWriter, token_dtype
 from ttt_lm.data.sources import SourceStats, list_input_files, read_documents
-from ttt_lm.data.tokenizer import Tokenizer, TokenizerError, sha256_file, train_tokenizer
+from ttt_lm.data.tokenizer import (HF_TOKENIZER_CONFIG, TokenizerError, open_tokenizer, sha256_file,
+                                   train_tokenizer)
 
 log = logging.getLogger(__name__)
 
 TOKENIZER_FILE = "tokenizer.model"
+HF_TOKENIZER_FILE = "tokenizer.json"
 
 
 def is_val_document(i: int, val_fraction: float) -> bool:
@@ -43,13 +45,13 @@ def is_val_document(i: int, val_fraction: float) -> bool:
 
 
 # Worker-process state: the tokenizer is loaded once per process, not shipped with every task.
-_TOK: Optional[Tokenizer] = None
+_TOK = None
 _DTYPE: Optional[np.dtype] = None
 
 
 def _init_worker(model_file: str, dtype: str) -> None:
     global _TOK, _DTYPE
-    _TOK, _DTYPE = Tokenizer(model_file), np.dtype(dtype)
+    _TOK, _DTYPE = open_tokenizer(model_file), np.dtype(dtype)
 
 
 def _encode(text: str) -> np.ndarray:
@@ -73,7 +75,8 @@ def _windows(docs: Iterator[Tuple[int, str]], max_docs: int = 2048, max_bytes: i
 #: written into --output when preparation starts, removed once manifest.json is in place: a
 #: directory holding it is one that prepare began and did not finish
 MARKER = ".prepare-incomplete"
-_OWN_FILE = re.compile(r"^(?:(?:train|val)-\d{6}\.tar(?:\.tmp)?|tokenizer\.(?:model|vocab)|manifest\.json(?:\.tmp)?)$")
+_OWN_FILE = re.compile(r"^(?:(?:train|val)-\d{6}\.tar(?:\.tmp)?|tokenizer\.(?:model|vocab|json)|tokenizer_config\.json"
+                       r"|manifest\.json(?:\.tmp)?)$")
 
 
 def _claim_output(output: str, overwrite: bool) -> None:
@@ -108,30 +111,54 @@ def _check_counts(n_docs: int, n_train: int, n_files: int) -> None:
                         f"a validation split (or use --val-fraction 0)")
 
 
+def _given_tokenizer_file(tokenizer: str) -> str:
+    """The tokenizer file that ``--tokenizer`` names: the file itself, or a prepared directory's."""
+    if not os.path.isdir(tokenizer):
+        return tokenizer
+    if os.path.isfile(os.path.join(tokenizer, MANIFEST)):
+        return load_manifest(tokenizer, check_files=False)["tokenizer_path"]
+    for name in (TOKENIZER_FILE, HF_TOKENIZER_FILE):
+        if os.path.isfile(os.path.join(tokenizer, name)):
+            return os.path.join(tokenizer, name)
+    raise DataError(f"--tokenizer {tokenizer} is a directory without a manifest.json, {TOKENIZER_FILE} or "
+                    f"{HF_TOKENIZER_FILE}")
+
+
 def prepare(inputs: Sequence[str], output: str, *, vocab_size: int = 32000, model_type: str = "bpe",
-            tokenizer: Optional[str] = None, text_field: str = "text", shard_tokens: int = 16_000_000,
+            tokenizer: Optional[str] = None, eos_token: Optional[str] = None, text_field: str = "text",
+            shard_tokens: int = 16_000_000,
             val_fraction: float = 0.01, workers: Optional[int] = None,
             tokenizer_train_bytes: int = 200 << 20, character_coverage: float = 0.9999,
             overwrite: bool = False, progress: bool = True) -> dict:
-    """Prepare ``inputs`` into ``output``; returns its manifest as :func:`load_manifest` reads it."""
+    """Prepare ``inputs`` into ``output``; returns its manifest as :func:`load_manifest` reads it.
+    ``tokenizer``: a SentencePiece ``.model``, a Hugging Face ``tokenizer.json`` (its
+    end-of-document token: ``eos_token``, else as :class:`ttt_lm.data.tokenizer.HFTokenizer`
+    finds it) or a prepared directory, used instead of training one."""
     files = list_input_files(inputs)
     if not 0 <= val_fraction < 1:
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
     workers = max(1, workers if workers is not None else (os.cpu_count() or 1))
-    given = None
+    given = given_tok = None
     if tokenizer is not None:
-        src = tokenizer if not os.path.isdir(tokenizer) else os.path.join(tokenizer, TOKENIZER_FILE)
-        Tokenizer(src)  # fails clearly if it is not a SentencePiece model
+        src = _given_tokenizer_file(tokenizer)
+        given_tok = open_tokenizer(src, eos_token)  # fails clearly if it is not a tokenizer
         with open(src, "rb") as f:  # read before cleaning: it may live in the output directory
             given = f.read()
+    elif eos_token is not None:
+        raise DataError("--eos-token names the end-of-document token of a Hugging Face --tokenizer; without "
+                        "--tokenizer a SentencePiece tokenizer is trained, whose end-of-document token is </s>")
     _claim_output(output, overwrite)
-    model_file = os.path.join(output, TOKENIZER_FILE)
+    hf = given_tok is not None and given_tok.kind == "hf"
+    model_file = os.path.join(output, HF_TOKENIZER_FILE if hf else TOKENIZER_FILE)
 
     # 1. tokenizer
     if given is not None:
         with open(model_file, "wb") as f:
             f.write(given)
-        tokenizer_type = "given"
+        if hf:  # records the end-of-document token beside the copy, so every reader finds the same
+            with open(os.path.join(output, HF_TOKENIZER_CONFIG), "w") as f:
+                json.dump(given_tok.sidecar(), f, indent=1)
+        tokenizer_type = "hf" if hf else "given"
     else:
         log.info("training a %s tokenizer with %d pieces on %d input file(s)", model_type, vocab_size, len(files))
         seen = SourceStats()
@@ -155,7 +182,7 @@ def prepare(inputs: Sequence[str], output: str, *, vocab_size: int = 32000, mode
             raise
         os.remove(os.path.join(output, "tokenizer.vocab"))
         tokenizer_type = model_type
-    tok = Tokenizer(model_file)
+    tok = open_tokenizer(model_file)
     dtype = token_dtype(tok.vocab_size)
 
     # 2. encode and write shards
@@ -194,7 +221,7 @@ def prepare(inputs: Sequence[str], output: str, *, vocab_size: int = 32000, mode
     tok_sha = sha256_file(model_file)
     man = dict(
         format=FORMAT, vocab_size=tok.vocab_size, eos_id=tok.eos_id, bos_id=tok.bos_id, dtype=dtype.name,
-        tokenizer=TOKENIZER_FILE, tokenizer_sha256=tok_sha, tokenizer_type=tokenizer_type,
+        tokenizer=os.path.basename(model_file), tokenizer_sha256=tok_sha, tokenizer_type=tokenizer_type,
         splits=splits, tokens=total_tokens, documents=stats.documents,
         source=dict(inputs=[os.fspath(p) for p in inputs], files=len(files), text_field=text_field,
                     val_fraction=val_fraction, shard_tokens=shard_tokens, stats=stats.as_dict()),
@@ -215,13 +242,19 @@ def build_argparser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m ttt_lm.data.prepare",
                                 description="Tokenize raw text into webdataset shards with a manifest.")
     p.add_argument("--input", "-i", nargs="+", required=True,
-                   help="files (.txt, .jsonl, optionally .gz/.zst) or directories searched recursively")
+                   help="files (.txt, .jsonl, optionally .gz/.zst; Hugging Face datasets' .parquet and .arrow), "
+                        "directories searched recursively, or folders written by datasets' save_to_disk")
     p.add_argument("--output", "-o", required=True, help="directory to write (training needs only this path)")
-    p.add_argument("--text-field", default="text", help="JSON field holding the text in .jsonl inputs")
+    p.add_argument("--text-field", default="text",
+                   help="field holding the text in .jsonl inputs and column of Hugging Face datasets")
     p.add_argument("--vocab-size", type=int, default=32000, help="pieces of the tokenizer to train")
     p.add_argument("--model-type", choices=("bpe", "unigram"), default="bpe")
     p.add_argument("--tokenizer", default=None,
-                   help="reuse this SentencePiece .model (or a prepared directory's) instead of training one")
+                   help="use this tokenizer instead of training one: a SentencePiece .model, a Hugging Face "
+                        "tokenizer.json (e.g. GPT-NeoX's) or a prepared directory's")
+    p.add_argument("--eos-token", default=None,
+                   help="the end-of-document token of a Hugging Face --tokenizer (default: the eos_token of the "
+                        "tokenizer_config.json beside it, else <|endoftext|>, </s>, <eos> or <|end_of_text|>)")
     p.add_argument("--tokenizer-train-bytes", type=int, default=200 << 20,
                    help="train the tokenizer on at most this many bytes of training text")
     p.add_argument("--character-coverage", type=float, default=0.9999,
@@ -239,7 +272,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         prepare(args.input, args.output, vocab_size=args.vocab_size, model_type=args.model_type,
-                tokenizer=args.tokenizer, text_field=args.text_field, shard_tokens=args.shard_tokens,
+                tokenizer=args.tokenizer, eos_token=args.eos_token, text_field=args.text_field,
+                shard_tokens=args.shard_tokens,
                 val_fraction=args.val_fraction, workers=args.workers,
                 tokenizer_train_bytes=args.tokenizer_train_bytes, character_coverage=args.character_coverage,
                 overwrite=args.overwrite, progress=not args.no_progress)

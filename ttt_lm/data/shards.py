@@ -15,6 +15,7 @@ from typing import List, Tuple
 import numpy as np
 import webdataset as wds
 
+from ttt_lm.data import remote
 from ttt_lm.data.manifest import DataError
 from ttt_lm.data.tokenizer import sha256_file
 
@@ -100,15 +101,20 @@ def read_shard(root: str, shard: dict, vocab_size: int, dtype: str,
     empty, or with ids outside the vocabulary) is skipped and logged; every reader skips the same
     samples, so the data order stays deterministic.
     """
-    path = os.path.join(root, shard["name"])
-    if not os.path.isfile(path):
-        raise DataError(f"shard {path} is missing")
-    size = os.path.getsize(path)
+    path = remote.locate(root, shard["name"])
+    if remote.is_remote(root):  # a URL or pipe: command (ttt_lm.data.remote): fetched whole
+        raw = remote.read_bytes(root, shard["name"])
+        size = len(raw)
+    else:
+        if not os.path.isfile(path):
+            raise DataError(f"shard {path} is missing")
+        size = os.path.getsize(path)
     if size != shard["bytes"]:
         raise DataError(f"shard {path} is {size} bytes, the manifest says {shard['bytes']}: truncated or "
                         f"replaced; prepare the data again")
-    with open(path, "rb") as f:
-        raw = f.read()
+    if not remote.is_remote(root):
+        with open(path, "rb") as f:
+            raw = f.read()
     if verify_sha256:
         digest = hashlib.sha256(raw).hexdigest()
         if digest != shard["sha256"]:

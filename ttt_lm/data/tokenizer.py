@@ -1,16 +1,24 @@
-"""SentencePiece tokenizer: training and a small wrapper.
+"""Tokenizers: SentencePiece (trained here, or given) and Hugging Face ``tokenizer.json`` files.
 
 Training settings follow the lossless recipe: identity normalization, no dummy prefix, no
 whitespace collapsing, and byte fallback, so ``decode(encode(s)) == s`` for every string and no
 input is ever mapped to ``<unk>`` (characters outside the learned vocabulary become UTF-8 byte
 pieces ``<0x..>``). Ids: 0 ``<unk>``, 1 ``<s>``, 2 ``</s>`` (end of document), then 256 byte
 pieces, then learned pieces.
+
+A Hugging Face tokenizer (:class:`HFTokenizer`, the ``tokenizers`` library's ``tokenizer.json``,
+e.g. GPT-NeoX's) is used as it is: its end-of-document id is the token that
+``tokenizer_config.json`` beside the file names as ``eos_token``, else the one given, else the
+first of :data:`EOS_TOKENS` among its special tokens; a tokenizer with none is refused.
+:func:`open_tokenizer` picks the kind from the file name (``.json``: Hugging Face).
 """
 from __future__ import annotations
 
 import hashlib
+import json
 import os
-from typing import Iterable, List, Sequence
+import shutil
+from typing import Iterable, List, Optional, Sequence
 
 import sentencepiece as spm
 
@@ -24,6 +32,8 @@ class TokenizerError(ValueError):
 
 class Tokenizer:
     """A SentencePiece model with the few operations the data path and evals need."""
+
+    kind = "sentencepiece"
 
     def __init__(self, model_file: str):
         if not os.path.isfile(model_file):
@@ -70,13 +80,140 @@ class Tokenizer:
         return f"Tokenizer({self.path!r}, vocab_size={self.vocab_size})"
 
 
-def load_tokenizer(path: str) -> Tokenizer:
-    """A tokenizer from a ``.model`` file, or from a prepared data directory / its manifest."""
-    if os.path.isdir(path) or path.endswith(".json"):
+#: end-of-document tokens recognised in a Hugging Face tokenizer without a tokenizer_config.json
+#: naming one, in order: GPT-2/GPT-NeoX/Pythia, Llama 2/Mistral/T5, Gemma, Llama 3
+EOS_TOKENS = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
+#: where an HF tokenizer's eos and bos tokens are recorded (transformers' name and format)
+HF_TOKENIZER_CONFIG = "tokenizer_config.json"
+
+
+def _token_name(v) -> Optional[str]:
+    if isinstance(v, dict):  # {"content": "<|endoftext|>", ...}
+        v = v.get("content")
+    return v if isinstance(v, str) else None
+
+
+class HFTokenizer:
+    """A Hugging Face ``tokenizers`` file (``tokenizer.json``) with :class:`Tokenizer`'s
+    operations. ``eos_token`` names the end-of-document token when neither the
+    ``tokenizer_config.json`` beside the file nor :data:`EOS_TOKENS` settle it."""
+
+    kind = "hf"
+
+    def __init__(self, path: str, eos_token: Optional[str] = None):
+        try:
+            from tokenizers import Tokenizer as _HF
+        except ImportError as e:
+            raise TokenizerError(f"reading the Hugging Face tokenizer {path} needs the tokenizers package: "
+                                 "pip install 'ttt-lm[hf]'") from e
+        if not os.path.isfile(path):
+            raise TokenizerError(f"tokenizer {path} does not exist")
+        self.path = os.path.abspath(path)
+        try:
+            self.tk = _HF.from_file(self.path)
+        except Exception as e:  # noqa: BLE001 - the Rust side raises its own Exception type
+            raise TokenizerError(f"tokenizer {path} cannot be loaded as a Hugging Face tokenizer.json: {e}") from e
+        side = {}
+        cfg = os.path.join(os.path.dirname(self.path), HF_TOKENIZER_CONFIG)
+        if os.path.isfile(cfg):
+            try:
+                with open(cfg) as f:
+                    side = json.load(f)
+            except ValueError as e:
+                raise TokenizerError(f"{cfg} is not valid JSON: {e}") from e
+        special = [t.content for t in self.tk.get_added_tokens_decoder().values() if t.special]
+        candidates = [eos_token, _token_name(side.get("eos_token"))] + [t for t in EOS_TOKENS if t in special]
+        self.eos_token = next((t for t in candidates if t is not None), None)
+        if self.eos_token is None:
+            raise TokenizerError(f"tokenizer {path} has no end-of-document token: no {HF_TOKENIZER_CONFIG} beside it "
+                                 f"names an eos_token and none of {list(EOS_TOKENS)} is among its special tokens "
+                                 f"({special[:8]}); name one with --eos-token")
+        self._eos = self.tk.token_to_id(self.eos_token)
+        if self._eos is None:
+            raise TokenizerError(f"tokenizer {path}: the end-of-document token {self.eos_token!r} is not in its "
+                                 "vocabulary")
+        self.bos_token = _token_name(side.get("bos_token"))
+        self._bos = self.tk.token_to_id(self.bos_token) if self.bos_token is not None else None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tk.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def eos_id(self) -> int:
+        return self._eos
+
+    @property
+    def bos_id(self) -> int:
+        return -1 if self._bos is None else self._bos
+
+    @property
+    def unk_id(self) -> int:
+        return -1
+
+    def encode(self, text: str, add_eos: bool = False) -> List[int]:
+        ids = self.tk.encode(text, add_special_tokens=False).ids
+        if add_eos:
+            ids.append(self._eos)
+        return ids
+
+    def encode_batch(self, texts: Sequence[str], add_eos: bool = False) -> List[List[int]]:
+        out = [e.ids for e in self.tk.encode_batch(list(texts), add_special_tokens=False)]
+        if add_eos:
+            for ids in out:
+                ids.append(self._eos)
+        return out
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.tk.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def id_to_piece(self, i: int) -> str:
+        return self.tk.id_to_token(int(i))
+
+    def sidecar(self) -> dict:
+        """What ``tokenizer_config.json`` beside a copy of this file records, so the copy reads
+        the same end-of-document token (transformers' AutoTokenizer reads it too)."""
+        out = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": self.eos_token}
+        if self.bos_token is not None:
+            out["bos_token"] = self.bos_token
+        return out
+
+    def save_copy(self, dst: str) -> None:
+        """Copy the file to ``dst`` (a ``….json`` path) with :meth:`sidecar` beside it."""
+        _atomic_copy(self.path, dst)
+        side = os.path.join(os.path.dirname(os.path.abspath(dst)), HF_TOKENIZER_CONFIG)
+        with open(side + ".tmp", "w") as f:
+            json.dump(self.sidecar(), f, indent=1)
+        os.replace(side + ".tmp", side)
+
+    def __repr__(self) -> str:
+        return f"HFTokenizer({self.path!r}, vocab_size={self.vocab_size}, eos={self.eos_token!r})"
+
+
+def _atomic_copy(src: str, dst: str) -> None:
+    shutil.copyfile(src, dst + ".tmp")
+    os.replace(dst + ".tmp", dst)
+
+
+def open_tokenizer(path: str, eos_token: Optional[str] = None):
+    """The tokenizer in a file: a Hugging Face ``tokenizer.json`` (any ``.json`` name) or a
+    SentencePiece ``.model``."""
+    if path.endswith(".json"):
+        return HFTokenizer(path, eos_token)
+    if eos_token is not None:
+        raise TokenizerError(f"--eos-token applies to Hugging Face tokenizers only; {path} is a SentencePiece "
+                             "model, whose end-of-document id is its </s>")
+    return Tokenizer(path)
+
+
+def load_tokenizer(path: str):
+    """A tokenizer from a ``.model`` or ``tokenizer.json`` file, or from a prepared data
+    directory / its ``manifest.json``."""
+    if os.path.isdir(path) or os.path.basename(path) == "manifest.json":
         from ttt_lm.data.manifest import load_manifest
 
-        return Tokenizer(load_manifest(path)["tokenizer_path"])
-    return Tokenizer(path)
+        return open_tokenizer(load_manifest(path)["tokenizer_path"])
+    return open_tokenizer(path)
 
 
 def sha256_file(path: str, block: int = 1 << 20) -> str:

@@ -9,11 +9,14 @@ An **export directory** is what every eval reads::
                          builds the LM and its ``data.path`` names the default data and tokenizer —
                          or a bare ModelConfig YAML (the fields of ``model`` at the top level)
     <dir>/tokenizer.model  the SentencePiece model (``python -m ttt_lm.train.export`` copies the
-                         run's); without it the tokenizer comes from the config's data.path
+                         run's), or <dir>/tokenizer.json for data prepared with a Hugging Face
+                         tokenizer; without one the tokenizer comes from the config's data.path
 
-``python -m ttt_lm.train.export <run> <dir>`` writes exactly this. A training run directory
-(``<run>/checkpoints/step_…``), a ``checkpoints/`` directory or one ``step_…`` checkpoint is also
-accepted: it is exported (ZeRO shards consolidated) into a temporary directory first.
+``python -m ttt_lm.train.export <run> <dir>`` writes exactly this. A Hugging Face folder written by
+``export --format hf`` (``config.json`` + ``model.safetensors``, see :mod:`ttt_lm.hf`) is read too.
+A training run directory (``<run>/checkpoints/step_…``), a ``checkpoints/`` directory or one
+``step_…`` checkpoint is also accepted: it is exported (ZeRO shards consolidated) into a temporary
+directory first.
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ from ttt_lm.model import LM, ModelConfig
 WEIGHTS = ("model.pt", "model.pth", "pytorch_model.bin")
 CONFIG = "config.yaml"
 TOKENIZER = "tokenizer.model"
+TOKENIZERS = (TOKENIZER, "tokenizer.json")
 
 
 @dataclass
@@ -135,9 +139,8 @@ def _load_export(d: str, device, dtype, name: Optional[str]) -> Checkpoint:
         raise EvalError(f"{w} holds a {type(sd).__name__}, not a state dict")
     load_state_dict_checked(model, sd, w)
     model = model.to(device=device, dtype=dtype).eval()
-    tok = os.path.join(d, TOKENIZER)
-    if not os.path.isfile(tok):
-        tok = None
+    tok = next((os.path.join(d, t) for t in TOKENIZERS if os.path.isfile(os.path.join(d, t))), None)
+    if tok is None:
         if data_path and os.path.isfile(os.path.join(data_path, "manifest.json")):
             from ttt_lm.data import load_manifest
             tok = load_manifest(data_path, check_files=False)["tokenizer_path"]
@@ -156,13 +159,35 @@ def missing_tokenizer(ck: Checkpoint, flag: str = "--tokenizer") -> str:
             f"`python -m ttt_lm.train.export <run dir> <out dir>`, which copies the tokenizer into the export")
 
 
+def _is_hf_folder(d: str) -> bool:
+    return (os.path.isfile(os.path.join(d, "config.json")) and not os.path.isfile(os.path.join(d, CONFIG))
+            and _weights_file(d) is None)
+
+
+def _load_hf_folder(d: str, device, dtype, name: Optional[str]) -> Checkpoint:
+    try:
+        from ttt_lm.hf import HFError, load_hf
+    except ImportError as e:
+        raise EvalError(f"{d} is a Hugging Face folder; reading it needs the hf extra: {e}") from e
+    try:
+        model = load_hf(d)
+    except HFError as e:
+        raise EvalError(str(e)) from e
+    tok = next((os.path.join(d, t) for t in TOKENIZERS if os.path.isfile(os.path.join(d, t))), None)
+    return Checkpoint(model.to(device=device, dtype=dtype).eval(), d, name or os.path.basename(os.path.normpath(d)),
+                      None, tok)
+
+
 def load_checkpoint(path: str, device="cpu", dtype: Optional[torch.dtype] = None,
                     name: Optional[str] = None) -> Checkpoint:
-    """A :class:`Checkpoint` from an export directory, a run directory or a training checkpoint."""
+    """A :class:`Checkpoint` from an export directory, a Hugging Face folder (``export --format
+    hf``), a run directory or a training checkpoint."""
     if not os.path.exists(path):
         raise EvalError(f"checkpoint {path} does not exist")
     if os.path.isfile(path):
         raise EvalError(f"checkpoint {path} is a file; pass the export directory holding it and {CONFIG}")
+    if _is_hf_folder(path):
+        return _load_hf_folder(path, device, dtype, name)
     if _weights_file(path) is None and _is_training_checkpoint(path):
         from ttt_lm.train.checkpoint import CheckpointError
         from ttt_lm.train.export import export

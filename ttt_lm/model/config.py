@@ -14,6 +14,9 @@ LAYER_KINDS = tuple(registry.BUILTIN_KINDS)
 #: model.init: which official code the dense layers' initialization follows
 #: (ttt_lm.model.layers.init_weights)
 INIT_SCHEMES = ("gpt2", "ttt", "griffin", "mamba")
+#: model.compile_backend: torch.compile backends (inductor generates kernels; aot_eager and eager
+#: only trace, for debugging a compile problem)
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 
 
 @dataclass
@@ -110,6 +113,9 @@ class ModelConfig:
     # (ttt_lm.model.layers.init_weights); the paper presets set their architecture's
     init: str = "gpt2"
     kernel_backend: str = "auto"        # auto | torch | triton (see Mixer.kernel_backend)
+    # torch.compile every block (LM.compile_blocks); the Triton ops run uncompiled inside them
+    compile: bool = False
+    compile_backend: str = "inductor"   # torch.compile backend: inductor | aot_eager | eager
     # Restart every mixer's state (and attention's context) where a document starts inside a
     # packed training row (position_ids == 0), so no layer carries memory across documents.
     reset_at_doc_boundaries: bool = False
@@ -151,6 +157,9 @@ class ModelConfig:
             raise ValueError(f"model.mlp_act must be silu or gelu, got {self.mlp_act!r}")
         if self.kernel_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"model.kernel_backend must be auto, torch or triton, got {self.kernel_backend!r}")
+        if self.compile_backend not in COMPILE_BACKENDS:
+            raise ValueError(f"model.compile_backend must be one of {list(COMPILE_BACKENDS)}, "
+                             f"got {self.compile_backend!r}")
         if self.init not in INIT_SCHEMES:
             raise ValueError(f"model.init must be one of {list(INIT_SCHEMES)}, got {self.init!r}")
         t = self.ttt

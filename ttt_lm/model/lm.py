@@ -172,6 +172,18 @@ class LM(nn.Module):
             b.mixer.kernel_backend = backend
         return self
 
+    def compile_blocks(self, backend: Optional[str] = None) -> "LM":
+        """``torch.compile`` each block in place (``nn.Module.compile``: parameter names and the
+        state dict are unchanged, so checkpoints load either way); the embedding, final norm, head
+        and loss stay eager. The Triton ops in ``kernels/`` are ``torch.compiler.disable``-d: a
+        block's graph breaks around its op, which runs as in eager mode, and the projections, norms,
+        gates and MLP around it are compiled. The PyTorch chunked forms (``kernel_backend=torch``,
+        the CPU path) are traced like any other code. Compilation happens at a block's first call."""
+        backend = backend or self.cfg.compile_backend
+        for b in self.layers:
+            b.compile(backend=backend)
+        return self
+
     def kernel_backends(self, device) -> Dict[str, str]:
         """Per layer kind, what its chunked form runs on ``device`` ("cuda" or "cpu"; no tensor
         needed): "triton" (a kernel in ``kernels/``), "torch" (the PyTorch chunked form), or for

@@ -72,7 +72,9 @@ class LoggingConfig:
     wandb_project: str = "ttt-lm"
     wandb_run_name: Optional[str] = None
     progress: bool = True               # tqdm bar on rank 0
-    peak_flops: float = 989e12          # per device, for MFU (H100 SXM dense bf16)
+    # per-device peak FLOP/s for MFU; None: looked up from the GPU's name (ttt_lm.train.metrics.PEAK_FLOPS,
+    # dense bf16), and MFU is not reported where the device is not listed (CPUs included)
+    peak_flops: Optional[float] = None
 
 
 def check_training_config(cfg) -> None:
@@ -105,8 +107,13 @@ def check_training_config(cfg) -> None:
         ("eval.every", e.every, e.every >= 0, ">= 0 (0: never)"),
         ("eval.batches", e.batches, e.batches >= 1, ">= 1"),
         ("logging.log_every", lg.log_every, lg.log_every >= 0, ">= 0"),
-        ("logging.peak_flops", lg.peak_flops, lg.peak_flops > 0, "> 0"),
+        ("logging.peak_flops", lg.peak_flops, lg.peak_flops is None or lg.peak_flops > 0, "> 0 (or null: detect)"),
     ]
+    if cfg.model.compile and (cfg.parallel.tensor_parallel > 1 or cfg.parallel.context_parallel > 1):
+        raise ValueError("model.compile=true is supported with parallel.tensor_parallel=1 and "
+                         f"parallel.context_parallel=1 only (got {cfg.parallel.tensor_parallel} and "
+                         f"{cfg.parallel.context_parallel}): their collectives inside the blocks are not traced; "
+                         "set model.compile=false")
     for key, value, ok, want in rules:
         if not ok:
             raise ValueError(f"{key} must be {want}, got {value!r}")

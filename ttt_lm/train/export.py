@@ -2,11 +2,15 @@
 
     python -m ttt_lm.train.export runs/tiny/checkpoints/step_00000200 out/tiny
     python -m ttt_lm.train.export runs/tiny out/tiny          # the run's newest checkpoint
+    python -m ttt_lm.train.export runs/tiny out/tiny-hf --format hf   # a Hugging Face folder
 
 writes ``out/tiny/model.pt`` (the LM's full fp32 state dict, consolidated from the ZeRO shards with
 DeepSpeed's zero_to_fp32, whatever the stage), ``out/tiny/config.yaml`` and
 ``out/tiny/tokenizer.model``: the SentencePiece model of the run's prepared data (the checkpoint
-config's ``data.path``; ``--tokenizer PATH`` names another ``.model`` file or prepared directory).
+config's ``data.path``; ``--tokenizer PATH`` names another ``.model`` file or prepared directory);
+data prepared with a Hugging Face ``tokenizer.json`` gives ``tokenizer.json`` and its
+``tokenizer_config.json`` instead. ``--format hf`` writes a Hugging Face folder instead
+(``model.safetensors``, ``config.json``, the modeling code; see :mod:`ttt_lm.hf`).
 The tokenizer file is all a reader needs to encode and decode (its ids, the end-of-document id 2
 and the byte fallback are inside it), so the export directory can be moved anywhere and evaluated
 or sampled from without the data directory. The file must match the manifest's sha256, the
@@ -40,6 +44,8 @@ from ttt_lm.config import load_config, save_config
 WEIGHTS = "model.pt"
 CONFIG = "config.yaml"
 TOKENIZER = "tokenizer.model"
+HF_TOKENIZER = "tokenizer.json"
+FORMATS = ("pt", "hf")
 
 
 def _zero_fp32(ckpt_dir: str) -> dict:
@@ -137,7 +143,7 @@ def tokenizer_problem(source: TokenizerSource, vocab_size: int, trained_sha256: 
     """Why ``source`` is not this model's tokenizer ("" when it is): a digest that differs from its
     data manifest or from the one the run trained with, or more tokens than the model's
     embedding has."""
-    from ttt_lm.data.tokenizer import Tokenizer, sha256_file
+    from ttt_lm.data.tokenizer import open_tokenizer, sha256_file
     if not os.path.isfile(source.path):
         return f"tokenizer {source.path} does not exist"
     digest = sha256_file(source.path)
@@ -146,17 +152,21 @@ def tokenizer_problem(source: TokenizerSource, vocab_size: int, trained_sha256: 
     if trained_sha256 is not None and digest != trained_sha256:
         return (f"tokenizer {source.path} is not the one this checkpoint was trained with (sha256 {digest[:12]}… "
                 f"vs {trained_sha256[:12]}… recorded in the checkpoint)")
-    n = Tokenizer(source.path).vocab_size
+    n = open_tokenizer(source.path).vocab_size
     if n > vocab_size:
         return f"tokenizer {source.path} has {n} tokens but the model's vocab_size is {vocab_size}"
     return ""
 
 
-def export(ckpt: str, out_dir: str, tokenizer: Optional[str] = "auto") -> str:
+def export(ckpt: str, out_dir: str, tokenizer: Optional[str] = "auto", fmt: str = "pt") -> str:
     """Export checkpoint ``ckpt`` into ``out_dir``. ``tokenizer``: ``"auto"`` copies the tokenizer
     of the checkpoint config's ``data.path`` when it is there and is the one the run trained with
-    (else the export has none, with a note saying why); a path copies that ``.model`` file or
-    prepared directory's tokenizer, and any problem with it is an error; None copies none."""
+    (else the export has none, with a note saying why); a path copies that ``.model`` /
+    ``tokenizer.json`` file or prepared directory's tokenizer, and any problem with it is an
+    error; None copies none. ``fmt``: ``"pt"`` (model.pt + config.yaml) or ``"hf"`` (a Hugging
+    Face folder: model.safetensors + config.json, see :mod:`ttt_lm.hf`)."""
+    if fmt not in FORMATS:
+        raise ValueError(f"--format must be one of {list(FORMATS)}, got {fmt!r}")
     from ttt_lm.data.tokenizer import TokenizerError
     from ttt_lm.model import LM
     from ttt_lm.train.checkpoint import CheckpointError, resolve
@@ -185,18 +195,25 @@ def export(ckpt: str, out_dir: str, tokenizer: Optional[str] = "auto") -> str:
                   f"export will need --tokenizer (or export again with --tokenizer PATH)", file=sys.stderr)
         else:
             tok_path = source.path
+    if fmt == "hf":
+        from ttt_lm.hf import save_hf
+        return save_hf(model, out_dir, tok_path)
     return save_export(model, cfg, out_dir, tok_path)
 
 
 def save_export(model, cfg, out_dir: str, tokenizer: Optional[str] = None) -> str:
     """Write an export directory: ``model``'s state dict (renamed into place when complete), the
-    experiment config ``cfg`` and, given a ``tokenizer`` file, its copy as ``tokenizer.model``."""
+    experiment config ``cfg`` and, given a ``tokenizer`` file, its copy as ``tokenizer.model``
+    (SentencePiece) or ``tokenizer.json`` with its ``tokenizer_config.json`` (Hugging Face)."""
     os.makedirs(out_dir, exist_ok=True)
     tmp = os.path.join(out_dir, WEIGHTS + ".tmp")
     torch.save(model.state_dict(), tmp)
     os.replace(tmp, os.path.join(out_dir, WEIGHTS))
     save_config(cfg, os.path.join(out_dir, CONFIG))
-    if tokenizer is not None:
+    if tokenizer is not None and tokenizer.endswith(".json"):
+        from ttt_lm.data.tokenizer import open_tokenizer
+        open_tokenizer(tokenizer).save_copy(os.path.join(out_dir, HF_TOKENIZER))
+    elif tokenizer is not None:
         dst = os.path.join(out_dir, TOKENIZER)
         shutil.copyfile(tokenizer, dst + ".tmp")
         os.replace(dst + ".tmp", dst)
@@ -222,18 +239,25 @@ def main(argv=None) -> int:
     ap.add_argument("ckpt", help="a checkpoint dir (step_…), a checkpoints/ dir or a run dir")
     ap.add_argument("out_dir")
     ap.add_argument("--tokenizer", default="auto",
-                    help="a .model file or prepared data dir to copy as tokenizer.model (default: the one of "
+                    help="a .model / tokenizer.json file or prepared data dir to copy (default: the one of "
                          "the checkpoint config's data.path, when that directory is here)")
+    ap.add_argument("--format", choices=FORMATS, default="pt",
+                    help="pt: model.pt + config.yaml (default); hf: a Hugging Face folder (model.safetensors + "
+                         "config.json) for AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)")
     a = ap.parse_args(argv)
     from ttt_lm.data import DataError
     from ttt_lm.data.tokenizer import TokenizerError
     from ttt_lm.train.checkpoint import CheckpointError
     try:
-        out = export(a.ckpt, a.out_dir, a.tokenizer)
+        out = export(a.ckpt, a.out_dir, a.tokenizer, a.format)
     except (CheckpointError, DataError, TokenizerError) as e:  # the message names the file
         print(f"error: {e}", file=sys.stderr)
         return 1
-    files = [WEIGHTS, CONFIG] + ([TOKENIZER] if os.path.isfile(os.path.join(out, TOKENIZER)) else [])
+    except ValueError as e:  # HFError and the like, naming the folder
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    main_files = [WEIGHTS, CONFIG] if a.format == "pt" else ["model.safetensors", "config.json"]
+    files = main_files + [t for t in (TOKENIZER, HF_TOKENIZER) if os.path.isfile(os.path.join(out, t))]
     print(f"exported {a.ckpt} -> {os.path.abspath(out)} ({', '.join(files)})")
     return 0
 

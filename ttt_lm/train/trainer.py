@@ -42,7 +42,7 @@ from ttt_lm.train.preempt import PREEMPTED_EXIT_CODE, PreemptionFlag
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                               "configs", "tiny.yaml")
 #: model-config keys that may differ on resume: they choose kernels, not the model's shape
-RUNTIME_MODEL_KEYS = ("kernel_backend", "attention.backend")
+RUNTIME_MODEL_KEYS = ("kernel_backend", "attention.backend", "compile", "compile_backend")
 
 
 class NonFiniteLossError(RuntimeError):
@@ -108,7 +108,9 @@ def invariants(cfg, manifest: dict) -> dict:
     # the data is identified by its manifest's checksum (tokenizer and every shard's digest), not by
     # its path: the same data under another path (absolute, or copied to node-local scratch) is
     # the same data; data_path is kept for the record only
-    return {"model": model, "data_path": os.path.normpath(cfg.data.path), "data_checksum": manifest.get("checksum"),
+    from ttt_lm.data.remote import is_remote
+    data_path = cfg.data.path if is_remote(cfg.data.path) else os.path.normpath(cfg.data.path)
+    return {"model": model, "data_path": data_path, "data_checksum": manifest.get("checksum"),
             "vocab_size": manifest.get("vocab_size"),
             "tokenizer": manifest.get("tokenizer_sha256") or manifest.get("tokenizer"),
             "tensor_parallel": cfg.parallel.tensor_parallel, "context_parallel": cfg.parallel.context_parallel}
@@ -233,7 +235,7 @@ def _train(cfg, data_api, preempt, held) -> int:
     from ttt_lm.train import checkpoint as ck
     from ttt_lm.train.dist import init_distributed
     from ttt_lm.train.engine import build_engine
-    from ttt_lm.train.metrics import MetricsWriter, memory_mb, mfu
+    from ttt_lm.train.metrics import MetricsWriter, git_commit, memory_mb, mfu, resolve_peak_flops
 
     if data_api is None:
         import ttt_lm.data as data_api
@@ -350,6 +352,8 @@ def _train(cfg, data_api, preempt, held) -> int:
         parallelize_tp(model, groups, cfg.parallel.sequence_parallel)
         pdims = {k: d for k, d in partition_dims(model).items() if d is not None}
     model.to(dev)
+    if cfg.model.compile:
+        model.compile_blocks(cfg.model.compile_backend)  # in place: parameter names and checkpoints unchanged
     from ttt_lm.train.optim import apply_hyperparameters, param_groups
     group_wd = [g["weight_decay"] for g in param_groups(model, cfg.optim.weight_decay)]  # as build_engine's
     # DeepSpeed's data-parallel group is dp × cp (the mpu's): those ranks average gradients
@@ -376,8 +380,13 @@ def _train(cfg, data_api, preempt, held) -> int:
         return PREEMPTED_EXIT_CODE
 
     batches = iter(loader)  # after load_state_dict: continues with the next batch
+    peak, peak_from = resolve_peak_flops(cfg.logging.peak_flops, dev)
+    commit = git_commit() if rank == 0 else None
+    run_info = {"git_commit": commit or "unknown (not a git checkout)", "n_params": n_params, "world_size": world,
+                "device": torch.cuda.get_device_name(dev) if device == "cuda" else "cpu",
+                "peak_flops": peak or 0.0, "peak_flops_from": peak_from}
     log = MetricsWriter(run_dir, cfg, enabled=rank == 0, start_step=step,
-                        restart={"checkpoint": resume, "changed": changes} if resume else None)
+                        restart={"checkpoint": resume, "changed": changes} if resume else None, run_info=run_info)
     if rank == 0:
         save_config(cfg, os.path.join(run_dir, "config.yaml"))
         print(f"[train] {'resuming from ' + resume if resume else 'starting'} at step {step}; "
@@ -385,7 +394,12 @@ def _train(cfg, data_api, preempt, held) -> int:
               f"{', sequence parallel' if cfg.parallel.sequence_parallel else ''}), "
               f"ZeRO-{cfg.parallel.zero_stage}, {t.precision}, {n_params / 1e6:.2f}M parameters", flush=True)
         print("[train] kernels: " + ", ".join(f"{k} {v}" for k, v in backends.items())
-              + f" (model.kernel_backend={cfg.model.kernel_backend})", flush=True)
+              + f" (model.kernel_backend={cfg.model.kernel_backend})"
+              + (f"; blocks torch.compile-d ({cfg.model.compile_backend}, Triton ops left uncompiled)"
+                 if cfg.model.compile else ""), flush=True)
+        print(f"[train] MFU against {peak / 1e12:.1f} TFLOP/s per device ({peak_from})" if peak
+              else f"[train] MFU not reported: {peak_from}", flush=True)
+        print(f"[train] git commit {run_info['git_commit']}", flush=True)
     fpt = flops_per_token(cfg.model, cfg.data.seq_len)["train"]
     cfg_yaml = to_yaml(cfg)
 
@@ -486,14 +500,16 @@ def _train(cfg, data_api, preempt, held) -> int:
         dt = time.perf_counter() - t0
         tps = local_tokens * dp_world / dt
         rec = {"kind": "train", "step": step, "loss": loss, "lr": lr, "grad_norm": gn if not skipped else None,
-               "tokens": tokens, "tokens_per_s": tps, "mfu": mfu(tps, fpt, cfg.logging.peak_flops, world),
+               "tokens": tokens, "tokens_per_s": tps, "mfu": mfu(tps, fpt, peak, world),
                "step_time_s": dt, "skipped": skipped, "skipped_total": skipped_total, **memory_mb(device)}
         log.log(rec)
         if bar is not None:
             bar.update(1)
-            bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tps:.0f}")
+            bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tps:.0f}",
+                            **({"mfu": f"{rec['mfu']:.1%}"} if rec["mfu"] is not None else {}))
         if rank == 0 and cfg.logging.log_every and step % cfg.logging.log_every == 0 and bar is None:
-            print(f"[train] step {step}/{t.max_steps} loss {loss:.4f} lr {lr:.3e} tok/s {tps:.0f}", flush=True)
+            print(f"[train] step {step}/{t.max_steps} loss {loss:.4f} lr {lr:.3e} tok/s {tps:.0f}"
+                  + (f" mfu {rec['mfu']:.1%}" if rec["mfu"] is not None else ""), flush=True)
         if nonfinite_run >= t.max_nonfinite_steps:
             good = ck.find_latest(ckpt_root)  # no checkpoint is saved after a non-finite loss
             raise NonFiniteLossError(
@@ -505,8 +521,9 @@ def _train(cfg, data_api, preempt, held) -> int:
         if cfg.eval.every and step % cfg.eval.every == 0:
             vl = evaluate()
             log.log({"kind": "val", "step": step, "loss": vl, "ppl": math.exp(min(vl, 700.0))})
-            if rank == 0 and bar is not None:
-                bar.write(f"[val] step {step} loss {vl:.4f} ppl {math.exp(min(vl, 700.0)):.2f}")
+            if rank == 0:
+                line = f"[val] step {step} loss {vl:.4f} ppl {math.exp(min(vl, 700.0)):.2f}"
+                bar.write(line) if bar is not None else print(line, flush=True)
         preempted = agg[1] > 0
         stop_here = t.stop_after is not None and step >= t.stop_after
         if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or preempted or stop_here:

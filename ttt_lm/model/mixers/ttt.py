@@ -160,7 +160,8 @@ class _TTTBase(Mixer):
             self.conv_q = nn.Conv1d(W, W, self.conv_width, groups=W, bias=True)
             self.conv_k = nn.Conv1d(W, W, self.conv_width, groups=W, bias=True)
 
-        self.register_buffer("token_idx", 1.0 / torch.arange(1, self.mini_batch_size + 1), persistent=False)
+        self.register_buffer("token_idx", torch.empty(self.mini_batch_size), persistent=False)
+        self.reset_buffers()
         self.learnable_token_idx = nn.Parameter(torch.zeros(self.mini_batch_size))
         self.learnable_ttt_lr_weight = nn.Parameter(torch.empty(H, 1, D))   # θ_η
         self.learnable_ttt_lr_bias = nn.Parameter(torch.zeros(H, 1))
@@ -205,6 +206,13 @@ class _TTTBase(Mixer):
         return cfg.ttt.conv_width if cfg.ttt.pre_conv else None
 
     # ---- parameters --------------------------------------------------------------------------
+    def reset_buffers(self) -> None:
+        """Recompute the buffers that are not saved: token_idx = 1/i for i = 1..b (transformers'
+        from_pretrained calls this, since it leaves unsaved buffers empty)."""
+        with torch.no_grad():
+            self.token_idx.copy_(1.0 / torch.arange(1, self.mini_batch_size + 1, device=self.token_idx.device,
+                                                    dtype=self.token_idx.dtype))
+
     def reset_parameters(self) -> None:
         """Official init of the TTT-specific parameters: W ~ N(0, 0.02), inner biases 0, θ_η ~
         N(0, 0.02) with bias 0, learnable_token_idx 0, LayerNorms γ = 1 and β = 0, and PyTorch's

@@ -1,0 +1,278 @@
+"""Hugging Face interop: a ttt-lm LM saved as a transformers folder gives the same logits and
+the same greedy tokens there (AutoModelForCausalLM, registered or with trust_remote_code), uses
+each mixer's decode state in generate, and converts back bit-identically. A stack with every
+layer kind (each has a decode form) in float32: the HF model runs our LM's own code on the same
+weights, so logits are compared for exact equality."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from ttt_lm.config import ExperimentConfig
+from ttt_lm.convert import ConversionError
+from ttt_lm.convert import main as convert_main
+from ttt_lm.eval.checkpoint import load_checkpoint
+from ttt_lm.hf import HFError, TTTLMCache, TTTLMForCausalLM, load_hf, save_hf
+from ttt_lm.model import LM, ModelConfig
+from ttt_lm.model.config import LAYER_KINDS
+from ttt_lm.train.export import load_pretrained, save_export
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+V = 320
+
+
+def tiny_cfg(pattern=LAYER_KINDS, **kw) -> ModelConfig:
+    cfg = ModelConfig(vocab_size=V, d_model=32, n_heads=2, n_layers=len(pattern), layer_pattern=list(pattern),
+                      max_seq_len=64, **kw)
+    cfg.attention.window = 5
+    cfg.ttt.mini_batch_size = 4
+    cfg.titans.chunk_size = 4
+    cfg.deltanet.chunk_size = 4
+    cfg.mamba.chunk_size = 4
+    return cfg
+
+
+def tiny_lm(**kw) -> LM:
+    torch.manual_seed(0)
+    return LM(tiny_cfg(**kw)).eval()
+
+
+def bpe(path: str) -> str:
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    tk.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 20,
+                           trainers.BpeTrainer(vocab_size=V, special_tokens=["<|endoftext|>", "<|padding|>"],
+                                               initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                               show_progress=False))
+    tk.save(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """(our LM, its HF folder with a tokenizer.json)."""
+    d = tmp_path_factory.mktemp("hf")
+    lm = tiny_lm()
+    out = save_hf(lm, str(d / "model"), tokenizer=bpe(str(d / "tokenizer.json")))
+    return lm, out
+
+
+def test_folder_layout(exported):
+    _, out = exported
+    files = set(os.listdir(out))
+    assert {"config.json", "model.safetensors", "generation_config.json", "configuration_ttt_lm.py",
+            "modeling_ttt_lm.py", "tokenizer.json", "tokenizer_config.json"} <= files
+    with open(os.path.join(out, "config.json")) as f:
+        cfg = json.load(f)
+    assert cfg["model_type"] == "ttt_lm" and cfg["auto_map"] == {
+        "AutoConfig": "configuration_ttt_lm.TTTLMConfig", "AutoModelForCausalLM": "modeling_ttt_lm.TTTLMForCausalLM"}
+    assert cfg["ttt_lm"]["layer_pattern"] == list(LAYER_KINDS) and cfg["vocab_size"] == V
+    assert cfg["eos_token_id"] == 0  # <|endoftext|>, the tokenizer's first special token
+    assert "model.lm_head.weight" not in load_file(os.path.join(out, "model.safetensors"))  # tied
+
+
+def test_same_logits_and_greedy_generate_as_our_lm(exported):
+    """AutoModelForCausalLM (the classes registered by importing ttt_lm.hf): the logits of a
+    full forward are bit-identical to the LM's; greedy generate gives the tokens of
+    LM.generate, its per-step scores equal LM.step's logits, the prompt is read in one pass
+    and every later token is one decode step (LM.step with every layer's state), and without
+    the cache (a full forward per token) the tokens are the same."""
+    lm, out = exported
+    hf = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert isinstance(hf, TTTLMForCausalLM) and hf.dtype == torch.float32
+    ids = torch.randint(1, V, (2, 13), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(hf(ids).logits, lm(ids).logits)
+        ours = lm.generate(ids, 10, temperature=0)
+    steps = []
+    real_step = hf.model.step
+    hf.model.step = lambda *a, **k: steps.append(1) or real_step(*a, **k)
+    gen = hf.generate(ids, max_new_tokens=10, do_sample=False, output_scores=True, return_dict_in_generate=True,
+                      eos_token_id=None, pad_token_id=None)
+    hf.model.step = real_step
+    assert torch.equal(gen.sequences, ours)
+    assert len(steps) == 9  # one forward for the prompt and the first token, then one step per token
+    with torch.no_grad():
+        out_full = lm(ids, output_states=True)
+        states, want = out_full.states, [out_full.logits[:, -1]]
+        for t in range(9):
+            lg, states = lm.step(ours[:, 13 + t], states)
+            want.append(lg)
+    for got, w in zip(gen.scores, want):
+        torch.testing.assert_close(got, w, rtol=0, atol=0)
+    no_cache = hf.generate(ids, max_new_tokens=10, do_sample=False, use_cache=False, eos_token_id=None,
+                           pad_token_id=None)
+    assert torch.equal(no_cache, ours)
+
+
+def test_cache_continuation_labels_and_bf16(exported, tmp_path):
+    """A forward that continues a returned cache with several tokens gives the full pass's
+    logits (float32; the chunked forms split the sequence elsewhere, so rounding-level 1e-5);
+    labels are shifted inside as in transformers; a bfloat16 model round-trips in bfloat16."""
+    lm, out = exported
+    hf = AutoModelForCausalLM.from_pretrained(out).eval()
+    ids = torch.randint(1, V, (2, 14), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        full = lm(ids).logits
+        first = hf(ids[:, :9], use_cache=True)
+        rest = hf(ids[:, 9:], past_key_values=first.past_key_values, use_cache=True)
+        assert rest.past_key_values.get_seq_length() == 14
+        torch.testing.assert_close(rest.logits, full[:, 9:], atol=1e-5, rtol=0)
+        aligned = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], 1)
+        assert torch.equal(hf(ids, labels=ids).loss, lm(ids, labels=aligned).loss)
+    bf = tiny_lm().to(torch.bfloat16)
+    back = load_hf(save_hf(bf, str(tmp_path / "bf16")))
+    assert back.embed.weight.dtype == torch.bfloat16
+    a, b = bf.state_dict(), back.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_sampling_and_eos(exported):
+    """Sampling runs on the decode state too, and generation stops at the config's eos id."""
+    lm, out = exported
+    hf = AutoModelForCausalLM.from_pretrained(out).eval()
+    ids = torch.randint(1, V, (1, 6), generator=torch.Generator().manual_seed(2))
+    torch.manual_seed(0)
+    a = hf.generate(ids, max_new_tokens=8, do_sample=True, top_k=20)
+    torch.manual_seed(0)
+    b = hf.generate(ids, max_new_tokens=8, do_sample=True, top_k=20)
+    assert torch.equal(a, b) and a.shape[1] <= 14
+    assert hf.generation_config.eos_token_id == 0  # the tokenizer's <|endoftext|>
+    first = lm.generate(ids, 1, temperature=0)[0, -1].item()
+    hf.generation_config.eos_token_id = first  # the greedy first token ends the document
+    g = hf.generate(ids, max_new_tokens=8, do_sample=False)
+    assert g[0, 6:].tolist() == [first]
+
+
+def test_refusals(exported, tmp_path):
+    lm, out = exported
+    hf = AutoModelForCausalLM.from_pretrained(out).eval()
+    ids = torch.randint(1, V, (2, 5))
+    with pytest.raises(ValueError, match="no padding"):
+        hf.generate(ids, attention_mask=torch.tensor([[0, 1, 1, 1, 1], [1] * 5]), max_new_tokens=2)
+    with pytest.raises(ValueError, match="beam search is not supported"):
+        TTTLMCache([], 0).reorder_cache(torch.tensor([0]))
+    with pytest.raises(ValueError, match="past_key_values must be the TTTLMCache"):
+        hf(ids, past_key_values=object())
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    with pytest.raises(HFError, match="not a ttt-lm Hugging Face export"):
+        save_hf(lm, str(foreign))
+    assert (foreign / "notes.txt").read_text() == "mine"
+    # exported again without a tokenizer: the earlier export's tokenizer does not stay behind
+    again = tmp_path / "again"
+    save_hf(lm, str(again), tokenizer=os.path.join(out, "tokenizer.json"))
+    (again / "README.md").write_text("my notes")
+    save_hf(lm, str(again))
+    assert not (again / "tokenizer.json").exists() and not (again / "tokenizer_config.json").exists()
+    assert (again / "README.md").read_text() == "my notes" and (again / "model.safetensors").exists()
+    # a folder whose tensors do not match its config is refused, naming the tensor
+    broken = tmp_path / "broken"
+    save_hf(lm, str(broken))
+    sd = load_file(str(broken / "model.safetensors"))
+    del sd["model.norm.weight"]
+    save_file(sd, str(broken / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(HFError, match="model.norm.weight"):
+        load_hf(str(broken))
+    with open(broken / "config.json") as f:
+        raw = json.load(f)
+    raw["model_type"] = "llama"
+    with open(broken / "config.json", "w") as f:
+        json.dump(raw, f)
+    with pytest.raises(HFError, match="model_type is 'llama'"):
+        load_hf(str(broken))
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_round_trip_ours_hf_ours_is_bit_identical(tie, tmp_path, capsys):
+    """export dir → to-hf → from-hf → export dir: every tensor equal bit for bit, the config
+    and the tokenizer carried; the result is what evals and train.init_from read."""
+    lm = tiny_lm(tie_embeddings=tie)
+    src = str(tmp_path / "ours")
+    exp = ExperimentConfig()
+    exp.model = lm.cfg
+    tok = bpe(str(tmp_path / "tokenizer.json"))
+    save_export(lm, exp, src, tok)
+    assert convert_main(["to-hf", src, str(tmp_path / "hf")]) == 0
+    assert convert_main(["from-hf", str(tmp_path / "hf"), str(tmp_path / "back")]) == 0
+    back = load_pretrained(str(tmp_path / "back"))
+    a, b = lm.state_dict(), back.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert back.cfg == lm.cfg
+    assert (back.lm_head.weight is back.embed.weight) == tie
+    ck = load_checkpoint(str(tmp_path / "back"))
+    assert ck.tokenizer_path.endswith("tokenizer.json")
+    with open(tok, "rb") as f1, open(ck.tokenizer_path, "rb") as f2:
+        assert f1.read() == f2.read()
+    assert convert_main(["from-hf", str(tmp_path / "ours"), str(tmp_path / "x")]) == 2
+    assert "config.json" in capsys.readouterr().err
+    with pytest.raises(ConversionError, match="not an export directory"):
+        from ttt_lm.convert import to_hf
+        to_hf(str(tmp_path / "hf"), str(tmp_path / "y"))
+
+
+REMOTE = r"""
+import json, sys, torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+path, ids_file = sys.argv[1], sys.argv[2]
+assert "ttt_lm.hf" not in sys.modules
+m = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True).eval()
+tok = AutoTokenizer.from_pretrained(path, trust_remote_code=True)
+ids = torch.load(ids_file)
+with torch.no_grad():
+    logits = m(ids).logits
+gen = m.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=None)
+torch.save({"logits": logits, "gen": gen}, ids_file + ".out")
+print(json.dumps({"module": type(m).__module__, "transformers": __import__("transformers").__version__,
+                  "hf_imported": "ttt_lm.hf" in sys.modules,
+                  "eos": tok.eos_token, "ids": tok("the quick fox")["input_ids"]}))
+"""
+
+
+def test_trust_remote_code_from_the_folder_alone(exported, tmp_path):
+    """A fresh process that never imports ttt_lm.hf loads the folder with trust_remote_code=True
+    (the copied modeling files, which import ttt_lm) and AutoTokenizer: same logits, same
+    greedy tokens, the tokenizer's eos. No network: HF_HUB_OFFLINE, a private HF_HOME."""
+    lm, out = exported
+    ids = torch.randint(1, V, (2, 9), generator=torch.Generator().manual_seed(3))
+    torch.save(ids, str(tmp_path / "ids.pt"))
+    path = os.pathsep.join([ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1", HF_HOME=str(tmp_path / "hf_home"),
+               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    r = subprocess.run([sys.executable, "-c", REMOTE, out, str(tmp_path / "ids.pt")], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    info = json.loads(r.stdout.strip().splitlines()[-1])
+    assert info["module"].startswith("transformers_modules") and info["module"].endswith("modeling_ttt_lm")
+    assert info["eos"] == "<|endoftext|>"
+    assert info["transformers"] == __import__("transformers").__version__  # the version this process tests
+    assert info["ids"] == Tokenizer.from_file(os.path.join(out, "tokenizer.json")).encode("the quick fox").ids
+    got = torch.load(str(tmp_path / "ids.pt.out"))
+    with torch.no_grad():
+        assert torch.equal(got["logits"], lm(ids).logits)
+        assert torch.equal(got["gen"], lm.generate(ids, 6, temperature=0))
+
+
+def test_evals_read_the_hf_folder(exported):
+    """load_checkpoint (what every eval and the generate CLI read) takes the folder as it is."""
+    lm, out = exported
+    ck = load_checkpoint(out)
+    ids = torch.randint(1, V, (1, 7))
+    with torch.no_grad():
+        assert torch.equal(ck.model(ids).logits, lm(ids).logits)
+    assert ck.tokenizer_path == os.path.join(out, "tokenizer.json")
+
+
+def test_autotokenizer_reads_the_folder(exported):
+    _, out = exported
+    tok = AutoTokenizer.from_pretrained(out)
+    assert tok.eos_token == "<|endoftext|>" and tok.eos_token_id == 0
+    assert tok.decode(tok("the lazy dog")["input_ids"]) == "the lazy dog"
