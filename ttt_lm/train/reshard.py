@@ -159,14 +159,18 @@ def apply(engine, state: Dict[str, Any], ckpt: str) -> None:
     if stage == 3:
         _apply_stage3(opt, named, state)
     elif stage in (1, 2):
-        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+        from deepspeed.utils import (lazy_init_hp_params_optimizer_state, safe_set_full_fp32_param,
+                                     safe_set_full_optimizer_state)
+        # AdamW creates its state at its first step: create it here, with the checkpoint's step
+        # count, and point each parameter's fragment map at it (as DeepSpeed does at that step)
+        for g, flat in enumerate(opt.single_partition_of_fp32_groups):
+            _init_state(opt.optimizer, flat, state["step"])
+            lazy_init_hp_params_optimizer_state(opt.bit16_groups[g], flat, opt.optimizer.state)
         for name, p in named.items():
             v = state["params"][name]
             safe_set_full_fp32_param(p, v["fp32"].to(p.device))
             for k in OPTIM_KEYS:
                 safe_set_full_optimizer_state(p, v[k].to(p.device), k)
-        for flat in opt.single_partition_of_fp32_groups:
-            opt.optimizer.state[flat]["step"] = state["step"].clone()
         opt.update_lp_params()
     else:
         raise CheckpointError(f"cannot reshard {ckpt} into a ZeRO stage {stage} engine")
@@ -183,6 +187,13 @@ def apply(engine, state: Dict[str, Any], ckpt: str) -> None:
                 own[k].copy_(v.to(own[k].device))
 
 
+def _init_state(optimizer, flat: torch.Tensor, step: torch.Tensor) -> None:
+    st = optimizer.state[flat]
+    for k in OPTIM_KEYS:
+        st[k] = torch.zeros_like(flat)
+    st["step"] = step.clone()
+
+
 def _set_groups(optimizer, saved: List[dict], ckpt: str) -> None:
     if len(saved) != len(optimizer.param_groups):
         raise CheckpointError(f"cannot reshard {ckpt}: it has {len(saved)} optimizer parameter groups, the "
@@ -193,6 +204,8 @@ def _set_groups(optimizer, saved: List[dict], ckpt: str) -> None:
 
 
 def _apply_stage3(opt, named: Dict[str, torch.nn.Parameter], state: Dict[str, Any]) -> None:
+    for fp32 in opt.fp32_partitioned_groups_flat:
+        _init_state(opt.optimizer, fp32, state["step"])
     for name, p in named.items():
         v = state["params"][name]
         for key in (None, *OPTIM_KEYS):
@@ -203,7 +216,6 @@ def _apply_stage3(opt, named: Dict[str, torch.nn.Parameter], state: Dict[str, An
             part.zero_()
             part[:piece.numel()].copy_(piece.to(part.device))
     for i, fp32 in enumerate(opt.fp32_partitioned_groups_flat):
-        opt.optimizer.state[fp32]["step"] = state["step"].clone()
         if fp32.numel() > 0:
             opt.fp16_partitioned_groups_flat[i].data.copy_(fp32.data)
     for i in range(len(opt.fp16_partitioned_groups_flat)):
