@@ -48,8 +48,8 @@ class Runs:
             d = str(self.base / f"{kind}{ranks}_zero{stage}")
             args = [f"data.path={self.corpus}", f"model.vocab_size={VOCAB + 20}", f"parallel.zero_stage={stage}",
                     f"train.max_steps={2 * N}", f"train.grad_accum={GA[ranks]}"]
-            if kind == "full":
-                args.append(f"checkpoint.every={N}")
+            if kind == "full":  # 2 streams: the 2-rank default, so that the 1-rank run can move to 2 ranks
+                args += [f"checkpoint.every={N}", "data.streams=2"]
             else:
                 args.append(f"train.resume_from={self.ckpt('full', 3 - ranks, stage, N)}")
             r = run(d, args, nprocs=ranks, env={"TTT_TEST_REAL_DATA": "1", "TTT_TEST_BATCH_LOG": d + ".batches",

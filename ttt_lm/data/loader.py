@@ -313,8 +313,10 @@ def build_train_loader(cfg: DataConfig, micro_batch_size: int, dp_rank: int = 0,
     _check_args(cfg, micro_batch_size, dp_rank, dp_world)
     V = total_streams if total_streams is not None else default_total_streams(cfg, dp_world)
     if V < 1 or V % dp_world:
-        raise DataError(f"{V} data streams (data.streams, or the checkpoint's) cannot be shared by {dp_world} "
-                        f"data-parallel ranks: the streams must be a multiple of the ranks")
+        raise DataError(f"{V} data streams (data.streams, or the checkpoint's: fixed when a run starts) cannot be "
+                        f"shared by {dp_world} data-parallel ranks: the streams must be a multiple of the ranks. Use a "
+                        f"rank count that divides {V}, or start runs with data.streams set to a multiple of every "
+                        "rank count they may resume on")
     n_streams = V // dp_world
     if cfg.num_workers > 0 and n_streams % cfg.num_workers:
         raise DataError(f"each of the {dp_world} data-parallel rank(s) serves {n_streams} of the {V} data streams; "
