@@ -23,6 +23,12 @@ config check, the process group, the run directory's lock (``ttt_lm.train.lock``
 that verifies, ``ttt_lm.train.checkpoint.select``) and the resume checks. A resumed run takes its
 optimizer hyperparameters from its own config (``ttt_lm.train.optim.apply_hyperparameters``) and
 says which changed.
+
+A checkpoint written on another number of data-parallel ranks (tensor- and context-parallel
+sizes unchanged) is resumed when the global batch (micro-batch × grad_accum × data-parallel
+ranks) is the same: ``ttt_lm.train.reshard`` rebuilds the ZeRO optimizer state for the new
+partition count, and the loader states of all old ranks are merged (``ttt_lm.data.merge_states``)
+so that the data order continues exactly (README "Resuming").
 """
 from __future__ import annotations
 
@@ -404,6 +410,8 @@ def _train(cfg, data_api, preempt, held) -> int:
     resharded = resume is not None and ck.read_state(resume)["dp_world"] != dp_world
     saved_loaders = ck.rank_states(resume) if resharded else None
     loader = _build_loader(data_api, cfg, dp_rank, dp_world, resume, saved_loaders)
+    if hasattr(loader, "total_streams"):
+        cfg.data.streams = loader.total_streams  # saved with the config: the value used
     step, tokens, skipped_total, nonfinite_run = 0, 0, 0, 0
     changes, last_bytes = [], None
     if resharded:
