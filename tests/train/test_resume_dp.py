@@ -42,23 +42,23 @@ class Runs:
     def __init__(self, base, corpus):
         self.base, self.corpus, self.done = base, corpus, {}
 
-    def get(self, kind, ranks, stage):
-        key = (kind, ranks, stage)
+    def get(self, kind, ranks, stage, precision="fp32"):
+        key = (kind, ranks, stage, precision)
         if key not in self.done:
-            d = str(self.base / f"{kind}{ranks}_zero{stage}")
+            d = str(self.base / f"{kind}{ranks}_zero{stage}_{precision}")
             args = [f"data.path={self.corpus}", f"model.vocab_size={VOCAB + 20}", f"parallel.zero_stage={stage}",
-                    f"train.max_steps={2 * N}", f"train.grad_accum={GA[ranks]}"]
+                    f"train.max_steps={2 * N}", f"train.grad_accum={GA[ranks]}", f"train.precision={precision}"]
             if kind == "full":  # 2 streams: the 2-rank default, so that the 1-rank run can move to 2 ranks
                 args += [f"checkpoint.every={N}", "data.streams=2"]
             else:
-                args.append(f"train.resume_from={self.ckpt('full', 3 - ranks, stage, N)}")
+                args.append(f"train.resume_from={self.ckpt('full', 3 - ranks, stage, N, precision)}")
             r = run(d, args, nprocs=ranks, env={"TTT_TEST_REAL_DATA": "1", "TTT_TEST_BATCH_LOG": d + ".batches",
                                                "TTT_TEST_CHECKSUMS": d + ".sums"})
             self.done[key] = (d, r.output())
         return self.done[key]
 
-    def ckpt(self, kind, ranks, stage, step):
-        return os.path.join(self.get(kind, ranks, stage)[0], "checkpoints", f"step_{step:08d}")
+    def ckpt(self, kind, ranks, stage, step, precision="fp32"):
+        return os.path.join(self.get(kind, ranks, stage, precision)[0], "checkpoints", f"step_{step:08d}")
 
 
 @pytest.fixture(scope="module")
@@ -124,6 +124,18 @@ def test_resume_on_another_rank_count(runs, stage, old, new):
         for k in ("fp32", "exp_avg", "exp_avg_sq"):
             torch.testing.assert_close(sb["params"][name][k], va[k], rtol=1e-5, atol=1e-8, msg=f"{name} {k}")
         assert va["exp_avg_sq"].abs().sum() > 0
+
+
+def test_bf16_zero3_two_to_one(runs):
+    """bf16 weights with fp32 masters: the module's bf16 partitions are refreshed from the
+    resharded fp32 masters (ZeRO-3, the layout with per-parameter partitions)."""
+    full, _ = runs.get("full", 2, 3, "bf16")
+    resumed, out = runs.get("resumed", 1, 3, "bf16")
+    assert "optimizer state resharded" in out
+    a, b = losses_by_step(full), losses_by_step(resumed)
+    assert sorted(b) == list(range(N + 1, 2 * N + 1)) and b[N + 1] == a[N + 1]
+    for s in range(N + 2, 2 * N + 1):
+        assert b[s] == pytest.approx(a[s], rel=1e-6, abs=0), s
 
 
 def test_both_rank_counts_read_the_same_steps(runs):
