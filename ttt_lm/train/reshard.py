@@ -5,7 +5,8 @@ fp32 master weights and of AdamW's moments: ZeRO 1/2 cut each parameter group's 
 equal contiguous partitions (``param_slice_mappings`` in each file says where each parameter's
 piece lies), ZeRO-3 cuts every parameter into ``ceil(numel / world)`` pieces (the last padded),
 laid out in ``param_shapes`` order. Its own loader needs the same partition count, and its
-universal-checkpoint route (``ds_to_universal`` + ``load_universal``) fails on these checkpoints.
+universal-checkpoint route (``ds_to_universal`` + ``load_universal``) refuses these checkpoints
+(they lack the ``universal_checkpoint_info`` it asks for).
 
 So the resharding is ours, in two steps:
 
