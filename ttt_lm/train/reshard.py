@@ -157,6 +157,15 @@ def apply(engine, state: Dict[str, Any], ckpt: str) -> None:
             raise CheckpointError(f"cannot reshard {ckpt}: {name} has shape "
                                   f"{tuple(state['params'][name]['fp32'].shape)} there and {shape} here")
     stage = engine.zero_optimization_stage()
+    # the optimizer internals used below (DeepSpeed has no public setter for them)
+    needs = (("_get_fp32_opt_state_partition", "_get_param_partition_rank", "fp32_partitioned_groups_flat",
+              "fp16_partitioned_groups_flat", "fp16_partitioned_groups", "unflatten") if stage == 3 else
+             ("single_partition_of_fp32_groups", "bit16_groups", "update_lp_params"))
+    lacking = [a for a in needs if not hasattr(opt, a)]
+    if lacking:
+        import deepspeed
+        raise CheckpointError(f"cannot reshard {ckpt}: DeepSpeed {deepspeed.__version__}'s ZeRO-{stage} optimizer "
+                              f"({type(opt).__name__}) lacks {lacking}, which the resharding writes through")
     if stage == 3:
         _apply_stage3(opt, named, state)
     elif stage in (1, 2):
@@ -184,8 +193,10 @@ def apply(engine, state: Dict[str, Any], ckpt: str) -> None:
     if state["buffers"]:
         own = dict(engine.module.named_buffers())
         for k, v in state["buffers"].items():
-            if k in own and own[k].shape == v.shape:
-                own[k].copy_(v.to(own[k].device))
+            if k not in own or own[k].shape != v.shape:
+                raise CheckpointError(f"cannot reshard {ckpt}: its buffer {k} {tuple(v.shape)} has no match in the "
+                                      "model here")
+            own[k].copy_(v.to(own[k].device))
 
 
 def _init_state(optimizer, flat: torch.Tensor, step: torch.Tensor) -> None:
