@@ -266,3 +266,16 @@ def test_preemption_signals_set_the_flag():
             assert flag.requested and flag.signum == sig
         finally:
             flag.uninstall()
+
+
+def test_reshard_names_missing_zero_files(tmp_path):
+    from ttt_lm.train.reshard import consolidate, optim_files
+    with pytest.raises(ck.CheckpointError, match="holds no ZeRO optimizer file for tensor-parallel rank 0"):
+        optim_files(str(tmp_path))
+    for r in (0, 2):
+        (tmp_path / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt").write_bytes(b"")
+    with pytest.raises(ck.CheckpointError, match=r"are for data-parallel ranks \[0, 2\]; some are missing"):
+        consolidate(str(tmp_path))
+    (tmp_path / "zero_pp_rank_1_mp_rank_00_optim_states.pt").write_bytes(b"")
+    with pytest.raises(ck.CheckpointError, match="holds no model-states file"):
+        consolidate(str(tmp_path))
