@@ -6,7 +6,7 @@ import torch
 
 from tests.data.corpus import SEQ_LEN, data_cfg
 from ttt_lm.data import DataError, build_train_loader, build_val_loader, iter_documents
-from ttt_lm.data.loader import iter_stream
+from ttt_lm.data.loader import iter_stream, merge_states
 
 B = 4
 
@@ -179,3 +179,69 @@ def test_iter_documents_ranks(prepared):
     halves = [list(iter_documents(out, "train", r, 2)) for r in range(2)]
     assert len(halves[0]) + len(halves[1]) == len(docs)
     assert all(torch.equal(x, y) for x, y in zip(halves[1], docs[1::2]))
+
+
+def _global_order(loaders, n):
+    """Batches of ``n`` micro-steps of every rank, in the order g = k·dp_world + r."""
+    its = [iter(ld) for ld in loaders]
+    return [next(it) for _ in range(n) for it in its]
+
+
+def _same(a, b):
+    return len(a) == len(b) and all(torch.equal(x[k], y[k]) for x, y in zip(a, b) for k in x)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_order_does_not_depend_on_the_rank_count_and_resumes_across_it(prepared, num_workers):
+    """V streams are read in one global order g ↦ stream g mod V whatever the rank count, so a
+    state saved on 2 ranks continues on 1 (and back) with no batch lost or read twice."""
+    out, _ = prepared
+    cfg = data_cfg(out, num_workers=num_workers)
+    V = 2 * max(1, num_workers)
+    ref = _global_order([build_train_loader(cfg, B, r, 2) for r in range(2)], 10)   # 20 batches
+    assert _same(_global_order([build_train_loader(cfg, B, 0, 1, total_streams=V)], 20), ref)
+    # 2 → 1: three micro-steps on each of 2 ranks, the rest on one rank
+    two = [build_train_loader(cfg, B, r, 2) for r in range(2)]
+    first = _global_order(two, 3)
+    merged = json.loads(json.dumps(merge_states([ld.state_dict() for ld in two])))
+    assert merged["total_streams"] == V and merged["global_batches"] == 6
+    one = build_train_loader(cfg, B, 0, 1, total_streams=V)
+    one.load_merged_state(merged)
+    got = first + _global_order([one], 8)
+    assert _same(got, ref[:14])
+    # 1 → 2 from there (a tensor-parallel peer repeats rank 0's state: accepted)
+    merged = merge_states([one.state_dict(), one.state_dict()])
+    assert merged["global_batches"] == 14
+    two = [build_train_loader(cfg, B, r, 2, total_streams=V) for r in range(2)]
+    for ld in two:
+        ld.load_merged_state(merged)
+    got += _global_order(two, 3)
+    assert _same(got, ref)
+    # no sequence twice: (document, position) of each row's first token
+    rows = [(int(b["doc_ids"][i, 0]), int(b["position_ids"][i, 0])) for b in got for i in range(B)]
+    assert len(set(rows)) == len(rows)
+
+
+def test_merged_state_refuses_what_cannot_continue_exactly(prepared):
+    out, _ = prepared
+    cfg = data_cfg(out)
+    one = build_train_loader(cfg, B, 0, 1, total_streams=2)
+    take(one, 3)
+    merged = merge_states([one.state_dict()])
+    with pytest.raises(DataError, match="3 batches were read on 1 data-parallel ranks: not a multiple of 2"):
+        build_train_loader(cfg, B, 0, 2, total_streams=2).load_merged_state(merged)
+    with pytest.raises(DataError, match="has 2 streams .* this loader 1 ranks × 1 = 1"):
+        build_train_loader(cfg, B, 0, 1).load_merged_state(merged)
+    with pytest.raises(DataError, match="micro_batch_size: saved 4, now 8"):
+        build_train_loader(cfg, 2 * B, 0, 1, total_streams=2).load_merged_state(merged)
+    with pytest.raises(DataError, match="2 data streams .* cannot be shared by 4 data-parallel ranks"):
+        build_train_loader(cfg, B, 0, 4, total_streams=2)
+    with pytest.raises(DataError, match="data.num_workers=2 must divide that"):
+        build_train_loader(data_cfg(out, num_workers=2), B, 0, 2, total_streams=2)
+    r0 = build_train_loader(cfg, B, 0, 2)
+    with pytest.raises(DataError, match=r"data-parallel ranks \[0\] given, the run had 2"):
+        merge_states([r0.state_dict()])
+    r1 = build_train_loader(cfg, B, 1, 2)
+    take(r1, 1)
+    with pytest.raises(DataError, match="read different numbers of batches"):
+        merge_states([r0.state_dict(), r1.state_dict()])

@@ -9,7 +9,9 @@ interface (so the tests need no prepared corpus), with fault injection from the 
     TTT_TEST_CHECKSUM=x         the data manifest's checksum (the synthetic data's identity)
     TTT_TEST_LR_MULTS=path      append the TTT layers' η_base multipliers (lr_mult) before every
                                 training forward to path
-    TTT_TEST_REAL_DATA=1        read data.path with the real data pipeline instead (no fault injection)
+    TTT_TEST_REAL_DATA=1        train on the prepared corpus at data.path (ttt_lm.data) instead
+    TTT_TEST_BATCH_LOG=path     with real data: append "<dp_rank> <batches read> <doc:pos> ..." (the
+                                document and position of each row's first token) per training batch
 
 Like train.py, it imports only ``ttt_lm.train`` before calling ``main`` (which installs the
 preemption handler first); torch and the model load afterwards, as in a real start.
@@ -66,6 +68,33 @@ class SyntheticData:
         return {"vocab_size": VOCAB, "tokenizer": "synthetic", "checksum": os.environ.get("TTT_TEST_CHECKSUM")}
 
 
+class RealData:
+    """ttt_lm.data, whose train loader logs what it yields (TTT_TEST_BATCH_LOG)."""
+
+    def __getattr__(self, name):
+        import ttt_lm.data
+        return getattr(ttt_lm.data, name)
+
+    @staticmethod
+    def build_train_loader(data_cfg, micro_batch_size, dp_rank, dp_world, **kw):
+        import ttt_lm.data
+        _install_faults()
+        loader = ttt_lm.data.build_train_loader(data_cfg, micro_batch_size, dp_rank, dp_world, **kw)
+        path = os.environ.get("TTT_TEST_BATCH_LOG")
+        if path:
+            inner = type(loader).__iter__
+
+            def logged(self):
+                for b in inner(self):
+                    rows = zip(b["doc_ids"][:, 0].tolist(), b["position_ids"][:, 0].tolist())
+                    with open(path, "a") as f:
+                        f.write(f"{dp_rank} {self.batches} " + " ".join(f"{d}:{p}" for d, p in rows) + "\n")
+                    yield b
+
+            loader.__class__ = type("LoggedTrainLoader", (type(loader),), {"__iter__": logged})
+        return loader
+
+
 def _install_faults():
     import torch
     from ttt_lm.model.lm import LM
@@ -107,5 +136,4 @@ def _install_faults():
 
 if __name__ == "__main__":
     from ttt_lm.train import main
-    # TTT_TEST_REAL_DATA=1: the real data pipeline (ttt_lm.data) reads data.path instead
-    sys.exit(main(sys.argv[1:], data_api=None if os.environ.get("TTT_TEST_REAL_DATA") else SyntheticData))
+    sys.exit(main(sys.argv[1:], data_api=RealData() if os.environ.get("TTT_TEST_REAL_DATA") else SyntheticData))

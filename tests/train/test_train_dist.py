@@ -66,11 +66,15 @@ def test_export_every_stage(full_runs, tmp_path):
             torch.testing.assert_close(sds[stage][k], sds[1][k], rtol=0, atol=1e-5)
 
 
-def test_resume_on_other_world_size_refused(full_runs, tmp_path):
+def test_resume_on_other_world_size_needs_the_global_batch_and_a_convertible_loader(full_runs, tmp_path):
+    """Resuming on another number of ranks keeps the global batch (tests/train/test_resume_dp.py
+    resumes real data); the synthetic loader here has no stream positions to convert."""
     r = run(str(tmp_path / "one"), [f"train.max_steps={2 * N}", f"train.resume_from={full_runs[1]}"], nprocs=1,
             expect=1)
-    assert "written by 2 data-parallel ranks and this run has 1" in r.output()
-    assert "python -m ttt_lm.train.export" in r.output() and "train.init_from=<out>" in r.output()
+    assert "it was written by 2 with a global batch of 2 × 1 × 2 = 4 sequences" in r.output()
+    r = run(str(tmp_path / "ga"), [f"train.max_steps={2 * N}", "train.grad_accum=2",
+                                   f"train.resume_from={full_runs[1]}"], nprocs=1, expect=1)
+    assert "this data pipeline cannot convert its loader state" in r.output()
 
 
 def _wait_for_steps(run_dir, n, procs, timeout=120):

@@ -216,9 +216,30 @@ def test_resume_checks_what_must_not_change():
         check_resume(saved, invariants(ExperimentConfig(), {**man, "checksum": "def"}), "ck", 2)
     with pytest.raises(ck.CheckpointError, match="vocab_size: 4096 -> 8192"):
         check_resume(saved, invariants(ExperimentConfig(), {**man, "vocab_size": 8192}), "ck", 2)
-    with pytest.raises(ck.CheckpointError, match=r"written by 2 data-parallel ranks and this run has 4.*"
-                                                 r"train.init_from=<out>"):
-        check_resume(saved, invariants(ExperimentConfig(), man), "ck", 4)
+
+
+
+def test_resume_on_other_rank_count_needs_the_same_global_batch(tmp_path):
+    """Another number of data-parallel ranks is resumed (resharded) only with the global batch
+    of the checkpoint: micro_batch_size × grad_accum × ranks."""
+    from ttt_lm.config import save_config
+    old = ExperimentConfig()
+    old.train.micro_batch_size, old.train.grad_accum = 4, 2
+    save_config(old, str(tmp_path / "config.yaml"))
+    man = {"vocab_size": 4096, "tokenizer": "tok.model"}
+    saved = {"invariants": invariants(old, man), "dp_world": 2}
+    cfg = ExperimentConfig()
+    cfg.train.micro_batch_size, cfg.train.grad_accum = 4, 4       # 4 × 4 × 1 = 4 × 2 × 2
+    check_resume(saved, invariants(cfg, man), str(tmp_path), 1, cfg)
+    cfg.train.grad_accum = 1                                      # 4 × 1 × 4 = 16 as well
+    check_resume(saved, invariants(cfg, man), str(tmp_path), 4, cfg)
+    with pytest.raises(ck.CheckpointError, match=r"global batch of 4 × 2 × 2 = 16 sequences .* this run's is "
+                                                 r"4 × 1 × 1 = 4. .*train.global_batch_size=16 .* or "
+                                                 r"train.grad_accum=4"):
+        check_resume(saved, invariants(cfg, man), str(tmp_path), 1, cfg)
+    cfg.train.micro_batch_size = 3
+    with pytest.raises(ck.CheckpointError, match=r"or a train.micro_batch_size that divides 4"):
+        check_resume(saved, invariants(cfg, man), str(tmp_path), 4, cfg)   # 3 × 1 × 4 = 12
 
 
 def test_resume_accepts_a_checkpoint_older_than_a_new_config_key():
@@ -245,3 +266,16 @@ def test_preemption_signals_set_the_flag():
             assert flag.requested and flag.signum == sig
         finally:
             flag.uninstall()
+
+
+def test_reshard_names_missing_zero_files(tmp_path):
+    from ttt_lm.train.reshard import consolidate, optim_files
+    with pytest.raises(ck.CheckpointError, match="holds no ZeRO optimizer file for tensor-parallel rank 0"):
+        optim_files(str(tmp_path))
+    for r in (0, 2):
+        (tmp_path / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt").write_bytes(b"")
+    with pytest.raises(ck.CheckpointError, match=r"are for data-parallel ranks \[0, 2\]; some are missing"):
+        consolidate(str(tmp_path))
+    (tmp_path / "zero_pp_rank_1_mp_rank_00_optim_states.pt").write_bytes(b"")
+    with pytest.raises(ck.CheckpointError, match="holds no model-states file"):
+        consolidate(str(tmp_path))

@@ -1,11 +1,14 @@
 """Streaming readers: the resumable training loader, the fixed validation loader, whole documents.
 
-Streams. Each data-parallel rank runs ``S = max(1, num_workers)`` streams, one per DataLoader
-worker. For epoch ``e`` the train shards are permuted with a generator seeded by ``(seed, e)``;
-rank ``r`` takes every ``dp_world``-th shard of that order starting at ``r``, and its stream
-``s`` every ``S``-th of those starting at ``s``. So within an epoch the streams of all ranks read
-disjoint shards whose union is the whole train split. Tensor/sequence-parallel peers pass the
-same ``dp_rank`` and therefore read the same data.
+Streams. The run reads ``V`` streams in all (``data.streams``; by default ``dp_world ×
+max(1, num_workers)`` when the run starts, then fixed: a resumed run takes it from its
+checkpoint). For epoch ``e`` the train shards are permuted with a generator seeded by
+``(seed, e)`` and stream ``v`` takes every ``V``-th shard of that order starting at ``v``, so
+within an epoch the streams read disjoint shards whose union is the whole train split, whatever
+the number of ranks. Data-parallel rank ``r`` serves the ``S = V / dp_world`` streams
+``v = r + dp_world·s`` (its local streams ``s = 0 .. S-1``); each of its DataLoader workers serves
+``S / num_workers`` of them (the main process all of them with ``num_workers = 0``).
+Tensor/sequence-parallel peers pass the same ``dp_rank`` and therefore read the same data.
 
 Packing. A stream reads its shards one at a time. A shard's documents (each ending in the
 end-of-document id) are permuted with a generator seeded by ``(seed, e, shard)`` and
@@ -21,21 +24,33 @@ loses less than ``T`` tokens per shard. A batch is ``B`` consecutive windows of 
 
 A model resets its state where ``position_ids == 0`` (or where ``doc_ids`` changes).
 
+Order. A rank's batch ``k`` comes from its local stream ``k mod S``: DataLoader returns batches
+from its workers strictly round-robin, and worker ``j`` of ``W`` serves local streams
+``(k0 + j + W·i) mod S`` for its ``i``-th batch after a (re)start at batch ``k0``. Counting the
+batches of all ranks in the order ``g = k·dp_world + r`` (one micro-batch of every rank, then
+the next), batch ``g`` comes from stream ``g mod V``: the run reads one global sequence of
+batches whose order does not depend on the number of ranks. An optimizer step of
+``micro_batch_size × grad_accum × dp_world`` sequences reads the next ``grad_accum × dp_world``
+batches of it, so with the same ``V`` and the same global batch every step reads the same
+sequences on any number of ranks (only which rank reads which, and so the order in which their
+gradients are summed, differs).
+
 State. A stream's position is three counters ``(epoch, shard index in its epoch list, window
 index in that shard)``, and everything it yields from there is a deterministic function of the
-seed, the epoch and the shard list, so the position alone restores it. DataLoader returns batches
-from its workers strictly round-robin, so batch ``k`` comes from stream ``k mod S``; every batch
-carries its stream's position after it, the main process keeps the latest per stream, and a
-resumed loader starts worker ``j`` on stream ``(j + k) mod S``. Restoring reads only the shard a
-stream was in.
-
-The state is per data-parallel rank (each rank reads different streams): save one per rank.
+seed, the epoch and the shard list, so the position alone restores it. Every batch carries its
+stream's position after it and the main process keeps the latest per stream. ``state_dict`` is
+per data-parallel rank (its local streams and its batch count); restoring reads only the shard a
+stream was in. To resume on another number of ranks, ``merge_states`` joins the states of all
+old ranks into one table of the ``V`` stream positions and the global batch count ``G``, and
+``TrainLoader.load_merged_state`` gives rank ``r`` of ``dp_world'`` its streams and the batch
+count ``G / dp_world'`` (``V`` and ``G`` must be multiples of ``dp_world'``): no sequence is read
+twice or skipped.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -129,7 +144,8 @@ def _to_batch(packed: np.ndarray) -> Dict[str, torch.Tensor]:
 
 
 class _TrainStreams(IterableDataset):
-    """Yields batches of one stream per DataLoader worker (the main process counts as one)."""
+    """Yields the batches of this rank's local streams; a DataLoader worker serves every
+    ``num_workers``-th of them (the main process all), round-robin (see the module docstring)."""
 
     def __init__(self, plan: StreamPlan, batch_size: int, positions: Sequence[Position], rotation: int):
         self.plan, self.batch_size, self.positions, self.rotation = plan, batch_size, list(positions), rotation
@@ -137,12 +153,17 @@ class _TrainStreams(IterableDataset):
     def __iter__(self):
         info = get_worker_info()
         worker, n = (info.id, info.num_workers) if info is not None else (0, 1)
-        if n != self.plan.n_streams:
-            raise DataError(f"{n} DataLoader workers for {self.plan.n_streams} streams")
-        stream = (worker + self.rotation) % n
-        windows = iter_stream(self.plan, stream, tuple(self.positions[stream]))
+        S = self.plan.n_streams
+        if S % n:
+            raise DataError(f"{n} DataLoader workers for {S} streams: the workers must divide the streams")
+        windows = {}
+        i = 0
         while True:
-            got = [next(windows) for _ in range(self.batch_size)]
+            stream = (self.rotation + worker + n * i) % S
+            i += 1
+            if stream not in windows:
+                windows[stream] = iter_stream(self.plan, stream, tuple(self.positions[stream]))
+            got = [next(windows[stream]) for _ in range(self.batch_size)]
             # One numpy array per batch: it crosses the worker pipe as plain bytes, which is much
             # cheaper than four tensors passed as shared-memory handles.
             yield (np.stack([np.stack([g[i] for g in got]) for i in range(3)]), stream, got[-1][3])
@@ -190,14 +211,77 @@ class TrainLoader:
                     **self._fingerprint())
 
     def load_state_dict(self, sd: dict) -> None:
+        """This rank's own state, saved on the same number of data-parallel ranks and streams
+        (another layout: ``merge_states`` and ``load_merged_state``)."""
         if sd.get("version") != STATE_VERSION:
             raise DataError(f"loader state version {sd.get('version')!r}, expected {STATE_VERSION}")
         diffs = [f"{k}: saved {sd.get(k)!r}, now {v!r}" for k, v in self._fingerprint().items() if sd.get(k) != v]
         if diffs:
             raise DataError("the loader state was saved for different data or settings and cannot resume "
-                            "exactly (n_streams = max(1, num_workers)): " + "; ".join(diffs))
+                            "exactly (n_streams: streams per data-parallel rank): " + "; ".join(diffs))
         self.positions = [tuple(int(x) for x in p) for p in sd["streams"]]
         self.batches = int(sd["batches"])
+
+    @property
+    def total_streams(self) -> int:
+        """``V``: the streams of all data-parallel ranks together."""
+        return self.plan.dp_world * self.plan.n_streams
+
+    def load_merged_state(self, merged: dict) -> None:
+        """Take this rank's streams from ``merge_states``'s table (saved on any number of ranks)."""
+        p = self.plan
+        fp = {k: v for k, v in self._fingerprint().items() if k in _MERGED_KEYS}
+        diffs = [f"{k}: saved {merged.get(k)!r}, now {v!r}" for k, v in fp.items() if merged.get(k) != v]
+        if diffs:
+            raise DataError("the loader state was saved for different data or settings and cannot resume "
+                            "exactly: " + "; ".join(diffs))
+        V, G = int(merged["total_streams"]), int(merged["global_batches"])
+        if V != self.total_streams:
+            raise DataError(f"the checkpoint's data order has {V} streams (data.streams) and this loader "
+                            f"{p.dp_world} ranks × {p.n_streams} = {self.total_streams}; build it with "
+                            f"total_streams={V}")
+        if G % p.dp_world:
+            raise DataError(f"{G} batches were read on {merged['dp_world']} data-parallel ranks: not a multiple of "
+                            f"{p.dp_world} ranks, so they cannot continue the same order (keep the global batch: "
+                            "micro_batch_size × grad_accum × data-parallel ranks)")
+        self.positions = [tuple(int(x) for x in merged["streams"][p.dp_rank + p.dp_world * s])
+                          for s in range(p.n_streams)]
+        self.batches = G // p.dp_world
+
+
+#: what a merged state keeps of each rank's fingerprint (the rest describes the old layout)
+_MERGED_KEYS = ("data_checksum", "seed", "seq_len", "shuffle", "micro_batch_size")
+
+
+def merge_states(states: Sequence[dict]) -> dict:
+    """One table of the ``V`` stream positions and the global batch count from the loader states
+    of every rank of a run (tensor/context-parallel peers may repeat a data-parallel rank's state;
+    they must agree). JSON-able; see ``TrainLoader.load_merged_state``."""
+    if not states:
+        raise DataError("no loader state to merge")
+    for sd in states:
+        if sd.get("version") != STATE_VERSION:
+            raise DataError(f"loader state version {sd.get('version')!r}, expected {STATE_VERSION}")
+    first = states[0]
+    dp, S = int(first["dp_world"]), int(first["n_streams"])
+    by_rank: Dict[int, dict] = {}
+    for sd in states:
+        bad = [k for k in (*_MERGED_KEYS, "dp_world", "n_streams") if sd.get(k) != first.get(k)]
+        if bad:
+            raise DataError(f"the loader states of the ranks disagree on {bad}")
+        r = int(sd["dp_rank"])
+        if r in by_rank and (by_rank[r]["streams"] != sd["streams"] or by_rank[r]["batches"] != sd["batches"]):
+            raise DataError(f"two loader states of data-parallel rank {r} disagree")
+        by_rank[r] = sd
+    if sorted(by_rank) != list(range(dp)):
+        raise DataError(f"loader states of data-parallel ranks {sorted(by_rank)} given, the run had {dp}")
+    counts = {int(sd["batches"]) for sd in by_rank.values()}
+    if len(counts) != 1:
+        raise DataError(f"the data-parallel ranks read different numbers of batches ({sorted(counts)}): the "
+                        "state was not saved at an optimizer step")
+    streams = [list(by_rank[v % dp]["streams"][v // dp]) for v in range(dp * S)]
+    return dict(version=STATE_VERSION, total_streams=dp * S, global_batches=counts.pop() * dp, dp_world=dp,
+                streams=streams, **{k: first[k] for k in _MERGED_KEYS})
 
 
 def _plan(cfg: DataConfig, man: dict, split: str, dp_rank: int, dp_world: int, n_streams: int) -> StreamPlan:
@@ -217,17 +301,34 @@ def _check_args(cfg: DataConfig, micro_batch_size: int, dp_rank: int, dp_world: 
         raise ValueError(f"dp_rank {dp_rank} is not in [0, dp_world={dp_world})")
 
 
-def build_train_loader(cfg: DataConfig, micro_batch_size: int, dp_rank: int = 0, dp_world: int = 1) -> TrainLoader:
+def default_total_streams(cfg: DataConfig, dp_world: int) -> int:
+    """``V`` for a run that starts now: ``data.streams``, or ``dp_world × max(1, num_workers)``."""
+    return cfg.streams if cfg.streams is not None else dp_world * max(1, cfg.num_workers)
+
+
+def build_train_loader(cfg: DataConfig, micro_batch_size: int, dp_rank: int = 0, dp_world: int = 1,
+                       total_streams: Optional[int] = None) -> TrainLoader:
+    """The loader of data-parallel rank ``dp_rank``. ``total_streams`` (``V``): a resumed run's
+    (from its checkpoint); by default ``data.streams`` or ``dp_world × max(1, num_workers)``."""
     _check_args(cfg, micro_batch_size, dp_rank, dp_world)
+    V = total_streams if total_streams is not None else default_total_streams(cfg, dp_world)
+    if V < 1 or V % dp_world:
+        raise DataError(f"{V} data streams (data.streams, or the checkpoint's: fixed when a run starts) cannot be "
+                        f"shared by {dp_world} data-parallel ranks: the streams must be a multiple of the ranks. Use a "
+                        f"rank count that divides {V}, or start runs with data.streams set to a multiple of every "
+                        "rank count they may resume on")
+    n_streams = V // dp_world
+    if cfg.num_workers > 0 and n_streams % cfg.num_workers:
+        raise DataError(f"each of the {dp_world} data-parallel rank(s) serves {n_streams} of the {V} data streams; "
+                        f"data.num_workers={cfg.num_workers} must divide that (or be 0)")
     man = load_manifest(cfg.path)
     if cfg.verify_checksums:
         verify_checksums(man)
-    n_streams = max(1, cfg.num_workers)
     shards = man["splits"]["train"]["shards"]
     if len(shards) < dp_world * n_streams:
         raise DataError(f"{cfg.path} has {len(shards)} train shard(s), fewer than data-parallel ranks × streams "
-                        f"= {dp_world} × {n_streams} = {dp_world * n_streams} (streams = max(1, num_workers)); "
-                        f"prepare with a smaller --shard-tokens or lower data.num_workers")
+                        f"= {dp_world} × {n_streams} = {dp_world * n_streams} (streams = data.streams, by default "
+                        f"ranks × max(1, num_workers)); prepare with a smaller --shard-tokens or use fewer streams")
     longest = max(s["tokens"] for s in shards)
     if longest < cfg.seq_len + 1:
         raise DataError(f"{cfg.path}: the largest train shard holds {longest} tokens, fewer than "

@@ -435,6 +435,34 @@ def _prune(root: str, keep_last: int, keep: str) -> None:
             _trash(root, path)
 
 
+def rank_states(ckpt: str) -> List[Dict[str, Any]]:
+    """Every rank's state file of ``ckpt`` (``rank_*.pt``), in rank order, without RNG states:
+    what a resume on another number of ranks merges (the data loaders' positions)."""
+    names = sorted(n for n in os.listdir(ckpt) if re.match(r"^rank_\d{5}\.pt$", n))
+    if not names:
+        raise CheckpointError(f"checkpoint {ckpt} holds no rank_*.pt file")
+    out = []
+    for n in names:
+        p = os.path.join(ckpt, n)
+        try:
+            rs = torch.load(p, map_location="cpu", weights_only=False)
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(f"cannot read {p}: {type(e).__name__}: {e}") from e
+        rs.pop("rng", None)
+        out.append(rs)
+    return out
+
+
+def load_resharded(engine, ckpt: str, mp_rank: int) -> Dict[str, Any]:
+    """Collective: restore the engine from a checkpoint written on another number of
+    data-parallel ranks (``ttt_lm.train.reshard``) and return the trainer state. RNG states are
+    not restored (they are per rank): the caller seeds them."""
+    from ttt_lm.train import reshard
+    state = read_state(ckpt)
+    reshard.apply(engine, reshard.consolidate(os.path.join(ckpt, DS_TAG), mp_rank), ckpt)
+    return state
+
+
 def load(engine, ckpt: str, rank: int) -> Tuple[Dict[str, Any], Dict[str, Any]]:
     """Collective: restore the engine (module, optimizer, schedule) and return
     (trainer_state, this rank's state); RNG states are restored here too. ``ckpt`` should have

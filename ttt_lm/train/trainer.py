@@ -23,6 +23,12 @@ config check, the process group, the run directory's lock (``ttt_lm.train.lock``
 that verifies, ``ttt_lm.train.checkpoint.select``) and the resume checks. A resumed run takes its
 optimizer hyperparameters from its own config (``ttt_lm.train.optim.apply_hyperparameters``) and
 says which changed.
+
+A checkpoint written on another number of data-parallel ranks (tensor- and context-parallel
+sizes unchanged) is resumed when the global batch (micro-batch × grad_accum × data-parallel
+ranks) is the same: ``ttt_lm.train.reshard`` rebuilds the ZeRO optimizer state for the new
+partition count, and the loader states of all old ranks are merged (``ttt_lm.data.merge_states``)
+so that the data order continues exactly (README "Resuming").
 """
 from __future__ import annotations
 
@@ -116,7 +122,9 @@ def invariants(cfg, manifest: dict) -> dict:
             "tensor_parallel": cfg.parallel.tensor_parallel, "context_parallel": cfg.parallel.context_parallel}
 
 
-def check_resume(saved: dict, now: dict, ckpt: str, dp_world: int) -> None:
+def check_resume(saved: dict, now: dict, ckpt: str, dp_world: int, cfg_now=None) -> None:
+    """Refuse a resume that cannot continue the run. ``cfg_now`` (the running config) is needed
+    when the number of data-parallel ranks changed (the global batch is checked)."""
     from ttt_lm.train.checkpoint import CheckpointError
     from omegaconf import OmegaConf
     from ttt_lm.model.config import ModelConfig
@@ -157,13 +165,32 @@ def check_resume(saved: dict, now: dict, ckpt: str, dp_world: int) -> None:
             f"cannot resume from {ckpt}: the run changed what a resumed run must keep:\n  " + "\n  ".join(diff)
             + "\nrestore those settings, or start a new run (another train.run_dir)")
     if saved["dp_world"] != dp_world:
+        _check_global_batch(saved, ckpt, cfg_now, dp_world)
+
+
+def _check_global_batch(saved: dict, ckpt: str, cfg, dp_world: int) -> None:
+    """A resume on another number of data-parallel ranks keeps the global batch (micro-batch ×
+    grad_accum × data-parallel ranks): each step then reads the same sequences it would have
+    read on the old rank count (``ttt_lm.data.loader``); another batch would change the run."""
+    from ttt_lm.train.checkpoint import CheckpointError
+    from omegaconf import OmegaConf
+    try:
+        old = OmegaConf.to_container(OmegaConf.load(os.path.join(ckpt, "config.yaml")))["train"]
+    except Exception as e:  # noqa: BLE001 - verified at select(); yaml errors name the file
+        raise CheckpointError(f"cannot read {ckpt}/config.yaml: {e}") from e
+    t = cfg.train
+    g_old = old["micro_batch_size"] * old["grad_accum"] * saved["dp_world"]
+    g_new = t.micro_batch_size * t.grad_accum * dp_world
+    if g_old != g_new:
+        per = t.micro_batch_size * dp_world
+        fix = (f"train.grad_accum={g_old // per}" if g_old % per == 0 else
+               f"a train.micro_batch_size that divides {g_old // dp_world if g_old % dp_world == 0 else g_old}")
         raise CheckpointError(
-            f"cannot resume from {ckpt}: it was written by {saved['dp_world']} data-parallel ranks and this run has "
-            f"{dp_world}; ZeRO keeps optimizer state in per-rank shards and the data loader's position is per "
-            f"rank. Resume on {saved['dp_world']} ranks, or export the weights with "
-            f"`python -m ttt_lm.train.export {ckpt} <out>` and start a new run with train.init_from=<out> "
-            "(fresh optimizer state and data order). DeepSpeed's universal checkpoints (ds_to_universal) are "
-            "not loaded by this trainer")
+            f"cannot resume from {ckpt} on {dp_world} data-parallel rank(s): it was written by {saved['dp_world']} "
+            f"with a global batch of {old['micro_batch_size']} × {old['grad_accum']} × {saved['dp_world']} = {g_old} "
+            f"sequences (micro_batch_size × grad_accum × ranks) and this run's is {t.micro_batch_size} × "
+            f"{t.grad_accum} × {dp_world} = {g_new}. Keep the global batch: set train.global_batch_size={g_old} "
+            f"(grad_accum is derived from it) or {fix}")
 
 
 # ---- the run ---------------------------------------------------------------------------------
@@ -183,6 +210,30 @@ def _seed_all(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+def _build_loader(data_api, cfg, dp_rank: int, dp_world: int, resume: Optional[str], saved_loaders):
+    """The train loader with the run's number of data streams: a resumed run's from its
+    checkpoint (``data.streams``, if set, must agree), a new run's from the config.
+    ``saved_loaders``: every old rank's state, when the number of data-parallel ranks changed."""
+    from ttt_lm.train.checkpoint import CheckpointError, rank_file
+    sd = None
+    if saved_loaders is not None:
+        if not hasattr(data_api, "merge_states"):
+            raise CheckpointError(f"cannot resume from {resume} on another number of data-parallel ranks: this data "
+                                  "pipeline cannot convert its loader state")
+        sd = saved_loaders[0].get("loader")
+    elif resume is not None:
+        import torch
+        sd = torch.load(os.path.join(resume, rank_file(0)), map_location="cpu", weights_only=False).get("loader")
+    if not isinstance(sd, dict) or "n_streams" not in sd:  # a new run, or a pipeline without streams
+        return data_api.build_train_loader(cfg.data, cfg.train.micro_batch_size, dp_rank, dp_world)
+    V = int(sd["dp_world"]) * int(sd["n_streams"])
+    want = getattr(cfg.data, "streams", None)
+    if want is not None and want != V:
+        raise CheckpointError(f"cannot resume from {resume} with data.streams={want}: the run reads {V} data streams "
+                              f"(fixed when it started); set data.streams={V} or leave it unset")
+    return data_api.build_train_loader(cfg.data, cfg.train.micro_batch_size, dp_rank, dp_world, total_streams=V)
 
 
 def train(cfg, data_api=None, preempt: Optional[PreemptionFlag] = None) -> int:
@@ -315,7 +366,7 @@ def _train(cfg, data_api, preempt, held) -> int:
     elif ck.list_checkpoints(ckpt_root):
         resume, passed = ck.select(ckpt_root, accept=after_finite_loss, note=say)
     if resume is not None:
-        check_resume(ck.read_state(resume), inv, resume, dp_world)
+        check_resume(ck.read_state(resume), inv, resume, dp_world, cfg)
         # newer checkpoints of this run directory that are not resumed from are renamed aside
         # (kept, never pruned): a later restart must not pick them over the new branch
         if rank == 0:
@@ -360,12 +411,28 @@ def _train(cfg, data_api, preempt, held) -> int:
     engine, sched = build_engine(model, cfg, dp_world * cp, mpu=groups.mpu() if tp > 1 or cp > 1 else None)
     _seed_all(t.seed + 1 + rank)  # per-rank streams for anything random in the loop
 
-    loader = data_api.build_train_loader(cfg.data, t.micro_batch_size, dp_rank, dp_world)
+    resharded = resume is not None and ck.read_state(resume)["dp_world"] != dp_world
+    saved_loaders = ck.rank_states(resume) if resharded else None
+    loader = _build_loader(data_api, cfg, dp_rank, dp_world, resume, saved_loaders)
+    if hasattr(loader, "total_streams"):
+        cfg.data.streams = loader.total_streams  # saved with the config: the value used
     step, tokens, skipped_total, nonfinite_run = 0, 0, 0, 0
     changes, last_bytes = [], None
-    if resume is not None:
+    if resharded:
+        old_dp = ck.read_state(resume)["dp_world"]
+        state = ck.load_resharded(engine, resume, groups.tp_rank)
+        loader.load_merged_state(data_api.merge_states([s_["loader"] for s_ in saved_loaders]))
+        # RNG states are per rank: with another rank count each rank starts a stream of its own,
+        # from the seed, its rank and the step
+        _seed_all(t.seed + 1 + rank + 1_000_003 * state["step"])
+        if rank == 0:
+            print(f"[train] {resume} was written by {old_dp} data-parallel rank(s), this run has {dp_world}: "
+                  f"optimizer state resharded, the data order continues ({loader.total_streams} streams)",
+                  flush=True)
+    elif resume is not None:
         state, rs = ck.load(engine, resume, rank)
         loader.load_state_dict(rs["loader"])
+    if resume is not None:
         step, tokens, skipped_total = state["step"], state["tokens"], state["skipped_steps"]
         nonfinite_run = state.get("nonfinite_in_a_row", 0)
         changes = _optim_changes(resume, cfg)
