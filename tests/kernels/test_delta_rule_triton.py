@@ -92,6 +92,17 @@ def test_device_arch_without_gpu():
     assert INTERPRET_ARCH == 90 and device_arch("cpu") == 90 and device_arch(None) in (80, 90)
 
 
+@pytest.mark.parametrize("capability,family", [((8, 0), 80), ((8, 6), 80), ((8, 9), 80), ((9, 0), 90),
+                                               ((10, 0), 90)])
+def test_device_arch_by_capability(monkeypatch, capability, family):
+    """A CUDA device's compute capability picks the launch-config family: Ampere and Ada take
+    the sm_80 configs, Hopper and newer the sm_90 ones."""
+    import kernels._triton_utils as tu
+    monkeypatch.setattr(tu.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(tu, "_capability", lambda index: capability)
+    assert tu.device_arch(torch.device("cuda", 0)) == family
+
+
 def test_float64_is_exact():
     """float64 inputs run in float64: the chunked form differs from the sequential one by
     rounding only, 1e-10 on O(1) values."""
