@@ -12,6 +12,8 @@
 * ``prune_by_elements_per_thread(tile_elements)`` — keeps the autotune configs that give each thread
   about 8 elements of a register tile whose size is known only at the call.
 * ``num_sms(device)`` — streaming multiprocessors, to size grids that must fill the GPU.
+* ``device_arch(device)`` — the launch-config family (90: Hopper and newer, 80: Ampere/Ada) whose
+  tiles and warps an op's ``launch_meta`` picks; the compile gate checks each family's choice.
 
 Whether the interpreter is on is decided when ``@triton.jit`` runs, i.e. when a ``chunk.py`` is
 imported: set ``TRITON_INTERPRET`` before that (``tests/conftest.py`` does).
@@ -119,9 +121,30 @@ def num_sms(device: Optional[torch.device | str] = None) -> int:
     return _num_sms(dev.index if dev.index is not None else torch.cuda.current_device())
 
 
+#: the arch a kernel's launch config is chosen for where no GPU is asked (the interpreter, CPU tensors)
+INTERPRET_ARCH = 90
+
+
+def device_arch(device: Optional[torch.device | str] = None) -> int:
+    """90 for a CUDA device of compute capability 9.0 or newer, 80 for an older one (Ampere, Ada:
+    the same 64K registers per SM, whose configs the gate checks at sm_80); ``INTERPRET_ARCH`` for
+    anything else (the interpreter runs on CPU tensors). Read with
+    ``torch.cuda.get_device_capability`` at each launch (cached per device index)."""
+    dev = torch.device(device) if device is not None else None
+    if dev is None or dev.type != "cuda" or not torch.cuda.is_available():
+        return INTERPRET_ARCH
+    major, _ = _capability(dev.index if dev.index is not None else torch.cuda.current_device())
+    return 90 if major >= 9 else 80
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int):
+    return torch.cuda.get_device_capability(index)
+
+
 def next_power_of_2(n: int) -> int:
     return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
 
 
 __all__: Iterable[str] = ["is_interpreting", "has_triton", "triton_available", "check_triton_device",
-                          "autotune_configs", "prune_by_elements_per_thread", "num_sms", "next_power_of_2"]
+                          "autotune_configs", "prune_by_elements_per_thread", "num_sms", "device_arch", "next_power_of_2"]

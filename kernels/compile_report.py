@@ -166,13 +166,15 @@ def case(kernel, config: str, *, constexprs: Mapping[str, Any], scalars: Mapping
 def cases_from_launches(launches: Iterable[Mapping[str, Any]]) -> List[Case]:
     """Cases from launch descriptions (dicts with kernel, config, signature — every non-constexpr
     argument mapped to a Triton type, ``*`` before a pointer's element type — constexprs, num_warps,
-    num_stages), the form an op's ``launch_configs()`` returns."""
+    num_stages, and optionally archs: the targets a launch config is chosen for, when an op picks
+    its config by GPU family), the form an op's ``launch_configs()`` returns."""
     out = []
     for c in launches:
         scalars = {n: t for n, t in c["signature"].items() if not t.startswith("*")}
         pointers = {n: t[1:] for n, t in c["signature"].items() if t.startswith("*")}
         out.append(case(c["kernel"], c["config"], constexprs=c["constexprs"], scalars=scalars,
-                        pointers=pointers, num_warps=c["num_warps"], num_stages=c["num_stages"]))
+                        pointers=pointers, num_warps=c["num_warps"], num_stages=c["num_stages"],
+                        archs=tuple(c.get("archs", ARCHS))))
     return out
 
 

@@ -36,7 +36,8 @@ def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Te
     Returns (o [B, H, T, d_v] in v's dtype, final state [B, H, d_k, d_v] in the accumulation
     dtype — float32 for half inputs — or None unless ``output_final_state``). ``backend``: "torch"
     (chunked, ``chunk_size`` tokens per chunk), "triton" (``chunk.py``; chunk rounded to a power
-    of two in [16, 64]) or "reference" (sequential)."""
+    of two in [16, 64] and capped per dtype and GPU by ``chunk.launch_meta``; the result does not
+    depend on it) or "reference" (sequential)."""
     check_delta_rule_inputs("delta_rule", q, k, v, beta, initial_state, chunk_size)
     if backend == "triton" and delta_rule_triton is not None:
         return delta_rule_triton(q, k, v, beta, initial_state, output_final_state, chunk_size)

@@ -43,7 +43,8 @@ TF32 operands for half inputs — rounding those to bf16 instead made outputs an
 bf16 tolerances of the tests — and TF32×3 (about float32 accuracy) for float32 inputs. Under
 the interpreter bf16 operands are emulated (``_mm``). The state tile [d_k, BV] is capped at
 64 × 32 elements (BV = 16 at d_k = 128), the rest of d_v going to more programs.
-The kernel chunk is a power of two in [16, 64] (``tl.dot`` needs tiles of at least 16): the
+The kernel chunk is a power of two in [16, 64] (``tl.dot`` needs tiles of at least 16), capped
+per dtype, head dim and GPU family by ``launch_meta`` (chosen so that ptxas spills nothing): the
 result does not depend on it, only the speed does.
 """
 from __future__ import annotations
@@ -54,7 +55,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton_utils import check_triton_device, is_interpreting
+from kernels._triton_utils import INTERPRET_ARCH, check_triton_device, device_arch, is_interpreting
 from kernels.delta_rule.shapes import check_delta_rule_inputs, fold_channel_beta, unfold_channel_beta
 
 
@@ -459,24 +460,46 @@ _PREC = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "tf32x3",
 _PREC_SOLVE = {torch.bfloat16: "tf32", torch.float16: "tf32", torch.float32: "tf32x3", torch.float64: "fp64"}
 
 
-def launch_meta(DK: int, DV: int, dtype: torch.dtype):
-    """Tile sizes and warps of every kernel for head dims (DK, DV) and input dtype: the one place
-    the launches and ``gate_configs`` read them from."""
+def launch_meta(DK: int, DV: int, dtype: torch.dtype, arch: int = INTERPRET_ARCH):
+    """Kernel chunk cap, tiles and warps of every kernel for head dims (DK, DV), input dtype and
+    launch-config family ``arch`` (90 or 80, ``device_arch``): the one place the launches and
+    ``gate.py`` read them from. The kernel chunk is ``min(C, chunk_size rounded up)``.
+
+    What ptxas reported (``python -m kernels.compile_report``, spilled bytes) chose them:
+    half inputs keep C = 64 on sm_90 at d ≤ 64, where nothing spills; elsewhere their state and
+    backward kernels spilled 0.1–8 KB at C = 64 and none at C = 32 (8 warps), the [C, C] and
+    [C, d_k] tiles being what overflows. float32 inputs (TF32×3 products hold three operand
+    splits) take C = 16 with 4 warps; on sm_80 the state kernels also need BV = 16 and 8 warps.
+    ``_wy_fwd`` (W, U by column blocks) spilled 32 B on sm_90 at C = 32 with 64-wide blocks and
+    takes 32-wide ones there."""
     BK = _pow2(DK)
     BV = min(_pow2(DV), BV_MAX, max(16, STATE_TILE // BK))
-    return dict(BK=BK, BV=BV, PREC=_PREC[dtype], PS=_PREC_SOLVE[dtype],
-                warps_inv=4 if dtype != torch.float32 else 8, warps_wy=8, warps_state=8, warps_chunk=8, stages=1)
+    half = dtype in (torch.bfloat16, torch.float16)
+    small = BK <= 64 and _pow2(DV) <= 64
+    mt = dict(BK=BK, BV=BV, PREC=_PREC[dtype], PS=_PREC_SOLVE[dtype], stages=1)
+    if half and arch >= 90 and small:
+        mt.update(C=64, BKW=min(BK, 64), BVW=min(_pow2(DV), 64),
+                  warps_inv=4, warps_wy=8, warps_state=8, warps_chunk=8)
+    elif half:
+        W = 32 if arch >= 90 else 64
+        mt.update(C=32, BKW=min(BK, W), BVW=min(_pow2(DV), W),
+                  warps_inv=8, warps_wy=8, warps_state=8, warps_chunk=8)
+    else:
+        mt.update(C=16, BKW=min(BK, 64), BVW=min(_pow2(DV), 64),
+                  warps_inv=4, warps_wy=4, warps_state=4, warps_chunk=4)
+        if arch < 90:
+            mt.update(BV=min(BV, 16), warps_state=8)
+    return mt
 
 
 class DeltaRuleChunkFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, beta, initial_state, cu_seqlens, C, output_final_state):
+    def forward(ctx, q, k, v, beta, initial_state, cu_seqlens, C, output_final_state, mt):
         B, H, T, DK = k.shape
         DV = v.shape[-1]
         q, k, v, beta = (t.contiguous() for t in (q, k, v, beta))
         acc = _acc_dtype(k)
         N, NC, chunk_offsets, chunk_indices = _layout(B, T, C, cu_seqlens, k.device)
-        mt = launch_meta(DK, DV, q.dtype)
         BK, BV = mt["BK"], mt["BV"]
         NV = triton.cdiv(DV, BV)
         ACC = _TL[acc]
@@ -494,7 +517,7 @@ class DeltaRuleChunkFunction(torch.autograd.Function):
         if NC > 0:
             _wy_inv[(NC, H)](k, beta, Tm, cu, chunk_offsets, chunk_indices, T, H, DK=DK, BK=BK,
                              PK=mt["PREC"], PS=mt["PS"], num_warps=mt["warps_inv"], **common)
-            BKW, BVW = min(BK, 64), min(_pow2(DV), 64)
+            BKW, BVW = mt["BKW"], mt["BVW"]
             _wy_fwd[(NC, H, triton.cdiv(DK, BKW) + triton.cdiv(DV, BVW))](
                 k, v, beta, Tm, W, U, cu, chunk_offsets, chunk_indices, T, H, DK=DK, DV=DV, BK=BKW, BV=BVW,
                 PS=mt["PS"], num_warps=mt["warps_wy"], **common)
@@ -537,7 +560,7 @@ class DeltaRuleChunkFunction(torch.autograd.Function):
                              num_warps=mt["warps_chunk"], **common)
         if dh0 is not None:
             dh0 = dh0.to(h0_dtype)
-        return dq, dk, dv, dbeta, dh0, None, None, None
+        return dq, dk, dv, dbeta, dh0, None, None, None, None
 
 
 # torch.compile (model.compile) runs this op as an opaque call, not traced: Triton launches and the
@@ -569,8 +592,9 @@ def delta_rule_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: t
         if int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != T:
             raise ValueError("delta_rule_triton: cu_seqlens must start at 0 and end at T")
         cu_seqlens = cu_seqlens.to(device=k.device, dtype=torch.int32).contiguous()
-    C = min(64, _pow2(chunk_size))
-    res = DeltaRuleChunkFunction.apply(q, k, v, beta, initial_state, cu_seqlens, C, output_final_state)
+    mt = launch_meta(DK, v.shape[-1], q.dtype, device_arch(q.device))
+    C = min(mt["C"], _pow2(chunk_size))
+    res = DeltaRuleChunkFunction.apply(q, k, v, beta, initial_state, cu_seqlens, C, output_final_state, mt)
     if output_final_state:
         return res[0], res[1]
     return res, None

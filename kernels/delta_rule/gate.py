@@ -1,8 +1,9 @@
 """Launch configurations of the delta-rule Triton kernels, for the ahead-of-time compile gate
 (``python -m kernels.compile_report``): d_k = d_v ∈ {64, 128} (the presets' head dims), chunk 64
 (DeltaNet's ``chunk_size`` in every preset), bfloat16 and float32 inputs, fixed-length batches
-with an initial and a final state — the tiles, precisions, warps and stages that
-``DeltaRuleChunkFunction`` takes from ``chunk.launch_meta``."""
+with an initial and a final state — the kernel chunk, tiles, precisions, warps and stages that
+``delta_rule_triton`` takes from ``chunk.launch_meta`` for each GPU family (sm_90, sm_80): one
+case per arch, named with the kernel chunk and the arch."""
 from __future__ import annotations
 
 from typing import List
@@ -10,6 +11,7 @@ from typing import List
 import torch
 import triton.language as tl
 
+from kernels.compile_report import ARCHS
 from kernels.delta_rule import chunk
 
 HEAD_DIMS = (64, 128)
@@ -19,40 +21,47 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 def launch_configs() -> List[dict]:
     """One dict per launch: name, kernel, config, signature (every non-constexpr argument → its
-    Triton type), constexprs, num_warps, num_stages."""
+    Triton type), constexprs, num_warps, num_stages, archs."""
     out = []
-    for dt, tdt in DTYPES.items():
-        for d in HEAD_DIMS:
-            mt = chunk.launch_meta(d, d, tdt)
-            io = lambda *names: {n: "*" + dt for n in names}
-            acc = lambda *names: {n: "*fp32" for n in names}
-            ints = {"T": "i32", "H": "i32"}
-            base = dict(C=CHUNK, IS_VARLEN=False, ACC=tl.float32, EMU=False, cu_seqlens=None, chunk_offsets=None)
-            BKW, BVW = min(mt["BK"], 64), min(chunk._pow2(d), 64)
-            entries = [
-                (chunk._wy_inv, {**io("k", "beta"), **acc("Tm"), **ints},
-                 dict(base, chunk_indices=None, DK=d, BK=mt["BK"], PK=mt["PREC"], PS=mt["PS"]), mt["warps_inv"]),
-                (chunk._wy_fwd, {**io("k", "v", "beta"), **acc("Tm", "W", "U"), **ints},
-                 dict(base, chunk_indices=None, DK=d, DV=d, BK=BKW, BV=BVW, PS=mt["PS"]), mt["warps_wy"]),
-                (chunk._fwd_state, {**io("q", "k", "o"), **acc("W", "U", "Hs", "VN", "h0", "ht"), **ints},
-                 dict(base, DK=d, DV=d, BK=mt["BK"], BV=mt["BV"], USE_H0=True, STORE_HT=True,
-                      PREC=mt["PREC"], PS=mt["PS"]), mt["warps_state"]),
-                (chunk._bwd_state, {**io("q", "k", "do"), **acc("W", "dht", "dHs", "dVN", "dh0"), **ints},
-                 dict(base, DK=d, DV=d, BK=mt["BK"], BV=mt["BV"], USE_DHT=True, STORE_DH0=True,
-                      PREC=mt["PREC"], PS=mt["PS"]), mt["warps_state"]),
-                (chunk._bwd_dqk, {**io("q", "k", "do", "dq"), **acc("VN", "dVN", "Hs", "dHs", "dk_part", "dw"),
-                                  **ints},
-                 dict(base, chunk_indices=None, DK=d, DV=d, BK=mt["BK"], BV=mt["BV"], PREC=mt["PREC"],
-                      PS=mt["PS"]), mt["warps_chunk"]),
-                (chunk._bwd_wy, {**io("k", "v", "beta", "dk", "dv", "dbeta"), **acc("Tm", "dVN", "dk_part", "dw"),
-                                 **ints},
-                 dict(base, chunk_indices=None, DK=d, DV=d, BK=mt["BK"], BV=mt["BV"], PREC=mt["PREC"],
-                      PS=mt["PS"]), mt["warps_chunk"]),
-            ]
-            for fn, sig, cex, warps in entries:
-                cfg = f"{dt} dk=dv={d} C={CHUNK}"
-                out.append(dict(name=f"{fn.__name__}[{cfg}]", kernel=fn, config=cfg, signature=sig,
-                                constexprs=cex, num_warps=warps, num_stages=mt["stages"]))
+    for arch in ARCHS:
+        for dt, tdt in DTYPES.items():
+            for d in HEAD_DIMS:
+                out += _launches(arch, dt, tdt, d)
+    return out
+
+
+def _launches(arch: int, dt: str, tdt: torch.dtype, d: int) -> List[dict]:
+    mt = chunk.launch_meta(d, d, tdt, arch)
+    C = min(mt["C"], CHUNK)
+    io = lambda *names: {n: "*" + dt for n in names}
+    acc = lambda *names: {n: "*fp32" for n in names}
+    ints = {"T": "i32", "H": "i32"}
+    base = dict(C=C, IS_VARLEN=False, ACC=tl.float32, EMU=False, cu_seqlens=None, chunk_offsets=None)
+    entries = [
+        (chunk._wy_inv, {**io("k", "beta"), **acc("Tm"), **ints},
+         dict(base, chunk_indices=None, DK=d, BK=mt["BK"], PK=mt["PREC"], PS=mt["PS"]), mt["warps_inv"]),
+        (chunk._wy_fwd, {**io("k", "v", "beta"), **acc("Tm", "W", "U"), **ints},
+         dict(base, chunk_indices=None, DK=d, DV=d, BK=mt["BKW"], BV=mt["BVW"], PS=mt["PS"]), mt["warps_wy"]),
+        (chunk._fwd_state, {**io("q", "k", "o"), **acc("W", "U", "Hs", "VN", "h0", "ht"), **ints},
+         dict(base, DK=d, DV=d, BK=mt["BK"], BV=mt["BV"], USE_H0=True, STORE_HT=True,
+              PREC=mt["PREC"], PS=mt["PS"]), mt["warps_state"]),
+        (chunk._bwd_state, {**io("q", "k", "do"), **acc("W", "dht", "dHs", "dVN", "dh0"), **ints},
+         dict(base, DK=d, DV=d, BK=mt["BK"], BV=mt["BV"], USE_DHT=True, STORE_DH0=True,
+              PREC=mt["PREC"], PS=mt["PS"]), mt["warps_state"]),
+        (chunk._bwd_dqk, {**io("q", "k", "do", "dq"), **acc("VN", "dVN", "Hs", "dHs", "dk_part", "dw"),
+                          **ints},
+         dict(base, chunk_indices=None, DK=d, DV=d, BK=mt["BK"], BV=mt["BV"], PREC=mt["PREC"],
+              PS=mt["PS"]), mt["warps_chunk"]),
+        (chunk._bwd_wy, {**io("k", "v", "beta", "dk", "dv", "dbeta"), **acc("Tm", "dVN", "dk_part", "dw"),
+                         **ints},
+         dict(base, chunk_indices=None, DK=d, DV=d, BK=mt["BK"], BV=mt["BV"], PREC=mt["PREC"],
+              PS=mt["PS"]), mt["warps_chunk"]),
+    ]
+    out = []
+    for fn, sig, cex, warps in entries:
+        cfg = f"{dt} dk=dv={d} C={C} sm_{arch}"
+        out.append(dict(name=f"{fn.__name__}[{cfg}]", kernel=fn, config=cfg, signature=sig,
+                        constexprs=cex, num_warps=warps, num_stages=mt["stages"], archs=(arch,)))
     return out
 
 

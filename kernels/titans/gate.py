@@ -25,10 +25,10 @@ def launch_configs() -> List[dict]:
     out = []
     for dt, tdt in DTYPES.items():
         for d in HEAD_DIMS:
-            BK, BV, nw = chunk._blocks(d, d)
-            cex = dict(BC=chunk._tile(CHUNK), BK=BK, BV=BV, ACC=tl.float32, PREC=chunk._precision(tdt))
             cfg = f"{dt} dk=dv={d} C={CHUNK}"
             for fn in (chunk._titans_fwd_kernel, chunk._titans_bwd_kernel):
+                BK, BV, nw = chunk._blocks(d, d, forward=fn is chunk._titans_fwd_kernel)
+                cex = dict(BC=chunk._tile(CHUNK), BK=BK, BV=BV, ACC=tl.float32, PREC=chunk._precision(tdt))
                 names = fn.arg_names
                 sig = {n: ("i32" if n in _INTS else "*" + (dt if n in _IO else "fp32"))
                        for n in names if n not in cex}

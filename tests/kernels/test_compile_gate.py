@@ -36,43 +36,21 @@ SLOW = "compiles: ptxas does not finish within the timeout"
 
 # (arch, kernel, config) -> the failing check(s). ``config`` "*" matches every config of the kernel.
 KNOWN_FAILURES = {
-    # -- delta rule (kernels/delta_rule/chunk.py) --
-    (80, "_bwd_dqk", "bf16 dk=dv=64 C=64"): "no_spills: 7572/7828 B spilled",
-    (80, "_bwd_wy", "bf16 dk=dv=64 C=64"): "no_spills: 844/844 B spilled",
-    (90, "_fwd_state", "bf16 dk=dv=128 C=64"): "no_spills: 300/304 B spilled",
-    (80, "_fwd_state", "bf16 dk=dv=128 C=64"): "no_spills: 180/184 B spilled",
-    (90, "_bwd_state", "bf16 dk=dv=128 C=64"): "no_spills: 156/156 B spilled",
-    (80, "_bwd_state", "bf16 dk=dv=128 C=64"): "no_spills: 92/100 B spilled",
-    (80, "_bwd_wy", "bf16 dk=dv=128 C=64"): "no_spills: 256/288 B spilled",
-    (90, "_wy_inv", "fp32 dk=dv=64 C=64"): "no_spills: 1212/1264 B spilled",
-    (80, "_wy_inv", "fp32 dk=dv=64 C=64"): "no_spills: 1320/1324 B spilled",
-    (90, "_fwd_state", "fp32 dk=dv=64 C=64"): "no_spills: 860/892 B spilled",
-    (80, "_fwd_state", "fp32 dk=dv=64 C=64"): "no_spills: 604/788 B spilled",
-    (90, "_bwd_state", "fp32 dk=dv=64 C=64"): "no_spills: 932/1048 B spilled",
-    (80, "_bwd_state", "fp32 dk=dv=64 C=64"): "no_spills: 11736/17576 B spilled",
-    (90, "_bwd_dqk", "fp32 dk=dv=64 C=64"): "no_spills: 436/372 B spilled",
-    (80, "_bwd_dqk", "fp32 dk=dv=64 C=64"): "no_spills: 20440/25780 B spilled",
-    (90, "_bwd_wy", "fp32 dk=dv=64 C=64"): "no_spills: 1188/1344 B spilled",
-    (80, "_bwd_wy", "fp32 dk=dv=64 C=64"): "no_spills: 4848/6300 B spilled",
-    (90, "_wy_inv", "fp32 dk=dv=128 C=64"): "no_spills: 27996/45024 B spilled",
-    (80, "_wy_inv", "fp32 dk=dv=128 C=64"): "no_spills: 27976/43188 B spilled",
-    (90, "_fwd_state", "fp32 dk=dv=128 C=64"): "no_spills: 2092/2460 B spilled",
-    (80, "_fwd_state", "fp32 dk=dv=128 C=64"): "no_spills: 16228/26032 B spilled",
-    (90, "_bwd_state", "fp32 dk=dv=128 C=64"): "no_spills: 1812/1928 B spilled",
-    (80, "_bwd_state", "fp32 dk=dv=128 C=64"): "no_spills: 15216/24068 B spilled",
-    (90, "_bwd_dqk", "fp32 dk=dv=128 C=64"): "no_spills: 268/276 B spilled",
-    (80, "_bwd_dqk", "fp32 dk=dv=128 C=64"): "no_spills: 248/248 B spilled",
-    (90, "_bwd_wy", "fp32 dk=dv=128 C=64"): "no_spills: 3344/3884 B spilled",
-    (80, "_bwd_wy", "fp32 dk=dv=128 C=64"): "no_spills: 30256/44184 B spilled",
+    # -- delta rule (kernels/delta_rule/chunk.py; one config per GPU family, named with its arch) --
+    (90, "_fwd_state", "fp32 dk=dv=128 C=16 sm_90"): "no_spills: 2012/2144 B spilled",
+    (90, "_bwd_state", "fp32 dk=dv=128 C=16 sm_90"): "no_spills: 648/668 B spilled",
+    (90, "_bwd_wy", "fp32 dk=dv=128 C=16 sm_90"): "no_spills: 284/292 B spilled",
+    (80, "_fwd_state", "fp32 dk=dv=128 C=16 sm_80"): "no_spills: 7216/11084 B spilled",
+    (80, "_bwd_state", "fp32 dk=dv=128 C=16 sm_80"): "no_spills: 640/680 B spilled",
+    (80, "_bwd_wy", "fp32 dk=dv=128 C=16 sm_80"): "no_spills: 232/232 B spilled",
     # -- Titans linear memory (kernels/titans/chunk.py) --
-    (80, "_titans_fwd_kernel", "bf16 dk=dv=64 C=16"): "no_spills: 200/200 B spilled",
     (90, "_titans_bwd_kernel", "bf16 dk=dv=64 C=16"): "no_spills: 3292/3460 B spilled",
     (80, "_titans_bwd_kernel", "bf16 dk=dv=64 C=16"): "no_spills: 12290/15228 B spilled",
     (90, "_titans_fwd_kernel", "bf16 dk=dv=128 C=16"): "no_spills: 64/64 B spilled",
     (90, "_titans_bwd_kernel", "bf16 dk=dv=128 C=16"): "no_spills: 3880/4060 B spilled",
     (80, "_titans_bwd_kernel", "bf16 dk=dv=128 C=16"): "no_spills: 12078/14400 B spilled",
-    (90, "_titans_fwd_kernel", "fp32 dk=dv=64 C=16"): "no_spills: 308/284 B spilled",
-    (80, "_titans_fwd_kernel", "fp32 dk=dv=64 C=16"): "no_spills: 1188/1312 B spilled",
+    (90, "_titans_fwd_kernel", "fp32 dk=dv=64 C=16"): "no_spills: 232/232 B spilled",
+    (80, "_titans_fwd_kernel", "fp32 dk=dv=64 C=16"): "no_spills: 168/168 B spilled",
     (90, "_titans_bwd_kernel", "fp32 dk=dv=64 C=16"): "no_spills: 8792/9776 B spilled",
     (80, "_titans_bwd_kernel", "fp32 dk=dv=64 C=16"): "no_spills: 37332/47588 B spilled",
     (90, "_titans_fwd_kernel", "fp32 dk=dv=128 C=16"): "no_spills: 1868/2040 B spilled",
@@ -205,7 +183,7 @@ def test_every_launched_kernel_has_cases():
 def test_known_failures_name_real_cases():
     """Every entry of KNOWN_FAILURES matches a declared case (a renamed kernel or config would
     otherwise leave a stale entry that hides nothing)."""
-    have = {(a, c["kernel"], c["config"]) for c in LISTING["cases"] for a in ARCHS} | {
-        (a, c["kernel"], "*") for c in LISTING["cases"] for a in ARCHS}
+    have = {(a, c["kernel"], c["config"]) for c in LISTING["cases"] for a in c["archs"]} | {
+        (a, c["kernel"], "*") for c in LISTING["cases"] for a in c["archs"]}
     stale = [k for k in KNOWN_FAILURES if k not in have]
     assert not stale, f"KNOWN_FAILURES entries that match no case: {stale}"

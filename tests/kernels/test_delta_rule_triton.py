@@ -72,6 +72,37 @@ def test_several_dv_blocks(monkeypatch):
     _compare(1, 1, 21, 6, 40, 16, torch.float32, True, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("arch", [80, 90])
+@pytest.mark.parametrize("dtype,atol,rtol", [(torch.float32, 1e-4, 1e-4), (torch.bfloat16, 5e-2, 2e-2)])
+def test_launch_config_of_each_gpu_family(monkeypatch, arch, dtype, atol, rtol):
+    """The launch config ``launch_meta`` picks for sm_80 and for sm_90 (kernel chunk capped at 64,
+    32 or 16, d_v blocks of 16 for float32 on sm_80, the tiles the compile gate checks), run
+    under the interpreter with chunk_size 64 over two chunks and a ragged third: each matches
+    the reference with the tolerances of the tests above."""
+    monkeypatch.setattr(dr_chunk, "device_arch", lambda device: arch)
+    mt = dr_chunk.launch_meta(16, 16, dtype, arch)
+    assert mt["C"] == {(80, torch.float32): 16, (90, torch.float32): 16,
+                       (80, torch.bfloat16): 32, (90, torch.bfloat16): 64}[arch, dtype]
+    _compare(1, 1, 2 * mt["C"] + 5, 16, 20, 64, dtype, True, atol=atol, rtol=rtol)
+
+
+def test_device_arch_without_gpu():
+    """CPU tensors (the interpreter) take the sm_90 launch configs."""
+    from kernels._triton_utils import INTERPRET_ARCH, device_arch
+    assert INTERPRET_ARCH == 90 and device_arch("cpu") == 90 and device_arch(None) in (80, 90)
+
+
+@pytest.mark.parametrize("capability,family", [((8, 0), 80), ((8, 6), 80), ((8, 9), 80), ((9, 0), 90),
+                                               ((10, 0), 90)])
+def test_device_arch_by_capability(monkeypatch, capability, family):
+    """A CUDA device's compute capability picks the launch-config family: Ampere and Ada take
+    the sm_80 configs, Hopper and newer the sm_90 ones."""
+    import kernels._triton_utils as tu
+    monkeypatch.setattr(tu.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(tu, "_capability", lambda index: capability)
+    assert tu.device_arch(torch.device("cuda", 0)) == family
+
+
 def test_float64_is_exact():
     """float64 inputs run in float64: the chunked form differs from the sequential one by
     rounding only, 1e-10 on O(1) values."""

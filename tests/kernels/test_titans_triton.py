@@ -82,6 +82,17 @@ def test_several_dv_blocks(monkeypatch):
     _compare(1, 2, 21, 16, 40, 16, D64, True)
 
 
+def test_forward_and_backward_dv_blocks_differ():
+    """The forward runs d_v in blocks of 16 (8 warps) while the backward takes wider ones (here
+    d_v = 40: the forward in three blocks, the last ragged, the backward in one of 64) over the
+    same stored chunk states: output, states and gradients match the reference (float64)."""
+    import kernels.titans.chunk as ti_chunk
+
+    assert ti_chunk._blocks(16, 40, forward=True)[1:] == (16, 8)
+    assert ti_chunk._blocks(16, 40)[1] == 64
+    _compare(1, 2, 21, 16, 40, 16, D64, True)
+
+
 def test_float32_matches_reference():
     """float32 inputs, float32 accumulation (TF32×3 products on a GPU, float32 ones under the
     interpreter): ~40 steps of rounding (2⁻²⁴) on sums of O(100) terms, on values up to ~400: 1e-3 absolute, 1e-5 relative."""
