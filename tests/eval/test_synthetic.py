@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from ttt_lm.eval.__main__ import main
-from ttt_lm.eval.synthetic import (SyntheticResult, build_tiny_lm, evaluate_task, induction_heads, make_task, mqar,
+from ttt_lm.eval.synthetic import (SyntheticResult, apply_impl, build_tiny_lm, evaluate_task, induction_heads, make_task, mqar,
                                    pick_best, plot_accuracy, plot_accuracy_vs_width, results_table, run_synthetic,
                                    selective_copying, state_size, train_task)
 
@@ -188,3 +188,15 @@ def test_cli_width_sweep_and_bad_options(tmp_path):
     assert (tmp_path / "mqar_width.png").read_bytes()[:4] == b"\x89PNG"
     assert main(["synthetic", "--stop-at", "1.5", "--out", str(tmp_path), "--no-progress"]) == 2
     assert main(["synthetic", "--lrs", "0,1e-3", "--out", str(tmp_path), "--no-progress"]) == 2
+
+
+def test_impl_per_layer_kind():
+    m = build_tiny_lm(["mamba", "attention"], 16, n_layers=2, d_model=32)
+    apply_impl(m, "mamba=reference")
+    assert [b.mixer.impl for b in m.layers] == ["reference", "chunked"]
+    apply_impl(m, "reference")
+    assert [b.mixer.impl for b in m.layers] == ["reference", "reference"]
+    with pytest.raises(ValueError, match="expected <layer kind>=chunked|reference"):
+        apply_impl(m, "mamba=fast")
+    with pytest.raises(ValueError, match="impl must be"):
+        apply_impl(m, "fast")

@@ -173,14 +173,18 @@ def cmd_passkey(args) -> dict:
 
 
 def cmd_synthetic(args) -> dict:
-    from ttt_lm.eval.synthetic import (make_task, plot_accuracy, plot_accuracy_vs_width, result_dict, results_table,
-                                       run_synthetic)
+    from ttt_lm.eval.synthetic import (make_task, parse_impl, plot_accuracy, plot_accuracy_vs_width, result_dict,
+                                       results_table, run_synthetic)
     task = make_task(args.task, args.vocab_size, num_kv_pairs=args.num_kv_pairs, num_tokens=args.num_tokens)
     if args.stop_at is not None and not 0 < args.stop_at <= 1:
         raise EvalError(f"--stop-at is an accuracy in (0, 1], got {args.stop_at}")
     if args.lrs is not None and (not args.lrs or min(args.lrs) <= 0):
         raise EvalError(f"--lrs needs positive learning rates, got {args.lrs}")
     widths = args.d_models or [args.d_model]
+    try:
+        parse_impl(args.impl)
+    except ValueError as e:
+        raise EvalError(f"--impl: {e}") from e
     torch.manual_seed(args.seed)
     results = []
     for mixer in [m for m in args.mixers.split(",") if m]:
@@ -329,9 +333,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-kv-pairs", type=int, default=None, help="mqar (default 8)")
     p.add_argument("--num-tokens", type=int, default=None, help="selective copying (default 8)")
     p.add_argument("--num-eval", type=int, default=64, help="test sequences per length")
-    p.add_argument("--impl", default="chunked", choices=["chunked", "reference"],
-                   help="mixer form; the sequential reference forms are faster on a CPU for these tiny "
-                        "models (Mamba, RG-LRU), and compute the same function")
+    p.add_argument("--impl", default="chunked",
+                   help="mixer form: chunked | reference for every mixer, or per kind, e.g. "
+                        "mamba=reference,rglru=reference; the sequential reference forms are faster on a CPU "
+                        "for these tiny models (Mamba, RG-LRU), and compute the same function")
     p.set_defaults(func=cmd_synthetic)
 
     p = sub.add_parser("lm_eval", help="run lm-evaluation-harness tasks on a checkpoint")

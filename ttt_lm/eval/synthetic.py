@@ -294,7 +294,7 @@ def run_synthetic(task: Task, mixer: str, train_len: int, test_lens: Sequence[in
     for i, r in enumerate(lrs or [lr]):
         model = build_tiny_lm(pattern, task.vocab_size, n_layers=n_layers, d_model=d_model, n_heads=n_heads,
                               max_seq_len=max_len, seed=seed).to(device)
-        model.set_impl(impl)
+        apply_impl(model, impl)
         t1 = time.time()
         loss, solved = train_task(model, task, train_len, steps, batch_size=batch_size, lr=r, seed=seed,
                                   progress=progress, stop_at=stop_at, check_every=check_every)
@@ -317,6 +317,29 @@ def run_synthetic(task: Task, mixer: str, train_len: int, test_lens: Sequence[in
                            trial["final_train_loss"], dt, acc, model.num_params(), trial["steps_to_solve"],
                            lr=trial["lr"], d_model=d_model, state_size=state_size(model, task, train_len),
                            chance=task.chance, budget=steps, lr_trials=trials)
+
+
+def parse_impl(impl: str) -> Dict[Optional[str], str]:
+    """``impl`` is "chunked" or "reference" for every mixer ({None: form}), or per layer kind, e.g.
+    "mamba=reference,rglru=reference" ({kind: form}; kinds not named keep the chunked form)."""
+    forms = ("chunked", "reference")
+    if "=" not in impl:
+        if impl not in forms:
+            raise ValueError(f"impl must be chunked, reference or <kind>=<form> pairs, got {impl!r}")
+        return {None: impl}
+    per: Dict[Optional[str], str] = {}
+    for part in impl.split(","):
+        kind, _, form = part.partition("=")
+        if form not in forms or not kind.strip():
+            raise ValueError(f"impl pair {part!r}: expected <layer kind>=chunked|reference")
+        per[kind.strip()] = form
+    return per
+
+
+def apply_impl(model: LM, impl: str) -> None:
+    per = parse_impl(impl)
+    for kind, block in zip(model.cfg.layer_kinds(), model.layers):
+        block.mixer.impl = per.get(None, per.get(kind, "chunked"))
 
 
 def pick_best(trials: Sequence[Dict]) -> Dict:
