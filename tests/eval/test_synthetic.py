@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from ttt_lm.eval.__main__ import main
-from ttt_lm.eval.synthetic import (SyntheticResult, apply_impl, build_tiny_lm, evaluate_task, induction_heads, make_task, mqar,
-                                   pick_best, plot_accuracy, plot_accuracy_vs_width, results_table, run_synthetic,
-                                   selective_copying, state_size, train_task)
+from ttt_lm.eval.synthetic import (SyntheticResult, apply_impl, build_tiny_lm, evaluate_task, induction_heads,
+                                   make_task, mqar, pick_best, plot_accuracy, plot_accuracy_vs_width, results_table,
+                                   run_synthetic, selective_copying, state_size, train_task)
 
 
 def g(seed=0):
