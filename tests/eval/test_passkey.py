@@ -72,6 +72,7 @@ def test_heatmap_has_a_labelled_colorbar_and_contrasting_percentages():
     assert all(t.get_fontsize() >= 8 for t in ax.texts)
     ticks = [t.get_text() for t in ax.get_xticklabels()]
     assert ticks == ["128", "256\n(train)", "512\n(> train)"]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["0% (start)", "100% (end)"]
     plt.close(fig)
 
 

@@ -146,7 +146,8 @@ def plot_heatmap(result: dict, path: Optional[str] = None, title: str = "", trai
         labels = [f"{x}\n(train)" if x == train_len else (f"{x}\n(> train)" if x > train_len else str(x))
                   for x in lens]
     ax.set_xticks(range(len(lens)), labels)
-    ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths])
+    ax.set_yticks(range(len(depths)), [f"{d:.0%}" + {0.0: " (start)", 1.0: " (end)"}.get(float(d), "")
+                                       for d in depths])
     for i in range(len(lens)):
         for j in range(len(depths)):
             r, g, b, _ = cmap(acc[i][j])
@@ -154,7 +155,7 @@ def plot_heatmap(result: dict, path: Optional[str] = None, title: str = "", trai
             ax.text(i, j, f"{acc[i][j]:.0%}", ha="center", va="center", fontsize=9,
                     color="white" if dark else "black")
     ax.set_xlabel("context length (tokens)")
-    ax.set_ylabel("needle depth (0% = start, 100% = just before the question)")
+    ax.set_ylabel("needle depth")
     ax.set_title(title or "passkey retrieval accuracy", fontsize=10)
     cb = fig.colorbar(im, ax=ax, fraction=0.046)
     cb.set_label(f"retrieval accuracy ({result['trials']} random passkeys per cell)")
