@@ -180,7 +180,9 @@ def test_cli_width_sweep_and_bad_options(tmp_path):
                "--lrs", "1e-3,3e-3", "--stop-at", "0.99", "--check-every", "1", "--num-eval", "8",
                "--out", str(tmp_path), "--no-progress"])
     assert rc == 0
-    res = json.loads((tmp_path / "mqar.json").read_text())["results"]
+    out = json.loads((tmp_path / "mqar.json").read_text())
+    res = out["results"]
+    assert out["partial"] is False
     assert [r["d_model"] for r in res] == [16, 32] and all(len(r["lr_trials"]) == 2 for r in res)
     assert res[1]["state_size"] > res[0]["state_size"]
     md = (tmp_path / "mqar.md").read_text()
@@ -200,3 +202,21 @@ def test_impl_per_layer_kind():
         apply_impl(m, "mamba=fast")
     with pytest.raises(ValueError, match="impl must be"):
         apply_impl(m, "fast")
+
+
+def test_cli_keeps_finished_models_when_a_sweep_stops(tmp_path, monkeypatch):
+    import ttt_lm.eval.synthetic as syn
+    real = syn.run_synthetic
+
+    def second_fails(task, mixer, *a, **k):
+        if mixer == "deltanet":
+            raise KeyboardInterrupt  # as when a long run is stopped by hand
+        return real(task, mixer, *a, **k)
+
+    monkeypatch.setattr(syn, "run_synthetic", second_fails)
+    with pytest.raises(KeyboardInterrupt):
+        main(["synthetic", "--task", "mqar", "--mixers", "attention,deltanet", "--train-len", "32",
+              "--test-lens", "32", "--steps", "2", "--vocab-size", "32", "--num-kv-pairs", "4", "--d-model", "16",
+              "--num-eval", "8", "--out", str(tmp_path), "--no-progress"])
+    out = json.loads((tmp_path / "mqar.json").read_text())
+    assert out["partial"] is True and [r["mixer"] for r in out["results"]] == ["attention"]

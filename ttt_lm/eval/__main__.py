@@ -196,6 +196,10 @@ def cmd_synthetic(args) -> dict:
                               progress=not args.no_progress, stop_at=args.stop_at, impl=args.impl, lrs=args.lrs,
                               eval_chunk_len=args.eval_chunk_len, check_every=args.check_every)
             results.append(r)
+            # after every model, so that a long sweep stopped part way keeps what it finished
+            write_json(_out(args, f"{task.name}.json"),
+                       dict(task="synthetic", synthetic_task=task.name, partial=True,
+                            results=[result_dict(x) for x in results], **_meta(args, args.dev)))
             solved = (f"solved in {r.steps_to_solve} steps" if r.steps_to_solve is not None
                       else f"not solved in {args.steps} steps")
             print(f"{task.name} {mixer} d_model={d} lr={r.lr:g} ({solved}): "
@@ -214,7 +218,7 @@ def cmd_synthetic(args) -> dict:
         f.write(hdr + table)
     png = _out(args, f"{task.name}.png")
     plot_accuracy(results, png, f"{task.name} (trained at {args.train_len})")
-    out = dict(task="synthetic", synthetic_task=task.name, results=[result_dict(r) for r in results],
+    out = dict(task="synthetic", synthetic_task=task.name, partial=False, results=[result_dict(r) for r in results],
                table=table, plot=png, **_meta(args, args.dev))
     if len(widths) > 1:
         out["width_plot"] = _out(args, f"{task.name}_width.png")
