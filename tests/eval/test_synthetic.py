@@ -6,8 +6,9 @@ import torch
 
 from ttt_lm.eval.__main__ import main
 from ttt_lm.eval.synthetic import (SyntheticResult, apply_impl, build_tiny_lm, evaluate_task, induction_heads,
-                                   make_task, mqar, pick_best, plot_accuracy, plot_accuracy_vs_width, results_table,
-                                   run_synthetic, selective_copying, state_size, train_task)
+                                   make_task, mqar, pick_best, plot_accuracy, plot_accuracy_vs_width, result_dict,
+                                   result_from_dict, results_table, run_synthetic, selective_copying, state_size,
+                                   train_task)
 
 
 def g(seed=0):
@@ -157,6 +158,18 @@ def test_accuracy_plot_has_chance_line_train_length_and_distinct_curves():
     legend = [t.get_text() for t in ax.get_legend().get_texts()]
     assert len(legend) == len(set(legend)) == 5
     plt.close(fig)
+    # one mixer at several widths: the width names each curve
+    fig = plot_accuracy([_fake("attention", {64: 0.5}, d) for d in (16, 32)], None, "t")
+    legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert "attention d=16 (lr 0.001)" in legend and "attention d=32 (lr 0.001)" in legend
+    plt.close(fig)
+
+
+def test_results_round_trip_through_json():
+    r = _fake("deltanet", {64: 0.9, 128: 0.5}, solved=300)
+    r.lr_trials = [{"lr": 1e-3, "steps_to_solve": 300, "train_acc": 0.9, "final_train_loss": 0.1}]
+    back = result_from_dict(json.loads(json.dumps(result_dict(r))))
+    assert back == r
 
 
 def test_width_plot_puts_accuracy_against_width_and_state():

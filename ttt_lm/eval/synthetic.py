@@ -399,11 +399,12 @@ def plot_accuracy(results: Sequence[SyntheticResult], path: Optional[str] = None
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7.2, 4.4))
     n = len(results)
+    widths = len({r.d_model for r in results}) > 1
     for k, r in enumerate(results):
         st = _style(k, n)
         xs = sorted(r.accuracy)
         solved = "" if r.steps_to_solve is None else f", solved in {r.steps_to_solve}"
-        lab = r.mixer + (f" (lr {r.lr:g}{solved})" if r.lr is not None else "")
+        lab = r.mixer + (f" d={r.d_model}" if widths else "") + (f" (lr {r.lr:g}{solved})" if r.lr is not None else "")
         ax.plot([x * st["off"] for x in xs], [r.accuracy[x] for x in xs], marker=st["marker"], ls=st["ls"],
                 ms=5, lw=1.3, label=lab, alpha=0.9)
     chance = chance if chance is not None else next((r.chance for r in results if r.chance is not None), None)
@@ -457,6 +458,13 @@ def plot_accuracy_vs_width(results: Sequence[SyntheticResult], path: Optional[st
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return None
+
+
+def result_from_dict(d: dict) -> SyntheticResult:
+    """The inverse of :func:`result_dict` (to redraw a figure from a saved JSON)."""
+    d = dict(d)
+    d["accuracy"] = {int(k): v for k, v in d["accuracy"].items()}
+    return SyntheticResult(**d)
 
 
 def result_dict(r: SyntheticResult) -> dict:
