@@ -96,6 +96,8 @@ def test_long_context_two_processes_equal_one(attn_export, tmp_path):
     # per-position float64 sums of per-document float32 losses, added in another order: ~1e-16
     for x, y in zip(a["buckets"], b["buckets"]):
         assert y["loss"] == pytest.approx(x["loss"], rel=1e-12, abs=0)
+        # per-document rows are gathered whole from the rank that ran them: the same bands
+        assert x["ci95"] is not None and y["ci95"] == pytest.approx(x["ci95"], rel=1e-12)
     for L in ("64", "256"):
         assert b["mean_loss_at_length"][L]["tokens"] == a["mean_loss_at_length"][L]["tokens"]
         assert b["mean_loss_at_length"][L]["loss"] == pytest.approx(a["mean_loss_at_length"][L]["loss"], rel=1e-12)

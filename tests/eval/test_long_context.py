@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from tests.eval.conftest import export_model, tiny_model
 from ttt_lm.eval import EvalError, loss_by_position, summarize
 from ttt_lm.eval.__main__ import main
-from ttt_lm.eval.long_context import log_buckets
+from ttt_lm.eval.long_context import log_buckets, plot_loss_by_position, windows
 from ttt_lm.model.config import LAYER_KINDS
 
 
@@ -71,3 +71,52 @@ def test_cli_plots_several_checkpoints(prepared, attn_export, tmp_path):
         assert r["documents"] == 2 and set(r["mean_loss_at_length"]) == {"64", "256"}
     png = (tmp_path / "long_context.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+def test_windows_cut_documents_into_consecutive_pieces():
+    docs = [torch.arange(10), torch.arange(100, 105)]
+    pieces = list(windows(docs, 4))
+    assert [p.tolist() for p in pieces] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9], [100, 101, 102, 103], [104]]
+    with pytest.raises(EvalError, match="window size"):
+        list(windows(docs, 1))
+
+
+def test_per_document_losses_sum_to_the_totals_and_give_bands():
+    m = tiny_model()
+    g = torch.Generator().manual_seed(1)
+    docs = [torch.randint(3, 300, (n,), generator=g) for n in (33, 20, 33, 33)]
+    st = loss_by_position(m, docs, max_len=32, chunk_len=8, min_len=2, batch_size=2, show_progress=False)
+    assert st["per_doc"].shape == (4, 32) and st["doc_len"].tolist() == [32, 19, 32, 32]
+    np.testing.assert_allclose(st["per_doc"].sum(0), st["sum"], rtol=1e-5)  # float32 rows vs float64 sums
+    assert (st["per_doc"][1, 19:] == 0).all() and (st["per_doc"][1, :19] > 0).all()
+    s = summarize(st, [32], n_buckets=4)
+    for b in s["buckets"]:
+        a, e = b["start"] - 1, b["end"]
+        reach = np.clip(st["doc_len"] - a, 0, e - a)
+        means = st["per_doc"][reach > 0, a:e].sum(1) / reach[reach > 0]
+        assert b["ci95"] == pytest.approx(1.96 * means.std(ddof=1) / np.sqrt(len(means)), rel=1e-5)
+        assert b["documents"] == int((reach > 0).sum())
+    assert s["mean_loss_at_length"]["32"]["ci95"] > 0
+    one = summarize(loss_by_position(m, docs[:1], max_len=32, show_progress=False), [32])
+    assert all(b["ci95"] is None for b in one["buckets"])  # one document: no interval
+
+
+def test_plot_shows_document_counts_bands_and_training_context():
+    from matplotlib.collections import PolyCollection
+    m = tiny_model()
+    docs = [torch.randint(3, 300, (65,)) for _ in range(3)]
+    curves = {"a": summarize(loss_by_position(m, docs, 64, show_progress=False)),
+              "b": summarize(loss_by_position(m, docs[:2], 64, show_progress=False))}
+    fig = plot_loss_by_position(curves, None, "t", train_len={"a": 16, "b": 16})
+    ax = fig.axes[0]
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert "a (3 documents)" in labels and "b (2 documents)" in labels
+    assert "training context (16 tokens)" in labels
+    vlines = [ln for ln in ax.get_lines() if ln.get_label().startswith("training context")]
+    assert len(vlines) == 1 and list(vlines[0].get_xdata()) == [16, 16]
+    assert sum(isinstance(c, PolyCollection) for c in ax.collections) == 2  # one band per curve
+    markers = [ln.get_marker() for ln in ax.get_lines() if "documents" in ln.get_label()]
+    assert len(set(markers)) == 2
+    assert "95%" in ax.get_title() and ax.get_ylabel().startswith("mean loss")
+    import matplotlib.pyplot as plt
+    plt.close(fig)

@@ -7,7 +7,7 @@ import torch
 from tests.eval.conftest import tiny_model
 from ttt_lm.eval import EvalError, build_prompt, passkey_grid
 from ttt_lm.eval.__main__ import main
-from ttt_lm.eval.passkey import FILLER, greedy_continue
+from ttt_lm.eval.passkey import FILLER, INTRO, QUESTION, greedy_continue, plot_heatmap, practice_documents
 
 
 def test_prompt_length_and_needle_depth(tokenizer):
@@ -57,3 +57,31 @@ def test_cli_heatmap(attn_export, tmp_path):
     r = json.loads((tmp_path / "passkey.json").read_text())["result"]
     assert len(r["accuracy"]) == 2 and all(len(row) == 2 for row in r["accuracy"])
     assert (tmp_path / "passkey.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_heatmap_has_a_labelled_colorbar_and_contrasting_percentages():
+    import matplotlib.pyplot as plt
+    res = {"lengths": [128, 256, 512], "depths": [0.0, 1.0], "trials": 5,
+           "accuracy": [[1.0, 0.0], [0.6, 0.2], [0.0, 0.0]]}
+    fig = plot_heatmap(res, None, "t", train_len=256)
+    ax, cax = fig.axes
+    assert "accuracy" in cax.get_ylabel() and "5 random passkeys" in cax.get_ylabel()
+    cells = {t.get_text(): t for t in ax.texts}
+    assert set(cells) == {"100%", "0%", "60%", "20%"} and len(ax.texts) == 6
+    assert cells["0%"].get_color() == "white" and cells["100%"].get_color() == "black"
+    assert all(t.get_fontsize() >= 8 for t in ax.texts)
+    ticks = [t.get_text() for t in ax.get_xticklabels()]
+    assert ticks == ["128", "256\n(train)", "512\n(> train)"]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["0% (start)", "100% (end)"]
+    plt.close(fig)
+
+
+def test_practice_documents_follow_the_prompt_format():
+    docs = practice_documents(20, 3, seed=0)
+    assert len(docs) == 20 and docs == practice_documents(20, 3, seed=0)
+    for d in docs:
+        key = re.search(r"pass key is (\d{5})\.", d).group(1)
+        assert d.startswith(INTRO) and d.endswith(QUESTION + " " + key + ".") and d.count(key) == 3
+    assert len({d.count("The grass is green") for d in docs}) > 1  # filler counts vary
+    with pytest.raises(EvalError, match="n >= 1"):
+        practice_documents(0, 3)

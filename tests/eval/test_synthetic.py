@@ -5,8 +5,10 @@ import pytest
 import torch
 
 from ttt_lm.eval.__main__ import main
-from ttt_lm.eval.synthetic import (build_tiny_lm, evaluate_task, induction_heads, make_task, mqar,
-                                   selective_copying, train_task)
+from ttt_lm.eval.synthetic import (SyntheticResult, apply_impl, build_tiny_lm, evaluate_task, induction_heads,
+                                   make_task, mqar, pick_best, plot_accuracy, plot_accuracy_vs_width, result_dict,
+                                   result_from_dict, results_table, run_synthetic, selective_copying, state_size,
+                                   train_task)
 
 
 def g(seed=0):
@@ -91,3 +93,143 @@ def test_cli_table(tmp_path):
     assert [r["mixer"] for r in res] == ["attention", "deltanet+attention"]
     assert all(0 <= a <= 1 for r in res for a in r["accuracy"].values())
     assert (tmp_path / "mqar.png").exists()
+
+
+def test_chance_is_one_over_the_possible_answers():
+    assert make_task("induction", vocab_size=16).chance == pytest.approx(1 / 15)
+    assert make_task("mqar", vocab_size=64).chance == pytest.approx(1 / 32)
+    assert make_task("selective_copying", vocab_size=10).chance == pytest.approx(1 / 8)
+
+
+def test_pick_best_prefers_fewest_steps_to_solve_then_accuracy():
+    a = {"lr": 1e-3, "steps_to_solve": None, "train_acc": 0.9, "final_train_loss": 0.3}
+    b = {"lr": 3e-3, "steps_to_solve": 400, "train_acc": 0.99, "final_train_loss": 0.1}
+    c = {"lr": 1e-2, "steps_to_solve": 200, "train_acc": 0.98, "final_train_loss": 0.2}
+    assert pick_best([a, b, c]) is c and pick_best([a, b]) is b
+    d = {"lr": 3e-4, "steps_to_solve": None, "train_acc": 0.9, "final_train_loss": 0.2}
+    assert pick_best([a, d]) is d  # same accuracy: the lower loss
+    assert pick_best([a, {**d, "train_acc": 0.5}]) is a
+
+
+def test_lr_sweep_trains_one_model_per_lr_and_keeps_the_solver():
+    """Induction at length 16 (vocabulary 8): lr 3e-3 solves it within 300 steps (see the test above
+    at 800), lr 1e-5 cannot move a fresh model off chance in 300 steps; the sweep keeps 3e-3."""
+    task = make_task("induction", vocab_size=8)
+    r = run_synthetic(task, "attention", 16, [16, 32], 300, lr=1.0, lrs=[1e-5, 3e-3], d_model=64,
+                      num_eval=64, stop_at=0.95, check_every=25)
+    assert [t["lr"] for t in r.lr_trials] == [1e-5, 3e-3]
+    slow, fast = r.lr_trials
+    assert slow["steps_to_solve"] is None and slow["steps"] == 300
+    assert fast["steps_to_solve"] is not None and fast["steps_to_solve"] % 25 == 0
+    assert r.lr == 3e-3 and r.steps_to_solve == fast["steps_to_solve"] == r.steps and r.budget == 300
+    assert r.accuracy[16] == fast["train_acc"] >= 0.9 and set(r.accuracy) == {16, 32}
+    table = results_table([r, SyntheticResult("induction", "x", ["x"], 16, 300, 2.0, 1.0, {16: 0.1}, 1000,
+                                              None, lr=1e-3, budget=300)])
+    assert "| 3e-3 |" not in table and "| 0.003 |" in table and "not solved in 300" in table
+
+
+def test_state_size_grows_with_length_for_attention_only():
+    task = make_task("mqar", vocab_size=64, num_kv_pairs=4)
+    att = build_tiny_lm(["attention"], 64, d_model=32, max_seq_len=128)
+    dn = build_tiny_lm(["deltanet"], 64, d_model=32, max_seq_len=128)
+    assert state_size(att, task, 64) == 2 * state_size(att, task, 32) > 0
+    assert state_size(dn, task, 64) == state_size(dn, task, 32) > 0
+    wide = build_tiny_lm(["deltanet"], 64, d_model=64, max_seq_len=128)
+    assert state_size(wide, task, 32) > state_size(dn, task, 32)
+
+
+def _fake(mixer, acc, d=32, state=100, lr=1e-3, solved=None):
+    return SyntheticResult("mqar", mixer, [mixer], 64, 100, 1.0, 1.0, acc, 1000, solved, lr=lr, d_model=d,
+                           state_size=state, chance=1 / 32, budget=100)
+
+
+def test_accuracy_plot_has_chance_line_train_length_and_distinct_curves():
+    import matplotlib.pyplot as plt
+    rs = [_fake(m, {64: 1 / 32, 128: 1 / 32, 256: 1 / 32}) for m in ("attention", "deltanet", "mamba")]
+    fig = plot_accuracy(rs, None, "t")
+    ax = fig.axes[0]
+    lines = {ln.get_label(): ln for ln in ax.get_lines()}
+    assert "chance (0.031)" in lines and set(lines["chance (0.031)"].get_ydata()) == {1 / 32}
+    assert "train length (64)" in lines and list(lines["train length (64)"].get_xdata()) == [64, 64]
+    curves = [lines[f"{m} (lr 0.001)"] for m in ("attention", "deltanet", "mamba")]
+    assert len({c.get_marker() for c in curves}) == 3 and len({c.get_linestyle() for c in curves}) == 3
+    xs = [tuple(c.get_xdata()) for c in curves]
+    assert len(set(xs)) == 3 and all(abs(x[0] / 64 - 1) < 0.1 for x in xs)  # offset, but near the true length
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert len(legend) == len(set(legend)) == 5
+    plt.close(fig)
+    # one mixer at several widths: the width names each curve
+    fig = plot_accuracy([_fake("attention", {64: 0.5}, d) for d in (16, 32)], None, "t")
+    legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert "attention d=16 (lr 0.001)" in legend and "attention d=32 (lr 0.001)" in legend
+    plt.close(fig)
+
+
+def test_results_round_trip_through_json():
+    r = _fake("deltanet", {64: 0.9, 128: 0.5}, solved=300)
+    r.lr_trials = [{"lr": 1e-3, "steps_to_solve": 300, "train_acc": 0.9, "final_train_loss": 0.1}]
+    back = result_from_dict(json.loads(json.dumps(result_dict(r))))
+    assert back == r
+
+
+def test_width_plot_puts_accuracy_against_width_and_state():
+    import matplotlib.pyplot as plt
+    rs = [_fake("attention", {64: 0.5}, 32, 4096), _fake("attention", {64: 1.0}, 64, 8192),
+          _fake("deltanet", {64: 0.2}, 32, 1024), _fake("deltanet", {64: 0.6}, 64, 2048)]
+    fig = plot_accuracy_vs_width(rs, None, "t")
+    left, right = fig.axes[:2]
+    att = [ln for ln in left.get_lines() if ln.get_label() == "attention"][0]
+    assert list(att.get_ydata()) == [0.5, 1.0] and "width" in left.get_xlabel()
+    dn = [ln for ln in right.get_lines() if ln.get_label() == "deltanet"][0]
+    assert [x / s for x, s in zip(dn.get_xdata(), (1024, 2048))] == pytest.approx([1.0, 1.0], abs=0.1)
+    assert "state" in right.get_xlabel()
+    assert any(ln.get_label().startswith("chance") for ln in right.get_lines())
+    plt.close(fig)
+
+
+def test_cli_width_sweep_and_bad_options(tmp_path):
+    rc = main(["synthetic", "--task", "mqar", "--mixers", "deltanet", "--train-len", "32", "--test-lens", "32",
+               "--steps", "2", "--vocab-size", "32", "--num-kv-pairs", "4", "--d-models", "16,32",
+               "--lrs", "1e-3,3e-3", "--stop-at", "0.99", "--check-every", "1", "--num-eval", "8",
+               "--out", str(tmp_path), "--no-progress"])
+    assert rc == 0
+    out = json.loads((tmp_path / "mqar.json").read_text())
+    res = out["results"]
+    assert out["partial"] is False
+    assert [r["d_model"] for r in res] == [16, 32] and all(len(r["lr_trials"]) == 2 for r in res)
+    assert res[1]["state_size"] > res[0]["state_size"]
+    md = (tmp_path / "mqar.md").read_text()
+    assert "| d_model |" in md and "learning rates 0.001, 0.003" in md and "chance 0.062" in md
+    assert (tmp_path / "mqar_width.png").read_bytes()[:4] == b"\x89PNG"
+    assert main(["synthetic", "--stop-at", "1.5", "--out", str(tmp_path), "--no-progress"]) == 2
+    assert main(["synthetic", "--lrs", "0,1e-3", "--out", str(tmp_path), "--no-progress"]) == 2
+
+
+def test_impl_per_layer_kind():
+    m = build_tiny_lm(["mamba", "attention"], 16, n_layers=2, d_model=32)
+    apply_impl(m, "mamba=reference")
+    assert [b.mixer.impl for b in m.layers] == ["reference", "chunked"]
+    apply_impl(m, "reference")
+    assert [b.mixer.impl for b in m.layers] == ["reference", "reference"]
+    with pytest.raises(ValueError, match="expected <layer kind>=chunked|reference"):
+        apply_impl(m, "mamba=fast")
+    with pytest.raises(ValueError, match="impl must be"):
+        apply_impl(m, "fast")
+
+
+def test_cli_keeps_finished_models_when_a_sweep_stops(tmp_path, monkeypatch):
+    import ttt_lm.eval.synthetic as syn
+    real = syn.run_synthetic
+
+    def second_fails(task, mixer, *a, **k):
+        if mixer == "deltanet":
+            raise KeyboardInterrupt  # as when a long run is stopped by hand
+        return real(task, mixer, *a, **k)
+
+    monkeypatch.setattr(syn, "run_synthetic", second_fails)
+    with pytest.raises(KeyboardInterrupt):
+        main(["synthetic", "--task", "mqar", "--mixers", "attention,deltanet", "--train-len", "32",
+              "--test-lens", "32", "--steps", "2", "--vocab-size", "32", "--num-kv-pairs", "4", "--d-model", "16",
+              "--num-eval", "8", "--out", str(tmp_path), "--no-progress"])
+    out = json.loads((tmp_path / "mqar.json").read_text())
+    assert out["partial"] is True and [r["mixer"] for r in out["results"]] == ["attention"]

@@ -121,17 +121,23 @@ def cmd_perplexity(args) -> dict:
 
 def cmd_long_context(args) -> dict:
     from ttt_lm.data import check_vocab, iter_documents, load_manifest
-    from ttt_lm.eval.long_context import loss_by_position, plot_loss_by_position, summarize
+    from ttt_lm.eval.long_context import loss_by_position, plot_loss_by_position, summarize, windows
     curves, names = {}, list(args.names.split(",")) if args.names else []
+    train_lens = {}
     for i, path in enumerate(args.checkpoint):
         ck = _load(args, path)
         name = names[i] if i < len(names) else ck.name
         data = _data_path(args, ck)
         check_vocab(load_manifest(data), ck.model.cfg.vocab_size)
-        stats = loss_by_position(ck.model, iter_documents(data, args.split), args.max_len, args.chunk_len,
+        docs = iter_documents(data, args.split)
+        if args.windows:
+            docs = windows(docs, args.max_len + 1)
+        stats = loss_by_position(ck.model, docs, args.max_len, args.chunk_len,
                                  args.min_len, args.max_docs, args.batch_size, _progress(args), dist=args.dist)
         summ = summarize(stats, args.lengths or [args.max_len], args.buckets)
-        summ.update(checkpoint=ck.path, data=f"{data}:{args.split}")
+        train_lens[name] = args.train_len or ck.train_len
+        summ.update(checkpoint=ck.path, data=f"{data}:{args.split}", windows=bool(args.windows),
+                    train_len=train_lens[name])
         curves[name] = summ
         del ck
         at = summ["mean_loss_at_length"]
@@ -141,7 +147,8 @@ def cmd_long_context(args) -> dict:
     if not args.dist.is_main:
         return dict(task="long_context", result=curves)
     png = _out(args, "long_context.png")
-    plot_loss_by_position(curves, png, f"loss by token position ({args.split}, {args.max_len} tokens)")
+    unit = f"windows of {args.max_len} tokens" if args.windows else f"first {args.max_len} tokens of each document"
+    plot_loss_by_position(curves, png, f"loss by token position ({args.split} split, {unit})", train_lens)
     out = dict(task="long_context", result=curves, plot=png, **_meta(args, args.dev))
     write_json(_out(args, "long_context.json"), out)
     return out
@@ -156,7 +163,7 @@ def cmd_passkey(args) -> dict:
     if not args.dist.is_main:
         return dict(task="passkey", result=res)
     png = _out(args, "passkey.png")
-    plot_heatmap(res, png, f"passkey retrieval: {ck.name}")
+    plot_heatmap(res, png, f"passkey retrieval: {ck.name}", train_len=ck.train_len)
     res["checkpoint"] = ck.path
     out = dict(task="passkey", result=res, plot=png, **_meta(args, ck.model.embed.weight.device))
     write_json(_out(args, "passkey.json"), out)
@@ -166,30 +173,57 @@ def cmd_passkey(args) -> dict:
 
 
 def cmd_synthetic(args) -> dict:
-    from ttt_lm.eval.synthetic import make_task, plot_accuracy, result_dict, results_table, run_synthetic
+    from ttt_lm.eval.synthetic import (make_task, parse_impl, plot_accuracy, plot_accuracy_vs_width, result_dict,
+                                       results_table, run_synthetic)
     task = make_task(args.task, args.vocab_size, num_kv_pairs=args.num_kv_pairs, num_tokens=args.num_tokens)
+    if args.stop_at is not None and not 0 < args.stop_at <= 1:
+        raise EvalError(f"--stop-at is an accuracy in (0, 1], got {args.stop_at}")
+    if args.lrs is not None and (not args.lrs or min(args.lrs) <= 0):
+        raise EvalError(f"--lrs needs positive learning rates, got {args.lrs}")
+    widths = args.d_models or [args.d_model]
+    try:
+        parse_impl(args.impl)
+    except ValueError as e:
+        raise EvalError(f"--impl: {e}") from e
     torch.manual_seed(args.seed)
     results = []
     for mixer in [m for m in args.mixers.split(",") if m]:
-        t0 = time.time()
-        r = run_synthetic(task, mixer, args.train_len, args.test_lens, args.steps, batch_size=args.batch_size,
-                          lr=args.lr, d_model=args.d_model, n_layers=args.n_layers, n_heads=args.n_heads,
-                          num_eval=args.num_eval, seed=args.seed, device=str(args.dev),
-                          progress=not args.no_progress, stop_at=args.stop_at, impl=args.impl)
-        results.append(r)
-        print(f"{task.name} {mixer}: " + "  ".join(f"{T}: {a:.2f}" for T, a in r.accuracy.items())
-              + f"  ({time.time() - t0:.0f}s)", flush=True)
+        for d in widths:
+            t0 = time.time()
+            r = run_synthetic(task, mixer, args.train_len, args.test_lens, args.steps, batch_size=args.batch_size,
+                              lr=args.lr, d_model=d, n_layers=args.n_layers, n_heads=args.n_heads,
+                              num_eval=args.num_eval, seed=args.seed, device=str(args.dev),
+                              progress=not args.no_progress, stop_at=args.stop_at, impl=args.impl, lrs=args.lrs,
+                              eval_chunk_len=args.eval_chunk_len, check_every=args.check_every)
+            results.append(r)
+            # after every model, so that a long sweep stopped part way keeps what it finished
+            write_json(_out(args, f"{task.name}.json"),
+                       dict(task="synthetic", synthetic_task=task.name, partial=True,
+                            results=[result_dict(x) for x in results], **_meta(args, args.dev)))
+            solved = (f"solved in {r.steps_to_solve} steps" if r.steps_to_solve is not None
+                      else f"not solved in {args.steps} steps")
+            print(f"{task.name} {mixer} d_model={d} lr={r.lr:g} ({solved}): "
+                  + "  ".join(f"{T}: {a:.2f}" for T, a in r.accuracy.items())
+                  + f"  ({time.time() - t0:.0f}s)", flush=True)
     table = results_table(results)
+    crit = (f"until accuracy >= {args.stop_at} at length {args.train_len} (checked every {args.check_every} "
+            f"steps) or {args.steps} steps" if args.stop_at is not None else f"for {args.steps} steps")
+    lrs = f"learning rates {', '.join(f'{x:g}' for x in args.lrs)} (the best kept)" if args.lrs else f"lr {args.lr:g}"
     hdr = (f"# {task.name}: accuracy vs sequence length\n\n"
-           f"Trained at length {args.train_len} (*) for up to {args.steps} steps of batch {args.batch_size}; "
-           f"{args.n_layers} layers, d_model {args.d_model}, vocabulary {task.vocab_size}; "
-           f"{args.num_eval} test sequences per length.\n\n")
+           f"Trained at length {args.train_len} (*) {crit}, batch {args.batch_size}, {lrs}; "
+           f"{args.n_layers} layers, d_model {', '.join(map(str, widths))}, vocabulary {task.vocab_size}; "
+           f"{args.num_eval} test sequences per length, read {args.eval_chunk_len} tokens at a time with state "
+           f"carried; chance {task.chance:.3f}.\n\n")
     with open(_out(args, f"{task.name}.md"), "w") as f:
         f.write(hdr + table)
     png = _out(args, f"{task.name}.png")
     plot_accuracy(results, png, f"{task.name} (trained at {args.train_len})")
-    out = dict(task="synthetic", synthetic_task=task.name, results=[result_dict(r) for r in results],
+    out = dict(task="synthetic", synthetic_task=task.name, partial=False, results=[result_dict(r) for r in results],
                table=table, plot=png, **_meta(args, args.dev))
+    if len(widths) > 1:
+        out["width_plot"] = _out(args, f"{task.name}_width.png")
+        plot_accuracy_vs_width(results, out["width_plot"],
+                               f"{task.name}: accuracy at length {args.train_len} vs width and state size")
     write_json(_out(args, f"{task.name}.json"), out)
     print(table)
     return out
@@ -259,6 +293,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-docs", type=int, default=None)
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--buckets", type=int, default=32)
+    p.add_argument("--windows", action="store_true",
+                   help="cut every document into consecutive pieces of max-len + 1 tokens, each scored from an "
+                        "empty state (many contexts from a few long documents)")
+    p.add_argument("--train-len", type=int, default=None,
+                   help="training context to mark on the plot (default: the checkpoint config's data.seq_len)")
     p.set_defaults(func=cmd_long_context)
 
     p = sub.add_parser("passkey", help="passkey retrieval over context lengths x depths (heatmap)")
@@ -282,16 +321,26 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stop training once accuracy at the train length reaches this")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lrs", type=_floats, default=None,
+                   help="comma-separated learning rates to sweep per mixer (e.g. 3e-4,1e-3,3e-3); the one that "
+                        "reaches --stop-at in the fewest steps is kept, else the most accurate (overrides --lr)")
+    p.add_argument("--check-every", type=int, default=50, help="steps between --stop-at checks")
     p.add_argument("--d-model", type=int, default=64)
+    p.add_argument("--d-models", type=_ints, default=None,
+                   help="comma-separated widths: train every mixer at each (Zoology's accuracy-vs-width sweep; "
+                        "also plots accuracy against state size)")
+    p.add_argument("--eval-chunk-len", type=int, default=512,
+                   help="tokens per forward at test time; states carried from chunk to chunk")
     p.add_argument("--n-layers", type=int, default=2)
     p.add_argument("--n-heads", type=int, default=2)
     p.add_argument("--vocab-size", type=int, default=None, help="default: induction 16, mqar 256, copying 16")
     p.add_argument("--num-kv-pairs", type=int, default=None, help="mqar (default 8)")
     p.add_argument("--num-tokens", type=int, default=None, help="selective copying (default 8)")
     p.add_argument("--num-eval", type=int, default=64, help="test sequences per length")
-    p.add_argument("--impl", default="chunked", choices=["chunked", "reference"],
-                   help="mixer form; the sequential reference forms are faster on a CPU for these tiny "
-                        "models (Mamba, RG-LRU), and compute the same function")
+    p.add_argument("--impl", default="chunked",
+                   help="mixer form: chunked | reference for every mixer, or per kind, e.g. "
+                        "mamba=reference,rglru=reference; the sequential reference forms are faster on a CPU "
+                        "for these tiny models (Mamba, RG-LRU), and compute the same function")
     p.set_defaults(func=cmd_synthetic)
 
     p = sub.add_parser("lm_eval", help="run lm-evaluation-harness tasks on a checkpoint")

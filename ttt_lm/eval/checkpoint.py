@@ -46,6 +46,7 @@ class Checkpoint:
     name: str                          # a short label for tables and plot legends
     data_path: Optional[str] = None    # data.path of the experiment config, if there was one
     tokenizer_path: Optional[str] = None
+    train_len: Optional[int] = None    # data.seq_len of the experiment config: the context it was trained at
 
 
 def _weights_file(d: str) -> Optional[str]:
@@ -61,7 +62,8 @@ def _is_training_checkpoint(d: str) -> bool:
 
 
 def read_config(path: str):
-    """(ModelConfig, data path or None) from an experiment YAML or a bare model YAML."""
+    """(ModelConfig, data path or None, training sequence length or None) from an experiment YAML or
+    a bare model YAML."""
     try:
         raw = OmegaConf.load(path)
     except Exception as e:  # yaml syntax errors
@@ -74,10 +76,10 @@ def read_config(path: str):
             cfg = load_config(path)
         except ConfigError as e:
             raise EvalError(f"{path}: {e}") from e
-        return cfg.model, cfg.data.path
+        return cfg.model, cfg.data.path, cfg.data.seq_len
     try:
         mc = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), raw))
-        return mc.validate(), None
+        return mc.validate(), None, None
     except Exception as e:  # noqa: BLE001 - omegaconf and validate errors alike name the key
         raise EvalError(f"{path}: not a model config: {e}") from e
 
@@ -129,7 +131,7 @@ def _load_export(d: str, device, dtype, name: Optional[str]) -> Checkpoint:
     if not os.path.isfile(cfg_path) or w is None:
         raise EvalError(f"{d} is not an export directory: it needs {CONFIG} and one of {list(WEIGHTS)} "
                         f"(write one with `python -m ttt_lm.train.export <run dir> <out dir>`)")
-    mcfg, data_path = read_config(cfg_path)
+    mcfg, data_path, train_len = read_config(cfg_path)
     model = LM(mcfg)
     try:
         sd = torch.load(w, map_location="cpu", weights_only=True)
@@ -145,7 +147,7 @@ def _load_export(d: str, device, dtype, name: Optional[str]) -> Checkpoint:
             from ttt_lm.data import load_manifest
             tok = load_manifest(data_path, check_files=False)["tokenizer_path"]
     label = name or os.path.basename(os.path.normpath(d))
-    return Checkpoint(model, d, label, data_path, tok)
+    return Checkpoint(model, d, label, data_path, tok, train_len)
 
 
 def missing_tokenizer(ck: Checkpoint, flag: str = "--tokenizer") -> str:

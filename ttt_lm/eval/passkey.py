@@ -51,6 +51,23 @@ def build_prompt(tok, context_len: int, depth: float, key: str) -> Tuple[List[in
     return ids, tok.encode(" " + key), pos
 
 
+def practice_documents(n: int, max_fillers: int, seed: int = 0, digits: int = 5) -> List[str]:
+    """``n`` passkey prompts as plain text with their answer appended, for mixing into a training
+    corpus: 0 … ``max_fillers`` filler groups, the needle at a uniform random depth, a random key.
+    A model trained on these has seen the format (not the test keys' lengths beyond its training
+    length), so the heatmap measures where retrieval holds as context and depth grow."""
+    if n < 1 or max_fillers < 0:
+        raise EvalError(f"practice_documents needs n >= 1 and max_fillers >= 0, got n={n}, max_fillers={max_fillers}")
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        key = str(rng.randrange(10 ** (digits - 1), 10 ** digits))
+        k = rng.randint(0, max_fillers)
+        k1 = rng.randint(0, k)
+        out.append(INTRO + FILLER * k1 + NEEDLE.format(key=key) + FILLER * (k - k1) + QUESTION + " " + key + ".")
+    return out
+
+
 @torch.no_grad()
 def greedy_continue(model: LM, ids: Sequence[int], n: int, chunk_len: int = 2048) -> List[int]:
     """Greedy decoding of ``n`` tokens after ``ids``, reading the prompt chunk by chunk."""
@@ -111,22 +128,40 @@ def passkey_grid(model: LM, tok, lengths: Sequence[int], depths: Sequence[float]
             "mean_accuracy": sum(map(sum, acc)) / (len(lengths) * len(depths)), "samples": samples}
 
 
-def plot_heatmap(result: dict, path: str, title: str = "") -> None:
+def plot_heatmap(result: dict, path: Optional[str] = None, title: str = "", train_len: Optional[int] = None):
+    """Accuracy per (context length, depth) cell, written in each cell as a percentage in a colour
+    that contrasts with its background; the colorbar is labelled with the trials per cell, and
+    ``train_len`` (the training context) is marked on the length axis. Returns the Figure when
+    ``path`` is None (else saves and closes it)."""
     from ttt_lm.eval.common import pyplot
     plt = pyplot()
     acc = result["accuracy"]
-    fig, ax = plt.subplots(figsize=(max(4.5, 1.8 + 0.7 * len(result["lengths"])), max(3.2, 1.4 + 0.45 * len(result["depths"]))))
-    data = [[acc[i][j] for i in range(len(result["lengths"]))] for j in range(len(result["depths"]))]
-    im = ax.imshow(data, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto", origin="upper")
-    ax.set_xticks(range(len(result["lengths"])), [str(x) for x in result["lengths"]], rotation=45)
-    ax.set_yticks(range(len(result["depths"])), [f"{d:.0%}" for d in result["depths"]])
-    for i in range(len(result["lengths"])):
-        for j in range(len(result["depths"])):
-            ax.text(i, j, f"{acc[i][j]:.1f}", ha="center", va="center", fontsize=7)
+    lens, depths = result["lengths"], result["depths"]
+    fig, ax = plt.subplots(figsize=(max(5.0, 2.4 + 0.9 * len(lens)), max(3.4, 1.6 + 0.5 * len(depths))))
+    data = [[acc[i][j] for i in range(len(lens))] for j in range(len(depths))]
+    cmap = plt.get_cmap("viridis")
+    im = ax.imshow(data, vmin=0, vmax=1, cmap=cmap, aspect="auto", origin="upper")
+    labels = [str(x) for x in lens]
+    if train_len:
+        labels = [f"{x}\n(train)" if x == train_len else (f"{x}\n(> train)" if x > train_len else str(x))
+                  for x in lens]
+    ax.set_xticks(range(len(lens)), labels)
+    ax.set_yticks(range(len(depths)), [f"{d:.0%}" + {0.0: " (start)", 1.0: " (end)"}.get(float(d), "")
+                                       for d in depths])
+    for i in range(len(lens)):
+        for j in range(len(depths)):
+            r, g, b, _ = cmap(acc[i][j])
+            dark = 0.299 * r + 0.587 * g + 0.114 * b < 0.5
+            ax.text(i, j, f"{acc[i][j]:.0%}", ha="center", va="center", fontsize=9,
+                    color="white" if dark else "black")
     ax.set_xlabel("context length (tokens)")
-    ax.set_ylabel("passkey depth")
-    ax.set_title(title or "passkey retrieval accuracy")
-    fig.colorbar(im, ax=ax, fraction=0.046)
+    ax.set_ylabel("needle depth")
+    ax.set_title(title or "passkey retrieval accuracy", fontsize=10)
+    cb = fig.colorbar(im, ax=ax, fraction=0.046)
+    cb.set_label(f"retrieval accuracy ({result['trials']} random passkeys per cell)")
     fig.tight_layout()
+    if path is None:
+        return fig
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    return None

@@ -117,6 +117,14 @@ class Task:
     def batch(self, b: int, T: int, g: torch.Generator):
         return self.make(b, T, vocab_size=self.vocab_size, generator=g, **self.kwargs)
 
+    @property
+    def chance(self) -> float:
+        """Accuracy of a uniform guess among the possible answers: induction V−1 data tokens, MQAR
+        the V − V/2 values, selective copying the V − 2 data tokens."""
+        V = self.vocab_size
+        n = {"induction": V - 1, "mqar": V - V // 2, "selective_copying": V - 2}[self.name]
+        return 1.0 / n
+
 
 def make_task(name: str, vocab_size: Optional[int] = None, **kw) -> Task:
     if name == "induction":
@@ -196,13 +204,20 @@ class SyntheticResult:
     accuracy: Dict[int, float]
     num_params: int
     steps_to_solve: Optional[int] = None
+    lr: Optional[float] = None
+    d_model: Optional[int] = None
+    state_size: Optional[int] = None       # numbers in one sequence's carried state at train_len
+    chance: Optional[float] = None
+    budget: Optional[int] = None           # the step budget (steps = steps_to_solve or budget)
+    lr_trials: List[Dict] = field(default_factory=list)  # every lr tried: lr, steps_to_solve, train_acc, loss
 
 
 def train_task(model: LM, task: Task, train_len: int, steps: int, batch_size: int = 32, lr: float = 3e-3,
                weight_decay: float = 0.0, warmup: int = 50, seed: int = 0, stop_at: Optional[float] = None,
-               check_every: int = 50, progress: bool = False) -> Tuple[float, Optional[int]]:
+               check_every: int = 50, progress: bool = False,
+               check_examples: int = 128) -> Tuple[float, Optional[int]]:
     """AdamW on fresh batches at ``train_len``; linear warmup then cosine decay to 10%. With
-    ``stop_at``, every ``check_every`` steps accuracy is measured on 64 held-out sequences at
+    ``stop_at``, every ``check_every`` steps accuracy is measured on ``check_examples`` held-out sequences at
     ``train_len`` and training stops once it reaches ``stop_at``; returns (last loss, that step)."""
     dev = next(model.parameters()).device
     g = torch.Generator().manual_seed(seed)
@@ -231,62 +246,225 @@ def train_task(model: LM, task: Task, train_len: int, steps: int, batch_size: in
         opt.step()
         loss_v = float(loss.detach())
         if stop_at is not None and (i + 1) % check_every == 0:
-            if evaluate_task(model, task, train_len, num_examples=64, seed=seed + 77) >= stop_at:
+            if evaluate_task(model, task, train_len, num_examples=check_examples, seed=seed + 77) >= stop_at:
                 return loss_v, i + 1
     return loss_v, None
+
+
+def state_size(model: LM, task: Task, seq_len: int) -> int:
+    """Numbers (tensor elements) one sequence carries from chunk to chunk after ``seq_len`` tokens:
+    recurrent states, conv caches, and for attention its KV cache (which grows with the length).
+    The quantity Zoology puts on the x-axis of its accuracy-vs-state plot."""
+    dev = next(model.parameters()).device
+    x, _ = task.batch(1, seq_len, torch.Generator().manual_seed(0))
+
+    def count(o) -> int:
+        if torch.is_tensor(o):
+            return o.numel()
+        if isinstance(o, dict):
+            return sum(count(v) for v in o.values())
+        if isinstance(o, (list, tuple)):
+            return sum(count(v) for v in o)
+        if hasattr(o, "__dataclass_fields__"):
+            return sum(count(getattr(o, f)) for f in o.__dataclass_fields__)
+        return 0
+
+    with torch.no_grad():
+        out = model(x.to(dev), output_states=True)
+    return count(out.states)
 
 
 def run_synthetic(task: Task, mixer: str, train_len: int, test_lens: Sequence[int], steps: int,
                   batch_size: int = 32, lr: float = 3e-3, d_model: int = 64, n_layers: int = 2,
                   n_heads: int = 2, num_eval: int = 64, seed: int = 0, device: str = "cpu",
                   progress: bool = False, stop_at: Optional[float] = None,
-                  impl: str = "chunked") -> SyntheticResult:
+                  impl: str = "chunked", lrs: Optional[Sequence[float]] = None, eval_chunk_len: int = 512,
+                  check_every: int = 50) -> SyntheticResult:
+    """Train a tiny model of ``mixer`` on ``task`` at ``train_len`` and test it at ``test_lens``.
+
+    With ``lrs`` (a small sweep, as Zoology does) one model is trained per learning rate, each
+    until accuracy at ``train_len`` reaches ``stop_at`` or ``steps`` run out; the kept one is
+    :func:`pick_best` of them, and only it is tested at every length. Every lr tried is recorded
+    in ``lr_trials``."""
     pattern = parse_mixer_spec(mixer)
-    model = build_tiny_lm(pattern, task.vocab_size, n_layers=n_layers, d_model=d_model, n_heads=n_heads,
-                          max_seq_len=max([train_len, *test_lens]), seed=seed).to(device)
-    model.set_impl(impl)
+    max_len = max([train_len, *test_lens])
+    trials = []
+    best = None
     t0 = time.time()
-    loss, solved = train_task(model, task, train_len, steps, batch_size=batch_size, lr=lr, seed=seed,
-                              progress=progress, stop_at=stop_at)
+    for i, r in enumerate(lrs or [lr]):
+        model = build_tiny_lm(pattern, task.vocab_size, n_layers=n_layers, d_model=d_model, n_heads=n_heads,
+                              max_seq_len=max_len, seed=seed).to(device)
+        apply_impl(model, impl)
+        t1 = time.time()
+        loss, solved = train_task(model, task, train_len, steps, batch_size=batch_size, lr=r, seed=seed,
+                                  progress=progress, stop_at=stop_at, check_every=check_every)
+        acc = evaluate_task(model, task, train_len, num_examples=num_eval, seed=seed + 10_000,
+                            chunk_len=eval_chunk_len)
+        trial = {"lr": r, "steps_to_solve": solved, "steps": steps if solved is None else solved,
+                 "train_acc": acc, "final_train_loss": loss, "seconds": time.time() - t1}
+        trials.append(trial)
+        if best is None or pick_best([best[0], trial]) is trial:
+            best = (trial, model)
+        else:
+            del model
+    trial, model = best
     dt = time.time() - t0
-    acc = {int(T): evaluate_task(model, task, int(T), num_examples=num_eval, seed=seed + 10_000)
+    acc = {int(T): (trial["train_acc"] if int(T) == train_len else
+                    evaluate_task(model, task, int(T), num_examples=num_eval, seed=seed + 10_000,
+                                  chunk_len=eval_chunk_len))
            for T in test_lens}
-    return SyntheticResult(task.name, mixer, model.cfg.layer_kinds(), train_len, steps if solved is None else solved,
-                           loss, dt, acc, model.num_params(), solved)
+    return SyntheticResult(task.name, mixer, model.cfg.layer_kinds(), train_len, trial["steps"],
+                           trial["final_train_loss"], dt, acc, model.num_params(), trial["steps_to_solve"],
+                           lr=trial["lr"], d_model=d_model, state_size=state_size(model, task, train_len),
+                           chance=task.chance, budget=steps, lr_trials=trials)
+
+
+def parse_impl(impl: str) -> Dict[Optional[str], str]:
+    """``impl`` is "chunked" or "reference" for every mixer ({None: form}), or per layer kind, e.g.
+    "mamba=reference,rglru=reference" ({kind: form}; kinds not named keep the chunked form)."""
+    forms = ("chunked", "reference")
+    if "=" not in impl:
+        if impl not in forms:
+            raise ValueError(f"impl must be chunked, reference or <kind>=<form> pairs, got {impl!r}")
+        return {None: impl}
+    per: Dict[Optional[str], str] = {}
+    for part in impl.split(","):
+        kind, _, form = part.partition("=")
+        if form not in forms or not kind.strip():
+            raise ValueError(f"impl pair {part!r}: expected <layer kind>=chunked|reference")
+        per[kind.strip()] = form
+    return per
+
+
+def apply_impl(model: LM, impl: str) -> None:
+    per = parse_impl(impl)
+    for kind, block in zip(model.cfg.layer_kinds(), model.layers):
+        block.mixer.impl = per.get(None, per.get(kind, "chunked"))
+
+
+def pick_best(trials: Sequence[Dict]) -> Dict:
+    """The best of several lr trials: among those that reached the criterion, the fewest steps;
+    if none did, the highest accuracy at the train length, then the lowest final loss."""
+    solved = [t for t in trials if t["steps_to_solve"] is not None]
+    if solved:
+        return min(solved, key=lambda t: (t["steps_to_solve"], -t["train_acc"]))
+    return max(trials, key=lambda t: (t["train_acc"], -t["final_train_loss"]))
+
+
+def _steps_cell(r: SyntheticResult) -> str:
+    if r.steps_to_solve is not None:
+        return f"{r.steps_to_solve}"
+    return f"not solved in {r.budget if r.budget is not None else r.steps}"
 
 
 def results_table(results: Sequence[SyntheticResult]) -> str:
-    """Markdown: one row per mixer, accuracy at each test length (train length marked *)."""
+    """Markdown: one row per mixer (and width): the lr kept, steps to reach the criterion (or "not
+    solved in N"), and accuracy at each test length (train length marked *)."""
     lens = sorted({T for r in results for T in r.accuracy})
     tl = {r.train_len for r in results}
-    head = ["mixer", "layers", "params", "steps", "train loss"] + [f"{T}{'*' if T in tl else ''}" for T in lens]
-    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * 5 + ["---:"] * len(lens)) + "|"]
+    widths = len({r.d_model for r in results}) > 1
+    head = ["mixer"] + (["d_model"] if widths else []) + ["layers", "params", "state", "lr", "steps to solve",
+                                                           "train loss"]
+    head += [f"{T}{'*' if T in tl else ''}" for T in lens]
+    nfix = len(head) - len(lens)
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * nfix + ["---:"] * len(lens)) + "|"]
     for r in results:
-        row = [r.mixer, ",".join(r.pattern), f"{r.num_params / 1e3:.0f}k", str(r.steps), f"{r.final_train_loss:.3f}"]
+        row = [r.mixer] + ([str(r.d_model)] if widths else [])
+        row += [",".join(r.pattern), f"{r.num_params / 1e3:.0f}k",
+                "" if r.state_size is None else f"{r.state_size / 1e3:.1f}k",
+                "" if r.lr is None else f"{r.lr:g}", _steps_cell(r), f"{r.final_train_loss:.3f}"]
         row += [f"{r.accuracy[T]:.2f}" if T in r.accuracy else "" for T in lens]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"
 
 
-def plot_accuracy(results: Sequence[SyntheticResult], path: str, title: str = "") -> None:
+MARKERS = "osD^vP*Xh<>"
+LINESTYLES = ["-", "--", "-.", ":"]
+
+
+def _style(k: int, n: int) -> dict:
+    """Marker, line style and a small multiplicative x offset for curve k of n, so that curves that
+    coincide (e.g. several at chance) stay visible side by side."""
+    off = 2 ** (0.06 * (k - (n - 1) / 2)) if n > 1 else 1.0
+    return {"marker": MARKERS[k % len(MARKERS)], "ls": LINESTYLES[k % len(LINESTYLES)], "off": off}
+
+
+def plot_accuracy(results: Sequence[SyntheticResult], path: Optional[str] = None, title: str = "",
+                  chance: Optional[float] = None):
+    """Accuracy against test length, one curve per result: distinct markers and line styles with a
+    small horizontal offset per curve (stated in the caption) so overlapping curves stay apart,
+    a dotted chance line, and the training length marked and labelled. Returns the Figure when
+    ``path`` is None (else saves and closes it)."""
     from ttt_lm.eval.common import pyplot
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for r in results:
+    fig, ax = plt.subplots(figsize=(7.2, 4.4))
+    n = len(results)
+    widths = len({r.d_model for r in results}) > 1
+    for k, r in enumerate(results):
+        st = _style(k, n)
         xs = sorted(r.accuracy)
-        ax.plot(xs, [r.accuracy[x] for x in xs], marker="o", label=r.mixer)
-    if results:
-        ax.axvline(results[0].train_len, color="gray", ls=":", lw=1)
+        solved = "" if r.steps_to_solve is None else f", solved in {r.steps_to_solve}"
+        lab = r.mixer + (f" d={r.d_model}" if widths else "") + (f" (lr {r.lr:g}{solved})" if r.lr is not None else "")
+        ax.plot([x * st["off"] for x in xs], [r.accuracy[x] for x in xs], marker=st["marker"], ls=st["ls"],
+                ms=5, lw=1.3, label=lab, alpha=0.9)
+    chance = chance if chance is not None else next((r.chance for r in results if r.chance is not None), None)
+    if chance is not None:
+        ax.axhline(chance, color="gray", ls=":", lw=1.2, label=f"chance ({chance:.3f})")
+    for L in sorted({r.train_len for r in results}):
+        ax.axvline(L, color="black", ls="--", lw=1, alpha=0.6, label=f"train length ({L})")
     ax.set_xscale("log", base=2)
     ax.set_ylim(-0.02, 1.02)
-    ax.set_xlabel("test sequence length (tokens)")
+    ax.set_xlabel("test sequence length (tokens; curves offset slightly sideways)")
     ax.set_ylabel("accuracy")
-    ax.set_title(title)
-    ax.legend(fontsize=8)
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    if path is None:
+        return fig
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
+    return None
+
+
+def plot_accuracy_vs_width(results: Sequence[SyntheticResult], path: Optional[str] = None, title: str = "",
+                           chance: Optional[float] = None):
+    """Zoology's figure: accuracy at the train length against model width (left) and against the
+    state a sequence carries (right), one curve per mixer, with the chance line."""
+    from ttt_lm.eval.common import pyplot
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.2), sharey=True)
+    mixers = list(dict.fromkeys(r.mixer for r in results))
+    chance = chance if chance is not None else next((r.chance for r in results if r.chance is not None), None)
+    for k, m in enumerate(mixers):
+        rs = sorted((r for r in results if r.mixer == m), key=lambda r: r.d_model or 0)
+        st = _style(k, len(mixers))
+        acc = [r.accuracy.get(r.train_len, float("nan")) for r in rs]
+        axes[0].plot([(r.d_model or 0) * st["off"] for r in rs], acc, marker=st["marker"], ls=st["ls"], label=m)
+        axes[1].plot([(r.state_size or 0) * st["off"] for r in rs], acc, marker=st["marker"], ls=st["ls"], label=m)
+    for ax, xl in zip(axes, ["model width d_model", "state size (numbers per sequence at the train length)"]):
+        if chance is not None:
+            ax.axhline(chance, color="gray", ls=":", lw=1.2, label=f"chance ({chance:.3f})")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel(xl)
+        ax.set_ylim(-0.02, 1.02)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("accuracy at the train length")
+    axes[1].legend(fontsize=8, loc="best")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    if path is None:
+        return fig
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return None
+
+
+def result_from_dict(d: dict) -> SyntheticResult:
+    """The inverse of :func:`result_dict` (to redraw a figure from a saved JSON)."""
+    d = dict(d)
+    d["accuracy"] = {int(k): v for k, v in d["accuracy"].items()}
+    return SyntheticResult(**d)
 
 
 def result_dict(r: SyntheticResult) -> dict:
