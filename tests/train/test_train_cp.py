@@ -109,6 +109,21 @@ def test_export_of_a_cp_checkpoint_is_the_plain_lm(runs, tmp_path):
         assert (sds["ttt/cp2"][name] - v).abs().max() <= 1e-4, name
 
 
+@pytest.mark.dist
+def test_cp2_pipelined_matches_single_process(runs, tmp_path):
+    """parallel.cp_pipeline_chunks=2: the TTT layer's state passing pipelined over the micro-batch's
+    2 rows (one group each) trains as the 1-process run does (same tolerances)."""
+    piped = str(tmp_path / "piped")
+    run(piped, [*COMMON, *MODELS["ttt"], *CP2, "parallel.cp_pipeline_chunks=2"], nprocs=2)
+    a, b = losses_by_step(piped), losses_by_step(runs["ttt/ref"])
+    assert sorted(a) == sorted(b) == list(range(1, 2 * N + 1))
+    for s in b:
+        assert abs(a[s] - b[s]) <= LOSS_ATOL, (s, a[s], b[s])
+    ga, gb = _by_step(piped, "grad_norm"), _by_step(runs["ttt/ref"], "grad_norm")
+    for s in gb:
+        assert abs(ga[s] - gb[s]) <= NORM_RTOL * gb[s], (s, ga[s], gb[s])
+
+
 # ---- configuration checks (in-process) ---------------------------------------------------------
 
 def _cfg(**parallel):
@@ -151,6 +166,13 @@ def test_cp_refusals():
     cfg.train.activation_checkpointing = True
     with pytest.raises(ParallelConfigError, match="activation_checkpointing"):
         check_parallel(cfg, world_size=2)
+
+
+def test_cp_pipeline_chunks_checked():
+    check_parallel(_cfg(context_parallel=2, cp_pipeline_chunks=4), world_size=2)   # micro_batch_size 8
+    for bad, cp in ((0, 2), (9, 2), (2, 1)):
+        with pytest.raises(ParallelConfigError, match=f"parallel.cp_pipeline_chunks={bad}: must be >= 1"):
+            check_parallel(_cfg(context_parallel=cp, cp_pipeline_chunks=bad), world_size=2)
 
 
 def test_cp_refuses_a_deepspeed_file_with_zero2_or_overlapped_reduction(tmp_path):

@@ -32,9 +32,10 @@ from ttt_lm.parallel.context_parallel import context_parallel_forward, split_len
 
 
 class ContextParallelLM(LM):
-    def __init__(self, cfg: ModelConfig, cp_group):
+    def __init__(self, cfg: ModelConfig, cp_group, pipeline_chunks: int = 1):
         super().__init__(cfg)
         self.cp_group = cp_group
+        self.pipeline_chunks = pipeline_chunks   # row groups of the state-passing pipeline
         self.cp_rank, self.cp_size = dist.get_rank(cp_group), dist.get_world_size(cp_group)
 
     def local_slice(self, t: torch.Tensor) -> torch.Tensor:
@@ -52,7 +53,7 @@ class ContextParallelLM(LM):
             raise ValueError("the context-parallel LM runs whole rows from the start: no states")
         loss, logits = context_parallel_forward(
             self, self.local_slice(input_ids), None if labels is None else self.local_slice(labels), self.cp_group,
-            None if position_ids is None else self.local_slice(position_ids))
+            None if position_ids is None else self.local_slice(position_ids), self.pipeline_chunks)
         if loss is not None:
             loss = loss.reshape(())  # the library's loss has shape [1]; LM's is a scalar
         if loss is not None and torch.is_grad_enabled():

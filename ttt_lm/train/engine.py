@@ -37,6 +37,12 @@ def check_parallel(cfg, world_size: Optional[int] = None) -> None:
     cp = p.context_parallel
     if cp < 1:
         raise ParallelConfigError(f"parallel.context_parallel must be >= 1, got {cp}")
+    M = p.cp_pipeline_chunks
+    if M < 1 or (M > 1 and cp == 1) or M > cfg.train.micro_batch_size:
+        raise ParallelConfigError(
+            f"parallel.cp_pipeline_chunks={M}: must be >= 1, at most train.micro_batch_size="
+            f"{cfg.train.micro_batch_size} (it splits each micro-batch's rows into that many groups), and 1 "
+            f"unless parallel.context_parallel > 1 (got {cp})")
     if cp > 1:
         if tp > 1:
             raise ParallelConfigError(
