@@ -107,7 +107,8 @@ def check_lm(rank, world, T, B, chunks):
 
 
 class _Sleepy(torch.nn.Module):
-    """h_out = h_in + Σ_t x_t; y = x + h_in; each call sleeps ``dt`` and logs (start, end)."""
+    """A prefix sum: y_t = x_t + h_in + Σ_{τ<t} x_τ, h_out = h_in + Σ_t x_t; each call sleeps
+    ``dt`` and logs (start, end)."""
 
     def __init__(self, dt):
         super().__init__()
@@ -118,7 +119,7 @@ class _Sleepy(torch.nn.Module):
         time.sleep(self.dt)
         h = x.new_zeros(x.shape[0], x.shape[2]) if state is None else state["h"]
         self.log.append((t0, time.time()))
-        return x + h[:, None], {"h": h + x.sum(1)}
+        return x + h[:, None] + x.cumsum(1) - x, {"h": h + x.sum(1)}
 
 
 def check_overlap(rank, world, chunks=4, dt=0.15):
@@ -130,8 +131,8 @@ def check_overlap(rank, world, chunks=4, dt=0.15):
     cp.wait_pending()
     logs = [None] * world
     dist.all_gather_object(logs, m.log)
-    # y: rank r, row b sees the sum over the earlier ranks' tokens = 2 r per channel
-    if not torch.equal(y, x + 2 * rank):
+    ref, _ = _Sleepy(0.0)(torch.ones(chunks, 2 * world, 3, dtype=torch.float64))   # one process
+    if not torch.equal(y, ref[:, 2 * rank:2 * rank + 2]):
         return f"wrong outputs on rank {rank}: {y.flatten().tolist()}"
     if not logs[1][0][0] < logs[0][-1][1]:
         return f"rank 1 started its first group after rank 0 ended its last: {logs}"
@@ -139,6 +140,29 @@ def check_overlap(rank, world, chunks=4, dt=0.15):
     piped, serial = (chunks + world - 1) * dt, chunks * world * dt
     if span > (piped + serial) / 2:
         return f"forward spanned {span:.2f} s: pipelined {piped:.2f} s expected, serial would be {serial:.2f} s"
+    return 0.0
+
+
+def check_wavefront(rank, world, layers=3, chunks=2, dt=0.25):
+    """Consecutive state-passing layers pipeline across layers too: rank 0 goes on to the next
+    layer without waiting, so the run spans about (K·M + c − 1) calls, not K·(M + c − 1)."""
+    mods = [_Sleepy(dt) for _ in range(layers)]
+    x = torch.ones(chunks, 2, 3, dtype=torch.float64)
+    dist.barrier()
+    for i, m in enumerate(mods):
+        x, _ = cp.pass_state_forward(m, x, tag=20 + i, chunks=chunks)
+    cp.wait_pending()
+    logs = [None] * world
+    dist.all_gather_object(logs, [m.log for m in mods])
+    ref = torch.ones(chunks, 2 * world, 3, dtype=torch.float64)   # the whole sequence in one process
+    for _ in range(layers):
+        ref, _ = _Sleepy(0.0)(ref)
+    if not torch.equal(x, ref[:, 2 * rank:2 * rank + 2]):
+        return f"wrong outputs on rank {rank}: {x.flatten().tolist()}"
+    span = logs[-1][-1][-1][1] - logs[0][0][0][0]
+    wave, per_layer = (layers * chunks + world - 1) * dt, layers * (chunks + world - 1) * dt
+    if span > (wave + per_layer) / 2:
+        return f"{layers} layers spanned {span:.2f} s: {wave:.2f} s expected, layer after layer {per_layer:.2f} s"
     return 0.0
 
 
@@ -151,6 +175,7 @@ def _checks(rank, world):
     out["block"] = lambda: check_block(rank, world, T, 2)
     out["lm"] = lambda: max(check_lm(rank, world, T, 3, 2), check_lm(rank, world, T, 4, 4))
     out["overlap"] = lambda: check_overlap(rank, world)
+    out["wavefront"] = lambda: check_wavefront(rank, world)
     return out
 
 
@@ -223,6 +248,12 @@ def test_pipeline_overlaps(results):
     """The ranks run at the same time: rank 1 starts before rank 0 ends, and the forward spans
     about (M + c − 1) calls rather than c·M."""
     _assert_check(results, "overlap")
+
+
+@pytest.mark.dist
+def test_pipeline_wavefront_across_layers(results):
+    """Three consecutive state-passing layers over 2 row groups overlap across layers as well."""
+    _assert_check(results, "wavefront")
 
 
 def test_chunks_checked():

@@ -27,7 +27,9 @@ Three schemes, each exact (outputs and gradients equal one pass over the whole s
   forward takes (M + c − 1)·t/M instead of c·t: the idle share (bubble) of each rank is
   (c − 1)/(M + c − 1) (M = 1: the ranks run one after another). The backward pass runs the
   groups in reverse (autograd takes the group made last first), gradients of the states going
-  from r + 1 to r, with the same bubble.
+  from r + 1 to r, with the same bubble. Consecutive state-passing layers pipeline across layers
+  as well (rank 0 goes on to its next layer without waiting): a run of k of them between two
+  layers with collectives idles (c − 1)/(k·M + c − 1).
 
 * **Key-value exchange** (attention) all-gathers the keys and values (after RoPE at their global
   positions); rank r attends from its queries (RoPE at start_r + t) to the keys of ranks < r and
