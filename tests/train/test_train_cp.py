@@ -110,20 +110,22 @@ def test_export_of_a_cp_checkpoint_is_the_plain_lm(runs, tmp_path):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("extra", [["parallel.cp_pipeline_chunks=2"], ["parallel.zero_stage=2"]],
-                         ids=["pipelined", "zero2"])
-def test_cp2_variants_match_single_process(runs, tmp_path, extra):
+@pytest.mark.parametrize("name,extra", [("ttt", ["parallel.cp_pipeline_chunks=2"]),
+                                        ("ttt", ["parallel.zero_stage=2"]),
+                                        ("attn_rglru", ["parallel.zero_stage=2"])],
+                         ids=["ttt-pipelined", "ttt-zero2", "attn_rglru-zero2"])
+def test_cp2_variants_match_single_process(runs, tmp_path, name, extra):
     """parallel.cp_pipeline_chunks=2 (the TTT layer's state passing pipelined over the micro-batch's
     2 rows, one group each), and ZeRO-2 (gradients reduced in buckets as the backward accumulates
     them: the gated parameters make that order the same on both ranks): the TTT model trains as the
     1-process ZeRO-1 run does (same tolerances)."""
     piped = str(tmp_path / "piped")
-    run(piped, [*COMMON, *MODELS["ttt"], *CP2, *extra], nprocs=2)
-    a, b = losses_by_step(piped), losses_by_step(runs["ttt/ref"])
+    run(piped, [*COMMON, *MODELS[name], *CP2, *extra], nprocs=2)
+    a, b = losses_by_step(piped), losses_by_step(runs[name + "/ref"])
     assert sorted(a) == sorted(b) == list(range(1, 2 * N + 1))
     for s in b:
         assert abs(a[s] - b[s]) <= LOSS_ATOL, (s, a[s], b[s])
-    ga, gb = _by_step(piped, "grad_norm"), _by_step(runs["ttt/ref"], "grad_norm")
+    ga, gb = _by_step(piped, "grad_norm"), _by_step(runs[name + "/ref"], "grad_norm")
     for s in gb:
         assert abs(ga[s] - gb[s]) <= NORM_RTOL * gb[s], (s, ga[s], gb[s])
 
