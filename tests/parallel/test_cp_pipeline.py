@@ -9,7 +9,8 @@ multiples of M, so the groups are uneven.
 
 The overlap check runs a module that sleeps a fixed time per call and records when each call
 started and ended: with M groups, rank 1 starts its first group before rank 0 ends its last, and
-the whole forward spans about (M + c − 1) calls, not c·M.
+the whole forward spans about (M + c − 1) calls, not c·M; in the backward pass rank c − 2 starts
+before rank c − 1 ends.
 """
 from __future__ import annotations
 
@@ -106,37 +107,62 @@ def check_lm(rank, world, T, B, chunks):
     return max([err] + [_maxdiff(p.grad, ref[n]) for n, p in model.named_parameters()])
 
 
+class _SleepBack(torch.autograd.Function):
+    """(y, h) unchanged; the backward (of both at once, as a layer's is) sleeps and logs."""
+
+    @staticmethod
+    def forward(ctx, owner, y, h):
+        ctx.owner = owner
+        return y.clone(), h.clone()
+
+    @staticmethod
+    def backward(ctx, gy, gh):
+        t0 = time.time()
+        time.sleep(ctx.owner.dt)
+        ctx.owner.back_log.append((t0, time.time()))
+        return None, gy, gh
+
+
 class _Sleepy(torch.nn.Module):
     """A prefix sum: y_t = x_t + h_in + Σ_{τ<t} x_τ, h_out = h_in + Σ_t x_t; each call sleeps
-    ``dt`` and logs (start, end)."""
+    ``dt`` (forward and backward) and logs (start, end)."""
 
     def __init__(self, dt):
         super().__init__()
-        self.dt, self.log = dt, []
+        self.dt, self.log, self.back_log = dt, [], []
 
     def forward(self, x, state=None, output_state=False):
         t0 = time.time()
         time.sleep(self.dt)
         h = x.new_zeros(x.shape[0], x.shape[2]) if state is None else state["h"]
         self.log.append((t0, time.time()))
-        return x + h[:, None] + x.cumsum(1) - x, {"h": h + x.sum(1)}
+        y, h = _SleepBack.apply(self, x + h[:, None] + x.cumsum(1) - x, h + x.sum(1))
+        return y, {"h": h}
 
 
 def check_overlap(rank, world, chunks=4, dt=0.15):
     """Returns 0.0 when the ranks overlapped as the pipeline promises, else a message."""
     m = _Sleepy(dt)
-    x = torch.ones(chunks, 2, 3, dtype=torch.float64)
+    x = torch.ones(chunks, 2, 3, dtype=torch.float64, requires_grad=True)
+    w = torch.arange(chunks * 2 * world * 3, dtype=torch.float64).reshape(chunks, 2 * world, 3)
     dist.barrier()
     y, _ = cp.pass_state_forward(m, x, tag=9, chunks=chunks)
+    (y * w[:, 2 * rank:2 * rank + 2]).sum().backward()
     cp.wait_pending()
     logs = [None] * world
-    dist.all_gather_object(logs, m.log)
-    ref, _ = _Sleepy(0.0)(torch.ones(chunks, 2 * world, 3, dtype=torch.float64))   # one process
-    if not torch.equal(y, ref[:, 2 * rank:2 * rank + 2]):
-        return f"wrong outputs on rank {rank}: {y.flatten().tolist()}"
-    if not logs[1][0][0] < logs[0][-1][1]:
-        return f"rank 1 started its first group after rank 0 ended its last: {logs}"
-    span = logs[-1][-1][1] - logs[0][0][0]
+    dist.all_gather_object(logs, (m.log, m.back_log))
+    xf = torch.ones(chunks, 2 * world, 3, dtype=torch.float64, requires_grad=True)
+    ref, _ = _Sleepy(0.0)(xf)   # one process
+    (ref * w).sum().backward()
+    if not torch.equal(y, ref[:, 2 * rank:2 * rank + 2]) or not torch.equal(x.grad, xf.grad[:, 2 * rank:2 * rank + 2]):
+        return f"wrong outputs or gradients on rank {rank}: {y.flatten().tolist()}, {x.grad.flatten().tolist()}"
+    fwd, bwd = [f for f, _ in logs], [b for _, b in logs]
+    if not fwd[1][0][0] < fwd[0][-1][1]:
+        return f"rank 1 started its first group after rank 0 ended its last: {fwd}"
+    # backward: the last rank goes first; the one before it starts while it is still busy
+    if not bwd[-2][0][0] < bwd[-1][-1][1]:
+        return f"backward: rank {world - 2} started after rank {world - 1} ended: {bwd}"
+    span = fwd[-1][-1][1] - fwd[0][0][0]
     piped, serial = (chunks + world - 1) * dt, chunks * world * dt
     if span > (piped + serial) / 2:
         return f"forward spanned {span:.2f} s: pipelined {piped:.2f} s expected, serial would be {serial:.2f} s"
@@ -246,7 +272,8 @@ def test_pipelined_hybrid_lm(results):
 @pytest.mark.dist
 def test_pipeline_overlaps(results):
     """The ranks run at the same time: rank 1 starts before rank 0 ends, and the forward spans
-    about (M + c − 1) calls rather than c·M."""
+    about (M + c − 1) calls rather than c·M; backward, rank c − 2 starts before rank c − 1 ends
+    (outputs and input gradients of the stand-in layer checked too)."""
     _assert_check(results, "overlap")
 
 
