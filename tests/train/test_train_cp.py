@@ -109,6 +109,27 @@ def test_export_of_a_cp_checkpoint_is_the_plain_lm(runs, tmp_path):
         assert (sds["ttt/cp2"][name] - v).abs().max() <= 1e-4, name
 
 
+@pytest.mark.dist
+@pytest.mark.parametrize("name,extra", [("ttt", ["parallel.cp_pipeline_chunks=2"]),
+                                        ("ttt", ["parallel.zero_stage=2"]),
+                                        ("attn_rglru", ["parallel.zero_stage=2"])],
+                         ids=["ttt-pipelined", "ttt-zero2", "attn_rglru-zero2"])
+def test_cp2_variants_match_single_process(runs, tmp_path, name, extra):
+    """parallel.cp_pipeline_chunks=2 (the TTT layer's state passing pipelined over the micro-batch's
+    2 rows, one group each), and ZeRO-2 (gradients reduced in buckets as the backward accumulates
+    them: the gated parameters make that order the same on both ranks): the TTT model trains as the
+    1-process ZeRO-1 run does (same tolerances)."""
+    piped = str(tmp_path / "piped")
+    run(piped, [*COMMON, *MODELS[name], *CP2, *extra], nprocs=2)
+    a, b = losses_by_step(piped), losses_by_step(runs[name + "/ref"])
+    assert sorted(a) == sorted(b) == list(range(1, 2 * N + 1))
+    for s in b:
+        assert abs(a[s] - b[s]) <= LOSS_ATOL, (s, a[s], b[s])
+    ga, gb = _by_step(piped, "grad_norm"), _by_step(runs[name + "/ref"], "grad_norm")
+    for s in gb:
+        assert abs(ga[s] - gb[s]) <= NORM_RTOL * gb[s], (s, ga[s], gb[s])
+
+
 # ---- configuration checks (in-process) ---------------------------------------------------------
 
 def _cfg(**parallel):
@@ -136,9 +157,9 @@ def test_cp_refusals():
     cfg.model.layer_pattern = ["attention"]
     with pytest.raises(ParallelConfigError, match="not combined with tensor parallelism"):
         check_parallel(cfg, world_size=4)
-    for stage in (2, 3):
-        with pytest.raises(ParallelConfigError, match=f"needs parallel.zero_stage=1, got {stage}"):
-            check_parallel(_cfg(context_parallel=2, zero_stage=stage), world_size=2)
+    with pytest.raises(ParallelConfigError, match="needs parallel.zero_stage 1 or 2, got 3"):
+        check_parallel(_cfg(context_parallel=2, zero_stage=3), world_size=2)
+    check_parallel(_cfg(context_parallel=2, zero_stage=2), world_size=2)
     cfg = _cfg(context_parallel=4)
     cfg.data.seq_len = 3
     with pytest.raises(ParallelConfigError, match="data.seq_len=3 must be at least that"):
@@ -153,12 +174,19 @@ def test_cp_refusals():
         check_parallel(cfg, world_size=2)
 
 
-def test_cp_refuses_a_deepspeed_file_with_zero2_or_overlapped_reduction(tmp_path):
-    for zo in ({"stage": 2}, {"stage": 1, "overlap_comm": True}):
+def test_cp_pipeline_chunks_checked():
+    check_parallel(_cfg(context_parallel=2, cp_pipeline_chunks=4), world_size=2)   # micro_batch_size 8
+    for bad, cp in ((0, 2), (9, 2), (2, 1)):
+        with pytest.raises(ParallelConfigError, match=f"parallel.cp_pipeline_chunks={bad}: must be >= 1"):
+            check_parallel(_cfg(context_parallel=cp, cp_pipeline_chunks=bad), world_size=2)
+
+
+def test_cp_refuses_a_deepspeed_file_with_zero3_or_overlapped_reduction(tmp_path):
+    for zo in ({"stage": 3}, {"stage": 2, "overlap_comm": True}):
         path = tmp_path / "ds.json"
         path.write_text(json.dumps({"zero_optimization": zo}))
         cfg = _cfg(context_parallel=2, deepspeed_config=str(path))
-        with pytest.raises(ParallelConfigError, match="needs zero_optimization stage 1 without overlap_comm"):
+        with pytest.raises(ParallelConfigError, match="needs zero_optimization stage 1 or 2 without overlap_comm"):
             deepspeed_config(cfg, dp_world=2)
         cfg.parallel.context_parallel = 1
         deepspeed_config(cfg, dp_world=2)

@@ -20,8 +20,16 @@ Three schemes, each exact (outputs and gradients equal one pass over the whole s
 * **Nonlinear recurrences by state passing** (TTT with its inner LayerNorm, TTT-MLP, the
   Titans MLP memory, and any module with the ``(x, state, output_state)`` interface): rank r receives
   the final state of rank r − 1, runs its slice from it and sends its own final state to
-  r + 1; in the backward pass the state's gradient travels from r + 1 back to r. The ranks run
-  one after another for such a layer (no micro-batch pipelining here).
+  r + 1; in the backward pass the state's gradient travels from r + 1 back to r. Pipelined over
+  M groups of batch rows (``chunks``): rank r runs group i as soon as rank r − 1's state for
+  group i has arrived, its sends being asynchronous, so rank r works on group i while rank r + 1
+  works on group i − 1. With c ranks and a time t per rank for the whole local batch, a layer's
+  forward takes (M + c − 1)·t/M instead of c·t: the idle share (bubble) of each rank is
+  (c − 1)/(M + c − 1) (M = 1: the ranks run one after another). The backward pass runs the
+  groups in reverse (autograd takes the group made last first), gradients of the states going
+  from r + 1 to r, with the same bubble. Consecutive state-passing layers pipeline across layers
+  as well (rank 0 goes on to its next layer without waiting): a run of k of them between two
+  layers with collectives idles (c − 1)/(k·M + c − 1).
 
 * **Key-value exchange** (attention) all-gathers the keys and values (after RoPE at their global
   positions); rank r attends from its queries (RoPE at start_r + t) to the keys of ranks < r and
@@ -255,13 +263,8 @@ def _recv_spec(src: int, group, tag: int):
     return pickle.loads(data.numpy().tobytes())
 
 
-def pass_state_forward(module, x_local: torch.Tensor, group=None, tag: int = 0):
-    """Run ``module(x, state, output_state=True)`` (a Mixer or a Block) over a sequence split
-    across the CP group: rank r starts from the final state of rank r − 1 (rank 0 from
-    ``state=None``) and hands its final state to rank r + 1; gradients of the state go back
-    from r + 1 to r. Returns (y_local, the final state after this rank's slice). ``tag``
-    tells apart the messages of different layers. Sends are asynchronous: call
-    ``wait_pending()`` (or ``allreduce_gradients``) after the backward pass."""
+def _pass_state_one(module, x_local: torch.Tensor, group, tag: int):
+    """One group of rows: receive from r − 1, run, send to r + 1 (see ``pass_state_forward``)."""
     rank, world = _rank_world(group)
     state = None
     if rank > 0:
@@ -275,6 +278,47 @@ def pass_state_forward(module, x_local: torch.Tensor, group=None, tag: int = 0):
         _send_spec(spec, rank + 1, group, tag)
         y = _SendState.apply(y, rank + 1, group, tag, *tensors)
     return y, final
+
+
+def _cat_states(states: Sequence[Any]):
+    """The states of consecutive row groups as one state: tensors (batch-first, as every mixer's
+    state is) concatenated along the rows; anything else (positions) must agree."""
+    first = states[0]
+    if torch.is_tensor(first):
+        return torch.cat(list(states), 0)
+    if isinstance(first, dict):
+        return {k: _cat_states([s[k] for s in states]) for k in first}
+    if isinstance(first, (list, tuple)):
+        return type(first)(_cat_states([s[i] for s in states]) for i in range(len(first)))
+    if any(s != first for s in states):
+        raise ValueError(f"context parallel: the row groups' states disagree on a non-tensor entry: {list(states)}")
+    return first
+
+
+def pass_state_forward(module, x_local: torch.Tensor, group=None, tag: int = 0, chunks: int = 1):
+    """Run ``module(x, state, output_state=True)`` (a Mixer or a Block) over a sequence split
+    across the CP group: rank r starts from the final state of rank r − 1 (rank 0 from
+    ``state=None``) and hands its final state to rank r + 1; gradients of the state go back
+    from r + 1 to r. Returns (y_local, the final state after this rank's slice). ``tag``
+    tells apart the messages of different layers (group i of layer ``tag`` uses the message
+    tag ``tag · chunks + i``). ``chunks`` = M splits the batch rows into M groups that are
+    pipelined across the ranks (module docstring: bubble (c − 1)/(M + c − 1)); every rank of the
+    group must pass the same M, and M ≤ the number of rows. Sends are asynchronous: call
+    ``wait_pending()`` (or ``allreduce_gradients``) after the backward pass."""
+    B = x_local.shape[0]
+    if not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"context parallel: pipeline chunks must be an integer >= 1, got {chunks!r}")
+    if chunks > B:
+        raise ValueError(f"context parallel: {chunks} pipeline chunks need at least {chunks} batch rows per "
+                         f"micro-batch, got {B}")
+    if chunks == 1:
+        return _pass_state_one(module, x_local, group, tag)
+    ys, finals = [], []
+    for i, xs in enumerate(torch.tensor_split(x_local, chunks, 0)):
+        y, final = _pass_state_one(module, xs, group, tag * chunks + i)
+        ys.append(y)
+        finals.append(final)
+    return torch.cat(ys, 0), _cat_states(finals)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -421,8 +465,9 @@ def _parallel_form(mixer):
 
 
 def cp_mixer(mixer, x_local, lengths, group=None, tag: int = 0,
-             position_ids_local: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """One mixer over a split sequence: its parallel form when it has one, else state passing.
+             position_ids_local: Optional[torch.Tensor] = None, chunks: int = 1) -> torch.Tensor:
+    """One mixer over a split sequence: its parallel form when it has one, else state passing
+    (pipelined over ``chunks`` groups of rows, see ``pass_state_forward``).
     ``position_ids_local`` reach the mixers that read segment positions (``takes_segment_pos``)."""
     form = _parallel_form(mixer)
     kw = {"segment_pos": position_ids_local} if position_ids_local is not None and mixer.takes_segment_pos else {}
@@ -430,7 +475,7 @@ def cp_mixer(mixer, x_local, lengths, group=None, tag: int = 0,
         return form(mixer, x_local, lengths, group, **kw)
     if kw:
         raise ValueError(f"context parallel: {type(mixer).__name__} reads segment positions but has no parallel form")
-    return pass_state_forward(mixer, x_local, group, tag)[0]
+    return pass_state_forward(mixer, x_local, group, tag, chunks)[0]
 
 
 def block_scheme(block) -> str:
@@ -444,7 +489,7 @@ def block_scheme(block) -> str:
 
 
 def context_parallel_forward(model, input_ids_local: torch.Tensor, labels_local: Optional[torch.Tensor],
-                             group=None, position_ids_local: Optional[torch.Tensor] = None):
+                             group=None, position_ids_local: Optional[torch.Tensor] = None, chunks: int = 1):
     """``model`` (an ``LM``) over a sequence split across ``group``: input_ids_local,
     labels_local [B, T_r] are this rank's contiguous slice (labels aligned as for ``LM.forward``,
     −100 ignored; every T_r ≥ 1). Returns (loss_local, logits_local): loss_local is this rank's
@@ -453,7 +498,8 @@ def context_parallel_forward(model, input_ids_local: torch.Tensor, labels_local:
     declares a "summary" or "kv_exchange" ``cp_form`` run in parallel; the others (state
     passing, and blocks with a pre-conv) pass their block state from rank to rank. Activation checkpointing is not applied here.
     ``position_ids_local`` [B, T_r] (this slice of the loader's positions) reach the RG-LRU as its
-    segment positions, as in ``LM.forward``."""
+    segment positions, as in ``LM.forward``. ``chunks``: the state-passing blocks are pipelined
+    over that many groups of batch rows (``pass_state_forward``; 1: ranks one after another)."""
     rank, world = _rank_world(group)
     lengths = gather_lengths(input_ids_local.shape[1], group)
     if min(lengths) < 1:
@@ -461,7 +507,7 @@ def context_parallel_forward(model, input_ids_local: torch.Tensor, labels_local:
     x = model.embed(input_ids_local)
     for i, block in enumerate(model.layers):
         if block_scheme(block) == "state":
-            x, _ = pass_state_forward(block, x, group, tag=i)
+            x, _ = pass_state_forward(block, x, group, tag=i, chunks=chunks)
         else:
             x = x + cp_mixer(block.mixer, block.mixer_norm(x), lengths, group, tag=i,
                              position_ids_local=position_ids_local)

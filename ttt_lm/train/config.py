@@ -48,6 +48,10 @@ class ParallelConfig:
     tensor_parallel: int = 1
     sequence_parallel: bool = False
     context_parallel: int = 1
+    # groups of batch rows the state-passing blocks are pipelined over with context_parallel = c > 1:
+    # rank r runs group i while rank r + 1 runs group i − 1; idle share (c − 1)/(M + c − 1); at most
+    # train.micro_batch_size
+    cp_pipeline_chunks: int = 1
     deepspeed_config: Optional[str] = None  # a DeepSpeed JSON to start from instead of the generated one
 
 

@@ -14,10 +14,15 @@ c ∇L; DeepSpeed averages gradients over its data-parallel group, which is dp �
 (``groups.mpu()``), giving (1/dp) Σ_d ∇L_d: the gradient of the global batch's mean loss, as with
 c = 1.
 
-ZeRO-1 only (``check_parallel``): ZeRO-2 packs gradients into its reduction buckets in the order
-each rank's backward produces them, which differs across CP ranks (their graphs differ by the
-state sends and receives), and ZeRO-3's parameter all-gathers over the CP ranks would deadlock
-against the rank-to-rank state passing.
+Gradient order (ZeRO-2). ZeRO-2 packs gradients into its reduction buckets in the order each rank's
+backward accumulates them, and the CP ranks' graphs differ (the state sends and receives, the
+parameters that reach a slice only through the passed state), so left alone the ranks would reduce
+different buckets against each other. The forward therefore runs the model on gated copies of its
+parameters: a chain of identity autograd Functions, one per parameter, each of whose backward waits
+for the next one's, so every parameter's gradient is accumulated at the end of the backward pass,
+in reverse parameter order, on every rank alike (and unused parameters get an exact zero).
+ZeRO-3 is refused (``check_parallel``): its parameters are gathered by module hooks during the
+forward and backward, which the gated copies bypass.
 """
 from __future__ import annotations
 
@@ -31,10 +36,35 @@ from ttt_lm.model.lm import LM, LMOutput
 from ttt_lm.parallel.context_parallel import context_parallel_forward, split_lengths
 
 
+class _Gate(torch.autograd.Function):
+    """(token, p) → (token', p) unchanged; backward returns p's gradient (zero where none) only once
+    token' has its gradient, which comes from the next gate's backward: a chain that accumulates
+    the parameters' gradients one after another in a fixed order."""
+
+    @staticmethod
+    def forward(ctx, token, p):
+        return token.view_as(token), p.view_as(p)
+
+    @staticmethod
+    def backward(ctx, g_token, g_p):
+        return g_token, g_p
+
+
+def _gated(params):
+    """The gated copies of ``params`` (a list of (name, parameter)) and the chain's last token."""
+    token = torch.zeros((), dtype=torch.float32, device=params[0][1].device, requires_grad=True)
+    out = {}
+    for name, p in params:
+        token, out[name] = _Gate.apply(token, p)
+    return out, token
+
+
 class ContextParallelLM(LM):
-    def __init__(self, cfg: ModelConfig, cp_group):
+    def __init__(self, cfg: ModelConfig, cp_group, pipeline_chunks: int = 1):
         super().__init__(cfg)
         self.cp_group = cp_group
+        self.pipeline_chunks = pipeline_chunks   # row groups of the state-passing pipeline
+        self._gated_call = False                 # inside the forward on gated parameters
         self.cp_rank, self.cp_size = dist.get_rank(cp_group), dist.get_world_size(cp_group)
 
     def local_slice(self, t: torch.Tensor) -> torch.Tensor:
@@ -50,16 +80,22 @@ class ContextParallelLM(LM):
         and its loss share (see the module docstring)."""
         if states is not None or output_states:
             raise ValueError("the context-parallel LM runs whole rows from the start: no states")
+        params = [(n, p) for n, p in self.named_parameters() if p.requires_grad]
+        if not self._gated_call and labels is not None and torch.is_grad_enabled() and params:
+            # every parameter's gradient accumulated last, in one order on every rank (module docstring)
+            gated, token = _gated(params)
+            self._gated_call = True
+            try:
+                out = torch.func.functional_call(self, gated, (input_ids,),
+                                                 {"labels": labels, "position_ids": position_ids}, tie_weights=True)
+            finally:
+                self._gated_call = False
+            return LMOutput(logits=out.logits, loss=out.loss + token.to(out.loss.dtype) * 0.0)
         loss, logits = context_parallel_forward(
             self, self.local_slice(input_ids), None if labels is None else self.local_slice(labels), self.cp_group,
-            None if position_ids is None else self.local_slice(position_ids))
+            None if position_ids is None else self.local_slice(position_ids), self.pipeline_chunks)
         if loss is not None:
             loss = loss.reshape(())  # the library's loss has shape [1]; LM's is a scalar
-        if loss is not None and torch.is_grad_enabled():
-            # Parameters that this rank's slice does not reach (TTT's initial inner weights W_0,
-            # b_0 reach later ranks only through the passed state) get an exact zero gradient,
-            # so every rank hands every parameter to ZeRO's gradient reduction.
-            loss = loss + sum(p.sum() for p in self.parameters() if p.requires_grad) * 0.0
         return LMOutput(logits=logits, loss=loss)
 
 

@@ -8,7 +8,7 @@ the batch size counts the data-parallel ranks (world / p) and DeepSpeed gets the
 ``ttt_lm.parallel.groups``, so ZeRO reduces and shards over the data-parallel group only.
 Context parallelism (``parallel.context_parallel`` = c > 1, not with TP): each row's tokens split
 across c ranks (``ttt_lm.train.context``); the loaders are split over world / c data-parallel
-ranks and DeepSpeed's gradient-averaging group (the mpu's) is all world ranks, dp × c; ZeRO-1 only.
+ranks and DeepSpeed's gradient-averaging group (the mpu's) is all world ranks, dp × c; ZeRO-1 or 2.
 """
 from __future__ import annotations
 
@@ -37,6 +37,12 @@ def check_parallel(cfg, world_size: Optional[int] = None) -> None:
     cp = p.context_parallel
     if cp < 1:
         raise ParallelConfigError(f"parallel.context_parallel must be >= 1, got {cp}")
+    M = p.cp_pipeline_chunks
+    if M < 1 or (M > 1 and cp == 1) or M > cfg.train.micro_batch_size:
+        raise ParallelConfigError(
+            f"parallel.cp_pipeline_chunks={M}: must be >= 1, at most train.micro_batch_size="
+            f"{cfg.train.micro_batch_size} (it splits each micro-batch's rows into that many groups), and 1 "
+            f"unless parallel.context_parallel > 1 (got {cp})")
     if cp > 1:
         if tp > 1:
             raise ParallelConfigError(
@@ -45,13 +51,12 @@ def check_parallel(cfg, world_size: Optional[int] = None) -> None:
         if world_size is not None and world_size % cp:
             raise ParallelConfigError(
                 f"parallel.context_parallel={cp} does not divide the world size {world_size}")
-        if p.zero_stage != 1:
+        if p.zero_stage == 3:
             raise ParallelConfigError(
-                f"parallel.context_parallel={cp} needs parallel.zero_stage=1, got {p.zero_stage}: ZeRO-2 reduces "
-                "gradients into buckets in the order each rank's backward produces them, which differs between "
-                "the ranks of a context-parallel group (their graphs differ by the state sends and receives), and "
-                "ZeRO-3's parameter all-gathers over the context-parallel ranks deadlock against the rank-to-rank "
-                "state passing")
+                f"parallel.context_parallel={cp} needs parallel.zero_stage 1 or 2, got 3: ZeRO-3 gathers each "
+                "module's parameters by hooks around its forward and backward, while the context-parallel LM "
+                "runs on gated copies of the parameters (so that every rank accumulates gradients in one order) "
+                "and its state-passing layers run at different times on different ranks")
         if cfg.data.seq_len < cp:
             raise ParallelConfigError(
                 f"parallel.context_parallel={cp} splits each row across {cp} ranks: data.seq_len={cfg.data.seq_len} "
@@ -143,11 +148,11 @@ def deepspeed_config(cfg, dp_world: int) -> Dict[str, Any]:
                     f"{p.deepspeed_config}: {k}={ds[k]} contradicts the experiment config ({ours[k]}); "
                     "set it to \"auto\" or remove it, and use train.micro_batch_size / train.grad_accum")
         zo = ds.get("zero_optimization", {})
-        if p.context_parallel > 1 and (zo.get("stage", 0) != 1 or zo.get("overlap_comm", False)):
+        if p.context_parallel > 1 and (zo.get("stage", 0) not in (1, 2) or zo.get("overlap_comm", False)):
             raise ParallelConfigError(
                 f"{p.deepspeed_config}: parallel.context_parallel={p.context_parallel} needs zero_optimization "
-                f"stage 1 without overlap_comm (got {zo}): gradients must be reduced in parameter order, not in the "
-                "order each rank's backward produces them")
+                f"stage 1 or 2 without overlap_comm (got {zo}): ZeRO-3's parameter gathering does not fit the "
+                "context-parallel forward, and overlapped reduction is not tested with it")
         ds.update(ours)
         ds.setdefault("zero_allow_untested_optimizer", True)
         return ds

@@ -383,7 +383,7 @@ def _train(cfg, data_api, preempt, held) -> int:
     if cp > 1:
         from ttt_lm.parallel.context_parallel import wait_pending
         from ttt_lm.train.context import ContextParallelLM
-        model = ContextParallelLM(cfg.model, groups.cp_group)
+        model = ContextParallelLM(cfg.model, groups.cp_group, cfg.parallel.cp_pipeline_chunks)
     else:
         model = LM(cfg.model)
     model.activation_checkpointing = t.activation_checkpointing
