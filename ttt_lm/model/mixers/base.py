@@ -79,7 +79,17 @@ class TPPlan:
     * ``shared``: nn.Identity hooks the mixer passes a value through that every head uses (a
       replicated parameter): tensor parallelism swaps them for f (identity forward, the gradient
       summed across ranks, since each rank's gradient covers its heads only).
-    * ``head_counts``: integer attributes divided by p (number of heads, widths)."""
+    * ``head_counts``: integer attributes divided by p (number of heads, widths).
+    * ``row_to_heads``: nn.Linear layers split by input features (reading column-split
+      activations) whose summed output every rank's heads read (Mamba's x_proj: dt, B, C for all
+      channels): all-reduced in forward and backward, kept inside the TP region.
+    * ``shared_modules``: modules (e.g. an RMSNorm over one head's features) whose parameters
+      every head uses: replicated, their gradients summed across ranks.
+    * ``fused``: (name, n) pairs for entries of ``column``, ``channel_convs`` or ``head_params``
+      whose split dimension concatenates n equal parts (a fused [q | k | v] conv, Mamba's
+      [x | z] in_proj), each split by heads (Megatron's partition_stride).
+
+    A name may be a dotted path to a submodule's attribute (``conv1d.conv``, ``gate_a.weight``)."""
     column: Tuple[str, ...] = ()
     row: Tuple[str, ...] = ()
     channel_convs: Tuple[str, ...] = ()
@@ -87,6 +97,9 @@ class TPPlan:
     group_norms: Tuple[str, ...] = ()
     shared: Tuple[str, ...] = ()
     head_counts: Tuple[str, ...] = ()
+    row_to_heads: Tuple[str, ...] = ()
+    shared_modules: Tuple[str, ...] = ()
+    fused: Tuple[Tuple[str, int], ...] = ()
 
 
 class Mixer(nn.Module, metaclass=abc.ABCMeta):
