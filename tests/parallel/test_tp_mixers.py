@@ -37,7 +37,7 @@ def close(a, b, msg=""):
     torch.testing.assert_close(a, b, **TOL, msg=lambda m: f"{msg}: {m}")
 
 
-def _cfg(pattern, d_ff=0):
+def _cfg(pattern, d_ff=0, titans_memory="linear"):
     from ttt_lm.model.config import AttentionConfig, ModelConfig
     cfg = ModelConfig(vocab_size=32, d_model=16, n_layers=len(pattern), n_heads=4, layer_pattern=list(pattern),
                       d_ff=d_ff, tie_embeddings=True, max_seq_len=64,
@@ -49,6 +49,8 @@ def _cfg(pattern, d_ff=0):
     cfg.mamba.chunk_size = 4
     cfg.mamba.d_state = 4
     cfg.titans.chunk_size = 4
+    cfg.titans.memory = titans_memory
+    cfg.titans.window = 3
     return cfg
 
 
@@ -143,9 +145,10 @@ def check_refusals():
 
 def _checks():
     out = [("fused_shards", check_fused_shards), ("refusals", check_refusals)]
-    for kind in ("deltanet", "rglru", "mamba"):
+    for kind in ("deltanet", "rglru", "mamba", "titans", "titans_mag"):
         for sp in (False, True):
             out.append((f"{kind}{'_sp' if sp else ''}", lambda k=kind, s=sp: _lm_vs_single(_cfg([k], d_ff=24), s)))
+    out.append(("titans_mlp_memory_sp", lambda: _lm_vs_single(_cfg(["titans"], titans_memory="mlp"), True)))
     return out
 
 

@@ -118,10 +118,12 @@ class SharedAcrossHeads(nn.Module):
 class SharedParamsModule(nn.Module):
     """A module whose parameters every head uses (``TPPlan.shared_modules``): it runs as before,
     its parameters replicated and passed through f (gradient summed over the group). The
-    parameters keep their names (``o_norm.weight``)."""
+    parameters keep their names (``o_norm.weight``). ``only_sequence_parallel``
+    (``TPPlan.sequence_region``): f only when sequence parallelism splits the tokens it sees."""
 
-    def __init__(self, inner: nn.Module, ctx: TPContext):
+    def __init__(self, inner: nn.Module, ctx: TPContext, only_sequence_parallel: bool = False):
         super().__init__()
+        self.only_sequence_parallel = only_sequence_parallel
         if any(True for _ in inner.children()):
             raise TypeError(f"TPPlan.shared_modules: {type(inner).__name__} has submodules; name a module "
                             "that holds its parameters directly")
@@ -132,6 +134,8 @@ class SharedParamsModule(nn.Module):
 
     def forward(self, *args, **kw):
         g = self.ctx.group
+        if self.only_sequence_parallel and not self.ctx.sequence_parallel:
+            return self.inner(*args, **kw)  # replicated activations: every rank's gradient is the full one
         params = {n: copy_to_tensor_parallel_region(prm, g) for n, prm in self.named_parameters(recurse=False)}
         return torch.func.functional_call(self.inner, params, args, kw)
 
@@ -203,12 +207,14 @@ def _parallelize_mixer(mx: Mixer, plan: TPPlan, ctx: TPContext) -> None:
         _set(mx, name, SharedAcrossHeads(ctx))
     for name in plan.shared_modules:
         _set(mx, name, SharedParamsModule(_get(mx, name), ctx))
+    for name in plan.sequence_region:
+        _set(mx, name, SharedParamsModule(_get(mx, name), ctx, only_sequence_parallel=True))
     for name in plan.head_counts:
         _set(mx, name, _get(mx, name) // p)
 
 
 _PLAN_FIELDS = ("column", "row", "channel_convs", "head_params", "group_norms", "shared", "head_counts",
-                "row_to_heads", "shared_modules")
+                "row_to_heads", "shared_modules", "sequence_region")
 
 
 def _check_plan(i: int, mx: Mixer, plan: TPPlan, p: int) -> None:

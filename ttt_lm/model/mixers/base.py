@@ -47,7 +47,7 @@ its three forms then accept ``segment_pos`` ([B, T] integers) and the block pass
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Dict, Optional, Tuple
 
 import torch
@@ -89,7 +89,13 @@ class TPPlan:
       whose split dimension concatenates n equal parts (a fused [q | k | v] conv, Mamba's
       [x | z] in_proj), each split by heads (Megatron's partition_stride).
 
-    A name may be a dotted path to a submodule's attribute (``conv1d.conv``, ``gate_a.weight``)."""
+    * ``sequence_region``: replicated modules that run after the mixer's row-parallel outputs
+      are summed (a combination of two branches, as Titans MAG's gate and W_O): every rank holds
+      the same activations, or with sequence parallelism its T/p tokens, when their gradients
+      are summed across ranks; the mixer's output is then already in the block's region.
+
+    A name may be a dotted path to a submodule's attribute (``conv1d.conv``, ``gate_a.weight``);
+    ``prefixed`` and ``merged`` build the plan of a mixer made of sub-mixers from theirs."""
     column: Tuple[str, ...] = ()
     row: Tuple[str, ...] = ()
     channel_convs: Tuple[str, ...] = ()
@@ -100,6 +106,16 @@ class TPPlan:
     row_to_heads: Tuple[str, ...] = ()
     shared_modules: Tuple[str, ...] = ()
     fused: Tuple[Tuple[str, int], ...] = ()
+    sequence_region: Tuple[str, ...] = ()
+
+    def prefixed(self, prefix: str) -> "TPPlan":
+        """This plan for a sub-mixer held under attribute ``prefix``."""
+        kw = {f.name: tuple(f"{prefix}.{n}" for n in getattr(self, f.name)) for f in fields(self) if f.name != "fused"}
+        return TPPlan(fused=tuple((f"{prefix}.{n}", k) for n, k in self.fused), **kw)
+
+    def merged(self, *others: "TPPlan") -> "TPPlan":
+        """One plan holding the entries of this plan and ``others``."""
+        return TPPlan(**{f.name: sum((getattr(q, f.name) for q in others), getattr(self, f.name)) for f in fields(self)})
 
 
 class Mixer(nn.Module, metaclass=abc.ABCMeta):
