@@ -352,10 +352,10 @@ class RowParallelLinear(nn.Module):
     products are summed by g (or reduce-scattered over the sequence by ḡ). With
     ``input_is_parallel=False`` the full input is split first.
 
-    ``output_to_heads``: the sum stays inside the TP region, where every rank's heads read it
-    (Mamba's x_proj, whose dt/B/C every channel uses): it is summed by ``all_reduce_sum`` (the
-    gradient is all-reduced too, since each rank's gradient covers its own heads only) and never
-    scattered over the sequence."""
+    ``output_to_heads``: the sum stays inside the TP region, where every rank's heads read it (a
+    selective SSM's x_proj, whose dt/B/C every channel uses): it is summed by ``all_reduce_sum``
+    (the gradient is all-reduced too, since each rank's gradient covers its own heads only) and
+    never scattered over the sequence."""
 
     def __init__(self, in_features: int, out_features: int, ctx: TPContext, bias: bool = False,
                  input_is_parallel: bool = True, output_to_heads: bool = False, device=None, dtype=None):

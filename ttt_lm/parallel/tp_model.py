@@ -26,9 +26,16 @@ Per block (p = tensor-parallel size, r = this rank):
 Every sharded weight is a slice of the single-rank weight (``partition_dim`` on the parameter
 says which dimension), so ``gather_full_state_dict`` rebuilds the single-rank state dict.
 
-TP-ready layer kinds: those whose mixer declares a plan (``TP_READY_KINDS``: attention,
-local_attention, ttt_linear, ttt_mlp). The other kinds (titans*, deltanet, rglru, mamba) declare
-none, and a model with one is refused before any change.
+  Beyond that vocabulary: row-parallel layers whose summed output every rank's heads read
+  (``row_to_heads``: all-reduced in forward and backward, e.g. an SSM's x_proj producing dt/B/C
+  for all channels), modules with parameters shared by every head (``shared_modules``: their
+  gradients summed), weights whose split dimension fuses several parts (``fused``: each part split
+  by heads, Megatron's partition_stride; ``partition_dims`` records them as [dim, stride]), and
+  replicated modules after a composite mixer's branch sums (``sequence_region``: gradients summed
+  only with sequence parallelism, where each rank sees T/p tokens). Plan names may be dotted paths.
+
+TP-ready layer kinds: those whose mixer declares a plan (``TP_READY_KINDS``: every built-in kind
+but titans_mal and titans_mac, which declare none; a model with one is refused before any change).
 """
 from __future__ import annotations
 
