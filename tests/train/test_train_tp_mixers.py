@@ -117,3 +117,20 @@ def test_hybrid_export_consolidates_tp_slices(ref, zero1, tmp_path):
     assert sds["tp2"].keys() == sds["ref"].keys()
     for name, v in sds["ref"].items():
         torch.testing.assert_close(sds["tp2"][name], v, rtol=0, atol=atol, msg=lambda m: f"{name}: {m}")
+
+
+def test_split_counts_refused_before_any_work():
+    """A kind's own split count that tensor_parallel does not divide (here RG-LRU's gate blocks)
+    stops the run in the config check, naming it and the layer."""
+    from ttt_lm.config import ExperimentConfig
+    from ttt_lm.train.engine import ParallelConfigError, check_parallel
+    cfg = ExperimentConfig()
+    cfg.model.layer_pattern, cfg.model.n_layers = ["attention", "rglru", "mamba", "titans_mag"], 4
+    cfg.model.n_heads, cfg.model.vocab_size, cfg.model.d_model = 4, 64, 32
+    cfg.data.seq_len = 16
+    cfg.parallel.tensor_parallel = 4
+    cfg.model.rglru.num_heads = 2
+    with pytest.raises(ParallelConfigError, match=r"tensor_parallel=4 must divide num_heads=2 of layer 1 \(rglru\)"):
+        check_parallel(cfg, world_size=4)
+    cfg.model.rglru.num_heads = 4
+    check_parallel(cfg, world_size=4)  # everything divides

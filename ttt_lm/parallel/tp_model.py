@@ -242,6 +242,25 @@ def _check_plan(i: int, mx: Mixer, plan: TPPlan, p: int) -> None:
             raise ValueError(f"tensor_parallel={p} must divide {name}={n} of {where.split(':')[0]}")
 
 
+def split_errors(cfg: ModelConfig, p: int) -> List[str]:
+    """What ``parallelize_tp`` would refuse in the layers' own plans for ``cfg`` at tensor_parallel
+    = p (a head count p does not divide, a plan naming what its mixer lacks), found without
+    building the model: each kind's mixer is built once on the meta device."""
+    errs, seen = [], set()
+    for i, kind in enumerate(cfg.layer_kinds()):
+        plan = mixer_class(kind).tp_plan(cfg)
+        if plan is None or kind in seen:
+            continue
+        seen.add(kind)
+        with torch.device("meta"):
+            mx = mixer_class(kind)(cfg, i)
+        try:
+            _check_plan(i, mx, plan, p)
+        except ValueError as e:
+            errs.append(str(e))
+    return errs
+
+
 class TPLM(LM):
     """An LM converted by ``parallelize_tp`` (the class is swapped in place, so it is still an LM).
 
@@ -413,6 +432,6 @@ def gather_full_state_dict(model: TPLM) -> Dict[str, torch.Tensor]:
     return out
 
 
-__all__ = ["parallelize_tp", "TPLM", "TP_READY_KINDS", "tp_ready_kinds", "RegionEntryRMSNorm", "GroupLayerNorm",
+__all__ = ["parallelize_tp", "TPLM", "TP_READY_KINDS", "tp_ready_kinds", "split_errors", "RegionEntryRMSNorm", "GroupLayerNorm",
            "SharedAcrossHeads", "SharedParamsModule", "partition_dims", "split_spec", "join_shards",
            "gather_tp_tensor", "gather_full_state_dict"]

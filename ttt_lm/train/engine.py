@@ -91,6 +91,10 @@ def check_parallel(cfg, world_size: Optional[int] = None) -> None:
                 if v % tp]
         if errs:
             raise ParallelConfigError(f"parallel.tensor_parallel={tp} must divide {', '.join(errs)}")
+        from ttt_lm.parallel.tp_model import split_errors
+        errs = split_errors(m, tp)  # each kind's own split counts (RG-LRU gate blocks, Mamba's d_inner, …)
+        if errs:
+            raise ParallelConfigError("; ".join(errs))
         if p.sequence_parallel and cfg.data.seq_len % tp:
             raise ParallelConfigError(
                 f"parallel.sequence_parallel splits each sequence across tensor_parallel={tp} ranks: "
