@@ -2,8 +2,9 @@
 ``parallel.deepspeed_config``), and ``deepspeed.initialize`` with torch's AdamW and our schedule.
 
 Parallel layouts (``check_parallel``): data parallel with ZeRO 1/2/3, optionally combined with
-Megatron tensor parallelism (``parallel.tensor_parallel`` = p ranks per model replica, attention
-models only: those whose mixers declare a ``tp_plan``, ``ttt_lm.parallel.tp_model.tp_ready_kinds``) and its sequence parallelism. With p > 1
+Megatron tensor parallelism (``parallel.tensor_parallel`` = p ranks per model replica, for models
+whose mixers all declare a ``tp_plan``: ``ttt_lm.parallel.tp_model.tp_ready_kinds``) and its
+sequence parallelism. With p > 1
 the batch size counts the data-parallel ranks (world / p) and DeepSpeed gets the ``mpu`` of
 ``ttt_lm.parallel.groups``, so ZeRO reduces and shards over the data-parallel group only.
 Context parallelism (``parallel.context_parallel`` = c > 1, not with TP): each row's tokens split
