@@ -11,6 +11,13 @@ Per block (p = tensor-parallel size, r = this rank):
   query heads r·H/p … and KV heads r·H_kv/p …, so each query head keeps its KV head under GQA);
   TTT-Linear and TTT-MLP split like it, with their per-head inner weights, θ_η, b_η and inner
   LayerNorm sliced, their post-norm spanning the group and τ (shared by all heads) replicated.
+  A plan can also name row-parallel layers whose summed output every rank's heads read
+  (``row_to_heads``: all-reduced in forward and backward, e.g. an SSM's x_proj producing dt/B/C
+  for all channels), modules with parameters shared by every head (``shared_modules``: their
+  gradients summed), weights whose split dimension fuses several parts (``fused``: each part split
+  by heads, Megatron's partition_stride), and replicated modules after a composite mixer's branch
+  sums (``sequence_region``: gradients summed only with sequence parallelism, where each rank sees
+  T/p tokens). Plan names may be dotted paths into submodules.
 * GatedMLP: gate_proj and up_proj column-parallel, down_proj row-parallel.
 * embedding and LM head vocab-parallel (a tied head keeps sharing the embedding's shard); the
   loss is ``vocab_parallel_cross_entropy``, so full logits are never formed in training.
@@ -24,15 +31,8 @@ Per block (p = tensor-parallel size, r = this rank):
   shard's last tokens).
 
 Every sharded weight is a slice of the single-rank weight (``partition_dim`` on the parameter
-says which dimension), so ``gather_full_state_dict`` rebuilds the single-rank state dict.
-
-  Beyond that vocabulary: row-parallel layers whose summed output every rank's heads read
-  (``row_to_heads``: all-reduced in forward and backward, e.g. an SSM's x_proj producing dt/B/C
-  for all channels), modules with parameters shared by every head (``shared_modules``: their
-  gradients summed), weights whose split dimension fuses several parts (``fused``: each part split
-  by heads, Megatron's partition_stride; ``partition_dims`` records them as [dim, stride]), and
-  replicated modules after a composite mixer's branch sums (``sequence_region``: gradients summed
-  only with sequence parallelism, where each rank sees T/p tokens). Plan names may be dotted paths.
+says which dimension, ``partition_stride`` how many fused parts it was cut from one by one), so
+``gather_full_state_dict`` rebuilds the single-rank state dict.
 
 TP-ready layer kinds: those whose mixer declares a plan (``TP_READY_KINDS``: every built-in kind
 but titans_mal and titans_mac, which declare none; a model with one is refused before any change).
@@ -52,8 +52,7 @@ from ttt_lm.model.mixers.base import TPPlan
 from ttt_lm.parallel.groups import ParallelGroups
 from ttt_lm.parallel.tensor_parallel import (
     ColumnParallelLinear, RowParallelLinear, TPContext, VocabParallelEmbedding, _all_gather, _mark, _shard,
-    join_shards,
-    copy_to_tensor_parallel_region, gather_from_sequence_parallel_region, gather_from_tensor_parallel_region,
+    join_shards, copy_to_tensor_parallel_region, gather_from_sequence_parallel_region, gather_from_tensor_parallel_region,
     tp_layer_norm, vocab_parallel_cross_entropy)
 
 
