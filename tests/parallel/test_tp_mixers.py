@@ -146,11 +146,26 @@ def check_refusals():
     assert type(m) is LM and isinstance(m.layers[0].mixer.linear_x, torch.nn.Linear), "refusal must change nothing"
 
 
+def check_mal_refuses_sp():
+    from ttt_lm.model.lm import LM
+    from ttt_lm.parallel.tp_model import parallelize_tp
+    m = LM(_cfg(["attention", "titans_mal"]))
+    try:
+        parallelize_tp(m, _groups(), sequence_parallel=True)
+    except ValueError as e:
+        assert "titans_mal" in str(e) and "sequence_parallel=false" in str(e), str(e)
+    else:
+        raise AssertionError("titans_mal with sequence parallelism must be refused")
+    assert type(m) is LM
+
+
 def _checks():
     out = [("fused_shards", check_fused_shards), ("refusals", check_refusals)]
     for kind in ("deltanet", "rglru", "mamba", "titans", "titans_mag"):
         for sp in (False, True):
             out.append((f"{kind}{'_sp' if sp else ''}", lambda k=kind, s=sp: _lm_vs_single(_cfg([k], d_ff=24), s)))
+    out.append(("titans_mal", lambda: _lm_vs_single(_cfg(["titans_mal"], d_ff=24), False)))
+    out.append(("titans_mal_refuses_sp", check_mal_refuses_sp))
     out.append(("titans_mlp_memory_sp", lambda: _lm_vs_single(_cfg(["titans"], titans_memory="mlp"), True)))
     out.append(("hybrid", lambda: _lm_vs_single(_cfg(HYBRID, d_ff=24), False)))
     out.append(("hybrid_sp", lambda: _lm_vs_single(_cfg(HYBRID, d_ff=24), True)))

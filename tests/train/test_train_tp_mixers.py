@@ -121,7 +121,8 @@ def test_hybrid_export_consolidates_tp_slices(ref, zero1, tmp_path):
 
 def test_split_counts_refused_before_any_work():
     """A kind's own split count that tensor_parallel does not divide (here RG-LRU's gate blocks)
-    stops the run in the config check, naming it and the layer."""
+    stops the run in the config check, naming it and the layer; so does sequence parallelism with
+    a kind whose plan refuses it (titans_mal)."""
     from ttt_lm.config import ExperimentConfig
     from ttt_lm.train.engine import ParallelConfigError, check_parallel
     cfg = ExperimentConfig()
@@ -134,3 +135,9 @@ def test_split_counts_refused_before_any_work():
         check_parallel(cfg, world_size=4)
     cfg.model.rglru.num_heads = 4
     check_parallel(cfg, world_size=4)  # everything divides
+    cfg.model.layer_pattern = ["attention", "titans_mal"]
+    cfg.parallel.sequence_parallel = True
+    with pytest.raises(ParallelConfigError, match=r"sequence_parallel is not available with layer kind\(s\) \['titans_mal'\]"):
+        check_parallel(cfg, world_size=4)
+    cfg.parallel.sequence_parallel = False
+    check_parallel(cfg, world_size=4)  # titans_mal splits without sequence parallelism

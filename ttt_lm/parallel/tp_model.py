@@ -35,7 +35,8 @@ says which dimension, ``partition_stride`` how many fused parts it was cut from 
 ``gather_full_state_dict`` rebuilds the single-rank state dict.
 
 TP-ready layer kinds: those whose mixer declares a plan (``TP_READY_KINDS``: every built-in kind
-but titans_mal and titans_mac, which declare none; a model with one is refused before any change).
+but titans_mac, which declares none; a model with one is refused before any change). A plan with
+``sequence_parallel=False`` (titans_mal) refuses sequence parallelism the same way.
 """
 from __future__ import annotations
 
@@ -347,6 +348,10 @@ def _check(model: LM, p: int, sequence_parallel: bool) -> None:
         raise ValueError(f"tensor_parallel={p} must divide {', '.join(errs)}")
     for i, block in enumerate(model.layers):
         _check_plan(i, block.mixer, type(block.mixer).tp_plan(cfg), p)
+    no_sp = sorted({k for k in kinds if not mixer_class(k).tp_plan(cfg).sequence_parallel})
+    if sequence_parallel and p > 1 and no_sp:
+        raise ValueError(f"layer kind(s) {no_sp} cannot run with sequence parallelism (their tensor-parallel plan "
+                         "says so); set parallel.sequence_parallel=false")
     if sequence_parallel and p > 1 and any(mixer_class(k).block_pre_conv(cfg) is not None for k in kinds):
         raise ValueError("model.ttt.pre_conv (a causal conv over the residual stream) is not supported with "
                          "sequence parallelism, which splits that stream along the sequence; set "

@@ -100,6 +100,11 @@ def check_parallel(cfg, world_size: Optional[int] = None) -> None:
             raise ParallelConfigError(
                 f"parallel.sequence_parallel splits each sequence across tensor_parallel={tp} ranks: "
                 f"data.seq_len={cfg.data.seq_len} must be a multiple of it")
+        no_sp = sorted({k for k in m.layer_kinds() if not mixer_class(k).tp_plan(m).sequence_parallel})
+        if p.sequence_parallel and no_sp:
+            raise ParallelConfigError(
+                f"parallel.sequence_parallel is not available with layer kind(s) {no_sp} (their tensor-parallel "
+                "plan refuses it); set parallel.sequence_parallel=false")
         if p.sequence_parallel and any(mixer_class(k).block_pre_conv(m) is not None for k in m.layer_kinds()):
             raise ParallelConfigError(
                 "model.ttt.pre_conv is not available with parallel.sequence_parallel: the causal conv "

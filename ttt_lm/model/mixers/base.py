@@ -94,6 +94,10 @@ class TPPlan:
       the same activations, or with sequence parallelism its T/p tokens, when their gradients
       are summed across ranks; the mixer's output is then already in the block's region.
 
+    * ``sequence_parallel``: False where the mixer cannot take the sequence-split region's
+      reductions at its output (Titans MAL drops its persistent positions after the attention's
+      W_O): tensor parallelism then refuses sequence parallelism for a model with this layer.
+
     A name may be a dotted path to a submodule's attribute (``conv1d.conv``, ``gate_a.weight``);
     ``prefixed`` and ``merged`` build the plan of a mixer made of sub-mixers from theirs."""
     column: Tuple[str, ...] = ()
@@ -107,15 +111,20 @@ class TPPlan:
     shared_modules: Tuple[str, ...] = ()
     fused: Tuple[Tuple[str, int], ...] = ()
     sequence_region: Tuple[str, ...] = ()
+    sequence_parallel: bool = True
 
     def prefixed(self, prefix: str) -> "TPPlan":
         """This plan for a sub-mixer held under attribute ``prefix``."""
-        kw = {f.name: tuple(f"{prefix}.{n}" for n in getattr(self, f.name)) for f in fields(self) if f.name != "fused"}
-        return TPPlan(fused=tuple((f"{prefix}.{n}", k) for n, k in self.fused), **kw)
+        kw = {f.name: tuple(f"{prefix}.{n}" for n in getattr(self, f.name)) for f in fields(self)
+              if f.name not in ("fused", "sequence_parallel")}
+        return TPPlan(fused=tuple((f"{prefix}.{n}", k) for n, k in self.fused),
+                      sequence_parallel=self.sequence_parallel, **kw)
 
     def merged(self, *others: "TPPlan") -> "TPPlan":
         """One plan holding the entries of this plan and ``others``."""
-        return TPPlan(**{f.name: sum((getattr(q, f.name) for q in others), getattr(self, f.name)) for f in fields(self)})
+        kw = {f.name: sum((getattr(q, f.name) for q in others), getattr(self, f.name)) for f in fields(self)
+              if f.name != "sequence_parallel"}
+        return TPPlan(sequence_parallel=all(q.sequence_parallel for q in (self, *others)), **kw)
 
 
 class Mixer(nn.Module, metaclass=abc.ABCMeta):

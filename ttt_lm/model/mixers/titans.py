@@ -398,7 +398,21 @@ class TitansMAL(Mixer):
         self.attn = LocalAttention(acfg, layer_idx)    # its o_proj writes the residual stream
         self.persistent = nn.Parameter(torch.empty(self.n_persist, cfg.d_model))
         self.persistent._no_weight_decay = True
+        self.persistent_shared = nn.Identity()  # the persistent tokens every head reads (tensor parallelism)
         self.reset_parameters()
+
+    @classmethod
+    def tp_plan(cls, cfg) -> TPPlan:
+        """Each sub-layer splits as its own mixer, except that the memory's W_O sums its heads for
+        every attention head to read (``row_to_heads``: all-reduced in forward and backward) and
+        the persistent tokens are shared by all heads. No sequence parallelism: the persistent
+        positions are dropped after the attention's W_O, whose sequence split would cut the
+        concatenation [persistent ‖ x] instead of x."""
+        acfg = dataclasses.replace(cfg, attention=dataclasses.replace(cfg.attention, window=cfg.titans.window))
+        mem = TitansMemory.tp_plan(cfg).prefixed("memory")
+        mem = dataclasses.replace(mem, row=(), row_to_heads=mem.row)
+        return mem.merged(LocalAttention.tp_plan(acfg).prefixed("attn"),
+                          TPPlan(shared=("persistent_shared",), sequence_parallel=False))
 
     def reset_parameters(self) -> None:
         self.memory.reset_parameters()
@@ -407,7 +421,7 @@ class TitansMAL(Mixer):
     def _run(self, x, state, output_state, form: str):
         self.attn.kernel_backend = self.memory.kernel_backend = self.kernel_backend
         if state is None:
-            x = torch.cat([self.persistent.to(x.dtype).expand(x.shape[0], -1, -1), x], 1)
+            x = torch.cat([self.persistent_shared(self.persistent).to(x.dtype).expand(x.shape[0], -1, -1), x], 1)
         y, sm = getattr(self.memory, form)(x, None if state is None else state["mem"], output_state)
         o, sa = getattr(self.attn, form)(y, None if state is None else state["attn"], output_state)
         if state is None:
