@@ -268,14 +268,14 @@ def check_refuses_other_mixers():
     from ttt_lm.model.lm import LM
     from ttt_lm.parallel.tp_model import parallelize_tp
     groups = _tp_group(dist.get_world_size())
-    cfg = _tiny_cfg(["attention", "deltanet"], d_ff=0)
+    cfg = _tiny_cfg(["attention", "titans_mac"], d_ff=0)
     m = LM(cfg)
     try:
         parallelize_tp(m, groups)
     except ValueError as e:
-        assert "deltanet" in str(e) and "attention" in str(e), str(e)
+        assert "titans_mac" in str(e) and "attention" in str(e), str(e)
     else:
-        raise AssertionError("a deltanet layer must be refused")
+        raise AssertionError("a titans_mac layer must be refused")
     assert type(m) is LM and isinstance(m.layers[0].mixer.q_proj, nn.Linear), "refusal must leave the model as it was"
     bad = _tiny_cfg(["attention"], d_ff=0, kv=1)  # 1 KV head cannot be split over 2 ranks
     try:

@@ -165,13 +165,13 @@ def check_refusals():
     else:
         raise AssertionError("pre_conv with sequence parallelism must be refused")
     assert type(m) is LM, "refusal must leave the model as it was"
-    m = LM(_cfg(["ttt_mlp", "deltanet"]))
+    m = LM(_cfg(["ttt_mlp", "titans_mac"]))
     try:
         parallelize_tp(m, groups)
     except ValueError as e:
-        assert "deltanet" in str(e) and "ttt_mlp" in str(e), str(e)
+        assert "titans_mac" in str(e) and "ttt_mlp" in str(e), str(e)
     else:
-        raise AssertionError("a deltanet layer must be refused")
+        raise AssertionError("a titans_mac layer must be refused")
 
 
 CHECKS = [

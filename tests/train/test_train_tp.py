@@ -129,8 +129,8 @@ def test_tp_allowed_for_attention_models_with_any_zero_stage():
 
 def test_tp_refuses_layer_kinds_that_are_not_tp_ready():
     cfg = _attn_cfg(tensor_parallel=2)
-    cfg.model.layer_pattern = ["attention", "deltanet", "attention", "rglru"]
-    with pytest.raises(ParallelConfigError, match=r"\['deltanet', 'rglru'\] \(layers \[1, 3\]\) are not TP-ready"):
+    cfg.model.layer_pattern = ["attention", "titans_mac", "attention", "titans_mac"]
+    with pytest.raises(ParallelConfigError, match=r"\['titans_mac'\] \(layers \[1, 3\]\) are not TP-ready"):
         check_parallel(cfg, world_size=2)
 
 

@@ -104,8 +104,8 @@ def test_deepspeed_config_generated_and_from_file(tmp_path):
 def test_tensor_parallel_refused_with_message():
     cfg = ExperimentConfig()
     cfg.parallel.tensor_parallel = 2
-    cfg.model.layer_pattern = ["ttt_linear", "deltanet"]
-    with pytest.raises(ParallelConfigError, match=r"layer kind\(s\) \['deltanet'\] .* not TP-ready"):
+    cfg.model.layer_pattern = ["ttt_linear", "titans_mac"]
+    with pytest.raises(ParallelConfigError, match=r"layer kind\(s\) \['titans_mac'\] .* not TP-ready"):
         check_parallel(cfg)
     cfg.model.layer_pattern = ["ttt_linear"]
     cfg.model.ttt.pre_conv, cfg.parallel.sequence_parallel = True, True

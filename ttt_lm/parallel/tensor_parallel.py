@@ -275,19 +275,35 @@ def tp_layer_norm(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optiona
 
 
 # ---- layers ----------------------------------------------------------------------------------
-def _mark(p: nn.Parameter, dim: int) -> nn.Parameter:
+def _mark(p: nn.Parameter, dim: int, stride: int = 1) -> nn.Parameter:
     # DeepSpeed's gradient-norm code counts parameters with this flag on every TP rank and the
-    # replicated ones only on TP rank 0; partition_dim says how to gather the full tensor
+    # replicated ones only on TP rank 0; partition_dim (and Megatron's partition_stride) say how
+    # to gather the full tensor
     p.tensor_model_parallel = True
     p.partition_dim = dim
+    p.partition_stride = stride
     return p
 
 
-def _shard(w: torch.Tensor, dim: int, ctx: TPContext) -> torch.Tensor:
+def _shard(w: torch.Tensor, dim: int, ctx: TPContext, stride: int = 1) -> torch.Tensor:
+    """This rank's slice of ``w`` along ``dim``. With ``stride`` s > 1 the dimension is the
+    concatenation of s equal parts (a fused [q | k | v] or [x | z]) and each part is split by
+    heads: the rank keeps chunks r, r + p, … of s·p (Megatron's partition_stride)."""
     n, p = w.shape[dim], ctx.world_size
-    if n % p != 0:
-        raise ValueError(f"dimension {dim} of size {n} is not divisible by tensor_parallel={p}")
-    return w.detach().chunk(p, dim=dim)[ctx.rank].clone()
+    if n % (p * stride) != 0:
+        raise ValueError(f"dimension {dim} of size {n} is not divisible by tensor_parallel={p}"
+                         + (f" × {stride} fused parts" if stride > 1 else ""))
+    chunks = w.detach().chunk(p * stride, dim=dim)
+    return torch.cat(chunks[ctx.rank::p], dim=dim).clone()
+
+
+def join_shards(shards, dim: int, stride: int = 1) -> torch.Tensor:
+    """The full tensor from every rank's ``_shard`` (in rank order): the inverse of ``_shard``."""
+    p = len(shards)
+    if stride == 1:
+        return torch.cat(shards, dim=dim)
+    parts = [s.chunk(stride, dim=dim) for s in shards]           # rank r: its chunk of each part
+    return torch.cat([parts[r][j] for j in range(stride) for r in range(p)], dim=dim)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -309,13 +325,17 @@ class ColumnParallelLinear(nn.Module):
         self.bias = _mark(nn.Parameter(torch.zeros(out_features // p, device=device, dtype=dtype)), 0) if bias else None
 
     @classmethod
-    def from_linear(cls, lin: nn.Linear, ctx: TPContext, **kw) -> "ColumnParallelLinear":
+    def from_linear(cls, lin: nn.Linear, ctx: TPContext, stride: int = 1, **kw) -> "ColumnParallelLinear":
+        """``stride``: the output features concatenate that many parts, each split by heads."""
         m = cls(lin.in_features, lin.out_features, ctx, bias=lin.bias is not None,
                 device=lin.weight.device, dtype=lin.weight.dtype, **kw)
         with torch.no_grad():
-            m.weight.copy_(_shard(lin.weight, 0, ctx))
+            m.weight.copy_(_shard(lin.weight, 0, ctx, stride))
             if lin.bias is not None:
-                m.bias.copy_(_shard(lin.bias, 0, ctx))
+                m.bias.copy_(_shard(lin.bias, 0, ctx, stride))
+        m.weight.partition_stride = stride
+        if m.bias is not None:
+            m.bias.partition_stride = stride
         return m
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -330,16 +350,21 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """Z = Σ_i X_i B_iᵀ (+ b): this rank holds in_features/p input features; the partial
     products are summed by g (or reduce-scattered over the sequence by ḡ). With
-    ``input_is_parallel=False`` the full input is split first."""
+    ``input_is_parallel=False`` the full input is split first.
+
+    ``output_to_heads``: the sum stays inside the TP region, where every rank's heads read it (a
+    selective SSM's x_proj, whose dt/B/C every channel uses): it is summed by ``all_reduce_sum``
+    (the gradient is all-reduced too, since each rank's gradient covers its own heads only) and
+    never scattered over the sequence."""
 
     def __init__(self, in_features: int, out_features: int, ctx: TPContext, bias: bool = False,
-                 input_is_parallel: bool = True, device=None, dtype=None):
+                 input_is_parallel: bool = True, output_to_heads: bool = False, device=None, dtype=None):
         super().__init__()
         p = ctx.world_size
         if in_features % p != 0:
             raise ValueError(f"RowParallelLinear: in_features={in_features} is not divisible by tensor_parallel={p}")
         self.in_features, self.out_features = in_features, out_features
-        self.ctx, self.input_is_parallel = ctx, input_is_parallel
+        self.ctx, self.input_is_parallel, self.output_to_heads = ctx, input_is_parallel, output_to_heads
         self.weight = _mark(nn.Parameter(torch.empty(out_features, in_features // p, device=device, dtype=dtype)), 1)
         # the bias is replicated: added once, after the reduction
         self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype)) if bias else None
@@ -359,6 +384,9 @@ class RowParallelLinear(nn.Module):
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel_region(x, g)
         y = F.linear(x, self.weight)
+        if self.output_to_heads:
+            y = all_reduce_sum(y, g)
+            return y if self.bias is None else y + copy_to_tensor_parallel_region(self.bias, g)
         y = reduce_scatter_to_sequence_parallel_region(y, g) if sp else reduce_from_tensor_parallel_region(y, g)
         if self.bias is not None:
             # with sequence parallelism each rank adds the bias to T/p tokens: sum its gradient

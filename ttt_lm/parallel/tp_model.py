@@ -11,6 +11,13 @@ Per block (p = tensor-parallel size, r = this rank):
   query heads r·H/p … and KV heads r·H_kv/p …, so each query head keeps its KV head under GQA);
   TTT-Linear and TTT-MLP split like it, with their per-head inner weights, θ_η, b_η and inner
   LayerNorm sliced, their post-norm spanning the group and τ (shared by all heads) replicated.
+  A plan can also name row-parallel layers whose summed output every rank's heads read
+  (``row_to_heads``: all-reduced in forward and backward, e.g. an SSM's x_proj producing dt/B/C
+  for all channels), modules with parameters shared by every head (``shared_modules``: their
+  gradients summed), weights whose split dimension fuses several parts (``fused``: each part split
+  by heads, Megatron's partition_stride), and replicated modules after a composite mixer's branch
+  sums (``sequence_region``: gradients summed only with sequence parallelism, where each rank sees
+  T/p tokens). Plan names may be dotted paths into submodules.
 * GatedMLP: gate_proj and up_proj column-parallel, down_proj row-parallel.
 * embedding and LM head vocab-parallel (a tied head keeps sharing the embedding's shard); the
   loss is ``vocab_parallel_cross_entropy``, so full logits are never formed in training.
@@ -24,11 +31,12 @@ Per block (p = tensor-parallel size, r = this rank):
   shard's last tokens).
 
 Every sharded weight is a slice of the single-rank weight (``partition_dim`` on the parameter
-says which dimension), so ``gather_full_state_dict`` rebuilds the single-rank state dict.
+says which dimension, ``partition_stride`` how many fused parts it was cut from one by one), so
+``gather_full_state_dict`` rebuilds the single-rank state dict.
 
-TP-ready layer kinds: those whose mixer declares a plan (``TP_READY_KINDS``: attention,
-local_attention, ttt_linear, ttt_mlp). The other kinds (titans*, deltanet, rglru, mamba) declare
-none, and a model with one is refused before any change.
+TP-ready layer kinds: those whose mixer declares a plan (``TP_READY_KINDS``: every built-in kind
+but titans_mac, which declares none; a model with one is refused before any change). A plan with
+``sequence_parallel=False`` (titans_mal) refuses sequence parallelism the same way.
 """
 from __future__ import annotations
 
@@ -45,7 +53,7 @@ from ttt_lm.model.mixers.base import TPPlan
 from ttt_lm.parallel.groups import ParallelGroups
 from ttt_lm.parallel.tensor_parallel import (
     ColumnParallelLinear, RowParallelLinear, TPContext, VocabParallelEmbedding, _all_gather, _mark, _shard,
-    copy_to_tensor_parallel_region, gather_from_sequence_parallel_region, gather_from_tensor_parallel_region,
+    join_shards, copy_to_tensor_parallel_region, gather_from_sequence_parallel_region, gather_from_tensor_parallel_region,
     tp_layer_norm, vocab_parallel_cross_entropy)
 
 
@@ -114,53 +122,143 @@ class SharedAcrossHeads(nn.Module):
         return copy_to_tensor_parallel_region(x, self.ctx.group)
 
 
-def _shard_param(p: nn.Parameter, dim: int, ctx: TPContext) -> nn.Parameter:
-    return _mark(nn.Parameter(_shard(p, dim, ctx), requires_grad=p.requires_grad), dim)
+class SharedParamsModule(nn.Module):
+    """A module whose parameters every head uses (``TPPlan.shared_modules``): it runs as before,
+    its parameters replicated and passed through f (gradient summed over the group). The
+    parameters keep their names (``o_norm.weight``). ``only_sequence_parallel``
+    (``TPPlan.sequence_region``): f only when sequence parallelism splits the tokens it sees."""
+
+    def __init__(self, inner: nn.Module, ctx: TPContext, only_sequence_parallel: bool = False):
+        super().__init__()
+        self.only_sequence_parallel = only_sequence_parallel
+        if any(True for _ in inner.children()):
+            raise TypeError(f"TPPlan.shared_modules: {type(inner).__name__} has submodules; name a module "
+                            "that holds its parameters directly")
+        object.__setattr__(self, "inner", inner)  # not a submodule: its parameters are registered here
+        self.ctx = ctx
+        for n, prm in list(inner.named_parameters(recurse=False)):
+            self.register_parameter(n, prm)
+
+    def forward(self, *args, **kw):
+        g = self.ctx.group
+        if self.only_sequence_parallel and not self.ctx.sequence_parallel:
+            return self.inner(*args, **kw)  # replicated activations: every rank's gradient is the full one
+        params = {n: copy_to_tensor_parallel_region(prm, g) for n, prm in self.named_parameters(recurse=False)}
+        return torch.func.functional_call(self.inner, params, args, kw)
 
 
-def _shard_conv(conv: nn.Conv1d, ctx: TPContext) -> nn.Conv1d:
+def _shard_param(p: nn.Parameter, dim: int, ctx: TPContext, stride: int = 1) -> nn.Parameter:
+    return _mark(nn.Parameter(_shard(p, dim, ctx, stride), requires_grad=p.requires_grad), dim, stride)
+
+
+def _shard_conv(conv: nn.Conv1d, ctx: TPContext, stride: int = 1) -> nn.Conv1d:
+    if not isinstance(conv, nn.Conv1d) or conv.groups != conv.in_channels:
+        raise TypeError(f"TPPlan.channel_convs: expected a depthwise nn.Conv1d, got {conv!r}")
     c = conv.in_channels // ctx.world_size
     m = nn.Conv1d(c, c, conv.kernel_size[0], groups=c, bias=conv.bias is not None,
                   device=conv.weight.device, dtype=conv.weight.dtype)
-    m.weight = _shard_param(conv.weight, 0, ctx)
+    m.weight = _shard_param(conv.weight, 0, ctx, stride)
     if conv.bias is not None:
-        m.bias = _shard_param(conv.bias, 0, ctx)
+        m.bias = _shard_param(conv.bias, 0, ctx, stride)
     return m
+
+
+def _owner(mx: nn.Module, name: str):
+    """(the module holding a plan entry, its last name): a dotted name reaches a submodule."""
+    *path, last = name.split(".")
+    obj = mx
+    for n in path:
+        obj = getattr(obj, n)
+    return obj, last
+
+
+def _get(mx: nn.Module, name: str):
+    obj, last = _owner(mx, name)
+    return getattr(obj, last)
+
+
+def _set(mx: nn.Module, name: str, value) -> None:
+    obj, last = _owner(mx, name)
+    setattr(obj, last, value)
+
+
+def _has(mx: nn.Module, name: str) -> bool:
+    try:
+        _get(mx, name)
+    except AttributeError:
+        return False
+    return True
 
 
 def _parallelize_mixer(mx: Mixer, plan: TPPlan, ctx: TPContext) -> None:
     """Apply ``plan`` to ``mx`` in place (see ``TPPlan``)."""
     p = ctx.world_size
+    stride = dict(plan.fused)
     for name in plan.column:
-        setattr(mx, name, ColumnParallelLinear.from_linear(getattr(mx, name), ctx, input_in_region=True))
+        _set(mx, name, ColumnParallelLinear.from_linear(_get(mx, name), ctx, stride=stride.get(name, 1),
+                                                        input_in_region=True))
     for name in plan.row:
-        setattr(mx, name, RowParallelLinear.from_linear(getattr(mx, name), ctx, input_is_parallel=True))
+        _set(mx, name, RowParallelLinear.from_linear(_get(mx, name), ctx, input_is_parallel=True))
+    for name in plan.row_to_heads:
+        _set(mx, name, RowParallelLinear.from_linear(_get(mx, name), ctx, input_is_parallel=True,
+                                                     output_to_heads=True))
     for name in plan.channel_convs:
-        setattr(mx, name, _shard_conv(getattr(mx, name), ctx))
+        _set(mx, name, _shard_conv(_get(mx, name), ctx, stride.get(name, 1)))
     for name in plan.head_params:
-        setattr(mx, name, _shard_param(getattr(mx, name), 0, ctx))
+        _set(mx, name, _shard_param(_get(mx, name), 0, ctx, stride.get(name, 1)))
     for name in plan.group_norms:
-        setattr(mx, name, GroupLayerNorm(getattr(mx, name), ctx))
+        _set(mx, name, GroupLayerNorm(_get(mx, name), ctx))
     for name in plan.shared:
-        if not isinstance(getattr(mx, name), nn.Identity):
+        if not isinstance(_get(mx, name), nn.Identity):
             raise TypeError(f"TPPlan.shared: {type(mx).__name__}.{name} must be an nn.Identity hook")
-        setattr(mx, name, SharedAcrossHeads(ctx))
+        _set(mx, name, SharedAcrossHeads(ctx))
+    for name in plan.shared_modules:
+        _set(mx, name, SharedParamsModule(_get(mx, name), ctx))
+    for name in plan.sequence_region:
+        _set(mx, name, SharedParamsModule(_get(mx, name), ctx, only_sequence_parallel=True))
     for name in plan.head_counts:
-        setattr(mx, name, getattr(mx, name) // p)
+        _set(mx, name, _get(mx, name) // p)
+
+
+_PLAN_FIELDS = ("column", "row", "channel_convs", "head_params", "group_norms", "shared", "head_counts",
+                "row_to_heads", "shared_modules", "sequence_region")
 
 
 def _check_plan(i: int, mx: Mixer, plan: TPPlan, p: int) -> None:
     """Refuse a plan that names what the mixer does not have, or a head count that p does not
     divide, before anything is converted."""
     where = f"layer {i} ({mx.layer_kind}): {type(mx).__name__}.tp_plan"
-    fields = ("column", "row", "channel_convs", "head_params", "group_norms", "shared", "head_counts")
-    missing = [n for f in fields for n in getattr(plan, f) if not hasattr(mx, n)]
+    missing = [n for f in _PLAN_FIELDS for n in getattr(plan, f) if not _has(mx, n)]
     if missing:
         raise ValueError(f"{where} names attribute(s) the mixer does not have: {missing}")
+    splittable = set(plan.column) | set(plan.channel_convs) | set(plan.head_params)
+    bad = [n for n, k in plan.fused if n not in splittable or not isinstance(k, int) or k < 1]
+    if bad:
+        raise ValueError(f"{where}: fused names {bad}, which must be column, channel_convs or head_params "
+                         "entries with a positive part count")
     for name in plan.head_counts:
-        n = getattr(mx, name)
+        n = _get(mx, name)
         if not isinstance(n, int) or n % p:
             raise ValueError(f"tensor_parallel={p} must divide {name}={n} of {where.split(':')[0]}")
+
+
+def split_errors(cfg: ModelConfig, p: int) -> List[str]:
+    """What ``parallelize_tp`` would refuse in the layers' own plans for ``cfg`` at tensor_parallel
+    = p (a head count p does not divide, a plan naming what its mixer lacks), found without
+    building the model: each kind's mixer is built once on the meta device."""
+    errs, seen = [], set()
+    for i, kind in enumerate(cfg.layer_kinds()):
+        plan = mixer_class(kind).tp_plan(cfg)
+        if plan is None or kind in seen:
+            continue
+        seen.add(kind)
+        with torch.device("meta"):
+            mx = mixer_class(kind)(cfg, i)
+        try:
+            _check_plan(i, mx, plan, p)
+        except ValueError as e:
+            errs.append(str(e))
+    return errs
 
 
 class TPLM(LM):
@@ -250,6 +348,10 @@ def _check(model: LM, p: int, sequence_parallel: bool) -> None:
         raise ValueError(f"tensor_parallel={p} must divide {', '.join(errs)}")
     for i, block in enumerate(model.layers):
         _check_plan(i, block.mixer, type(block.mixer).tp_plan(cfg), p)
+    no_sp = sorted({k for k in kinds if not mixer_class(k).tp_plan(cfg).sequence_parallel})
+    if sequence_parallel and p > 1 and no_sp:
+        raise ValueError(f"layer kind(s) {no_sp} cannot run with sequence parallelism (their tensor-parallel plan "
+                         "says so); set parallel.sequence_parallel=false")
     if sequence_parallel and p > 1 and any(mixer_class(k).block_pre_conv(cfg) is not None for k in kinds):
         raise ValueError("model.ttt.pre_conv (a causal conv over the residual stream) is not supported with "
                          "sequence parallelism, which splits that stream along the sequence; set "
@@ -288,15 +390,38 @@ def parallelize_tp(model: LM, groups, sequence_parallel: bool = False) -> TPLM:
     return model
 
 
-def partition_dims(model: nn.Module) -> Dict[str, Optional[int]]:
-    """Parameter name → the dimension it is split along across the TP group (None: replicated)."""
+def partition_dims(model: nn.Module) -> Dict[str, Optional[object]]:
+    """Parameter name → how it is split across the TP group: None (replicated), the dimension,
+    or [dimension, stride] for a fused parameter (``TPPlan.fused``; see ``join_shards``)."""
     # remove_duplicate=False: a tied LM head is listed under its own name too (as in state_dict)
-    return {n: getattr(p, "partition_dim", None) for n, p in model.named_parameters(remove_duplicate=False)}
+    out = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        d, s = getattr(p, "partition_dim", None), getattr(p, "partition_stride", 1)
+        out[n] = d if d is None or s == 1 else [d, s]
+    return out
 
 
-def gather_tp_tensor(t: torch.Tensor, dim: Optional[int], group) -> torch.Tensor:
-    """The full tensor from this rank's shard of it (no autograd); replicated ones pass through."""
-    return t if dim is None else _all_gather(t.detach(), dim, group)
+def split_spec(spec) -> tuple:
+    """(dim, stride) of a ``partition_dims`` entry (an int or [dim, stride]); (None, 1) for None."""
+    if spec is None or isinstance(spec, int):
+        return spec, 1
+    d, s = spec
+    return int(d), int(s)
+
+
+def gather_tp_tensor(t: torch.Tensor, dim, group, stride: int = 1) -> torch.Tensor:
+    """The full tensor from this rank's shard of it (no autograd); replicated ones pass through.
+    ``dim`` may be a ``partition_dims`` entry ([dim, stride])."""
+    if dim is not None and not isinstance(dim, int):
+        dim, stride = split_spec(dim)
+    if dim is None:
+        return t
+    if stride == 1:
+        return _all_gather(t.detach(), dim, group)
+    w = torch.distributed.get_world_size(group)
+    parts = [torch.empty_like(t.detach().contiguous()) for _ in range(w)]
+    torch.distributed.all_gather(parts, t.detach().contiguous(), group=group)
+    return join_shards(parts, dim, stride)
 
 
 def gather_full_state_dict(model: TPLM) -> Dict[str, torch.Tensor]:
@@ -311,6 +436,6 @@ def gather_full_state_dict(model: TPLM) -> Dict[str, torch.Tensor]:
     return out
 
 
-__all__ = ["parallelize_tp", "TPLM", "TP_READY_KINDS", "tp_ready_kinds", "RegionEntryRMSNorm", "GroupLayerNorm",
-           "SharedAcrossHeads", "partition_dims",
+__all__ = ["parallelize_tp", "TPLM", "TP_READY_KINDS", "tp_ready_kinds", "split_errors", "RegionEntryRMSNorm", "GroupLayerNorm",
+           "SharedAcrossHeads", "SharedParamsModule", "partition_dims", "split_spec", "join_shards",
            "gather_tp_tensor", "gather_full_state_dict"]

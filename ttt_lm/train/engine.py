@@ -2,8 +2,9 @@
 ``parallel.deepspeed_config``), and ``deepspeed.initialize`` with torch's AdamW and our schedule.
 
 Parallel layouts (``check_parallel``): data parallel with ZeRO 1/2/3, optionally combined with
-Megatron tensor parallelism (``parallel.tensor_parallel`` = p ranks per model replica, attention
-models only: those whose mixers declare a ``tp_plan``, ``ttt_lm.parallel.tp_model.tp_ready_kinds``) and its sequence parallelism. With p > 1
+Megatron tensor parallelism (``parallel.tensor_parallel`` = p ranks per model replica, for models
+whose mixers all declare a ``tp_plan``: ``ttt_lm.parallel.tp_model.tp_ready_kinds``) and its
+sequence parallelism. With p > 1
 the batch size counts the data-parallel ranks (world / p) and DeepSpeed gets the ``mpu`` of
 ``ttt_lm.parallel.groups``, so ZeRO reduces and shards over the data-parallel group only.
 Context parallelism (``parallel.context_parallel`` = c > 1, not with TP): each row's tokens split
@@ -96,10 +97,19 @@ def check_parallel(cfg, world_size: Optional[int] = None) -> None:
                 if v % tp]
         if errs:
             raise ParallelConfigError(f"parallel.tensor_parallel={tp} must divide {', '.join(errs)}")
+        from ttt_lm.parallel.tp_model import split_errors
+        errs = split_errors(m, tp)  # each kind's own split counts (RG-LRU gate blocks, Mamba's d_inner, …)
+        if errs:
+            raise ParallelConfigError("; ".join(errs))
         if p.sequence_parallel and cfg.data.seq_len % tp:
             raise ParallelConfigError(
                 f"parallel.sequence_parallel splits each sequence across tensor_parallel={tp} ranks: "
                 f"data.seq_len={cfg.data.seq_len} must be a multiple of it")
+        no_sp = sorted({k for k in m.layer_kinds() if not mixer_class(k).tp_plan(m).sequence_parallel})
+        if p.sequence_parallel and no_sp:
+            raise ParallelConfigError(
+                f"parallel.sequence_parallel is not available with layer kind(s) {no_sp} (their tensor-parallel "
+                "plan refuses it); set parallel.sequence_parallel=false")
         if p.sequence_parallel and any(mixer_class(k).block_pre_conv(m) is not None for k in m.layer_kinds()):
             raise ParallelConfigError(
                 "model.ttt.pre_conv is not available with parallel.sequence_parallel: the causal conv "

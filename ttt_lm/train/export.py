@@ -20,7 +20,7 @@ export is written without one and says so; a ``--tokenizer`` that fails a check 
 tensor-parallel run (``parallel.tensor_parallel`` = p > 1) holds p slices of the model, DeepSpeed's
 ``…mp_rank_0r…`` files of TP rank r: each is consolidated on its own, then the slices are
 concatenated along the dimension the checkpoint's ``partition_dims`` records for each parameter
-(replicated ones, the norms' gains, are taken from TP rank 0). The result is the single-rank LM,
+(part by part for a fused one, recorded as [dimension, stride]; replicated ones, the norms' gains, are taken from TP rank 0). The result is the single-rank LM,
 which ``train.init_from`` loads whatever tensor_parallel the new run uses.
 ``load_pretrained("out/tiny")`` returns the LM, on CPU, in eval mode. Needs no process group.
 The checkpoint is verified first (``ttt_lm.train.checkpoint.select``): from a run directory the
@@ -84,6 +84,8 @@ def consolidated_state_dict(ckpt: str) -> dict:
     tp = state.get("tensor_parallel", 1)  # checkpoints from before TP support are tp = 1
     if tp == 1:
         return _zero_fp32(ckpt)
+    from ttt_lm.parallel.tensor_parallel import join_shards
+    from ttt_lm.parallel.tp_model import split_spec
     dims = state["partition_dims"]
     slices = [_tp_rank_state_dict(ckpt, r) for r in range(tp)]
     out = {}
@@ -92,8 +94,8 @@ def consolidated_state_dict(ckpt: str) -> dict:
             # a tied LM head is listed under its own name by some TP ranks only (DeepSpeed's
             # shared_params); its tensor is the embedding's, and export's load checks the rest
             continue
-        d = dims.get(k)
-        out[k] = v if d is None else torch.cat([s[k] for s in slices], dim=d).contiguous()
+        d, stride = split_spec(dims.get(k))
+        out[k] = v if d is None else join_shards([s[k] for s in slices], d, stride).contiguous()
     return out
 
 

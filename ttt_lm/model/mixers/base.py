@@ -47,7 +47,7 @@ its three forms then accept ``segment_pos`` ([B, T] integers) and the block pass
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Dict, Optional, Tuple
 
 import torch
@@ -79,7 +79,27 @@ class TPPlan:
     * ``shared``: nn.Identity hooks the mixer passes a value through that every head uses (a
       replicated parameter): tensor parallelism swaps them for f (identity forward, the gradient
       summed across ranks, since each rank's gradient covers its heads only).
-    * ``head_counts``: integer attributes divided by p (number of heads, widths)."""
+    * ``head_counts``: integer attributes divided by p (number of heads, widths).
+    * ``row_to_heads``: nn.Linear layers split by input features (reading column-split
+      activations) whose summed output every rank's heads read (Mamba's x_proj: dt, B, C for all
+      channels): all-reduced in forward and backward, kept inside the TP region.
+    * ``shared_modules``: modules (e.g. an RMSNorm over one head's features) whose parameters
+      every head uses: replicated, their gradients summed across ranks.
+    * ``fused``: (name, n) pairs for entries of ``column``, ``channel_convs`` or ``head_params``
+      whose split dimension concatenates n equal parts (a fused [q | k | v] conv, Mamba's
+      [x | z] in_proj), each split by heads (Megatron's partition_stride).
+
+    * ``sequence_region``: replicated modules that run after the mixer's row-parallel outputs
+      are summed (a combination of two branches, as Titans MAG's gate and W_O): every rank holds
+      the same activations, or with sequence parallelism its T/p tokens, when their gradients
+      are summed across ranks; the mixer's output is then already in the block's region.
+
+    * ``sequence_parallel``: False where the mixer cannot take the sequence-split region's
+      reductions at its output (Titans MAL drops its persistent positions after the attention's
+      W_O): tensor parallelism then refuses sequence parallelism for a model with this layer.
+
+    A name may be a dotted path to a submodule's attribute (``conv1d.conv``, ``gate_a.weight``);
+    ``prefixed`` and ``merged`` build the plan of a mixer made of sub-mixers from theirs."""
     column: Tuple[str, ...] = ()
     row: Tuple[str, ...] = ()
     channel_convs: Tuple[str, ...] = ()
@@ -87,6 +107,24 @@ class TPPlan:
     group_norms: Tuple[str, ...] = ()
     shared: Tuple[str, ...] = ()
     head_counts: Tuple[str, ...] = ()
+    row_to_heads: Tuple[str, ...] = ()
+    shared_modules: Tuple[str, ...] = ()
+    fused: Tuple[Tuple[str, int], ...] = ()
+    sequence_region: Tuple[str, ...] = ()
+    sequence_parallel: bool = True
+
+    def prefixed(self, prefix: str) -> "TPPlan":
+        """This plan for a sub-mixer held under attribute ``prefix``."""
+        kw = {f.name: tuple(f"{prefix}.{n}" for n in getattr(self, f.name)) for f in fields(self)
+              if f.name not in ("fused", "sequence_parallel")}
+        return TPPlan(fused=tuple((f"{prefix}.{n}", k) for n, k in self.fused),
+                      sequence_parallel=self.sequence_parallel, **kw)
+
+    def merged(self, *others: "TPPlan") -> "TPPlan":
+        """One plan holding the entries of this plan and ``others``."""
+        kw = {f.name: sum((getattr(q, f.name) for q in others), getattr(self, f.name)) for f in fields(self)
+              if f.name != "sequence_parallel"}
+        return TPPlan(sequence_parallel=all(q.sequence_parallel for q in (self, *others)), **kw)
 
 
 class Mixer(nn.Module, metaclass=abc.ABCMeta):

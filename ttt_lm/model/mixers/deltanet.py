@@ -44,7 +44,7 @@ from torch import nn
 
 from kernels import delta_rule as _dr
 from ttt_lm.model.layers import CausalConv1d, RMSNorm
-from ttt_lm.model.mixers.base import Mixer, State
+from ttt_lm.model.mixers.base import Mixer, State, TPPlan
 from ttt_lm.model.registry import register_mixer
 
 
@@ -91,6 +91,16 @@ class DeltaNet(Mixer):
         self.o_norm = RMSNorm(self.hd, cfg.norm_eps)
         self.o_proj = nn.Linear(inner, cfg.d_model, bias=False)
         self.o_proj._is_residual_out = True
+
+    @classmethod
+    def tp_plan(cls, cfg) -> TPPlan:
+        """Heads are independent (flash-linear-attention's DeltaNet splits like attention): q, k, v
+        and W_β by heads (columns), the short conv per channel (its [q | k | v] channels fused:
+        each part split by heads), o_proj by rows; o_norm (over one head's features) is shared
+        by all heads."""
+        conv = ("conv.conv",) if cfg.deltanet.conv_width > 0 else ()
+        return TPPlan(column=("q_proj", "k_proj", "v_proj", "b_proj"), row=("o_proj",), channel_convs=conv,
+                      shared_modules=("o_norm",), fused=tuple((n, 3) for n in conv), head_counts=("n_heads",))
 
     # ---- pieces ------------------------------------------------------------------------------
     def _phi(self, x: torch.Tensor) -> torch.Tensor:

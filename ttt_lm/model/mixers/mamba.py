@@ -32,7 +32,7 @@ from torch import nn
 
 from kernels.selective_scan import has_triton_backend, selective_scan
 from ttt_lm.model.layers import CausalConv1d, acc
-from ttt_lm.model.mixers.base import Mixer, State
+from ttt_lm.model.mixers.base import Mixer, State, TPPlan
 from ttt_lm.model.registry import register_mixer
 
 _DT_INIT_FLOOR = 1e-4
@@ -66,6 +66,16 @@ class Mamba(Mixer):
         self.out_proj = nn.Linear(self.d_inner, cfg.d_model, bias=False)
         self.out_proj._is_residual_out = True
         self.reset_parameters()
+
+    @classmethod
+    def tp_plan(cls, cfg) -> TPPlan:
+        """Megatron's Mamba split: d_inner by channels. W_in by columns (its [x | z] outputs fused:
+        each half split), the conv by channels, A_log and D by channels, W_out by rows. W_x reads
+        the split x but produces δ, B, C for every channel: row-parallel with its sum all-reduced
+        and kept in the TP region (``row_to_heads``); W_Δ then column-parallel (with b_Δ)."""
+        return TPPlan(column=("in_proj", "dt_proj"), row=("out_proj",), row_to_heads=("x_proj",),
+                      channel_convs=("conv1d.conv",), head_params=("A_log", "D"), fused=(("in_proj", 2),),
+                      head_counts=("d_inner",))
 
     def reset_parameters(self) -> None:
         with torch.no_grad():

@@ -66,7 +66,7 @@ from torch import nn
 
 from kernels.linear_scan import has_triton_backend, linear_scan_reset
 from ttt_lm.model.layers import CausalConv1d, acc
-from ttt_lm.model.mixers.base import Mixer, State
+from ttt_lm.model.mixers.base import Mixer, State, TPPlan
 from ttt_lm.model.registry import register_mixer
 
 #: bound on d√x/dx, as recurrentgemma's RG-LRU
@@ -170,6 +170,15 @@ class RGLRUBlock(Mixer):
         self.linear_out = nn.Linear(self.width, cfg.d_model)
         self.linear_out._is_residual_out = True
         self.reset_parameters()
+
+    @classmethod
+    def tp_plan(cls, cfg) -> TPPlan:
+        """Channels are independent and the gates W_a, W_x block-diagonal, so the recurrence width
+        splits by head blocks (rank r keeps blocks r·H/p …): W_x' and W_y by columns, the conv by
+        channels, the gates' blocks and Λ by heads, W_out by rows."""
+        return TPPlan(column=("linear_y", "linear_x"), row=("linear_out",), channel_convs=("conv1d.conv",),
+                      head_params=("gate_a.weight", "gate_a.bias", "gate_x.weight", "gate_x.bias", "Lambda"),
+                      head_counts=("width", "num_heads", "gate_a.num_blocks", "gate_x.num_blocks"))
 
     def reset_parameters(self) -> None:
         with torch.no_grad():

@@ -67,7 +67,7 @@ from kernels import titans as _tk
 from kernels.titans.torch_chunk import split_spans
 from ttt_lm.model.layers import CausalConv1d, RMSNorm, acc, apply_rope, rope_cos_sin
 from ttt_lm.model.mixers.attention import LocalAttention
-from ttt_lm.model.mixers.base import Mixer, State
+from ttt_lm.model.mixers.base import Mixer, State, TPPlan
 from ttt_lm.model.registry import register_mixer
 
 
@@ -117,6 +117,18 @@ class TitansMemory(Mixer):
         self.o_proj = nn.Linear(inner, cfg.d_model, bias=False)    # W_O
         self.o_proj._is_residual_out = True
         self.reset_parameters()
+
+    @classmethod
+    def tp_plan(cls, cfg) -> TPPlan:
+        """Heads are independent (each has its own memory, surprise and gates): W_Q, W_K, W_V,
+        W_G and the gate projections W_θ, W_η, W_α (one output per head) by columns, the short
+        conv per channel (its [q | k | v] channels fused: each part split by heads), the initial
+        memory by heads, W_O by rows; o_norm (over one head's features) is shared by all heads."""
+        conv = ("conv.conv",) if cfg.titans.conv_width > 0 else ()
+        mem = ("M_init.0",) if cfg.titans.memory == "linear" else ("M_init.0", "M_init.1")
+        return TPPlan(column=("q_proj", "k_proj", "v_proj", "g_proj", "theta_proj", "eta_proj", "alpha_proj"),
+                      row=("o_proj",), channel_convs=conv, fused=tuple((n, 3) for n in conv), head_params=mem,
+                      shared_modules=("o_norm",), head_counts=("n_heads",))
 
     def reset_parameters(self) -> None:
         with torch.no_grad():
@@ -308,6 +320,16 @@ class TitansMAG(Mixer):
         self.o_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.o_proj._is_residual_out = True
 
+    @classmethod
+    def tp_plan(cls, cfg) -> TPPlan:
+        """Each branch splits as its own mixer (their W_O row-parallel, so y and m are summed
+        before the gate); the gate's norms and W_O then run replicated on the summed branches
+        (with sequence parallelism on this rank's T/p tokens)."""
+        acfg = dataclasses.replace(cfg, attention=dataclasses.replace(cfg.attention, window=cfg.titans.window))
+        return LocalAttention.tp_plan(acfg).prefixed("attn").merged(
+            TitansMemory.tp_plan(cfg).prefixed("memory"),
+            TPPlan(sequence_region=("attn_norm", "mem_norm", "o_proj")))
+
     def reset_parameters(self) -> None:
         self.memory.reset_parameters()
 
@@ -376,7 +398,21 @@ class TitansMAL(Mixer):
         self.attn = LocalAttention(acfg, layer_idx)    # its o_proj writes the residual stream
         self.persistent = nn.Parameter(torch.empty(self.n_persist, cfg.d_model))
         self.persistent._no_weight_decay = True
+        self.persistent_shared = nn.Identity()  # the persistent tokens every head reads (tensor parallelism)
         self.reset_parameters()
+
+    @classmethod
+    def tp_plan(cls, cfg) -> TPPlan:
+        """Each sub-layer splits as its own mixer, except that the memory's W_O sums its heads for
+        every attention head to read (``row_to_heads``: all-reduced in forward and backward) and
+        the persistent tokens are shared by all heads. No sequence parallelism: the persistent
+        positions are dropped after the attention's W_O, whose sequence split would cut the
+        concatenation [persistent ‖ x] instead of x."""
+        acfg = dataclasses.replace(cfg, attention=dataclasses.replace(cfg.attention, window=cfg.titans.window))
+        mem = TitansMemory.tp_plan(cfg).prefixed("memory")
+        mem = dataclasses.replace(mem, row=(), row_to_heads=mem.row)
+        return mem.merged(LocalAttention.tp_plan(acfg).prefixed("attn"),
+                          TPPlan(shared=("persistent_shared",), sequence_parallel=False))
 
     def reset_parameters(self) -> None:
         self.memory.reset_parameters()
@@ -385,7 +421,7 @@ class TitansMAL(Mixer):
     def _run(self, x, state, output_state, form: str):
         self.attn.kernel_backend = self.memory.kernel_backend = self.kernel_backend
         if state is None:
-            x = torch.cat([self.persistent.to(x.dtype).expand(x.shape[0], -1, -1), x], 1)
+            x = torch.cat([self.persistent_shared(self.persistent).to(x.dtype).expand(x.shape[0], -1, -1), x], 1)
         y, sm = getattr(self.memory, form)(x, None if state is None else state["mem"], output_state)
         o, sa = getattr(self.attn, form)(y, None if state is None else state["attn"], output_state)
         if state is None:
