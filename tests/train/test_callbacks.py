@@ -192,3 +192,20 @@ def test_the_validation_loader_is_built_once(one_rank_group):
     assert len(built) == 1 and len(ev.batches) == 3
     assert [r["step"] for r in logged] == [2, 4, 6] and all(r["kind"] == "val" for r in logged)
     assert logged[-1]["loss"] < logged[0]["loss"]
+
+
+def test_a_callback_given_to_main_sees_the_steps_and_stops_the_run(tmp_path):
+    """End to end (DeepSpeed, one rank): a callback passed to ``ttt_lm.train.main`` runs after the
+    built-in ones; its stop request ends the run after that step, which is checkpointed."""
+    from tests.train.launch import run
+    from ttt_lm.train import checkpoint as ck
+    hooks = tmp_path / "hooks.log"
+    r = run(str(tmp_path / "run"), ["train.max_steps=8"],
+            env={"TTT_TEST_HOOK_LOG": str(hooks), "TTT_TEST_STOP_AT": "3"})
+    lines = hooks.read_text().split("\n")[:-1]
+    assert lines == ["pre_train 0", "pre_step 0", "post_step 1", "pre_step 1", "post_step 2", "pre_step 2",
+                     "post_step 3", "post_train 3"]
+    root = str(tmp_path / "run" / "checkpoints")
+    assert [s for s, _ in ck.list_checkpoints(root)] == [3]
+    assert ck.read_state(ck.find_latest(root))["step"] == 3
+    assert "[train]   checkpoint:" in r.output()

@@ -1,8 +1,11 @@
-"""The training loop: DeepSpeed engine, checkpoints, exact resume, preemption and metrics.
+"""A training run: DeepSpeed engine, checkpoints, exact resume, preemption and metrics.
 
 ``main(argv)`` is what ``train.py`` runs; ``train(cfg)`` runs a resolved ExperimentConfig and
 returns the process exit status (0, or PREEMPTED_EXIT_CODE after a preemption checkpoint).
 
+``_train`` builds the pieces (process groups, model, engine, loaders, resume) and hands them to
+``ttt_lm.train.loop.Trainer``, whose ``fit()`` runs the steps; metrics, evaluation, the
+non-finite-loss stop, preemption and checkpoints are its callbacks (``ttt_lm.train.callbacks``).
 One step = ``train.grad_accum`` micro-batches per rank, then one optimizer update. With
 ``parallel.tensor_parallel`` = p > 1 the model is built whole from the same seed on every rank,
 then ``parallelize_tp`` keeps this rank's slice; the p ranks of a TP group read the same batches
@@ -74,14 +77,15 @@ def parse_args(argv: Sequence[str]):
     return path, argv
 
 
-def main(argv: Optional[Sequence[str]] = None, data_api=None, preempt: Optional[PreemptionFlag] = None) -> int:
+def main(argv: Optional[Sequence[str]] = None, data_api=None, preempt: Optional[PreemptionFlag] = None,
+         callbacks: Sequence = ()) -> int:
     path, overrides = parse_args(sys.argv[1:] if argv is None else argv)
     from ttt_lm.train.checkpoint import CheckpointError
     from ttt_lm.data import DataError
     from ttt_lm.train.engine import ParallelConfigError
     try:
         cfg = load_config(path, overrides)
-        return train(cfg, data_api=data_api, preempt=preempt)
+        return train(cfg, data_api=data_api, preempt=preempt, callbacks=callbacks)
     except (ConfigError, CheckpointError, ParallelConfigError, NonFiniteLossError, DataError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2 if isinstance(e, (ConfigError, ParallelConfigError)) else 1
@@ -233,11 +237,12 @@ def _build_loader(data_api, cfg, dp_rank: int, dp_world: int, resume: Optional[s
     return data_api.build_train_loader(cfg.data, cfg.train.micro_batch_size, dp_rank, dp_world, total_streams=V)
 
 
-def train(cfg, data_api=None, preempt: Optional[PreemptionFlag] = None) -> int:
-    """Run ``cfg``; the run directory's lock (taken inside) is released however the run ends."""
+def train(cfg, data_api=None, preempt: Optional[PreemptionFlag] = None, callbacks: Sequence = ()) -> int:
+    """Run ``cfg``; the run directory's lock (taken inside) is released however the run ends.
+    ``callbacks`` (``ttt_lm.train.loop.Callback``) run after the built-in ones, on every rank."""
     held = []
     try:
-        return _train(cfg, data_api, preempt, held)
+        return _train(cfg, data_api, preempt, held, list(callbacks))
     finally:
         for lock in held:
             lock.release()
@@ -257,7 +262,7 @@ def _optim_changes(ckpt: str, cfg) -> list:
     return changed_hyperparameters(o, cfg.optim, old_total, cfg.optim.total_steps or cfg.train.max_steps)
 
 
-def _train(cfg, data_api, preempt, held) -> int:
+def _train(cfg, data_api, preempt, held, extra_callbacks=()) -> int:
     from ttt_lm.train.config import check_training_config
     try:
         check_training_config(cfg)
@@ -385,7 +390,7 @@ def _train(cfg, data_api, preempt, held) -> int:
         model = LM(cfg.model)
     model.activation_checkpointing = t.activation_checkpointing
     if t.init_from and resume is None:
-        from ttt_lm.train.export import load_state_dict_into
+        from ttt_lm.artifacts import load_state_dict_into
         load_state_dict_into(model, t.init_from)  # full weights: the conversion below slices them
     n_params = model.num_params()  # of the whole model, before TP keeps a slice per rank
     # which implementation every layer kind runs here (never a silent fallback: kernel_backend=triton
@@ -487,6 +492,7 @@ def _train(cfg, data_api, preempt, held) -> int:
                             "tensor_parallel": tp, "context_parallel": cp, "partition_dims": pdims},
                            rank, cfg.checkpoint.every, cfg.checkpoint.at_end, cfg.checkpoint.keep_last,
                            lock=held[0] if held else None, last_bytes=last_bytes),
+        *extra_callbacks,
     ]
     trainer = Trainer(engine=engine, scheduler=sched, batches=batches, device=dev, max_steps=t.max_steps,
                       grad_accum=t.grad_accum, rank=rank, world=world, dp_world=dp_world, callbacks=callbacks,
