@@ -11,7 +11,7 @@ One step = ``train.grad_accum`` micro-batches per rank, then one optimizer updat
 then ``parallelize_tp`` keeps this rank's slice; the p ranks of a TP group read the same batches
 (the loaders are split over the world / p data-parallel ranks). With
 ``parallel.context_parallel`` = c > 1 the c ranks of a CP group also read the same batches and each
-computes its contiguous slice of every row (``ttt_lm.train.context.ContextParallelLM``); DeepSpeed
+computes its contiguous slice of every row (``ttt_lm.parallel.cp_model.ContextParallelLM``); DeepSpeed
 averages gradients over the dp × c ranks. A step whose
 loss is NaN/Inf on any rank is skipped: DeepSpeed sees a non-finite gradient norm and drops the
 update (optimizer state and the lr schedule do not move); the loop counts it and stops with
@@ -384,7 +384,7 @@ def _train(cfg, data_api, preempt, held, extra_callbacks=()) -> int:
     _seed_all(t.seed)  # same initial weights on every rank: each TP rank slices the same full model
     if cp > 1:
         from ttt_lm.parallel.context_parallel import wait_pending
-        from ttt_lm.train.context import ContextParallelLM
+        from ttt_lm.parallel.cp_model import ContextParallelLM
         model = ContextParallelLM(cfg.model, groups.cp_group)
     else:
         model = LM(cfg.model)

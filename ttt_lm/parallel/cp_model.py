@@ -14,7 +14,7 @@ c ∇L; DeepSpeed averages gradients over its data-parallel group, which is dp �
 (``groups.mpu()``), giving (1/dp) Σ_d ∇L_d: the gradient of the global batch's mean loss, as with
 c = 1.
 
-ZeRO-1 only (``check_parallel``): ZeRO-2 packs gradients into its reduction buckets in the order
+ZeRO-1 only (``ttt_lm.train.engine.check_parallel``): ZeRO-2 packs gradients into its reduction buckets in the order
 each rank's backward produces them, which differs across CP ranks (their graphs differ by the
 state sends and receives), and ZeRO-3's parameter all-gathers over the CP ranks would deadlock
 against the rank-to-rank state passing.
