@@ -53,8 +53,6 @@ DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os
 RUNTIME_MODEL_KEYS = ("kernel_backend", "attention.backend", "compile", "compile_backend")
 
 
-
-
 def _pos(batch: dict):
     """Position of each token in its document (0 at a document's first token), which the model
     uses to reset its state at document boundaries when model.reset_at_doc_boundaries is set.
