@@ -1,7 +1,7 @@
 r"""Convert between ttt-lm-pytorch's ``TTTForCausalLM`` (a Hugging Face directory: ``config.json``
 and ``model.safetensors`` or ``pytorch_model.bin``) and this project's export directory
 (``model.pt`` + ``config.yaml``, what ``python -m ttt_lm.train.export`` writes and
-``ttt_lm.train.export.load_pretrained`` / ``train.init_from`` read):
+``ttt_lm.artifacts.load_pretrained`` / ``train.init_from`` read):
 
     python -m ttt_lm.convert from-ttt path/to/hf_ttt_model out/ttt_125m     # theirs → ours
     python -m ttt_lm.convert to-ttt out/ttt_125m path/to/hf_dir               # ours → theirs
@@ -52,7 +52,7 @@ import torch
 
 from ttt_lm.config import ExperimentConfig
 from ttt_lm.model.config import ModelConfig
-from ttt_lm.train.export import CONFIG, WEIGHTS, load_pretrained, save_export
+from ttt_lm.artifacts import CONFIG, WEIGHTS, load_pretrained, save_export
 
 HF_CONFIG = "config.json"
 HF_SAFETENSORS = "model.safetensors"

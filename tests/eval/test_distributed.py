@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from ttt_lm.eval.__main__ import main
-from ttt_lm.eval.common import rank_from_env
+from ttt_lm.env import detect_env
 from tests.distributed import free_port
 
 pytestmark = pytest.mark.dist
@@ -59,6 +59,11 @@ def _run_both(argv, tmp_path, name, launcher="torchrun"):
     two = json.loads((tmp_path / "two" / name).read_text())
     assert one["world_size"] == 1 and two["world_size"] == 2
     return one["result"], two["result"]
+
+
+def rank_from_env(environ):
+    e = detect_env(environ)
+    return e.rank, e.world_size, e.local_rank
 
 
 def test_rank_from_env():

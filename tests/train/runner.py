@@ -10,6 +10,9 @@ interface (so the tests need no prepared corpus), with fault injection from the 
     TTT_TEST_LR_MULTS=path      append the TTT layers' η_base multipliers (lr_mult) before every
                                 training forward to path
     TTT_TEST_REAL_DATA=1        train on the prepared corpus at data.path (ttt_lm.data) instead
+    TTT_TEST_HOOK_LOG=path      register a callback (through ``main``'s ``callbacks``) that appends
+                                "<hook> <step>" per hook call to path
+    TTT_TEST_STOP_AT=k          that callback asks the run to stop after step k
     TTT_TEST_BATCH_LOG=path     with real data: append "<dp_rank> <batches read> <doc:pos> ..." (the
                                 document and position of each row's first token) per training batch
 
@@ -134,6 +137,36 @@ def _install_faults():
     LM.forward = forward
 
 
+def _hook_callbacks():
+    path = os.environ.get("TTT_TEST_HOOK_LOG")
+    if not path:
+        return []
+    from ttt_lm.train.loop import Callback
+    stop_at = int(os.environ.get("TTT_TEST_STOP_AT", "0"))
+
+    class HookLog(Callback):
+        def _log(self, hook, trainer):
+            with open(path, "a") as f:
+                f.write(f"{hook} {trainer.step}\n")
+
+        def pre_train(self, trainer):
+            self._log("pre_train", trainer)
+
+        def pre_step(self, trainer):
+            self._log("pre_step", trainer)
+
+        def post_step(self, trainer):
+            self._log("post_step", trainer)
+            if trainer.step == stop_at:
+                trainer.request_stop()
+
+        def post_train(self, trainer):
+            self._log("post_train", trainer)
+
+    return [HookLog()]
+
+
 if __name__ == "__main__":
     from ttt_lm.train import main
-    sys.exit(main(sys.argv[1:], data_api=RealData() if os.environ.get("TTT_TEST_REAL_DATA") else SyntheticData))
+    sys.exit(main(sys.argv[1:], data_api=RealData() if os.environ.get("TTT_TEST_REAL_DATA") else SyntheticData,
+                  callbacks=_hook_callbacks()))

@@ -19,7 +19,8 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from ttt_lm.eval.common import (SINGLE, EvalError, dtype_of, init_distributed, rank_from_env, token_byte_lengths,
+from ttt_lm.env import detect_env
+from ttt_lm.eval.common import (SINGLE, EvalError, dtype_of, init_distributed, token_byte_lengths,
                                 write_json)
 
 #: tasks that split their work over the processes of a torchrun/srun launch
@@ -367,7 +368,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from ttt_lm.data.tokenizer import TokenizerError
     args.dist = SINGLE
     try:
-        _, world, _ = rank_from_env()
+        world = detect_env().world_size
         if world > 1 and args.task not in DISTRIBUTED_TASKS:
             raise EvalError(f"{args.task} runs as one process; launch it without torchrun/srun "
                             f"(tasks that run distributed: {', '.join(DISTRIBUTED_TASKS)})")

@@ -10,6 +10,7 @@ from typing import Any, Iterable, List, Optional, Tuple
 
 import torch
 
+from ttt_lm.env import detect_env, missing_rendezvous
 from ttt_lm.model import LM
 
 #: layer kinds whose cost and positional range grow with the context (no window)
@@ -83,23 +84,6 @@ def pick_device(device: Optional[str], local_rank: Optional[int] = None) -> torc
 
 # ---- several processes ---------------------------------------------------------------------------
 
-def rank_from_env(environ=None) -> Tuple[int, int, int]:
-    """(rank, world size, local rank) from the launcher's variables: torchrun and the DeepSpeed
-    launcher set RANK/WORLD_SIZE/LOCAL_RANK, srun sets SLURM_PROCID/SLURM_STEP_NUM_TASKS/SLURM_LOCALID;
-    neither means one process, (0, 1, 0).
-
-    The Slurm variables count only inside an srun step (SLURM_STEP_NUM_TASKS set): the shell of an
-    sbatch script also has SLURM_PROCID=0 and SLURM_NTASKS=<the allocation's tasks>, yet an eval
-    started there directly is one process, not rank 0 of ranks that will never start."""
-    e = os.environ if environ is None else environ
-    if "RANK" in e and "WORLD_SIZE" in e:
-        return int(e["RANK"]), int(e["WORLD_SIZE"]), int(e.get("LOCAL_RANK", 0))
-    if "SLURM_PROCID" in e and "SLURM_STEP_NUM_TASKS" in e:
-        # the step's own task count: an `srun -n 2` inside a 4-task allocation is 2 processes
-        return int(e["SLURM_PROCID"]), int(e["SLURM_STEP_NUM_TASKS"]), int(e.get("SLURM_LOCALID", 0))
-    return 0, 1, 0
-
-
 @dataclass
 class DistContext:
     """This process's place in an eval run. Work item ``i`` of a sequence every rank enumerates in
@@ -170,11 +154,12 @@ def init_distributed(device: Optional[str]) -> Tuple[DistContext, torch.device]:
     device: gloo on the CPU, NCCL on CUDA with rank r on its local GPU ``cuda:<LOCAL_RANK>``. One
     process gets :data:`SINGLE` and no process group. MASTER_ADDR/MASTER_PORT name the rendezvous
     (torchrun sets them; under srun export them before launching)."""
-    rank, world, local = rank_from_env()
+    env = detect_env()
+    rank, world, local = env.rank, env.world_size, env.local_rank
     if world <= 1:
         return SINGLE, pick_device(device)
     dev = pick_device(device, local)
-    missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    missing = missing_rendezvous()
     if missing:
         raise EvalError(f"{' and '.join(missing)} not set for a {world}-process eval: export MASTER_ADDR (the "
                         f"first node's host name) and MASTER_PORT (a free port) before srun, or launch with torchrun")

@@ -1,53 +1,10 @@
-"""Process-group setup from whatever launched us: torchrun and the deepspeed launcher set
-RANK/WORLD_SIZE/LOCAL_RANK; srun sets SLURM_PROCID/SLURM_STEP_NUM_TASKS/SLURM_LOCALID in each task of a step; a bare
-``python train.py`` is one process. MASTER_ADDR/MASTER_PORT name the rendezvous."""
+"""The training process group: torch.distributed through DeepSpeed, on the ranks that
+``ttt_lm.env.detect_env`` reads from the launcher (torchrun, deepspeed, srun, or one process)."""
 from __future__ import annotations
 
-import os
-import socket
-from dataclasses import dataclass
+from ttt_lm.env import DistEnv, detect_env, export_env
 
-
-@dataclass
-class DistEnv:
-    rank: int
-    world_size: int
-    local_rank: int
-    launcher: str  # "torchrun/deepspeed" | "slurm" | "single"
-
-
-def detect_env() -> DistEnv:
-    e = os.environ
-    if "RANK" in e and "WORLD_SIZE" in e:
-        return DistEnv(int(e["RANK"]), int(e["WORLD_SIZE"]), int(e.get("LOCAL_RANK", 0)), "env")
-    # Slurm ranks only inside an srun step: the batch script's own shell also has SLURM_PROCID=0
-    # and SLURM_NTASKS=<allocation>, and must not wait for ranks that will never start
-    if "SLURM_PROCID" in e and "SLURM_STEP_NUM_TASKS" in e:
-        return DistEnv(int(e["SLURM_PROCID"]), int(e["SLURM_STEP_NUM_TASKS"]), int(e.get("SLURM_LOCALID", 0)),
-                       "slurm")
-    return DistEnv(0, 1, 0, "single")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def export_env(env: DistEnv) -> None:
-    """Write the RANK/WORLD_SIZE/LOCAL_RANK/MASTER_* variables torch.distributed reads."""
-    os.environ["RANK"] = str(env.rank)
-    os.environ["WORLD_SIZE"] = str(env.world_size)
-    os.environ["LOCAL_RANK"] = str(env.local_rank)
-    if env.world_size == 1:
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
-    if missing:
-        raise RuntimeError(
-            f"{' and '.join(missing)} not set for a {env.world_size}-process run launched by {env.launcher}: "
-            "export MASTER_ADDR (the first node's host name) and MASTER_PORT (a free port) before srun, "
-            "or launch with torchrun / deepspeed, which set them")
+__all__ = ["DistEnv", "detect_env", "export_env", "init_distributed"]
 
 
 def init_distributed(device: str) -> DistEnv:

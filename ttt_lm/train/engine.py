@@ -8,7 +8,7 @@ sequence parallelism. With p > 1
 the batch size counts the data-parallel ranks (world / p) and DeepSpeed gets the ``mpu`` of
 ``ttt_lm.parallel.groups``, so ZeRO reduces and shards over the data-parallel group only.
 Context parallelism (``parallel.context_parallel`` = c > 1, not with TP): each row's tokens split
-across c ranks (``ttt_lm.train.context``); the loaders are split over world / c data-parallel
+across c ranks (``ttt_lm.parallel.cp_model``); the loaders are split over world / c data-parallel
 ranks and DeepSpeed's gradient-averaging group (the mpu's) is all world ranks, dp × c; ZeRO-1 or 2.
 """
 from __future__ import annotations

@@ -32,19 +32,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
 import tempfile
 from typing import Optional
 
 import torch
 
-from ttt_lm.config import load_config, save_config
+from ttt_lm.artifacts import (CONFIG, HF_TOKENIZER, TOKENIZER, WEIGHTS, load_pretrained,  # noqa: F401 - the
+                              load_state_dict_into, save_export)  # export format's readers, kept importable here
+from ttt_lm.config import load_config
 
-WEIGHTS = "model.pt"
-CONFIG = "config.yaml"
-TOKENIZER = "tokenizer.model"
-HF_TOKENIZER = "tokenizer.json"
 FORMATS = ("pt", "hf")
 
 
@@ -201,39 +198,6 @@ def export(ckpt: str, out_dir: str, tokenizer: Optional[str] = "auto", fmt: str 
         from ttt_lm.hf import save_hf
         return save_hf(model, out_dir, tok_path)
     return save_export(model, cfg, out_dir, tok_path)
-
-
-def save_export(model, cfg, out_dir: str, tokenizer: Optional[str] = None) -> str:
-    """Write an export directory: ``model``'s state dict (renamed into place when complete), the
-    experiment config ``cfg`` and, given a ``tokenizer`` file, its copy as ``tokenizer.model``
-    (SentencePiece) or ``tokenizer.json`` with its ``tokenizer_config.json`` (Hugging Face)."""
-    os.makedirs(out_dir, exist_ok=True)
-    tmp = os.path.join(out_dir, WEIGHTS + ".tmp")
-    torch.save(model.state_dict(), tmp)
-    os.replace(tmp, os.path.join(out_dir, WEIGHTS))
-    save_config(cfg, os.path.join(out_dir, CONFIG))
-    if tokenizer is not None and tokenizer.endswith(".json"):
-        from ttt_lm.data.tokenizer import open_tokenizer
-        open_tokenizer(tokenizer).save_copy(os.path.join(out_dir, HF_TOKENIZER))
-    elif tokenizer is not None:
-        dst = os.path.join(out_dir, TOKENIZER)
-        shutil.copyfile(tokenizer, dst + ".tmp")
-        os.replace(dst + ".tmp", dst)
-    return out_dir
-
-
-def load_state_dict_into(model, out_dir: str) -> None:
-    sd = torch.load(os.path.join(out_dir, WEIGHTS), map_location="cpu", weights_only=True)
-    model.load_state_dict(sd)
-
-
-def load_pretrained(out_dir: str, map_location="cpu"):
-    """The LM saved by ``export`` in out_dir."""
-    from ttt_lm.model import LM
-    cfg = load_config(os.path.join(out_dir, CONFIG))
-    model = LM(cfg.model)
-    model.load_state_dict(torch.load(os.path.join(out_dir, WEIGHTS), map_location=map_location, weights_only=True))
-    return model.eval()
 
 
 def main(argv=None) -> int:

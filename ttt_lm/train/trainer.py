@@ -1,14 +1,17 @@
-"""The training loop: DeepSpeed engine, checkpoints, exact resume, preemption and metrics.
+"""A training run: DeepSpeed engine, checkpoints, exact resume, preemption and metrics.
 
 ``main(argv)`` is what ``train.py`` runs; ``train(cfg)`` runs a resolved ExperimentConfig and
 returns the process exit status (0, or PREEMPTED_EXIT_CODE after a preemption checkpoint).
 
+``_train`` builds the pieces (process groups, model, engine, loaders, resume) and hands them to
+``ttt_lm.train.loop.Trainer``, whose ``fit()`` runs the steps; metrics, evaluation, the
+non-finite-loss stop, preemption and checkpoints are its callbacks (``ttt_lm.train.callbacks``).
 One step = ``train.grad_accum`` micro-batches per rank, then one optimizer update. With
 ``parallel.tensor_parallel`` = p > 1 the model is built whole from the same seed on every rank,
 then ``parallelize_tp`` keeps this rank's slice; the p ranks of a TP group read the same batches
 (the loaders are split over the world / p data-parallel ranks). With
 ``parallel.context_parallel`` = c > 1 the c ranks of a CP group also read the same batches and each
-computes its contiguous slice of every row (``ttt_lm.train.context.ContextParallelLM``); DeepSpeed
+computes its contiguous slice of every row (``ttt_lm.parallel.cp_model.ContextParallelLM``); DeepSpeed
 averages gradients over the dp × c ranks. A step whose
 loss is NaN/Inf on any rank is skipped: DeepSpeed sees a non-finite gradient norm and drops the
 update (optimizer state and the lr schedule do not move); the loop counts it and stops with
@@ -33,26 +36,21 @@ so that the data order continues exactly (README "Resuming").
 from __future__ import annotations
 
 import importlib.util
-import math
 import os
 import random
 import sys
-import time
 from typing import Optional, Sequence
 
 import numpy as np
 
 from ttt_lm.config import ConfigError, load_config, save_config, to_yaml
+from ttt_lm.train.callbacks import NonFiniteLossError  # noqa: F401 - raised by a callback; main() reports it
 from ttt_lm.train.preempt import PREEMPTED_EXIT_CODE, PreemptionFlag
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                               "configs", "tiny.yaml")
 #: model-config keys that may differ on resume: they choose kernels, not the model's shape
 RUNTIME_MODEL_KEYS = ("kernel_backend", "attention.backend", "compile", "compile_backend")
-
-
-class NonFiniteLossError(RuntimeError):
-    pass
 
 
 def _pos(batch: dict):
@@ -77,14 +75,15 @@ def parse_args(argv: Sequence[str]):
     return path, argv
 
 
-def main(argv: Optional[Sequence[str]] = None, data_api=None, preempt: Optional[PreemptionFlag] = None) -> int:
+def main(argv: Optional[Sequence[str]] = None, data_api=None, preempt: Optional[PreemptionFlag] = None,
+         callbacks: Sequence = ()) -> int:
     path, overrides = parse_args(sys.argv[1:] if argv is None else argv)
     from ttt_lm.train.checkpoint import CheckpointError
     from ttt_lm.data import DataError
     from ttt_lm.train.engine import ParallelConfigError
     try:
         cfg = load_config(path, overrides)
-        return train(cfg, data_api=data_api, preempt=preempt)
+        return train(cfg, data_api=data_api, preempt=preempt, callbacks=callbacks)
     except (ConfigError, CheckpointError, ParallelConfigError, NonFiniteLossError, DataError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2 if isinstance(e, (ConfigError, ParallelConfigError)) else 1
@@ -236,11 +235,12 @@ def _build_loader(data_api, cfg, dp_rank: int, dp_world: int, resume: Optional[s
     return data_api.build_train_loader(cfg.data, cfg.train.micro_batch_size, dp_rank, dp_world, total_streams=V)
 
 
-def train(cfg, data_api=None, preempt: Optional[PreemptionFlag] = None) -> int:
-    """Run ``cfg``; the run directory's lock (taken inside) is released however the run ends."""
+def train(cfg, data_api=None, preempt: Optional[PreemptionFlag] = None, callbacks: Sequence = ()) -> int:
+    """Run ``cfg``; the run directory's lock (taken inside) is released however the run ends.
+    ``callbacks`` (``ttt_lm.train.loop.Callback``) run after the built-in ones, on every rank."""
     held = []
     try:
-        return _train(cfg, data_api, preempt, held)
+        return _train(cfg, data_api, preempt, held, list(callbacks))
     finally:
         for lock in held:
             lock.release()
@@ -260,7 +260,7 @@ def _optim_changes(ckpt: str, cfg) -> list:
     return changed_hyperparameters(o, cfg.optim, old_total, cfg.optim.total_steps or cfg.train.max_steps)
 
 
-def _train(cfg, data_api, preempt, held) -> int:
+def _train(cfg, data_api, preempt, held, extra_callbacks=()) -> int:
     from ttt_lm.train.config import check_training_config
     try:
         check_training_config(cfg)
@@ -286,7 +286,7 @@ def _train(cfg, data_api, preempt, held) -> int:
     from ttt_lm.train import checkpoint as ck
     from ttt_lm.train.dist import init_distributed
     from ttt_lm.train.engine import build_engine
-    from ttt_lm.train.metrics import MetricsWriter, git_commit, memory_mb, mfu, resolve_peak_flops
+    from ttt_lm.train.metrics import MetricsWriter, git_commit, resolve_peak_flops
 
     if data_api is None:
         import ttt_lm.data as data_api
@@ -382,13 +382,13 @@ def _train(cfg, data_api, preempt, held) -> int:
     _seed_all(t.seed)  # same initial weights on every rank: each TP rank slices the same full model
     if cp > 1:
         from ttt_lm.parallel.context_parallel import wait_pending
-        from ttt_lm.train.context import ContextParallelLM
+        from ttt_lm.parallel.cp_model import ContextParallelLM
         model = ContextParallelLM(cfg.model, groups.cp_group, cfg.parallel.cp_pipeline_chunks)
     else:
         model = LM(cfg.model)
     model.activation_checkpointing = t.activation_checkpointing
     if t.init_from and resume is None:
-        from ttt_lm.train.export import load_state_dict_into
+        from ttt_lm.artifacts import load_state_dict_into
         load_state_dict_into(model, t.init_from)  # full weights: the conversion below slices them
     n_params = model.num_params()  # of the whole model, before TP keeps a slice per rank
     # which implementation every layer kind runs here (never a silent fallback: kernel_backend=triton
@@ -476,144 +476,29 @@ def _train(cfg, data_api, preempt, held) -> int:
         # hands them to the RG-LRU as segment positions. They stay on the host (see _pos).
         return {} if tp > 1 else {"position_ids": _pos(b)}
 
-    def save_ckpt():
-        nonlocal last_bytes
-        lost = ck.gather(held[0].lost if held else None)[0]
-        if lost:
-            raise RunDirInUse(f"{lost}: stopping without saving")
-        state = {"step": step, "tokens": tokens, "skipped_steps": skipped_total,
-                 "nonfinite_in_a_row": nonfinite_run, "dp_world": dp_world, "invariants": inv,
-                 "zero_stage": cfg.parallel.zero_stage, "tensor_parallel": tp, "context_parallel": cp,
-                 # parameter name → dimension sliced across TP ranks (export concatenates along it)
-                 "partition_dims": pdims, "time": time.time()}
-        path = ck.save(engine, ckpt_root, step, state, {"loader": loader.state_dict()}, cfg_yaml, rank,
-                       cfg.checkpoint.keep_last, need_bytes=last_bytes)
-        last_bytes = ck.checkpoint_bytes(path)
-        return path
-
-    def evaluate():
-        batches = []
-        for b in data_api.build_val_loader(cfg.data, t.micro_batch_size, dp_rank, dp_world):
-            batches.append(b)
-            if len(batches) >= cfg.eval.batches:
-                break
-        # every rank must run the same number of forwards (ZeRO-3 gathers parameters in them)
-        # collectives on the training device (NCCL reduces CUDA tensors only)
-        n = torch.tensor([len(batches)], dtype=torch.long, device=dev)
-        tdist.all_reduce(n, op=tdist.ReduceOp.MIN)
-        # the loss sum stays on the device; the host reads it once, after the last batch
-        tot = torch.zeros(2, dtype=torch.float64, device=dev)
-        engine.eval()
-        with torch.no_grad():
-            for b in batches[: int(n)]:
-                out = engine(b["input_ids"].to(dev), labels=b["labels"].to(dev), **fwd_kw(b))
-                # TP peers count the same batch: every replica weighs tp times, the mean is unchanged.
-                # CP peers hold loss shares whose mean is the rows' mean loss: weighing each by the
-                # rows' label count sums to cp × (the rows' summed loss) over cp × count.
-                cnt = int((b["labels"] != -100).sum())      # on the loader's host copy: no sync
-                tot[0] += out.loss.detach().to(torch.float64) * cnt
-                tot[1] += cnt
-        engine.train()
-        tdist.all_reduce(tot)
-        s, c = tot.tolist()
-        return s / c if c > 0 else float("nan")
-
-    last_saved = step if resume is not None else -1
-    bar = None
-    if rank == 0 and cfg.logging.progress:
-        from tqdm import tqdm
-        bar = tqdm(total=t.max_steps, initial=step, desc="train", unit="step", dynamic_ncols=True, leave=True)
-
-    exit_code = 0
-    engine.train()
-    while step < t.max_steps:
-        t0 = time.perf_counter()
-        lr = sched.get_last_lr()[0]
-        # summed on the device: the host reads it once per step, not once per micro-batch
-        loss_sum = torch.zeros((), dtype=torch.float64, device=dev)
-        local_tokens = 0
-        engine.module.set_train_step(step + 1)   # schedules inside the model (TTT's η_base warmup)
-        for _ in range(t.grad_accum):
-            b = next(batches)
-            ids = b["input_ids"].to(dev, non_blocking=True)
-            out = engine(ids, labels=b["labels"].to(dev, non_blocking=True), **fwd_kw(b))
-            engine.backward(out.loss)
-            if cp > 1:
-                wait_pending()  # the state sends of the backward pass
-            engine.step()
-            loss_sum += out.loss.detach().to(torch.float64)
-            local_tokens += ids.numel()
-        # one collective per step: mean loss over ranks, and whether any rank was signalled.
-        # TP peers hold the same (full, vocab-parallel) loss of the same batch and CP peers loss
-        # shares whose mean is that loss, so the mean over the world is the mean over the
-        # data-parallel replicas.
-        # Built on the training device (NCCL reduces CUDA tensors only) and read on the host once.
-        agg = torch.stack([loss_sum / t.grad_accum,
-                           torch.tensor(float(preempt.requested), dtype=torch.float64, device=dev)])
-        tdist.all_reduce(agg)
-        agg = agg.tolist()
-        loss = agg[0] / world
-        step += 1
-        tokens += local_tokens * dp_world
-        applied = engine.was_step_applied()
-        skipped = not math.isfinite(loss) or not applied
-        if skipped:
-            skipped_total += 1
-            nonfinite_run += 1
-        else:
-            nonfinite_run = 0
-        gn = engine.get_global_grad_norm()
-        gn = float(gn) if gn is not None else None
-        dt = time.perf_counter() - t0
-        tps = local_tokens * dp_world / dt
-        rec = {"kind": "train", "step": step, "loss": loss, "lr": lr, "grad_norm": gn if not skipped else None,
-               "tokens": tokens, "tokens_per_s": tps, "mfu": mfu(tps, fpt, peak, world),
-               "step_time_s": dt, "skipped": skipped, "skipped_total": skipped_total, **memory_mb(device)}
-        log.log(rec)
-        if bar is not None:
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tps:.0f}",
-                            **({"mfu": f"{rec['mfu']:.1%}"} if rec["mfu"] is not None else {}))
-        if rank == 0 and cfg.logging.log_every and step % cfg.logging.log_every == 0 and bar is None:
-            print(f"[train] step {step}/{t.max_steps} loss {loss:.4f} lr {lr:.3e} tok/s {tps:.0f}"
-                  + (f" mfu {rec['mfu']:.1%}" if rec["mfu"] is not None else ""), flush=True)
-        if nonfinite_run >= t.max_nonfinite_steps:
-            good = ck.find_latest(ckpt_root)  # no checkpoint is saved after a non-finite loss
-            raise NonFiniteLossError(
-                f"loss was NaN/Inf for {nonfinite_run} steps in a row (steps {step - nonfinite_run + 1}..{step}; "
-                f"train.max_nonfinite_steps={t.max_nonfinite_steps}); those updates were skipped. The last good "
-                f"checkpoint is {good or '(none: the run starts from scratch)'}; running the same command again "
-                "resumes from it, with a lower optim.lr (applied from the resumed step on) or after checking "
-                "the data")
-        if cfg.eval.every and step % cfg.eval.every == 0:
-            vl = evaluate()
-            log.log({"kind": "val", "step": step, "loss": vl, "ppl": math.exp(min(vl, 700.0))})
-            if rank == 0:
-                line = f"[val] step {step} loss {vl:.4f} ppl {math.exp(min(vl, 700.0)):.2f}"
-                bar.write(line) if bar is not None else print(line, flush=True)
-        preempted = agg[1] > 0
-        stop_here = t.stop_after is not None and step >= t.stop_after
-        if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or preempted or stop_here:
-            if nonfinite_run == 0:
-                save_ckpt()
-                last_saved = step
-            elif rank == 0:
-                print(f"[train] no checkpoint at step {step}: its loss was non-finite "
-                      f"({nonfinite_run} in a row); the newest checkpoint stays the last good one", flush=True)
-        if preempted:
-            exit_code = PREEMPTED_EXIT_CODE
-            if rank == 0:
-                print(f"\n[train] preempted at step {step}: "
-                      + ("checkpoint saved" if last_saved == step else "no checkpoint (non-finite loss)")
-                      + f"; exiting with {exit_code}", flush=True)
-            break
-        if stop_here:
-            break
-    if exit_code == 0 and cfg.checkpoint.at_end and last_saved != step and nonfinite_run == 0:
-        save_ckpt()
-    if bar is not None:
-        bar.close()
-    log.close()
+    from ttt_lm.train.callbacks import (CheckpointCallback, EvalCallback, MetricsCallback, NonFiniteLossCallback,
+                                        PreemptionCallback)
+    from ttt_lm.train.loop import Trainer
+    callbacks = [
+        MetricsCallback(log, device, fpt, peak, cfg.logging.log_every, cfg.logging.progress),
+        NonFiniteLossCallback(t.max_nonfinite_steps, lambda: ck.find_latest(ckpt_root)),
+        EvalCallback(lambda: data_api.build_val_loader(cfg.data, t.micro_batch_size, dp_rank, dp_world),
+                     cfg.eval.every, cfg.eval.batches, log),
+        PreemptionCallback(),
+        CheckpointCallback(engine, ckpt_root, loader, cfg_yaml,
+                           {"dp_world": dp_world, "invariants": inv, "zero_stage": cfg.parallel.zero_stage,
+                            "tensor_parallel": tp, "context_parallel": cp, "partition_dims": pdims},
+                           rank, cfg.checkpoint.every, cfg.checkpoint.at_end, cfg.checkpoint.keep_last,
+                           lock=held[0] if held else None, last_bytes=last_bytes),
+        *extra_callbacks,
+    ]
+    trainer = Trainer(engine=engine, scheduler=sched, batches=batches, device=dev, max_steps=t.max_steps,
+                      grad_accum=t.grad_accum, rank=rank, world=world, dp_world=dp_world, callbacks=callbacks,
+                      signalled=lambda: preempt.requested, forward_kwargs=fwd_kw,
+                      after_backward=wait_pending if cp > 1 else None, stop_after=t.stop_after,
+                      step=step, tokens=tokens, skipped_total=skipped_total, nonfinite_run=nonfinite_run)
+    trainer.last_saved = step if resume is not None else -1
+    exit_code = trainer.fit()
     if rank == 0:
         latest = ck.find_latest(ckpt_root)
         print(f"[train] run directory: {os.path.abspath(run_dir)}\n"

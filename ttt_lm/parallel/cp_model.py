@@ -21,7 +21,7 @@ different buckets against each other. The forward therefore runs the model on ga
 parameters: a chain of identity autograd Functions, one per parameter, each of whose backward waits
 for the next one's, so every parameter's gradient is accumulated at the end of the backward pass,
 in reverse parameter order, on every rank alike (and unused parameters get an exact zero).
-ZeRO-3 is refused (``check_parallel``): its parameters are gathered by module hooks during the
+ZeRO-3 is refused (``ttt_lm.train.engine.check_parallel``): its parameters are gathered by module hooks during the
 forward and backward, which the gated copies bypass.
 """
 from __future__ import annotations

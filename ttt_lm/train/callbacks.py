@@ -1,0 +1,209 @@
+"""The training loop's callbacks: metrics, the non-finite-loss stop, evaluation, preemption and
+checkpoints (``ttt_lm.train.loop.Trainer`` calls their hooks).
+
+``ttt_lm.train.trainer`` registers them in this order, which is the order of their ``post_step``
+(``post_train`` runs in reverse)::
+
+    MetricsCallback        the step's record to metrics.jsonl / TensorBoard / W&B, the console line
+    NonFiniteLossCallback  NonFiniteLossError after train.max_nonfinite_steps non-finite losses in a row
+    EvalCallback           validation loss every eval.every steps (its batches read once, then kept)
+    PreemptionCallback     a signalled rank (SIGTERM/SIGUSR1) stops the run with PREEMPTED_EXIT_CODE
+    CheckpointCallback     every checkpoint.every steps, on any stop request, and at the end
+
+A step whose loss is non-finite on any rank is never checkpointed: the newest checkpoint is
+always one saved after a finite loss.
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import Callable, List, Optional
+
+from ttt_lm.train.loop import Callback, Trainer
+from ttt_lm.train.preempt import PREEMPTED_EXIT_CODE
+
+
+class NonFiniteLossError(RuntimeError):
+    pass
+
+
+class MetricsCallback(Callback):
+    """Writes each step's record (with MFU and memory) through ``writer`` (a ``MetricsWriter``),
+    shows a tqdm progress bar on rank 0 when ``progress``, else prints a line every ``log_every``
+    steps. Closes the writer at the end."""
+
+    def __init__(self, writer, device: str, flops_per_token: float, peak_flops: Optional[float],
+                 log_every: int, progress: bool):
+        self.writer, self.device, self.fpt, self.peak = writer, device, flops_per_token, peak_flops
+        self.log_every, self.progress = log_every, progress
+        self.bar = None
+
+    def pre_train(self, trainer: Trainer) -> None:
+        if trainer.rank == 0 and self.progress:
+            from tqdm import tqdm
+            self.bar = tqdm(total=trainer.max_steps, initial=trainer.step, desc="train", unit="step",
+                            dynamic_ncols=True, leave=True)
+            trainer.write = self.bar.write
+
+    def post_step(self, trainer: Trainer) -> None:
+        from ttt_lm.train.metrics import memory_mb, mfu
+        r, step = trainer.record, trainer.step
+        tps = r["tokens_per_s"]
+        rec = {**{k: r[k] for k in ("kind", "step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s")},
+               "mfu": mfu(tps, self.fpt, self.peak, trainer.world),
+               **{k: r[k] for k in ("step_time_s", "skipped", "skipped_total")}, **memory_mb(self.device)}
+        trainer.record = rec
+        self.writer.log(rec)
+        loss, lr = rec["loss"], rec["lr"]
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tps:.0f}",
+                                 **({"mfu": f"{rec['mfu']:.1%}"} if rec["mfu"] is not None else {}))
+        if trainer.rank == 0 and self.log_every and step % self.log_every == 0 and self.bar is None:
+            print(f"[train] step {step}/{trainer.max_steps} loss {loss:.4f} lr {lr:.3e} tok/s {tps:.0f}"
+                  + (f" mfu {rec['mfu']:.1%}" if rec["mfu"] is not None else ""), flush=True)
+
+    def post_train(self, trainer: Trainer) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        self.writer.close()
+
+
+class NonFiniteLossCallback(Callback):
+    """Ends the run with NonFiniteLossError after ``max_in_a_row`` steps in a row whose loss was
+    NaN/Inf (their updates were skipped by DeepSpeed), naming the last good checkpoint."""
+
+    def __init__(self, max_in_a_row: int, latest_checkpoint: Callable[[], Optional[str]]):
+        self.max_in_a_row, self.latest_checkpoint = max_in_a_row, latest_checkpoint
+
+    def post_step(self, trainer: Trainer) -> None:
+        n, step = trainer.nonfinite_run, trainer.step
+        if n >= self.max_in_a_row:
+            good = self.latest_checkpoint()  # no checkpoint is saved after a non-finite loss
+            raise NonFiniteLossError(
+                f"loss was NaN/Inf for {n} steps in a row (steps {step - n + 1}..{step}; "
+                f"train.max_nonfinite_steps={self.max_in_a_row}); those updates were skipped. The last good "
+                f"checkpoint is {good or '(none: the run starts from scratch)'}; running the same command again "
+                "resumes from it, with a lower optim.lr (applied from the resumed step on) or after checking "
+                "the data")
+
+
+class EvalCallback(Callback):
+    """Validation loss every ``every`` steps over the first ``n_batches`` batches of
+    ``build_loader()`` (built and read once, at the first evaluation; every pass then uses the same
+    batches), averaged over label tokens and ranks; logged as a ``kind: val`` record."""
+
+    def __init__(self, build_loader: Callable[[], object], every: int, n_batches: int, writer):
+        self.build_loader, self.every, self.n_batches, self.writer = build_loader, every, n_batches, writer
+        self.batches: Optional[List[dict]] = None
+
+    def _val_batches(self, trainer: Trainer) -> List[dict]:
+        if self.batches is None:
+            import torch
+            import torch.distributed as tdist
+            batches = []
+            for b in self.build_loader():
+                batches.append(b)
+                if len(batches) >= self.n_batches:
+                    break
+            # every rank must run the same number of forwards (ZeRO-3 gathers parameters in them)
+            # collectives on the training device (NCCL reduces CUDA tensors only)
+            n = torch.tensor([len(batches)], dtype=torch.long, device=trainer.device)
+            tdist.all_reduce(n, op=tdist.ReduceOp.MIN)
+            self.batches = batches[: int(n)]
+        return self.batches
+
+    def evaluate(self, trainer: Trainer) -> float:
+        import torch
+        import torch.distributed as tdist
+        engine, dev = trainer.engine, trainer.device
+        batches = self._val_batches(trainer)
+        # the loss sum stays on the device; the host reads it once, after the last batch
+        tot = torch.zeros(2, dtype=torch.float64, device=dev)
+        engine.eval()
+        with torch.no_grad():
+            for b in batches:
+                out = engine(b["input_ids"].to(dev), labels=b["labels"].to(dev), **trainer.forward_kwargs(b))
+                # TP peers count the same batch: every replica weighs tp times, the mean is unchanged.
+                # CP peers hold loss shares whose mean is the rows' mean loss: weighing each by the
+                # rows' label count sums to cp × (the rows' summed loss) over cp × count.
+                cnt = int((b["labels"] != -100).sum())      # on the loader's host copy: no sync
+                tot[0] += out.loss.detach().to(torch.float64) * cnt
+                tot[1] += cnt
+        engine.train()
+        tdist.all_reduce(tot)
+        s, c = tot.tolist()
+        return s / c if c > 0 else float("nan")
+
+    def post_step(self, trainer: Trainer) -> None:
+        step = trainer.step
+        if not (self.every and step % self.every == 0):
+            return
+        vl = self.evaluate(trainer)
+        ppl = math.exp(min(vl, 700.0))
+        self.writer.log({"kind": "val", "step": step, "loss": vl, "ppl": ppl})
+        if trainer.rank == 0:
+            trainer.write(f"[val] step {step} loss {vl:.4f} ppl {ppl:.2f}")
+
+
+class PreemptionCallback(Callback):
+    """When any rank was signalled during a step (``trainer.preempted``, from the step's
+    collective), stops the run with PREEMPTED_EXIT_CODE; the checkpoint callback, after this one,
+    saves the step. The Slurm scripts requeue a job that exits with it."""
+
+    def post_step(self, trainer: Trainer) -> None:
+        if trainer.preempted:
+            trainer.request_stop(PREEMPTED_EXIT_CODE)
+
+    def post_train(self, trainer: Trainer) -> None:
+        if trainer.preempted and trainer.rank == 0:
+            print(f"\n[train] preempted at step {trainer.step}: "
+                  + ("checkpoint saved" if trainer.last_saved == trainer.step else "no checkpoint (non-finite loss)")
+                  + f"; exiting with {trainer.exit_code}", flush=True)
+
+
+class CheckpointCallback(Callback):
+    """Saves a checkpoint (``ttt_lm.train.checkpoint.save``) every ``every`` steps, after a step
+    that requested a stop (preemption, train.stop_after), and at the end when ``at_end`` — never
+    after a step whose loss was non-finite. ``state`` holds what every checkpoint's state records
+    besides the counters (dp_world, invariants, parallel sizes); ``lock`` is the run directory's
+    lock on rank 0 (None elsewhere): a lost lock stops the run without saving."""
+
+    def __init__(self, engine, root: str, loader, config_yaml: str, state: dict, rank: int, every: int,
+                 at_end: bool, keep_last: int, lock=None, last_bytes: Optional[int] = None):
+        self.engine, self.root, self.loader, self.config_yaml = engine, root, loader, config_yaml
+        self.state, self.rank, self.every, self.at_end, self.keep_last = state, rank, every, at_end, keep_last
+        self.lock, self.last_bytes = lock, last_bytes
+
+    def save(self, trainer: Trainer) -> str:
+        from ttt_lm.train import checkpoint as ck
+        from ttt_lm.train.lock import RunDirInUse
+        lost = ck.gather(self.lock.lost if self.lock is not None else None)[0]
+        if lost:
+            raise RunDirInUse(f"{lost}: stopping without saving")
+        s = self.state
+        state = {"step": trainer.step, "tokens": trainer.tokens, "skipped_steps": trainer.skipped_total,
+                 "nonfinite_in_a_row": trainer.nonfinite_run, "dp_world": s["dp_world"], "invariants": s["invariants"],
+                 "zero_stage": s["zero_stage"], "tensor_parallel": s["tensor_parallel"],
+                 "context_parallel": s["context_parallel"],
+                 # parameter name → dimension sliced across TP ranks (export concatenates along it)
+                 "partition_dims": s["partition_dims"], "time": time.time()}
+        path = ck.save(self.engine, self.root, trainer.step, state, {"loader": self.loader.state_dict()},
+                       self.config_yaml, self.rank, self.keep_last, need_bytes=self.last_bytes)
+        self.last_bytes = ck.checkpoint_bytes(path)
+        trainer.last_saved = trainer.step
+        return path
+
+    def post_step(self, trainer: Trainer) -> None:
+        step = trainer.step
+        if (self.every and step % self.every == 0) or trainer.stop_requested:
+            if trainer.nonfinite_run == 0:
+                self.save(trainer)
+            elif self.rank == 0:
+                print(f"[train] no checkpoint at step {step}: its loss was non-finite "
+                      f"({trainer.nonfinite_run} in a row); the newest checkpoint stays the last good one", flush=True)
+
+    def post_train(self, trainer: Trainer) -> None:
+        if (trainer.exit_code == 0 and self.at_end and trainer.last_saved != trainer.step
+                and trainer.nonfinite_run == 0):
+            self.save(trainer)
