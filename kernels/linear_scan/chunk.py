@@ -281,30 +281,68 @@ def _backward(la, bx, states, g, g_final, h0_dtype, cu, BT, nseg):
     return dla, db, dh0
 
 
-class LinearScanFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, log_a, b, initial_state, cu_seqlens, BT, nseg):
-        log_a, b = log_a.contiguous(), b.contiguous()
-        h0 = initial_state.contiguous() if initial_state is not None else None
-        store = any(ctx.needs_input_grad[:3])
-        h, ht, states = _forward(log_a, b, h0, cu_seqlens, BT, nseg, store)
-        ctx.save_for_backward(log_a, b, states, cu_seqlens)
-        ctx.h0_dtype = h0.dtype if h0 is not None else None
-        ctx.BT, ctx.nseg = BT, nseg
-        return h, ht
-
-    @staticmethod
-    def backward(ctx, g, g_final):
-        log_a, b, states, cu_seqlens = ctx.saved_tensors
-        g = g.contiguous() if g is not None else torch.zeros_like(b)
-        g_final = g_final.contiguous() if g_final is not None else None
-        dla, db, dh0 = _backward(log_a, b, states, g, g_final, ctx.h0_dtype, cu_seqlens, ctx.BT, ctx.nseg)
-        return dla, db, dh0, None, None, None
+# The op is a PyTorch custom op (torch.library): torch.compile (model.compile) captures it as one
+# opaque node of the block's graph, with shapes from the fake implementations and the backward
+# registered below, instead of tracing the Triton launches or breaking the graph.
+@torch.library.custom_op("kernels::linear_scan_fwd", mutates_args=())
+def _fwd_op(log_a: torch.Tensor, b: torch.Tensor, initial_state: Optional[torch.Tensor],
+            cu_seqlens: Optional[torch.Tensor], BT: int, nseg: int, store_states: bool
+            ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """h, final state, tile-start states ([0, D] when not stored)."""
+    h, ht, states = _forward(log_a, b, initial_state, cu_seqlens, BT, nseg, store_states)
+    if states is None:
+        states = torch.empty(0, b.shape[2], dtype=ht.dtype, device=b.device)
+    return h, ht, states
 
 
-# torch.compile (model.compile) runs this op as an opaque call, not traced: Triton launches and the
-# autograd.Function stay as they are in eager mode
-@torch.compiler.disable
+@_fwd_op.register_fake
+def _(log_a, b, initial_state, cu_seqlens, BT, nseg, store_states):
+    _, T, D = b.shape
+    varlen = cu_seqlens is not None
+    NB = cu_seqlens.shape[0] - 1 if varlen else b.shape[0]
+    acc = acc_dtype(b.dtype)
+    rows = _state_rows(NB, T, BT, varlen) if store_states else 0
+    return (torch.empty_like(b), b.new_empty(NB, D, dtype=acc), b.new_empty(rows, D, dtype=acc))
+
+
+@torch.library.custom_op("kernels::linear_scan_bwd", mutates_args=())
+def _bwd_op(log_a: torch.Tensor, b: torch.Tensor, states: torch.Tensor, g: torch.Tensor,
+            g_final: Optional[torch.Tensor], h0_dtype: Optional[torch.dtype], cu_seqlens: Optional[torch.Tensor],
+            BT: int, nseg: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """d log_a, d b, d initial_state ([0, D] when there is none)."""
+    dla, db, dh0 = _backward(log_a, b, states, g, g_final, h0_dtype, cu_seqlens, BT, nseg)
+    if dh0 is None:
+        dh0 = torch.empty(0, b.shape[2], dtype=b.dtype, device=b.device)
+    return dla, db, dh0
+
+
+@_bwd_op.register_fake
+def _(log_a, b, states, g, g_final, h0_dtype, cu_seqlens, BT, nseg):
+    NB = cu_seqlens.shape[0] - 1 if cu_seqlens is not None else b.shape[0]
+    dh0 = (b.new_empty(NB, b.shape[2], dtype=h0_dtype) if h0_dtype is not None
+           else b.new_empty(0, b.shape[2]))
+    return torch.empty_like(log_a), torch.empty_like(b), dh0
+
+
+def _setup_context(ctx, inputs, output):
+    log_a, b, h0, cu_seqlens, BT, nseg, _ = inputs
+    ctx.save_for_backward(log_a, b, output[2], cu_seqlens)
+    ctx.h0_dtype = h0.dtype if h0 is not None else None
+    ctx.BT, ctx.nseg = BT, nseg
+    ctx.mark_non_differentiable(output[2])
+
+
+def _backward_rule(ctx, g, g_final, _g_states):
+    log_a, b, states, cu_seqlens = ctx.saved_tensors
+    g = g.contiguous() if g is not None else torch.zeros_like(b)
+    g_final = g_final.contiguous() if g_final is not None else None
+    dla, db, dh0 = _bwd_op(log_a, b, states, g, g_final, ctx.h0_dtype, cu_seqlens, ctx.BT, ctx.nseg)
+    return dla, db, (dh0 if ctx.h0_dtype is not None else None), None, None, None, None
+
+
+_fwd_op.register_autograd(_backward_rule, setup_context=_setup_context)
+
+
 def linear_scan_triton(log_a: torch.Tensor, b: torch.Tensor, initial_state: Optional[torch.Tensor] = None,
                        output_final_state: bool = False, chunk_size: int = 64,
                        cu_seqlens: Optional[torch.Tensor] = None, num_segments: Optional[int] = None
@@ -337,8 +375,10 @@ def linear_scan_triton(log_a: torch.Tensor, b: torch.Tensor, initial_state: Opti
         nseg = max(1, min(int(num_segments), triton.cdiv(T, BT)))
     else:
         nseg = _pick_segments(B, D, T, BT, b.device, False)
-    h, ht = LinearScanFunction.apply(log_a, b, initial_state, cu_seqlens, BT, nseg)
+    h0 = initial_state.contiguous() if initial_state is not None else None
+    store = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (log_a, b, h0))
+    h, ht, _ = _fwd_op(log_a.contiguous(), b.contiguous(), h0, cu_seqlens, BT, nseg, store)
     return h, (ht if output_final_state else None)
 
 
-__all__ = ["linear_scan_triton", "LinearScanFunction"]
+__all__ = ["linear_scan_triton"]
