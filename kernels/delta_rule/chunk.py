@@ -492,80 +492,136 @@ def launch_meta(DK: int, DV: int, dtype: torch.dtype, arch: int = INTERPRET_ARCH
     return mt
 
 
-class DeltaRuleChunkFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, beta, initial_state, cu_seqlens, C, output_final_state, mt):
-        B, H, T, DK = k.shape
-        DV = v.shape[-1]
-        q, k, v, beta = (t.contiguous() for t in (q, k, v, beta))
-        acc = _acc_dtype(k)
-        N, NC, chunk_offsets, chunk_indices = _layout(B, T, C, cu_seqlens, k.device)
-        BK, BV = mt["BK"], mt["BV"]
-        NV = triton.cdiv(DV, BV)
-        ACC = _TL[acc]
-        EMU = is_interpreting()
-        common = dict(C=C, IS_VARLEN=cu_seqlens is not None, ACC=ACC, EMU=EMU, num_stages=mt["stages"])
-        Tm = torch.empty(B, H, T, C, dtype=acc, device=k.device)
-        W = torch.empty(B, H, T, DK, dtype=acc, device=k.device)
-        U = torch.empty(B, H, T, DV, dtype=acc, device=k.device)
-        VN = torch.empty_like(U)
-        Hs = torch.empty(max(NC, 1), H, DK, DV, dtype=acc, device=k.device)
-        o = torch.empty(B, H, T, DV, dtype=v.dtype, device=v.device)
-        h0 = None if initial_state is None else initial_state.to(acc).contiguous()
-        ht = torch.empty(N, H, DK, DV, dtype=acc, device=k.device) if output_final_state else None
-        cu = cu_seqlens
-        if NC > 0:
-            _wy_inv[(NC, H)](k, beta, Tm, cu, chunk_offsets, chunk_indices, T, H, DK=DK, BK=BK,
-                             PK=mt["PREC"], PS=mt["PS"], num_warps=mt["warps_inv"], **common)
-            BKW, BVW = mt["BKW"], mt["BVW"]
-            _wy_fwd[(NC, H, triton.cdiv(DK, BKW) + triton.cdiv(DV, BVW))](
-                k, v, beta, Tm, W, U, cu, chunk_offsets, chunk_indices, T, H, DK=DK, DV=DV, BK=BKW, BV=BVW,
-                PS=mt["PS"], num_warps=mt["warps_wy"], **common)
-        _fwd_state[(NV, N * H)](q, k, W, U, Hs, VN, o, h0, ht, cu, chunk_offsets, T, H,
-                                DK=DK, DV=DV, BK=BK, BV=BV, USE_H0=h0 is not None, STORE_HT=ht is not None,
-                                PREC=mt["PREC"], PS=mt["PS"], num_warps=mt["warps_state"], **common)
-        ctx.save_for_backward(q, k, v, beta, Tm, W, VN, Hs, cu_seqlens, chunk_offsets, chunk_indices)
-        ctx.meta = (N, NC, NV, mt, common, initial_state is not None,
-                    None if initial_state is None else initial_state.dtype)
-        if ht is not None:
-            return o, ht
-        return o
-
-    @staticmethod
-    def backward(ctx, do, dht=None):
-        q, k, v, beta, Tm, W, VN, Hs, cu, chunk_offsets, chunk_indices = ctx.saved_tensors
-        N, NC, NV, mt, common, has_h0, h0_dtype = ctx.meta
-        BK, BV = mt["BK"], mt["BV"]
-        B, H, T, DK = k.shape
-        DV = v.shape[-1]
-        do = do.contiguous()
-        dht = None if dht is None else dht.contiguous()
-        dHs = torch.empty_like(Hs)
-        dVN = torch.empty_like(VN)
-        dh0 = torch.empty(N, H, DK, DV, dtype=Hs.dtype, device=k.device) if has_h0 else None
-        _bwd_state[(NV, N * H)](q, k, W, do, dht, dHs, dVN, dh0, cu, chunk_offsets, T, H,
-                                DK=DK, DV=DV, BK=BK, BV=BV, USE_DHT=dht is not None, STORE_DH0=has_h0,
-                                PREC=mt["PREC"], PS=mt["PS"], num_warps=mt["warps_state"], **common)
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        dbeta = torch.empty_like(beta)
-        if NC > 0:
-            acc = Hs.dtype
-            dk_part = torch.empty(B, H, T, DK, dtype=acc, device=k.device)
-            dw = torch.empty_like(dk_part)
-            _bwd_dqk[(NC, H)](q, k, VN, do, dVN, Hs, dHs, dq, dk_part, dw, cu, chunk_offsets, chunk_indices, T, H,
-                              DK=DK, DV=DV, BK=BK, BV=BV, PREC=mt["PREC"], PS=mt["PS"],
-                              num_warps=mt["warps_chunk"], **common)
-            _bwd_wy[(NC, H)](k, v, beta, Tm, dVN, dk_part, dw, dk, dv, dbeta, cu, chunk_offsets, chunk_indices,
-                             T, H, DK=DK, DV=DV, BK=BK, BV=BV, PREC=mt["PREC"], PS=mt["PS"],
-                             num_warps=mt["warps_chunk"], **common)
-        if dh0 is not None:
-            dh0 = dh0.to(h0_dtype)
-        return dq, dk, dv, dbeta, dh0, None, None, None, None
+# The op is a PyTorch custom op (torch.library): torch.compile (model.compile) captures it as one
+# opaque node of the block's graph, with shapes from the fake implementations and the backward
+# registered below, instead of tracing the Triton launches or breaking the graph. The launch
+# config is recomputed inside from (d_k, d_v, dtype, arch); the varlen chunk layout from cu_seqlens.
+@torch.library.custom_op("kernels::delta_rule_fwd", mutates_args=())
+def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
+            initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], C: int, arch: int,
+            output_final_state: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                               torch.Tensor, torch.Tensor]:
+    """o, final state ([0] when not asked for), and what the backward reads: Tm, W, VN, Hs."""
+    mt = launch_meta(k.shape[-1], v.shape[-1], q.dtype, arch)
+    B, H, T, DK = k.shape
+    DV = v.shape[-1]
+    q, k, v, beta = (t.contiguous() for t in (q, k, v, beta))
+    acc = _acc_dtype(k)
+    N, NC, chunk_offsets, chunk_indices = _layout(B, T, C, cu_seqlens, k.device)
+    BK, BV = mt["BK"], mt["BV"]
+    NV = triton.cdiv(DV, BV)
+    ACC = _TL[acc]
+    EMU = is_interpreting()
+    common = dict(C=C, IS_VARLEN=cu_seqlens is not None, ACC=ACC, EMU=EMU, num_stages=mt["stages"])
+    Tm = torch.empty(B, H, T, C, dtype=acc, device=k.device)
+    W = torch.empty(B, H, T, DK, dtype=acc, device=k.device)
+    U = torch.empty(B, H, T, DV, dtype=acc, device=k.device)
+    VN = torch.empty_like(U)
+    Hs = torch.empty(max(NC, 1), H, DK, DV, dtype=acc, device=k.device)
+    o = torch.empty(B, H, T, DV, dtype=v.dtype, device=v.device)
+    h0 = None if initial_state is None else initial_state.to(acc).contiguous()
+    ht = torch.empty(N, H, DK, DV, dtype=acc, device=k.device) if output_final_state else None
+    cu = cu_seqlens
+    if NC > 0:
+        _wy_inv[(NC, H)](k, beta, Tm, cu, chunk_offsets, chunk_indices, T, H, DK=DK, BK=BK,
+                         PK=mt["PREC"], PS=mt["PS"], num_warps=mt["warps_inv"], **common)
+        BKW, BVW = mt["BKW"], mt["BVW"]
+        _wy_fwd[(NC, H, triton.cdiv(DK, BKW) + triton.cdiv(DV, BVW))](
+            k, v, beta, Tm, W, U, cu, chunk_offsets, chunk_indices, T, H, DK=DK, DV=DV, BK=BKW, BV=BVW,
+            PS=mt["PS"], num_warps=mt["warps_wy"], **common)
+    _fwd_state[(NV, N * H)](q, k, W, U, Hs, VN, o, h0, ht, cu, chunk_offsets, T, H,
+                            DK=DK, DV=DV, BK=BK, BV=BV, USE_H0=h0 is not None, STORE_HT=ht is not None,
+                            PREC=mt["PREC"], PS=mt["PS"], num_warps=mt["warps_state"], **common)
+    if ht is None:
+        ht = o.new_empty(0, dtype=acc)
+    return o, ht, Tm, W, VN, Hs
 
 
-# torch.compile (model.compile) runs this op as an opaque call, not traced: Triton launches and the
-# autograd.Function stay as they are in eager mode
-@torch.compiler.disable
+@_fwd_op.register_fake
+def _(q, k, v, beta, initial_state, cu_seqlens, C, arch, output_final_state):
+    B, H, T, DK = k.shape
+    DV = v.shape[-1]
+    acc = _acc_dtype(k)
+    if cu_seqlens is None:
+        N, NC = B, B * triton.cdiv(T, C)
+    else:   # chunks per sequence depend on the offsets' values
+        N, NC = cu_seqlens.shape[0] - 1, torch.library.get_ctx().new_dynamic_size()
+    Tm = k.new_empty(B, H, T, C, dtype=acc)
+    W = k.new_empty(B, H, T, DK, dtype=acc)
+    U = k.new_empty(B, H, T, DV, dtype=acc)
+    Hs = k.new_empty(torch.sym_max(NC, 1), H, DK, DV, dtype=acc)
+    ht = k.new_empty(N, H, DK, DV, dtype=acc) if output_final_state else k.new_empty(0, dtype=acc)
+    return torch.empty_like(v), ht, Tm, W, U, Hs
+
+
+@torch.library.custom_op("kernels::delta_rule_bwd", mutates_args=())
+def _bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, Tm: torch.Tensor,
+            W: torch.Tensor, VN: torch.Tensor, Hs: torch.Tensor, do: torch.Tensor, dht: Optional[torch.Tensor],
+            cu_seqlens: Optional[torch.Tensor], C: int, arch: int, h0_dtype: Optional[torch.dtype]
+            ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv, dbeta, d initial_state ([0] when there is none)."""
+    cu = cu_seqlens
+    q, k, v, beta = (t.contiguous() for t in (q, k, v, beta))
+    mt = launch_meta(k.shape[-1], v.shape[-1], q.dtype, arch)
+    BK, BV = mt["BK"], mt["BV"]
+    B, H, T, DK = k.shape
+    DV = v.shape[-1]
+    N, NC, chunk_offsets, chunk_indices = _layout(B, T, C, cu, k.device)
+    NV = triton.cdiv(DV, BV)
+    has_h0 = h0_dtype is not None
+    common = dict(C=C, IS_VARLEN=cu is not None, ACC=_TL[Hs.dtype], EMU=is_interpreting(),
+                  num_stages=mt["stages"])
+    do = do.contiguous()
+    dht = None if dht is None else dht.contiguous()
+    dHs = torch.empty_like(Hs)
+    dVN = torch.empty_like(VN)
+    dh0 = torch.empty(N, H, DK, DV, dtype=Hs.dtype, device=k.device) if has_h0 else None
+    _bwd_state[(NV, N * H)](q, k, W, do, dht, dHs, dVN, dh0, cu, chunk_offsets, T, H,
+                            DK=DK, DV=DV, BK=BK, BV=BV, USE_DHT=dht is not None, STORE_DH0=has_h0,
+                            PREC=mt["PREC"], PS=mt["PS"], num_warps=mt["warps_state"], **common)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dbeta = torch.empty_like(beta)
+    if NC > 0:
+        acc = Hs.dtype
+        dk_part = torch.empty(B, H, T, DK, dtype=acc, device=k.device)
+        dw = torch.empty_like(dk_part)
+        _bwd_dqk[(NC, H)](q, k, VN, do, dVN, Hs, dHs, dq, dk_part, dw, cu, chunk_offsets, chunk_indices, T, H,
+                          DK=DK, DV=DV, BK=BK, BV=BV, PREC=mt["PREC"], PS=mt["PS"],
+                          num_warps=mt["warps_chunk"], **common)
+        _bwd_wy[(NC, H)](k, v, beta, Tm, dVN, dk_part, dw, dk, dv, dbeta, cu, chunk_offsets, chunk_indices,
+                         T, H, DK=DK, DV=DV, BK=BK, BV=BV, PREC=mt["PREC"], PS=mt["PS"],
+                         num_warps=mt["warps_chunk"], **common)
+    dh0 = dh0.to(h0_dtype) if dh0 is not None else q.new_empty(0)
+    return dq, dk, dv, dbeta, dh0
+
+
+@_bwd_op.register_fake
+def _(q, k, v, beta, Tm, W, VN, Hs, do, dht, cu_seqlens, C, arch, h0_dtype):
+    B, H, T, DK = k.shape
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    dh0 = k.new_empty(N, H, DK, v.shape[-1], dtype=h0_dtype) if h0_dtype is not None else q.new_empty(0)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(beta), dh0
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, beta, h0, cu_seqlens, C, arch, output_final_state = inputs
+    _, _, Tm, W, VN, Hs = output
+    ctx.save_for_backward(q, k, v, beta, Tm, W, VN, Hs, cu_seqlens)
+    ctx.mark_non_differentiable(Tm, W, VN, Hs)
+    ctx.meta = (C, arch, output_final_state, None if h0 is None else h0.dtype)
+
+
+def _backward_rule(ctx, do, dht, *_):
+    q, k, v, beta, Tm, W, VN, Hs, cu_seqlens = ctx.saved_tensors
+    C, arch, output_final_state, h0_dtype = ctx.meta
+    dht = dht if output_final_state else None
+    dq, dk, dv, dbeta, dh0 = _bwd_op(q, k, v, beta, Tm, W, VN, Hs, do, dht, cu_seqlens, C, arch, h0_dtype)
+    return dq, dk, dv, dbeta, (dh0 if h0_dtype is not None else None), None, None, None, None
+
+
+_fwd_op.register_autograd(_backward_rule, setup_context=_setup_context)
+
+
 def delta_rule_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
                       initial_state: Optional[torch.Tensor] = None, output_final_state: bool = False,
                       chunk_size: int = 64, cu_seqlens: Optional[torch.Tensor] = None
@@ -592,10 +648,9 @@ def delta_rule_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: t
         if int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != T:
             raise ValueError("delta_rule_triton: cu_seqlens must start at 0 and end at T")
         cu_seqlens = cu_seqlens.to(device=k.device, dtype=torch.int32).contiguous()
-    mt = launch_meta(DK, v.shape[-1], q.dtype, device_arch(q.device))
-    C = min(mt["C"], _pow2(chunk_size))
-    res = DeltaRuleChunkFunction.apply(q, k, v, beta, initial_state, cu_seqlens, C, output_final_state, mt)
-    if output_final_state:
-        return res[0], res[1]
-    return res, None
+    arch = device_arch(q.device)
+    C = min(launch_meta(DK, v.shape[-1], q.dtype, arch)["C"], _pow2(chunk_size))
+    q, k, v, beta = (t.contiguous() for t in (q, k, v, beta))
+    o, ht = _fwd_op(q, k, v, beta, initial_state, cu_seqlens, C, arch, output_final_state)[:2]
+    return o, (ht if output_final_state else None)
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
+from kernels.delta_rule import delta_rule
 from kernels.delta_rule.chunk import delta_rule_triton
 from kernels.linear_scan import linear_scan
 from kernels.linear_scan.chunk import linear_scan_triton
@@ -75,9 +76,20 @@ def _linear_scan_case(g):
     return (lambda la, b, h0: linear_scan(la, b, h0, True, backend="triton", chunk_size=8)), (la, b, h0)
 
 
+def _delta_rule_case(g):
+    q, k = (torch.nn.functional.normalize(torch.randn(1, 2, 20, 16, generator=g, dtype=torch.float64), dim=-1)
+            for _ in range(2))
+    v = torch.randn(1, 2, 20, 16, generator=g, dtype=torch.float64)
+    beta = torch.rand(1, 2, 20, generator=g, dtype=torch.float64)
+    h0 = torch.randn(1, 2, 16, 16, generator=g, dtype=torch.float64)
+    return (lambda q, k, v, beta, h0: delta_rule(q, k, v, beta, h0, True, backend="triton", chunk_size=16)), \
+        (q, k, v, beta, h0)
+
+
 # op name in the captured graph -> (function of tensors calling the public entry point, its inputs)
 CUSTOM_OPS = {
     "kernels.linear_scan_fwd.default": _linear_scan_case,
+    "kernels.delta_rule_fwd.default": _delta_rule_case,
 }
 
 
@@ -101,23 +113,36 @@ def test_triton_op_is_one_custom_op_node(node):
         assert torch.equal(a, c), (a - c).abs().max()
 
 
-def test_triton_op_in_a_compiled_block():
-    """A block whose mixer runs the Triton op (RG-LRU, kernel_backend=triton) trains under
-    model.compile like eager, the op captured as a custom-op node; no graph break comes from the
-    kernel (RG-LRU's document resets read their positions on the host: the only breaks)."""
-    for fn in (delta_rule_triton, selective_scan_triton, titans_linear_triton, ttt_linear_triton,
-               ttt_mlp_triton):   # not custom ops yet: opaque, a graph break each
+#: still torch.compiler.disable-d (a graph break each, run as in eager mode)
+NOT_CUSTOM_OPS = (selective_scan_triton, titans_linear_triton, ttt_linear_triton, ttt_mlp_triton)
+
+# layer kind -> (its op's node, the break reasons the block may have besides: none at the op)
+BLOCKS = {
+    "rglru": ("kernels.linear_scan_fwd.default", "aten.nonzero"),   # document resets read on the host
+    "deltanet": ("kernels.delta_rule_fwd.default", None),
+}
+
+
+def test_entry_points_are_custom_ops_or_disabled():
+    for fn in NOT_CUSTOM_OPS:
         assert getattr(fn, "_torchdynamo_disable", False), fn.__name__
-    assert not getattr(linear_scan_triton, "_torchdynamo_disable", False)
-    eager = losses(tiny(["rglru"], "triton"), steps=2)
-    model = tiny(["rglru"], "triton")
-    assert model.kernel_backends("cpu") == {"rglru": "triton"}
+    for fn in (delta_rule_triton, linear_scan_triton):
+        assert not getattr(fn, "_torchdynamo_disable", False), fn.__name__
+
+
+@pytest.mark.parametrize("kind", sorted(BLOCKS))
+def test_triton_op_in_a_compiled_block(kind):
+    """A block whose mixer runs a Triton op (kernel_backend=triton) trains under model.compile like
+    eager, the op captured as a custom-op node and no graph break at it."""
+    node, other_breaks = BLOCKS[kind]
+    eager = losses(tiny([kind], "triton"), steps=2)
+    model = tiny([kind], "triton")
+    assert model.kernel_backends("cpu") == {kind: "triton"}
     x = model.embed(torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(1)))
     ex = torch._dynamo.explain(model.layers[0])(x)
     targets = [str(n.target) for gm in ex.graphs for n in gm.graph.nodes if n.op == "call_function"]
-    assert "kernels.linear_scan_fwd.default" in targets, targets
-    # the only breaks: the resets' nonzero (positions read on the host), none at the op
-    assert all("aten.nonzero" in r.reason for r in ex.break_reasons), ex.break_reasons
+    assert node in targets, targets
+    assert all(other_breaks and other_breaks in r.reason for r in ex.break_reasons), ex.break_reasons
     torch._dynamo.reset()
     compiled = losses(model.compile_blocks("aot_eager"), steps=2)
     assert not any("disable" in k for k in counters["graph_break"]), dict(counters["graph_break"])
