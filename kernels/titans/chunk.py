@@ -275,77 +275,113 @@ def _precision(dtype: torch.dtype) -> str:
     return "tf32x3" if dtype == torch.float32 else "ieee"
 
 
-class TitansLinearChunkFunction(torch.autograd.Function):
-    """(q, k, v, θ, log η, log(1 − α), M₀, S₀) → (O, M_T, S_T, M̂) for a call starting at a chunk
-    boundary. M₀, S₀ in the accumulation dtype; M̂ is M_T when T is a multiple of C, else the
-    memory at the start of the last chunk."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, theta, log_eta, log_keep, M0, S0, chunk_size: int):
-        B, H, T, dk = k.shape
-        dv = v.shape[-1]
-        C = chunk_size
-        N = triton.cdiv(T, C)
-        acc = M0.dtype
-        q, k, v, theta, log_eta, log_keep = (t.contiguous() for t in (q, k, v, theta, log_eta, log_keep))
-        M0, S0 = M0.contiguous(), S0.contiguous()
-        BK, BV, nw = _blocks(dk, dv, forward=True)
-        y = torch.empty(B, H, T, dv, dtype=v.dtype, device=v.device)
-        Mst = torch.empty(B, H, N, dk, dv, dtype=acc, device=v.device)
-        Sst = torch.empty_like(Mst)
-        MT = torch.empty(B, H, dk, dv, dtype=acc, device=v.device)
-        ST = torch.empty_like(MT)
-        ACC = tl.float64 if acc == torch.float64 else tl.float32
-        grid = (triton.cdiv(dv, BV), B * H)
-        _titans_fwd_kernel[grid](q, k, v, theta, log_eta, log_keep, M0, S0, y, Mst, Sst, MT, ST,
-                                 T, N, dk, dv, C, BC=_tile(C), BK=BK, BV=BV, ACC=ACC, PREC=_precision(v.dtype),
-                                 num_warps=nw, num_stages=NUM_STAGES)
-        tail = T % C != 0
-        Mh = Mst[:, :, N - 1].clone() if tail else MT.clone()
-        ctx.save_for_backward(q, k, v, theta, log_eta, log_keep, Mst, Sst)
-        ctx.meta = (C, tail, M0.dtype, S0.dtype)
-        return y, MT, ST, Mh
-
-    @staticmethod
-    def backward(ctx, dy, dMT, dST, dMh):
-        q, k, v, theta, log_eta, log_keep, Mst, Sst = ctx.saved_tensors
-        C, tail, M0_dtype, S0_dtype = ctx.meta
-        B, H, T, dk = k.shape
-        dv = v.shape[-1]
-        N = Mst.shape[2]
-        acc = Mst.dtype
-        z = torch.zeros(B, H, dk, dv, dtype=acc, device=v.device)
-        dy = torch.zeros_like(v) if dy is None else dy.contiguous()
-        dMT = z if dMT is None else dMT.to(acc)
-        dST = z if dST is None else dST.to(acc).contiguous()
-        dMh = z if dMh is None else dMh.to(acc)
-        if not tail:
-            dMT, dMh = dMT + dMh, z
-        dMT, dMh = dMT.contiguous(), dMh.contiguous()
-        BK, BV, nw = _blocks(dk, dv)
-        NV = triton.cdiv(dv, BV)
-        pd = torch.float64 if acc == torch.float64 else torch.float32
-        dq = torch.empty(NV, B, H, T, dk, dtype=pd, device=v.device)
-        dk_ = torch.empty_like(dq)
-        dth = torch.empty(NV, B, H, T, dtype=pd, device=v.device)
-        dle = torch.empty_like(dth)
-        dlk = torch.empty_like(dth)
-        dv_ = torch.empty(B, H, T, dv, dtype=pd, device=v.device)
-        dM0 = torch.empty(B, H, dk, dv, dtype=acc, device=v.device)
-        dS0 = torch.empty_like(dM0)
-        ACC = tl.float64 if acc == torch.float64 else tl.float32
-        _titans_bwd_kernel[(NV, B * H)](q, k, v, theta, log_eta, log_keep, Mst, Sst, dy, dMT, dST, dMh,
-                                        dq, dk_, dv_, dth, dle, dlk, dM0, dS0,
-                                        T, N, dk, dv, B * H, C, BC=_tile(C), BK=BK, BV=BV, ACC=ACC,
-                                        PREC=_precision(v.dtype), num_warps=nw, num_stages=NUM_STAGES)
-        return (dq.sum(0).to(q.dtype), dk_.sum(0).to(k.dtype), dv_.to(v.dtype), dth.sum(0).to(theta.dtype),
-                dle.sum(0).to(log_eta.dtype), dlk.sum(0).to(log_keep.dtype), dM0.to(M0_dtype),
-                dS0.to(S0_dtype), None)
+# The op is a PyTorch custom op (torch.library): torch.compile (model.compile) captures it as one
+# opaque node of the block's graph, with shapes from the fake implementations and the backward
+# registered below, instead of tracing the Triton launches or breaking the graph.
+@torch.library.custom_op("kernels::titans_linear_fwd", mutates_args=())
+def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, theta: torch.Tensor, log_eta: torch.Tensor,
+            log_keep: torch.Tensor, M0: torch.Tensor, S0: torch.Tensor, chunk_size: int
+            ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, k, v, θ, log η, log(1 − α), M₀, S₀) → (O, M_T, S_T, M̂, and the chunk-start M, S the
+    backward reads) for a call starting at a chunk boundary. M₀, S₀ in the accumulation dtype; M̂
+    is M_T when T is a multiple of C, else the memory at the start of the last chunk."""
+    B, H, T, dk = k.shape
+    dv = v.shape[-1]
+    C = chunk_size
+    N = triton.cdiv(T, C)
+    acc = M0.dtype
+    q, k, v, theta, log_eta, log_keep = (t.contiguous() for t in (q, k, v, theta, log_eta, log_keep))
+    M0, S0 = M0.contiguous(), S0.contiguous()
+    BK, BV, nw = _blocks(dk, dv, forward=True)
+    y = torch.empty(B, H, T, dv, dtype=v.dtype, device=v.device)
+    Mst = torch.empty(B, H, N, dk, dv, dtype=acc, device=v.device)
+    Sst = torch.empty_like(Mst)
+    MT = torch.empty(B, H, dk, dv, dtype=acc, device=v.device)
+    ST = torch.empty_like(MT)
+    ACC = tl.float64 if acc == torch.float64 else tl.float32
+    grid = (triton.cdiv(dv, BV), B * H)
+    _titans_fwd_kernel[grid](q, k, v, theta, log_eta, log_keep, M0, S0, y, Mst, Sst, MT, ST,
+                             T, N, dk, dv, C, BC=_tile(C), BK=BK, BV=BV, ACC=ACC, PREC=_precision(v.dtype),
+                             num_warps=nw, num_stages=NUM_STAGES)
+    tail = T % C != 0
+    Mh = Mst[:, :, N - 1].clone() if tail else MT.clone()
+    return y, MT, ST, Mh, Mst, Sst
 
 
-# torch.compile (model.compile) runs this op as an opaque call, not traced: Triton launches and the
-# autograd.Function stay as they are in eager mode
-@torch.compiler.disable
+@_fwd_op.register_fake
+def _(q, k, v, theta, log_eta, log_keep, M0, S0, chunk_size):
+    B, H, T, dk = k.shape
+    dv = v.shape[-1]
+    MT = M0.new_empty(B, H, dk, dv)
+    Mst = M0.new_empty(B, H, triton.cdiv(T, chunk_size), dk, dv)
+    return (v.new_empty(B, H, T, dv), MT, torch.empty_like(MT), torch.empty_like(MT), Mst, torch.empty_like(Mst))
+
+
+@torch.library.custom_op("kernels::titans_linear_bwd", mutates_args=())
+def _bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, theta: torch.Tensor, log_eta: torch.Tensor,
+            log_keep: torch.Tensor, Mst: torch.Tensor, Sst: torch.Tensor, dy: Optional[torch.Tensor],
+            dMT: Optional[torch.Tensor], dST: Optional[torch.Tensor], dMh: Optional[torch.Tensor], C: int,
+            M0_dtype: torch.dtype, S0_dtype: torch.dtype
+            ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                       torch.Tensor, torch.Tensor]:
+    """Gradients of the eight tensor inputs of ``_fwd_op``."""
+    B, H, T, dk = k.shape
+    tail = T % C != 0
+    dv = v.shape[-1]
+    N = Mst.shape[2]
+    acc = Mst.dtype
+    z = torch.zeros(B, H, dk, dv, dtype=acc, device=v.device)
+    dy = torch.zeros_like(v) if dy is None else dy.contiguous()
+    dMT = z if dMT is None else dMT.to(acc)
+    dST = z if dST is None else dST.to(acc).contiguous()
+    dMh = z if dMh is None else dMh.to(acc)
+    if not tail:
+        dMT, dMh = dMT + dMh, z
+    dMT, dMh = dMT.contiguous(), dMh.contiguous()
+    BK, BV, nw = _blocks(dk, dv)
+    NV = triton.cdiv(dv, BV)
+    pd = torch.float64 if acc == torch.float64 else torch.float32
+    dq = torch.empty(NV, B, H, T, dk, dtype=pd, device=v.device)
+    dk_ = torch.empty_like(dq)
+    dth = torch.empty(NV, B, H, T, dtype=pd, device=v.device)
+    dle = torch.empty_like(dth)
+    dlk = torch.empty_like(dth)
+    dv_ = torch.empty(B, H, T, dv, dtype=pd, device=v.device)
+    dM0 = torch.empty(B, H, dk, dv, dtype=acc, device=v.device)
+    dS0 = torch.empty_like(dM0)
+    ACC = tl.float64 if acc == torch.float64 else tl.float32
+    _titans_bwd_kernel[(NV, B * H)](q, k, v, theta, log_eta, log_keep, Mst, Sst, dy, dMT, dST, dMh,
+                                    dq, dk_, dv_, dth, dle, dlk, dM0, dS0,
+                                    T, N, dk, dv, B * H, C, BC=_tile(C), BK=BK, BV=BV, ACC=ACC,
+                                    PREC=_precision(v.dtype), num_warps=nw, num_stages=NUM_STAGES)
+    return (dq.sum(0).to(q.dtype), dk_.sum(0).to(k.dtype), dv_.to(v.dtype), dth.sum(0).to(theta.dtype),
+            dle.sum(0).to(log_eta.dtype), dlk.sum(0).to(log_keep.dtype), dM0.to(M0_dtype),
+            dS0.to(S0_dtype))
+
+
+@_bwd_op.register_fake
+def _(q, k, v, theta, log_eta, log_keep, Mst, Sst, dy, dMT, dST, dMh, C, M0_dtype, S0_dtype):
+    B, H, T, dk = k.shape
+    dM0 = Mst.new_empty(B, H, dk, v.shape[-1], dtype=M0_dtype)
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(theta),
+            torch.empty_like(log_eta), torch.empty_like(log_keep), dM0, torch.empty_like(dM0, dtype=S0_dtype))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, theta, log_eta, log_keep, M0, S0, C = inputs
+    ctx.save_for_backward(q, k, v, theta, log_eta, log_keep, output[4], output[5])
+    ctx.mark_non_differentiable(output[4], output[5])
+    ctx.meta = (C, M0.dtype, S0.dtype)
+
+
+def _backward_rule(ctx, dy, dMT, dST, dMh, *_):
+    C, M0_dtype, S0_dtype = ctx.meta
+    return (*_bwd_op(*ctx.saved_tensors, dy, dMT, dST, dMh, C, M0_dtype, S0_dtype), None)
+
+
+_fwd_op.register_autograd(_backward_rule, setup_context=_setup_context)
+
+
 def titans_linear_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, theta: torch.Tensor,
                          log_eta: torch.Tensor, log_keep: torch.Tensor,
                          initial_state: Optional[Sequence[torch.Tensor]] = None,
@@ -373,7 +409,8 @@ def titans_linear_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, thet
             q[:, :, :head], k[:, :, :head], v[:, :, :head], theta[:, :, :head], log_eta[:, :, :head],
             log_keep[:, :, :head], (M, S, Mh), True, C, offset)
         q, k, v, theta, log_eta, log_keep = (t[:, :, head:] for t in (q, k, v, theta, log_eta, log_keep))
-    y, M, S, Mh = TitansLinearChunkFunction.apply(q, k, v, theta, log_eta, log_keep, M, S, C)
+    q, k, v, theta, log_eta, log_keep, M, S = (t.contiguous() for t in (q, k, v, theta, log_eta, log_keep, M, S))
+    y, M, S, Mh = _fwd_op(q, k, v, theta, log_eta, log_keep, M, S, C)[:4]
     if y_head is not None:
         y = torch.cat([y_head, y], 2)
     return y, ((M, S, Mh) if output_final_state else None)

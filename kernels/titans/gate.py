@@ -1,7 +1,7 @@
 """Launch configurations of the Titans linear-memory Triton kernels, for the ahead-of-time
 compile gate (``python -m kernels.compile_report``): d_k = d_v ∈ {64, 128} (the presets' head
 dims), chunk 16 (``titans.chunk_size`` of every preset), bfloat16 and float32 inputs, with the
-blocks, precision and warps ``TitansLinearChunkFunction`` takes from ``chunk._blocks`` and
+blocks, precision and warps ``titans_linear_triton`` takes from ``chunk._blocks`` and
 ``chunk._precision``."""
 from __future__ import annotations
 
