@@ -45,7 +45,7 @@ mini-batch, and runs on 8 warps.
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import triton
@@ -281,71 +281,114 @@ def _launch_cfg(d: int, b: int, backward: bool = False, half: bool = True):
     return BD, BT, {"num_warps": 4 if small else 8, "num_stages": 1}
 
 
-class _TTTLinearFull(torch.autograd.Function):
+# The ops are PyTorch custom ops (torch.library): torch.compile (model.compile) captures each as one
+# opaque node of the block's graph, with shapes from the fake implementations and the backward
+# registered below, instead of tracing the Triton launches or breaking the graph.
+def _linear_start_weights(XQ, NMB: int, save: bool):
+    """Empty buffers for the per-mini-batch start weights (WS, BS) the forward stores."""
+    B, H, _, d = XQ.shape
+    cdt = acc_dtype(XQ.dtype)
+    # the stored start weights enter the backward only as tl.dot operands: with bf16 operands
+    # they are stored in bfloat16 (the same rounding the forward's products saw; half the
+    # registers and traffic)
+    ws_dt = torch.bfloat16 if _precision(XQ.dtype).startswith("bf16") else cdt
+    return (XQ.new_empty(B, H, NMB if save else 1, d, d, dtype=ws_dt),
+            XQ.new_empty(B, H, NMB if save else 1, d, dtype=cdt))
+
+
+@torch.library.custom_op("kernels::ttt_linear_fwd", mutates_args=())
+def _linear_fwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: torch.Tensor, tau: torch.Tensor,
+                   ln_w: torch.Tensor, ln_b: torch.Tensor, W0: torch.Tensor, b0: torch.Tensor,
+                   mini_batch_size: int, save: bool
+                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Full mini-batches from a boundary: (XQ, XK, XV, η, τ, γ, β, W1_0 [B,H,d,d], b1_0 [B,H,1,d])
-    → (out [B,H,T,d], W1_end, b1_end)."""
+    → (out [B,H,T,d], W1_end, b1_end, and the start weights WS, BS the backward reads, stored
+    when ``save``)."""
+    B, H, T, d = XQ.shape
+    bsz = mini_batch_size
+    NMB = T // bsz
+    cdt = acc_dtype(XQ.dtype)
+    XQ, XK, XV, eta = (x.contiguous() for x in (XQ, XK, XV, eta))
+    tau_c = tau.to(cdt).contiguous()
+    lw, lb = ln_w.to(cdt).contiguous(), ln_b.to(cdt).contiguous()
+    W0c = W0.to(cdt).contiguous()
+    b0c = b0.to(cdt).contiguous()
+    out = torch.empty_like(XQ)
+    prec = _precision(XQ.dtype)
+    WS, BS = _linear_start_weights(XQ, NMB, save)
+    WF = torch.empty(B, H, d, d, dtype=cdt, device=XQ.device)
+    BF = torch.empty(B, H, 1, d, dtype=cdt, device=XQ.device)
+    BD, BT, kw = _launch_cfg(d, bsz, half=XQ.dtype in (torch.bfloat16, torch.float16))
+    _ttt_linear_fwd_kernel[(B * H,)](
+        XQ, XK, XV, eta, tau_c, lw, lb, W0c, b0c, out, WS, BS, WF, BF,
+        T, NMB, H, LN_EPS, D=d, BD=BD, MB=bsz, BT=BT, SAVE=save, PREC=prec, **kw)
+    return out, WF, BF, WS, BS
 
-    @staticmethod
-    def forward(ctx, XQ, XK, XV, eta, tau, ln_w, ln_b, W0, b0, mini_batch_size):
-        B, H, T, d = XQ.shape
-        bsz = mini_batch_size
-        NMB = T // bsz
-        cdt = acc_dtype(XQ.dtype)
-        XQ, XK, XV, eta = (x.contiguous() for x in (XQ, XK, XV, eta))
-        tau_c = tau.to(cdt).contiguous()
-        lw, lb = ln_w.to(cdt).contiguous(), ln_b.to(cdt).contiguous()
-        W0c = W0.to(cdt).contiguous()
-        b0c = b0.to(cdt).contiguous()
-        out = torch.empty_like(XQ)
-        save = any(ctx.needs_input_grad)  # the per-mini-batch start weights serve only the backward
-        prec = _precision(XQ.dtype)
-        # the stored start weights enter the backward only as tl.dot operands: with bf16 operands
-        # they are stored in bfloat16 (the same rounding the forward's products saw; half the
-        # registers and traffic)
-        WS = torch.empty(B, H, NMB if save else 1, d, d, dtype=torch.bfloat16 if prec.startswith("bf16") else cdt,
-                         device=XQ.device)
-        BS = torch.empty(B, H, NMB if save else 1, d, dtype=cdt, device=XQ.device)
-        WF = torch.empty(B, H, d, d, dtype=cdt, device=XQ.device)
-        BF = torch.empty(B, H, 1, d, dtype=cdt, device=XQ.device)
-        BD, BT, kw = _launch_cfg(d, bsz, half=XQ.dtype in (torch.bfloat16, torch.float16))
-        _ttt_linear_fwd_kernel[(B * H,)](
-            XQ, XK, XV, eta, tau_c, lw, lb, W0c, b0c, out, WS, BS, WF, BF,
-            T, NMB, H, LN_EPS, D=d, BD=BD, MB=bsz, BT=BT, SAVE=save, PREC=prec, **kw)
-        ctx.save_for_backward(XQ, XK, XV, eta, tau_c, lw, lb, WS, BS)
-        ctx.meta = (bsz, tau.dtype, ln_w.dtype, ln_b.dtype, W0.dtype, b0.dtype)
-        return out, WF, BF
 
-    @staticmethod
-    def backward(ctx, dout, dWF, dBF):
-        XQ, XK, XV, eta, tau_c, lw, lb, WS, BS = ctx.saved_tensors
-        bsz, tau_dt, lw_dt, lb_dt, W_dt, b_dt = ctx.meta
-        B, H, T, d = XQ.shape
-        NMB = T // bsz
-        cdt = BS.dtype
-        dev = XQ.device
-        dout = torch.zeros_like(XQ) if dout is None else dout.contiguous()
-        dWF = torch.zeros(B, H, d, d, dtype=cdt, device=dev) if dWF is None else dWF.to(cdt).contiguous()
-        dBF = torch.zeros(B, H, 1, d, dtype=cdt, device=dev) if dBF is None else dBF.to(cdt).contiguous()
-        dXQ, dXK, dXV = (torch.empty_like(XQ) for _ in range(3))
-        dETA = torch.empty_like(eta)
-        dTAU = torch.empty(B, H, bsz, dtype=cdt, device=dev)
-        dLNW = torch.empty(B, H, d, dtype=cdt, device=dev)
-        dLNB = torch.empty(B, H, d, dtype=cdt, device=dev)
-        dW0 = torch.empty(B, H, d, d, dtype=cdt, device=dev)
-        dB0 = torch.empty(B, H, 1, d, dtype=cdt, device=dev)
-        BD, BT, kw = _launch_cfg(d, bsz, backward=True, half=XQ.dtype in (torch.bfloat16, torch.float16))
-        _ttt_linear_bwd_kernel[(B * H,)](
-            XQ, XK, XV, eta, tau_c, lw, lb, WS, BS, dout, dWF, dBF,
-            dXQ, dXK, dXV, dETA, dTAU, dLNW, dLNB, dW0, dB0,
-            T, NMB, H, LN_EPS, D=d, BD=BD, MB=bsz, BT=BT, PREC=_precision(XQ.dtype), **kw)
-        return (dXQ, dXK, dXV, dETA, dTAU.sum((0, 1)).to(tau_dt), dLNW.sum(0).to(lw_dt),
-                dLNB.sum(0).to(lb_dt), dW0.to(W_dt), dB0.to(b_dt), None)
+@_linear_fwd_op.register_fake
+def _(XQ, XK, XV, eta, tau, ln_w, ln_b, W0, b0, mini_batch_size, save):
+    B, H, T, d = XQ.shape
+    cdt = acc_dtype(XQ.dtype)
+    WS, BS = _linear_start_weights(XQ, T // mini_batch_size, save)
+    return torch.empty_like(XQ), XQ.new_empty(B, H, d, d, dtype=cdt), XQ.new_empty(B, H, 1, d, dtype=cdt), WS, BS
+
+
+@torch.library.custom_op("kernels::ttt_linear_bwd", mutates_args=())
+def _linear_bwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: torch.Tensor, tau: torch.Tensor,
+                   ln_w: torch.Tensor, ln_b: torch.Tensor, WS: torch.Tensor, BS: torch.Tensor,
+                   dout: Optional[torch.Tensor], dWF: Optional[torch.Tensor], dBF: Optional[torch.Tensor],
+                   mini_batch_size: int, W_dt: torch.dtype, b_dt: torch.dtype) -> List[torch.Tensor]:
+    """Gradients of the nine tensor inputs of ``_linear_fwd_op``."""
+    bsz, tau_dt, lw_dt, lb_dt = mini_batch_size, tau.dtype, ln_w.dtype, ln_b.dtype
+    cdt = BS.dtype
+    tau_c = tau.to(cdt).contiguous()
+    lw, lb = ln_w.to(cdt).contiguous(), ln_b.to(cdt).contiguous()
+    B, H, T, d = XQ.shape
+    NMB = T // bsz
+    cdt = BS.dtype
+    dev = XQ.device
+    dout = torch.zeros_like(XQ) if dout is None else dout.contiguous()
+    dWF = torch.zeros(B, H, d, d, dtype=cdt, device=dev) if dWF is None else dWF.to(cdt).contiguous()
+    dBF = torch.zeros(B, H, 1, d, dtype=cdt, device=dev) if dBF is None else dBF.to(cdt).contiguous()
+    dXQ, dXK, dXV = (torch.empty_like(XQ) for _ in range(3))
+    dETA = torch.empty_like(eta)
+    dTAU = torch.empty(B, H, bsz, dtype=cdt, device=dev)
+    dLNW = torch.empty(B, H, d, dtype=cdt, device=dev)
+    dLNB = torch.empty(B, H, d, dtype=cdt, device=dev)
+    dW0 = torch.empty(B, H, d, d, dtype=cdt, device=dev)
+    dB0 = torch.empty(B, H, 1, d, dtype=cdt, device=dev)
+    BD, BT, kw = _launch_cfg(d, bsz, backward=True, half=XQ.dtype in (torch.bfloat16, torch.float16))
+    _ttt_linear_bwd_kernel[(B * H,)](
+        XQ, XK, XV, eta, tau_c, lw, lb, WS, BS, dout, dWF, dBF,
+        dXQ, dXK, dXV, dETA, dTAU, dLNW, dLNB, dW0, dB0,
+        T, NMB, H, LN_EPS, D=d, BD=BD, MB=bsz, BT=BT, PREC=_precision(XQ.dtype), **kw)
+    return [dXQ, dXK, dXV, dETA, dTAU.sum((0, 1)).to(tau_dt), dLNW.sum(0).to(lw_dt),
+            dLNB.sum(0).to(lb_dt), dW0.to(W_dt), dB0.to(b_dt)]
+
+
+@_linear_bwd_op.register_fake
+def _(XQ, XK, XV, eta, tau, ln_w, ln_b, WS, BS, dout, dWF, dBF, mini_batch_size, W_dt, b_dt):
+    B, H, T, d = XQ.shape
+    return [torch.empty_like(XQ), torch.empty_like(XK), torch.empty_like(XV), torch.empty_like(eta),
+            torch.empty_like(tau), torch.empty_like(ln_w), torch.empty_like(ln_b),
+            XQ.new_empty(B, H, d, d, dtype=W_dt), XQ.new_empty(B, H, 1, d, dtype=b_dt)]
+
+
+def _linear_setup_context(ctx, inputs, output):
+    XQ, XK, XV, eta, tau, ln_w, ln_b, W0, b0, bsz, _ = inputs
+    ctx.save_for_backward(XQ, XK, XV, eta, tau, ln_w, ln_b, output[3], output[4])
+    ctx.mark_non_differentiable(output[3], output[4])
+    ctx.meta = (bsz, W0.dtype, b0.dtype)
+
+
+def _linear_backward_rule(ctx, dout, dWF, dBF, *_):
+    return (*_linear_bwd_op(*ctx.saved_tensors, dout, dWF, dBF, *ctx.meta), None, None)
+
+
+_linear_fwd_op.register_autograd(_linear_backward_rule, setup_context=_linear_setup_context)
 
 
 # ---- public -------------------------------------------------------------------------------------
-# torch.compile (model.compile) runs this op as an opaque call, not traced: Triton launches and the
-# autograd.Function stay as they are in eager mode
-@torch.compiler.disable
 def ttt_linear_triton(XQ, XK, XV, eta, token_idx, ln_weight, ln_bias, W1, b1, mini_batch_size=16,
                       initial_state: Optional[dict] = None, output_final_state: bool = False
                       ) -> Tuple[torch.Tensor, Optional[dict]]:
@@ -373,8 +416,11 @@ def ttt_linear_triton(XQ, XK, XV, eta, token_idx, ln_weight, ln_bias, W1, b1, mi
     n_full = (T - t) // bsz * bsz
     if n_full > 0:
         sl = slice(t, t + n_full)
-        o, Wf, bf = _TTTLinearFull.apply(XQ[:, :, sl], XK[:, :, sl], XV[:, :, sl], eta[:, :, sl], token_idx,
-                                         ln_weight, ln_bias, st["W1"], st["b1"], bsz)
+        ins = [t.contiguous() for t in (XQ[:, :, sl], XK[:, :, sl], XV[:, :, sl], eta[:, :, sl], token_idx,
+                                         ln_weight, ln_bias, st["W1"], st["b1"])]
+        # the per-mini-batch start weights serve only the backward
+        save = torch.is_grad_enabled() and any(t.requires_grad for t in ins)
+        o, Wf, bf = _linear_fwd_op(*ins, bsz, save)[:3]
         outs.append(o)
         # the kernel starts at a boundary, where the carried sums are zero by construction
         st = {"W1": Wf, "b1": bf, "grad_W1": torch.zeros_like(Wf), "grad_b1": torch.zeros_like(bf), "pos": 0}

@@ -19,6 +19,7 @@ from kernels.linear_scan.chunk import linear_scan_triton
 from kernels.selective_scan.chunk import selective_scan_triton
 from kernels.titans import titans_linear
 from kernels.titans.chunk import titans_linear_triton
+from kernels.ttt import ttt_linear, ttt_mlp
 from kernels.ttt.chunk import ttt_linear_triton, ttt_mlp_triton
 from ttt_lm.config import ConfigError, load_config
 from ttt_lm.model import LM, ModelConfig
@@ -103,11 +104,32 @@ def _titans_case(g):
     return fn, (q, k, v, theta, log_eta, log_keep, M, S, Mh)
 
 
+def _ttt_inputs(g, mlp: bool):
+    B, H, T, d, bsz = 1, 2, 20, 8, 8
+
+    def r(*shape, scale=1.0):
+        return scale * torch.randn(*shape, generator=g, dtype=torch.float64)
+    ins = [r(B, H, T, d), r(B, H, T, d), r(B, H, T, d), 0.5 * torch.rand(B, H, T, generator=g, dtype=torch.float64),
+           1.0 / torch.arange(1, bsz + 1, dtype=torch.float64), 1 + r(H, d, scale=0.1), r(H, d, scale=0.1)]
+    if mlp:
+        return ins + [r(H, d, 4 * d, scale=0.3), r(H, 1, 4 * d, scale=0.1), r(H, 4 * d, d, scale=0.3),
+                      r(H, 1, d, scale=0.1)]
+    return ins + [r(H, d, d, scale=0.3), r(H, 1, d, scale=0.1)]
+
+
+def _ttt_linear_case(g):
+    def fn(*ins):   # T = 20: two full mini-batches in the kernel, a partial one in PyTorch
+        out, st = ttt_linear(*ins, mini_batch_size=8, output_final_state=True, backend="triton")
+        return out, st["W1"], st["b1"]
+    return fn, _ttt_inputs(g, False)
+
+
 # op name in the captured graph -> (function of tensors calling the public entry point, its inputs)
 CUSTOM_OPS = {
     "kernels.linear_scan_fwd.default": _linear_scan_case,
     "kernels.delta_rule_fwd.default": _delta_rule_case,
     "kernels.titans_linear_fwd.default": _titans_case,
+    "kernels.ttt_linear_fwd.default": _ttt_linear_case,
 }
 
 
@@ -133,20 +155,21 @@ def test_triton_op_is_one_custom_op_node(node):
 
 
 #: still torch.compiler.disable-d (a graph break each, run as in eager mode)
-NOT_CUSTOM_OPS = (selective_scan_triton, ttt_linear_triton, ttt_mlp_triton)
+NOT_CUSTOM_OPS = (selective_scan_triton, ttt_mlp_triton)
 
 # layer kind -> (its op's node, the break reasons the block may have besides: none at the op)
 BLOCKS = {
     "rglru": ("kernels.linear_scan_fwd.default", "aten.nonzero"),   # document resets read on the host
     "deltanet": ("kernels.delta_rule_fwd.default", None),
     "titans": ("kernels.titans_linear_fwd.default", None),
+    "ttt_linear": ("kernels.ttt_linear_fwd.default", None),
 }
 
 
 def test_entry_points_are_custom_ops_or_disabled():
     for fn in NOT_CUSTOM_OPS:
         assert getattr(fn, "_torchdynamo_disable", False), fn.__name__
-    for fn in (delta_rule_triton, linear_scan_triton, titans_linear_triton):
+    for fn in (delta_rule_triton, linear_scan_triton, titans_linear_triton, ttt_linear_triton):
         assert not getattr(fn, "_torchdynamo_disable", False), fn.__name__
 
 
