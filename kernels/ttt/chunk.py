@@ -692,79 +692,114 @@ def _mlp_launch_cfg(d: int, m: int, b: int):
     return BD, BM, BT, {"num_warps": 4 if BD * BM <= 32 * 128 else 8, "num_stages": 1}
 
 
-class _TTTMLPFull(torch.autograd.Function):
+def _mlp_weight_buffers(XQ, m: int, n: Optional[int]):
+    """Empty (W1, b1, W2, b2) in the accumulation dtype: per mini-batch start ([B, H, n, ...]) or
+    final ([B, H, ...], n = None)."""
+    B, H, _, d = XQ.shape
+    cdt = acc_dtype(XQ.dtype)
+    if n is None:
+        return [XQ.new_empty(B, H, *s, dtype=cdt) for s in ((d, m), (1, m), (m, d), (1, d))]
+    return [XQ.new_empty(B, H, n, *s, dtype=cdt) for s in ((d, m), (m,), (m, d), (d,))]
+
+
+@torch.library.custom_op("kernels::ttt_mlp_fwd", mutates_args=())
+def _mlp_fwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: torch.Tensor, tau: torch.Tensor,
+                ln_w: torch.Tensor, ln_b: torch.Tensor, W1: torch.Tensor, b1: torch.Tensor, W2: torch.Tensor,
+                b2: torch.Tensor, mini_batch_size: int, save: bool) -> List[torch.Tensor]:
     """Full mini-batches from a boundary: (XQ, XK, XV, η, τ, γ, β, W1_0 [B,H,d,m], b1_0 [B,H,1,m],
-    W2_0 [B,H,m,d], b2_0 [B,H,1,d]) → (out [B,H,T,d], W1_end, b1_end, W2_end, b2_end)."""
-
-    @staticmethod
-    def forward(ctx, XQ, XK, XV, eta, tau, ln_w, ln_b, W1, b1, W2, b2, mini_batch_size):
-        B, H, T, d = XQ.shape
-        m = W1.shape[-1]
-        bsz = mini_batch_size
-        NMB = T // bsz
-        cdt = acc_dtype(XQ.dtype)
-        dev = XQ.device
-        XQ, XK, XV, eta = (x.contiguous() for x in (XQ, XK, XV, eta))
-        tau_c = tau.to(cdt).contiguous()
-        lw, lb = ln_w.to(cdt).contiguous(), ln_b.to(cdt).contiguous()
-        W1c, b1c, W2c, b2c = (w.to(cdt).contiguous() for w in (W1, b1, W2, b2))
-        out = torch.empty_like(XQ)
-        save = any(ctx.needs_input_grad)  # the per-mini-batch start weights serve only the backward
-        ns = NMB if save else 1
-        W1S = torch.empty(B, H, ns, d, m, dtype=cdt, device=dev)
-        B1S = torch.empty(B, H, ns, m, dtype=cdt, device=dev)
-        W2S = torch.empty(B, H, ns, m, d, dtype=cdt, device=dev)
-        B2S = torch.empty(B, H, ns, d, dtype=cdt, device=dev)
-        W1F = torch.empty(B, H, d, m, dtype=cdt, device=dev)
-        B1F = torch.empty(B, H, 1, m, dtype=cdt, device=dev)
-        W2F = torch.empty(B, H, m, d, dtype=cdt, device=dev)
-        B2F = torch.empty(B, H, 1, d, dtype=cdt, device=dev)
-        BD, BM, BT, kw = _mlp_launch_cfg(d, m, bsz)
-        _ttt_mlp_fwd_kernel[(B * H,)](
-            XQ, XK, XV, eta, tau_c, lw, lb, W1c, b1c, W2c, b2c, out,
-            W1S, B1S, W2S, B2S, W1F, B1F, W2F, B2F,
-            T, NMB, H, LN_EPS, D=d, BD=BD, M=m, BM=BM, MB=bsz, BT=BT, SAVE=save, PREC=_precision(XQ.dtype), **kw)
-        ctx.save_for_backward(XQ, XK, XV, eta, tau_c, lw, lb, W1S, B1S, W2S, B2S)
-        ctx.meta = (bsz, tau.dtype, ln_w.dtype, ln_b.dtype, W1.dtype, b1.dtype, W2.dtype, b2.dtype)
-        return out, W1F, B1F, W2F, B2F
-
-    @staticmethod
-    def backward(ctx, dout, dW1F, dB1F, dW2F, dB2F):
-        XQ, XK, XV, eta, tau_c, lw, lb, W1S, B1S, W2S, B2S = ctx.saved_tensors
-        bsz, tau_dt, lw_dt, lb_dt, W1_dt, b1_dt, W2_dt, b2_dt = ctx.meta
-        B, H, T, d = XQ.shape
-        m = W1S.shape[-1]
-        NMB = T // bsz
-        cdt = W1S.dtype
-        dev = XQ.device
-
-        def grad_or_zero(g, *shape):
-            return torch.zeros(*shape, dtype=cdt, device=dev) if g is None else g.to(cdt).contiguous()
-
-        dout = torch.zeros_like(XQ) if dout is None else dout.contiguous()
-        dW1F, dB1F = grad_or_zero(dW1F, B, H, d, m), grad_or_zero(dB1F, B, H, 1, m)
-        dW2F, dB2F = grad_or_zero(dW2F, B, H, m, d), grad_or_zero(dB2F, B, H, 1, d)
-        dXQ, dXK, dXV = (torch.empty_like(XQ) for _ in range(3))
-        dETA = torch.empty_like(eta)
-        dTAU = torch.empty(B, H, bsz, dtype=cdt, device=dev)
-        dLNW = torch.empty(B, H, d, dtype=cdt, device=dev)
-        dLNB = torch.empty(B, H, d, dtype=cdt, device=dev)
-        dW10 = torch.empty(B, H, d, m, dtype=cdt, device=dev)
-        dB10 = torch.empty(B, H, 1, m, dtype=cdt, device=dev)
-        dW20 = torch.empty(B, H, m, d, dtype=cdt, device=dev)
-        dB20 = torch.empty(B, H, 1, d, dtype=cdt, device=dev)
-        BD, BM, BT, kw = _mlp_launch_cfg(d, m, bsz)
-        _ttt_mlp_bwd_kernel[(B * H,)](
-            XQ, XK, XV, eta, tau_c, lw, lb, W1S, B1S, W2S, B2S, dout, dW1F, dB1F, dW2F, dB2F,
-            dXQ, dXK, dXV, dETA, dTAU, dLNW, dLNB, dW10, dB10, dW20, dB20,
-            T, NMB, H, LN_EPS, D=d, BD=BD, M=m, BM=BM, MB=bsz, BT=BT, PREC=_precision(XQ.dtype), **kw)
-        return (dXQ, dXK, dXV, dETA, dTAU.sum((0, 1)).to(tau_dt), dLNW.sum(0).to(lw_dt),
-                dLNB.sum(0).to(lb_dt), dW10.to(W1_dt), dB10.to(b1_dt), dW20.to(W2_dt), dB20.to(b2_dt), None)
+    W2_0 [B,H,m,d], b2_0 [B,H,1,d]) → [out [B,H,T,d], W1_end, b1_end, W2_end, b2_end, and the
+    start weights W1S, B1S, W2S, B2S the backward reads, stored when ``save``]."""
+    B, H, T, d = XQ.shape
+    m = W1.shape[-1]
+    bsz = mini_batch_size
+    NMB = T // bsz
+    cdt = acc_dtype(XQ.dtype)
+    dev = XQ.device
+    XQ, XK, XV, eta = (x.contiguous() for x in (XQ, XK, XV, eta))
+    tau_c = tau.to(cdt).contiguous()
+    lw, lb = ln_w.to(cdt).contiguous(), ln_b.to(cdt).contiguous()
+    W1c, b1c, W2c, b2c = (w.to(cdt).contiguous() for w in (W1, b1, W2, b2))
+    out = torch.empty_like(XQ)
+    W1S, B1S, W2S, B2S = _mlp_weight_buffers(XQ, m, NMB if save else 1)
+    W1F, B1F, W2F, B2F = _mlp_weight_buffers(XQ, m, None)
+    BD, BM, BT, kw = _mlp_launch_cfg(d, m, bsz)
+    _ttt_mlp_fwd_kernel[(B * H,)](
+        XQ, XK, XV, eta, tau_c, lw, lb, W1c, b1c, W2c, b2c, out,
+        W1S, B1S, W2S, B2S, W1F, B1F, W2F, B2F,
+        T, NMB, H, LN_EPS, D=d, BD=BD, M=m, BM=BM, MB=bsz, BT=BT, SAVE=save, PREC=_precision(XQ.dtype), **kw)
+    return [out, W1F, B1F, W2F, B2F, W1S, B1S, W2S, B2S]
 
 
-# torch.compile (model.compile) runs this op as an opaque call, not traced: Triton launches and the
-# autograd.Function stay as they are in eager mode
-@torch.compiler.disable
+@_mlp_fwd_op.register_fake
+def _(XQ, XK, XV, eta, tau, ln_w, ln_b, W1, b1, W2, b2, mini_batch_size, save):
+    m = W1.shape[-1]
+    return ([torch.empty_like(XQ)] + _mlp_weight_buffers(XQ, m, None)
+            + _mlp_weight_buffers(XQ, m, XQ.shape[2] // mini_batch_size if save else 1))
+
+
+@torch.library.custom_op("kernels::ttt_mlp_bwd", mutates_args=())
+def _mlp_bwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: torch.Tensor, tau: torch.Tensor,
+                ln_w: torch.Tensor, ln_b: torch.Tensor, W1S: torch.Tensor, B1S: torch.Tensor, W2S: torch.Tensor,
+                B2S: torch.Tensor, dout: Optional[torch.Tensor], dW1F: Optional[torch.Tensor],
+                dB1F: Optional[torch.Tensor], dW2F: Optional[torch.Tensor], dB2F: Optional[torch.Tensor],
+                mini_batch_size: int, W1_dt: torch.dtype, b1_dt: torch.dtype, W2_dt: torch.dtype,
+                b2_dt: torch.dtype) -> List[torch.Tensor]:
+    """Gradients of the eleven tensor inputs of ``_mlp_fwd_op``."""
+    bsz, tau_dt, lw_dt, lb_dt = mini_batch_size, tau.dtype, ln_w.dtype, ln_b.dtype
+    tau_c = tau.to(W1S.dtype).contiguous()
+    lw, lb = ln_w.to(W1S.dtype).contiguous(), ln_b.to(W1S.dtype).contiguous()
+    B, H, T, d = XQ.shape
+    m = W1S.shape[-1]
+    NMB = T // bsz
+    cdt = W1S.dtype
+    dev = XQ.device
+
+    def grad_or_zero(g, *shape):
+        return torch.zeros(*shape, dtype=cdt, device=dev) if g is None else g.to(cdt).contiguous()
+
+    dout = torch.zeros_like(XQ) if dout is None else dout.contiguous()
+    dW1F, dB1F = grad_or_zero(dW1F, B, H, d, m), grad_or_zero(dB1F, B, H, 1, m)
+    dW2F, dB2F = grad_or_zero(dW2F, B, H, m, d), grad_or_zero(dB2F, B, H, 1, d)
+    dXQ, dXK, dXV = (torch.empty_like(XQ) for _ in range(3))
+    dETA = torch.empty_like(eta)
+    dTAU = torch.empty(B, H, bsz, dtype=cdt, device=dev)
+    dLNW = torch.empty(B, H, d, dtype=cdt, device=dev)
+    dLNB = torch.empty(B, H, d, dtype=cdt, device=dev)
+    dW10 = torch.empty(B, H, d, m, dtype=cdt, device=dev)
+    dB10 = torch.empty(B, H, 1, m, dtype=cdt, device=dev)
+    dW20 = torch.empty(B, H, m, d, dtype=cdt, device=dev)
+    dB20 = torch.empty(B, H, 1, d, dtype=cdt, device=dev)
+    BD, BM, BT, kw = _mlp_launch_cfg(d, m, bsz)
+    _ttt_mlp_bwd_kernel[(B * H,)](
+        XQ, XK, XV, eta, tau_c, lw, lb, W1S, B1S, W2S, B2S, dout, dW1F, dB1F, dW2F, dB2F,
+        dXQ, dXK, dXV, dETA, dTAU, dLNW, dLNB, dW10, dB10, dW20, dB20,
+        T, NMB, H, LN_EPS, D=d, BD=BD, M=m, BM=BM, MB=bsz, BT=BT, PREC=_precision(XQ.dtype), **kw)
+    return [dXQ, dXK, dXV, dETA, dTAU.sum((0, 1)).to(tau_dt), dLNW.sum(0).to(lw_dt),
+            dLNB.sum(0).to(lb_dt), dW10.to(W1_dt), dB10.to(b1_dt), dW20.to(W2_dt), dB20.to(b2_dt)]
+
+
+@_mlp_bwd_op.register_fake
+def _(XQ, XK, XV, eta, tau, ln_w, ln_b, W1S, B1S, W2S, B2S, dout, dW1F, dB1F, dW2F, dB2F, mini_batch_size,
+      W1_dt, b1_dt, W2_dt, b2_dt):
+    ws = _mlp_weight_buffers(XQ, W1S.shape[-1], None)
+    return ([torch.empty_like(t) for t in (XQ, XK, XV, eta, tau, ln_w, ln_b)]
+            + [torch.empty_like(w, dtype=dt) for w, dt in zip(ws, (W1_dt, b1_dt, W2_dt, b2_dt))])
+
+
+def _mlp_setup_context(ctx, inputs, output):
+    XQ, XK, XV, eta, tau, ln_w, ln_b, W1, b1, W2, b2, bsz, _ = inputs
+    ctx.save_for_backward(XQ, XK, XV, eta, tau, ln_w, ln_b, *output[5:])
+    ctx.mark_non_differentiable(*output[5:])
+    ctx.meta = (bsz, W1.dtype, b1.dtype, W2.dtype, b2.dtype)
+
+
+def _mlp_backward_rule(ctx, grads):
+    return (*_mlp_bwd_op(*ctx.saved_tensors, *grads[:5], *ctx.meta), None, None)
+
+
+_mlp_fwd_op.register_autograd(_mlp_backward_rule, setup_context=_mlp_setup_context)
+
+
 def ttt_mlp_triton(XQ, XK, XV, eta, token_idx, ln_weight, ln_bias, W1, b1, W2, b2, mini_batch_size=16,
                    initial_state: Optional[dict] = None, output_final_state: bool = False
                    ) -> Tuple[torch.Tensor, Optional[dict]]:
@@ -815,8 +850,11 @@ def ttt_mlp_triton(XQ, XK, XV, eta, token_idx, ln_weight, ln_bias, W1, b1, W2, b
     n_full = (T - t) // bsz * bsz
     if n_full > 0:
         sl = slice(t, t + n_full)
-        o, *ws = _TTTMLPFull.apply(XQ[:, :, sl], XK[:, :, sl], XV[:, :, sl], eta[:, :, sl], token_idx,
-                                   ln_weight, ln_bias, st["W1"], st["b1"], st["W2"], st["b2"], bsz)
+        ins = [t.contiguous() for t in (XQ[:, :, sl], XK[:, :, sl], XV[:, :, sl], eta[:, :, sl], token_idx,
+                                         ln_weight, ln_bias, st["W1"], st["b1"], st["W2"], st["b2"])]
+        # the per-mini-batch start weights serve only the backward
+        save = torch.is_grad_enabled() and any(t.requires_grad for t in ins)
+        o, *ws = _mlp_fwd_op(*ins, bsz, save)[:5]
         outs.append(o)
         # the kernel starts at a boundary, where the carried sums are zero by construction
         st = {"pos": 0}

@@ -124,12 +124,20 @@ def _ttt_linear_case(g):
     return fn, _ttt_inputs(g, False)
 
 
+def _ttt_mlp_case(g):
+    def fn(*ins):
+        out, st = ttt_mlp(*ins, mini_batch_size=8, output_final_state=True, backend="triton")
+        return out, st["W1"], st["b1"], st["W2"], st["b2"]
+    return fn, _ttt_inputs(g, True)
+
+
 # op name in the captured graph -> (function of tensors calling the public entry point, its inputs)
 CUSTOM_OPS = {
     "kernels.linear_scan_fwd.default": _linear_scan_case,
     "kernels.delta_rule_fwd.default": _delta_rule_case,
     "kernels.titans_linear_fwd.default": _titans_case,
     "kernels.ttt_linear_fwd.default": _ttt_linear_case,
+    "kernels.ttt_mlp_fwd.default": _ttt_mlp_case,
 }
 
 
@@ -155,7 +163,7 @@ def test_triton_op_is_one_custom_op_node(node):
 
 
 #: still torch.compiler.disable-d (a graph break each, run as in eager mode)
-NOT_CUSTOM_OPS = (selective_scan_triton, ttt_mlp_triton)
+NOT_CUSTOM_OPS = (selective_scan_triton,)
 
 # layer kind -> (its op's node, the break reasons the block may have besides: none at the op)
 BLOCKS = {
@@ -163,13 +171,14 @@ BLOCKS = {
     "deltanet": ("kernels.delta_rule_fwd.default", None),
     "titans": ("kernels.titans_linear_fwd.default", None),
     "ttt_linear": ("kernels.ttt_linear_fwd.default", None),
+    "ttt_mlp": ("kernels.ttt_mlp_fwd.default", None),
 }
 
 
 def test_entry_points_are_custom_ops_or_disabled():
     for fn in NOT_CUSTOM_OPS:
         assert getattr(fn, "_torchdynamo_disable", False), fn.__name__
-    for fn in (delta_rule_triton, linear_scan_triton, titans_linear_triton, ttt_linear_triton):
+    for fn in (delta_rule_triton, linear_scan_triton, titans_linear_triton, ttt_linear_triton, ttt_mlp_triton):
         assert not getattr(fn, "_torchdynamo_disable", False), fn.__name__
 
 
