@@ -223,67 +223,103 @@ def _state_rows(NB: int, T: int, BT: int, varlen: bool) -> int:
     return (T // BT + NB + 1) if varlen else NB * triton.cdiv(T, BT)
 
 
-class SelectiveScanFunction(torch.autograd.Function):
-    """(x, Δ, A, B, C, h0) → (y = Σ_n C h, h_{T−1}); Δ and A in the accumulation dtype."""
-
-    @staticmethod
-    def forward(ctx, x, Delta, A, B, C, h0, cu, BT):
-        x, Delta, A, B, C = (t.contiguous() for t in (x, Delta, A, B, C))
-        Bt, T, Di = x.shape
-        N = A.shape[1]
-        varlen = cu is not None
-        NB = cu.numel() - 1 if varlen else Bt
-        acc = Delta.dtype
-        _, BD, BN = tile_sizes(BT, N)
-        store = any(ctx.needs_input_grad)
-        states = torch.empty(_state_rows(NB, T, BT, varlen) if store else 1, Di, N, dtype=acc, device=x.device)
-        y = torch.empty(Bt, T, Di, dtype=acc, device=x.device)
-        hT = torch.empty(NB, Di, N, dtype=acc, device=x.device)
-        h0c = h0.to(acc).contiguous() if h0 is not None else None
-        _selective_scan_fwd[(triton.cdiv(Di, BD), NB)](
-            x, Delta, A, B, C, h0c if h0c is not None else hT, y, hT, states, cu if varlen else x,
-            T, Di, N, triton.cdiv(T, BT),
-            HAS_H0=h0 is not None, STORE_ST=store, IS_VARLEN=varlen, ACC=_acc_tl(acc),
-            BT=BT, BLOCK_D=BD, BLOCK_N=BN, num_warps=NUM_WARPS)
-        ctx.save_for_backward(x, Delta, A, B, C, states, cu)
-        ctx.BT, ctx.has_h0 = BT, h0 is not None
-        ctx.h0_dtype = h0.dtype if h0 is not None else None
-        return y, hT
-
-    @staticmethod
-    def backward(ctx, gy, ghT):
-        x, Delta, A, B, C, states, cu = ctx.saved_tensors
-        BT = ctx.BT
-        Bt, T, Di = x.shape
-        N = A.shape[1]
-        varlen = cu is not None
-        NB = cu.numel() - 1 if varlen else Bt
-        acc = Delta.dtype
-        _, BD, BN = tile_sizes(BT, N)
-        nblk = triton.cdiv(Di, BD)
-        gy = (gy if gy is not None else torch.zeros_like(Delta)).contiguous()
-        dx = torch.empty_like(x)
-        dDelta = torch.empty_like(Delta)
-        dA = torch.empty(NB, Di, N, dtype=acc, device=x.device)
-        # every token's row is written unless packed sequences leave tokens out (varlen)
-        part = torch.zeros if varlen else torch.empty
-        dBp = part(nblk, Bt * T, N, dtype=acc, device=x.device)
-        dCp = part(nblk, Bt * T, N, dtype=acc, device=x.device)
-        dh0 = torch.empty(NB, Di, N, dtype=ctx.h0_dtype, device=x.device) if ctx.has_h0 else None
-        _selective_scan_bwd[(nblk, NB)](
-            x, Delta, A, B, C, states, gy, ghT.contiguous() if ghT is not None else dA,
-            dx, dDelta, dA, dBp, dCp, dh0 if dh0 is not None else dA, cu if varlen else x,
-            T, Bt * T, Di, N, triton.cdiv(T, BT),
-            HAS_GHT=ghT is not None, HAS_H0=ctx.has_h0, IS_VARLEN=varlen, ACC=_acc_tl(acc),
-            BT=BT, BLOCK_D=BD, BLOCK_N=BN, num_warps=NUM_WARPS)
-        dB = dBp.sum(0).view(Bt, T, N).to(B.dtype)
-        dC = dCp.sum(0).view(Bt, T, N).to(C.dtype)
-        return dx, dDelta, dA.sum(0).to(A.dtype), dB, dC, dh0, None, None
+# The op is a PyTorch custom op (torch.library): torch.compile (model.compile) captures it as one
+# opaque node of the block's graph, with shapes from the fake implementations and the backward
+# registered below, instead of tracing the Triton launches or breaking the graph.
+@torch.library.custom_op("kernels::selective_scan_fwd", mutates_args=())
+def _fwd_op(x: torch.Tensor, Delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+            h0: Optional[torch.Tensor], cu: Optional[torch.Tensor], BT: int, store: bool
+            ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x, Δ, A, B, C, h0) → (y = Σ_n C h, h_{T−1}, the tile-start states the backward reads,
+    stored when ``store``); Δ and A in the accumulation dtype."""
+    x, Delta, A, B, C = (t.contiguous() for t in (x, Delta, A, B, C))
+    Bt, T, Di = x.shape
+    N = A.shape[1]
+    varlen = cu is not None
+    NB = cu.numel() - 1 if varlen else Bt
+    acc = Delta.dtype
+    _, BD, BN = tile_sizes(BT, N)
+    states = torch.empty(_state_rows(NB, T, BT, varlen) if store else 1, Di, N, dtype=acc, device=x.device)
+    y = torch.empty(Bt, T, Di, dtype=acc, device=x.device)
+    hT = torch.empty(NB, Di, N, dtype=acc, device=x.device)
+    h0c = h0.to(acc).contiguous() if h0 is not None else None
+    _selective_scan_fwd[(triton.cdiv(Di, BD), NB)](
+        x, Delta, A, B, C, h0c if h0c is not None else hT, y, hT, states, cu if varlen else x,
+        T, Di, N, triton.cdiv(T, BT),
+        HAS_H0=h0 is not None, STORE_ST=store, IS_VARLEN=varlen, ACC=_acc_tl(acc),
+        BT=BT, BLOCK_D=BD, BLOCK_N=BN, num_warps=NUM_WARPS)
+    return y, hT, states
 
 
-# torch.compile (model.compile) runs this op as an opaque call, not traced: Triton launches and the
-# autograd.Function stay as they are in eager mode
-@torch.compiler.disable
+@_fwd_op.register_fake
+def _(x, Delta, A, B, C, h0, cu, BT, store):
+    Bt, T, Di = x.shape
+    N = A.shape[1]
+    varlen = cu is not None
+    NB = cu.shape[0] - 1 if varlen else Bt
+    acc = Delta.dtype
+    states = x.new_empty(_state_rows(NB, T, BT, varlen) if store else 1, Di, N, dtype=acc)
+    return x.new_empty(Bt, T, Di, dtype=acc), x.new_empty(NB, Di, N, dtype=acc), states
+
+
+@torch.library.custom_op("kernels::selective_scan_bwd", mutates_args=())
+def _bwd_op(x: torch.Tensor, Delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+            states: torch.Tensor, gy: Optional[torch.Tensor], ghT: Optional[torch.Tensor], cu: Optional[torch.Tensor],
+            BT: int, h0_dtype: Optional[torch.dtype]
+            ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dx, dΔ, dA, dB, dC, d h0 ([0] when there is none)."""
+    has_h0 = h0_dtype is not None
+    Bt, T, Di = x.shape
+    N = A.shape[1]
+    varlen = cu is not None
+    NB = cu.numel() - 1 if varlen else Bt
+    acc = Delta.dtype
+    _, BD, BN = tile_sizes(BT, N)
+    nblk = triton.cdiv(Di, BD)
+    gy = (gy if gy is not None else torch.zeros_like(Delta)).contiguous()
+    dx = torch.empty_like(x)
+    dDelta = torch.empty_like(Delta)
+    dA = torch.empty(NB, Di, N, dtype=acc, device=x.device)
+    # every token's row is written unless packed sequences leave tokens out (varlen)
+    part = torch.zeros if varlen else torch.empty
+    dBp = part(nblk, Bt * T, N, dtype=acc, device=x.device)
+    dCp = part(nblk, Bt * T, N, dtype=acc, device=x.device)
+    dh0 = torch.empty(NB, Di, N, dtype=h0_dtype, device=x.device) if has_h0 else None
+    _selective_scan_bwd[(nblk, NB)](
+        x, Delta, A, B, C, states, gy, ghT.contiguous() if ghT is not None else dA,
+        dx, dDelta, dA, dBp, dCp, dh0 if dh0 is not None else dA, cu if varlen else x,
+        T, Bt * T, Di, N, triton.cdiv(T, BT),
+        HAS_GHT=ghT is not None, HAS_H0=has_h0, IS_VARLEN=varlen, ACC=_acc_tl(acc),
+        BT=BT, BLOCK_D=BD, BLOCK_N=BN, num_warps=NUM_WARPS)
+    dB = dBp.sum(0).view(Bt, T, N).to(B.dtype)
+    dC = dCp.sum(0).view(Bt, T, N).to(C.dtype)
+    return dx, dDelta, dA.sum(0).to(A.dtype), dB, dC, (dh0 if dh0 is not None else x.new_empty(0))
+
+
+@_bwd_op.register_fake
+def _(x, Delta, A, B, C, states, gy, ghT, cu, BT, h0_dtype):
+    NB = cu.shape[0] - 1 if cu is not None else x.shape[0]
+    dh0 = x.new_empty(NB, *A.shape, dtype=h0_dtype) if h0_dtype is not None else x.new_empty(0)
+    return (torch.empty_like(x), torch.empty_like(Delta), torch.empty_like(A), torch.empty_like(B),
+            torch.empty_like(C), dh0)
+
+
+def _setup_context(ctx, inputs, output):
+    x, Delta, A, B, C, h0, cu, BT, _ = inputs
+    ctx.save_for_backward(x, Delta, A, B, C, output[2], cu)
+    ctx.mark_non_differentiable(output[2])
+    ctx.BT, ctx.h0_dtype = BT, (h0.dtype if h0 is not None else None)
+
+
+def _backward_rule(ctx, gy, ghT, _g_states):
+    x, Delta, A, B, C, states, cu = ctx.saved_tensors
+    dx, dDelta, dA, dB, dC, dh0 = _bwd_op(x, Delta, A, B, C, states, gy, ghT, cu, ctx.BT, ctx.h0_dtype)
+    return dx, dDelta, dA, dB, dC, (dh0 if ctx.h0_dtype is not None else None), None, None, None
+
+
+_fwd_op.register_autograd(_backward_rule, setup_context=_setup_context)
+
+
 def selective_scan_triton(x, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
                           initial_state=None, output_final_state=False, chunk_size: int = 16,
                           cu_seqlens: Optional[torch.Tensor] = None
@@ -305,8 +341,10 @@ def selective_scan_triton(x, delta, A, B, C, D=None, z=None, delta_bias=None, de
               else torch.zeros(NB, Di, N, dtype=dt, device=x.device))
         return x.new_zeros(Bt, 0, Di), (hT if output_final_state else None)
     BT = tile_sizes(chunk_size, N)[0]
-    y, hT = SelectiveScanFunction.apply(x, Delta, A.to(dt), B, C, initial_state, cu_seqlens, BT)
+    ins = [x.contiguous(), Delta.contiguous(), A.to(dt).contiguous(), B.contiguous(), C.contiguous()]
+    store = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ins + [initial_state])
+    y, hT, _ = _fwd_op(*ins, initial_state, cu_seqlens, BT, store)
     return finish(y, x, D, z), (hT if output_final_state else None)
 
 
-__all__ = ["selective_scan_triton", "SelectiveScanFunction", "tile_sizes"]
+__all__ = ["selective_scan_triton", "tile_sizes"]
