@@ -175,8 +175,8 @@ class LM(nn.Module):
     def compile_blocks(self, backend: Optional[str] = None) -> "LM":
         """``torch.compile`` each block in place (``nn.Module.compile``: parameter names and the
         state dict are unchanged, so checkpoints load either way); the embedding, final norm, head
-        and loss stay eager. The Triton ops in ``kernels/`` are ``torch.compiler.disable``-d: a
-        block's graph breaks around its op, which runs as in eager mode, and the projections, norms,
+        and loss stay eager. The Triton ops in ``kernels/`` are ``torch.library`` custom ops: a
+        block's graph holds its op as one opaque node (no graph break), and the projections, norms,
         gates and MLP around it are compiled. The PyTorch chunked forms (``kernel_backend=torch``,
         the CPU path) are traced like any other code. Compilation happens at a block's first call."""
         backend = backend or self.cfg.compile_backend
