@@ -11,6 +11,7 @@ attention block below.
 import pytest
 import torch
 from torch._dynamo.utils import counters
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from kernels.delta_rule import delta_rule
 from kernels.delta_rule.chunk import delta_rule_triton
@@ -185,6 +186,39 @@ BLOCKS = {
 }
 # (a Mamba block takes over a minute under the Triton interpreter here: its op is covered by
 # test_triton_op_is_one_custom_op_node only)
+
+
+class _RecordKernelOps(TorchDispatchMode):
+    """The kernels:: op calls (forward and backward ops) with the arguments they were given."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace == "kernels":
+            self.calls.append((func, args, kwargs))
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("node", sorted(CUSTOM_OPS))
+def test_custom_op_registrations_pass_opcheck(node):
+    """torch.library.opcheck on the forward and backward ops as the public entry point calls
+    them: schema, fake (shape) functions against the real outputs, the registered autograd, and
+    AOT dispatch."""
+    fn, inputs = CUSTOM_OPS[node](torch.Generator().manual_seed(0))
+    leaves = [x.clone().requires_grad_() for x in inputs]
+    with _RecordKernelOps() as rec:
+        out = fn(*leaves)
+        torch.autograd.grad(sum(o.sum() for o in out), leaves, allow_unused=True)
+    op = node.removesuffix(".default").replace(".", "::")   # kernels::<op>_fwd
+    names = [f.name() for f, _, _ in rec.calls]
+    assert names == [op, op.replace("_fwd", "_bwd")], names
+    for func, args, kwargs in rec.calls:
+        if func.name().endswith("_bwd"):   # the backward op has no derivative of its own
+            args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
+        torch.library.opcheck(func, args, kwargs)
 
 
 def test_entry_points_are_not_compiler_disabled():
