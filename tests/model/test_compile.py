@@ -188,6 +188,34 @@ BLOCKS = {
 # test_triton_op_is_one_custom_op_node only)
 
 
+def test_packed_sequences_compile_like_eager():
+    """cu_seqlens: the op's fake shapes take the number of sequences from the offsets' length (and
+    the delta rule's chunk count as a data-dependent size); compiled outputs and gradients equal
+    eager. delta_rule_triton checks the offsets on the host (a graph break before its op)."""
+    g = torch.Generator().manual_seed(0)
+    cu = torch.tensor([0, 5, 20], dtype=torch.int32)
+    q, k = (torch.nn.functional.normalize(torch.randn(1, 2, 20, 16, generator=g, dtype=torch.float64), dim=-1)
+            for _ in range(2))
+    v = torch.randn(1, 2, 20, 16, generator=g, dtype=torch.float64)
+    beta = torch.rand(1, 2, 20, generator=g, dtype=torch.float64)
+    la = -torch.rand(1, 20, 8, generator=g, dtype=torch.float64)
+    b = torch.randn(1, 20, 8, generator=g, dtype=torch.float64)
+    cases = [(lambda q, k, v, beta: delta_rule_triton(q, k, v, beta, None, True, 16, cu_seqlens=cu), (q, k, v, beta)),
+             (lambda la, b: linear_scan(la, b, None, True, backend="triton", chunk_size=8, cu_seqlens=cu), (la, b))]
+
+    def run(fn, inputs):
+        leaves = [x.clone().requires_grad_() for x in inputs]
+        out = fn(*leaves)
+        return list(out) + list(torch.autograd.grad(sum(o.sum() for o in out), leaves))
+    for fn, inputs in cases:
+        torch._dynamo.reset()
+        eager, compiled = run(fn, inputs), run(torch.compile(fn, backend="aot_eager"), inputs)
+        assert eager[1].shape[0] == 2   # one final state per sequence
+        for a, c in zip(eager, compiled):
+            assert torch.equal(a, c), (a - c).abs().max()
+    assert torch._dynamo.explain(cases[1][0])(la, b).graph_break_count == 0
+
+
 class _RecordKernelOps(TorchDispatchMode):
     """The kernels:: op calls (forward and backward ops) with the arguments they were given."""
 
