@@ -20,7 +20,7 @@ given it replaces the weights arguments. Returns (out [B, H, T, d], final_state 
 
 ``backend``: "torch" (dual form, training and prefill), "primal" (token by token with the
 per-token θ_t materialized: decoding), "reference" (the specification), "triton" (Triton kernel
-in ``chunk.py``, when present).
+in ``chunk.py`` for TTT-Linear, ``mlp_chunk.py`` for TTT-MLP, when present).
 
 Variable-length batches: ``cu_seqlens`` (int32 [N+1], cumulative lengths, B = 1) packs N
 sequences along T. Each starts at a mini-batch boundary from θ_0 = ``initial_state`` row n (every
@@ -32,6 +32,7 @@ batch is future work.
 """
 from __future__ import annotations
 
+import importlib
 import importlib.util
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -43,14 +44,16 @@ from kernels.ttt.torch_chunk import (acc_dtype, make_state, ttt_linear_chunk, tt
 
 
 def has_triton_backend(kind: str = "linear") -> bool:
-    """Whether ``chunk.py`` provides ``ttt_<kind>_triton`` (kind: "linear" or "mlp")."""
-    if importlib.util.find_spec("kernels.ttt.chunk") is None:
+    """Whether the Triton kernels provide ``ttt_<kind>_triton`` (kind: "linear" in ``chunk.py``,
+    "mlp" in ``mlp_chunk.py``)."""
+    module = "chunk" if kind == "linear" else "mlp_chunk"
+    if importlib.util.find_spec(f"kernels.ttt.{module}") is None:
         return False
     try:
-        from kernels.ttt import chunk
+        mod = importlib.import_module(f"kernels.ttt.{module}")
     except ImportError:  # triton itself missing
         return False
-    return hasattr(chunk, f"ttt_{kind}_triton")
+    return hasattr(mod, f"ttt_{kind}_triton")
 
 
 def _check(XQ, XK, XV, eta, token_idx, mini_batch_size):
@@ -174,8 +177,8 @@ def ttt_mlp(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: torch.Ten
         return ttt_mlp_ref(*args)
     if backend == "triton":
         if not has_triton_backend("mlp"):
-            raise RuntimeError("ttt_mlp: backend='triton' needs ttt_mlp_triton in kernels/ttt/chunk.py, which is absent")
-        from kernels.ttt.chunk import ttt_mlp_triton
+            raise RuntimeError("ttt_mlp: backend='triton' needs ttt_mlp_triton in kernels/ttt/mlp_chunk.py, which is absent")
+        from kernels.ttt.mlp_chunk import ttt_mlp_triton
         return ttt_mlp_triton(*args)
     raise ValueError(f"ttt_mlp: backend must be torch, primal, reference or triton, got {backend!r}")
 

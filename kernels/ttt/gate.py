@@ -2,13 +2,13 @@
 (``python -m kernels.compile_report``): the presets' head dims (64; 128 at 1.3B, and 96 at 760M,
 which runs in the same 128-wide tiles), TTT-MLP's 4x inner width, mini-batch 16 (every preset)
 and 64, bfloat16 and float32 inputs, with the tile sizes and launch options the wrappers in
-``chunk.py`` pick."""
+``chunk.py`` (TTT-Linear) and ``mlp_chunk.py`` (TTT-MLP) pick."""
 from __future__ import annotations
 
 import torch
 
 from kernels.compile_report import arg_names, case
-from kernels.ttt import chunk
+from kernels.ttt import chunk, mlp_chunk
 
 HEAD_DIMS = (64, 128)
 LINEAR_MINI_BATCHES = (16, 64)
@@ -36,9 +36,9 @@ def compile_cases():
                                     num_warps=kw.get("num_warps", 4), num_stages=kw.get("num_stages", 1)))
             for b in MLP_MINI_BATCHES:
                 m = 4 * d
-                BD, BM, BT, kw = chunk._mlp_launch_cfg(d, m, b)
+                BD, BM, BT, kw = mlp_chunk._mlp_launch_cfg(d, m, b)
                 cfg = f"{dt} d={d} m={m} b={b}"
-                for kern, extra in ((chunk._ttt_mlp_fwd_kernel, {"SAVE": True}), (chunk._ttt_mlp_bwd_kernel, {})):
+                for kern, extra in ((mlp_chunk._ttt_mlp_fwd_kernel, {"SAVE": True}), (mlp_chunk._ttt_mlp_bwd_kernel, {})):
                     names = set(arg_names(kern))
                     out.append(case(kern, cfg, constexprs=dict(D=d, BD=BD, M=m, BM=BM, MB=b, BT=BT, PREC=chunk._precision(tdt), **extra),
                                     scalars=ints, pointers={n: dt for n in io_names if n in names},

@@ -1,13 +1,13 @@
-"""The Triton TTT-MLP kernel (kernels/ttt/chunk.py) against the specification
+"""The Triton TTT-MLP kernels (kernels/ttt/mlp_chunk.py) against the specification
 (kernels/ttt/reference.py): output, final state and the gradient of every input, including
 ``initial_state``. On CPU it runs under the Triton interpreter (tests/conftest.py), where tl.dot
-needs blocks ≥ 16 and the hidden tiles are [b, m]: b = 16 and d ∈ {8, 16} (m = 4d, or m = 24 to
-pad the hidden width), B = H = 2, T ≤ 45."""
+needs blocks ≥ 16; the hidden width is streamed in tiles of 16 there, so m = 4d ∈ {32, 64} runs 2-4
+tiles and m = 24 a padded second tile: b = 16 and d ∈ {8, 16}, B = H = 2, T ≤ 45."""
 import pytest
 import torch
 
 from kernels.ttt import ttt_mlp
-from kernels.ttt.chunk import ttt_mlp_triton
+from kernels.ttt.mlp_chunk import ttt_mlp_triton
 
 B, H = 2, 2
 WEIGHTS = ["W1", "b1", "W2", "b2"]

@@ -22,7 +22,8 @@ from kernels.selective_scan.chunk import selective_scan_triton
 from kernels.titans import titans_linear
 from kernels.titans.chunk import titans_linear_triton
 from kernels.ttt import ttt_linear, ttt_mlp
-from kernels.ttt.chunk import ttt_linear_triton, ttt_mlp_triton
+from kernels.ttt.chunk import ttt_linear_triton
+from kernels.ttt.mlp_chunk import ttt_mlp_triton
 from ttt_lm.config import ConfigError, load_config
 from ttt_lm.model import LM, ModelConfig
 

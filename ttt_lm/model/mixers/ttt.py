@@ -308,7 +308,8 @@ class _TTTBase(Mixer):
 
     # ---- forms -------------------------------------------------------------------------------
     def triton_unavailable(self):
-        return None if has_triton_backend(self.kind) else f"kernels/ttt/chunk.py has no ttt_{self.kind}_triton"
+        return None if has_triton_backend(self.kind) else (f"kernels/ttt/{'chunk' if self.kind == 'linear' else 'mlp_chunk'}.py "
+                                                          f"has no ttt_{self.kind}_triton")
 
     def chunked(self, x, state=None, output_state=False):
         return self._run(x, state, output_state, self._resolve_backend(x))

@@ -1,0 +1,592 @@
+r"""TTT-MLP dual form in Triton, forward and backward (Sun et al. 2024), with the inner LayerNorm
+and its L2-loss gradient fused into the kernel.
+
+f(x) = GELU_tanh(x W1 + b1) W2 + b2, W1 [d, m], W2 [m, d] (m = 4d in the paper). For a mini-batch
+with rows K, Q, V ∈ R^{b×d}, per-token η ∈ R^b, τ = token_idx ∈ R^b and the weights at its start
+(notation of ``torch_chunk.py``):
+
+    Z1 = K W1 + b1,   X2 = GELU(Z1),   Z2 = X2 W2 + b2
+    Γ2 = ∂/∂Z2 ½‖LN_γβ(Z2) − (V − K)‖²,   Γ1 = (Γ2 W2ᵀ) ⊙ GELU'(Z1)          (gradients at W_0)
+    M1 = tril(E ⊙ (Q Kᵀ + 1)),        Z̄1 = Q W1 + b1 − M1 Γ1,   X̄2 = GELU(Z̄1)      E_ij = τ_i η_j
+    M2 = tril(E ⊙ (X̄2 X2ᵀ + 1)),      Z̄2 = X̄2 W2 + b2 − M2 Γ2,  out = Q + LN_γβ(Z̄2)
+    W1 ← W1 − τ_{b−1} Kᵀ(η ⊙ Γ1),  b1 ← b1 − τ_{b−1} Σ_j η_j Γ1_j      (same for W2, b2 with X2, Γ2)
+
+Hidden tiles. The state (W1, b1, W2) is 2dm + m numbers per head — 32K floats at d = 64 — more than
+one program's registers hold. It lives in global memory (per (batch, head), small enough to stay in
+L2) and is streamed in tiles of BM hidden units: columns j of W1 and b1, rows j of W2. Everything
+of width m is separable over j (Z1, X2, Γ1, Z̄1, X̄2 and their gradients are column-wise in j), and
+everything else is a sum over tiles:
+
+    Z2  = Σ_j X2_j W2_j + b2                   (pass 1: needs every tile before Γ2 exists)
+    Γ1_j = (Γ2 W2_jᵀ) ⊙ GELU'(Z1_j),  Z̄1_j,  X̄2_j
+    A2 = X̄2 X2ᵀ = Σ_j X̄2_j X2_jᵀ,  X̄2 W2 = Σ_j X̄2_j W2_j    (pass 2, with the update of tile j)
+
+so the forward makes two passes over the tiles per mini-batch, recomputing Z1_j in the second
+rather than keeping it. In pass 2 a tile's new weights overwrite its old ones once it has been
+used: nothing later in the mini-batch reads the old tile. b2 [d] stays in registers.
+
+The forward stores the start weights of every mini-batch (2dm + m + d numbers per mini-batch and
+head) when the backward needs them. The backward walks the mini-batches in reverse and carries
+(dW1, db1, dW2, db2), the gradient with respect to the weights at the end of the current
+mini-batch, the first three in global memory (the output buffers, which the wrapper fills with the
+final-state gradients), db2 in registers. Per mini-batch it repeats the forward's two passes from
+the stored start weights (recomputing rather than keeping), then two backward passes:
+
+    pass 3 (per tile): P1_j = K dW1_j + db1_j and X2_j dW2_j (read before the tile's gradient is
+        extended), ∂X̄2_j = ∂Z̄2 W2_jᵀ + ∂A2 X2_j, ∂Z̄1_j, Σ_j ∂Z̄1_j Γ1_jᵀ (for ∂M1), ∂Γ1_j, and
+        Σ_j ∂(Γ1_j) ⊙ GELU'(Z1_j) W2_j (for ∂Γ2); everything of ∂Z1_j except the ∂Z2 term is written
+        to a [b, m] scratch, and dW1_j, db1_j, dW2_j are extended with their Z̄ and Γ1 terms;
+    then ∂Γ2 is complete: ∂Z2 (the LayerNorm-fused loss's second derivative), ∂M1, ∂Q, ∂K, ∂η, ∂τ;
+    pass 4 (per tile): ∂Z1_j = scratch_j + (∂Z2 W2_jᵀ) ⊙ GELU'(Z1_j), then ∂K += ∂Z1_j W1_jᵀ and
+        dW1_j, db1_j, dW2_j get their Z1, Z2 terms.
+
+The GELU''(Z1) term enters through Γ1's dependence on Z1. One program per (batch, head); the
+passes exchange data through global memory, ordered by ``tl.debug_barrier()`` (a CTA barrier,
+which also makes the program's global writes visible to all its threads).
+
+Coverage: full mini-batches that start at a mini-batch boundary (pos = 0), b ≤ 64, any d and m
+(d padded to a power of two ≥ 16, m to a multiple of the tile width; padded rows carry τ = η = 0
+and X2 = 0). ``ttt_mlp_triton`` covers everything else exactly with the PyTorch dual form, chained
+through autograd: the head that completes a mini-batch begun in ``initial_state`` and a trailing
+partial mini-batch. tanh is written with exp (tanh u = 1 − 2/(e^{2u} + 1), exact at ±∞).
+
+Precision (``_precision``, ``_dot`` in ``chunk.py``): everything is carried and accumulated in
+float32 (float64 for float64 inputs), the weights included (float32 masters); the tl.dot operands
+are bfloat16 for bfloat16/float16 inputs (bf16 tensor-core MMA, fp32 accumulator; the weight tiles
+are rounded to bfloat16 once when loaded, which is the rounding the product applies anyway),
+3×TF32 for float32 inputs (tensor cores, error within a few fp32 ulps), exact for float64. Outputs
+come back in the input dtype, the state in float32 (float64 for float64 inputs).
+
+Launch configurations (``_mlp_launch_cfg``): compiled for sm_90 and sm_80 by
+``python -m kernels.compile_report --op ttt``.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._triton_utils import check_triton_device, is_interpreting
+from kernels.ttt.chunk import _MAX_MB, _dot, _ln_bwd, _ln_stats, _precision
+from kernels.ttt.torch_chunk import LN_EPS, acc_dtype, make_state, ttt_mlp_chunk
+
+
+# ---- in-kernel pieces -------------------------------------------------------------------------
+@triton.jit
+def _gelu_tanh3(x):
+    """GELU_tanh(x), GELU'(x) and GELU''(x) (c = √(2/π), a = 0.044715, u = c(x + a x³))."""
+    u = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+    t = 1.0 - 2.0 / (tl.exp(2.0 * u) + 1.0)
+    du = 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * x * x)
+    s = 1.0 - t * t
+    g = 0.5 * x * (1.0 + t)
+    dg = 0.5 * (1.0 + t) + 0.5 * x * s * du
+    ddg = s * (du - x * t * du * du + 3.0 * 0.7978845608028654 * 0.044715 * x * x)
+    return g, dg, ddg
+
+
+@triton.jit
+def _ln_l2_bwd_bwd(dG, G, gh, xh, rstd, gamma, beta, tgt, cmask, D: tl.constexpr):
+    """Backward of Γ = ∂/∂Z ½‖γ x̂ + β − tgt‖² (x̂, σ of Z): given ∂/∂Γ, return ∂/∂Z, ∂/∂tgt and
+    the row-summed contributions to ∂/∂γ, ∂/∂β (ĝ = γ(γ x̂ + β − tgt))."""
+    dgh = _ln_bwd(dG, xh, rstd, cmask, D)
+    c2 = tl.sum(gh * xh, axis=1) / D
+    mux = tl.sum(dG * xh, axis=1) / D
+    dxh = -(dG * c2[:, None] + gh * mux[:, None]) * rstd[:, None] + gamma[None, :] * gamma[None, :] * dgh
+    dsig = -tl.sum(dG * G, axis=1) * rstd
+    dgamma = tl.sum(dgh * (2.0 * gamma[None, :] * xh + beta[None, :] - tgt), axis=0)
+    dbeta = tl.sum(dgh * gamma[None, :], axis=0)
+    dtgt = -gamma[None, :] * dgh
+    dZ = _ln_bwd(dxh, xh, rstd, cmask, D) + tl.where(cmask[None, :], dsig[:, None] * xh / D, 0.0)
+    return dZ, dtgt, dgamma, dbeta
+
+
+@triton.jit
+def _w_tile(W1P, B1P, W2P, j0, cols, hc, cmask, D: tl.constexpr, M: tl.constexpr, PREC: tl.constexpr):
+    """Hidden tile j0 … j0 + BM − 1 of the weights at W1P [D, M], B1P [M], W2P [M, D]: W1_j [BD, BM]
+    and W2_j [BM, BD] as tl.dot operands (rounded to bfloat16 once here for bf16 products), b1_j
+    in the accumulation dtype; zero outside [D] × [M]."""
+    hcols = j0 + hc
+    hmask = hcols < M
+    W1 = tl.load(W1P + cols[:, None] * M + hcols[None, :], mask=cmask[:, None] & hmask[None, :], other=0.0)
+    b1 = tl.load(B1P + hcols, mask=hmask, other=0.0)
+    W2 = tl.load(W2P + hcols[:, None] * D + cols[None, :], mask=hmask[:, None] & cmask[None, :], other=0.0)
+    if PREC == "bf16" or PREC == "bf16_emulated":
+        W1 = W1.to(tl.bfloat16)
+        W2 = W2.to(tl.bfloat16)
+    return W1, b1, W2
+
+
+@triton.jit
+def _z2(k, W1P, B1P, W2P, b2, cols, hc, cmask, rmask, D: tl.constexpr, M: tl.constexpr,
+        BT: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, PREC: tl.constexpr):
+    """Pass 1: Z2 = GELU(K W1 + b1) W2 + b2, summed over the hidden tiles."""
+    Z2 = tl.zeros([BT, BD], dtype=b2.dtype)
+    for j0 in range(0, M, BM):
+        W1, b1, W2 = _w_tile(W1P, B1P, W2P, j0, cols, hc, cmask, D, M, PREC)
+        X2, gp, gpp = _gelu_tanh3(_dot(k, W1, PREC) + b1[None, :])
+        # padded rows (zero k) would give X2 = GELU(b1) ≠ 0; they carry η = 0, zero them anyway
+        X2 = tl.where(rmask[:, None], X2, 0.0)
+        Z2 += _dot(X2, W2, PREC)
+    return Z2 + b2[None, :]
+
+
+@triton.jit
+def _tile_fwd(q, k, G2, M1, W1, b1, W2, rmask, PREC: tl.constexpr):
+    """The hidden tile's Z1-side quantities: X2_j, GELU'(Z1_j), GELU''(Z1_j), S_j = Γ2 W2_jᵀ,
+    Γ1_j, X̄2_j and GELU'(Z̄1_j)."""
+    X2, gp, gpp = _gelu_tanh3(_dot(k, W1, PREC) + b1[None, :])
+    X2 = tl.where(rmask[:, None], X2, 0.0)
+    S = _dot(G2, tl.trans(W2), PREC)
+    G1 = S * gp                                                             # Γ1_j
+    Z1b = _dot(q, W1, PREC) + b1[None, :] - _dot(M1, G1, PREC)
+    X2b, gpb, _unused = _gelu_tanh3(Z1b)
+    return X2, gp, gpp, S, G1, X2b, gpb
+
+
+@triton.jit
+def _loss_grad(Z2, v, k, gamma, beta, cmask, D: tl.constexpr, eps):
+    """x̂, 1/σ of Z2, the target V − K, ĝ and Γ2 (the LayerNorm-fused loss's gradient)."""
+    xh, rstd = _ln_stats(Z2, cmask, D, eps)
+    tgt = v - k
+    gh = (gamma[None, :] * xh + beta[None, :] - tgt) * gamma[None, :]
+    G2 = _ln_bwd(gh, xh, rstd, cmask, D)
+    return xh, rstd, tgt, gh, G2
+
+
+@triton.jit
+def _ttt_mlp_fwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, B20, OUT,
+                        W1S, B1S, W2S, B2S, W1F, B1F, W2F, B2F,
+                        T, NMB, H, eps,
+                        D: tl.constexpr, BD: tl.constexpr, M: tl.constexpr, BM: tl.constexpr,
+                        MB: tl.constexpr, BT: tl.constexpr, SAVE: tl.constexpr, PREC: tl.constexpr):
+    """W1F [D, M], B1F [M], W2F [M, D] hold the initial weights on entry (the wrapper copies them
+    in) and are updated in place, tile by tile, into the final ones; b2 is carried in registers."""
+    pid = tl.program_id(0)                      # = b_idx * H + h_idx
+    h = pid % H
+    cdt = W1F.dtype.element_ty
+    rows = tl.arange(0, BT)
+    cols = tl.arange(0, BD)
+    hc = tl.arange(0, BM)
+    cmask = cols < D
+    rmask = rows < MB
+    xmask = rmask[:, None] & cmask[None, :]
+    tril = rows[None, :] <= rows[:, None]
+    W1P = W1F + pid * D * M
+    B1P = B1F + pid * M
+    W2P = W2F + pid * M * D
+
+    b2 = tl.load(B20 + pid * D + cols, mask=cmask, other=0.0).to(cdt)
+    gamma = tl.load(LNW + h * D + cols, mask=cmask, other=0.0).to(cdt)
+    beta = tl.load(LNB + h * D + cols, mask=cmask, other=0.0).to(cdt)
+    # padded rows (MB < BT) get τ = η = 0, so they enter no product that reaches a real row
+    tau = tl.load(TAU + rows, mask=rmask, other=0.0).to(cdt)
+    tau_last = tl.load(TAU + MB - 1).to(cdt)
+
+    for n in range(NMB):
+        if SAVE:
+            s = pid * NMB + n
+            for j0 in range(0, M, BM):
+                hcols = j0 + hc
+                hmask = hcols < M
+                w1o = cols[:, None] * M + hcols[None, :]
+                w2o = hcols[:, None] * D + cols[None, :]
+                w1m = cmask[:, None] & hmask[None, :]
+                w2m = hmask[:, None] & cmask[None, :]
+                tl.store(W1S + s * D * M + w1o, tl.load(W1P + w1o, mask=w1m, other=0.0), mask=w1m)
+                tl.store(B1S + s * M + hcols, tl.load(B1P + hcols, mask=hmask, other=0.0), mask=hmask)
+                tl.store(W2S + s * M * D + w2o, tl.load(W2P + w2o, mask=w2m, other=0.0), mask=w2m)
+            tl.store(B2S + s * D + cols, b2, mask=cmask)
+        t_off = n * MB + rows
+        xoff = pid * T * D + t_off[:, None] * D + cols[None, :]
+        q = tl.load(XQ + xoff, mask=xmask, other=0.0).to(cdt)
+        k = tl.load(XK + xoff, mask=xmask, other=0.0).to(cdt)
+        v = tl.load(XV + xoff, mask=xmask, other=0.0).to(cdt)
+        e = tl.load(ETA + pid * T + t_off, mask=rmask, other=0.0).to(cdt)
+
+        Z2 = _z2(k, W1P, B1P, W2P, b2, cols, hc, cmask, rmask, D, M, BT, BD, BM, PREC)
+        xh, rstd, tgt, gh, G2 = _loss_grad(Z2, v, k, gamma, beta, cmask, D, eps)
+        Ev = tau[:, None] * e[None, :]
+        M1 = tl.where(tril, Ev * (_dot(q, tl.trans(k), PREC) + 1.0), 0.0)
+        eG2 = e[:, None] * G2
+        A2 = tl.zeros([BT, BT], dtype=cdt)
+        Z2b = tl.zeros([BT, BD], dtype=cdt)
+        for j0 in range(0, M, BM):
+            W1, b1, W2 = _w_tile(W1P, B1P, W2P, j0, cols, hc, cmask, D, M, PREC)
+            X2, gp, gpp, S, G1, X2b, gpb = _tile_fwd(q, k, G2, M1, W1, b1, W2, rmask, PREC)
+            A2 += _dot(X2b, tl.trans(X2), PREC)
+            Z2b += _dot(X2b, W2, PREC)
+            # the tile's end-of-mini-batch update, from the float32 masters read again
+            eG1 = e[:, None] * G1
+            hcols = j0 + hc
+            hmask = hcols < M
+            w1o = cols[:, None] * M + hcols[None, :]
+            w2o = hcols[:, None] * D + cols[None, :]
+            w1m = cmask[:, None] & hmask[None, :]
+            w2m = hmask[:, None] & cmask[None, :]
+            dW1 = tau_last * _dot(tl.trans(k), eG1, PREC)
+            db1 = tau_last * tl.sum(eG1, axis=0)
+            dW2 = tau_last * _dot(tl.trans(X2), eG2, PREC)
+            tl.debug_barrier()                  # every thread has read the tile's old weights
+            tl.store(W1P + w1o, tl.load(W1P + w1o, mask=w1m, other=0.0) - dW1, mask=w1m)
+            tl.store(B1P + hcols, tl.load(B1P + hcols, mask=hmask, other=0.0) - db1, mask=hmask)
+            tl.store(W2P + w2o, tl.load(W2P + w2o, mask=w2m, other=0.0) - dW2, mask=w2m)
+        tl.debug_barrier()                      # the new weights are visible to the next mini-batch
+        M2 = tl.where(tril, Ev * (A2 + 1.0), 0.0)
+        Z2b += b2[None, :] - _dot(M2, G2, PREC)
+        xhb, rstdb = _ln_stats(Z2b, cmask, D, eps)
+        out = q + gamma[None, :] * xhb + beta[None, :]
+        tl.store(OUT + xoff, out.to(OUT.dtype.element_ty), mask=xmask)
+        b2 = b2 - tau_last * tl.sum(eG2, axis=0)
+
+    tl.store(B2F + pid * D + cols, b2, mask=cmask)
+
+
+@triton.jit
+def _ttt_mlp_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, W1S, B1S, W2S, B2S, DOUT, DB2F, DZ1S,
+                        DXQ, DXK, DXV, DETA, DTAU, DLNW, DLNB, DW1, DB1, DW2, DB20,
+                        T, NMB, H, eps,
+                        D: tl.constexpr, BD: tl.constexpr, M: tl.constexpr, BM: tl.constexpr,
+                        MB: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr):
+    """DW1 [D, M], DB1 [M], DW2 [M, D] hold the final-state gradients on entry (the wrapper copies
+    them in) and are accumulated in place into the initial weights' gradients; DZ1S [BT, M] is
+    the program's scratch for the partial ∂Z1 between passes 3 and 4."""
+    pid = tl.program_id(0)
+    h = pid % H
+    cdt = W1S.dtype.element_ty
+    rows = tl.arange(0, BT)
+    cols = tl.arange(0, BD)
+    hc = tl.arange(0, BM)
+    cmask = cols < D
+    rmask = rows < MB
+    xmask = rmask[:, None] & cmask[None, :]
+    tril = rows[None, :] <= rows[:, None]
+    is_last = rows == MB - 1
+    GW1 = DW1 + pid * D * M
+    GB1 = DB1 + pid * M
+    GW2 = DW2 + pid * M * D
+    ZS = DZ1S + pid * BT * M
+
+    gamma = tl.load(LNW + h * D + cols, mask=cmask, other=0.0).to(cdt)
+    beta = tl.load(LNB + h * D + cols, mask=cmask, other=0.0).to(cdt)
+    tau = tl.load(TAU + rows, mask=rmask, other=0.0).to(cdt)
+    tau_last = tl.load(TAU + MB - 1).to(cdt)
+    # the gradient with respect to b2 at the END of the current mini-batch
+    db2 = tl.load(DB2F + pid * D + cols, mask=cmask, other=0.0).to(cdt)
+    dgamma = tl.zeros([BD], dtype=cdt)
+    dbeta = tl.zeros([BD], dtype=cdt)
+    dtau = tl.zeros([BT], dtype=cdt)
+
+    for i in range(NMB):
+        n = NMB - 1 - i
+        s = pid * NMB + n
+        W1P = W1S + s * D * M
+        B1P = B1S + s * M
+        W2P = W2S + s * M * D
+        b2 = tl.load(B2S + s * D + cols, mask=cmask, other=0.0)
+        t_off = n * MB + rows
+        xoff = pid * T * D + t_off[:, None] * D + cols[None, :]
+        q = tl.load(XQ + xoff, mask=xmask, other=0.0).to(cdt)
+        k = tl.load(XK + xoff, mask=xmask, other=0.0).to(cdt)
+        v = tl.load(XV + xoff, mask=xmask, other=0.0).to(cdt)
+        e = tl.load(ETA + pid * T + t_off, mask=rmask, other=0.0).to(cdt)
+        do = tl.load(DOUT + xoff, mask=xmask, other=0.0).to(cdt)
+
+        # passes 1 and 2: the forward again from the stored start weights
+        Z2 = _z2(k, W1P, B1P, W2P, b2, cols, hc, cmask, rmask, D, M, BT, BD, BM, PREC)
+        xh, rstd, tgt, gh, G2 = _loss_grad(Z2, v, k, gamma, beta, cmask, D, eps)
+        Ev = tau[:, None] * e[None, :]
+        A1 = _dot(q, tl.trans(k), PREC)
+        M1 = tl.where(tril, Ev * (A1 + 1.0), 0.0)
+        A2 = tl.zeros([BT, BT], dtype=cdt)
+        Z2b = tl.zeros([BT, BD], dtype=cdt)
+        for j0 in range(0, M, BM):
+            W1, b1, W2 = _w_tile(W1P, B1P, W2P, j0, cols, hc, cmask, D, M, PREC)
+            X2, gp, gpp, S, G1, X2b, gpb = _tile_fwd(q, k, G2, M1, W1, b1, W2, rmask, PREC)
+            A2 += _dot(X2b, tl.trans(X2), PREC)
+            Z2b += _dot(X2b, W2, PREC)
+        M2 = tl.where(tril, Ev * (A2 + 1.0), 0.0)
+        Z2b += b2[None, :] - _dot(M2, G2, PREC)
+        xhb, rstdb = _ln_stats(Z2b, cmask, D, eps)
+
+        # out = Q + γ x̂(Z̄2) + β
+        dgamma += tl.sum(do * xhb, axis=0)
+        dbeta += tl.sum(do, axis=0)
+        dZ2b = _ln_bwd(do * gamma[None, :], xhb, rstdb, cmask, D)
+        # Z̄2 = X̄2 W2 + b2 − M2 Γ2,  M2 = tril(E ⊙ (X̄2 X2ᵀ + 1))
+        dM2 = tl.where(tril, -_dot(dZ2b, tl.trans(G2), PREC), 0.0)
+        dE = dM2 * (A2 + 1.0)
+        dA2 = dM2 * Ev
+        dG2 = -_dot(tl.trans(M2), dZ2b, PREC)
+        eG2 = e[:, None] * G2
+
+        # pass 3
+        P2 = tl.zeros([BT, BD], dtype=cdt)
+        GP = tl.zeros([BT], dtype=cdt)
+        dq = do
+        dk = tl.zeros([BT, BD], dtype=cdt)
+        dMacc = tl.zeros([BT, BT], dtype=cdt)
+        for j0 in range(0, M, BM):
+            W1, b1, W2 = _w_tile(W1P, B1P, W2P, j0, cols, hc, cmask, D, M, PREC)
+            X2, gp, gpp, S, G1, X2b, gpb = _tile_fwd(q, k, G2, M1, W1, b1, W2, rmask, PREC)
+            hcols = j0 + hc
+            hmask = hcols < M
+            w1o = cols[:, None] * M + hcols[None, :]
+            w2o = hcols[:, None] * D + cols[None, :]
+            w1m = cmask[:, None] & hmask[None, :]
+            w2m = hmask[:, None] & cmask[None, :]
+            # end-of-mini-batch update W1' = W1 − τ_{b−1} Kᵀ(η⊙Γ1), W2' = W2 − τ_{b−1} X2ᵀ(η⊙Γ2),
+            # biases likewise: read with the end-weight gradients before this tile extends them
+            gW1 = tl.load(GW1 + w1o, mask=w1m, other=0.0)
+            gb1 = tl.load(GB1 + hcols, mask=hmask, other=0.0)
+            gW2 = tl.load(GW2 + w2o, mask=w2m, other=0.0)
+            P1 = _dot(k, gW1, PREC) + gb1[None, :]
+            GP += tl.sum(G1 * P1, axis=1)
+            dG1 = -tau_last * e[:, None] * P1
+            dk += -tau_last * _dot(e[:, None] * G1, tl.trans(gW1), PREC)
+            P2 += _dot(X2, gW2, PREC)
+            dX2 = -tau_last * _dot(eG2, tl.trans(gW2), PREC) + _dot(tl.trans(dA2), X2b, PREC)
+            # X̄2 = GELU(Z̄1),  Z̄1 = Q W1 + b1 − M1 Γ1
+            dX2b = _dot(dZ2b, tl.trans(W2), PREC) + _dot(dA2, X2, PREC)
+            dZ1b = dX2b * gpb
+            dq += _dot(dZ1b, tl.trans(W1), PREC)
+            dMacc += _dot(dZ1b, tl.trans(G1), PREC)
+            dG1 += -_dot(tl.trans(M1), dZ1b, PREC)
+            # Γ1 = (Γ2 W2ᵀ) ⊙ GELU'(Z1)
+            dS = dG1 * gp
+            dG2 += _dot(dS, W2, PREC)
+            dZ1p = dG1 * S * gpp + tl.where(rmask[:, None], dX2 * gp, 0.0)
+            tl.store(ZS + rows[:, None] * M + hcols[None, :], dZ1p, mask=hmask[None, :])
+            tl.store(GW1 + w1o, gW1 + _dot(tl.trans(q), dZ1b, PREC), mask=w1m)
+            tl.store(GB1 + hcols, gb1 + tl.sum(dZ1b, axis=0), mask=hmask)
+            tl.store(GW2 + w2o, gW2 + _dot(tl.trans(X2b), dZ2b, PREC) + _dot(tl.trans(dS), G2, PREC), mask=w2m)
+        tl.debug_barrier()                      # pass 4 reads what pass 3 wrote
+
+        P2 += db2[None, :]
+        GP += tl.sum(G2 * P2, axis=1)
+        dG2 += -tau_last * e[:, None] * P2
+        de = -tau_last * GP
+        dtau += tl.where(is_last, -tl.sum(e * GP, axis=0), 0.0)
+        # M1 = tril(E ⊙ (A1 + 1)), A1 = Q Kᵀ
+        dM1 = tl.where(tril, -dMacc, 0.0)
+        dE += dM1 * (A1 + 1.0)
+        dA1 = dM1 * Ev
+        dq += _dot(dA1, k, PREC)
+        dk += _dot(tl.trans(dA1), q, PREC)
+        # E_ij = τ_i η_j
+        de += tl.sum(dE * tau[:, None], axis=0)
+        dtau += tl.sum(dE * e[None, :], axis=1)
+        # Γ2 from Z2 and the target V − K
+        dZ2, dtgt, dg, dbt = _ln_l2_bwd_bwd(dG2, G2, gh, xh, rstd, gamma, beta, tgt, cmask, D)
+        dgamma += dg
+        dbeta += dbt
+        db2 += tl.sum(dZ2b, axis=0) + tl.sum(dZ2, axis=0)
+        dk -= dtgt
+
+        # pass 4: Z2 = X2 W2 + b2,  X2 = GELU(Z1),  Z1 = K W1 + b1
+        for j0 in range(0, M, BM):
+            W1, b1, W2 = _w_tile(W1P, B1P, W2P, j0, cols, hc, cmask, D, M, PREC)
+            X2, gp, gpp = _gelu_tanh3(_dot(k, W1, PREC) + b1[None, :])
+            X2 = tl.where(rmask[:, None], X2, 0.0)
+            hcols = j0 + hc
+            hmask = hcols < M
+            w1o = cols[:, None] * M + hcols[None, :]
+            w2o = hcols[:, None] * D + cols[None, :]
+            w1m = cmask[:, None] & hmask[None, :]
+            w2m = hmask[:, None] & cmask[None, :]
+            dZ1 = tl.load(ZS + rows[:, None] * M + hcols[None, :], mask=hmask[None, :], other=0.0)
+            dZ1 += tl.where(rmask[:, None], _dot(dZ2, tl.trans(W2), PREC) * gp, 0.0)
+            dk += _dot(dZ1, tl.trans(W1), PREC)
+            tl.store(GW1 + w1o, tl.load(GW1 + w1o, mask=w1m, other=0.0) + _dot(tl.trans(k), dZ1, PREC), mask=w1m)
+            tl.store(GB1 + hcols, tl.load(GB1 + hcols, mask=hmask, other=0.0) + tl.sum(dZ1, axis=0), mask=hmask)
+            tl.store(GW2 + w2o, tl.load(GW2 + w2o, mask=w2m, other=0.0) + _dot(tl.trans(X2), dZ2, PREC), mask=w2m)
+        tl.debug_barrier()                      # the next mini-batch's pass 3 reads the gradients
+
+        tl.store(DXQ + xoff, dq.to(DXQ.dtype.element_ty), mask=xmask)
+        tl.store(DXK + xoff, dk.to(DXK.dtype.element_ty), mask=xmask)
+        tl.store(DXV + xoff, dtgt.to(DXV.dtype.element_ty), mask=xmask)
+        tl.store(DETA + pid * T + t_off, de.to(DETA.dtype.element_ty), mask=rmask)
+
+    tl.store(DB20 + pid * D + cols, db2, mask=cmask)
+    tl.store(DLNW + pid * D + cols, dgamma, mask=cmask)
+    tl.store(DLNB + pid * D + cols, dbeta, mask=cmask)
+    tl.store(DTAU + pid * MB + rows, dtau, mask=rmask)
+
+
+# ---- autograd -----------------------------------------------------------------------------------
+def _mlp_launch_cfg(d: int, m: int, b: int):
+    """Padded tile sizes (every tl.dot block dim ≥ 16), the hidden tile width BM and launch
+    options for TTT-MLP. Under the interpreter BM = 16, so that the tests' small m (32, 64 and a
+    padded 24) run several hidden tiles."""
+    BD = max(16, triton.next_power_of_2(d))
+    BT = max(16, triton.next_power_of_2(b))
+    if is_interpreting():
+        return BD, 16, BT, {}
+    BM = min(32, max(16, triton.next_power_of_2(m)))
+    return BD, BM, BT, {"num_warps": 4 if BD <= 64 else 8, "num_stages": 1}
+
+
+def _mlp_weight_buffers(XQ, m: int, n: Optional[int]):
+    """Empty (W1, b1, W2, b2) in the accumulation dtype: per mini-batch start ([B, H, n, ...]) or
+    final ([B, H, ...], n = None)."""
+    B, H, _, d = XQ.shape
+    cdt = acc_dtype(XQ.dtype)
+    if n is None:
+        return [XQ.new_empty(B, H, *s, dtype=cdt) for s in ((d, m), (1, m), (m, d), (1, d))]
+    return [XQ.new_empty(B, H, n, *s, dtype=cdt) for s in ((d, m), (m,), (m, d), (d,))]
+
+
+# The ops are PyTorch custom ops (torch.library): torch.compile (model.compile) captures each as one
+# opaque node of the block's graph, with shapes from the fake implementations and the backward
+# registered below, instead of tracing the Triton launches or breaking the graph.
+@torch.library.custom_op("kernels::ttt_mlp_fwd", mutates_args=())
+def _mlp_fwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: torch.Tensor, tau: torch.Tensor,
+                ln_w: torch.Tensor, ln_b: torch.Tensor, W1: torch.Tensor, b1: torch.Tensor, W2: torch.Tensor,
+                b2: torch.Tensor, mini_batch_size: int, save: bool) -> List[torch.Tensor]:
+    """Full mini-batches from a boundary: (XQ, XK, XV, η, τ, γ, β, W1_0 [B,H,d,m], b1_0 [B,H,1,m],
+    W2_0 [B,H,m,d], b2_0 [B,H,1,d]) → [out [B,H,T,d], W1_end, b1_end, W2_end, b2_end, and the
+    start weights W1S, B1S, W2S, B2S the backward reads, stored when ``save``]."""
+    B, H, T, d = XQ.shape
+    m = W1.shape[-1]
+    bsz = mini_batch_size
+    NMB = T // bsz
+    cdt = acc_dtype(XQ.dtype)
+    XQ, XK, XV, eta = (x.contiguous() for x in (XQ, XK, XV, eta))
+    tau_c = tau.to(cdt).contiguous()
+    lw, lb = ln_w.to(cdt).contiguous(), ln_b.to(cdt).contiguous()
+    b2c = b2.to(cdt).contiguous()
+    out = torch.empty_like(XQ)
+    W1S, B1S, W2S, B2S = _mlp_weight_buffers(XQ, m, NMB if save else 1)
+    W1F, B1F, W2F, B2F = _mlp_weight_buffers(XQ, m, None)
+    # the kernel updates W1, b1, W2 in place in these (fresh copies: the inputs stay untouched)
+    for dst, src in ((W1F, W1), (B1F, b1), (W2F, W2)):
+        dst.copy_(src)
+    BD, BM, BT, kw = _mlp_launch_cfg(d, m, bsz)
+    _ttt_mlp_fwd_kernel[(B * H,)](
+        XQ, XK, XV, eta, tau_c, lw, lb, b2c, out,
+        W1S, B1S, W2S, B2S, W1F, B1F, W2F, B2F,
+        T, NMB, H, LN_EPS, D=d, BD=BD, M=m, BM=BM, MB=bsz, BT=BT, SAVE=save, PREC=_precision(XQ.dtype), **kw)
+    return [out, W1F, B1F, W2F, B2F, W1S, B1S, W2S, B2S]
+
+
+@_mlp_fwd_op.register_fake
+def _(XQ, XK, XV, eta, tau, ln_w, ln_b, W1, b1, W2, b2, mini_batch_size, save):
+    m = W1.shape[-1]
+    return ([torch.empty_like(XQ)] + _mlp_weight_buffers(XQ, m, None)
+            + _mlp_weight_buffers(XQ, m, XQ.shape[2] // mini_batch_size if save else 1))
+
+
+@torch.library.custom_op("kernels::ttt_mlp_bwd", mutates_args=())
+def _mlp_bwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: torch.Tensor, tau: torch.Tensor,
+                ln_w: torch.Tensor, ln_b: torch.Tensor, W1S: torch.Tensor, B1S: torch.Tensor, W2S: torch.Tensor,
+                B2S: torch.Tensor, dout: Optional[torch.Tensor], dW1F: Optional[torch.Tensor],
+                dB1F: Optional[torch.Tensor], dW2F: Optional[torch.Tensor], dB2F: Optional[torch.Tensor],
+                mini_batch_size: int, W1_dt: torch.dtype, b1_dt: torch.dtype, W2_dt: torch.dtype,
+                b2_dt: torch.dtype) -> List[torch.Tensor]:
+    """Gradients of the eleven tensor inputs of ``_mlp_fwd_op``."""
+    bsz, tau_dt, lw_dt, lb_dt = mini_batch_size, tau.dtype, ln_w.dtype, ln_b.dtype
+    tau_c = tau.to(W1S.dtype).contiguous()
+    lw, lb = ln_w.to(W1S.dtype).contiguous(), ln_b.to(W1S.dtype).contiguous()
+    B, H, T, d = XQ.shape
+    m = W1S.shape[-1]
+    NMB = T // bsz
+    cdt = W1S.dtype
+    dev = XQ.device
+
+    def grad_init(g, *shape):
+        """A fresh buffer holding the incoming gradient (zero when there is none): the kernel
+        accumulates into it in place."""
+        buf = torch.zeros(*shape, dtype=cdt, device=dev)
+        return buf if g is None else buf.copy_(g)
+
+    dout = torch.zeros_like(XQ) if dout is None else dout.contiguous()
+    dW10, dB10, dW20 = grad_init(dW1F, B, H, d, m), grad_init(dB1F, B, H, 1, m), grad_init(dW2F, B, H, m, d)
+    dB2F = grad_init(dB2F, B, H, 1, d)
+    dXQ, dXK, dXV = (torch.empty_like(XQ) for _ in range(3))
+    dETA = torch.empty_like(eta)
+    dTAU = torch.empty(B, H, bsz, dtype=cdt, device=dev)
+    dLNW = torch.empty(B, H, d, dtype=cdt, device=dev)
+    dLNB = torch.empty(B, H, d, dtype=cdt, device=dev)
+    dB20 = torch.empty(B, H, 1, d, dtype=cdt, device=dev)
+    BD, BM, BT, kw = _mlp_launch_cfg(d, m, bsz)
+    dZ1S = torch.empty(B, H, BT, m, dtype=cdt, device=dev)
+    _ttt_mlp_bwd_kernel[(B * H,)](
+        XQ, XK, XV, eta, tau_c, lw, lb, W1S, B1S, W2S, B2S, dout, dB2F, dZ1S,
+        dXQ, dXK, dXV, dETA, dTAU, dLNW, dLNB, dW10, dB10, dW20, dB20,
+        T, NMB, H, LN_EPS, D=d, BD=BD, M=m, BM=BM, MB=bsz, BT=BT, PREC=_precision(XQ.dtype), **kw)
+    return [dXQ, dXK, dXV, dETA, dTAU.sum((0, 1)).to(tau_dt), dLNW.sum(0).to(lw_dt),
+            dLNB.sum(0).to(lb_dt), dW10.to(W1_dt), dB10.to(b1_dt), dW20.to(W2_dt), dB20.to(b2_dt)]
+
+
+@_mlp_bwd_op.register_fake
+def _(XQ, XK, XV, eta, tau, ln_w, ln_b, W1S, B1S, W2S, B2S, dout, dW1F, dB1F, dW2F, dB2F, mini_batch_size,
+      W1_dt, b1_dt, W2_dt, b2_dt):
+    ws = _mlp_weight_buffers(XQ, W1S.shape[-1], None)
+    return ([torch.empty_like(t) for t in (XQ, XK, XV, eta, tau, ln_w, ln_b)]
+            + [torch.empty_like(w, dtype=dt) for w, dt in zip(ws, (W1_dt, b1_dt, W2_dt, b2_dt))])
+
+
+def _mlp_setup_context(ctx, inputs, output):
+    XQ, XK, XV, eta, tau, ln_w, ln_b, W1, b1, W2, b2, bsz, _ = inputs
+    ctx.save_for_backward(XQ, XK, XV, eta, tau, ln_w, ln_b, *output[5:])
+    ctx.mark_non_differentiable(*output[5:])
+    ctx.meta = (bsz, W1.dtype, b1.dtype, W2.dtype, b2.dtype)
+
+
+def _mlp_backward_rule(ctx, grads):
+    return (*_mlp_bwd_op(*ctx.saved_tensors, *grads[:5], *ctx.meta), None, None)
+
+
+_mlp_fwd_op.register_autograd(_mlp_backward_rule, setup_context=_mlp_setup_context)
+
+
+# ---- public -------------------------------------------------------------------------------------
+def ttt_mlp_triton(XQ, XK, XV, eta, token_idx, ln_weight, ln_bias, W1, b1, W2, b2, mini_batch_size=16,
+                   initial_state: Optional[dict] = None, output_final_state: bool = False
+                   ) -> Tuple[torch.Tensor, Optional[dict]]:
+    r"""Same contract as ``kernels.ttt.ttt_mlp``. The full mini-batches from a boundary run in the
+    Triton kernels (math, tiling and precision in the module docstring); the head (completing a
+    mini-batch begun in ``initial_state``) and the tail (a trailing partial mini-batch) run in the
+    PyTorch dual form."""
+    if not 1 <= mini_batch_size <= _MAX_MB:
+        raise ValueError(f"ttt_mlp_triton: mini_batch_size must be in [1, {_MAX_MB}], got {mini_batch_size}")
+    check_triton_device("ttt_mlp_triton", XQ, XK, XV, eta)
+    B, H, T, d = XQ.shape
+    bsz = mini_batch_size
+    dt = acc_dtype(XQ.dtype)
+    st = make_state({"W1": W1, "b1": b1, "W2": W2, "b2": b2}, B, dt, initial_state)
+    pos = st["pos"]
+    outs, t = [], 0
+
+    def torch_part(t0, t1, st):
+        return ttt_mlp_chunk(XQ[:, :, t0:t1], XK[:, :, t0:t1], XV[:, :, t0:t1], eta[:, :, t0:t1],
+                             token_idx, ln_weight, ln_bias, W1, b1, W2, b2, bsz, st, True)
+
+    if pos > 0 and T > 0:
+        t = min(bsz - pos, T)
+        o, st = torch_part(0, t, st)
+        outs.append(o)
+    n_full = (T - t) // bsz * bsz
+    if n_full > 0:
+        sl = slice(t, t + n_full)
+        ins = [t.contiguous() for t in (XQ[:, :, sl], XK[:, :, sl], XV[:, :, sl], eta[:, :, sl], token_idx,
+                                         ln_weight, ln_bias, st["W1"], st["b1"], st["W2"], st["b2"])]
+        # the per-mini-batch start weights serve only the backward
+        save = torch.is_grad_enabled() and any(t.requires_grad for t in ins)
+        o, *ws = _mlp_fwd_op(*ins, bsz, save)[:5]
+        outs.append(o)
+        # the kernel starts at a boundary, where the carried sums are zero by construction
+        st = {"pos": 0}
+        for name, w in zip(("W1", "b1", "W2", "b2"), ws):
+            st[name], st["grad_" + name] = w, torch.zeros_like(w)
+        t += n_full
+    if t < T:
+        o, st = torch_part(t, T, st)
+        outs.append(o)
+    out = torch.cat(outs, dim=2) if len(outs) > 1 else (outs[0] if outs else XQ.clone())
+    return out, (st if output_final_state else None)
+
+
+__all__ = ["ttt_mlp_triton"]
