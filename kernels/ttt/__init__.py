@@ -32,7 +32,6 @@ batch is future work.
 """
 from __future__ import annotations
 
-import importlib
 import importlib.util
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -50,7 +49,10 @@ def has_triton_backend(kind: str = "linear") -> bool:
     if importlib.util.find_spec(f"kernels.ttt.{module}") is None:
         return False
     try:
-        mod = importlib.import_module(f"kernels.ttt.{module}")
+        if kind == "linear":
+            from kernels.ttt import chunk as mod
+        else:
+            from kernels.ttt import mlp_chunk as mod
     except ImportError:  # triton itself missing
         return False
     return hasattr(mod, f"ttt_{kind}_triton")
