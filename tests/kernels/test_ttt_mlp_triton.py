@@ -161,6 +161,26 @@ def test_no_grad_forward_and_weights_with_batch_axis():
         torch.testing.assert_close(x, y, atol=1e-12, rtol=0)
 
 
+def test_weights_and_state_left_untouched():
+    """The kernels update the inner weights and accumulate their gradients in place, in buffers of
+    their own: the weight arguments, an initial_state at a mini-batch boundary (handed to the kernel
+    as is) and the incoming gradients of the final state are unchanged after forward and backward.
+    m = 24: two hidden tiles under the interpreter, the second padded."""
+    b, d, T = 16, 8, 32
+    args = _inputs(T, d, b, m=24)
+    st = {k: v.detach().clone().requires_grad_() for k, v in _prefix_state(args, b, b).items() if torch.is_tensor(v)}
+    st["pos"] = 0
+    before = [a.detach().clone() for a in args] + [v.detach().clone() for k, v in st.items() if k != "pos"]
+    out, fin = ttt_mlp(*args, mini_batch_size=b, initial_state=st, output_final_state=True, backend="triton")
+    gW = [torch.randn_like(fin[k]) for k in WEIGHTS]
+    gW_before = [g.clone() for g in gW]
+    torch.autograd.backward([out.sum()] + [fin[k] for k in WEIGHTS], [None] + gW)
+    after = [a.detach() for a in args] + [v.detach() for k, v in st.items() if k != "pos"]
+    for x, y in zip(before + gW_before, after + gW):
+        assert torch.equal(x, y)
+    assert all(st[k].grad.abs().max() > 0 for k in WEIGHTS)
+
+
 def test_rejects_unsupported_mini_batch():
     args = _inputs(4, 8, 128)
     with pytest.raises(ValueError, match="mini_batch_size"):
