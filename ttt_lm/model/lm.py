@@ -196,7 +196,7 @@ class LM(nn.Module):
                 out[b.kind] = f"attention:{getattr(m, 'backend', 'auto')}"
                 continue
             try:
-                out[b.kind] = m.resolve_backend(device)
+                out[b.kind] = str(m.resolve_backend(device))
             except ValueError as e:
                 raise ValueError(f"layer kind {b.kind!r} (layer {i}): {e}") from None
         return out

@@ -9,9 +9,10 @@ with window w = ∞ for global ("attention") layers and w = ``attention.window``
 "local_attention" layers. KV head g serves query heads g·H/H_kv … (g+1)·H/H_kv − 1.
 
 Implementations: ``reference`` is the explicit softmax above; ``chunked`` (the training form)
-uses flash-attn's ``flash_attn_func`` when installed, on CUDA, in half precision; else
-``flex_attention`` for a window on CUDA; else torch's ``scaled_dot_product_attention`` (a boolean
-mask for a window; CPU training works through it). The decode state is the KV cache, holding at
+runs the backend that the one resolver (``ttt_lm.model.backend.resolve``) picks for
+``attention.backend``: under "auto" flash-attn's ``flash_attn_func`` when installed, on CUDA, in
+half precision; else ``flex_attention`` for a window on CUDA; else torch's
+``scaled_dot_product_attention`` (a boolean mask for a window; CPU training works through it). The decode state is the KV cache, holding at
 most w − 1 past keys for a local layer, so its memory is flat in the sequence length.
 
 The cache lives in a preallocated buffer (``_KVBuffer``): a step writes its key and value in
@@ -33,15 +34,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ttt_lm.model.backend import Backend, flash_attn_func
 from ttt_lm.model.layers import acc, apply_rope, rope_cos_sin
 from ttt_lm.model.mixers.base import Mixer, State, TPPlan
 from ttt_lm.model.registry import register_mixer
-
-try:  # optional extra
-    from flash_attn import flash_attn_func as _flash_attn_func  # type: ignore
-except Exception:  # noqa: BLE001 - any import problem means "not available"
-    _flash_attn_func = None
-
 
 def _window_mask(tq: int, tk: int, window: Optional[int], device) -> torch.Tensor:
     """Boolean [tq, tk] mask, True where query i may see key j; the last query and the last key
@@ -84,8 +80,10 @@ class Attention(Mixer):
     #: context parallelism gathers the keys and values of earlier ranks
     cp_form = "kv_exchange"
 
-    #: attention picks SDPA / flex / flash-attn by attention.backend, not kernel_backend
+    #: attention picks SDPA / flex / flash-attn / math by attention.backend (through the one
+    #: resolver, ``ttt_lm.model.backend``), not by kernel_backend
     uses_kernel_op = False
+    backend_op = "attention"
 
     def __init__(self, cfg, layer_idx: int):
         super().__init__()
@@ -123,7 +121,7 @@ class Attention(Mixer):
         if initial_state is not None or output_final_state:
             raise ValueError("attention's op keeps no state; the KV cache belongs to the forms")
         q, k, v = inp["q"], inp["k"], inp["v"]
-        if backend == "reference":
+        if backend == Backend.REFERENCE:
             rep = self.n_heads // self.n_kv
             kk, vv = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
             s = (acc(q) @ acc(kk).transpose(-1, -2)) / math.sqrt(self.hd)
@@ -131,6 +129,17 @@ class Attention(Mixer):
             s = s.masked_fill(~m, float("-inf"))
             return (s.softmax(-1) @ acc(vv)).to(q.dtype), None
         return self._attend(q, k, v), None
+
+    def requested_backend(self) -> str:
+        return self.backend
+
+    def backend_limits(self):
+        return {}
+
+    def op_backend(self, x: torch.Tensor) -> Backend:
+        """As ``Mixer.op_backend``, checked for x's device only: q, k, v may be in another dtype
+        than x (autocast); ``op`` checks theirs."""
+        return Backend.REFERENCE if self.impl == "reference" else self.resolve_backend(x.device)
 
     def output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:  # o: [B, H, T, hd]
         B, H, T, D = o.shape
@@ -205,23 +214,23 @@ class Attention(Mixer):
         return self.chunked(x, state, output_state=True)
 
     def _attend(self, q, k, v):
+        """Attention by the backend that ``resolve_backend`` picks for q's device and dtype. The
+        flex block mask covers T × T: where keys outnumber queries (a KV cache) a "flex" layer
+        runs SDPA, the same masked softmax."""
         tq, tk = q.shape[2], k.shape[2]
-        be = self.backend
-        half = q.dtype in (torch.float16, torch.bfloat16)
-        if be in ("auto", "flash") and _flash_attn_func is not None and q.is_cuda and half:
+        be = self.resolve_backend(q.device, q.dtype)
+        if be == Backend.FLASH:
             ws = (-1, -1) if self.window is None else (self.window - 1, 0)
-            o = _flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                 causal=True, window_size=ws)
+            o = flash_attn_func()(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                  causal=True, window_size=ws)
             return o.transpose(1, 2)
-        if be == "flash":
-            raise RuntimeError("attention.backend=flash needs the flash-attn package, CUDA and bf16/fp16 inputs")
-        if be == "math":
+        if be == Backend.MATH:
             rep = self.n_heads // self.n_kv
             kk, vv = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
             s = (acc(q) @ acc(kk).transpose(-1, -2)) / math.sqrt(self.hd)
             s = s.masked_fill(~_window_mask(tq, tk, self.window, q.device), float("-inf"))
             return (s.softmax(-1) @ acc(vv)).to(q.dtype)
-        if (be == "flex" or (be == "auto" and self.window is not None and q.is_cuda)) and tq == tk:
+        if be == Backend.FLEX and tq == tk:
             return self._flex(q, k, v)
         gqa = self.n_kv != self.n_heads
         if self.window is None and tq == tk:
@@ -243,6 +252,8 @@ class Attention(Mixer):
 @register_mixer("local_attention")
 class LocalAttention(Attention):
     """Sliding-window attention: keys t − window + 1 … t (``attention.window``)."""
+
+    backend_op = "local_attention"
 
     def __init__(self, cfg, layer_idx: int):
         super().__init__(cfg, layer_idx)

@@ -7,7 +7,9 @@ A mixer maps x ∈ R^{B×T×D} to y ∈ R^{B×T×D} causally, and has three form
 * ``chunked(x, state, output_state)`` — the training form: chunked / dual / parallel, the one
   ``forward`` uses unless ``impl == "reference"``. On CUDA it may call a Triton kernel from
   ``kernels/`` (``kernel_backend``: ``"auto"`` picks Triton on CUDA and PyTorch elsewhere,
-  ``"torch"`` / ``"triton"`` force one).
+  ``"torch"`` / ``"triton"`` force one). Which implementation runs is decided by the one
+  resolver, ``ttt_lm.model.backend.resolve(op, requested, device)``, for every mixer (attention's
+  SDPA / flex / flash-attn / math by ``attention.backend`` included): ``resolve_backend``.
 * ``step(x, state)`` — one-token decode: x is [B, 1, D], state is the cache.
 
 ``state`` is a dict of tensors (recurrent state, conv caches, KV cache, position). Feeding the
@@ -52,6 +54,9 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 from torch import nn
+
+from ttt_lm.model.backend import Backend, resolve
+
 
 State = Dict[str, Any]
 
@@ -199,8 +204,11 @@ class Mixer(nn.Module, metaclass=abc.ABCMeta):
         scans. ``cfg`` is the ModelConfig."""
         return 0.0
 
-    #: whether the chunked form calls a ``kernels/`` op that ``kernel_backend`` selects (attention
-    #: does not: it picks SDPA, flex or flash-attn by ``attention.backend``)
+    #: the op ``resolve_backend`` resolves a backend for (``ttt_lm.model.backend``): a ``kernels/``
+    #: op's name, or "attention" / "local_attention"; None: ``op_name``, else the layer kind
+    backend_op: Optional[str] = None
+    #: whether the op is a ``kernels/`` op that ``kernel_backend`` selects (attention's backend
+    #: is ``attention.backend`` instead)
     uses_kernel_op: bool = True
 
     def triton_unavailable(self) -> Optional[str]:
@@ -208,31 +216,42 @@ class Mixer(nn.Module, metaclass=abc.ABCMeta):
         call a ``kernels/`` op override it."""
         return "no Triton kernel for this layer kind"
 
-    def resolve_backend(self, device) -> str:
-        """What the chunked form runs on ``device``: "triton" or "torch" ("auto": Triton on CUDA
-        where a kernel covers the layer, PyTorch otherwise). ``kernel_backend="triton"`` where no
-        kernel applies is an error naming the reason, never a silent fallback. A mixer that uses
-        no ``kernels/`` op returns "torch"."""
+    def backend_limits(self) -> Dict[Backend, Optional[str]]:
+        """Backend → why this layer as configured has no implementation on it (None: it has);
+        passed to ``resolve`` as the op's own limits."""
+        return {Backend.TRITON: self.triton_unavailable()}
+
+    def requested_backend(self) -> str:
+        """The config string naming the backend: ``kernel_backend`` for a ``kernels/`` op."""
         kb = self.kernel_backend
         if kb not in ("auto", "torch", "triton"):
             raise ValueError(f"model.kernel_backend must be auto, torch or triton, got {kb!r}")
-        if kb == "torch" or not self.uses_kernel_op:
-            return "torch"
-        why = self.triton_unavailable()
-        if kb == "triton":
-            if why is not None:
-                raise ValueError(f"model.kernel_backend=triton: {type(self).__name__} has no Triton kernel: {why}; "
-                                 f"use kernel_backend=auto (PyTorch where no kernel applies) or torch")
-            return "triton"
-        return "triton" if torch.device(device).type == "cuda" and why is None else "torch"
+        return kb
 
-    def _resolve_backend(self, x: torch.Tensor) -> str:
-        return self.resolve_backend(x.device)
+    def resolve_backend(self, device, dtype=None) -> Backend:
+        """What the chunked form runs on ``device``: the one resolver's answer (``resolve``) for
+        ``backend_op`` and ``requested_backend``. For a ``kernels/`` op "auto" picks Triton on
+        CUDA where a kernel covers the layer, PyTorch otherwise; ``kernel_backend="triton"``
+        where no kernel applies is an error naming the reason, never a silent fallback."""
+        requested = self.requested_backend()
+        if self.uses_kernel_op and requested == "torch":
+            return Backend.TORCH
+        op = self.backend_op or self.op_name or self.layer_kind or type(self).__name__
+        try:
+            return resolve(op, requested, device, dtype, self.backend_limits())
+        except ValueError as e:
+            if self.uses_kernel_op and requested == "triton":
+                raise ValueError(f"model.kernel_backend=triton: {type(self).__name__} has no Triton kernel: {e}; "
+                                 f"use kernel_backend=auto (PyTorch where no kernel applies) or torch") from None
+            raise
 
-    def op_backend(self, x: torch.Tensor) -> str:
-        """The ``backend`` argument of ``op`` for input x: "reference" under ``impl="reference"``,
-        else ``resolve_backend``'s answer for x's device."""
-        return "reference" if self.impl == "reference" else self.resolve_backend(x.device)
+    def _resolve_backend(self, x: torch.Tensor) -> Backend:
+        return self.resolve_backend(x.device, x.dtype)
+
+    def op_backend(self, x: torch.Tensor) -> Backend:
+        """The ``backend`` argument of ``op`` for input x: ``Backend.REFERENCE`` under
+        ``impl="reference"``, else ``resolve_backend``'s answer for x's device and dtype."""
+        return Backend.REFERENCE if self.impl == "reference" else self.resolve_backend(x.device, x.dtype)
 
 
 def check_contract(cls: type) -> None:
