@@ -19,7 +19,7 @@ The cache lives in a preallocated buffer (``_KVBuffer``): a step writes its key 
 place after the cached ones and the state's "k" / "v" are views of the filled part, so decoding
 does not copy the whole cache per token (``torch.cat``). The buffer doubles when full (for a
 local layer it is rebuilt from the last w − 1 keys), an amortized O(1) copy per token. A state
-appends in place only while it is the buffer's newest (its "kv_end" equals the buffer's fill):
+appends in place only while it is the buffer's newest (its ``kv_end`` equals the buffer's fill):
 stepping twice from the same state (two continuations of one prompt) gives the second a copy,
 so neither overwrites the other. Where gradients flow through the cache, steps concatenate as
 before (in-place writes would alter tensors saved for the backward).
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -36,7 +37,7 @@ from torch import nn
 
 from ttt_lm.model.backend import Backend, flash_attn_func
 from ttt_lm.model.layers import acc, apply_rope, rope_cos_sin
-from ttt_lm.model.mixers.base import Mixer, State, TPPlan
+from ttt_lm.model.mixers.base import Mixer, MixerState, TPPlan
 from ttt_lm.model.registry import register_mixer
 
 def _window_mask(tq: int, tk: int, window: Optional[int], device) -> torch.Tensor:
@@ -56,6 +57,17 @@ class _KVBuffer:
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor, end: int):
         self.k, self.v, self.end = k, v, end
+
+
+@dataclass
+class AttentionState(MixerState):
+    """The KV cache: k, v [B, H_kv, n, d_h] (n cached keys: all so far, or the last w − 1 for a
+    local layer), and pos. ``kv_buf`` / ``kv_end``: the buffer k and v are views of and its fill
+    when this state was made (derived: ``map`` drops them, the next step copies into a new one)."""
+    k: Optional[torch.Tensor] = None
+    v: Optional[torch.Tensor] = None
+    kv_buf: Optional[_KVBuffer] = field(default=None, repr=False, compare=False, metadata={"derived": True})
+    kv_end: Optional[int] = field(default=None, repr=False, compare=False, metadata={"derived": True})
 
 
 @functools.lru_cache(maxsize=16)
@@ -101,17 +113,17 @@ class Attention(Mixer):
         self.o_proj._is_residual_out = True
 
     # ---- stages ------------------------------------------------------------------------------
-    def inputs(self, x: torch.Tensor, state: Optional[State] = None, output_state: bool = False):
-        """q [B, H, T, d_h], k, v [B, H_kv, T, d_h] with RoPE at positions state["pos"] + t; the
+    def inputs(self, x: torch.Tensor, state: Optional[AttentionState] = None, output_state: bool = False):
+        """q [B, H, T, d_h], k, v [B, H_kv, T, d_h] with RoPE at positions state.pos + t; the
         carry is the next position (the KV cache is built by the forms)."""
         B, T, _ = x.shape
-        pos0 = int(state["pos"]) if state is not None else 0
+        pos0 = int(state.pos) if state is not None else 0
         q = self.q_proj(x).view(B, T, self.n_heads, self.hd).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.n_kv, self.hd).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.n_kv, self.hd).transpose(1, 2)
         cos, sin = rope_cos_sin(torch.arange(pos0, pos0 + T, device=x.device), self.hd, self.rope_theta)
         return {"q": apply_rope(q, cos, sin), "k": apply_rope(k, cos, sin), "v": v}, \
-            ({"pos": pos0 + T} if output_state else None)
+            (AttentionState(pos=pos0 + T) if output_state else None)
 
     def op(self, inp, initial_state=None, output_final_state: bool = False, backend: str = "torch"):
         """Causal (windowed) attention of q over k, v, where k and v may be longer than q (keys
@@ -145,8 +157,8 @@ class Attention(Mixer):
         B, H, T, D = o.shape
         return self.o_proj(o.transpose(1, 2).reshape(B, T, H * D))
 
-    def context_state(self, x_before, valid, start: int) -> State:
-        return {"pos": start}
+    def context_state(self, x_before, valid, start: int) -> AttentionState:
+        return AttentionState(pos=start)
 
     @classmethod
     def tp_plan(cls, cfg) -> TPPlan:
@@ -154,22 +166,22 @@ class Attention(Mixer):
         heads r·H_kv/p …, so each query head keeps its KV head under GQA), o_proj by rows."""
         return TPPlan(column=("q_proj", "k_proj", "v_proj"), row=("o_proj",), head_counts=("n_heads", "n_kv"))
 
-    def init_state(self, batch_size: int, device=None, dtype=None) -> State:
+    def init_state(self, batch_size: int, device=None, dtype=None) -> AttentionState:
         z = torch.zeros(batch_size, self.n_kv, 0, self.hd, device=device, dtype=dtype)
-        return {"k": z, "v": z.clone(), "pos": 0}
+        return AttentionState(k=z, v=z.clone(), pos=0)
 
-    def _cat_cache(self, state: Optional[State], k, v):
+    def _cat_cache(self, state: Optional[AttentionState], k, v):
         """(cached keys followed by k, the same for values, the buffer holding them or None)."""
         if state is None:
             return k, v, None
-        ck, cv = state["k"], state["v"]
+        ck, cv = state.k, state.v
         if torch.is_grad_enabled() and any(t.requires_grad for t in (k, v, ck, cv)):
             # differentiating through the cache: in-place writes would change tensors that the
             # backward of earlier steps saved, so concatenate
             return torch.cat([ck.to(k.dtype), k], dim=2), torch.cat([cv.to(v.dtype), v], dim=2), None
         n, T = ck.shape[2], k.shape[2]
-        buf = state.get("kv_buf")
-        if (buf is not None and buf.end == state.get("kv_end") and buf.end + T <= buf.k.shape[2]
+        buf = state.kv_buf
+        if (buf is not None and buf.end == state.kv_end and buf.end + T <= buf.k.shape[2]
                 and buf.k.dtype == k.dtype and buf.k.device == k.device and buf.k.shape[:2] == k.shape[:2]):
             buf.k[:, :, buf.end:buf.end + T] = k
             buf.v[:, :, buf.end:buf.end + T] = v
@@ -184,18 +196,15 @@ class Attention(Mixer):
         s0 = buf.end - n - T
         return buf.k[:, :, s0:buf.end], buf.v[:, :, s0:buf.end], buf
 
-    def _new_state(self, k_all, v_all, pos_end: int, buf: Optional[_KVBuffer] = None) -> State:
+    def _new_state(self, k_all, v_all, pos_end: int, buf: Optional[_KVBuffer] = None) -> AttentionState:
         if self.window is not None and k_all.shape[2] > self.window - 1:
             keep = self.window - 1
             k_all, v_all = k_all[:, :, k_all.shape[2] - keep:], v_all[:, :, v_all.shape[2] - keep:]
-        st = {"k": k_all, "v": v_all, "pos": pos_end}
-        if buf is not None:
-            st.update(kv_buf=buf, kv_end=buf.end)
-        return st
+        return AttentionState(k=k_all, v=v_all, pos=pos_end, kv_buf=buf, kv_end=None if buf is None else buf.end)
 
     # ---- forms -------------------------------------------------------------------------------
     def _run(self, x, state, output_state, backend: str):
-        pos0 = int(state["pos"]) if state is not None else 0
+        pos0 = int(state.pos) if state is not None else 0
         inp, _ = self.inputs(x, state)
         k_all, v_all, buf = self._cat_cache(state, inp["k"], inp["v"])
         o, _ = self.op({"q": inp["q"], "k": k_all, "v": v_all}, backend=backend)

@@ -12,9 +12,10 @@ A mixer maps x ∈ R^{B×T×D} to y ∈ R^{B×T×D} causally, and has three form
   SDPA / flex / flash-attn / math by ``attention.backend`` included): ``resolve_backend``.
 * ``step(x, state)`` — one-token decode: x is [B, 1, D], state is the cache.
 
-``state`` is a dict of tensors (recurrent state, conv caches, KV cache, position). Feeding the
-state returned by one segment into the next gives the same outputs as one pass over the
-concatenation; ``init_state`` returns the state before any token.
+``state`` is the mixer's ``MixerState`` subclass, declared in its own file (recurrent state, conv
+caches, KV cache, position; batch first, [B, H, ...] per head). Feeding the state returned by one
+segment into the next gives the same outputs as one pass over the concatenation; ``init_state``
+returns the state before any token.
 
 Public stages. A mixer whose sequence can be split across ranks (``cp_form`` other than
 "state_passing") writes its training form as three public stages, which the context-parallel code
@@ -22,7 +23,8 @@ in ``ttt_lm/parallel`` calls without knowing the mixer:
 
 * ``inputs(x, state=None, output_state=False, **kw) -> (op_inputs, carry)``: everything before the
   op. ``op_inputs`` is a dict of the op's keyword arguments (its tensors and settings, not the
-  initial state); ``carry`` is the rest of the next state (conv caches, position), or None unless
+  initial state); ``carry`` is the rest of the next state (conv caches, position: the mixer's state type with its
+  op's recurrent fields None), or None unless
   ``output_state``.
 * ``op(op_inputs, initial_state=None, output_final_state=False, backend="torch") -> (y, final)``:
   the ``kernels/`` op (``backend`` from ``op_backend``, the one resolver).
@@ -49,8 +51,8 @@ its three forms then accept ``segment_pos`` ([B, T] integers) and the block pass
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass, fields
-from typing import Any, Dict, Optional, Tuple
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -58,7 +60,89 @@ from torch import nn
 from ttt_lm.model.backend import Backend, resolve
 
 
-State = Dict[str, Any]
+
+def _map_value(v, fn):
+    if isinstance(v, torch.Tensor):
+        return fn(v)
+    if isinstance(v, MixerState):
+        return v.map(fn)
+    if isinstance(v, (tuple, list)):
+        return type(v)(_map_value(u, fn) for u in v)
+    return v   # None, positions, settings
+
+
+def _tensors_of(v, out: List[torch.Tensor]) -> None:
+    if isinstance(v, torch.Tensor):
+        out.append(v)
+    elif isinstance(v, MixerState):
+        for f in fields(v):
+            if not f.metadata.get("derived"):
+                _tensors_of(getattr(v, f.name), out)
+    elif isinstance(v, (tuple, list)):
+        for u in v:
+            _tensors_of(u, out)
+
+
+@dataclass
+class MixerState:
+    """A mixer's state between segments (recurrent state, conv caches, KV cache) as a typed
+    structure: each mixer declares one subclass in its own file, its fields' shapes in the
+    docstring. Conventions: every tensor is batch first; a per-head tensor is [B, H, ...]; a
+    causal conv cache is [B, channels, width − 1]; a field holding one entry per memory layer is
+    a tuple. ``pos`` is how many tokens the state has read (TTT keeps it modulo its mini-batch
+    size, as its kernels do); fields marked ``derived`` (metadata) are caches of the others that ``map`` drops.
+
+    ``map(fn)`` applies fn to every tensor (nested states and tuples included) and returns a new
+    state of the same type: ``to`` moves device/dtype, ``detach`` cuts the graph and
+    ``index_select`` reorders or selects batch rows (beam search's cache reordering)."""
+    pos: int = 0
+
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "MixerState":
+        kw = {f.name: (f.default if f.metadata.get("derived") else _map_value(getattr(self, f.name), fn))
+              for f in fields(self) if f.init}
+        return type(self)(**kw)
+
+    def to(self, device=None, dtype=None) -> "MixerState":
+        """Tensors moved to ``device``; floating-point ones cast to ``dtype`` (when given)."""
+        return self.map(lambda t: t.to(device=device, dtype=dtype if dtype is not None and t.is_floating_point()
+                                       else None))
+
+    def detach(self) -> "MixerState":
+        return self.map(lambda t: t.detach())
+
+    def index_select(self, index: torch.Tensor) -> "MixerState":
+        """The state of batch rows ``index`` (a 1-D integer tensor; rows may repeat or reorder)."""
+        if index.dim() != 1:
+            raise ValueError(f"MixerState.index_select takes a 1-D index of batch rows, got shape {tuple(index.shape)}")
+        return self.map(lambda t: t.index_select(0, index.to(t.device)))
+
+    def named_tensors(self, prefix: str = "") -> List[Tuple[str, torch.Tensor]]:
+        """(dotted name, tensor) of every tensor of the state, as ``tensors`` orders them: a nested
+        state's fields as ``mem.M.0`` (field, tuple index)."""
+        out: List[Tuple[str, torch.Tensor]] = []
+
+        def rec(name: str, v) -> None:
+            if isinstance(v, torch.Tensor):
+                out.append((name, v))
+            elif isinstance(v, MixerState):
+                for f in fields(v):
+                    if not f.metadata.get("derived"):
+                        rec(f"{name}.{f.name}" if name else f.name, getattr(v, f.name))
+            elif isinstance(v, (tuple, list)):
+                for i, u in enumerate(v):
+                    rec(f"{name}.{i}", u)
+        rec(prefix, self)
+        return out
+
+    def tensors(self) -> List[torch.Tensor]:
+        """Every tensor of the state (nested ones included, derived fields left out), in field order."""
+        out: List[torch.Tensor] = []
+        _tensors_of(self, out)
+        return out
+
+
+#: a mixer's state (kept as a name for type hints)
+State = MixerState
 
 #: how a mixer runs over a sequence split across context-parallel ranks (``Mixer.cp_form``)
 CP_FORMS = ("state_passing", "summary", "kv_exchange")

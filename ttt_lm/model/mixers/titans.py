@@ -57,7 +57,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import List
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -66,8 +67,8 @@ from torch import nn
 from kernels import titans as _tk
 from kernels.titans.torch_chunk import split_spans
 from ttt_lm.model.layers import CausalConv1d, RMSNorm, acc, apply_rope, rope_cos_sin
-from ttt_lm.model.mixers.attention import LocalAttention
-from ttt_lm.model.mixers.base import Mixer, State, TPPlan
+from ttt_lm.model.mixers.attention import AttentionState, LocalAttention
+from ttt_lm.model.mixers.base import Mixer, MixerState, TPPlan
 from ttt_lm.model.registry import register_mixer
 
 
@@ -78,6 +79,43 @@ def _gelu_grad(h: torch.Tensor) -> torch.Tensor:
 
 def _logit(p: float) -> float:
     return math.log(p / (1.0 - p))
+
+
+@dataclass
+class TitansMemoryState(MixerState):
+    """Per memory layer (one for the linear memory, two for the MLP): M the memory, S the
+    surprise (momentum) and Mh = M̂ the memory at the current chunk's start, each a tuple of
+    [B, H, d_in, d_out] (float32 for half inputs); conv [B, 3·H·d, w − 1]: the short conv's cache
+    of [q | k | v] (None without ``titans.conv_width``); pos: tokens read."""
+    M: Tuple[torch.Tensor, ...] = ()
+    S: Tuple[torch.Tensor, ...] = ()
+    Mh: Tuple[torch.Tensor, ...] = ()
+    conv: Optional[torch.Tensor] = None
+
+
+@dataclass
+class TitansMAGState(MixerState):
+    """attn: the sliding-window attention's KV cache; mem: the memory's state; pos: tokens read."""
+    attn: Optional[AttentionState] = None
+    mem: Optional[TitansMemoryState] = None
+
+
+@dataclass
+class TitansMALState(MixerState):
+    """mem: the memory's state; attn: the attention's KV cache over the memory's outputs (both
+    after the persistent tokens); pos: tokens read, the persistent ones not counted."""
+    mem: Optional[TitansMemoryState] = None
+    attn: Optional[AttentionState] = None
+
+
+@dataclass
+class TitansMACState(MixerState):
+    """mem: the LMM's state; R: the memory at the current segment's start (M^{(i)}, one
+    [B, H, d_in, d_out] per memory layer), read by retrieval; seg [B, n, D]: the current
+    segment's inputs so far (n < ``titans.segment_len``); pos: tokens read."""
+    mem: Optional[TitansMemoryState] = None
+    R: Tuple[torch.Tensor, ...] = ()
+    seg: Optional[torch.Tensor] = None
 
 
 @register_mixer("titans")
@@ -153,7 +191,7 @@ class TitansMemory(Mixer):
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         cache = None
         if self.conv is not None:
-            qkv, cache = self.conv(qkv, None if state is None else state["conv"], output_cache=True)
+            qkv, cache = self.conv(qkv, None if state is None else state.conv, output_cache=True)
         q, k, v = (F.silu(t).view(B, T, self.n_heads, self.hd).transpose(1, 2) for t in qkv.chunk(3, dim=-1))
         q = F.normalize(acc(q), p=2.0, dim=-1, eps=1e-6)
         k = F.normalize(acc(k), p=2.0, dim=-1, eps=1e-6)
@@ -167,17 +205,11 @@ class TitansMemory(Mixer):
         if state is None:
             M = [W.to(device=like.device, dtype=like.dtype).unsqueeze(0).expand(B, *W.shape) for W in self.M_init]
             return M, [torch.zeros_like(m) for m in M], list(M), 0
-        n = range(1, self.n_mem + 1)
-        return ([state[f"M{i}"] for i in n], [state[f"S{i}"] for i in n],
-                [state[f"Mh{i}"] for i in n], int(state["pos"]))
+        return list(state.M), list(state.S), list(state.Mh), int(state.pos)
 
-    def _new_state(self, M, S, Mh, pos, cache) -> State:
-        st = {"pos": pos}
-        for i, (m, s, mh) in enumerate(zip(M, S, Mh), start=1):
-            st[f"M{i}"], st[f"S{i}"], st[f"Mh{i}"] = m, s, mh
-        if self.conv is not None:
-            st["conv"] = cache
-        return st
+    def _new_state(self, M, S, Mh, pos, cache) -> TitansMemoryState:
+        return TitansMemoryState(M=tuple(M), S=tuple(S), Mh=tuple(Mh), pos=pos,
+                                 conv=cache if self.conv is not None else None)
 
     def _out(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         B, H, T, D = y.shape
@@ -266,7 +298,7 @@ class TitansMemory(Mixer):
     def step(self, x, state):
         return self._run(x, state, True, sequential=True)
 
-    def init_state(self, batch_size: int, device=None, dtype=None) -> State:
+    def init_state(self, batch_size: int, device=None, dtype=None) -> TitansMemoryState:
         sd = torch.float32 if dtype in (torch.float16, torch.bfloat16) else (dtype or self.M_init[0].dtype)
         M, S, Mh, pos = self._mem_state(None, batch_size, torch.empty(0, device=device, dtype=sd))
         cache = self.conv.init_cache(batch_size, device, dtype) if self.conv is not None else None
@@ -337,13 +369,17 @@ class TitansMAG(Mixer):
         return self.o_proj(self.attn_norm(y) * torch.sigmoid(self.mem_norm(m)))
 
     def _split(self, state):
-        return (None, None) if state is None else (state["attn"], state["mem"])
+        return (None, None) if state is None else (state.attn, state.mem)
+
+    @staticmethod
+    def _state(sa, sm) -> TitansMAGState:
+        return TitansMAGState(attn=sa, mem=sm, pos=sm.pos)
 
     def reference(self, x, state=None, output_state=False):
         sa, sm = self._split(state)
         y, sa = self.attn.reference(x, sa, output_state)
         m, sm = self.memory.reference(x, sm, output_state)
-        return self._combine(y, m), ({"attn": sa, "mem": sm} if output_state else None)
+        return self._combine(y, m), (self._state(sa, sm) if output_state else None)
 
     def triton_unavailable(self):
         return self.memory.triton_unavailable()     # the attention half uses no kernels/ op
@@ -353,16 +389,16 @@ class TitansMAG(Mixer):
         self.attn.kernel_backend = self.memory.kernel_backend = self.kernel_backend
         y, sa = self.attn.chunked(x, sa, output_state)
         m, sm = self.memory.chunked(x, sm, output_state)
-        return self._combine(y, m), ({"attn": sa, "mem": sm} if output_state else None)
+        return self._combine(y, m), (self._state(sa, sm) if output_state else None)
 
     def step(self, x, state):
-        y, sa = self.attn.step(x, state["attn"])
-        m, sm = self.memory.step(x, state["mem"])
-        return self._combine(y, m), {"attn": sa, "mem": sm}
+        y, sa = self.attn.step(x, state.attn)
+        m, sm = self.memory.step(x, state.mem)
+        return self._combine(y, m), self._state(sa, sm)
 
-    def init_state(self, batch_size: int, device=None, dtype=None) -> State:
-        return {"attn": self.attn.init_state(batch_size, device, dtype),
-                "mem": self.memory.init_state(batch_size, device, dtype)}
+    def init_state(self, batch_size: int, device=None, dtype=None) -> TitansMAGState:
+        return self._state(self.attn.init_state(batch_size, device, dtype),
+                           self.memory.init_state(batch_size, device, dtype))
 
     @staticmethod
     def flops_per_token(cfg, seq_len: int) -> float:
@@ -422,11 +458,14 @@ class TitansMAL(Mixer):
         self.attn.kernel_backend = self.memory.kernel_backend = self.kernel_backend
         if state is None:
             x = torch.cat([self.persistent_shared(self.persistent).to(x.dtype).expand(x.shape[0], -1, -1), x], 1)
-        y, sm = getattr(self.memory, form)(x, None if state is None else state["mem"], output_state)
-        o, sa = getattr(self.attn, form)(y, None if state is None else state["attn"], output_state)
+        y, sm = getattr(self.memory, form)(x, None if state is None else state.mem, output_state)
+        o, sa = getattr(self.attn, form)(y, None if state is None else state.attn, output_state)
         if state is None:
             o = o[:, self.n_persist:]
-        return o, ({"mem": sm, "attn": sa} if output_state else None)
+        return o, (self._state(sm, sa) if output_state else None)
+
+    def _state(self, sm, sa) -> TitansMALState:
+        return TitansMALState(mem=sm, attn=sa, pos=sm.pos - self.n_persist)
 
     def reference(self, x, state=None, output_state=False):
         return self._run(x, state, output_state, "reference")
@@ -435,11 +474,11 @@ class TitansMAL(Mixer):
         return self._run(x, state, output_state, "chunked")
 
     def step(self, x, state):
-        y, sm = self.memory.step(x, state["mem"])
-        o, sa = self.attn.step(y, state["attn"])
-        return o, {"mem": sm, "attn": sa}
+        y, sm = self.memory.step(x, state.mem)
+        o, sa = self.attn.step(y, state.attn)
+        return o, self._state(sm, sa)
 
-    def init_state(self, batch_size: int, device=None, dtype=None) -> State:
+    def init_state(self, batch_size: int, device=None, dtype=None) -> TitansMALState:
         """The state after the persistent tokens (run through the chunked forms)."""
         dtype = dtype or self.persistent.dtype
         x = torch.zeros(batch_size, 0, self.d_model, device=device, dtype=dtype)
@@ -554,9 +593,8 @@ class TitansMAC(Mixer):
         B, T, _ = x.shape
         if state is None:
             state = self.init_state(B, x.device, x.dtype)
-        n_mem = self.memory.n_mem
-        R = [state[f"R{i}"] for i in range(1, n_mem + 1)]
-        mem_state, seg, pos = state["mem"], state["seg"].to(x.dtype), int(state["pos"])
+        R = list(state.R)
+        mem_state, seg, pos = state.mem, state.seg.to(x.dtype), int(state.pos)
         form = self.memory.reference if sequential else self.memory.chunked
         outs, t = [], 0
         while t < T:
@@ -568,14 +606,12 @@ class TitansMAC(Mixer):
             outs.append(self._combine(y, m))
             seg, t = full, t + take
             if seg.shape[1] == self.segment_len:       # segment done: M^{(i+1)} for the next one
-                R = [mem_state[f"M{i}"] for i in range(1, n_mem + 1)]
+                R = list(mem_state.M)
                 seg = seg[:, :0]
         out = torch.cat(outs, 1) if outs else x.new_zeros(B, 0, self.d_model)
         if not output_state:
             return out, None
-        st = {"mem": mem_state, "seg": seg, "pos": pos + T}
-        st.update({f"R{i}": r for i, r in enumerate(R, start=1)})
-        return out, st
+        return out, TitansMACState(mem=mem_state, R=tuple(R), seg=seg, pos=pos + T)
 
     # ---- forms -------------------------------------------------------------------------------
     def reference(self, x, state=None, output_state=False):
@@ -587,13 +623,11 @@ class TitansMAC(Mixer):
     def step(self, x, state):
         return self._run(x, state, True, sequential=True)
 
-    def init_state(self, batch_size: int, device=None, dtype=None) -> State:
+    def init_state(self, batch_size: int, device=None, dtype=None) -> TitansMACState:
         dtype = dtype or self.persistent.dtype
         mem = self.memory.init_state(batch_size, device, dtype)
-        st = {"mem": mem, "seg": torch.zeros(batch_size, 0, self.d_model, device=device, dtype=dtype), "pos": 0}
-        for i in range(1, self.memory.n_mem + 1):
-            st[f"R{i}"] = mem[f"M{i}"]
-        return st
+        return TitansMACState(mem=mem, R=mem.M, seg=torch.zeros(batch_size, 0, self.d_model, device=device, dtype=dtype),
+                              pos=0)
 
     @staticmethod
     def flops_per_token(cfg, seq_len: int) -> float:
