@@ -184,9 +184,11 @@ class TitansMemory(Mixer):
     def n_mem(self) -> int:
         return len(self.M_init)
 
-    # ---- pieces ------------------------------------------------------------------------------
-    def _inputs(self, x: torch.Tensor, state):
-        """q, k, v [B, H, T, d]; θ, log η, log(1 − α) [B, H, T] (accumulation dtype); conv cache."""
+    # ---- stages ------------------------------------------------------------------------------
+    def inputs(self, x: torch.Tensor, state: Optional[TitansMemoryState] = None, output_state: bool = False):
+        """The op's arguments: q, k, v [B, H, T, d]; θ, log η, log(1 − α) [B, H, T] (accumulation
+        dtype); the chunk size and ``offset`` (the state's position: chunks are counted from the
+        stream start). The carry is the conv cache and the next position."""
         B, T, _ = x.shape
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         cache = None
@@ -198,40 +200,47 @@ class TitansMemory(Mixer):
         theta = torch.sigmoid(acc(self.theta_proj(x))).transpose(1, 2)
         log_eta = F.logsigmoid(acc(self.eta_proj(x))).transpose(1, 2)
         log_keep = F.logsigmoid(-acc(self.alpha_proj(x))).transpose(1, 2)
-        return q, k, acc(v), theta, log_eta, log_keep, cache
+        pos0 = 0 if state is None else int(state.pos)
+        inp = {"q": q, "k": k, "v": acc(v), "theta": theta, "log_eta": log_eta, "log_keep": log_keep,
+               "chunk_size": self.chunk_size, "offset": pos0}
+        return inp, (TitansMemoryState(conv=cache, pos=pos0 + T) if output_state else None)
 
-    def _mem_state(self, state, B: int, like: torch.Tensor):
-        """Lists M, S, M̂ (one entry per memory layer) and the position."""
-        if state is None:
-            M = [W.to(device=like.device, dtype=like.dtype).unsqueeze(0).expand(B, *W.shape) for W in self.M_init]
-            return M, [torch.zeros_like(m) for m in M], list(M), 0
-        return list(state.M), list(state.S), list(state.Mh), int(state.pos)
+    def op(self, inp, initial_state=None, output_final_state: bool = False, backend: str = "torch"):
+        """The memory update and read over the sequence: ``kernels.titans.titans_linear`` for the
+        linear memory, the MLP memory's token-by-token (backend "reference") or chunked form
+        here. ``initial_state``: (M, S, M̂), each a tuple with one [B, H, d_in, d_out] per memory
+        layer (None: M = M̂ = M_init, S = 0); the final state is the same triple."""
+        q, k, v = inp["q"], inp["k"], inp["v"]
+        theta, log_eta, log_keep, pos = inp["theta"], inp["log_eta"], inp["log_keep"], inp["offset"]
+        if initial_state is None:
+            M = [W.to(device=q.device, dtype=q.dtype).unsqueeze(0).expand(q.shape[0], *W.shape) for W in self.M_init]
+            S, Mh = [torch.zeros_like(m) for m in M], list(M)
+        else:
+            M, S, Mh = (list(t) for t in initial_state)
+        if self.memory == "linear":
+            y, fin = _tk.titans_linear(q, k, v, theta, log_eta, log_keep, (M[0], S[0], Mh[0]), True,
+                                       backend=backend, chunk_size=inp["chunk_size"], offset=pos)
+            M, S, Mh = [fin[0]], [fin[1]], [fin[2]]
+        elif backend == "reference":
+            y, M, S, Mh = self._mlp_reference(q, k, v, theta, log_eta, log_keep, M, S, Mh, pos)
+        else:
+            y, M, S, Mh = self._mlp_chunked(q, k, v, theta, log_eta, log_keep, M, S, Mh, pos)
+        return y, ((tuple(M), tuple(S), tuple(Mh)) if output_final_state else None)
 
-    def _new_state(self, M, S, Mh, pos, cache) -> TitansMemoryState:
-        return TitansMemoryState(M=tuple(M), S=tuple(S), Mh=tuple(Mh), pos=pos,
-                                 conv=cache if self.conv is not None else None)
-
-    def _out(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def output(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """o = W_O [RMSNorm(y) ⊙ SiLU(W_G x)], y [B, H, T, d] from the op."""
         B, H, T, D = y.shape
         y = self.o_norm(y.to(x.dtype)).transpose(1, 2).reshape(B, T, H * D)
         return self.o_proj(y * F.silu(self.g_proj(x)))
 
-    def _run(self, x, state, output_state, sequential: bool, backend: str = "torch"):
-        B, T, _ = x.shape
-        q, k, v, theta, log_eta, log_keep, cache = self._inputs(x, state)
-        M, S, Mh, pos = self._mem_state(state, B, q)
-        C = self.chunk_size
-        if self.memory == "linear":
-            y, fin = _tk.titans_linear(q, k, v, theta, log_eta, log_keep, (M[0], S[0], Mh[0]), True,
-                                       backend="reference" if sequential else backend,
-                                       chunk_size=C, offset=pos)
-            M, S, Mh = [fin[0]], [fin[1]], [fin[2]]
-        elif sequential:
-            y, M, S, Mh = self._mlp_reference(q, k, v, theta, log_eta, log_keep, M, S, Mh, pos)
-        else:
-            y, M, S, Mh = self._mlp_chunked(q, k, v, theta, log_eta, log_keep, M, S, Mh, pos)
-        st = self._new_state(M, S, Mh, pos + T, cache) if output_state else None
-        return self._out(y, x), st
+    def _run(self, x, state, output_state, backend: str):
+        inp, carry = self.inputs(x, state, output_state)
+        y, fin = self.op(inp, None if state is None else (state.M, state.S, state.Mh), output_state, backend)
+        out = self.output(y, x)
+        if not output_state:
+            return out, None
+        return out, dataclasses.replace(carry, M=fin[0], S=fin[1], Mh=fin[2],
+                                        conv=carry.conv if self.conv is not None else None)
 
     # ---- MLP memory ----------------------------------------------------------------------------
     def _mlp_reference(self, q, k, v, theta, log_eta, log_keep, M: List, S: List, Mh: List, pos: int):
@@ -282,7 +291,7 @@ class TitansMemory(Mixer):
 
     # ---- forms -------------------------------------------------------------------------------
     def reference(self, x, state=None, output_state=False):
-        return self._run(x, state, output_state, sequential=True)
+        return self._run(x, state, output_state, "reference")
 
     def triton_unavailable(self):
         # the Triton kernel (kernels/titans/chunk.py) covers the linear memory only
@@ -293,16 +302,16 @@ class TitansMemory(Mixer):
         return None
 
     def chunked(self, x, state=None, output_state=False):
-        return self._run(x, state, output_state, sequential=False, backend=self._resolve_backend(x))
+        return self._run(x, state, output_state, self._resolve_backend(x))
 
     def step(self, x, state):
-        return self._run(x, state, True, sequential=True)
+        return self._run(x, state, True, "reference")
 
     def init_state(self, batch_size: int, device=None, dtype=None) -> TitansMemoryState:
         sd = torch.float32 if dtype in (torch.float16, torch.bfloat16) else (dtype or self.M_init[0].dtype)
-        M, S, Mh, pos = self._mem_state(None, batch_size, torch.empty(0, device=device, dtype=sd))
+        M = tuple(W.to(device=device, dtype=sd).unsqueeze(0).expand(batch_size, *W.shape) for W in self.M_init)
         cache = self.conv.init_cache(batch_size, device, dtype) if self.conv is not None else None
-        return self._new_state(M, S, Mh, pos, cache)
+        return TitansMemoryState(M=M, S=tuple(torch.zeros_like(m) for m in M), Mh=M, conv=cache, pos=0)
 
     @staticmethod
     def flops_per_token(cfg, seq_len: int) -> float:
@@ -557,7 +566,7 @@ class TitansMAC(Mixer):
         q = F.silu(mem.q_proj(x)).view(B, n, mem.n_heads, mem.hd).transpose(1, 2)
         q = F.normalize(acc(q), p=2.0, dim=-1, eps=1e-6)
         y = q @ R[0].to(q.dtype) if mem.memory == "linear" else F.gelu(q @ R[0].to(q.dtype)) @ R[1].to(q.dtype)
-        return mem._out(y, x)
+        return mem.output(y, x)
 
     def _segment_attention(self, full: torch.Tensor, h: torch.Tensor, n_old: int, explicit: bool) -> torch.Tensor:
         """Attn(p ‖ h ‖ S) at the positions of S[n_old:] (the tokens of this call), [B, L − n_old, D]."""
