@@ -18,7 +18,7 @@ from ttt_lm.config import ExperimentConfig
 from ttt_lm.convert import ConversionError
 from ttt_lm.convert import main as convert_main
 from ttt_lm.eval.checkpoint import load_checkpoint
-from ttt_lm.hf import HFError, TTTLMCache, TTTLMForCausalLM, load_hf, save_hf
+from ttt_lm.hf import HFError, TTTLMForCausalLM, load_hf, save_hf
 from ttt_lm.model import LM, ModelConfig
 from ttt_lm.model.config import LAYER_KINDS
 from ttt_lm.train.export import load_pretrained, save_export

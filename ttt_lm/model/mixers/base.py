@@ -51,8 +51,8 @@ its three forms then accept ``segment_pos`` ([B, T] integers) and the block pass
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass, field, fields, replace
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from dataclasses import dataclass, fields
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn

@@ -79,7 +79,7 @@ i.e. the interleaved rotation, so released weights need no reordering.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Dict, Optional
 
 import torch
