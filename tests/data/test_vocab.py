@@ -50,3 +50,24 @@ def test_every_caller_goes_through_it(monkeypatch, tmp_path):
     import ttt_lm.train.trainer as trainer
     for mod in (export, trainer, hf_convert):   # the other callers import the same function
         assert "from ttt_lm.data.manifest import vocab_fits" in inspect.getsource(mod)
+
+
+def test_the_trainer_refuses_a_model_vocabulary_below_the_tokenizers(tmp_path):
+    """Before any step: a 32-row embedding for a 64-token tokenizer (a larger one is padding)."""
+    from ttt_lm.config import ConfigError, load_config
+    from ttt_lm.train import trainer
+
+    class Data:
+        @staticmethod
+        def load_manifest(path):
+            return {"vocab_size": 64, "tokenizer": "tok.model"}
+
+    cfg = load_config(None, ["model.vocab_size=32", f"train.run_dir={tmp_path}", "train.device=cpu",
+                             "logging.tensorboard=false", "logging.progress=false"])
+    import torch.distributed as dist
+    try:
+        with pytest.raises(ConfigError, match=r"model.vocab_size=32 is smaller than the tokenizer's vocab_size=64"):
+            trainer.train(cfg, data_api=Data())
+    finally:   # the trainer has joined its (one-process) group by the time it reads the manifest
+        if dist.is_initialized():
+            dist.destroy_process_group()
