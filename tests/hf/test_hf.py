@@ -18,7 +18,7 @@ from ttt_lm.config import ExperimentConfig
 from ttt_lm.convert import ConversionError
 from ttt_lm.convert import main as convert_main
 from ttt_lm.eval.checkpoint import load_checkpoint
-from ttt_lm.hf import HFError, TTTLMCache, TTTLMForCausalLM, load_hf, save_hf
+from ttt_lm.hf import HFError, TTTLMForCausalLM, load_hf, save_hf
 from ttt_lm.model import LM, ModelConfig
 from ttt_lm.model.config import LAYER_KINDS
 from ttt_lm.train.export import load_pretrained, save_export
@@ -151,14 +151,30 @@ def test_sampling_and_eos(exported):
     assert g[0, 6:].tolist() == [first]
 
 
+def test_beam_search_reorders_the_states(exported):
+    """Beam search (transformers reorders the cache between beams through
+    ``TTTLMCache.reorder_cache``): each returned beam's score is its continuation's log-probability
+    under a fresh forward pass of our LM, which a wrongly reordered state would not give."""
+    lm, out = exported
+    hf = AutoModelForCausalLM.from_pretrained(out).eval()
+    ids = torch.randint(1, V, (2, 5), generator=torch.Generator().manual_seed(3))
+    g = hf.generate(ids, num_beams=3, num_return_sequences=3, max_new_tokens=5, do_sample=False,
+                    length_penalty=0.0, early_stopping=True, return_dict_in_generate=True, output_scores=True)
+    assert g.sequences.shape == (6, 10)
+    with torch.no_grad():
+        logp = torch.log_softmax(lm(g.sequences[:, :-1]).logits.double(), -1)
+    cont = logp[:, 4:].gather(-1, g.sequences[:, 5:, None])[..., 0].sum(-1)
+    # float32 logits summed over 5 tokens: agreement to 1e-4 (a wrong beam's state is off by O(1))
+    torch.testing.assert_close(g.sequences_scores.double(), cont, atol=1e-4, rtol=0)
+    assert len({tuple(r) for r in g.sequences[:3].tolist()}) == 3   # three distinct beams
+
+
 def test_refusals(exported, tmp_path):
     lm, out = exported
     hf = AutoModelForCausalLM.from_pretrained(out).eval()
     ids = torch.randint(1, V, (2, 5))
     with pytest.raises(ValueError, match="no padding"):
         hf.generate(ids, attention_mask=torch.tensor([[0, 1, 1, 1, 1], [1] * 5]), max_new_tokens=2)
-    with pytest.raises(ValueError, match="beam search is not supported"):
-        TTTLMCache([], 0).reorder_cache(torch.tensor([0]))
     with pytest.raises(ValueError, match="past_key_values must be the TTTLMCache"):
         hf(ids, past_key_values=object())
     foreign = tmp_path / "foreign"

@@ -223,8 +223,8 @@ def test_mixer_triton_equals_torch():
         m.zero_grad()
         x.grad = None
         y, st = m.chunked(x, output_state=True)
-        ((y * w).sum() + st["S"].sum()).backward()
-        res.append([y.detach(), st["S"].detach(), x.grad.clone()] + [p.grad.clone() for p in m.parameters()])
+        ((y * w).sum() + st.S.sum()).backward()
+        res.append([y.detach(), st.S.detach(), x.grad.clone()] + [p.grad.clone() for p in m.parameters()])
     for a, b in zip(res[0], res[1]):
         torch.testing.assert_close(b, a, atol=1e-9, rtol=1e-7)
 

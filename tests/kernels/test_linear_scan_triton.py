@@ -141,8 +141,8 @@ def test_rglru_block_triton_equals_torch():
         m.zero_grad()
         x.grad = None
         y, st = m(x, None, True)
-        ((y * w).sum() + st["h"].sum()).backward()
-        res.append([y.detach(), st["h"].detach(), x.grad.clone()] + [p.grad.clone() for p in m.parameters()])
+        ((y * w).sum() + st.h.sum()).backward()
+        res.append([y.detach(), st.h.detach(), x.grad.clone()] + [p.grad.clone() for p in m.parameters()])
     names = ["y", "state h", "x"] + [n for n, _ in m.named_parameters()]
     for n, a, r in zip(names, res[1], res[0]):
         torch.testing.assert_close(a, r, atol=1e-9, rtol=1e-9, msg=lambda s: f"{n}: {s}")

@@ -157,8 +157,8 @@ def test_mixer_triton_equals_torch():
         y1, st = m.chunked(x[:, :9], output_state=True)
         y2, st = m.chunked(x[:, 9:], st, output_state=True)
         y = torch.cat([y1, y2], 1)
-        ((y * w).sum() + st["M1"].sum() + st["S1"].sum()).backward()
-        res.append([y.detach(), st["M1"].detach(), st["S1"].detach(), st["Mh1"].detach(), x.grad.clone()]
+        ((y * w).sum() + st.M[0].sum() + st.S[0].sum()).backward()
+        res.append([y.detach(), st.M[0].detach(), st.S[0].detach(), st.Mh[0].detach(), x.grad.clone()]
                    + [p.grad.clone() for p in m.parameters()])
     for a, b in zip(res[0], res[1]):
         torch.testing.assert_close(b, a, atol=1e-9, rtol=1e-7)

@@ -96,16 +96,16 @@ def m_dim(m) -> int:
 
 
 def backend_results(m, x: torch.Tensor, w: torch.Tensor, state_key=None, backends=("torch", "triton")):
-    """Per kernel backend: [y, (the carried state[state_key]), ∂x, ∂ of every parameter] of the
-    loss Σ y ⊙ w (+ Σ state[state_key]), for holding two backends of one mixer equal."""
+    """Per kernel backend: [y, (the carried state.<state_key>), ∂x, ∂ of every parameter] of the
+    loss Σ y ⊙ w (+ Σ state.<state_key>), for holding two backends of one mixer equal."""
     res = []
     for backend in backends:
         m.kernel_backend = backend
         m.zero_grad()
         x.grad = None
         y, st = m(x, None, state_key is not None)
-        loss = (y * w).sum() + (st[state_key].sum() if state_key is not None else 0)
+        loss = (y * w).sum() + (getattr(st, state_key).sum() if state_key is not None else 0)
         loss.backward()
-        extra = [st[state_key].detach()] if state_key is not None else []
+        extra = [getattr(st, state_key).detach()] if state_key is not None else []
         res.append([y.detach(), *extra, x.grad.clone()] + [p.grad.clone() for p in m.parameters()])
     return res

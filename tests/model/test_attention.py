@@ -53,7 +53,7 @@ def test_local_cache_is_bounded():
     st = m.init_state(1, dtype=torch.float64)
     for _ in range(10):
         _, st = m.step(torch.randn(1, 1, m.d_model, dtype=torch.float64), st)
-    assert st["k"].shape[2] == 3 and st["pos"] == 10
+    assert st.k.shape[2] == 3 and st.pos == 10
 
 
 def test_decode_cache_is_preallocated_and_branch_safe():
@@ -73,7 +73,7 @@ def test_decode_cache_is_preallocated_and_branch_safe():
     torch.testing.assert_close(ya[:, 0], full_a[:, -1], atol=1e-12, rtol=0)
     torch.testing.assert_close(yb[:, 0], full_b[:, -1], atol=1e-12, rtol=0)
     # the newest state appended in place: its keys are a view of the same buffer
-    assert st_a2["kv_buf"] is st_a["kv_buf"] and st_a2["k"].shape[2] == 7
-    assert st_a2["k"].data_ptr() == st_a["k"].data_ptr()
-    assert st_b["kv_buf"] is not st_a["kv_buf"]
-    torch.testing.assert_close(st_a["k"][:, :, -1:], st_a2["k"][:, :, 5:6], atol=0, rtol=0)
+    assert st_a2.kv_buf is st_a.kv_buf and st_a2.k.shape[2] == 7
+    assert st_a2.k.data_ptr() == st_a.k.data_ptr()
+    assert st_b.kv_buf is not st_a.kv_buf
+    torch.testing.assert_close(st_a.k[:, :, -1:], st_a2.k[:, :, 5:6], atol=0, rtol=0)

@@ -83,7 +83,7 @@ def test_dpfp_nu1_can_be_all_zero_without_nan():
 def test_dpfp_state_shape_and_invalid_nu():
     m, cfg = make_mixer("deltanet", deltanet={"feature_map": "dpfp", "dpfp_nu": 2})
     st = m.init_state(2, dtype=torch.float64)
-    assert st["S"].shape == (2, cfg.n_heads, 2 * cfg.hd * 2, cfg.hd)
+    assert st.S.shape == (2, cfg.n_heads, 2 * cfg.hd * 2, cfg.hd)
     with pytest.raises(ValueError, match="dpfp_nu"):
         DeltaNet(tiny_cfg("deltanet", deltanet={"feature_map": "dpfp", "dpfp_nu": 2 * cfg.hd}), 0)
     with pytest.raises(ValueError, match="feature_map"):

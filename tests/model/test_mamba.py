@@ -1,3 +1,4 @@
+import dataclasses
 import math
 
 import pytest
@@ -61,21 +62,21 @@ def test_selectivity_delta_controls_memory():
     st = m.init_state(1, dtype=torch.float64)
     with torch.no_grad():
         _, st = m.step(torch.randn(1, 1, m.d_model, dtype=torch.float64), st)
-        h_before = st["ssm"].clone()
+        h_before = st.ssm.clone()
         m.dt_proj.bias.fill_(-50.0)                     # Δ = softplus(−50 + …) ≈ 0
         m.dt_proj.weight.zero_()
         _, st2 = m.step(torch.randn(1, 1, m.d_model, dtype=torch.float64), st)
-        torch.testing.assert_close(st2["ssm"], h_before, atol=1e-18, rtol=1e-12)
+        torch.testing.assert_close(st2.ssm, h_before, atol=1e-18, rtol=1e-12)
         m.dt_proj.bias.fill_(50.0)                      # Δ ≈ 50: Ā = exp(−50·n) ≈ 0
         _, st3 = m.step(torch.randn(1, 1, m.d_model, dtype=torch.float64), st)
-    assert (st3["ssm"] - h_before).abs().max() > 1e-3
+    assert (st3.ssm - h_before).abs().max() > 1e-3
     # the new state forgets h_before: a second, different prior state gives the same result
     with torch.no_grad():
-        st_other = dict(st, ssm=torch.randn_like(st["ssm"]))
+        st_other = dataclasses.replace(st, ssm=torch.randn_like(st.ssm))
         x = torch.randn(1, 1, m.d_model, dtype=torch.float64)
         _, s_a = m.step(x, st)
         _, s_b = m.step(x, st_other)
-    torch.testing.assert_close(s_a["ssm"], s_b["ssm"], atol=1e-12, rtol=0)
+    torch.testing.assert_close(s_a.ssm, s_b.ssm, atol=1e-12, rtol=0)
 
 
 def test_flops_per_token():

@@ -1,10 +1,12 @@
+import dataclasses
+
 import pytest
 import torch
 from scipy import stats
 
 from tests.model.mixer_checks import (check_causal, check_chunked_vs_reference, check_decode,
                                       check_gradcheck, make_mixer)
-from ttt_lm.model.mixers.rglru import RGLRUBlock, lambda_init
+from ttt_lm.model.mixers.rglru import RGLRUBlock, RGLRUState, lambda_init
 
 CASES = [
     {"rglru": {"chunk_size": 4}},
@@ -150,7 +152,7 @@ def test_segment_pos_resets_as_recurrentgemma(impl):
     with torch.no_grad():
         _, st = m(x, segment_pos=seg, output_state=True)
         hs = [_by_hand(m, cfg.rglru.c, x[b:b + 1], seg[b].tolist()) for b in range(2)]
-        torch.testing.assert_close(st["h"], torch.cat([h[:, -1] for h in hs]), atol=1e-12, rtol=0)
+        torch.testing.assert_close(st.h, torch.cat([h[:, -1] for h in hs]), atol=1e-12, rtol=0)
         # the outputs: W_out(h ⊙ GeLU branch)
         y, _ = m(x, segment_pos=seg)
         gelu_y = torch.nn.functional.gelu(m.linear_y(x), approximate="tanh")
@@ -167,8 +169,8 @@ def test_segment_pos_chunked_matches_reference_with_gradients():
     torch.manual_seed(6)
     T = len(PACKED)
     x = torch.randn(2, T, m.d_model, dtype=torch.float64, requires_grad=True)
-    h0 = {"conv": torch.randn(2, m.width, 3, dtype=torch.float64), "h": torch.randn(2, m.width, dtype=torch.float64),
-          "pos": 5}
+    h0 = RGLRUState(conv=torch.randn(2, m.width, 3, dtype=torch.float64), h=torch.randn(2, m.width, dtype=torch.float64),
+                    pos=5)
     seg = torch.tensor([PACKED, list(range(5, 5 + T))])
     wts = torch.randn(2, T, m.d_model, dtype=torch.float64)
     res = []
@@ -177,8 +179,8 @@ def test_segment_pos_chunked_matches_reference_with_gradients():
         m.zero_grad()
         x.grad = None
         y, st = m(x, state=h0, output_state=True, segment_pos=seg)
-        ((y * wts).sum() + st["h"].sum()).backward()
-        res.append([y.detach(), st["h"].detach(), x.grad.clone()] + [p.grad.clone() for p in m.parameters()])
+        ((y * wts).sum() + st.h.sum()).backward()
+        res.append([y.detach(), st.h.detach(), x.grad.clone()] + [p.grad.clone() for p in m.parameters()])
     for a, b in zip(res[1], res[0]):
         torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-8)
 
@@ -198,8 +200,8 @@ def test_segment_pos_triton_equals_torch():
         m.zero_grad()
         x.grad = None
         y, st = m(x, None, True, segment_pos=seg)
-        ((y * w).sum() + st["h"].sum()).backward()
-        res.append([y.detach(), st["h"].detach(), x.grad.clone()] + [p.grad.clone() for p in m.parameters()])
+        ((y * w).sum() + st.h.sum()).backward()
+        res.append([y.detach(), st.h.detach(), x.grad.clone()] + [p.grad.clone() for p in m.parameters()])
     for a, r in zip(res[1], res[0]):
         torch.testing.assert_close(a, r, atol=1e-9, rtol=1e-9)
 
@@ -233,13 +235,13 @@ def test_decode_state_at_position_zero_is_dropped():
     torch.manual_seed(8)
     x = torch.randn(2, 1, m.d_model, dtype=torch.float64)
     fresh = m.init_state(2, dtype=torch.float64)
-    stale = {"conv": torch.randn_like(fresh["conv"]), "h": torch.randn_like(fresh["h"]), "pos": 0}
+    stale = dataclasses.replace(fresh, conv=torch.randn_like(fresh.conv), h=torch.randn_like(fresh.h), pos=0)
     with torch.no_grad():
         y0, s0 = m.step(x, fresh)
         y1, s1 = m.step(x, stale)
         ys, _ = m(x, state=stale)
     torch.testing.assert_close(y1, y0, atol=0, rtol=0)
-    torch.testing.assert_close(s1["h"], s0["h"], atol=0, rtol=0)
+    torch.testing.assert_close(s1.h, s0.h, atol=0, rtol=0)
     torch.testing.assert_close(ys, y0, atol=1e-12, rtol=0)
 
 
@@ -266,8 +268,8 @@ def test_recurrence_matches_equations():
         h = i[:, 0] * xb[:, 0]
         for t in (1, 2):
             h = a[:, t] * h + torch.sqrt(1 - a[:, t] ** 2) * (i[:, t] * xb[:, t])
-    torch.testing.assert_close(st["h"], h, atol=1e-12, rtol=0)
-    assert st["pos"] == 3
+    torch.testing.assert_close(st.h, h, atol=1e-12, rtol=0)
+    assert st.pos == 3
 
 
 def test_sqrt_gradient_is_bounded():

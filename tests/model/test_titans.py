@@ -117,7 +117,8 @@ def test_memory_recalls_a_stored_pair():
 def test_gate_init():
     m, cfg = make_mixer("titans")
     x = torch.zeros(1, 3, cfg.d_model, dtype=torch.float64)
-    q, k, v, theta, log_eta, log_keep, _ = m._inputs(x, None)
+    inp, _ = m.inputs(x)
+    theta, log_eta, log_keep = inp["theta"], inp["log_eta"], inp["log_keep"]
     torch.testing.assert_close(theta, torch.full_like(theta, m.theta_init))
     torch.testing.assert_close(log_eta.exp(), torch.full_like(theta, m.eta_init))
     torch.testing.assert_close(1 - log_keep.exp(), torch.full_like(theta, m.alpha_init))
@@ -202,3 +203,27 @@ def test_mal_is_memory_then_window_attention_over_persistent_and_input():
 def test_mac_mal_config_checked(kind, key, bad):
     with pytest.raises(ValueError, match=f"model.titans.{key}"):
         make_mixer(kind, titans={key: bad})
+
+
+@pytest.mark.parametrize("kw", [CASES[0][1]["titans"], CASES[1][1]["titans"], CASES[2][1]["titans"]])
+def test_memory_stages_compose_to_the_forms(kw):
+    """inputs → op → output, from a carried state, equal each form of the memory layer (the forms
+    are written with the stages: exact), and the carry plus the op's final state is the form's
+    state. ``op``'s backend "reference" is the sequential form."""
+    m, _ = make_mixer("titans", titans=kw)
+    g = torch.Generator().manual_seed(0)
+    x0, x = (torch.randn(2, T, m.d_model, generator=g, dtype=torch.float64) for T in (5, 6))
+    _, st = m.chunked(x0, output_state=True)
+    for form, backend in ((m.reference, "reference"), (m.chunked, m.op_backend(x))):
+        inp, carry = m.inputs(x, st, True)
+        assert carry.pos == st.pos + 6 and carry.M == ()
+        y, (M, S, Mh) = m.op(inp, (st.M, st.S, st.Mh), True, backend)
+        want, want_st = form(x, st, True)
+        torch.testing.assert_close(m.output(y, x), want, atol=0, rtol=0)
+        for a, b in zip(M + S + Mh, want_st.M + want_st.S + want_st.Mh):
+            torch.testing.assert_close(a, b, atol=0, rtol=0)
+    # from no state: the op starts at M_init
+    inp, _ = m.inputs(x)
+    y, _ = m.op(inp, backend="reference")
+    torch.testing.assert_close(m.output(y, x), m.reference(x)[0], atol=0, rtol=0)
+    assert not hasattr(m, "_inputs") and not hasattr(m, "_out")   # one copy: the public stages

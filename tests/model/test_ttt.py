@@ -62,7 +62,7 @@ def test_segments_at_every_cut(kind, kw):
         y2, s = m(x[:, 3:6], state=s, output_state=True)
         y3, s = m(x[:, 6:], state=s, output_state=True)
         torch.testing.assert_close(torch.cat([y1, y2, y3], 1), y, atol=1e-10, rtol=0)
-        assert s["pos"] == 10 % 4
+        assert s.pos == 10 % 4
 
 
 @pytest.mark.parametrize("kind,kw", CASES)

@@ -182,9 +182,9 @@ def check_state_passing_block(rank, world, T):
     err = max(_maxdiff(y_r, y[:, s:e]), _maxdiff(xr.grad, xf.grad[:, s:e]))
     err = max([err] + [_maxdiff(p.grad, ref[n]) for n, p in block.named_parameters() if n in ref])
     if rank == world - 1:   # the last rank ends with the full sequence's final state
-        err = max(err, _maxdiff(st["mixer"]["W1"], st_full["mixer"]["W1"]),
-                  _maxdiff(st["pre_conv"], st_full["pre_conv"]))
-        if st["mixer"]["pos"] != st_full["mixer"]["pos"]:
+        err = max(err, _maxdiff(st.mixer.W1, st_full.mixer.W1),
+                  _maxdiff(st.pre_conv, st_full.pre_conv))
+        if st.mixer.pos != st_full.mixer.pos:
             err = float("inf")
     return err
 

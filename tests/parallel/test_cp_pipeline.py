@@ -77,9 +77,9 @@ def check_block(rank, world, T, chunks):
     err = max(_maxdiff(y_r, y[:, s:e]), _maxdiff(xr.grad, xf.grad[:, s:e]))
     err = max([err] + [_maxdiff(p.grad, ref[n]) for n, p in block.named_parameters() if n in ref])
     if rank == world - 1:
-        err = max(err, _maxdiff(st["mixer"]["W2"], st_full["mixer"]["W2"]),
-                  _maxdiff(st["pre_conv"], st_full["pre_conv"]))
-        if st["mixer"]["pos"] != st_full["mixer"]["pos"]:
+        err = max(err, _maxdiff(st.mixer.W2, st_full.mixer.W2),
+                  _maxdiff(st.pre_conv, st_full.pre_conv))
+        if st.mixer.pos != st_full.mixer.pos:
             err = float("inf")
     return err
 

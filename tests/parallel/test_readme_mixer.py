@@ -13,7 +13,9 @@ import copy
 import os
 import pathlib
 import re
+import sys
 import traceback
+import types
 
 import pytest
 import torch
@@ -39,10 +41,14 @@ def readme_block() -> str:
 
 
 def load_readme_mixer() -> dict:
-    """Execute the README block as a module of its own (it registers its kind)."""
-    ns = {"__name__": "readme_adding_a_mixer"}
-    exec(compile(readme_block(), "README.md:Adding a mixer", "exec"), ns)
-    return ns
+    """Execute the README block as a module of its own (it registers its kind), importable as
+    ``readme_adding_a_mixer`` as a plugin's module would be (its dataclass state needs that)."""
+    mod = sys.modules.get("readme_adding_a_mixer")
+    if mod is None:
+        mod = types.ModuleType("readme_adding_a_mixer")
+        sys.modules[mod.__name__] = mod
+        exec(compile(readme_block(), "README.md:Adding a mixer", "exec", dont_inherit=True), mod.__dict__)
+    return mod.__dict__
 
 
 def _cfg(pattern, **kw):

@@ -91,9 +91,10 @@ def _lm_vs_single(cfg, sp, dp_rank=0, decode=True):
         assert torch.equal(sd[k], full_sd[k]), f"{k}: the TP weights must be slices of the single-rank ones"
     for i, (blk, rblk) in enumerate(zip(tpm.layers, ref.layers)):
         st, rst = blk.mixer.init_state(B), rblk.mixer.init_state(B)
-        for k, v in rst.items():
-            if torch.is_tensor(v) and v.dim() >= 2 and k not in ("k", "v"):  # heads or channels (dim 1) split by p
-                assert st[k].shape[1] * TP == v.shape[1] and st[k].shape[2:] == v.shape[2:], (i, k, st[k].shape)
+        sts = dict(st.named_tensors())
+        for k, v in rst.named_tensors():
+            if v.dim() >= 2 and k.split(".")[-1] not in ("k", "v"):  # heads or channels (dim 1) split by p
+                assert sts[k].shape[1] * TP == v.shape[1] and sts[k].shape[2:] == v.shape[2:], (i, k, sts[k].shape)
 
     logits = ref(ids).logits
     want = F.cross_entropy(logits.view(-1, cfg.vocab_size), labels.view(-1), ignore_index=-100)

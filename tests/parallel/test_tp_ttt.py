@@ -128,9 +128,9 @@ def _lm_vs_single(cfg, sp):
     for i, (blk, rblk) in enumerate(zip(tpm.layers, ref.layers)):
         if isinstance(rblk.mixer, _TTTBase):
             st, rst = blk.mixer.init_state(B), rblk.mixer.init_state(B)
-            for k, v in rst.items():
-                if torch.is_tensor(v):  # heads (dim 1) or conv channels (dim 1) split by p
-                    assert st[k].shape[1] * p == v.shape[1] and st[k].shape[2:] == v.shape[2:], (i, k, st[k].shape)
+            sts = dict(st.named_tensors())
+            for k, v in rst.named_tensors():  # heads (dim 1) or conv channels (dim 1) split by p
+                assert sts[k].shape[1] * p == v.shape[1] and sts[k].shape[2:] == v.shape[2:], (i, k, sts[k].shape)
 
     logits = ref(ids).logits
     want = F.cross_entropy(logits.view(-1, cfg.vocab_size), labels.view(-1), ignore_index=-100)

@@ -140,6 +140,19 @@ def verify_checksums(man: dict) -> None:
         raise DataError(f"manifest in {man['root']}: checksum does not match its shard list")
 
 
+def vocab_fits(model_vocab_size: int, tokenizer_vocab_size: int, allow_padding: bool = False) -> bool:
+    """The one vocabulary check: whether a model whose embedding has ``model_vocab_size`` rows
+    reads the ids of a ``tokenizer_vocab_size``-token tokenizer. Equal sizes fit; with
+    ``allow_padding`` a larger table (padded to a multiple of 64/128 for speed) fits too; a smaller
+    one never does (ids would index past the embedding). ``check_vocab`` here, the evals'
+    ``ttt_lm.eval.common.check_vocab``, the trainer's start and the exporter's tokenizer check
+    call it, each raising its own error."""
+    for name, n in (("model vocab_size", model_vocab_size), ("tokenizer vocab_size", tokenizer_vocab_size)):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"vocabulary check: the {name} must be a positive integer, got {n!r}")
+    return model_vocab_size == tokenizer_vocab_size or (allow_padding and model_vocab_size > tokenizer_vocab_size)
+
+
 def check_vocab(manifest: dict, model_vocab_size: int, allow_padding: bool = False) -> None:
     """Refuse a model whose embedding does not fit the tokenizer the data was encoded with.
 
@@ -149,7 +162,7 @@ def check_vocab(manifest: dict, model_vocab_size: int, allow_padding: bool = Fal
     """
     v = int(manifest["vocab_size"])
     where = manifest.get("root", "the manifest")
-    if model_vocab_size == v or (allow_padding and model_vocab_size > v):
+    if vocab_fits(model_vocab_size, v, allow_padding):
         return
     raise DataError(f"vocabulary mismatch: the model has vocab_size={model_vocab_size} but the data in {where} "
                     f"was tokenized with a {v}-token tokenizer ({manifest.get('tokenizer')}); set "

@@ -37,8 +37,9 @@ def check_context(model: LM, length: int, what: str = "context") -> None:
 def check_vocab(model: LM, vocab_size: int, source: str, allow_padding: bool = False) -> None:
     """The model's embedding must have the tokenizer's vocabulary; with ``allow_padding`` a larger
     table (padded to a multiple of 64/128 for speed) is accepted, never a smaller one."""
+    from ttt_lm.data.manifest import vocab_fits
     mv = model.cfg.vocab_size
-    if mv == vocab_size or (allow_padding and mv > vocab_size):
+    if vocab_fits(mv, vocab_size, allow_padding):
         return
     raise EvalError(f"vocabulary mismatch: the model has vocab_size={mv} but {source} uses a "
                     f"{vocab_size}-token tokenizer; evaluate with data tokenized by the model's own tokenizer")

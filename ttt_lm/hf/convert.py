@@ -74,10 +74,11 @@ def save_hf(lm, out_dir: str, tokenizer: Optional[str] = None) -> str:
     tokenizer's end-of-document id becomes the config's ``eos_token_id``. The folder is written
     in a temporary sibling and moved into place file by file, so a failed export leaves what
     was there."""
+    from ttt_lm.data.manifest import vocab_fits
     from ttt_lm.data.tokenizer import open_tokenizer
     _check_out_dir(out_dir)
     tok = open_tokenizer(tokenizer) if tokenizer is not None else None
-    if tok is not None and tok.vocab_size > lm.cfg.vocab_size:
+    if tok is not None and not vocab_fits(lm.cfg.vocab_size, tok.vocab_size, allow_padding=True):
         raise HFError(f"tokenizer {tokenizer} has {tok.vocab_size} tokens but the model's vocab_size is "
                       f"{lm.cfg.vocab_size}")
     eos = tok.eos_id if tok is not None else None

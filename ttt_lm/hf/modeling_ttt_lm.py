@@ -8,9 +8,10 @@ forward pass that returns every layer's state, then each new token is one
 :meth:`ttt_lm.model.LM.step`, as :meth:`ttt_lm.model.LM.generate` does.
 
 What generation supports: greedy decoding and sampling (with transformers' logits processors),
-batched prompts of equal length. Padded batches (an ``attention_mask`` with zeros) and beam
-search are refused with a message: the recurrent states have no notion of a masked position,
-and reordering them between beams is not written.
+batched prompts of equal length; the cache reorders its rows for beam search
+(``TTTLMCache.reorder_cache``: ``MixerState.index_select`` on every layer). Padded batches (an
+``attention_mask`` with zeros) are refused with a message: the recurrent states have no notion
+of a masked position.
 
 ``labels`` follow the transformers convention (the inputs themselves; the model shifts them),
 unlike :meth:`ttt_lm.model.LM.forward`, which takes labels already aligned.
@@ -28,28 +29,29 @@ import torch.nn.functional as F
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from ttt_lm.model.lm import LM
+from ttt_lm.model.lm import LM, BlockState
 
 from .configuration_ttt_lm import TTTLMConfig
 
 
 class TTTLMCache:
-    """Every layer's decode state (a list of dicts of tensors, as :meth:`LM.init_states` makes
-    them) and how many tokens it has read. transformers' generate carries it between forward
-    calls as ``past_key_values``; the model replaces ``states`` after each call."""
+    """Every layer's decode state (a list of typed block states, ``ttt_lm.model.lm.BlockState``,
+    as :meth:`LM.init_states` makes them) and how many tokens it has read. transformers'
+    generate carries it between forward calls as ``past_key_values``; the model replaces
+    ``states`` after each call."""
 
     is_compileable = False
 
-    def __init__(self, states: List[dict], seen_tokens: int):
+    def __init__(self, states: List[BlockState], seen_tokens: int):
         self.states = states
         self.seen_tokens = seen_tokens
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.seen_tokens
 
-    def reorder_cache(self, beam_idx: torch.Tensor):
-        raise ValueError("beam search is not supported by ttt-lm models in transformers' generate: reordering the "
-                         "recurrent states between beams is not written; use greedy decoding or sampling (num_beams=1)")
+    def reorder_cache(self, beam_idx: torch.Tensor) -> None:
+        """Keep batch rows ``beam_idx`` of every state, in that order (beam search's reordering)."""
+        self.states = [s.index_select(beam_idx) for s in self.states]
 
 
 class TTTLMPreTrainedModel(PreTrainedModel):

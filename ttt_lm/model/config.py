@@ -155,6 +155,9 @@ class ModelConfig:
             raise ValueError(f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}")
         if self.mlp_act not in ("silu", "gelu"):
             raise ValueError(f"model.mlp_act must be silu or gelu, got {self.mlp_act!r}")
+        if self.attention.backend not in ("auto", "sdpa", "flex", "flash", "math"):
+            raise ValueError(f"model.attention.backend must be auto, sdpa, flex, flash or math, "
+                             f"got {self.attention.backend!r}")
         if self.kernel_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"model.kernel_backend must be auto, torch or triton, got {self.kernel_backend!r}")
         if self.compile_backend not in COMPILE_BACKENDS:

@@ -33,13 +33,23 @@ from torch import nn
 from ttt_lm.model.config import ModelConfig
 from ttt_lm.model.layers import CausalConv1d, GatedMLP, RMSNorm, acc, init_weights
 from ttt_lm.model.mixers import build_mixer, mixer_class
+from ttt_lm.model.mixers.base import MixerState
+
+
+@dataclass
+class BlockState(MixerState):
+    """A block's decode state: mixer, its mixer's state (the mixer's ``MixerState`` subclass);
+    pre_conv [B, D, w − 1], the pre-conv's cache (None for a block without one); pos: the
+    mixer's."""
+    mixer: Optional[MixerState] = None
+    pre_conv: Optional[torch.Tensor] = None
 
 
 @dataclass
 class LMOutput:
     logits: Optional[torch.Tensor]
     loss: Optional[torch.Tensor] = None
-    states: Optional[List[dict]] = None
+    states: Optional[List[BlockState]] = None
 
 
 Segments = List[List[Tuple[int, int]]]  # per row: [start, end) of each document piece
@@ -82,34 +92,29 @@ class Block(nn.Module):
         self.mlp = GatedMLP(cfg.d_model, cfg.ff, cfg.mlp_act) if cfg.ff > 0 else None
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps) if self.mlp is not None else None
 
-    def init_state(self, batch_size: int, device=None, dtype=None) -> dict:
-        st = {"mixer": self.mixer.init_state(batch_size, device, dtype)}
-        if self.pre_conv is not None:
-            st["pre_conv"] = self.pre_conv.init_cache(batch_size, device, dtype)
-        return st
+    def init_state(self, batch_size: int, device=None, dtype=None) -> BlockState:
+        ms = self.mixer.init_state(batch_size, device, dtype)
+        return BlockState(mixer=ms, pos=ms.pos, pre_conv=None if self.pre_conv is None else
+                          self.pre_conv.init_cache(batch_size, device, dtype))
 
     def mixer_kw(self, position_ids: Optional[torch.Tensor]) -> dict:
         """What the mixer takes beyond (x, state): segment_pos for mixers that read it."""
         return {"segment_pos": position_ids} if position_ids is not None and self.mixer.takes_segment_pos else {}
 
-    def forward(self, x: torch.Tensor, state: Optional[dict] = None, output_state: bool = False,
+    def forward(self, x: torch.Tensor, state: Optional[BlockState] = None, output_state: bool = False,
                 segments: Optional[Segments] = None, position_ids: Optional[torch.Tensor] = None):
         if segments is not None:
             return self._forward_segments(x, segments, position_ids), None
-        new_state = {} if output_state else None
+        cc = None
         if self.pre_conv is not None:
-            c, cc = self.pre_conv(self.pre_conv_norm(x), None if state is None else state["pre_conv"], output_state)
+            c, cc = self.pre_conv(self.pre_conv_norm(x), None if state is None else state.pre_conv, output_state)
             x = x + c
-            if output_state:
-                new_state["pre_conv"] = cc
-        h, ms = self.mixer(self.mixer_norm(x), None if state is None else state["mixer"], output_state,
+        h, ms = self.mixer(self.mixer_norm(x), None if state is None else state.mixer, output_state,
                            **self.mixer_kw(position_ids))
         x = x + h
         if self.mlp is not None:
             x = x + self.mlp(self.mlp_norm(x))
-        if output_state:
-            new_state["mixer"] = ms
-        return x, new_state
+        return x, (BlockState(mixer=ms, pos=ms.pos, pre_conv=cc) if output_state else None)
 
     def _forward_segments(self, x: torch.Tensor, segments: Segments,
                           position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -124,16 +129,16 @@ class Block(nn.Module):
             x = x + self.mlp(self.mlp_norm(x))
         return x
 
-    def step(self, x: torch.Tensor, state: dict, position_ids: Optional[torch.Tensor] = None):
-        new_state = {}
+    def step(self, x: torch.Tensor, state: BlockState, position_ids: Optional[torch.Tensor] = None):
+        cc = None
         if self.pre_conv is not None:
-            c, new_state["pre_conv"] = self.pre_conv(self.pre_conv_norm(x), state["pre_conv"], True)
+            c, cc = self.pre_conv(self.pre_conv_norm(x), state.pre_conv, True)
             x = x + c
-        h, new_state["mixer"] = self.mixer.step(self.mixer_norm(x), state["mixer"], **self.mixer_kw(position_ids))
+        h, ms = self.mixer.step(self.mixer_norm(x), state.mixer, **self.mixer_kw(position_ids))
         x = x + h
         if self.mlp is not None:
             x = x + self.mlp(self.mlp_norm(x))
-        return x, new_state
+        return x, BlockState(mixer=ms, pos=ms.pos, pre_conv=cc)
 
 
 class LM(nn.Module):
@@ -196,7 +201,7 @@ class LM(nn.Module):
                 out[b.kind] = f"attention:{getattr(m, 'backend', 'auto')}"
                 continue
             try:
-                out[b.kind] = m.resolve_backend(device)
+                out[b.kind] = str(m.resolve_backend(device))
             except ValueError as e:
                 raise ValueError(f"layer kind {b.kind!r} (layer {i}): {e}") from None
         return out
@@ -210,7 +215,7 @@ class LM(nn.Module):
         return n
 
     # ---- forward -----------------------------------------------------------------------------
-    def init_states(self, batch_size: int, device=None, dtype=None) -> List[dict]:
+    def init_states(self, batch_size: int, device=None, dtype=None) -> List[BlockState]:
         return [b.init_state(batch_size, device, dtype) for b in self.layers]
 
     def hidden(self, input_ids: torch.Tensor, states=None, output_states: bool = False,
@@ -248,7 +253,7 @@ class LM(nn.Module):
             loss = F.cross_entropy(acc(logits).view(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
         return LMOutput(logits=logits, loss=loss, states=new_states)
 
-    def step(self, token_ids: torch.Tensor, states: List[dict], position_ids: Optional[torch.Tensor] = None):
+    def step(self, token_ids: torch.Tensor, states: List[BlockState], position_ids: Optional[torch.Tensor] = None):
         """One decode step: token_ids [B] → logits [B, V] and the new states. ``position_ids``
         [B]: the tokens' segment positions (0 starts a new document: the RG-LRU drops its
         state); by default each state's own position."""

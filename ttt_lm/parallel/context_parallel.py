@@ -55,6 +55,7 @@ group) leaves every rank with the full-sequence gradient.
 """
 from __future__ import annotations
 
+import dataclasses
 import pickle
 from typing import Any, List, Optional, Sequence, Tuple
 
@@ -166,14 +167,26 @@ def _recv(t: torch.Tensor, src: int, group, tag: int) -> torch.Tensor:
     return t
 
 
+def _state_fields(o) -> dict:
+    """A typed state's (a dataclass: ``MixerState``) fields, those derived from others left out."""
+    return {f.name: getattr(o, f.name) for f in dataclasses.fields(o) if f.init and not f.metadata.get("derived")}
+
+
+def _is_state(o) -> bool:
+    return dataclasses.is_dataclass(o) and not isinstance(o, type)
+
+
 def _flatten(obj) -> Tuple[Any, List[torch.Tensor]]:
-    """A nested dict/list/tuple → (its structure with tensors replaced by indices, the tensors)."""
+    """A nested typed state/dict/list/tuple → (its structure with tensors replaced by indices, the
+    tensors)."""
     tensors: List[torch.Tensor] = []
 
     def rec(o):
         if torch.is_tensor(o):
             tensors.append(o)
             return ("__tensor__", len(tensors) - 1, tuple(o.shape), o.dtype)
+        if _is_state(o):
+            return type(o)(**{k: rec(v) for k, v in _state_fields(o).items()})
         if isinstance(o, dict):
             return {k: rec(v) for k, v in o.items()}
         if isinstance(o, (list, tuple)):
@@ -185,6 +198,8 @@ def _flatten(obj) -> Tuple[Any, List[torch.Tensor]]:
 def _unflatten(spec, tensors: Sequence[torch.Tensor]):
     if isinstance(spec, tuple) and len(spec) == 4 and spec[0] == "__tensor__":
         return tensors[spec[1]]
+    if _is_state(spec):
+        return type(spec)(**{k: _unflatten(v, tensors) for k, v in _state_fields(spec).items()})
     if isinstance(spec, dict):
         return {k: _unflatten(v, tensors) for k, v in spec.items()}
     if isinstance(spec, (list, tuple)):
@@ -198,6 +213,9 @@ def _tensor_specs(spec) -> List[Tuple[tuple, torch.dtype]]:
     def rec(o):
         if isinstance(o, tuple) and len(o) == 4 and o[0] == "__tensor__":
             out.append((o[1], o[2], o[3]))
+        elif _is_state(o):
+            for v in _state_fields(o).values():
+                rec(v)
         elif isinstance(o, dict):
             for v in o.values():
                 rec(v)
@@ -286,6 +304,8 @@ def _cat_states(states: Sequence[Any]):
     first = states[0]
     if torch.is_tensor(first):
         return torch.cat(list(states), 0)
+    if _is_state(first):
+        return type(first)(**{k: _cat_states([getattr(s, k) for s in states]) for k in _state_fields(first)})
     if isinstance(first, dict):
         return {k: _cat_states([s[k] for s in states]) for k in first}
     if isinstance(first, (list, tuple)):

@@ -151,8 +151,9 @@ def tokenizer_problem(source: TokenizerSource, vocab_size: int, trained_sha256: 
     if trained_sha256 is not None and digest != trained_sha256:
         return (f"tokenizer {source.path} is not the one this checkpoint was trained with (sha256 {digest[:12]}… "
                 f"vs {trained_sha256[:12]}… recorded in the checkpoint)")
+    from ttt_lm.data.manifest import vocab_fits
     n = open_tokenizer(source.path).vocab_size
-    if n > vocab_size:
+    if not vocab_fits(vocab_size, n, allow_padding=True):
         return f"tokenizer {source.path} has {n} tokens but the model's vocab_size is {vocab_size}"
     return ""
 

@@ -349,8 +349,10 @@ def _train(cfg, data_api, preempt, held, extra_callbacks=()) -> int:
     if rank == 0:
         ck.clean_stale(ckpt_root, say=print)
 
+    from ttt_lm.data.manifest import vocab_fits
     manifest = data_api.load_manifest(cfg.data.path)
-    if manifest.get("vocab_size") is not None and manifest["vocab_size"] > cfg.model.vocab_size:
+    if manifest.get("vocab_size") is not None and not vocab_fits(
+            cfg.model.vocab_size, int(manifest["vocab_size"]), allow_padding=True):
         raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
                           f"vocab_size={manifest['vocab_size']} ({cfg.data.path}); set model.vocab_size >= it")
     inv = invariants(cfg, manifest)

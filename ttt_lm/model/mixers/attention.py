@@ -9,16 +9,17 @@ with window w = ∞ for global ("attention") layers and w = ``attention.window``
 "local_attention" layers. KV head g serves query heads g·H/H_kv … (g+1)·H/H_kv − 1.
 
 Implementations: ``reference`` is the explicit softmax above; ``chunked`` (the training form)
-uses flash-attn's ``flash_attn_func`` when installed, on CUDA, in half precision; else
-``flex_attention`` for a window on CUDA; else torch's ``scaled_dot_product_attention`` (a boolean
-mask for a window; CPU training works through it). The decode state is the KV cache, holding at
+runs the backend that the one resolver (``ttt_lm.model.backend.resolve``) picks for
+``attention.backend``: under "auto" flash-attn's ``flash_attn_func`` when installed, on CUDA, in
+half precision; else ``flex_attention`` for a window on CUDA; else torch's
+``scaled_dot_product_attention`` (a boolean mask for a window; CPU training works through it). The decode state is the KV cache, holding at
 most w − 1 past keys for a local layer, so its memory is flat in the sequence length.
 
 The cache lives in a preallocated buffer (``_KVBuffer``): a step writes its key and value in
 place after the cached ones and the state's "k" / "v" are views of the filled part, so decoding
 does not copy the whole cache per token (``torch.cat``). The buffer doubles when full (for a
 local layer it is rebuilt from the last w − 1 keys), an amortized O(1) copy per token. A state
-appends in place only while it is the buffer's newest (its "kv_end" equals the buffer's fill):
+appends in place only while it is the buffer's newest (its ``kv_end`` equals the buffer's fill):
 stepping twice from the same state (two continuations of one prompt) gives the second a copy,
 so neither overwrites the other. Where gradients flow through the cache, steps concatenate as
 before (in-place writes would alter tensors saved for the backward).
@@ -27,21 +28,17 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ttt_lm.model.backend import Backend, flash_attn_func
 from ttt_lm.model.layers import acc, apply_rope, rope_cos_sin
-from ttt_lm.model.mixers.base import Mixer, State, TPPlan
+from ttt_lm.model.mixers.base import Mixer, MixerState, TPPlan
 from ttt_lm.model.registry import register_mixer
-
-try:  # optional extra
-    from flash_attn import flash_attn_func as _flash_attn_func  # type: ignore
-except Exception:  # noqa: BLE001 - any import problem means "not available"
-    _flash_attn_func = None
-
 
 def _window_mask(tq: int, tk: int, window: Optional[int], device) -> torch.Tensor:
     """Boolean [tq, tk] mask, True where query i may see key j; the last query and the last key
@@ -60,6 +57,17 @@ class _KVBuffer:
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor, end: int):
         self.k, self.v, self.end = k, v, end
+
+
+@dataclass
+class AttentionState(MixerState):
+    """The KV cache: k, v [B, H_kv, n, d_h] (n cached keys: all so far, or the last w − 1 for a
+    local layer), and pos. ``kv_buf`` / ``kv_end``: the buffer k and v are views of and its fill
+    when this state was made (derived: ``map`` drops them, the next step copies into a new one)."""
+    k: Optional[torch.Tensor] = None
+    v: Optional[torch.Tensor] = None
+    kv_buf: Optional[_KVBuffer] = field(default=None, repr=False, compare=False, metadata={"derived": True})
+    kv_end: Optional[int] = field(default=None, repr=False, compare=False, metadata={"derived": True})
 
 
 @functools.lru_cache(maxsize=16)
@@ -84,8 +92,10 @@ class Attention(Mixer):
     #: context parallelism gathers the keys and values of earlier ranks
     cp_form = "kv_exchange"
 
-    #: attention picks SDPA / flex / flash-attn by attention.backend, not kernel_backend
+    #: attention picks SDPA / flex / flash-attn / math by attention.backend (through the one
+    #: resolver, ``ttt_lm.model.backend``), not by kernel_backend
     uses_kernel_op = False
+    backend_op = "attention"
 
     def __init__(self, cfg, layer_idx: int):
         super().__init__()
@@ -103,17 +113,17 @@ class Attention(Mixer):
         self.o_proj._is_residual_out = True
 
     # ---- stages ------------------------------------------------------------------------------
-    def inputs(self, x: torch.Tensor, state: Optional[State] = None, output_state: bool = False):
-        """q [B, H, T, d_h], k, v [B, H_kv, T, d_h] with RoPE at positions state["pos"] + t; the
+    def inputs(self, x: torch.Tensor, state: Optional[AttentionState] = None, output_state: bool = False):
+        """q [B, H, T, d_h], k, v [B, H_kv, T, d_h] with RoPE at positions state.pos + t; the
         carry is the next position (the KV cache is built by the forms)."""
         B, T, _ = x.shape
-        pos0 = int(state["pos"]) if state is not None else 0
+        pos0 = int(state.pos) if state is not None else 0
         q = self.q_proj(x).view(B, T, self.n_heads, self.hd).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.n_kv, self.hd).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.n_kv, self.hd).transpose(1, 2)
         cos, sin = rope_cos_sin(torch.arange(pos0, pos0 + T, device=x.device), self.hd, self.rope_theta)
         return {"q": apply_rope(q, cos, sin), "k": apply_rope(k, cos, sin), "v": v}, \
-            ({"pos": pos0 + T} if output_state else None)
+            (AttentionState(pos=pos0 + T) if output_state else None)
 
     def op(self, inp, initial_state=None, output_final_state: bool = False, backend: str = "torch"):
         """Causal (windowed) attention of q over k, v, where k and v may be longer than q (keys
@@ -123,7 +133,7 @@ class Attention(Mixer):
         if initial_state is not None or output_final_state:
             raise ValueError("attention's op keeps no state; the KV cache belongs to the forms")
         q, k, v = inp["q"], inp["k"], inp["v"]
-        if backend == "reference":
+        if backend == Backend.REFERENCE:
             rep = self.n_heads // self.n_kv
             kk, vv = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
             s = (acc(q) @ acc(kk).transpose(-1, -2)) / math.sqrt(self.hd)
@@ -132,12 +142,23 @@ class Attention(Mixer):
             return (s.softmax(-1) @ acc(vv)).to(q.dtype), None
         return self._attend(q, k, v), None
 
+    def requested_backend(self) -> str:
+        return self.backend
+
+    def backend_limits(self):
+        return {}
+
+    def op_backend(self, x: torch.Tensor) -> Backend:
+        """As ``Mixer.op_backend``, checked for x's device only: q, k, v may be in another dtype
+        than x (autocast); ``op`` checks theirs."""
+        return Backend.REFERENCE if self.impl == "reference" else self.resolve_backend(x.device)
+
     def output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:  # o: [B, H, T, hd]
         B, H, T, D = o.shape
         return self.o_proj(o.transpose(1, 2).reshape(B, T, H * D))
 
-    def context_state(self, x_before, valid, start: int) -> State:
-        return {"pos": start}
+    def context_state(self, x_before, valid, start: int) -> AttentionState:
+        return AttentionState(pos=start)
 
     @classmethod
     def tp_plan(cls, cfg) -> TPPlan:
@@ -145,22 +166,22 @@ class Attention(Mixer):
         heads r·H_kv/p …, so each query head keeps its KV head under GQA), o_proj by rows."""
         return TPPlan(column=("q_proj", "k_proj", "v_proj"), row=("o_proj",), head_counts=("n_heads", "n_kv"))
 
-    def init_state(self, batch_size: int, device=None, dtype=None) -> State:
+    def init_state(self, batch_size: int, device=None, dtype=None) -> AttentionState:
         z = torch.zeros(batch_size, self.n_kv, 0, self.hd, device=device, dtype=dtype)
-        return {"k": z, "v": z.clone(), "pos": 0}
+        return AttentionState(k=z, v=z.clone(), pos=0)
 
-    def _cat_cache(self, state: Optional[State], k, v):
+    def _cat_cache(self, state: Optional[AttentionState], k, v):
         """(cached keys followed by k, the same for values, the buffer holding them or None)."""
         if state is None:
             return k, v, None
-        ck, cv = state["k"], state["v"]
+        ck, cv = state.k, state.v
         if torch.is_grad_enabled() and any(t.requires_grad for t in (k, v, ck, cv)):
             # differentiating through the cache: in-place writes would change tensors that the
             # backward of earlier steps saved, so concatenate
             return torch.cat([ck.to(k.dtype), k], dim=2), torch.cat([cv.to(v.dtype), v], dim=2), None
         n, T = ck.shape[2], k.shape[2]
-        buf = state.get("kv_buf")
-        if (buf is not None and buf.end == state.get("kv_end") and buf.end + T <= buf.k.shape[2]
+        buf = state.kv_buf
+        if (buf is not None and buf.end == state.kv_end and buf.end + T <= buf.k.shape[2]
                 and buf.k.dtype == k.dtype and buf.k.device == k.device and buf.k.shape[:2] == k.shape[:2]):
             buf.k[:, :, buf.end:buf.end + T] = k
             buf.v[:, :, buf.end:buf.end + T] = v
@@ -175,18 +196,15 @@ class Attention(Mixer):
         s0 = buf.end - n - T
         return buf.k[:, :, s0:buf.end], buf.v[:, :, s0:buf.end], buf
 
-    def _new_state(self, k_all, v_all, pos_end: int, buf: Optional[_KVBuffer] = None) -> State:
+    def _new_state(self, k_all, v_all, pos_end: int, buf: Optional[_KVBuffer] = None) -> AttentionState:
         if self.window is not None and k_all.shape[2] > self.window - 1:
             keep = self.window - 1
             k_all, v_all = k_all[:, :, k_all.shape[2] - keep:], v_all[:, :, v_all.shape[2] - keep:]
-        st = {"k": k_all, "v": v_all, "pos": pos_end}
-        if buf is not None:
-            st.update(kv_buf=buf, kv_end=buf.end)
-        return st
+        return AttentionState(k=k_all, v=v_all, pos=pos_end, kv_buf=buf, kv_end=None if buf is None else buf.end)
 
     # ---- forms -------------------------------------------------------------------------------
     def _run(self, x, state, output_state, backend: str):
-        pos0 = int(state["pos"]) if state is not None else 0
+        pos0 = int(state.pos) if state is not None else 0
         inp, _ = self.inputs(x, state)
         k_all, v_all, buf = self._cat_cache(state, inp["k"], inp["v"])
         o, _ = self.op({"q": inp["q"], "k": k_all, "v": v_all}, backend=backend)
@@ -205,23 +223,23 @@ class Attention(Mixer):
         return self.chunked(x, state, output_state=True)
 
     def _attend(self, q, k, v):
+        """Attention by the backend that ``resolve_backend`` picks for q's device and dtype. The
+        flex block mask covers T × T: where keys outnumber queries (a KV cache) a "flex" layer
+        runs SDPA, the same masked softmax."""
         tq, tk = q.shape[2], k.shape[2]
-        be = self.backend
-        half = q.dtype in (torch.float16, torch.bfloat16)
-        if be in ("auto", "flash") and _flash_attn_func is not None and q.is_cuda and half:
+        be = self.resolve_backend(q.device, q.dtype)
+        if be == Backend.FLASH:
             ws = (-1, -1) if self.window is None else (self.window - 1, 0)
-            o = _flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                 causal=True, window_size=ws)
+            o = flash_attn_func()(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                  causal=True, window_size=ws)
             return o.transpose(1, 2)
-        if be == "flash":
-            raise RuntimeError("attention.backend=flash needs the flash-attn package, CUDA and bf16/fp16 inputs")
-        if be == "math":
+        if be == Backend.MATH:
             rep = self.n_heads // self.n_kv
             kk, vv = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
             s = (acc(q) @ acc(kk).transpose(-1, -2)) / math.sqrt(self.hd)
             s = s.masked_fill(~_window_mask(tq, tk, self.window, q.device), float("-inf"))
             return (s.softmax(-1) @ acc(vv)).to(q.dtype)
-        if (be == "flex" or (be == "auto" and self.window is not None and q.is_cuda)) and tq == tk:
+        if be == Backend.FLEX and tq == tk:
             return self._flex(q, k, v)
         gqa = self.n_kv != self.n_heads
         if self.window is None and tq == tk:
@@ -243,6 +261,8 @@ class Attention(Mixer):
 @register_mixer("local_attention")
 class LocalAttention(Attention):
     """Sliding-window attention: keys t − window + 1 … t (``attention.window``)."""
+
+    backend_op = "local_attention"
 
     def __init__(self, cfg, layer_idx: int):
         super().__init__(cfg, layer_idx)

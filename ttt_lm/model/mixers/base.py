@@ -7,12 +7,15 @@ A mixer maps x ∈ R^{B×T×D} to y ∈ R^{B×T×D} causally, and has three form
 * ``chunked(x, state, output_state)`` — the training form: chunked / dual / parallel, the one
   ``forward`` uses unless ``impl == "reference"``. On CUDA it may call a Triton kernel from
   ``kernels/`` (``kernel_backend``: ``"auto"`` picks Triton on CUDA and PyTorch elsewhere,
-  ``"torch"`` / ``"triton"`` force one).
+  ``"torch"`` / ``"triton"`` force one). Which implementation runs is decided by the one
+  resolver, ``ttt_lm.model.backend.resolve(op, requested, device)``, for every mixer (attention's
+  SDPA / flex / flash-attn / math by ``attention.backend`` included): ``resolve_backend``.
 * ``step(x, state)`` — one-token decode: x is [B, 1, D], state is the cache.
 
-``state`` is a dict of tensors (recurrent state, conv caches, KV cache, position). Feeding the
-state returned by one segment into the next gives the same outputs as one pass over the
-concatenation; ``init_state`` returns the state before any token.
+``state`` is the mixer's ``MixerState`` subclass, declared in its own file (recurrent state, conv
+caches, KV cache, position; batch first, [B, H, ...] per head). Feeding the state returned by one
+segment into the next gives the same outputs as one pass over the concatenation; ``init_state``
+returns the state before any token.
 
 Public stages. A mixer whose sequence can be split across ranks (``cp_form`` other than
 "state_passing") writes its training form as three public stages, which the context-parallel code
@@ -20,7 +23,8 @@ in ``ttt_lm/parallel`` calls without knowing the mixer:
 
 * ``inputs(x, state=None, output_state=False, **kw) -> (op_inputs, carry)``: everything before the
   op. ``op_inputs`` is a dict of the op's keyword arguments (its tensors and settings, not the
-  initial state); ``carry`` is the rest of the next state (conv caches, position), or None unless
+  initial state); ``carry`` is the rest of the next state (conv caches, position: the mixer's state type with its
+  op's recurrent fields None), or None unless
   ``output_state``.
 * ``op(op_inputs, initial_state=None, output_final_state=False, backend="torch") -> (y, final)``:
   the ``kernels/`` op (``backend`` from ``op_backend``, the one resolver).
@@ -48,12 +52,97 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, fields
-from typing import Any, Dict, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 
-State = Dict[str, Any]
+from ttt_lm.model.backend import Backend, resolve
+
+
+
+def _map_value(v, fn):
+    if isinstance(v, torch.Tensor):
+        return fn(v)
+    if isinstance(v, MixerState):
+        return v.map(fn)
+    if isinstance(v, (tuple, list)):
+        return type(v)(_map_value(u, fn) for u in v)
+    return v   # None, positions, settings
+
+
+def _tensors_of(v, out: List[torch.Tensor]) -> None:
+    if isinstance(v, torch.Tensor):
+        out.append(v)
+    elif isinstance(v, MixerState):
+        for f in fields(v):
+            if not f.metadata.get("derived"):
+                _tensors_of(getattr(v, f.name), out)
+    elif isinstance(v, (tuple, list)):
+        for u in v:
+            _tensors_of(u, out)
+
+
+@dataclass
+class MixerState:
+    """A mixer's state between segments (recurrent state, conv caches, KV cache) as a typed
+    structure: each mixer declares one subclass in its own file, its fields' shapes in the
+    docstring. Conventions: every tensor is batch first; a per-head tensor is [B, H, ...]; a
+    causal conv cache is [B, channels, width − 1]; a field holding one entry per memory layer is
+    a tuple. ``pos`` is how many tokens the state has read (TTT keeps it modulo its mini-batch
+    size, as its kernels do); fields marked ``derived`` (metadata) are caches of the others that ``map`` drops.
+
+    ``map(fn)`` applies fn to every tensor (nested states and tuples included) and returns a new
+    state of the same type: ``to`` moves device/dtype, ``detach`` cuts the graph and
+    ``index_select`` reorders or selects batch rows (beam search's cache reordering)."""
+    pos: int = 0
+
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "MixerState":
+        kw = {f.name: (f.default if f.metadata.get("derived") else _map_value(getattr(self, f.name), fn))
+              for f in fields(self) if f.init}
+        return type(self)(**kw)
+
+    def to(self, device=None, dtype=None) -> "MixerState":
+        """Tensors moved to ``device``; floating-point ones cast to ``dtype`` (when given)."""
+        return self.map(lambda t: t.to(device=device, dtype=dtype if dtype is not None and t.is_floating_point()
+                                       else None))
+
+    def detach(self) -> "MixerState":
+        return self.map(lambda t: t.detach())
+
+    def index_select(self, index: torch.Tensor) -> "MixerState":
+        """The state of batch rows ``index`` (a 1-D integer tensor; rows may repeat or reorder)."""
+        if index.dim() != 1:
+            raise ValueError(f"MixerState.index_select takes a 1-D index of batch rows, got shape {tuple(index.shape)}")
+        return self.map(lambda t: t.index_select(0, index.to(t.device)))
+
+    def named_tensors(self, prefix: str = "") -> List[Tuple[str, torch.Tensor]]:
+        """(dotted name, tensor) of every tensor of the state, as ``tensors`` orders them: a nested
+        state's fields as ``mem.M.0`` (field, tuple index)."""
+        out: List[Tuple[str, torch.Tensor]] = []
+
+        def rec(name: str, v) -> None:
+            if isinstance(v, torch.Tensor):
+                out.append((name, v))
+            elif isinstance(v, MixerState):
+                for f in fields(v):
+                    if not f.metadata.get("derived"):
+                        rec(f"{name}.{f.name}" if name else f.name, getattr(v, f.name))
+            elif isinstance(v, (tuple, list)):
+                for i, u in enumerate(v):
+                    rec(f"{name}.{i}", u)
+        rec(prefix, self)
+        return out
+
+    def tensors(self) -> List[torch.Tensor]:
+        """Every tensor of the state (nested ones included, derived fields left out), in field order."""
+        out: List[torch.Tensor] = []
+        _tensors_of(self, out)
+        return out
+
+
+#: a mixer's state (kept as a name for type hints)
+State = MixerState
 
 #: how a mixer runs over a sequence split across context-parallel ranks (``Mixer.cp_form``)
 CP_FORMS = ("state_passing", "summary", "kv_exchange")
@@ -199,8 +288,11 @@ class Mixer(nn.Module, metaclass=abc.ABCMeta):
         scans. ``cfg`` is the ModelConfig."""
         return 0.0
 
-    #: whether the chunked form calls a ``kernels/`` op that ``kernel_backend`` selects (attention
-    #: does not: it picks SDPA, flex or flash-attn by ``attention.backend``)
+    #: the op ``resolve_backend`` resolves a backend for (``ttt_lm.model.backend``): a ``kernels/``
+    #: op's name, or "attention" / "local_attention"; None: ``op_name``, else the layer kind
+    backend_op: Optional[str] = None
+    #: whether the op is a ``kernels/`` op that ``kernel_backend`` selects (attention's backend
+    #: is ``attention.backend`` instead)
     uses_kernel_op: bool = True
 
     def triton_unavailable(self) -> Optional[str]:
@@ -208,31 +300,42 @@ class Mixer(nn.Module, metaclass=abc.ABCMeta):
         call a ``kernels/`` op override it."""
         return "no Triton kernel for this layer kind"
 
-    def resolve_backend(self, device) -> str:
-        """What the chunked form runs on ``device``: "triton" or "torch" ("auto": Triton on CUDA
-        where a kernel covers the layer, PyTorch otherwise). ``kernel_backend="triton"`` where no
-        kernel applies is an error naming the reason, never a silent fallback. A mixer that uses
-        no ``kernels/`` op returns "torch"."""
+    def backend_limits(self) -> Dict[Backend, Optional[str]]:
+        """Backend → why this layer as configured has no implementation on it (None: it has);
+        passed to ``resolve`` as the op's own limits."""
+        return {Backend.TRITON: self.triton_unavailable()}
+
+    def requested_backend(self) -> str:
+        """The config string naming the backend: ``kernel_backend`` for a ``kernels/`` op."""
         kb = self.kernel_backend
         if kb not in ("auto", "torch", "triton"):
             raise ValueError(f"model.kernel_backend must be auto, torch or triton, got {kb!r}")
-        if kb == "torch" or not self.uses_kernel_op:
-            return "torch"
-        why = self.triton_unavailable()
-        if kb == "triton":
-            if why is not None:
-                raise ValueError(f"model.kernel_backend=triton: {type(self).__name__} has no Triton kernel: {why}; "
-                                 f"use kernel_backend=auto (PyTorch where no kernel applies) or torch")
-            return "triton"
-        return "triton" if torch.device(device).type == "cuda" and why is None else "torch"
+        return kb
 
-    def _resolve_backend(self, x: torch.Tensor) -> str:
-        return self.resolve_backend(x.device)
+    def resolve_backend(self, device, dtype=None) -> Backend:
+        """What the chunked form runs on ``device``: the one resolver's answer (``resolve``) for
+        ``backend_op`` and ``requested_backend``. For a ``kernels/`` op "auto" picks Triton on
+        CUDA where a kernel covers the layer, PyTorch otherwise; ``kernel_backend="triton"``
+        where no kernel applies is an error naming the reason, never a silent fallback."""
+        requested = self.requested_backend()
+        if self.uses_kernel_op and requested == "torch":
+            return Backend.TORCH
+        op = self.backend_op or self.op_name or self.layer_kind or type(self).__name__
+        try:
+            return resolve(op, requested, device, dtype, self.backend_limits())
+        except ValueError as e:
+            if self.uses_kernel_op and requested == "triton":
+                raise ValueError(f"model.kernel_backend=triton: {type(self).__name__} has no Triton kernel: {e}; "
+                                 f"use kernel_backend=auto (PyTorch where no kernel applies) or torch") from None
+            raise
 
-    def op_backend(self, x: torch.Tensor) -> str:
-        """The ``backend`` argument of ``op`` for input x: "reference" under ``impl="reference"``,
-        else ``resolve_backend``'s answer for x's device."""
-        return "reference" if self.impl == "reference" else self.resolve_backend(x.device)
+    def _resolve_backend(self, x: torch.Tensor) -> Backend:
+        return self.resolve_backend(x.device, x.dtype)
+
+    def op_backend(self, x: torch.Tensor) -> Backend:
+        """The ``backend`` argument of ``op`` for input x: ``Backend.REFERENCE`` under
+        ``impl="reference"``, else ``resolve_backend``'s answer for x's device and dtype."""
+        return Backend.REFERENCE if self.impl == "reference" else self.resolve_backend(x.device, x.dtype)
 
 
 def check_contract(cls: type) -> None:

@@ -38,13 +38,16 @@ chunkwise form with ``deltanet.chunk_size`` tokens per chunk.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kernels import delta_rule as _dr
 from ttt_lm.model.layers import CausalConv1d, RMSNorm
-from ttt_lm.model.mixers.base import Mixer, State, TPPlan
+from ttt_lm.model.mixers.base import Mixer, MixerState, TPPlan
 from ttt_lm.model.registry import register_mixer
 
 
@@ -59,6 +62,14 @@ def dpfp(x: torch.Tensor, nu: int = 1, eps: float = 1e-6) -> torch.Tensor:
     # the smallest normal number only matters for x = 0, where every term is 0
     denom = torch.maximum(phi.sum(-1, keepdim=True), floor).clamp_min(torch.finfo(phi.dtype).tiny)
     return phi / denom
+
+
+@dataclass
+class DeltaNetState(MixerState):
+    """S [B, H, d_φ, d_h]: the fast weights (float32 for half inputs); conv [B, 3·H·d_h, w − 1]:
+    the short conv's cache of [q | k | v] (None without ``deltanet.conv_width``); pos."""
+    S: Optional[torch.Tensor] = None
+    conv: Optional[torch.Tensor] = None
 
 
 @register_mixer("deltanet")
@@ -113,11 +124,11 @@ class DeltaNet(Mixer):
     def cp_halo(self) -> int:
         return 0 if self.conv is None else self.conv.width - 1
 
-    def context_state(self, x_before, valid, start: int):
+    def context_state(self, x_before, valid, start: int) -> DeltaNetState:
         if self.conv is None:
-            return None
+            return DeltaNetState(pos=start)
         qkv = torch.cat([self.q_proj(x_before), self.k_proj(x_before), self.v_proj(x_before)], -1)
-        return {"conv": self.conv.cache_from(qkv, valid)}
+        return DeltaNetState(conv=self.conv.cache_from(qkv, valid), pos=start)
 
     def inputs(self, x: torch.Tensor, state=None, output_state: bool = False):
         """φ(q), φ(k), v as [B, H, T, ·] and β [B, H, T] (``delta_rule``'s arguments); the carry is
@@ -126,10 +137,11 @@ class DeltaNet(Mixer):
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         cache = None
         if self.conv is not None:
-            qkv, cache = self.conv(qkv, None if state is None else state["conv"], output_cache=True)
+            qkv, cache = self.conv(qkv, None if state is None else state.conv, output_cache=True)
         q, k, v = (t.view(B, T, self.n_heads, self.hd).transpose(1, 2) for t in qkv.chunk(3, dim=-1))
         beta = torch.sigmoid(self.b_proj(x)).transpose(1, 2)
-        carry = ({} if self.conv is None else {"conv": cache}) if output_state else None
+        pos0 = 0 if state is None else int(state.pos)
+        carry = DeltaNetState(conv=cache, pos=pos0 + T) if output_state else None
         return {"q": self._phi(q), "k": self._phi(k), "v": F.silu(v), "beta": beta, "chunk_size": self.chunk_size}, carry
 
     def op(self, inp, initial_state=None, output_final_state: bool = False, backend: str = "torch"):
@@ -144,8 +156,8 @@ class DeltaNet(Mixer):
 
     def _run(self, x, state, output_state, backend):
         inp, carry = self.inputs(x, state, output_state)
-        y, S = self.op(inp, None if state is None else state["S"], output_state, backend)
-        return self.output(y, x), ({"S": S, **carry} if output_state else None)
+        y, S = self.op(inp, None if state is None else state.S, output_state, backend)
+        return self.output(y, x), (replace(carry, S=S) if output_state else None)
 
     # ---- forms -------------------------------------------------------------------------------
     def reference(self, x, state=None, output_state=False):
@@ -160,12 +172,10 @@ class DeltaNet(Mixer):
     def step(self, x, state):
         return self._run(x, state, True, "reference")
 
-    def init_state(self, batch_size: int, device=None, dtype=None) -> State:
+    def init_state(self, batch_size: int, device=None, dtype=None) -> DeltaNetState:
         sd = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-        st = {"S": torch.zeros(batch_size, self.n_heads, self.d_phi, self.hd, device=device, dtype=sd)}
-        if self.conv is not None:
-            st["conv"] = self.conv.init_cache(batch_size, device, dtype)
-        return st
+        return DeltaNetState(S=torch.zeros(batch_size, self.n_heads, self.d_phi, self.hd, device=device, dtype=sd),
+                             conv=None if self.conv is None else self.conv.init_cache(batch_size, device, dtype))
 
     @staticmethod
     def flops_per_token(cfg, seq_len: int) -> float:

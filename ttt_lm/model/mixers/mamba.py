@@ -25,6 +25,8 @@ Forms: ``reference`` runs the scan token by token, ``chunked`` the chunked scan
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, replace
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -32,10 +34,18 @@ from torch import nn
 
 from kernels.selective_scan import has_triton_backend, selective_scan
 from ttt_lm.model.layers import CausalConv1d, acc
-from ttt_lm.model.mixers.base import Mixer, State, TPPlan
+from ttt_lm.model.mixers.base import Mixer, MixerState, TPPlan
 from ttt_lm.model.registry import register_mixer
 
 _DT_INIT_FLOOR = 1e-4
+
+
+@dataclass
+class MambaState(MixerState):
+    """conv [B, d_inner, d_conv − 1]: the causal conv's cache; ssm [B, d_inner, d_state]: the
+    scan's h (the accumulation dtype: float32 for half inputs); pos."""
+    conv: Optional[torch.Tensor] = None
+    ssm: Optional[torch.Tensor] = None
 
 
 @register_mixer("mamba")
@@ -89,25 +99,25 @@ class Mamba(Mixer):
             self.D.fill_(1.0)
         self.conv1d.conv.reset_parameters()
 
-    def init_state(self, batch_size: int, device=None, dtype=None) -> State:
+    def init_state(self, batch_size: int, device=None, dtype=None) -> MambaState:
         dt = acc(torch.empty(0, dtype=dtype or torch.get_default_dtype())).dtype
-        return {"conv": self.conv1d.init_cache(batch_size, device, dtype),
-                "ssm": torch.zeros(batch_size, self.d_inner, self.d_state, device=device, dtype=dt)}
+        return MambaState(conv=self.conv1d.init_cache(batch_size, device, dtype),
+                          ssm=torch.zeros(batch_size, self.d_inner, self.d_state, device=device, dtype=dt))
 
     # ---- stages ------------------------------------------------------------------------------
     @property
     def cp_halo(self) -> int:
         return self.conv1d.width - 1
 
-    def context_state(self, u_before, valid, start: int) -> State:
-        return {"conv": self.conv1d.cache_from(self.in_proj(u_before)[..., :self.d_inner], valid)}
+    def context_state(self, u_before, valid, start: int) -> MambaState:
+        return MambaState(conv=self.conv1d.cache_from(self.in_proj(u_before)[..., :self.d_inner], valid), pos=start)
 
     def inputs(self, u: torch.Tensor, state=None, output_state: bool = False):
         """u → ``selective_scan``'s arguments: x, z, δ = W_Δ·(W_x x)_δ without bias (b_Δ enters
         inside the scan, before softplus), B_t, C_t, A = −exp(A_log), D; the carry is the conv
         cache."""
         x, z = self.in_proj(u).chunk(2, dim=-1)
-        x, conv_cache = self.conv1d(x, None if state is None else state["conv"], output_state)
+        x, conv_cache = self.conv1d(x, None if state is None else state.conv, output_state)
         x = F.silu(x)
         dbc = self.x_proj(x)
         delta, B_t, C_t = dbc.split([self.dt_rank, self.d_state, self.d_state], dim=-1)
@@ -115,7 +125,8 @@ class Mamba(Mixer):
         A = -torch.exp(acc(self.A_log))
         inp = dict(x=x, delta=delta, A=A, B=B_t, C=C_t, D=self.D, z=z, delta_bias=self.dt_proj.bias,
                    delta_softplus=True, chunk_size=self.chunk_size)
-        return inp, ({"conv": conv_cache} if output_state else None)
+        pos0 = 0 if state is None else int(state.pos)
+        return inp, (MambaState(conv=conv_cache, pos=pos0 + u.shape[1]) if output_state else None)
 
     def op(self, inp, initial_state=None, output_final_state: bool = False, backend: str = "torch"):
         """The selective scan, ``kernels.selective_scan``."""
@@ -127,8 +138,8 @@ class Mamba(Mixer):
 
     def _scan(self, u, state, output_state, backend):
         inp, carry = self.inputs(u, state, output_state)
-        y, hT = self.op(inp, None if state is None else state["ssm"], output_state, backend)
-        return self.output(y, u), ({**carry, "ssm": hT} if output_state else None)
+        y, hT = self.op(inp, None if state is None else state.ssm, output_state, backend)
+        return self.output(y, u), (replace(carry, ssm=hT) if output_state else None)
 
     def reference(self, x, state=None, output_state=False):
         return self._scan(x, state, output_state, "reference")
@@ -144,10 +155,10 @@ class Mamba(Mixer):
         x, z, delta, B_t, C_t = (acc(inp[n][:, 0]) for n in ("x", "z", "delta", "B", "C"))
         Delta = F.softplus(delta + acc(self.dt_proj.bias))                     # [B, d_inner]
         A = inp["A"]
-        h = torch.exp(Delta[..., None] * A) * state["ssm"] + (Delta * x)[..., None] * B_t[:, None, :]
+        h = torch.exp(Delta[..., None] * A) * state.ssm + (Delta * x)[..., None] * B_t[:, None, :]
         y = torch.einsum("bdn,bn->bd", h, C_t) + acc(self.D) * x
         y = (y * F.silu(z)).to(u.dtype)
-        return self.output(y[:, None], u), {**carry, "ssm": h}
+        return self.output(y[:, None], u), replace(carry, ssm=h)
 
     @staticmethod
     def flops_per_token(cfg, seq_len: int) -> float:

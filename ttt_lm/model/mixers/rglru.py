@@ -25,7 +25,7 @@ segment_pos_t = 0 the state is dropped and the input is not normalized:
 
 and the convolution only reads inputs of the token's own document: Conv1D(x)_t = b + Σ_{j<w,
 j ≤ segment_pos_t} W_j ⊙ x_{t−j}. Without ``segment_pos`` the positions are the stream's own
-(state["pos"] + t): a reset only at the stream's first token. A decode state at pos = 0 drops
+(state.pos + t): a reset only at the stream's first token. A decode state at pos = 0 drops
 its h and its conv cache, as the official RG-LRU drops h there. (recurrentgemma masks the
 convolution only when it has no cache and then by the document boundaries it sees; for the
 consecutive positions of a document the rule above is the same, and it also holds across a
@@ -58,6 +58,7 @@ sequences (``cu_seqlens``), one per document piece.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -66,7 +67,7 @@ from torch import nn
 
 from kernels.linear_scan import has_triton_backend, linear_scan_reset
 from ttt_lm.model.layers import CausalConv1d, acc
-from ttt_lm.model.mixers.base import Mixer, State, TPPlan
+from ttt_lm.model.mixers.base import Mixer, MixerState, TPPlan
 from ttt_lm.model.registry import register_mixer
 
 #: bound on d√x/dx, as recurrentgemma's RG-LRU
@@ -140,6 +141,14 @@ class BlockDiagonalLinear(nn.Module):
         return (torch.einsum("...hi,hij->...hj", xs, self.weight) + self.bias).flatten(-2)
 
 
+@dataclass
+class RGLRUState(MixerState):
+    """conv [B, D_rnn, w − 1]: the Conv1D's cache; h [B, D_rnn]: the recurrence (accumulation
+    dtype); pos: the stream position (a reset at pos 0)."""
+    conv: Optional[torch.Tensor] = None
+    h: Optional[torch.Tensor] = None
+
+
 @register_mixer("rglru")
 class RGLRUBlock(Mixer):
     takes_segment_pos = True
@@ -189,18 +198,18 @@ class RGLRUBlock(Mixer):
         nn.init.normal_(self.conv1d.conv.weight, std=math.sqrt(0.01 / self.conv1d.width))
         nn.init.zeros_(self.conv1d.conv.bias)
 
-    def init_state(self, batch_size: int, device=None, dtype=None) -> State:
+    def init_state(self, batch_size: int, device=None, dtype=None) -> RGLRUState:
         dt = acc(torch.empty(0, dtype=dtype or torch.get_default_dtype())).dtype
-        return {"conv": self.conv1d.init_cache(batch_size, device, dtype),
-                "h": torch.zeros(batch_size, self.width, device=device, dtype=dt), "pos": 0}
+        return RGLRUState(conv=self.conv1d.init_cache(batch_size, device, dtype),
+                          h=torch.zeros(batch_size, self.width, device=device, dtype=dt), pos=0)
 
     # ---- stages ------------------------------------------------------------------------------
     @property
     def cp_halo(self) -> int:
         return self.conv1d.width - 1
 
-    def context_state(self, x_before, valid, start: int) -> State:
-        return {"conv": self.conv1d.cache_from(self.linear_x(x_before), valid), "h": None, "pos": start}
+    def context_state(self, x_before, valid, start: int) -> RGLRUState:
+        return RGLRUState(conv=self.conv1d.cache_from(self.linear_x(x_before), valid), h=None, pos=start)
 
     def _conv(self, u: torch.Tensor, cache, output_state: bool, seg: torch.Tensor, pos0_known: Optional[int]):
         """Conv1D_w within each document: y_t = b + Σ_{j<w, j ≤ seg_t} W_j ⊙ u_{t−j} (u before
@@ -231,10 +240,10 @@ class RGLRUBlock(Mixer):
         """The recurrence branch up to the scan: log a_t, b_t = √(1 − a_t²) ⊙ i_t ⊙ x_t (1 in place
         of the root where segment_pos_t = 0) and the resets, as ``linear_scan_reset``'s
         arguments; the carry is the conv cache and the next position."""
-        pos0 = 0 if state is None else int(state["pos"])
+        pos0 = 0 if state is None else int(state.pos)
         seg = segment_positions(segment_pos, x, pos0)
         reset = seg == 0
-        xb, conv_cache = self._conv(self.linear_x(x), None if state is None else state["conv"], output_state, seg,
+        xb, conv_cache = self._conv(self.linear_x(x), None if state is None else state.conv, output_state, seg,
                                     pos0 if segment_pos is None else None)
         r_t = torch.sigmoid(acc(self.gate_a(xb)))
         i_t = torch.sigmoid(acc(self.gate_x(xb)))
@@ -242,7 +251,7 @@ class RGLRUBlock(Mixer):
         norm = _SqrtBoundDerivative.apply(-torch.expm1(2.0 * log_a_t))
         norm = torch.where(reset[..., None], torch.ones_like(norm), norm)   # recurrentgemma's reset
         b_t = norm * i_t * acc(xb)
-        carry = {"conv": conv_cache, "pos": pos0 + x.shape[1]} if output_state else None
+        carry = RGLRUState(conv=conv_cache, pos=pos0 + x.shape[1]) if output_state else None
         return {"log_a": log_a_t, "b": b_t, "reset": reset, "chunk_size": self.chunk_size}, carry
 
     def op(self, inp, initial_state=None, output_final_state: bool = False, backend: str = "torch"):
@@ -256,12 +265,8 @@ class RGLRUBlock(Mixer):
 
     def _scan(self, x, state, output_state, backend, segment_pos=None):
         inp, carry = self.inputs(x, state, output_state, segment_pos)
-        h, hT = self.op(inp, None if state is None else state["h"], output_state, backend)
-        return self.output(h, x), (self._state(carry, hT) if output_state else None)
-
-    @staticmethod
-    def _state(carry, h) -> State:
-        return {"conv": carry["conv"], "h": h, "pos": carry["pos"]}
+        h, hT = self.op(inp, None if state is None else state.h, output_state, backend)
+        return self.output(h, x), (replace(carry, h=hT) if output_state else None)
 
     def triton_unavailable(self):
         return None if has_triton_backend() else "kernels/linear_scan has no Triton kernel"
@@ -276,9 +281,9 @@ class RGLRUBlock(Mixer):
     def step(self, x, state, segment_pos=None):
         inp, carry = self.inputs(x, state, True, segment_pos)
         log_a_t, b_t, reset = inp["log_a"], inp["b"], inp["reset"]
-        h_prev = torch.where(reset[:, 0, None], torch.zeros_like(b_t[:, 0]), state["h"].to(b_t.dtype))
+        h_prev = torch.where(reset[:, 0, None], torch.zeros_like(b_t[:, 0]), state.h.to(b_t.dtype))
         h = torch.exp(log_a_t[:, 0]) * h_prev + b_t[:, 0]
-        return self.output(h[:, None], x), self._state(carry, h)
+        return self.output(h[:, None], x), replace(carry, h=h)
 
     @staticmethod
     def flops_per_token(cfg, seq_len: int) -> float:

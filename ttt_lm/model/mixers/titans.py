@@ -57,7 +57,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import List
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -66,8 +67,8 @@ from torch import nn
 from kernels import titans as _tk
 from kernels.titans.torch_chunk import split_spans
 from ttt_lm.model.layers import CausalConv1d, RMSNorm, acc, apply_rope, rope_cos_sin
-from ttt_lm.model.mixers.attention import LocalAttention
-from ttt_lm.model.mixers.base import Mixer, State, TPPlan
+from ttt_lm.model.mixers.attention import AttentionState, LocalAttention
+from ttt_lm.model.mixers.base import Mixer, MixerState, TPPlan
 from ttt_lm.model.registry import register_mixer
 
 
@@ -78,6 +79,43 @@ def _gelu_grad(h: torch.Tensor) -> torch.Tensor:
 
 def _logit(p: float) -> float:
     return math.log(p / (1.0 - p))
+
+
+@dataclass
+class TitansMemoryState(MixerState):
+    """Per memory layer (one for the linear memory, two for the MLP): M the memory, S the
+    surprise (momentum) and Mh = M̂ the memory at the current chunk's start, each a tuple of
+    [B, H, d_in, d_out] (float32 for half inputs); conv [B, 3·H·d, w − 1]: the short conv's cache
+    of [q | k | v] (None without ``titans.conv_width``); pos: tokens read."""
+    M: Tuple[torch.Tensor, ...] = ()
+    S: Tuple[torch.Tensor, ...] = ()
+    Mh: Tuple[torch.Tensor, ...] = ()
+    conv: Optional[torch.Tensor] = None
+
+
+@dataclass
+class TitansMAGState(MixerState):
+    """attn: the sliding-window attention's KV cache; mem: the memory's state; pos: tokens read."""
+    attn: Optional[AttentionState] = None
+    mem: Optional[TitansMemoryState] = None
+
+
+@dataclass
+class TitansMALState(MixerState):
+    """mem: the memory's state; attn: the attention's KV cache over the memory's outputs (both
+    after the persistent tokens); pos: tokens read, the persistent ones not counted."""
+    mem: Optional[TitansMemoryState] = None
+    attn: Optional[AttentionState] = None
+
+
+@dataclass
+class TitansMACState(MixerState):
+    """mem: the LMM's state; R: the memory at the current segment's start (M^{(i)}, one
+    [B, H, d_in, d_out] per memory layer), read by retrieval; seg [B, n, D]: the current
+    segment's inputs so far (n < ``titans.segment_len``); pos: tokens read."""
+    mem: Optional[TitansMemoryState] = None
+    R: Tuple[torch.Tensor, ...] = ()
+    seg: Optional[torch.Tensor] = None
 
 
 @register_mixer("titans")
@@ -146,60 +184,63 @@ class TitansMemory(Mixer):
     def n_mem(self) -> int:
         return len(self.M_init)
 
-    # ---- pieces ------------------------------------------------------------------------------
-    def _inputs(self, x: torch.Tensor, state):
-        """q, k, v [B, H, T, d]; θ, log η, log(1 − α) [B, H, T] (accumulation dtype); conv cache."""
+    # ---- stages ------------------------------------------------------------------------------
+    def inputs(self, x: torch.Tensor, state: Optional[TitansMemoryState] = None, output_state: bool = False):
+        """The op's arguments: q, k, v [B, H, T, d]; θ, log η, log(1 − α) [B, H, T] (accumulation
+        dtype); the chunk size and ``offset`` (the state's position: chunks are counted from the
+        stream start). The carry is the conv cache and the next position."""
         B, T, _ = x.shape
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         cache = None
         if self.conv is not None:
-            qkv, cache = self.conv(qkv, None if state is None else state["conv"], output_cache=True)
+            qkv, cache = self.conv(qkv, None if state is None else state.conv, output_cache=True)
         q, k, v = (F.silu(t).view(B, T, self.n_heads, self.hd).transpose(1, 2) for t in qkv.chunk(3, dim=-1))
         q = F.normalize(acc(q), p=2.0, dim=-1, eps=1e-6)
         k = F.normalize(acc(k), p=2.0, dim=-1, eps=1e-6)
         theta = torch.sigmoid(acc(self.theta_proj(x))).transpose(1, 2)
         log_eta = F.logsigmoid(acc(self.eta_proj(x))).transpose(1, 2)
         log_keep = F.logsigmoid(-acc(self.alpha_proj(x))).transpose(1, 2)
-        return q, k, acc(v), theta, log_eta, log_keep, cache
+        pos0 = 0 if state is None else int(state.pos)
+        inp = {"q": q, "k": k, "v": acc(v), "theta": theta, "log_eta": log_eta, "log_keep": log_keep,
+               "chunk_size": self.chunk_size, "offset": pos0}
+        return inp, (TitansMemoryState(conv=cache, pos=pos0 + T) if output_state else None)
 
-    def _mem_state(self, state, B: int, like: torch.Tensor):
-        """Lists M, S, M̂ (one entry per memory layer) and the position."""
-        if state is None:
-            M = [W.to(device=like.device, dtype=like.dtype).unsqueeze(0).expand(B, *W.shape) for W in self.M_init]
-            return M, [torch.zeros_like(m) for m in M], list(M), 0
-        n = range(1, self.n_mem + 1)
-        return ([state[f"M{i}"] for i in n], [state[f"S{i}"] for i in n],
-                [state[f"Mh{i}"] for i in n], int(state["pos"]))
+    def op(self, inp, initial_state=None, output_final_state: bool = False, backend: str = "torch"):
+        """The memory update and read over the sequence: ``kernels.titans.titans_linear`` for the
+        linear memory, the MLP memory's token-by-token (backend "reference") or chunked form
+        here. ``initial_state``: (M, S, M̂), each a tuple with one [B, H, d_in, d_out] per memory
+        layer (None: M = M̂ = M_init, S = 0); the final state is the same triple."""
+        q, k, v = inp["q"], inp["k"], inp["v"]
+        theta, log_eta, log_keep, pos = inp["theta"], inp["log_eta"], inp["log_keep"], inp["offset"]
+        if initial_state is None:
+            M = [W.to(device=q.device, dtype=q.dtype).unsqueeze(0).expand(q.shape[0], *W.shape) for W in self.M_init]
+            S, Mh = [torch.zeros_like(m) for m in M], list(M)
+        else:
+            M, S, Mh = (list(t) for t in initial_state)
+        if self.memory == "linear":
+            y, fin = _tk.titans_linear(q, k, v, theta, log_eta, log_keep, (M[0], S[0], Mh[0]), True,
+                                       backend=backend, chunk_size=inp["chunk_size"], offset=pos)
+            M, S, Mh = [fin[0]], [fin[1]], [fin[2]]
+        elif backend == "reference":
+            y, M, S, Mh = self._mlp_reference(q, k, v, theta, log_eta, log_keep, M, S, Mh, pos)
+        else:
+            y, M, S, Mh = self._mlp_chunked(q, k, v, theta, log_eta, log_keep, M, S, Mh, pos)
+        return y, ((tuple(M), tuple(S), tuple(Mh)) if output_final_state else None)
 
-    def _new_state(self, M, S, Mh, pos, cache) -> State:
-        st = {"pos": pos}
-        for i, (m, s, mh) in enumerate(zip(M, S, Mh), start=1):
-            st[f"M{i}"], st[f"S{i}"], st[f"Mh{i}"] = m, s, mh
-        if self.conv is not None:
-            st["conv"] = cache
-        return st
-
-    def _out(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def output(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """o = W_O [RMSNorm(y) ⊙ SiLU(W_G x)], y [B, H, T, d] from the op."""
         B, H, T, D = y.shape
         y = self.o_norm(y.to(x.dtype)).transpose(1, 2).reshape(B, T, H * D)
         return self.o_proj(y * F.silu(self.g_proj(x)))
 
-    def _run(self, x, state, output_state, sequential: bool, backend: str = "torch"):
-        B, T, _ = x.shape
-        q, k, v, theta, log_eta, log_keep, cache = self._inputs(x, state)
-        M, S, Mh, pos = self._mem_state(state, B, q)
-        C = self.chunk_size
-        if self.memory == "linear":
-            y, fin = _tk.titans_linear(q, k, v, theta, log_eta, log_keep, (M[0], S[0], Mh[0]), True,
-                                       backend="reference" if sequential else backend,
-                                       chunk_size=C, offset=pos)
-            M, S, Mh = [fin[0]], [fin[1]], [fin[2]]
-        elif sequential:
-            y, M, S, Mh = self._mlp_reference(q, k, v, theta, log_eta, log_keep, M, S, Mh, pos)
-        else:
-            y, M, S, Mh = self._mlp_chunked(q, k, v, theta, log_eta, log_keep, M, S, Mh, pos)
-        st = self._new_state(M, S, Mh, pos + T, cache) if output_state else None
-        return self._out(y, x), st
+    def _run(self, x, state, output_state, backend: str):
+        inp, carry = self.inputs(x, state, output_state)
+        y, fin = self.op(inp, None if state is None else (state.M, state.S, state.Mh), output_state, backend)
+        out = self.output(y, x)
+        if not output_state:
+            return out, None
+        return out, dataclasses.replace(carry, M=fin[0], S=fin[1], Mh=fin[2],
+                                        conv=carry.conv if self.conv is not None else None)
 
     # ---- MLP memory ----------------------------------------------------------------------------
     def _mlp_reference(self, q, k, v, theta, log_eta, log_keep, M: List, S: List, Mh: List, pos: int):
@@ -250,7 +291,7 @@ class TitansMemory(Mixer):
 
     # ---- forms -------------------------------------------------------------------------------
     def reference(self, x, state=None, output_state=False):
-        return self._run(x, state, output_state, sequential=True)
+        return self._run(x, state, output_state, "reference")
 
     def triton_unavailable(self):
         # the Triton kernel (kernels/titans/chunk.py) covers the linear memory only
@@ -261,16 +302,16 @@ class TitansMemory(Mixer):
         return None
 
     def chunked(self, x, state=None, output_state=False):
-        return self._run(x, state, output_state, sequential=False, backend=self._resolve_backend(x))
+        return self._run(x, state, output_state, self._resolve_backend(x))
 
     def step(self, x, state):
-        return self._run(x, state, True, sequential=True)
+        return self._run(x, state, True, "reference")
 
-    def init_state(self, batch_size: int, device=None, dtype=None) -> State:
+    def init_state(self, batch_size: int, device=None, dtype=None) -> TitansMemoryState:
         sd = torch.float32 if dtype in (torch.float16, torch.bfloat16) else (dtype or self.M_init[0].dtype)
-        M, S, Mh, pos = self._mem_state(None, batch_size, torch.empty(0, device=device, dtype=sd))
+        M = tuple(W.to(device=device, dtype=sd).unsqueeze(0).expand(batch_size, *W.shape) for W in self.M_init)
         cache = self.conv.init_cache(batch_size, device, dtype) if self.conv is not None else None
-        return self._new_state(M, S, Mh, pos, cache)
+        return TitansMemoryState(M=M, S=tuple(torch.zeros_like(m) for m in M), Mh=M, conv=cache, pos=0)
 
     @staticmethod
     def flops_per_token(cfg, seq_len: int) -> float:
@@ -337,13 +378,17 @@ class TitansMAG(Mixer):
         return self.o_proj(self.attn_norm(y) * torch.sigmoid(self.mem_norm(m)))
 
     def _split(self, state):
-        return (None, None) if state is None else (state["attn"], state["mem"])
+        return (None, None) if state is None else (state.attn, state.mem)
+
+    @staticmethod
+    def _state(sa, sm) -> TitansMAGState:
+        return TitansMAGState(attn=sa, mem=sm, pos=sm.pos)
 
     def reference(self, x, state=None, output_state=False):
         sa, sm = self._split(state)
         y, sa = self.attn.reference(x, sa, output_state)
         m, sm = self.memory.reference(x, sm, output_state)
-        return self._combine(y, m), ({"attn": sa, "mem": sm} if output_state else None)
+        return self._combine(y, m), (self._state(sa, sm) if output_state else None)
 
     def triton_unavailable(self):
         return self.memory.triton_unavailable()     # the attention half uses no kernels/ op
@@ -353,16 +398,16 @@ class TitansMAG(Mixer):
         self.attn.kernel_backend = self.memory.kernel_backend = self.kernel_backend
         y, sa = self.attn.chunked(x, sa, output_state)
         m, sm = self.memory.chunked(x, sm, output_state)
-        return self._combine(y, m), ({"attn": sa, "mem": sm} if output_state else None)
+        return self._combine(y, m), (self._state(sa, sm) if output_state else None)
 
     def step(self, x, state):
-        y, sa = self.attn.step(x, state["attn"])
-        m, sm = self.memory.step(x, state["mem"])
-        return self._combine(y, m), {"attn": sa, "mem": sm}
+        y, sa = self.attn.step(x, state.attn)
+        m, sm = self.memory.step(x, state.mem)
+        return self._combine(y, m), self._state(sa, sm)
 
-    def init_state(self, batch_size: int, device=None, dtype=None) -> State:
-        return {"attn": self.attn.init_state(batch_size, device, dtype),
-                "mem": self.memory.init_state(batch_size, device, dtype)}
+    def init_state(self, batch_size: int, device=None, dtype=None) -> TitansMAGState:
+        return self._state(self.attn.init_state(batch_size, device, dtype),
+                           self.memory.init_state(batch_size, device, dtype))
 
     @staticmethod
     def flops_per_token(cfg, seq_len: int) -> float:
@@ -422,11 +467,14 @@ class TitansMAL(Mixer):
         self.attn.kernel_backend = self.memory.kernel_backend = self.kernel_backend
         if state is None:
             x = torch.cat([self.persistent_shared(self.persistent).to(x.dtype).expand(x.shape[0], -1, -1), x], 1)
-        y, sm = getattr(self.memory, form)(x, None if state is None else state["mem"], output_state)
-        o, sa = getattr(self.attn, form)(y, None if state is None else state["attn"], output_state)
+        y, sm = getattr(self.memory, form)(x, None if state is None else state.mem, output_state)
+        o, sa = getattr(self.attn, form)(y, None if state is None else state.attn, output_state)
         if state is None:
             o = o[:, self.n_persist:]
-        return o, ({"mem": sm, "attn": sa} if output_state else None)
+        return o, (self._state(sm, sa) if output_state else None)
+
+    def _state(self, sm, sa) -> TitansMALState:
+        return TitansMALState(mem=sm, attn=sa, pos=sm.pos - self.n_persist)
 
     def reference(self, x, state=None, output_state=False):
         return self._run(x, state, output_state, "reference")
@@ -435,11 +483,11 @@ class TitansMAL(Mixer):
         return self._run(x, state, output_state, "chunked")
 
     def step(self, x, state):
-        y, sm = self.memory.step(x, state["mem"])
-        o, sa = self.attn.step(y, state["attn"])
-        return o, {"mem": sm, "attn": sa}
+        y, sm = self.memory.step(x, state.mem)
+        o, sa = self.attn.step(y, state.attn)
+        return o, self._state(sm, sa)
 
-    def init_state(self, batch_size: int, device=None, dtype=None) -> State:
+    def init_state(self, batch_size: int, device=None, dtype=None) -> TitansMALState:
         """The state after the persistent tokens (run through the chunked forms)."""
         dtype = dtype or self.persistent.dtype
         x = torch.zeros(batch_size, 0, self.d_model, device=device, dtype=dtype)
@@ -518,7 +566,7 @@ class TitansMAC(Mixer):
         q = F.silu(mem.q_proj(x)).view(B, n, mem.n_heads, mem.hd).transpose(1, 2)
         q = F.normalize(acc(q), p=2.0, dim=-1, eps=1e-6)
         y = q @ R[0].to(q.dtype) if mem.memory == "linear" else F.gelu(q @ R[0].to(q.dtype)) @ R[1].to(q.dtype)
-        return mem._out(y, x)
+        return mem.output(y, x)
 
     def _segment_attention(self, full: torch.Tensor, h: torch.Tensor, n_old: int, explicit: bool) -> torch.Tensor:
         """Attn(p ‖ h ‖ S) at the positions of S[n_old:] (the tokens of this call), [B, L − n_old, D]."""
@@ -554,9 +602,8 @@ class TitansMAC(Mixer):
         B, T, _ = x.shape
         if state is None:
             state = self.init_state(B, x.device, x.dtype)
-        n_mem = self.memory.n_mem
-        R = [state[f"R{i}"] for i in range(1, n_mem + 1)]
-        mem_state, seg, pos = state["mem"], state["seg"].to(x.dtype), int(state["pos"])
+        R = list(state.R)
+        mem_state, seg, pos = state.mem, state.seg.to(x.dtype), int(state.pos)
         form = self.memory.reference if sequential else self.memory.chunked
         outs, t = [], 0
         while t < T:
@@ -568,14 +615,12 @@ class TitansMAC(Mixer):
             outs.append(self._combine(y, m))
             seg, t = full, t + take
             if seg.shape[1] == self.segment_len:       # segment done: M^{(i+1)} for the next one
-                R = [mem_state[f"M{i}"] for i in range(1, n_mem + 1)]
+                R = list(mem_state.M)
                 seg = seg[:, :0]
         out = torch.cat(outs, 1) if outs else x.new_zeros(B, 0, self.d_model)
         if not output_state:
             return out, None
-        st = {"mem": mem_state, "seg": seg, "pos": pos + T}
-        st.update({f"R{i}": r for i, r in enumerate(R, start=1)})
-        return out, st
+        return out, TitansMACState(mem=mem_state, R=tuple(R), seg=seg, pos=pos + T)
 
     # ---- forms -------------------------------------------------------------------------------
     def reference(self, x, state=None, output_state=False):
@@ -587,13 +632,11 @@ class TitansMAC(Mixer):
     def step(self, x, state):
         return self._run(x, state, True, sequential=True)
 
-    def init_state(self, batch_size: int, device=None, dtype=None) -> State:
+    def init_state(self, batch_size: int, device=None, dtype=None) -> TitansMACState:
         dtype = dtype or self.persistent.dtype
         mem = self.memory.init_state(batch_size, device, dtype)
-        st = {"mem": mem, "seg": torch.zeros(batch_size, 0, self.d_model, device=device, dtype=dtype), "pos": 0}
-        for i in range(1, self.memory.n_mem + 1):
-            st[f"R{i}"] = mem[f"M{i}"]
-        return st
+        return TitansMACState(mem=mem, R=mem.M, seg=torch.zeros(batch_size, 0, self.d_model, device=device, dtype=dtype),
+                              pos=0)
 
     @staticmethod
     def flops_per_token(cfg, seq_len: int) -> float:

@@ -79,7 +79,8 @@ i.e. the interleaved rotation, so released weights need no reordering.
 """
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass
+from typing import Dict, Optional
 
 import torch
 import torch.nn.functional as F
@@ -87,7 +88,7 @@ from torch import nn
 
 from kernels.ttt import has_triton_backend, ttt_linear, ttt_mlp
 from ttt_lm.model.layers import acc, apply_rope, rope_cos_sin
-from ttt_lm.model.mixers.base import Mixer, State, TPPlan
+from ttt_lm.model.mixers.base import Mixer, MixerState, TPPlan
 from ttt_lm.model.registry import register_mixer
 
 #: N(0, 0.02) for W1, W2 and θ_η, as in the official code (independent of model.init_std)
@@ -114,6 +115,44 @@ def _permute(x: torch.Tensor) -> torch.Tensor:
 def _unpermute(x: torch.Tensor) -> torch.Tensor:
     *s, d = x.shape
     return x.reshape(*s, 2, d // 2).transpose(-1, -2).reshape(*s, d)
+
+
+@dataclass
+class TTTState(MixerState):
+    """The inner model's weights per sequence and head: W1 [B, H, d, d₁], b1 [B, H, 1, d₁] and for
+    TTT-MLP W2 [B, H, d₁, d], b2 [B, H, 1, d] (None for TTT-Linear), with grad_W1 … grad_b2 of
+    the same shapes (the gradient accumulated over the current mini-batch); float32 for half
+    inputs, as the ops keep them. conv_q, conv_k [B, H·d, w − 1]: the share_qk convs' caches (None
+    without share_qk). pos: tokens read mod b (the position inside the current mini-batch, as the
+    kernels keep it)."""
+    W1: Optional[torch.Tensor] = None
+    b1: Optional[torch.Tensor] = None
+    W2: Optional[torch.Tensor] = None
+    b2: Optional[torch.Tensor] = None
+    grad_W1: Optional[torch.Tensor] = None
+    grad_b1: Optional[torch.Tensor] = None
+    grad_W2: Optional[torch.Tensor] = None
+    grad_b2: Optional[torch.Tensor] = None
+    conv_q: Optional[torch.Tensor] = None
+    conv_k: Optional[torch.Tensor] = None
+
+    #: the fields the ``kernels.ttt`` ops read and return (their state dict's keys, with pos)
+    OP_FIELDS = ("W1", "b1", "W2", "b2", "grad_W1", "grad_b1", "grad_W2", "grad_b2")
+
+    def op_state(self) -> Dict[str, object]:
+        """The state as ``kernels.ttt``'s ops take it: a dict of the inner weights, their
+        accumulated gradients and pos."""
+        d = {n: getattr(self, n) for n in self.OP_FIELDS if getattr(self, n) is not None}
+        d["pos"] = self.pos
+        return d
+
+    @classmethod
+    def from_op(cls, d: Dict[str, object], **rest) -> "TTTState":
+        """The state from an op's final-state dict (and ``rest``: the conv caches)."""
+        unknown = set(d) - set(cls.OP_FIELDS) - {"pos"}
+        if unknown:
+            raise ValueError(f"TTTState.from_op: the op returned unexpected state entries {sorted(unknown)}")
+        return cls(**{n: d.get(n) for n in cls.OP_FIELDS}, pos=d["pos"], **rest)
 
 
 class HeadsLayerNorm(nn.LayerNorm):
@@ -235,21 +274,21 @@ class _TTTBase(Mixer):
             self.conv_k.reset_parameters()
 
     # ---- stages ------------------------------------------------------------------------------
-    def inputs(self, x: torch.Tensor, state: Optional[State] = None, output_state: bool = False):
+    def inputs(self, x: torch.Tensor, state: Optional[TTTState] = None, output_state: bool = False):
         """The op's arguments: XQ, XK, XV [B, H, T, d] (RoPE at positions mod b), η, τ, the inner
         LayerNorm's γ, β, the inner weights (the initial state when none is carried) and b; the
         carry is the conv caches (share_qk)."""
         B, T, _ = x.shape
-        caches = {}
+        conv_q = conv_k = None
         if self.share_qk:
             xq = self.q_proj(x)
-            XQ, caches["conv_q"] = _causal_conv(self.conv_q, xq, None if state is None else state["conv_q"])
-            XK, caches["conv_k"] = _causal_conv(self.conv_k, xq, None if state is None else state["conv_k"])
+            XQ, conv_q = _causal_conv(self.conv_q, xq, None if state is None else state.conv_q)
+            XK, conv_k = _causal_conv(self.conv_k, xq, None if state is None else state.conv_k)
         else:
             XQ, XK = self.q_proj(x), self.k_proj(x)
         XV = self.v_proj(x)
         XQ, XK, XV = (y.view(B, T, self.n_heads, self.hd).transpose(1, 2) for y in (XQ, XK, XV))
-        pos0 = 0 if state is None else int(state["pos"])
+        pos0 = 0 if state is None else int(state.pos)
         positions = (pos0 + torch.arange(T, device=x.device)) % self.mini_batch_size
         cos, sin = rope_cos_sin(positions, self.hd, self.rope_theta, dtype=acc(XQ).dtype)
         XQ = _unpermute(apply_rope(_permute(XQ), cos, sin))
@@ -257,7 +296,7 @@ class _TTTBase(Mixer):
         inp = {"q": XQ, "k": XK, "v": XV, "eta": self._eta(x), "tau": self._tau(),
                "ln_weight": self.ttt_norm_weight, "ln_bias": self.ttt_norm_bias, "inner": self._inner_weights(),
                "mini_batch_size": self.mini_batch_size}
-        return inp, (caches if output_state else None)
+        return inp, (TTTState(conv_q=conv_q, conv_k=conv_k, pos=pos0 + T) if output_state else None)
 
     def op(self, inp, initial_state=None, output_final_state: bool = False, backend: str = "torch"):
         """Mini-batch TTT: ``kernels.ttt.ttt_linear`` / ``ttt_mlp``."""
@@ -297,14 +336,13 @@ class _TTTBase(Mixer):
     def _inner_weights(self):
         return [getattr(self, n) for n in self.inner_keys]
 
-    def _run(self, x: torch.Tensor, state: Optional[State], output_state: bool, backend: str):
-        inp, caches = self.inputs(x, state, output_state)
-        op_state = None if state is None else {k: v for k, v in state.items() if not k.startswith("conv_")}
-        z, new = self.op(inp, op_state, output_state, backend)
+    def _run(self, x: torch.Tensor, state: Optional[TTTState], output_state: bool, backend: str):
+        inp, carry = self.inputs(x, state, output_state)
+        z, new = self.op(inp, None if state is None else state.op_state(), output_state, backend)
         out = self.output(z, x)
-        if output_state:
-            new.update(caches)
-        return out, (new if output_state else None)
+        if not output_state:
+            return out, None
+        return out, TTTState.from_op(new, conv_q=carry.conv_q, conv_k=carry.conv_k)
 
     # ---- forms -------------------------------------------------------------------------------
     def triton_unavailable(self):
@@ -320,19 +358,18 @@ class _TTTBase(Mixer):
     def step(self, x, state):
         return self._run(x, state, True, "primal")
 
-    def init_state(self, batch_size: int, device=None, dtype=None) -> State:
-        st: State = {}
+    def init_state(self, batch_size: int, device=None, dtype=None) -> TTTState:
+        st = {}
         dtype = dtype if dtype is not None else self.q_proj.weight.dtype
         sdt = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype  # as the ops keep it
         for n, w in zip(self.inner_keys, self._inner_weights()):
             w = w.to(device=device, dtype=sdt)
             st[n] = w.expand(batch_size, *w.shape).clone()
             st["grad_" + n] = torch.zeros_like(st[n])
-        st["pos"] = 0
         if self.share_qk:
             for n in ("conv_q", "conv_k"):
                 st[n] = torch.zeros(batch_size, self.width, self.conv_width - 1, device=device, dtype=dtype)
-        return st
+        return TTTState(**st, pos=0)
 
     @staticmethod
     def _inner_flops(cfg, hidden: Optional[int]) -> float:
