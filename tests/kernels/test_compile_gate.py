@@ -57,11 +57,6 @@ KNOWN_FAILURES = {
     (80, "_titans_fwd_kernel", "fp32 dk=dv=128 C=16"): "no_spills: 10248/15196 B spilled",
     (90, "_titans_bwd_kernel", "fp32 dk=dv=128 C=16"): "no_spills: 10556/12140 B spilled",
     (80, "_titans_bwd_kernel", "fp32 dk=dv=128 C=16"): "no_spills: 35508/47892 B spilled",
-    # -- linear scan (kernels/linear_scan/chunk.py): autotune configs a GPU can pick --
-    (90, "_fwd_kernel", "bf16 BT=64 BLOCK_D=32 w8 s1"): "no_spills: 4/4 B spilled",
-    (90, "_fwd_kernel", "bf16 BT=64 BLOCK_D=32 w8 s2"): "no_spills: 4/4 B spilled",
-    (80, "_fwd_kernel", "bf16 BT=16 BLOCK_D=128 w8 s1"): "no_spills: 4/4 B spilled",
-    (80, "_fwd_kernel", "bf16 BT=16 BLOCK_D=128 w8 s2"): "no_spills: 4/4 B spilled",
     # -- TTT-Linear and TTT-MLP (kernels/ttt/chunk.py; TTT-MLP holds its [d, 4d] weight tiles in registers) --
     (80, "_ttt_linear_fwd_kernel", "bf16 d=64 b=16"): "no_spills: 392/356 B spilled",
     (80, "_ttt_linear_bwd_kernel", "bf16 d=64 b=16"): "no_spills: 14816/19260 B spilled",
