@@ -73,24 +73,30 @@ def test_float64_matches_reference(B, H, T, dk, dv, chunk, with_state, offset):
 
 def test_several_dv_blocks(monkeypatch):
     """d_v split over programs (memory tiles [d_k, 16], d_v = 40 → three blocks, the last ragged),
-    as d = 64 runs on a GPU (BV = 32): the blocks are independent in the forward and the
-    gradients of q, k and the gates are summed over them (float64, rounding only)."""
+    as d = 128 runs on a GPU (BV = 16): the blocks are independent and the gradients of q, k and
+    the gates are summed over them (float64, rounding only)."""
     import kernels.titans.chunk as ti_chunk
 
     monkeypatch.setattr(ti_chunk, "STATE_TILE", 16 * 16)
-    assert ti_chunk._blocks(16, 40)[:2] == (16, 16)
+    mt = ti_chunk.launch_meta(16, 40, D64)
+    assert (mt["BK"], mt["BV"], mt["BV_chunk"]) == (16, 16, 16)
     _compare(1, 2, 21, 16, 40, 16, D64, True)
 
 
-def test_forward_and_backward_dv_blocks_differ():
-    """The forward runs d_v in blocks of 16 (8 warps) while the backward takes wider ones (here
-    d_v = 40: the forward in three blocks, the last ragged, the backward in one of 64) over the
-    same stored chunk states: output, states and gradients match the reference (float64)."""
+@pytest.mark.parametrize("bv_state,bv_chunk", [(16, 32), (64, 16)])
+def test_serial_and_chunk_parallel_dv_blocks_differ(monkeypatch, bv_state, bv_chunk):
+    """The serial kernels (chunk-start states, end-of-chunk state gradients) and the
+    chunk-parallel ones (output, input gradients) are separate launches over the stored states,
+    each with its own d_v block: at d_v = 40, blocks of 16 (three, the last ragged), 32 (two) or
+    64 (one) on either side give the reference's values (float64)."""
     import kernels.titans.chunk as ti_chunk
 
-    assert ti_chunk._blocks(16, 40, forward=True)[1:] == (16, 8)
-    assert ti_chunk._blocks(16, 40)[1] == 64
-    _compare(1, 2, 21, 16, 40, 16, D64, True)
+    meta = ti_chunk.launch_meta
+
+    def launch_meta(*a, **kw):
+        return {**meta(*a, **kw), "BV": bv_state, "BV_chunk": bv_chunk}
+    monkeypatch.setattr(ti_chunk, "launch_meta", launch_meta)
+    _compare(1, 2, 37, 16, 40, 16, D64, True)
 
 
 def test_float32_matches_reference():
