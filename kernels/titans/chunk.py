@@ -137,32 +137,39 @@ def _titans_fwd_kernel(q_ptr, k_ptr, v_ptr, th_ptr, le_ptr, lk_ptr, Mst_ptr, Sst
                        ACC: tl.constexpr, PREC: tl.constexpr):
     """The chunk-parallel half of the forward: one program per (chunk, block of d_v columns,
     batch·head) reads the chunk's starting (M₀, S₀) and writes
-    O = diag(b) q M₀ + diag(c) q S₀ − [(q kᵀ) ∘ D diag(θ)] δ."""
+    O = diag(b) q M₀ + diag(c) q S₀ − [(q kᵀ) ∘ D diag(θ)] δ. The products over d_k are summed
+    over blocks of BK rows of M₀, S₀ (BK columns of q, k), so no [C, d_k] operand is held whole."""
     n = tl.program_id(0)
     i_v = tl.program_id(1)
     i_bh = tl.program_id(2)
-    ok = tl.arange(0, BK)
     ov = i_v * BV + tl.arange(0, BV)
-    mk = ok < DK
     mv = ov < DV
-    mkv = mk[:, None] & mv[None, :]
-    st_off = ok[:, None] * DV + ov[None, :]
     base_g = i_bh.to(tl.int64) * T
     base_n = (i_bh.to(tl.int64) * N + n) * DK * DV
     th, le_raw, lk_raw, t, mt, low, La, Lb, a, b, A_L, B_L, La_last, Lb_last = _chunk_coefs(
         th_ptr, le_ptr, lk_ptr, base_g, n, T, C, BC, ACC)
     rows = (base_g + t)[:, None]
-    q = tl.load(q_ptr + rows * DK + ok[None, :], mask=mt[:, None] & mk[None, :], other=0.).to(ACC)
-    k = tl.load(k_ptr + rows * DK + ok[None, :], mask=mt[:, None] & mk[None, :], other=0.).to(ACC)
-    D = tl.dot(Lb, La, input_precision=PREC)
     c = tl.sum(Lb * a[None, :], 1)
-    P = tl.dot(q, tl.trans(k), input_precision=PREC) * D * th[None, :]
-    M = tl.load(Mst_ptr + base_n + st_off, mask=mkv, other=0.).to(ACC)
+    Qk = tl.zeros([BC, BC], dtype=ACC)
+    kM = tl.zeros([BC, BV], dtype=ACC)
+    y = tl.zeros([BC, BV], dtype=ACC)
+    for k0 in range(0, DK, BK):
+        ok = k0 + tl.arange(0, BK)
+        mk = ok < DK
+        mtk = mt[:, None] & mk[None, :]
+        mkv = mk[:, None] & mv[None, :]
+        q = tl.load(q_ptr + rows * DK + ok[None, :], mask=mtk, other=0.).to(ACC)
+        k = tl.load(k_ptr + rows * DK + ok[None, :], mask=mtk, other=0.).to(ACC)
+        st = base_n + ok[:, None] * DV + ov[None, :]
+        M = tl.load(Mst_ptr + st, mask=mkv, other=0.).to(ACC)
+        S = tl.load(Sst_ptr + st, mask=mkv, other=0.).to(ACC)
+        Qk += tl.dot(q, tl.trans(k), input_precision=PREC)
+        kM += tl.dot(k, M, input_precision=PREC)
+        y += b[:, None] * tl.dot(q, M, input_precision=PREC) + c[:, None] * tl.dot(q, S, input_precision=PREC)
+    D = tl.dot(Lb, La, input_precision=PREC)
+    P = Qk * D * th[None, :]
     v = tl.load(v_ptr + rows * DV + ov[None, :], mask=mt[:, None] & mv[None, :], other=0.).to(ACC)
-    delta = 2. * (tl.dot(k, M, input_precision=PREC) - v)
-    y = b[:, None] * tl.dot(q, M, input_precision=PREC) - tl.dot(P, delta, input_precision=PREC)
-    S = tl.load(Sst_ptr + base_n + st_off, mask=mkv, other=0.).to(ACC)
-    y += c[:, None] * tl.dot(q, S, input_precision=PREC)
+    y -= tl.dot(P, 2. * (kM - v), input_precision=PREC)
     tl.store(y_ptr + rows * DV + ov[None, :], y.to(y_ptr.dtype.element_ty), mask=mt[:, None] & mv[None, :])
 
 
@@ -235,17 +242,17 @@ def _titans_bwd_kernel(q_ptr, k_ptr, v_ptr, th_ptr, le_ptr, lk_ptr, Mst_ptr, Sst
     recomputes the chunk and writes the gradients of its q, k and v (those of q and k as partial
     sums over its d_v columns) and, as partial sums too, what the gate gradients are linear in:
     the tile ∂(D diag θ) = ∂P ∘ (q kᵀ), ∂u, ∂w, ∂b, ∂c and ∂b_C, ∂c_C, ∂a_C
-    (``_titans_bwd_gates_kernel`` finishes them once summed over the d_v blocks)."""
+    (``_titans_bwd_gates_kernel`` finishes them once summed over the d_v blocks).
+
+    Two passes over blocks of BK rows of the memory tiles (BK columns of q, k): the first sums
+    the products over d_k (q kᵀ, k M₀, q M₀, q S₀, k ∂M_C, k ∂S_C), the second writes ∂q, ∂k block
+    by block, so no [C, d_k] operand or [d_k, BV] tile is held whole."""
     n = tl.program_id(0)
     i_v = tl.program_id(1)
     i_bh = tl.program_id(2)
     oc = tl.arange(0, BC)
-    ok = tl.arange(0, BK)
     ov = i_v * BV + tl.arange(0, BV)
-    mk = ok < DK
     mv = ov < DV
-    mkv = mk[:, None] & mv[None, :]
-    st_off = ok[:, None] * DV + ov[None, :]
     base_g = i_bh.to(tl.int64) * T
     base_n = (i_bh.to(tl.int64) * N + n) * DK * DV
     # per-d_v-block partial sums of the gradients shared by all columns
@@ -253,68 +260,97 @@ def _titans_bwd_kernel(q_ptr, k_ptr, v_ptr, th_ptr, le_ptr, lk_ptr, Mst_ptr, Sst
     th, le_raw, lk_raw, t, mt, low, La, Lb, a, b, A_L, B_L, La_last, Lb_last = _chunk_coefs(
         th_ptr, le_ptr, lk_ptr, base_g, n, T, C, BC, ACC)
     rows = (base_g + t)[:, None]
-    mtk = mt[:, None] & mk[None, :]
     mtv = mt[:, None] & mv[None, :]
-    q = tl.load(q_ptr + rows * DK + ok[None, :], mask=mtk, other=0.).to(ACC)
-    k = tl.load(k_ptr + rows * DK + ok[None, :], mask=mtk, other=0.).to(ACC)
-    v = tl.load(v_ptr + rows * DV + ov[None, :], mask=mtv, other=0.).to(ACC)
-    dy = tl.load(dy_ptr + rows * DV + ov[None, :], mask=mtv, other=0.).to(ACC)
-    M = tl.load(Mst_ptr + base_n + st_off, mask=mkv, other=0.).to(ACC)
-    S = tl.load(Sst_ptr + base_n + st_off, mask=mkv, other=0.).to(ACC)
-    dM = tl.load(dMst_ptr + base_n + st_off, mask=mkv, other=0.).to(ACC)
-    dS = tl.load(dSst_ptr + base_n + st_off, mask=mkv, other=0.).to(ACC)
 
-    # recompute the chunk's forward
+    # pass 1: products over d_k
+    Qk = tl.zeros([BC, BC], dtype=ACC)
+    kM = tl.zeros([BC, BV], dtype=ACC)
+    qM = tl.zeros([BC, BV], dtype=ACC)
+    qS = tl.zeros([BC, BV], dtype=ACC)
+    kdM = tl.zeros([BC, BV], dtype=ACC)
+    kdS = tl.zeros([BC, BV], dtype=ACC)
+    db_L = tl.zeros([BV], dtype=ACC)
+    dc_L = tl.zeros([BV], dtype=ACC)
+    da_L = tl.zeros([BV], dtype=ACC)
+    for k0 in range(0, DK, BK):
+        ok = k0 + tl.arange(0, BK)
+        mk = ok < DK
+        mtk = mt[:, None] & mk[None, :]
+        mkv = mk[:, None] & mv[None, :]
+        q = tl.load(q_ptr + rows * DK + ok[None, :], mask=mtk, other=0.).to(ACC)
+        k = tl.load(k_ptr + rows * DK + ok[None, :], mask=mtk, other=0.).to(ACC)
+        st = base_n + ok[:, None] * DV + ov[None, :]
+        M = tl.load(Mst_ptr + st, mask=mkv, other=0.).to(ACC)
+        S = tl.load(Sst_ptr + st, mask=mkv, other=0.).to(ACC)
+        dM = tl.load(dMst_ptr + st, mask=mkv, other=0.).to(ACC)
+        dS = tl.load(dSst_ptr + st, mask=mkv, other=0.).to(ACC)
+        Qk += tl.dot(q, tl.trans(k), input_precision=PREC)
+        kM += tl.dot(k, M, input_precision=PREC)
+        qM += tl.dot(q, M, input_precision=PREC)
+        qS += tl.dot(q, S, input_precision=PREC)
+        kdM += tl.dot(k, dM, input_precision=PREC)
+        kdS += tl.dot(k, dS, input_precision=PREC)
+        db_L += tl.sum(dM * M, 0)
+        dc_L += tl.sum(dM * S, 0)
+        da_L += tl.sum(dS * S, 0)
+
+    # the chunk's tiles and their gradients
     D = tl.dot(Lb, La, input_precision=PREC)
     Dth = D * th[None, :]
-    Qk = tl.dot(q, tl.trans(k), input_precision=PREC)
     P = Qk * Dth
-    delta = 2. * (tl.dot(k, M, input_precision=PREC) - v)
-    D_last = tl.sum(Lb_last[:, None] * La, 0)
-    u = D_last * th
+    v = tl.load(v_ptr + rows * DV + ov[None, :], mask=mtv, other=0.).to(ACC)
+    dy = tl.load(dy_ptr + rows * DV + ov[None, :], mask=mtv, other=0.).to(ACC)
+    delta = 2. * (kM - v)
+    u = tl.sum(Lb_last[:, None] * La, 0) * th
     w = La_last * th
     c = tl.sum(Lb * a[None, :], 1)
-    c_L = tl.sum(Lb_last * a, 0)
-    a_L = tl.exp(A_L)
-    b_L = tl.exp(B_L)
-
-    # tile gradients
-    kdM = tl.dot(k, dM, input_precision=PREC)
-    kdS = tl.dot(k, dS, input_precision=PREC)
     ddelta = (-tl.dot(tl.trans(P), dy, input_precision=PREC)
               - u[:, None] * kdM - w[:, None] * kdS)
+    tl.store(dv_ptr + rows * DV + ov[None, :], (-2. * ddelta).to(dv_ptr.dtype.element_ty), mask=mtv)
     dP = tl.where(low, -tl.dot(dy, tl.trans(delta), input_precision=PREC), 0.)
     du = -tl.sum(kdM * delta, 1)
     dw = -tl.sum(kdS * delta, 1)
     dQk = dP * Dth
     dDth = dP * Qk
-    dq = (tl.dot(dQk, k, input_precision=PREC)
-          + b[:, None] * tl.dot(dy, tl.trans(M), input_precision=PREC)
-          + c[:, None] * tl.dot(dy, tl.trans(S), input_precision=PREC))
-    dk = (tl.dot(tl.trans(dQk), q, input_precision=PREC)
-          + 2. * tl.dot(ddelta, tl.trans(M), input_precision=PREC)
-          - tl.dot(u[:, None] * delta, tl.trans(dM), input_precision=PREC)
-          - tl.dot(w[:, None] * delta, tl.trans(dS), input_precision=PREC))
-    tl.store(dv_ptr + rows * DV + ov[None, :], (-2. * ddelta).to(dv_ptr.dtype.element_ty), mask=mtv)
-    db = tl.sum(dy * tl.dot(q, M, input_precision=PREC), 1)
-    dc = tl.sum(dy * tl.dot(q, S, input_precision=PREC), 1)
-    db_L = tl.sum(tl.sum(dM * M, 1), 0)
-    dc_L = tl.sum(tl.sum(dM * S, 1), 0)
-    da_L = tl.sum(tl.sum(dS * S, 1), 0)
-
+    db = tl.sum(dy * qM, 1)
+    dc = tl.sum(dy * qS, 1)
     base_gn = ((i_v.to(tl.int64) * BH + i_bh) * N + n) * BC
     tl.store(gD_ptr + (base_gn + oc[:, None]) * BC + oc[None, :], dDth)
     tl.store(gv_ptr + (base_gn * 8 + 0 * BC) + oc, du)
     tl.store(gv_ptr + (base_gn * 8 + 1 * BC) + oc, dw)
     tl.store(gv_ptr + (base_gn * 8 + 2 * BC) + oc, db)
     tl.store(gv_ptr + (base_gn * 8 + 3 * BC) + oc, dc)
-    tl.store(gv_ptr + (base_gn * 8 + 4 * BC), db_L)
-    tl.store(gv_ptr + (base_gn * 8 + 5 * BC), dc_L)
-    tl.store(gv_ptr + (base_gn * 8 + 6 * BC), da_L)
+    tl.store(gv_ptr + (base_gn * 8 + 4 * BC), tl.sum(db_L, 0))
+    tl.store(gv_ptr + (base_gn * 8 + 5 * BC), tl.sum(dc_L, 0))
+    tl.store(gv_ptr + (base_gn * 8 + 6 * BC), tl.sum(da_L, 0))
 
+    # pass 2: ∂q, ∂k block by block
+    b_dy = b[:, None] * dy
+    c_dy = c[:, None] * dy
+    u_delta = u[:, None] * delta
+    w_delta = w[:, None] * delta
     prow = (base_p + t)[:, None]
-    tl.store(dq_ptr + prow * DK + ok[None, :], dq.to(dq_ptr.dtype.element_ty), mask=mtk)
-    tl.store(dk_ptr + prow * DK + ok[None, :], dk.to(dk_ptr.dtype.element_ty), mask=mtk)
+    for k0 in range(0, DK, BK):
+        ok = k0 + tl.arange(0, BK)
+        mk = ok < DK
+        mtk = mt[:, None] & mk[None, :]
+        mkv = mk[:, None] & mv[None, :]
+        q = tl.load(q_ptr + rows * DK + ok[None, :], mask=mtk, other=0.).to(ACC)
+        k = tl.load(k_ptr + rows * DK + ok[None, :], mask=mtk, other=0.).to(ACC)
+        st = base_n + ok[:, None] * DV + ov[None, :]
+        M = tl.load(Mst_ptr + st, mask=mkv, other=0.).to(ACC)
+        S = tl.load(Sst_ptr + st, mask=mkv, other=0.).to(ACC)
+        dM = tl.load(dMst_ptr + st, mask=mkv, other=0.).to(ACC)
+        dS = tl.load(dSst_ptr + st, mask=mkv, other=0.).to(ACC)
+        dq = (tl.dot(dQk, k, input_precision=PREC)
+              + tl.dot(b_dy, tl.trans(M), input_precision=PREC)
+              + tl.dot(c_dy, tl.trans(S), input_precision=PREC))
+        dk = (tl.dot(tl.trans(dQk), q, input_precision=PREC)
+              + 2. * tl.dot(ddelta, tl.trans(M), input_precision=PREC)
+              - tl.dot(u_delta, tl.trans(dM), input_precision=PREC)
+              - tl.dot(w_delta, tl.trans(dS), input_precision=PREC))
+        tl.store(dq_ptr + prow * DK + ok[None, :], dq.to(dq_ptr.dtype.element_ty), mask=mtk)
+        tl.store(dk_ptr + prow * DK + ok[None, :], dk.to(dk_ptr.dtype.element_ty), mask=mtk)
 
 
 @triton.jit
@@ -394,7 +430,8 @@ def launch_meta(dk: int, dv: int, dtype: torch.dtype, arch: int = INTERPRET_ARCH
     ``_titans_bwd_kernel``: four [BK, BV] tiles of one chunk); ``warps_*`` their warps."""
     BK = max(16, triton.next_power_of_2(dk))  # tl.dot needs every block dim ≥ 16
     BV = min(max(16, triton.next_power_of_2(dv)), 64, max(16, STATE_TILE // BK))
-    return dict(BK=BK, BV=BV, BV_chunk=BV, warps_state=4, warps_fwd=4, warps_bwd=4, warps_gates=4, PREC=_precision(dtype))
+    return dict(BK=BK, BV=BV, BK_chunk=min(BK, 32), BV_chunk=BV, warps_state=4, warps_fwd=4, warps_bwd=4,
+                warps_gates=4, PREC=_precision(dtype))
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -425,20 +462,19 @@ def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, theta: torch.Tens
     q, k, v, theta, log_eta, log_keep = (t.contiguous() for t in (q, k, v, theta, log_eta, log_keep))
     M0, S0 = M0.contiguous(), S0.contiguous()
     mt = launch_meta(dk, dv, v.dtype, device_arch(v.device))
-    BK = mt["BK"]
     y = torch.empty(B, H, T, dv, dtype=v.dtype, device=v.device)
     Mst = torch.empty(B, H, N, dk, dv, dtype=acc, device=v.device)
     Sst = torch.empty_like(Mst)
     MT = torch.empty(B, H, dk, dv, dtype=acc, device=v.device)
     ST = torch.empty_like(MT)
-    common = dict(BC=_tile(C), BK=BK, ACC=tl.float64 if acc == torch.float64 else tl.float32,
+    common = dict(BC=_tile(C), ACC=tl.float64 if acc == torch.float64 else tl.float32,
                   PREC=mt["PREC"], num_stages=NUM_STAGES)
     _titans_fwd_state_kernel[(triton.cdiv(dv, mt["BV"]), B * H)](
         k, v, theta, log_eta, log_keep, M0, S0, Mst, Sst, MT, ST, T, N, dk, dv, C,
-        BV=mt["BV"], num_warps=mt["warps_state"], **common)
+        BK=mt["BK"], BV=mt["BV"], num_warps=mt["warps_state"], **common)
     _titans_fwd_kernel[(N, triton.cdiv(dv, mt["BV_chunk"]), B * H)](
         q, k, v, theta, log_eta, log_keep, Mst, Sst, y, T, N, dk, dv, C,
-        BV=mt["BV_chunk"], num_warps=mt["warps_fwd"], **common)
+        BK=mt["BK_chunk"], BV=mt["BV_chunk"], num_warps=mt["warps_fwd"], **common)
     tail = T % C != 0
     Mh = Mst[:, :, N - 1].clone() if tail else MT.clone()
     return y, MT, ST, Mh, Mst, Sst
@@ -494,7 +530,7 @@ def _bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, theta: torch.Tens
         BK=mt["BK"], BV=mt["BV"], num_warps=mt["warps_state"], **common)
     _titans_bwd_kernel[(N, NV, B * H)](
         q, k, v, theta, log_eta, log_keep, Mst, Sst, dMst, dSst, dy, dq, dk_, dv_, gD, gv,
-        T, N, dk, dv, B * H, C, BK=mt["BK"], BV=mt["BV_chunk"], num_warps=mt["warps_bwd"], **common)
+        T, N, dk, dv, B * H, C, BK=mt["BK_chunk"], BV=mt["BV_chunk"], num_warps=mt["warps_bwd"], **common)
     # the gate gradients are linear in these partial sums: add the d_v blocks, then finish them
     gD, gv = (gD[0], gv[0]) if NV == 1 else (gD.sum(0), gv.sum(0))
     dth = torch.empty(B, H, T, dtype=pd, device=v.device)

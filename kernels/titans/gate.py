@@ -29,11 +29,12 @@ def launch_configs() -> List[dict]:
             for d in HEAD_DIMS:
                 mt = chunk.launch_meta(d, d, tdt, arch)
                 cfg = f"{dt} dk=dv={d} C={CHUNK} sm_{arch}"
-                for fn, bv, nw in ((chunk._titans_fwd_state_kernel, mt["BV"], mt["warps_state"]),
-                                   (chunk._titans_fwd_kernel, mt["BV_chunk"], mt["warps_fwd"]),
-                                   (chunk._titans_bwd_state_kernel, mt["BV"], mt["warps_state"]),
-                                   (chunk._titans_bwd_kernel, mt["BV_chunk"], mt["warps_bwd"])):
-                    cex = dict(BC=chunk._tile(CHUNK), BK=mt["BK"], BV=bv, ACC=tl.float32, PREC=mt["PREC"])
+                serial, par = (mt["BK"], mt["BV"]), (mt["BK_chunk"], mt["BV_chunk"])
+                for fn, (bk, bv), nw in ((chunk._titans_fwd_state_kernel, serial, mt["warps_state"]),
+                                         (chunk._titans_fwd_kernel, par, mt["warps_fwd"]),
+                                         (chunk._titans_bwd_state_kernel, serial, mt["warps_state"]),
+                                         (chunk._titans_bwd_kernel, par, mt["warps_bwd"])):
+                    cex = dict(BC=chunk._tile(CHUNK), BK=bk, BV=bv, ACC=tl.float32, PREC=mt["PREC"])
                     out.append(_launch(fn, cfg, dt, cex, nw, arch))
                 cex = dict(BC=chunk._tile(CHUNK), ACC=tl.float32, PREC=mt["PREC"])
                 out.append(_launch(chunk._titans_bwd_gates_kernel, cfg, dt, cex, mt["warps_gates"], arch))
