@@ -14,22 +14,26 @@ a = e^A, b = e^B, c = L_b a and D = L_b L_a (see ``torch_chunk.py``), one chunk 
 
 Every term is a [C, C] or [C, d] tile product (``tl.dot``). The columns of M are independent
 (momentum and decay act elementwise on the memory, δ, O and the updates column-wise), so d_v is
-split into blocks with no communication. Four kernels:
+split into blocks with no communication; every product over d_k is summed over blocks of BK
+rows of the memory (BK columns of q, k), so no program holds a [C, d_k] operand or a [d_k, d_v]
+tile whole. Five kernels:
 
 * ``_titans_fwd_state_kernel``: one program per (block of d_v columns, batch·head) walks the
-  chunks with (M, S) in registers and stores each chunk's starting (M, S) and the final ones;
+  chunks and stores each chunk's starting (M, S) and the final ones, reading each chunk's (M, S)
+  back from what it stored (cache-resident) instead of carrying them in registers;
 * ``_titans_fwd_kernel``: one program per (chunk, d_v block, batch·head) computes the chunk's O
   from its stored (M₀, S₀);
 * ``_titans_bwd_state_kernel``: one program per (d_v block, batch·head) sweeps the chunks in
-  reverse carrying (∂M, ∂S), which needs only q, k, ∂O and the gates (∂δ = −Pᵀ ∂O − diag(u) k ∂M_C
-  − diag(w) k ∂S_C does not involve M₀), and stores the gradients at each chunk's end;
+  reverse and stores the gradients (∂M_C, ∂S_C) at each chunk's end; this needs only q, k, ∂O
+  and the gates (∂δ = −Pᵀ ∂O − diag(u) k ∂M_C − diag(w) k ∂S_C does not involve M₀);
 * ``_titans_bwd_kernel``: one program per (chunk, d_v block, batch·head) recomputes the chunk
-  from its (M₀, S₀) and (∂M_C, ∂S_C) and writes the gradients of q, k, v, θ, log η, log(1 − α);
-  those of q, k and the gates are partial sums over its d_v block, reduced afterwards.
+  from its (M₀, S₀) and (∂M_C, ∂S_C) and writes the gradients of q, k, v (those of q, k as partial
+  sums over its d_v block) and the partial sums the gate gradients are linear in;
+* ``_titans_bwd_gates_kernel``: one program per (chunk, batch·head) turns those, summed over the
+  d_v blocks, into the gradients of θ, log η, log(1 − α).
 
-The serial kernels carry two [d_k, BV] tiles; the chunk-parallel ones hold four for one chunk and
-fill the GPU with B·H·N·(d_v / BV) programs. Tiles and warps come from ``launch_meta`` per GPU
-family (the compile gate checks each family's choice).
+The chunk-parallel kernels fill the GPU with B·H·N·(d_v / BV) programs. Tiles and warps come
+from ``launch_meta`` per GPU family (the compile gate checks each family's choice).
 
 Precision: every tile is loaded into float32 (float64 for float64 inputs); ``tl.dot`` runs TF32
 products for bfloat16/float16 inputs (their own rounding, 2^-9, exceeds TF32's), TF32×3 (about
@@ -92,42 +96,68 @@ def _titans_fwd_state_kernel(k_ptr, v_ptr, th_ptr, le_ptr, lk_ptr, M0_ptr, S0_pt
                              T, N, DK, DV, C,
                              BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                              ACC: tl.constexpr, PREC: tl.constexpr):
-    """The serial half of the forward: walks the chunks with (M, S) of one block of d_v columns in
-    registers and stores each chunk's starting (M, S) and the final ones,
+    """The serial half of the forward: one program per (block of d_v columns, batch·head) walks the
+    chunks and writes each chunk's starting (M, S) and the final ones,
 
-        M_C = b_C M₀ + c_C S₀ − kᵀ diag(D[C, :] θ) δ,   S_C = a_C S₀ − kᵀ diag(e^{A_C − A} θ) δ."""
+        M_C = b_C M₀ + c_C S₀ − kᵀ diag(D[C, :] θ) δ,   S_C = a_C S₀ − kᵀ diag(e^{A_C − A} θ) δ.
+
+    The memory is not held in registers: each chunk reads its (M₀, S₀) back from the stored
+    chunk-start states (cache-resident, written by this program) in blocks of BK rows, first to sum
+    δ = 2(k M₀ − v) over d_k, then to write the next chunk's (M, S) block by block."""
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1)
-    ok = tl.arange(0, BK)
     ov = i_v * BV + tl.arange(0, BV)
-    mk = ok < DK
     mv = ov < DV
-    mkv = mk[:, None] & mv[None, :]
-    st_off = ok[:, None] * DV + ov[None, :]
     base_s = i_bh.to(tl.int64) * DK * DV
-    M = tl.load(M0_ptr + base_s + st_off, mask=mkv, other=0.).to(ACC)
-    S = tl.load(S0_ptr + base_s + st_off, mask=mkv, other=0.).to(ACC)
     base_g = i_bh.to(tl.int64) * T
+    base_0 = i_bh.to(tl.int64) * N * DK * DV
+    for k0 in range(0, DK, BK):
+        ok = k0 + tl.arange(0, BK)
+        mkv = (ok < DK)[:, None] & mv[None, :]
+        off = ok[:, None] * DV + ov[None, :]
+        tl.store(Mst_ptr + base_0 + off, tl.load(M0_ptr + base_s + off, mask=mkv, other=0.).to(
+            Mst_ptr.dtype.element_ty), mask=mkv)
+        tl.store(Sst_ptr + base_0 + off, tl.load(S0_ptr + base_s + off, mask=mkv, other=0.).to(
+            Sst_ptr.dtype.element_ty), mask=mkv)
+    tl.debug_barrier()  # the stores are read back by other threads of the program
     for n in range(N):
-        base_n = (i_bh.to(tl.int64) * N + n) * DK * DV
-        tl.store(Mst_ptr + base_n + st_off, M.to(Mst_ptr.dtype.element_ty), mask=mkv)
-        tl.store(Sst_ptr + base_n + st_off, S.to(Sst_ptr.dtype.element_ty), mask=mkv)
+        base_n = base_0 + n * DK * DV
         th, le_raw, lk_raw, t, mt, low, La, Lb, a, b, A_L, B_L, La_last, Lb_last = _chunk_coefs(
             th_ptr, le_ptr, lk_ptr, base_g, n, T, C, BC, ACC)
         rows = (base_g + t)[:, None]
-        k = tl.load(k_ptr + rows * DK + ok[None, :], mask=mt[:, None] & mk[None, :], other=0.).to(ACC)
+        kM = tl.zeros([BC, BV], dtype=ACC)
+        for k0 in range(0, DK, BK):
+            ok = k0 + tl.arange(0, BK)
+            mk = ok < DK
+            k = tl.load(k_ptr + rows * DK + ok[None, :], mask=mt[:, None] & mk[None, :], other=0.).to(ACC)
+            M = tl.load(Mst_ptr + base_n + ok[:, None] * DV + ov[None, :], mask=mk[:, None] & mv[None, :],
+                        other=0.).to(ACC)
+            kM += tl.dot(k, M, input_precision=PREC)
         v = tl.load(v_ptr + rows * DV + ov[None, :], mask=mt[:, None] & mv[None, :], other=0.).to(ACC)
-        delta = 2. * (tl.dot(k, M, input_precision=PREC) - v)
-        D_last = tl.sum(Lb_last[:, None] * La, 0)
-        u = D_last * th
+        delta = 2. * (kM - v)
+        u = tl.sum(Lb_last[:, None] * La, 0) * th
         w = La_last * th
         c_L = tl.sum(Lb_last * a, 0)
-        kt = tl.trans(k)
-        M_new = (tl.exp(B_L) * M + c_L * S - tl.dot(kt, u[:, None] * delta, input_precision=PREC))
-        S = tl.exp(A_L) * S - tl.dot(kt, w[:, None] * delta, input_precision=PREC)
-        M = M_new
-    tl.store(MT_ptr + base_s + st_off, M.to(MT_ptr.dtype.element_ty), mask=mkv)
-    tl.store(ST_ptr + base_s + st_off, S.to(ST_ptr.dtype.element_ty), mask=mkv)
+        u_delta = u[:, None] * delta
+        w_delta = w[:, None] * delta
+        for k0 in range(0, DK, BK):
+            ok = k0 + tl.arange(0, BK)
+            mk = ok < DK
+            mkv = mk[:, None] & mv[None, :]
+            off = ok[:, None] * DV + ov[None, :]
+            k = tl.load(k_ptr + rows * DK + ok[None, :], mask=mt[:, None] & mk[None, :], other=0.).to(ACC)
+            M = tl.load(Mst_ptr + base_n + off, mask=mkv, other=0.).to(ACC)
+            S = tl.load(Sst_ptr + base_n + off, mask=mkv, other=0.).to(ACC)
+            kt = tl.trans(k)
+            M_new = tl.exp(B_L) * M + c_L * S - tl.dot(kt, u_delta, input_precision=PREC)
+            S_new = tl.exp(A_L) * S - tl.dot(kt, w_delta, input_precision=PREC)
+            if n + 1 < N:
+                tl.store(Mst_ptr + base_n + DK * DV + off, M_new.to(Mst_ptr.dtype.element_ty), mask=mkv)
+                tl.store(Sst_ptr + base_n + DK * DV + off, S_new.to(Sst_ptr.dtype.element_ty), mask=mkv)
+            else:
+                tl.store(MT_ptr + base_s + off, M_new.to(MT_ptr.dtype.element_ty), mask=mkv)
+                tl.store(ST_ptr + base_s + off, S_new.to(ST_ptr.dtype.element_ty), mask=mkv)
+        tl.debug_barrier()
 
 
 @triton.jit
@@ -179,56 +209,88 @@ def _titans_bwd_state_kernel(q_ptr, k_ptr, th_ptr, le_ptr, lk_ptr, dy_ptr, dMT_p
                              T, N, DK, DV, C,
                              BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                              ACC: tl.constexpr, PREC: tl.constexpr):
-    """The serial half of the backward: sweeps the chunks in reverse carrying (∂M, ∂S) of one
-    block of d_v columns and stores, per chunk, the gradients at its end (what the chunk-parallel
-    ``_titans_bwd_kernel`` reads). Through one chunk (δ's gradient needs no M₀: δ enters the
-    chunk's outputs linearly)
+    """The serial half of the backward: one program per (block of d_v columns, batch·head) sweeps
+    the chunks in reverse and writes, per chunk, the gradients (∂M_C, ∂S_C) at its end (what the
+    chunk-parallel ``_titans_bwd_kernel`` reads), and (∂M₀, ∂S₀) of the call. Through one chunk
+    (∂δ needs no M₀: δ enters the chunk's outputs linearly)
 
         ∂δ  = −Pᵀ ∂O − diag(u) k ∂M_C − diag(w) k ∂S_C,   u = D[C, :] θ, w = e^{A_C − A} θ
-        ∂M₀ = 2 kᵀ ∂δ + qᵀ diag(b) ∂O + b_C ∂M_C,   ∂S₀ = qᵀ diag(c) ∂O + c_C ∂M_C + a_C ∂S_C."""
+        ∂M₀ = 2 kᵀ ∂δ + qᵀ diag(b) ∂O + b_C ∂M_C,   ∂S₀ = qᵀ diag(c) ∂O + c_C ∂M_C + a_C ∂S_C.
+
+    As in the forward, (∂M_C, ∂S_C) are read back from what this program stored, in blocks of BK
+    rows: once to sum k ∂M_C, k ∂S_C and q kᵀ over d_k, once to write the previous chunk's."""
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1)
-    ok = tl.arange(0, BK)
     ov = i_v * BV + tl.arange(0, BV)
-    mk = ok < DK
     mv = ov < DV
-    mkv = mk[:, None] & mv[None, :]
-    st_off = ok[:, None] * DV + ov[None, :]
     base_s = i_bh.to(tl.int64) * DK * DV
-    dM = tl.load(dMT_ptr + base_s + st_off, mask=mkv, other=0.).to(ACC)
-    dS = tl.load(dST_ptr + base_s + st_off, mask=mkv, other=0.).to(ACC)
     base_g = i_bh.to(tl.int64) * T
+    base_0 = i_bh.to(tl.int64) * N * DK * DV
+    for k0 in range(0, DK, BK):
+        ok = k0 + tl.arange(0, BK)
+        mkv = (ok < DK)[:, None] & mv[None, :]
+        off = ok[:, None] * DV + ov[None, :]
+        base_l = base_0 + (N - 1) * DK * DV
+        tl.store(dMst_ptr + base_l + off, tl.load(dMT_ptr + base_s + off, mask=mkv, other=0.).to(
+            dMst_ptr.dtype.element_ty), mask=mkv)
+        tl.store(dSst_ptr + base_l + off, tl.load(dST_ptr + base_s + off, mask=mkv, other=0.).to(
+            dSst_ptr.dtype.element_ty), mask=mkv)
+    tl.debug_barrier()  # the stores are read back by other threads of the program
     for i in range(N):
         n = N - 1 - i
-        base_n = (i_bh.to(tl.int64) * N + n) * DK * DV
-        tl.store(dMst_ptr + base_n + st_off, dM.to(dMst_ptr.dtype.element_ty), mask=mkv)
-        tl.store(dSst_ptr + base_n + st_off, dS.to(dSst_ptr.dtype.element_ty), mask=mkv)
+        base_n = base_0 + n * DK * DV
         th, le_raw, lk_raw, t, mt, low, La, Lb, a, b, A_L, B_L, La_last, Lb_last = _chunk_coefs(
             th_ptr, le_ptr, lk_ptr, base_g, n, T, C, BC, ACC)
         rows = (base_g + t)[:, None]
-        mtk = mt[:, None] & mk[None, :]
-        q = tl.load(q_ptr + rows * DK + ok[None, :], mask=mtk, other=0.).to(ACC)
-        k = tl.load(k_ptr + rows * DK + ok[None, :], mask=mtk, other=0.).to(ACC)
+        Qk = tl.zeros([BC, BC], dtype=ACC)
+        kdM = tl.zeros([BC, BV], dtype=ACC)
+        kdS = tl.zeros([BC, BV], dtype=ACC)
+        for k0 in range(0, DK, BK):
+            ok = k0 + tl.arange(0, BK)
+            mk = ok < DK
+            mtk = mt[:, None] & mk[None, :]
+            mkv = mk[:, None] & mv[None, :]
+            off = ok[:, None] * DV + ov[None, :]
+            q = tl.load(q_ptr + rows * DK + ok[None, :], mask=mtk, other=0.).to(ACC)
+            k = tl.load(k_ptr + rows * DK + ok[None, :], mask=mtk, other=0.).to(ACC)
+            dM = tl.load(dMst_ptr + base_n + off, mask=mkv, other=0.).to(ACC)
+            dS = tl.load(dSst_ptr + base_n + off, mask=mkv, other=0.).to(ACC)
+            Qk += tl.dot(q, tl.trans(k), input_precision=PREC)
+            kdM += tl.dot(k, dM, input_precision=PREC)
+            kdS += tl.dot(k, dS, input_precision=PREC)
         dy = tl.load(dy_ptr + rows * DV + ov[None, :], mask=mt[:, None] & mv[None, :], other=0.).to(ACC)
-        D = tl.dot(Lb, La, input_precision=PREC)
-        P = tl.dot(q, tl.trans(k), input_precision=PREC) * D * th[None, :]
+        P = Qk * tl.dot(Lb, La, input_precision=PREC) * th[None, :]
         u = tl.sum(Lb_last[:, None] * La, 0) * th
         w = La_last * th
         c = tl.sum(Lb * a[None, :], 1)
         c_L = tl.sum(Lb_last * a, 0)
-        ddelta = (-tl.dot(tl.trans(P), dy, input_precision=PREC)
-                  - u[:, None] * tl.dot(k, dM, input_precision=PREC)
-                  - w[:, None] * tl.dot(k, dS, input_precision=PREC))
-        qt = tl.trans(q)
-        dM_new = (2. * tl.dot(tl.trans(k), ddelta, input_precision=PREC)
-                  + tl.dot(qt, b[:, None] * dy, input_precision=PREC) + tl.exp(B_L) * dM)
-        dS = tl.dot(qt, c[:, None] * dy, input_precision=PREC) + c_L * dM + tl.exp(A_L) * dS
-        dM = dM_new
-        if n == N - 1:
-            # the returned anchor M̂ is the memory at the start of the last (partial) chunk
-            dM += tl.load(dMh_ptr + base_s + st_off, mask=mkv, other=0.).to(ACC)
-    tl.store(dM0_ptr + base_s + st_off, dM.to(dM0_ptr.dtype.element_ty), mask=mkv)
-    tl.store(dS0_ptr + base_s + st_off, dS.to(dS0_ptr.dtype.element_ty), mask=mkv)
+        ddelta2 = 2. * (-tl.dot(tl.trans(P), dy, input_precision=PREC)
+                        - u[:, None] * kdM - w[:, None] * kdS)
+        b_dy = b[:, None] * dy
+        c_dy = c[:, None] * dy
+        for k0 in range(0, DK, BK):
+            ok = k0 + tl.arange(0, BK)
+            mk = ok < DK
+            mtk = mt[:, None] & mk[None, :]
+            mkv = mk[:, None] & mv[None, :]
+            off = ok[:, None] * DV + ov[None, :]
+            qt = tl.trans(tl.load(q_ptr + rows * DK + ok[None, :], mask=mtk, other=0.).to(ACC))
+            kt = tl.trans(tl.load(k_ptr + rows * DK + ok[None, :], mask=mtk, other=0.).to(ACC))
+            dM = tl.load(dMst_ptr + base_n + off, mask=mkv, other=0.).to(ACC)
+            dS = tl.load(dSst_ptr + base_n + off, mask=mkv, other=0.).to(ACC)
+            dM_new = (tl.dot(kt, ddelta2, input_precision=PREC) + tl.dot(qt, b_dy, input_precision=PREC)
+                      + tl.exp(B_L) * dM)
+            dS_new = tl.dot(qt, c_dy, input_precision=PREC) + c_L * dM + tl.exp(A_L) * dS
+            if n == N - 1:
+                # the returned anchor M̂ is the memory at the start of the last (partial) chunk
+                dM_new += tl.load(dMh_ptr + base_s + off, mask=mkv, other=0.).to(ACC)
+            if n > 0:
+                tl.store(dMst_ptr + base_n - DK * DV + off, dM_new.to(dMst_ptr.dtype.element_ty), mask=mkv)
+                tl.store(dSst_ptr + base_n - DK * DV + off, dS_new.to(dSst_ptr.dtype.element_ty), mask=mkv)
+            else:
+                tl.store(dM0_ptr + base_s + off, dM_new.to(dM0_ptr.dtype.element_ty), mask=mkv)
+                tl.store(dS0_ptr + base_s + off, dS_new.to(dS0_ptr.dtype.element_ty), mask=mkv)
+        tl.debug_barrier()
 
 
 @triton.jit
@@ -416,21 +478,31 @@ def _tile(C: int) -> int:
 #: software pipelining of the chunk loop's loads would keep extra copies of every tile in shared
 #: memory; the loop is bound by its serial dependence on (M, S), not by the loads
 NUM_STAGES = 1
-#: the memory tiles one program holds are [d_k, BV] with BK · BV ≤ STATE_TILE (BV = 32 at d_k = 64,
-#: 16 at 128)
-STATE_TILE = 64 * 32
+#: the d_k rows of the memory one program touches at a time (every product over d_k is summed over
+#: blocks of this many rows) and the widest d_v block
+BK_MAX = 32
+BV_MAX = 32
 
 
 def launch_meta(dk: int, dv: int, dtype: torch.dtype, arch: int = INTERPRET_ARCH) -> dict:
-    """Tiles and warps of the four kernels for head dims (d_k, d_v), input dtype and launch-config
+    """Tiles and warps of the five kernels for head dims (d_k, d_v), input dtype and launch-config
     family ``arch`` (90 or 80, ``device_arch``): the one place the launches and ``gate.py`` read
-    them from. ``BK`` covers d_k; ``BV`` is the d_v block of the serial kernels
-    (``_titans_fwd_state_kernel``, ``_titans_bwd_state_kernel``: two [BK, BV] memory tiles carried
-    across the chunk loop), ``BV_chunk`` that of the chunk-parallel ones (``_titans_fwd_kernel``,
-    ``_titans_bwd_kernel``: four [BK, BV] tiles of one chunk); ``warps_*`` their warps."""
-    BK = max(16, triton.next_power_of_2(dk))  # tl.dot needs every block dim ≥ 16
-    BV = min(max(16, triton.next_power_of_2(dv)), 64, max(16, STATE_TILE // BK))
-    return dict(BK=BK, BV=BV, BK_chunk=min(BK, 32), BV_chunk=BV, warps_state=4, warps_fwd=4, warps_bwd=4,
+    them from. ``BK``/``BV`` are the d_k block and d_v block of the serial kernels
+    (``_titans_fwd_state_kernel``, ``_titans_bwd_state_kernel``), ``BK_chunk``/``BV_chunk`` those
+    of the chunk-parallel ones (``_titans_fwd_kernel``, ``_titans_bwd_kernel``); ``warps_*`` the
+    warps of each.
+
+    What ptxas reported (``python -m kernels.compile_report``) chose them. With C = 16 every
+    product whose left operand is a [16, d_k] tile (q, k) holds that whole operand in each warp
+    (one 16-row MMA tile), 64 registers per thread at d_k = 128 in float32, twice that split for
+    TF32×3: the kernels that held [16, d_k] operands and [d_k, BV] memory tiles whole spilled
+    0.1–47 KB at every BV and warp count tried. Summing over blocks of 32 rows of d_k, with
+    d_v blocks of 32, nothing spills at d = 64 or 128, bf16 or float32, sm_90 or sm_80; the
+    chunk-parallel backward needs 8 warps for float32 at d = 128 (4 spilled 24 B on sm_90) and
+    takes them everywhere."""
+    pow2 = lambda n: max(16, triton.next_power_of_2(n))  # tl.dot needs every block dim ≥ 16
+    BK, BV = min(pow2(dk), BK_MAX), min(pow2(dv), BV_MAX)
+    return dict(BK=BK, BV=BV, BK_chunk=BK, BV_chunk=BV, warps_state=4, warps_fwd=4, warps_bwd=8,
                 warps_gates=4, PREC=_precision(dtype))
 
 
