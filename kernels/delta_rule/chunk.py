@@ -540,6 +540,10 @@ def launch_meta(DK: int, DV: int, dtype: torch.dtype, arch: int = INTERPRET_ARCH
     backward kernels spilled 0.1–8 KB at C = 64 and none at C = 32 (8 warps), the [C, C] and
     [C, d_k] tiles being what overflows. float32 inputs (TF32×3 products hold three operand
     splits) take C = 16 with 4 warps; on sm_80 the state kernels also need BV = 16 and 8 warps.
+    At d = 128 float32, ``_fwd_state``, ``_bwd_state`` and ``_bwd_wy`` spilled 0.2–7 KB with every
+    BV and warp count tried while they held [C, d_k] operands (each warp holds a 16-row left
+    operand whole) and the [d_k, BV] state in registers; they now sum over d_k in blocks of
+    ``BKS`` = 32 rows (the state read back from Hs / dHs), and nothing spills.
     ``_wy_fwd`` (W, U by column blocks) spilled 32 B on sm_90 at C = 32 with 64-wide blocks and
     takes 32-wide ones there."""
     BK = _pow2(DK)

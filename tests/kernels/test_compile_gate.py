@@ -36,13 +36,6 @@ SLOW = "compiles: ptxas does not finish within the timeout"
 
 # (arch, kernel, config) -> the failing check(s). ``config`` "*" matches every config of the kernel.
 KNOWN_FAILURES = {
-    # -- delta rule (kernels/delta_rule/chunk.py; one config per GPU family, named with its arch) --
-    (90, "_fwd_state", "fp32 dk=dv=128 C=16 sm_90"): "no_spills: 2012/2144 B spilled",
-    (90, "_bwd_state", "fp32 dk=dv=128 C=16 sm_90"): "no_spills: 648/668 B spilled",
-    (90, "_bwd_wy", "fp32 dk=dv=128 C=16 sm_90"): "no_spills: 284/292 B spilled",
-    (80, "_fwd_state", "fp32 dk=dv=128 C=16 sm_80"): "no_spills: 7216/11084 B spilled",
-    (80, "_bwd_state", "fp32 dk=dv=128 C=16 sm_80"): "no_spills: 640/680 B spilled",
-    (80, "_bwd_wy", "fp32 dk=dv=128 C=16 sm_80"): "no_spills: 232/232 B spilled",
     # -- TTT-Linear and TTT-MLP (kernels/ttt/chunk.py; TTT-MLP holds its [d, 4d] weight tiles in registers) --
     (80, "_ttt_linear_fwd_kernel", "bf16 d=64 b=16"): "no_spills: 392/356 B spilled",
     (80, "_ttt_linear_bwd_kernel", "bf16 d=64 b=16"): "no_spills: 14816/19260 B spilled",
