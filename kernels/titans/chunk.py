@@ -499,7 +499,7 @@ def launch_meta(dk: int, dv: int, dtype: torch.dtype, arch: int = INTERPRET_ARCH
     0.1–47 KB at every BV and warp count tried. Summing over blocks of 32 rows of d_k, with
     d_v blocks of 32, nothing spills at d = 64 or 128, bf16 or float32, sm_90 or sm_80; the
     chunk-parallel backward needs 8 warps for float32 at d = 128 (4 spilled 24 B on sm_90) and
-    takes them everywhere."""
+    takes them everywhere. Both families take the same config today."""
     pow2 = lambda n: max(16, triton.next_power_of_2(n))  # tl.dot needs every block dim ≥ 16
     BK, BV = min(pow2(dk), BK_MAX), min(pow2(dv), BV_MAX)
     return dict(BK=BK, BV=BV, BK_chunk=BK, BV_chunk=BV, warps_state=4, warps_fwd=4, warps_bwd=8,
