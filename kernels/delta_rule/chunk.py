@@ -248,38 +248,71 @@ def _fwd_state(q, k, W, U, Hs, VN, o, h0, ht, cu_seqlens, chunk_offsets, T, H,
                DK: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                USE_H0: tl.constexpr, STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr,
                ACC: tl.constexpr, PREC: tl.constexpr, PS: tl.constexpr, EMU: tl.constexpr):
+    """The chunk recurrence for one block of d_v columns of one (sequence, head): per chunk
+    Ṽ = U − W S, O = Q S + causal(Q Kᵀ) Ṽ, S ← S + Kᵀ Ṽ, writing each chunk's starting S to Hs.
+    The state is not carried in registers: each chunk reads its S back from Hs (written by this
+    program, cache-resident) in blocks of BK rows, once to sum W S, Q S and Q Kᵀ over d_k and once
+    to write the next chunk's S, so no [C, d_k] operand or [d_k, BV] tile is held whole."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     n = i_nh // H
     h = i_nh % H
     row0, Tn, coff = _seq_info(cu_seqlens, chunk_offsets, n, h, T, H, C, IS_VARLEN)
-    o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     o_c = tl.arange(0, C)
-    m_kv = (o_k[:, None] < DK) & (o_v[None, :] < DV)
-    kv_off = o_k[:, None] * DV + o_v[None, :]
+    m_v = o_v < DV
     causal = o_c[:, None] >= o_c[None, :]
-    S = tl.zeros([BK, BV], dtype=ACC)
-    if USE_H0:
-        S += tl.load(h0 + i_nh.to(tl.int64) * DK * DV + kv_off, mask=m_kv, other=0.0).to(ACC)
-    for c in range(tl.cdiv(Tn, C)):
-        tl.store(Hs + ((coff + c) * H + h) * DK * DV + kv_off, S.to(Hs.dtype.element_ty), mask=m_kv)
+    NT = tl.cdiv(Tn, C)
+    h0_base = i_nh.to(tl.int64) * DK * DV
+    for k0 in range(0, DK, BK):
+        o_k = k0 + tl.arange(0, BK)
+        m_kv = (o_k[:, None] < DK) & m_v[None, :]
+        kv_off = o_k[:, None] * DV + o_v[None, :]
+        S0 = tl.zeros([BK, BV], dtype=ACC)
+        if USE_H0:
+            S0 += tl.load(h0 + h0_base + kv_off, mask=m_kv, other=0.0).to(ACC)
+        if NT > 0:
+            tl.store(Hs + (coff * H + h) * DK * DV + kv_off, S0.to(Hs.dtype.element_ty), mask=m_kv)
+        elif STORE_HT:
+            tl.store(ht + h0_base + kv_off, S0.to(ht.dtype.element_ty), mask=m_kv)
+    tl.debug_barrier()  # Hs is read back by other threads of this program
+    for c in range(NT):
+        hs_c = Hs + ((coff + c) * H + h) * DK * DV
         o_t = c * C + o_c
         m_t = o_t < Tn
         rows = row0 + o_t
-        m_tk = m_t[:, None] & (o_k[None, :] < DK)
-        m_tv = m_t[:, None] & (o_v[None, :] < DV)
-        b_q = tl.load(q + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0)
-        b_k = tl.load(k + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0)
-        b_w = tl.load(W + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0).to(ACC)
+        m_tv = m_t[:, None] & m_v[None, :]
+        WS = tl.zeros([C, BV], dtype=ACC)
+        QS = tl.zeros([C, BV], dtype=ACC)
+        QK = tl.zeros([C, C], dtype=ACC)
+        for k0 in range(0, DK, BK):
+            o_k = k0 + tl.arange(0, BK)
+            m_tk = m_t[:, None] & (o_k[None, :] < DK)
+            m_kv = (o_k[:, None] < DK) & m_v[None, :]
+            S = tl.load(hs_c + o_k[:, None] * DV + o_v[None, :], mask=m_kv, other=0.0).to(ACC)
+            b_q = tl.load(q + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0)
+            b_k = tl.load(k + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0)
+            b_w = tl.load(W + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0).to(ACC)
+            WS += _mm(b_w, S, PS, EMU)
+            QS += _mm(b_q, S, PS, EMU)
+            QK += _mm(b_q, tl.trans(b_k), PREC, EMU)
         b_u = tl.load(U + rows[:, None] * DV + o_v[None, :], mask=m_tv, other=0.0).to(ACC)
-        b_vn = b_u - _mm(b_w, S, PS, EMU)
+        b_vn = b_u - WS
         tl.store(VN + rows[:, None] * DV + o_v[None, :], b_vn.to(VN.dtype.element_ty), mask=m_tv)
-        P = tl.where(causal, _mm(b_q, tl.trans(b_k), PREC, EMU), 0.0)
-        b_o = _mm(b_q, S, PS, EMU) + _mm(P, b_vn, PS, EMU)
+        P = tl.where(causal, QK, 0.0)
+        b_o = QS + _mm(P, b_vn, PS, EMU)
         tl.store(o + rows[:, None] * DV + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
-        S += _mm(tl.trans(b_k), b_vn, PS, EMU)
-    if STORE_HT:
-        tl.store(ht + i_nh.to(tl.int64) * DK * DV + kv_off, S.to(ht.dtype.element_ty), mask=m_kv)
+        for k0 in range(0, DK, BK):
+            o_k = k0 + tl.arange(0, BK)
+            m_tk = m_t[:, None] & (o_k[None, :] < DK)
+            m_kv = (o_k[:, None] < DK) & m_v[None, :]
+            kv_off = o_k[:, None] * DV + o_v[None, :]
+            b_k = tl.load(k + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0)
+            S = tl.load(hs_c + kv_off, mask=m_kv, other=0.0).to(ACC) + _mm(tl.trans(b_k), b_vn, PS, EMU)
+            if c + 1 < NT:
+                tl.store(hs_c + H * DK * DV + kv_off, S.to(Hs.dtype.element_ty), mask=m_kv)
+            elif STORE_HT:
+                tl.store(ht + h0_base + kv_off, S.to(ht.dtype.element_ty), mask=m_kv)
+        tl.debug_barrier()
 
 
 @triton.jit
@@ -287,41 +320,69 @@ def _bwd_state(q, k, W, do, dht, dHs, dVN, dh0, cu_seqlens, chunk_offsets, T, H,
                DK: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, IS_VARLEN: tl.constexpr,
                ACC: tl.constexpr, PREC: tl.constexpr, PS: tl.constexpr, EMU: tl.constexpr):
+    """The reverse recurrence of the state gradient for one block of d_v columns: per chunk, from
+    the gradient dS at its end, dṼ = causal(Q Kᵀ)ᵀ dO + K dS and dS ← dS + Qᵀ dO − Wᵀ dṼ, writing
+    each chunk's end gradient to dHs. Like ``_fwd_state``, dS is read back from dHs in blocks of
+    BK rows instead of being carried in registers."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     n = i_nh // H
     h = i_nh % H
     row0, Tn, coff = _seq_info(cu_seqlens, chunk_offsets, n, h, T, H, C, IS_VARLEN)
-    o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     o_c = tl.arange(0, C)
-    m_kv = (o_k[:, None] < DK) & (o_v[None, :] < DV)
-    kv_off = o_k[:, None] * DV + o_v[None, :]
+    m_v = o_v < DV
     causal = o_c[:, None] >= o_c[None, :]
-    dS = tl.zeros([BK, BV], dtype=ACC)
-    if USE_DHT:
-        dS += tl.load(dht + i_nh.to(tl.int64) * DK * DV + kv_off, mask=m_kv, other=0.0).to(ACC)
     NT = tl.cdiv(Tn, C)
+    s_base = i_nh.to(tl.int64) * DK * DV
+    for k0 in range(0, DK, BK):
+        o_k = k0 + tl.arange(0, BK)
+        m_kv = (o_k[:, None] < DK) & m_v[None, :]
+        kv_off = o_k[:, None] * DV + o_v[None, :]
+        dS0 = tl.zeros([BK, BV], dtype=ACC)
+        if USE_DHT:
+            dS0 += tl.load(dht + s_base + kv_off, mask=m_kv, other=0.0).to(ACC)
+        if NT > 0:
+            tl.store(dHs + ((coff + NT - 1) * H + h) * DK * DV + kv_off, dS0.to(dHs.dtype.element_ty), mask=m_kv)
+        elif STORE_DH0:
+            tl.store(dh0 + s_base + kv_off, dS0.to(dh0.dtype.element_ty), mask=m_kv)
+    tl.debug_barrier()  # dHs is read back by other threads of this program
     for ci in range(NT):
         c = NT - 1 - ci
-        # dS is the gradient of the state at the end of chunk c
-        tl.store(dHs + ((coff + c) * H + h) * DK * DV + kv_off, dS.to(dHs.dtype.element_ty), mask=m_kv)
+        # dHs[c] holds the gradient of the state at the end of chunk c
+        dhs_c = dHs + ((coff + c) * H + h) * DK * DV
         o_t = c * C + o_c
         m_t = o_t < Tn
         rows = row0 + o_t
-        m_tk = m_t[:, None] & (o_k[None, :] < DK)
-        m_tv = m_t[:, None] & (o_v[None, :] < DV)
-        b_q = tl.load(q + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0)
-        b_k = tl.load(k + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0)
-        b_w = tl.load(W + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0).to(ACC)
+        m_tv = m_t[:, None] & m_v[None, :]
+        QK = tl.zeros([C, C], dtype=ACC)
+        KdS = tl.zeros([C, BV], dtype=ACC)
+        for k0 in range(0, DK, BK):
+            o_k = k0 + tl.arange(0, BK)
+            m_tk = m_t[:, None] & (o_k[None, :] < DK)
+            m_kv = (o_k[:, None] < DK) & m_v[None, :]
+            dS = tl.load(dhs_c + o_k[:, None] * DV + o_v[None, :], mask=m_kv, other=0.0).to(ACC)
+            b_q = tl.load(q + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0)
+            b_k = tl.load(k + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0)
+            QK += _mm(b_q, tl.trans(b_k), PREC, EMU)
+            KdS += _mm(b_k, dS, PS, EMU)
         b_do = tl.load(do + rows[:, None] * DV + o_v[None, :], mask=m_tv, other=0.0)
-        P = tl.where(causal, _mm(b_q, tl.trans(b_k), PREC, EMU), 0.0)
-        b_dvn = (_mm(tl.trans(P), b_do, PS, EMU)
-                 + _mm(b_k, dS, PS, EMU))
+        P = tl.where(causal, QK, 0.0)
+        b_dvn = _mm(tl.trans(P), b_do, PS, EMU) + KdS
         tl.store(dVN + rows[:, None] * DV + o_v[None, :], b_dvn.to(dVN.dtype.element_ty), mask=m_tv)
-        dS += (_mm(tl.trans(b_q), b_do, PS, EMU)
-               - _mm(tl.trans(b_w), b_dvn, PS, EMU))
-    if STORE_DH0:
-        tl.store(dh0 + i_nh.to(tl.int64) * DK * DV + kv_off, dS.to(dh0.dtype.element_ty), mask=m_kv)
+        for k0 in range(0, DK, BK):
+            o_k = k0 + tl.arange(0, BK)
+            m_tk = m_t[:, None] & (o_k[None, :] < DK)
+            m_kv = (o_k[:, None] < DK) & m_v[None, :]
+            kv_off = o_k[:, None] * DV + o_v[None, :]
+            b_q = tl.load(q + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0)
+            b_w = tl.load(W + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0).to(ACC)
+            dS = (tl.load(dhs_c + kv_off, mask=m_kv, other=0.0).to(ACC)
+                  + _mm(tl.trans(b_q), b_do, PS, EMU) - _mm(tl.trans(b_w), b_dvn, PS, EMU))
+            if c > 0:
+                tl.store(dhs_c - H * DK * DV + kv_off, dS.to(dHs.dtype.element_ty), mask=m_kv)
+            elif STORE_DH0:
+                tl.store(dh0 + s_base + kv_off, dS.to(dh0.dtype.element_ty), mask=m_kv)
+        tl.debug_barrier()
 
 
 @triton.jit
@@ -385,9 +446,7 @@ def _bwd_wy(k, v, beta, Tm, dVN, dk_part, dw, dk, dv, dbeta,
     o_t = c * C + tl.arange(0, C)
     m_t = o_t < Tn
     rows = row0 + o_t
-    o_k = tl.arange(0, BK)
     o_c = tl.arange(0, C)
-    m_tk = m_t[:, None] & (o_k[None, :] < DK)
     b_b = tl.load(beta + rows, mask=m_t, other=0.0).to(ACC)
     X = tl.load(Tm + rows[:, None] * C + o_c[None, :], mask=m_t[:, None], other=0.0)
     dX = tl.zeros([C, C], dtype=ACC)
@@ -402,22 +461,30 @@ def _bwd_wy(k, v, beta, Tm, dVN, dk_part, dw, dk, dv, dbeta,
         b_dvb = _mm(tl.trans(X), b_du, PS, EMU)
         tl.store(dv + rows[:, None] * DV + o_v[None, :], (b_b[:, None] * b_dvb).to(dv.dtype.element_ty), mask=m_tv)
         b_db += tl.sum(b_dvb * b_v, 1)
-    # W = T (βK)
-    b_k = tl.load(k + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0)
-    b_dw = tl.load(dw + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0)
-    dX += _mm(b_dw, tl.trans(b_b[:, None] * b_k.to(ACC)), PS, EMU)
-    b_dkb = _mm(tl.trans(X), b_dw, PS, EMU)
-    b_db += tl.sum(b_dkb * b_k.to(ACC), 1)
-    b_dk = b_b[:, None] * b_dkb
+    # W = T (βK) and G = K Kᵀ: products over d_k, summed over blocks of BK columns of K
+    G = tl.zeros([C, C], dtype=ACC)
+    for k0 in range(0, DK, BK):
+        o_k = k0 + tl.arange(0, BK)
+        m_tk = m_t[:, None] & (o_k[None, :] < DK)
+        b_k = tl.load(k + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0)
+        b_dw = tl.load(dw + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0)
+        dX += _mm(b_dw, tl.trans(b_b[:, None] * b_k.to(ACC)), PS, EMU)
+        b_db += tl.sum(_mm(tl.trans(X), b_dw, PS, EMU) * b_k.to(ACC), 1)
+        G += _mm(b_k, tl.trans(b_k), PREC, EMU)
     # T = (I + L)⁻¹  ⇒  dL = −Tᵀ dT Tᵀ, kept on the strictly lower part where L lives
     dL = _mm(_mm(tl.trans(X), dX, PS, EMU), tl.trans(X), PS, EMU)
     dL = tl.where(o_c[:, None] > o_c[None, :], -dL, 0.0)
-    G = _mm(b_k, tl.trans(b_k), PREC, EMU)
     b_db += tl.sum(dL * G, 1)
     dG = b_b[:, None] * dL
-    b_dk += _mm(dG, b_k, PS, EMU) + _mm(tl.trans(dG), b_k, PS, EMU)
-    b_dk += tl.load(dk_part + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0)
-    tl.store(dk + rows[:, None] * DK + o_k[None, :], b_dk.to(dk.dtype.element_ty), mask=m_tk)
+    for k0 in range(0, DK, BK):
+        o_k = k0 + tl.arange(0, BK)
+        m_tk = m_t[:, None] & (o_k[None, :] < DK)
+        b_k = tl.load(k + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0)
+        b_dw = tl.load(dw + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0)
+        b_dk = (b_b[:, None] * _mm(tl.trans(X), b_dw, PS, EMU)
+                + _mm(dG, b_k, PS, EMU) + _mm(tl.trans(dG), b_k, PS, EMU))
+        b_dk += tl.load(dk_part + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0)
+        tl.store(dk + rows[:, None] * DK + o_k[None, :], b_dk.to(dk.dtype.element_ty), mask=m_tk)
     tl.store(dbeta + rows, b_db.to(dbeta.dtype.element_ty), mask=m_t)
 
 
@@ -449,6 +516,9 @@ def _acc_dtype(x: torch.Tensor) -> torch.dtype:
 STATE_TILE = 64 * 32
 #: widest d_v block one program holds
 BV_MAX = 64
+#: the d_k block of ``_fwd_state`` and ``_bwd_state`` (rows of the state read back at a time) and
+#: of ``_bwd_wy`` (columns of K): their products over d_k are summed over blocks of this size
+BKS_MAX = 32
 
 _TL = {torch.float32: tl.float32, torch.float64: tl.float64}
 _IN_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -470,13 +540,17 @@ def launch_meta(DK: int, DV: int, dtype: torch.dtype, arch: int = INTERPRET_ARCH
     backward kernels spilled 0.1–8 KB at C = 64 and none at C = 32 (8 warps), the [C, C] and
     [C, d_k] tiles being what overflows. float32 inputs (TF32×3 products hold three operand
     splits) take C = 16 with 4 warps; on sm_80 the state kernels also need BV = 16 and 8 warps.
+    At d = 128 float32, ``_fwd_state``, ``_bwd_state`` and ``_bwd_wy`` spilled 0.2–7 KB with every
+    BV and warp count tried while they held [C, d_k] operands (each warp holds a 16-row left
+    operand whole) and the [d_k, BV] state in registers; they now sum over d_k in blocks of
+    ``BKS`` = 32 rows (the state read back from Hs / dHs), and nothing spills.
     ``_wy_fwd`` (W, U by column blocks) spilled 32 B on sm_90 at C = 32 with 64-wide blocks and
     takes 32-wide ones there."""
     BK = _pow2(DK)
     BV = min(_pow2(DV), BV_MAX, max(16, STATE_TILE // BK))
     half = dtype in (torch.bfloat16, torch.float16)
     small = BK <= 64 and _pow2(DV) <= 64
-    mt = dict(BK=BK, BV=BV, PREC=_PREC[dtype], PS=_PREC_SOLVE[dtype], stages=1)
+    mt = dict(BK=BK, BV=BV, BKS=min(BK, BKS_MAX), PREC=_PREC[dtype], PS=_PREC_SOLVE[dtype], stages=1)
     if half and arch >= 90 and small:
         mt.update(C=64, BKW=min(BK, 64), BVW=min(_pow2(DV), 64),
                   warps_inv=4, warps_wy=8, warps_state=8, warps_chunk=8)
@@ -530,7 +604,7 @@ def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tenso
             k, v, beta, Tm, W, U, cu, chunk_offsets, chunk_indices, T, H, DK=DK, DV=DV, BK=BKW, BV=BVW,
             PS=mt["PS"], num_warps=mt["warps_wy"], **common)
     _fwd_state[(NV, N * H)](q, k, W, U, Hs, VN, o, h0, ht, cu, chunk_offsets, T, H,
-                            DK=DK, DV=DV, BK=BK, BV=BV, USE_H0=h0 is not None, STORE_HT=ht is not None,
+                            DK=DK, DV=DV, BK=mt["BKS"], BV=BV, USE_H0=h0 is not None, STORE_HT=ht is not None,
                             PREC=mt["PREC"], PS=mt["PS"], num_warps=mt["warps_state"], **common)
     if ht is None:
         ht = o.new_empty(0, dtype=acc)
@@ -577,7 +651,7 @@ def _bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tenso
     dVN = torch.empty_like(VN)
     dh0 = torch.empty(N, H, DK, DV, dtype=Hs.dtype, device=k.device) if has_h0 else None
     _bwd_state[(NV, N * H)](q, k, W, do, dht, dHs, dVN, dh0, cu, chunk_offsets, T, H,
-                            DK=DK, DV=DV, BK=BK, BV=BV, USE_DHT=dht is not None, STORE_DH0=has_h0,
+                            DK=DK, DV=DV, BK=mt["BKS"], BV=BV, USE_DHT=dht is not None, STORE_DH0=has_h0,
                             PREC=mt["PREC"], PS=mt["PS"], num_warps=mt["warps_state"], **common)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dbeta = torch.empty_like(beta)
@@ -589,7 +663,7 @@ def _bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tenso
                           DK=DK, DV=DV, BK=BK, BV=BV, PREC=mt["PREC"], PS=mt["PS"],
                           num_warps=mt["warps_chunk"], **common)
         _bwd_wy[(NC, H)](k, v, beta, Tm, dVN, dk_part, dw, dk, dv, dbeta, cu, chunk_offsets, chunk_indices,
-                         T, H, DK=DK, DV=DV, BK=BK, BV=BV, PREC=mt["PREC"], PS=mt["PS"],
+                         T, H, DK=DK, DV=DV, BK=mt["BKS"], BV=BV, PREC=mt["PREC"], PS=mt["PS"],
                          num_warps=mt["warps_chunk"], **common)
     dh0 = dh0.to(h0_dtype) if dh0 is not None else q.new_empty(0)
     return dq, dk, dv, dbeta, dh0

@@ -43,10 +43,10 @@ def _launches(arch: int, dt: str, tdt: torch.dtype, d: int) -> List[dict]:
         (chunk._wy_fwd, {**io("k", "v", "beta"), **acc("Tm", "W", "U"), **ints},
          dict(base, chunk_indices=None, DK=d, DV=d, BK=mt["BKW"], BV=mt["BVW"], PS=mt["PS"]), mt["warps_wy"]),
         (chunk._fwd_state, {**io("q", "k", "o"), **acc("W", "U", "Hs", "VN", "h0", "ht"), **ints},
-         dict(base, DK=d, DV=d, BK=mt["BK"], BV=mt["BV"], USE_H0=True, STORE_HT=True,
+         dict(base, DK=d, DV=d, BK=mt["BKS"], BV=mt["BV"], USE_H0=True, STORE_HT=True,
               PREC=mt["PREC"], PS=mt["PS"]), mt["warps_state"]),
         (chunk._bwd_state, {**io("q", "k", "do"), **acc("W", "dht", "dHs", "dVN", "dh0"), **ints},
-         dict(base, DK=d, DV=d, BK=mt["BK"], BV=mt["BV"], USE_DHT=True, STORE_DH0=True,
+         dict(base, DK=d, DV=d, BK=mt["BKS"], BV=mt["BV"], USE_DHT=True, STORE_DH0=True,
               PREC=mt["PREC"], PS=mt["PS"]), mt["warps_state"]),
         (chunk._bwd_dqk, {**io("q", "k", "do", "dq"), **acc("VN", "dVN", "Hs", "dHs", "dk_part", "dw"),
                           **ints},
@@ -54,7 +54,7 @@ def _launches(arch: int, dt: str, tdt: torch.dtype, d: int) -> List[dict]:
               PS=mt["PS"]), mt["warps_chunk"]),
         (chunk._bwd_wy, {**io("k", "v", "beta", "dk", "dv", "dbeta"), **acc("Tm", "dVN", "dk_part", "dw"),
                          **ints},
-         dict(base, chunk_indices=None, DK=d, DV=d, BK=mt["BK"], BV=mt["BV"], PREC=mt["PREC"],
+         dict(base, chunk_indices=None, DK=d, DV=d, BK=mt["BKS"], BV=mt["BV"], PREC=mt["PREC"],
               PS=mt["PS"]), mt["warps_chunk"]),
     ]
     out = []

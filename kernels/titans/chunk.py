@@ -12,14 +12,34 @@ a = e^A, b = e^B, c = L_b a and D = L_b L_a (see ``torch_chunk.py``), one chunk 
     M_C = b_C M₀ + c_C S₀ − kᵀ diag(D[C, :] θ) δ
     S_C = a_C S₀ − kᵀ diag(e^{A_C − A} θ) δ
 
-Every term is a [C, C] or [C, d] tile product (``tl.dot``). One program per (batch·head, block of
-d_v columns) walks the chunks with (M, S) in registers; the columns of M are independent (δ, O
-and the updates act column-wise), so splitting d_v needs no communication. The forward stores
-each chunk's starting (M, S); the backward sweeps the chunks in reverse, recomputes the chunk
-from them and carries (∂M, ∂S). Gradients of q, k, θ, log η, log(1 − α) sum over the d_v blocks
-and are reduced afterwards.
+Every term is a [C, C] or [C, d] tile product (``tl.dot``). The columns of M are independent
+(momentum and decay act elementwise on the memory, δ, O and the updates column-wise), so d_v is
+split into blocks with no communication; every product over d_k is summed over blocks of BK
+rows of the memory (BK columns of q, k), so no program holds a [C, d_k] operand or a [d_k, d_v]
+tile whole. Five kernels:
 
-Coverage: the kernel runs chunks counted from its first token (offset ≡ 0 mod C), a trailing
+* ``_titans_fwd_state_kernel``: one program per (block of d_v columns, batch·head) walks the
+  chunks and stores each chunk's starting (M, S) and the final ones, reading each chunk's (M, S)
+  back from what it stored (cache-resident) instead of carrying them in registers;
+* ``_titans_fwd_kernel``: one program per (chunk, d_v block, batch·head) computes the chunk's O
+  from its stored (M₀, S₀);
+* ``_titans_bwd_state_kernel``: one program per (d_v block, batch·head) sweeps the chunks in
+  reverse and stores the gradients (∂M_C, ∂S_C) at each chunk's end; this needs only q, k, ∂O
+  and the gates (∂δ = −Pᵀ ∂O − diag(u) k ∂M_C − diag(w) k ∂S_C does not involve M₀);
+* ``_titans_bwd_kernel``: one program per (chunk, d_v block, batch·head) recomputes the chunk
+  from its (M₀, S₀) and (∂M_C, ∂S_C) and writes the gradients of q, k, v (those of q, k as partial
+  sums over its d_v block) and the partial sums the gate gradients are linear in;
+* ``_titans_bwd_gates_kernel``: one program per (chunk, batch·head) turns those, summed over the
+  d_v blocks, into the gradients of θ, log η, log(1 − α).
+
+The chunk-parallel kernels fill the GPU with B·H·N·(d_v / BV) programs. Tiles and warps come
+from ``launch_meta`` per GPU family (the compile gate checks each family's choice).
+
+Precision: every tile is loaded into float32 (float64 for float64 inputs); ``tl.dot`` runs TF32
+products for bfloat16/float16 inputs (their own rounding, 2^-9, exceeds TF32's), TF32×3 (about
+float32 accuracy) for float32 inputs, IEEE for float64; accumulation is float32 (float64).
+
+Coverage: the kernels run chunks counted from its first token (offset ≡ 0 mod C), a trailing
 partial chunk included, for any C: a chunk sits in a tile of max(16, 2^⌈log₂ C⌉) rows and the
 rows past the chunk or past T are masked (θ = 0, zero inputs, their rows of L_a and a zeroed,
 which makes them exact no-ops for the chunk's final state). A call that starts
@@ -34,7 +54,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton_utils import check_triton_device
+from kernels._triton_utils import INTERPRET_ARCH, check_triton_device, device_arch
 from kernels.titans.reference import _acc, _initial, check_titans_inputs
 from kernels.titans.torch_chunk import titans_linear_chunk_torch
 
@@ -71,168 +91,383 @@ def _chunk_coefs(th_ptr, le_ptr, lk_ptr, base_g, n, T, C, BC: tl.constexpr, ACC:
 
 
 @triton.jit
-def _titans_fwd_kernel(q_ptr, k_ptr, v_ptr, th_ptr, le_ptr, lk_ptr, M0_ptr, S0_ptr,
-                       y_ptr, Mst_ptr, Sst_ptr, MT_ptr, ST_ptr,
-                       T, N, DK, DV, C,
-                       BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                       ACC: tl.constexpr, PREC: tl.constexpr):
+def _titans_fwd_state_kernel(k_ptr, v_ptr, th_ptr, le_ptr, lk_ptr, M0_ptr, S0_ptr,
+                             Mst_ptr, Sst_ptr, MT_ptr, ST_ptr,
+                             T, N, DK, DV, C,
+                             BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                             ACC: tl.constexpr, PREC: tl.constexpr):
+    """The serial half of the forward: one program per (block of d_v columns, batch·head) walks the
+    chunks and writes each chunk's starting (M, S) and the final ones,
+
+        M_C = b_C M₀ + c_C S₀ − kᵀ diag(D[C, :] θ) δ,   S_C = a_C S₀ − kᵀ diag(e^{A_C − A} θ) δ.
+
+    The memory is not held in registers: each chunk reads its (M₀, S₀) back from the stored
+    chunk-start states (cache-resident, written by this program) in blocks of BK rows, first to sum
+    δ = 2(k M₀ − v) over d_k, then to write the next chunk's (M, S) block by block."""
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1)
-    ok = tl.arange(0, BK)
     ov = i_v * BV + tl.arange(0, BV)
-    mk = ok < DK
     mv = ov < DV
-    mkv = mk[:, None] & mv[None, :]
-    st_off = ok[:, None] * DV + ov[None, :]
     base_s = i_bh.to(tl.int64) * DK * DV
-    M = tl.load(M0_ptr + base_s + st_off, mask=mkv, other=0.).to(ACC)
-    S = tl.load(S0_ptr + base_s + st_off, mask=mkv, other=0.).to(ACC)
     base_g = i_bh.to(tl.int64) * T
+    base_0 = i_bh.to(tl.int64) * N * DK * DV
+    for k0 in range(0, DK, BK):
+        ok = k0 + tl.arange(0, BK)
+        mkv = (ok < DK)[:, None] & mv[None, :]
+        off = ok[:, None] * DV + ov[None, :]
+        tl.store(Mst_ptr + base_0 + off, tl.load(M0_ptr + base_s + off, mask=mkv, other=0.).to(
+            Mst_ptr.dtype.element_ty), mask=mkv)
+        tl.store(Sst_ptr + base_0 + off, tl.load(S0_ptr + base_s + off, mask=mkv, other=0.).to(
+            Sst_ptr.dtype.element_ty), mask=mkv)
+    tl.debug_barrier()  # the stores are read back by other threads of the program
     for n in range(N):
-        base_n = (i_bh.to(tl.int64) * N + n) * DK * DV
-        tl.store(Mst_ptr + base_n + st_off, M.to(Mst_ptr.dtype.element_ty), mask=mkv)
-        tl.store(Sst_ptr + base_n + st_off, S.to(Sst_ptr.dtype.element_ty), mask=mkv)
+        base_n = base_0 + n * DK * DV
         th, le_raw, lk_raw, t, mt, low, La, Lb, a, b, A_L, B_L, La_last, Lb_last = _chunk_coefs(
             th_ptr, le_ptr, lk_ptr, base_g, n, T, C, BC, ACC)
         rows = (base_g + t)[:, None]
-        q = tl.load(q_ptr + rows * DK + ok[None, :], mask=mt[:, None] & mk[None, :], other=0.).to(ACC)
-        k = tl.load(k_ptr + rows * DK + ok[None, :], mask=mt[:, None] & mk[None, :], other=0.).to(ACC)
+        kM = tl.zeros([BC, BV], dtype=ACC)
+        for k0 in range(0, DK, BK):
+            ok = k0 + tl.arange(0, BK)
+            mk = ok < DK
+            k = tl.load(k_ptr + rows * DK + ok[None, :], mask=mt[:, None] & mk[None, :], other=0.).to(ACC)
+            M = tl.load(Mst_ptr + base_n + ok[:, None] * DV + ov[None, :], mask=mk[:, None] & mv[None, :],
+                        other=0.).to(ACC)
+            kM += tl.dot(k, M, input_precision=PREC)
         v = tl.load(v_ptr + rows * DV + ov[None, :], mask=mt[:, None] & mv[None, :], other=0.).to(ACC)
-
-        D = tl.dot(Lb, La, input_precision=PREC)
-        c = tl.sum(Lb * a[None, :], 1)
-        P = tl.dot(q, tl.trans(k), input_precision=PREC) * D * th[None, :]
-        delta = 2. * (tl.dot(k, M, input_precision=PREC) - v)
-        y = (b[:, None] * tl.dot(q, M, input_precision=PREC) + c[:, None] * tl.dot(q, S, input_precision=PREC)
-             - tl.dot(P, delta, input_precision=PREC))
-        tl.store(y_ptr + rows * DV + ov[None, :], y.to(y_ptr.dtype.element_ty), mask=mt[:, None] & mv[None, :])
-
-        D_last = tl.sum(Lb_last[:, None] * La, 0)
-        u = D_last * th
+        delta = 2. * (kM - v)
+        u = tl.sum(Lb_last[:, None] * La, 0) * th
         w = La_last * th
         c_L = tl.sum(Lb_last * a, 0)
-        kt = tl.trans(k)
-        M_new = (tl.exp(B_L) * M + c_L * S - tl.dot(kt, u[:, None] * delta, input_precision=PREC))
-        S = tl.exp(A_L) * S - tl.dot(kt, w[:, None] * delta, input_precision=PREC)
-        M = M_new
-    tl.store(MT_ptr + base_s + st_off, M.to(MT_ptr.dtype.element_ty), mask=mkv)
-    tl.store(ST_ptr + base_s + st_off, S.to(ST_ptr.dtype.element_ty), mask=mkv)
+        u_delta = u[:, None] * delta
+        w_delta = w[:, None] * delta
+        for k0 in range(0, DK, BK):
+            ok = k0 + tl.arange(0, BK)
+            mk = ok < DK
+            mkv = mk[:, None] & mv[None, :]
+            off = ok[:, None] * DV + ov[None, :]
+            k = tl.load(k_ptr + rows * DK + ok[None, :], mask=mt[:, None] & mk[None, :], other=0.).to(ACC)
+            M = tl.load(Mst_ptr + base_n + off, mask=mkv, other=0.).to(ACC)
+            S = tl.load(Sst_ptr + base_n + off, mask=mkv, other=0.).to(ACC)
+            kt = tl.trans(k)
+            M_new = tl.exp(B_L) * M + c_L * S - tl.dot(kt, u_delta, input_precision=PREC)
+            S_new = tl.exp(A_L) * S - tl.dot(kt, w_delta, input_precision=PREC)
+            if n + 1 < N:
+                tl.store(Mst_ptr + base_n + DK * DV + off, M_new.to(Mst_ptr.dtype.element_ty), mask=mkv)
+                tl.store(Sst_ptr + base_n + DK * DV + off, S_new.to(Sst_ptr.dtype.element_ty), mask=mkv)
+            else:
+                tl.store(MT_ptr + base_s + off, M_new.to(MT_ptr.dtype.element_ty), mask=mkv)
+                tl.store(ST_ptr + base_s + off, S_new.to(ST_ptr.dtype.element_ty), mask=mkv)
+        tl.debug_barrier()
 
 
 @triton.jit
-def _titans_bwd_kernel(q_ptr, k_ptr, v_ptr, th_ptr, le_ptr, lk_ptr, Mst_ptr, Sst_ptr,
-                       dy_ptr, dMT_ptr, dST_ptr, dMh_ptr,
-                       dq_ptr, dk_ptr, dv_ptr, dth_ptr, dle_ptr, dlk_ptr, dM0_ptr, dS0_ptr,
-                       T, N, DK, DV, BH, C,
+def _titans_fwd_kernel(q_ptr, k_ptr, v_ptr, th_ptr, le_ptr, lk_ptr, Mst_ptr, Sst_ptr, y_ptr,
+                       T, N, DK, DV, C,
                        BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                        ACC: tl.constexpr, PREC: tl.constexpr):
+    """The chunk-parallel half of the forward: one program per (chunk, block of d_v columns,
+    batch·head) reads the chunk's starting (M₀, S₀) and writes
+    O = diag(b) q M₀ + diag(c) q S₀ − [(q kᵀ) ∘ D diag(θ)] δ. The products over d_k are summed
+    over blocks of BK rows of M₀, S₀ (BK columns of q, k), so no [C, d_k] operand is held whole."""
+    n = tl.program_id(0)
+    i_v = tl.program_id(1)
+    i_bh = tl.program_id(2)
+    ov = i_v * BV + tl.arange(0, BV)
+    mv = ov < DV
+    base_g = i_bh.to(tl.int64) * T
+    base_n = (i_bh.to(tl.int64) * N + n) * DK * DV
+    th, le_raw, lk_raw, t, mt, low, La, Lb, a, b, A_L, B_L, La_last, Lb_last = _chunk_coefs(
+        th_ptr, le_ptr, lk_ptr, base_g, n, T, C, BC, ACC)
+    rows = (base_g + t)[:, None]
+    c = tl.sum(Lb * a[None, :], 1)
+    Qk = tl.zeros([BC, BC], dtype=ACC)
+    kM = tl.zeros([BC, BV], dtype=ACC)
+    y = tl.zeros([BC, BV], dtype=ACC)
+    for k0 in range(0, DK, BK):
+        ok = k0 + tl.arange(0, BK)
+        mk = ok < DK
+        mtk = mt[:, None] & mk[None, :]
+        mkv = mk[:, None] & mv[None, :]
+        q = tl.load(q_ptr + rows * DK + ok[None, :], mask=mtk, other=0.).to(ACC)
+        k = tl.load(k_ptr + rows * DK + ok[None, :], mask=mtk, other=0.).to(ACC)
+        st = base_n + ok[:, None] * DV + ov[None, :]
+        M = tl.load(Mst_ptr + st, mask=mkv, other=0.).to(ACC)
+        S = tl.load(Sst_ptr + st, mask=mkv, other=0.).to(ACC)
+        Qk += tl.dot(q, tl.trans(k), input_precision=PREC)
+        kM += tl.dot(k, M, input_precision=PREC)
+        y += b[:, None] * tl.dot(q, M, input_precision=PREC) + c[:, None] * tl.dot(q, S, input_precision=PREC)
+    D = tl.dot(Lb, La, input_precision=PREC)
+    P = Qk * D * th[None, :]
+    v = tl.load(v_ptr + rows * DV + ov[None, :], mask=mt[:, None] & mv[None, :], other=0.).to(ACC)
+    y -= tl.dot(P, 2. * (kM - v), input_precision=PREC)
+    tl.store(y_ptr + rows * DV + ov[None, :], y.to(y_ptr.dtype.element_ty), mask=mt[:, None] & mv[None, :])
+
+
+@triton.jit
+def _titans_bwd_state_kernel(q_ptr, k_ptr, th_ptr, le_ptr, lk_ptr, dy_ptr, dMT_ptr, dST_ptr, dMh_ptr,
+                             dMst_ptr, dSst_ptr, dM0_ptr, dS0_ptr,
+                             T, N, DK, DV, C,
+                             BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                             ACC: tl.constexpr, PREC: tl.constexpr):
+    """The serial half of the backward: one program per (block of d_v columns, batch·head) sweeps
+    the chunks in reverse and writes, per chunk, the gradients (∂M_C, ∂S_C) at its end (what the
+    chunk-parallel ``_titans_bwd_kernel`` reads), and (∂M₀, ∂S₀) of the call. Through one chunk
+    (∂δ needs no M₀: δ enters the chunk's outputs linearly)
+
+        ∂δ  = −Pᵀ ∂O − diag(u) k ∂M_C − diag(w) k ∂S_C,   u = D[C, :] θ, w = e^{A_C − A} θ
+        ∂M₀ = 2 kᵀ ∂δ + qᵀ diag(b) ∂O + b_C ∂M_C,   ∂S₀ = qᵀ diag(c) ∂O + c_C ∂M_C + a_C ∂S_C.
+
+    As in the forward, (∂M_C, ∂S_C) are read back from what this program stored, in blocks of BK
+    rows: once to sum k ∂M_C, k ∂S_C and q kᵀ over d_k, once to write the previous chunk's."""
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1)
-    oc = tl.arange(0, BC)
-    ok = tl.arange(0, BK)
     ov = i_v * BV + tl.arange(0, BV)
-    mk = ok < DK
     mv = ov < DV
-    mkv = mk[:, None] & mv[None, :]
-    st_off = ok[:, None] * DV + ov[None, :]
     base_s = i_bh.to(tl.int64) * DK * DV
-    dM = tl.load(dMT_ptr + base_s + st_off, mask=mkv, other=0.).to(ACC)
-    dS = tl.load(dST_ptr + base_s + st_off, mask=mkv, other=0.).to(ACC)
     base_g = i_bh.to(tl.int64) * T
-    # per-d_v-block partial sums of the gradients shared by all columns
-    base_p = (i_v.to(tl.int64) * BH + i_bh) * T
+    base_0 = i_bh.to(tl.int64) * N * DK * DV
+    for k0 in range(0, DK, BK):
+        ok = k0 + tl.arange(0, BK)
+        mkv = (ok < DK)[:, None] & mv[None, :]
+        off = ok[:, None] * DV + ov[None, :]
+        base_l = base_0 + (N - 1) * DK * DV
+        tl.store(dMst_ptr + base_l + off, tl.load(dMT_ptr + base_s + off, mask=mkv, other=0.).to(
+            dMst_ptr.dtype.element_ty), mask=mkv)
+        tl.store(dSst_ptr + base_l + off, tl.load(dST_ptr + base_s + off, mask=mkv, other=0.).to(
+            dSst_ptr.dtype.element_ty), mask=mkv)
+    tl.debug_barrier()  # the stores are read back by other threads of the program
     for i in range(N):
         n = N - 1 - i
-        base_n = (i_bh.to(tl.int64) * N + n) * DK * DV
-        M = tl.load(Mst_ptr + base_n + st_off, mask=mkv, other=0.).to(ACC)
-        S = tl.load(Sst_ptr + base_n + st_off, mask=mkv, other=0.).to(ACC)
+        base_n = base_0 + n * DK * DV
         th, le_raw, lk_raw, t, mt, low, La, Lb, a, b, A_L, B_L, La_last, Lb_last = _chunk_coefs(
             th_ptr, le_ptr, lk_ptr, base_g, n, T, C, BC, ACC)
         rows = (base_g + t)[:, None]
-        mtk = mt[:, None] & mk[None, :]
-        mtv = mt[:, None] & mv[None, :]
-        q = tl.load(q_ptr + rows * DK + ok[None, :], mask=mtk, other=0.).to(ACC)
-        k = tl.load(k_ptr + rows * DK + ok[None, :], mask=mtk, other=0.).to(ACC)
-        v = tl.load(v_ptr + rows * DV + ov[None, :], mask=mtv, other=0.).to(ACC)
-        dy = tl.load(dy_ptr + rows * DV + ov[None, :], mask=mtv, other=0.).to(ACC)
-
-        # recompute the chunk's forward
-        D = tl.dot(Lb, La, input_precision=PREC)
-        Dth = D * th[None, :]
-        Qk = tl.dot(q, tl.trans(k), input_precision=PREC)
-        P = Qk * Dth
-        delta = 2. * (tl.dot(k, M, input_precision=PREC) - v)
-        D_last = tl.sum(Lb_last[:, None] * La, 0)
-        u = D_last * th
+        Qk = tl.zeros([BC, BC], dtype=ACC)
+        kdM = tl.zeros([BC, BV], dtype=ACC)
+        kdS = tl.zeros([BC, BV], dtype=ACC)
+        for k0 in range(0, DK, BK):
+            ok = k0 + tl.arange(0, BK)
+            mk = ok < DK
+            mtk = mt[:, None] & mk[None, :]
+            mkv = mk[:, None] & mv[None, :]
+            off = ok[:, None] * DV + ov[None, :]
+            q = tl.load(q_ptr + rows * DK + ok[None, :], mask=mtk, other=0.).to(ACC)
+            k = tl.load(k_ptr + rows * DK + ok[None, :], mask=mtk, other=0.).to(ACC)
+            dM = tl.load(dMst_ptr + base_n + off, mask=mkv, other=0.).to(ACC)
+            dS = tl.load(dSst_ptr + base_n + off, mask=mkv, other=0.).to(ACC)
+            Qk += tl.dot(q, tl.trans(k), input_precision=PREC)
+            kdM += tl.dot(k, dM, input_precision=PREC)
+            kdS += tl.dot(k, dS, input_precision=PREC)
+        dy = tl.load(dy_ptr + rows * DV + ov[None, :], mask=mt[:, None] & mv[None, :], other=0.).to(ACC)
+        P = Qk * tl.dot(Lb, La, input_precision=PREC) * th[None, :]
+        u = tl.sum(Lb_last[:, None] * La, 0) * th
         w = La_last * th
         c = tl.sum(Lb * a[None, :], 1)
         c_L = tl.sum(Lb_last * a, 0)
-        a_L = tl.exp(A_L)
-        b_L = tl.exp(B_L)
+        ddelta2 = 2. * (-tl.dot(tl.trans(P), dy, input_precision=PREC)
+                        - u[:, None] * kdM - w[:, None] * kdS)
+        b_dy = b[:, None] * dy
+        c_dy = c[:, None] * dy
+        for k0 in range(0, DK, BK):
+            ok = k0 + tl.arange(0, BK)
+            mk = ok < DK
+            mtk = mt[:, None] & mk[None, :]
+            mkv = mk[:, None] & mv[None, :]
+            off = ok[:, None] * DV + ov[None, :]
+            qt = tl.trans(tl.load(q_ptr + rows * DK + ok[None, :], mask=mtk, other=0.).to(ACC))
+            kt = tl.trans(tl.load(k_ptr + rows * DK + ok[None, :], mask=mtk, other=0.).to(ACC))
+            dM = tl.load(dMst_ptr + base_n + off, mask=mkv, other=0.).to(ACC)
+            dS = tl.load(dSst_ptr + base_n + off, mask=mkv, other=0.).to(ACC)
+            dM_new = (tl.dot(kt, ddelta2, input_precision=PREC) + tl.dot(qt, b_dy, input_precision=PREC)
+                      + tl.exp(B_L) * dM)
+            dS_new = tl.dot(qt, c_dy, input_precision=PREC) + c_L * dM + tl.exp(A_L) * dS
+            if n == N - 1:
+                # the returned anchor M̂ is the memory at the start of the last (partial) chunk
+                dM_new += tl.load(dMh_ptr + base_s + off, mask=mkv, other=0.).to(ACC)
+            if n > 0:
+                tl.store(dMst_ptr + base_n - DK * DV + off, dM_new.to(dMst_ptr.dtype.element_ty), mask=mkv)
+                tl.store(dSst_ptr + base_n - DK * DV + off, dS_new.to(dSst_ptr.dtype.element_ty), mask=mkv)
+            else:
+                tl.store(dM0_ptr + base_s + off, dM_new.to(dM0_ptr.dtype.element_ty), mask=mkv)
+                tl.store(dS0_ptr + base_s + off, dS_new.to(dS0_ptr.dtype.element_ty), mask=mkv)
+        tl.debug_barrier()
 
-        # tile gradients
-        kdM = tl.dot(k, dM, input_precision=PREC)
-        kdS = tl.dot(k, dS, input_precision=PREC)
-        ddelta = (-tl.dot(tl.trans(P), dy, input_precision=PREC)
-                  - u[:, None] * kdM - w[:, None] * kdS)
-        dP = tl.where(low, -tl.dot(dy, tl.trans(delta), input_precision=PREC), 0.)
-        du = -tl.sum(kdM * delta, 1)
-        dw = -tl.sum(kdS * delta, 1)
-        dQk = dP * Dth
-        dDth = dP * Qk
+
+@triton.jit
+def _titans_bwd_kernel(q_ptr, k_ptr, v_ptr, th_ptr, le_ptr, lk_ptr, Mst_ptr, Sst_ptr, dMst_ptr, dSst_ptr,
+                       dy_ptr, dq_ptr, dk_ptr, dv_ptr, gD_ptr, gv_ptr,
+                       T, N, DK, DV, BH, C,
+                       BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                       ACC: tl.constexpr, PREC: tl.constexpr):
+    """The chunk-parallel half of the backward: one program per (chunk, block of d_v columns,
+    batch·head) reads the chunk's starting (M₀, S₀) and the gradients (∂M_C, ∂S_C) at its end,
+    recomputes the chunk and writes the gradients of its q, k and v (those of q and k as partial
+    sums over its d_v columns) and, as partial sums too, what the gate gradients are linear in:
+    the tile ∂(D diag θ) = ∂P ∘ (q kᵀ), ∂u, ∂w, ∂b, ∂c and ∂b_C, ∂c_C, ∂a_C
+    (``_titans_bwd_gates_kernel`` finishes them once summed over the d_v blocks).
+
+    Two passes over blocks of BK rows of the memory tiles (BK columns of q, k): the first sums
+    the products over d_k (q kᵀ, k M₀, q M₀, q S₀, k ∂M_C, k ∂S_C), the second writes ∂q, ∂k block
+    by block, so no [C, d_k] operand or [d_k, BV] tile is held whole."""
+    n = tl.program_id(0)
+    i_v = tl.program_id(1)
+    i_bh = tl.program_id(2)
+    oc = tl.arange(0, BC)
+    ov = i_v * BV + tl.arange(0, BV)
+    mv = ov < DV
+    base_g = i_bh.to(tl.int64) * T
+    base_n = (i_bh.to(tl.int64) * N + n) * DK * DV
+    # per-d_v-block partial sums of the gradients shared by all columns
+    base_p = (i_v.to(tl.int64) * BH + i_bh) * T
+    th, le_raw, lk_raw, t, mt, low, La, Lb, a, b, A_L, B_L, La_last, Lb_last = _chunk_coefs(
+        th_ptr, le_ptr, lk_ptr, base_g, n, T, C, BC, ACC)
+    rows = (base_g + t)[:, None]
+    mtv = mt[:, None] & mv[None, :]
+
+    # pass 1: products over d_k
+    Qk = tl.zeros([BC, BC], dtype=ACC)
+    kM = tl.zeros([BC, BV], dtype=ACC)
+    qM = tl.zeros([BC, BV], dtype=ACC)
+    qS = tl.zeros([BC, BV], dtype=ACC)
+    kdM = tl.zeros([BC, BV], dtype=ACC)
+    kdS = tl.zeros([BC, BV], dtype=ACC)
+    db_L = tl.zeros([BV], dtype=ACC)
+    dc_L = tl.zeros([BV], dtype=ACC)
+    da_L = tl.zeros([BV], dtype=ACC)
+    for k0 in range(0, DK, BK):
+        ok = k0 + tl.arange(0, BK)
+        mk = ok < DK
+        mtk = mt[:, None] & mk[None, :]
+        mkv = mk[:, None] & mv[None, :]
+        q = tl.load(q_ptr + rows * DK + ok[None, :], mask=mtk, other=0.).to(ACC)
+        k = tl.load(k_ptr + rows * DK + ok[None, :], mask=mtk, other=0.).to(ACC)
+        st = base_n + ok[:, None] * DV + ov[None, :]
+        M = tl.load(Mst_ptr + st, mask=mkv, other=0.).to(ACC)
+        S = tl.load(Sst_ptr + st, mask=mkv, other=0.).to(ACC)
+        dM = tl.load(dMst_ptr + st, mask=mkv, other=0.).to(ACC)
+        dS = tl.load(dSst_ptr + st, mask=mkv, other=0.).to(ACC)
+        Qk += tl.dot(q, tl.trans(k), input_precision=PREC)
+        kM += tl.dot(k, M, input_precision=PREC)
+        qM += tl.dot(q, M, input_precision=PREC)
+        qS += tl.dot(q, S, input_precision=PREC)
+        kdM += tl.dot(k, dM, input_precision=PREC)
+        kdS += tl.dot(k, dS, input_precision=PREC)
+        db_L += tl.sum(dM * M, 0)
+        dc_L += tl.sum(dM * S, 0)
+        da_L += tl.sum(dS * S, 0)
+
+    # the chunk's tiles and their gradients
+    D = tl.dot(Lb, La, input_precision=PREC)
+    Dth = D * th[None, :]
+    P = Qk * Dth
+    v = tl.load(v_ptr + rows * DV + ov[None, :], mask=mtv, other=0.).to(ACC)
+    dy = tl.load(dy_ptr + rows * DV + ov[None, :], mask=mtv, other=0.).to(ACC)
+    delta = 2. * (kM - v)
+    u = tl.sum(Lb_last[:, None] * La, 0) * th
+    w = La_last * th
+    c = tl.sum(Lb * a[None, :], 1)
+    ddelta = (-tl.dot(tl.trans(P), dy, input_precision=PREC)
+              - u[:, None] * kdM - w[:, None] * kdS)
+    tl.store(dv_ptr + rows * DV + ov[None, :], (-2. * ddelta).to(dv_ptr.dtype.element_ty), mask=mtv)
+    dP = tl.where(low, -tl.dot(dy, tl.trans(delta), input_precision=PREC), 0.)
+    du = -tl.sum(kdM * delta, 1)
+    dw = -tl.sum(kdS * delta, 1)
+    dQk = dP * Dth
+    dDth = dP * Qk
+    db = tl.sum(dy * qM, 1)
+    dc = tl.sum(dy * qS, 1)
+    base_gn = ((i_v.to(tl.int64) * BH + i_bh) * N + n) * BC
+    tl.store(gD_ptr + (base_gn + oc[:, None]) * BC + oc[None, :], dDth)
+    tl.store(gv_ptr + (base_gn * 8 + 0 * BC) + oc, du)
+    tl.store(gv_ptr + (base_gn * 8 + 1 * BC) + oc, dw)
+    tl.store(gv_ptr + (base_gn * 8 + 2 * BC) + oc, db)
+    tl.store(gv_ptr + (base_gn * 8 + 3 * BC) + oc, dc)
+    tl.store(gv_ptr + (base_gn * 8 + 4 * BC), tl.sum(db_L, 0))
+    tl.store(gv_ptr + (base_gn * 8 + 5 * BC), tl.sum(dc_L, 0))
+    tl.store(gv_ptr + (base_gn * 8 + 6 * BC), tl.sum(da_L, 0))
+
+    # pass 2: ∂q, ∂k block by block
+    b_dy = b[:, None] * dy
+    c_dy = c[:, None] * dy
+    u_delta = u[:, None] * delta
+    w_delta = w[:, None] * delta
+    prow = (base_p + t)[:, None]
+    for k0 in range(0, DK, BK):
+        ok = k0 + tl.arange(0, BK)
+        mk = ok < DK
+        mtk = mt[:, None] & mk[None, :]
+        mkv = mk[:, None] & mv[None, :]
+        q = tl.load(q_ptr + rows * DK + ok[None, :], mask=mtk, other=0.).to(ACC)
+        k = tl.load(k_ptr + rows * DK + ok[None, :], mask=mtk, other=0.).to(ACC)
+        st = base_n + ok[:, None] * DV + ov[None, :]
+        M = tl.load(Mst_ptr + st, mask=mkv, other=0.).to(ACC)
+        S = tl.load(Sst_ptr + st, mask=mkv, other=0.).to(ACC)
+        dM = tl.load(dMst_ptr + st, mask=mkv, other=0.).to(ACC)
+        dS = tl.load(dSst_ptr + st, mask=mkv, other=0.).to(ACC)
         dq = (tl.dot(dQk, k, input_precision=PREC)
-              + b[:, None] * tl.dot(dy, tl.trans(M), input_precision=PREC)
-              + c[:, None] * tl.dot(dy, tl.trans(S), input_precision=PREC))
+              + tl.dot(b_dy, tl.trans(M), input_precision=PREC)
+              + tl.dot(c_dy, tl.trans(S), input_precision=PREC))
         dk = (tl.dot(tl.trans(dQk), q, input_precision=PREC)
               + 2. * tl.dot(ddelta, tl.trans(M), input_precision=PREC)
-              - tl.dot(u[:, None] * delta, tl.trans(dM), input_precision=PREC)
-              - tl.dot(w[:, None] * delta, tl.trans(dS), input_precision=PREC))
-        tl.store(dv_ptr + rows * DV + ov[None, :], (-2. * ddelta).to(dv_ptr.dtype.element_ty), mask=mtv)
-        db = tl.sum(dy * tl.dot(q, M, input_precision=PREC), 1)
-        dc = tl.sum(dy * tl.dot(q, S, input_precision=PREC), 1)
-        db_L = tl.sum(tl.sum(dM * M, 1), 0)
-        dc_L = tl.sum(tl.sum(dM * S, 1), 0)
-        da_L = tl.sum(tl.sum(dS * S, 1), 0)
-        qt = tl.trans(q)
-        dM_new = (2. * tl.dot(tl.trans(k), ddelta, input_precision=PREC)
-                  + tl.dot(qt, b[:, None] * dy, input_precision=PREC) + b_L * dM)
-        dS = tl.dot(qt, c[:, None] * dy, input_precision=PREC) + c_L * dM + a_L * dS
-        dM = dM_new
-        if n == N - 1:
-            # the returned anchor M̂ is the memory at the start of the last (partial) chunk
-            dM += tl.load(dMh_ptr + base_s + st_off, mask=mkv, other=0.).to(ACC)
-
-        # gate gradients: through D = L_b L_a, c = L_b a, the last rows, then the cumulative sums
-        dth = tl.sum(dDth * D, 0) + du * D_last + dw * La_last
-        dD = dDth * th[None, :]
-        dD_last = du * th
-        dLb = tl.dot(dD, tl.trans(La), input_precision=PREC) + dc[:, None] * a[None, :]
-        dLa = tl.dot(tl.trans(Lb), dD, input_precision=PREC) + Lb_last[:, None] * dD_last[None, :]
-        dLb_last = tl.sum(La * dD_last[None, :], 1) + dc_L * a
-        da = tl.sum(Lb * dc[:, None], 0) + dc_L * Lb_last
-        G = dLa * La
-        g = dw * th * La_last
-        dA = da * a + tl.sum(G, 1) - tl.sum(G, 0) - g
-        dA_L = tl.sum(g, 0) + da_L * a_L
-        Hb = dLb * Lb
-        h = dLb_last * Lb_last
-        dB = db * b + tl.sum(Hb, 1) - tl.sum(Hb, 0) - h
-        dB_L = tl.sum(h, 0) + db_L * b_L
-        # A_i = Σ_{l≤i} log η_l, A_L = Σ_l log η_l: reverse cumulative sums
-        up = oc[None, :] >= oc[:, None]
-        dle = tl.sum(tl.where(up, dA[None, :], 0.), 1) + dA_L
-        dlk = tl.sum(tl.where(up, dB[None, :], 0.), 1) + dB_L
-        dle = tl.where(le_raw >= _LOG_MIN, dle, 0.)
-        dlk = tl.where(lk_raw >= _LOG_MIN, dlk, 0.)
-
-        prow = (base_p + t)[:, None]
+              - tl.dot(u_delta, tl.trans(dM), input_precision=PREC)
+              - tl.dot(w_delta, tl.trans(dS), input_precision=PREC))
         tl.store(dq_ptr + prow * DK + ok[None, :], dq.to(dq_ptr.dtype.element_ty), mask=mtk)
         tl.store(dk_ptr + prow * DK + ok[None, :], dk.to(dk_ptr.dtype.element_ty), mask=mtk)
-        tl.store(dth_ptr + base_p + t, dth.to(dth_ptr.dtype.element_ty), mask=mt)
-        tl.store(dle_ptr + base_p + t, dle.to(dle_ptr.dtype.element_ty), mask=mt)
-        tl.store(dlk_ptr + base_p + t, dlk.to(dlk_ptr.dtype.element_ty), mask=mt)
-    tl.store(dM0_ptr + base_s + st_off, dM.to(dM0_ptr.dtype.element_ty), mask=mkv)
-    tl.store(dS0_ptr + base_s + st_off, dS.to(dS0_ptr.dtype.element_ty), mask=mkv)
+
+
+@triton.jit
+def _titans_bwd_gates_kernel(th_ptr, le_ptr, lk_ptr, gD_ptr, gv_ptr, dth_ptr, dle_ptr, dlk_ptr,
+                             T, N, C,
+                             BC: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr):
+    """Gradients of θ, log η and log(1 − α) of one chunk (one program per (chunk, batch·head)) from
+    the partial sums of ``_titans_bwd_kernel`` summed over the d_v blocks: through D = L_b L_a,
+    c = L_b a and the chunk's last rows, then the within-chunk cumulative sums A, B."""
+    n = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    oc = tl.arange(0, BC)
+    base_g = i_bh.to(tl.int64) * T
+    th, le_raw, lk_raw, t, mt, low, La, Lb, a, b, A_L, B_L, La_last, Lb_last = _chunk_coefs(
+        th_ptr, le_ptr, lk_ptr, base_g, n, T, C, BC, ACC)
+    base_gn = (i_bh.to(tl.int64) * N + n) * BC
+    dDth = tl.load(gD_ptr + (base_gn + oc[:, None]) * BC + oc[None, :]).to(ACC)
+    du = tl.load(gv_ptr + (base_gn * 8 + 0 * BC) + oc).to(ACC)
+    dw = tl.load(gv_ptr + (base_gn * 8 + 1 * BC) + oc).to(ACC)
+    db = tl.load(gv_ptr + (base_gn * 8 + 2 * BC) + oc).to(ACC)
+    dc = tl.load(gv_ptr + (base_gn * 8 + 3 * BC) + oc).to(ACC)
+    db_L = tl.load(gv_ptr + (base_gn * 8 + 4 * BC)).to(ACC)
+    dc_L = tl.load(gv_ptr + (base_gn * 8 + 5 * BC)).to(ACC)
+    da_L = tl.load(gv_ptr + (base_gn * 8 + 6 * BC)).to(ACC)
+    D = tl.dot(Lb, La, input_precision=PREC)
+    D_last = tl.sum(Lb_last[:, None] * La, 0)
+    a_L = tl.exp(A_L)
+    b_L = tl.exp(B_L)
+
+    # gate gradients: through D = L_b L_a, c = L_b a, the last rows, then the cumulative sums
+    dth = tl.sum(dDth * D, 0) + du * D_last + dw * La_last
+    dD = dDth * th[None, :]
+    dD_last = du * th
+    dLb = tl.dot(dD, tl.trans(La), input_precision=PREC) + dc[:, None] * a[None, :]
+    dLa = tl.dot(tl.trans(Lb), dD, input_precision=PREC) + Lb_last[:, None] * dD_last[None, :]
+    dLb_last = tl.sum(La * dD_last[None, :], 1) + dc_L * a
+    da = tl.sum(Lb * dc[:, None], 0) + dc_L * Lb_last
+    G = dLa * La
+    g = dw * th * La_last
+    dA = da * a + tl.sum(G, 1) - tl.sum(G, 0) - g
+    dA_L = tl.sum(g, 0) + da_L * a_L
+    Hb = dLb * Lb
+    h = dLb_last * Lb_last
+    dB = db * b + tl.sum(Hb, 1) - tl.sum(Hb, 0) - h
+    dB_L = tl.sum(h, 0) + db_L * b_L
+    # A_i = Σ_{l≤i} log η_l, A_L = Σ_l log η_l: reverse cumulative sums
+    up = oc[None, :] >= oc[:, None]
+    dle = tl.sum(tl.where(up, dA[None, :], 0.), 1) + dA_L
+    dlk = tl.sum(tl.where(up, dB[None, :], 0.), 1) + dB_L
+    dle = tl.where(le_raw >= _LOG_MIN, dle, 0.)
+    dlk = tl.where(lk_raw >= _LOG_MIN, dlk, 0.)
+
+    tl.store(dth_ptr + base_g + t, dth.to(dth_ptr.dtype.element_ty), mask=mt)
+    tl.store(dle_ptr + base_g + t, dle.to(dle_ptr.dtype.element_ty), mask=mt)
+    tl.store(dlk_ptr + base_g + t, dlk.to(dlk_ptr.dtype.element_ty), mask=mt)
 
 
 def _tile(C: int) -> int:
@@ -243,26 +478,32 @@ def _tile(C: int) -> int:
 #: software pipelining of the chunk loop's loads would keep extra copies of every tile in shared
 #: memory; the loop is bound by its serial dependence on (M, S), not by the loads
 NUM_STAGES = 1
-#: the memory tiles one program holds are [d_k, BV] with BK · BV ≤ STATE_TILE (BV = 32 at d_k = 64,
-#: 16 at 128). Compiled for sm_90 (bf16, d = 64, C = 16), the backward spilled 4.7 KB of stack at
-#: BV = 64 and 8 warps, 2.9 KB at BV = 32 (8 warps), 1.7 KB at BV = 16 (4 warps): its chunk-local
-#: work, not the memory tiles, is what overflows the registers
-STATE_TILE = 64 * 32
+#: the d_k rows of the memory one program touches at a time (every product over d_k is summed over
+#: blocks of this many rows) and the widest d_v block
+BK_MAX = 32
+BV_MAX = 32
 
 
-def _blocks(dk: int, dv: int, forward: bool = False) -> Tuple[int, int, int]:
-    """(BK, BV, num_warps). The backward keeps four memory tiles (M, S, ∂M, ∂S) live across the
-    chunk loop, 4 · BK · BV float32 values besides the chunk's own tiles; 8 warps from
-    BK · BV = 64 × 32 on. The forward (``forward=True``) takes BV = 16 with 8 warps: at d = 64,
-    bf16, ptxas spilled 200 B on sm_80 with BV = 32 and nothing with BV = 16 (it also halved the
-    float32 forward's spills, which remain); the d_v blocks of the forward and the backward are
-    independent launches over the same stored states."""
-    BK = max(16, triton.next_power_of_2(dk))  # tl.dot needs every block dim ≥ 16
-    BV = min(max(16, triton.next_power_of_2(dv)), 64, max(16, STATE_TILE // BK))
-    num_warps = 8 if BK * BV >= 64 * 32 else 4
-    if forward and BV > 16:
-        BV, num_warps = 16, 8
-    return BK, BV, num_warps
+def launch_meta(dk: int, dv: int, dtype: torch.dtype, arch: int = INTERPRET_ARCH) -> dict:
+    """Tiles and warps of the five kernels for head dims (d_k, d_v), input dtype and launch-config
+    family ``arch`` (90 or 80, ``device_arch``): the one place the launches and ``gate.py`` read
+    them from. ``BK``/``BV`` are the d_k block and d_v block of the serial kernels
+    (``_titans_fwd_state_kernel``, ``_titans_bwd_state_kernel``), ``BK_chunk``/``BV_chunk`` those
+    of the chunk-parallel ones (``_titans_fwd_kernel``, ``_titans_bwd_kernel``); ``warps_*`` the
+    warps of each.
+
+    What ptxas reported (``python -m kernels.compile_report``) chose them. With C = 16 every
+    product whose left operand is a [16, d_k] tile (q, k) holds that whole operand in each warp
+    (one 16-row MMA tile), 64 registers per thread at d_k = 128 in float32, twice that split for
+    TF32×3: the kernels that held [16, d_k] operands and [d_k, BV] memory tiles whole spilled
+    0.1–47 KB at every BV and warp count tried. Summing over blocks of 32 rows of d_k, with
+    d_v blocks of 32, nothing spills at d = 64 or 128, bf16 or float32, sm_90 or sm_80; the
+    chunk-parallel backward needs 8 warps for float32 at d = 128 (4 spilled 24 B on sm_90) and
+    takes them everywhere. Both families take the same config today."""
+    pow2 = lambda n: max(16, triton.next_power_of_2(n))  # tl.dot needs every block dim ≥ 16
+    BK, BV = min(pow2(dk), BK_MAX), min(pow2(dv), BV_MAX)
+    return dict(BK=BK, BV=BV, BK_chunk=BK, BV_chunk=BV, warps_state=4, warps_fwd=4, warps_bwd=8,
+                warps_gates=4, PREC=_precision(dtype))
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -292,17 +533,20 @@ def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, theta: torch.Tens
     acc = M0.dtype
     q, k, v, theta, log_eta, log_keep = (t.contiguous() for t in (q, k, v, theta, log_eta, log_keep))
     M0, S0 = M0.contiguous(), S0.contiguous()
-    BK, BV, nw = _blocks(dk, dv, forward=True)
+    mt = launch_meta(dk, dv, v.dtype, device_arch(v.device))
     y = torch.empty(B, H, T, dv, dtype=v.dtype, device=v.device)
     Mst = torch.empty(B, H, N, dk, dv, dtype=acc, device=v.device)
     Sst = torch.empty_like(Mst)
     MT = torch.empty(B, H, dk, dv, dtype=acc, device=v.device)
     ST = torch.empty_like(MT)
-    ACC = tl.float64 if acc == torch.float64 else tl.float32
-    grid = (triton.cdiv(dv, BV), B * H)
-    _titans_fwd_kernel[grid](q, k, v, theta, log_eta, log_keep, M0, S0, y, Mst, Sst, MT, ST,
-                             T, N, dk, dv, C, BC=_tile(C), BK=BK, BV=BV, ACC=ACC, PREC=_precision(v.dtype),
-                             num_warps=nw, num_stages=NUM_STAGES)
+    common = dict(BC=_tile(C), ACC=tl.float64 if acc == torch.float64 else tl.float32,
+                  PREC=mt["PREC"], num_stages=NUM_STAGES)
+    _titans_fwd_state_kernel[(triton.cdiv(dv, mt["BV"]), B * H)](
+        k, v, theta, log_eta, log_keep, M0, S0, Mst, Sst, MT, ST, T, N, dk, dv, C,
+        BK=mt["BK"], BV=mt["BV"], num_warps=mt["warps_state"], **common)
+    _titans_fwd_kernel[(N, triton.cdiv(dv, mt["BV_chunk"]), B * H)](
+        q, k, v, theta, log_eta, log_keep, Mst, Sst, y, T, N, dk, dv, C,
+        BK=mt["BK_chunk"], BV=mt["BV_chunk"], num_warps=mt["warps_fwd"], **common)
     tail = T % C != 0
     Mh = Mst[:, :, N - 1].clone() if tail else MT.clone()
     return y, MT, ST, Mh, Mst, Sst
@@ -338,24 +582,36 @@ def _bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, theta: torch.Tens
     if not tail:
         dMT, dMh = dMT + dMh, z
     dMT, dMh = dMT.contiguous(), dMh.contiguous()
-    BK, BV, nw = _blocks(dk, dv)
-    NV = triton.cdiv(dv, BV)
+    mt = launch_meta(dk, dv, v.dtype, device_arch(v.device))
+    NV = triton.cdiv(dv, mt["BV_chunk"])
     pd = torch.float64 if acc == torch.float64 else torch.float32
     dq = torch.empty(NV, B, H, T, dk, dtype=pd, device=v.device)
     dk_ = torch.empty_like(dq)
-    dth = torch.empty(NV, B, H, T, dtype=pd, device=v.device)
-    dle = torch.empty_like(dth)
-    dlk = torch.empty_like(dth)
     dv_ = torch.empty(B, H, T, dv, dtype=pd, device=v.device)
+    dMst = torch.empty_like(Mst)
+    dSst = torch.empty_like(Mst)
     dM0 = torch.empty(B, H, dk, dv, dtype=acc, device=v.device)
     dS0 = torch.empty_like(dM0)
+    BC = _tile(C)
+    gD = torch.empty(NV, B * H, N, BC, BC, dtype=pd, device=v.device)
+    gv = torch.empty(NV, B * H, N, 8, BC, dtype=pd, device=v.device)
     ACC = tl.float64 if acc == torch.float64 else tl.float32
-    _titans_bwd_kernel[(NV, B * H)](q, k, v, theta, log_eta, log_keep, Mst, Sst, dy, dMT, dST, dMh,
-                                    dq, dk_, dv_, dth, dle, dlk, dM0, dS0,
-                                    T, N, dk, dv, B * H, C, BC=_tile(C), BK=BK, BV=BV, ACC=ACC,
-                                    PREC=_precision(v.dtype), num_warps=nw, num_stages=NUM_STAGES)
-    return (dq.sum(0).to(q.dtype), dk_.sum(0).to(k.dtype), dv_.to(v.dtype), dth.sum(0).to(theta.dtype),
-            dle.sum(0).to(log_eta.dtype), dlk.sum(0).to(log_keep.dtype), dM0.to(M0_dtype),
+    common = dict(BC=BC, ACC=ACC, PREC=mt["PREC"], num_stages=NUM_STAGES)
+    _titans_bwd_state_kernel[(triton.cdiv(dv, mt["BV"]), B * H)](
+        q, k, theta, log_eta, log_keep, dy, dMT, dST, dMh, dMst, dSst, dM0, dS0, T, N, dk, dv, C,
+        BK=mt["BK"], BV=mt["BV"], num_warps=mt["warps_state"], **common)
+    _titans_bwd_kernel[(N, NV, B * H)](
+        q, k, v, theta, log_eta, log_keep, Mst, Sst, dMst, dSst, dy, dq, dk_, dv_, gD, gv,
+        T, N, dk, dv, B * H, C, BK=mt["BK_chunk"], BV=mt["BV_chunk"], num_warps=mt["warps_bwd"], **common)
+    # the gate gradients are linear in these partial sums: add the d_v blocks, then finish them
+    gD, gv = (gD[0], gv[0]) if NV == 1 else (gD.sum(0), gv.sum(0))
+    dth = torch.empty(B, H, T, dtype=pd, device=v.device)
+    dle = torch.empty_like(dth)
+    dlk = torch.empty_like(dth)
+    _titans_bwd_gates_kernel[(N, B * H)](theta, log_eta, log_keep, gD, gv, dth, dle, dlk, T, N, C,
+                                         num_warps=mt["warps_gates"], **common)
+    return (dq.sum(0).to(q.dtype), dk_.sum(0).to(k.dtype), dv_.to(v.dtype), dth.to(theta.dtype),
+            dle.to(log_eta.dtype), dlk.to(log_keep.dtype), dM0.to(M0_dtype),
             dS0.to(S0_dtype))
 
 

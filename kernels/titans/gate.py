@@ -1,8 +1,8 @@
 """Launch configurations of the Titans linear-memory Triton kernels, for the ahead-of-time
 compile gate (``python -m kernels.compile_report``): d_k = d_v ∈ {64, 128} (the presets' head
 dims), chunk 16 (``titans.chunk_size`` of every preset), bfloat16 and float32 inputs, with the
-blocks, precision and warps ``titans_linear_triton`` takes from ``chunk._blocks`` and
-``chunk._precision``."""
+blocks, precision and warps ``titans_linear_triton`` takes from ``chunk.launch_meta`` for each
+GPU family (sm_90, sm_80): one case per arch, named with the arch."""
 from __future__ import annotations
 
 from typing import List
@@ -10,6 +10,7 @@ from typing import List
 import torch
 import triton.language as tl
 
+from kernels.compile_report import ARCHS
 from kernels.titans import chunk
 
 HEAD_DIMS = (64, 128)
@@ -21,20 +22,29 @@ _INTS = ("T", "N", "DK", "DV", "BH", "C")
 
 def launch_configs() -> List[dict]:
     """One dict per launch: name, kernel, config, signature (every non-constexpr argument → its
-    Triton type), constexprs, num_warps, num_stages."""
+    Triton type), constexprs, num_warps, num_stages, archs."""
     out = []
-    for dt, tdt in DTYPES.items():
-        for d in HEAD_DIMS:
-            cfg = f"{dt} dk=dv={d} C={CHUNK}"
-            for fn in (chunk._titans_fwd_kernel, chunk._titans_bwd_kernel):
-                BK, BV, nw = chunk._blocks(d, d, forward=fn is chunk._titans_fwd_kernel)
-                cex = dict(BC=chunk._tile(CHUNK), BK=BK, BV=BV, ACC=tl.float32, PREC=chunk._precision(tdt))
-                names = fn.arg_names
-                sig = {n: ("i32" if n in _INTS else "*" + (dt if n in _IO else "fp32"))
-                       for n in names if n not in cex}
-                out.append(dict(name=f"{fn.__name__}[{cfg}]", kernel=fn, config=cfg, signature=sig,
-                                constexprs=dict(cex), num_warps=nw, num_stages=chunk.NUM_STAGES))
+    for arch in ARCHS:
+        for dt, tdt in DTYPES.items():
+            for d in HEAD_DIMS:
+                mt = chunk.launch_meta(d, d, tdt, arch)
+                cfg = f"{dt} dk=dv={d} C={CHUNK} sm_{arch}"
+                serial, par = (mt["BK"], mt["BV"]), (mt["BK_chunk"], mt["BV_chunk"])
+                for fn, (bk, bv), nw in ((chunk._titans_fwd_state_kernel, serial, mt["warps_state"]),
+                                         (chunk._titans_fwd_kernel, par, mt["warps_fwd"]),
+                                         (chunk._titans_bwd_state_kernel, serial, mt["warps_state"]),
+                                         (chunk._titans_bwd_kernel, par, mt["warps_bwd"])):
+                    cex = dict(BC=chunk._tile(CHUNK), BK=bk, BV=bv, ACC=tl.float32, PREC=mt["PREC"])
+                    out.append(_launch(fn, cfg, dt, cex, nw, arch))
+                cex = dict(BC=chunk._tile(CHUNK), ACC=tl.float32, PREC=mt["PREC"])
+                out.append(_launch(chunk._titans_bwd_gates_kernel, cfg, dt, cex, mt["warps_gates"], arch))
     return out
+
+
+def _launch(fn, cfg: str, dt: str, cex: dict, nw: int, arch: int) -> dict:
+    sig = {n: ("i32" if n in _INTS else "*" + (dt if n in _IO else "fp32")) for n in fn.arg_names if n not in cex}
+    return dict(name=f"{fn.__name__}[{cfg}]", kernel=fn, config=cfg, signature=sig, constexprs=cex, num_warps=nw,
+                num_stages=chunk.NUM_STAGES, archs=(arch,))
 
 
 def compile_cases():

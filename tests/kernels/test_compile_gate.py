@@ -36,32 +36,6 @@ SLOW = "compiles: ptxas does not finish within the timeout"
 
 # (arch, kernel, config) -> the failing check(s). ``config`` "*" matches every config of the kernel.
 KNOWN_FAILURES = {
-    # -- delta rule (kernels/delta_rule/chunk.py; one config per GPU family, named with its arch) --
-    (90, "_fwd_state", "fp32 dk=dv=128 C=16 sm_90"): "no_spills: 2012/2144 B spilled",
-    (90, "_bwd_state", "fp32 dk=dv=128 C=16 sm_90"): "no_spills: 648/668 B spilled",
-    (90, "_bwd_wy", "fp32 dk=dv=128 C=16 sm_90"): "no_spills: 284/292 B spilled",
-    (80, "_fwd_state", "fp32 dk=dv=128 C=16 sm_80"): "no_spills: 7216/11084 B spilled",
-    (80, "_bwd_state", "fp32 dk=dv=128 C=16 sm_80"): "no_spills: 640/680 B spilled",
-    (80, "_bwd_wy", "fp32 dk=dv=128 C=16 sm_80"): "no_spills: 232/232 B spilled",
-    # -- Titans linear memory (kernels/titans/chunk.py) --
-    (90, "_titans_bwd_kernel", "bf16 dk=dv=64 C=16"): "no_spills: 3292/3460 B spilled",
-    (80, "_titans_bwd_kernel", "bf16 dk=dv=64 C=16"): "no_spills: 12290/15228 B spilled",
-    (90, "_titans_fwd_kernel", "bf16 dk=dv=128 C=16"): "no_spills: 64/64 B spilled",
-    (90, "_titans_bwd_kernel", "bf16 dk=dv=128 C=16"): "no_spills: 3880/4060 B spilled",
-    (80, "_titans_bwd_kernel", "bf16 dk=dv=128 C=16"): "no_spills: 12078/14400 B spilled",
-    (90, "_titans_fwd_kernel", "fp32 dk=dv=64 C=16"): "no_spills: 232/232 B spilled",
-    (80, "_titans_fwd_kernel", "fp32 dk=dv=64 C=16"): "no_spills: 168/168 B spilled",
-    (90, "_titans_bwd_kernel", "fp32 dk=dv=64 C=16"): "no_spills: 8792/9776 B spilled",
-    (80, "_titans_bwd_kernel", "fp32 dk=dv=64 C=16"): "no_spills: 37332/47588 B spilled",
-    (90, "_titans_fwd_kernel", "fp32 dk=dv=128 C=16"): "no_spills: 1868/2040 B spilled",
-    (80, "_titans_fwd_kernel", "fp32 dk=dv=128 C=16"): "no_spills: 10248/15196 B spilled",
-    (90, "_titans_bwd_kernel", "fp32 dk=dv=128 C=16"): "no_spills: 10556/12140 B spilled",
-    (80, "_titans_bwd_kernel", "fp32 dk=dv=128 C=16"): "no_spills: 35508/47892 B spilled",
-    # -- linear scan (kernels/linear_scan/chunk.py): autotune configs a GPU can pick --
-    (90, "_fwd_kernel", "bf16 BT=64 BLOCK_D=32 w8 s1"): "no_spills: 4/4 B spilled",
-    (90, "_fwd_kernel", "bf16 BT=64 BLOCK_D=32 w8 s2"): "no_spills: 4/4 B spilled",
-    (80, "_fwd_kernel", "bf16 BT=16 BLOCK_D=128 w8 s1"): "no_spills: 4/4 B spilled",
-    (80, "_fwd_kernel", "bf16 BT=16 BLOCK_D=128 w8 s2"): "no_spills: 4/4 B spilled",
     # -- TTT-Linear (kernels/ttt/chunk.py) and TTT-MLP (kernels/ttt/mlp_chunk.py; hidden tiles streamed from global memory) --
     (80, "_ttt_linear_fwd_kernel", "bf16 d=64 b=16"): "no_spills: 392/356 B spilled",
     (80, "_ttt_linear_bwd_kernel", "bf16 d=64 b=16"): "no_spills: 14816/19260 B spilled",

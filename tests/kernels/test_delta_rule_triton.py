@@ -72,6 +72,15 @@ def test_several_dv_blocks(monkeypatch):
     _compare(1, 1, 21, 6, 40, 16, torch.float32, True, atol=1e-4, rtol=1e-4)
 
 
+def test_state_kernels_read_back_dk_blocks(monkeypatch):
+    """``_fwd_state`` and ``_bwd_state`` sum their products over d_k in blocks of rows of the
+    stored state (d_k = 40 in blocks of 16 → three, the last ragged), with an initial and a final
+    state and a ragged last chunk: the values match the reference like the one-block case."""
+    monkeypatch.setattr(dr_chunk, "BKS_MAX", 16)
+    assert dr_chunk.launch_meta(40, 24, torch.float32)["BKS"] == 16
+    _compare(2, 1, 37, 40, 24, 16, torch.float32, True, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("arch", [80, 90])
 @pytest.mark.parametrize("dtype,atol,rtol", [(torch.float32, 1e-4, 1e-4), (torch.bfloat16, 5e-2, 2e-2)])
 def test_launch_config_of_each_gpu_family(monkeypatch, arch, dtype, atol, rtol):

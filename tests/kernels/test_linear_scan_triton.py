@@ -229,3 +229,21 @@ def test_gpu_rglru_block_triton_equals_torch():
     names = ["y", "x"] + [n for n, _ in m.named_parameters()]
     for n, a, r in zip(names, res[1], res[0]):
         torch.testing.assert_close(a, r, atol=1e-5 * r.abs().max().item(), rtol=1e-3, msg=lambda s: f"{n}: {s}")
+
+
+def test_forward_configs_that_spill_are_pruned_per_arch(monkeypatch):
+    """The forward's autotune configs at 8 tile elements per thread, less the one per GPU family
+    that ptxas spills (the compile gate lists exactly these per arch); the backward keeps all."""
+    from kernels.linear_scan import chunk as ls_chunk
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    cfgs = tu.autotune_configs({"BLOCK_D": [16, 32, 64, 128]}, num_warps=(1, 2, 4, 8, 16))
+
+    def kept(arch, BT, forward):
+        return sorted((c.kwargs["BLOCK_D"], c.num_warps)
+                      for c in ls_chunk.prune_for_arch(cfgs, arch, {"BT": BT}, forward))
+    assert kept(90, 64, True) == [(16, 4), (64, 16)]
+    assert kept(80, 64, True) == [(16, 4), (32, 8), (64, 16)]
+    assert kept(80, 16, True) == [(16, 1), (32, 2), (64, 4)]
+    assert kept(90, 16, True) == [(16, 1), (32, 2), (64, 4), (128, 8)]
+    assert kept(90, 64, False) == kept(80, 64, False) == [(16, 4), (32, 8), (64, 16)]

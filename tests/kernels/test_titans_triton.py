@@ -72,25 +72,35 @@ def test_float64_matches_reference(B, H, T, dk, dv, chunk, with_state, offset):
 
 
 def test_several_dv_blocks(monkeypatch):
-    """d_v split over programs (memory tiles [d_k, 16], d_v = 40 → three blocks, the last ragged),
-    as d = 64 runs on a GPU (BV = 32): the blocks are independent in the forward and the
-    gradients of q, k and the gates are summed over them (float64, rounding only)."""
+    """d_v split over programs (d_v = 40 in blocks of 16 → three, the last ragged) and d_k summed
+    over blocks (d_k = 40 in blocks of 16), as d = 64 and 128 run on a GPU (blocks of 32): the
+    d_v blocks are independent, the gradients of q, k and the gates are summed over them (float64,
+    rounding only)."""
     import kernels.titans.chunk as ti_chunk
 
-    monkeypatch.setattr(ti_chunk, "STATE_TILE", 16 * 16)
-    assert ti_chunk._blocks(16, 40)[:2] == (16, 16)
-    _compare(1, 2, 21, 16, 40, 16, D64, True)
+    monkeypatch.setattr(ti_chunk, "BK_MAX", 16)
+    monkeypatch.setattr(ti_chunk, "BV_MAX", 16)
+    mt = ti_chunk.launch_meta(40, 40, D64)
+    assert (mt["BK"], mt["BV"], mt["BK_chunk"], mt["BV_chunk"]) == (16, 16, 16, 16)
+    _compare(1, 2, 21, 40, 40, 16, D64, True)
 
 
-def test_forward_and_backward_dv_blocks_differ():
-    """The forward runs d_v in blocks of 16 (8 warps) while the backward takes wider ones (here
-    d_v = 40: the forward in three blocks, the last ragged, the backward in one of 64) over the
-    same stored chunk states: output, states and gradients match the reference (float64)."""
+@pytest.mark.parametrize("bk_state,bv_state,bk_chunk,bv_chunk", [(16, 16, 32, 32), (32, 64, 16, 16)])
+def test_dk_and_dv_blocks_of_serial_and_chunk_parallel_kernels(monkeypatch, bk_state, bv_state, bk_chunk,
+                                                               bv_chunk):
+    """The serial kernels (chunk-start states, end-of-chunk state gradients) and the
+    chunk-parallel ones (output, input gradients) are separate launches over the stored states,
+    each with its own d_v block, and each sums its products over d_k in blocks of BK rows: at
+    d_k = d_v = 40, blocks of 16 (three, the last ragged), 32 (two, the last ragged) or 64 (one)
+    give the reference's values (float64)."""
     import kernels.titans.chunk as ti_chunk
 
-    assert ti_chunk._blocks(16, 40, forward=True)[1:] == (16, 8)
-    assert ti_chunk._blocks(16, 40)[1] == 64
-    _compare(1, 2, 21, 16, 40, 16, D64, True)
+    meta = ti_chunk.launch_meta
+
+    def launch_meta(*a, **kw):
+        return {**meta(*a, **kw), "BK": bk_state, "BV": bv_state, "BK_chunk": bk_chunk, "BV_chunk": bv_chunk}
+    monkeypatch.setattr(ti_chunk, "launch_meta", launch_meta)
+    _compare(1, 2, 37, 40, 40, 16, D64, True)
 
 
 def test_float32_matches_reference():
