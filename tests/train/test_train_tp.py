@@ -127,7 +127,10 @@ def test_tp_allowed_for_attention_models_with_any_zero_stage():
         check_parallel(_attn_cfg(tensor_parallel=4, sequence_parallel=True, zero_stage=stage), world_size=4)
 
 
-def test_tp_refuses_layer_kinds_that_are_not_tp_ready():
+def test_tp_refuses_layer_kinds_that_are_not_tp_ready(monkeypatch):
+    from ttt_lm.model.mixers import mixer_class
+    # every built-in kind declares a plan: titans_mac with its plan removed stands for one without
+    monkeypatch.setattr(mixer_class("titans_mac"), "tp_plan", classmethod(lambda cls, cfg: None))
     cfg = _attn_cfg(tensor_parallel=2)
     cfg.model.layer_pattern = ["attention", "titans_mac", "attention", "titans_mac"]
     with pytest.raises(ParallelConfigError, match=r"\['titans_mac'\] \(layers \[1, 3\]\) are not TP-ready"):
