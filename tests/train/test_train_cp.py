@@ -155,7 +155,12 @@ def test_cp_refusals():
         check_parallel(_cfg(context_parallel=2), world_size=3)
     cfg = _cfg(context_parallel=2, tensor_parallel=2)
     cfg.model.layer_pattern = ["attention"]
-    with pytest.raises(ParallelConfigError, match="not combined with tensor parallelism"):
+    check_parallel(cfg, world_size=4)  # CP × TP
+    with pytest.raises(ParallelConfigError, match=r"context_parallel=2 × parallel.tensor_parallel=2 does not divide "
+                                                  "the world size 6"):
+        check_parallel(cfg, world_size=6)
+    cfg.parallel.sequence_parallel = True
+    with pytest.raises(ParallelConfigError, match="context_parallel=2 with parallel.sequence_parallel=true"):
         check_parallel(cfg, world_size=4)
     with pytest.raises(ParallelConfigError, match="needs parallel.zero_stage 1 or 2, got 3"):
         check_parallel(_cfg(context_parallel=2, zero_stage=3), world_size=2)

@@ -156,9 +156,11 @@ def test_tp_layout_refusals():
         check_parallel(cfg, world_size=2)
 
 
-def test_context_parallel_refused_with_tensor_parallel():
-    with pytest.raises(ParallelConfigError, match=r"context_parallel=2 with parallel.tensor_parallel=2: .*not combined"):
-        check_parallel(_attn_cfg(context_parallel=2, tensor_parallel=2), world_size=4)
+def test_context_parallel_with_tensor_parallel_but_not_sequence_parallel():
+    check_parallel(_attn_cfg(context_parallel=2, tensor_parallel=2), world_size=4)
+    check_parallel(_attn_cfg(context_parallel=2, tensor_parallel=2), world_size=8)  # dp 2 × cp 2 × tp 2
+    with pytest.raises(ParallelConfigError, match="sequence_parallel=false"):
+        check_parallel(_attn_cfg(context_parallel=2, tensor_parallel=2, sequence_parallel=True), world_size=4)
 
 
 def test_resume_refuses_another_tensor_parallel_size():

@@ -23,6 +23,12 @@ for the next one's, so every parameter's gradient is accumulated at the end of t
 in reverse parameter order, on every rank alike (and unused parameters get an exact zero).
 ZeRO-3 is refused (``ttt_lm.train.engine.check_parallel``): its parameters are gathered by module hooks during the
 forward and backward, which the gated copies bypass.
+
+CP × TP. ``ttt_lm.parallel.tp_model.parallelize_tp`` converts this model's layers in place (it
+keeps the class): each rank then holds its TP slice, the mixers run their local heads, the states,
+summaries and keys/values exchanged between CP peers (ranks with the same TP index,
+``ttt_lm.parallel.groups``) are those heads', and the loss is the vocab-parallel cross-entropy.
+Without sequence parallelism (refused with CP).
 """
 from __future__ import annotations
 
@@ -60,6 +66,9 @@ def _gated(params):
 
 
 class ContextParallelLM(LM):
+    #: ``parallelize_tp`` converts its layers in place and keeps this forward (CP × TP)
+    runs_tp_layers = True
+
     def __init__(self, cfg: ModelConfig, cp_group, pipeline_chunks: int = 1):
         super().__init__(cfg)
         self.cp_group = cp_group

@@ -382,12 +382,20 @@ def _check(model: LM, p: int, sequence_parallel: bool) -> None:
 
 def parallelize_tp(model: LM, groups, sequence_parallel: bool = False) -> TPLM:
     """Convert ``model`` in place (every TP rank must hold the same weights, e.g. built from the
-    same seed) and return it. ``groups`` is a ParallelGroups or a TPContext's process group."""
+    same seed) and return it. ``groups`` is a ParallelGroups or a TPContext's process group.
+
+    A subclass of LM whose class sets ``runs_tp_layers = True`` (the context-parallel LM) keeps its
+    class and its own forward: its layers are converted and ``model.tp_ctx`` set, and its forward
+    must take the vocab-parallel loss itself (without sequence parallelism)."""
     group = groups.tp_group if isinstance(groups, ParallelGroups) else groups
     ctx = TPContext(group, sequence_parallel)
     p = ctx.world_size
-    if type(model) is not LM:
+    own_forward = type(model) is not LM and isinstance(model, LM) and getattr(type(model), "runs_tp_layers", False)
+    if type(model) is not LM and not own_forward:
         raise TypeError(f"parallelize_tp takes a single-rank LM, got {type(model).__name__}")
+    if own_forward and sequence_parallel:
+        raise ValueError(f"{type(model).__name__} runs its own forward over the converted layers: sequence "
+                         "parallelism is not available with it; set parallel.sequence_parallel=false")
     _check(model, p, sequence_parallel)  # before any change, so a refusal leaves the model intact
 
     for block in model.layers:
@@ -407,7 +415,8 @@ def parallelize_tp(model: LM, groups, sequence_parallel: bool = False) -> TPLM:
         head.weight = model.embed.weight
     model.lm_head = head
     model.norm = _entry_norm(model.norm, ctx)
-    model.__class__ = TPLM
+    if not own_forward:
+        model.__class__ = TPLM
     model.tp_ctx = ctx
     return model
 

@@ -7,9 +7,10 @@ whose mixers all declare a ``tp_plan``: ``ttt_lm.parallel.tp_model.tp_ready_kind
 sequence parallelism. With p > 1
 the batch size counts the data-parallel ranks (world / p) and DeepSpeed gets the ``mpu`` of
 ``ttt_lm.parallel.groups``, so ZeRO reduces and shards over the data-parallel group only.
-Context parallelism (``parallel.context_parallel`` = c > 1, not with TP): each row's tokens split
-across c ranks (``ttt_lm.parallel.cp_model``); the loaders are split over world / c data-parallel
-ranks and DeepSpeed's gradient-averaging group (the mpu's) is all world ranks, dp × c; ZeRO-1 or 2.
+Context parallelism (``parallel.context_parallel`` = c > 1): each row's tokens split across c
+ranks (``ttt_lm.parallel.cp_model``); the loaders are split over world / (c · p) data-parallel
+ranks and DeepSpeed's gradient-averaging group (the mpu's) is the dp × c ranks holding the same TP
+slice; ZeRO-1 or 2. With TP as well (p > 1, no sequence parallelism) world = dp × c × p.
 """
 from __future__ import annotations
 
@@ -45,13 +46,15 @@ def check_parallel(cfg, world_size: Optional[int] = None) -> None:
             f"{cfg.train.micro_batch_size} (it splits each micro-batch's rows into that many groups), and 1 "
             f"unless parallel.context_parallel > 1 (got {cp})")
     if cp > 1:
-        if tp > 1:
+        if p.sequence_parallel:
             raise ParallelConfigError(
-                f"parallel.context_parallel={cp} with parallel.tensor_parallel={tp}: context parallelism is not "
-                "combined with tensor parallelism in this trainer; use one of them (the other = 1)")
-        if world_size is not None and world_size % cp:
+                f"parallel.context_parallel={cp} with parallel.sequence_parallel=true: the context-parallel forward "
+                "does not split its slice again along the tensor-parallel group; set parallel.sequence_parallel=false "
+                "(tensor parallelism itself combines with context parallelism)")
+        if world_size is not None and world_size % (cp * tp):
             raise ParallelConfigError(
-                f"parallel.context_parallel={cp} does not divide the world size {world_size}")
+                f"parallel.context_parallel={cp}" + (f" × parallel.tensor_parallel={tp}" if tp > 1 else "")
+                + f" does not divide the world size {world_size}")
         if p.zero_stage == 3:
             raise ParallelConfigError(
                 f"parallel.context_parallel={cp} needs parallel.zero_stage 1 or 2, got 3: ZeRO-3 gathers each "
