@@ -74,7 +74,15 @@ class ContextParallelLM(LM):
         self.cp_group = cp_group
         self.pipeline_chunks = pipeline_chunks   # row groups of the state-passing pipeline
         self._gated_call = False                 # inside the forward on gated parameters
+        self._zero3 = None                       # ZeRO-3: the gathering of every parameter, while held
         self.cp_rank, self.cp_size = dist.get_rank(cp_group), dist.get_world_size(cp_group)
+
+    def release_parameters(self) -> None:
+        """ZeRO-3: partition the parameters again after the backward (each rank keeps its shard);
+        nothing otherwise. Every rank calls it at the same point (it makes no collective)."""
+        if self._zero3 is not None:
+            z, self._zero3 = self._zero3, None
+            z.__exit__(None, None, None)
 
     def local_slice(self, t: torch.Tensor) -> torch.Tensor:
         """This rank's contiguous part of [B, T] rows."""
@@ -89,6 +97,17 @@ class ContextParallelLM(LM):
         and its loss share (see the module docstring)."""
         if states is not None or output_states:
             raise ValueError("the context-parallel LM runs whole rows from the start: no states")
+        if self._zero3 is None and any(hasattr(p, "ds_id") for p in self.parameters()):
+            # ZeRO-3: every parameter gathered once, up front, in one collective every rank makes at
+            # the same point, and kept until ``release_parameters`` after the backward (module docstring)
+            import deepspeed
+            self._zero3 = deepspeed.zero.GatheredParameters(list(self.parameters()))
+            self._zero3.__enter__()
+            if not torch.is_grad_enabled():  # no backward follows: release after this forward
+                try:
+                    return self.forward(input_ids, labels, position_ids=position_ids)
+                finally:
+                    self.release_parameters()
         params = [(n, p) for n, p in self.named_parameters() if p.requires_grad]
         if not self._gated_call and labels is not None and torch.is_grad_enabled() and params:
             # every parameter's gradient accumulated last, in one order on every rank (module docstring)

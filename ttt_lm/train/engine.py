@@ -55,12 +55,6 @@ def check_parallel(cfg, world_size: Optional[int] = None) -> None:
             raise ParallelConfigError(
                 f"parallel.context_parallel={cp}" + (f" × parallel.tensor_parallel={tp}" if tp > 1 else "")
                 + f" does not divide the world size {world_size}")
-        if p.zero_stage == 3:
-            raise ParallelConfigError(
-                f"parallel.context_parallel={cp} needs parallel.zero_stage 1 or 2, got 3: ZeRO-3 gathers each "
-                "module's parameters by hooks around its forward and backward, while the context-parallel LM "
-                "runs on gated copies of the parameters (so that every rank accumulates gradients in one order) "
-                "and its state-passing layers run at different times on different ranks")
         if cfg.data.seq_len < cp:
             raise ParallelConfigError(
                 f"parallel.context_parallel={cp} splits each row across {cp} ranks: data.seq_len={cfg.data.seq_len} "
@@ -161,11 +155,13 @@ def deepspeed_config(cfg, dp_world: int) -> Dict[str, Any]:
                     f"{p.deepspeed_config}: {k}={ds[k]} contradicts the experiment config ({ours[k]}); "
                     "set it to \"auto\" or remove it, and use train.micro_batch_size / train.grad_accum")
         zo = ds.get("zero_optimization", {})
-        if p.context_parallel > 1 and (zo.get("stage", 0) not in (1, 2) or zo.get("overlap_comm", False)):
+        if p.context_parallel > 1 and (zo.get("stage", 0) not in (1, 2, 3) or zo.get("overlap_comm", False)):
             raise ParallelConfigError(
                 f"{p.deepspeed_config}: parallel.context_parallel={p.context_parallel} needs zero_optimization "
-                f"stage 1 or 2 without overlap_comm (got {zo}): ZeRO-3's parameter gathering does not fit the "
-                "context-parallel forward, and overlapped reduction is not tested with it")
+                f"stage 1, 2 or 3 without overlap_comm (got {zo}): overlapped reduction is not tested with it")
+        if p.context_parallel > 1:
+            zo.setdefault("overlap_comm", False)  # ZeRO-3 would default to True
+            ds["zero_optimization"] = zo
         ds.update(ours)
         ds.setdefault("zero_allow_untested_optimizer", True)
         return ds
@@ -184,7 +180,19 @@ def deepspeed_config(cfg, dp_world: int) -> Dict[str, Any]:
         ds["bf16"] = {"enabled": True, "check_grad_overflow": True}
     if p.zero_stage == 3:
         ds["zero_optimization"].update({"stage3_gather_16bit_weights_on_model_save": False})
+        if p.context_parallel > 1:
+            ds["zero_optimization"]["overlap_comm"] = False  # as with ZeRO-1/2 (ZeRO-3 defaults to True)
     return ds
+
+
+def _explicit_zero3_gathering(engine) -> None:
+    """ZeRO-3 with context parallelism: remove the engine's module hooks, which gather and release
+    each module's parameters around its forward and backward (collectives that the CP ranks would
+    reach at different times: a state-passing rank waits for its predecessor's state while that one
+    waits in the gather). The context-parallel LM gathers every parameter itself, once per forward
+    (``ContextParallelLM.forward``); gradients still reach ZeRO-3's reduce-scatter through its
+    gradient hooks, in the fixed order of the gated parameters."""
+    engine.optimizer.parameter_offload.destroy()
 
 
 def build_engine(model: torch.nn.Module, cfg, dp_world: int, mpu=None):
@@ -203,6 +211,8 @@ def build_engine(model: torch.nn.Module, cfg, dp_world: int, mpu=None):
     engine, _, _, sched = deepspeed.initialize(
         model=model, optimizer=opt, config=deepspeed_config(cfg, dp_world), mpu=mpu,
         lr_scheduler=lambda o: torch.optim.lr_scheduler.LambdaLR(o, mult))
+    if cfg.parallel.context_parallel > 1 and cfg.parallel.zero_stage == 3:
+        _explicit_zero3_gathering(engine)
     return engine, sched
 
 
