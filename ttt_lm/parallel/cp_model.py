@@ -21,8 +21,17 @@ different buckets against each other. The forward therefore runs the model on ga
 parameters: a chain of identity autograd Functions, one per parameter, each of whose backward waits
 for the next one's, so every parameter's gradient is accumulated at the end of the backward pass,
 in reverse parameter order, on every rank alike (and unused parameters get an exact zero).
-ZeRO-3 is refused (``ttt_lm.train.engine.check_parallel``): its parameters are gathered by module hooks during the
-forward and backward, which the gated copies bypass.
+ZeRO-3. DeepSpeed's ZeRO-3 gathers and releases each module's parameters by hooks around its
+forward and backward: collectives over all dp × c ranks that the CP ranks would reach at different
+times (rank 1 waits for rank 0's state while rank 0 waits in the gather of the next block's
+parameters), and the gated copies would be taken of released (empty) parameters. So under CP the
+trainer removes those hooks (``ttt_lm.train.engine``) and this forward gathers every parameter
+itself, at its start, in one collective that every rank makes at the same point
+(``deepspeed.zero.GatheredParameters``); they stay whole through the backward (whose gradients
+ZeRO-3's own gradient hooks reduce-scatter, in the gates' fixed order) and are partitioned again
+by ``release_parameters`` (the trainer calls it after each backward; a forward without autograd
+releases them at its end). Between steps and in the checkpoints each rank holds its shard; during
+a step every rank holds all the parameters, as with ZeRO-1/2.
 
 CP × TP. ``ttt_lm.parallel.tp_model.parallelize_tp`` converts this model's layers in place (it
 keeps the class): each rank then holds its TP slice, the mixers run their local heads, the states,

@@ -10,7 +10,8 @@ the batch size counts the data-parallel ranks (world / p) and DeepSpeed gets the
 Context parallelism (``parallel.context_parallel`` = c > 1): each row's tokens split across c
 ranks (``ttt_lm.parallel.cp_model``); the loaders are split over world / (c · p) data-parallel
 ranks and DeepSpeed's gradient-averaging group (the mpu's) is the dp × c ranks holding the same TP
-slice; ZeRO-1 or 2. With TP as well (p > 1, no sequence parallelism) world = dp × c × p.
+slice; ZeRO-1, 2 or 3 (ZeRO-3's module hooks removed: the CP LM gathers its parameters itself,
+``ttt_lm.parallel.cp_model``). With TP as well (p > 1, no sequence parallelism) world = dp × c × p.
 """
 from __future__ import annotations
 
