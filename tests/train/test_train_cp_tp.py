@@ -1,6 +1,6 @@
 """Context parallelism × tensor parallelism in the trainer: 4 real gloo processes on CPU, fp32,
 context_parallel=2 × tensor_parallel=2 (each rank computes 8 of the 16 tokens of every row, on half
-the heads), against the 1-process run, and an exact resume.
+the heads), against the 1-process run, with ZeRO-1 and ZeRO-3, and an exact resume.
 
 The model is a hybrid of the three context-parallel schemes: attention (keys and values gathered
 from the earlier CP rank), DeltaNet (chunk summaries combined across CP ranks, with its conv halo)
@@ -15,6 +15,7 @@ optim.lr=1e-3 the losses stay within ~3e-6 and the gradient norms within ~1.3e-4
 sent to the wrong peer or a mis-sliced weight moves the loss by ≥ 1e-2; a wrong gradient scale
 (clipping hides it in the losses) changes the logged gradient norm by a factor ≥ √2.
 """
+import json
 import os
 
 import pytest
@@ -53,6 +54,21 @@ def test_cp2_tp2_matches_single_process(runs):
     assert b[2 * N] < b[1]
     # the 4 ranks are one data-parallel replica: they read the same rows
     assert metrics(runs["cp2tp2"])[-1]["tokens"] == metrics(runs["ref"])[-1]["tokens"]
+
+
+def test_cp2_tp2_zero3_matches_single_process(runs, tmp_path):
+    """ZeRO-3 with every parameter partitioned (persistence threshold 0) over the dp × cp = 2 ranks
+    holding each TP slice: the CP LM's own gathering of its (TP-sliced) parameters."""
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}))
+    d = str(tmp_path / "zero3")
+    run(d, [*HYBRID, *CP2_TP2, "parallel.zero_stage=3", f"parallel.deepspeed_config={ds}"], nprocs=4)
+    a, b = losses_by_step(d), losses_by_step(runs["ref"])
+    ga, gb = _by_step(d, "grad_norm"), _by_step(runs["ref"], "grad_norm")
+    assert sorted(a) == sorted(b) == list(range(1, 2 * N + 1))
+    for s in b:
+        assert abs(a[s] - b[s]) <= LOSS_ATOL, (s, a[s], b[s])
+        assert abs(ga[s] - gb[s]) <= NORM_RTOL * gb[s], (s, ga[s], gb[s])
 
 
 def test_cp2_tp2_exact_resume(runs, tmp_path):
