@@ -193,7 +193,12 @@ def _explicit_zero3_gathering(engine) -> None:
     waits in the gather). The context-parallel LM gathers every parameter itself, once per forward
     (``ContextParallelLM.forward``); gradients still reach ZeRO-3's reduce-scatter through its
     gradient hooks, in the fixed order of the gated parameters."""
-    engine.optimizer.parameter_offload.destroy()
+    offload = getattr(engine.optimizer, "parameter_offload", None)
+    if offload is None:
+        raise ParallelConfigError(
+            f"ZeRO-3 with context parallelism: the DeepSpeed optimizer {type(engine.optimizer).__name__} has no "
+            "parameter_offload whose module hooks could be removed; use parallel.zero_stage 1 or 2")
+    offload.destroy()
 
 
 def build_engine(model: torch.nn.Module, cfg, dp_world: int, mpu=None):
