@@ -136,8 +136,9 @@ def test_cp2_zero3_matches_single_process(runs, tmp_path, name):
     """ZeRO-3 with every parameter partitioned (stage3_param_persistence_threshold 0: by default
     parameters this small stay whole): the context-parallel LM gathers them all at the start of the
     forward and partitions them again after the backward, so each rank makes the same collectives
-    in the same order; the losses and gradient norms are the 1-process run's (same tolerances), and
-    the checkpoint holds the partitions (empty module tensors: ZeRO-3 keeps the shards elsewhere)."""
+    in the same order; the losses and gradient norms are the 1-process run's (same tolerances), the
+    checkpoint holds the partitions (empty module tensors: ZeRO-3 keeps the shards elsewhere), and
+    the TTT model resumes from it bit-exactly."""
     import torch
     ds = tmp_path / "ds.json"
     ds.write_text(json.dumps({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}))
@@ -153,6 +154,12 @@ def test_cp2_zero3_matches_single_process(runs, tmp_path, name):
     ck = os.path.join(d, "checkpoints", f"step_{N:08d}", "ds", "zero_pp_rank_1_mp_rank_00_model_states.pt")
     module = torch.load(ck, map_location="cpu", weights_only=False)["module"]
     assert module and all(v.numel() == 0 for v in module.values()), {k: v.shape for k, v in module.items()}
+    if name == "ttt":  # and resumes bit-exactly from the partitioned checkpoint
+        resumed = str(tmp_path / "resumed")
+        run(resumed, [*COMMON, *MODELS[name], *CP2, "parallel.zero_stage=3", f"parallel.deepspeed_config={ds}",
+                      f"train.resume_from={os.path.dirname(os.path.dirname(ck))}"], nprocs=2)
+        r = losses_by_step(resumed)
+        assert sorted(r) == list(range(N + 1, 2 * N + 1)) and all(r[s] == a[s] for s in r), (r, a)
 
 
 # ---- configuration checks (in-process) ---------------------------------------------------------
