@@ -154,7 +154,9 @@ def test_cp2_zero3_matches_single_process(runs, tmp_path, name):
     ck = os.path.join(d, "checkpoints", f"step_{N:08d}", "ds", "zero_pp_rank_1_mp_rank_00_model_states.pt")
     module = torch.load(ck, map_location="cpu", weights_only=False)["module"]
     assert module and all(v.numel() == 0 for v in module.values()), {k: v.shape for k, v in module.items()}
-    if name == "ttt":  # and resumes bit-exactly from the partitioned checkpoint
+    if name == "ttt":  # its validation loss (a forward without autograd) too, and an exact resume
+        va, vb = _by_step(d, "loss", "val"), _by_step(runs[name + "/ref"], "loss", "val")
+        assert sorted(va) == sorted(vb) == [N, 2 * N] and all(abs(va[s] - vb[s]) <= LOSS_ATOL for s in vb), (va, vb)
         resumed = str(tmp_path / "resumed")
         run(resumed, [*COMMON, *MODELS[name], *CP2, "parallel.zero_stage=3", f"parallel.deepspeed_config={ds}",
                       f"train.resume_from={os.path.dirname(os.path.dirname(ck))}"], nprocs=2)
