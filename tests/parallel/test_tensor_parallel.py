@@ -268,10 +268,14 @@ def check_refuses_other_mixers():
     from ttt_lm.model.lm import LM
     from ttt_lm.parallel.tp_model import parallelize_tp
     groups = _tp_group(dist.get_world_size())
+    from unittest import mock
+    from ttt_lm.model.mixers import mixer_class
     cfg = _tiny_cfg(["attention", "titans_mac"], d_ff=0)
     m = LM(cfg)
+    # every built-in kind declares a plan: a mixer without one is titans_mac with its plan removed
     try:
-        parallelize_tp(m, groups)
+        with mock.patch.object(mixer_class("titans_mac"), "tp_plan", classmethod(lambda cls, cfg: None)):
+            parallelize_tp(m, groups)
     except ValueError as e:
         assert "titans_mac" in str(e) and "attention" in str(e), str(e)
     else:

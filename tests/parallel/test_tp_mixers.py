@@ -1,4 +1,4 @@
-"""Tensor (and sequence) parallelism of DeltaNet, RG-LRU, Mamba and a hybrid of every TP-ready
+"""Tensor (and sequence) parallelism of DeltaNet, RG-LRU, Mamba, the Titans variants and a hybrid of every TP-ready
 kind against the single-process model, with two real gloo processes on CPU (and one check of
 TP=2 × DP=2 on four).
 
@@ -51,6 +51,8 @@ def _cfg(pattern, d_ff=0, titans_memory="linear"):
     cfg.titans.chunk_size = 4
     cfg.titans.memory = titans_memory
     cfg.titans.window = 3
+    cfg.titans.segment_len = 4  # titans_mac: one full and one partial segment over 6 tokens
+    cfg.titans.persistent_tokens = 2
     return cfg
 
 
@@ -147,34 +149,21 @@ def check_refusals():
     assert type(m) is LM and isinstance(m.layers[0].mixer.linear_x, torch.nn.Linear), "refusal must change nothing"
 
 
-def check_mal_refuses_sp():
-    from ttt_lm.model.lm import LM
-    from ttt_lm.parallel.tp_model import parallelize_tp
-    m = LM(_cfg(["attention", "titans_mal"]))
-    try:
-        parallelize_tp(m, _groups(), sequence_parallel=True)
-    except ValueError as e:
-        assert "titans_mal" in str(e) and "sequence_parallel=false" in str(e), str(e)
-    else:
-        raise AssertionError("titans_mal with sequence parallelism must be refused")
-    assert type(m) is LM
-
-
 def _checks():
     out = [("fused_shards", check_fused_shards), ("refusals", check_refusals)]
-    for kind in ("deltanet", "rglru", "mamba", "titans", "titans_mag"):
+    for kind in ("deltanet", "rglru", "mamba", "titans", "titans_mag", "titans_mal", "titans_mac"):
         for sp in (False, True):
             out.append((f"{kind}{'_sp' if sp else ''}", lambda k=kind, s=sp: _lm_vs_single(_cfg([k], d_ff=24), s)))
-    out.append(("titans_mal", lambda: _lm_vs_single(_cfg(["titans_mal"], d_ff=24), False)))
-    out.append(("titans_mal_refuses_sp", check_mal_refuses_sp))
     out.append(("titans_mlp_memory_sp", lambda: _lm_vs_single(_cfg(["titans"], titans_memory="mlp"), True)))
+    out.append(("titans_mac_mlp_memory_sp", lambda: _lm_vs_single(_cfg(["titans_mac"], titans_memory="mlp"), True)))
     out.append(("hybrid", lambda: _lm_vs_single(_cfg(HYBRID, d_ff=24), False)))
     out.append(("hybrid_sp", lambda: _lm_vs_single(_cfg(HYBRID, d_ff=24), True)))
     return out
 
 
 #: every TP-ready kind in one model
-HYBRID = ["deltanet", "rglru", "mamba", "titans", "titans_mag", "attention", "local_attention", "ttt_linear"]
+HYBRID = ["deltanet", "rglru", "mamba", "titans", "titans_mag", "titans_mal", "titans_mac", "attention",
+          "local_attention", "ttt_linear"]
 
 
 def check_hybrid_tp2_dp2():

@@ -165,9 +165,12 @@ def check_refusals():
     else:
         raise AssertionError("pre_conv with sequence parallelism must be refused")
     assert type(m) is LM, "refusal must leave the model as it was"
+    from unittest import mock
+    from ttt_lm.model.mixers import mixer_class
     m = LM(_cfg(["ttt_mlp", "titans_mac"]))
-    try:
-        parallelize_tp(m, groups)
+    try:  # every built-in kind declares a plan: titans_mac with its plan removed stands for one without
+        with mock.patch.object(mixer_class("titans_mac"), "tp_plan", classmethod(lambda cls, cfg: None)):
+            parallelize_tp(m, groups)
     except ValueError as e:
         assert "titans_mac" in str(e) and "ttt_mlp" in str(e), str(e)
     else:

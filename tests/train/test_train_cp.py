@@ -130,6 +130,40 @@ def test_cp2_variants_match_single_process(runs, tmp_path, name, extra):
         assert abs(ga[s] - gb[s]) <= NORM_RTOL * gb[s], (s, ga[s], gb[s])
 
 
+@pytest.mark.dist
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_cp2_zero3_matches_single_process(runs, tmp_path, name):
+    """ZeRO-3 with every parameter partitioned (stage3_param_persistence_threshold 0: by default
+    parameters this small stay whole): the context-parallel LM gathers them all at the start of the
+    forward and partitions them again after the backward, so each rank makes the same collectives
+    in the same order; the losses and gradient norms are the 1-process run's (same tolerances), the
+    checkpoint holds the partitions (empty module tensors: ZeRO-3 keeps the shards elsewhere), and
+    the TTT model resumes from it bit-exactly."""
+    import torch
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}))
+    d = str(tmp_path / "zero3")
+    run(d, [*COMMON, *MODELS[name], *CP2, "parallel.zero_stage=3", f"parallel.deepspeed_config={ds}",
+            f"checkpoint.every={N}"], nprocs=2)
+    a, b = losses_by_step(d), losses_by_step(runs[name + "/ref"])
+    assert sorted(a) == sorted(b) == list(range(1, 2 * N + 1))
+    ga, gb = _by_step(d, "grad_norm"), _by_step(runs[name + "/ref"], "grad_norm")
+    for s in b:
+        assert abs(a[s] - b[s]) <= LOSS_ATOL, (s, a[s], b[s])
+        assert abs(ga[s] - gb[s]) <= NORM_RTOL * gb[s], (s, ga[s], gb[s])
+    ck = os.path.join(d, "checkpoints", f"step_{N:08d}", "ds", "zero_pp_rank_1_mp_rank_00_model_states.pt")
+    module = torch.load(ck, map_location="cpu", weights_only=False)["module"]
+    assert module and all(v.numel() == 0 for v in module.values()), {k: v.shape for k, v in module.items()}
+    if name == "ttt":  # its validation loss (a forward without autograd) too, and an exact resume
+        va, vb = _by_step(d, "loss", "val"), _by_step(runs[name + "/ref"], "loss", "val")
+        assert sorted(va) == sorted(vb) == [N, 2 * N] and all(abs(va[s] - vb[s]) <= LOSS_ATOL for s in vb), (va, vb)
+        resumed = str(tmp_path / "resumed")
+        run(resumed, [*COMMON, *MODELS[name], *CP2, "parallel.zero_stage=3", f"parallel.deepspeed_config={ds}",
+                      f"train.resume_from={os.path.dirname(os.path.dirname(ck))}"], nprocs=2)
+        r = losses_by_step(resumed)
+        assert sorted(r) == list(range(N + 1, 2 * N + 1)) and all(r[s] == a[s] for s in r), (r, a)
+
+
 # ---- configuration checks (in-process) ---------------------------------------------------------
 
 def _cfg(**parallel):
@@ -155,10 +189,14 @@ def test_cp_refusals():
         check_parallel(_cfg(context_parallel=2), world_size=3)
     cfg = _cfg(context_parallel=2, tensor_parallel=2)
     cfg.model.layer_pattern = ["attention"]
-    with pytest.raises(ParallelConfigError, match="not combined with tensor parallelism"):
+    check_parallel(cfg, world_size=4)  # CP × TP
+    with pytest.raises(ParallelConfigError, match=r"context_parallel=2 × parallel.tensor_parallel=2 does not divide "
+                                                  "the world size 6"):
+        check_parallel(cfg, world_size=6)
+    cfg.parallel.sequence_parallel = True
+    with pytest.raises(ParallelConfigError, match="context_parallel=2 with parallel.sequence_parallel=true"):
         check_parallel(cfg, world_size=4)
-    with pytest.raises(ParallelConfigError, match="needs parallel.zero_stage 1 or 2, got 3"):
-        check_parallel(_cfg(context_parallel=2, zero_stage=3), world_size=2)
+    check_parallel(_cfg(context_parallel=2, zero_stage=3), world_size=2)
     check_parallel(_cfg(context_parallel=2, zero_stage=2), world_size=2)
     cfg = _cfg(context_parallel=4)
     cfg.data.seq_len = 3
@@ -181,15 +219,20 @@ def test_cp_pipeline_chunks_checked():
             check_parallel(_cfg(context_parallel=cp, cp_pipeline_chunks=bad), world_size=2)
 
 
-def test_cp_refuses_a_deepspeed_file_with_zero3_or_overlapped_reduction(tmp_path):
-    for zo in ({"stage": 3}, {"stage": 2, "overlap_comm": True}):
+def test_cp_refuses_a_deepspeed_file_with_overlapped_reduction(tmp_path):
+    for zo in ({"stage": 3, "overlap_comm": True}, {"stage": 2, "overlap_comm": True}, {"stage": 0}):
         path = tmp_path / "ds.json"
         path.write_text(json.dumps({"zero_optimization": zo}))
         cfg = _cfg(context_parallel=2, deepspeed_config=str(path))
-        with pytest.raises(ParallelConfigError, match="needs zero_optimization stage 1 or 2 without overlap_comm"):
+        with pytest.raises(ParallelConfigError, match="needs zero_optimization stage 1, 2 or 3 without overlap_comm"):
             deepspeed_config(cfg, dp_world=2)
         cfg.parallel.context_parallel = 1
         deepspeed_config(cfg, dp_world=2)
+    path.write_text(json.dumps({"zero_optimization": {"stage": 3}}))
+    ds = deepspeed_config(_cfg(context_parallel=2, deepspeed_config=str(path)), dp_world=2)
+    assert ds["zero_optimization"] == {"stage": 3, "overlap_comm": False}  # ZeRO-3 alone would overlap
+    ds = deepspeed_config(_cfg(context_parallel=2, zero_stage=3), dp_world=2)
+    assert ds["zero_optimization"]["stage"] == 3 and ds["zero_optimization"]["overlap_comm"] is False
 
 
 def test_resume_refuses_another_context_parallel_size():

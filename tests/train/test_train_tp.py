@@ -127,7 +127,10 @@ def test_tp_allowed_for_attention_models_with_any_zero_stage():
         check_parallel(_attn_cfg(tensor_parallel=4, sequence_parallel=True, zero_stage=stage), world_size=4)
 
 
-def test_tp_refuses_layer_kinds_that_are_not_tp_ready():
+def test_tp_refuses_layer_kinds_that_are_not_tp_ready(monkeypatch):
+    from ttt_lm.model.mixers import mixer_class
+    # every built-in kind declares a plan: titans_mac with its plan removed stands for one without
+    monkeypatch.setattr(mixer_class("titans_mac"), "tp_plan", classmethod(lambda cls, cfg: None))
     cfg = _attn_cfg(tensor_parallel=2)
     cfg.model.layer_pattern = ["attention", "titans_mac", "attention", "titans_mac"]
     with pytest.raises(ParallelConfigError, match=r"\['titans_mac'\] \(layers \[1, 3\]\) are not TP-ready"):
@@ -153,9 +156,11 @@ def test_tp_layout_refusals():
         check_parallel(cfg, world_size=2)
 
 
-def test_context_parallel_refused_with_tensor_parallel():
-    with pytest.raises(ParallelConfigError, match=r"context_parallel=2 with parallel.tensor_parallel=2: .*not combined"):
-        check_parallel(_attn_cfg(context_parallel=2, tensor_parallel=2), world_size=4)
+def test_context_parallel_with_tensor_parallel_but_not_sequence_parallel():
+    check_parallel(_attn_cfg(context_parallel=2, tensor_parallel=2), world_size=4)
+    check_parallel(_attn_cfg(context_parallel=2, tensor_parallel=2), world_size=8)  # dp 2 × cp 2 × tp 2
+    with pytest.raises(ParallelConfigError, match="sequence_parallel=false"):
+        check_parallel(_attn_cfg(context_parallel=2, tensor_parallel=2, sequence_parallel=True), world_size=4)
 
 
 def test_resume_refuses_another_tensor_parallel_size():

@@ -101,7 +101,10 @@ def test_deepspeed_config_generated_and_from_file(tmp_path):
         deepspeed_config(cfg, dp_world=2)
 
 
-def test_tensor_parallel_refused_with_message():
+def test_tensor_parallel_refused_with_message(monkeypatch):
+    from ttt_lm.model.mixers import mixer_class
+    # every built-in kind declares a plan: titans_mac with its plan removed stands for one without
+    monkeypatch.setattr(mixer_class("titans_mac"), "tp_plan", classmethod(lambda cls, cfg: None))
     cfg = ExperimentConfig()
     cfg.parallel.tensor_parallel = 2
     cfg.model.layer_pattern = ["ttt_linear", "titans_mac"]

@@ -519,7 +519,10 @@ def context_parallel_forward(model, input_ids_local: torch.Tensor, labels_local:
     passing, and blocks with a pre-conv) pass their block state from rank to rank. Activation checkpointing is not applied here.
     ``position_ids_local`` [B, T_r] (this slice of the loader's positions) reach the RG-LRU as its
     segment positions, as in ``LM.forward``. ``chunks``: the state-passing blocks are pipelined
-    over that many groups of batch rows (``pass_state_forward``; 1: ranks one after another)."""
+    over that many groups of batch rows (``pass_state_forward``; 1: ranks one after another).
+    A model whose layers ``parallelize_tp`` converted (``model.tp_ctx`` set; CP × TP) runs its
+    heads' share on each TP rank, the states and summaries passed between CP peers holding those
+    heads; its logits are this TP rank's vocabulary shard and the loss is vocab-parallel."""
     rank, world = _rank_world(group)
     lengths = gather_lengths(input_ids_local.shape[1], group)
     if min(lengths) < 1:
@@ -538,8 +541,14 @@ def context_parallel_forward(model, input_ids_local: torch.Tensor, labels_local:
     loss = None
     if labels_local is not None:
         lg = acc(logits)
-        ce = F.cross_entropy(lg.reshape(-1, lg.shape[-1]), labels_local.reshape(-1), ignore_index=-100,
-                             reduction="sum")
+        tp = getattr(model, "tp_ctx", None)
+        if tp is not None:  # tensor parallel too: this rank's vocabulary shard of the logits
+            from ttt_lm.parallel.tensor_parallel import vocab_parallel_cross_entropy
+            ce = vocab_parallel_cross_entropy(lg.reshape(-1, lg.shape[-1]), labels_local.reshape(-1), tp.group,
+                                              ignore_index=-100, reduction="sum")
+        else:
+            ce = F.cross_entropy(lg.reshape(-1, lg.shape[-1]), labels_local.reshape(-1), ignore_index=-100,
+                                 reduction="sum")
         n = (labels_local != -100).sum().to(torch.int64).reshape(1)
         dist.all_reduce(n, group=group)
         loss = ce * world / n.clamp(min=1).to(ce.dtype)

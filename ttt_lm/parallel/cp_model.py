@@ -21,8 +21,23 @@ different buckets against each other. The forward therefore runs the model on ga
 parameters: a chain of identity autograd Functions, one per parameter, each of whose backward waits
 for the next one's, so every parameter's gradient is accumulated at the end of the backward pass,
 in reverse parameter order, on every rank alike (and unused parameters get an exact zero).
-ZeRO-3 is refused (``ttt_lm.train.engine.check_parallel``): its parameters are gathered by module hooks during the
-forward and backward, which the gated copies bypass.
+ZeRO-3. DeepSpeed's ZeRO-3 gathers and releases each module's parameters by hooks around its
+forward and backward: collectives over all dp × c ranks that the CP ranks would reach at different
+times (rank 1 waits for rank 0's state while rank 0 waits in the gather of the next block's
+parameters), and the gated copies would be taken of released (empty) parameters. So under CP the
+trainer removes those hooks (``ttt_lm.train.engine``) and this forward gathers every parameter
+itself, at its start, in one collective that every rank makes at the same point
+(``deepspeed.zero.GatheredParameters``); they stay whole through the backward (whose gradients
+ZeRO-3's own gradient hooks reduce-scatter, in the gates' fixed order) and are partitioned again
+by ``release_parameters`` (the trainer calls it after each backward; a forward without autograd
+releases them at its end). Between steps and in the checkpoints each rank holds its shard; during
+a step every rank holds all the parameters, as with ZeRO-1/2.
+
+CP × TP. ``ttt_lm.parallel.tp_model.parallelize_tp`` converts this model's layers in place (it
+keeps the class): each rank then holds its TP slice, the mixers run their local heads, the states,
+summaries and keys/values exchanged between CP peers (ranks with the same TP index,
+``ttt_lm.parallel.groups``) are those heads', and the loss is the vocab-parallel cross-entropy.
+Without sequence parallelism (refused with CP).
 """
 from __future__ import annotations
 
@@ -60,12 +75,23 @@ def _gated(params):
 
 
 class ContextParallelLM(LM):
+    #: ``parallelize_tp`` converts its layers in place and keeps this forward (CP × TP)
+    runs_tp_layers = True
+
     def __init__(self, cfg: ModelConfig, cp_group, pipeline_chunks: int = 1):
         super().__init__(cfg)
         self.cp_group = cp_group
         self.pipeline_chunks = pipeline_chunks   # row groups of the state-passing pipeline
         self._gated_call = False                 # inside the forward on gated parameters
+        self._zero3 = None                       # ZeRO-3: the gathering of every parameter, while held
         self.cp_rank, self.cp_size = dist.get_rank(cp_group), dist.get_world_size(cp_group)
+
+    def release_parameters(self) -> None:
+        """ZeRO-3: partition the parameters again after the backward (each rank keeps its shard);
+        nothing otherwise. Every rank calls it at the same point (it makes no collective)."""
+        if self._zero3 is not None:
+            z, self._zero3 = self._zero3, None
+            z.__exit__(None, None, None)
 
     def local_slice(self, t: torch.Tensor) -> torch.Tensor:
         """This rank's contiguous part of [B, T] rows."""
@@ -80,6 +106,17 @@ class ContextParallelLM(LM):
         and its loss share (see the module docstring)."""
         if states is not None or output_states:
             raise ValueError("the context-parallel LM runs whole rows from the start: no states")
+        if self._zero3 is None and any(hasattr(p, "ds_id") for p in self.parameters()):
+            # ZeRO-3: every parameter gathered once, up front, in one collective every rank makes at
+            # the same point, and kept until ``release_parameters`` after the backward (module docstring)
+            import deepspeed
+            self._zero3 = deepspeed.zero.GatheredParameters(list(self.parameters()))
+            self._zero3.__enter__()
+            if not torch.is_grad_enabled():  # no backward follows: release after this forward
+                try:
+                    return self.forward(input_ids, labels, position_ids=position_ids)
+                finally:
+                    self.release_parameters()
         params = [(n, p) for n, p in self.named_parameters() if p.requires_grad]
         if not self._gated_call and labels is not None and torch.is_grad_enabled() and params:
             # every parameter's gradient accumulated last, in one order on every rank (module docstring)

@@ -355,16 +355,22 @@ class RowParallelLinear(nn.Module):
     ``output_to_heads``: the sum stays inside the TP region, where every rank's heads read it (a
     selective SSM's x_proj, whose dt/B/C every channel uses): it is summed by ``all_reduce_sum``
     (the gradient is all-reduced too, since each rank's gradient covers its own heads only) and
-    never scattered over the sequence."""
+    never scattered over the sequence.
+
+    ``full_sequence``: the sum is g (all-reduce forward, identity backward) even with sequence
+    parallelism: the mixer reads it over the whole sequence and hands this rank's T/p tokens to the
+    block itself (``TPPlan.sequence_split``), as Titans MAC and MAL do."""
 
     def __init__(self, in_features: int, out_features: int, ctx: TPContext, bias: bool = False,
-                 input_is_parallel: bool = True, output_to_heads: bool = False, device=None, dtype=None):
+                 input_is_parallel: bool = True, output_to_heads: bool = False, full_sequence: bool = False,
+                 device=None, dtype=None):
         super().__init__()
         p = ctx.world_size
         if in_features % p != 0:
             raise ValueError(f"RowParallelLinear: in_features={in_features} is not divisible by tensor_parallel={p}")
         self.in_features, self.out_features = in_features, out_features
         self.ctx, self.input_is_parallel, self.output_to_heads = ctx, input_is_parallel, output_to_heads
+        self.full_sequence = full_sequence
         self.weight = _mark(nn.Parameter(torch.empty(out_features, in_features // p, device=device, dtype=dtype)), 1)
         # the bias is replicated: added once, after the reduction
         self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype)) if bias else None
@@ -387,6 +393,9 @@ class RowParallelLinear(nn.Module):
         if self.output_to_heads:
             y = all_reduce_sum(y, g)
             return y if self.bias is None else y + copy_to_tensor_parallel_region(self.bias, g)
+        if self.full_sequence:  # every rank keeps the whole sum: the bias gradient is complete on each
+            y = reduce_from_tensor_parallel_region(y, g)
+            return y if self.bias is None else y + self.bias
         y = reduce_scatter_to_sequence_parallel_region(y, g) if sp else reduce_from_tensor_parallel_region(y, g)
         if self.bias is not None:
             # with sequence parallelism each rank adds the bias to T/p tokens: sum its gradient

@@ -34,9 +34,12 @@ Every sharded weight is a slice of the single-rank weight (``partition_dim`` on 
 says which dimension, ``partition_stride`` how many fused parts it was cut from one by one), so
 ``gather_full_state_dict`` rebuilds the single-rank state dict.
 
-TP-ready layer kinds: those whose mixer declares a plan (``TP_READY_KINDS``: every built-in kind
-but titans_mac, which declares none; a model with one is refused before any change). A plan with
-``sequence_parallel=False`` (titans_mal) refuses sequence parallelism the same way.
+TP-ready layer kinds: those whose mixer declares a plan (``TP_READY_KINDS``: every built-in kind;
+a model with a layer whose mixer declares none is refused before any change). A plan with
+``sequence_parallel=False`` refuses sequence parallelism the same way (no built-in kind's does).
+A mixer that reads a row-parallel sum over the whole sequence (``row_full_sequence``: g even with
+sequence parallelism) hands this rank's T/p tokens of its output to the block through
+``sequence_split`` hooks (split forward, all-gather backward).
 """
 from __future__ import annotations
 
@@ -54,7 +57,7 @@ from ttt_lm.parallel.groups import ParallelGroups
 from ttt_lm.parallel.tensor_parallel import (
     ColumnParallelLinear, RowParallelLinear, TPContext, VocabParallelEmbedding, _all_gather, _mark, _shard,
     join_shards, copy_to_tensor_parallel_region, gather_from_sequence_parallel_region, gather_from_tensor_parallel_region,
-    tp_layer_norm, vocab_parallel_cross_entropy)
+    scatter_to_sequence_parallel_region, tp_layer_norm, vocab_parallel_cross_entropy)
 
 
 def tp_ready_kinds(cfg: Optional[ModelConfig] = None) -> tuple:
@@ -120,6 +123,18 @@ class SharedAcrossHeads(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return copy_to_tensor_parallel_region(x, self.ctx.group)
+
+
+class SequenceSplit(nn.Module):
+    """A mixer output computed over the whole sequence on every rank (``TPPlan.sequence_split``):
+    with sequence parallelism this rank's T/p tokens (the gradient all-gathered back), else as is."""
+
+    def __init__(self, ctx: TPContext):
+        super().__init__()
+        self.ctx = ctx
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return scatter_to_sequence_parallel_region(x, self.ctx.group) if self.ctx.sequence_parallel else x
 
 
 class SharedParamsModule(nn.Module):
@@ -202,6 +217,9 @@ def _parallelize_mixer(mx: Mixer, plan: TPPlan, ctx: TPContext) -> None:
     for name in plan.row_to_heads:
         _set(mx, name, RowParallelLinear.from_linear(_get(mx, name), ctx, input_is_parallel=True,
                                                      output_to_heads=True))
+    for name in plan.row_full_sequence:
+        _set(mx, name, RowParallelLinear.from_linear(_get(mx, name), ctx, input_is_parallel=True,
+                                                     full_sequence=True))
     for name in plan.channel_convs:
         _set(mx, name, _shard_conv(_get(mx, name), ctx, stride.get(name, 1)))
     for name in plan.head_params:
@@ -212,6 +230,10 @@ def _parallelize_mixer(mx: Mixer, plan: TPPlan, ctx: TPContext) -> None:
         if not isinstance(_get(mx, name), nn.Identity):
             raise TypeError(f"TPPlan.shared: {type(mx).__name__}.{name} must be an nn.Identity hook")
         _set(mx, name, SharedAcrossHeads(ctx))
+    for name in plan.sequence_split:
+        if not isinstance(_get(mx, name), nn.Identity):
+            raise TypeError(f"TPPlan.sequence_split: {type(mx).__name__}.{name} must be an nn.Identity hook")
+        _set(mx, name, SequenceSplit(ctx))
     for name in plan.shared_modules:
         _set(mx, name, SharedParamsModule(_get(mx, name), ctx))
     for name in plan.sequence_region:
@@ -221,7 +243,7 @@ def _parallelize_mixer(mx: Mixer, plan: TPPlan, ctx: TPContext) -> None:
 
 
 _PLAN_FIELDS = ("column", "row", "channel_convs", "head_params", "group_norms", "shared", "head_counts",
-                "row_to_heads", "shared_modules", "sequence_region")
+                "row_to_heads", "shared_modules", "sequence_region", "row_full_sequence", "sequence_split")
 
 
 def _check_plan(i: int, mx: Mixer, plan: TPPlan, p: int) -> None:
@@ -360,12 +382,20 @@ def _check(model: LM, p: int, sequence_parallel: bool) -> None:
 
 def parallelize_tp(model: LM, groups, sequence_parallel: bool = False) -> TPLM:
     """Convert ``model`` in place (every TP rank must hold the same weights, e.g. built from the
-    same seed) and return it. ``groups`` is a ParallelGroups or a TPContext's process group."""
+    same seed) and return it. ``groups`` is a ParallelGroups or a TPContext's process group.
+
+    A subclass of LM whose class sets ``runs_tp_layers = True`` (the context-parallel LM) keeps its
+    class and its own forward: its layers are converted and ``model.tp_ctx`` set, and its forward
+    must take the vocab-parallel loss itself (without sequence parallelism)."""
     group = groups.tp_group if isinstance(groups, ParallelGroups) else groups
     ctx = TPContext(group, sequence_parallel)
     p = ctx.world_size
-    if type(model) is not LM:
+    own_forward = type(model) is not LM and isinstance(model, LM) and getattr(type(model), "runs_tp_layers", False)
+    if type(model) is not LM and not own_forward:
         raise TypeError(f"parallelize_tp takes a single-rank LM, got {type(model).__name__}")
+    if own_forward and sequence_parallel:
+        raise ValueError(f"{type(model).__name__} runs its own forward over the converted layers: sequence "
+                         "parallelism is not available with it; set parallel.sequence_parallel=false")
     _check(model, p, sequence_parallel)  # before any change, so a refusal leaves the model intact
 
     for block in model.layers:
@@ -385,7 +415,8 @@ def parallelize_tp(model: LM, groups, sequence_parallel: bool = False) -> TPLM:
         head.weight = model.embed.weight
     model.lm_head = head
     model.norm = _entry_norm(model.norm, ctx)
-    model.__class__ = TPLM
+    if not own_forward:
+        model.__class__ = TPLM
     model.tp_ctx = ctx
     return model
 

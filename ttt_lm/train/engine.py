@@ -7,9 +7,11 @@ whose mixers all declare a ``tp_plan``: ``ttt_lm.parallel.tp_model.tp_ready_kind
 sequence parallelism. With p > 1
 the batch size counts the data-parallel ranks (world / p) and DeepSpeed gets the ``mpu`` of
 ``ttt_lm.parallel.groups``, so ZeRO reduces and shards over the data-parallel group only.
-Context parallelism (``parallel.context_parallel`` = c > 1, not with TP): each row's tokens split
-across c ranks (``ttt_lm.parallel.cp_model``); the loaders are split over world / c data-parallel
-ranks and DeepSpeed's gradient-averaging group (the mpu's) is all world ranks, dp × c; ZeRO-1 or 2.
+Context parallelism (``parallel.context_parallel`` = c > 1): each row's tokens split across c
+ranks (``ttt_lm.parallel.cp_model``); the loaders are split over world / (c · p) data-parallel
+ranks and DeepSpeed's gradient-averaging group (the mpu's) is the dp × c ranks holding the same TP
+slice; ZeRO-1, 2 or 3 (ZeRO-3's module hooks removed: the CP LM gathers its parameters itself,
+``ttt_lm.parallel.cp_model``). With TP as well (p > 1, no sequence parallelism) world = dp × c × p.
 """
 from __future__ import annotations
 
@@ -45,19 +47,15 @@ def check_parallel(cfg, world_size: Optional[int] = None) -> None:
             f"{cfg.train.micro_batch_size} (it splits each micro-batch's rows into that many groups), and 1 "
             f"unless parallel.context_parallel > 1 (got {cp})")
     if cp > 1:
-        if tp > 1:
+        if p.sequence_parallel:
             raise ParallelConfigError(
-                f"parallel.context_parallel={cp} with parallel.tensor_parallel={tp}: context parallelism is not "
-                "combined with tensor parallelism in this trainer; use one of them (the other = 1)")
-        if world_size is not None and world_size % cp:
+                f"parallel.context_parallel={cp} with parallel.sequence_parallel=true: the context-parallel forward "
+                "does not split its slice again along the tensor-parallel group; set parallel.sequence_parallel=false "
+                "(tensor parallelism itself combines with context parallelism)")
+        if world_size is not None and world_size % (cp * tp):
             raise ParallelConfigError(
-                f"parallel.context_parallel={cp} does not divide the world size {world_size}")
-        if p.zero_stage == 3:
-            raise ParallelConfigError(
-                f"parallel.context_parallel={cp} needs parallel.zero_stage 1 or 2, got 3: ZeRO-3 gathers each "
-                "module's parameters by hooks around its forward and backward, while the context-parallel LM "
-                "runs on gated copies of the parameters (so that every rank accumulates gradients in one order) "
-                "and its state-passing layers run at different times on different ranks")
+                f"parallel.context_parallel={cp}" + (f" × parallel.tensor_parallel={tp}" if tp > 1 else "")
+                + f" does not divide the world size {world_size}")
         if cfg.data.seq_len < cp:
             raise ParallelConfigError(
                 f"parallel.context_parallel={cp} splits each row across {cp} ranks: data.seq_len={cfg.data.seq_len} "
@@ -158,11 +156,13 @@ def deepspeed_config(cfg, dp_world: int) -> Dict[str, Any]:
                     f"{p.deepspeed_config}: {k}={ds[k]} contradicts the experiment config ({ours[k]}); "
                     "set it to \"auto\" or remove it, and use train.micro_batch_size / train.grad_accum")
         zo = ds.get("zero_optimization", {})
-        if p.context_parallel > 1 and (zo.get("stage", 0) not in (1, 2) or zo.get("overlap_comm", False)):
+        if p.context_parallel > 1 and (zo.get("stage", 0) not in (1, 2, 3) or zo.get("overlap_comm", False)):
             raise ParallelConfigError(
                 f"{p.deepspeed_config}: parallel.context_parallel={p.context_parallel} needs zero_optimization "
-                f"stage 1 or 2 without overlap_comm (got {zo}): ZeRO-3's parameter gathering does not fit the "
-                "context-parallel forward, and overlapped reduction is not tested with it")
+                f"stage 1, 2 or 3 without overlap_comm (got {zo}): overlapped reduction is not tested with it")
+        if p.context_parallel > 1:
+            zo.setdefault("overlap_comm", False)  # ZeRO-3 would default to True
+            ds["zero_optimization"] = zo
         ds.update(ours)
         ds.setdefault("zero_allow_untested_optimizer", True)
         return ds
@@ -181,7 +181,24 @@ def deepspeed_config(cfg, dp_world: int) -> Dict[str, Any]:
         ds["bf16"] = {"enabled": True, "check_grad_overflow": True}
     if p.zero_stage == 3:
         ds["zero_optimization"].update({"stage3_gather_16bit_weights_on_model_save": False})
+        if p.context_parallel > 1:
+            ds["zero_optimization"]["overlap_comm"] = False  # as with ZeRO-1/2 (ZeRO-3 defaults to True)
     return ds
+
+
+def _explicit_zero3_gathering(engine) -> None:
+    """ZeRO-3 with context parallelism: remove the engine's module hooks, which gather and release
+    each module's parameters around its forward and backward (collectives that the CP ranks would
+    reach at different times: a state-passing rank waits for its predecessor's state while that one
+    waits in the gather). The context-parallel LM gathers every parameter itself, once per forward
+    (``ContextParallelLM.forward``); gradients still reach ZeRO-3's reduce-scatter through its
+    gradient hooks, in the fixed order of the gated parameters."""
+    offload = getattr(engine.optimizer, "parameter_offload", None)
+    if offload is None:
+        raise ParallelConfigError(
+            f"ZeRO-3 with context parallelism: the DeepSpeed optimizer {type(engine.optimizer).__name__} has no "
+            "parameter_offload whose module hooks could be removed; use parallel.zero_stage 1 or 2")
+    offload.destroy()
 
 
 def build_engine(model: torch.nn.Module, cfg, dp_world: int, mpu=None):
@@ -200,6 +217,8 @@ def build_engine(model: torch.nn.Module, cfg, dp_world: int, mpu=None):
     engine, _, _, sched = deepspeed.initialize(
         model=model, optimizer=opt, config=deepspeed_config(cfg, dp_world), mpu=mpu,
         lr_scheduler=lambda o: torch.optim.lr_scheduler.LambdaLR(o, mult))
+    if cfg.parallel.context_parallel > 1 and cfg.parallel.zero_stage == 3:
+        _explicit_zero3_gathering(engine)
     return engine, sched
 
 

@@ -497,7 +497,8 @@ def _train(cfg, data_api, preempt, held, extra_callbacks=()) -> int:
     trainer = Trainer(engine=engine, scheduler=sched, batches=batches, device=dev, max_steps=t.max_steps,
                       grad_accum=t.grad_accum, rank=rank, world=world, dp_world=dp_world, callbacks=callbacks,
                       signalled=lambda: preempt.requested, forward_kwargs=fwd_kw,
-                      after_backward=wait_pending if cp > 1 else None, stop_after=t.stop_after,
+                      after_backward=(lambda: (wait_pending(), model.release_parameters())) if cp > 1 else None,
+                      stop_after=t.stop_after,
                       step=step, tokens=tokens, skipped_total=skipped_total, nonfinite_run=nonfinite_run)
     trainer.last_saved = step if resume is not None else -1
     exit_code = trainer.fit()

@@ -183,9 +183,18 @@ class TPPlan:
       the same activations, or with sequence parallelism its T/p tokens, when their gradients
       are summed across ranks; the mixer's output is then already in the block's region.
 
+    * ``row_full_sequence``: nn.Linear layers split by input features whose summed output the
+      mixer reads over the whole sequence (g: all-reduce forward, identity backward), with sequence
+      parallelism too; every consumer must then give it the full gradient (per-head consumers
+      through a ``shared`` hook, the mixer's output through a ``sequence_split`` hook).
+    * ``sequence_split``: nn.Identity hooks on the mixer's output when that output is computed over
+      the whole sequence on every rank: with sequence parallelism they keep this rank's T/p tokens
+      (the gradient is all-gathered back); without, they do nothing.
+
     * ``sequence_parallel``: False where the mixer cannot take the sequence-split region's
-      reductions at its output (Titans MAL drops its persistent positions after the attention's
-      W_O): tensor parallelism then refuses sequence parallelism for a model with this layer.
+      reductions at its output: tensor parallelism then refuses sequence parallelism for a model
+      with this layer (no built-in mixer needs it: Titans MAL, which drops its persistent positions
+      after the attention's W_O, uses ``row_full_sequence`` and ``sequence_split`` instead).
 
     A name may be a dotted path to a submodule's attribute (``conv1d.conv``, ``gate_a.weight``);
     ``prefixed`` and ``merged`` build the plan of a mixer made of sub-mixers from theirs."""
@@ -200,6 +209,8 @@ class TPPlan:
     shared_modules: Tuple[str, ...] = ()
     fused: Tuple[Tuple[str, int], ...] = ()
     sequence_region: Tuple[str, ...] = ()
+    row_full_sequence: Tuple[str, ...] = ()
+    sequence_split: Tuple[str, ...] = ()
     sequence_parallel: bool = True
 
     def prefixed(self, prefix: str) -> "TPPlan":

@@ -67,7 +67,7 @@ from torch import nn
 from kernels import titans as _tk
 from kernels.titans.torch_chunk import split_spans
 from ttt_lm.model.layers import CausalConv1d, RMSNorm, acc, apply_rope, rope_cos_sin
-from ttt_lm.model.mixers.attention import AttentionState, LocalAttention
+from ttt_lm.model.mixers.attention import Attention, AttentionState, LocalAttention
 from ttt_lm.model.mixers.base import Mixer, MixerState, TPPlan
 from ttt_lm.model.registry import register_mixer
 
@@ -444,20 +444,24 @@ class TitansMAL(Mixer):
         self.persistent = nn.Parameter(torch.empty(self.n_persist, cfg.d_model))
         self.persistent._no_weight_decay = True
         self.persistent_shared = nn.Identity()  # the persistent tokens every head reads (tensor parallelism)
+        self.out_split = nn.Identity()          # the output handed to the block's sequence region (same)
         self.reset_parameters()
 
     @classmethod
     def tp_plan(cls, cfg) -> TPPlan:
         """Each sub-layer splits as its own mixer, except that the memory's W_O sums its heads for
         every attention head to read (``row_to_heads``: all-reduced in forward and backward) and
-        the persistent tokens are shared by all heads. No sequence parallelism: the persistent
-        positions are dropped after the attention's W_O, whose sequence split would cut the
-        concatenation [persistent ‖ x] instead of x."""
+        the persistent tokens are shared by all heads. The persistent positions are dropped after
+        the attention's W_O, so its reduce-scatter over the sequence (sequence parallelism) would
+        cut [persistent ‖ x] instead of x: that W_O is summed over the whole sequence instead
+        (``row_full_sequence``), and this rank's T/p tokens of x are taken after the drop
+        (``out_split``): one all-reduce of N_p + T tokens where Megatron has a reduce-scatter."""
         acfg = dataclasses.replace(cfg, attention=dataclasses.replace(cfg.attention, window=cfg.titans.window))
         mem = TitansMemory.tp_plan(cfg).prefixed("memory")
         mem = dataclasses.replace(mem, row=(), row_to_heads=mem.row)
-        return mem.merged(LocalAttention.tp_plan(acfg).prefixed("attn"),
-                          TPPlan(shared=("persistent_shared",), sequence_parallel=False))
+        attn = LocalAttention.tp_plan(acfg).prefixed("attn")
+        attn = dataclasses.replace(attn, row=(), row_full_sequence=attn.row)
+        return mem.merged(attn, TPPlan(shared=("persistent_shared",), sequence_split=("out_split",)))
 
     def reset_parameters(self) -> None:
         self.memory.reset_parameters()
@@ -471,7 +475,7 @@ class TitansMAL(Mixer):
         o, sa = getattr(self.attn, form)(y, None if state is None else state.attn, output_state)
         if state is None:
             o = o[:, self.n_persist:]
-        return o, (self._state(sm, sa) if output_state else None)
+        return self.out_split(o), (self._state(sm, sa) if output_state else None)
 
     def _state(self, sm, sa) -> TitansMALState:
         return TitansMALState(mem=sm, attn=sa, pos=sm.pos - self.n_persist)
@@ -533,7 +537,6 @@ class TitansMAC(Mixer):
 
     def __init__(self, cfg, layer_idx: int):
         super().__init__()
-        from ttt_lm.model.mixers.attention import Attention
         c = cfg.titans
         self.d_model = cfg.d_model
         self.n_persist, self.segment_len = c.persistent_tokens, c.segment_len
@@ -552,7 +555,26 @@ class TitansMAC(Mixer):
         self.mem_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.o_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.o_proj._is_residual_out = True
+        # tensor-parallel hooks (identity here): [p ‖ h] every key/value head reads, y every memory
+        # head reads, and the gate's inputs handed to the block's sequence region
+        self.context_shared = nn.Identity()
+        self.y_shared = nn.Identity()
+        self.out_split = nn.Identity()
         self.reset_parameters()
+
+    @classmethod
+    def tp_plan(cls, cfg) -> TPPlan:
+        """Heads split as in the sub-mixers: the attention's W_Q, W_K, W_V and the LMM's
+        projections, conv and initial memory by heads. The attention's and the LMM's W_O are
+        row-parallel and summed on every rank over the whole sequence (``row_full_sequence``),
+        because later tokens read them: y feeds the LMM (every memory head reads it:
+        ``y_shared``), the retrieval h = W_O^M[…] feeds every key/value head, with the persistent
+        tokens (``context_shared``). The gate (its norms and W_O) runs replicated, with sequence
+        parallelism on this rank's T/p tokens of y and m (``out_split``)."""
+        full = TPPlan.merged(*(dataclasses.replace(q, row=(), row_full_sequence=q.row) for q in (
+            Attention.tp_plan(cfg).prefixed("attn"), TitansMemory.tp_plan(cfg).prefixed("memory"))))
+        return full.merged(TPPlan(shared=("context_shared", "y_shared"), sequence_split=("out_split",),
+                                  sequence_region=("attn_norm", "mem_norm", "o_proj")))
 
     def reset_parameters(self) -> None:
         self.memory.reset_parameters()
@@ -573,7 +595,8 @@ class TitansMAC(Mixer):
         a = self.attn
         B, L, D = full.shape
         Np, Tq = self.n_persist, L - n_old
-        ext = torch.cat([self.persistent.to(full.dtype).expand(B, -1, -1), h.to(full.dtype), full], 1)
+        ctx = self.context_shared(torch.cat([self.persistent.to(full.dtype).expand(B, -1, -1), h.to(full.dtype)], 1))
+        ext = torch.cat([ctx, full], 1)
         q = a.q_proj(full[:, n_old:]).view(B, Tq, a.n_heads, a.hd).transpose(1, 2)
         k = a.k_proj(ext).view(B, -1, a.n_kv, a.hd).transpose(1, 2)
         v = a.v_proj(ext).view(B, -1, a.n_kv, a.hd).transpose(1, 2)
@@ -605,19 +628,22 @@ class TitansMAC(Mixer):
         R = list(state.R)
         mem_state, seg, pos = state.mem, state.seg.to(x.dtype), int(state.pos)
         form = self.memory.reference if sequential else self.memory.chunked
-        outs, t = [], 0
+        ys, ms, t = [], [], 0
         while t < T:
             n_old = seg.shape[1]
             take = min(self.segment_len - n_old, T - t)
             full = torch.cat([seg, x[:, t:t + take]], 1)
             y = self._segment_attention(full, self._retrieve(full, R), n_old, explicit=sequential)
-            m, mem_state = form(y, mem_state, True)
-            outs.append(self._combine(y, m))
+            m, mem_state = form(self.y_shared(y), mem_state, True)
+            ys.append(y)
+            ms.append(m)
             seg, t = full, t + take
             if seg.shape[1] == self.segment_len:       # segment done: M^{(i+1)} for the next one
                 R = list(mem_state.M)
                 seg = seg[:, :0]
-        out = torch.cat(outs, 1) if outs else x.new_zeros(B, 0, self.d_model)
+        # the gate is per token: applied once over the whole call
+        out = self._combine(self.out_split(torch.cat(ys, 1)), self.out_split(torch.cat(ms, 1))) if ys \
+            else x.new_zeros(B, 0, self.d_model)
         if not output_state:
             return out, None
         return out, TitansMACState(mem=mem_state, R=tuple(R), seg=seg, pos=pos + T)
