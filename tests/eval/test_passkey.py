@@ -7,7 +7,8 @@ import torch
 from tests.eval.conftest import tiny_model
 from ttt_lm.eval import EvalError, build_prompt, passkey_grid
 from ttt_lm.eval.__main__ import main
-from ttt_lm.eval.passkey import FILLER, INTRO, QUESTION, greedy_continue, plot_heatmap, practice_documents
+from ttt_lm.eval.passkey import (FILLER, INTRO, QUESTION, greedy_continue, grid_keys, plot_heatmap,
+                                 practice_documents)
 
 
 def test_prompt_length_and_needle_depth(tokenizer):
@@ -38,6 +39,7 @@ def test_scoring_counts_exactly_the_correct_retrievals(tokenizer):
     # the recurrent/windowed model accepts lengths beyond max_seq_len=64
     good = passkey_grid(m, tokenizer, [400, 600], [0.0, 0.5, 1.0], trials=3, generate=oracle, show_progress=False)
     assert good["accuracy"] == [[1.0] * 3] * 2 and good["mean_accuracy"] == 1.0
+    assert [s["key"] for s in good["samples"][:3]] == grid_keys(3)
     bad = passkey_grid(m, tokenizer, [400], [0.5], trials=3, generate=wrong, show_progress=False)
     assert bad["accuracy"] == [[0.0]]
     with pytest.raises(EvalError, match="exceeds model.max_seq_len"):
@@ -85,3 +87,18 @@ def test_practice_documents_follow_the_prompt_format():
     assert len({d.count("The grass is green") for d in docs}) > 1  # filler counts vary
     with pytest.raises(EvalError, match="n >= 1"):
         practice_documents(0, 3)
+
+
+def _keys(docs):
+    return [re.search(r"pass key is (\d+)\.", d).group(1) for d in docs]
+
+
+def test_practice_keys_are_not_the_test_keys():
+    # practice and test keys once came from the same stream, random.Random(seed): the first
+    # practice document of seed s held the first key passkey_grid tests with seed s
+    for seed in range(5):
+        assert not set(_keys(practice_documents(50, 1, seed=seed))) & set(grid_keys(10, seed))
+    docs = practice_documents(300, 0, digits=2, exclude=[str(k) for k in range(10, 98)])
+    assert set(_keys(docs)) == {"98", "99"}  # exclude is honoured
+    with pytest.raises(EvalError, match="every 2-digit key"):
+        practice_documents(1, 0, digits=2, exclude=[str(k) for k in range(10, 100)])

@@ -51,17 +51,32 @@ def build_prompt(tok, context_len: int, depth: float, key: str) -> Tuple[List[in
     return ids, tok.encode(" " + key), pos
 
 
-def practice_documents(n: int, max_fillers: int, seed: int = 0, digits: int = 5) -> List[str]:
+def grid_keys(trials: int, seed: int = 0, digits: int = 5) -> List[str]:
+    """The passkeys :func:`passkey_grid` tests with ``seed``: ``trials`` random ``digits``-digit numbers."""
+    rng = random.Random(seed)
+    return [str(rng.randrange(10 ** (digits - 1), 10 ** digits)) for _ in range(trials)]
+
+
+def practice_documents(n: int, max_fillers: int, seed: int = 0, digits: int = 5,
+                       exclude: Sequence[str] = ()) -> List[str]:
     """``n`` passkey prompts as plain text with their answer appended, for mixing into a training
     corpus: 0 … ``max_fillers`` filler groups, the needle at a uniform random depth, a random key.
     A model trained on these has seen the format (not the test keys' lengths beyond its training
-    length), so the heatmap measures where retrieval holds as context and depth grow."""
+    length), so the heatmap measures where retrieval holds as context and depth grow. The keys
+    come from a random stream other than :func:`grid_keys`' for the same ``seed`` (both once drew
+    from ``random.Random(seed)``, so practice and test shared their first key), and none is in
+    ``exclude`` (pass ``grid_keys(trials)`` to keep every test key out of training)."""
     if n < 1 or max_fillers < 0:
         raise EvalError(f"practice_documents needs n >= 1 and max_fillers >= 0, got n={n}, max_fillers={max_fillers}")
-    rng = random.Random(seed)
+    banned = {str(k) for k in exclude}
+    if sum(len(k) == digits and k.isdigit() and k[0] != "0" for k in banned) >= 9 * 10 ** (digits - 1):
+        raise EvalError(f"practice_documents: exclude holds every {digits}-digit key")
+    rng = random.Random(f"passkey practice {seed}")  # a stream apart from grid_keys'
     out = []
     for _ in range(n):
         key = str(rng.randrange(10 ** (digits - 1), 10 ** digits))
+        while key in banned:
+            key = str(rng.randrange(10 ** (digits - 1), 10 ** digits))
         k = rng.randint(0, max_fillers)
         k1 = rng.randint(0, k)
         out.append(INTRO + FILLER * k1 + NEEDLE.format(key=key) + FILLER * (k - k1) + QUESTION + " " + key + ".")
@@ -98,8 +113,7 @@ def passkey_grid(model: LM, tok, lengths: Sequence[int], depths: Sequence[float]
     check_vocab(model, tok.vocab_size, "the tokenizer", allow_padding=True)
     model.eval()
     gen = generate or (lambda ids, n: greedy_continue(model, ids, n, chunk_len))
-    rng = random.Random(seed)
-    keys = [str(rng.randrange(10 ** (digits - 1), 10 ** digits)) for _ in range(trials)]
+    keys = grid_keys(trials, seed, digits)
     cells = [(i, j) for i in range(len(lengths)) for j in range(len(depths))]
     correct = torch.zeros(len(cells), dtype=torch.int64)
     samples = []
