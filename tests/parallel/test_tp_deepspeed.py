@@ -44,13 +44,20 @@ def _one_stage(stage):
         data.append((torch.randint(0, 32, (B, T), generator=gen), torch.randint(0, 32, (B, T), generator=gen)))
     ds = {"train_micro_batch_size_per_gpu": B, "gradient_accumulation_steps": 1,
           "train_batch_size": B * g.dp_size, "gradient_clipping": clip,
-          "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True}
+          # persistence threshold 0: ZeRO-3 partitions every parameter (by default it keeps those
+          # under 1e5 elements whole on every rank, which is all of this tiny model's)
+          "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+          "zero_allow_untested_optimizer": True}
     eng, _, _, _ = deepspeed.initialize(model=tpm, optimizer=torch.optim.AdamW(tpm.parameters(), lr=lr),
                                         config=ds, mpu=g.mpu())
     ids, lab = data[g.dp_rank]
     out = eng(ids, labels=lab)
     eng.backward(out.loss)
     eng.step()
+    if stage == 3:   # each rank holds a shard of every parameter, not the whole of any
+        whole = [n for n, p in eng.module.named_parameters()
+                 if p.ds_persist or p.data.numel() > 0 or p.ds_tensor.numel() >= p.ds_numel > 1]
+        assert not whole, f"ZeRO-3 left these parameters whole: {whole}"
     with deepspeed.zero.GatheredParameters(list(eng.module.parameters()), enabled=stage == 3):
         full = {k: v.clone() for k, v in gather_full_state_dict(eng.module).items()}
 
