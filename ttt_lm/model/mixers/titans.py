@@ -640,6 +640,11 @@ class TitansMAC(Mixer):
         softmax ("math", "reference")."""
         return resolve("attention", self.attn.backend, device, dtype, self.ATTENTION_LIMITS)
 
+    def op_backend(self, x: torch.Tensor) -> Backend:
+        """The ``backend`` argument of ``op``: "reference" under ``impl="reference"``, else the
+        segment attention's (``attention_backend``); the LMM resolves its own ``kernels/`` backend."""
+        return Backend.REFERENCE if self.impl == "reference" else self.attention_backend(x.device, x.dtype)
+
     def _segment_attention(self, full: torch.Tensor, h: torch.Tensor, n_old: int, backend: Backend) -> torch.Tensor:
         """Attn(p ‖ h ‖ S) at the positions of S[n_old:] (the tokens of this call), [B, L − n_old, D]:
         the explicit softmax for backend "reference" or "math", SDPA for "sdpa"."""
