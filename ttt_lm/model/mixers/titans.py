@@ -346,7 +346,9 @@ class TitansMAG(Mixer):
         o = W_O [RMSNorm(y) ⊙ σ(RMSNorm(m))]
 
     the paper's y ⊗ M(x): both branches normalized with learnable weights, the memory branch
-    through a sigmoid, so it gates the attention output per channel."""
+    through a sigmoid, so it gates the attention output per channel. The reference and chunked
+    forms are written with the public stages: ``inputs`` (x), ``op`` (both branches, in the
+    form's own forms) and ``output`` (the gate); ``step`` runs the branches' steps and the gate."""
 
     def __init__(self, cfg, layer_idx: int):
         super().__init__()
@@ -445,7 +447,8 @@ class TitansMAL(Mixer):
     from the first persistent token, so x_t sits at N_p + t. The persistent tokens start at
     N(0, 1), the scale of the RMS-normalized block input they stand beside (the paper gives no
     init). All three forms run both sub-layers in the matching form; ``init_state`` has read
-    the persistent tokens already."""
+    the persistent tokens already. The reference and chunked forms are written with the public
+    stages: ``inputs`` (x̃), ``op`` (the LMM, then the attention) and ``output`` (x's positions)."""
 
     def __init__(self, cfg, layer_idx: int):
         super().__init__()
@@ -565,8 +568,12 @@ class TitansMAC(Mixer):
     p_n at n, h_j and x_j both at N_p + j, restarting every segment. Attention is over
     N_p + 2C keys at most, so the cost is linear in the sequence length.
 
-    Forms: ``reference`` (explicit softmax, the LMM's sequential form), ``chunked`` (SDPA with
-    the mask above, the LMM's chunked form), ``step`` one token. The state carries the LMM's
+    Forms: ``reference`` (explicit softmax, the LMM's sequential form), ``chunked`` (the
+    attention backend that the one resolver picks for ``attention.backend``, ``attention_backend``:
+    SDPA with the mask above or the explicit softmax, "math"; flash-attn and flex_attention are
+    refused, the mask being neither causal nor a window; the LMM's chunked form), ``step`` one
+    token. All three are written with the public stages: ``inputs`` (x and the LMM's form), ``op``
+    (the segments: retrieval, attention, the LMM over y) and ``output`` (the gate). The state carries the LMM's
     state, the memory at the current segment's start (R1, R2 …: M^{(i)} for retrieval), the
     current segment's inputs so far (``seg``; their keys and values are recomputed, exactly)
     and the position."""
