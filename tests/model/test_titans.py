@@ -1,11 +1,14 @@
+import dataclasses
+
 import pytest
 import torch
 
 from tests.model.mixer_checks import (check_causal, check_chunked_vs_reference, check_decode,
                                       check_gradcheck, make_mixer, tiny_cfg)
+from ttt_lm.model.backend import Backend
 from ttt_lm.model.lm import LM
 from ttt_lm.model.mixers.attention import LocalAttention
-from ttt_lm.model.mixers.titans import TitansMAG, TitansMemory
+from ttt_lm.model.mixers.titans import TitansMAC, TitansMAG, TitansMAL, TitansMemory
 
 CASES = [
     ("titans", {"titans": {"chunk_size": 4}}),
@@ -227,3 +230,76 @@ def test_memory_stages_compose_to_the_forms(kw):
     y, _ = m.op(inp, backend="reference")
     torch.testing.assert_close(m.output(y, x), m.reference(x)[0], atol=0, rtol=0)
     assert not hasattr(m, "_inputs") and not hasattr(m, "_out")   # one copy: the public stages
+
+
+def _combined_forms(m, x):
+    """(form, inputs' keyword arguments, op backend) for the reference and chunked forms of a
+    combined Titans mixer."""
+    if isinstance(m, TitansMAC):
+        return ((m.reference, {"sequential": True}, Backend.REFERENCE),
+                (m.chunked, {"sequential": False}, m.attention_backend(x.device, x.dtype)))
+    return ((m.reference, {}, Backend.REFERENCE), (m.chunked, {}, m.memory.resolve_backend(x.device, x.dtype)))
+
+
+def _op_state(m, st):
+    if st is None:
+        return None
+    return {TitansMAG: lambda: (st.attn, st.mem), TitansMAL: lambda: (st.mem, st.attn),
+            TitansMAC: lambda: (st.mem, st.R, st.seg)}[type(m)]()
+
+
+@pytest.mark.parametrize("kind,kw", [c for c in CASES if c[0] != "titans"])
+def test_combined_stages_compose_to_the_forms(kind, kw):
+    """MAG, MAL, MAC: inputs → op → output, from no state and from a carried one, equal each form
+    exactly (the forms are written with the stages), and the carry plus the op's final state is the
+    form's state."""
+    m, _ = make_mixer(kind, **kw)
+    g = torch.Generator().manual_seed(0)
+    x0, x = (torch.randn(2, T, m.d_model, generator=g, dtype=torch.float64) for T in (5, 6))
+    _, st0 = m.chunked(x0, output_state=True)
+    for st in (None, st0):
+        for form, kwargs, backend in _combined_forms(m, x):
+            inp, carry = m.inputs(x, st, True, **kwargs)
+            assert carry.pos == (0 if st is None else st.pos) + 6
+            y, fin = m.op(inp, _op_state(m, st), True, backend)
+            want, want_st = form(x, st, True)
+            torch.testing.assert_close(m.output(y, x), want, atol=0, rtol=0)
+            got_st = dataclasses.replace(carry, **dict(zip(
+                {TitansMAG: ("attn", "mem"), TitansMAL: ("mem", "attn"), TitansMAC: ("mem", "R", "seg")}[type(m)],
+                fin)))
+            assert got_st.pos == want_st.pos
+            a, b = got_st.tensors(), want_st.tensors()
+            assert len(a) == len(b) > 0
+            for u, v in zip(a, b):
+                torch.testing.assert_close(u, v, atol=0, rtol=0)
+    assert not hasattr(m, "_combine") and not hasattr(m, "_split")   # one copy: the public stages
+
+
+@pytest.mark.parametrize("backend", ["flash", "flex"])
+def test_mac_refuses_attention_backends_it_cannot_run(backend):
+    """attention.backend that cannot run MAC's segment mask is refused by the resolver, naming the
+    op, the request and MAC's reason, never a silent fallback."""
+    m, _ = make_mixer("titans_mac", titans=CASES[4][1]["titans"], attention={"backend": backend})
+    x = torch.randn(2, 5, m.d_model, dtype=torch.float64)
+    msg = f"attention: backend '{backend}' was requested but is unavailable: titans_mac"
+    with pytest.raises(ValueError, match=msg):
+        m.chunked(x)
+    with pytest.raises(ValueError, match=msg):
+        m.attention_backend(x.device, x.dtype)
+
+
+@pytest.mark.parametrize("backend,runs", [("auto", Backend.SDPA), ("sdpa", Backend.SDPA), ("math", Backend.MATH)])
+@pytest.mark.parametrize("case", [4, 5])
+def test_mac_attention_backends_match_reference(backend, runs, case):
+    """Under each attention.backend MAC can run, its chunked form equals the reference (explicit
+    softmax, sequential LMM), the resolver having picked the named backend."""
+    kind, kw = CASES[case]
+    kw = {**kw, "attention": {**kw.get("attention", {}), "backend": backend}}
+    m, _ = make_mixer(kind, **kw)
+    x = torch.randn(2, 11, m.d_model, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    assert m.attention_backend(x.device, x.dtype) == runs
+    y, st = m.chunked(x, output_state=True)
+    want, want_st = m.reference(x, output_state=True)
+    torch.testing.assert_close(y, want, atol=1e-9, rtol=0)
+    for u, v in zip(st.tensors(), want_st.tensors()):
+        torch.testing.assert_close(u, v, atol=1e-9, rtol=0)

@@ -257,13 +257,21 @@ class LM(nn.Module):
         """One decode step: token_ids [B] → logits [B, V] and the new states. ``position_ids``
         [B]: the tokens' segment positions (0 starts a new document: the RG-LRU drops its
         state); by default each state's own position."""
+        h, new_states = self._step_blocks(token_ids, states, position_ids)
+        return self.lm_head(h)[:, 0], new_states
+
+    def _step_blocks(self, token_ids: torch.Tensor, states: List[BlockState],
+                     position_ids: Optional[torch.Tensor] = None):
+        """The blocks of one decode step: token_ids [B] → the final-normed hidden state
+        [B, 1, D] and the new states (``step`` without the head; the tensor-parallel model
+        runs its own head on it)."""
         x = self.embed(token_ids[:, None])
         pos = None if position_ids is None else position_ids.reshape(-1, 1)
         new_states = []
         for block, st in zip(self.layers, states):
             x, ns = block.step(x, st, pos)
             new_states.append(ns)
-        return self.lm_head(self.norm(x))[:, 0], new_states
+        return self.norm(x), new_states
 
     @torch.no_grad()
     def generate(self, prompt_ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,

@@ -334,13 +334,8 @@ class TPLM(LM):
         ctx = self.tp_ctx
         sp0, ctx.sequence_parallel = ctx.sequence_parallel, False  # one token cannot be split
         try:
-            x = self.embed(token_ids[:, None])
-            pos = None if position_ids is None else position_ids.reshape(-1, 1)
-            new_states = []
-            for block, st in zip(self.layers, states):
-                x, ns = block.step(x, st, pos)
-                new_states.append(ns)
-            logits = self.lm_head(self.norm(x))
+            h, new_states = self._step_blocks(token_ids, states, position_ids)
+            logits = self.lm_head(h)
         finally:
             ctx.sequence_parallel = sp0
         return gather_from_tensor_parallel_region(logits, ctx.group)[:, 0], new_states

@@ -66,6 +66,7 @@ from torch import nn
 
 from kernels import titans as _tk
 from kernels.titans.torch_chunk import split_spans
+from ttt_lm.model.backend import Backend, resolve
 from ttt_lm.model.layers import CausalConv1d, RMSNorm, acc, apply_rope, rope_cos_sin
 from ttt_lm.model.mixers.attention import Attention, AttentionState, LocalAttention
 from ttt_lm.model.mixers.base import Mixer, MixerState, TPPlan
@@ -345,7 +346,9 @@ class TitansMAG(Mixer):
         o = W_O [RMSNorm(y) ⊙ σ(RMSNorm(m))]
 
     the paper's y ⊗ M(x): both branches normalized with learnable weights, the memory branch
-    through a sigmoid, so it gates the attention output per channel."""
+    through a sigmoid, so it gates the attention output per channel. The reference and chunked
+    forms are written with the public stages: ``inputs`` (x), ``op`` (both branches, in the
+    form's own forms) and ``output`` (the gate); ``step`` runs the branches' steps and the gate."""
 
     def __init__(self, cfg, layer_idx: int):
         super().__init__()
@@ -374,40 +377,55 @@ class TitansMAG(Mixer):
     def reset_parameters(self) -> None:
         self.memory.reset_parameters()
 
-    def _combine(self, y, m):
+    # ---- stages ------------------------------------------------------------------------------
+    def inputs(self, x: torch.Tensor, state: Optional[TitansMAGState] = None, output_state: bool = False):
+        """The op's arguments: the block input x, which both branches read (each projects it in
+        its own stages). The carry is the next position."""
+        pos0 = 0 if state is None else int(state.pos)
+        return {"x": x}, (TitansMAGState(pos=pos0 + x.shape[1]) if output_state else None)
+
+    def op(self, inp, initial_state=None, output_final_state: bool = False, backend: str = "torch"):
+        """Both branches over x: (y, m) = (SW-Attn(x), LMM(x)). Backend "reference": each
+        branch's reference form; else the attention's chunked form (``attention.backend``) and the
+        LMM with this ``kernels/`` backend. ``initial_state``: (attention state, LMM state) or
+        None; the final state is the same pair."""
+        x = inp["x"]
+        sa, sm = (None, None) if initial_state is None else initial_state
+        self.attn.kernel_backend = self.memory.kernel_backend = self.kernel_backend
+        attn = self.attn.reference if backend == Backend.REFERENCE else self.attn.chunked
+        y, sa = attn(x, sa, output_final_state)
+        m, sm = self.memory._run(x, sm, output_final_state, backend)
+        return (y, m), ((sa, sm) if output_final_state else None)
+
+    def output(self, ym, x: torch.Tensor) -> torch.Tensor:
+        """The gate: o = W_O [RMSNorm(y) ⊙ σ(RMSNorm(m))], (y, m) from the op."""
+        y, m = ym
         return self.o_proj(self.attn_norm(y) * torch.sigmoid(self.mem_norm(m)))
 
-    def _split(self, state):
-        return (None, None) if state is None else (state.attn, state.mem)
+    def _run(self, x, state, output_state, backend):
+        inp, carry = self.inputs(x, state, output_state)
+        ym, fin = self.op(inp, None if state is None else (state.attn, state.mem), output_state, backend)
+        return self.output(ym, x), (dataclasses.replace(carry, attn=fin[0], mem=fin[1]) if output_state else None)
 
-    @staticmethod
-    def _state(sa, sm) -> TitansMAGState:
-        return TitansMAGState(attn=sa, mem=sm, pos=sm.pos)
-
+    # ---- forms -------------------------------------------------------------------------------
     def reference(self, x, state=None, output_state=False):
-        sa, sm = self._split(state)
-        y, sa = self.attn.reference(x, sa, output_state)
-        m, sm = self.memory.reference(x, sm, output_state)
-        return self._combine(y, m), (self._state(sa, sm) if output_state else None)
+        return self._run(x, state, output_state, Backend.REFERENCE)
 
     def triton_unavailable(self):
         return self.memory.triton_unavailable()     # the attention half uses no kernels/ op
 
     def chunked(self, x, state=None, output_state=False):
-        sa, sm = self._split(state)
-        self.attn.kernel_backend = self.memory.kernel_backend = self.kernel_backend
-        y, sa = self.attn.chunked(x, sa, output_state)
-        m, sm = self.memory.chunked(x, sm, output_state)
-        return self._combine(y, m), (self._state(sa, sm) if output_state else None)
+        self.memory.kernel_backend = self.kernel_backend
+        return self._run(x, state, output_state, self.memory._resolve_backend(x))
 
     def step(self, x, state):
         y, sa = self.attn.step(x, state.attn)
         m, sm = self.memory.step(x, state.mem)
-        return self._combine(y, m), self._state(sa, sm)
+        return self.output((y, m), x), TitansMAGState(attn=sa, mem=sm, pos=sm.pos)
 
     def init_state(self, batch_size: int, device=None, dtype=None) -> TitansMAGState:
-        return self._state(self.attn.init_state(batch_size, device, dtype),
-                           self.memory.init_state(batch_size, device, dtype))
+        return TitansMAGState(attn=self.attn.init_state(batch_size, device, dtype),
+                              mem=self.memory.init_state(batch_size, device, dtype), pos=0)
 
     @staticmethod
     def flops_per_token(cfg, seq_len: int) -> float:
@@ -429,7 +447,8 @@ class TitansMAL(Mixer):
     from the first persistent token, so x_t sits at N_p + t. The persistent tokens start at
     N(0, 1), the scale of the RMS-normalized block input they stand beside (the paper gives no
     init). All three forms run both sub-layers in the matching form; ``init_state`` has read
-    the persistent tokens already."""
+    the persistent tokens already. The reference and chunked forms are written with the public
+    stages: ``inputs`` (x̃), ``op`` (the LMM, then the attention) and ``output`` (x's positions)."""
 
     def __init__(self, cfg, layer_idx: int):
         super().__init__()
@@ -467,35 +486,55 @@ class TitansMAL(Mixer):
         self.memory.reset_parameters()
         nn.init.normal_(self.persistent, std=1.0)
 
-    def _run(self, x, state, output_state, form: str):
-        self.attn.kernel_backend = self.memory.kernel_backend = self.kernel_backend
+    # ---- stages ------------------------------------------------------------------------------
+    def inputs(self, x: torch.Tensor, state: Optional[TitansMALState] = None, output_state: bool = False):
+        """The op's arguments: x̃ = [p_1 … p_{N_p}] ‖ x at the stream start (no state), else x.
+        The carry is the next position (the persistent tokens not counted)."""
+        pos0 = 0 if state is None else int(state.pos)
         if state is None:
             x = torch.cat([self.persistent_shared(self.persistent).to(x.dtype).expand(x.shape[0], -1, -1), x], 1)
-        y, sm = getattr(self.memory, form)(x, None if state is None else state.mem, output_state)
-        o, sa = getattr(self.attn, form)(y, None if state is None else state.attn, output_state)
-        if state is None:
-            o = o[:, self.n_persist:]
-        return self.out_split(o), (self._state(sm, sa) if output_state else None)
+        return {"x": x}, (TitansMALState(pos=pos0 + x.shape[1] - (self.n_persist if state is None else 0))
+                          if output_state else None)
 
-    def _state(self, sm, sa) -> TitansMALState:
-        return TitansMALState(mem=sm, attn=sa, pos=sm.pos - self.n_persist)
+    def op(self, inp, initial_state=None, output_final_state: bool = False, backend: str = "torch"):
+        """o = SW-Attn(M(x̃)): the LMM then the attention, in their reference forms for backend
+        "reference", else the LMM with this ``kernels/`` backend and the attention's chunked form
+        (``attention.backend``). ``initial_state``: (LMM state, attention state) or None; the
+        final state is the same pair."""
+        sm, sa = (None, None) if initial_state is None else initial_state
+        self.attn.kernel_backend = self.memory.kernel_backend = self.kernel_backend
+        y, sm = self.memory._run(inp["x"], sm, output_final_state, backend)
+        attn = self.attn.reference if backend == Backend.REFERENCE else self.attn.chunked
+        o, sa = attn(y, sa, output_final_state)
+        return o, ((sm, sa) if output_final_state else None)
 
+    def output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The op's outputs at x's positions (those at the persistent tokens dropped)."""
+        return self.out_split(o[:, o.shape[1] - x.shape[1]:])
+
+    def _run(self, x, state, output_state, backend):
+        inp, carry = self.inputs(x, state, output_state)
+        o, fin = self.op(inp, None if state is None else (state.mem, state.attn), output_state, backend)
+        return self.output(o, x), (dataclasses.replace(carry, mem=fin[0], attn=fin[1]) if output_state else None)
+
+    # ---- forms -------------------------------------------------------------------------------
     def reference(self, x, state=None, output_state=False):
-        return self._run(x, state, output_state, "reference")
+        return self._run(x, state, output_state, Backend.REFERENCE)
 
     def chunked(self, x, state=None, output_state=False):
-        return self._run(x, state, output_state, "chunked")
+        self.memory.kernel_backend = self.kernel_backend
+        return self._run(x, state, output_state, self.memory._resolve_backend(x))
 
     def step(self, x, state):
         y, sm = self.memory.step(x, state.mem)
         o, sa = self.attn.step(y, state.attn)
-        return o, self._state(sm, sa)
+        return o, TitansMALState(mem=sm, attn=sa, pos=sm.pos - self.n_persist)
 
     def init_state(self, batch_size: int, device=None, dtype=None) -> TitansMALState:
         """The state after the persistent tokens (run through the chunked forms)."""
         dtype = dtype or self.persistent.dtype
         x = torch.zeros(batch_size, 0, self.d_model, device=device, dtype=dtype)
-        return self._run(x, None, True, "chunked")[1]
+        return self.chunked(x, None, True)[1]
 
     @staticmethod
     def flops_per_token(cfg, seq_len: int) -> float:
@@ -529,8 +568,12 @@ class TitansMAC(Mixer):
     p_n at n, h_j and x_j both at N_p + j, restarting every segment. Attention is over
     N_p + 2C keys at most, so the cost is linear in the sequence length.
 
-    Forms: ``reference`` (explicit softmax, the LMM's sequential form), ``chunked`` (SDPA with
-    the mask above, the LMM's chunked form), ``step`` one token. The state carries the LMM's
+    Forms: ``reference`` (explicit softmax, the LMM's sequential form), ``chunked`` (the
+    attention backend that the one resolver picks for ``attention.backend``, ``attention_backend``:
+    SDPA with the mask above or the explicit softmax, "math"; flash-attn and flex_attention are
+    refused, the mask being neither causal nor a window; the LMM's chunked form), ``step`` one
+    token. All three are written with the public stages: ``inputs`` (x and the LMM's form), ``op``
+    (the segments: retrieval, attention, the LMM over y) and ``output`` (the gate). The state carries the LMM's
     state, the memory at the current segment's start (R1, R2 …: M^{(i)} for retrieval), the
     current segment's inputs so far (``seg``; their keys and values are recomputed, exactly)
     and the position."""
@@ -590,8 +633,28 @@ class TitansMAC(Mixer):
         y = q @ R[0].to(q.dtype) if mem.memory == "linear" else F.gelu(q @ R[0].to(q.dtype)) @ R[1].to(q.dtype)
         return mem.output(y, x)
 
-    def _segment_attention(self, full: torch.Tensor, h: torch.Tensor, n_old: int, explicit: bool) -> torch.Tensor:
-        """Attn(p ‖ h ‖ S) at the positions of S[n_old:] (the tokens of this call), [B, L − n_old, D]."""
+    #: the segment mask (every persistent token, then h and S causally) is neither causal nor a
+    #: sliding window: the attention backends that take only those cannot run it
+    ATTENTION_LIMITS = {
+        Backend.FLASH: "titans_mac's segment mask (persistent tokens, retrieval h and segment causally) is "
+                       "not a causal or sliding-window mask, the only ones flash_attn_func takes",
+        Backend.FLEX: "titans_mac builds no flex_attention block mask for its segment mask; use sdpa or math",
+    }
+
+    def attention_backend(self, device, dtype=None) -> Backend:
+        """The segment attention's backend for ``attention.backend``, by the one resolver (op
+        "attention", with ``ATTENTION_LIMITS``): SDPA with the segment mask, or the explicit
+        softmax ("math", "reference")."""
+        return resolve("attention", self.attn.backend, device, dtype, self.ATTENTION_LIMITS)
+
+    def op_backend(self, x: torch.Tensor) -> Backend:
+        """The ``backend`` argument of ``op``: "reference" under ``impl="reference"``, else the
+        segment attention's (``attention_backend``); the LMM resolves its own ``kernels/`` backend."""
+        return Backend.REFERENCE if self.impl == "reference" else self.attention_backend(x.device, x.dtype)
+
+    def _segment_attention(self, full: torch.Tensor, h: torch.Tensor, n_old: int, backend: Backend) -> torch.Tensor:
+        """Attn(p ‖ h ‖ S) at the positions of S[n_old:] (the tokens of this call), [B, L − n_old, D]:
+        the explicit softmax for backend "reference" or "math", SDPA for "sdpa"."""
         a = self.attn
         B, L, D = full.shape
         Np, Tq = self.n_persist, L - n_old
@@ -609,31 +672,46 @@ class TitansMAC(Mixer):
         jk = torch.arange(L, device=full.device)[None, :]
         mask = torch.cat([torch.ones(Tq, Np, dtype=torch.bool, device=full.device), jk <= j, jk <= j], 1)
         rep = a.n_heads // a.n_kv
-        if explicit:
+        if backend in (Backend.REFERENCE, Backend.MATH):
             kk, vv = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
             s = (acc(q) @ acc(kk).transpose(-1, -2)) / math.sqrt(a.hd)
             o = (s.masked_fill(~mask, float("-inf")).softmax(-1) @ acc(vv)).to(q.dtype)
-        else:
+        elif backend == Backend.SDPA:
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=rep > 1)
+        else:
+            raise ValueError(f"titans_mac: no segment attention on backend {str(backend)!r}: "
+                             f"{self.ATTENTION_LIMITS.get(backend, 'not an attention backend')}")
         return a.o_proj(o.transpose(1, 2).reshape(B, Tq, a.n_heads * a.hd))
 
-    def _combine(self, y, m):
-        return self.o_proj(self.attn_norm(y) * torch.sigmoid(self.mem_norm(m)))
+    # ---- stages ------------------------------------------------------------------------------
+    def inputs(self, x: torch.Tensor, state: Optional[TitansMACState] = None, output_state: bool = False,
+               sequential: bool = False):
+        """The op's arguments: x and the LMM's form (``sequential``: its reference form, else its
+        chunked form). The carry is the next position."""
+        pos0 = 0 if state is None else int(state.pos)
+        return {"x": x, "memory_form": "reference" if sequential else "chunked"}, \
+            (TitansMACState(pos=pos0 + x.shape[1]) if output_state else None)
 
-    def _run(self, x, state, output_state, sequential: bool):
+    def op(self, inp, initial_state=None, output_final_state: bool = False, backend: str = "sdpa"):
+        """Segment by segment: retrieval h = M*^{(i)}(q), y = Attn(p ‖ h ‖ S) (backend: the
+        attention's, from ``attention_backend`` or "reference"), the LMM over y giving m and
+        M^{(i+1)}; returns (y, m) [B, T, D] each. ``initial_state``: (LMM state, R, seg) as in
+        ``TitansMACState`` (None: ``init_state``'s); the final state is the same triple."""
+        x = inp["x"]
         self.attn.kernel_backend = self.memory.kernel_backend = self.kernel_backend
         B, T, _ = x.shape
-        if state is None:
-            state = self.init_state(B, x.device, x.dtype)
-        R = list(state.R)
-        mem_state, seg, pos = state.mem, state.seg.to(x.dtype), int(state.pos)
-        form = self.memory.reference if sequential else self.memory.chunked
+        if initial_state is None:
+            st = self.init_state(B, x.device, x.dtype)
+            initial_state = (st.mem, st.R, st.seg)
+        mem_state, R, seg = initial_state
+        R, seg = list(R), seg.to(x.dtype)
+        form = getattr(self.memory, inp["memory_form"])
         ys, ms, t = [], [], 0
         while t < T:
             n_old = seg.shape[1]
             take = min(self.segment_len - n_old, T - t)
             full = torch.cat([seg, x[:, t:t + take]], 1)
-            y = self._segment_attention(full, self._retrieve(full, R), n_old, explicit=sequential)
+            y = self._segment_attention(full, self._retrieve(full, R), n_old, backend)
             m, mem_state = form(self.y_shared(y), mem_state, True)
             ys.append(y)
             ms.append(m)
@@ -641,12 +719,23 @@ class TitansMAC(Mixer):
             if seg.shape[1] == self.segment_len:       # segment done: M^{(i+1)} for the next one
                 R = list(mem_state.M)
                 seg = seg[:, :0]
-        # the gate is per token: applied once over the whole call
-        out = self._combine(self.out_split(torch.cat(ys, 1)), self.out_split(torch.cat(ms, 1))) if ys \
-            else x.new_zeros(B, 0, self.d_model)
+        ym = (torch.cat(ys, 1), torch.cat(ms, 1)) if ys else None
+        return ym, ((mem_state, tuple(R), seg) if output_final_state else None)
+
+    def output(self, ym, x: torch.Tensor) -> torch.Tensor:
+        """The gate, per token, once over the whole call: o = W_O [RMSNorm(y) ⊙ σ(RMSNorm(m))]."""
+        if ym is None:
+            return x.new_zeros(x.shape[0], 0, self.d_model)
+        y, m = self.out_split(ym[0]), self.out_split(ym[1])
+        return self.o_proj(self.attn_norm(y) * torch.sigmoid(self.mem_norm(m)))
+
+    def _run(self, x, state, output_state, sequential: bool):
+        inp, carry = self.inputs(x, state, output_state, sequential)
+        backend = Backend.REFERENCE if sequential else self.attention_backend(x.device, x.dtype)
+        ym, fin = self.op(inp, None if state is None else (state.mem, state.R, state.seg), output_state, backend)
         if not output_state:
-            return out, None
-        return out, TitansMACState(mem=mem_state, R=tuple(R), seg=seg, pos=pos + T)
+            return self.output(ym, x), None
+        return self.output(ym, x), dataclasses.replace(carry, mem=fin[0], R=fin[1], seg=fin[2])
 
     # ---- forms -------------------------------------------------------------------------------
     def reference(self, x, state=None, output_state=False):
