@@ -95,20 +95,38 @@ def _ln_bwd(dy_hat, x_hat, rstd, cmask, D: tl.constexpr):
 
 
 @triton.jit
-def _mini_batch_fwd(q, k, v, e, tau, W, bb, gamma, beta, cmask, tril, D: tl.constexpr, eps,
-                    PREC: tl.constexpr):
-    """Everything of one mini-batch that the forward and the backward both need."""
-    Z = _dot(k, W, PREC) + bb[None, :]
+def _loop_index(n, NMB, BT: tl.constexpr, BD: tl.constexpr):
+    """Row and column indices of mini-batch ``n``'s tiles, tied to the loop index: ``n // NMB`` is 0
+    for every n in range(NMB), which the compiler cannot prove, so the [b, d] and [d, d] index,
+    mask, pointer and broadcast tensors built from these are computed in the loop where they are
+    used and die there, instead of being hoisted out of the loop and held in registers through
+    every mini-batch (tens of registers per thread each)."""
+    z = tl.multiple_of(n // NMB, 16)
+    return tl.arange(0, BT) + z, tl.arange(0, BD) + z
+
+
+@triton.jit
+def _mini_batch_grad(k, v, WP, woff, wmask, bb, gamma, beta, cmask, D: tl.constexpr, eps, PREC: tl.constexpr):
+    """Z = K W1 + b1 and Γ of one mini-batch (with the LayerNorm pieces the backward reuses). W1 is
+    read from global memory (``WP + woff``) where the product needs it, not held in registers
+    through the mini-batch."""
+    Z = _dot(k, tl.load(WP + woff, mask=wmask, other=0.0), PREC) + bb[None, :]
     xh, rstd = _ln_stats(Z, cmask, D, eps)
     tgt = v - k
     gh = (gamma[None, :] * xh + beta[None, :] - tgt) * gamma[None, :]
     G = _ln_bwd(gh, xh, rstd, cmask, D)                                   # Γ
+    return xh, rstd, tgt, gh, G
+
+
+@triton.jit
+def _mini_batch_out(q, k, e, tau, G, WP, woff, wmask, bb, cmask, tril, D: tl.constexpr, eps, PREC: tl.constexpr):
+    """M, Z̄ = Q W1 + b1 − M Γ and its LayerNorm statistics, given Γ."""
     A = _dot(q, tl.trans(k), PREC)
     Ev = tau[:, None] * e[None, :]
     M = tl.where(tril, Ev * (A + 1.0), 0.0)
-    Zb = _dot(q, W, PREC) + bb[None, :] - _dot(M, G, PREC)
+    Zb = _dot(q, tl.load(WP + woff, mask=wmask, other=0.0), PREC) + bb[None, :] - _dot(M, G, PREC)
     xhb, rstdb = _ln_stats(Zb, cmask, D, eps)
-    return xh, rstd, tgt, gh, G, A, Ev, M, xhb, rstdb
+    return A, Ev, M, xhb, rstdb
 
 
 @triton.jit
@@ -119,25 +137,32 @@ def _ttt_linear_fwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, W0, B0, OUT, WS, BS, 
     pid = tl.program_id(0)                      # = b_idx * H + h_idx
     h = pid % H
     cdt = W0.dtype.element_ty
-    rows = tl.arange(0, BT)
     cols = tl.arange(0, BD)
     cmask = cols < D
     wmask = cmask[:, None] & cmask[None, :]
-    xmask = (rows < MB)[:, None] & cmask[None, :]
-    rmask = rows < MB
-    tril = rows[None, :] <= rows[:, None]
-
-    W = tl.load(W0 + pid * D * D + cols[:, None] * D + cols[None, :], mask=wmask, other=0.0).to(cdt)
+    woff = cols[:, None] * D + cols[None, :]
+    # W1 lives in WF (global memory; the final state when the loop ends), not in registers: read
+    # where a product needs it, updated in place at the end of each mini-batch
+    WP = WF + pid * D * D
+    tl.store(WP + woff, tl.load(W0 + pid * D * D + woff, mask=wmask, other=0.0).to(cdt), mask=wmask)
     bb = tl.load(B0 + pid * D + cols, mask=cmask, other=0.0).to(cdt)
-    gamma = tl.load(LNW + h * D + cols, mask=cmask, other=0.0).to(cdt)
-    beta = tl.load(LNB + h * D + cols, mask=cmask, other=0.0).to(cdt)
-    # padded rows (MB < BT) get τ = η = 0, so they enter no product that reaches a real row
-    tau = tl.load(TAU + rows, mask=rmask, other=0.0).to(cdt)
     tau_last = tl.load(TAU + MB - 1).to(cdt)
+    tl.debug_barrier()
 
     for n in range(NMB):
+        rows, cols = _loop_index(n, NMB, BT, BD)
+        cmask = cols < D
+        rmask = rows < MB
+        wmask = cmask[:, None] & cmask[None, :]
+        xmask = rmask[:, None] & cmask[None, :]
+        tril = rows[None, :] <= rows[:, None]
+        woff = cols[:, None] * D + cols[None, :]
+        gamma = tl.load(LNW + h * D + cols, mask=cmask, other=0.0).to(cdt)
+        beta = tl.load(LNB + h * D + cols, mask=cmask, other=0.0).to(cdt)
+        # padded rows (MB < BT) get τ = η = 0, so they enter no product that reaches a real row
+        tau = tl.load(TAU + rows, mask=rmask, other=0.0).to(cdt)
         if SAVE:
-            tl.store(WS + (pid * NMB + n) * D * D + cols[:, None] * D + cols[None, :], W, mask=wmask)
+            tl.store(WS + (pid * NMB + n) * D * D + woff, tl.load(WP + woff, mask=wmask, other=0.0), mask=wmask)
             tl.store(BS + (pid * NMB + n) * D + cols, bb, mask=cmask)
         t_off = n * MB + rows
         xoff = pid * T * D + t_off[:, None] * D + cols[None, :]
@@ -145,16 +170,21 @@ def _ttt_linear_fwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, W0, B0, OUT, WS, BS, 
         k = tl.load(XK + xoff, mask=xmask, other=0.0).to(cdt)
         v = tl.load(XV + xoff, mask=xmask, other=0.0).to(cdt)
         e = tl.load(ETA + pid * T + t_off, mask=rmask, other=0.0).to(cdt)
-        xh, rstd, tgt, gh, G, A, Ev, M, xhb, rstdb = _mini_batch_fwd(
-            q, k, v, e, tau, W, bb, gamma, beta, cmask, tril, D, eps, PREC)
+        xh, rstd, tgt, gh, G = _mini_batch_grad(k, v, WP, woff, wmask, bb, gamma, beta, cmask, D, eps, PREC)
+        # the update's product before the others: Triton gives every tl.dot of the loop the warp
+        # layout it picks for the last one, which should be a [b, d] product (see _launch_cfg)
+        eG = e[:, None] * G
+        upd = _dot(tl.trans(k), eG, PREC)
+        A, Ev, M, xhb, rstdb = _mini_batch_out(q, k, e, tau, G, WP, woff, wmask, bb, cmask, tril, D, eps, PREC)
         out = q + gamma[None, :] * xhb + beta[None, :]
         tl.store(OUT + xoff, out.to(OUT.dtype.element_ty), mask=xmask)
-        eG = e[:, None] * G
-        W = W - tau_last * _dot(tl.trans(k), eG, PREC)
+        tl.debug_barrier()                      # every read of this mini-batch's W1 is done
+        tl.store(WP + woff, tl.load(WP + woff, mask=wmask, other=0.0) - tau_last * upd, mask=wmask)
         bb = bb - tau_last * tl.sum(eG, axis=0)
+        tl.debug_barrier()                      # the next mini-batch reads the updated W1
 
-    tl.store(WF + pid * D * D + cols[:, None] * D + cols[None, :], W, mask=wmask)
-    tl.store(BF + pid * D + cols, bb, mask=cmask)
+    cols = tl.arange(0, BD)
+    tl.store(BF + pid * D + cols, bb, mask=cols < D)
 
 
 @triton.jit
@@ -166,32 +196,37 @@ def _ttt_linear_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, WS, BS, DOUT, DWF, DB
     pid = tl.program_id(0)
     h = pid % H
     cdt = DW0.dtype.element_ty
-    rows = tl.arange(0, BT)
     cols = tl.arange(0, BD)
     cmask = cols < D
     wmask = cmask[:, None] & cmask[None, :]
-    xmask = (rows < MB)[:, None] & cmask[None, :]
-    rmask = rows < MB
-    tril = rows[None, :] <= rows[:, None]
     woff = cols[:, None] * D + cols[None, :]
-
-    gamma = tl.load(LNW + h * D + cols, mask=cmask, other=0.0).to(cdt)
-    beta = tl.load(LNB + h * D + cols, mask=cmask, other=0.0).to(cdt)
-    # padded rows (MB < BT) get τ = η = 0, so they enter no product that reaches a real row
-    tau = tl.load(TAU + rows, mask=rmask, other=0.0).to(cdt)
     tau_last = tl.load(TAU + MB - 1).to(cdt)
-    is_last = rows == MB - 1
 
-    # gradients with respect to the weights at the END of the current mini-batch
-    dW = tl.load(DWF + pid * D * D + woff, mask=wmask, other=0.0).to(cdt)
+    # gradients with respect to the weights at the END of the current mini-batch; dW1 lives in DW0
+    # (global memory), read where a product needs it and updated in place, like W1 in the forward
+    dWP = DW0 + pid * D * D
+    tl.store(dWP + woff, tl.load(DWF + pid * D * D + woff, mask=wmask, other=0.0).to(cdt), mask=wmask)
     dbb = tl.load(DBF + pid * D + cols, mask=cmask, other=0.0).to(cdt)
     dgamma = tl.zeros([BD], dtype=cdt)
     dbeta = tl.zeros([BD], dtype=cdt)
     dtau = tl.zeros([BT], dtype=cdt)
+    tl.debug_barrier()
 
     for i in range(NMB):
         n = NMB - 1 - i
-        W = tl.load(WS + (pid * NMB + n) * D * D + woff, mask=wmask, other=0.0)
+        rows, cols = _loop_index(i, NMB, BT, BD)
+        cmask = cols < D
+        rmask = rows < MB
+        wmask = cmask[:, None] & cmask[None, :]
+        xmask = rmask[:, None] & cmask[None, :]
+        tril = rows[None, :] <= rows[:, None]
+        woff = cols[:, None] * D + cols[None, :]
+        wtoff = cols[:, None] + cols[None, :] * D          # the transposed tile
+        gamma = tl.load(LNW + h * D + cols, mask=cmask, other=0.0).to(cdt)
+        beta = tl.load(LNB + h * D + cols, mask=cmask, other=0.0).to(cdt)
+        # padded rows (MB < BT) get τ = η = 0, so they enter no product that reaches a real row
+        tau = tl.load(TAU + rows, mask=rmask, other=0.0).to(cdt)
+        WP = WS + (pid * NMB + n) * D * D
         bb = tl.load(BS + (pid * NMB + n) * D + cols, mask=cmask, other=0.0)
         t_off = n * MB + rows
         xoff = pid * T * D + t_off[:, None] * D + cols[None, :]
@@ -200,8 +235,8 @@ def _ttt_linear_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, WS, BS, DOUT, DWF, DB
         v = tl.load(XV + xoff, mask=xmask, other=0.0).to(cdt)
         e = tl.load(ETA + pid * T + t_off, mask=rmask, other=0.0).to(cdt)
         do = tl.load(DOUT + xoff, mask=xmask, other=0.0).to(cdt)
-        xh, rstd, tgt, gh, G, A, Ev, M, xhb, rstdb = _mini_batch_fwd(
-            q, k, v, e, tau, W, bb, gamma, beta, cmask, tril, D, eps, PREC)
+        xh, rstd, tgt, gh, G = _mini_batch_grad(k, v, WP, woff, wmask, bb, gamma, beta, cmask, D, eps, PREC)
+        A, Ev, M, xhb, rstdb = _mini_batch_out(q, k, e, tau, G, WP, woff, wmask, bb, cmask, tril, D, eps, PREC)
 
         # out = Q + γ x̂(Z̄) + β
         dgamma += tl.sum(do * xhb, axis=0)
@@ -219,12 +254,12 @@ def _ttt_linear_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, WS, BS, DOUT, DWF, DB
         de = tl.sum(dE * tau[:, None], axis=0)
         dtau += tl.sum(dE * e[None, :], axis=1)
         # end-of-mini-batch update W1' = W1 − τ_{b−1} Kᵀ(η⊙Γ), b1' = b1 − τ_{b−1} Σ η Γ
-        P = _dot(k, dW, PREC) + dbb[None, :]
+        P = _dot(k, tl.load(dWP + woff, mask=wmask, other=0.0), PREC) + dbb[None, :]
         GP = tl.sum(G * P, axis=1)
         dG += -tau_last * e[:, None] * P
         de += -tau_last * GP
-        dtau += tl.where(is_last, -tl.sum(e * GP, axis=0), 0.0)
-        dk += -tau_last * _dot(e[:, None] * G, tl.trans(dW), PREC)
+        dtau += tl.where(rows == MB - 1, -tl.sum(e * GP, axis=0), 0.0)
+        dk += -tau_last * _dot(e[:, None] * G, tl.load(dWP + wtoff, mask=wmask, other=0.0), PREC)
         # Γ = (ĝ − mean ĝ − x̂ mean(ĝ x̂)) / σ with ĝ = γ(γ x̂ + β − (V − K)), x̂, σ of Z
         dgh = _ln_bwd(dG, xh, rstd, cmask, D)
         c2 = tl.sum(gh * xh, axis=1) / D
@@ -235,25 +270,28 @@ def _ttt_linear_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, WS, BS, DOUT, DWF, DB
         dbeta += tl.sum(dgh * gamma[None, :], axis=0)
         dtgt = -gamma[None, :] * dgh
         dZ = _ln_bwd(dxh, xh, rstd, cmask, D) + tl.where(cmask[None, :], dsig[:, None] * xh / D, 0.0)
-        # Z = K W1 + b1, target = V − K
-        # Wᵀ read again (as a transposed tile) rather than kept live through the lines above
-        Wt = tl.load(WS + (pid * NMB + n) * D * D + cols[:, None] + cols[None, :] * D, mask=wmask, other=0.0)
-        dq += _dot(dZb, Wt, PREC)
-        dk += _dot(dZ, Wt, PREC) - dtgt
-        dv = dtgt
-        dW += _dot(tl.trans(q), dZb, PREC) + _dot(tl.trans(k), dZ, PREC)
+        # Z = K W1 + b1, target = V − K: dW1 += Qᵀ dZ̄ + Kᵀ dZ (its products before the two below,
+        # so that the loop's last tl.dot, whose warp layout every product takes, is a [b, d] one)
+        upd = _dot(tl.trans(q), dZb, PREC) + _dot(tl.trans(k), dZ, PREC)
         dbb += tl.sum(dZb, axis=0) + tl.sum(dZ, axis=0)
-
+        # W1ᵀ read from the stored start weights as a transposed tile, at each product that needs it
+        dq += _dot(dZb, tl.load(WP + wtoff, mask=wmask, other=0.0), PREC)
+        dk += _dot(dZ, tl.load(WP + wtoff, mask=wmask, other=0.0), PREC) - dtgt
+        dv = dtgt
         tl.store(DXQ + xoff, dq.to(DXQ.dtype.element_ty), mask=xmask)
         tl.store(DXK + xoff, dk.to(DXK.dtype.element_ty), mask=xmask)
         tl.store(DXV + xoff, dv.to(DXV.dtype.element_ty), mask=xmask)
         tl.store(DETA + pid * T + t_off, de.to(DETA.dtype.element_ty), mask=rmask)
+        tl.debug_barrier()                      # every read of dW1 in this mini-batch is done
+        tl.store(dWP + woff, tl.load(dWP + woff, mask=wmask, other=0.0) + upd, mask=wmask)
+        tl.debug_barrier()                      # the next mini-batch reads the updated dW1
 
-    tl.store(DW0 + pid * D * D + woff, dW, mask=wmask)
-    tl.store(DB0 + pid * D + cols, dbb, mask=cmask)
-    tl.store(DLNW + pid * D + cols, dgamma, mask=cmask)
-    tl.store(DLNB + pid * D + cols, dbeta, mask=cmask)
-    tl.store(DTAU + pid * MB + rows, dtau, mask=rmask)
+    cols = tl.arange(0, BD)
+    rows = tl.arange(0, BT)
+    tl.store(DB0 + pid * D + cols, dbb, mask=cols < D)
+    tl.store(DLNW + pid * D + cols, dgamma, mask=cols < D)
+    tl.store(DLNB + pid * D + cols, dbeta, mask=cols < D)
+    tl.store(DTAU + pid * MB + rows, dtau, mask=rows < MB)
 
 
 # ---- autograd -----------------------------------------------------------------------------------
