@@ -51,7 +51,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton_utils import check_triton_device, is_interpreting
+from kernels._triton_utils import INTERPRET_ARCH, check_triton_device, device_arch, is_interpreting
 from kernels.ttt.torch_chunk import LN_EPS, acc_dtype, make_state, ttt_linear_chunk, ttt_mlp_chunk
 
 #: b×b and b×d tiles live in registers; beyond 64 they spill
@@ -130,7 +130,7 @@ def _mini_batch_out(q, k, e, tau, G, WP, woff, wmask, bb, cmask, tril, D: tl.con
 
 
 @triton.jit
-def _ttt_linear_fwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, W0, B0, OUT, WS, BS, WF, BF,
+def _ttt_linear_fwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, W0, B0, OUT, WS, BS, WF, BF, WT,
                            T, NMB, H, eps,
                            D: tl.constexpr, BD: tl.constexpr, MB: tl.constexpr, BT: tl.constexpr,
                            SAVE: tl.constexpr, PREC: tl.constexpr):
@@ -141,10 +141,11 @@ def _ttt_linear_fwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, W0, B0, OUT, WS, BS, 
     cmask = cols < D
     wmask = cmask[:, None] & cmask[None, :]
     woff = cols[:, None] * D + cols[None, :]
-    # W1 lives in WF (global memory; the final state when the loop ends), not in registers: read
-    # where a product needs it, updated in place at the end of each mini-batch
-    WP = WF + pid * D * D
-    tl.store(WP + woff, tl.load(W0 + pid * D * D + woff, mask=wmask, other=0.0).to(cdt), mask=wmask)
+    # W1 lives in global memory, not in registers: the weights at the start of mini-batch n in
+    # slot n % 2 of WT [2, d, d], read where a product needs them; the update writes the other slot
+    # as soon as its product is done (no [d, d] tile stays live), one barrier per mini-batch
+    WT = WT + pid * 2 * D * D
+    tl.store(WT + woff, tl.load(W0 + pid * D * D + woff, mask=wmask, other=0.0).to(cdt), mask=wmask)
     bb = tl.load(B0 + pid * D + cols, mask=cmask, other=0.0).to(cdt)
     tau_last = tl.load(TAU + MB - 1).to(cdt)
     tl.debug_barrier()
@@ -157,6 +158,7 @@ def _ttt_linear_fwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, W0, B0, OUT, WS, BS, 
         xmask = rmask[:, None] & cmask[None, :]
         tril = rows[None, :] <= rows[:, None]
         woff = cols[:, None] * D + cols[None, :]
+        WP = WT + (n % 2) * D * D
         gamma = tl.load(LNW + h * D + cols, mask=cmask, other=0.0).to(cdt)
         beta = tl.load(LNB + h * D + cols, mask=cmask, other=0.0).to(cdt)
         # padded rows (MB < BT) get τ = η = 0, so they enter no product that reaches a real row
@@ -171,25 +173,30 @@ def _ttt_linear_fwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, W0, B0, OUT, WS, BS, 
         v = tl.load(XV + xoff, mask=xmask, other=0.0).to(cdt)
         e = tl.load(ETA + pid * T + t_off, mask=rmask, other=0.0).to(cdt)
         xh, rstd, tgt, gh, G = _mini_batch_grad(k, v, WP, woff, wmask, bb, gamma, beta, cmask, D, eps, PREC)
-        # the update's product before the others: Triton gives every tl.dot of the loop the warp
-        # layout it picks for the last one, which should be a [b, d] product (see _launch_cfg)
+        # the update first (into the other slot): besides, Triton gives every tl.dot of the loop
+        # the warp layout it picks for the last one, which should be a [b, d] product (_launch_cfg)
         eG = e[:, None] * G
         upd = _dot(tl.trans(k), eG, PREC)
+        tl.store(WT + ((n + 1) % 2) * D * D + woff, tl.load(WP + woff, mask=wmask, other=0.0) - tau_last * upd,
+                 mask=wmask)
+        bb_next = bb - tau_last * tl.sum(eG, axis=0)
         A, Ev, M, xhb, rstdb = _mini_batch_out(q, k, e, tau, G, WP, woff, wmask, bb, cmask, tril, D, eps, PREC)
         out = q + gamma[None, :] * xhb + beta[None, :]
         tl.store(OUT + xoff, out.to(OUT.dtype.element_ty), mask=xmask)
-        tl.debug_barrier()                      # every read of this mini-batch's W1 is done
-        tl.store(WP + woff, tl.load(WP + woff, mask=wmask, other=0.0) - tau_last * upd, mask=wmask)
-        bb = bb - tau_last * tl.sum(eG, axis=0)
-        tl.debug_barrier()                      # the next mini-batch reads the updated W1
+        bb = bb_next
+        tl.debug_barrier()                      # the next mini-batch reads the slot written above
 
     cols = tl.arange(0, BD)
-    tl.store(BF + pid * D + cols, bb, mask=cols < D)
+    cmask = cols < D
+    wmask = cmask[:, None] & cmask[None, :]
+    woff = cols[:, None] * D + cols[None, :]
+    tl.store(WF + pid * D * D + woff, tl.load(WT + (NMB % 2) * D * D + woff, mask=wmask, other=0.0), mask=wmask)
+    tl.store(BF + pid * D + cols, bb, mask=cmask)
 
 
 @triton.jit
 def _ttt_linear_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, WS, BS, DOUT, DWF, DBF,
-                           DXQ, DXK, DXV, DETA, DTAU, DLNW, DLNB, DW0, DB0,
+                           DXQ, DXK, DXV, DETA, DTAU, DLNW, DLNB, DW0, DB0, DWT,
                            T, NMB, H, eps,
                            D: tl.constexpr, BD: tl.constexpr, MB: tl.constexpr, BT: tl.constexpr,
                            PREC: tl.constexpr):
@@ -202,10 +209,11 @@ def _ttt_linear_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, WS, BS, DOUT, DWF, DB
     woff = cols[:, None] * D + cols[None, :]
     tau_last = tl.load(TAU + MB - 1).to(cdt)
 
-    # gradients with respect to the weights at the END of the current mini-batch; dW1 lives in DW0
-    # (global memory), read where a product needs it and updated in place, like W1 in the forward
-    dWP = DW0 + pid * D * D
-    tl.store(dWP + woff, tl.load(DWF + pid * D * D + woff, mask=wmask, other=0.0).to(cdt), mask=wmask)
+    # gradients with respect to the weights at the END of the current mini-batch; dW1 lives in the
+    # two slots of DWT [2, d, d] (global memory) like W1 in the forward: read in slot i % 2, the
+    # update written to the other
+    DWT = DWT + pid * 2 * D * D
+    tl.store(DWT + woff, tl.load(DWF + pid * D * D + woff, mask=wmask, other=0.0).to(cdt), mask=wmask)
     dbb = tl.load(DBF + pid * D + cols, mask=cmask, other=0.0).to(cdt)
     dgamma = tl.zeros([BD], dtype=cdt)
     dbeta = tl.zeros([BD], dtype=cdt)
@@ -222,6 +230,7 @@ def _ttt_linear_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, WS, BS, DOUT, DWF, DB
         tril = rows[None, :] <= rows[:, None]
         woff = cols[:, None] * D + cols[None, :]
         wtoff = cols[:, None] + cols[None, :] * D          # the transposed tile
+        dWP = DWT + (i % 2) * D * D
         gamma = tl.load(LNW + h * D + cols, mask=cmask, other=0.0).to(cdt)
         beta = tl.load(LNB + h * D + cols, mask=cmask, other=0.0).to(cdt)
         # padded rows (MB < BT) get τ = η = 0, so they enter no product that reaches a real row
@@ -273,6 +282,7 @@ def _ttt_linear_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, WS, BS, DOUT, DWF, DB
         # Z = K W1 + b1, target = V − K: dW1 += Qᵀ dZ̄ + Kᵀ dZ (its products before the two below,
         # so that the loop's last tl.dot, whose warp layout every product takes, is a [b, d] one)
         upd = _dot(tl.trans(q), dZb, PREC) + _dot(tl.trans(k), dZ, PREC)
+        tl.store(DWT + ((i + 1) % 2) * D * D + woff, tl.load(dWP + woff, mask=wmask, other=0.0) + upd, mask=wmask)
         dbb += tl.sum(dZb, axis=0) + tl.sum(dZ, axis=0)
         # W1ᵀ read from the stored start weights as a transposed tile, at each product that needs it
         dq += _dot(dZb, tl.load(WP + wtoff, mask=wmask, other=0.0), PREC)
@@ -282,12 +292,13 @@ def _ttt_linear_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, WS, BS, DOUT, DWF, DB
         tl.store(DXK + xoff, dk.to(DXK.dtype.element_ty), mask=xmask)
         tl.store(DXV + xoff, dv.to(DXV.dtype.element_ty), mask=xmask)
         tl.store(DETA + pid * T + t_off, de.to(DETA.dtype.element_ty), mask=rmask)
-        tl.debug_barrier()                      # every read of dW1 in this mini-batch is done
-        tl.store(dWP + woff, tl.load(dWP + woff, mask=wmask, other=0.0) + upd, mask=wmask)
-        tl.debug_barrier()                      # the next mini-batch reads the updated dW1
+        tl.debug_barrier()                      # the next mini-batch reads the slot written above
 
     cols = tl.arange(0, BD)
     rows = tl.arange(0, BT)
+    wmask = (cols < D)[:, None] & (cols < D)[None, :]
+    woff = cols[:, None] * D + cols[None, :]
+    tl.store(DW0 + pid * D * D + woff, tl.load(DWT + (NMB % 2) * D * D + woff, mask=wmask, other=0.0), mask=wmask)
     tl.store(DB0 + pid * D + cols, dbb, mask=cols < D)
     tl.store(DLNW + pid * D + cols, dgamma, mask=cols < D)
     tl.store(DLNB + pid * D + cols, dbeta, mask=cols < D)
@@ -304,19 +315,29 @@ def _precision(dtype: torch.dtype) -> str:
     return "bf16_emulated" if is_interpreting() else "bf16"
 
 
-def _launch_cfg(d: int, b: int, backward: bool = False, half: bool = True):
-    """Padded tile sizes (tl.dot needs every block dim ≥ 16) and launch options. Compiled for
-    sm_90 and sm_80 (``python -m kernels.compile_report --op ttt``): the forward at d = 64, b = 16
-    with bf16 operands fits 4 warps without spilling; the backward (W and dW [d, d] and ~20
-    [b, d] tiles live), 3×TF32 operands (``half`` False: float32 inputs), b > 16 and d = 128 need
-    8 warps (the tiles spread over twice the register files). 16 warps cap a thread at 128
-    registers and spill more."""
+#: num_warps of the TTT-Linear kernels per GPU family (``device_arch``): (arch, backward, bf16
+#: operands, BD, BT) -> warps. Triton gives every tl.dot of the loop the warp layout it picks for
+#: the last one, which for chained products puts all warps along one dimension of the [b, d] tile
+#: (rows when b ≥ d, columns otherwise): at b = 16 the warps split the columns, and more warps
+#: hold less of each tile; at b = d = 64 they split the 64 rows, 16 per warp at 4 warps (8 warps
+#: would duplicate every tile). Checked by ``python -m kernels.compile_report --op ttt``.
+_LINEAR_WARPS = {
+    (90, False, True, 64, 16): 4, (80, False, True, 64, 16): 4,
+    (90, True, True, 64, 16): 8, (80, True, True, 64, 16): 8,
+}
+
+
+def _launch_cfg(d: int, b: int, backward: bool = False, half: bool = True, arch: int = INTERPRET_ARCH):
+    """Padded tile sizes (tl.dot needs every block dim ≥ 16) and launch options for GPU family
+    ``arch`` (90 or 80, ``device_arch``; ``half``: bf16 operands, False for 3×TF32 with float32
+    inputs). num_warps from ``_LINEAR_WARPS``; 8 where it names none (W1 and dW1 live in global
+    memory, the [b, d] and [b, b] tiles in registers)."""
     BD = max(16, triton.next_power_of_2(d))
     BT = max(16, triton.next_power_of_2(b))
     if is_interpreting():
         return BD, BT, {}
-    small = BD <= 64 and BT <= 16 and half and not backward
-    return BD, BT, {"num_warps": 4 if small else 8, "num_stages": 1}
+    warps = _LINEAR_WARPS.get((arch, backward, half, BD, BT), 8)
+    return BD, BT, {"num_warps": warps, "num_stages": 1}
 
 
 # The ops are PyTorch custom ops (torch.library): torch.compile (model.compile) captures each as one
@@ -356,9 +377,10 @@ def _linear_fwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: to
     WS, BS = _linear_start_weights(XQ, NMB, save)
     WF = torch.empty(B, H, d, d, dtype=cdt, device=XQ.device)
     BF = torch.empty(B, H, 1, d, dtype=cdt, device=XQ.device)
-    BD, BT, kw = _launch_cfg(d, bsz, half=XQ.dtype in (torch.bfloat16, torch.float16))
+    WT = torch.empty(B, H, 2, d, d, dtype=cdt, device=XQ.device)     # the kernel's two W1 slots
+    BD, BT, kw = _launch_cfg(d, bsz, half=XQ.dtype in (torch.bfloat16, torch.float16), arch=device_arch(XQ.device))
     _ttt_linear_fwd_kernel[(B * H,)](
-        XQ, XK, XV, eta, tau_c, lw, lb, W0c, b0c, out, WS, BS, WF, BF,
+        XQ, XK, XV, eta, tau_c, lw, lb, W0c, b0c, out, WS, BS, WF, BF, WT,
         T, NMB, H, LN_EPS, D=d, BD=BD, MB=bsz, BT=BT, SAVE=save, PREC=prec, **kw)
     return out, WF, BF, WS, BS
 
@@ -395,10 +417,12 @@ def _linear_bwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: to
     dLNB = torch.empty(B, H, d, dtype=cdt, device=dev)
     dW0 = torch.empty(B, H, d, d, dtype=cdt, device=dev)
     dB0 = torch.empty(B, H, 1, d, dtype=cdt, device=dev)
-    BD, BT, kw = _launch_cfg(d, bsz, backward=True, half=XQ.dtype in (torch.bfloat16, torch.float16))
+    dWT = torch.empty(B, H, 2, d, d, dtype=cdt, device=dev)           # the kernel's two dW1 slots
+    BD, BT, kw = _launch_cfg(d, bsz, backward=True, half=XQ.dtype in (torch.bfloat16, torch.float16),
+                             arch=device_arch(XQ.device))
     _ttt_linear_bwd_kernel[(B * H,)](
         XQ, XK, XV, eta, tau_c, lw, lb, WS, BS, dout, dWF, dBF,
-        dXQ, dXK, dXV, dETA, dTAU, dLNW, dLNB, dW0, dB0,
+        dXQ, dXK, dXV, dETA, dTAU, dLNW, dLNB, dW0, dB0, dWT,
         T, NMB, H, LN_EPS, D=d, BD=BD, MB=bsz, BT=BT, PREC=_precision(XQ.dtype), **kw)
     return [dXQ, dXK, dXV, dETA, dTAU.sum((0, 1)).to(tau_dt), dLNW.sum(0).to(lw_dt),
             dLNB.sum(0).to(lb_dt), dW0.to(W_dt), dB0.to(b_dt)]
