@@ -195,11 +195,71 @@ def _ttt_linear_fwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, W0, B0, OUT, WS, BS, 
 
 
 @triton.jit
-def _ttt_linear_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, WS, BS, DOUT, DWF, DBF,
-                           DXQ, DXK, DXV, DETA, DTAU, DLNW, DLNB, DW0, DB0, DWT,
+def _ttt_linear_bwd_mb_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, WS, BS, DOUT,
+                              DXQ, DKP, DEP, DG0, DZB, DTAUP, DLNWP, DLNBP,
+                              T, NMB, H, eps,
+                              D: tl.constexpr, BD: tl.constexpr, MB: tl.constexpr, BT: tl.constexpr,
+                              PREC: tl.constexpr):
+    """The part of the backward local to one mini-batch (no dependence on the carried dW1, db1):
+    one program per (batch·head, mini-batch), all in parallel. Recomputes the forward from the
+    stored start weights, back-propagates out through Z̄ and M, and stores ∂XQ (final), the parts
+    of ∂XK, ∂η, ∂Γ that do not involve the carry, ∂Z̄, and per-mini-batch sums for ∂τ, ∂γ, ∂β."""
+    pid = tl.program_id(0)
+    n = tl.program_id(1)
+    h = pid % H
+    cdt = DKP.dtype.element_ty
+    rows = tl.arange(0, BT)
+    cols = tl.arange(0, BD)
+    cmask = cols < D
+    rmask = rows < MB
+    wmask = cmask[:, None] & cmask[None, :]
+    xmask = rmask[:, None] & cmask[None, :]
+    tril = rows[None, :] <= rows[:, None]
+    woff = cols[:, None] * D + cols[None, :]
+    wtoff = cols[:, None] + cols[None, :] * D          # the transposed tile
+    gamma = tl.load(LNW + h * D + cols, mask=cmask, other=0.0).to(cdt)
+    beta = tl.load(LNB + h * D + cols, mask=cmask, other=0.0).to(cdt)
+    # padded rows (MB < BT) get τ = η = 0, so they enter no product that reaches a real row
+    tau = tl.load(TAU + rows, mask=rmask, other=0.0).to(cdt)
+    WP = WS + (pid * NMB + n) * D * D
+    bb = tl.load(BS + (pid * NMB + n) * D + cols, mask=cmask, other=0.0).to(cdt)
+    t_off = n * MB + rows
+    xoff = pid * T * D + t_off[:, None] * D + cols[None, :]
+    q = tl.load(XQ + xoff, mask=xmask, other=0.0).to(cdt)
+    k = tl.load(XK + xoff, mask=xmask, other=0.0).to(cdt)
+    v = tl.load(XV + xoff, mask=xmask, other=0.0).to(cdt)
+    e = tl.load(ETA + pid * T + t_off, mask=rmask, other=0.0).to(cdt)
+    do = tl.load(DOUT + xoff, mask=xmask, other=0.0).to(cdt)
+    xh, rstd, tgt, gh, G = _mini_batch_grad(k, v, WP, woff, wmask, bb, gamma, beta, cmask, D, eps, PREC)
+    A, Ev, M, xhb, rstdb = _mini_batch_out(q, k, e, tau, G, WP, woff, wmask, bb, cmask, tril, D, eps, PREC)
+
+    # out = Q + γ x̂(Z̄) + β
+    tl.store(DLNWP + (pid * NMB + n) * D + cols, tl.sum(do * xhb, axis=0), mask=cmask)
+    tl.store(DLNBP + (pid * NMB + n) * D + cols, tl.sum(do, axis=0), mask=cmask)
+    dZb = _ln_bwd(do * gamma[None, :], xhb, rstdb, cmask, D)
+    tl.store(DZB + xoff, dZb, mask=xmask)
+    # Z̄ = Q W1 + b1 − M Γ
+    dM = tl.where(tril, -_dot(dZb, tl.trans(G), PREC), 0.0)
+    tl.store(DG0 + xoff, -_dot(tl.trans(M), dZb, PREC), mask=xmask)
+    # M = tril(E ⊙ (A + 1)), E_ij = τ_i η_j, A = Q Kᵀ
+    dE = dM * (A + 1.0)
+    dA = dM * Ev
+    tl.store(DKP + xoff, _dot(tl.trans(dA), q, PREC), mask=xmask)
+    tl.store(DEP + pid * T + t_off, tl.sum(dE * tau[:, None], axis=0), mask=rmask)
+    tl.store(DTAUP + (pid * NMB + n) * MB + rows, tl.sum(dE * e[None, :], axis=1), mask=rmask)
+    dq = do + _dot(dA, k, PREC) + _dot(dZb, tl.load(WP + wtoff, mask=wmask, other=0.0), PREC)
+    tl.store(DXQ + xoff, dq.to(DXQ.dtype.element_ty), mask=xmask)
+
+
+@triton.jit
+def _ttt_linear_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, WS, BS, DWF, DBF, DKP, DEP, DG0, DZB,
+                           DXK, DXV, DETA, DTAU, DLNW, DLNB, DW0, DB0, DWT,
                            T, NMB, H, eps,
                            D: tl.constexpr, BD: tl.constexpr, MB: tl.constexpr, BT: tl.constexpr,
                            PREC: tl.constexpr):
+    """The part of the backward that carries (dW1, db1) from the last mini-batch to the first:
+    one program per batch·head, after ``_ttt_linear_bwd_mb_kernel``, whose partial ∂XK, ∂η, ∂Γ
+    and ∂Z̄ it completes through the update W1' = W1 − τ_{b−1} Kᵀ(η⊙Γ) and Γ's dependence on Z."""
     pid = tl.program_id(0)
     h = pid % H
     cdt = DW0.dtype.element_ty
@@ -210,8 +270,8 @@ def _ttt_linear_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, WS, BS, DOUT, DWF, DB
     tau_last = tl.load(TAU + MB - 1).to(cdt)
 
     # gradients with respect to the weights at the END of the current mini-batch; dW1 lives in the
-    # two slots of DWT [2, d, d] (global memory) like W1 in the forward: read in slot i % 2, the
-    # update written to the other
+    # two slots of DWT [2, d, d] (global memory), not in registers: read in slot i % 2 where a
+    # product needs it, the update written to the other slot as soon as its product is done
     DWT = DWT + pid * 2 * D * D
     tl.store(DWT + woff, tl.load(DWF + pid * D * D + woff, mask=wmask, other=0.0).to(cdt), mask=wmask)
     dbb = tl.load(DBF + pid * D + cols, mask=cmask, other=0.0).to(cdt)
@@ -227,48 +287,29 @@ def _ttt_linear_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, WS, BS, DOUT, DWF, DB
         rmask = rows < MB
         wmask = cmask[:, None] & cmask[None, :]
         xmask = rmask[:, None] & cmask[None, :]
-        tril = rows[None, :] <= rows[:, None]
         woff = cols[:, None] * D + cols[None, :]
         wtoff = cols[:, None] + cols[None, :] * D          # the transposed tile
         dWP = DWT + (i % 2) * D * D
         gamma = tl.load(LNW + h * D + cols, mask=cmask, other=0.0).to(cdt)
         beta = tl.load(LNB + h * D + cols, mask=cmask, other=0.0).to(cdt)
-        # padded rows (MB < BT) get τ = η = 0, so they enter no product that reaches a real row
-        tau = tl.load(TAU + rows, mask=rmask, other=0.0).to(cdt)
         WP = WS + (pid * NMB + n) * D * D
-        bb = tl.load(BS + (pid * NMB + n) * D + cols, mask=cmask, other=0.0)
+        bb = tl.load(BS + (pid * NMB + n) * D + cols, mask=cmask, other=0.0).to(cdt)
         t_off = n * MB + rows
         xoff = pid * T * D + t_off[:, None] * D + cols[None, :]
-        q = tl.load(XQ + xoff, mask=xmask, other=0.0).to(cdt)
         k = tl.load(XK + xoff, mask=xmask, other=0.0).to(cdt)
         v = tl.load(XV + xoff, mask=xmask, other=0.0).to(cdt)
         e = tl.load(ETA + pid * T + t_off, mask=rmask, other=0.0).to(cdt)
-        do = tl.load(DOUT + xoff, mask=xmask, other=0.0).to(cdt)
         xh, rstd, tgt, gh, G = _mini_batch_grad(k, v, WP, woff, wmask, bb, gamma, beta, cmask, D, eps, PREC)
-        A, Ev, M, xhb, rstdb = _mini_batch_out(q, k, e, tau, G, WP, woff, wmask, bb, cmask, tril, D, eps, PREC)
 
-        # out = Q + γ x̂(Z̄) + β
-        dgamma += tl.sum(do * xhb, axis=0)
-        dbeta += tl.sum(do, axis=0)
-        dZb = _ln_bwd(do * gamma[None, :], xhb, rstdb, cmask, D)
-        # Z̄ = Q W1 + b1 − M Γ
-        dq = do
-        dM = tl.where(tril, -_dot(dZb, tl.trans(G), PREC), 0.0)
-        dG = -_dot(tl.trans(M), dZb, PREC)
-        # M = tril(E ⊙ (A + 1)), E_ij = τ_i η_j, A = Q Kᵀ
-        dE = dM * (A + 1.0)
-        dA = dM * Ev
-        dq += _dot(dA, k, PREC)
-        dk = _dot(tl.trans(dA), q, PREC)
-        de = tl.sum(dE * tau[:, None], axis=0)
-        dtau += tl.sum(dE * e[None, :], axis=1)
         # end-of-mini-batch update W1' = W1 − τ_{b−1} Kᵀ(η⊙Γ), b1' = b1 − τ_{b−1} Σ η Γ
         P = _dot(k, tl.load(dWP + woff, mask=wmask, other=0.0), PREC) + dbb[None, :]
         GP = tl.sum(G * P, axis=1)
-        dG += -tau_last * e[:, None] * P
-        de += -tau_last * GP
+        dG = tl.load(DG0 + xoff, mask=xmask, other=0.0).to(cdt) - tau_last * e[:, None] * P
+        de = tl.load(DEP + pid * T + t_off, mask=rmask, other=0.0).to(cdt) - tau_last * GP
+        tl.store(DETA + pid * T + t_off, de.to(DETA.dtype.element_ty), mask=rmask)
         dtau += tl.where(rows == MB - 1, -tl.sum(e * GP, axis=0), 0.0)
-        dk += -tau_last * _dot(e[:, None] * G, tl.load(dWP + wtoff, mask=wmask, other=0.0), PREC)
+        dk = tl.load(DKP + xoff, mask=xmask, other=0.0).to(cdt) - tau_last * _dot(
+            e[:, None] * G, tl.load(dWP + wtoff, mask=wmask, other=0.0), PREC)
         # Γ = (ĝ − mean ĝ − x̂ mean(ĝ x̂)) / σ with ĝ = γ(γ x̂ + β − (V − K)), x̂, σ of Z
         dgh = _ln_bwd(dG, xh, rstd, cmask, D)
         c2 = tl.sum(gh * xh, axis=1) / D
@@ -279,19 +320,17 @@ def _ttt_linear_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, WS, BS, DOUT, DWF, DB
         dbeta += tl.sum(dgh * gamma[None, :], axis=0)
         dtgt = -gamma[None, :] * dgh
         dZ = _ln_bwd(dxh, xh, rstd, cmask, D) + tl.where(cmask[None, :], dsig[:, None] * xh / D, 0.0)
-        # Z = K W1 + b1, target = V − K: dW1 += Qᵀ dZ̄ + Kᵀ dZ (its products before the two below,
-        # so that the loop's last tl.dot, whose warp layout every product takes, is a [b, d] one)
+        # Z = K W1 + b1, Z̄ = Q W1 + b1 − M Γ: dW1 += Qᵀ dZ̄ + Kᵀ dZ (before the product below, so
+        # that the loop's last tl.dot, whose warp layout every product takes, is a [b, d] one)
+        dZb = tl.load(DZB + xoff, mask=xmask, other=0.0).to(cdt)
+        q = tl.load(XQ + xoff, mask=xmask, other=0.0).to(cdt)
         upd = _dot(tl.trans(q), dZb, PREC) + _dot(tl.trans(k), dZ, PREC)
         tl.store(DWT + ((i + 1) % 2) * D * D + woff, tl.load(dWP + woff, mask=wmask, other=0.0) + upd, mask=wmask)
         dbb += tl.sum(dZb, axis=0) + tl.sum(dZ, axis=0)
-        # W1ᵀ read from the stored start weights as a transposed tile, at each product that needs it
-        dq += _dot(dZb, tl.load(WP + wtoff, mask=wmask, other=0.0), PREC)
+        # target = V − K; W1ᵀ read from the stored start weights as a transposed tile
         dk += _dot(dZ, tl.load(WP + wtoff, mask=wmask, other=0.0), PREC) - dtgt
-        dv = dtgt
-        tl.store(DXQ + xoff, dq.to(DXQ.dtype.element_ty), mask=xmask)
         tl.store(DXK + xoff, dk.to(DXK.dtype.element_ty), mask=xmask)
-        tl.store(DXV + xoff, dv.to(DXV.dtype.element_ty), mask=xmask)
-        tl.store(DETA + pid * T + t_off, de.to(DETA.dtype.element_ty), mask=rmask)
+        tl.store(DXV + xoff, dtgt.to(DXV.dtype.element_ty), mask=xmask)
         tl.debug_barrier()                      # the next mini-batch reads the slot written above
 
     cols = tl.arange(0, BD)
@@ -315,28 +354,30 @@ def _precision(dtype: torch.dtype) -> str:
     return "bf16_emulated" if is_interpreting() else "bf16"
 
 
-#: num_warps of the TTT-Linear kernels per GPU family (``device_arch``): (arch, backward, bf16
-#: operands, BD, BT) -> warps. Triton gives every tl.dot of the loop the warp layout it picks for
-#: the last one, which for chained products puts all warps along one dimension of the [b, d] tile
-#: (rows when b ≥ d, columns otherwise): at b = 16 the warps split the columns, and more warps
-#: hold less of each tile; at b = d = 64 they split the 64 rows, 16 per warp at 4 warps (8 warps
-#: would duplicate every tile). Checked by ``python -m kernels.compile_report --op ttt``.
+#: num_warps of the TTT-Linear kernels per GPU family (``device_arch``): (arch, kernel, bf16
+#: operands, BD, BT) -> warps, kernel "fwd", "bwd_mb" (``_ttt_linear_bwd_mb_kernel``) or "bwd".
+#: Triton gives every tl.dot of a kernel the warp layout it picks for the last one, which for
+#: chained products puts all warps along one dimension of the [b, d] tile (rows when b ≥ d,
+#: columns otherwise): at b = 16 the warps split the columns, and more warps hold less of each
+#: tile; at b = d = 64 they split the 64 rows, 16 per warp at 4 warps (8 would duplicate every
+#: tile). Checked by ``python -m kernels.compile_report --op ttt``.
 _LINEAR_WARPS = {
-    (90, False, True, 64, 16): 4, (80, False, True, 64, 16): 4,
-    (90, True, True, 64, 16): 8, (80, True, True, 64, 16): 8,
+    (90, "fwd", True, 64, 16): 4, (80, "fwd", True, 64, 16): 4,
 }
 
 
-def _launch_cfg(d: int, b: int, backward: bool = False, half: bool = True, arch: int = INTERPRET_ARCH):
-    """Padded tile sizes (tl.dot needs every block dim ≥ 16) and launch options for GPU family
-    ``arch`` (90 or 80, ``device_arch``; ``half``: bf16 operands, False for 3×TF32 with float32
-    inputs). num_warps from ``_LINEAR_WARPS``; 8 where it names none (W1 and dW1 live in global
-    memory, the [b, d] and [b, b] tiles in registers)."""
+def _launch_cfg(d: int, b: int, kernel: str = "fwd", half: bool = True, arch: int = INTERPRET_ARCH):
+    """Padded tile sizes (tl.dot needs every block dim ≥ 16) and launch options of TTT-Linear
+    ``kernel`` ("fwd", "bwd_mb", "bwd") for GPU family ``arch`` (90 or 80, ``device_arch``; ``half``:
+    bf16 operands, False for 3×TF32 with float32 inputs). num_warps from ``_LINEAR_WARPS``, 8 where
+    it names none (W1 and dW1 live in global memory, the [b, d] and [b, b] tiles in registers)."""
+    if kernel not in ("fwd", "bwd_mb", "bwd"):
+        raise ValueError(f"_launch_cfg: unknown TTT-Linear kernel {kernel!r}")
     BD = max(16, triton.next_power_of_2(d))
     BT = max(16, triton.next_power_of_2(b))
     if is_interpreting():
         return BD, BT, {}
-    warps = _LINEAR_WARPS.get((arch, backward, half, BD, BT), 8)
+    warps = _LINEAR_WARPS.get((arch, kernel, half, BD, BT), 8)
     return BD, BT, {"num_warps": warps, "num_stages": 1}
 
 
@@ -417,15 +458,28 @@ def _linear_bwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: to
     dLNB = torch.empty(B, H, d, dtype=cdt, device=dev)
     dW0 = torch.empty(B, H, d, d, dtype=cdt, device=dev)
     dB0 = torch.empty(B, H, 1, d, dtype=cdt, device=dev)
-    dWT = torch.empty(B, H, 2, d, d, dtype=cdt, device=dev)           # the kernel's two dW1 slots
-    BD, BT, kw = _launch_cfg(d, bsz, backward=True, half=XQ.dtype in (torch.bfloat16, torch.float16),
-                             arch=device_arch(XQ.device))
+    dWT = torch.empty(B, H, 2, d, d, dtype=cdt, device=dev)           # the second kernel's two dW1 slots
+    # what the per-mini-batch kernel hands to the carrying one (float32; float64 for float64 inputs)
+    dKP, dG0, dZB = (torch.empty(B, H, T, d, dtype=cdt, device=dev) for _ in range(3))
+    dEP = torch.empty(B, H, T, dtype=cdt, device=dev)
+    dTAUP = torch.empty(B, H, NMB, bsz, dtype=cdt, device=dev)
+    dLNWP = torch.empty(B, H, NMB, d, dtype=cdt, device=dev)
+    dLNBP = torch.empty(B, H, NMB, d, dtype=cdt, device=dev)
+    half = XQ.dtype in (torch.bfloat16, torch.float16)
+    arch, prec = device_arch(XQ.device), _precision(XQ.dtype)
+    BD, BT, kw = _launch_cfg(d, bsz, "bwd_mb", half=half, arch=arch)
+    _ttt_linear_bwd_mb_kernel[(B * H, NMB)](
+        XQ, XK, XV, eta, tau_c, lw, lb, WS, BS, dout,
+        dXQ, dKP, dEP, dG0, dZB, dTAUP, dLNWP, dLNBP,
+        T, NMB, H, LN_EPS, D=d, BD=BD, MB=bsz, BT=BT, PREC=prec, **kw)
+    BD, BT, kw = _launch_cfg(d, bsz, "bwd", half=half, arch=arch)
     _ttt_linear_bwd_kernel[(B * H,)](
-        XQ, XK, XV, eta, tau_c, lw, lb, WS, BS, dout, dWF, dBF,
-        dXQ, dXK, dXV, dETA, dTAU, dLNW, dLNB, dW0, dB0, dWT,
-        T, NMB, H, LN_EPS, D=d, BD=BD, MB=bsz, BT=BT, PREC=_precision(XQ.dtype), **kw)
-    return [dXQ, dXK, dXV, dETA, dTAU.sum((0, 1)).to(tau_dt), dLNW.sum(0).to(lw_dt),
-            dLNB.sum(0).to(lb_dt), dW0.to(W_dt), dB0.to(b_dt)]
+        XQ, XK, XV, eta, tau_c, lw, lb, WS, BS, dWF, dBF, dKP, dEP, dG0, dZB,
+        dXK, dXV, dETA, dTAU, dLNW, dLNB, dW0, dB0, dWT,
+        T, NMB, H, LN_EPS, D=d, BD=BD, MB=bsz, BT=BT, PREC=prec, **kw)
+    return [dXQ, dXK, dXV, dETA, (dTAU.sum((0, 1)) + dTAUP.sum((0, 1, 2))).to(tau_dt),
+            (dLNW.sum(0) + dLNWP.sum((0, 2))).to(lw_dt), (dLNB.sum(0) + dLNBP.sum((0, 2))).to(lb_dt),
+            dW0.to(W_dt), dB0.to(b_dt)]
 
 
 @_linear_bwd_op.register_fake

@@ -25,9 +25,10 @@ def compile_cases():
             for b in LINEAR_MINI_BATCHES:
                 for arch in ARCHS:              # TTT-Linear picks its warps per GPU family
                     cfg = f"{dt} d={d} b={b} sm_{arch}"
-                    for kern, extra, bwd in ((chunk._ttt_linear_fwd_kernel, {"SAVE": True}, False),
-                                             (chunk._ttt_linear_bwd_kernel, {}, True)):
-                        BD, BT, kw = chunk._launch_cfg(d, b, backward=bwd, half=dt == "bf16", arch=arch)
+                    for kern, extra, part in ((chunk._ttt_linear_fwd_kernel, {"SAVE": True}, "fwd"),
+                                              (chunk._ttt_linear_bwd_mb_kernel, {}, "bwd_mb"),
+                                              (chunk._ttt_linear_bwd_kernel, {}, "bwd")):
+                        BD, BT, kw = chunk._launch_cfg(d, b, part, half=dt == "bf16", arch=arch)
                         names = set(arg_names(kern))
                         ptrs = {n: dt for n in io_names if n in names}
                         if dt == "bf16":
