@@ -1,8 +1,8 @@
 r"""TTT-Linear dual form in Triton, forward and backward (Sun et al. 2024), with the inner
 LayerNorm and its L2-loss gradient fused into the kernel.
 
-One program per (batch, head) walks the full mini-batches of b tokens in order with W1 [d, d]
-and b1 [1, d] in registers. For a mini-batch with rows K, Q, V ∈ R^{b×d}, per-token η ∈ R^b,
+One program per (batch, head) walks the full mini-batches of b tokens in order, b1 [1, d] in
+registers and W1 [d, d] in global memory (see Registers below). For a mini-batch with rows K, Q, V ∈ R^{b×d}, per-token η ∈ R^b,
 τ = token_idx ∈ R^b and W_0 = (W1, b1) at its start (notation of ``torch_chunk.py``):
 
     Z = K W1 + b1,   Γ = ∂/∂Z ½‖LN_γβ(Z) − (V − K)‖²                    (row by row)
@@ -13,10 +13,14 @@ and b1 [1, d] in registers. For a mini-batch with rows K, Q, V ∈ R^{b×d}, per
 (M Γ = (E ⊙ tril(Q Kᵀ)) Γ + tril(E) Γ, the two dual-form terms in one b×b product.)
 
 The forward stores W1, b1 at the start of every mini-batch (d² + d numbers per mini-batch and
-head). The backward walks the mini-batches in reverse, recomputes Z, Γ, M, Z̄ from the stored
-start weights, and carries (dW1, db1), the gradient with respect to the weights at the end of
-the current mini-batch; through the update, dW1_start = dW1_end + Qᵀ dZ̄ + Kᵀ dZ (dZ from
-differentiating Γ, i.e. the second derivative of the LayerNorm-fused loss).
+head). The backward is two kernels. ``_ttt_linear_bwd_mb_kernel`` (one program per (batch, head,
+mini-batch), all in parallel) recomputes Z, Γ, M, Z̄ from the stored start weights and
+back-propagates out through Z̄ and M — everything that does not depend on the gradient carried
+from later mini-batches: ∂XQ, and the first parts of ∂XK, ∂η, ∂τ, ∂γ, ∂β and ∂Γ, with ∂Z̄, go to
+global memory. ``_ttt_linear_bwd_kernel`` then walks the mini-batches in reverse, recomputes Z and Γ,
+and carries (dW1, db1), the gradient with respect to the weights at the end of the current
+mini-batch; through the update, dW1_start = dW1_end + Qᵀ dZ̄ + Kᵀ dZ (dZ from differentiating Γ,
+i.e. the second derivative of the LayerNorm-fused loss).
 
 Coverage of the kernel: full mini-batches that start at a mini-batch boundary (pos = 0), any
 b ≤ 64 and any head dim d (b and d padded to powers of two ≥ 16 with masks; padded rows carry
@@ -37,9 +41,14 @@ inputs the per-mini-batch start weights that the backward re-reads are stored in
 enter only tl.dot there, whose operands are rounded to bfloat16 anyway. Outputs come back in the
 input dtype, the state in float32 (float64 for float64 inputs), as in ``torch_chunk.py``.
 
-Registers (``python -m kernels.compile_report --op ttt``): the backward re-reads Wᵀ from the
-stored weights as a transposed tile where it needs it instead of keeping W live through the
-mini-batch, and runs on 8 warps.
+Registers (``python -m kernels.compile_report --op ttt``): no [d, d] tile stays in registers.
+W1 (forward) and dW1 (backward) live in two global slots per (batch, head) — the weights of
+mini-batch n in slot n % 2, read where a product needs them, the update written to the other
+slot right after its product, one barrier per mini-batch; the backward reads W1ᵀ from the stored
+start weights as a transposed tile. Index, mask and pointer tensors are built inside the loop
+(``_loop_index``) instead of being hoisted out of it. Triton gives every tl.dot of a kernel the
+warp layout of the last one, so the loops end with a [b, d] product; warps per GPU family in
+``_LINEAR_WARPS``.
 
 ``ttt_mlp_triton`` (TTT-MLP, same structure and coverage) follows below the TTT-Linear part.
 """
@@ -107,15 +116,14 @@ def _loop_index(n, NMB, BT: tl.constexpr, BD: tl.constexpr):
 
 @triton.jit
 def _mini_batch_grad(k, v, WP, woff, wmask, bb, gamma, beta, cmask, D: tl.constexpr, eps, PREC: tl.constexpr):
-    """Z = K W1 + b1 and Γ of one mini-batch (with the LayerNorm pieces the backward reuses). W1 is
-    read from global memory (``WP + woff``) where the product needs it, not held in registers
-    through the mini-batch."""
+    """Z = K W1 + b1 and Γ of one mini-batch, with the LayerNorm pieces the backward reuses: x̂, 1/σ
+    of Z and the residual r = γ x̂ + β − (V − K) (ĝ = γ r). W1 is read from global memory
+    (``WP + woff``) where the product needs it, not held in registers through the mini-batch."""
     Z = _dot(k, tl.load(WP + woff, mask=wmask, other=0.0), PREC) + bb[None, :]
     xh, rstd = _ln_stats(Z, cmask, D, eps)
-    tgt = v - k
-    gh = (gamma[None, :] * xh + beta[None, :] - tgt) * gamma[None, :]
-    G = _ln_bwd(gh, xh, rstd, cmask, D)                                   # Γ
-    return xh, rstd, tgt, gh, G
+    r = gamma[None, :] * xh + beta[None, :] - (v - k)
+    G = _ln_bwd(r * gamma[None, :], xh, rstd, cmask, D)                   # Γ
+    return xh, rstd, r, G
 
 
 @triton.jit
@@ -168,11 +176,11 @@ def _ttt_linear_fwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, W0, B0, OUT, WS, BS, 
             tl.store(BS + (pid * NMB + n) * D + cols, bb, mask=cmask)
         t_off = n * MB + rows
         xoff = pid * T * D + t_off[:, None] * D + cols[None, :]
-        q = tl.load(XQ + xoff, mask=xmask, other=0.0).to(cdt)
         k = tl.load(XK + xoff, mask=xmask, other=0.0).to(cdt)
         v = tl.load(XV + xoff, mask=xmask, other=0.0).to(cdt)
         e = tl.load(ETA + pid * T + t_off, mask=rmask, other=0.0).to(cdt)
-        xh, rstd, tgt, gh, G = _mini_batch_grad(k, v, WP, woff, wmask, bb, gamma, beta, cmask, D, eps, PREC)
+        xh, rstd, r, G = _mini_batch_grad(k, v, WP, woff, wmask, bb, gamma, beta, cmask, D, eps, PREC)
+        q = tl.load(XQ + xoff, mask=xmask, other=0.0).to(cdt)
         # the update first (into the other slot): besides, Triton gives every tl.dot of the loop
         # the warp layout it picks for the last one, which should be a [b, d] product (_launch_cfg)
         eG = e[:, None] * G
@@ -230,7 +238,7 @@ def _ttt_linear_bwd_mb_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, WS, BS, DOUT,
     v = tl.load(XV + xoff, mask=xmask, other=0.0).to(cdt)
     e = tl.load(ETA + pid * T + t_off, mask=rmask, other=0.0).to(cdt)
     do = tl.load(DOUT + xoff, mask=xmask, other=0.0).to(cdt)
-    xh, rstd, tgt, gh, G = _mini_batch_grad(k, v, WP, woff, wmask, bb, gamma, beta, cmask, D, eps, PREC)
+    xh, rstd, r, G = _mini_batch_grad(k, v, WP, woff, wmask, bb, gamma, beta, cmask, D, eps, PREC)
     A, Ev, M, xhb, rstdb = _mini_batch_out(q, k, e, tau, G, WP, woff, wmask, bb, cmask, tril, D, eps, PREC)
 
     # out = Q + γ x̂(Z̄) + β
@@ -299,7 +307,7 @@ def _ttt_linear_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, WS, BS, DWF, DBF, DKP
         k = tl.load(XK + xoff, mask=xmask, other=0.0).to(cdt)
         v = tl.load(XV + xoff, mask=xmask, other=0.0).to(cdt)
         e = tl.load(ETA + pid * T + t_off, mask=rmask, other=0.0).to(cdt)
-        xh, rstd, tgt, gh, G = _mini_batch_grad(k, v, WP, woff, wmask, bb, gamma, beta, cmask, D, eps, PREC)
+        xh, rstd, r, G = _mini_batch_grad(k, v, WP, woff, wmask, bb, gamma, beta, cmask, D, eps, PREC)
 
         # end-of-mini-batch update W1' = W1 − τ_{b−1} Kᵀ(η⊙Γ), b1' = b1 − τ_{b−1} Σ η Γ
         P = _dot(k, tl.load(dWP + woff, mask=wmask, other=0.0), PREC) + dbb[None, :]
@@ -308,29 +316,32 @@ def _ttt_linear_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, WS, BS, DWF, DBF, DKP
         de = tl.load(DEP + pid * T + t_off, mask=rmask, other=0.0).to(cdt) - tau_last * GP
         tl.store(DETA + pid * T + t_off, de.to(DETA.dtype.element_ty), mask=rmask)
         dtau += tl.where(rows == MB - 1, -tl.sum(e * GP, axis=0), 0.0)
-        dk = tl.load(DKP + xoff, mask=xmask, other=0.0).to(cdt) - tau_last * _dot(
-            e[:, None] * G, tl.load(dWP + wtoff, mask=wmask, other=0.0), PREC)
-        # Γ = (ĝ − mean ĝ − x̂ mean(ĝ x̂)) / σ with ĝ = γ(γ x̂ + β − (V − K)), x̂, σ of Z
+        # Γ = (ĝ − mean ĝ − x̂ mean(ĝ x̂)) / σ with ĝ = γ r, r = γ x̂ + β − (V − K), x̂, σ of Z
         dgh = _ln_bwd(dG, xh, rstd, cmask, D)
-        c2 = tl.sum(gh * xh, axis=1) / D
+        c2 = tl.sum(gamma[None, :] * r * xh, axis=1) / D
         mux = tl.sum(dG * xh, axis=1) / D
-        dxh = -(dG * c2[:, None] + gh * mux[:, None]) * rstd[:, None] + gamma[None, :] * gamma[None, :] * dgh
+        dxh = (-(dG * c2[:, None] + gamma[None, :] * r * mux[:, None]) * rstd[:, None]
+               + gamma[None, :] * gamma[None, :] * dgh)
         dsig = -tl.sum(dG * G, axis=1) * rstd
-        dgamma += tl.sum(dgh * (2.0 * gamma[None, :] * xh + beta[None, :] - tgt), axis=0)
+        dgamma += tl.sum(dgh * (gamma[None, :] * xh + r), axis=0)
         dbeta += tl.sum(dgh * gamma[None, :], axis=0)
         dtgt = -gamma[None, :] * dgh
+        tl.store(DXV + xoff, dtgt.to(DXV.dtype.element_ty), mask=xmask)          # target = V − K
         dZ = _ln_bwd(dxh, xh, rstd, cmask, D) + tl.where(cmask[None, :], dsig[:, None] * xh / D, 0.0)
-        # Z = K W1 + b1, Z̄ = Q W1 + b1 − M Γ: dW1 += Qᵀ dZ̄ + Kᵀ dZ (before the product below, so
+        # Z = K W1 + b1, Z̄ = Q W1 + b1 − M Γ: dW1 += Qᵀ dZ̄ + Kᵀ dZ (before the products below, so
         # that the loop's last tl.dot, whose warp layout every product takes, is a [b, d] one)
         dZb = tl.load(DZB + xoff, mask=xmask, other=0.0).to(cdt)
         q = tl.load(XQ + xoff, mask=xmask, other=0.0).to(cdt)
         upd = _dot(tl.trans(q), dZb, PREC) + _dot(tl.trans(k), dZ, PREC)
         tl.store(DWT + ((i + 1) % 2) * D * D + woff, tl.load(dWP + woff, mask=wmask, other=0.0) + upd, mask=wmask)
         dbb += tl.sum(dZb, axis=0) + tl.sum(dZ, axis=0)
-        # target = V − K; W1ᵀ read from the stored start weights as a transposed tile
-        dk += _dot(dZ, tl.load(WP + wtoff, mask=wmask, other=0.0), PREC) - dtgt
+        # ∂K: the per-mini-batch part, through the update (dW1 of the end of this mini-batch, still
+        # in slot i % 2), through Z (W1ᵀ read from the stored start weights as a transposed tile)
+        # and through the target
+        dk = (tl.load(DKP + xoff, mask=xmask, other=0.0).to(cdt)
+              - tau_last * _dot(e[:, None] * G, tl.load(dWP + wtoff, mask=wmask, other=0.0), PREC)
+              + _dot(dZ, tl.load(WP + wtoff, mask=wmask, other=0.0), PREC) - dtgt)
         tl.store(DXK + xoff, dk.to(DXK.dtype.element_ty), mask=xmask)
-        tl.store(DXV + xoff, dtgt.to(DXV.dtype.element_ty), mask=xmask)
         tl.debug_barrier()                      # the next mini-batch reads the slot written above
 
     cols = tl.arange(0, BD)
