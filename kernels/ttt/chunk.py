@@ -44,7 +44,7 @@ input dtype, the state in float32 (float64 for float64 inputs), as in ``torch_ch
 Registers (``python -m kernels.compile_report --op ttt``): no [d, d] tile stays in registers.
 W1 (forward) and dW1 (backward) live in two global slots per (batch, head) — the weights of
 mini-batch n in slot n % 2, read where a product needs them, the update written to the other
-slot right after its product, one barrier per mini-batch; the backward reads W1ᵀ from the stored
+slot at the end of the mini-batch, one barrier per mini-batch; the backward reads W1ᵀ from the stored
 start weights as a transposed tile. Index, mask and pointer tensors are built inside the loop
 (``_loop_index``) instead of being hoisted out of it. Triton gives every tl.dot of a kernel the
 warp layout of the last one, so the loops end with a [b, d] product; warps per GPU family in
@@ -150,8 +150,8 @@ def _ttt_linear_fwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, W0, B0, OUT, WS, BS, 
     wmask = cmask[:, None] & cmask[None, :]
     woff = cols[:, None] * D + cols[None, :]
     # W1 lives in global memory, not in registers: the weights at the start of mini-batch n in
-    # slot n % 2 of WT [2, d, d], read where a product needs them; the update writes the other slot
-    # as soon as its product is done (no [d, d] tile stays live), one barrier per mini-batch
+    # slot n % 2 of WT [2, d, d], read where a product needs them; the update is written to the
+    # other slot at the end of the mini-batch, one barrier per mini-batch
     WT = WT + pid * 2 * D * D
     tl.store(WT + woff, tl.load(W0 + pid * D * D + woff, mask=wmask, other=0.0).to(cdt), mask=wmask)
     bb = tl.load(B0 + pid * D + cols, mask=cmask, other=0.0).to(cdt)
@@ -181,16 +181,16 @@ def _ttt_linear_fwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, W0, B0, OUT, WS, BS, 
         e = tl.load(ETA + pid * T + t_off, mask=rmask, other=0.0).to(cdt)
         xh, rstd, r, G = _mini_batch_grad(k, v, WP, woff, wmask, bb, gamma, beta, cmask, D, eps, PREC)
         q = tl.load(XQ + xoff, mask=xmask, other=0.0).to(cdt)
-        # the update first (into the other slot): besides, Triton gives every tl.dot of the loop
-        # the warp layout it picks for the last one, which should be a [b, d] product (_launch_cfg)
+        # the update's product first (written to the other slot at the end): Triton gives every
+        # tl.dot of the loop the warp layout it picks for the last one, which should be a [b, d] one
         eG = e[:, None] * G
         upd = _dot(tl.trans(k), eG, PREC)
-        tl.store(WT + ((n + 1) % 2) * D * D + woff, tl.load(WP + woff, mask=wmask, other=0.0) - tau_last * upd,
-                 mask=wmask)
         bb_next = bb - tau_last * tl.sum(eG, axis=0)
         A, Ev, M, xhb, rstdb = _mini_batch_out(q, k, e, tau, G, WP, woff, wmask, bb, cmask, tril, D, eps, PREC)
         out = q + gamma[None, :] * xhb + beta[None, :]
         tl.store(OUT + xoff, out.to(OUT.dtype.element_ty), mask=xmask)
+        tl.store(WT + ((n + 1) % 2) * D * D + woff, tl.load(WP + woff, mask=wmask, other=0.0) - tau_last * upd,
+                 mask=wmask)
         bb = bb_next
         tl.debug_barrier()                      # the next mini-batch reads the slot written above
 
@@ -279,7 +279,7 @@ def _ttt_linear_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, WS, BS, DWF, DBF, DKP
 
     # gradients with respect to the weights at the END of the current mini-batch; dW1 lives in the
     # two slots of DWT [2, d, d] (global memory), not in registers: read in slot i % 2 where a
-    # product needs it, the update written to the other slot as soon as its product is done
+    # product needs it, the update written to the other slot at the end of the mini-batch
     DWT = DWT + pid * 2 * D * D
     tl.store(DWT + woff, tl.load(DWF + pid * D * D + woff, mask=wmask, other=0.0).to(cdt), mask=wmask)
     dbb = tl.load(DBF + pid * D + cols, mask=cmask, other=0.0).to(cdt)
@@ -310,7 +310,9 @@ def _ttt_linear_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, WS, BS, DWF, DBF, DKP
         xh, rstd, r, G = _mini_batch_grad(k, v, WP, woff, wmask, bb, gamma, beta, cmask, D, eps, PREC)
 
         # end-of-mini-batch update W1' = W1 − τ_{b−1} Kᵀ(η⊙Γ), b1' = b1 − τ_{b−1} Σ η Γ
-        P = _dot(k, tl.load(dWP + woff, mask=wmask, other=0.0), PREC) + dbb[None, :]
+        dW = tl.load(dWP + woff, mask=wmask, other=0.0)   # one read of dW1 for both products
+        P = _dot(k, dW, PREC) + dbb[None, :]
+        dkW = -tau_last * _dot(e[:, None] * G, tl.trans(dW), PREC)
         GP = tl.sum(G * P, axis=1)
         dG = tl.load(DG0 + xoff, mask=xmask, other=0.0).to(cdt) - tau_last * e[:, None] * P
         de = tl.load(DEP + pid * T + t_off, mask=rmask, other=0.0).to(cdt) - tau_last * GP
@@ -333,15 +335,14 @@ def _ttt_linear_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, WS, BS, DWF, DBF, DKP
         dZb = tl.load(DZB + xoff, mask=xmask, other=0.0).to(cdt)
         q = tl.load(XQ + xoff, mask=xmask, other=0.0).to(cdt)
         upd = _dot(tl.trans(q), dZb, PREC) + _dot(tl.trans(k), dZ, PREC)
-        tl.store(DWT + ((i + 1) % 2) * D * D + woff, tl.load(dWP + woff, mask=wmask, other=0.0) + upd, mask=wmask)
         dbb += tl.sum(dZb, axis=0) + tl.sum(dZ, axis=0)
         # ∂K: the per-mini-batch part, through the update (dW1 of the end of this mini-batch, still
         # in slot i % 2), through Z (W1ᵀ read from the stored start weights as a transposed tile)
         # and through the target
-        dk = (tl.load(DKP + xoff, mask=xmask, other=0.0).to(cdt)
-              - tau_last * _dot(e[:, None] * G, tl.load(dWP + wtoff, mask=wmask, other=0.0), PREC)
+        dk = (tl.load(DKP + xoff, mask=xmask, other=0.0).to(cdt) + dkW
               + _dot(dZ, tl.load(WP + wtoff, mask=wmask, other=0.0), PREC) - dtgt)
         tl.store(DXK + xoff, dk.to(DXK.dtype.element_ty), mask=xmask)
+        tl.store(DWT + ((i + 1) % 2) * D * D + woff, tl.load(dWP + woff, mask=wmask, other=0.0) + upd, mask=wmask)
         tl.debug_barrier()                      # the next mini-batch reads the slot written above
 
     cols = tl.arange(0, BD)
@@ -370,8 +371,9 @@ def _precision(dtype: torch.dtype) -> str:
 #: Triton gives every tl.dot of a kernel the warp layout it picks for the last one, which for
 #: chained products puts all warps along one dimension of the [b, d] tile (rows when b ≥ d,
 #: columns otherwise): at b = 16 the warps split the columns, and more warps hold less of each
-#: tile; at b = d = 64 they split the 64 rows, 16 per warp at 4 warps (8 would duplicate every
-#: tile). Checked by ``python -m kernels.compile_report --op ttt``.
+#: tile (the forward at d = 64 fits 4); at b = d = 64 they split the 64 rows (16 per warp at 4
+#: warps; 8 duplicate the tiles of an sm_80 MMA, whose warps take 16 rows each). Checked by
+#: ``python -m kernels.compile_report --op ttt``; b = 64 and d = 128 still spill at 4 and 8.
 _LINEAR_WARPS = {
     (90, "fwd", True, 64, 16): 4, (80, "fwd", True, 64, 16): 4,
 }
