@@ -41,14 +41,14 @@ inputs the per-mini-batch start weights that the backward re-reads are stored in
 enter only tl.dot there, whose operands are rounded to bfloat16 anyway. Outputs come back in the
 input dtype, the state in float32 (float64 for float64 inputs), as in ``torch_chunk.py``.
 
-Registers (``python -m kernels.compile_report --op ttt``): no [d, d] tile stays in registers.
-W1 (forward) and dW1 (backward) live in two global slots per (batch, head) — the weights of
-mini-batch n in slot n % 2, read where a product needs them, the update written to the other
-slot at the end of the mini-batch, one barrier per mini-batch; the backward reads W1ᵀ from the stored
-start weights as a transposed tile. Index, mask and pointer tensors are built inside the loop
-(``_loop_index``) instead of being hoisted out of it. Triton gives every tl.dot of a kernel the
-warp layout of the last one, so the loops end with a [b, d] product; warps per GPU family in
-``_LINEAR_WARPS``.
+Registers (``python -m kernels.compile_report --op ttt``): W1 (forward) and dW1 (backward) are
+not carried in registers from one mini-batch to the next. They live in two global slots per
+(batch, head): the weights of mini-batch n in slot n % 2, read where a product needs them, the
+update written to the other slot at the end of the mini-batch, one barrier per mini-batch. The
+backward reads W1ᵀ from the stored start weights as a transposed tile. The forward builds its
+index, mask and pointer tensors inside the loop (``_loop_index``) instead of letting them be
+hoisted out of it. Triton gives every tl.dot of a kernel the warp layout of the last one, so the
+loops end with a [b, d] product; warps per GPU family in ``_LINEAR_WARPS``.
 
 ``ttt_mlp_triton`` (TTT-MLP, same structure and coverage) follows below the TTT-Linear part.
 """
@@ -271,10 +271,16 @@ def _ttt_linear_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, WS, BS, DWF, DBF, DKP
     pid = tl.program_id(0)
     h = pid % H
     cdt = DW0.dtype.element_ty
+    # index tensors built once, outside the loop (unlike the forward's ``_loop_index``: here that
+    # takes fewer registers, by the compile gate)
+    rows = tl.arange(0, BT)
     cols = tl.arange(0, BD)
     cmask = cols < D
+    rmask = rows < MB
     wmask = cmask[:, None] & cmask[None, :]
+    xmask = rmask[:, None] & cmask[None, :]
     woff = cols[:, None] * D + cols[None, :]
+    wtoff = cols[:, None] + cols[None, :] * D          # the transposed tile
     tau_last = tl.load(TAU + MB - 1).to(cdt)
 
     # gradients with respect to the weights at the END of the current mini-batch; dW1 lives in the
@@ -290,13 +296,6 @@ def _ttt_linear_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, WS, BS, DWF, DBF, DKP
 
     for i in range(NMB):
         n = NMB - 1 - i
-        rows, cols = _loop_index(i, NMB, BT, BD)
-        cmask = cols < D
-        rmask = rows < MB
-        wmask = cmask[:, None] & cmask[None, :]
-        xmask = rmask[:, None] & cmask[None, :]
-        woff = cols[:, None] * D + cols[None, :]
-        wtoff = cols[:, None] + cols[None, :] * D          # the transposed tile
         dWP = DWT + (i % 2) * D * D
         gamma = tl.load(LNW + h * D + cols, mask=cmask, other=0.0).to(cdt)
         beta = tl.load(LNB + h * D + cols, mask=cmask, other=0.0).to(cdt)
@@ -345,15 +344,11 @@ def _ttt_linear_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, WS, BS, DWF, DBF, DKP
         tl.store(DWT + ((i + 1) % 2) * D * D + woff, tl.load(dWP + woff, mask=wmask, other=0.0) + upd, mask=wmask)
         tl.debug_barrier()                      # the next mini-batch reads the slot written above
 
-    cols = tl.arange(0, BD)
-    rows = tl.arange(0, BT)
-    wmask = (cols < D)[:, None] & (cols < D)[None, :]
-    woff = cols[:, None] * D + cols[None, :]
     tl.store(DW0 + pid * D * D + woff, tl.load(DWT + (NMB % 2) * D * D + woff, mask=wmask, other=0.0), mask=wmask)
-    tl.store(DB0 + pid * D + cols, dbb, mask=cols < D)
-    tl.store(DLNW + pid * D + cols, dgamma, mask=cols < D)
-    tl.store(DLNB + pid * D + cols, dbeta, mask=cols < D)
-    tl.store(DTAU + pid * MB + rows, dtau, mask=rows < MB)
+    tl.store(DB0 + pid * D + cols, dbb, mask=cmask)
+    tl.store(DLNW + pid * D + cols, dgamma, mask=cmask)
+    tl.store(DLNB + pid * D + cols, dbeta, mask=cmask)
+    tl.store(DTAU + pid * MB + rows, dtau, mask=rmask)
 
 
 # ---- autograd -----------------------------------------------------------------------------------
