@@ -1,8 +1,8 @@
 r"""TTT-Linear dual form in Triton, forward and backward (Sun et al. 2024), with the inner
 LayerNorm and its L2-loss gradient fused into the kernel.
 
-One program per (batch, head) walks the full mini-batches of b tokens in order with W1 [d, d]
-and b1 [1, d] in registers. For a mini-batch with rows K, Q, V ∈ R^{b×d}, per-token η ∈ R^b,
+One program per (batch, head) walks the full mini-batches of b tokens in order, b1 [1, d] in
+registers and W1 [d, d] in global memory (see Registers below). For a mini-batch with rows K, Q, V ∈ R^{b×d}, per-token η ∈ R^b,
 τ = token_idx ∈ R^b and W_0 = (W1, b1) at its start (notation of ``torch_chunk.py``):
 
     Z = K W1 + b1,   Γ = ∂/∂Z ½‖LN_γβ(Z) − (V − K)‖²                    (row by row)
@@ -13,10 +13,14 @@ and b1 [1, d] in registers. For a mini-batch with rows K, Q, V ∈ R^{b×d}, per
 (M Γ = (E ⊙ tril(Q Kᵀ)) Γ + tril(E) Γ, the two dual-form terms in one b×b product.)
 
 The forward stores W1, b1 at the start of every mini-batch (d² + d numbers per mini-batch and
-head). The backward walks the mini-batches in reverse, recomputes Z, Γ, M, Z̄ from the stored
-start weights, and carries (dW1, db1), the gradient with respect to the weights at the end of
-the current mini-batch; through the update, dW1_start = dW1_end + Qᵀ dZ̄ + Kᵀ dZ (dZ from
-differentiating Γ, i.e. the second derivative of the LayerNorm-fused loss).
+head). The backward is two kernels. ``_ttt_linear_bwd_mb_kernel`` (one program per (batch, head,
+mini-batch), all in parallel) recomputes Z, Γ, M, Z̄ from the stored start weights and
+back-propagates out through Z̄ and M — everything that does not depend on the gradient carried
+from later mini-batches: ∂XQ, and the first parts of ∂XK, ∂η, ∂τ, ∂γ, ∂β and ∂Γ, with ∂Z̄, go to
+global memory. ``_ttt_linear_bwd_kernel`` then walks the mini-batches in reverse, recomputes Z and Γ,
+and carries (dW1, db1), the gradient with respect to the weights at the end of the current
+mini-batch; through the update, dW1_start = dW1_end + Qᵀ dZ̄ + Kᵀ dZ (dZ from differentiating Γ,
+i.e. the second derivative of the LayerNorm-fused loss).
 
 Coverage of the kernel: full mini-batches that start at a mini-batch boundary (pos = 0), any
 b ≤ 64 and any head dim d (b and d padded to powers of two ≥ 16 with masks; padded rows carry
@@ -37,9 +41,14 @@ inputs the per-mini-batch start weights that the backward re-reads are stored in
 enter only tl.dot there, whose operands are rounded to bfloat16 anyway. Outputs come back in the
 input dtype, the state in float32 (float64 for float64 inputs), as in ``torch_chunk.py``.
 
-Registers (``python -m kernels.compile_report --op ttt``): the backward re-reads Wᵀ from the
-stored weights as a transposed tile where it needs it instead of keeping W live through the
-mini-batch, and runs on 8 warps.
+Registers (``python -m kernels.compile_report --op ttt``): W1 (forward) and dW1 (backward) are
+not carried in registers from one mini-batch to the next. They live in two global slots per
+(batch, head): the weights of mini-batch n in slot n % 2, read where a product needs them, the
+update written to the other slot at the end of the mini-batch, one barrier per mini-batch. The
+backward reads W1ᵀ from the stored start weights as a transposed tile. The forward builds its
+index, mask and pointer tensors inside the loop (``_loop_index``) instead of letting them be
+hoisted out of it. Triton gives every tl.dot of a kernel the warp layout of the last one, so the
+loops end with a [b, d] product; warps per GPU family in ``_LINEAR_WARPS``.
 
 TTT-MLP (``ttt_mlp_triton``) is in ``mlp_chunk.py``; it shares ``_dot``, ``_ln_stats``, ``_ln_bwd`` and
 ``_precision`` with this file.
@@ -52,7 +61,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton_utils import check_triton_device, is_interpreting
+from kernels._triton_utils import INTERPRET_ARCH, check_triton_device, device_arch, is_interpreting
 from kernels.ttt.torch_chunk import LN_EPS, acc_dtype, make_state, ttt_linear_chunk
 
 #: b×b and b×d tiles live in registers; beyond 64 they spill
@@ -96,161 +105,247 @@ def _ln_bwd(dy_hat, x_hat, rstd, cmask, D: tl.constexpr):
 
 
 @triton.jit
-def _mini_batch_fwd(q, k, v, e, tau, W, bb, gamma, beta, cmask, tril, D: tl.constexpr, eps,
-                    PREC: tl.constexpr):
-    """Everything of one mini-batch that the forward and the backward both need."""
-    Z = _dot(k, W, PREC) + bb[None, :]
-    xh, rstd = _ln_stats(Z, cmask, D, eps)
-    tgt = v - k
-    gh = (gamma[None, :] * xh + beta[None, :] - tgt) * gamma[None, :]
-    G = _ln_bwd(gh, xh, rstd, cmask, D)                                   # Γ
-    A = _dot(q, tl.trans(k), PREC)
-    Ev = tau[:, None] * e[None, :]
-    M = tl.where(tril, Ev * (A + 1.0), 0.0)
-    Zb = _dot(q, W, PREC) + bb[None, :] - _dot(M, G, PREC)
-    xhb, rstdb = _ln_stats(Zb, cmask, D, eps)
-    return xh, rstd, tgt, gh, G, A, Ev, M, xhb, rstdb
+def _loop_index(n, NMB, BT: tl.constexpr, BD: tl.constexpr):
+    """Row and column indices of mini-batch ``n``'s tiles, tied to the loop index: ``n // NMB`` is 0
+    for every n in range(NMB), which the compiler cannot prove, so the [b, d] and [d, d] index,
+    mask, pointer and broadcast tensors built from these are computed in the loop where they are
+    used and die there, instead of being hoisted out of the loop and held in registers through
+    every mini-batch (tens of registers per thread each)."""
+    z = tl.multiple_of(n // NMB, 16)
+    return tl.arange(0, BT) + z, tl.arange(0, BD) + z
 
 
 @triton.jit
-def _ttt_linear_fwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, W0, B0, OUT, WS, BS, WF, BF,
+def _mini_batch_grad(k, v, WP, woff, wmask, bb, gamma, beta, cmask, D: tl.constexpr, eps, PREC: tl.constexpr):
+    """Z = K W1 + b1 and Γ of one mini-batch, with the LayerNorm pieces the backward reuses: x̂, 1/σ
+    of Z and the residual r = γ x̂ + β − (V − K) (ĝ = γ r). W1 is read from global memory
+    (``WP + woff``) where the product needs it, not held in registers through the mini-batch."""
+    Z = _dot(k, tl.load(WP + woff, mask=wmask, other=0.0), PREC) + bb[None, :]
+    xh, rstd = _ln_stats(Z, cmask, D, eps)
+    r = gamma[None, :] * xh + beta[None, :] - (v - k)
+    G = _ln_bwd(r * gamma[None, :], xh, rstd, cmask, D)                   # Γ
+    return xh, rstd, r, G
+
+
+@triton.jit
+def _mini_batch_out(q, k, e, tau, G, WP, woff, wmask, bb, cmask, tril, D: tl.constexpr, eps, PREC: tl.constexpr):
+    """M, Z̄ = Q W1 + b1 − M Γ and its LayerNorm statistics, given Γ."""
+    A = _dot(q, tl.trans(k), PREC)
+    Ev = tau[:, None] * e[None, :]
+    M = tl.where(tril, Ev * (A + 1.0), 0.0)
+    Zb = _dot(q, tl.load(WP + woff, mask=wmask, other=0.0), PREC) + bb[None, :] - _dot(M, G, PREC)
+    xhb, rstdb = _ln_stats(Zb, cmask, D, eps)
+    return A, Ev, M, xhb, rstdb
+
+
+@triton.jit
+def _ttt_linear_fwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, W0, B0, OUT, WS, BS, WF, BF, WT,
                            T, NMB, H, eps,
                            D: tl.constexpr, BD: tl.constexpr, MB: tl.constexpr, BT: tl.constexpr,
                            SAVE: tl.constexpr, PREC: tl.constexpr):
     pid = tl.program_id(0)                      # = b_idx * H + h_idx
     h = pid % H
     cdt = W0.dtype.element_ty
-    rows = tl.arange(0, BT)
     cols = tl.arange(0, BD)
     cmask = cols < D
     wmask = cmask[:, None] & cmask[None, :]
-    xmask = (rows < MB)[:, None] & cmask[None, :]
-    rmask = rows < MB
-    tril = rows[None, :] <= rows[:, None]
-
-    W = tl.load(W0 + pid * D * D + cols[:, None] * D + cols[None, :], mask=wmask, other=0.0).to(cdt)
+    woff = cols[:, None] * D + cols[None, :]
+    # W1 lives in global memory, not in registers: the weights at the start of mini-batch n in
+    # slot n % 2 of WT [2, d, d], read where a product needs them; the update is written to the
+    # other slot at the end of the mini-batch, one barrier per mini-batch
+    WT = WT + pid * 2 * D * D
+    tl.store(WT + woff, tl.load(W0 + pid * D * D + woff, mask=wmask, other=0.0).to(cdt), mask=wmask)
     bb = tl.load(B0 + pid * D + cols, mask=cmask, other=0.0).to(cdt)
-    gamma = tl.load(LNW + h * D + cols, mask=cmask, other=0.0).to(cdt)
-    beta = tl.load(LNB + h * D + cols, mask=cmask, other=0.0).to(cdt)
-    # padded rows (MB < BT) get τ = η = 0, so they enter no product that reaches a real row
-    tau = tl.load(TAU + rows, mask=rmask, other=0.0).to(cdt)
     tau_last = tl.load(TAU + MB - 1).to(cdt)
+    tl.debug_barrier()
 
     for n in range(NMB):
+        rows, cols = _loop_index(n, NMB, BT, BD)
+        cmask = cols < D
+        rmask = rows < MB
+        wmask = cmask[:, None] & cmask[None, :]
+        xmask = rmask[:, None] & cmask[None, :]
+        tril = rows[None, :] <= rows[:, None]
+        woff = cols[:, None] * D + cols[None, :]
+        WP = WT + (n % 2) * D * D
+        gamma = tl.load(LNW + h * D + cols, mask=cmask, other=0.0).to(cdt)
+        beta = tl.load(LNB + h * D + cols, mask=cmask, other=0.0).to(cdt)
+        # padded rows (MB < BT) get τ = η = 0, so they enter no product that reaches a real row
+        tau = tl.load(TAU + rows, mask=rmask, other=0.0).to(cdt)
         if SAVE:
-            tl.store(WS + (pid * NMB + n) * D * D + cols[:, None] * D + cols[None, :], W, mask=wmask)
+            tl.store(WS + (pid * NMB + n) * D * D + woff, tl.load(WP + woff, mask=wmask, other=0.0), mask=wmask)
             tl.store(BS + (pid * NMB + n) * D + cols, bb, mask=cmask)
         t_off = n * MB + rows
         xoff = pid * T * D + t_off[:, None] * D + cols[None, :]
-        q = tl.load(XQ + xoff, mask=xmask, other=0.0).to(cdt)
         k = tl.load(XK + xoff, mask=xmask, other=0.0).to(cdt)
         v = tl.load(XV + xoff, mask=xmask, other=0.0).to(cdt)
         e = tl.load(ETA + pid * T + t_off, mask=rmask, other=0.0).to(cdt)
-        xh, rstd, tgt, gh, G, A, Ev, M, xhb, rstdb = _mini_batch_fwd(
-            q, k, v, e, tau, W, bb, gamma, beta, cmask, tril, D, eps, PREC)
+        xh, rstd, r, G = _mini_batch_grad(k, v, WP, woff, wmask, bb, gamma, beta, cmask, D, eps, PREC)
+        q = tl.load(XQ + xoff, mask=xmask, other=0.0).to(cdt)
+        # the update's product first (written to the other slot at the end): Triton gives every
+        # tl.dot of the loop the warp layout it picks for the last one, which should be a [b, d] one
+        eG = e[:, None] * G
+        upd = _dot(tl.trans(k), eG, PREC)
+        bb_next = bb - tau_last * tl.sum(eG, axis=0)
+        A, Ev, M, xhb, rstdb = _mini_batch_out(q, k, e, tau, G, WP, woff, wmask, bb, cmask, tril, D, eps, PREC)
         out = q + gamma[None, :] * xhb + beta[None, :]
         tl.store(OUT + xoff, out.to(OUT.dtype.element_ty), mask=xmask)
-        eG = e[:, None] * G
-        W = W - tau_last * _dot(tl.trans(k), eG, PREC)
-        bb = bb - tau_last * tl.sum(eG, axis=0)
+        tl.store(WT + ((n + 1) % 2) * D * D + woff, tl.load(WP + woff, mask=wmask, other=0.0) - tau_last * upd,
+                 mask=wmask)
+        bb = bb_next
+        tl.debug_barrier()                      # the next mini-batch reads the slot written above
 
-    tl.store(WF + pid * D * D + cols[:, None] * D + cols[None, :], W, mask=wmask)
+    cols = tl.arange(0, BD)
+    cmask = cols < D
+    wmask = cmask[:, None] & cmask[None, :]
+    woff = cols[:, None] * D + cols[None, :]
+    tl.store(WF + pid * D * D + woff, tl.load(WT + (NMB % 2) * D * D + woff, mask=wmask, other=0.0), mask=wmask)
     tl.store(BF + pid * D + cols, bb, mask=cmask)
 
 
 @triton.jit
-def _ttt_linear_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, WS, BS, DOUT, DWF, DBF,
-                           DXQ, DXK, DXV, DETA, DTAU, DLNW, DLNB, DW0, DB0,
-                           T, NMB, H, eps,
-                           D: tl.constexpr, BD: tl.constexpr, MB: tl.constexpr, BT: tl.constexpr,
-                           PREC: tl.constexpr):
+def _ttt_linear_bwd_mb_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, WS, BS, DOUT,
+                              DXQ, DKP, DEP, DG0, DZB, DTAUP, DLNWP, DLNBP,
+                              T, NMB, H, eps,
+                              D: tl.constexpr, BD: tl.constexpr, MB: tl.constexpr, BT: tl.constexpr,
+                              PREC: tl.constexpr):
+    """The part of the backward local to one mini-batch (no dependence on the carried dW1, db1):
+    one program per (batch·head, mini-batch), all in parallel. Recomputes the forward from the
+    stored start weights, back-propagates out through Z̄ and M, and stores ∂XQ (final), the parts
+    of ∂XK, ∂η, ∂Γ that do not involve the carry, ∂Z̄, and per-mini-batch sums for ∂τ, ∂γ, ∂β."""
     pid = tl.program_id(0)
+    n = tl.program_id(1)
     h = pid % H
-    cdt = DW0.dtype.element_ty
+    cdt = DKP.dtype.element_ty
     rows = tl.arange(0, BT)
     cols = tl.arange(0, BD)
     cmask = cols < D
-    wmask = cmask[:, None] & cmask[None, :]
-    xmask = (rows < MB)[:, None] & cmask[None, :]
     rmask = rows < MB
+    wmask = cmask[:, None] & cmask[None, :]
+    xmask = rmask[:, None] & cmask[None, :]
     tril = rows[None, :] <= rows[:, None]
     woff = cols[:, None] * D + cols[None, :]
-
+    wtoff = cols[:, None] + cols[None, :] * D          # the transposed tile
     gamma = tl.load(LNW + h * D + cols, mask=cmask, other=0.0).to(cdt)
     beta = tl.load(LNB + h * D + cols, mask=cmask, other=0.0).to(cdt)
     # padded rows (MB < BT) get τ = η = 0, so they enter no product that reaches a real row
     tau = tl.load(TAU + rows, mask=rmask, other=0.0).to(cdt)
-    tau_last = tl.load(TAU + MB - 1).to(cdt)
-    is_last = rows == MB - 1
+    WP = WS + (pid * NMB + n) * D * D
+    bb = tl.load(BS + (pid * NMB + n) * D + cols, mask=cmask, other=0.0).to(cdt)
+    t_off = n * MB + rows
+    xoff = pid * T * D + t_off[:, None] * D + cols[None, :]
+    q = tl.load(XQ + xoff, mask=xmask, other=0.0).to(cdt)
+    k = tl.load(XK + xoff, mask=xmask, other=0.0).to(cdt)
+    v = tl.load(XV + xoff, mask=xmask, other=0.0).to(cdt)
+    e = tl.load(ETA + pid * T + t_off, mask=rmask, other=0.0).to(cdt)
+    do = tl.load(DOUT + xoff, mask=xmask, other=0.0).to(cdt)
+    xh, rstd, r, G = _mini_batch_grad(k, v, WP, woff, wmask, bb, gamma, beta, cmask, D, eps, PREC)
+    A, Ev, M, xhb, rstdb = _mini_batch_out(q, k, e, tau, G, WP, woff, wmask, bb, cmask, tril, D, eps, PREC)
 
-    # gradients with respect to the weights at the END of the current mini-batch
-    dW = tl.load(DWF + pid * D * D + woff, mask=wmask, other=0.0).to(cdt)
+    # out = Q + γ x̂(Z̄) + β
+    tl.store(DLNWP + (pid * NMB + n) * D + cols, tl.sum(do * xhb, axis=0), mask=cmask)
+    tl.store(DLNBP + (pid * NMB + n) * D + cols, tl.sum(do, axis=0), mask=cmask)
+    dZb = _ln_bwd(do * gamma[None, :], xhb, rstdb, cmask, D)
+    tl.store(DZB + xoff, dZb, mask=xmask)
+    # Z̄ = Q W1 + b1 − M Γ
+    dM = tl.where(tril, -_dot(dZb, tl.trans(G), PREC), 0.0)
+    tl.store(DG0 + xoff, -_dot(tl.trans(M), dZb, PREC), mask=xmask)
+    # M = tril(E ⊙ (A + 1)), E_ij = τ_i η_j, A = Q Kᵀ
+    dE = dM * (A + 1.0)
+    dA = dM * Ev
+    tl.store(DKP + xoff, _dot(tl.trans(dA), q, PREC), mask=xmask)
+    tl.store(DEP + pid * T + t_off, tl.sum(dE * tau[:, None], axis=0), mask=rmask)
+    tl.store(DTAUP + (pid * NMB + n) * MB + rows, tl.sum(dE * e[None, :], axis=1), mask=rmask)
+    dq = do + _dot(dA, k, PREC) + _dot(dZb, tl.load(WP + wtoff, mask=wmask, other=0.0), PREC)
+    tl.store(DXQ + xoff, dq.to(DXQ.dtype.element_ty), mask=xmask)
+
+
+@triton.jit
+def _ttt_linear_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, WS, BS, DWF, DBF, DKP, DEP, DG0, DZB,
+                           DXK, DXV, DETA, DTAU, DLNW, DLNB, DW0, DB0, DWT,
+                           T, NMB, H, eps,
+                           D: tl.constexpr, BD: tl.constexpr, MB: tl.constexpr, BT: tl.constexpr,
+                           PREC: tl.constexpr):
+    """The part of the backward that carries (dW1, db1) from the last mini-batch to the first:
+    one program per batch·head, after ``_ttt_linear_bwd_mb_kernel``, whose partial ∂XK, ∂η, ∂Γ
+    and ∂Z̄ it completes through the update W1' = W1 − τ_{b−1} Kᵀ(η⊙Γ) and Γ's dependence on Z."""
+    pid = tl.program_id(0)
+    h = pid % H
+    cdt = DW0.dtype.element_ty
+    # index tensors built once, outside the loop (unlike the forward's ``_loop_index``: here that
+    # takes fewer registers, by the compile gate)
+    rows = tl.arange(0, BT)
+    cols = tl.arange(0, BD)
+    cmask = cols < D
+    rmask = rows < MB
+    wmask = cmask[:, None] & cmask[None, :]
+    xmask = rmask[:, None] & cmask[None, :]
+    woff = cols[:, None] * D + cols[None, :]
+    wtoff = cols[:, None] + cols[None, :] * D          # the transposed tile
+    tau_last = tl.load(TAU + MB - 1).to(cdt)
+
+    # gradients with respect to the weights at the END of the current mini-batch; dW1 lives in the
+    # two slots of DWT [2, d, d] (global memory), not in registers: read in slot i % 2 where a
+    # product needs it, the update written to the other slot at the end of the mini-batch
+    DWT = DWT + pid * 2 * D * D
+    tl.store(DWT + woff, tl.load(DWF + pid * D * D + woff, mask=wmask, other=0.0).to(cdt), mask=wmask)
     dbb = tl.load(DBF + pid * D + cols, mask=cmask, other=0.0).to(cdt)
     dgamma = tl.zeros([BD], dtype=cdt)
     dbeta = tl.zeros([BD], dtype=cdt)
     dtau = tl.zeros([BT], dtype=cdt)
+    tl.debug_barrier()
 
     for i in range(NMB):
         n = NMB - 1 - i
-        W = tl.load(WS + (pid * NMB + n) * D * D + woff, mask=wmask, other=0.0)
-        bb = tl.load(BS + (pid * NMB + n) * D + cols, mask=cmask, other=0.0)
+        dWP = DWT + (i % 2) * D * D
+        gamma = tl.load(LNW + h * D + cols, mask=cmask, other=0.0).to(cdt)
+        beta = tl.load(LNB + h * D + cols, mask=cmask, other=0.0).to(cdt)
+        WP = WS + (pid * NMB + n) * D * D
+        bb = tl.load(BS + (pid * NMB + n) * D + cols, mask=cmask, other=0.0).to(cdt)
         t_off = n * MB + rows
         xoff = pid * T * D + t_off[:, None] * D + cols[None, :]
-        q = tl.load(XQ + xoff, mask=xmask, other=0.0).to(cdt)
         k = tl.load(XK + xoff, mask=xmask, other=0.0).to(cdt)
         v = tl.load(XV + xoff, mask=xmask, other=0.0).to(cdt)
         e = tl.load(ETA + pid * T + t_off, mask=rmask, other=0.0).to(cdt)
-        do = tl.load(DOUT + xoff, mask=xmask, other=0.0).to(cdt)
-        xh, rstd, tgt, gh, G, A, Ev, M, xhb, rstdb = _mini_batch_fwd(
-            q, k, v, e, tau, W, bb, gamma, beta, cmask, tril, D, eps, PREC)
+        xh, rstd, r, G = _mini_batch_grad(k, v, WP, woff, wmask, bb, gamma, beta, cmask, D, eps, PREC)
 
-        # out = Q + γ x̂(Z̄) + β
-        dgamma += tl.sum(do * xhb, axis=0)
-        dbeta += tl.sum(do, axis=0)
-        dZb = _ln_bwd(do * gamma[None, :], xhb, rstdb, cmask, D)
-        # Z̄ = Q W1 + b1 − M Γ
-        dq = do
-        dM = tl.where(tril, -_dot(dZb, tl.trans(G), PREC), 0.0)
-        dG = -_dot(tl.trans(M), dZb, PREC)
-        # M = tril(E ⊙ (A + 1)), E_ij = τ_i η_j, A = Q Kᵀ
-        dE = dM * (A + 1.0)
-        dA = dM * Ev
-        dq += _dot(dA, k, PREC)
-        dk = _dot(tl.trans(dA), q, PREC)
-        de = tl.sum(dE * tau[:, None], axis=0)
-        dtau += tl.sum(dE * e[None, :], axis=1)
         # end-of-mini-batch update W1' = W1 − τ_{b−1} Kᵀ(η⊙Γ), b1' = b1 − τ_{b−1} Σ η Γ
+        dW = tl.load(dWP + woff, mask=wmask, other=0.0)   # one read of dW1 for both products
         P = _dot(k, dW, PREC) + dbb[None, :]
+        dkW = -tau_last * _dot(e[:, None] * G, tl.trans(dW), PREC)
         GP = tl.sum(G * P, axis=1)
-        dG += -tau_last * e[:, None] * P
-        de += -tau_last * GP
-        dtau += tl.where(is_last, -tl.sum(e * GP, axis=0), 0.0)
-        dk += -tau_last * _dot(e[:, None] * G, tl.trans(dW), PREC)
-        # Γ = (ĝ − mean ĝ − x̂ mean(ĝ x̂)) / σ with ĝ = γ(γ x̂ + β − (V − K)), x̂, σ of Z
+        dG = tl.load(DG0 + xoff, mask=xmask, other=0.0).to(cdt) - tau_last * e[:, None] * P
+        de = tl.load(DEP + pid * T + t_off, mask=rmask, other=0.0).to(cdt) - tau_last * GP
+        tl.store(DETA + pid * T + t_off, de.to(DETA.dtype.element_ty), mask=rmask)
+        dtau += tl.where(rows == MB - 1, -tl.sum(e * GP, axis=0), 0.0)
+        # Γ = (ĝ − mean ĝ − x̂ mean(ĝ x̂)) / σ with ĝ = γ r, r = γ x̂ + β − (V − K), x̂, σ of Z
         dgh = _ln_bwd(dG, xh, rstd, cmask, D)
-        c2 = tl.sum(gh * xh, axis=1) / D
+        c2 = tl.sum(gamma[None, :] * r * xh, axis=1) / D
         mux = tl.sum(dG * xh, axis=1) / D
-        dxh = -(dG * c2[:, None] + gh * mux[:, None]) * rstd[:, None] + gamma[None, :] * gamma[None, :] * dgh
+        dxh = (-(dG * c2[:, None] + gamma[None, :] * r * mux[:, None]) * rstd[:, None]
+               + gamma[None, :] * gamma[None, :] * dgh)
         dsig = -tl.sum(dG * G, axis=1) * rstd
-        dgamma += tl.sum(dgh * (2.0 * gamma[None, :] * xh + beta[None, :] - tgt), axis=0)
+        dgamma += tl.sum(dgh * (gamma[None, :] * xh + r), axis=0)
         dbeta += tl.sum(dgh * gamma[None, :], axis=0)
         dtgt = -gamma[None, :] * dgh
+        tl.store(DXV + xoff, dtgt.to(DXV.dtype.element_ty), mask=xmask)          # target = V − K
         dZ = _ln_bwd(dxh, xh, rstd, cmask, D) + tl.where(cmask[None, :], dsig[:, None] * xh / D, 0.0)
-        # Z = K W1 + b1, target = V − K
-        # Wᵀ read again (as a transposed tile) rather than kept live through the lines above
-        Wt = tl.load(WS + (pid * NMB + n) * D * D + cols[:, None] + cols[None, :] * D, mask=wmask, other=0.0)
-        dq += _dot(dZb, Wt, PREC)
-        dk += _dot(dZ, Wt, PREC) - dtgt
-        dv = dtgt
-        dW += _dot(tl.trans(q), dZb, PREC) + _dot(tl.trans(k), dZ, PREC)
+        # Z = K W1 + b1, Z̄ = Q W1 + b1 − M Γ: dW1 += Qᵀ dZ̄ + Kᵀ dZ (before the products below, so
+        # that the loop's last tl.dot, whose warp layout every product takes, is a [b, d] one)
+        dZb = tl.load(DZB + xoff, mask=xmask, other=0.0).to(cdt)
+        q = tl.load(XQ + xoff, mask=xmask, other=0.0).to(cdt)
+        upd = _dot(tl.trans(q), dZb, PREC) + _dot(tl.trans(k), dZ, PREC)
         dbb += tl.sum(dZb, axis=0) + tl.sum(dZ, axis=0)
-
-        tl.store(DXQ + xoff, dq.to(DXQ.dtype.element_ty), mask=xmask)
+        # ∂K: the per-mini-batch part, through the update (dW1 of the end of this mini-batch, still
+        # in slot i % 2), through Z (W1ᵀ read from the stored start weights as a transposed tile)
+        # and through the target
+        dk = (tl.load(DKP + xoff, mask=xmask, other=0.0).to(cdt) + dkW
+              + _dot(dZ, tl.load(WP + wtoff, mask=wmask, other=0.0), PREC) - dtgt)
         tl.store(DXK + xoff, dk.to(DXK.dtype.element_ty), mask=xmask)
-        tl.store(DXV + xoff, dv.to(DXV.dtype.element_ty), mask=xmask)
-        tl.store(DETA + pid * T + t_off, de.to(DETA.dtype.element_ty), mask=rmask)
+        tl.store(DWT + ((i + 1) % 2) * D * D + woff, tl.load(dWP + woff, mask=wmask, other=0.0) + upd, mask=wmask)
+        tl.debug_barrier()                      # the next mini-batch reads the slot written above
 
-    tl.store(DW0 + pid * D * D + woff, dW, mask=wmask)
+    tl.store(DW0 + pid * D * D + woff, tl.load(DWT + (NMB % 2) * D * D + woff, mask=wmask, other=0.0), mask=wmask)
     tl.store(DB0 + pid * D + cols, dbb, mask=cmask)
     tl.store(DLNW + pid * D + cols, dgamma, mask=cmask)
     tl.store(DLNB + pid * D + cols, dbeta, mask=cmask)
@@ -267,19 +362,32 @@ def _precision(dtype: torch.dtype) -> str:
     return "bf16_emulated" if is_interpreting() else "bf16"
 
 
-def _launch_cfg(d: int, b: int, backward: bool = False, half: bool = True):
-    """Padded tile sizes (tl.dot needs every block dim ≥ 16) and launch options. Compiled for
-    sm_90 and sm_80 (``python -m kernels.compile_report --op ttt``): the forward at d = 64, b = 16
-    with bf16 operands fits 4 warps without spilling; the backward (W and dW [d, d] and ~20
-    [b, d] tiles live), 3×TF32 operands (``half`` False: float32 inputs), b > 16 and d = 128 need
-    8 warps (the tiles spread over twice the register files). 16 warps cap a thread at 128
-    registers and spill more."""
+#: num_warps of the TTT-Linear kernels per GPU family (``device_arch``): (arch, kernel, bf16
+#: operands, BD, BT) -> warps, kernel "fwd", "bwd_mb" (``_ttt_linear_bwd_mb_kernel``) or "bwd".
+#: Triton gives every tl.dot of a kernel the warp layout it picks for the last one, which for
+#: chained products puts all warps along one dimension of the [b, d] tile (rows when b ≥ d,
+#: columns otherwise): at b = 16 the warps split the columns, and more warps hold less of each
+#: tile (the forward at d = 64 fits 4); at b = d = 64 they split the 64 rows (16 per warp at 4
+#: warps; 8 duplicate the tiles of an sm_80 MMA, whose warps take 16 rows each). Checked by
+#: ``python -m kernels.compile_report --op ttt``; b = 64 and d = 128 still spill at 4 and 8.
+_LINEAR_WARPS = {
+    (90, "fwd", True, 64, 16): 4, (80, "fwd", True, 64, 16): 4,
+}
+
+
+def _launch_cfg(d: int, b: int, kernel: str = "fwd", half: bool = True, arch: int = INTERPRET_ARCH):
+    """Padded tile sizes (tl.dot needs every block dim ≥ 16) and launch options of TTT-Linear
+    ``kernel`` ("fwd", "bwd_mb", "bwd") for GPU family ``arch`` (90 or 80, ``device_arch``; ``half``:
+    bf16 operands, False for 3×TF32 with float32 inputs). num_warps from ``_LINEAR_WARPS``, 8 where
+    it names none (W1 and dW1 live in global memory, the [b, d] and [b, b] tiles in registers)."""
+    if kernel not in ("fwd", "bwd_mb", "bwd"):
+        raise ValueError(f"_launch_cfg: unknown TTT-Linear kernel {kernel!r}")
     BD = max(16, triton.next_power_of_2(d))
     BT = max(16, triton.next_power_of_2(b))
     if is_interpreting():
         return BD, BT, {}
-    small = BD <= 64 and BT <= 16 and half and not backward
-    return BD, BT, {"num_warps": 4 if small else 8, "num_stages": 1}
+    warps = _LINEAR_WARPS.get((arch, kernel, half, BD, BT), 8)
+    return BD, BT, {"num_warps": warps, "num_stages": 1}
 
 
 # The ops are PyTorch custom ops (torch.library): torch.compile (model.compile) captures each as one
@@ -319,9 +427,10 @@ def _linear_fwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: to
     WS, BS = _linear_start_weights(XQ, NMB, save)
     WF = torch.empty(B, H, d, d, dtype=cdt, device=XQ.device)
     BF = torch.empty(B, H, 1, d, dtype=cdt, device=XQ.device)
-    BD, BT, kw = _launch_cfg(d, bsz, half=XQ.dtype in (torch.bfloat16, torch.float16))
+    WT = torch.empty(B, H, 2, d, d, dtype=cdt, device=XQ.device)     # the kernel's two W1 slots
+    BD, BT, kw = _launch_cfg(d, bsz, half=XQ.dtype in (torch.bfloat16, torch.float16), arch=device_arch(XQ.device))
     _ttt_linear_fwd_kernel[(B * H,)](
-        XQ, XK, XV, eta, tau_c, lw, lb, W0c, b0c, out, WS, BS, WF, BF,
+        XQ, XK, XV, eta, tau_c, lw, lb, W0c, b0c, out, WS, BS, WF, BF, WT,
         T, NMB, H, LN_EPS, D=d, BD=BD, MB=bsz, BT=BT, SAVE=save, PREC=prec, **kw)
     return out, WF, BF, WS, BS
 
@@ -358,13 +467,28 @@ def _linear_bwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: to
     dLNB = torch.empty(B, H, d, dtype=cdt, device=dev)
     dW0 = torch.empty(B, H, d, d, dtype=cdt, device=dev)
     dB0 = torch.empty(B, H, 1, d, dtype=cdt, device=dev)
-    BD, BT, kw = _launch_cfg(d, bsz, backward=True, half=XQ.dtype in (torch.bfloat16, torch.float16))
+    dWT = torch.empty(B, H, 2, d, d, dtype=cdt, device=dev)           # the second kernel's two dW1 slots
+    # what the per-mini-batch kernel hands to the carrying one (float32; float64 for float64 inputs)
+    dKP, dG0, dZB = (torch.empty(B, H, T, d, dtype=cdt, device=dev) for _ in range(3))
+    dEP = torch.empty(B, H, T, dtype=cdt, device=dev)
+    dTAUP = torch.empty(B, H, NMB, bsz, dtype=cdt, device=dev)
+    dLNWP = torch.empty(B, H, NMB, d, dtype=cdt, device=dev)
+    dLNBP = torch.empty(B, H, NMB, d, dtype=cdt, device=dev)
+    half = XQ.dtype in (torch.bfloat16, torch.float16)
+    arch, prec = device_arch(XQ.device), _precision(XQ.dtype)
+    BD, BT, kw = _launch_cfg(d, bsz, "bwd_mb", half=half, arch=arch)
+    _ttt_linear_bwd_mb_kernel[(B * H, NMB)](
+        XQ, XK, XV, eta, tau_c, lw, lb, WS, BS, dout,
+        dXQ, dKP, dEP, dG0, dZB, dTAUP, dLNWP, dLNBP,
+        T, NMB, H, LN_EPS, D=d, BD=BD, MB=bsz, BT=BT, PREC=prec, **kw)
+    BD, BT, kw = _launch_cfg(d, bsz, "bwd", half=half, arch=arch)
     _ttt_linear_bwd_kernel[(B * H,)](
-        XQ, XK, XV, eta, tau_c, lw, lb, WS, BS, dout, dWF, dBF,
-        dXQ, dXK, dXV, dETA, dTAU, dLNW, dLNB, dW0, dB0,
-        T, NMB, H, LN_EPS, D=d, BD=BD, MB=bsz, BT=BT, PREC=_precision(XQ.dtype), **kw)
-    return [dXQ, dXK, dXV, dETA, dTAU.sum((0, 1)).to(tau_dt), dLNW.sum(0).to(lw_dt),
-            dLNB.sum(0).to(lb_dt), dW0.to(W_dt), dB0.to(b_dt)]
+        XQ, XK, XV, eta, tau_c, lw, lb, WS, BS, dWF, dBF, dKP, dEP, dG0, dZB,
+        dXK, dXV, dETA, dTAU, dLNW, dLNB, dW0, dB0, dWT,
+        T, NMB, H, LN_EPS, D=d, BD=BD, MB=bsz, BT=BT, PREC=prec, **kw)
+    return [dXQ, dXK, dXV, dETA, (dTAU.sum((0, 1)) + dTAUP.sum((0, 1, 2))).to(tau_dt),
+            (dLNW.sum(0) + dLNWP.sum((0, 2))).to(lw_dt), (dLNB.sum(0) + dLNBP.sum((0, 2))).to(lb_dt),
+            dW0.to(W_dt), dB0.to(b_dt)]
 
 
 @_linear_bwd_op.register_fake

@@ -2,12 +2,13 @@
 (``python -m kernels.compile_report``): the presets' head dims (64; 128 at 1.3B, and 96 at 760M,
 which runs in the same 128-wide tiles), TTT-MLP's 4x inner width, mini-batch 16 (every preset)
 and 64, bfloat16 and float32 inputs, with the tile sizes and launch options the wrappers in
-``chunk.py`` (TTT-Linear) and ``mlp_chunk.py`` (TTT-MLP) pick."""
+``chunk.py`` (TTT-Linear, per GPU family: one case per arch, named with it) and ``mlp_chunk.py``
+(TTT-MLP) pick."""
 from __future__ import annotations
 
 import torch
 
-from kernels.compile_report import arg_names, case
+from kernels.compile_report import ARCHS, arg_names, case
 from kernels.ttt import chunk, mlp_chunk
 
 HEAD_DIMS = (64, 128)
@@ -23,17 +24,19 @@ def compile_cases():
     for dt, tdt in DTYPES.items():
         for d in HEAD_DIMS:
             for b in LINEAR_MINI_BATCHES:
-                cfg = f"{dt} d={d} b={b}"
-                for kern, extra, bwd in ((chunk._ttt_linear_fwd_kernel, {"SAVE": True}, False),
-                                         (chunk._ttt_linear_bwd_kernel, {}, True)):
-                    BD, BT, kw = chunk._launch_cfg(d, b, backward=bwd, half=dt == "bf16")
-                    names = set(arg_names(kern))
-                    ptrs = {n: dt for n in io_names if n in names}
-                    if dt == "bf16":
-                        ptrs["WS"] = "bf16"       # the stored start weights (see _TTTLinearFull)
-                    out.append(case(kern, cfg, constexprs=dict(D=d, BD=BD, MB=b, BT=BT, PREC=chunk._precision(tdt), **extra),
-                                    scalars=ints, pointers=ptrs,
-                                    num_warps=kw.get("num_warps", 4), num_stages=kw.get("num_stages", 1)))
+                for arch in ARCHS:              # TTT-Linear picks its warps per GPU family
+                    cfg = f"{dt} d={d} b={b} sm_{arch}"
+                    for kern, extra, part in ((chunk._ttt_linear_fwd_kernel, {"SAVE": True}, "fwd"),
+                                              (chunk._ttt_linear_bwd_mb_kernel, {}, "bwd_mb"),
+                                              (chunk._ttt_linear_bwd_kernel, {}, "bwd")):
+                        BD, BT, kw = chunk._launch_cfg(d, b, part, half=dt == "bf16", arch=arch)
+                        names = set(arg_names(kern))
+                        ptrs = {n: dt for n in io_names if n in names}
+                        if dt == "bf16":
+                            ptrs["WS"] = "bf16"       # the stored start weights (see _linear_start_weights)
+                        out.append(case(kern, cfg, constexprs=dict(D=d, BD=BD, MB=b, BT=BT, PREC=chunk._precision(tdt), **extra),
+                                        scalars=ints, pointers=ptrs, num_warps=kw["num_warps"],
+                                        num_stages=kw["num_stages"], archs=(arch,)))
             for b in MLP_MINI_BATCHES:
                 m = 4 * d
                 BD, BM, BT, kw = mlp_chunk._mlp_launch_cfg(d, m, b)

@@ -75,9 +75,10 @@ def _compare(got, ref, T, b, atol, rtol, pos0=0):
 
 # (T, d, b, prefix): T = 32 (kernel only), 37 (kernel + partial tail), 45 after a 5-token prefix
 # (torch head of 11 tokens, kernel over 32, tail of 2), 9 after a prefix (no full mini-batch);
-# d = 8 and b ∈ {4, 8} exercise the padding of the tiles to 16
+# d = 8 and b ∈ {4, 8} exercise the padding of the tiles to 16; the kernels keep W1 and dW1 in two
+# global slots, alternating per mini-batch: 1, 2 and 3 (13 tokens at b = 4) kernel mini-batches
 SHAPES = [(32, 16, 16, 0), (37, 16, 16, 0), (45, 16, 16, 5), (9, 16, 16, 5), (20, 8, 16, 0),
-          (11, 8, 4, 0), (19, 16, 8, 3)]
+          (11, 8, 4, 0), (19, 16, 8, 3), (13, 8, 4, 0)]
 
 
 @pytest.mark.parametrize("T,d,b,prefix", SHAPES)
@@ -139,6 +140,24 @@ def test_no_grad_forward_and_weights_with_batch_axis():
     assert gW.shape == (B, H, d, d)
     torch.testing.assert_close(gW, gW_t, atol=1e-12, rtol=0)
     torch.testing.assert_close(gb, gb_t, atol=1e-12, rtol=0)
+
+
+def test_launch_config_per_gpu_family(monkeypatch):
+    """The TTT-Linear launch configs that the wrappers take on a GPU and the compile gate compiles
+    (kernels/ttt/gate.py): per GPU family and kernel, padded tiles, one stage; an unknown kernel
+    name is refused."""
+    from kernels.ttt import chunk
+
+    monkeypatch.setattr(chunk, "is_interpreting", lambda: False)
+    for arch in (80, 90):
+        for kern in ("fwd", "bwd_mb", "bwd"):
+            for half in (True, False):
+                BD, BT, kw = chunk._launch_cfg(96, 16, kern, half=half, arch=arch)
+                assert (BD, BT, kw["num_stages"]) == (128, 16, 1)
+                assert kw["num_warps"] == chunk._LINEAR_WARPS.get((arch, kern, half, 128, 16), 8)
+    assert chunk._launch_cfg(64, 16, "fwd", half=True, arch=80)[2]["num_warps"] == 4
+    with pytest.raises(ValueError, match="unknown TTT-Linear kernel"):
+        chunk._launch_cfg(64, 16, "bwd_state")
 
 
 def test_rejects_unsupported_mini_batch():
