@@ -8,7 +8,7 @@ from tests.eval.conftest import tiny_model
 from ttt_lm.eval import EvalError, build_prompt, passkey_grid
 from ttt_lm.eval.__main__ import main
 from ttt_lm.eval.passkey import (FILLER, INTRO, QUESTION, greedy_continue, grid_keys, plot_heatmap,
-                                 practice_documents)
+                                 practice_batch, practice_documents, practice_finetune)
 
 
 def test_prompt_length_and_needle_depth(tokenizer):
@@ -102,3 +102,56 @@ def test_practice_keys_are_not_the_test_keys():
     assert set(_keys(docs)) == {"98", "99"}  # exclude is honoured
     with pytest.raises(EvalError, match="every 2-digit key"):
         practice_documents(1, 0, digits=2, exclude=[str(k) for k in range(10, 100)])
+
+
+def test_practice_batch_labels_exactly_the_answer_tokens(tokenizer):
+    import random
+    banned = grid_keys(50)
+    x, y = practice_batch(tokenizer, 6, 300, random.Random(0), exclude=banned)
+    assert x.shape == y.shape and x.shape[0] == 6
+    for b in range(6):
+        scored = (y[b] != -100).nonzero().flatten().tolist()
+        text = tokenizer.decode(x[b, :scored[0] + 1].tolist())
+        key = re.search(r"pass key is (\d{5})\.", text).group(1)
+        ans = tokenizer.encode(" " + key)
+        assert key not in banned and text.endswith(QUESTION)
+        # contiguous, exactly the tokens the eval decodes, each the next input token
+        assert scored == list(range(scored[0], scored[0] + len(ans))) and y[b, scored].tolist() == ans
+        assert x[b, scored[0] + 1:scored[-1] + 1].tolist() == ans[:-1]
+        assert build_prompt(tokenizer, 300, 0.0, key)[0][:10] == x[b, :10].tolist()
+    only = practice_batch(tokenizer, 8, 300, random.Random(1), digits=2, exclude=[str(k) for k in range(10, 99)])[0]
+    assert all("pass key is 99." in tokenizer.decode(row.tolist()) for row in only)
+    with pytest.raises(EvalError, match="every 2-digit key"):
+        practice_batch(tokenizer, 1, 300, random.Random(0), digits=2, exclude=[str(k) for k in range(10, 100)])
+
+
+def test_practice_finetune_lowers_the_answer_loss(tokenizer):
+    m = tiny_model(("attention",), max_seq_len=512)
+    res = practice_finetune(m, tokenizer, [300, 400], steps=25, batch_size=8, lr=3e-3, warmup=5,
+                            exclude=grid_keys(10), held_out=16)
+    assert res["after"]["answer_loss"] < res["before"]["answer_loss"] - 1.0
+    assert res["after"]["token_accuracy"] > res["before"]["token_accuracy"]
+    with pytest.raises(EvalError, match="exceeds model.max_seq_len"):
+        practice_finetune(m, tokenizer, [600], steps=1)
+    with pytest.raises(EvalError, match="too short"):
+        practice_finetune(m, tokenizer, [40], steps=1)
+
+
+def test_cli_passkey_train_writes_an_export_the_eval_reads(attn_export, tmp_path):
+    out = str(tmp_path / "pk")
+    args = ["passkey_train", "--checkpoint", attn_export, "--out", out, "--steps", "3", "--batch-size", "2",
+            "--lengths", "300", "--held-out", "2", "--no-progress"]
+    assert main(args) == 0
+    rec = json.loads((tmp_path / "pk" / "passkey_train.json").read_text())
+    assert rec["result"]["steps"] == 3 and set(rec["result"]["after"]) >= {"answer_loss", "prompt_accuracy"}
+    before = torch.load(f"{attn_export}/model.pt")
+    after = torch.load(f"{out}/model.pt")
+    assert any(not torch.equal(before[k], after[k]) for k in before)  # trained, and the original kept
+    assert main(["passkey", "--checkpoint", out, "--lengths", "300,400", "--depths", "0,1", "--trials", "1",
+                 "--out", str(tmp_path / "ev"), "--no-progress"]) == 0
+    ticks = json.loads((tmp_path / "ev" / "passkey.json").read_text())["result"]
+    assert len(ticks["accuracy"]) == 2
+    assert main(args) == 2  # a non-empty --out is not overwritten without --overwrite
+    assert torch.equal(torch.load(f"{out}/model.pt")[next(iter(after))], after[next(iter(after))])
+    assert main(args + ["--overwrite"]) == 0
+    assert main(args[:3] + ["--out", attn_export, "--steps", "1"]) == 2

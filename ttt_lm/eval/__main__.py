@@ -1,7 +1,9 @@
 """python -m ttt_lm.eval <task> --checkpoint <export or run dir> [options]
 
 Tasks: perplexity, long_context, passkey, synthetic, lm_eval. Each writes ``<out>/<task>.json``
-(and a PNG where a picture helps) and prints a one-line summary.
+(and a PNG where a picture helps) and prints a one-line summary. ``passkey_train`` fine-tunes a
+checkpoint on passkey practice prompts (loss on the answer only) and writes an export directory
+that ``passkey`` reads.
 
 perplexity, long_context and passkey also run as several processes (``torchrun --nproc_per_node N
 -m ttt_lm.eval ...`` or srun): each rank scores its share, the sums meet by all-reduce, and rank 0
@@ -173,6 +175,40 @@ def cmd_passkey(args) -> dict:
     return out
 
 
+def cmd_passkey_train(args) -> dict:
+    from ttt_lm.config import ExperimentConfig
+    from ttt_lm.eval.passkey import grid_keys, practice_finetune
+    from ttt_lm.artifacts import save_export, tokenizer_file
+    from ttt_lm.data import load_manifest
+    if os.path.abspath(args.out) == os.path.abspath(args.checkpoint):
+        raise EvalError(f"--out {args.out} is the checkpoint itself; write the fine-tuned model elsewhere")
+    if os.path.isdir(args.out) and os.listdir(args.out) and not args.overwrite:
+        raise EvalError(f"--out {args.out} exists and is not empty; pass --overwrite to replace its model")
+    ck = _load(args, args.checkpoint)
+    tok = _tokenizer(args.tokenizer, ck, "passkey_train")
+    tok_path = args.tokenizer or ck.tokenizer_path
+    if os.path.isdir(tok_path):
+        tok_path = tokenizer_file(tok_path) or load_manifest(tok_path, check_files=False)["tokenizer_path"]
+    if args.dtype != "float32":
+        raise EvalError(f"passkey_train trains in float32; got --dtype {args.dtype}")
+    torch.manual_seed(args.seed)
+    exclude = grid_keys(args.exclude_trials, args.eval_seed) if args.exclude_trials > 0 else []
+    res = practice_finetune(ck.model, tok, args.lengths, args.steps, args.batch_size, args.lr, args.warmup,
+                            args.seed, exclude=exclude, held_out=args.held_out, show_progress=_progress(args))
+    cfg = ExperimentConfig(model=ck.model.cfg)
+    if ck.data_path:
+        cfg.data.path = ck.data_path
+    cfg.data.seq_len = max(args.lengths)  # the longest practice prompt: the passkey plot marks it as "train"
+    save_export(ck.model, cfg, args.out, tokenizer=tok_path)
+    out = dict(task="passkey_train", checkpoint=ck.path, result=res, **_meta(args, ck.model.embed.weight.device))
+    write_json(os.path.join(args.out, "passkey_train.json"), out)
+    b, a = res["before"], res["after"]
+    print(f"passkey_train {ck.name} -> {args.out}: {args.steps} steps at lengths {args.lengths}; held-out answer "
+          f"loss {b['answer_loss']:.3f} -> {a['answer_loss']:.3f}, answers fully right "
+          f"{b['prompt_accuracy']:.0%} -> {a['prompt_accuracy']:.0%}")
+    return out
+
+
 def cmd_synthetic(args) -> dict:
     from ttt_lm.eval.synthetic import (make_task, parse_impl, plot_accuracy, plot_accuracy_vs_width, result_dict,
                                        results_table, run_synthetic)
@@ -309,6 +345,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trials", type=int, default=5)
     p.add_argument("--chunk-len", type=int, default=2048)
     p.set_defaults(func=cmd_passkey)
+
+    p = sub.add_parser("passkey_train", help="fine-tune a checkpoint on passkey prompts, loss on the answer only; "
+                                             "writes an export directory")
+    p.add_argument("--checkpoint", required=True, help="export dir (model.pt + config.yaml) or run dir")
+    p.add_argument("--out", required=True, help="export directory to write (model.pt, config.yaml, tokenizer, "
+                                                "passkey_train.json)")
+    p.add_argument("--overwrite", action="store_true", help="write into a non-empty --out")
+    p.add_argument("--tokenizer", help=".model file or prepared data dir (default: beside the checkpoint)")
+    p.add_argument("--lengths", type=_ints, default=[128, 256], help="practice context lengths (one per batch)")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--held-out", type=int, default=64, help="prompts scored before and after (answer loss)")
+    p.add_argument("--exclude-trials", type=int, default=1000,
+                   help="never train on the first N keys the passkey eval tests with --eval-seed")
+    p.add_argument("--eval-seed", type=int, default=0, help="the --seed the passkey eval will use")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--dtype", default="float32", help="float32 (training)")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--seed", type=int, default=0, help="seed of the practice prompts and of training")
+    p.set_defaults(func=cmd_passkey_train)
 
     p = sub.add_parser("synthetic", help="train tiny models on a recall task and test length generalization")
     common(p, checkpoint=False)

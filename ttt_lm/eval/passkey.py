@@ -14,9 +14,15 @@ prompt is read ``chunk_len`` tokens at a time with states carried, then decoded 
 With several processes trial k of the grid (cells in row-major order, trials within a cell) runs
 on rank k mod world; the correct counts per cell are summed over ranks and the samples gathered,
 so the result is exactly one process's.
+
+:func:`practice_finetune` trains a model on freshly generated prompts of this format with the loss on
+the answer's tokens alone (``python -m ttt_lm.eval passkey_train``): trained by the plain LM loss
+on documents that contain such prompts, a small model's loss is dominated by the text it cannot
+predict (the key's first occurrence) and it does not learn to copy the key.
 """
 from __future__ import annotations
 
+import math
 import random
 from typing import Callable, List, Optional, Sequence, Tuple
 
@@ -81,6 +87,90 @@ def practice_documents(n: int, max_fillers: int, seed: int = 0, digits: int = 5,
         k1 = rng.randint(0, k)
         out.append(INTRO + FILLER * k1 + NEEDLE.format(key=key) + FILLER * (k - k1) + QUESTION + " " + key + ".")
     return out
+
+
+def practice_batch(tok, batch: int, context_len: int, rng: random.Random, digits: int = 5,
+                   exclude: Sequence[str] = (), pad_id: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``batch`` passkey prompts of at most ``context_len`` tokens (as :func:`build_prompt` builds them
+    for the eval), each with a random key not in ``exclude`` at a uniform random depth, followed by
+    their answer. Returns (inputs, labels), both (batch, T): labels are the next tokens at the positions
+    whose next token is one of the answer's tokens (exactly the tokens the eval decodes), -100
+    everywhere else, and at the right padding (``pad_id``) of shorter prompts."""
+    banned = {str(k) for k in exclude}
+    if sum(len(k) == digits and k.isdigit() and k[0] != "0" for k in banned) >= 9 * 10 ** (digits - 1):
+        raise EvalError(f"practice_batch: exclude holds every {digits}-digit key")
+    seqs = []
+    for _ in range(batch):
+        key = str(rng.randrange(10 ** (digits - 1), 10 ** digits))
+        while key in banned:
+            key = str(rng.randrange(10 ** (digits - 1), 10 ** digits))
+        ids, ans, _ = build_prompt(tok, context_len, rng.random(), key)
+        seqs.append((ids, ans))
+    T = max(len(ids) + len(ans) for ids, ans in seqs) - 1
+    x = torch.full((batch, T), pad_id, dtype=torch.long)
+    y = torch.full((batch, T), -100, dtype=torch.long)
+    for b, (ids, ans) in enumerate(seqs):
+        full = ids + ans
+        x[b, :len(full) - 1] = torch.tensor(full[:-1])
+        y[b, len(ids) - 1:len(full) - 1] = torch.tensor(ans)
+    return x, y
+
+
+@torch.no_grad()
+def answer_metrics(model: LM, batches: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> dict:
+    """Mean loss over the answer tokens of ``batches`` (from :func:`practice_batch`), the fraction of
+    those tokens predicted right (argmax, teacher-forced) and of prompts with every answer token right."""
+    from ttt_lm.eval.synthetic import masked_accuracy
+    model.eval()
+    dev = next(model.parameters()).device
+    loss_sum, right, total, whole, n = 0.0, 0, 0, 0, 0
+    for x, y in batches:
+        x, y = x.to(dev), y.to(dev)
+        logits = model(x).logits.float()
+        m = y != -100
+        loss_sum += float(torch.nn.functional.cross_entropy(logits[m], y[m], reduction="sum"))
+        c, t = masked_accuracy(logits, y)
+        right, total = right + c, total + t
+        ok = (logits.argmax(-1) == y) | ~m
+        whole, n = whole + int(ok.all(-1).sum()), n + x.shape[0]
+    return {"answer_loss": loss_sum / max(total, 1), "token_accuracy": right / max(total, 1),
+            "prompt_accuracy": whole / max(n, 1)}
+
+
+def practice_finetune(model: LM, tok, lengths: Sequence[int], steps: int, batch_size: int = 16,
+                      lr: float = 1e-3, warmup: int = 20, seed: int = 0, digits: int = 5,
+                      exclude: Sequence[str] = (), held_out: int = 64, show_progress: bool = False) -> dict:
+    """Train ``model`` in place for ``steps`` AdamW steps (:func:`ttt_lm.eval.synthetic.train_steps`) on
+    fresh :func:`practice_batch` prompts, each batch at a context length drawn from ``lengths``; the
+    loss covers the answer's tokens only. Keys in ``exclude`` (pass :func:`grid_keys` of the eval) are
+    never drawn. Returns :func:`answer_metrics` on ``held_out`` prompts (keys also apart from
+    ``exclude``, drawn from their own stream) before and after training, and the last training loss."""
+    from ttt_lm.eval.synthetic import train_steps
+    if steps < 1 or batch_size < 1 or not lengths:
+        raise EvalError(f"practice needs steps >= 1, batch_size >= 1 and at least one length, "
+                        f"got steps={steps}, batch_size={batch_size}, lengths={list(lengths)}")
+    for L in lengths:
+        check_context(model, L)
+        build_prompt(tok, L, 0.5, "1" * digits)  # a clear error for a length too short for the format
+    check_vocab(model, tok.vocab_size, "the tokenizer", allow_padding=True)
+    rng = random.Random(f"passkey finetune {seed}")
+    held_rng = random.Random(f"passkey finetune held out {seed}")
+    hb = min(batch_size, held_out)
+    held = [practice_batch(tok, min(hb, held_out - i), lengths[(i // hb) % len(lengths)], held_rng, digits, exclude)
+            for i in range(0, held_out, hb)]
+    before = answer_metrics(model, held)
+
+    def next_batch():
+        return practice_batch(tok, batch_size, rng.choice(list(lengths)), rng, digits, exclude)
+
+    last, _ = train_steps(model, next_batch, steps, lr=lr, warmup=min(warmup, max(steps - 1, 0)),
+                          progress=show_progress, desc="passkey practice")
+    model.eval()
+    after = answer_metrics(model, held)
+    if not math.isfinite(last):
+        raise EvalError(f"passkey practice diverged: the last training loss is {last} (try a lower --lr)")
+    return {"steps": steps, "lengths": list(lengths), "batch_size": batch_size, "lr": lr, "seed": seed,
+            "excluded_keys": len(set(exclude)), "last_loss": last, "before": before, "after": after}
 
 
 @torch.no_grad()

@@ -212,15 +212,13 @@ class SyntheticResult:
     lr_trials: List[Dict] = field(default_factory=list)  # every lr tried: lr, steps_to_solve, train_acc, loss
 
 
-def train_task(model: LM, task: Task, train_len: int, steps: int, batch_size: int = 32, lr: float = 3e-3,
-               weight_decay: float = 0.0, warmup: int = 50, seed: int = 0, stop_at: Optional[float] = None,
-               check_every: int = 50, progress: bool = False,
-               check_examples: int = 128) -> Tuple[float, Optional[int]]:
-    """AdamW on fresh batches at ``train_len``; linear warmup then cosine decay to 10%. With
-    ``stop_at``, every ``check_every`` steps accuracy is measured on ``check_examples`` held-out sequences at
-    ``train_len`` and training stops once it reaches ``stop_at``; returns (last loss, that step)."""
+def train_steps(model: LM, next_batch: Callable[[], Tuple[torch.Tensor, torch.Tensor]], steps: int,
+                lr: float = 3e-3, weight_decay: float = 0.0, warmup: int = 50, progress: bool = False,
+                desc: str = "train", stop: Optional[Callable[[int], bool]] = None) -> Tuple[float, Optional[int]]:
+    """AdamW on ``steps`` batches from ``next_batch()`` (inputs, labels with -100 where unscored);
+    linear warmup then cosine decay to 10%, gradients clipped to norm 1. ``stop(step)`` is asked after
+    every step; once it says True training ends. Returns (last loss, the step it stopped at or None)."""
     dev = next(model.parameters()).device
-    g = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.98))
 
     def lr_at(i):
@@ -232,23 +230,39 @@ def train_task(model: LM, task: Task, train_len: int, steps: int, batch_size: in
     it = range(steps)
     if progress:
         from tqdm import tqdm
-        it = tqdm(it, desc=f"train {task.name}", leave=False)
+        it = tqdm(it, desc=desc, leave=False)
     loss_v = float("nan")
     for i in it:
         model.train()
         for pg in opt.param_groups:
             pg["lr"] = lr_at(i)
-        x, y = task.batch(batch_size, train_len, g)
+        x, y = next_batch()
         loss = model(x.to(dev), labels=y.to(dev)).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         loss_v = float(loss.detach())
-        if stop_at is not None and (i + 1) % check_every == 0:
-            if evaluate_task(model, task, train_len, num_examples=check_examples, seed=seed + 77) >= stop_at:
-                return loss_v, i + 1
+        if stop is not None and stop(i + 1):
+            return loss_v, i + 1
     return loss_v, None
+
+
+def train_task(model: LM, task: Task, train_len: int, steps: int, batch_size: int = 32, lr: float = 3e-3,
+               weight_decay: float = 0.0, warmup: int = 50, seed: int = 0, stop_at: Optional[float] = None,
+               check_every: int = 50, progress: bool = False,
+               check_examples: int = 128) -> Tuple[float, Optional[int]]:
+    """:func:`train_steps` on fresh batches of ``task`` at ``train_len``. With ``stop_at``, every
+    ``check_every`` steps accuracy is measured on ``check_examples`` held-out sequences at
+    ``train_len`` and training stops once it reaches ``stop_at``; returns (last loss, that step)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def stop(step):
+        return (stop_at is not None and step % check_every == 0
+                and evaluate_task(model, task, train_len, num_examples=check_examples, seed=seed + 77) >= stop_at)
+
+    return train_steps(model, lambda: task.batch(batch_size, train_len, g), steps, lr, weight_decay, warmup,
+                       progress, f"train {task.name}", stop if stop_at is not None else None)
 
 
 def state_size(model: LM, task: Task, seq_len: int) -> int:
