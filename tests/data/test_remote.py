@@ -16,6 +16,7 @@ from ttt_lm.data import (DataError, build_train_loader, build_val_loader, iter_d
                          load_tokenizer, verify_checksums)
 from ttt_lm.data.prepare import prepare
 from ttt_lm.data.remote import is_remote, locate
+from ttt_lm.data.shards import read_shard
 
 
 class _Quiet(http.server.SimpleHTTPRequestHandler):
@@ -153,8 +154,15 @@ def test_a_corrupt_or_missing_remote_shard_is_named_when_read(prepared, serve, t
     (bad / name).write_bytes(bytes(raw))
     url = serve(str(bad))
     cfg = data_cfg(url, shuffle=False)
+    # read in order, the shard's windows stream in as it arrives and its digest is checked at its end
+    loader = iter(build_train_loader(cfg, 1))
+    first = next(loader)
+    assert int(first["doc_ids"][0, 0]) == int(min(d for d, _ in iter_documents(out, "train", with_ids=True)))
     with pytest.raises(DataError, match=f"shard {url}/{name}: sha256 differs"):
-        take(build_train_loader(cfg, B), 1)
+        take(loader, 1000)
+    # collected whole (a shuffled shard, the evals), nothing of it is returned
+    with pytest.raises(DataError, match=f"shard {url}/{name}: sha256 differs"):
+        read_shard(url, man["splits"]["train"]["shards"][0], man["vocab_size"], man["dtype"])
     with pytest.raises(DataError, match=f"shard {url}/{name}: sha256 differs"):
         build_train_loader(data_cfg(url, verify_checksums=True), B)
     os.remove(bad / name)

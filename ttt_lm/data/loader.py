@@ -58,7 +58,8 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from ttt_lm.data.config import DataConfig
 from ttt_lm.data.manifest import DataError, load_manifest, verify_checksums
-from ttt_lm.data.shards import read_shard
+from ttt_lm.data.remote import is_remote
+from ttt_lm.data.shards import iter_shard, read_shard
 
 STATE_VERSION = 1
 # Distinct streams of random numbers derived from one seed.
@@ -101,6 +102,45 @@ class StreamPlan:
             else np.arange(n_windows)
         return tokens, doc_ids, positions, windows
 
+    @property
+    def streams_shards(self) -> bool:
+        """Whether windows are cut from a shard as its documents arrive (:meth:`iter_windows`):
+        remote data read in order. A shuffled shard needs all its documents first (they are
+        permuted before packing), and a local one is checked whole before use."""
+        return not self.shuffle and is_remote(self.root)
+
+    def iter_windows(self, epoch: int, shard: int, start: int = 0):
+        """Windows ``start, start + 1, ...`` of one shard in its order, each as
+        ``(tokens, doc_ids, positions, is_last)``."""
+        if not self.streams_shards:
+            tokens, doc_ids, positions, order = self.shard_windows(epoch, shard)
+            T = self.seq_len
+            for w in range(start, len(order)):
+                a = int(order[w]) * T
+                yield tokens[a:a + T + 1], doc_ids[a:a + T + 1], positions[a:a + T + 1], w == len(order) - 1
+            return
+        held = None  # one window of look-ahead: whether a window is the shard's last is known after it
+        for w, window in enumerate(self._cut_windows(shard)):
+            if held is not None:
+                yield (*held, False)
+            held = window if w >= start else None
+        if held is not None:
+            yield (*held, True)
+
+    def _cut_windows(self, shard: int):
+        """The windows of a shard in order, cut from its documents as they stream in (the shard's
+        checks run at its end, see ``iter_shard``); at most one window plus one document is held."""
+        T = self.seq_len
+        tokens = doc_ids = positions = np.zeros(0, np.int64)
+        for doc, arr in iter_shard(self.root, self.shards[shard], self.vocab_size, self.dtype):
+            t, d, p = _pack([(doc, arr)])
+            tokens, doc_ids, positions = (np.concatenate(x) for x in ((tokens, t), (doc_ids, d), (positions, p)))
+            a = 0
+            while len(tokens) - a >= T + 1:
+                yield tokens[a:a + T + 1], doc_ids[a:a + T + 1], positions[a:a + T + 1]
+                a += T
+            tokens, doc_ids, positions = tokens[a:].copy(), doc_ids[a:].copy(), positions[a:].copy()
+
 
 def _pack(docs: Sequence[Tuple[int, np.ndarray]]):
     lengths = np.array([len(t) for _, t in docs], dtype=np.int64)
@@ -120,13 +160,11 @@ def iter_stream(plan: StreamPlan, stream: int, pos: Position) -> Iterator[Tuple[
         produced = False
         shard_list = plan.stream_shards(epoch, stream)
         while shard_pos < len(shard_list):
-            tokens, doc_ids, positions, order = plan.shard_windows(epoch, shard_list[shard_pos])
-            while window < len(order):
-                a = int(order[window]) * T
+            for tokens, doc_ids, positions, last in plan.iter_windows(epoch, shard_list[shard_pos], window):
                 window += 1
-                nxt = (epoch, shard_pos, window) if window < len(order) else (epoch, shard_pos + 1, 0)
+                nxt = (epoch, shard_pos + 1, 0) if last else (epoch, shard_pos, window)
                 produced = True
-                yield tokens[a:a + T + 1], doc_ids[a:a + T + 1], positions[a:a + T + 1], nxt
+                yield tokens, doc_ids, positions, nxt
             shard_pos, window = shard_pos + 1, 0
         if from_start and not produced:
             names = [plan.shards[i]["name"] for i in shard_list]

@@ -66,7 +66,7 @@ def load_manifest(path: str, check_files: bool = True) -> dict:
     from ttt_lm.data import remote
     if remote.is_remote(path):
         root, name = remote.split_manifest(os.fspath(path), MANIFEST)
-        mfile = remote.locate(root, name)
+        mfile = remote.shown(remote.locate(root, name))
         raw = remote.read_bytes(root, name)
     else:
         mfile = _manifest_file(path)
@@ -133,11 +133,12 @@ def verify_checksums(man: dict) -> None:
     for split in SPLITS:
         for s in man["splits"].get(split, {}).get("shards", []):
             where = remote.locate(root, s["name"])
-            digest = hashlib.sha256(remote.read_bytes(root, s["name"])).hexdigest() if fetch else sha256_file(where)
+            digest = remote.sha256_of(root, s["name"]) if fetch else sha256_file(where)
+            where = remote.shown(where)
             if digest != s["sha256"]:
                 raise DataError(f"shard {where}: sha256 differs from the manifest")
     if manifest_checksum(man["tokenizer_sha256"], man["splits"]) != man["checksum"]:
-        raise DataError(f"manifest in {man['root']}: checksum does not match its shard list")
+        raise DataError(f"manifest in {remote.shown(man['root'])}: checksum does not match its shard list")
 
 
 def vocab_fits(model_vocab_size: int, tokenizer_vocab_size: int, allow_padding: bool = False) -> bool:

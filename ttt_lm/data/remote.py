@@ -30,7 +30,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from typing import Optional, Tuple
+from urllib.parse import urlsplit, urlunsplit
 
 from ttt_lm.data.manifest import DataError
 
@@ -62,36 +64,78 @@ def split_manifest(path: str, manifest_name: str) -> Tuple[str, str]:
             raise DataError(f"data.path {path!r}: a pipe: command must contain {PLACEHOLDER}, which is replaced by "
                             f"each file's name, e.g. 'pipe:aws s3 cp s3://bucket/corpus/{PLACEHOLDER} -'")
         return path, manifest_name
-    base = path.rstrip("/")
+    parts = urlsplit(path)
+    base = parts.path.rstrip("/")
     if base.endswith(".json"):
         base, name = base.rsplit("/", 1)
-        return base, name
-    return base, manifest_name
+        return urlunsplit(parts._replace(path=base)), name
+    return urlunsplit(parts._replace(path=base)), manifest_name
 
 
 def locate(base: str, name: str) -> str:
-    """The URL (or command) of file ``name`` of the corpus at ``base``; a local path otherwise."""
+    """The URL (or command) of file ``name`` of the corpus at ``base``; a local path otherwise.
+    A URL base's query string (a container-wide access token) is kept on every file's URL:
+    ``https://h/corpus?sig=…`` → ``https://h/corpus/manifest.json?sig=…``."""
     if base.startswith(PIPE):
         return base.replace(PLACEHOLDER, name)
     if is_remote(base):
-        return base.rstrip("/") + "/" + name
+        parts = urlsplit(base)
+        return urlunsplit(parts._replace(path=parts.path.rstrip("/") + "/" + name))
     return os.path.join(base, name)
+
+
+def shown(url: str) -> str:
+    """``url`` as messages show it: a query string (it may hold a signature) becomes ``?…``."""
+    return _redact(url) if is_remote(url) and not url.startswith(PIPE) else url
+
+
+def _redact(msg: str) -> str:
+    return re.sub(r"(\w+://[^\s'\"?]+)\?[^\s'\"\]]+", r"\1?…", msg)
+
+
+def open_stream(base: str, name: str):
+    """File ``name`` of the corpus at ``base`` opened for reading as a stream (webdataset's
+    ``gopen``: curl's or the command's stdout); a failure to start is one DataError naming it.
+    Errors met while reading surface from its ``read`` and ``close`` (see :func:`explain`)."""
+    url = locate(base, name)
+    from webdataset.gopen import gopen
+    try:
+        return gopen(url, "rb")
+    except Exception as e:  # noqa: BLE001 - gopen raises IOError/ValueError/OSError by scheme
+        raise DataError(f"cannot read {shown(url)}: {explain(e)}") from None
 
 
 def read_bytes(base: str, name: str) -> bytes:
     """The whole file ``name`` of the corpus at ``base``; a failure is one DataError naming it."""
     url = locate(base, name)
-    from webdataset.gopen import gopen
     try:
-        with gopen(url, "rb") as f:
+        with open_stream(base, name) as f:
             data = f.read()
+    except DataError:
+        raise
     except Exception as e:  # noqa: BLE001 - gopen raises IOError/ValueError/OSError by scheme
-        raise DataError(f"cannot read {url}: {_explain(e)}") from None
+        raise DataError(f"cannot read {shown(url)}: {explain(e)}") from None
     return data
 
 
-def _explain(e: Exception) -> str:
-    msg = " ".join(str(e).split())
+def sha256_of(base: str, name: str, chunk: int = 1 << 20) -> str:
+    """The sha256 of file ``name``, hashed as it streams in (never held whole)."""
+    url = locate(base, name)
+    h = hashlib.sha256()
+    try:
+        with open_stream(base, name) as f:
+            for b in iter(lambda: f.read(chunk), b""):
+                h.update(b)
+    except DataError:
+        raise
+    except Exception as e:  # noqa: BLE001 - gopen raises IOError/ValueError/OSError by scheme
+        raise DataError(f"cannot read {shown(url)}: {explain(e)}") from None
+    return h.hexdigest()
+
+
+def explain(e: Exception) -> str:
+    """One line saying why a read failed (curl's exit code in words, a command's status)."""
+    msg = _redact(" ".join(str(e).split()))
     if "unsafe_gopen" in msg:
         return "pipe: commands are refused while WDS_SECURE=1 is set in the environment"
     if "exit" in msg and "curl" in msg:
@@ -124,7 +168,7 @@ def fetch_cached(base: str, name: str, sha256: Optional[str], beside: Tuple[str,
     raw = read_bytes(base, name)
     digest = hashlib.sha256(raw).hexdigest()
     if sha256 and digest != sha256:
-        raise DataError(f"{locate(base, name)}: sha256 {digest[:12]}… differs from the manifest's "
+        raise DataError(f"{shown(locate(base, name))}: sha256 {digest[:12]}… differs from the manifest's "
                         f"{sha256[:12]}…: the file is corrupt or belongs to another corpus")
     d = os.path.join(cache_dir(), "files", digest)
     os.makedirs(d, exist_ok=True)
