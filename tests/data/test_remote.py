@@ -5,8 +5,10 @@ import json
 import os
 import shutil
 import socket
+import itertools
 import threading
 
+import numpy as np
 import pytest
 import torch
 
@@ -196,3 +198,89 @@ def test_a_hugging_face_tokenizer_comes_with_its_config(tmp_path, cache):
     assert remote["tokenizer_path"].startswith(str(cache)) and remote["tokenizer_path"].endswith("tokenizer.json")
     assert load_tokenizer(remote["tokenizer_path"]).eos_id == man["eos_id"]
     assert load_manifest(f"pipe:cat {out}/{{file}}")["tokenizer_path"] == remote["tokenizer_path"]  # cached
+
+
+def test_http_resume_mid_shard_in_order_is_exact(prepared, serve):
+    """Read in order, a remote shard streams; a run stopped inside a shard resumes at its exact
+    window (the shard's start is read again and dropped), with the positions a local copy gives."""
+    out, _ = prepared
+    url = serve(out)
+    cfg, local = data_cfg(url, shuffle=False), data_cfg(out, shuffle=False)
+    k, more = 3, 20
+    ref = take(build_train_loader(cfg, B), k + more)
+    local_loader = build_train_loader(local, B)
+    _same(ref, take(local_loader, k + more))
+    loader = build_train_loader(cfg, B)
+    first = take(loader, k)
+    sd = json.loads(json.dumps(loader.state_dict()))
+    epoch, shard, window = sd["streams"][0]
+    assert shard == 0 and 0 < window  # inside the first shard
+    resumed = build_train_loader(cfg, B)
+    resumed.load_state_dict(sd)
+    _same(first + take(resumed, more), ref)
+    assert resumed.state_dict() == local_loader.state_dict()  # the same positions, shard ends included
+
+
+def test_a_shard_streams_through_a_bounded_reader(prepared, serve, tmp_path, monkeypatch):
+    """A shard many times larger than the read size is read in reads of at most that size, and
+    cutting it into windows in order never holds more than a small part of it (Python heap,
+    measured with tracemalloc while the whole shard is consumed)."""
+    import tracemalloc
+
+    from tests.data.corpus import make_texts, write_corpus
+    from ttt_lm.data import shards as shards_mod
+    from ttt_lm.data.loader import iter_stream
+
+    raw = write_corpus(str(tmp_path / "raw"), make_texts(800, seed=1, min_words=120, max_words=200))
+    big = str(tmp_path / "big")
+    man = prepare([raw], big, tokenizer=prepared[0], shard_tokens=10 ** 7, val_fraction=0, workers=1,
+                  progress=False)
+    shard = man["splits"]["train"]["shards"][0]
+    assert len(man["splits"]["train"]["shards"]) == 1 and shard["bytes"] > 1 << 20
+    chunk = 4096
+    monkeypatch.setattr(shards_mod, "READ_CHUNK", chunk)
+    opened = []
+
+    class Watched(shards_mod.ShardStream):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            opened.append(self)
+
+    monkeypatch.setattr(shards_mod, "ShardStream", Watched)
+    url = serve(big)
+    plan = build_train_loader(data_cfg(url, shuffle=False, seq_len=256), B).plan
+    assert plan.streams_shards
+    n_windows = (shard["tokens"] - 1) // 256
+    tracemalloc.start()
+    try:
+        got = 0
+        for tokens, _, _, nxt in iter_stream(plan, 0, (0, 0, 0)):
+            got += 1
+            if nxt[1] == 1:  # the position after the shard's last window
+                break
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert got == n_windows
+    (stream,) = opened
+    assert stream.bytes == shard["bytes"] and 0 < stream.largest <= chunk
+    assert peak < shard["bytes"] // 4, (peak, shard["bytes"])  # ~0.23 MB of 1.85 MB here; read whole: ~19 MB
+    # the same windows as the whole shard read at once, locally
+    whole = build_train_loader(data_cfg(big, shuffle=False, seq_len=256), B).plan
+    a = [t for t, _, _, _ in itertools.islice(iter_stream(whole, 0, (0, 0, 0)), n_windows)]
+    b = [t for t, _, _, _ in itertools.islice(iter_stream(plan, 0, (0, 0, 0)), n_windows)]
+    assert all(np.array_equal(x, y) for x, y in zip(a, b))
+
+
+def test_a_url_base_with_a_query_string(prepared, serve):
+    """A container-wide token in the query string goes on every file's URL and stays out of messages."""
+    out, _ = prepared
+    url = serve(out)
+    signed = url + "?sv=2024&sig=SECRET"
+    assert load_manifest(signed)["root"] == signed
+    assert locate(signed, "manifest.json") == url + "/manifest.json?sv=2024&sig=SECRET"
+    _same(take(build_train_loader(data_cfg(signed), B), 5), take(build_train_loader(data_cfg(out), B), 5))
+    with pytest.raises(DataError) as e:
+        load_manifest(url + "/nothing?sig=SECRET")
+    msg = _one_line(e)
+    assert "SECRET" not in msg and f"{url}/nothing/manifest.json?…" in msg and "HTTP error" in msg

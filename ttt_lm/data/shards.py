@@ -138,7 +138,7 @@ def _open(root: str, shard: dict, chunk: int) -> ShardStream:
 
 
 def iter_shard(root: str, shard: dict, vocab_size: int, dtype: str, verify_sha256: bool = True,
-               report: Optional[dict] = None, chunk: int = READ_CHUNK) -> Iterator[Tuple[int, np.ndarray]]:
+               report: Optional[dict] = None, chunk: Optional[int] = None) -> Iterator[Tuple[int, np.ndarray]]:
     """The documents of one shard, in file order, as ``(doc_index, tokens)``, each as soon as its
     tar member has arrived: the shard is read as a stream (tarfile's stream mode through
     webdataset's tar iterator), never held whole; one member and one read are in memory at a time.
@@ -159,10 +159,11 @@ def iter_shard(root: str, shard: dict, vocab_size: int, dtype: str, verify_sha25
     them collects the shard first (:func:`read_shard`). A sample whose payload is damaged although
     the shard matches its digest (written that way: not a 1-D array of the manifest's dtype, empty,
     or with ids outside the vocabulary) is skipped and logged; every reader skips the same samples,
-    so the data order stays deterministic. ``report["skipped"]`` gets the number skipped.
+    so the data order stays deterministic. ``report["skipped"]`` gets the number skipped;
+    ``chunk``: bytes per read (default :data:`READ_CHUNK`).
     """
     path = remote.shown(remote.locate(root, shard["name"]))
-    stream = _open(root, shard, chunk)
+    stream = _open(root, shard, chunk or READ_CHUNK)
     want = np.dtype(dtype)
     n_docs = n_tokens = 0
     bad: List[str] = []
