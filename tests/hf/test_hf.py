@@ -18,7 +18,7 @@ from ttt_lm.config import ExperimentConfig
 from ttt_lm.convert import ConversionError
 from ttt_lm.convert import main as convert_main
 from ttt_lm.eval.checkpoint import load_checkpoint
-from ttt_lm.hf import HFError, TTTLMForCausalLM, load_hf, save_hf
+from ttt_lm.hf import HFError, TTTLMForCausalLM, hf_config, load_hf, save_hf
 from ttt_lm.model import LM, ModelConfig
 from ttt_lm.model.config import LAYER_KINDS
 from ttt_lm.train.export import load_pretrained, save_export
@@ -173,8 +173,15 @@ def test_refusals(exported, tmp_path):
     lm, out = exported
     hf = AutoModelForCausalLM.from_pretrained(out).eval()
     ids = torch.randint(1, V, (2, 5))
-    with pytest.raises(ValueError, match="no padding"):
-        hf.generate(ids, attention_mask=torch.tensor([[0, 1, 1, 1, 1], [1] * 5]), max_new_tokens=2)
+    with pytest.raises(ValueError, match="no padding in a forward call"):
+        hf(ids, attention_mask=torch.tensor([[0, 1, 1, 1, 1], [1] * 5]))
+    with pytest.raises(ValueError, match="left padding only"):
+        hf.generate(ids, attention_mask=torch.tensor([[1, 1, 1, 1, 0], [1] * 5]), max_new_tokens=2)
+    with pytest.raises(ValueError, match="all zeros"):
+        hf.generate(ids, attention_mask=torch.tensor([[0] * 5, [1] * 5]), max_new_tokens=2)
+    with pytest.raises(ValueError, match="return_dict_in_generate is not supported"):
+        hf.generate(ids, attention_mask=torch.tensor([[0, 1, 1, 1, 1], [1] * 5]), max_new_tokens=2,
+                    return_dict_in_generate=True)
     with pytest.raises(ValueError, match="past_key_values must be the TTTLMCache"):
         hf(ids, past_key_values=object())
     foreign = tmp_path / "foreign"
@@ -292,3 +299,72 @@ def test_autotokenizer_reads_the_folder(exported):
     tok = AutoTokenizer.from_pretrained(out)
     assert tok.eos_token == "<|endoftext|>" and tok.eos_token_id == 0
     assert tok.decode(tok("the lazy dog")["input_ids"]) == "the lazy dog"
+
+
+PADDED_PATTERNS = [(k,) for k in LAYER_KINDS] + [("ttt_linear", "attention", "rglru", "mamba")]
+
+
+def _context_model(pattern) -> TTTLMForCausalLM:
+    """A random model whose greedy tokens depend on the context (at the default init a tiny tied
+    model mostly repeats its last token): untied, init_std 0.2."""
+    torch.manual_seed(0)
+    return TTTLMForCausalLM(hf_config(tiny_cfg(pattern, tie_embeddings=False, init_std=0.2))).eval()
+
+
+def _padded_batch(lengths, pad):
+    """Prompts of the given lengths, left-padded with ``pad`` to the longest: (ids, mask, prompts)."""
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, V, (n,), generator=g) for n in lengths]
+    T = max(lengths)
+    ids = torch.stack([torch.cat([torch.full((T - len(p),), pad), p]) for p in prompts])
+    mask = torch.stack([torch.cat([torch.zeros(T - len(p), dtype=torch.long), torch.ones(len(p), dtype=torch.long)])
+                        for p in prompts])
+    return ids, mask, prompts
+
+
+@pytest.mark.parametrize("pattern", PADDED_PATTERNS, ids=lambda p: "+".join(p))
+def test_left_padded_batch_generates_each_row_as_alone(pattern):
+    """Greedy generate on a left-padded batch gives every row the tokens it gets alone, for every
+    mixer kind and a hybrid, laid out as transformers lays out a padded batch; reading the
+    padding as tokens would change them."""
+    hf = _context_model(pattern)
+    ids, mask, prompts = _padded_batch([7, 3, 5], pad=1)
+    batched = hf.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, eos_token_id=None,
+                          pad_token_id=1)
+    assert batched.shape == (3, 7 + 6)
+    assert torch.equal(batched[:, :7], ids)  # the padded prompts as given
+    for i, p in enumerate(prompts):
+        alone = hf.generate(p[None], max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=1)
+        assert torch.equal(batched[i, 7:], alone[0, len(p):]), i
+        with torch.no_grad():  # and our LM's own generate, which never sees padding
+            assert torch.equal(alone, hf.model.generate(p[None], 6, temperature=0))
+    unmasked = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
+                           eos_token_id=None, pad_token_id=1)
+    assert not torch.equal(unmasked[1:, 7:], batched[1:, 7:])  # the padded rows differ when padding is read
+
+
+def test_left_padded_batch_stops_rows_and_counts_max_length_like_transformers():
+    """A row that meets the end-of-document id stops and is filled with pad_token_id while the
+    others go on; max_length counts the padded prompt (transformers' rule); beams per row."""
+    hf = _context_model(PADDED_PATTERNS[-1])
+    ids, mask, prompts = _padded_batch([6, 2, 4], pad=1)
+    free = [hf.generate(p[None], max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=1)[0, len(p):]
+            for p in prompts]
+    eos = int(free[1][1])  # row 1 stops at its second new token
+    stops = [next((j + 1 for j, t in enumerate(f.tolist()) if t == eos), 6) for f in free]
+    assert stops[1] <= 2 and max(stops) > stops[1]  # the others go on past it
+    out = hf.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, eos_token_id=eos, pad_token_id=1)
+    assert out.shape == (3, 6 + max(stops))
+    for i in range(3):
+        want = torch.cat([free[i][:stops[i]], torch.full((max(stops) - stops[i],), 1)])
+        assert torch.equal(out[i, 6:], want), i
+    by_length = hf.generate(ids, attention_mask=mask, max_length=9, do_sample=False, eos_token_id=None,
+                            pad_token_id=1)
+    assert by_length.shape == (3, 9) and all(torch.equal(by_length[i, 6:], free[i][:3]) for i in range(3))
+    beams = hf.generate(ids, attention_mask=mask, max_new_tokens=3, num_beams=2, num_return_sequences=2,
+                        do_sample=False, eos_token_id=None, pad_token_id=1)
+    assert beams.shape == (6, 9)
+    for i, p in enumerate(prompts):
+        alone = hf.generate(p[None], max_new_tokens=3, num_beams=2, num_return_sequences=2, do_sample=False,
+                            eos_token_id=None, pad_token_id=1)
+        assert torch.equal(beams[2 * i:2 * i + 2, 6:], alone[:, len(p):]) and torch.equal(beams[2 * i, :6], ids[i])

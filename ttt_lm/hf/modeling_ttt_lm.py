@@ -8,10 +8,13 @@ forward pass that returns every layer's state, then each new token is one
 :meth:`ttt_lm.model.LM.step`, as :meth:`ttt_lm.model.LM.generate` does.
 
 What generation supports: greedy decoding and sampling (with transformers' logits processors),
-batched prompts of equal length; the cache reorders its rows for beam search
-(``TTTLMCache.reorder_cache``: ``MixerState.index_select`` on every layer). Padded batches (an
-``attention_mask`` with zeros) are refused with a message: the recurrent states have no notion
-of a masked position.
+batched prompts; the cache reorders its rows for beam search (``TTTLMCache.reorder_cache``:
+``MixerState.index_select`` on every layer). The recurrent states have no notion of a masked
+position, so a left-padded batch (an ``attention_mask`` with zeros) is generated row by row:
+:meth:`TTTLMForCausalLM.generate` cuts each row's padding off, generates it alone and lays the
+rows out as transformers lays out a padded batch (the padded prompts as given, then the new
+tokens, rows that stop early filled with ``pad_token_id``), so each row gets exactly the tokens it
+gets alone. A forward call with such a mask is refused with a message.
 
 ``labels`` follow the transformers convention (the inputs themselves; the model shifts them),
 unlike :meth:`ttt_lm.model.LM.forward`, which takes labels already aligned.
@@ -103,8 +106,58 @@ class TTTLMForCausalLM(TTTLMPreTrainedModel, GenerationMixin):
     @staticmethod
     def _check_mask(attention_mask: Optional[torch.Tensor]) -> None:
         if attention_mask is not None and not bool((attention_mask != 0).all()):
-            raise ValueError("ttt-lm models take no padding: the attention_mask has zeros, but the recurrent layers "
-                             "read every position; pass prompts of equal length (or one prompt per call)")
+            raise ValueError("ttt-lm models take no padding in a forward call: the attention_mask has zeros, but the "
+                             "recurrent layers read every position; generate() takes left-padded batches (it runs "
+                             "padded rows one by one), or pass prompts of equal length")
+
+    def generate(self, inputs: Optional[torch.Tensor] = None, generation_config=None, *args, **kwargs):
+        """transformers' ``generate``; a left-padded batch (``attention_mask`` with zeros) is
+        generated one row at a time, each row without its padding, and returned in the layout of
+        a padded batch: ``[B·num_return_sequences, T + longest continuation]``, each row its
+        padded prompt as given, its new tokens, then ``pad_token_id`` (the first
+        ``eos_token_id`` when unset, as transformers does). ``max_length``/``min_length`` count
+        the padded prompt, as in transformers. Greedy decoding and beam search give each row the
+        tokens it gets alone; sampling draws each row in turn from the one random generator.
+        Only the sequences are returned (``return_dict_in_generate`` is refused with padding)."""
+        ids = inputs if inputs is not None else kwargs.get("input_ids")
+        mask = kwargs.get("attention_mask")
+        if ids is None or mask is None or bool((mask != 0).all()):
+            return super().generate(inputs, generation_config, *args, **kwargs)
+        if ids.dim() != 2 or mask.shape != ids.shape:
+            raise ValueError(f"attention_mask {tuple(mask.shape)} must have the shape of input_ids {tuple(ids.shape)}")
+        real = mask != 0
+        if not bool((real[:, 1:] >= real[:, :-1]).all()):
+            raise ValueError("ttt-lm models take left padding only: every attention_mask row must be zeros (padding) "
+                             "then ones (the prompt); a zero after a one is a gap the recurrent layers cannot skip")
+        if not bool(real[:, -1].all()):
+            raise ValueError("a row of the attention_mask is all zeros: a prompt needs at least one token")
+        gc = generation_config if generation_config is not None else self.generation_config
+        setting = lambda k: kwargs[k] if k in kwargs else getattr(gc, k, None)  # noqa: E731
+        if setting("return_dict_in_generate"):
+            raise ValueError("with a padded attention_mask, generate runs each row on its own and returns the "
+                             "sequences only: return_dict_in_generate is not supported; generate rows separately")
+        pad = setting("pad_token_id")
+        if pad is None:
+            eos = setting("eos_token_id")
+            pad = eos[0] if isinstance(eos, (list, tuple)) else eos
+            pad = int(pad.flatten()[0]) if torch.is_tensor(pad) else pad
+        rest = {k: v for k, v in kwargs.items() if k not in ("input_ids", "attention_mask")}
+        rows = []
+        for i in range(ids.shape[0]):
+            p = int((~real[i]).sum())
+            kw = dict(rest)
+            if setting("max_new_tokens") is None and setting("max_length") is not None:
+                kw["max_length"] = setting("max_length") - p  # transformers counts the padding in
+            if setting("min_length"):
+                kw["min_length"] = max(0, setting("min_length") - p)
+            row = ids[i:i + 1, p:]
+            out = super().generate(row, generation_config, *args, attention_mask=torch.ones_like(row), **kw)
+            rows.append(torch.cat([ids[i:i + 1].expand(out.shape[0], -1), out[:, row.shape[1]:]], 1))
+        width = max(r.shape[1] for r in rows)
+        if any(r.shape[1] < width for r in rows) and pad is None:
+            raise ValueError("the rows stopped at different lengths and neither pad_token_id nor eos_token_id is set "
+                             "to fill the shorter ones: pass pad_token_id")
+        return torch.cat([F.pad(r, (0, width - r.shape[1]), value=pad if pad is not None else 0) for r in rows], 0)
 
     def forward(self, input_ids: torch.LongTensor, attention_mask: Optional[torch.Tensor] = None,
                 past_key_values: Optional[TTTLMCache] = None, labels: Optional[torch.LongTensor] = None,
