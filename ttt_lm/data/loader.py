@@ -15,7 +15,11 @@ end-of-document id) are permuted with a generator seeded by ``(seed, e, shard)``
 concatenated; window ``j`` is ``tokens[j·T : j·T + T + 1]`` (consecutive windows share one
 token, so every token is a label once) and the ``(len - 1) // T`` windows are visited in an
 order permuted by the same key. The tail of a shard shorter than a window is dropped, which
-loses less than ``T`` tokens per shard. A batch is ``B`` consecutive windows of one stream:
+loses less than ``T`` tokens per shard. A shuffled shard is read whole (as its documents) before
+its first window; remote data read in order (``shuffle=False``) is cut into windows as the
+documents stream in, holding one window and one document (``StreamPlan.iter_windows``), and
+resuming inside such a shard reads its start again and drops the windows before the position.
+A batch is ``B`` consecutive windows of one stream:
 
     input_ids[b, t]    = window[b, t]
     labels[b, t]       = window[b, t + 1]

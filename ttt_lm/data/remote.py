@@ -10,21 +10,29 @@ shards the manifest names) is found from it by name:
     pipe:aws s3 cp s3://bucket/corpus/{file} -       a shell command that writes the file to stdout;
                                                      ``{file}`` is replaced by the file's name
 
-A URL base may also name the manifest itself (``https://host/corpus/manifest.json``). The
-``pipe:`` spelling is webdataset's; webdataset's brace ranges (``train-{000000..000009}.tar``) are
-not needed because the manifest lists every shard, so the template names one file through
-``{file}`` instead.
+A URL base may also name the manifest itself (``https://host/corpus/manifest.json``), and may
+carry a query string, which every file's URL keeps (``https://host/corpus?sig=…`` →
+``https://host/corpus/train-000000.tar?sig=…``: a token valid for the whole folder, such as an
+Azure SAS token); messages show such a query as ``?…``. The ``pipe:`` spelling is webdataset's;
+webdataset's brace ranges (``train-{000000..000009}.tar``) are not needed because the manifest
+lists every shard, so the template names one file through ``{file}`` instead.
 
-Integrity is the same as for a local directory, checked on what was read: each shard's size and
-sha256 are verified against the manifest every time it is read (``read_shard``), before any of it
-is used; the tokenizer's sha256 when it is fetched. What cannot be checked without reading every
-shard first is the size check a local directory gets at startup (``load_manifest`` stats each
-file); ``data.verify_checksums=true`` does read (and hash) every shard up front, remote or not.
+Shards are read as streams (:func:`open_stream`, read by ``ttt_lm.data.shards.iter_shard``): the
+bytes are hashed and counted as they arrive and the tar members decoded one at a time, so no
+shard is held whole as bytes. Integrity is the same as for a local directory, checked on what
+was read: each shard's size and sha256 against the manifest, the tokenizer's sha256 when it is
+fetched. For a remote shard they are known at the shard's end: where the loader cuts windows as
+the documents arrive (remote data read in order, ``data.shuffle=false``) a damaged shard stops
+the run at its end, after its windows were used; everywhere else (a shuffled shard, whose
+documents are permuted, the validation split, ``iter_documents``) the whole shard's documents
+are collected and checked before any is used. What cannot be checked without reading every shard
+first is the size check a local directory gets at startup (``load_manifest`` stats each file);
+``data.verify_checksums=true`` does read (and hash, streaming) every shard up front.
 
-Each read fetches the whole file into memory (a shard is read whole locally, too). The tokenizer
-is cached on local disk, content-addressed by its sha256, under ``$TTT_LM_CACHE`` (default
-``~/.cache/ttt_lm``), because SentencePiece and ``tokenizers`` load from a file; a Hugging Face
-``tokenizer.json`` gets its ``tokenizer_config.json`` (the end-of-document token) beside it.
+The manifest is read whole into memory (it is small). The tokenizer is cached on local disk,
+content-addressed by its sha256, under ``$TTT_LM_CACHE`` (default ``~/.cache/ttt_lm``), because
+SentencePiece and ``tokenizers`` load from a file; a Hugging Face ``tokenizer.json`` gets its
+``tokenizer_config.json`` (the end-of-document token) beside it.
 """
 from __future__ import annotations
 
