@@ -200,12 +200,13 @@ def test_a_hugging_face_tokenizer_comes_with_its_config(tmp_path, cache):
     assert load_manifest(f"pipe:cat {out}/{{file}}")["tokenizer_path"] == remote["tokenizer_path"]  # cached
 
 
-def test_http_resume_mid_shard_in_order_is_exact(prepared, serve):
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_http_resume_mid_shard_in_order_is_exact(prepared, serve, num_workers):
     """Read in order, a remote shard streams; a run stopped inside a shard resumes at its exact
     window (the shard's start is read again and dropped), with the positions a local copy gives."""
     out, _ = prepared
     url = serve(out)
-    cfg, local = data_cfg(url, shuffle=False), data_cfg(out, shuffle=False)
+    cfg, local = (data_cfg(p, shuffle=False, num_workers=num_workers) for p in (url, out))
     k, more = 3, 20
     ref = take(build_train_loader(cfg, B), k + more)
     local_loader = build_train_loader(local, B)
