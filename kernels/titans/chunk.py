@@ -40,9 +40,12 @@ launched once for the whole batch. The serial kernels take one program per (d_v 
 sequence·head) and restart from the sequence's row of the initial state; the chunk-parallel
 ones one per chunk slot, whose (sequence, chunk) they read from a table built on the device
 (``_layout``: ⌊T / C⌋ + N slots per head bound the Σ ⌈T_i / C⌉ chunks, the spare ones do
-nothing), so chunks never straddle two sequences and nothing is read back to the host. Final
-states and M̂ are per sequence; an empty sequence passes its initial state through. Tiles and warps come
-from ``launch_meta`` per GPU family (the compile gate checks each family's choice).
+nothing), so chunks never straddle two sequences and the launches need nothing from the host
+(``titans_linear_triton`` reads back one flag, the check of the offsets). Final states and M̂ are
+per sequence; an empty sequence passes its initial state through.
+
+Tiles and warps come from ``launch_meta`` per GPU family (the compile gate checks each family's
+choice, fixed-length and packed).
 
 Precision: every tile is loaded into float32 (float64 for float64 inputs); ``tl.dot`` runs TF32
 products for bfloat16/float16 inputs (their own rounding, 2^-9, exceeds TF32's), TF32×3 (about
