@@ -19,10 +19,15 @@ Kernels, forward:
                   docstring); stored for the backward. (The serial alternative, 63 steps of
                   full C × C reductions per chunk, is what this replaces.)
   ``_wy_fwd``     grid (chunks, H, column blocks of d_k and d_v): W and U.
-  ``_fwd_state``  grid (d_v blocks, sequences·H): the sequential sweep over chunks with S_n in
-                  registers; stores every S_n, Ṽ, and writes O and the final state.
+  ``_fwd_state``  grid (d_v blocks, sequences·H): the sequential sweep over chunks, only
+                  Ṽ = U − W S_n and S_{n+1} = S_n + Kᵀ Ṽ; stores every S_n, Ṽ and the final state.
+  ``_fwd_o``      grid (chunks, H, d_v blocks), chunk-parallel: O = Q S_n + (M ∘ Q Kᵀ) Ṽ from the
+                  stored S_n and Ṽ (flash-linear-attention's split of ``chunk_gated_delta_rule_fwd_h``
+                  and ``chunk_fwd_o``).
 Backward, with dS the gradient of the state at the end of the chunk being processed:
-  ``_bwd_state``  grid (d_v blocks, sequences·H), chunks in reverse:
+  ``_bwd_dv_local`` grid (chunks, H, d_v blocks), chunk-parallel: the chunk-local part of dṼ,
+                  (M ∘ Q Kᵀ)ᵀ dO (fla's ``chunk_bwd_dv_local``), stored in dṼ's buffer.
+  ``_bwd_state``  grid (d_v blocks, sequences·H), chunks in reverse, adds the state's part:
                   dṼ = (M ∘ Q Kᵀ)ᵀ dO + K dS;   dS ← dS + Qᵀ dO − Wᵀ dṼ   (stores each dS and dṼ)
   ``_bwd_dqk``, ``_bwd_wy``  grid (chunks, H), everything else, chunk-local, split in two so
                   that each keeps fewer tiles live (the first ends at dQ, dW and the dK terms
@@ -244,15 +249,16 @@ def _wy_fwd(k, v, beta, Tm, W, U, cu_seqlens, chunk_offsets, chunk_indices, T, H
 
 
 @triton.jit
-def _fwd_state(q, k, W, U, Hs, VN, o, h0, ht, cu_seqlens, chunk_offsets, T, H,
+def _fwd_state(k, W, U, Hs, VN, h0, ht, cu_seqlens, chunk_offsets, T, H,
                DK: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                USE_H0: tl.constexpr, STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr,
-               ACC: tl.constexpr, PREC: tl.constexpr, PS: tl.constexpr, EMU: tl.constexpr):
+               ACC: tl.constexpr, PS: tl.constexpr, EMU: tl.constexpr):
     """The chunk recurrence for one block of d_v columns of one (sequence, head): per chunk
-    Ṽ = U − W S, O = Q S + causal(Q Kᵀ) Ṽ, S ← S + Kᵀ Ṽ, writing each chunk's starting S to Hs.
-    The state is not carried in registers: each chunk reads its S back from Hs (written by this
-    program, cache-resident) in blocks of BK rows, once to sum W S, Q S and Q Kᵀ over d_k and once
-    to write the next chunk's S, so no [C, d_k] operand or [d_k, BV] tile is held whole."""
+    Ṽ = U − W S and S ← S + Kᵀ Ṽ, writing each chunk's starting S to Hs and Ṽ to VN (the
+    outputs are ``_fwd_o``'s, chunk-parallel). The state is not carried in registers: each chunk
+    reads its S back from Hs (written by this program, cache-resident) in blocks of BK rows, once
+    to sum W S over d_k and once to write the next chunk's S, so no [C, d_k] operand or [d_k, BV]
+    tile is held whole."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     n = i_nh // H
     h = i_nh % H
@@ -260,7 +266,6 @@ def _fwd_state(q, k, W, U, Hs, VN, o, h0, ht, cu_seqlens, chunk_offsets, T, H,
     o_v = i_v * BV + tl.arange(0, BV)
     o_c = tl.arange(0, C)
     m_v = o_v < DV
-    causal = o_c[:, None] >= o_c[None, :]
     NT = tl.cdiv(Tn, C)
     h0_base = i_nh.to(tl.int64) * DK * DV
     for k0 in range(0, DK, BK):
@@ -282,25 +287,16 @@ def _fwd_state(q, k, W, U, Hs, VN, o, h0, ht, cu_seqlens, chunk_offsets, T, H,
         rows = row0 + o_t
         m_tv = m_t[:, None] & m_v[None, :]
         WS = tl.zeros([C, BV], dtype=ACC)
-        QS = tl.zeros([C, BV], dtype=ACC)
-        QK = tl.zeros([C, C], dtype=ACC)
         for k0 in range(0, DK, BK):
             o_k = k0 + tl.arange(0, BK)
             m_tk = m_t[:, None] & (o_k[None, :] < DK)
             m_kv = (o_k[:, None] < DK) & m_v[None, :]
             S = tl.load(hs_c + o_k[:, None] * DV + o_v[None, :], mask=m_kv, other=0.0).to(ACC)
-            b_q = tl.load(q + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0)
-            b_k = tl.load(k + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0)
             b_w = tl.load(W + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0).to(ACC)
             WS += _mm(b_w, S, PS, EMU)
-            QS += _mm(b_q, S, PS, EMU)
-            QK += _mm(b_q, tl.trans(b_k), PREC, EMU)
         b_u = tl.load(U + rows[:, None] * DV + o_v[None, :], mask=m_tv, other=0.0).to(ACC)
         b_vn = b_u - WS
         tl.store(VN + rows[:, None] * DV + o_v[None, :], b_vn.to(VN.dtype.element_ty), mask=m_tv)
-        P = tl.where(causal, QK, 0.0)
-        b_o = QS + _mm(P, b_vn, PS, EMU)
-        tl.store(o + rows[:, None] * DV + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
         for k0 in range(0, DK, BK):
             o_k = k0 + tl.arange(0, BK)
             m_tk = m_t[:, None] & (o_k[None, :] < DK)
@@ -316,14 +312,82 @@ def _fwd_state(q, k, W, U, Hs, VN, o, h0, ht, cu_seqlens, chunk_offsets, T, H,
 
 
 @triton.jit
+def _fwd_o(q, k, VN, Hs, o, cu_seqlens, chunk_offsets, chunk_indices, T, H,
+           DK: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+           IS_VARLEN: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr, PS: tl.constexpr,
+           EMU: tl.constexpr):
+    """O = Q S_n + (M ∘ Q Kᵀ) Ṽ for one chunk, one head and one block of BV value columns
+    (grid: chunks, H, d_v blocks), from the chunk-start state S_n (Hs) and the pseudo-values Ṽ
+    (VN) that ``_fwd_state`` stored; Q S_n and Q Kᵀ are summed over d_k in blocks of BK."""
+    i_c, h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    n, c = _chunk_id(chunk_indices, i_c, T, C, IS_VARLEN)
+    row0, Tn, coff = _seq_info(cu_seqlens, chunk_offsets, n, h, T, H, C, IS_VARLEN)
+    hs_c = Hs + ((coff + c) * H + h) * DK * DV
+    o_v = i_v * BV + tl.arange(0, BV)
+    o_c = tl.arange(0, C)
+    m_v = o_v < DV
+    o_t = c * C + o_c
+    m_t = o_t < Tn
+    rows = row0 + o_t
+    m_tv = m_t[:, None] & m_v[None, :]
+    QS = tl.zeros([C, BV], dtype=ACC)
+    QK = tl.zeros([C, C], dtype=ACC)
+    for k0 in range(0, DK, BK):
+        o_k = k0 + tl.arange(0, BK)
+        m_tk = m_t[:, None] & (o_k[None, :] < DK)
+        m_kv = (o_k[:, None] < DK) & m_v[None, :]
+        S = tl.load(hs_c + o_k[:, None] * DV + o_v[None, :], mask=m_kv, other=0.0).to(ACC)
+        b_q = tl.load(q + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0)
+        b_k = tl.load(k + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0)
+        QS += _mm(b_q, S, PS, EMU)
+        QK += _mm(b_q, tl.trans(b_k), PREC, EMU)
+    b_vn = tl.load(VN + rows[:, None] * DV + o_v[None, :], mask=m_tv, other=0.0).to(ACC)
+    P = tl.where(o_c[:, None] >= o_c[None, :], QK, 0.0)
+    b_o = QS + _mm(P, b_vn, PS, EMU)
+    tl.store(o + rows[:, None] * DV + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
+
+
+@triton.jit
+def _bwd_dv_local(q, k, do, dVN, cu_seqlens, chunk_offsets, chunk_indices, T, H,
+                  DK: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                  IS_VARLEN: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr, PS: tl.constexpr,
+                  EMU: tl.constexpr):
+    """The chunk-local part of dṼ, (M ∘ Q Kᵀ)ᵀ dO, for one chunk, one head and one block of BV
+    value columns (grid: chunks, H, d_v blocks), written to dVN for ``_bwd_state`` to add K dS
+    to; Q Kᵀ is summed over d_k in blocks of BK."""
+    i_c, h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    n, c = _chunk_id(chunk_indices, i_c, T, C, IS_VARLEN)
+    row0, Tn, coff = _seq_info(cu_seqlens, chunk_offsets, n, h, T, H, C, IS_VARLEN)
+    o_v = i_v * BV + tl.arange(0, BV)
+    o_c = tl.arange(0, C)
+    m_v = o_v < DV
+    o_t = c * C + o_c
+    m_t = o_t < Tn
+    rows = row0 + o_t
+    m_tv = m_t[:, None] & m_v[None, :]
+    QK = tl.zeros([C, C], dtype=ACC)
+    for k0 in range(0, DK, BK):
+        o_k = k0 + tl.arange(0, BK)
+        m_tk = m_t[:, None] & (o_k[None, :] < DK)
+        b_q = tl.load(q + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0)
+        b_k = tl.load(k + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0)
+        QK += _mm(b_q, tl.trans(b_k), PREC, EMU)
+    b_do = tl.load(do + rows[:, None] * DV + o_v[None, :], mask=m_tv, other=0.0)
+    P = tl.where(o_c[:, None] >= o_c[None, :], QK, 0.0)
+    b_dvn = _mm(tl.trans(P), b_do, PS, EMU)
+    tl.store(dVN + rows[:, None] * DV + o_v[None, :], b_dvn.to(dVN.dtype.element_ty), mask=m_tv)
+
+
+@triton.jit
 def _bwd_state(q, k, W, do, dht, dHs, dVN, dh0, cu_seqlens, chunk_offsets, T, H,
                DK: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, IS_VARLEN: tl.constexpr,
-               ACC: tl.constexpr, PREC: tl.constexpr, PS: tl.constexpr, EMU: tl.constexpr):
+               ACC: tl.constexpr, PS: tl.constexpr, EMU: tl.constexpr):
     """The reverse recurrence of the state gradient for one block of d_v columns: per chunk, from
-    the gradient dS at its end, dṼ = causal(Q Kᵀ)ᵀ dO + K dS and dS ← dS + Qᵀ dO − Wᵀ dṼ, writing
-    each chunk's end gradient to dHs. Like ``_fwd_state``, dS is read back from dHs in blocks of
-    BK rows instead of being carried in registers."""
+    the gradient dS at its end, dṼ = dṼ_local + K dS (dṼ_local = (M ∘ Q Kᵀ)ᵀ dO, read from dVN
+    where ``_bwd_dv_local`` stored it, overwritten with the full dṼ) and
+    dS ← dS + Qᵀ dO − Wᵀ dṼ, writing each chunk's end gradient to dHs. Like ``_fwd_state``, dS
+    is read back from dHs in blocks of BK rows instead of being carried in registers."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     n = i_nh // H
     h = i_nh % H
@@ -331,7 +395,6 @@ def _bwd_state(q, k, W, do, dht, dHs, dVN, dh0, cu_seqlens, chunk_offsets, T, H,
     o_v = i_v * BV + tl.arange(0, BV)
     o_c = tl.arange(0, C)
     m_v = o_v < DV
-    causal = o_c[:, None] >= o_c[None, :]
     NT = tl.cdiv(Tn, C)
     s_base = i_nh.to(tl.int64) * DK * DV
     for k0 in range(0, DK, BK):
@@ -354,20 +417,15 @@ def _bwd_state(q, k, W, do, dht, dHs, dVN, dh0, cu_seqlens, chunk_offsets, T, H,
         m_t = o_t < Tn
         rows = row0 + o_t
         m_tv = m_t[:, None] & m_v[None, :]
-        QK = tl.zeros([C, C], dtype=ACC)
-        KdS = tl.zeros([C, BV], dtype=ACC)
+        b_dvn = tl.load(dVN + rows[:, None] * DV + o_v[None, :], mask=m_tv, other=0.0).to(ACC)
         for k0 in range(0, DK, BK):
             o_k = k0 + tl.arange(0, BK)
             m_tk = m_t[:, None] & (o_k[None, :] < DK)
             m_kv = (o_k[:, None] < DK) & m_v[None, :]
             dS = tl.load(dhs_c + o_k[:, None] * DV + o_v[None, :], mask=m_kv, other=0.0).to(ACC)
-            b_q = tl.load(q + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0)
             b_k = tl.load(k + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0)
-            QK += _mm(b_q, tl.trans(b_k), PREC, EMU)
-            KdS += _mm(b_k, dS, PS, EMU)
+            b_dvn += _mm(b_k, dS, PS, EMU)
         b_do = tl.load(do + rows[:, None] * DV + o_v[None, :], mask=m_tv, other=0.0)
-        P = tl.where(causal, QK, 0.0)
-        b_dvn = _mm(tl.trans(P), b_do, PS, EMU) + KdS
         tl.store(dVN + rows[:, None] * DV + o_v[None, :], b_dvn.to(dVN.dtype.element_ty), mask=m_tv)
         for k0 in range(0, DK, BK):
             o_k = k0 + tl.arange(0, BK)
@@ -545,7 +603,8 @@ def launch_meta(DK: int, DV: int, dtype: torch.dtype, arch: int = INTERPRET_ARCH
     operand whole) and the [d_k, BV] state in registers; they now sum over d_k in blocks of
     ``BKS`` = 32 rows (the state read back from Hs / dHs), and nothing spills.
     ``_wy_fwd`` (W, U by column blocks) spilled 32 B on sm_90 at C = 32 with 64-wide blocks and
-    takes 32-wide ones there."""
+    takes 32-wide ones there. The chunk-parallel ``_fwd_o`` and ``_bwd_dv_local`` take the state
+    kernels' d_k and d_v blocks (BKS, BV) and ``warps_o`` warps (those of the state kernels)."""
     BK = _pow2(DK)
     BV = min(_pow2(DV), BV_MAX, max(16, STATE_TILE // BK))
     half = dtype in (torch.bfloat16, torch.float16)
@@ -553,16 +612,16 @@ def launch_meta(DK: int, DV: int, dtype: torch.dtype, arch: int = INTERPRET_ARCH
     mt = dict(BK=BK, BV=BV, BKS=min(BK, BKS_MAX), PREC=_PREC[dtype], PS=_PREC_SOLVE[dtype], stages=1)
     if half and arch >= 90 and small:
         mt.update(C=64, BKW=min(BK, 64), BVW=min(_pow2(DV), 64),
-                  warps_inv=4, warps_wy=8, warps_state=8, warps_chunk=8)
+                  warps_inv=4, warps_wy=8, warps_state=8, warps_o=8, warps_chunk=8)
     elif half:
         W = 32 if arch >= 90 else 64
         mt.update(C=32, BKW=min(BK, W), BVW=min(_pow2(DV), W),
-                  warps_inv=8, warps_wy=8, warps_state=8, warps_chunk=8)
+                  warps_inv=8, warps_wy=8, warps_state=8, warps_o=8, warps_chunk=8)
     else:
         mt.update(C=16, BKW=min(BK, 64), BVW=min(_pow2(DV), 64),
-                  warps_inv=4, warps_wy=4, warps_state=4, warps_chunk=4)
+                  warps_inv=4, warps_wy=4, warps_state=4, warps_o=4, warps_chunk=4)
         if arch < 90:
-            mt.update(BV=min(BV, 16), warps_state=8)
+            mt.update(BV=min(BV, 16), warps_state=8, warps_o=8)
     return mt
 
 
@@ -603,9 +662,12 @@ def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tenso
         _wy_fwd[(NC, H, triton.cdiv(DK, BKW) + triton.cdiv(DV, BVW))](
             k, v, beta, Tm, W, U, cu, chunk_offsets, chunk_indices, T, H, DK=DK, DV=DV, BK=BKW, BV=BVW,
             PS=mt["PS"], num_warps=mt["warps_wy"], **common)
-    _fwd_state[(NV, N * H)](q, k, W, U, Hs, VN, o, h0, ht, cu, chunk_offsets, T, H,
+    _fwd_state[(NV, N * H)](k, W, U, Hs, VN, h0, ht, cu, chunk_offsets, T, H,
                             DK=DK, DV=DV, BK=mt["BKS"], BV=BV, USE_H0=h0 is not None, STORE_HT=ht is not None,
-                            PREC=mt["PREC"], PS=mt["PS"], num_warps=mt["warps_state"], **common)
+                            PS=mt["PS"], num_warps=mt["warps_state"], **common)
+    if NC > 0:
+        _fwd_o[(NC, H, NV)](q, k, VN, Hs, o, cu, chunk_offsets, chunk_indices, T, H, DK=DK, DV=DV,
+                            BK=mt["BKS"], BV=BV, PREC=mt["PREC"], PS=mt["PS"], num_warps=mt["warps_o"], **common)
     if ht is None:
         ht = o.new_empty(0, dtype=acc)
     return o, ht, Tm, W, VN, Hs
@@ -650,9 +712,13 @@ def _bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tenso
     dHs = torch.empty_like(Hs)
     dVN = torch.empty_like(VN)
     dh0 = torch.empty(N, H, DK, DV, dtype=Hs.dtype, device=k.device) if has_h0 else None
+    if NC > 0:
+        _bwd_dv_local[(NC, H, NV)](q, k, do, dVN, cu, chunk_offsets, chunk_indices, T, H, DK=DK, DV=DV,
+                                   BK=mt["BKS"], BV=BV, PREC=mt["PREC"], PS=mt["PS"],
+                                   num_warps=mt["warps_o"], **common)
     _bwd_state[(NV, N * H)](q, k, W, do, dht, dHs, dVN, dh0, cu, chunk_offsets, T, H,
                             DK=DK, DV=DV, BK=mt["BKS"], BV=BV, USE_DHT=dht is not None, STORE_DH0=has_h0,
-                            PREC=mt["PREC"], PS=mt["PS"], num_warps=mt["warps_state"], **common)
+                            PS=mt["PS"], num_warps=mt["warps_state"], **common)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dbeta = torch.empty_like(beta)
     if NC > 0:

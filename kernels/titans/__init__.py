@@ -10,8 +10,9 @@ Variable-length batches: ``cu_seqlens`` (int32 [N+1], cumulative lengths, B = 1)
 sequences along T. Each starts at a chunk boundary (``offset`` a multiple of ``chunk_size``) from
 row n of ``initial_state`` ((M, S[, M̂]), each [N, H, d_k, d_v]) or from zero memory; the final
 (M, S, M̂) is stacked [N, H, d_k, d_v]. Sequences may be empty (final state = initial state, with
-M̂ = M). This is done per sequence: the chosen backend runs once on each sequence, so its kernels
-are launched N times; one launch over the packed batch is future work.
+M̂ = M). The "triton" backend launches each of its kernels once over the whole packed batch
+(per-sequence state restart, chunks that never straddle two sequences, chunk tables built on the
+device: ``chunk._layout``); "torch" and "reference" run once on each sequence.
 """
 from __future__ import annotations
 
@@ -38,13 +39,18 @@ def titans_linear(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, theta: torc
 
     ``offset``: tokens of the current chunk already consumed (their chunk's anchor is M̂).
     Returns (o [B, H, T, d_v] in v's dtype, (M, S, M̂) in the accumulation dtype or None).
-    With ``cu_seqlens`` (int32 [N+1], B = 1) the N packed sequences run one after another through
-    ``backend``, each from its row of ``initial_state`` [N, …] (see the module docstring)."""
+    With ``cu_seqlens`` (int32 [N+1], B = 1) the N packed sequences each start from their row of
+    ``initial_state`` [N, …]: in one launch per kernel with "triton", one after another with the
+    other backends (see the module docstring)."""
     n_states = None
     if cu_seqlens is not None and isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dim() == 1:
         n_states = cu_seqlens.numel() - 1
     check_titans_inputs("titans_linear", q, k, v, theta, log_eta, log_keep, initial_state, chunk_size,
                         offset, n_states)
+    if cu_seqlens is not None and backend == "triton":
+        from kernels.titans.chunk import titans_linear_triton
+        return titans_linear_triton(q, k, v, theta, log_eta, log_keep, initial_state, output_final_state,
+                                    chunk_size, offset, cu_seqlens)
     if cu_seqlens is not None:
         return _titans_varlen(q, k, v, theta, log_eta, log_keep, initial_state, output_final_state,
                               backend, chunk_size, offset, cu_seqlens)
@@ -78,8 +84,8 @@ def _seq_bounds(cu_seqlens: torch.Tensor, B: int, T: int) -> List[int]:
 
 def _titans_varlen(q, k, v, theta, log_eta, log_keep, initial_state, output_final_state, backend,
                    chunk_size, offset, cu_seqlens):
-    """One ``titans_linear`` call per sequence of the packed batch; outputs concatenated along T,
-    final states stacked along the batch axis."""
+    """One ``titans_linear`` call per sequence of the packed batch (the PyTorch backends); outputs
+    concatenated along T, final states stacked along the batch axis."""
     B, H, T, dk = k.shape
     dv = v.shape[-1]
     bounds = _seq_bounds(cu_seqlens, B, T)

@@ -171,17 +171,23 @@ def test_no_final_state_and_no_grad_for_state():
         torch.testing.assert_close(b.grad.to(D64), a.grad, atol=1e-4, rtol=1e-4)
 
 
-def test_varlen_matches_separate_sequences():
+@pytest.mark.parametrize("dv,bv_max", [(5, None), (40, 16)])
+def test_varlen_matches_separate_sequences(monkeypatch, dv, bv_max):
     """cu_seqlens: one packed row of sequences of lengths 5, 0, 17, 18 equals the reference run
     on each sequence alone with its own initial state (float64, so 1e-10), in every gradient
-    too; the empty sequence passes its initial state through unchanged."""
+    too; the empty sequence passes its initial state through unchanged. With d_v = 40 in blocks
+    of 16 the chunk-parallel kernels (``_fwd_o``, ``_bwd_dv_local``: chunks × heads × d_v
+    blocks) map each packed chunk to its sequence and d_v block."""
+    if bv_max is not None:
+        monkeypatch.setattr(dr_chunk, "BV_MAX", bv_max)
+        assert dr_chunk.launch_meta(6, dv, D64)["BV"] == bv_max
     lens = [5, 0, 17, 18]
     T = sum(lens)
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
-    ins, S0 = _inputs(1, 2, T, 6, 5, D64, seed=6, with_state=True, n_states=len(lens))
+    ins, S0 = _inputs(1, 2, T, 6, dv, D64, seed=6, with_state=True, n_states=len(lens))
     g = torch.Generator().manual_seed(7)
-    wo = torch.randn(1, 2, T, 5, generator=g, dtype=D64).to(DEV)
-    wS = torch.randn(len(lens), 2, 6, 5, generator=g, dtype=D64).to(DEV)
+    wo = torch.randn(1, 2, T, dv, generator=g, dtype=D64).to(DEV)
+    wS = torch.randn(len(lens), 2, 6, dv, generator=g, dtype=D64).to(DEV)
 
     def per_sequence(q, k, v, b, s0):
         outs, states = [], []

@@ -34,6 +34,8 @@ def _assert_close(got, want, what, tol):
     """Relative to each tensor's largest entry: the gradients of τ and of the weights sum over
     every token and are much larger than those of single tokens."""
     assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    if want.numel() == 0:   # e.g. the outputs of a batch of empty sequences
+        return
     scale = want.abs().max().item() + 1e-30
     err = (got - want).abs().max().item()
     assert err <= tol * scale + 1e-13, f"{what}: max error {err:.3e} (scale {scale:.3e})"
@@ -249,3 +251,63 @@ def test_titans_varlen_chunk_aligned_offset_and_refusals():
         titans_linear(*ins, initial_state=[s[:2] for s in state], chunk_size=C, cu_seqlens=_cu(LENGTHS))
     with pytest.raises(ValueError, match="rise from 0"):
         titans_linear(*ins, chunk_size=C, cu_seqlens=_cu((5, 0, 17, 10)))
+
+
+class _CountLaunches:
+    """Wraps a Triton kernel: counts its launches (``kernel[grid](...)``) and records the grids."""
+
+    def __init__(self, kernel):
+        self.kernel, self.grids = kernel, []
+
+    def __getitem__(self, grid):
+        self.grids.append(tuple(grid))
+        return self.kernel[grid]
+
+
+TITANS_KERNELS = ("_titans_fwd_state_kernel", "_titans_fwd_kernel", "_titans_bwd_state_kernel",
+                  "_titans_bwd_kernel", "_titans_bwd_gates_kernel")
+
+
+@pytest.mark.parametrize("lengths", [(5, 0, 8, 3), (3,), (0, 0)])
+def test_titans_triton_varlen_is_one_launch_per_kernel(monkeypatch, lengths):
+    """With cu_seqlens the Triton backend launches each of its five kernels once for the whole
+    packed batch (no per-sequence loop), d_v = 24 in blocks of 16 (two per program row), and
+    equals the same kernels run on each sequence alone as its own batch (float64, forward, final
+    states and every gradient, initial states included). Lengths: partial last chunks, a whole
+    number of chunks (8 = 2 · 4), a sequence shorter than one chunk, empty sequences."""
+    import kernels.titans.chunk as tchunk
+
+    monkeypatch.setattr(tchunk, "BV_MAX", 16)
+    C, dk, dv = 4, 16, 24
+    ins, state = _titans_inputs(sum(lengths), dk, dv, len(lengths), True, seed=3)
+
+    def separate(x, s):
+        outs, finals, t0 = [], [], 0
+        for n, L in enumerate(lengths):
+            st = [m[n:n + 1] for m in s]
+            o, f = titans_linear(*(a[:, :, t0:t0 + L] for a in x), initial_state=st, output_final_state=True,
+                                 backend="triton" if L else "reference", chunk_size=C)
+            outs.append(o)
+            finals.append(f)
+            t0 += L
+        return torch.cat(outs, 2), tuple(torch.cat([f[i] for f in finals], 0) for i in range(3))
+
+    want = _titans_run(separate, ins, state)
+    counters = {name: _CountLaunches(getattr(tchunk, name)) for name in TITANS_KERNELS}
+    for name, counter in counters.items():
+        monkeypatch.setattr(tchunk, name, counter)
+    got = _titans_run(lambda x, s: titans_linear(*x, initial_state=s, output_final_state=True, backend="triton",
+                                                 chunk_size=C, cu_seqlens=_cu(lengths)), ins, state)
+    N, T = len(lengths), sum(lengths)
+    slots = T // C + N   # chunk slots per head: ≥ the Σ ⌈T_i / C⌉ chunks, spare ones masked
+    assert counters["_titans_fwd_state_kernel"].grids == [(2, N * H)]
+    assert counters["_titans_bwd_state_kernel"].grids == [(2, N * H)]
+    assert counters["_titans_fwd_kernel"].grids == [(slots, 2, H)]
+    assert counters["_titans_bwd_kernel"].grids == [(slots, 2, H)]
+    assert counters["_titans_bwd_gates_kernel"].grids == [(slots, H)]
+    tol = 1e-10   # the same kernels on the same chunks, float64
+    _assert_close(got[0], want[0], "out", tol)
+    for name, a, b in zip(("M", "S", "M̂"), got[1], want[1]):
+        _assert_close(a, b, f"final {name}", tol)
+    for name, a, b in zip(TITANS_NAMES, got[2], want[2]):
+        _assert_close(a, b, f"grad {name}", tol)

@@ -191,8 +191,9 @@ BLOCKS = {
 
 def test_packed_sequences_compile_like_eager():
     """cu_seqlens: the op's fake shapes take the number of sequences from the offsets' length (and
-    the delta rule's chunk count as a data-dependent size); compiled outputs and gradients equal
-    eager. delta_rule_triton checks the offsets on the host (a graph break before its op)."""
+    the delta rule's chunk count as a data-dependent size, Titans' chunk slots as ⌊T / C⌋ + N);
+    compiled outputs and gradients equal eager. delta_rule_triton and titans_linear_triton check
+    the offsets on the host (a graph break before their op)."""
     g = torch.Generator().manual_seed(0)
     cu = torch.tensor([0, 5, 20], dtype=torch.int32)
     q, k = (torch.nn.functional.normalize(torch.randn(1, 2, 20, 16, generator=g, dtype=torch.float64), dim=-1)
@@ -201,8 +202,17 @@ def test_packed_sequences_compile_like_eager():
     beta = torch.rand(1, 2, 20, generator=g, dtype=torch.float64)
     la = -torch.rand(1, 20, 8, generator=g, dtype=torch.float64)
     b = torch.randn(1, 20, 8, generator=g, dtype=torch.float64)
+    theta = 0.5 * torch.rand(1, 2, 20, generator=g, dtype=torch.float64)
+    log_eta, log_keep = (torch.nn.functional.logsigmoid(torch.randn(1, 2, 20, generator=g, dtype=torch.float64) + 2)
+                         for _ in range(2))
+
+    def titans(q, k, v, theta, log_eta, log_keep):   # chunk 8: both sequences end in a partial chunk
+        y, fin = titans_linear(q, k, v, theta, log_eta, log_keep, None, True, backend="triton", chunk_size=8,
+                               cu_seqlens=cu)
+        return (y, *fin)
     cases = [(lambda q, k, v, beta: delta_rule_triton(q, k, v, beta, None, True, 16, cu_seqlens=cu), (q, k, v, beta)),
-             (lambda la, b: linear_scan(la, b, None, True, backend="triton", chunk_size=8, cu_seqlens=cu), (la, b))]
+             (lambda la, b: linear_scan(la, b, None, True, backend="triton", chunk_size=8, cu_seqlens=cu), (la, b)),
+             (titans, (q, k, v, theta, log_eta, log_keep))]
 
     def run(fn, inputs):
         leaves = [x.clone().requires_grad_() for x in inputs]
