@@ -30,15 +30,24 @@ head) when the backward needs them. The backward walks the mini-batches in rever
 (dW1, db1, dW2, db2), the gradient with respect to the weights at the end of the current
 mini-batch, the first three in global memory (the output buffers, which the wrapper fills with the
 final-state gradients), db2 in registers. Per mini-batch it repeats the forward's two passes from
-the stored start weights (recomputing rather than keeping), then two backward passes:
+the stored start weights (recomputing rather than keeping), then four backward passes, each
+recomputing the tile's Z1-side quantities (``_tile_fwd``):
 
-    pass 3 (per tile): P1_j = K dW1_j + db1_j and X2_j dW2_j (read before the tile's gradient is
-        extended), ∂X̄2_j = ∂Z̄2 W2_jᵀ + ∂A2 X2_j, ∂Z̄1_j, Σ_j ∂Z̄1_j Γ1_jᵀ (for ∂M1), ∂Γ1_j, and
-        Σ_j ∂(Γ1_j) ⊙ GELU'(Z1_j) W2_j (for ∂Γ2); everything of ∂Z1_j except the ∂Z2 term is written
-        to a [b, m] scratch, and dW1_j, db1_j, dW2_j are extended with their Z̄ and Γ1 terms;
-    then ∂Γ2 is complete: ∂Z2 (the LayerNorm-fused loss's second derivative), ∂M1, ∂Q, ∂K, ∂η, ∂τ;
+    pass 3a (per tile): ∂X̄2_j = ∂Z̄2 W2_jᵀ + ∂A2 X2_j, ∂Z̄1_j (to a [b, m] scratch), ∂Q's
+        Σ_j ∂Z̄1_j W1_jᵀ and Σ_j ∂Z̄1_j Γ1_jᵀ (for ∂M1); then ∂M1 and ∂Q are complete;
+    pass 3b (per tile, the W2 side of the update): X2_j dW2_j and (η ⊙ Γ2) dW2_jᵀ, read before the
+        tile's gradient is extended; ∂X2_j's update and A2 terms, times GELU'(Z1_j), to a second
+        scratch; dW2_j gets its Z̄2 term;
+    pass 3c (per tile, the W1 side): P1_j = K dW1_j + db1_j, ∂Γ1_j, Σ_j ∂(Γ1_j) ⊙ GELU'(Z1_j) W2_j
+        (for ∂Γ2); everything of ∂Z1_j except the ∂Z2 term goes to a third scratch, and dW1_j,
+        db1_j, dW2_j are extended with their Z̄ and Γ1 terms;
+    then ∂Γ2 is complete: ∂Z2 (the LayerNorm-fused loss's second derivative), ∂K, ∂η, ∂τ;
     pass 4 (per tile): ∂Z1_j = scratch_j + (∂Z2 W2_jᵀ) ⊙ GELU'(Z1_j), then ∂K += ∂Z1_j W1_jᵀ and
         dW1_j, db1_j, dW2_j get their Z1, Z2 terms.
+
+The [b, d] tensors the tile loops use (Γ2, ∂Z̄2, ∂Z2, with Z2 for the LayerNorm pieces) go to a
+per-program [4, b, d] scratch and are read again inside each loop rather than held across the
+passes.
 
 The GELU''(Z1) term enters through Γ1's dependence on Z1. One program per (batch, head); the
 passes exchange data through global memory, ordered by ``tl.debug_barrier()`` (a CTA barrier,
@@ -59,9 +68,12 @@ come back in the input dtype, the state in float32 (float64 for float64 inputs).
 
 Launch configurations (``_mlp_launch_cfg``, the same on every GPU family): compiled for sm_90 and
 sm_80 by ``python -m kernels.compile_report --op ttt -k _ttt_mlp_``. Q and K are read again from
-global memory in every hidden tile rather than held across the tile loops. The bfloat16 forward
-compiles clean at d = 64 and d = 128 on both; the backward (its pass 3 is the register peak) and the
-float32 kernels (3×TF32 operands) still spill (``tests/kernels/test_compile_gate.py`` lists each).
+global memory in every hidden tile rather than held across the tile loops. Triton gives every
+tl.dot of a loop the warp layout of its last one, and a square [b, b] product with chained
+products picks all warps along its b rows (each warp then holds the whole tile), so every tile
+loop ends with a [b, d] product. The bfloat16 forward compiles clean at d = 64 and d = 128 on
+both; the backward and the float32 kernels (3×TF32 operands) still spill
+(``tests/kernels/test_compile_gate.py`` lists each).
 """
 from __future__ import annotations
 
@@ -251,14 +263,15 @@ def _ttt_mlp_fwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, B20, OUT,
 
 
 @triton.jit
-def _ttt_mlp_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, W1S, B1S, W2S, B2S, DOUT, DB2F, DZ1S,
+def _ttt_mlp_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, W1S, B1S, W2S, B2S, DOUT, DB2F, DZ1S, RS,
                         DXQ, DXK, DXV, DETA, DTAU, DLNW, DLNB, DW1, DB1, DW2, DB20,
                         T, NMB, H, eps,
                         D: tl.constexpr, BD: tl.constexpr, M: tl.constexpr, BM: tl.constexpr,
                         MB: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr):
     """DW1 [D, M], DB1 [M], DW2 [M, D] hold the final-state gradients on entry (the wrapper copies
-    them in) and are accumulated in place into the initial weights' gradients; DZ1S [BT, M] is
-    the program's scratch for the partial ∂Z1 between passes 3 and 4."""
+    them in) and are accumulated in place into the initial weights' gradients; DZ1S [2, BT, M] is
+    the program's scratch for ∂Z̄1 (pass 3a → 3b) and the partial ∂Z1 (pass 3b → 4), RS [4, BT, BD]
+    for Γ2, Z2, ∂Z̄2 and ∂Z2, which the tile loops re-read instead of holding them."""
     pid = tl.program_id(0)
     h = pid % H
     cdt = W1S.dtype.element_ty
@@ -273,7 +286,14 @@ def _ttt_mlp_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, W1S, B1S, W2S, B2S, DOUT
     GW1 = DW1 + pid * D * M
     GB1 = DB1 + pid * M
     GW2 = DW2 + pid * M * D
-    ZS = DZ1S + pid * BT * M
+    ZS = DZ1S + pid * 3 * BT * M
+    ZB = ZS + BT * M
+    ZX = ZB + BT * M
+    roff = rows[:, None] * BD + cols[None, :]
+    SG2 = RS + pid * 4 * BT * BD
+    SZ2 = SG2 + BT * BD
+    SDZB = SZ2 + BT * BD
+    SDZ = SDZB + BT * BD
 
     gamma = tl.load(LNW + h * D + cols, mask=cmask, other=0.0).to(cdt)
     beta = tl.load(LNB + h * D + cols, mask=cmask, other=0.0).to(cdt)
@@ -294,53 +314,106 @@ def _ttt_mlp_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, W1S, B1S, W2S, B2S, DOUT
         b2 = tl.load(B2S + s * D + cols, mask=cmask, other=0.0)
         t_off = n * MB + rows
         xoff = pid * T * D + t_off[:, None] * D + cols[None, :]
-        q = tl.load(XQ + xoff, mask=xmask, other=0.0).to(cdt)
         k = tl.load(XK + xoff, mask=xmask, other=0.0).to(cdt)
         v = tl.load(XV + xoff, mask=xmask, other=0.0).to(cdt)
         e = tl.load(ETA + pid * T + t_off, mask=rmask, other=0.0).to(cdt)
-        do = tl.load(DOUT + xoff, mask=xmask, other=0.0).to(cdt)
 
         # passes 1 and 2: the forward again from the stored start weights
         Z2 = _z2(k, W1P, B1P, W2P, b2, cols, hc, cmask, rmask, D, M, BT, BD, BM, PREC)
         xh, rstd, tgt, gh, G2 = _loss_grad(Z2, v, k, gamma, beta, cmask, D, eps)
+        tl.store(SG2 + roff, G2)
+        tl.store(SZ2 + roff, Z2)
+        tl.debug_barrier()                      # the tile loops read Γ2 back
+        q = tl.load(XQ + xoff, mask=xmask, other=0.0).to(cdt)
         Ev = tau[:, None] * e[None, :]
-        A1 = _dot(q, tl.trans(k), PREC)
-        M1 = tl.where(tril, Ev * (A1 + 1.0), 0.0)
+        M1 = tl.where(tril, Ev * (_dot(q, tl.trans(k), PREC) + 1.0), 0.0)
         A2 = tl.zeros([BT, BT], dtype=cdt)
         Z2b = tl.zeros([BT, BD], dtype=cdt)
         for j0 in range(0, M, BM):
-            # Q, K read again in every tile (L1/L2 hits) rather than held across the loop
+            # Q, K, Γ2 read again in every tile (L1/L2 hits) rather than held across the loop
             q = tl.load(XQ + xoff, mask=xmask, other=0.0).to(cdt)
             k = tl.load(XK + xoff, mask=xmask, other=0.0).to(cdt)
+            G2 = tl.load(SG2 + roff)
             W1, b1, W2 = _w_tile(W1P, B1P, W2P, j0, cols, hc, cmask, D, M, PREC)
             X2, gp, gpp, S, G1, X2b, gpb = _tile_fwd(q, k, G2, M1, W1, b1, W2, rmask, PREC)
             A2 += _dot(X2b, tl.trans(X2), PREC)
             Z2b += _dot(X2b, W2, PREC)
+        G2 = tl.load(SG2 + roff)
         M2 = tl.where(tril, Ev * (A2 + 1.0), 0.0)
         Z2b += b2[None, :] - _dot(M2, G2, PREC)
         xhb, rstdb = _ln_stats(Z2b, cmask, D, eps)
 
         # out = Q + γ x̂(Z̄2) + β
+        do = tl.load(DOUT + xoff, mask=xmask, other=0.0).to(cdt)
         dgamma += tl.sum(do * xhb, axis=0)
         dbeta += tl.sum(do, axis=0)
         dZ2b = _ln_bwd(do * gamma[None, :], xhb, rstdb, cmask, D)
+        tl.store(SDZB + roff, dZ2b)
         # Z̄2 = X̄2 W2 + b2 − M2 Γ2,  M2 = tril(E ⊙ (X̄2 X2ᵀ + 1))
         dM2 = tl.where(tril, -_dot(dZ2b, tl.trans(G2), PREC), 0.0)
         dE = dM2 * (A2 + 1.0)
         dA2 = dM2 * Ev
         dG2 = -_dot(tl.trans(M2), dZ2b, PREC)
-        eG2 = e[:, None] * G2
+        tl.debug_barrier()                      # the tile loops read ∂Z̄2 back
 
-        # pass 3
-        P2 = tl.zeros([BT, BD], dtype=cdt)
-        GP = tl.zeros([BT], dtype=cdt)
-        dq = do
-        dk = tl.zeros([BT, BD], dtype=cdt)
+        # pass 3a (per tile): X̄2 = GELU(Z̄1), Z̄1 = Q W1 + b1 − M1 Γ1; ∂Z̄1_j to scratch
         dMacc = tl.zeros([BT, BT], dtype=cdt)
+        dq = tl.zeros([BT, BD], dtype=cdt)
         for j0 in range(0, M, BM):
-            # Q, K read again in every tile (L1/L2 hits) rather than held across the loop
             q = tl.load(XQ + xoff, mask=xmask, other=0.0).to(cdt)
             k = tl.load(XK + xoff, mask=xmask, other=0.0).to(cdt)
+            G2 = tl.load(SG2 + roff)
+            dZ2b = tl.load(SDZB + roff)
+            W1, b1, W2 = _w_tile(W1P, B1P, W2P, j0, cols, hc, cmask, D, M, PREC)
+            X2, gp, gpp, S, G1, X2b, gpb = _tile_fwd(q, k, G2, M1, W1, b1, W2, rmask, PREC)
+            hcols = j0 + hc
+            hmask = hcols < M
+            dZ1b = (_dot(dZ2b, tl.trans(W2), PREC) + _dot(dA2, X2, PREC)) * gpb
+            dMacc += _dot(dZ1b, tl.trans(G1), PREC)
+            # last: Triton gives the loop's products the warp layout of its last one ([b, d] here)
+            dq += _dot(dZ1b, tl.trans(W1), PREC)
+            tl.store(ZB + rows[:, None] * M + hcols[None, :], dZ1b, mask=hmask[None, :])
+        # M1 = tril(E ⊙ (A1 + 1)), A1 = Q Kᵀ: ∂Q is complete here
+        q = tl.load(XQ + xoff, mask=xmask, other=0.0).to(cdt)
+        k = tl.load(XK + xoff, mask=xmask, other=0.0).to(cdt)
+        dM1 = tl.where(tril, -dMacc, 0.0)
+        dE += dM1 * (_dot(q, tl.trans(k), PREC) + 1.0)
+        dA1 = dM1 * Ev
+        do = tl.load(DOUT + xoff, mask=xmask, other=0.0).to(cdt)
+        dq += do + _dot(dA1, k, PREC)
+        tl.store(DXQ + xoff, dq.to(DXQ.dtype.element_ty), mask=xmask)
+        dk = _dot(tl.trans(dA1), q, PREC)
+        tl.debug_barrier()                      # pass 3b reads what pass 3a wrote
+
+        # the end-of-mini-batch update W1' = W1 − τ_{b−1} Kᵀ(η⊙Γ1), W2' = W2 − τ_{b−1} X2ᵀ(η⊙Γ2),
+        # biases likewise: each pass reads the end-weight gradients of its tile before extending them
+        # pass 3b (per tile): the W2 side, X2 through the update of W2 and through A2 = X̄2 X2ᵀ
+        P2 = tl.zeros([BT, BD], dtype=cdt)
+        for j0 in range(0, M, BM):
+            q = tl.load(XQ + xoff, mask=xmask, other=0.0).to(cdt)
+            k = tl.load(XK + xoff, mask=xmask, other=0.0).to(cdt)
+            G2 = tl.load(SG2 + roff)
+            W1, b1, W2 = _w_tile(W1P, B1P, W2P, j0, cols, hc, cmask, D, M, PREC)
+            X2, gp, gpp, S, G1, X2b, gpb = _tile_fwd(q, k, G2, M1, W1, b1, W2, rmask, PREC)
+            hcols = j0 + hc
+            hmask = hcols < M
+            w2o = hcols[:, None] * D + cols[None, :]
+            w2m = hmask[:, None] & cmask[None, :]
+            gW2 = tl.load(GW2 + w2o, mask=w2m, other=0.0)
+            dX2 = (-tau_last * e)[:, None] * _dot(G2, tl.trans(gW2), PREC) + _dot(tl.trans(dA2), X2b, PREC)
+            tl.store(ZX + rows[:, None] * M + hcols[None, :], tl.where(rmask[:, None], dX2 * gp, 0.0),
+                     mask=hmask[None, :])
+            dZ2b = tl.load(SDZB + roff)
+            tl.store(GW2 + w2o, gW2 + _dot(tl.trans(X2b), dZ2b, PREC), mask=w2m)
+            P2 += _dot(X2, gW2, PREC)
+        tl.debug_barrier()                      # pass 3c reads what pass 3b wrote
+
+        # pass 3c (per tile): the Γ1 side, Γ1 through the update of W1 and b1, through M1 Γ1 and S
+        GP = tl.zeros([BT], dtype=cdt)
+        for j0 in range(0, M, BM):
+            q = tl.load(XQ + xoff, mask=xmask, other=0.0).to(cdt)
+            k = tl.load(XK + xoff, mask=xmask, other=0.0).to(cdt)
+            G2 = tl.load(SG2 + roff)
             W1, b1, W2 = _w_tile(W1P, B1P, W2P, j0, cols, hc, cmask, D, M, PREC)
             X2, gp, gpp, S, G1, X2b, gpb = _tile_fwd(q, k, G2, M1, W1, b1, W2, rmask, PREC)
             hcols = j0 + hc
@@ -349,59 +422,49 @@ def _ttt_mlp_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, W1S, B1S, W2S, B2S, DOUT
             w2o = hcols[:, None] * D + cols[None, :]
             w1m = cmask[:, None] & hmask[None, :]
             w2m = hmask[:, None] & cmask[None, :]
-            # end-of-mini-batch update W1' = W1 − τ_{b−1} Kᵀ(η⊙Γ1), W2' = W2 − τ_{b−1} X2ᵀ(η⊙Γ2),
-            # biases likewise: read with the end-weight gradients before this tile extends them
+            zo = rows[:, None] * M + hcols[None, :]
+            dZ1b = tl.load(ZB + zo, mask=hmask[None, :], other=0.0)
             gW1 = tl.load(GW1 + w1o, mask=w1m, other=0.0)
             gb1 = tl.load(GB1 + hcols, mask=hmask, other=0.0)
-            gW2 = tl.load(GW2 + w2o, mask=w2m, other=0.0)
             P1 = _dot(k, gW1, PREC) + gb1[None, :]
             GP += tl.sum(G1 * P1, axis=1)
-            dG1 = -tau_last * e[:, None] * P1
-            dk += -tau_last * _dot(e[:, None] * G1, tl.trans(gW1), PREC)
-            P2 += _dot(X2, gW2, PREC)
-            dX2 = -tau_last * _dot(eG2, tl.trans(gW2), PREC) + _dot(tl.trans(dA2), X2b, PREC)
-            # X̄2 = GELU(Z̄1),  Z̄1 = Q W1 + b1 − M1 Γ1
-            dX2b = _dot(dZ2b, tl.trans(W2), PREC) + _dot(dA2, X2, PREC)
-            dZ1b = dX2b * gpb
-            dq += _dot(dZ1b, tl.trans(W1), PREC)
-            dMacc += _dot(dZ1b, tl.trans(G1), PREC)
-            dG1 += -_dot(tl.trans(M1), dZ1b, PREC)
+            dG1 = -tau_last * e[:, None] * P1 - _dot(tl.trans(M1), dZ1b, PREC)
+            dk += (-tau_last * e)[:, None] * _dot(G1, tl.trans(gW1), PREC)      # (η⊙Γ1) gW1ᵀ
             # Γ1 = (Γ2 W2ᵀ) ⊙ GELU'(Z1)
             dS = dG1 * gp
-            dG2 += _dot(dS, W2, PREC)
-            dZ1p = dG1 * S * gpp + tl.where(rmask[:, None], dX2 * gp, 0.0)
-            tl.store(ZS + rows[:, None] * M + hcols[None, :], dZ1p, mask=hmask[None, :])
+            tl.store(ZS + zo, dG1 * S * gpp + tl.load(ZX + zo, mask=hmask[None, :], other=0.0), mask=hmask[None, :])
             tl.store(GW1 + w1o, gW1 + _dot(tl.trans(q), dZ1b, PREC), mask=w1m)
             tl.store(GB1 + hcols, gb1 + tl.sum(dZ1b, axis=0), mask=hmask)
-            tl.store(GW2 + w2o, gW2 + _dot(tl.trans(X2b), dZ2b, PREC) + _dot(tl.trans(dS), G2, PREC), mask=w2m)
-        tl.debug_barrier()                      # pass 4 reads what pass 3 wrote
+            tl.store(GW2 + w2o, tl.load(GW2 + w2o, mask=w2m, other=0.0) + _dot(tl.trans(dS), G2, PREC), mask=w2m)
+            dG2 += _dot(dS, W2, PREC)
 
+        G2 = tl.load(SG2 + roff)
         P2 += db2[None, :]
         GP += tl.sum(G2 * P2, axis=1)
         dG2 += -tau_last * e[:, None] * P2
         de = -tau_last * GP
         dtau += tl.where(is_last, -tl.sum(e * GP, axis=0), 0.0)
-        # M1 = tril(E ⊙ (A1 + 1)), A1 = Q Kᵀ
-        dM1 = tl.where(tril, -dMacc, 0.0)
-        dE += dM1 * (A1 + 1.0)
-        dA1 = dM1 * Ev
-        dq += _dot(dA1, k, PREC)
-        dk += _dot(tl.trans(dA1), q, PREC)
         # E_ij = τ_i η_j
         de += tl.sum(dE * tau[:, None], axis=0)
         dtau += tl.sum(dE * e[None, :], axis=1)
-        # Γ2 from Z2 and the target V − K
+        tl.store(DETA + pid * T + t_off, de.to(DETA.dtype.element_ty), mask=rmask)
+        # Γ2 from Z2 and the target V − K (the LayerNorm pieces recomputed from the stored Z2)
+        k = tl.load(XK + xoff, mask=xmask, other=0.0).to(cdt)
+        v = tl.load(XV + xoff, mask=xmask, other=0.0).to(cdt)
+        xh, rstd, tgt, gh, G2 = _loss_grad(tl.load(SZ2 + roff), v, k, gamma, beta, cmask, D, eps)
         dZ2, dtgt, dg, dbt = _ln_l2_bwd_bwd(dG2, G2, gh, xh, rstd, gamma, beta, tgt, cmask, D)
         dgamma += dg
         dbeta += dbt
-        db2 += tl.sum(dZ2b, axis=0) + tl.sum(dZ2, axis=0)
+        db2 += tl.sum(tl.load(SDZB + roff), axis=0) + tl.sum(dZ2, axis=0)
         dk -= dtgt
+        tl.store(DXV + xoff, dtgt.to(DXV.dtype.element_ty), mask=xmask)
+        tl.store(SDZ + roff, dZ2)
+        tl.debug_barrier()                      # pass 4 reads what pass 3b wrote
 
         # pass 4: Z2 = X2 W2 + b2,  X2 = GELU(Z1),  Z1 = K W1 + b1
         for j0 in range(0, M, BM):
-            # Q, K read again in every tile (L1/L2 hits) rather than held across the loop
-            q = tl.load(XQ + xoff, mask=xmask, other=0.0).to(cdt)
             k = tl.load(XK + xoff, mask=xmask, other=0.0).to(cdt)
+            dZ2 = tl.load(SDZ + roff)
             W1, b1, W2 = _w_tile(W1P, B1P, W2P, j0, cols, hc, cmask, D, M, PREC)
             X2, gp, gpp = _gelu_tanh3(_dot(k, W1, PREC) + b1[None, :])
             X2 = tl.where(rmask[:, None], X2, 0.0)
@@ -417,12 +480,9 @@ def _ttt_mlp_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, W1S, B1S, W2S, B2S, DOUT
             tl.store(GW1 + w1o, tl.load(GW1 + w1o, mask=w1m, other=0.0) + _dot(tl.trans(k), dZ1, PREC), mask=w1m)
             tl.store(GB1 + hcols, tl.load(GB1 + hcols, mask=hmask, other=0.0) + tl.sum(dZ1, axis=0), mask=hmask)
             tl.store(GW2 + w2o, tl.load(GW2 + w2o, mask=w2m, other=0.0) + _dot(tl.trans(X2), dZ2, PREC), mask=w2m)
-        tl.debug_barrier()                      # the next mini-batch's pass 3 reads the gradients
+        tl.debug_barrier()                      # the next mini-batch's passes read the gradients and scratch
 
-        tl.store(DXQ + xoff, dq.to(DXQ.dtype.element_ty), mask=xmask)
         tl.store(DXK + xoff, dk.to(DXK.dtype.element_ty), mask=xmask)
-        tl.store(DXV + xoff, dtgt.to(DXV.dtype.element_ty), mask=xmask)
-        tl.store(DETA + pid * T + t_off, de.to(DETA.dtype.element_ty), mask=rmask)
 
     tl.store(DB20 + pid * D + cols, db2, mask=cmask)
     tl.store(DLNW + pid * D + cols, dgamma, mask=cmask)
@@ -530,9 +590,10 @@ def _mlp_bwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: torch
     dLNB = torch.empty(B, H, d, dtype=cdt, device=dev)
     dB20 = torch.empty(B, H, 1, d, dtype=cdt, device=dev)
     BD, BM, BT, kw = _mlp_launch_cfg(d, m, bsz)
-    dZ1S = torch.empty(B, H, BT, m, dtype=cdt, device=dev)
+    dZ1S = torch.empty(B, H, 3, BT, m, dtype=cdt, device=dev)
+    RS = torch.empty(B, H, 4, BT, BD, dtype=cdt, device=dev)
     _ttt_mlp_bwd_kernel[(B * H,)](
-        XQ, XK, XV, eta, tau_c, lw, lb, W1S, B1S, W2S, B2S, dout, dB2F, dZ1S,
+        XQ, XK, XV, eta, tau_c, lw, lb, W1S, B1S, W2S, B2S, dout, dB2F, dZ1S, RS,
         dXQ, dXK, dXV, dETA, dTAU, dLNW, dLNB, dW10, dB10, dW20, dB20,
         T, NMB, H, LN_EPS, D=d, BD=BD, M=m, BM=BM, MB=bsz, BT=BT, PREC=_precision(XQ.dtype), **kw)
     return [dXQ, dXK, dXV, dETA, dTAU.sum((0, 1)).to(tau_dt), dLNW.sum(0).to(lw_dt),
