@@ -125,15 +125,23 @@ def _unit_lower_inverse16(L):
 
 
 @triton.jit
-def _chunk_id(chunk_indices, i_c, T, C: tl.constexpr, IS_VARLEN: tl.constexpr):
+def _chunk_info(cu_seqlens, chunk_offsets, chunk_indices, i_c, h, T, H, C: tl.constexpr,
+                IS_VARLEN: tl.constexpr):
+    """Chunk slot i_c at head h: the chunk's index c inside its sequence, the sequence's first
+    packed row, its length and its first global chunk. Packed slots read (sequence, chunk) from
+    ``chunk_indices``; a spare slot (sequence −1, chunk 0) gets length 0, so every load and store
+    masked by the token rows is off, and its state loads (masked by columns only) read the first
+    sequence's first slot, in bounds."""
     if IS_VARLEN:
         n = tl.load(chunk_indices + 2 * i_c)
         c = tl.load(chunk_indices + 2 * i_c + 1)
+        row0, Tn, coff = _seq_info(cu_seqlens, chunk_offsets, tl.maximum(n, 0), h, T, H, C, IS_VARLEN)
+        Tn = tl.where(n >= 0, Tn, 0)
     else:
         NT = tl.cdiv(T, C)
-        n = i_c // NT
         c = i_c % NT
-    return n, c
+        row0, Tn, coff = _seq_info(cu_seqlens, chunk_offsets, i_c // NT, h, T, H, C, IS_VARLEN)
+    return c, row0, Tn, coff
 
 
 @triton.jit
@@ -174,8 +182,7 @@ def _wy_inv(k, beta, Tm, cu_seqlens, chunk_offsets, chunk_indices, T, H,
     as zeros. PK: precision of K Kᵀ (the inputs' type); PS: of the products of the float32
     blocks of L and T."""
     i_c, h = tl.program_id(0), tl.program_id(1)
-    n, c = _chunk_id(chunk_indices, i_c, T, C, IS_VARLEN)
-    row0, Tn, coff = _seq_info(cu_seqlens, chunk_offsets, n, h, T, H, C, IS_VARLEN)
+    c, row0, Tn, coff = _chunk_info(cu_seqlens, chunk_offsets, chunk_indices, i_c, h, T, H, C, IS_VARLEN)
     o = tl.arange(0, 16)
     low = o[:, None] > o[None, :]
     zero = tl.zeros([16, 16], dtype=ACC)
@@ -225,8 +232,7 @@ def _wy_fwd(k, v, beta, Tm, W, U, cu_seqlens, chunk_offsets, chunk_indices, T, H
     """W = T (βK) and U = T (βV) for one chunk and one block of BK key / BV value columns
     (grid: chunks, H, column blocks of d_k then of d_v)."""
     i_c, h, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    n, c = _chunk_id(chunk_indices, i_c, T, C, IS_VARLEN)
-    row0, Tn, coff = _seq_info(cu_seqlens, chunk_offsets, n, h, T, H, C, IS_VARLEN)
+    c, row0, Tn, coff = _chunk_info(cu_seqlens, chunk_offsets, chunk_indices, i_c, h, T, H, C, IS_VARLEN)
     o_t = c * C + tl.arange(0, C)
     m_t = o_t < Tn
     rows = row0 + o_t
@@ -320,8 +326,7 @@ def _fwd_o(q, k, VN, Hs, o, cu_seqlens, chunk_offsets, chunk_indices, T, H,
     (grid: chunks, H, d_v blocks), from the chunk-start state S_n (Hs) and the pseudo-values Ṽ
     (VN) that ``_fwd_state`` stored; Q S_n and Q Kᵀ are summed over d_k in blocks of BK."""
     i_c, h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    n, c = _chunk_id(chunk_indices, i_c, T, C, IS_VARLEN)
-    row0, Tn, coff = _seq_info(cu_seqlens, chunk_offsets, n, h, T, H, C, IS_VARLEN)
+    c, row0, Tn, coff = _chunk_info(cu_seqlens, chunk_offsets, chunk_indices, i_c, h, T, H, C, IS_VARLEN)
     hs_c = Hs + ((coff + c) * H + h) * DK * DV
     o_v = i_v * BV + tl.arange(0, BV)
     o_c = tl.arange(0, C)
@@ -356,8 +361,7 @@ def _bwd_dv_local(q, k, do, dVN, cu_seqlens, chunk_offsets, chunk_indices, T, H,
     value columns (grid: chunks, H, d_v blocks), written to dVN for ``_bwd_state`` to add K dS
     to; Q Kᵀ is summed over d_k in blocks of BK."""
     i_c, h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    n, c = _chunk_id(chunk_indices, i_c, T, C, IS_VARLEN)
-    row0, Tn, coff = _seq_info(cu_seqlens, chunk_offsets, n, h, T, H, C, IS_VARLEN)
+    c, row0, Tn, coff = _chunk_info(cu_seqlens, chunk_offsets, chunk_indices, i_c, h, T, H, C, IS_VARLEN)
     o_v = i_v * BV + tl.arange(0, BV)
     o_c = tl.arange(0, C)
     m_v = o_v < DV
@@ -453,8 +457,7 @@ def _bwd_dqk(q, k, VN, do, dVN, Hs, dHs, dq, dk_part, dw,
     blocks: dP = M ∘ dO Ṽᵀ, dQ = dO S_nᵀ + dP K, dK ∋ dPᵀ Q + Ṽ dSᵀ (stored as dk_part), and
     dW = −dṼ S_nᵀ (stored for ``_bwd_wy``)."""
     i_c, h = tl.program_id(0), tl.program_id(1)
-    n, c = _chunk_id(chunk_indices, i_c, T, C, IS_VARLEN)
-    row0, Tn, coff = _seq_info(cu_seqlens, chunk_offsets, n, h, T, H, C, IS_VARLEN)
+    c, row0, Tn, coff = _chunk_info(cu_seqlens, chunk_offsets, chunk_indices, i_c, h, T, H, C, IS_VARLEN)
     hs_off = ((coff + c) * H + h) * DK * DV
     o_t = c * C + tl.arange(0, C)
     m_t = o_t < Tn
@@ -499,8 +502,7 @@ def _bwd_wy(k, v, beta, Tm, dVN, dk_part, dw, dk, dv, dbeta,
     """Gradients through U = T (βV), W = T (βK) and T = (I + L)⁻¹ (module docstring), given
     dU = dṼ and dW from ``_bwd_dqk``: writes dv, dβ and dk = dk_part + β Tᵀ dW + (dG + dGᵀ) K."""
     i_c, h = tl.program_id(0), tl.program_id(1)
-    n, c = _chunk_id(chunk_indices, i_c, T, C, IS_VARLEN)
-    row0, Tn, coff = _seq_info(cu_seqlens, chunk_offsets, n, h, T, H, C, IS_VARLEN)
+    c, row0, Tn, coff = _chunk_info(cu_seqlens, chunk_offsets, chunk_indices, i_c, h, T, H, C, IS_VARLEN)
     o_t = c * C + tl.arange(0, C)
     m_t = o_t < Tn
     rows = row0 + o_t
@@ -546,21 +548,38 @@ def _bwd_wy(k, v, beta, Tm, dVN, dk_part, dw, dk, dv, dbeta,
     tl.store(dbeta + rows, b_db.to(dbeta.dtype.element_ty), mask=m_t)
 
 
-def _layout(B: int, T: int, C: int, cu_seqlens: Optional[torch.Tensor], device):
-    """(number of sequences, total chunks, per-sequence first chunk, (sequence, chunk) per chunk)."""
+def _layout(B: int, T: int, C: int, cu_seqlens: Optional[torch.Tensor]):
+    """(sequences N, chunk slots NC, per-sequence first chunk slot, (sequence, chunk) per slot).
+
+    Without ``cu_seqlens``: B sequences of ⌈T / C⌉ chunks each, NC = B·⌈T / C⌉, no tables. With
+    it the tables are built on the device, with no copy to the host: NC = ⌊T / C⌋ + N slots bound
+    the Σ ⌈T_i / C⌉ chunks of the packed sequences (Σ ⌊T_i / C⌋ ≤ ⌊T / C⌋, plus at most one
+    partial chunk each); the spare slots past the last chunk are marked sequence −1 (chunk 0) and
+    the chunk-gridded kernels give them length 0, so every load and store of theirs is masked."""
     if cu_seqlens is None:
-        nt = triton.cdiv(T, C)
-        return B, B * nt, None, None
-    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
-    nts = [triton.cdiv(int(n), C) for n in lens]
-    offs, idx, total = [], [], 0
-    for s, nt in enumerate(nts):
-        offs.append(total)
-        idx.extend((s, c) for c in range(nt))
-        total += nt
-    chunk_offsets = torch.tensor(offs, dtype=torch.int32, device=device)
-    chunk_indices = torch.tensor(idx, dtype=torch.int32, device=device).reshape(-1, 2)
-    return len(lens), total, chunk_offsets, chunk_indices
+        return B, B * triton.cdiv(T, C), None, None
+    N = cu_seqlens.numel() - 1
+    NC = T // C + N
+    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    nts = (lens + C - 1) // C
+    ends = nts.cumsum(0)
+    starts = ends - nts
+    slots = torch.arange(NC, device=cu_seqlens.device)
+    seq = torch.searchsorted(ends, slots, right=True)
+    used = seq < N
+    c = slots - starts[seq.clamp(max=N - 1)]
+    chunk_indices = torch.stack([torch.where(used, seq, -1), torch.where(used, c, 0)], 1)
+    return N, NC, starts.to(torch.int32).contiguous(), chunk_indices.to(torch.int32).contiguous()
+
+
+def _check_cu_seqlens(cu_seqlens: torch.Tensor, T: int, device) -> torch.Tensor:
+    """The packed batch's offsets as int32 on ``device``, checked there: one flag read back (the
+    only copy to the host of a packed launch)."""
+    cu = cu_seqlens.to(device=device, dtype=torch.int32).contiguous()
+    if bool((cu[0] != 0) | (cu[-1] != T) | (cu[1:] < cu[:-1]).any()):
+        raise ValueError(f"delta_rule_triton: cu_seqlens must rise from 0 to T = {T} without decreasing, "
+                         f"got {cu_seqlens.tolist()}")
+    return cu
 
 
 def _acc_dtype(x: torch.Tensor) -> torch.dtype:
@@ -628,7 +647,8 @@ def launch_meta(DK: int, DV: int, dtype: torch.dtype, arch: int = INTERPRET_ARCH
 # The op is a PyTorch custom op (torch.library): torch.compile (model.compile) captures it as one
 # opaque node of the block's graph, with shapes from the fake implementations and the backward
 # registered below, instead of tracing the Triton launches or breaking the graph. The launch
-# config is recomputed inside from (d_k, d_v, dtype, arch); the varlen chunk layout from cu_seqlens.
+# config is recomputed inside from (d_k, d_v, dtype, arch); the varlen chunk tables from cu_seqlens, on
+# the device (``_layout``), their size ⌊T / C⌋ + N known without reading the offsets.
 @torch.library.custom_op("kernels::delta_rule_fwd", mutates_args=())
 def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
             initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], C: int, arch: int,
@@ -640,7 +660,7 @@ def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tenso
     DV = v.shape[-1]
     q, k, v, beta = (t.contiguous() for t in (q, k, v, beta))
     acc = _acc_dtype(k)
-    N, NC, chunk_offsets, chunk_indices = _layout(B, T, C, cu_seqlens, k.device)
+    N, NC, chunk_offsets, chunk_indices = _layout(B, T, C, cu_seqlens)
     BK, BV = mt["BK"], mt["BV"]
     NV = triton.cdiv(DV, BV)
     ACC = _TL[acc]
@@ -655,7 +675,7 @@ def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tenso
     h0 = None if initial_state is None else initial_state.to(acc).contiguous()
     ht = torch.empty(N, H, DK, DV, dtype=acc, device=k.device) if output_final_state else None
     cu = cu_seqlens
-    if NC > 0:
+    if B * T > 0:   # some chunk holds tokens
         _wy_inv[(NC, H)](k, beta, Tm, cu, chunk_offsets, chunk_indices, T, H, DK=DK, BK=BK,
                          PK=mt["PREC"], PS=mt["PS"], num_warps=mt["warps_inv"], **common)
         BKW, BVW = mt["BKW"], mt["BVW"]
@@ -665,7 +685,7 @@ def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tenso
     _fwd_state[(NV, N * H)](k, W, U, Hs, VN, h0, ht, cu, chunk_offsets, T, H,
                             DK=DK, DV=DV, BK=mt["BKS"], BV=BV, USE_H0=h0 is not None, STORE_HT=ht is not None,
                             PS=mt["PS"], num_warps=mt["warps_state"], **common)
-    if NC > 0:
+    if B * T > 0:   # some chunk holds tokens
         _fwd_o[(NC, H, NV)](q, k, VN, Hs, o, cu, chunk_offsets, chunk_indices, T, H, DK=DK, DV=DV,
                             BK=mt["BKS"], BV=BV, PREC=mt["PREC"], PS=mt["PS"], num_warps=mt["warps_o"], **common)
     if ht is None:
@@ -678,10 +698,8 @@ def _(q, k, v, beta, initial_state, cu_seqlens, C, arch, output_final_state):
     B, H, T, DK = k.shape
     DV = v.shape[-1]
     acc = _acc_dtype(k)
-    if cu_seqlens is None:
-        N, NC = B, B * triton.cdiv(T, C)
-    else:   # chunks per sequence depend on the offsets' values
-        N, NC = cu_seqlens.shape[0] - 1, torch.library.get_ctx().new_dynamic_size()
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    NC = B * triton.cdiv(T, C) if cu_seqlens is None else T // C + N   # chunk slots, as ``_layout``
     Tm = k.new_empty(B, H, T, C, dtype=acc)
     W = k.new_empty(B, H, T, DK, dtype=acc)
     U = k.new_empty(B, H, T, DV, dtype=acc)
@@ -702,7 +720,7 @@ def _bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tenso
     BK, BV = mt["BK"], mt["BV"]
     B, H, T, DK = k.shape
     DV = v.shape[-1]
-    N, NC, chunk_offsets, chunk_indices = _layout(B, T, C, cu, k.device)
+    N, NC, chunk_offsets, chunk_indices = _layout(B, T, C, cu)
     NV = triton.cdiv(DV, BV)
     has_h0 = h0_dtype is not None
     common = dict(C=C, IS_VARLEN=cu is not None, ACC=_TL[Hs.dtype], EMU=is_interpreting(),
@@ -712,7 +730,7 @@ def _bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tenso
     dHs = torch.empty_like(Hs)
     dVN = torch.empty_like(VN)
     dh0 = torch.empty(N, H, DK, DV, dtype=Hs.dtype, device=k.device) if has_h0 else None
-    if NC > 0:
+    if B * T > 0:   # some chunk holds tokens
         _bwd_dv_local[(NC, H, NV)](q, k, do, dVN, cu, chunk_offsets, chunk_indices, T, H, DK=DK, DV=DV,
                                    BK=mt["BKS"], BV=BV, PREC=mt["PREC"], PS=mt["PS"],
                                    num_warps=mt["warps_o"], **common)
@@ -721,7 +739,7 @@ def _bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tenso
                             PS=mt["PS"], num_warps=mt["warps_state"], **common)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dbeta = torch.empty_like(beta)
-    if NC > 0:
+    if B * T > 0:   # some chunk holds tokens
         acc = Hs.dtype
         dk_part = torch.empty(B, H, T, DK, dtype=acc, device=k.device)
         dw = torch.empty_like(dk_part)
@@ -785,9 +803,7 @@ def delta_rule_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: t
         return unfold_channel_beta(o, S, H, DV)
     B, H, T, DK = k.shape
     if cu_seqlens is not None:
-        if int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != T:
-            raise ValueError("delta_rule_triton: cu_seqlens must start at 0 and end at T")
-        cu_seqlens = cu_seqlens.to(device=k.device, dtype=torch.int32).contiguous()
+        cu_seqlens = _check_cu_seqlens(cu_seqlens, T, k.device)
     arch = device_arch(q.device)
     C = min(launch_meta(DK, v.shape[-1], q.dtype, arch)["C"], _pow2(chunk_size))
     q, k, v, beta = (t.contiguous() for t in (q, k, v, beta))
