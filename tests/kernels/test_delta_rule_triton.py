@@ -207,6 +207,100 @@ def test_varlen_matches_separate_sequences(monkeypatch, dv, bv_max):
     torch.testing.assert_close(tri[1][1], S0[1])
 
 
+def _packed(lens, dv, seed):
+    """A packed row of sequences of ``lens`` (float64, H = 2, d_k = 6), its offsets, initial states
+    and upstream weights; and the reference run on each sequence alone (o, S and gradients)."""
+    T = sum(lens)
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    ins, S0 = _inputs(1, 2, T, 6, dv, D64, seed=seed, with_state=True, n_states=len(lens))
+    g = torch.Generator().manual_seed(seed + 1)
+    wo = torch.randn(1, 2, T, dv, generator=g, dtype=D64).to(DEV)
+    wS = torch.randn(len(lens), 2, 6, dv, generator=g, dtype=D64).to(DEV)
+
+    def per_sequence(q, k, v, b, s0):
+        outs, states = [], []
+        for i in range(len(lens)):
+            a, e = int(cu[i]), int(cu[i + 1])
+            o_i, S_i = delta_rule_reference(q[:, :, a:e], k[:, :, a:e], v[:, :, a:e], b[:, :, a:e],
+                                            s0[i:i + 1], True)
+            outs.append(o_i)
+            states.append(S_i)
+        return torch.cat(outs, 2), torch.cat(states, 0)
+
+    return cu, ins, S0, wo, wS, _run(per_sequence, ins, S0, wo, wS)
+
+
+@pytest.mark.parametrize("lens", [[0, 1, 15, 0, 33, 16, 0], [0, 0], [3]])
+def test_varlen_empty_and_odd_length_sequences(lens):
+    """Empty sequences first, between and last, lengths 1, 15, 33 (ragged last chunks) and 16 (one
+    full chunk) at chunk 16: ⌊T / C⌋ + N chunk slots with spare ones (sequence −1) that every
+    chunk-gridded kernel leaves alone; also a batch of only empty sequences (T = 0) and a single
+    short one. Each sequence equals the reference run alone from its own initial state, in o, the
+    final state and every gradient (float64, so 1e-10); an empty sequence passes its state
+    through."""
+    cu, ins, S0, wo, wS, ref = _packed(lens, 5, seed=11)
+    N, NC, _, idx = dr_chunk._layout(1, sum(lens), 16, cu)
+    assert NC == sum(lens) // 16 + len(lens)
+    assert int((idx[:, 0] < 0).sum()) == NC - sum((n + 15) // 16 for n in lens)
+    tri = _run(lambda q, k, v, b, s: delta_rule_triton(q, k, v, b, s, True, chunk_size=16, cu_seqlens=cu),
+               ins, S0, wo, wS)
+    for n, a, b in zip(["o", "S_T", "dq", "dk", "dv", "dbeta", "dS0"], ref, tri):
+        if a is None:   # T = 0: the reference's graph never reaches the (empty) inputs
+            assert b.numel() == 0, n
+            continue
+        torch.testing.assert_close(b, a, atol=1e-10, rtol=1e-10, msg=lambda s: f"{n}: {s}")
+    for i, n in enumerate(lens):
+        if n == 0:
+            torch.testing.assert_close(tri[1][i], S0[i])
+
+
+@pytest.mark.parametrize("C", [16, 32, 64])
+def test_varlen_layout_matches_the_chunk_enumeration(C):
+    """``_layout``'s device tables against the chunks enumerated in Python: slot j < Σ ⌈T_i / C⌉
+    holds (sequence, chunk) of the j-th chunk in order, the rest (sequence −1, chunk 0); each
+    sequence's first slot is the count of chunks before it."""
+    lens = [0, 1, C - 1, C, C + 1, 0, 3 * C, 7, 0]
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    N, NC, offs, idx = dr_chunk._layout(1, sum(lens), C, cu)
+    want = [(s, c) for s, n in enumerate(lens) for c in range(-(-n // C))]
+    assert (N, NC) == (len(lens), sum(lens) // C + len(lens))
+    assert idx.dtype == offs.dtype == torch.int32 and idx.shape == (NC, 2)
+    assert idx.tolist() == [list(p) for p in want] + [[-1, 0]] * (NC - len(want))
+    firsts = torch.tensor([-(-n // C) for n in lens]).cumsum(0) - torch.tensor([-(-n // C) for n in lens])
+    assert offs.tolist() == firsts.tolist()
+
+
+def test_varlen_launch_reads_one_flag_back(monkeypatch):
+    """The packed launch, forward and backward, reads nothing of the offsets back to the host but
+    the one flag of their check: ``tolist``, ``item`` and ``int()`` of a tensor fail, ``bool()``
+    is counted. An offset that does not rise from 0 to T is refused, naming the rule."""
+    cu, ins, S0, wo, wS, ref = _packed([5, 0, 17, 18], 4, seed=12)
+    bools = []
+    real_bool = torch.Tensor.__bool__
+
+    def forbidden(name):
+        def f(self, *a, **kw):
+            raise AssertionError(f"host read of a tensor: Tensor.{name}")
+        return f
+
+    def counted_bool(self):
+        bools.append(tuple(self.shape))
+        return real_bool(self)
+
+    for name in ("tolist", "item", "__int__", "__index__"):
+        monkeypatch.setattr(torch.Tensor, name, forbidden(name))
+    monkeypatch.setattr(torch.Tensor, "__bool__", counted_bool)
+    tri = _run(lambda q, k, v, b, s: delta_rule_triton(q, k, v, b, s, True, chunk_size=16, cu_seqlens=cu),
+               ins, S0, wo, wS)
+    monkeypatch.undo()
+    assert bools == [()], bools
+    for a, b in zip(ref, tri):
+        torch.testing.assert_close(b, a, atol=1e-10, rtol=1e-10)
+    for bad in ([0, 5, 5, 3, 40], [1, 5, 5, 22, 40], [0, 5, 5, 22, 39]):
+        with pytest.raises(ValueError, match="cu_seqlens must rise from 0 to T = 40"):
+            delta_rule_triton(*ins, S0, cu_seqlens=torch.tensor(bad, dtype=torch.int32, device=DEV))
+
+
 def test_bad_arguments_are_refused():
     ins, _ = _inputs(2, 1, 8, 4, 4, torch.float32)
     with pytest.raises(ValueError, match="packed batch"):
