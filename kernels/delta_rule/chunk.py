@@ -39,7 +39,16 @@ Backward, with dS the gradient of the state at the end of the chunk being proces
 
 Variable-length batches: with ``cu_seqlens`` (int32 [N+1]) the input is one packed row
 (B = 1, T = cu_seqlens[-1]) and the state restarts at every sequence start (from
-``initial_state[i]`` for sequence i when given); chunks never straddle two sequences.
+``initial_state[i]`` for sequence i when given); chunks never straddle two sequences. Every
+kernel is launched once for the whole batch. The chunk-gridded ones (``_wy_inv``, ``_wy_fwd``,
+``_fwd_o``, ``_bwd_dv_local``, ``_bwd_dqk``, ``_bwd_wy``) take one program per chunk slot, whose
+(sequence, chunk) they read from a table built on the device (``_layout``: ⌊T / C⌋ + N slots
+bound the Σ ⌈T_i / C⌉ chunks; the spare ones, sequence −1, get length 0 and every load and store
+of theirs that touches a token row is masked), and the chunk states Hs / dHs have a row per slot.
+The state passes (``_fwd_state``, ``_bwd_state``, one program per d_v block and sequence·head)
+read only their sequence's first slot. So the launches need nothing from the host;
+``delta_rule_triton`` reads back one flag, the check that the offsets rise from 0 to T. An empty
+sequence passes its initial state through.
 
 Precision (``_mm``): accumulation in float32 (float64 for float64 inputs); every product runs
 on tensor cores. Products of two inputs (Q Kᵀ, K Kᵀ) take the inputs' own type (bf16/fp16);
