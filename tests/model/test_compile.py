@@ -191,9 +191,9 @@ BLOCKS = {
 
 def test_packed_sequences_compile_like_eager():
     """cu_seqlens: the op's fake shapes take the number of sequences from the offsets' length (and
-    the delta rule's chunk count as a data-dependent size, Titans' chunk slots as ⌊T / C⌋ + N);
-    compiled outputs and gradients equal eager. delta_rule_triton and titans_linear_triton check
-    the offsets on the host (a graph break before their op)."""
+    the delta rule's and Titans' chunk slots as ⌊T / C⌋ + N); compiled outputs and gradients equal
+    eager. delta_rule_triton and titans_linear_triton read back one flag, the check of the offsets
+    (a graph break before their op)."""
     g = torch.Generator().manual_seed(0)
     cu = torch.tensor([0, 5, 20], dtype=torch.int32)
     q, k = (torch.nn.functional.normalize(torch.randn(1, 2, 20, 16, generator=g, dtype=torch.float64), dim=-1)
