@@ -139,6 +139,32 @@ def _mini_batch_out(q, k, e, tau, G, WP, woff, wmask, bb, cmask, tril, D: tl.con
 
 
 @triton.jit
+def _xw_cols(x, WP, S, D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
+    """x @ W for x [BT, BD] in registers and W [D, D] at ``WP`` (row-major), BC columns of W at a
+    time: each [BT, BC] column tile of the product goes to the scratch tile ``S`` [BT, BD] (float32,
+    row-major), which is read back whole after a barrier. Only a [BD, BC] tile of W is live at once."""
+    rows = tl.arange(0, BT)
+    wr = tl.arange(0, BD)
+    for c in tl.static_range(BD // BC):
+        cc = c * BC + tl.arange(0, BC)
+        w = tl.load(WP + wr[:, None] * D + cc[None, :], mask=(wr[:, None] < D) & (cc[None, :] < D), other=0.0)
+        tl.store(S + rows[:, None] * BD + cc[None, :], _dot(x, w, PREC))
+    tl.debug_barrier()
+    return tl.load(S + rows[:, None] * BD + wr[None, :])
+
+
+@triton.jit
+def _mini_batch_grad_cols(k, v, WP, S, bb, gamma, beta, cmask, D: tl.constexpr, BD: tl.constexpr,
+                          BT: tl.constexpr, BC: tl.constexpr, eps, PREC: tl.constexpr):
+    """``_mini_batch_grad`` with Z = K W1 + b1 computed BC columns of W1 at a time (``_xw_cols``)."""
+    Z = _xw_cols(k, WP, S, D, BD, BT, BC, PREC) + bb[None, :]
+    xh, rstd = _ln_stats(Z, cmask, D, eps)
+    r = gamma[None, :] * xh + beta[None, :] - (v - k)
+    G = _ln_bwd(r * gamma[None, :], xh, rstd, cmask, D)                   # Γ
+    return xh, rstd, r, G
+
+
+@triton.jit
 def _ttt_linear_fwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, W0, B0, OUT, WS, BS, WF, BF, WT,
                            T, NMB, H, eps,
                            D: tl.constexpr, BD: tl.constexpr, MB: tl.constexpr, BT: tl.constexpr,
@@ -262,13 +288,16 @@ def _ttt_linear_bwd_mb_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, WS, BS, DOUT,
 
 @triton.jit
 def _ttt_linear_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, WS, BS, DWF, DBF, DKP, DEP, DG0, DZB,
-                           DXK, DXV, DETA, DTAU, DLNW, DLNB, DW0, DB0, DWT,
+                           DXK, DXV, DETA, DTAU, DLNW, DLNB, DW0, DB0, DWT, SCR,
                            T, NMB, H, eps,
                            D: tl.constexpr, BD: tl.constexpr, MB: tl.constexpr, BT: tl.constexpr,
-                           PREC: tl.constexpr):
+                           BC: tl.constexpr, PREC: tl.constexpr):
     """The part of the backward that carries (dW1, db1) from the last mini-batch to the first:
     one program per batch·head, after ``_ttt_linear_bwd_mb_kernel``, whose partial ∂XK, ∂η, ∂Γ
-    and ∂Z̄ it completes through the update W1' = W1 − τ_{b−1} Kᵀ(η⊙Γ) and Γ's dependence on Z."""
+    and ∂Z̄ it completes through the update W1' = W1 − τ_{b−1} Kᵀ(η⊙Γ) and Γ's dependence on Z.
+    Every product with a [d, d] operand (W1, dW1, the update) runs BC columns of it at a time; the
+    [b, BC] column tiles of a product or of a [b, d] operand pass through three [BT, BD] scratch
+    tiles in ``SCR`` (per program; float32), so at most a [BD, BC] tile of a weight is live."""
     pid = tl.program_id(0)
     h = pid % H
     cdt = DW0.dtype.element_ty
@@ -281,8 +310,12 @@ def _ttt_linear_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, WS, BS, DWF, DBF, DKP
     wmask = cmask[:, None] & cmask[None, :]
     xmask = rmask[:, None] & cmask[None, :]
     woff = cols[:, None] * D + cols[None, :]
-    wtoff = cols[:, None] + cols[None, :] * D          # the transposed tile
+    soff = rows[:, None] * BD + cols[None, :]          # a whole scratch tile
     tau_last = tl.load(TAU + MB - 1).to(cdt)
+    S_Z = SCR + pid * 4 * BT * BD                      # Z = K W1 (read back whole)
+    S_P = S_Z + BT * BD                                # P = K dW1 (read back whole)
+    S_E = S_P + BT * BD                                # η⊙Γ (read by column tiles)
+    S_X = S_E + BT * BD                                # ∂Z (read by column tiles)
 
     # gradients with respect to the weights at the END of the current mini-batch; dW1 lives in the
     # two slots of DWT [2, d, d] (global memory), not in registers: read in slot i % 2 where a
@@ -298,6 +331,7 @@ def _ttt_linear_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, WS, BS, DWF, DBF, DKP
     for i in range(NMB):
         n = NMB - 1 - i
         dWP = DWT + (i % 2) * D * D
+        dWQ = DWT + ((i + 1) % 2) * D * D
         gamma = tl.load(LNW + h * D + cols, mask=cmask, other=0.0).to(cdt)
         beta = tl.load(LNB + h * D + cols, mask=cmask, other=0.0).to(cdt)
         WP = WS + (pid * NMB + n) * D * D
@@ -307,12 +341,17 @@ def _ttt_linear_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, WS, BS, DWF, DBF, DKP
         k = tl.load(XK + xoff, mask=xmask, other=0.0).to(cdt)
         v = tl.load(XV + xoff, mask=xmask, other=0.0).to(cdt)
         e = tl.load(ETA + pid * T + t_off, mask=rmask, other=0.0).to(cdt)
-        xh, rstd, r, G = _mini_batch_grad(k, v, WP, woff, wmask, bb, gamma, beta, cmask, D, eps, PREC)
+        xh, rstd, r, G = _mini_batch_grad_cols(k, v, WP, S_Z, bb, gamma, beta, cmask, D, BD, BT, BC, eps, PREC)
 
-        # end-of-mini-batch update W1' = W1 − τ_{b−1} Kᵀ(η⊙Γ), b1' = b1 − τ_{b−1} Σ η Γ
-        dW = tl.load(dWP + woff, mask=wmask, other=0.0)   # one read of dW1 for both products
-        P = _dot(k, dW, PREC) + dbb[None, :]
-        dkW = -tau_last * _dot(e[:, None] * G, tl.trans(dW), PREC)
+        # end-of-mini-batch update W1' = W1 − τ_{b−1} Kᵀ(η⊙Γ), b1' = b1 − τ_{b−1} Σ η Γ:
+        # P = K dW1 + db1 and ∂K through the update, −τ_{b−1} (η⊙Γ) dW1ᵀ, column tile by column tile
+        tl.store(S_E + soff, e[:, None] * G)
+        for c in tl.static_range(BD // BC):
+            cc = c * BC + tl.arange(0, BC)
+            dWc = tl.load(dWP + cols[:, None] * D + cc[None, :], mask=cmask[:, None] & (cc[None, :] < D), other=0.0)
+            tl.store(S_P + rows[:, None] * BD + cc[None, :], _dot(k, dWc, PREC))
+        tl.debug_barrier()
+        P = tl.load(S_P + soff) + dbb[None, :]
         GP = tl.sum(G * P, axis=1)
         dG = tl.load(DG0 + xoff, mask=xmask, other=0.0).to(cdt) - tau_last * e[:, None] * P
         de = tl.load(DEP + pid * T + t_off, mask=rmask, other=0.0).to(cdt) - tau_last * GP
@@ -330,19 +369,32 @@ def _ttt_linear_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, WS, BS, DWF, DBF, DKP
         dtgt = -gamma[None, :] * dgh
         tl.store(DXV + xoff, dtgt.to(DXV.dtype.element_ty), mask=xmask)          # target = V − K
         dZ = _ln_bwd(dxh, xh, rstd, cmask, D) + tl.where(cmask[None, :], dsig[:, None] * xh / D, 0.0)
-        # Z = K W1 + b1, Z̄ = Q W1 + b1 − M Γ: dW1 += Qᵀ dZ̄ + Kᵀ dZ (before the products below, so
-        # that the loop's last tl.dot, whose warp layout every product takes, is a [b, d] one)
         dZb = tl.load(DZB + xoff, mask=xmask, other=0.0).to(cdt)
-        q = tl.load(XQ + xoff, mask=xmask, other=0.0).to(cdt)
-        upd = _dot(tl.trans(q), dZb, PREC) + _dot(tl.trans(k), dZ, PREC)
         dbb += tl.sum(dZb, axis=0) + tl.sum(dZ, axis=0)
-        # ∂K: the per-mini-batch part, through the update (dW1 of the end of this mini-batch, still
-        # in slot i % 2), through Z (W1ᵀ read from the stored start weights as a transposed tile)
-        # and through the target
-        dk = (tl.load(DKP + xoff, mask=xmask, other=0.0).to(cdt) + dkW
-              + _dot(dZ, tl.load(WP + wtoff, mask=wmask, other=0.0), PREC) - dtgt)
+        # ∂K: the per-mini-batch part, through the update (dkW above, with dW1 of the end of this
+        # mini-batch), through Z (∂Z W1ᵀ) and through the target
+        dk = tl.load(DKP + xoff, mask=xmask, other=0.0).to(cdt) - dtgt
+        # Z = K W1 + b1, Z̄ = Q W1 + b1 − M Γ: dW1_start = dW1_end + Qᵀ ∂Z̄ + Kᵀ ∂Z, and ∂Z W1ᵀ,
+        # one BC-column tile of W1, ∂Z and ∂Z̄ at a time (∂Z through the scratch, ∂Z̄ from DZB)
+        tl.store(S_X + soff, dZ)
+        tl.debug_barrier()
+        q = tl.load(XQ + xoff, mask=xmask, other=0.0).to(cdt)
+        for c in tl.static_range(BD // BC):
+            cc = c * BC + tl.arange(0, BC)
+            ccm = cc < D
+            dZc = tl.load(S_X + rows[:, None] * BD + cc[None, :])
+            dZbc = tl.load(DZB + pid * T * D + t_off[:, None] * D + cc[None, :], mask=rmask[:, None] & ccm[None, :],
+                           other=0.0).to(cdt)
+            # the update's columns cc as [BC, d] rows (a product of BC rows, not d)
+            updT = _dot(tl.trans(dZbc), q, PREC) + _dot(tl.trans(dZc), k, PREC)
+            wc = cc[:, None] + cols[None, :] * D
+            wcm = ccm[:, None] & cmask[None, :]
+            dWt = tl.load(dWP + wc, mask=wcm, other=0.0)
+            tl.store(dWQ + wc, dWt + updT, mask=wcm)
+            # last, so that the loop's last tl.dot, whose warp layout every product takes, is a [b, d] one
+            dk += (_dot(dZc, tl.load(WP + wc, mask=wcm, other=0.0), PREC)
+                   - tau_last * _dot(tl.load(S_E + rows[:, None] * BD + cc[None, :]), dWt, PREC))
         tl.store(DXK + xoff, dk.to(DXK.dtype.element_ty), mask=xmask)
-        tl.store(DWT + ((i + 1) % 2) * D * D + woff, tl.load(dWP + woff, mask=wmask, other=0.0) + upd, mask=wmask)
         tl.debug_barrier()                      # the next mini-batch reads the slot written above
 
     tl.store(DW0 + pid * D * D + woff, tl.load(DWT + (NMB % 2) * D * D + woff, mask=wmask, other=0.0), mask=wmask)
@@ -375,6 +427,11 @@ _LINEAR_WARPS = {
 }
 
 
+#: the kernels whose products with a [d, d] operand run BC columns of it at a time, and BC
+_COLUMN_TILED = ("bwd",)
+_LINEAR_BC = 32
+
+
 def _launch_cfg(d: int, b: int, kernel: str = "fwd", half: bool = True, arch: int = INTERPRET_ARCH):
     """Padded tile sizes (tl.dot needs every block dim ≥ 16) and launch options of TTT-Linear
     ``kernel`` ("fwd", "bwd_mb", "bwd") for GPU family ``arch`` (90 or 80, ``device_arch``; ``half``:
@@ -384,10 +441,11 @@ def _launch_cfg(d: int, b: int, kernel: str = "fwd", half: bool = True, arch: in
         raise ValueError(f"_launch_cfg: unknown TTT-Linear kernel {kernel!r}")
     BD = max(16, triton.next_power_of_2(d))
     BT = max(16, triton.next_power_of_2(b))
-    if is_interpreting():
-        return BD, BT, {}
+    tiles = {"BC": min(BD, _LINEAR_BC)} if kernel in _COLUMN_TILED else {}
+    if is_interpreting():                   # 16 columns, so that the tests at d = 32 walk two tiles
+        return BD, BT, {k: 16 for k in tiles}
     warps = _LINEAR_WARPS.get((arch, kernel, half, BD, BT), 8)
-    return BD, BT, {"num_warps": warps, "num_stages": 1}
+    return BD, BT, {"num_warps": warps, "num_stages": 1, **tiles}
 
 
 # The ops are PyTorch custom ops (torch.library): torch.compile (model.compile) captures each as one
@@ -468,6 +526,8 @@ def _linear_bwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: to
     dW0 = torch.empty(B, H, d, d, dtype=cdt, device=dev)
     dB0 = torch.empty(B, H, 1, d, dtype=cdt, device=dev)
     dWT = torch.empty(B, H, 2, d, d, dtype=cdt, device=dev)           # the second kernel's two dW1 slots
+    SCR = torch.empty(B, H, 4, max(16, triton.next_power_of_2(bsz)), max(16, triton.next_power_of_2(d)),
+                      dtype=cdt, device=dev)                           # its [b, d] scratch tiles
     # what the per-mini-batch kernel hands to the carrying one (float32; float64 for float64 inputs)
     dKP, dG0, dZB = (torch.empty(B, H, T, d, dtype=cdt, device=dev) for _ in range(3))
     dEP = torch.empty(B, H, T, dtype=cdt, device=dev)
@@ -484,7 +544,7 @@ def _linear_bwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: to
     BD, BT, kw = _launch_cfg(d, bsz, "bwd", half=half, arch=arch)
     _ttt_linear_bwd_kernel[(B * H,)](
         XQ, XK, XV, eta, tau_c, lw, lb, WS, BS, dWF, dBF, dKP, dEP, dG0, dZB,
-        dXK, dXV, dETA, dTAU, dLNW, dLNB, dW0, dB0, dWT,
+        dXK, dXV, dETA, dTAU, dLNW, dLNB, dW0, dB0, dWT, SCR,
         T, NMB, H, LN_EPS, D=d, BD=BD, MB=bsz, BT=BT, PREC=prec, **kw)
     return [dXQ, dXK, dXV, dETA, (dTAU.sum((0, 1)) + dTAUP.sum((0, 1, 2))).to(tau_dt),
             (dLNW.sum(0) + dLNWP.sum((0, 2))).to(lw_dt), (dLNB.sum(0) + dLNBP.sum((0, 2))).to(lb_dt),

@@ -34,7 +34,9 @@ def compile_cases():
                         ptrs = {n: dt for n in io_names if n in names}
                         if dt == "bf16":
                             ptrs["WS"] = "bf16"       # the stored start weights (see _linear_start_weights)
-                        out.append(case(kern, cfg, constexprs=dict(D=d, BD=BD, MB=b, BT=BT, PREC=chunk._precision(tdt), **extra),
+                        tiles = {k: kw[k] for k in ("BC",) if k in kw}
+                        out.append(case(kern, cfg, constexprs=dict(D=d, BD=BD, MB=b, BT=BT, PREC=chunk._precision(tdt),
+                                                                   **tiles, **extra),
                                         scalars=ints, pointers=ptrs, num_warps=kw["num_warps"],
                                         num_stages=kw["num_stages"], archs=(arch,)))
             for b in MLP_MINI_BATCHES:

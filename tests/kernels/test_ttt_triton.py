@@ -76,9 +76,11 @@ def _compare(got, ref, T, b, atol, rtol, pos0=0):
 # (T, d, b, prefix): T = 32 (kernel only), 37 (kernel + partial tail), 45 after a 5-token prefix
 # (torch head of 11 tokens, kernel over 32, tail of 2), 9 after a prefix (no full mini-batch);
 # d = 8 and b ∈ {4, 8} exercise the padding of the tiles to 16; the kernels keep W1 and dW1 in two
-# global slots, alternating per mini-batch: 1, 2 and 3 (13 tokens at b = 4) kernel mini-batches
+# global slots, alternating per mini-batch: 1, 2 and 3 (13 tokens at b = 4) kernel mini-batches;
+# d = 32 and 24 (padded) walk two 16-column tiles of the weights (``_launch_cfg``'s BC under the
+# interpreter)
 SHAPES = [(32, 16, 16, 0), (37, 16, 16, 0), (45, 16, 16, 5), (9, 16, 16, 5), (20, 8, 16, 0),
-          (11, 8, 4, 0), (19, 16, 8, 3), (13, 8, 4, 0)]
+          (11, 8, 4, 0), (19, 16, 8, 3), (13, 8, 4, 0), (32, 32, 16, 0), (35, 24, 8, 0)]
 
 
 @pytest.mark.parametrize("T,d,b,prefix", SHAPES)
