@@ -373,12 +373,13 @@ def _ttt_linear_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, WS, BS, DWF, DBF, DKP
         dbb += tl.sum(dZb, axis=0) + tl.sum(dZ, axis=0)
         # ∂K: the per-mini-batch part, through the update (dkW above, with dW1 of the end of this
         # mini-batch), through Z (∂Z W1ᵀ) and through the target
-        dk = tl.load(DKP + xoff, mask=xmask, other=0.0).to(cdt) - dtgt
+        dk = -dtgt
         # Z = K W1 + b1, Z̄ = Q W1 + b1 − M Γ: dW1_start = dW1_end + Qᵀ ∂Z̄ + Kᵀ ∂Z, and ∂Z W1ᵀ,
         # one BC-column tile of W1, ∂Z and ∂Z̄ at a time (∂Z through the scratch, ∂Z̄ from DZB)
         tl.store(S_X + soff, dZ)
         tl.debug_barrier()
         q = tl.load(XQ + xoff, mask=xmask, other=0.0).to(cdt)
+        k = tl.load(XK + xoff, mask=xmask, other=0.0).to(cdt)     # read again: not held through the LayerNorm
         for c in tl.static_range(BD // BC):
             cc = c * BC + tl.arange(0, BC)
             ccm = cc < D
@@ -394,6 +395,7 @@ def _ttt_linear_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, WS, BS, DWF, DBF, DKP
             # last, so that the loop's last tl.dot, whose warp layout every product takes, is a [b, d] one
             dk += (_dot(dZc, tl.load(WP + wc, mask=wcm, other=0.0), PREC)
                    - tau_last * _dot(tl.load(S_E + rows[:, None] * BD + cc[None, :]), dWt, PREC))
+        dk += tl.load(DKP + xoff, mask=xmask, other=0.0).to(cdt)
         tl.store(DXK + xoff, dk.to(DXK.dtype.element_ty), mask=xmask)
         tl.debug_barrier()                      # the next mini-batch reads the slot written above
 
