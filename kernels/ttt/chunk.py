@@ -145,7 +145,7 @@ def _xw_cols(x, WP, S, D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr, BC: 
     row-major), which is read back whole after a barrier. Only a [BD, BC] tile of W is live at once."""
     rows = tl.arange(0, BT)
     wr = tl.arange(0, BD)
-    for c in tl.static_range(BD // BC):
+    for c in range(BD // BC):
         cc = c * BC + tl.arange(0, BC)
         w = tl.load(WP + wr[:, None] * D + cc[None, :], mask=(wr[:, None] < D) & (cc[None, :] < D), other=0.0)
         tl.store(S + rows[:, None] * BD + cc[None, :], _dot(x, w, PREC))
@@ -346,7 +346,7 @@ def _ttt_linear_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, WS, BS, DWF, DBF, DKP
         # end-of-mini-batch update W1' = W1 − τ_{b−1} Kᵀ(η⊙Γ), b1' = b1 − τ_{b−1} Σ η Γ:
         # P = K dW1 + db1 and ∂K through the update, −τ_{b−1} (η⊙Γ) dW1ᵀ, column tile by column tile
         tl.store(S_E + soff, e[:, None] * G)
-        for c in tl.static_range(BD // BC):
+        for c in range(BD // BC):
             cc = c * BC + tl.arange(0, BC)
             dWc = tl.load(dWP + cols[:, None] * D + cc[None, :], mask=cmask[:, None] & (cc[None, :] < D), other=0.0)
             tl.store(S_P + rows[:, None] * BD + cc[None, :], _dot(k, dWc, PREC))
@@ -380,7 +380,7 @@ def _ttt_linear_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, WS, BS, DWF, DBF, DKP
         tl.debug_barrier()
         q = tl.load(XQ + xoff, mask=xmask, other=0.0).to(cdt)
         k = tl.load(XK + xoff, mask=xmask, other=0.0).to(cdt)     # read again: not held through the LayerNorm
-        for c in tl.static_range(BD // BC):
+        for c in range(BD // BC):
             cc = c * BC + tl.arange(0, BC)
             ccm = cc < D
             dZc = tl.load(S_X + rows[:, None] * BD + cc[None, :])
@@ -431,7 +431,7 @@ _LINEAR_WARPS = {
 
 #: the kernels whose products with a [d, d] operand run BC columns of it at a time, and BC
 _COLUMN_TILED = ("bwd",)
-_LINEAR_BC = 32
+_LINEAR_BC = 16
 
 
 def _launch_cfg(d: int, b: int, kernel: str = "fwd", half: bool = True, arch: int = INTERPRET_ARCH):
