@@ -165,10 +165,10 @@ def _mini_batch_grad_cols(k, v, WP, S, bb, gamma, beta, cmask, D: tl.constexpr, 
 
 
 @triton.jit
-def _ttt_linear_fwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, W0, B0, OUT, WS, BS, WF, BF, WT,
+def _ttt_linear_fwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, W0, B0, OUT, WS, BS, WF, BF, WT, SCR,
                            T, NMB, H, eps,
                            D: tl.constexpr, BD: tl.constexpr, MB: tl.constexpr, BT: tl.constexpr,
-                           SAVE: tl.constexpr, PREC: tl.constexpr):
+                           BC: tl.constexpr, SAVE: tl.constexpr, PREC: tl.constexpr):
     pid = tl.program_id(0)                      # = b_idx * H + h_idx
     h = pid % H
     cdt = W0.dtype.element_ty
@@ -177,9 +177,14 @@ def _ttt_linear_fwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, W0, B0, OUT, WS, BS, 
     wmask = cmask[:, None] & cmask[None, :]
     woff = cols[:, None] * D + cols[None, :]
     # W1 lives in global memory, not in registers: the weights at the start of mini-batch n in
-    # slot n % 2 of WT [2, d, d], read where a product needs them; the update is written to the
-    # other slot at the end of the mini-batch, one barrier per mini-batch
+    # slot n % 2 of WT [2, d, d], read BC columns at a time where a product needs them; the update
+    # is written to the other slot, tile by tile, at the end of the mini-batch, one barrier per
+    # mini-batch. [b, d] products and operands that are needed by column tiles pass through three
+    # [BT, BD] scratch tiles in SCR (per program; float32)
     WT = WT + pid * 2 * D * D
+    S_Z = SCR + pid * 3 * BT * BD               # K W1 (read back whole)
+    S_Q = S_Z + BT * BD                         # Q W1 (read back whole)
+    S_E = S_Q + BT * BD                         # η⊙Γ (read by column tiles)
     tl.store(WT + woff, tl.load(W0 + pid * D * D + woff, mask=wmask, other=0.0).to(cdt), mask=wmask)
     bb = tl.load(B0 + pid * D + cols, mask=cmask, other=0.0).to(cdt)
     tau_last = tl.load(TAU + MB - 1).to(cdt)
@@ -189,35 +194,44 @@ def _ttt_linear_fwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, W0, B0, OUT, WS, BS, 
         rows, cols = _loop_index(n, NMB, BT, BD)
         cmask = cols < D
         rmask = rows < MB
-        wmask = cmask[:, None] & cmask[None, :]
         xmask = rmask[:, None] & cmask[None, :]
         tril = rows[None, :] <= rows[:, None]
-        woff = cols[:, None] * D + cols[None, :]
         WP = WT + (n % 2) * D * D
+        WQ = WT + ((n + 1) % 2) * D * D
         gamma = tl.load(LNW + h * D + cols, mask=cmask, other=0.0).to(cdt)
         beta = tl.load(LNB + h * D + cols, mask=cmask, other=0.0).to(cdt)
         # padded rows (MB < BT) get τ = η = 0, so they enter no product that reaches a real row
         tau = tl.load(TAU + rows, mask=rmask, other=0.0).to(cdt)
         if SAVE:
-            tl.store(WS + (pid * NMB + n) * D * D + woff, tl.load(WP + woff, mask=wmask, other=0.0), mask=wmask)
             tl.store(BS + (pid * NMB + n) * D + cols, bb, mask=cmask)
         t_off = n * MB + rows
         xoff = pid * T * D + t_off[:, None] * D + cols[None, :]
         k = tl.load(XK + xoff, mask=xmask, other=0.0).to(cdt)
         v = tl.load(XV + xoff, mask=xmask, other=0.0).to(cdt)
         e = tl.load(ETA + pid * T + t_off, mask=rmask, other=0.0).to(cdt)
-        xh, rstd, r, G = _mini_batch_grad(k, v, WP, woff, wmask, bb, gamma, beta, cmask, D, eps, PREC)
-        q = tl.load(XQ + xoff, mask=xmask, other=0.0).to(cdt)
-        # the update's product first (written to the other slot at the end): Triton gives every
-        # tl.dot of the loop the warp layout it picks for the last one, which should be a [b, d] one
+        xh, rstd, r, G = _mini_batch_grad_cols(k, v, WP, S_Z, bb, gamma, beta, cmask, D, BD, BT, BC, eps, PREC)
         eG = e[:, None] * G
-        upd = _dot(tl.trans(k), eG, PREC)
         bb_next = bb - tau_last * tl.sum(eG, axis=0)
-        A, Ev, M, xhb, rstdb = _mini_batch_out(q, k, e, tau, G, WP, woff, wmask, bb, cmask, tril, D, eps, PREC)
+        tl.store(S_E + rows[:, None] * BD + cols[None, :], eG)
+        q = tl.load(XQ + xoff, mask=xmask, other=0.0).to(cdt)
+        # Z̄ = Q W1 + b1 − M Γ, M = tril(E ⊙ (Q Kᵀ + 1)), E_ij = τ_i η_j
+        A = _dot(q, tl.trans(k), PREC)
+        M = tl.where(tril, tau[:, None] * e[None, :] * (A + 1.0), 0.0)
+        Zb = _xw_cols(q, WP, S_Q, D, BD, BT, BC, PREC) + bb[None, :] - _dot(M, G, PREC)
+        xhb, rstdb = _ln_stats(Zb, cmask, D, eps)
         out = q + gamma[None, :] * xhb + beta[None, :]
         tl.store(OUT + xoff, out.to(OUT.dtype.element_ty), mask=xmask)
-        tl.store(WT + ((n + 1) % 2) * D * D + woff, tl.load(WP + woff, mask=wmask, other=0.0) - tau_last * upd,
-                 mask=wmask)
+        # W1' = W1 − τ_{b−1} Kᵀ(η⊙Γ), BC columns of W1 at a time, each as a [BC, d] tile (the
+        # product (η⊙Γ)[:, cols]ᵀ K of BC rows); the start weights saved for the backward on the way
+        for c in range(BD // BC):
+            cc = c * BC + tl.arange(0, BC)
+            wc = cc[:, None] + cols[None, :] * D
+            wcm = (cc[:, None] < D) & cmask[None, :]
+            w = tl.load(WP + wc, mask=wcm, other=0.0)
+            if SAVE:
+                tl.store(WS + (pid * NMB + n) * D * D + wc, w, mask=wcm)
+            updT = _dot(tl.trans(tl.load(S_E + rows[:, None] * BD + cc[None, :])), k, PREC)
+            tl.store(WQ + wc, w - tau_last * updT, mask=wcm)
         bb = bb_next
         tl.debug_barrier()                      # the next mini-batch reads the slot written above
 
@@ -430,7 +444,7 @@ _LINEAR_WARPS = {
 
 
 #: the kernels whose products with a [d, d] operand run BC columns of it at a time, and BC
-_COLUMN_TILED = ("bwd",)
+_COLUMN_TILED = ("fwd", "bwd")
 _LINEAR_BC = 16
 
 
@@ -488,9 +502,11 @@ def _linear_fwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: to
     WF = torch.empty(B, H, d, d, dtype=cdt, device=XQ.device)
     BF = torch.empty(B, H, 1, d, dtype=cdt, device=XQ.device)
     WT = torch.empty(B, H, 2, d, d, dtype=cdt, device=XQ.device)     # the kernel's two W1 slots
+    SCR = torch.empty(B, H, 3, max(16, triton.next_power_of_2(bsz)), max(16, triton.next_power_of_2(d)),
+                      dtype=cdt, device=XQ.device)                   # its [b, d] scratch tiles
     BD, BT, kw = _launch_cfg(d, bsz, half=XQ.dtype in (torch.bfloat16, torch.float16), arch=device_arch(XQ.device))
     _ttt_linear_fwd_kernel[(B * H,)](
-        XQ, XK, XV, eta, tau_c, lw, lb, W0c, b0c, out, WS, BS, WF, BF, WT,
+        XQ, XK, XV, eta, tau_c, lw, lb, W0c, b0c, out, WS, BS, WF, BF, WT, SCR,
         T, NMB, H, LN_EPS, D=d, BD=BD, MB=bsz, BT=BT, SAVE=save, PREC=prec, **kw)
     return out, WF, BF, WS, BS
 
