@@ -116,18 +116,6 @@ def _loop_index(n, NMB, BT: tl.constexpr, BD: tl.constexpr):
 
 
 @triton.jit
-def _mini_batch_grad(k, v, WP, woff, wmask, bb, gamma, beta, cmask, D: tl.constexpr, eps, PREC: tl.constexpr):
-    """Z = K W1 + b1 and Γ of one mini-batch, with the LayerNorm pieces the backward reuses: x̂, 1/σ
-    of Z and the residual r = γ x̂ + β − (V − K) (ĝ = γ r). W1 is read from global memory
-    (``WP + woff``) where the product needs it, not held in registers through the mini-batch."""
-    Z = _dot(k, tl.load(WP + woff, mask=wmask, other=0.0), PREC) + bb[None, :]
-    xh, rstd = _ln_stats(Z, cmask, D, eps)
-    r = gamma[None, :] * xh + beta[None, :] - (v - k)
-    G = _ln_bwd(r * gamma[None, :], xh, rstd, cmask, D)                   # Γ
-    return xh, rstd, r, G
-
-
-@triton.jit
 def _mini_batch_out(q, k, e, tau, G, WP, woff, wmask, bb, cmask, tril, D: tl.constexpr, eps, PREC: tl.constexpr):
     """M, Z̄ = Q W1 + b1 − M Γ and its LayerNorm statistics, given Γ."""
     A = _dot(q, tl.trans(k), PREC)
@@ -156,7 +144,9 @@ def _xw_cols(x, WP, S, D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr, BC: 
 @triton.jit
 def _mini_batch_grad_cols(k, v, WP, S, bb, gamma, beta, cmask, D: tl.constexpr, BD: tl.constexpr,
                           BT: tl.constexpr, BC: tl.constexpr, eps, PREC: tl.constexpr):
-    """``_mini_batch_grad`` with Z = K W1 + b1 computed BC columns of W1 at a time (``_xw_cols``)."""
+    """Z = K W1 + b1 (BC columns of W1 at a time, ``_xw_cols``) and Γ of one mini-batch, with the
+    LayerNorm pieces the backward reuses: x̂, 1/σ of Z and the residual r = γ x̂ + β − (V − K)
+    (ĝ = γ r)."""
     Z = _xw_cols(k, WP, S, D, BD, BT, BC, PREC) + bb[None, :]
     xh, rstd = _ln_stats(Z, cmask, D, eps)
     r = gamma[None, :] * xh + beta[None, :] - (v - k)
@@ -165,10 +155,14 @@ def _mini_batch_grad_cols(k, v, WP, S, bb, gamma, beta, cmask, D: tl.constexpr, 
 
 
 @triton.jit
-def _ttt_linear_fwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, W0, B0, OUT, WS, BS, WF, BF, WT, SCR,
-                           T, NMB, H, eps,
-                           D: tl.constexpr, BD: tl.constexpr, MB: tl.constexpr, BT: tl.constexpr,
-                           BC: tl.constexpr, SAVE: tl.constexpr, PREC: tl.constexpr):
+def _ttt_linear_state_kernel(XK, XV, ETA, TAU, LNW, LNB, W0, B0, WS, BS, GS, WF, BF, WT, SCR,
+                             T, NMB, H, eps,
+                             D: tl.constexpr, BD: tl.constexpr, MB: tl.constexpr, BT: tl.constexpr,
+                             BC: tl.constexpr, PREC: tl.constexpr):
+    """The sequential part of the forward: one program per batch·head walks the mini-batches in
+    order, computes Z = K W1 + b1, Γ and the update, and stores the start weights (W1, b1) of every
+    mini-batch (WS, BS) and its Γ (GS), from which ``_ttt_linear_out_kernel`` computes the
+    outputs of all mini-batches in parallel."""
     pid = tl.program_id(0)                      # = b_idx * H + h_idx
     h = pid % H
     cdt = W0.dtype.element_ty
@@ -179,12 +173,11 @@ def _ttt_linear_fwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, W0, B0, OUT, WS, BS, 
     # W1 lives in global memory, not in registers: the weights at the start of mini-batch n in
     # slot n % 2 of WT [2, d, d], read BC columns at a time where a product needs them; the update
     # is written to the other slot, tile by tile, at the end of the mini-batch, one barrier per
-    # mini-batch. [b, d] products and operands that are needed by column tiles pass through three
+    # mini-batch. A [b, d] product or operand needed by column tiles passes through one of two
     # [BT, BD] scratch tiles in SCR (per program; float32)
     WT = WT + pid * 2 * D * D
-    S_Z = SCR + pid * 3 * BT * BD               # K W1 (read back whole)
-    S_Q = S_Z + BT * BD                         # Q W1 (read back whole)
-    S_E = S_Q + BT * BD                         # η⊙Γ (read by column tiles)
+    S_Z = SCR + pid * 2 * BT * BD               # K W1 (read back whole)
+    S_E = S_Z + BT * BD                         # η⊙Γ (read by column tiles)
     tl.store(WT + woff, tl.load(W0 + pid * D * D + woff, mask=wmask, other=0.0).to(cdt), mask=wmask)
     bb = tl.load(B0 + pid * D + cols, mask=cmask, other=0.0).to(cdt)
     tau_last = tl.load(TAU + MB - 1).to(cdt)
@@ -195,44 +188,33 @@ def _ttt_linear_fwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, W0, B0, OUT, WS, BS, 
         cmask = cols < D
         rmask = rows < MB
         xmask = rmask[:, None] & cmask[None, :]
-        tril = rows[None, :] <= rows[:, None]
         WP = WT + (n % 2) * D * D
         WQ = WT + ((n + 1) % 2) * D * D
         gamma = tl.load(LNW + h * D + cols, mask=cmask, other=0.0).to(cdt)
         beta = tl.load(LNB + h * D + cols, mask=cmask, other=0.0).to(cdt)
-        # padded rows (MB < BT) get τ = η = 0, so they enter no product that reaches a real row
-        tau = tl.load(TAU + rows, mask=rmask, other=0.0).to(cdt)
-        if SAVE:
-            tl.store(BS + (pid * NMB + n) * D + cols, bb, mask=cmask)
+        tl.store(BS + (pid * NMB + n) * D + cols, bb, mask=cmask)
         t_off = n * MB + rows
         xoff = pid * T * D + t_off[:, None] * D + cols[None, :]
         k = tl.load(XK + xoff, mask=xmask, other=0.0).to(cdt)
         v = tl.load(XV + xoff, mask=xmask, other=0.0).to(cdt)
+        # padded rows (MB < BT) get η = 0, so they reach no update
         e = tl.load(ETA + pid * T + t_off, mask=rmask, other=0.0).to(cdt)
         xh, rstd, r, G = _mini_batch_grad_cols(k, v, WP, S_Z, bb, gamma, beta, cmask, D, BD, BT, BC, eps, PREC)
+        tl.store(GS + xoff, G, mask=xmask)
         eG = e[:, None] * G
-        bb_next = bb - tau_last * tl.sum(eG, axis=0)
+        bb = bb - tau_last * tl.sum(eG, axis=0)
         tl.store(S_E + rows[:, None] * BD + cols[None, :], eG)
-        q = tl.load(XQ + xoff, mask=xmask, other=0.0).to(cdt)
-        # Z̄ = Q W1 + b1 − M Γ, M = tril(E ⊙ (Q Kᵀ + 1)), E_ij = τ_i η_j
-        A = _dot(q, tl.trans(k), PREC)
-        M = tl.where(tril, tau[:, None] * e[None, :] * (A + 1.0), 0.0)
-        Zb = _xw_cols(q, WP, S_Q, D, BD, BT, BC, PREC) + bb[None, :] - _dot(M, G, PREC)
-        xhb, rstdb = _ln_stats(Zb, cmask, D, eps)
-        out = q + gamma[None, :] * xhb + beta[None, :]
-        tl.store(OUT + xoff, out.to(OUT.dtype.element_ty), mask=xmask)
+        tl.debug_barrier()
         # W1' = W1 − τ_{b−1} Kᵀ(η⊙Γ), BC columns of W1 at a time, each as a [BC, d] tile (the
-        # product (η⊙Γ)[:, cols]ᵀ K of BC rows); the start weights saved for the backward on the way
+        # product (η⊙Γ)[:, cols]ᵀ K of BC rows); the start weights stored on the way
         for c in range(BD // BC):
             cc = c * BC + tl.arange(0, BC)
             wc = cc[:, None] + cols[None, :] * D
             wcm = (cc[:, None] < D) & cmask[None, :]
             w = tl.load(WP + wc, mask=wcm, other=0.0)
-            if SAVE:
-                tl.store(WS + (pid * NMB + n) * D * D + wc, w, mask=wcm)
+            tl.store(WS + (pid * NMB + n) * D * D + wc, w, mask=wcm)
             updT = _dot(tl.trans(tl.load(S_E + rows[:, None] * BD + cc[None, :])), k, PREC)
             tl.store(WQ + wc, w - tau_last * updT, mask=wcm)
-        bb = bb_next
         tl.debug_barrier()                      # the next mini-batch reads the slot written above
 
     cols = tl.arange(0, BD)
@@ -244,7 +226,44 @@ def _ttt_linear_fwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, W0, B0, OUT, WS, BS, 
 
 
 @triton.jit
-def _ttt_linear_bwd_mb_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, WS, BS, DOUT,
+def _ttt_linear_out_kernel(XQ, XK, ETA, TAU, LNW, LNB, WS, BS, GS, OUT,
+                           T, NMB, H, eps,
+                           D: tl.constexpr, BD: tl.constexpr, MB: tl.constexpr, BT: tl.constexpr,
+                           PREC: tl.constexpr):
+    """The chunk-parallel part of the forward: one program per (batch·head, mini-batch), all in
+    parallel, after ``_ttt_linear_state_kernel``. From the stored start weights W1, b1 and Γ:
+    Z̄ = Q W1 + b1 − M Γ, out = Q + LN_γβ(Z̄)."""
+    pid = tl.program_id(0)
+    n = tl.program_id(1)
+    h = pid % H
+    cdt = BS.dtype.element_ty
+    rows = tl.arange(0, BT)
+    cols = tl.arange(0, BD)
+    cmask = cols < D
+    rmask = rows < MB
+    wmask = cmask[:, None] & cmask[None, :]
+    xmask = rmask[:, None] & cmask[None, :]
+    tril = rows[None, :] <= rows[:, None]
+    woff = cols[:, None] * D + cols[None, :]
+    gamma = tl.load(LNW + h * D + cols, mask=cmask, other=0.0).to(cdt)
+    beta = tl.load(LNB + h * D + cols, mask=cmask, other=0.0).to(cdt)
+    # padded rows (MB < BT) get τ = η = 0, so they enter no product that reaches a real row
+    tau = tl.load(TAU + rows, mask=rmask, other=0.0).to(cdt)
+    WP = WS + (pid * NMB + n) * D * D
+    bb = tl.load(BS + (pid * NMB + n) * D + cols, mask=cmask, other=0.0).to(cdt)
+    t_off = n * MB + rows
+    xoff = pid * T * D + t_off[:, None] * D + cols[None, :]
+    q = tl.load(XQ + xoff, mask=xmask, other=0.0).to(cdt)
+    k = tl.load(XK + xoff, mask=xmask, other=0.0).to(cdt)
+    e = tl.load(ETA + pid * T + t_off, mask=rmask, other=0.0).to(cdt)
+    G = tl.load(GS + xoff, mask=xmask, other=0.0).to(cdt)
+    A, Ev, M, xhb, rstdb = _mini_batch_out(q, k, e, tau, G, WP, woff, wmask, bb, cmask, tril, D, eps, PREC)
+    out = q + gamma[None, :] * xhb + beta[None, :]
+    tl.store(OUT + xoff, out.to(OUT.dtype.element_ty), mask=xmask)
+
+
+@triton.jit
+def _ttt_linear_bwd_mb_kernel(XQ, XK, ETA, TAU, LNW, LNB, WS, BS, GS, DOUT,
                               DXQ, DKP, DEP, DG0, DZB, DTAUP, DLNWP, DLNBP,
                               T, NMB, H, eps,
                               D: tl.constexpr, BD: tl.constexpr, MB: tl.constexpr, BT: tl.constexpr,
@@ -276,10 +295,9 @@ def _ttt_linear_bwd_mb_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, WS, BS, DOUT,
     xoff = pid * T * D + t_off[:, None] * D + cols[None, :]
     q = tl.load(XQ + xoff, mask=xmask, other=0.0).to(cdt)
     k = tl.load(XK + xoff, mask=xmask, other=0.0).to(cdt)
-    v = tl.load(XV + xoff, mask=xmask, other=0.0).to(cdt)
     e = tl.load(ETA + pid * T + t_off, mask=rmask, other=0.0).to(cdt)
     do = tl.load(DOUT + xoff, mask=xmask, other=0.0).to(cdt)
-    xh, rstd, r, G = _mini_batch_grad(k, v, WP, woff, wmask, bb, gamma, beta, cmask, D, eps, PREC)
+    G = tl.load(GS + xoff, mask=xmask, other=0.0).to(cdt)              # Γ, stored by the forward
     A, Ev, M, xhb, rstdb = _mini_batch_out(q, k, e, tau, G, WP, woff, wmask, bb, cmask, tril, D, eps, PREC)
 
     # out = Q + γ x̂(Z̄) + β
@@ -431,7 +449,7 @@ def _precision(dtype: torch.dtype) -> str:
 
 
 #: num_warps of the TTT-Linear kernels per GPU family (``device_arch``): (arch, kernel, bf16
-#: operands, BD, BT) -> warps, kernel "fwd", "bwd_mb" (``_ttt_linear_bwd_mb_kernel``) or "bwd".
+#: operands, BD, BT) -> warps, kernel one of ``_LINEAR_KERNELS``.
 #: Triton gives every tl.dot of a kernel the warp layout it picks for the last one, which for
 #: chained products puts all warps along one dimension of the [b, d] tile (rows when b ≥ d,
 #: columns otherwise): at b = 16 the warps split the columns, and more warps hold less of each
@@ -439,21 +457,24 @@ def _precision(dtype: torch.dtype) -> str:
 #: warps; 8 duplicate the tiles of an sm_80 MMA, whose warps take 16 rows each). Checked by
 #: ``python -m kernels.compile_report --op ttt``; b = 64 and d = 128 still spill at 4 and 8.
 _LINEAR_WARPS = {
-    (90, "fwd", True, 64, 16): 4, (80, "fwd", True, 64, 16): 4,
+    (90, "state", True, 64, 16): 4, (80, "state", True, 64, 16): 4,
 }
 
 
+#: the TTT-Linear kernels by launch-config name: forward state pass, forward output, backward
+#: per mini-batch, backward carry
+_LINEAR_KERNELS = ("state", "out", "bwd_mb", "bwd")
 #: the kernels whose products with a [d, d] operand run BC columns of it at a time, and BC
-_COLUMN_TILED = ("fwd", "bwd")
+_COLUMN_TILED = ("state", "bwd")
 _LINEAR_BC = 16
 
 
-def _launch_cfg(d: int, b: int, kernel: str = "fwd", half: bool = True, arch: int = INTERPRET_ARCH):
+def _launch_cfg(d: int, b: int, kernel: str = "state", half: bool = True, arch: int = INTERPRET_ARCH):
     """Padded tile sizes (tl.dot needs every block dim ≥ 16) and launch options of TTT-Linear
-    ``kernel`` ("fwd", "bwd_mb", "bwd") for GPU family ``arch`` (90 or 80, ``device_arch``; ``half``:
+    ``kernel`` (one of ``_LINEAR_KERNELS``) for GPU family ``arch`` (90 or 80, ``device_arch``; ``half``:
     bf16 operands, False for 3×TF32 with float32 inputs). num_warps from ``_LINEAR_WARPS``, 8 where
     it names none (W1 and dW1 live in global memory, the [b, d] and [b, b] tiles in registers)."""
-    if kernel not in ("fwd", "bwd_mb", "bwd"):
+    if kernel not in _LINEAR_KERNELS:
         raise ValueError(f"_launch_cfg: unknown TTT-Linear kernel {kernel!r}")
     BD = max(16, triton.next_power_of_2(d))
     BT = max(16, triton.next_power_of_2(b))
@@ -467,26 +488,27 @@ def _launch_cfg(d: int, b: int, kernel: str = "fwd", half: bool = True, arch: in
 # The ops are PyTorch custom ops (torch.library): torch.compile (model.compile) captures each as one
 # opaque node of the block's graph, with shapes from the fake implementations and the backward
 # registered below, instead of tracing the Triton launches or breaking the graph.
-def _linear_start_weights(XQ, NMB: int, save: bool):
-    """Empty buffers for the per-mini-batch start weights (WS, BS) the forward stores."""
-    B, H, _, d = XQ.shape
+def _linear_mini_batch_buffers(XQ, NMB: int):
+    """Empty buffers for what the state pass stores per mini-batch: the start weights (WS, BS) and
+    Γ (GS), read by the output kernel and the backward."""
+    B, H, T, d = XQ.shape
     cdt = acc_dtype(XQ.dtype)
-    # the stored start weights enter the backward only as tl.dot operands: with bf16 operands
-    # they are stored in bfloat16 (the same rounding the forward's products saw; half the
-    # registers and traffic)
+    # the stored start weights and Γ enter the output kernel and the backward only as tl.dot
+    # operands: with bf16 operands they are stored in bfloat16 (the same rounding the products
+    # see; half the registers and traffic)
     ws_dt = torch.bfloat16 if _precision(XQ.dtype).startswith("bf16") else cdt
-    return (XQ.new_empty(B, H, NMB if save else 1, d, d, dtype=ws_dt),
-            XQ.new_empty(B, H, NMB if save else 1, d, dtype=cdt))
+    return (XQ.new_empty(B, H, NMB, d, d, dtype=ws_dt), XQ.new_empty(B, H, NMB, d, dtype=cdt),
+            XQ.new_empty(B, H, T, d, dtype=ws_dt))
 
 
 @torch.library.custom_op("kernels::ttt_linear_fwd", mutates_args=())
 def _linear_fwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: torch.Tensor, tau: torch.Tensor,
                    ln_w: torch.Tensor, ln_b: torch.Tensor, W0: torch.Tensor, b0: torch.Tensor,
-                   mini_batch_size: int, save: bool
-                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                   mini_batch_size: int
+                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Full mini-batches from a boundary: (XQ, XK, XV, η, τ, γ, β, W1_0 [B,H,d,d], b1_0 [B,H,1,d])
-    → (out [B,H,T,d], W1_end, b1_end, and the start weights WS, BS the backward reads, stored
-    when ``save``)."""
+    → (out [B,H,T,d], W1_end, b1_end, and the per-mini-batch start weights WS, BS and Γ (GS) that
+    the output kernel and the backward read)."""
     B, H, T, d = XQ.shape
     bsz = mini_batch_size
     NMB = T // bsz
@@ -498,30 +520,35 @@ def _linear_fwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: to
     b0c = b0.to(cdt).contiguous()
     out = torch.empty_like(XQ)
     prec = _precision(XQ.dtype)
-    WS, BS = _linear_start_weights(XQ, NMB, save)
+    WS, BS, GS = _linear_mini_batch_buffers(XQ, NMB)
     WF = torch.empty(B, H, d, d, dtype=cdt, device=XQ.device)
     BF = torch.empty(B, H, 1, d, dtype=cdt, device=XQ.device)
-    WT = torch.empty(B, H, 2, d, d, dtype=cdt, device=XQ.device)     # the kernel's two W1 slots
-    SCR = torch.empty(B, H, 3, max(16, triton.next_power_of_2(bsz)), max(16, triton.next_power_of_2(d)),
-                      dtype=cdt, device=XQ.device)                   # its [b, d] scratch tiles
-    BD, BT, kw = _launch_cfg(d, bsz, half=XQ.dtype in (torch.bfloat16, torch.float16), arch=device_arch(XQ.device))
-    _ttt_linear_fwd_kernel[(B * H,)](
-        XQ, XK, XV, eta, tau_c, lw, lb, W0c, b0c, out, WS, BS, WF, BF, WT, SCR,
-        T, NMB, H, LN_EPS, D=d, BD=BD, MB=bsz, BT=BT, SAVE=save, PREC=prec, **kw)
-    return out, WF, BF, WS, BS
+    WT = torch.empty(B, H, 2, d, d, dtype=cdt, device=XQ.device)     # the state pass' two W1 slots
+    half, arch = XQ.dtype in (torch.bfloat16, torch.float16), device_arch(XQ.device)
+    BD, BT, kw = _launch_cfg(d, bsz, "state", half=half, arch=arch)
+    SCR = torch.empty(B, H, 2, BT, BD, dtype=cdt, device=XQ.device)  # its [b, d] scratch tiles
+    _ttt_linear_state_kernel[(B * H,)](
+        XK, XV, eta, tau_c, lw, lb, W0c, b0c, WS, BS, GS, WF, BF, WT, SCR,
+        T, NMB, H, LN_EPS, D=d, BD=BD, MB=bsz, BT=BT, PREC=prec, **kw)
+    BD, BT, kw = _launch_cfg(d, bsz, "out", half=half, arch=arch)
+    _ttt_linear_out_kernel[(B * H, NMB)](
+        XQ, XK, eta, tau_c, lw, lb, WS, BS, GS, out,
+        T, NMB, H, LN_EPS, D=d, BD=BD, MB=bsz, BT=BT, PREC=prec, **kw)
+    return out, WF, BF, WS, BS, GS
 
 
 @_linear_fwd_op.register_fake
-def _(XQ, XK, XV, eta, tau, ln_w, ln_b, W0, b0, mini_batch_size, save):
+def _(XQ, XK, XV, eta, tau, ln_w, ln_b, W0, b0, mini_batch_size):
     B, H, T, d = XQ.shape
     cdt = acc_dtype(XQ.dtype)
-    WS, BS = _linear_start_weights(XQ, T // mini_batch_size, save)
-    return torch.empty_like(XQ), XQ.new_empty(B, H, d, d, dtype=cdt), XQ.new_empty(B, H, 1, d, dtype=cdt), WS, BS
+    WS, BS, GS = _linear_mini_batch_buffers(XQ, T // mini_batch_size)
+    return (torch.empty_like(XQ), XQ.new_empty(B, H, d, d, dtype=cdt), XQ.new_empty(B, H, 1, d, dtype=cdt),
+            WS, BS, GS)
 
 
 @torch.library.custom_op("kernels::ttt_linear_bwd", mutates_args=())
 def _linear_bwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: torch.Tensor, tau: torch.Tensor,
-                   ln_w: torch.Tensor, ln_b: torch.Tensor, WS: torch.Tensor, BS: torch.Tensor,
+                   ln_w: torch.Tensor, ln_b: torch.Tensor, WS: torch.Tensor, BS: torch.Tensor, GS: torch.Tensor,
                    dout: Optional[torch.Tensor], dWF: Optional[torch.Tensor], dBF: Optional[torch.Tensor],
                    mini_batch_size: int, W_dt: torch.dtype, b_dt: torch.dtype) -> List[torch.Tensor]:
     """Gradients of the nine tensor inputs of ``_linear_fwd_op``."""
@@ -556,7 +583,7 @@ def _linear_bwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: to
     arch, prec = device_arch(XQ.device), _precision(XQ.dtype)
     BD, BT, kw = _launch_cfg(d, bsz, "bwd_mb", half=half, arch=arch)
     _ttt_linear_bwd_mb_kernel[(B * H, NMB)](
-        XQ, XK, XV, eta, tau_c, lw, lb, WS, BS, dout,
+        XQ, XK, eta, tau_c, lw, lb, WS, BS, GS, dout,
         dXQ, dKP, dEP, dG0, dZB, dTAUP, dLNWP, dLNBP,
         T, NMB, H, LN_EPS, D=d, BD=BD, MB=bsz, BT=BT, PREC=prec, **kw)
     BD, BT, kw = _launch_cfg(d, bsz, "bwd", half=half, arch=arch)
@@ -570,7 +597,7 @@ def _linear_bwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: to
 
 
 @_linear_bwd_op.register_fake
-def _(XQ, XK, XV, eta, tau, ln_w, ln_b, WS, BS, dout, dWF, dBF, mini_batch_size, W_dt, b_dt):
+def _(XQ, XK, XV, eta, tau, ln_w, ln_b, WS, BS, GS, dout, dWF, dBF, mini_batch_size, W_dt, b_dt):
     B, H, T, d = XQ.shape
     return [torch.empty_like(XQ), torch.empty_like(XK), torch.empty_like(XV), torch.empty_like(eta),
             torch.empty_like(tau), torch.empty_like(ln_w), torch.empty_like(ln_b),
@@ -578,14 +605,14 @@ def _(XQ, XK, XV, eta, tau, ln_w, ln_b, WS, BS, dout, dWF, dBF, mini_batch_size,
 
 
 def _linear_setup_context(ctx, inputs, output):
-    XQ, XK, XV, eta, tau, ln_w, ln_b, W0, b0, bsz, _ = inputs
-    ctx.save_for_backward(XQ, XK, XV, eta, tau, ln_w, ln_b, output[3], output[4])
-    ctx.mark_non_differentiable(output[3], output[4])
+    XQ, XK, XV, eta, tau, ln_w, ln_b, W0, b0, bsz = inputs
+    ctx.save_for_backward(XQ, XK, XV, eta, tau, ln_w, ln_b, *output[3:])
+    ctx.mark_non_differentiable(*output[3:])
     ctx.meta = (bsz, W0.dtype, b0.dtype)
 
 
 def _linear_backward_rule(ctx, dout, dWF, dBF, *_):
-    return (*_linear_bwd_op(*ctx.saved_tensors, dout, dWF, dBF, *ctx.meta), None, None)
+    return (*_linear_bwd_op(*ctx.saved_tensors, dout, dWF, dBF, *ctx.meta), None)
 
 
 _linear_fwd_op.register_autograd(_linear_backward_rule, setup_context=_linear_setup_context)
@@ -621,9 +648,7 @@ def ttt_linear_triton(XQ, XK, XV, eta, token_idx, ln_weight, ln_bias, W1, b1, mi
         sl = slice(t, t + n_full)
         ins = [t.contiguous() for t in (XQ[:, :, sl], XK[:, :, sl], XV[:, :, sl], eta[:, :, sl], token_idx,
                                          ln_weight, ln_bias, st["W1"], st["b1"])]
-        # the per-mini-batch start weights serve only the backward
-        save = torch.is_grad_enabled() and any(t.requires_grad for t in ins)
-        o, Wf, bf = _linear_fwd_op(*ins, bsz, save)[:3]
+        o, Wf, bf = _linear_fwd_op(*ins, bsz)[:3]
         outs.append(o)
         # the kernel starts at a boundary, where the carried sums are zero by construction
         st = {"W1": Wf, "b1": bf, "grad_W1": torch.zeros_like(Wf), "grad_b1": torch.zeros_like(bf), "pos": 0}

@@ -123,7 +123,8 @@ def test_bfloat16_matches_reference():
 
 
 def test_no_grad_forward_and_weights_with_batch_axis():
-    """Without autograd the kernel skips saving the per-mini-batch weights; per-sequence W1, b1
+    """Without autograd the forward equals the PyTorch dual form (its state pass stores the
+    per-mini-batch weights and Γ for the output kernel all the same); per-sequence W1, b1
     [B, H, …] are accepted and get per-sequence gradients. float64: 1e-12."""
     b, d, T = 16, 16, 32
     args = _inputs(T, d, b)
@@ -152,12 +153,12 @@ def test_launch_config_per_gpu_family(monkeypatch):
 
     monkeypatch.setattr(chunk, "is_interpreting", lambda: False)
     for arch in (80, 90):
-        for kern in ("fwd", "bwd_mb", "bwd"):
+        for kern in chunk._LINEAR_KERNELS:
             for half in (True, False):
                 BD, BT, kw = chunk._launch_cfg(96, 16, kern, half=half, arch=arch)
                 assert (BD, BT, kw["num_stages"]) == (128, 16, 1)
                 assert kw["num_warps"] == chunk._LINEAR_WARPS.get((arch, kern, half, 128, 16), 8)
-    assert chunk._launch_cfg(64, 16, "fwd", half=True, arch=80)[2]["num_warps"] == 4
+    assert chunk._launch_cfg(64, 16, "state", half=True, arch=80)[2]["num_warps"] == 4
     with pytest.raises(ValueError, match="unknown TTT-Linear kernel"):
         chunk._launch_cfg(64, 16, "bwd_state")
 
