@@ -458,6 +458,7 @@ def _precision(dtype: torch.dtype) -> str:
 #: ``python -m kernels.compile_report --op ttt``; b = 64 and d = 128 still spill at 4 and 8.
 _LINEAR_WARPS = {
     (90, "state", True, 64, 16): 4, (80, "state", True, 64, 16): 4,
+    (80, "state", True, 128, 16): 4, (80, "state", False, 128, 16): 4,
 }
 
 
@@ -466,7 +467,8 @@ _LINEAR_WARPS = {
 _LINEAR_KERNELS = ("state", "out", "bwd_mb", "bwd")
 #: the kernels whose products with a [d, d] operand run BC columns of it at a time, and BC
 _COLUMN_TILED = ("state", "bwd")
-_LINEAR_BC = 16
+#: BC per (arch, kernel, bf16 operands, BD, BT), 16 where it names none
+_LINEAR_BC = {(80, "state", False, 128, 16): 32}
 
 
 def _launch_cfg(d: int, b: int, kernel: str = "state", half: bool = True, arch: int = INTERPRET_ARCH):
@@ -478,7 +480,7 @@ def _launch_cfg(d: int, b: int, kernel: str = "state", half: bool = True, arch: 
         raise ValueError(f"_launch_cfg: unknown TTT-Linear kernel {kernel!r}")
     BD = max(16, triton.next_power_of_2(d))
     BT = max(16, triton.next_power_of_2(b))
-    tiles = {"BC": min(BD, _LINEAR_BC)} if kernel in _COLUMN_TILED else {}
+    tiles = {"BC": min(BD, _LINEAR_BC.get((arch, kernel, half, BD, BT), 16))} if kernel in _COLUMN_TILED else {}
     if is_interpreting():                   # 16 columns, so that the tests at d = 32 walk two tiles
         return BD, BT, {k: 16 for k in tiles}
     warps = _LINEAR_WARPS.get((arch, kernel, half, BD, BT), 8)
