@@ -116,17 +116,6 @@ def _loop_index(n, NMB, BT: tl.constexpr, BD: tl.constexpr):
 
 
 @triton.jit
-def _mini_batch_out(q, k, e, tau, G, WP, woff, wmask, bb, cmask, tril, D: tl.constexpr, eps, PREC: tl.constexpr):
-    """M, Z̄ = Q W1 + b1 − M Γ and its LayerNorm statistics, given Γ."""
-    A = _dot(q, tl.trans(k), PREC)
-    Ev = tau[:, None] * e[None, :]
-    M = tl.where(tril, Ev * (A + 1.0), 0.0)
-    Zb = _dot(q, tl.load(WP + woff, mask=wmask, other=0.0), PREC) + bb[None, :] - _dot(M, G, PREC)
-    xhb, rstdb = _ln_stats(Zb, cmask, D, eps)
-    return A, Ev, M, xhb, rstdb
-
-
-@triton.jit
 def _xw_cols(x, WP, S, D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
     """x @ W for x [BT, BD] in registers and W [D, D] at ``WP`` (row-major), BC columns of W at a
     time: each [BT, BC] column tile of the product goes to the scratch tile ``S`` [BT, BD] (float32,
@@ -152,6 +141,19 @@ def _mini_batch_grad_cols(k, v, WP, S, bb, gamma, beta, cmask, D: tl.constexpr, 
     r = gamma[None, :] * xh + beta[None, :] - (v - k)
     G = _ln_bwd(r * gamma[None, :], xh, rstd, cmask, D)                   # Γ
     return xh, rstd, r, G
+
+
+@triton.jit
+def _mini_batch_out_cols(q, k, e, tau, G, WP, S, bb, cmask, tril, D: tl.constexpr, BD: tl.constexpr,
+                         BT: tl.constexpr, BC: tl.constexpr, eps, PREC: tl.constexpr):
+    """M, Z̄ = Q W1 + b1 − M Γ and its LayerNorm statistics, given Γ; Q W1 BC columns of W1 at a
+    time (``_xw_cols``)."""
+    A = _dot(q, tl.trans(k), PREC)
+    Ev = tau[:, None] * e[None, :]
+    M = tl.where(tril, Ev * (A + 1.0), 0.0)
+    Zb = _xw_cols(q, WP, S, D, BD, BT, BC, PREC) + bb[None, :] - _dot(M, G, PREC)
+    xhb, rstdb = _ln_stats(Zb, cmask, D, eps)
+    return A, Ev, M, xhb, rstdb
 
 
 @triton.jit
@@ -226,13 +228,14 @@ def _ttt_linear_state_kernel(XK, XV, ETA, TAU, LNW, LNB, W0, B0, WS, BS, GS, WF,
 
 
 @triton.jit
-def _ttt_linear_out_kernel(XQ, XK, ETA, TAU, LNW, LNB, WS, BS, GS, OUT,
+def _ttt_linear_out_kernel(XQ, XK, ETA, TAU, LNW, LNB, WS, BS, GS, OUT, SCR,
                            T, NMB, H, eps,
                            D: tl.constexpr, BD: tl.constexpr, MB: tl.constexpr, BT: tl.constexpr,
-                           PREC: tl.constexpr):
+                           BC: tl.constexpr, PREC: tl.constexpr):
     """The chunk-parallel part of the forward: one program per (batch·head, mini-batch), all in
     parallel, after ``_ttt_linear_state_kernel``. From the stored start weights W1, b1 and Γ:
-    Z̄ = Q W1 + b1 − M Γ, out = Q + LN_γβ(Z̄)."""
+    Z̄ = Q W1 + b1 − M Γ, out = Q + LN_γβ(Z̄), Q W1 BC columns of W1 at a time through a [BT, BD]
+    scratch tile in SCR (per program; float32)."""
     pid = tl.program_id(0)
     n = tl.program_id(1)
     h = pid % H
@@ -241,10 +244,8 @@ def _ttt_linear_out_kernel(XQ, XK, ETA, TAU, LNW, LNB, WS, BS, GS, OUT,
     cols = tl.arange(0, BD)
     cmask = cols < D
     rmask = rows < MB
-    wmask = cmask[:, None] & cmask[None, :]
     xmask = rmask[:, None] & cmask[None, :]
     tril = rows[None, :] <= rows[:, None]
-    woff = cols[:, None] * D + cols[None, :]
     gamma = tl.load(LNW + h * D + cols, mask=cmask, other=0.0).to(cdt)
     beta = tl.load(LNB + h * D + cols, mask=cmask, other=0.0).to(cdt)
     # padded rows (MB < BT) get τ = η = 0, so they enter no product that reaches a real row
@@ -257,17 +258,18 @@ def _ttt_linear_out_kernel(XQ, XK, ETA, TAU, LNW, LNB, WS, BS, GS, OUT,
     k = tl.load(XK + xoff, mask=xmask, other=0.0).to(cdt)
     e = tl.load(ETA + pid * T + t_off, mask=rmask, other=0.0).to(cdt)
     G = tl.load(GS + xoff, mask=xmask, other=0.0).to(cdt)
-    A, Ev, M, xhb, rstdb = _mini_batch_out(q, k, e, tau, G, WP, woff, wmask, bb, cmask, tril, D, eps, PREC)
+    S = SCR + (pid * NMB + n) * BT * BD
+    A, Ev, M, xhb, rstdb = _mini_batch_out_cols(q, k, e, tau, G, WP, S, bb, cmask, tril, D, BD, BT, BC, eps, PREC)
     out = q + gamma[None, :] * xhb + beta[None, :]
     tl.store(OUT + xoff, out.to(OUT.dtype.element_ty), mask=xmask)
 
 
 @triton.jit
 def _ttt_linear_bwd_mb_kernel(XQ, XK, ETA, TAU, LNW, LNB, WS, BS, GS, DOUT,
-                              DXQ, DKP, DEP, DG0, DZB, DTAUP, DLNWP, DLNBP,
+                              DXQ, DKP, DEP, DG0, DZB, DTAUP, DLNWP, DLNBP, SCR,
                               T, NMB, H, eps,
                               D: tl.constexpr, BD: tl.constexpr, MB: tl.constexpr, BT: tl.constexpr,
-                              PREC: tl.constexpr):
+                              BC: tl.constexpr, PREC: tl.constexpr):
     """The part of the backward local to one mini-batch (no dependence on the carried dW1, db1):
     one program per (batch·head, mini-batch), all in parallel. Recomputes the forward from the
     stored start weights, back-propagates out through Z̄ and M, and stores ∂XQ (final), the parts
@@ -280,11 +282,8 @@ def _ttt_linear_bwd_mb_kernel(XQ, XK, ETA, TAU, LNW, LNB, WS, BS, GS, DOUT,
     cols = tl.arange(0, BD)
     cmask = cols < D
     rmask = rows < MB
-    wmask = cmask[:, None] & cmask[None, :]
     xmask = rmask[:, None] & cmask[None, :]
     tril = rows[None, :] <= rows[:, None]
-    woff = cols[:, None] * D + cols[None, :]
-    wtoff = cols[:, None] + cols[None, :] * D          # the transposed tile
     gamma = tl.load(LNW + h * D + cols, mask=cmask, other=0.0).to(cdt)
     beta = tl.load(LNB + h * D + cols, mask=cmask, other=0.0).to(cdt)
     # padded rows (MB < BT) get τ = η = 0, so they enter no product that reaches a real row
@@ -298,7 +297,8 @@ def _ttt_linear_bwd_mb_kernel(XQ, XK, ETA, TAU, LNW, LNB, WS, BS, GS, DOUT,
     e = tl.load(ETA + pid * T + t_off, mask=rmask, other=0.0).to(cdt)
     do = tl.load(DOUT + xoff, mask=xmask, other=0.0).to(cdt)
     G = tl.load(GS + xoff, mask=xmask, other=0.0).to(cdt)              # Γ, stored by the forward
-    A, Ev, M, xhb, rstdb = _mini_batch_out(q, k, e, tau, G, WP, woff, wmask, bb, cmask, tril, D, eps, PREC)
+    S = SCR + (pid * NMB + n) * BT * BD
+    A, Ev, M, xhb, rstdb = _mini_batch_out_cols(q, k, e, tau, G, WP, S, bb, cmask, tril, D, BD, BT, BC, eps, PREC)
 
     # out = Q + γ x̂(Z̄) + β
     tl.store(DLNWP + (pid * NMB + n) * D + cols, tl.sum(do * xhb, axis=0), mask=cmask)
@@ -314,7 +314,14 @@ def _ttt_linear_bwd_mb_kernel(XQ, XK, ETA, TAU, LNW, LNB, WS, BS, GS, DOUT,
     tl.store(DKP + xoff, _dot(tl.trans(dA), q, PREC), mask=xmask)
     tl.store(DEP + pid * T + t_off, tl.sum(dE * tau[:, None], axis=0), mask=rmask)
     tl.store(DTAUP + (pid * NMB + n) * MB + rows, tl.sum(dE * e[None, :], axis=1), mask=rmask)
-    dq = do + _dot(dA, k, PREC) + _dot(dZb, tl.load(WP + wtoff, mask=wmask, other=0.0), PREC)
+    dq = do + _dot(dA, k, PREC)
+    # ∂Z̄ W1ᵀ, BC columns of W1 (and of ∂Z̄, read back from DZB) at a time
+    tl.debug_barrier()
+    for c in range(BD // BC):
+        cc = c * BC + tl.arange(0, BC)
+        ccm = cc < D
+        dZbc = tl.load(DZB + pid * T * D + t_off[:, None] * D + cc[None, :], mask=rmask[:, None] & ccm[None, :], other=0.0)
+        dq += _dot(dZbc, tl.load(WP + cc[:, None] + cols[None, :] * D, mask=ccm[:, None] & cmask[None, :], other=0.0), PREC)
     tl.store(DXQ + xoff, dq.to(DXQ.dtype.element_ty), mask=xmask)
 
 
@@ -466,7 +473,7 @@ _LINEAR_WARPS = {
 #: per mini-batch, backward carry
 _LINEAR_KERNELS = ("state", "out", "bwd_mb", "bwd")
 #: the kernels whose products with a [d, d] operand run BC columns of it at a time, and BC
-_COLUMN_TILED = ("state", "bwd")
+_COLUMN_TILED = _LINEAR_KERNELS
 #: BC per (arch, kernel, bf16 operands, BD, BT), 16 where it names none
 _LINEAR_BC = {(80, "state", False, 128, 16): 32}
 
@@ -534,7 +541,7 @@ def _linear_fwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: to
         T, NMB, H, LN_EPS, D=d, BD=BD, MB=bsz, BT=BT, PREC=prec, **kw)
     BD, BT, kw = _launch_cfg(d, bsz, "out", half=half, arch=arch)
     _ttt_linear_out_kernel[(B * H, NMB)](
-        XQ, XK, eta, tau_c, lw, lb, WS, BS, GS, out,
+        XQ, XK, eta, tau_c, lw, lb, WS, BS, GS, out, torch.empty(B, H, NMB, BT, BD, dtype=cdt, device=XQ.device),
         T, NMB, H, LN_EPS, D=d, BD=BD, MB=bsz, BT=BT, PREC=prec, **kw)
     return out, WF, BF, WS, BS, GS
 
@@ -586,7 +593,7 @@ def _linear_bwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: to
     BD, BT, kw = _launch_cfg(d, bsz, "bwd_mb", half=half, arch=arch)
     _ttt_linear_bwd_mb_kernel[(B * H, NMB)](
         XQ, XK, eta, tau_c, lw, lb, WS, BS, GS, dout,
-        dXQ, dKP, dEP, dG0, dZB, dTAUP, dLNWP, dLNBP,
+        dXQ, dKP, dEP, dG0, dZB, dTAUP, dLNWP, dLNBP, torch.empty(B, H, NMB, BT, BD, dtype=cdt, device=dev),
         T, NMB, H, LN_EPS, D=d, BD=BD, MB=bsz, BT=BT, PREC=prec, **kw)
     BD, BT, kw = _launch_cfg(d, bsz, "bwd", half=half, arch=arch)
     _ttt_linear_bwd_kernel[(B * H,)](
