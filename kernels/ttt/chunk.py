@@ -1,9 +1,8 @@
 r"""TTT-Linear dual form in Triton, forward and backward (Sun et al. 2024), with the inner
 LayerNorm and its L2-loss gradient fused into the kernel.
 
-One program per (batch, head) walks the full mini-batches of b tokens in order, b1 [1, d] in
-registers and W1 [d, d] in global memory (see Registers below). For a mini-batch with rows K, Q, V ∈ R^{b×d}, per-token η ∈ R^b,
-τ = token_idx ∈ R^b and W_0 = (W1, b1) at its start (notation of ``torch_chunk.py``):
+For a mini-batch of b tokens with rows K, Q, V ∈ R^{b×d}, per-token η ∈ R^b, τ = token_idx ∈ R^b
+and W_0 = (W1, b1) at its start (notation of ``torch_chunk.py``):
 
     Z = K W1 + b1,   Γ = ∂/∂Z ½‖LN_γβ(Z) − (V − K)‖²                    (row by row)
     M = tril(E ⊙ (Q Kᵀ + 1)),   E_ij = τ_i η_j
@@ -12,10 +11,16 @@ registers and W1 [d, d] in global memory (see Registers below). For a mini-batch
 
 (M Γ = (E ⊙ tril(Q Kᵀ)) Γ + tril(E) Γ, the two dual-form terms in one b×b product.)
 
-The forward stores W1, b1 at the start of every mini-batch (d² + d numbers per mini-batch and
-head). The backward is two kernels. ``_ttt_linear_bwd_mb_kernel`` (one program per (batch, head,
-mini-batch), all in parallel) recomputes Z, Γ, M, Z̄ from the stored start weights and
-back-propagates out through Z̄ and M — everything that does not depend on the gradient carried
+Only Z, Γ and the update are sequential; Z̄ and the output of a mini-batch follow from its start
+weights and Γ. The forward is two kernels, as flash-linear-attention's chunk_ttt_linear splits it:
+``_ttt_linear_state_kernel``, one program per (batch, head), walks the full mini-batches in order
+(b1 [1, d] in registers, W1 [d, d] in global memory, see Registers below), computes Z, Γ and the
+update, and stores W1, b1 at the start of every mini-batch (d² + d numbers per mini-batch and
+head) and Γ (b × d); ``_ttt_linear_out_kernel``, one program per (batch, head, mini-batch), all in
+parallel, computes M, Z̄ and out from them, so the chunk-parallel work does not wait on, nor
+depend for its occupancy on, batch × heads. The backward is two kernels.
+``_ttt_linear_bwd_mb_kernel`` (one program per (batch, head, mini-batch), all in parallel)
+recomputes M, Z̄ from the stored start weights and Γ and back-propagates out through Z̄ and M — everything that does not depend on the gradient carried
 from later mini-batches: ∂XQ, and the first parts of ∂XK, ∂η, ∂τ, ∂γ, ∂β and ∂Γ, with ∂Z̄, go to
 global memory. ``_ttt_linear_bwd_kernel`` then walks the mini-batches in reverse, recomputes Z and Γ,
 and carries (dW1, db1), the gradient with respect to the weights at the end of the current
@@ -37,18 +42,24 @@ MMA, fp32 accumulator), 3×TF32 for float32 inputs (tensor cores, error within a
 float32 tolerances unchanged; the interpreter multiplies exactly, only a GPU checks it), exact for float64.
 The bf16 operands round every product's inputs to 8 mantissa bits: the bfloat16 tests' 3e-2 of
 each tensor's scale, set for bfloat16 inputs and outputs, covers it unchanged. For bfloat16
-inputs the per-mini-batch start weights that the backward re-reads are stored in bfloat16 — they
-enter only tl.dot there, whose operands are rounded to bfloat16 anyway. Outputs come back in the
+inputs the per-mini-batch start weights and Γ that the output kernel and the backward read are
+stored in bfloat16 — they enter only tl.dot there, whose operands are rounded to bfloat16 anyway. Outputs come back in the
 input dtype, the state in float32 (float64 for float64 inputs), as in ``torch_chunk.py``.
 
-Registers (``python -m kernels.compile_report --op ttt``): W1 (forward) and dW1 (backward) are
-not carried in registers from one mini-batch to the next. They live in two global slots per
-(batch, head): the weights of mini-batch n in slot n % 2, read where a product needs them, the
-update written to the other slot at the end of the mini-batch, one barrier per mini-batch. The
-backward reads W1ᵀ from the stored start weights as a transposed tile. The forward builds its
-index, mask and pointer tensors inside the loop (``_loop_index``) instead of letting them be
-hoisted out of it. Triton gives every tl.dot of a kernel the warp layout of the last one, so the
-loops end with a [b, d] product; warps per GPU family in ``_LINEAR_WARPS``.
+Registers (``python -m kernels.compile_report --op ttt``): W1 (state pass) and dW1 (backward carry)
+are not carried in registers from one mini-batch to the next. They live in two global slots per
+(batch, head): the weights of mini-batch n in slot n % 2, the update written to the other slot at
+the end of the mini-batch, one barrier per mini-batch. No [d, d] tile is held whole in any
+kernel: every product with a weight operand (K W1, Q W1, ∂Z̄ W1ᵀ, ∂Z W1ᵀ, K dW1, the updates
+Kᵀ(η⊙Γ), Qᵀ∂Z̄ + Kᵀ∂Z) runs BC columns of the weight at a time in a runtime loop (not unrolled,
+so the compiler cannot hoist every tile's loads), writing each update as a [BC, d] tile (a product
+of BC rows). A [b, d] operand or product needed by column tiles, or produced by them, passes
+through small per-program scratch tiles in global memory (float32; ``_xw_cols``). The state
+pass builds its index, mask and pointer tensors inside the loop (``_loop_index``) instead of
+letting them be hoisted out of it. Warps and BC per GPU family in ``_LINEAR_WARPS`` and
+``_LINEAR_BC``. Still spilling (the gate's known failures): mini-batch 64 in the backward and
+with float32 operands, and the float32 d = 128 backward: their [b, d] tiles of LayerNorm
+intermediates (b = 64) or 3×TF32 operands do not fit; row blocks of 16 would bound them.
 
 TTT-MLP (``ttt_mlp_triton``) is in ``mlp_chunk.py``; it shares ``_dot``, ``_ln_stats``, ``_ln_bwd`` and
 ``_precision`` with this file.
@@ -335,7 +346,7 @@ def _ttt_linear_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, WS, BS, DWF, DBF, DKP
     one program per batch·head, after ``_ttt_linear_bwd_mb_kernel``, whose partial ∂XK, ∂η, ∂Γ
     and ∂Z̄ it completes through the update W1' = W1 − τ_{b−1} Kᵀ(η⊙Γ) and Γ's dependence on Z.
     Every product with a [d, d] operand (W1, dW1, the update) runs BC columns of it at a time; the
-    [b, BC] column tiles of a product or of a [b, d] operand pass through three [BT, BD] scratch
+    [b, BC] column tiles of a product or of a [b, d] operand pass through four [BT, BD] scratch
     tiles in ``SCR`` (per program; float32), so at most a [BD, BC] tile of a weight is live."""
     pid = tl.program_id(0)
     h = pid % H
@@ -460,9 +471,10 @@ def _precision(dtype: torch.dtype) -> str:
 #: Triton gives every tl.dot of a kernel the warp layout it picks for the last one, which for
 #: chained products puts all warps along one dimension of the [b, d] tile (rows when b ≥ d,
 #: columns otherwise): at b = 16 the warps split the columns, and more warps hold less of each
-#: tile (the forward at d = 64 fits 4); at b = d = 64 they split the 64 rows (16 per warp at 4
-#: warps; 8 duplicate the tiles of an sm_80 MMA, whose warps take 16 rows each). Checked by
-#: ``python -m kernels.compile_report --op ttt``; b = 64 and d = 128 still spill at 4 and 8.
+#: tile (the state pass at d = 64, and on sm_80 at d = 128, fits 4); at b = d = 64 they split the
+#: 64 rows (16 per warp at 4 warps; 8 duplicate the tiles of an sm_80 MMA, whose warps take 16
+#: rows each). Checked by ``python -m kernels.compile_report --op ttt``; 16 warps (at most 128
+#: registers a thread) spill more than 8 wherever 8 spill.
 _LINEAR_WARPS = {
     (90, "state", True, 64, 16): 4, (80, "state", True, 64, 16): 4,
     (80, "state", True, 128, 16): 4, (80, "state", False, 128, 16): 4,
@@ -472,9 +484,10 @@ _LINEAR_WARPS = {
 #: the TTT-Linear kernels by launch-config name: forward state pass, forward output, backward
 #: per mini-batch, backward carry
 _LINEAR_KERNELS = ("state", "out", "bwd_mb", "bwd")
-#: the kernels whose products with a [d, d] operand run BC columns of it at a time, and BC
+#: the kernels whose products with a [d, d] operand run BC columns of it at a time (all of them)
 _COLUMN_TILED = _LINEAR_KERNELS
-#: BC per (arch, kernel, bf16 operands, BD, BT), 16 where it names none
+#: BC per (arch, kernel, bf16 operands, BD, BT), 16 where it names none (the float32 state pass at
+#: d = 128 on sm_80 spills at 16 with 4 warps, not at 32)
 _LINEAR_BC = {(80, "state", False, 128, 16): 32}
 
 
@@ -482,7 +495,8 @@ def _launch_cfg(d: int, b: int, kernel: str = "state", half: bool = True, arch: 
     """Padded tile sizes (tl.dot needs every block dim ≥ 16) and launch options of TTT-Linear
     ``kernel`` (one of ``_LINEAR_KERNELS``) for GPU family ``arch`` (90 or 80, ``device_arch``; ``half``:
     bf16 operands, False for 3×TF32 with float32 inputs). num_warps from ``_LINEAR_WARPS``, 8 where
-    it names none (W1 and dW1 live in global memory, the [b, d] and [b, b] tiles in registers)."""
+    it names none (W1 and dW1 live in global memory, the [b, d] and [b, b] tiles in registers); the
+    weight column tile BC from ``_LINEAR_BC`` (16 under the interpreter)."""
     if kernel not in _LINEAR_KERNELS:
         raise ValueError(f"_launch_cfg: unknown TTT-Linear kernel {kernel!r}")
     BD = max(16, triton.next_power_of_2(d))
