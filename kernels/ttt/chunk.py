@@ -487,8 +487,9 @@ _LINEAR_KERNELS = ("state", "out", "bwd_mb", "bwd")
 #: the kernels whose products with a [d, d] operand run BC columns of it at a time (all of them)
 _COLUMN_TILED = _LINEAR_KERNELS
 #: BC per (arch, kernel, bf16 operands, BD, BT), 16 where it names none (the float32 state pass at
-#: d = 128 on sm_80 spills at 16 with 4 warps, not at 32)
-_LINEAR_BC = {(80, "state", False, 128, 16): 32}
+#: d = 128, b = 16 and the bf16 per-mini-batch backward at d = 128, b = 64 on sm_80 spill at 16, not
+#: at 32)
+_LINEAR_BC = {(80, "state", False, 128, 16): 32, (80, "bwd_mb", True, 128, 64): 32}
 
 
 def _launch_cfg(d: int, b: int, kernel: str = "state", half: bool = True, arch: int = INTERPRET_ARCH):
