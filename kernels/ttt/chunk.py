@@ -486,10 +486,11 @@ _LINEAR_WARPS = {
 _LINEAR_KERNELS = ("state", "out", "bwd_mb", "bwd")
 #: the kernels whose products with a [d, d] operand run BC columns of it at a time (all of them)
 _COLUMN_TILED = _LINEAR_KERNELS
-#: BC per (arch, kernel, bf16 operands, BD, BT), 16 where it names none (the float32 state pass at
-#: d = 128, b = 16 and the bf16 per-mini-batch backward at d = 128, b = 64 on sm_80 spill at 16, not
-#: at 32)
-_LINEAR_BC = {(80, "state", False, 128, 16): 32, (80, "bwd_mb", True, 128, 64): 32}
+#: BC per (arch, kernel, bf16 operands, BD, BT), 16 where it names none (these spill at 16, not at
+#: 32: the float32 state pass at d = 128, b = 16 and the bf16 per-mini-batch backward at d = 128,
+#: b = 64 on sm_80, the float32 backward carry at d = 128, b = 16 on both)
+_LINEAR_BC = {(80, "state", False, 128, 16): 32, (80, "bwd_mb", True, 128, 64): 32,
+              (90, "bwd", False, 128, 16): 32, (80, "bwd", False, 128, 16): 32}
 
 
 def _launch_cfg(d: int, b: int, kernel: str = "state", half: bool = True, arch: int = INTERPRET_ARCH):
