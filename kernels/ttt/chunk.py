@@ -1,9 +1,8 @@
 r"""TTT-Linear dual form in Triton, forward and backward (Sun et al. 2024), with the inner
 LayerNorm and its L2-loss gradient fused into the kernel.
 
-One program per (batch, head) walks the full mini-batches of b tokens in order, b1 [1, d] in
-registers and W1 [d, d] in global memory (see Registers below). For a mini-batch with rows K, Q, V ∈ R^{b×d}, per-token η ∈ R^b,
-τ = token_idx ∈ R^b and W_0 = (W1, b1) at its start (notation of ``torch_chunk.py``):
+For a mini-batch of b tokens with rows K, Q, V ∈ R^{b×d}, per-token η ∈ R^b, τ = token_idx ∈ R^b
+and W_0 = (W1, b1) at its start (notation of ``torch_chunk.py``):
 
     Z = K W1 + b1,   Γ = ∂/∂Z ½‖LN_γβ(Z) − (V − K)‖²                    (row by row)
     M = tril(E ⊙ (Q Kᵀ + 1)),   E_ij = τ_i η_j
@@ -12,10 +11,16 @@ registers and W1 [d, d] in global memory (see Registers below). For a mini-batch
 
 (M Γ = (E ⊙ tril(Q Kᵀ)) Γ + tril(E) Γ, the two dual-form terms in one b×b product.)
 
-The forward stores W1, b1 at the start of every mini-batch (d² + d numbers per mini-batch and
-head). The backward is two kernels. ``_ttt_linear_bwd_mb_kernel`` (one program per (batch, head,
-mini-batch), all in parallel) recomputes Z, Γ, M, Z̄ from the stored start weights and
-back-propagates out through Z̄ and M — everything that does not depend on the gradient carried
+Only Z, Γ and the update are sequential; Z̄ and the output of a mini-batch follow from its start
+weights and Γ. The forward is two kernels, as flash-linear-attention's chunk_ttt_linear splits it:
+``_ttt_linear_state_kernel``, one program per (batch, head), walks the full mini-batches in order
+(b1 [1, d] in registers, W1 [d, d] in global memory, see Registers below), computes Z, Γ and the
+update, and stores W1, b1 at the start of every mini-batch (d² + d numbers per mini-batch and
+head) and Γ (b × d); ``_ttt_linear_out_kernel``, one program per (batch, head, mini-batch), all in
+parallel, computes M, Z̄ and out from them, so the chunk-parallel work does not wait on, nor
+depend for its occupancy on, batch × heads. The backward is two kernels.
+``_ttt_linear_bwd_mb_kernel`` (one program per (batch, head, mini-batch), all in parallel)
+recomputes M, Z̄ from the stored start weights and Γ and back-propagates out through Z̄ and M — everything that does not depend on the gradient carried
 from later mini-batches: ∂XQ, and the first parts of ∂XK, ∂η, ∂τ, ∂γ, ∂β and ∂Γ, with ∂Z̄, go to
 global memory. ``_ttt_linear_bwd_kernel`` then walks the mini-batches in reverse, recomputes Z and Γ,
 and carries (dW1, db1), the gradient with respect to the weights at the end of the current
@@ -37,18 +42,24 @@ MMA, fp32 accumulator), 3×TF32 for float32 inputs (tensor cores, error within a
 float32 tolerances unchanged; the interpreter multiplies exactly, only a GPU checks it), exact for float64.
 The bf16 operands round every product's inputs to 8 mantissa bits: the bfloat16 tests' 3e-2 of
 each tensor's scale, set for bfloat16 inputs and outputs, covers it unchanged. For bfloat16
-inputs the per-mini-batch start weights that the backward re-reads are stored in bfloat16 — they
-enter only tl.dot there, whose operands are rounded to bfloat16 anyway. Outputs come back in the
+inputs the per-mini-batch start weights and Γ that the output kernel and the backward read are
+stored in bfloat16 — they enter only tl.dot there, whose operands are rounded to bfloat16 anyway. Outputs come back in the
 input dtype, the state in float32 (float64 for float64 inputs), as in ``torch_chunk.py``.
 
-Registers (``python -m kernels.compile_report --op ttt``): W1 (forward) and dW1 (backward) are
-not carried in registers from one mini-batch to the next. They live in two global slots per
-(batch, head): the weights of mini-batch n in slot n % 2, read where a product needs them, the
-update written to the other slot at the end of the mini-batch, one barrier per mini-batch. The
-backward reads W1ᵀ from the stored start weights as a transposed tile. The forward builds its
-index, mask and pointer tensors inside the loop (``_loop_index``) instead of letting them be
-hoisted out of it. Triton gives every tl.dot of a kernel the warp layout of the last one, so the
-loops end with a [b, d] product; warps per GPU family in ``_LINEAR_WARPS``.
+Registers (``python -m kernels.compile_report --op ttt``): W1 (state pass) and dW1 (backward carry)
+are not carried in registers from one mini-batch to the next. They live in two global slots per
+(batch, head): the weights of mini-batch n in slot n % 2, the update written to the other slot at
+the end of the mini-batch, one barrier per mini-batch. No [d, d] tile is held whole in any
+kernel: every product with a weight operand (K W1, Q W1, ∂Z̄ W1ᵀ, ∂Z W1ᵀ, K dW1, the updates
+Kᵀ(η⊙Γ), Qᵀ∂Z̄ + Kᵀ∂Z) runs BC columns of the weight at a time in a runtime loop (not unrolled,
+so the compiler cannot hoist every tile's loads), writing each update as a [BC, d] tile (a product
+of BC rows). A [b, d] operand or product needed by column tiles, or produced by them, passes
+through small per-program scratch tiles in global memory (float32; ``_xw_cols``). The state
+pass builds its index, mask and pointer tensors inside the loop (``_loop_index``) instead of
+letting them be hoisted out of it. Warps and BC per GPU family in ``_LINEAR_WARPS`` and
+``_LINEAR_BC``. Still spilling (the gate's known failures): mini-batch 64 in the backward and
+with float32 operands, and the float32 d = 128 backward: their [b, d] tiles of LayerNorm
+intermediates (b = 64) or 3×TF32 operands do not fit; row blocks of 16 would bound them.
 
 TTT-MLP (``ttt_mlp_triton``) is in ``mlp_chunk.py``; it shares ``_dot``, ``_ln_stats``, ``_ln_bwd`` and
 ``_precision`` with this file.
@@ -116,11 +127,27 @@ def _loop_index(n, NMB, BT: tl.constexpr, BD: tl.constexpr):
 
 
 @triton.jit
-def _mini_batch_grad(k, v, WP, woff, wmask, bb, gamma, beta, cmask, D: tl.constexpr, eps, PREC: tl.constexpr):
-    """Z = K W1 + b1 and Γ of one mini-batch, with the LayerNorm pieces the backward reuses: x̂, 1/σ
-    of Z and the residual r = γ x̂ + β − (V − K) (ĝ = γ r). W1 is read from global memory
-    (``WP + woff``) where the product needs it, not held in registers through the mini-batch."""
-    Z = _dot(k, tl.load(WP + woff, mask=wmask, other=0.0), PREC) + bb[None, :]
+def _xw_cols(x, WP, S, D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
+    """x @ W for x [BT, BD] in registers and W [D, D] at ``WP`` (row-major), BC columns of W at a
+    time: each [BT, BC] column tile of the product goes to the scratch tile ``S`` [BT, BD] (float32,
+    row-major), which is read back whole after a barrier. Only a [BD, BC] tile of W is live at once."""
+    rows = tl.arange(0, BT)
+    wr = tl.arange(0, BD)
+    for c in range(BD // BC):
+        cc = c * BC + tl.arange(0, BC)
+        w = tl.load(WP + wr[:, None] * D + cc[None, :], mask=(wr[:, None] < D) & (cc[None, :] < D), other=0.0)
+        tl.store(S + rows[:, None] * BD + cc[None, :], _dot(x, w, PREC))
+    tl.debug_barrier()
+    return tl.load(S + rows[:, None] * BD + wr[None, :])
+
+
+@triton.jit
+def _mini_batch_grad_cols(k, v, WP, S, bb, gamma, beta, cmask, D: tl.constexpr, BD: tl.constexpr,
+                          BT: tl.constexpr, BC: tl.constexpr, eps, PREC: tl.constexpr):
+    """Z = K W1 + b1 (BC columns of W1 at a time, ``_xw_cols``) and Γ of one mini-batch, with the
+    LayerNorm pieces the backward reuses: x̂, 1/σ of Z and the residual r = γ x̂ + β − (V − K)
+    (ĝ = γ r)."""
+    Z = _xw_cols(k, WP, S, D, BD, BT, BC, PREC) + bb[None, :]
     xh, rstd = _ln_stats(Z, cmask, D, eps)
     r = gamma[None, :] * xh + beta[None, :] - (v - k)
     G = _ln_bwd(r * gamma[None, :], xh, rstd, cmask, D)                   # Γ
@@ -128,21 +155,27 @@ def _mini_batch_grad(k, v, WP, woff, wmask, bb, gamma, beta, cmask, D: tl.conste
 
 
 @triton.jit
-def _mini_batch_out(q, k, e, tau, G, WP, woff, wmask, bb, cmask, tril, D: tl.constexpr, eps, PREC: tl.constexpr):
-    """M, Z̄ = Q W1 + b1 − M Γ and its LayerNorm statistics, given Γ."""
+def _mini_batch_out_cols(q, k, e, tau, G, WP, S, bb, cmask, tril, D: tl.constexpr, BD: tl.constexpr,
+                         BT: tl.constexpr, BC: tl.constexpr, eps, PREC: tl.constexpr):
+    """M, Z̄ = Q W1 + b1 − M Γ and its LayerNorm statistics, given Γ; Q W1 BC columns of W1 at a
+    time (``_xw_cols``)."""
     A = _dot(q, tl.trans(k), PREC)
     Ev = tau[:, None] * e[None, :]
     M = tl.where(tril, Ev * (A + 1.0), 0.0)
-    Zb = _dot(q, tl.load(WP + woff, mask=wmask, other=0.0), PREC) + bb[None, :] - _dot(M, G, PREC)
+    Zb = _xw_cols(q, WP, S, D, BD, BT, BC, PREC) + bb[None, :] - _dot(M, G, PREC)
     xhb, rstdb = _ln_stats(Zb, cmask, D, eps)
     return A, Ev, M, xhb, rstdb
 
 
 @triton.jit
-def _ttt_linear_fwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, W0, B0, OUT, WS, BS, WF, BF, WT,
-                           T, NMB, H, eps,
-                           D: tl.constexpr, BD: tl.constexpr, MB: tl.constexpr, BT: tl.constexpr,
-                           SAVE: tl.constexpr, PREC: tl.constexpr):
+def _ttt_linear_state_kernel(XK, XV, ETA, TAU, LNW, LNB, W0, B0, WS, BS, GS, WF, BF, WT, SCR,
+                             T, NMB, H, eps,
+                             D: tl.constexpr, BD: tl.constexpr, MB: tl.constexpr, BT: tl.constexpr,
+                             BC: tl.constexpr, PREC: tl.constexpr):
+    """The sequential part of the forward: one program per batch·head walks the mini-batches in
+    order, computes Z = K W1 + b1, Γ and the update, and stores the start weights (W1, b1) of every
+    mini-batch (WS, BS) and its Γ (GS), from which ``_ttt_linear_out_kernel`` computes the
+    outputs of all mini-batches in parallel."""
     pid = tl.program_id(0)                      # = b_idx * H + h_idx
     h = pid % H
     cdt = W0.dtype.element_ty
@@ -151,9 +184,13 @@ def _ttt_linear_fwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, W0, B0, OUT, WS, BS, 
     wmask = cmask[:, None] & cmask[None, :]
     woff = cols[:, None] * D + cols[None, :]
     # W1 lives in global memory, not in registers: the weights at the start of mini-batch n in
-    # slot n % 2 of WT [2, d, d], read where a product needs them; the update is written to the
-    # other slot at the end of the mini-batch, one barrier per mini-batch
+    # slot n % 2 of WT [2, d, d], read BC columns at a time where a product needs them; the update
+    # is written to the other slot, tile by tile, at the end of the mini-batch, one barrier per
+    # mini-batch. A [b, d] product or operand needed by column tiles passes through one of two
+    # [BT, BD] scratch tiles in SCR (per program; float32)
     WT = WT + pid * 2 * D * D
+    S_Z = SCR + pid * 2 * BT * BD               # K W1 (read back whole)
+    S_E = S_Z + BT * BD                         # η⊙Γ (read by column tiles)
     tl.store(WT + woff, tl.load(W0 + pid * D * D + woff, mask=wmask, other=0.0).to(cdt), mask=wmask)
     bb = tl.load(B0 + pid * D + cols, mask=cmask, other=0.0).to(cdt)
     tau_last = tl.load(TAU + MB - 1).to(cdt)
@@ -163,36 +200,34 @@ def _ttt_linear_fwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, W0, B0, OUT, WS, BS, 
         rows, cols = _loop_index(n, NMB, BT, BD)
         cmask = cols < D
         rmask = rows < MB
-        wmask = cmask[:, None] & cmask[None, :]
         xmask = rmask[:, None] & cmask[None, :]
-        tril = rows[None, :] <= rows[:, None]
-        woff = cols[:, None] * D + cols[None, :]
         WP = WT + (n % 2) * D * D
+        WQ = WT + ((n + 1) % 2) * D * D
         gamma = tl.load(LNW + h * D + cols, mask=cmask, other=0.0).to(cdt)
         beta = tl.load(LNB + h * D + cols, mask=cmask, other=0.0).to(cdt)
-        # padded rows (MB < BT) get τ = η = 0, so they enter no product that reaches a real row
-        tau = tl.load(TAU + rows, mask=rmask, other=0.0).to(cdt)
-        if SAVE:
-            tl.store(WS + (pid * NMB + n) * D * D + woff, tl.load(WP + woff, mask=wmask, other=0.0), mask=wmask)
-            tl.store(BS + (pid * NMB + n) * D + cols, bb, mask=cmask)
+        tl.store(BS + (pid * NMB + n) * D + cols, bb, mask=cmask)
         t_off = n * MB + rows
         xoff = pid * T * D + t_off[:, None] * D + cols[None, :]
         k = tl.load(XK + xoff, mask=xmask, other=0.0).to(cdt)
         v = tl.load(XV + xoff, mask=xmask, other=0.0).to(cdt)
+        # padded rows (MB < BT) get η = 0, so they reach no update
         e = tl.load(ETA + pid * T + t_off, mask=rmask, other=0.0).to(cdt)
-        xh, rstd, r, G = _mini_batch_grad(k, v, WP, woff, wmask, bb, gamma, beta, cmask, D, eps, PREC)
-        q = tl.load(XQ + xoff, mask=xmask, other=0.0).to(cdt)
-        # the update's product first (written to the other slot at the end): Triton gives every
-        # tl.dot of the loop the warp layout it picks for the last one, which should be a [b, d] one
+        xh, rstd, r, G = _mini_batch_grad_cols(k, v, WP, S_Z, bb, gamma, beta, cmask, D, BD, BT, BC, eps, PREC)
+        tl.store(GS + xoff, G, mask=xmask)
         eG = e[:, None] * G
-        upd = _dot(tl.trans(k), eG, PREC)
-        bb_next = bb - tau_last * tl.sum(eG, axis=0)
-        A, Ev, M, xhb, rstdb = _mini_batch_out(q, k, e, tau, G, WP, woff, wmask, bb, cmask, tril, D, eps, PREC)
-        out = q + gamma[None, :] * xhb + beta[None, :]
-        tl.store(OUT + xoff, out.to(OUT.dtype.element_ty), mask=xmask)
-        tl.store(WT + ((n + 1) % 2) * D * D + woff, tl.load(WP + woff, mask=wmask, other=0.0) - tau_last * upd,
-                 mask=wmask)
-        bb = bb_next
+        bb = bb - tau_last * tl.sum(eG, axis=0)
+        tl.store(S_E + rows[:, None] * BD + cols[None, :], eG)
+        tl.debug_barrier()
+        # W1' = W1 − τ_{b−1} Kᵀ(η⊙Γ), BC columns of W1 at a time, each as a [BC, d] tile (the
+        # product (η⊙Γ)[:, cols]ᵀ K of BC rows); the start weights stored on the way
+        for c in range(BD // BC):
+            cc = c * BC + tl.arange(0, BC)
+            wc = cc[:, None] + cols[None, :] * D
+            wcm = (cc[:, None] < D) & cmask[None, :]
+            w = tl.load(WP + wc, mask=wcm, other=0.0)
+            tl.store(WS + (pid * NMB + n) * D * D + wc, w, mask=wcm)
+            updT = _dot(tl.trans(tl.load(S_E + rows[:, None] * BD + cc[None, :])), k, PREC)
+            tl.store(WQ + wc, w - tau_last * updT, mask=wcm)
         tl.debug_barrier()                      # the next mini-batch reads the slot written above
 
     cols = tl.arange(0, BD)
@@ -204,11 +239,48 @@ def _ttt_linear_fwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, W0, B0, OUT, WS, BS, 
 
 
 @triton.jit
-def _ttt_linear_bwd_mb_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, WS, BS, DOUT,
-                              DXQ, DKP, DEP, DG0, DZB, DTAUP, DLNWP, DLNBP,
+def _ttt_linear_out_kernel(XQ, XK, ETA, TAU, LNW, LNB, WS, BS, GS, OUT, SCR,
+                           T, NMB, H, eps,
+                           D: tl.constexpr, BD: tl.constexpr, MB: tl.constexpr, BT: tl.constexpr,
+                           BC: tl.constexpr, PREC: tl.constexpr):
+    """The chunk-parallel part of the forward: one program per (batch·head, mini-batch), all in
+    parallel, after ``_ttt_linear_state_kernel``. From the stored start weights W1, b1 and Γ:
+    Z̄ = Q W1 + b1 − M Γ, out = Q + LN_γβ(Z̄), Q W1 BC columns of W1 at a time through a [BT, BD]
+    scratch tile in SCR (per program; float32)."""
+    pid = tl.program_id(0)
+    n = tl.program_id(1)
+    h = pid % H
+    cdt = BS.dtype.element_ty
+    rows = tl.arange(0, BT)
+    cols = tl.arange(0, BD)
+    cmask = cols < D
+    rmask = rows < MB
+    xmask = rmask[:, None] & cmask[None, :]
+    tril = rows[None, :] <= rows[:, None]
+    gamma = tl.load(LNW + h * D + cols, mask=cmask, other=0.0).to(cdt)
+    beta = tl.load(LNB + h * D + cols, mask=cmask, other=0.0).to(cdt)
+    # padded rows (MB < BT) get τ = η = 0, so they enter no product that reaches a real row
+    tau = tl.load(TAU + rows, mask=rmask, other=0.0).to(cdt)
+    WP = WS + (pid * NMB + n) * D * D
+    bb = tl.load(BS + (pid * NMB + n) * D + cols, mask=cmask, other=0.0).to(cdt)
+    t_off = n * MB + rows
+    xoff = pid * T * D + t_off[:, None] * D + cols[None, :]
+    q = tl.load(XQ + xoff, mask=xmask, other=0.0).to(cdt)
+    k = tl.load(XK + xoff, mask=xmask, other=0.0).to(cdt)
+    e = tl.load(ETA + pid * T + t_off, mask=rmask, other=0.0).to(cdt)
+    G = tl.load(GS + xoff, mask=xmask, other=0.0).to(cdt)
+    S = SCR + (pid * NMB + n) * BT * BD
+    A, Ev, M, xhb, rstdb = _mini_batch_out_cols(q, k, e, tau, G, WP, S, bb, cmask, tril, D, BD, BT, BC, eps, PREC)
+    out = q + gamma[None, :] * xhb + beta[None, :]
+    tl.store(OUT + xoff, out.to(OUT.dtype.element_ty), mask=xmask)
+
+
+@triton.jit
+def _ttt_linear_bwd_mb_kernel(XQ, XK, ETA, TAU, LNW, LNB, WS, BS, GS, DOUT,
+                              DXQ, DKP, DEP, DG0, DZB, DTAUP, DLNWP, DLNBP, SCR,
                               T, NMB, H, eps,
                               D: tl.constexpr, BD: tl.constexpr, MB: tl.constexpr, BT: tl.constexpr,
-                              PREC: tl.constexpr):
+                              BC: tl.constexpr, PREC: tl.constexpr):
     """The part of the backward local to one mini-batch (no dependence on the carried dW1, db1):
     one program per (batch·head, mini-batch), all in parallel. Recomputes the forward from the
     stored start weights, back-propagates out through Z̄ and M, and stores ∂XQ (final), the parts
@@ -221,11 +293,8 @@ def _ttt_linear_bwd_mb_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, WS, BS, DOUT,
     cols = tl.arange(0, BD)
     cmask = cols < D
     rmask = rows < MB
-    wmask = cmask[:, None] & cmask[None, :]
     xmask = rmask[:, None] & cmask[None, :]
     tril = rows[None, :] <= rows[:, None]
-    woff = cols[:, None] * D + cols[None, :]
-    wtoff = cols[:, None] + cols[None, :] * D          # the transposed tile
     gamma = tl.load(LNW + h * D + cols, mask=cmask, other=0.0).to(cdt)
     beta = tl.load(LNB + h * D + cols, mask=cmask, other=0.0).to(cdt)
     # padded rows (MB < BT) get τ = η = 0, so they enter no product that reaches a real row
@@ -236,11 +305,11 @@ def _ttt_linear_bwd_mb_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, WS, BS, DOUT,
     xoff = pid * T * D + t_off[:, None] * D + cols[None, :]
     q = tl.load(XQ + xoff, mask=xmask, other=0.0).to(cdt)
     k = tl.load(XK + xoff, mask=xmask, other=0.0).to(cdt)
-    v = tl.load(XV + xoff, mask=xmask, other=0.0).to(cdt)
     e = tl.load(ETA + pid * T + t_off, mask=rmask, other=0.0).to(cdt)
     do = tl.load(DOUT + xoff, mask=xmask, other=0.0).to(cdt)
-    xh, rstd, r, G = _mini_batch_grad(k, v, WP, woff, wmask, bb, gamma, beta, cmask, D, eps, PREC)
-    A, Ev, M, xhb, rstdb = _mini_batch_out(q, k, e, tau, G, WP, woff, wmask, bb, cmask, tril, D, eps, PREC)
+    G = tl.load(GS + xoff, mask=xmask, other=0.0).to(cdt)              # Γ, stored by the forward
+    S = SCR + (pid * NMB + n) * BT * BD
+    A, Ev, M, xhb, rstdb = _mini_batch_out_cols(q, k, e, tau, G, WP, S, bb, cmask, tril, D, BD, BT, BC, eps, PREC)
 
     # out = Q + γ x̂(Z̄) + β
     tl.store(DLNWP + (pid * NMB + n) * D + cols, tl.sum(do * xhb, axis=0), mask=cmask)
@@ -256,19 +325,29 @@ def _ttt_linear_bwd_mb_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, WS, BS, DOUT,
     tl.store(DKP + xoff, _dot(tl.trans(dA), q, PREC), mask=xmask)
     tl.store(DEP + pid * T + t_off, tl.sum(dE * tau[:, None], axis=0), mask=rmask)
     tl.store(DTAUP + (pid * NMB + n) * MB + rows, tl.sum(dE * e[None, :], axis=1), mask=rmask)
-    dq = do + _dot(dA, k, PREC) + _dot(dZb, tl.load(WP + wtoff, mask=wmask, other=0.0), PREC)
+    dq = do + _dot(dA, k, PREC)
+    # ∂Z̄ W1ᵀ, BC columns of W1 (and of ∂Z̄, read back from DZB) at a time
+    tl.debug_barrier()
+    for c in range(BD // BC):
+        cc = c * BC + tl.arange(0, BC)
+        ccm = cc < D
+        dZbc = tl.load(DZB + pid * T * D + t_off[:, None] * D + cc[None, :], mask=rmask[:, None] & ccm[None, :], other=0.0)
+        dq += _dot(dZbc, tl.load(WP + cc[:, None] + cols[None, :] * D, mask=ccm[:, None] & cmask[None, :], other=0.0), PREC)
     tl.store(DXQ + xoff, dq.to(DXQ.dtype.element_ty), mask=xmask)
 
 
 @triton.jit
 def _ttt_linear_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, WS, BS, DWF, DBF, DKP, DEP, DG0, DZB,
-                           DXK, DXV, DETA, DTAU, DLNW, DLNB, DW0, DB0, DWT,
+                           DXK, DXV, DETA, DTAU, DLNW, DLNB, DW0, DB0, DWT, SCR,
                            T, NMB, H, eps,
                            D: tl.constexpr, BD: tl.constexpr, MB: tl.constexpr, BT: tl.constexpr,
-                           PREC: tl.constexpr):
+                           BC: tl.constexpr, PREC: tl.constexpr):
     """The part of the backward that carries (dW1, db1) from the last mini-batch to the first:
     one program per batch·head, after ``_ttt_linear_bwd_mb_kernel``, whose partial ∂XK, ∂η, ∂Γ
-    and ∂Z̄ it completes through the update W1' = W1 − τ_{b−1} Kᵀ(η⊙Γ) and Γ's dependence on Z."""
+    and ∂Z̄ it completes through the update W1' = W1 − τ_{b−1} Kᵀ(η⊙Γ) and Γ's dependence on Z.
+    Every product with a [d, d] operand (W1, dW1, the update) runs BC columns of it at a time; the
+    [b, BC] column tiles of a product or of a [b, d] operand pass through four [BT, BD] scratch
+    tiles in ``SCR`` (per program; float32), so at most a [BD, BC] tile of a weight is live."""
     pid = tl.program_id(0)
     h = pid % H
     cdt = DW0.dtype.element_ty
@@ -281,8 +360,12 @@ def _ttt_linear_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, WS, BS, DWF, DBF, DKP
     wmask = cmask[:, None] & cmask[None, :]
     xmask = rmask[:, None] & cmask[None, :]
     woff = cols[:, None] * D + cols[None, :]
-    wtoff = cols[:, None] + cols[None, :] * D          # the transposed tile
+    soff = rows[:, None] * BD + cols[None, :]          # a whole scratch tile
     tau_last = tl.load(TAU + MB - 1).to(cdt)
+    S_Z = SCR + pid * 4 * BT * BD                      # Z = K W1 (read back whole)
+    S_P = S_Z + BT * BD                                # P = K dW1 (read back whole)
+    S_E = S_P + BT * BD                                # η⊙Γ (read by column tiles)
+    S_X = S_E + BT * BD                                # ∂Z (read by column tiles)
 
     # gradients with respect to the weights at the END of the current mini-batch; dW1 lives in the
     # two slots of DWT [2, d, d] (global memory), not in registers: read in slot i % 2 where a
@@ -298,6 +381,7 @@ def _ttt_linear_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, WS, BS, DWF, DBF, DKP
     for i in range(NMB):
         n = NMB - 1 - i
         dWP = DWT + (i % 2) * D * D
+        dWQ = DWT + ((i + 1) % 2) * D * D
         gamma = tl.load(LNW + h * D + cols, mask=cmask, other=0.0).to(cdt)
         beta = tl.load(LNB + h * D + cols, mask=cmask, other=0.0).to(cdt)
         WP = WS + (pid * NMB + n) * D * D
@@ -307,12 +391,17 @@ def _ttt_linear_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, WS, BS, DWF, DBF, DKP
         k = tl.load(XK + xoff, mask=xmask, other=0.0).to(cdt)
         v = tl.load(XV + xoff, mask=xmask, other=0.0).to(cdt)
         e = tl.load(ETA + pid * T + t_off, mask=rmask, other=0.0).to(cdt)
-        xh, rstd, r, G = _mini_batch_grad(k, v, WP, woff, wmask, bb, gamma, beta, cmask, D, eps, PREC)
+        xh, rstd, r, G = _mini_batch_grad_cols(k, v, WP, S_Z, bb, gamma, beta, cmask, D, BD, BT, BC, eps, PREC)
 
-        # end-of-mini-batch update W1' = W1 − τ_{b−1} Kᵀ(η⊙Γ), b1' = b1 − τ_{b−1} Σ η Γ
-        dW = tl.load(dWP + woff, mask=wmask, other=0.0)   # one read of dW1 for both products
-        P = _dot(k, dW, PREC) + dbb[None, :]
-        dkW = -tau_last * _dot(e[:, None] * G, tl.trans(dW), PREC)
+        # end-of-mini-batch update W1' = W1 − τ_{b−1} Kᵀ(η⊙Γ), b1' = b1 − τ_{b−1} Σ η Γ:
+        # P = K dW1 + db1 and ∂K through the update, −τ_{b−1} (η⊙Γ) dW1ᵀ, column tile by column tile
+        tl.store(S_E + soff, e[:, None] * G)
+        for c in range(BD // BC):
+            cc = c * BC + tl.arange(0, BC)
+            dWc = tl.load(dWP + cols[:, None] * D + cc[None, :], mask=cmask[:, None] & (cc[None, :] < D), other=0.0)
+            tl.store(S_P + rows[:, None] * BD + cc[None, :], _dot(k, dWc, PREC))
+        tl.debug_barrier()
+        P = tl.load(S_P + soff) + dbb[None, :]
         GP = tl.sum(G * P, axis=1)
         dG = tl.load(DG0 + xoff, mask=xmask, other=0.0).to(cdt) - tau_last * e[:, None] * P
         de = tl.load(DEP + pid * T + t_off, mask=rmask, other=0.0).to(cdt) - tau_last * GP
@@ -330,19 +419,34 @@ def _ttt_linear_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, WS, BS, DWF, DBF, DKP
         dtgt = -gamma[None, :] * dgh
         tl.store(DXV + xoff, dtgt.to(DXV.dtype.element_ty), mask=xmask)          # target = V − K
         dZ = _ln_bwd(dxh, xh, rstd, cmask, D) + tl.where(cmask[None, :], dsig[:, None] * xh / D, 0.0)
-        # Z = K W1 + b1, Z̄ = Q W1 + b1 − M Γ: dW1 += Qᵀ dZ̄ + Kᵀ dZ (before the products below, so
-        # that the loop's last tl.dot, whose warp layout every product takes, is a [b, d] one)
         dZb = tl.load(DZB + xoff, mask=xmask, other=0.0).to(cdt)
-        q = tl.load(XQ + xoff, mask=xmask, other=0.0).to(cdt)
-        upd = _dot(tl.trans(q), dZb, PREC) + _dot(tl.trans(k), dZ, PREC)
         dbb += tl.sum(dZb, axis=0) + tl.sum(dZ, axis=0)
-        # ∂K: the per-mini-batch part, through the update (dW1 of the end of this mini-batch, still
-        # in slot i % 2), through Z (W1ᵀ read from the stored start weights as a transposed tile)
-        # and through the target
-        dk = (tl.load(DKP + xoff, mask=xmask, other=0.0).to(cdt) + dkW
-              + _dot(dZ, tl.load(WP + wtoff, mask=wmask, other=0.0), PREC) - dtgt)
+        # ∂K: the per-mini-batch part, through the update (dkW above, with dW1 of the end of this
+        # mini-batch), through Z (∂Z W1ᵀ) and through the target
+        dk = -dtgt
+        # Z = K W1 + b1, Z̄ = Q W1 + b1 − M Γ: dW1_start = dW1_end + Qᵀ ∂Z̄ + Kᵀ ∂Z, and ∂Z W1ᵀ,
+        # one BC-column tile of W1, ∂Z and ∂Z̄ at a time (∂Z through the scratch, ∂Z̄ from DZB)
+        tl.store(S_X + soff, dZ)
+        tl.debug_barrier()
+        q = tl.load(XQ + xoff, mask=xmask, other=0.0).to(cdt)
+        k = tl.load(XK + xoff, mask=xmask, other=0.0).to(cdt)     # read again: not held through the LayerNorm
+        for c in range(BD // BC):
+            cc = c * BC + tl.arange(0, BC)
+            ccm = cc < D
+            dZc = tl.load(S_X + rows[:, None] * BD + cc[None, :])
+            dZbc = tl.load(DZB + pid * T * D + t_off[:, None] * D + cc[None, :], mask=rmask[:, None] & ccm[None, :],
+                           other=0.0).to(cdt)
+            # the update's columns cc as [BC, d] rows (a product of BC rows, not d)
+            updT = _dot(tl.trans(dZbc), q, PREC) + _dot(tl.trans(dZc), k, PREC)
+            wc = cc[:, None] + cols[None, :] * D
+            wcm = ccm[:, None] & cmask[None, :]
+            dWt = tl.load(dWP + wc, mask=wcm, other=0.0)
+            tl.store(dWQ + wc, dWt + updT, mask=wcm)
+            # last, so that the loop's last tl.dot, whose warp layout every product takes, is a [b, d] one
+            dk += (_dot(dZc, tl.load(WP + wc, mask=wcm, other=0.0), PREC)
+                   - tau_last * _dot(tl.load(S_E + rows[:, None] * BD + cc[None, :]), dWt, PREC))
+        dk += tl.load(DKP + xoff, mask=xmask, other=0.0).to(cdt)
         tl.store(DXK + xoff, dk.to(DXK.dtype.element_ty), mask=xmask)
-        tl.store(DWT + ((i + 1) % 2) * D * D + woff, tl.load(dWP + woff, mask=wmask, other=0.0) + upd, mask=wmask)
         tl.debug_barrier()                      # the next mini-batch reads the slot written above
 
     tl.store(DW0 + pid * D * D + woff, tl.load(DWT + (NMB % 2) * D * D + woff, mask=wmask, other=0.0), mask=wmask)
@@ -363,56 +467,73 @@ def _precision(dtype: torch.dtype) -> str:
 
 
 #: num_warps of the TTT-Linear kernels per GPU family (``device_arch``): (arch, kernel, bf16
-#: operands, BD, BT) -> warps, kernel "fwd", "bwd_mb" (``_ttt_linear_bwd_mb_kernel``) or "bwd".
+#: operands, BD, BT) -> warps, kernel one of ``_LINEAR_KERNELS``.
 #: Triton gives every tl.dot of a kernel the warp layout it picks for the last one, which for
 #: chained products puts all warps along one dimension of the [b, d] tile (rows when b ≥ d,
 #: columns otherwise): at b = 16 the warps split the columns, and more warps hold less of each
-#: tile (the forward at d = 64 fits 4); at b = d = 64 they split the 64 rows (16 per warp at 4
-#: warps; 8 duplicate the tiles of an sm_80 MMA, whose warps take 16 rows each). Checked by
-#: ``python -m kernels.compile_report --op ttt``; b = 64 and d = 128 still spill at 4 and 8.
+#: tile (the state pass at d = 64, and on sm_80 at d = 128, fits 4); at b = d = 64 they split the
+#: 64 rows (16 per warp at 4 warps; 8 duplicate the tiles of an sm_80 MMA, whose warps take 16
+#: rows each). Checked by ``python -m kernels.compile_report --op ttt``; 16 warps (at most 128
+#: registers a thread) spill more than 8 wherever 8 spill.
 _LINEAR_WARPS = {
-    (90, "fwd", True, 64, 16): 4, (80, "fwd", True, 64, 16): 4,
+    (90, "state", True, 64, 16): 4, (80, "state", True, 64, 16): 4,
+    (80, "state", True, 128, 16): 4, (80, "state", False, 128, 16): 4,
 }
 
 
-def _launch_cfg(d: int, b: int, kernel: str = "fwd", half: bool = True, arch: int = INTERPRET_ARCH):
+#: the TTT-Linear kernels by launch-config name: forward state pass, forward output, backward
+#: per mini-batch, backward carry
+_LINEAR_KERNELS = ("state", "out", "bwd_mb", "bwd")
+#: the kernels whose products with a [d, d] operand run BC columns of it at a time (all of them)
+_COLUMN_TILED = _LINEAR_KERNELS
+#: BC per (arch, kernel, bf16 operands, BD, BT), 16 where it names none (these spill at 16, not at
+#: 32: the float32 state pass at d = 128, b = 16 and the bf16 per-mini-batch backward at d = 128,
+#: b = 64 on sm_80, the float32 backward carry at d = 128, b = 16 on both)
+_LINEAR_BC = {(80, "state", False, 128, 16): 32, (80, "bwd_mb", True, 128, 64): 32,
+              (90, "bwd", False, 128, 16): 32, (80, "bwd", False, 128, 16): 32}
+
+
+def _launch_cfg(d: int, b: int, kernel: str = "state", half: bool = True, arch: int = INTERPRET_ARCH):
     """Padded tile sizes (tl.dot needs every block dim ≥ 16) and launch options of TTT-Linear
-    ``kernel`` ("fwd", "bwd_mb", "bwd") for GPU family ``arch`` (90 or 80, ``device_arch``; ``half``:
+    ``kernel`` (one of ``_LINEAR_KERNELS``) for GPU family ``arch`` (90 or 80, ``device_arch``; ``half``:
     bf16 operands, False for 3×TF32 with float32 inputs). num_warps from ``_LINEAR_WARPS``, 8 where
-    it names none (W1 and dW1 live in global memory, the [b, d] and [b, b] tiles in registers)."""
-    if kernel not in ("fwd", "bwd_mb", "bwd"):
+    it names none (W1 and dW1 live in global memory, the [b, d] and [b, b] tiles in registers); the
+    weight column tile BC from ``_LINEAR_BC`` (16 under the interpreter)."""
+    if kernel not in _LINEAR_KERNELS:
         raise ValueError(f"_launch_cfg: unknown TTT-Linear kernel {kernel!r}")
     BD = max(16, triton.next_power_of_2(d))
     BT = max(16, triton.next_power_of_2(b))
-    if is_interpreting():
-        return BD, BT, {}
+    tiles = {"BC": min(BD, _LINEAR_BC.get((arch, kernel, half, BD, BT), 16))} if kernel in _COLUMN_TILED else {}
+    if is_interpreting():                   # 16 columns, so that the tests at d = 32 walk two tiles
+        return BD, BT, {k: 16 for k in tiles}
     warps = _LINEAR_WARPS.get((arch, kernel, half, BD, BT), 8)
-    return BD, BT, {"num_warps": warps, "num_stages": 1}
+    return BD, BT, {"num_warps": warps, "num_stages": 1, **tiles}
 
 
 # The ops are PyTorch custom ops (torch.library): torch.compile (model.compile) captures each as one
 # opaque node of the block's graph, with shapes from the fake implementations and the backward
 # registered below, instead of tracing the Triton launches or breaking the graph.
-def _linear_start_weights(XQ, NMB: int, save: bool):
-    """Empty buffers for the per-mini-batch start weights (WS, BS) the forward stores."""
-    B, H, _, d = XQ.shape
+def _linear_mini_batch_buffers(XQ, NMB: int):
+    """Empty buffers for what the state pass stores per mini-batch: the start weights (WS, BS) and
+    Γ (GS), read by the output kernel and the backward."""
+    B, H, T, d = XQ.shape
     cdt = acc_dtype(XQ.dtype)
-    # the stored start weights enter the backward only as tl.dot operands: with bf16 operands
-    # they are stored in bfloat16 (the same rounding the forward's products saw; half the
-    # registers and traffic)
+    # the stored start weights and Γ enter the output kernel and the backward only as tl.dot
+    # operands: with bf16 operands they are stored in bfloat16 (the same rounding the products
+    # see; half the registers and traffic)
     ws_dt = torch.bfloat16 if _precision(XQ.dtype).startswith("bf16") else cdt
-    return (XQ.new_empty(B, H, NMB if save else 1, d, d, dtype=ws_dt),
-            XQ.new_empty(B, H, NMB if save else 1, d, dtype=cdt))
+    return (XQ.new_empty(B, H, NMB, d, d, dtype=ws_dt), XQ.new_empty(B, H, NMB, d, dtype=cdt),
+            XQ.new_empty(B, H, T, d, dtype=ws_dt))
 
 
 @torch.library.custom_op("kernels::ttt_linear_fwd", mutates_args=())
 def _linear_fwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: torch.Tensor, tau: torch.Tensor,
                    ln_w: torch.Tensor, ln_b: torch.Tensor, W0: torch.Tensor, b0: torch.Tensor,
-                   mini_batch_size: int, save: bool
-                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                   mini_batch_size: int
+                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Full mini-batches from a boundary: (XQ, XK, XV, η, τ, γ, β, W1_0 [B,H,d,d], b1_0 [B,H,1,d])
-    → (out [B,H,T,d], W1_end, b1_end, and the start weights WS, BS the backward reads, stored
-    when ``save``)."""
+    → (out [B,H,T,d], W1_end, b1_end, and the per-mini-batch start weights WS, BS and Γ (GS) that
+    the output kernel and the backward read)."""
     B, H, T, d = XQ.shape
     bsz = mini_batch_size
     NMB = T // bsz
@@ -424,28 +545,35 @@ def _linear_fwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: to
     b0c = b0.to(cdt).contiguous()
     out = torch.empty_like(XQ)
     prec = _precision(XQ.dtype)
-    WS, BS = _linear_start_weights(XQ, NMB, save)
+    WS, BS, GS = _linear_mini_batch_buffers(XQ, NMB)
     WF = torch.empty(B, H, d, d, dtype=cdt, device=XQ.device)
     BF = torch.empty(B, H, 1, d, dtype=cdt, device=XQ.device)
-    WT = torch.empty(B, H, 2, d, d, dtype=cdt, device=XQ.device)     # the kernel's two W1 slots
-    BD, BT, kw = _launch_cfg(d, bsz, half=XQ.dtype in (torch.bfloat16, torch.float16), arch=device_arch(XQ.device))
-    _ttt_linear_fwd_kernel[(B * H,)](
-        XQ, XK, XV, eta, tau_c, lw, lb, W0c, b0c, out, WS, BS, WF, BF, WT,
-        T, NMB, H, LN_EPS, D=d, BD=BD, MB=bsz, BT=BT, SAVE=save, PREC=prec, **kw)
-    return out, WF, BF, WS, BS
+    WT = torch.empty(B, H, 2, d, d, dtype=cdt, device=XQ.device)     # the state pass' two W1 slots
+    half, arch = XQ.dtype in (torch.bfloat16, torch.float16), device_arch(XQ.device)
+    BD, BT, kw = _launch_cfg(d, bsz, "state", half=half, arch=arch)
+    SCR = torch.empty(B, H, 2, BT, BD, dtype=cdt, device=XQ.device)  # its [b, d] scratch tiles
+    _ttt_linear_state_kernel[(B * H,)](
+        XK, XV, eta, tau_c, lw, lb, W0c, b0c, WS, BS, GS, WF, BF, WT, SCR,
+        T, NMB, H, LN_EPS, D=d, BD=BD, MB=bsz, BT=BT, PREC=prec, **kw)
+    BD, BT, kw = _launch_cfg(d, bsz, "out", half=half, arch=arch)
+    _ttt_linear_out_kernel[(B * H, NMB)](
+        XQ, XK, eta, tau_c, lw, lb, WS, BS, GS, out, torch.empty(B, H, NMB, BT, BD, dtype=cdt, device=XQ.device),
+        T, NMB, H, LN_EPS, D=d, BD=BD, MB=bsz, BT=BT, PREC=prec, **kw)
+    return out, WF, BF, WS, BS, GS
 
 
 @_linear_fwd_op.register_fake
-def _(XQ, XK, XV, eta, tau, ln_w, ln_b, W0, b0, mini_batch_size, save):
+def _(XQ, XK, XV, eta, tau, ln_w, ln_b, W0, b0, mini_batch_size):
     B, H, T, d = XQ.shape
     cdt = acc_dtype(XQ.dtype)
-    WS, BS = _linear_start_weights(XQ, T // mini_batch_size, save)
-    return torch.empty_like(XQ), XQ.new_empty(B, H, d, d, dtype=cdt), XQ.new_empty(B, H, 1, d, dtype=cdt), WS, BS
+    WS, BS, GS = _linear_mini_batch_buffers(XQ, T // mini_batch_size)
+    return (torch.empty_like(XQ), XQ.new_empty(B, H, d, d, dtype=cdt), XQ.new_empty(B, H, 1, d, dtype=cdt),
+            WS, BS, GS)
 
 
 @torch.library.custom_op("kernels::ttt_linear_bwd", mutates_args=())
 def _linear_bwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: torch.Tensor, tau: torch.Tensor,
-                   ln_w: torch.Tensor, ln_b: torch.Tensor, WS: torch.Tensor, BS: torch.Tensor,
+                   ln_w: torch.Tensor, ln_b: torch.Tensor, WS: torch.Tensor, BS: torch.Tensor, GS: torch.Tensor,
                    dout: Optional[torch.Tensor], dWF: Optional[torch.Tensor], dBF: Optional[torch.Tensor],
                    mini_batch_size: int, W_dt: torch.dtype, b_dt: torch.dtype) -> List[torch.Tensor]:
     """Gradients of the nine tensor inputs of ``_linear_fwd_op``."""
@@ -468,6 +596,8 @@ def _linear_bwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: to
     dW0 = torch.empty(B, H, d, d, dtype=cdt, device=dev)
     dB0 = torch.empty(B, H, 1, d, dtype=cdt, device=dev)
     dWT = torch.empty(B, H, 2, d, d, dtype=cdt, device=dev)           # the second kernel's two dW1 slots
+    SCR = torch.empty(B, H, 4, max(16, triton.next_power_of_2(bsz)), max(16, triton.next_power_of_2(d)),
+                      dtype=cdt, device=dev)                           # its [b, d] scratch tiles
     # what the per-mini-batch kernel hands to the carrying one (float32; float64 for float64 inputs)
     dKP, dG0, dZB = (torch.empty(B, H, T, d, dtype=cdt, device=dev) for _ in range(3))
     dEP = torch.empty(B, H, T, dtype=cdt, device=dev)
@@ -478,13 +608,13 @@ def _linear_bwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: to
     arch, prec = device_arch(XQ.device), _precision(XQ.dtype)
     BD, BT, kw = _launch_cfg(d, bsz, "bwd_mb", half=half, arch=arch)
     _ttt_linear_bwd_mb_kernel[(B * H, NMB)](
-        XQ, XK, XV, eta, tau_c, lw, lb, WS, BS, dout,
-        dXQ, dKP, dEP, dG0, dZB, dTAUP, dLNWP, dLNBP,
+        XQ, XK, eta, tau_c, lw, lb, WS, BS, GS, dout,
+        dXQ, dKP, dEP, dG0, dZB, dTAUP, dLNWP, dLNBP, torch.empty(B, H, NMB, BT, BD, dtype=cdt, device=dev),
         T, NMB, H, LN_EPS, D=d, BD=BD, MB=bsz, BT=BT, PREC=prec, **kw)
     BD, BT, kw = _launch_cfg(d, bsz, "bwd", half=half, arch=arch)
     _ttt_linear_bwd_kernel[(B * H,)](
         XQ, XK, XV, eta, tau_c, lw, lb, WS, BS, dWF, dBF, dKP, dEP, dG0, dZB,
-        dXK, dXV, dETA, dTAU, dLNW, dLNB, dW0, dB0, dWT,
+        dXK, dXV, dETA, dTAU, dLNW, dLNB, dW0, dB0, dWT, SCR,
         T, NMB, H, LN_EPS, D=d, BD=BD, MB=bsz, BT=BT, PREC=prec, **kw)
     return [dXQ, dXK, dXV, dETA, (dTAU.sum((0, 1)) + dTAUP.sum((0, 1, 2))).to(tau_dt),
             (dLNW.sum(0) + dLNWP.sum((0, 2))).to(lw_dt), (dLNB.sum(0) + dLNBP.sum((0, 2))).to(lb_dt),
@@ -492,7 +622,7 @@ def _linear_bwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: to
 
 
 @_linear_bwd_op.register_fake
-def _(XQ, XK, XV, eta, tau, ln_w, ln_b, WS, BS, dout, dWF, dBF, mini_batch_size, W_dt, b_dt):
+def _(XQ, XK, XV, eta, tau, ln_w, ln_b, WS, BS, GS, dout, dWF, dBF, mini_batch_size, W_dt, b_dt):
     B, H, T, d = XQ.shape
     return [torch.empty_like(XQ), torch.empty_like(XK), torch.empty_like(XV), torch.empty_like(eta),
             torch.empty_like(tau), torch.empty_like(ln_w), torch.empty_like(ln_b),
@@ -500,14 +630,14 @@ def _(XQ, XK, XV, eta, tau, ln_w, ln_b, WS, BS, dout, dWF, dBF, mini_batch_size,
 
 
 def _linear_setup_context(ctx, inputs, output):
-    XQ, XK, XV, eta, tau, ln_w, ln_b, W0, b0, bsz, _ = inputs
-    ctx.save_for_backward(XQ, XK, XV, eta, tau, ln_w, ln_b, output[3], output[4])
-    ctx.mark_non_differentiable(output[3], output[4])
+    XQ, XK, XV, eta, tau, ln_w, ln_b, W0, b0, bsz = inputs
+    ctx.save_for_backward(XQ, XK, XV, eta, tau, ln_w, ln_b, *output[3:])
+    ctx.mark_non_differentiable(*output[3:])
     ctx.meta = (bsz, W0.dtype, b0.dtype)
 
 
 def _linear_backward_rule(ctx, dout, dWF, dBF, *_):
-    return (*_linear_bwd_op(*ctx.saved_tensors, dout, dWF, dBF, *ctx.meta), None, None)
+    return (*_linear_bwd_op(*ctx.saved_tensors, dout, dWF, dBF, *ctx.meta), None)
 
 
 _linear_fwd_op.register_autograd(_linear_backward_rule, setup_context=_linear_setup_context)
@@ -543,9 +673,7 @@ def ttt_linear_triton(XQ, XK, XV, eta, token_idx, ln_weight, ln_bias, W1, b1, mi
         sl = slice(t, t + n_full)
         ins = [t.contiguous() for t in (XQ[:, :, sl], XK[:, :, sl], XV[:, :, sl], eta[:, :, sl], token_idx,
                                          ln_weight, ln_bias, st["W1"], st["b1"])]
-        # the per-mini-batch start weights serve only the backward
-        save = torch.is_grad_enabled() and any(t.requires_grad for t in ins)
-        o, Wf, bf = _linear_fwd_op(*ins, bsz, save)[:3]
+        o, Wf, bf = _linear_fwd_op(*ins, bsz)[:3]
         outs.append(o)
         # the kernel starts at a boundary, where the carried sums are zero by construction
         st = {"W1": Wf, "b1": bf, "grad_W1": torch.zeros_like(Wf), "grad_b1": torch.zeros_like(bf), "pos": 0}

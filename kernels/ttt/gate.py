@@ -26,15 +26,18 @@ def compile_cases():
             for b in LINEAR_MINI_BATCHES:
                 for arch in ARCHS:              # TTT-Linear picks its warps per GPU family
                     cfg = f"{dt} d={d} b={b} sm_{arch}"
-                    for kern, extra, part in ((chunk._ttt_linear_fwd_kernel, {"SAVE": True}, "fwd"),
+                    for kern, extra, part in ((chunk._ttt_linear_state_kernel, {}, "state"),
+                                              (chunk._ttt_linear_out_kernel, {}, "out"),
                                               (chunk._ttt_linear_bwd_mb_kernel, {}, "bwd_mb"),
                                               (chunk._ttt_linear_bwd_kernel, {}, "bwd")):
                         BD, BT, kw = chunk._launch_cfg(d, b, part, half=dt == "bf16", arch=arch)
                         names = set(arg_names(kern))
                         ptrs = {n: dt for n in io_names if n in names}
                         if dt == "bf16":
-                            ptrs["WS"] = "bf16"       # the stored start weights (see _linear_start_weights)
-                        out.append(case(kern, cfg, constexprs=dict(D=d, BD=BD, MB=b, BT=BT, PREC=chunk._precision(tdt), **extra),
+                            ptrs["WS"] = ptrs["GS"] = "bf16"      # see _linear_mini_batch_buffers
+                        tiles = {k: kw[k] for k in ("BC",) if k in kw}
+                        out.append(case(kern, cfg, constexprs=dict(D=d, BD=BD, MB=b, BT=BT, PREC=chunk._precision(tdt),
+                                                                   **tiles, **extra),
                                         scalars=ints, pointers=ptrs, num_warps=kw["num_warps"],
                                         num_stages=kw["num_stages"], archs=(arch,)))
             for b in MLP_MINI_BATCHES:

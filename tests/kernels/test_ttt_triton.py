@@ -76,9 +76,11 @@ def _compare(got, ref, T, b, atol, rtol, pos0=0):
 # (T, d, b, prefix): T = 32 (kernel only), 37 (kernel + partial tail), 45 after a 5-token prefix
 # (torch head of 11 tokens, kernel over 32, tail of 2), 9 after a prefix (no full mini-batch);
 # d = 8 and b ∈ {4, 8} exercise the padding of the tiles to 16; the kernels keep W1 and dW1 in two
-# global slots, alternating per mini-batch: 1, 2 and 3 (13 tokens at b = 4) kernel mini-batches
+# global slots, alternating per mini-batch: 1, 2 and 3 (13 tokens at b = 4) kernel mini-batches;
+# d = 32 and 24 (padded) walk two 16-column tiles of the weights (``_launch_cfg``'s BC under the
+# interpreter)
 SHAPES = [(32, 16, 16, 0), (37, 16, 16, 0), (45, 16, 16, 5), (9, 16, 16, 5), (20, 8, 16, 0),
-          (11, 8, 4, 0), (19, 16, 8, 3), (13, 8, 4, 0)]
+          (11, 8, 4, 0), (19, 16, 8, 3), (13, 8, 4, 0), (32, 32, 16, 0), (35, 24, 8, 0)]
 
 
 @pytest.mark.parametrize("T,d,b,prefix", SHAPES)
@@ -121,7 +123,8 @@ def test_bfloat16_matches_reference():
 
 
 def test_no_grad_forward_and_weights_with_batch_axis():
-    """Without autograd the kernel skips saving the per-mini-batch weights; per-sequence W1, b1
+    """Without autograd the forward equals the PyTorch dual form (its state pass stores the
+    per-mini-batch weights and Γ for the output kernel all the same); per-sequence W1, b1
     [B, H, …] are accepted and get per-sequence gradients. float64: 1e-12."""
     b, d, T = 16, 16, 32
     args = _inputs(T, d, b)
@@ -150,12 +153,12 @@ def test_launch_config_per_gpu_family(monkeypatch):
 
     monkeypatch.setattr(chunk, "is_interpreting", lambda: False)
     for arch in (80, 90):
-        for kern in ("fwd", "bwd_mb", "bwd"):
+        for kern in chunk._LINEAR_KERNELS:
             for half in (True, False):
                 BD, BT, kw = chunk._launch_cfg(96, 16, kern, half=half, arch=arch)
                 assert (BD, BT, kw["num_stages"]) == (128, 16, 1)
                 assert kw["num_warps"] == chunk._LINEAR_WARPS.get((arch, kern, half, 128, 16), 8)
-    assert chunk._launch_cfg(64, 16, "fwd", half=True, arch=80)[2]["num_warps"] == 4
+    assert chunk._launch_cfg(64, 16, "state", half=True, arch=80)[2]["num_warps"] == 4
     with pytest.raises(ValueError, match="unknown TTT-Linear kernel"):
         chunk._launch_cfg(64, 16, "bwd_state")
 
