@@ -151,7 +151,7 @@ def test_accuracy_plot_has_chance_line_train_length_and_distinct_curves():
     lines = {ln.get_label(): ln for ln in ax.get_lines()}
     assert "chance (0.031)" in lines and set(lines["chance (0.031)"].get_ydata()) == {1 / 32}
     assert "train length (64)" in lines and list(lines["train length (64)"].get_xdata()) == [64, 64]
-    curves = [lines[f"{m} (lr 0.001)"] for m in ("attention", "deltanet", "mamba")]
+    curves = [lines[f"{m} (lr 0.001, not solved in 100)"] for m in ("attention", "deltanet", "mamba")]
     assert len({c.get_marker() for c in curves}) == 3 and len({c.get_linestyle() for c in curves}) == 3
     xs = [tuple(c.get_xdata()) for c in curves]
     assert len(set(xs)) == 3 and all(abs(x[0] / 64 - 1) < 0.1 for x in xs)  # offset, but near the true length
@@ -161,7 +161,10 @@ def test_accuracy_plot_has_chance_line_train_length_and_distinct_curves():
     # one mixer at several widths: the width names each curve
     fig = plot_accuracy([_fake("attention", {64: 0.5}, d) for d in (16, 32)], None, "t")
     legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
-    assert "attention d=16 (lr 0.001)" in legend and "attention d=32 (lr 0.001)" in legend
+    assert {"attention d=16 (lr 0.001, not solved in 100)", "attention d=32 (lr 0.001, not solved in 100)"} <= set(legend)
+    fig2 = plot_accuracy([_fake("deltanet", {64: 1.0}, solved=40)], None, "t")
+    assert [t.get_text() for t in fig2.axes[0].get_legend().get_texts()][0] == "deltanet (lr 0.001, solved in 40)"
+    plt.close(fig2)
     plt.close(fig)
 
 

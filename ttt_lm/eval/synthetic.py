@@ -417,7 +417,8 @@ def plot_accuracy(results: Sequence[SyntheticResult], path: Optional[str] = None
     for k, r in enumerate(results):
         st = _style(k, n)
         xs = sorted(r.accuracy)
-        solved = "" if r.steps_to_solve is None else f", solved in {r.steps_to_solve}"
+        solved = (f", solved in {r.steps_to_solve}" if r.steps_to_solve is not None else
+                  f", not solved in {r.budget}" if r.budget is not None else "")
         lab = r.mixer + (f" d={r.d_model}" if widths else "") + (f" (lr {r.lr:g}{solved})" if r.lr is not None else "")
         ax.plot([x * st["off"] for x in xs], [r.accuracy[x] for x in xs], marker=st["marker"], ls=st["ls"],
                 ms=5, lw=1.3, label=lab, alpha=0.9)
