@@ -3,7 +3,8 @@
 Tasks: perplexity, long_context, passkey, synthetic, lm_eval. Each writes ``<out>/<task>.json``
 (and a PNG where a picture helps) and prints a one-line summary. ``passkey_train`` fine-tunes a
 checkpoint on passkey practice prompts (loss on the answer only) and writes an export directory
-that ``passkey`` reads.
+that ``passkey`` reads. ``synthetic_report`` trains nothing: it merges the JSON of several
+``synthetic`` runs (one per mixer, or per lr) into one table and plot.
 
 perplexity, long_context and passkey also run as several processes (``torchrun --nproc_per_node N
 -m ttt_lm.eval ...`` or srun): each rank scores its share, the sums meet by all-reduce, and rank 0
