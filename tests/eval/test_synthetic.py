@@ -6,9 +6,9 @@ import torch
 
 from ttt_lm.eval.__main__ import main
 from ttt_lm.eval.synthetic import (SyntheticResult, apply_impl, build_tiny_lm, evaluate_task, induction_heads,
-                                   make_task, mqar, pick_best, plot_accuracy, plot_accuracy_vs_width, result_dict,
-                                   result_from_dict, results_table, run_synthetic, selective_copying, state_size,
-                                   train_task)
+                                   make_task, merge_results, mqar, pick_best, plot_accuracy, plot_accuracy_vs_width,
+                                   result_dict, result_from_dict, results_table, run_synthetic, selective_copying,
+                                   state_size, train_task)
 
 
 def g(seed=0):
@@ -151,7 +151,7 @@ def test_accuracy_plot_has_chance_line_train_length_and_distinct_curves():
     lines = {ln.get_label(): ln for ln in ax.get_lines()}
     assert "chance (0.031)" in lines and set(lines["chance (0.031)"].get_ydata()) == {1 / 32}
     assert "train length (64)" in lines and list(lines["train length (64)"].get_xdata()) == [64, 64]
-    curves = [lines[f"{m} (lr 0.001)"] for m in ("attention", "deltanet", "mamba")]
+    curves = [lines[f"{m} (lr 0.001, not solved in 100)"] for m in ("attention", "deltanet", "mamba")]
     assert len({c.get_marker() for c in curves}) == 3 and len({c.get_linestyle() for c in curves}) == 3
     xs = [tuple(c.get_xdata()) for c in curves]
     assert len(set(xs)) == 3 and all(abs(x[0] / 64 - 1) < 0.1 for x in xs)  # offset, but near the true length
@@ -161,7 +161,10 @@ def test_accuracy_plot_has_chance_line_train_length_and_distinct_curves():
     # one mixer at several widths: the width names each curve
     fig = plot_accuracy([_fake("attention", {64: 0.5}, d) for d in (16, 32)], None, "t")
     legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
-    assert "attention d=16 (lr 0.001)" in legend and "attention d=32 (lr 0.001)" in legend
+    assert {"attention d=16 (lr 0.001, not solved in 100)", "attention d=32 (lr 0.001, not solved in 100)"} <= set(legend)
+    fig2 = plot_accuracy([_fake("deltanet", {64: 1.0}, solved=40)], None, "t")
+    assert [t.get_text() for t in fig2.axes[0].get_legend().get_texts()][0] == "deltanet (lr 0.001, solved in 40)"
+    plt.close(fig2)
     plt.close(fig)
 
 
@@ -233,3 +236,80 @@ def test_cli_keeps_finished_models_when_a_sweep_stops(tmp_path, monkeypatch):
               "--num-eval", "8", "--out", str(tmp_path), "--no-progress"])
     out = json.loads((tmp_path / "mqar.json").read_text())
     assert out["partial"] is True and [r["mixer"] for r in out["results"]] == ["attention"]
+
+
+def _trial(lr, solved, acc, loss=1.0):
+    return {"lr": lr, "steps_to_solve": solved, "steps": solved or 100, "train_acc": acc, "final_train_loss": loss,
+            "seconds": 2.0}
+
+
+def test_merge_results_joins_one_run_per_lr_into_one_row():
+    slow = _fake("mamba", {64: 0.99, 256: 0.5}, lr=1e-3, solved=90)
+    slow.lr_trials = [_trial(1e-3, 90, 0.99)]
+    fast = _fake("mamba", {64: 0.98, 256: 0.7}, lr=3e-3, solved=40)
+    fast.lr_trials = [_trial(3e-3, 40, 0.98)]
+    other = _fake("attention", {64: 0.2, 256: 0.1})
+    merged = merge_results([slow, other, fast], ["a", "b", "c"])
+    assert [r.mixer for r in merged] == ["mamba", "attention"]
+    m = merged[0]
+    assert m.lr == 3e-3 and m.steps_to_solve == 40 and m.accuracy == {64: 0.98, 256: 0.7}
+    assert [t["lr"] for t in m.lr_trials] == [1e-3, 3e-3] and m.train_seconds == 2.0
+    assert merged[1] is other
+    # neither solved: the more accurate one is kept
+    a, b = _fake("rglru", {64: 0.3}, lr=1e-3), _fake("rglru", {64: 0.6}, lr=3e-3)
+    a.lr_trials, b.lr_trials = [_trial(1e-3, None, 0.3)], [_trial(3e-3, None, 0.6)]
+    assert merge_results([a, b])[0].lr == 3e-3
+    # widths stay separate rows
+    assert len(merge_results([_fake("x", {64: 0.5}, d=16), _fake("x", {64: 0.5}, d=32)])) == 2
+    b.budget = 50
+    with pytest.raises(ValueError, match="different step budgets"):
+        merge_results([a, b])
+    b.budget, b.lr_trials = a.budget, [_trial(1e-3, None, 0.6)]
+    with pytest.raises(ValueError, match="lr 0.001 was run in both x and y"):
+        merge_results([a, b], ["x", "y"])
+
+
+def _tiny_run(out, mixer, *extra):
+    assert main(["synthetic", "--task", "mqar", "--mixers", mixer, "--train-len", "32", "--test-lens", "32,64",
+                 "--steps", "2", "--vocab-size", "32", "--num-kv-pairs", "4", "--d-model", "16", "--num-eval", "8",
+                 "--lrs", "1e-3", "--stop-at", "0.99", "--out", str(out), "--no-progress", *extra]) == 0
+
+
+def test_synthetic_report_merges_saved_runs_into_one_table_and_plot(tmp_path, capsys):
+    _tiny_run(tmp_path / "a", "attention")
+    _tiny_run(tmp_path / "b", "deltanet", "--steps", "3")
+    rc = main(["synthetic_report", "--from", f"{tmp_path / 'a'},{tmp_path / 'b' / 'mqar.json'}", "--task", "mqar",
+               "--out", str(tmp_path / "merged"), "--title", "Shortened for the CPU."])
+    assert rc == 0
+    out = json.loads((tmp_path / "merged" / "mqar.json").read_text())
+    assert [r["mixer"] for r in out["results"]] == ["attention", "deltanet"]
+    assert [s["args"]["steps"] for s in out["sources"]] == [2, 3] and out["partial"] is False
+    saved_b = json.loads((tmp_path / "b" / "mqar.json").read_text())["results"][0]
+    assert out["results"][1]["accuracy"] == saved_b["accuracy"]   # copied, not recomputed
+    md = (tmp_path / "merged" / "mqar.md").read_text()
+    assert "Shortened for the CPU." in md and "Merged from 2 runs" in md
+    assert "| attention |" in md and "| deltanet |" in md and "not solved in 2" in md and "not solved in 3" in md
+    assert "## Every lr tried" in md and "32*" in md
+    assert (tmp_path / "merged" / "mqar.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_synthetic_report_refuses_what_cannot_share_a_table(tmp_path, capsys):
+    _tiny_run(tmp_path / "a", "attention")
+    _tiny_run(tmp_path / "c", "deltanet", "--train-len", "64", "--test-lens", "64")
+    before = (tmp_path / "a" / "mqar.json").read_text()
+    cases = [
+        (["--from", str(tmp_path / "missing")], "no such file"),
+        (["--from", f"{tmp_path / 'a'},{tmp_path / 'c'}"], "train_len is 32"),
+        (["--from", str(tmp_path / "a"), "--task", "induction"], "no file"),
+        (["--from", f"{tmp_path / 'a'},{tmp_path / 'a' / 'mqar.json'}"], "more than once"),
+        (["--from", str(tmp_path / "a"), "--out", str(tmp_path / "a")], "would overwrite"),
+    ]
+    for extra, msg in cases:
+        argv = ["synthetic_report", "--task", "mqar", "--out", str(tmp_path / "m"), *extra]
+        assert main(argv) == 2, extra
+        assert msg in capsys.readouterr().err, extra
+    (tmp_path / "a" / "perplexity.json").write_text(json.dumps({"task": "perplexity"}))
+    assert main(["synthetic_report", "--task", "mqar", "--from", str(tmp_path / "a" / "perplexity.json"),
+                 "--out", str(tmp_path / "m")]) == 2
+    assert "not the JSON of a synthetic run" in capsys.readouterr().err
+    assert (tmp_path / "a" / "mqar.json").read_text() == before

@@ -3,7 +3,8 @@
 Tasks: perplexity, long_context, passkey, synthetic, lm_eval. Each writes ``<out>/<task>.json``
 (and a PNG where a picture helps) and prints a one-line summary. ``passkey_train`` fine-tunes a
 checkpoint on passkey practice prompts (loss on the answer only) and writes an export directory
-that ``passkey`` reads.
+that ``passkey`` reads. ``synthetic_report`` trains nothing: it merges the JSON of several
+``synthetic`` runs (one per mixer, or per lr) into one table and plot.
 
 perplexity, long_context and passkey also run as several processes (``torchrun --nproc_per_node N
 -m ttt_lm.eval ...`` or srun): each rank scores its share, the sums meet by all-reduce, and rank 0
@@ -266,6 +267,109 @@ def cmd_synthetic(args) -> dict:
     return out
 
 
+def _load_synthetic_json(src: str, task: str) -> tuple:
+    """(path, saved dict) of one ``--from`` entry: a results JSON, or a directory holding ``<task>.json``."""
+    path = os.path.join(src, f"{task}.json") if os.path.isdir(src) else src
+    if not os.path.isfile(path):
+        raise EvalError(f"--from {src}: no {'file ' + path if os.path.isdir(src) else 'such file'} "
+                        f"(a synthetic run writes <out>/{task}.json)")
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+    except (OSError, ValueError) as e:
+        raise EvalError(f"--from {path}: not a readable JSON file ({e})") from e
+    if not isinstance(saved, dict) or saved.get("task") != "synthetic" or not isinstance(saved.get("results"), list):
+        raise EvalError(f"--from {path}: not the JSON of a synthetic run (no task 'synthetic' with results)")
+    if saved.get("synthetic_task") != task:
+        raise EvalError(f"--from {path}: holds the task {saved.get('synthetic_task')!r}, not {task!r} (--task)")
+    if not saved["results"]:
+        raise EvalError(f"--from {path}: holds no finished model")
+    return path, saved
+
+
+def cmd_synthetic_report(args) -> dict:
+    """Merge the JSON of several ``synthetic`` runs (e.g. one per mixer, or one per lr) into one table,
+    one accuracy plot and, with several widths, the width plot; nothing is trained."""
+    from ttt_lm.eval.synthetic import (PROTOCOL_KEYS, make_task, merge_results, plot_accuracy,
+                                       plot_accuracy_vs_width, result_dict, result_from_dict, results_table)
+    srcs = [s for s in args.sources.split(",") if s.strip()]
+    if not srcs:
+        raise EvalError("--from needs at least one run directory or results JSON")
+    out_json = os.path.abspath(os.path.join(args.out, f"{args.task}.json"))
+    loaded = [_load_synthetic_json(s.strip(), args.task) for s in srcs]
+    paths = [p for p, _ in loaded]
+    if len(set(map(os.path.abspath, paths))) < len(paths):
+        raise EvalError(f"--from names the same results more than once: {', '.join(paths)}")
+    if out_json in map(os.path.abspath, paths):
+        raise EvalError(f"--out {args.out} would overwrite the source {out_json}; write the merged report elsewhere")
+    first_path, first = loaded[0]
+    for path, saved in loaded[1:]:
+        for k in PROTOCOL_KEYS:
+            a, b = first.get("args", {}).get(k), saved.get("args", {}).get(k)
+            if a != b:
+                raise EvalError(f"runs with different protocols cannot share a table: {k} is {a!r} in {first_path} "
+                                f"and {b!r} in {path}")
+    results, names = [], []
+    for path, saved in loaded:
+        for d in saved["results"]:
+            results.append(result_from_dict(d))
+            names.append(path)
+    try:
+        merged = merge_results(results, names)
+    except ValueError as e:
+        raise EvalError(str(e)) from e
+    a = first.get("args", {})
+    task = make_task(args.task, a.get("vocab_size"), num_kv_pairs=a.get("num_kv_pairs"),
+                     num_tokens=a.get("num_tokens"))
+    T = merged[0].train_len
+    crit = (f"until accuracy >= {a['stop_at']} at length {T} (checked every {a.get('check_every')} steps) or its "
+            f"budget" if a.get("stop_at") is not None else "for its budget")
+    widths = sorted({r.d_model for r in merged if r.d_model is not None})
+    hdr = (f"# {args.task}: accuracy vs sequence length\n\n"
+           + (f"{args.title}\n\n" if args.title else "")
+           + f"Merged from {len(loaded)} runs (`python -m ttt_lm.eval synthetic_report`). Every model trained at "
+           f"length {T} (*) {crit}, batch {a.get('batch_size')}; {a.get('n_layers')} layers, d_model "
+           f"{', '.join(map(str, widths))}, vocabulary {task.vocab_size}; {a.get('num_eval')} test sequences per "
+           f"length, read {a.get('eval_chunk_len')} tokens at a time with state carried; chance {task.chance:.3f}. "
+           f"The lr column is the one kept of those tried (below).\n\n")
+    runs = ["", "## Runs", "", "| results | mixers | budget | lrs | impl | date | commit | training s |",
+            "|---|---|---:|---|---|---|---|---:|"]
+    for path, saved in loaded:
+        sa = saved.get("args", {})
+        rs = [result_from_dict(d) for d in saved["results"]]
+        lrs = sa.get("lrs") or [sa.get("lr")]
+        runs.append(f"| {os.path.relpath(path)}{' (partial)' if saved.get('partial') else ''} | "
+                    f"{', '.join(r.mixer for r in rs)} | {sa.get('steps')} | {', '.join(f'{x:g}' for x in lrs)} | "
+                    f"{sa.get('impl')} | {saved.get('date', '')} | {saved.get('commit') or ''} | "
+                    f"{sum(r.train_seconds for r in rs):.0f} |")
+    trials = ["", "## Every lr tried", "", "| mixer | d_model | lr | steps to solve | accuracy at the train length "
+              "| final train loss | seconds |", "|---|---:|---:|---|---:|---:|---:|"]
+    for r in merged:
+        for t in r.lr_trials:
+            solved = t.get("steps_to_solve")
+            trials.append(f"| {r.mixer} | {r.d_model} | {t['lr']:g} | "
+                          f"{solved if solved is not None else f'not solved in {r.budget}'} | {t['train_acc']:.2f} | "
+                          f"{t['final_train_loss']:.3f} | {t.get('seconds', float('nan')):.0f} |")
+    table = results_table(merged)
+    os.makedirs(args.out, exist_ok=True)
+    with open(_out(args, f"{args.task}.md"), "w") as f:
+        f.write(hdr + table + "\n".join(runs + trials) + "\n")
+    png = _out(args, f"{args.task}.png")
+    plot_accuracy(merged, png, f"{args.task} (trained at {T})", chance=task.chance)
+    out = dict(task="synthetic", synthetic_task=args.task, partial=any(s.get("partial") for _, s in loaded),
+               results=[result_dict(r) for r in merged], table=table, plot=png,
+               sources=[dict(path=p, args=s.get("args"), date=s.get("date"), commit=s.get("commit"),
+                             device=s.get("device"), partial=s.get("partial")) for p, s in loaded],
+               **_meta(args, args.dev))
+    if len(widths) > 1:
+        out["width_plot"] = _out(args, f"{args.task}_width.png")
+        plot_accuracy_vs_width(merged, out["width_plot"],
+                               f"{args.task}: accuracy at length {T} vs width and state size", chance=task.chance)
+    write_json(out_json, out)
+    print(table)
+    return out
+
+
 def cmd_lm_eval(args) -> dict:
     from lm_eval.utils import handle_non_serializable
 
@@ -401,6 +505,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "mamba=reference,rglru=reference; the sequential reference forms are faster on a CPU "
                         "for these tiny models (Mamba, RG-LRU), and compute the same function")
     p.set_defaults(func=cmd_synthetic)
+
+    p = sub.add_parser("synthetic_report", help="merge saved synthetic runs into one table and plot (no training)")
+    p.add_argument("--from", dest="sources", required=True,
+                   help="comma-separated run directories (each holding <task>.json) or results JSON files")
+    p.add_argument("--task", default="induction", help="induction | mqar | selective_copying")
+    p.add_argument("--out", default="eval_results", help="directory for <task>.json, .md and .png")
+    p.add_argument("--title", default="", help="a paragraph for the top of <task>.md (e.g. how runs were shortened)")
+    p.set_defaults(func=cmd_synthetic_report, device="cpu")
 
     p = sub.add_parser("lm_eval", help="run lm-evaluation-harness tasks on a checkpoint")
     common(p)

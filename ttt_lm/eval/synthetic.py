@@ -417,7 +417,8 @@ def plot_accuracy(results: Sequence[SyntheticResult], path: Optional[str] = None
     for k, r in enumerate(results):
         st = _style(k, n)
         xs = sorted(r.accuracy)
-        solved = "" if r.steps_to_solve is None else f", solved in {r.steps_to_solve}"
+        solved = (f", solved in {r.steps_to_solve}" if r.steps_to_solve is not None else
+                  f", not solved in {r.budget}" if r.budget is not None else "")
         lab = r.mixer + (f" d={r.d_model}" if widths else "") + (f" (lr {r.lr:g}{solved})" if r.lr is not None else "")
         ax.plot([x * st["off"] for x in xs], [r.accuracy[x] for x in xs], marker=st["marker"], ls=st["ls"],
                 ms=5, lw=1.3, label=lab, alpha=0.9)
@@ -485,3 +486,55 @@ def result_dict(r: SyntheticResult) -> dict:
     d = asdict(r)
     d["accuracy"] = {str(k): v for k, v in r.accuracy.items()}
     return d
+
+
+# ---- merging saved runs -----------------------------------------------------------------------
+
+#: arguments that must agree between runs whose rows share one table (the budget ``steps``, the
+#: lrs, the width and the test lengths may differ: each row states its own)
+PROTOCOL_KEYS = ("task", "train_len", "stop_at", "batch_size", "check_every", "n_layers", "n_heads", "vocab_size",
+                 "num_kv_pairs", "num_tokens", "num_eval", "eval_chunk_len", "seed")
+
+
+def _kept_trial(r: SyntheticResult) -> Dict:
+    return {"steps_to_solve": r.steps_to_solve, "train_acc": r.accuracy.get(r.train_len, 0.0),
+            "final_train_loss": r.final_train_loss}
+
+
+def merge_results(results: Sequence[SyntheticResult], sources: Optional[Sequence[str]] = None
+                  ) -> List[SyntheticResult]:
+    """One row per (mixer, d_model, train length) from results saved by separate runs, in order of
+    first appearance. Runs of the same model at different learning rates (e.g. one run per lr)
+    become one row as if they had been one ``--lrs`` sweep: the kept model is :func:`pick_best` of
+    each run's kept one, ``lr_trials`` is the union and ``train_seconds`` the sum. Their budgets must
+    match and no lr may appear twice (which run to trust would be a guess)."""
+    names = list(sources) if sources is not None else [f"result {i}" for i in range(len(results))]
+    if len(names) != len(results):
+        raise ValueError(f"merge_results: {len(results)} results but {len(names)} source names")
+    groups: Dict[Tuple, List[Tuple[SyntheticResult, str]]] = {}
+    for r, src in zip(results, names):
+        groups.setdefault((r.task, r.mixer, r.d_model, r.train_len), []).append((r, src))
+    merged = []
+    for (task, mixer, d, T), rs in groups.items():
+        if len(rs) == 1:
+            merged.append(rs[0][0])
+            continue
+        budgets = {r.budget for r, _ in rs}
+        if len(budgets) > 1:
+            raise ValueError(f"{task} {mixer} d_model={d}: runs with different step budgets cannot be one row "
+                             f"({', '.join(f'{s}: {r.budget}' for r, s in rs)})")
+        seen: Dict[float, str] = {}
+        for r, src in rs:
+            for t in r.lr_trials or [{"lr": r.lr}]:
+                if t["lr"] in seen:
+                    raise ValueError(f"{task} {mixer} d_model={d}: lr {t['lr']:g} was run in both {seen[t['lr']]} "
+                                     f"and {src}")
+                seen[t["lr"]] = src
+        kept = [(_kept_trial(r), r) for r, _ in rs]
+        best = pick_best([k for k, _ in kept])
+        winner = next(r for k, r in kept if k is best)
+        out = SyntheticResult(**{f: getattr(winner, f) for f in winner.__dataclass_fields__})
+        out.lr_trials = [t for r, _ in rs for t in r.lr_trials]
+        out.train_seconds = sum(r.train_seconds for r, _ in rs)
+        merged.append(out)
+    return merged
