@@ -18,18 +18,30 @@ of width m is separable over j (Z1, X2, Γ1, Z̄1, X̄2 and their gradients are 
 everything else is a sum over tiles:
 
     Z2  = Σ_j X2_j W2_j + b2                   (pass 1: needs every tile before Γ2 exists)
-    Γ1_j = (Γ2 W2_jᵀ) ⊙ GELU'(Z1_j),  Z̄1_j,  X̄2_j
-    A2 = X̄2 X2ᵀ = Σ_j X̄2_j X2_jᵀ,  X̄2 W2 = Σ_j X̄2_j W2_j    (pass 2, with the update of tile j)
+    Γ1_j = (Γ2 W2_jᵀ) ⊙ GELU'(Z1_j)            (pass 2, with the update of tile j)
+    Z̄1_j, X̄2_j,  A2 = X̄2 X2ᵀ = Σ_j X̄2_j X2_jᵀ,  X̄2 W2 = Σ_j X̄2_j W2_j    (the output's tile loop)
 
-so the forward makes two passes over the tiles per mini-batch, recomputing Z1_j in the second
-rather than keeping it. In pass 2 a tile's new weights overwrite its old ones once it has been
-used: nothing later in the mini-batch reads the old tile. b2 [d] stays in registers.
+The forward is two kernels, as flash-linear-attention splits chunk_ttt_linear:
 
-The forward stores the start weights of every mini-batch (2dm + m + d numbers per mini-batch and
-head) when the backward needs them. The backward walks the mini-batches in reverse and carries
+    ``_ttt_mlp_fwd_kernel`` (the state pass, one program per (batch, head), mini-batches in order):
+        stores the start weights (W1, b1, W2, b2) of the mini-batch (2dm + m + d numbers per
+        mini-batch and head), makes pass 1 (Z2, then Γ2, stored [b, d]) and pass 2 (per tile:
+        X2_j, Γ1_j, stored [b, m], and the tile's update, which overwrites its old weights once
+        every thread has read them; b2 [d] stays in registers);
+    ``_ttt_mlp_out_kernel`` (one program per (batch, head, mini-batch), all in parallel, so its
+        occupancy does not depend on batch × heads): from the stored start weights, Γ1 and Γ2,
+        per tile X2_j = GELU(K W1_j + b1_j) (recomputed), Z̄1_j, X̄2_j, A2 += X̄2_j X2_jᵀ and
+        X̄2 W2 += X̄2_j W2_j; then Z̄2, the LayerNorm and out.
+
+Both sum their products with a [b, d] operand (K W1_j, Q W1_j, Γ2 W2_jᵀ, Q Kᵀ, and the updates
+Kᵀ(η ⊙ Γ1_j), X2_jᵀ(η ⊙ Γ2)) over column blocks of BK (``_rows_w``, ``_mlp_col_block``): no
+[b, d] tile is a tl.dot operand whole (each warp would hold all of it). The start weights serve
+the output kernel, and the backward reads them again.
+
+The backward walks the mini-batches in reverse and carries
 (dW1, db1, dW2, db2), the gradient with respect to the weights at the end of the current
 mini-batch, the first three in global memory (the output buffers, which the wrapper fills with the
-final-state gradients), db2 in registers. Per mini-batch it repeats the forward's two passes from
+final-state gradients), db2 in registers. Per mini-batch it repeats the forward's passes from
 the stored start weights (recomputing rather than keeping), then four backward passes, each
 recomputing the tile's Z1-side quantities (``_tile_fwd``):
 
@@ -49,8 +61,8 @@ The [b, d] tensors the tile loops use (Γ2, ∂Z̄2, ∂Z2, with Z2 for the Laye
 per-program [4, b, d] scratch and are read again inside each loop rather than held across the
 passes.
 
-The GELU''(Z1) term enters through Γ1's dependence on Z1. One program per (batch, head); the
-passes exchange data through global memory, ordered by ``tl.debug_barrier()`` (a CTA barrier,
+The GELU''(Z1) term enters through Γ1's dependence on Z1. One backward program per (batch, head);
+the passes exchange data through global memory, ordered by ``tl.debug_barrier()`` (a CTA barrier,
 which also makes the program's global writes visible to all its threads).
 
 Coverage: full mini-batches that start at a mini-batch boundary (pos = 0), b ≤ 64, any d and m
@@ -63,16 +75,17 @@ Precision (``_precision``, ``_dot`` in ``chunk.py``): everything is carried and 
 float32 (float64 for float64 inputs), the weights included (float32 masters); the tl.dot operands
 are bfloat16 for bfloat16/float16 inputs (bf16 tensor-core MMA, fp32 accumulator; the weight tiles
 are rounded to bfloat16 once when loaded, which is the rounding the product applies anyway),
-3×TF32 for float32 inputs (tensor cores, error within a few fp32 ulps), exact for float64. Outputs
-come back in the input dtype, the state in float32 (float64 for float64 inputs).
+3×TF32 for float32 inputs (tensor cores, error within a few fp32 ulps), exact for float64. The forward's
+stored Γ1, Γ2 are in the accumulation dtype (they enter only tl.dot products). Outputs come back in
+the input dtype, the state in float32 (float64 for float64 inputs).
 
-Launch configurations (``_mlp_launch_cfg``, the same on every GPU family): compiled for sm_90 and
-sm_80 by ``python -m kernels.compile_report --op ttt -k _ttt_mlp_``. Q and K are read again from
-global memory in every hidden tile rather than held across the tile loops. Triton gives every
-tl.dot of a loop the warp layout of its last one, and a square [b, b] product with chained
-products picks all warps along its b rows (each warp then holds the whole tile), so every tile
-loop ends with a [b, d] product. The bfloat16 forward compiles clean at d = 64 and d = 128 on
-both; the backward and the float32 kernels (3×TF32 operands) still spill
+Launch configurations (``_mlp_launch_cfg``, ``_mlp_col_block``, the same on every GPU family):
+compiled for sm_90 and sm_80 by ``python -m kernels.compile_report --op ttt -k _ttt_mlp_``. The
+backward reads Q and K again from global memory in every hidden tile rather than holding them
+across the tile loops. Triton gives every tl.dot of a loop the warp layout of its last one, and a
+square [b, b] product with chained products picks all warps along its b rows (each warp then holds
+the whole tile), so every backward tile loop ends with a [b, d] product. Both forward kernels
+compile clean at d = 64 and d = 128, bfloat16 and float32, on both; the backward still spills
 (``tests/kernels/test_compile_gate.py`` lists each).
 """
 from __future__ import annotations

@@ -161,6 +161,20 @@ def test_no_grad_forward_and_weights_with_batch_axis():
         torch.testing.assert_close(x, y, atol=1e-12, rtol=0)
 
 
+def test_forward_column_blocks():
+    """The forward kernels sum their [b, d] products over column blocks (16 wide under the
+    interpreter): d = 24 runs two, the second padded, with b = 8 (padded rows) and m = 32 (two
+    hidden tiles); output and final state equal the PyTorch dual form. float64: 1e-12."""
+    b, d, T = 8, 24, 16
+    args = [a.detach() for a in _inputs(T, d, b, m=32)]
+    with torch.no_grad():
+        o_k, s_k = ttt_mlp(*args, mini_batch_size=b, output_final_state=True, backend="triton")
+        o_t, s_t = ttt_mlp(*args, mini_batch_size=b, output_final_state=True, backend="torch")
+    torch.testing.assert_close(o_k, o_t, atol=1e-12, rtol=0)
+    for k in WEIGHTS:
+        torch.testing.assert_close(s_k[k], s_t[k], atol=1e-12, rtol=0)
+
+
 def test_weights_and_state_left_untouched():
     """The kernels update the inner weights and accumulate their gradients in place, in buffers of
     their own: the weight arguments, an initial_state at a mini-batch boundary (handed to the kernel
