@@ -36,7 +36,9 @@ The forward is two kernels, as flash-linear-attention splits chunk_ttt_linear:
 Both sum their products with a [b, d] operand (K W1_j, Q W1_j, Γ2 W2_jᵀ, Q Kᵀ, and the updates
 Kᵀ(η ⊙ Γ1_j), X2_jᵀ(η ⊙ Γ2)) over column blocks of BK (``_rows_w``, ``_mlp_col_block``): no
 [b, d] tile is a tl.dot operand whole (each warp would hold all of it). The start weights serve
-the output kernel, and the backward reads them again.
+the output kernel, and the backward reads them again (all NMB of them are kept when autograd needs
+them); without autograd the wrapper runs the two kernels over windows of 16 mini-batches
+(``_mlp_window``), the state carried between windows, so that scratch stays bounded in T.
 
 The backward walks the mini-batches in reverse and carries
 (dW1, db1, dW2, db2), the gradient with respect to the weights at the end of the current
@@ -633,6 +635,12 @@ def _mlp_col_block(BD: int) -> int:
     return 16 if is_interpreting() else min(BD, 32)
 
 
+def _mlp_window() -> int:
+    """Mini-batches per state-pass/output window of a forward without autograd (``_mlp_fwd_op``):
+    2 under the interpreter, so that the tests run several windows."""
+    return 2 if is_interpreting() else 16
+
+
 def _mlp_weight_buffers(XQ, m: int, n: Optional[int]):
     """Empty (W1, b1, W2, b2) in the accumulation dtype: per mini-batch start ([B, H, n, ...]) or
     final ([B, H, ...], n = None)."""
@@ -649,46 +657,62 @@ def _mlp_weight_buffers(XQ, m: int, n: Optional[int]):
 @torch.library.custom_op("kernels::ttt_mlp_fwd", mutates_args=())
 def _mlp_fwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: torch.Tensor, tau: torch.Tensor,
                 ln_w: torch.Tensor, ln_b: torch.Tensor, W1: torch.Tensor, b1: torch.Tensor, W2: torch.Tensor,
-                b2: torch.Tensor, mini_batch_size: int) -> List[torch.Tensor]:
+                b2: torch.Tensor, mini_batch_size: int, save: bool) -> List[torch.Tensor]:
     """Full mini-batches from a boundary: (XQ, XK, XV, η, τ, γ, β, W1_0 [B,H,d,m], b1_0 [B,H,1,m],
     W2_0 [B,H,m,d], b2_0 [B,H,1,d]) → [out [B,H,T,d], W1_end, b1_end, W2_end, b2_end, and the
-    per-mini-batch start weights W1S, B1S, W2S, B2S, which the output kernel and the backward read]."""
+    per-mini-batch start weights W1S, B1S, W2S, B2S, which the output kernel and the backward read].
+
+    With ``save`` the start weights of every mini-batch are kept for the backward (one state pass
+    and one output launch over the whole sequence); without it the sequence runs in windows of
+    ``_mlp_window`` mini-batches, the state carried from one window to the next in the final-weight
+    buffers, so the scratch stays bounded (the returned start weights are then the last window's
+    scratch, which nothing reads)."""
     B, H, T, d = XQ.shape
     m = W1.shape[-1]
     bsz = mini_batch_size
     NMB = T // bsz
+    NW = NMB if save else min(NMB, _mlp_window())
     cdt = acc_dtype(XQ.dtype)
     XQ, XK, XV, eta = (x.contiguous() for x in (XQ, XK, XV, eta))
     tau_c = tau.to(cdt).contiguous()
     lw, lb = ln_w.to(cdt).contiguous(), ln_b.to(cdt).contiguous()
     b2c = b2.to(cdt).contiguous()
     out = torch.empty_like(XQ)
-    W1S, B1S, W2S, B2S = _mlp_weight_buffers(XQ, m, NMB)
+    W1S, B1S, W2S, B2S = _mlp_weight_buffers(XQ, m, NW)
     W1F, B1F, W2F, B2F = _mlp_weight_buffers(XQ, m, None)
-    # Γ1, Γ2 of every mini-batch, from the state pass to the output kernel
-    G1S = XQ.new_empty(B, H, NMB, bsz, m, dtype=cdt)
-    G2S = XQ.new_empty(B, H, NMB, bsz, d, dtype=cdt)
+    # Γ1, Γ2 of every mini-batch of a window, from the state pass to the output kernel
+    G1S = XQ.new_empty(B, H, NW, bsz, m, dtype=cdt)
+    G2S = XQ.new_empty(B, H, NW, bsz, d, dtype=cdt)
     # the state pass updates W1, b1, W2 in place in these (fresh copies: the inputs stay untouched)
     for dst, src in ((W1F, W1), (B1F, b1), (W2F, W2)):
         dst.copy_(src)
     BD, BM, BT, kw = _mlp_launch_cfg(d, m, bsz)
     BK = _mlp_col_block(BD)
     prec = _precision(XQ.dtype)
-    _ttt_mlp_fwd_kernel[(B * H,)](
-        XK, XV, eta, tau_c, lw, lb, b2c,
-        W1S, B1S, W2S, B2S, G1S, G2S, W1F, B1F, W2F, B2F,
-        T, NMB, H, LN_EPS, D=d, BD=BD, M=m, BM=BM, MB=bsz, BT=BT, BK=BK, PREC=prec, **kw)
-    _ttt_mlp_out_kernel[(B * H * NMB,)](
-        XQ, XK, eta, tau_c, lw, lb, W1S, B1S, W2S, B2S, G1S, G2S, out,
-        T, NMB, H, LN_EPS, D=d, BD=BD, M=m, BM=BM, MB=bsz, BT=BT, BK=BK, PREC=prec, **kw)
+    b2_in = b2c
+    for n0 in range(0, NMB, NW):
+        nw = min(NW, NMB - n0)
+        # views from the window's first token: the kernels index rows within a head with stride d
+        # and heads with stride T·d, so a view at an offset needs no copy
+        t0 = n0 * bsz
+        q_w, k_w, v_w, e_w, o_w = (x[:, :, t0:] for x in (XQ, XK, XV, eta, out))
+        _ttt_mlp_fwd_kernel[(B * H,)](
+            k_w, v_w, e_w, tau_c, lw, lb, b2_in,
+            W1S, B1S, W2S, B2S, G1S, G2S, W1F, B1F, W2F, B2F,
+            T, nw, H, LN_EPS, D=d, BD=BD, M=m, BM=BM, MB=bsz, BT=BT, BK=BK, PREC=prec, **kw)
+        _ttt_mlp_out_kernel[(B * H * nw,)](
+            q_w, k_w, e_w, tau_c, lw, lb, W1S, B1S, W2S, B2S, G1S, G2S, o_w,
+            T, nw, H, LN_EPS, D=d, BD=BD, M=m, BM=BM, MB=bsz, BT=BT, BK=BK, PREC=prec, **kw)
+        b2_in = B2F
     return [out, W1F, B1F, W2F, B2F, W1S, B1S, W2S, B2S]
 
 
 @_mlp_fwd_op.register_fake
-def _(XQ, XK, XV, eta, tau, ln_w, ln_b, W1, b1, W2, b2, mini_batch_size):
+def _(XQ, XK, XV, eta, tau, ln_w, ln_b, W1, b1, W2, b2, mini_batch_size, save):
     m = W1.shape[-1]
+    NMB = XQ.shape[2] // mini_batch_size
     return ([torch.empty_like(XQ)] + _mlp_weight_buffers(XQ, m, None)
-            + _mlp_weight_buffers(XQ, m, XQ.shape[2] // mini_batch_size))
+            + _mlp_weight_buffers(XQ, m, NMB if save else min(NMB, _mlp_window())))
 
 
 @torch.library.custom_op("kernels::ttt_mlp_bwd", mutates_args=())
@@ -743,14 +767,14 @@ def _(XQ, XK, XV, eta, tau, ln_w, ln_b, W1S, B1S, W2S, B2S, dout, dW1F, dB1F, dW
 
 
 def _mlp_setup_context(ctx, inputs, output):
-    XQ, XK, XV, eta, tau, ln_w, ln_b, W1, b1, W2, b2, bsz = inputs
+    XQ, XK, XV, eta, tau, ln_w, ln_b, W1, b1, W2, b2, bsz, _ = inputs
     ctx.save_for_backward(XQ, XK, XV, eta, tau, ln_w, ln_b, *output[5:])
     ctx.mark_non_differentiable(*output[5:])
     ctx.meta = (bsz, W1.dtype, b1.dtype, W2.dtype, b2.dtype)
 
 
 def _mlp_backward_rule(ctx, grads):
-    return (*_mlp_bwd_op(*ctx.saved_tensors, *grads[:5], *ctx.meta), None)
+    return (*_mlp_bwd_op(*ctx.saved_tensors, *grads[:5], *ctx.meta), None, None)
 
 
 _mlp_fwd_op.register_autograd(_mlp_backward_rule, setup_context=_mlp_setup_context)
@@ -787,7 +811,9 @@ def ttt_mlp_triton(XQ, XK, XV, eta, token_idx, ln_weight, ln_bias, W1, b1, W2, b
         sl = slice(t, t + n_full)
         ins = [t.contiguous() for t in (XQ[:, :, sl], XK[:, :, sl], XV[:, :, sl], eta[:, :, sl], token_idx,
                                          ln_weight, ln_bias, st["W1"], st["b1"], st["W2"], st["b2"])]
-        o, *ws = _mlp_fwd_op(*ins, bsz)[:5]
+        # the start weights of every mini-batch are kept only for the backward
+        save = torch.is_grad_enabled() and any(t.requires_grad for t in ins)
+        o, *ws = _mlp_fwd_op(*ins, bsz, save)[:5]
         outs.append(o)
         # the kernel starts at a boundary, where the carried sums are zero by construction
         st = {"pos": 0}

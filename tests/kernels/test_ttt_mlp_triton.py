@@ -164,8 +164,10 @@ def test_no_grad_forward_and_weights_with_batch_axis():
 def test_forward_column_blocks():
     """The forward kernels sum their [b, d] products over column blocks (16 wide under the
     interpreter): d = 24 runs two, the second padded, with b = 8 (padded rows) and m = 32 (two
-    hidden tiles); output and final state equal the PyTorch dual form. float64: 1e-12."""
-    b, d, T = 8, 24, 16
+    hidden tiles). Without autograd the forward runs in windows of 2 mini-batches there: T = 40
+    is 5 mini-batches, three windows, the last one short. Output and final state equal the PyTorch
+    dual form. float64: 1e-12."""
+    b, d, T = 8, 24, 40
     args = [a.detach() for a in _inputs(T, d, b, m=32)]
     with torch.no_grad():
         o_k, s_k = ttt_mlp(*args, mini_batch_size=b, output_final_state=True, backend="triton")
