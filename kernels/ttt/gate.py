@@ -44,7 +44,9 @@ def compile_cases():
                 m = 4 * d
                 BD, BM, BT, kw = mlp_chunk._mlp_launch_cfg(d, m, b)
                 cfg = f"{dt} d={d} m={m} b={b}"
-                for kern, extra in ((mlp_chunk._ttt_mlp_fwd_kernel, {"SAVE": True}), (mlp_chunk._ttt_mlp_bwd_kernel, {})):
+                fwd = {"BK": mlp_chunk._mlp_col_block(BD)}
+                for kern, extra in ((mlp_chunk._ttt_mlp_fwd_kernel, fwd), (mlp_chunk._ttt_mlp_out_kernel, fwd),
+                                    (mlp_chunk._ttt_mlp_bwd_kernel, {})):
                     names = set(arg_names(kern))
                     out.append(case(kern, cfg, constexprs=dict(D=d, BD=BD, M=m, BM=BM, MB=b, BT=BT, PREC=chunk._precision(tdt), **extra),
                                     scalars=ints, pointers={n: dt for n in io_names if n in names},

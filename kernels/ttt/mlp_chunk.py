@@ -18,18 +18,32 @@ of width m is separable over j (Z1, X2, Γ1, Z̄1, X̄2 and their gradients are 
 everything else is a sum over tiles:
 
     Z2  = Σ_j X2_j W2_j + b2                   (pass 1: needs every tile before Γ2 exists)
-    Γ1_j = (Γ2 W2_jᵀ) ⊙ GELU'(Z1_j),  Z̄1_j,  X̄2_j
-    A2 = X̄2 X2ᵀ = Σ_j X̄2_j X2_jᵀ,  X̄2 W2 = Σ_j X̄2_j W2_j    (pass 2, with the update of tile j)
+    Γ1_j = (Γ2 W2_jᵀ) ⊙ GELU'(Z1_j)            (pass 2, with the update of tile j)
+    Z̄1_j, X̄2_j,  A2 = X̄2 X2ᵀ = Σ_j X̄2_j X2_jᵀ,  X̄2 W2 = Σ_j X̄2_j W2_j    (the output's tile loop)
 
-so the forward makes two passes over the tiles per mini-batch, recomputing Z1_j in the second
-rather than keeping it. In pass 2 a tile's new weights overwrite its old ones once it has been
-used: nothing later in the mini-batch reads the old tile. b2 [d] stays in registers.
+The forward is two kernels, as flash-linear-attention splits chunk_ttt_linear:
 
-The forward stores the start weights of every mini-batch (2dm + m + d numbers per mini-batch and
-head) when the backward needs them. The backward walks the mini-batches in reverse and carries
+    ``_ttt_mlp_fwd_kernel`` (the state pass, one program per (batch, head), mini-batches in order):
+        stores the start weights (W1, b1, W2, b2) of the mini-batch (2dm + m + d numbers per
+        mini-batch and head), makes pass 1 (Z2, then Γ2, stored [b, d]) and pass 2 (per tile:
+        X2_j, Γ1_j, stored [b, m], and the tile's update, which overwrites its old weights once
+        every thread has read them; b2 [d] stays in registers);
+    ``_ttt_mlp_out_kernel`` (one program per (batch, head, mini-batch), all in parallel, so its
+        occupancy does not depend on batch × heads): from the stored start weights, Γ1 and Γ2,
+        per tile X2_j = GELU(K W1_j + b1_j) (recomputed), Z̄1_j, X̄2_j, A2 += X̄2_j X2_jᵀ and
+        X̄2 W2 += X̄2_j W2_j; then Z̄2, the LayerNorm and out.
+
+Both sum their products with a [b, d] operand (K W1_j, Q W1_j, Γ2 W2_jᵀ, Q Kᵀ, and the updates
+Kᵀ(η ⊙ Γ1_j), X2_jᵀ(η ⊙ Γ2)) over column blocks of BK (``_rows_w``, ``_mlp_col_block``): no
+[b, d] tile is a tl.dot operand whole (each warp would hold all of it). The start weights serve
+the output kernel, and the backward reads them again (all NMB of them are kept when autograd needs
+them); without autograd the wrapper runs the two kernels over windows of 16 mini-batches
+(``_mlp_window``), the state carried between windows, so that scratch stays bounded in T.
+
+The backward walks the mini-batches in reverse and carries
 (dW1, db1, dW2, db2), the gradient with respect to the weights at the end of the current
 mini-batch, the first three in global memory (the output buffers, which the wrapper fills with the
-final-state gradients), db2 in registers. Per mini-batch it repeats the forward's two passes from
+final-state gradients), db2 in registers. Per mini-batch it repeats the forward's passes from
 the stored start weights (recomputing rather than keeping), then four backward passes, each
 recomputing the tile's Z1-side quantities (``_tile_fwd``):
 
@@ -49,8 +63,8 @@ The [b, d] tensors the tile loops use (Γ2, ∂Z̄2, ∂Z2, with Z2 for the Laye
 per-program [4, b, d] scratch and are read again inside each loop rather than held across the
 passes.
 
-The GELU''(Z1) term enters through Γ1's dependence on Z1. One program per (batch, head); the
-passes exchange data through global memory, ordered by ``tl.debug_barrier()`` (a CTA barrier,
+The GELU''(Z1) term enters through Γ1's dependence on Z1. One backward program per (batch, head);
+the passes exchange data through global memory, ordered by ``tl.debug_barrier()`` (a CTA barrier,
 which also makes the program's global writes visible to all its threads).
 
 Coverage: full mini-batches that start at a mini-batch boundary (pos = 0), b ≤ 64, any d and m
@@ -63,16 +77,17 @@ Precision (``_precision``, ``_dot`` in ``chunk.py``): everything is carried and 
 float32 (float64 for float64 inputs), the weights included (float32 masters); the tl.dot operands
 are bfloat16 for bfloat16/float16 inputs (bf16 tensor-core MMA, fp32 accumulator; the weight tiles
 are rounded to bfloat16 once when loaded, which is the rounding the product applies anyway),
-3×TF32 for float32 inputs (tensor cores, error within a few fp32 ulps), exact for float64. Outputs
-come back in the input dtype, the state in float32 (float64 for float64 inputs).
+3×TF32 for float32 inputs (tensor cores, error within a few fp32 ulps), exact for float64. The forward's
+stored Γ1, Γ2 are in the accumulation dtype (they enter only tl.dot products). Outputs come back in
+the input dtype, the state in float32 (float64 for float64 inputs).
 
-Launch configurations (``_mlp_launch_cfg``, the same on every GPU family): compiled for sm_90 and
-sm_80 by ``python -m kernels.compile_report --op ttt -k _ttt_mlp_``. Q and K are read again from
-global memory in every hidden tile rather than held across the tile loops. Triton gives every
-tl.dot of a loop the warp layout of its last one, and a square [b, b] product with chained
-products picks all warps along its b rows (each warp then holds the whole tile), so every tile
-loop ends with a [b, d] product. The bfloat16 forward compiles clean at d = 64 and d = 128 on
-both; the backward and the float32 kernels (3×TF32 operands) still spill
+Launch configurations (``_mlp_launch_cfg``, ``_mlp_col_block``, the same on every GPU family):
+compiled for sm_90 and sm_80 by ``python -m kernels.compile_report --op ttt -k _ttt_mlp_``. The
+backward reads Q and K again from global memory in every hidden tile rather than holding them
+across the tile loops. Triton gives every tl.dot of a loop the warp layout of its last one, and a
+square [b, b] product with chained products picks all warps along its b rows (each warp then holds
+the whole tile), so every backward tile loop ends with a [b, d] product. Both forward kernels
+compile clean at d = 64 and d = 128, bfloat16 and float32, on both; the backward still spills
 (``tests/kernels/test_compile_gate.py`` lists each).
 """
 from __future__ import annotations
@@ -149,6 +164,44 @@ def _z2(k, W1P, B1P, W2P, b2, cols, hc, cmask, rmask, D: tl.constexpr, M: tl.con
 
 
 @triton.jit
+def _rows_w(XP, rmask, WP, j0, hc, RS: tl.constexpr, WK: tl.constexpr, WJ: tl.constexpr,
+            D: tl.constexpr, M: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr,
+            BK: tl.constexpr, PREC: tl.constexpr):
+    """X W_j for the rows X [b, D] at XP (row stride RS) and the hidden tile j0 … j0 + BM − 1 of W
+    [D, M] at WP (element (c, j) at c·WK + j·WJ: W1 is WK = M, WJ = 1; W2ᵀ is WK = 1, WJ = D),
+    summed over column blocks of BK so that no [b, d] operand is live whole."""
+    rows = tl.arange(0, BT)
+    hcols = j0 + hc
+    hmask = hcols < M
+    acc = tl.zeros([BT, BM], dtype=tl.float64 if PREC == "ieee" else tl.float32)
+    for c0 in range(0, BD, BK):
+        kc = c0 + tl.arange(0, BK)
+        km = kc < D
+        x = tl.load(XP + rows[:, None] * RS + kc[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
+        w = tl.load(WP + kc[:, None] * WK + hcols[None, :] * WJ, mask=km[:, None] & hmask[None, :], other=0.0)
+        acc += _dot(x.to(acc.dtype), w.to(acc.dtype), PREC)
+    return acc
+
+
+@triton.jit
+def _z2_blocked(XP, rmask, W1P, B1P, W2P, b2, cols, hc, cmask, D: tl.constexpr, M: tl.constexpr,
+                BT: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+    """Pass 1 of the state pass: Z2 = GELU(K W1 + b1) W2 + b2 (K at XP, row stride D), summed over
+    the hidden tiles, K W1_j over column blocks (``_rows_w``)."""
+    Z2 = tl.zeros([BT, BD], dtype=b2.dtype)
+    for j0 in range(0, M, BM):
+        hcols = j0 + hc
+        hmask = hcols < M
+        b1 = tl.load(B1P + hcols, mask=hmask, other=0.0)
+        W2 = tl.load(W2P + hcols[:, None] * D + cols[None, :], mask=hmask[:, None] & cmask[None, :], other=0.0)
+        X2, gp, gpp = _gelu_tanh3(_rows_w(XP, rmask, W1P, j0, hc, D, M, 1, D, M, BT, BD, BM, BK, PREC) + b1[None, :])
+        # padded rows (zero k) would give X2 = GELU(b1) ≠ 0; they carry η = 0, zero them anyway
+        X2 = tl.where(rmask[:, None], X2, 0.0)
+        Z2 += _dot(X2, W2, PREC)
+    return Z2 + b2[None, :]
+
+
+@triton.jit
 def _tile_fwd(q, k, G2, M1, W1, b1, W2, rmask, PREC: tl.constexpr):
     """The hidden tile's Z1-side quantities: X2_j, GELU'(Z1_j), GELU''(Z1_j), S_j = Γ2 W2_jᵀ,
     Γ1_j, X̄2_j and GELU'(Z̄1_j)."""
@@ -172,13 +225,16 @@ def _loss_grad(Z2, v, k, gamma, beta, cmask, D: tl.constexpr, eps):
 
 
 @triton.jit
-def _ttt_mlp_fwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, B20, OUT,
-                        W1S, B1S, W2S, B2S, W1F, B1F, W2F, B2F,
+def _ttt_mlp_fwd_kernel(XK, XV, ETA, TAU, LNW, LNB, B20,
+                        W1S, B1S, W2S, B2S, G1S, G2S, W1F, B1F, W2F, B2F,
                         T, NMB, H, eps,
                         D: tl.constexpr, BD: tl.constexpr, M: tl.constexpr, BM: tl.constexpr,
-                        MB: tl.constexpr, BT: tl.constexpr, SAVE: tl.constexpr, PREC: tl.constexpr):
-    """W1F [D, M], B1F [M], W2F [M, D] hold the initial weights on entry (the wrapper copies them
-    in) and are updated in place, tile by tile, into the final ones; b2 is carried in registers."""
+                        MB: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+    """The serial state pass, one program per (batch, head): for every mini-batch, store its start
+    weights (W1S, B1S, W2S, B2S) and its inner gradients Γ1 [MB, M] (G1S) and Γ2 [MB, D] (G2S), then
+    apply the update. W1F [D, M], B1F [M], W2F [M, D] hold the initial weights on entry (the
+    wrapper copies them in) and are updated in place, tile by tile, into the final ones; b2 is
+    carried in registers. The output is ``_ttt_mlp_out_kernel``'s."""
     pid = tl.program_id(0)                      # = b_idx * H + h_idx
     h = pid % H
     cdt = W1F.dtype.element_ty
@@ -188,7 +244,6 @@ def _ttt_mlp_fwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, B20, OUT,
     cmask = cols < D
     rmask = rows < MB
     xmask = rmask[:, None] & cmask[None, :]
-    tril = rows[None, :] <= rows[:, None]
     W1P = W1F + pid * D * M
     B1P = B1F + pid * M
     W2P = W2F + pid * M * D
@@ -196,70 +251,137 @@ def _ttt_mlp_fwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, B20, OUT,
     b2 = tl.load(B20 + pid * D + cols, mask=cmask, other=0.0).to(cdt)
     gamma = tl.load(LNW + h * D + cols, mask=cmask, other=0.0).to(cdt)
     beta = tl.load(LNB + h * D + cols, mask=cmask, other=0.0).to(cdt)
-    # padded rows (MB < BT) get τ = η = 0, so they enter no product that reaches a real row
-    tau = tl.load(TAU + rows, mask=rmask, other=0.0).to(cdt)
     tau_last = tl.load(TAU + MB - 1).to(cdt)
 
     for n in range(NMB):
-        if SAVE:
-            s = pid * NMB + n
-            for j0 in range(0, M, BM):
-                hcols = j0 + hc
-                hmask = hcols < M
-                w1o = cols[:, None] * M + hcols[None, :]
-                w2o = hcols[:, None] * D + cols[None, :]
-                w1m = cmask[:, None] & hmask[None, :]
-                w2m = hmask[:, None] & cmask[None, :]
-                tl.store(W1S + s * D * M + w1o, tl.load(W1P + w1o, mask=w1m, other=0.0), mask=w1m)
-                tl.store(B1S + s * M + hcols, tl.load(B1P + hcols, mask=hmask, other=0.0), mask=hmask)
-                tl.store(W2S + s * M * D + w2o, tl.load(W2P + w2o, mask=w2m, other=0.0), mask=w2m)
-            tl.store(B2S + s * D + cols, b2, mask=cmask)
-        t_off = n * MB + rows
-        xoff = pid * T * D + t_off[:, None] * D + cols[None, :]
-        q = tl.load(XQ + xoff, mask=xmask, other=0.0).to(cdt)
-        k = tl.load(XK + xoff, mask=xmask, other=0.0).to(cdt)
-        v = tl.load(XV + xoff, mask=xmask, other=0.0).to(cdt)
-        e = tl.load(ETA + pid * T + t_off, mask=rmask, other=0.0).to(cdt)
-
-        Z2 = _z2(k, W1P, B1P, W2P, b2, cols, hc, cmask, rmask, D, M, BT, BD, BM, PREC)
-        xh, rstd, tgt, gh, G2 = _loss_grad(Z2, v, k, gamma, beta, cmask, D, eps)
-        Ev = tau[:, None] * e[None, :]
-        M1 = tl.where(tril, Ev * (_dot(q, tl.trans(k), PREC) + 1.0), 0.0)
-        eG2 = e[:, None] * G2
-        A2 = tl.zeros([BT, BT], dtype=cdt)
-        Z2b = tl.zeros([BT, BD], dtype=cdt)
+        s = pid * NMB + n
         for j0 in range(0, M, BM):
-            # Q, K read again in every tile (L1/L2 hits) rather than held across the loop
-            q = tl.load(XQ + xoff, mask=xmask, other=0.0).to(cdt)
-            k = tl.load(XK + xoff, mask=xmask, other=0.0).to(cdt)
-            W1, b1, W2 = _w_tile(W1P, B1P, W2P, j0, cols, hc, cmask, D, M, PREC)
-            X2, gp, gpp, S, G1, X2b, gpb = _tile_fwd(q, k, G2, M1, W1, b1, W2, rmask, PREC)
-            A2 += _dot(X2b, tl.trans(X2), PREC)
-            Z2b += _dot(X2b, W2, PREC)
-            # the tile's end-of-mini-batch update, from the float32 masters read again
-            eG1 = e[:, None] * G1
             hcols = j0 + hc
             hmask = hcols < M
             w1o = cols[:, None] * M + hcols[None, :]
             w2o = hcols[:, None] * D + cols[None, :]
             w1m = cmask[:, None] & hmask[None, :]
             w2m = hmask[:, None] & cmask[None, :]
-            dW1 = tau_last * _dot(tl.trans(k), eG1, PREC)
-            db1 = tau_last * tl.sum(eG1, axis=0)
-            dW2 = tau_last * _dot(tl.trans(X2), eG2, PREC)
+            tl.store(W1S + s * D * M + w1o, tl.load(W1P + w1o, mask=w1m, other=0.0), mask=w1m)
+            tl.store(B1S + s * M + hcols, tl.load(B1P + hcols, mask=hmask, other=0.0), mask=hmask)
+            tl.store(W2S + s * M * D + w2o, tl.load(W2P + w2o, mask=w2m, other=0.0), mask=w2m)
+        tl.store(B2S + s * D + cols, b2, mask=cmask)
+        t_off = n * MB + rows
+        KP = XK + pid * T * D + n * MB * D      # the mini-batch's rows of K (row stride D)
+        GP = G2S + s * MB * D                   # its Γ2 (row stride D)
+        xoff = pid * T * D + t_off[:, None] * D + cols[None, :]
+        goff = rows[:, None] * D + cols[None, :]
+        k = tl.load(XK + xoff, mask=xmask, other=0.0).to(cdt)
+        v = tl.load(XV + xoff, mask=xmask, other=0.0).to(cdt)
+        e = tl.load(ETA + pid * T + t_off, mask=rmask, other=0.0).to(cdt)
+
+        Z2 = _z2_blocked(KP, rmask, W1P, B1P, W2P, b2, cols, hc, cmask, D, M, BT, BD, BM, BK, PREC)
+        xh, rstd, tgt, gh, G2 = _loss_grad(Z2, v, k, gamma, beta, cmask, D, eps)
+        tl.store(GP + goff, G2, mask=xmask)
+        b2 = b2 - tau_last * tl.sum(e[:, None] * G2, axis=0)
+        tl.debug_barrier()                      # the tile loop reads Γ2 back
+        for j0 in range(0, M, BM):
+            hcols = j0 + hc
+            hmask = hcols < M
+            b1 = tl.load(B1P + hcols, mask=hmask, other=0.0)
+            X2, gp, _gpp = _gelu_tanh3(_rows_w(KP, rmask, W1P, j0, hc, D, M, 1, D, M, BT, BD, BM, BK, PREC)
+                                       + b1[None, :])
+            X2 = tl.where(rmask[:, None], X2, 0.0)
+            G1 = _rows_w(GP, rmask, W2P, j0, hc, D, 1, D, D, M, BT, BD, BM, BK, PREC) * gp   # Γ1_j = Γ2 W2_jᵀ ⊙ GELU'(Z1_j)
+            tl.store(G1S + s * MB * M + rows[:, None] * M + hcols[None, :], G1,
+                     mask=rmask[:, None] & hmask[None, :])
+            # the tile's end-of-mini-batch update, from the float32 masters read again, in column
+            # blocks of BK: W1_j −= τ_{b−1} Kᵀ(η ⊙ Γ1_j), W2_j −= τ_{b−1} X2_jᵀ(η ⊙ Γ2)
+            eG1 = e[:, None] * G1
             tl.debug_barrier()                  # every thread has read the tile's old weights
-            tl.store(W1P + w1o, tl.load(W1P + w1o, mask=w1m, other=0.0) - dW1, mask=w1m)
-            tl.store(B1P + hcols, tl.load(B1P + hcols, mask=hmask, other=0.0) - db1, mask=hmask)
-            tl.store(W2P + w2o, tl.load(W2P + w2o, mask=w2m, other=0.0) - dW2, mask=w2m)
+            tl.store(B1P + hcols, b1 - tau_last * tl.sum(eG1, axis=0), mask=hmask)
+            for c0 in range(0, BD, BK):
+                kc = c0 + tl.arange(0, BK)
+                km = kc < D
+                bm = rmask[:, None] & km[None, :]
+                kb = tl.load(KP + rows[:, None] * D + kc[None, :], mask=bm, other=0.0).to(cdt)
+                eG2 = e[:, None] * tl.load(GP + rows[:, None] * D + kc[None, :], mask=bm, other=0.0)
+                w1o = kc[:, None] * M + hcols[None, :]
+                w1m = km[:, None] & hmask[None, :]
+                w2o = hcols[:, None] * D + kc[None, :]
+                w2m = hmask[:, None] & km[None, :]
+                tl.store(W1P + w1o, tl.load(W1P + w1o, mask=w1m, other=0.0)
+                         - tau_last * _dot(tl.trans(kb), eG1, PREC), mask=w1m)
+                tl.store(W2P + w2o, tl.load(W2P + w2o, mask=w2m, other=0.0)
+                         - tau_last * _dot(tl.trans(X2), eG2, PREC), mask=w2m)
         tl.debug_barrier()                      # the new weights are visible to the next mini-batch
-        M2 = tl.where(tril, Ev * (A2 + 1.0), 0.0)
-        Z2b += b2[None, :] - _dot(M2, G2, PREC)
-        xhb, rstdb = _ln_stats(Z2b, cmask, D, eps)
-        out = q + gamma[None, :] * xhb + beta[None, :]
-        tl.store(OUT + xoff, out.to(OUT.dtype.element_ty), mask=xmask)
-        b2 = b2 - tau_last * tl.sum(eG2, axis=0)
 
     tl.store(B2F + pid * D + cols, b2, mask=cmask)
+
+
+@triton.jit
+def _ttt_mlp_out_kernel(XQ, XK, ETA, TAU, LNW, LNB, W1S, B1S, W2S, B2S, G1S, G2S, OUT,
+                        T, NMB, H, eps,
+                        D: tl.constexpr, BD: tl.constexpr, M: tl.constexpr, BM: tl.constexpr,
+                        MB: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+    """The output, one program per (batch, head, mini-batch), all in parallel: Z̄1, X̄2, Z̄2, the
+    LayerNorm and out from the mini-batch's start weights and Γ1, Γ2 stored by
+    ``_ttt_mlp_fwd_kernel``; X2_j = GELU(K W1_j + b1_j) is recomputed per hidden tile. The products
+    with a [b, d] operand run over column blocks of BK (``_rows_w``)."""
+    pid = tl.program_id(0)                      # = (b_idx * H + h_idx) * NMB + n = the stored slot
+    bh = pid // NMB
+    n = pid % NMB
+    h = bh % H
+    cdt = W1S.dtype.element_ty
+    rows = tl.arange(0, BT)
+    cols = tl.arange(0, BD)
+    hc = tl.arange(0, BM)
+    cmask = cols < D
+    rmask = rows < MB
+    xmask = rmask[:, None] & cmask[None, :]
+    tril = rows[None, :] <= rows[:, None]
+    W1P = W1S + pid * D * M
+    B1P = B1S + pid * M
+    W2P = W2S + pid * M * D
+    QP = XQ + bh * T * D + n * MB * D           # the mini-batch's rows of Q and K (row stride D)
+    KP = XK + bh * T * D + n * MB * D
+    t_off = n * MB + rows
+
+    # padded rows (MB < BT) get τ = η = 0, so they enter no product that reaches a real row
+    tau = tl.load(TAU + rows, mask=rmask, other=0.0).to(cdt)
+    e = tl.load(ETA + bh * T + t_off, mask=rmask, other=0.0).to(cdt)
+    Ev = tau[:, None] * e[None, :]
+    QK = tl.zeros([BT, BT], dtype=cdt)
+    for c0 in range(0, BD, BK):
+        kc = c0 + tl.arange(0, BK)
+        bm = rmask[:, None] & (kc < D)[None, :]
+        qb = tl.load(QP + rows[:, None] * D + kc[None, :], mask=bm, other=0.0).to(cdt)
+        kb = tl.load(KP + rows[:, None] * D + kc[None, :], mask=bm, other=0.0).to(cdt)
+        QK += _dot(qb, tl.trans(kb), PREC)
+    M1 = tl.where(tril, Ev * (QK + 1.0), 0.0)
+    A2 = tl.zeros([BT, BT], dtype=cdt)
+    Z2b = tl.zeros([BT, BD], dtype=cdt)
+    for j0 in range(0, M, BM):
+        hcols = j0 + hc
+        hmask = hcols < M
+        b1 = tl.load(B1P + hcols, mask=hmask, other=0.0)
+        W2 = tl.load(W2P + hcols[:, None] * D + cols[None, :], mask=hmask[:, None] & cmask[None, :], other=0.0)
+        G1 = tl.load(G1S + pid * MB * M + rows[:, None] * M + hcols[None, :],
+                     mask=rmask[:, None] & hmask[None, :], other=0.0)
+        X2, _gp, _gpp = _gelu_tanh3(_rows_w(KP, rmask, W1P, j0, hc, D, M, 1, D, M, BT, BD, BM, BK, PREC)
+                                    + b1[None, :])
+        X2 = tl.where(rmask[:, None], X2, 0.0)
+        Z1b = (_rows_w(QP, rmask, W1P, j0, hc, D, M, 1, D, M, BT, BD, BM, BK, PREC) + b1[None, :]
+               - _dot(M1, G1, PREC))
+        X2b, _gpb, _gppb = _gelu_tanh3(Z1b)
+        A2 += _dot(X2b, tl.trans(X2), PREC)
+        Z2b += _dot(X2b, W2, PREC)
+    M2 = tl.where(tril, Ev * (A2 + 1.0), 0.0)
+    b2 = tl.load(B2S + pid * D + cols, mask=cmask, other=0.0)
+    G2 = tl.load(G2S + pid * MB * D + rows[:, None] * D + cols[None, :], mask=xmask, other=0.0)
+    Z2b += b2[None, :] - _dot(M2, G2, PREC)
+    gamma = tl.load(LNW + h * D + cols, mask=cmask, other=0.0).to(cdt)
+    beta = tl.load(LNB + h * D + cols, mask=cmask, other=0.0).to(cdt)
+    xhb, rstdb = _ln_stats(Z2b, cmask, D, eps)
+    xoff = bh * T * D + t_off[:, None] * D + cols[None, :]
+    q = tl.load(XQ + xoff, mask=xmask, other=0.0).to(cdt)
+    out = q + gamma[None, :] * xhb + beta[None, :]
+    tl.store(OUT + xoff, out.to(OUT.dtype.element_ty), mask=xmask)
 
 
 @triton.jit
@@ -507,6 +629,18 @@ def _mlp_launch_cfg(d: int, m: int, b: int):
     return BD, 16, BT, {"num_warps": 8, "num_stages": 1}
 
 
+def _mlp_col_block(BD: int) -> int:
+    """The column block BK of the forward kernels' products with a [b, d] operand (``_rows_w``):
+    16 under the interpreter, so that the tests' small d run several blocks."""
+    return 16 if is_interpreting() else min(BD, 32)
+
+
+def _mlp_window() -> int:
+    """Mini-batches per state-pass/output window of a forward without autograd (``_mlp_fwd_op``):
+    2 under the interpreter, so that the tests run several windows."""
+    return 2 if is_interpreting() else 16
+
+
 def _mlp_weight_buffers(XQ, m: int, n: Optional[int]):
     """Empty (W1, b1, W2, b2) in the accumulation dtype: per mini-batch start ([B, H, n, ...]) or
     final ([B, H, ...], n = None)."""
@@ -526,35 +660,59 @@ def _mlp_fwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: torch
                 b2: torch.Tensor, mini_batch_size: int, save: bool) -> List[torch.Tensor]:
     """Full mini-batches from a boundary: (XQ, XK, XV, η, τ, γ, β, W1_0 [B,H,d,m], b1_0 [B,H,1,m],
     W2_0 [B,H,m,d], b2_0 [B,H,1,d]) → [out [B,H,T,d], W1_end, b1_end, W2_end, b2_end, and the
-    start weights W1S, B1S, W2S, B2S the backward reads, stored when ``save``]."""
+    per-mini-batch start weights W1S, B1S, W2S, B2S, which the output kernel and the backward read].
+
+    With ``save`` the start weights of every mini-batch are kept for the backward (one state pass
+    and one output launch over the whole sequence); without it the sequence runs in windows of
+    ``_mlp_window`` mini-batches, the state carried from one window to the next in the final-weight
+    buffers, so the scratch stays bounded (the returned start weights are then the last window's
+    scratch, which nothing reads)."""
     B, H, T, d = XQ.shape
     m = W1.shape[-1]
     bsz = mini_batch_size
     NMB = T // bsz
+    NW = NMB if save else min(NMB, _mlp_window())
     cdt = acc_dtype(XQ.dtype)
     XQ, XK, XV, eta = (x.contiguous() for x in (XQ, XK, XV, eta))
     tau_c = tau.to(cdt).contiguous()
     lw, lb = ln_w.to(cdt).contiguous(), ln_b.to(cdt).contiguous()
     b2c = b2.to(cdt).contiguous()
     out = torch.empty_like(XQ)
-    W1S, B1S, W2S, B2S = _mlp_weight_buffers(XQ, m, NMB if save else 1)
+    W1S, B1S, W2S, B2S = _mlp_weight_buffers(XQ, m, NW)
     W1F, B1F, W2F, B2F = _mlp_weight_buffers(XQ, m, None)
-    # the kernel updates W1, b1, W2 in place in these (fresh copies: the inputs stay untouched)
+    # Γ1, Γ2 of every mini-batch of a window, from the state pass to the output kernel
+    G1S = XQ.new_empty(B, H, NW, bsz, m, dtype=cdt)
+    G2S = XQ.new_empty(B, H, NW, bsz, d, dtype=cdt)
+    # the state pass updates W1, b1, W2 in place in these (fresh copies: the inputs stay untouched)
     for dst, src in ((W1F, W1), (B1F, b1), (W2F, W2)):
         dst.copy_(src)
     BD, BM, BT, kw = _mlp_launch_cfg(d, m, bsz)
-    _ttt_mlp_fwd_kernel[(B * H,)](
-        XQ, XK, XV, eta, tau_c, lw, lb, b2c, out,
-        W1S, B1S, W2S, B2S, W1F, B1F, W2F, B2F,
-        T, NMB, H, LN_EPS, D=d, BD=BD, M=m, BM=BM, MB=bsz, BT=BT, SAVE=save, PREC=_precision(XQ.dtype), **kw)
+    BK = _mlp_col_block(BD)
+    prec = _precision(XQ.dtype)
+    b2_in = b2c
+    for n0 in range(0, NMB, NW):
+        nw = min(NW, NMB - n0)
+        # views from the window's first token: the kernels index rows within a head with stride d
+        # and heads with stride T·d, so a view at an offset needs no copy
+        t0 = n0 * bsz
+        q_w, k_w, v_w, e_w, o_w = (x[:, :, t0:] for x in (XQ, XK, XV, eta, out))
+        _ttt_mlp_fwd_kernel[(B * H,)](
+            k_w, v_w, e_w, tau_c, lw, lb, b2_in,
+            W1S, B1S, W2S, B2S, G1S, G2S, W1F, B1F, W2F, B2F,
+            T, nw, H, LN_EPS, D=d, BD=BD, M=m, BM=BM, MB=bsz, BT=BT, BK=BK, PREC=prec, **kw)
+        _ttt_mlp_out_kernel[(B * H * nw,)](
+            q_w, k_w, e_w, tau_c, lw, lb, W1S, B1S, W2S, B2S, G1S, G2S, o_w,
+            T, nw, H, LN_EPS, D=d, BD=BD, M=m, BM=BM, MB=bsz, BT=BT, BK=BK, PREC=prec, **kw)
+        b2_in = B2F
     return [out, W1F, B1F, W2F, B2F, W1S, B1S, W2S, B2S]
 
 
 @_mlp_fwd_op.register_fake
 def _(XQ, XK, XV, eta, tau, ln_w, ln_b, W1, b1, W2, b2, mini_batch_size, save):
     m = W1.shape[-1]
+    NMB = XQ.shape[2] // mini_batch_size
     return ([torch.empty_like(XQ)] + _mlp_weight_buffers(XQ, m, None)
-            + _mlp_weight_buffers(XQ, m, XQ.shape[2] // mini_batch_size if save else 1))
+            + _mlp_weight_buffers(XQ, m, NMB if save else min(NMB, _mlp_window())))
 
 
 @torch.library.custom_op("kernels::ttt_mlp_bwd", mutates_args=())
@@ -653,7 +811,7 @@ def ttt_mlp_triton(XQ, XK, XV, eta, token_idx, ln_weight, ln_bias, W1, b1, W2, b
         sl = slice(t, t + n_full)
         ins = [t.contiguous() for t in (XQ[:, :, sl], XK[:, :, sl], XV[:, :, sl], eta[:, :, sl], token_idx,
                                          ln_weight, ln_bias, st["W1"], st["b1"], st["W2"], st["b2"])]
-        # the per-mini-batch start weights serve only the backward
+        # the start weights of every mini-batch are kept only for the backward
         save = torch.is_grad_enabled() and any(t.requires_grad for t in ins)
         o, *ws = _mlp_fwd_op(*ins, bsz, save)[:5]
         outs.append(o)

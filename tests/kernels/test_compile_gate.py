@@ -65,12 +65,8 @@ KNOWN_FAILURES = {
     (80, "_ttt_mlp_bwd_kernel", "bf16 d=64 m=256 b=16"): "no_spills: 220/252 B spilled",
     (90, "_ttt_mlp_bwd_kernel", "bf16 d=128 m=512 b=16"): "no_spills: 556/576 B spilled",
     (80, "_ttt_mlp_bwd_kernel", "bf16 d=128 m=512 b=16"): "no_spills: 740/872 B spilled",
-    (90, "_ttt_mlp_fwd_kernel", "fp32 d=64 m=256 b=16"): "no_spills: 160/172 B spilled",
-    (80, "_ttt_mlp_fwd_kernel", "fp32 d=64 m=256 b=16"): "no_spills: 260/300 B spilled",
     (90, "_ttt_mlp_bwd_kernel", "fp32 d=64 m=256 b=16"): "no_spills: 1316/1904 B spilled",
     (80, "_ttt_mlp_bwd_kernel", "fp32 d=64 m=256 b=16"): "no_spills: 1288/1828 B spilled",
-    (90, "_ttt_mlp_fwd_kernel", "fp32 d=128 m=512 b=16"): "no_spills: 1412/1528 B spilled",
-    (80, "_ttt_mlp_fwd_kernel", "fp32 d=128 m=512 b=16"): "no_spills: 1676/1752 B spilled",
     (90, "_ttt_mlp_bwd_kernel", "fp32 d=128 m=512 b=16"): "no_spills: 5476/6672 B spilled",
     (80, "_ttt_mlp_bwd_kernel", "fp32 d=128 m=512 b=16"): "no_spills: 32368/43088 B spilled",
 }

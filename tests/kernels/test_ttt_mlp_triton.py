@@ -138,8 +138,8 @@ def test_bfloat16_matches_reference():
 
 
 def test_no_grad_forward_and_weights_with_batch_axis():
-    """Without autograd the kernel skips saving the per-mini-batch weights; per-sequence weights
-    [B, H, …] are accepted and get per-sequence gradients. float64: 1e-12."""
+    """Without autograd the forward (state pass and output kernel) matches the reference; per-sequence
+    weights [B, H, …] are accepted and get per-sequence gradients. float64: 1e-12."""
     b, d, T = 16, 8, 32
     args = _inputs(T, d, b)
     g = torch.Generator().manual_seed(5)
@@ -159,6 +159,22 @@ def test_no_grad_forward_and_weights_with_batch_axis():
     for a, x, y in zip(ws, gk, gt):
         assert x.shape == a.shape and a.shape[0] == B
         torch.testing.assert_close(x, y, atol=1e-12, rtol=0)
+
+
+def test_forward_column_blocks():
+    """The forward kernels sum their [b, d] products over column blocks (16 wide under the
+    interpreter): d = 24 runs two, the second padded, with b = 8 (padded rows) and m = 32 (two
+    hidden tiles). Without autograd the forward runs in windows of 2 mini-batches there: T = 40
+    is 5 mini-batches, three windows, the last one short. Output and final state equal the PyTorch
+    dual form. float64: 1e-12."""
+    b, d, T = 8, 24, 40
+    args = [a.detach() for a in _inputs(T, d, b, m=32)]
+    with torch.no_grad():
+        o_k, s_k = ttt_mlp(*args, mini_batch_size=b, output_final_state=True, backend="triton")
+        o_t, s_t = ttt_mlp(*args, mini_batch_size=b, output_final_state=True, backend="torch")
+    torch.testing.assert_close(o_k, o_t, atol=1e-12, rtol=0)
+    for k in WEIGHTS:
+        torch.testing.assert_close(s_k[k], s_t[k], atol=1e-12, rtol=0)
 
 
 def test_weights_and_state_left_untouched():
