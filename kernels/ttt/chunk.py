@@ -513,6 +513,12 @@ def _launch_cfg(d: int, b: int, kernel: str = "state", half: bool = True, arch: 
 # The ops are PyTorch custom ops (torch.library): torch.compile (model.compile) captures each as one
 # opaque node of the block's graph, with shapes from the fake implementations and the backward
 # registered below, instead of tracing the Triton launches or breaking the graph.
+def _linear_window() -> int:
+    """Mini-batches per state-pass/output window of a forward without autograd (``_linear_fwd_op``):
+    2 under the interpreter, so that the tests run several windows."""
+    return 2 if is_interpreting() else 64
+
+
 def _linear_mini_batch_buffers(XQ, NMB: int):
     """Empty buffers for what the state pass stores per mini-batch: the start weights (WS, BS) and
     Γ (GS), read by the output kernel and the backward."""
@@ -529,14 +535,21 @@ def _linear_mini_batch_buffers(XQ, NMB: int):
 @torch.library.custom_op("kernels::ttt_linear_fwd", mutates_args=())
 def _linear_fwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: torch.Tensor, tau: torch.Tensor,
                    ln_w: torch.Tensor, ln_b: torch.Tensor, W0: torch.Tensor, b0: torch.Tensor,
-                   mini_batch_size: int
+                   mini_batch_size: int, save: bool
                    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Full mini-batches from a boundary: (XQ, XK, XV, η, τ, γ, β, W1_0 [B,H,d,d], b1_0 [B,H,1,d])
     → (out [B,H,T,d], W1_end, b1_end, and the per-mini-batch start weights WS, BS and Γ (GS) that
-    the output kernel and the backward read)."""
+    the output kernel and the backward read).
+
+    With ``save`` the start weights of every mini-batch are kept for the backward (one state pass
+    and one output launch over the whole sequence); without it the sequence runs in windows of
+    ``_linear_window`` mini-batches, the state carried from one window to the next in the
+    final-weight buffers, so the stored start weights stay bounded in T (the returned WS, BS are
+    then the last window's scratch, which nothing reads)."""
     B, H, T, d = XQ.shape
     bsz = mini_batch_size
     NMB = T // bsz
+    NW = NMB if save else min(NMB, _linear_window())
     cdt = acc_dtype(XQ.dtype)
     XQ, XK, XV, eta = (x.contiguous() for x in (XQ, XK, XV, eta))
     tau_c = tau.to(cdt).contiguous()
@@ -545,28 +558,40 @@ def _linear_fwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: to
     b0c = b0.to(cdt).contiguous()
     out = torch.empty_like(XQ)
     prec = _precision(XQ.dtype)
-    WS, BS, GS = _linear_mini_batch_buffers(XQ, NMB)
+    WS, BS, GS = _linear_mini_batch_buffers(XQ, NW)
     WF = torch.empty(B, H, d, d, dtype=cdt, device=XQ.device)
     BF = torch.empty(B, H, 1, d, dtype=cdt, device=XQ.device)
     WT = torch.empty(B, H, 2, d, d, dtype=cdt, device=XQ.device)     # the state pass' two W1 slots
     half, arch = XQ.dtype in (torch.bfloat16, torch.float16), device_arch(XQ.device)
-    BD, BT, kw = _launch_cfg(d, bsz, "state", half=half, arch=arch)
-    SCR = torch.empty(B, H, 2, BT, BD, dtype=cdt, device=XQ.device)  # its [b, d] scratch tiles
-    _ttt_linear_state_kernel[(B * H,)](
-        XK, XV, eta, tau_c, lw, lb, W0c, b0c, WS, BS, GS, WF, BF, WT, SCR,
-        T, NMB, H, LN_EPS, D=d, BD=BD, MB=bsz, BT=BT, PREC=prec, **kw)
-    BD, BT, kw = _launch_cfg(d, bsz, "out", half=half, arch=arch)
-    _ttt_linear_out_kernel[(B * H, NMB)](
-        XQ, XK, eta, tau_c, lw, lb, WS, BS, GS, out, torch.empty(B, H, NMB, BT, BD, dtype=cdt, device=XQ.device),
-        T, NMB, H, LN_EPS, D=d, BD=BD, MB=bsz, BT=BT, PREC=prec, **kw)
+    BDs, BTs, kws = _launch_cfg(d, bsz, "state", half=half, arch=arch)
+    SCR = torch.empty(B, H, 2, BTs, BDs, dtype=cdt, device=XQ.device)  # its [b, d] scratch tiles
+    BDo, BTo, kwo = _launch_cfg(d, bsz, "out", half=half, arch=arch)
+    SCRO = torch.empty(B, H, NW, BTo, BDo, dtype=cdt, device=XQ.device)
+    w_in, b_in = W0c, b0c
+    for n0 in range(0, NMB, max(NW, 1)):
+        nw = min(NW, NMB - n0)
+        # views from the window's first token: the kernels index rows within a head with stride d
+        # and heads with stride T·d, so a view at an offset needs no copy (GS has the inputs' layout)
+        t0 = n0 * bsz
+        q_w, k_w, v_w, e_w, g_w, o_w = (x[:, :, t0:] for x in (XQ, XK, XV, eta, GS, out))
+        # the state pass reads its start weights (W0, B0) before it writes the end ones (WF, BF), so
+        # a window may start from the previous window's end buffers
+        _ttt_linear_state_kernel[(B * H,)](
+            k_w, v_w, e_w, tau_c, lw, lb, w_in, b_in, WS, BS, g_w, WF, BF, WT, SCR,
+            T, nw, H, LN_EPS, D=d, BD=BDs, MB=bsz, BT=BTs, PREC=prec, **kws)
+        _ttt_linear_out_kernel[(B * H, nw)](
+            q_w, k_w, e_w, tau_c, lw, lb, WS, BS, g_w, o_w, SCRO,
+            T, nw, H, LN_EPS, D=d, BD=BDo, MB=bsz, BT=BTo, PREC=prec, **kwo)
+        w_in, b_in = WF, BF
     return out, WF, BF, WS, BS, GS
 
 
 @_linear_fwd_op.register_fake
-def _(XQ, XK, XV, eta, tau, ln_w, ln_b, W0, b0, mini_batch_size):
+def _(XQ, XK, XV, eta, tau, ln_w, ln_b, W0, b0, mini_batch_size, save):
     B, H, T, d = XQ.shape
     cdt = acc_dtype(XQ.dtype)
-    WS, BS, GS = _linear_mini_batch_buffers(XQ, T // mini_batch_size)
+    NMB = T // mini_batch_size
+    WS, BS, GS = _linear_mini_batch_buffers(XQ, NMB if save else min(NMB, _linear_window()))
     return (torch.empty_like(XQ), XQ.new_empty(B, H, d, d, dtype=cdt), XQ.new_empty(B, H, 1, d, dtype=cdt),
             WS, BS, GS)
 
@@ -630,14 +655,14 @@ def _(XQ, XK, XV, eta, tau, ln_w, ln_b, WS, BS, GS, dout, dWF, dBF, mini_batch_s
 
 
 def _linear_setup_context(ctx, inputs, output):
-    XQ, XK, XV, eta, tau, ln_w, ln_b, W0, b0, bsz = inputs
+    XQ, XK, XV, eta, tau, ln_w, ln_b, W0, b0, bsz, _ = inputs
     ctx.save_for_backward(XQ, XK, XV, eta, tau, ln_w, ln_b, *output[3:])
     ctx.mark_non_differentiable(*output[3:])
     ctx.meta = (bsz, W0.dtype, b0.dtype)
 
 
 def _linear_backward_rule(ctx, dout, dWF, dBF, *_):
-    return (*_linear_bwd_op(*ctx.saved_tensors, dout, dWF, dBF, *ctx.meta), None)
+    return (*_linear_bwd_op(*ctx.saved_tensors, dout, dWF, dBF, *ctx.meta), None, None)
 
 
 _linear_fwd_op.register_autograd(_linear_backward_rule, setup_context=_linear_setup_context)
@@ -673,7 +698,10 @@ def ttt_linear_triton(XQ, XK, XV, eta, token_idx, ln_weight, ln_bias, W1, b1, mi
         sl = slice(t, t + n_full)
         ins = [t.contiguous() for t in (XQ[:, :, sl], XK[:, :, sl], XV[:, :, sl], eta[:, :, sl], token_idx,
                                          ln_weight, ln_bias, st["W1"], st["b1"])]
-        o, Wf, bf = _linear_fwd_op(*ins, bsz)[:3]
+        # the per-mini-batch start weights serve the backward: without autograd they are kept for a
+        # window of mini-batches at a time only
+        save = torch.is_grad_enabled() and any(t.requires_grad for t in ins)
+        o, Wf, bf = _linear_fwd_op(*ins, bsz, save)[:3]
         outs.append(o)
         # the kernel starts at a boundary, where the carried sums are zero by construction
         st = {"W1": Wf, "b1": bf, "grad_W1": torch.zeros_like(Wf), "grad_b1": torch.zeros_like(bf), "pos": 0}

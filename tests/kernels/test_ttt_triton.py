@@ -123,19 +123,36 @@ def test_bfloat16_matches_reference():
 
 
 def test_no_grad_forward_and_weights_with_batch_axis():
-    """Without autograd the forward equals the PyTorch dual form (its state pass stores the
-    per-mini-batch weights and Γ for the output kernel all the same); per-sequence W1, b1
-    [B, H, …] are accepted and get per-sequence gradients. float64: 1e-12."""
-    b, d, T = 16, 16, 32
+    """Without autograd the forward equals the PyTorch dual form: it runs in windows of 2
+    mini-batches under the interpreter (``_linear_window``), the state carried from window to
+    window, so T = 80 (5 mini-batches) is three windows, the last one short, and the stored start
+    weights hold 2 mini-batches, not 5. Per-sequence W1, b1 [B, H, …] are accepted and get
+    per-sequence gradients. float64: 1e-12."""
+    from kernels.ttt import chunk
+    b, d, T = 16, 16, 80
     args = _inputs(T, d, b)
     W1 = (args[7].detach() + 0.1 * torch.randn(B, H, d, d, dtype=torch.float64)).requires_grad_()
     b1 = (args[8].detach() + 0.1 * torch.randn(B, H, 1, d, dtype=torch.float64)).requires_grad_()
     full = args[:7] + [W1, b1]
+    stored = []
+    real = chunk._linear_fwd_op
+
+    def spy(*a):
+        res = real(*a)
+        stored.append(tuple(res[3].shape))
+        return res
+
     with torch.no_grad():
-        o_ng, s_ng = ttt_linear(*full, mini_batch_size=b, output_final_state=True, backend="triton")
+        chunk._linear_fwd_op = spy
+        try:
+            o_ng, s_ng = ttt_linear(*full, mini_batch_size=b, output_final_state=True, backend="triton")
+        finally:
+            chunk._linear_fwd_op = real
         o_t, s_t = ttt_linear(*full, mini_batch_size=b, output_final_state=True, backend="torch")
+    assert stored == [(B, H, 2, d, d)]
     torch.testing.assert_close(o_ng, o_t, atol=1e-12, rtol=0)
     torch.testing.assert_close(s_ng["W1"], s_t["W1"], atol=1e-12, rtol=0)
+    torch.testing.assert_close(s_ng["b1"], s_t["b1"], atol=1e-12, rtol=0)
     out, _ = ttt_linear(*full, mini_batch_size=b, backend="triton")
     gW, gb = torch.autograd.grad(out.sum(), [W1, b1])
     out_t, _ = ttt_linear(*full, mini_batch_size=b, backend="torch")
