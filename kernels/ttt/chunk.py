@@ -18,7 +18,9 @@ weights and Γ. The forward is two kernels, as flash-linear-attention's chunk_tt
 update, and stores W1, b1 at the start of every mini-batch (d² + d numbers per mini-batch and
 head) and Γ (b × d); ``_ttt_linear_out_kernel``, one program per (batch, head, mini-batch), all in
 parallel, computes M, Z̄ and out from them, so the chunk-parallel work does not wait on, nor
-depend for its occupancy on, batch × heads. The backward is two kernels.
+depend for its occupancy on, batch × heads. Without autograd the two run over windows of
+``_linear_window`` mini-batches, the state carried from one window to the next, so that the stored
+start weights stay bounded in T. The backward is two kernels.
 ``_ttt_linear_bwd_mb_kernel`` (one program per (batch, head, mini-batch), all in parallel)
 recomputes M, Z̄ from the stored start weights and Γ and back-propagates out through Z̄ and M — everything that does not depend on the gradient carried
 from later mini-batches: ∂XQ, and the first parts of ∂XK, ∂η, ∂τ, ∂γ, ∂β and ∂Γ, with ∂Z̄, go to
