@@ -7,8 +7,8 @@ import torch
 from tests.eval.conftest import tiny_model
 from ttt_lm.eval import EvalError, build_prompt, passkey_grid
 from ttt_lm.eval.__main__ import main
-from ttt_lm.eval.passkey import (FILLER, INTRO, QUESTION, greedy_continue, grid_keys, plot_heatmap,
-                                 practice_batch, practice_documents, practice_finetune)
+from ttt_lm.eval.passkey import (FILLER, FILLER_SENTENCES, INTRO, NEEDLE, QUESTION, greedy_continue, grid_keys,
+                                 plot_heatmap, practice_batch, practice_documents, practice_finetune)
 
 
 def test_prompt_length_and_needle_depth(tokenizer):
@@ -25,6 +25,30 @@ def test_prompt_length_and_needle_depth(tokenizer):
     assert positions == sorted(positions) and positions[0] < positions[-1]
     with pytest.raises(EvalError, match="too short"):
         build_prompt(tokenizer, 50, 0.5, "48213")
+
+
+def test_every_depth_is_its_own_placement_in_the_shortest_prompt(tokenizer):
+    # with whole five-sentence filler groups a prompt with room for one group had two placements:
+    # depths 0, 0.25 and 0.5 built the same prompt (round(0.5) == 0), 0.75 and 1 another
+    intro, needle = tokenizer.encode(INTRO), tokenizer.encode(NEEDLE.format(key="48213"))
+    question = tokenizer.encode(QUESTION)
+    shortest = len(intro) + len(needle) + len(question) + len(tokenizer.encode(FILLER))
+    filler_text = "".join(FILLER_SENTENCES * 3)
+    for L in (shortest, shortest + 10, 300):
+        prompts = [build_prompt(tokenizer, L, d, "48213") for d in (0.0, 0.25, 0.5, 0.75, 1.0)]
+        positions = [pos for _, _, pos in prompts]
+        assert positions == sorted(set(positions)), (L, positions)  # five distinct, in order
+        assert positions[0] == len(intro)  # depth 0: right after the introduction
+        for ids, ans, pos in prompts:
+            assert len(ids) == len(prompts[0][0]) <= L  # the same filler, only the needle moves
+            assert ids[pos:pos + len(needle)] == needle and ids[-len(question):] == question
+            assert ids[:len(intro)] == intro
+            rest = ids[len(intro):pos] + ids[pos + len(needle):-len(question)]
+            assert filler_text.startswith(tokenizer.decode(rest))  # whole sentences, in order
+        last, _, pos = prompts[-1]
+        assert pos + len(needle) == len(last) - len(question)  # depth 1: right before the question
+    with pytest.raises(EvalError, match="too short"):
+        build_prompt(tokenizer, shortest - 1, 0.5, "48213")
 
 
 def test_scoring_counts_exactly_the_correct_retrievals(tokenizer):

@@ -1,13 +1,14 @@
 """Passkey retrieval (Mohtashami & Jaggi 2023): a random number hidden at a chosen depth of
 repetitive filler text must be repeated at the end.
 
-Prompt, in tokens (``context_len`` = its length, at most; filler is repeated whole sentences):
+Prompt, in tokens (``context_len`` = its length, at most; the filler is FILLER's five sentences
+in order, repeated, as many whole ones as fit):
 
-    INTRO  FILLER × n₁  NEEDLE("The pass key is 68130. Remember it. 68130 is the pass key.")
-    FILLER × n₂  QUESTION("What is the pass key? The pass key is")
+    INTRO  n₁ filler sentences  NEEDLE("The pass key is 68130. Remember it. 68130 is the pass key.")
+    n₂ filler sentences  QUESTION("What is the pass key? The pass key is")
 
-with n₁ = round(depth · (n₁ + n₂)), so depth 0 puts the needle right after the introduction and
-depth 1 right before the question. The model decodes greedily as many tokens as the answer
+with n₁ = round(depth · (n₁ + n₂)) (halves up), so depth 0 puts the needle right after the
+introduction and depth 1 right before the question. The model decodes greedily as many tokens as the answer
 " 68130" has; a trial is correct when the decoded text, stripped, starts with the passkey. The
 prompt is read ``chunk_len`` tokens at a time with states carried, then decoded with ``step``.
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
@@ -36,24 +38,33 @@ INTRO = ("There is an important piece of information hidden inside a lot of irre
 FILLER = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key."
 QUESTION = " What is the pass key? The pass key is"
+FILLER_SENTENCES = tuple(re.findall(r" [^.]*\.", FILLER))  # the unit of filler and of needle placement
 
 
 def build_prompt(tok, context_len: int, depth: float, key: str) -> Tuple[List[int], List[int], int]:
-    """(prompt ids, answer ids, index of the needle's first token). Raises if ``context_len`` is too
-    short for the introduction, the needle, the question and one filler sentence group."""
+    """(prompt ids, answer ids, index of the needle's first token). The filler is the sentences of
+    :data:`FILLER` in order, repeated, as many whole ones as fit in ``context_len``; the needle goes
+    after round(depth · m) of its m sentences (halves round up), so even the shortest prompt has
+    several distinct depths (whole five-sentence groups gave a 128-token prompt a single one:
+    depths 0, 0.25 and 0.5 were the same prompt, 0.75 and 1 another). Raises if ``context_len`` is
+    too short for the introduction, the needle, the question and one filler sentence group."""
     if not 0.0 <= depth <= 1.0:
         raise EvalError(f"depth must be in [0, 1], got {depth}")
-    intro, filler = tok.encode(INTRO), tok.encode(FILLER)
+    intro, sentences = tok.encode(INTRO), [tok.encode(s) for s in FILLER_SENTENCES]
     needle, question = tok.encode(NEEDLE.format(key=key)), tok.encode(QUESTION)
     fixed = len(intro) + len(needle) + len(question)
-    n = (context_len - fixed) // len(filler)
-    if n < 1:
+    budget = context_len - fixed
+    if budget < sum(map(len, sentences)):
         raise EvalError(f"context length {context_len} is too short for a passkey prompt "
-                        f"(needs at least {fixed + len(filler)} tokens with this tokenizer)")
-    n1 = int(round(depth * n))
-    ids = intro + filler * n1
+                        f"(needs at least {fixed + sum(map(len, sentences))} tokens with this tokenizer)")
+    filler: List[List[int]] = []
+    while len(sentences[len(filler) % len(sentences)]) <= budget:
+        filler.append(sentences[len(filler) % len(sentences)])
+        budget -= len(filler[-1])
+    n1 = int(math.floor(depth * len(filler) + 0.5))
+    ids = intro + [t for s in filler[:n1] for t in s]
     pos = len(ids)
-    ids += needle + filler * (n - n1) + question
+    ids += needle + [t for s in filler[n1:] for t in s] + question
     return ids, tok.encode(" " + key), pos
 
 
