@@ -307,8 +307,8 @@ def plot_heatmap(result: dict, path: Optional[str] = None, title: str = "", trai
     axes[0][0].set_title(title or "passkey retrieval accuracy", fontsize=10)
     if loss:
         _grid_panel(fig, axes[0][1], loss, lens, depths, train_len, plt.get_cmap("viridis_r"), 0, math.log(10),
-                    lambda v: f"{v:.2f}", "answer loss (nats per answer token, teacher-forced)")
-        axes[0][1].set_title("loss on the answer's tokens (mean over the passkeys)", fontsize=10)
+                    lambda v: f"{v:.2f}", "answer loss (nats per answer token)")
+        axes[0][1].set_title("teacher-forced loss on the answer's tokens (mean over the passkeys)", fontsize=10)
     fig.tight_layout()
     if path is None:
         return fig
