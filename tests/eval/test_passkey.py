@@ -7,8 +7,8 @@ import torch
 from tests.eval.conftest import tiny_model
 from ttt_lm.eval import EvalError, build_prompt, passkey_grid
 from ttt_lm.eval.__main__ import main
-from ttt_lm.eval.passkey import (FILLER, INTRO, QUESTION, greedy_continue, grid_keys, plot_heatmap,
-                                 practice_batch, practice_documents, practice_finetune)
+from ttt_lm.eval.passkey import (FILLER, FILLER_SENTENCES, INTRO, NEEDLE, QUESTION, answer_nll, greedy_continue,
+                                 grid_keys, plot_heatmap, practice_batch, practice_documents, practice_finetune)
 
 
 def test_prompt_length_and_needle_depth(tokenizer):
@@ -25,6 +25,30 @@ def test_prompt_length_and_needle_depth(tokenizer):
     assert positions == sorted(positions) and positions[0] < positions[-1]
     with pytest.raises(EvalError, match="too short"):
         build_prompt(tokenizer, 50, 0.5, "48213")
+
+
+def test_every_depth_is_its_own_placement_in_the_shortest_prompt(tokenizer):
+    # with whole five-sentence filler groups a prompt with room for one group had two placements:
+    # depths 0, 0.25 and 0.5 built the same prompt (round(0.5) == 0), 0.75 and 1 another
+    intro, needle = tokenizer.encode(INTRO), tokenizer.encode(NEEDLE.format(key="48213"))
+    question = tokenizer.encode(QUESTION)
+    shortest = len(intro) + len(needle) + len(question) + len(tokenizer.encode(FILLER))
+    filler_text = "".join(FILLER_SENTENCES * 3)
+    for L in (shortest, shortest + 10, 300):
+        prompts = [build_prompt(tokenizer, L, d, "48213") for d in (0.0, 0.25, 0.5, 0.75, 1.0)]
+        positions = [pos for _, _, pos in prompts]
+        assert positions == sorted(set(positions)), (L, positions)  # five distinct, in order
+        assert positions[0] == len(intro)  # depth 0: right after the introduction
+        for ids, ans, pos in prompts:
+            assert len(ids) == len(prompts[0][0]) <= L  # the same filler, only the needle moves
+            assert ids[pos:pos + len(needle)] == needle and ids[-len(question):] == question
+            assert ids[:len(intro)] == intro
+            rest = ids[len(intro):pos] + ids[pos + len(needle):-len(question)]
+            assert filler_text.startswith(tokenizer.decode(rest))  # whole sentences, in order
+        last, _, pos = prompts[-1]
+        assert pos + len(needle) == len(last) - len(question)  # depth 1: right before the question
+    with pytest.raises(EvalError, match="too short"):
+        build_prompt(tokenizer, shortest - 1, 0.5, "48213")
 
 
 def test_scoring_counts_exactly_the_correct_retrievals(tokenizer):
@@ -53,6 +77,23 @@ def test_chunked_greedy_decoding_matches_generate():
     assert greedy_continue(m, ids.tolist(), 6, chunk_len=8) == want
 
 
+def test_answer_loss_is_the_teacher_forced_loss_of_the_answer_per_cell(tokenizer):
+    m = tiny_model(("rglru", "attention"), max_seq_len=512)
+    ids, ans, _ = build_prompt(tokenizer, 300, 0.5, "48213")
+    with torch.no_grad():
+        logits = m(torch.tensor([ids + ans[:-1]])).logits[0, len(ids) - 1:]
+    want = float(torch.nn.functional.cross_entropy(logits, torch.tensor(ans)))
+    assert answer_nll(m, ids, ans) == pytest.approx(want, rel=1e-5)
+    assert answer_nll(m, ids, ans, chunk_len=7) == pytest.approx(want, rel=1e-4)  # states carried across chunks
+    res = passkey_grid(m, tokenizer, [300, 400], [0.0, 1.0], trials=2, show_progress=False)
+    keys = grid_keys(2)
+    for i, L in enumerate((300, 400)):
+        for j, d in enumerate((0.0, 1.0)):
+            per_key = [answer_nll(m, *build_prompt(tokenizer, L, d, k)[:2]) for k in keys]
+            assert res["answer_loss"][i][j] == pytest.approx(sum(per_key) / 2, rel=1e-6)
+    assert res["answer_loss"][0][0] != res["answer_loss"][0][1]
+
+
 def test_cli_heatmap(attn_export, tmp_path):
     assert main(["passkey", "--checkpoint", attn_export, "--lengths", "300,400", "--depths", "0,1",
                  "--trials", "1", "--out", str(tmp_path), "--no-progress"]) == 0
@@ -75,6 +116,23 @@ def test_heatmap_has_a_labelled_colorbar_and_contrasting_percentages():
     ticks = [t.get_text() for t in ax.get_xticklabels()]
     assert ticks == ["128", "256\n(train)", "512\n(> train)"]
     assert [t.get_text() for t in ax.get_yticklabels()] == ["0% (start)", "100% (end)"]
+    plt.close(fig)
+
+
+def test_heatmap_shows_the_answer_loss_beside_the_accuracy():
+    import matplotlib.pyplot as plt
+    res = {"lengths": [128, 256], "depths": [0.0, 0.5, 1.0], "trials": 10,
+           "accuracy": [[1.0, 0.0, 0.2], [0.0, 0.0, 0.0]], "answer_loss": [[0.01, 3.5, 1.2], [2.0, 2.2, 0.4]]}
+    fig = plot_heatmap(res, None, "t", train_len=256)
+    acc_ax, loss_ax = (a for a in fig.axes if a.texts)
+    assert len(fig.axes) == 4 and len(loss_ax.texts) == 6
+    cbar_labels = [a.get_ylabel() for a in fig.axes if not a.texts]
+    assert "accuracy" in cbar_labels[0] and "nats per answer token" in cbar_labels[1]
+    cells = {t.get_text(): t for t in loss_ax.texts}
+    assert set(cells) == {"0.01", "3.50", "1.20", "2.00", "2.20", "0.40"}
+    # the loss map is reversed (low loss bright): dark text on the best cell, light on the worst
+    assert cells["0.01"].get_color() == "black" and cells["3.50"].get_color() == "white"
+    assert [t.get_text() for t in loss_ax.get_xticklabels()] == ["128", "256\n(train)"]
     plt.close(fig)
 
 

@@ -172,7 +172,8 @@ def cmd_passkey(args) -> dict:
     out = dict(task="passkey", result=res, plot=png, **_meta(args, ck.model.embed.weight.device))
     write_json(_out(args, "passkey.json"), out)
     print(f"passkey {ck.name}: mean accuracy {res['mean_accuracy']:.3f} over {len(args.lengths)} lengths x "
-          f"{len(args.depths)} depths x {args.trials} trials")
+          f"{len(args.depths)} depths x {args.trials} trials; mean answer loss "
+          f"{sum(map(sum, res['answer_loss'])) / (len(args.lengths) * len(args.depths)):.3f} nats per token")
     return out
 
 

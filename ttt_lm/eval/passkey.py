@@ -1,13 +1,14 @@
 """Passkey retrieval (Mohtashami & Jaggi 2023): a random number hidden at a chosen depth of
 repetitive filler text must be repeated at the end.
 
-Prompt, in tokens (``context_len`` = its length, at most; filler is repeated whole sentences):
+Prompt, in tokens (``context_len`` = its length, at most; the filler is FILLER's five sentences
+in order, repeated, as many whole ones as fit):
 
-    INTRO  FILLER × n₁  NEEDLE("The pass key is 68130. Remember it. 68130 is the pass key.")
-    FILLER × n₂  QUESTION("What is the pass key? The pass key is")
+    INTRO  n₁ filler sentences  NEEDLE("The pass key is 68130. Remember it. 68130 is the pass key.")
+    n₂ filler sentences  QUESTION("What is the pass key? The pass key is")
 
-with n₁ = round(depth · (n₁ + n₂)), so depth 0 puts the needle right after the introduction and
-depth 1 right before the question. The model decodes greedily as many tokens as the answer
+with n₁ = round(depth · (n₁ + n₂)) (halves up), so depth 0 puts the needle right after the
+introduction and depth 1 right before the question. The model decodes greedily as many tokens as the answer
 " 68130" has; a trial is correct when the decoded text, stripped, starts with the passkey. The
 prompt is read ``chunk_len`` tokens at a time with states carried, then decoded with ``step``.
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
@@ -36,24 +38,33 @@ INTRO = ("There is an important piece of information hidden inside a lot of irre
 FILLER = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key."
 QUESTION = " What is the pass key? The pass key is"
+FILLER_SENTENCES = tuple(re.findall(r" [^.]*\.", FILLER))  # the unit of filler and of needle placement
 
 
 def build_prompt(tok, context_len: int, depth: float, key: str) -> Tuple[List[int], List[int], int]:
-    """(prompt ids, answer ids, index of the needle's first token). Raises if ``context_len`` is too
-    short for the introduction, the needle, the question and one filler sentence group."""
+    """(prompt ids, answer ids, index of the needle's first token). The filler is the sentences of
+    :data:`FILLER` in order, repeated, as many whole ones as fit in ``context_len``; the needle goes
+    after round(depth · m) of its m sentences (halves round up), so even the shortest prompt has
+    several distinct depths (whole five-sentence groups gave a 128-token prompt a single one:
+    depths 0, 0.25 and 0.5 were the same prompt, 0.75 and 1 another). Raises if ``context_len`` is
+    too short for the introduction, the needle, the question and one filler sentence group."""
     if not 0.0 <= depth <= 1.0:
         raise EvalError(f"depth must be in [0, 1], got {depth}")
-    intro, filler = tok.encode(INTRO), tok.encode(FILLER)
+    intro, sentences = tok.encode(INTRO), [tok.encode(s) for s in FILLER_SENTENCES]
     needle, question = tok.encode(NEEDLE.format(key=key)), tok.encode(QUESTION)
     fixed = len(intro) + len(needle) + len(question)
-    n = (context_len - fixed) // len(filler)
-    if n < 1:
+    budget = context_len - fixed
+    if budget < sum(map(len, sentences)):
         raise EvalError(f"context length {context_len} is too short for a passkey prompt "
-                        f"(needs at least {fixed + len(filler)} tokens with this tokenizer)")
-    n1 = int(round(depth * n))
-    ids = intro + filler * n1
+                        f"(needs at least {fixed + sum(map(len, sentences))} tokens with this tokenizer)")
+    filler: List[List[int]] = []
+    while len(sentences[len(filler) % len(sentences)]) <= budget:
+        filler.append(sentences[len(filler) % len(sentences)])
+        budget -= len(filler[-1])
+    n1 = int(math.floor(depth * len(filler) + 0.5))
+    ids = intro + [t for s in filler[:n1] for t in s]
     pos = len(ids)
-    ids += needle + filler * (n - n1) + question
+    ids += needle + [t for s in filler[n1:] for t in s] + question
     return ids, tok.encode(" " + key), pos
 
 
@@ -192,12 +203,30 @@ def greedy_continue(model: LM, ids: Sequence[int], n: int, chunk_len: int = 2048
     return res
 
 
+@torch.no_grad()
+def answer_nll(model: LM, ids: Sequence[int], ans: Sequence[int], chunk_len: int = 2048) -> float:
+    """Mean negative log-likelihood (nats per token) of ``ans`` right after ``ids``, teacher-forced,
+    the sequence read ``chunk_len`` tokens at a time with states carried."""
+    dev = next(model.parameters()).device
+    x = torch.tensor([list(ids) + list(ans[:-1])], dtype=torch.long, device=dev)
+    states, tail = None, []
+    for s in range(0, x.shape[1], chunk_len):
+        out = model(x[:, s:s + chunk_len], states=states, output_states=True)
+        states = out.states
+        lo = max(len(ids) - 1 - s, 0)  # keep only the logits that predict answer tokens
+        if lo < out.logits.shape[1]:
+            tail.append(out.logits[0, lo:].float())
+    target = torch.tensor(list(ans), dtype=torch.long, device=dev)
+    return float(torch.nn.functional.cross_entropy(torch.cat(tail), target))
+
+
 def passkey_grid(model: LM, tok, lengths: Sequence[int], depths: Sequence[float], trials: int = 5,
                  seed: int = 0, chunk_len: int = 2048, digits: int = 5, show_progress: bool = True,
                  generate: Optional[Callable] = None, dist: DistContext = SINGLE, max_samples: int = 20) -> dict:
     """Accuracy for each (context length, depth) over ``trials`` random passkeys (the same keys in
-    every cell, so cells differ only in length and depth), and the first ``max_samples`` trials'
-    outputs."""
+    every cell, so cells differ only in length and depth), the answer's teacher-forced loss per cell
+    (:func:`answer_nll`, mean over the trials: it moves where accuracy sits at 0 or 1), and the first
+    ``max_samples`` trials' outputs."""
     for L in lengths:
         check_context(model, L)
     check_vocab(model, tok.vocab_size, "the tokenizer", allow_padding=True)
@@ -206,6 +235,7 @@ def passkey_grid(model: LM, tok, lengths: Sequence[int], depths: Sequence[float]
     keys = grid_keys(trials, seed, digits)
     cells = [(i, j) for i in range(len(lengths)) for j in range(len(depths))]
     correct = torch.zeros(len(cells), dtype=torch.int64)
+    nll = torch.zeros(len(cells), dtype=torch.float64)
     samples = []
     err = None
     try:
@@ -218,6 +248,7 @@ def passkey_grid(model: LM, tok, lengths: Sequence[int], depths: Sequence[float]
                 out = tok.decode(gen(ids, len(ans))).strip()
                 hit = out.startswith(key)
                 correct[c] += int(hit)
+                nll[c] += answer_nll(model, ids, ans, chunk_len)
                 if k < max_samples:
                     samples.append((k, {"length": lengths[i], "depth": depths[j], "key": key, "output": out,
                                         "correct": hit}))
@@ -225,26 +256,20 @@ def passkey_grid(model: LM, tok, lengths: Sequence[int], depths: Sequence[float]
         if not dist.distributed:
             raise
         err = e
-    (correct,) = dist.sum(correct, error=err)
+    correct, nll = dist.sum(correct, nll, error=err)
     samples = [s for _, s in sorted((x for part in dist.gather(samples) for x in part), key=lambda x: x[0])]
     acc = [[int(correct[i * len(depths) + j]) / len(keys) for j in range(len(depths))] for i in range(len(lengths))]
+    loss = [[float(nll[i * len(depths) + j]) / len(keys) for j in range(len(depths))] for i in range(len(lengths))]
     return {"lengths": list(lengths), "depths": list(depths), "trials": trials, "accuracy": acc,
-            "mean_accuracy": sum(map(sum, acc)) / (len(lengths) * len(depths)), "samples": samples}
+            "mean_accuracy": sum(map(sum, acc)) / (len(lengths) * len(depths)), "answer_loss": loss,
+            "samples": samples}
 
 
-def plot_heatmap(result: dict, path: Optional[str] = None, title: str = "", train_len: Optional[int] = None):
-    """Accuracy per (context length, depth) cell, written in each cell as a percentage in a colour
-    that contrasts with its background; the colorbar is labelled with the trials per cell, and
-    ``train_len`` (the training context) is marked on the length axis. Returns the Figure when
-    ``path`` is None (else saves and closes it)."""
-    from ttt_lm.eval.common import pyplot
-    plt = pyplot()
-    acc = result["accuracy"]
-    lens, depths = result["lengths"], result["depths"]
-    fig, ax = plt.subplots(figsize=(max(5.0, 2.4 + 0.9 * len(lens)), max(3.4, 1.6 + 0.5 * len(depths))))
-    data = [[acc[i][j] for i in range(len(lens))] for j in range(len(depths))]
-    cmap = plt.get_cmap("viridis")
-    im = ax.imshow(data, vmin=0, vmax=1, cmap=cmap, aspect="auto", origin="upper")
+def _grid_panel(fig, ax, values, lens, depths, train_len, cmap, vmin: float, vmax: float, fmt, label: str):
+    """One (length × depth) heatmap on ``ax``: ``values[i][j]`` for length i and depth j, written in
+    each cell with ``fmt`` in a colour that contrasts with its background, a colorbar labelled ``label``."""
+    data = [[values[i][j] for i in range(len(lens))] for j in range(len(depths))]
+    im = ax.imshow(data, vmin=vmin, vmax=vmax, cmap=cmap, aspect="auto", origin="upper")
     labels = [str(x) for x in lens]
     if train_len:
         labels = [f"{x}\n(train)" if x == train_len else (f"{x}\n(> train)" if x > train_len else str(x))
@@ -254,15 +279,36 @@ def plot_heatmap(result: dict, path: Optional[str] = None, title: str = "", trai
                                        for d in depths])
     for i in range(len(lens)):
         for j in range(len(depths)):
-            r, g, b, _ = cmap(acc[i][j])
+            r, g, b, _ = cmap(im.norm(values[i][j]))
             dark = 0.299 * r + 0.587 * g + 0.114 * b < 0.5
-            ax.text(i, j, f"{acc[i][j]:.0%}", ha="center", va="center", fontsize=9,
+            ax.text(i, j, fmt(values[i][j]), ha="center", va="center", fontsize=9,
                     color="white" if dark else "black")
     ax.set_xlabel("context length (tokens)")
     ax.set_ylabel("needle depth")
-    ax.set_title(title or "passkey retrieval accuracy", fontsize=10)
     cb = fig.colorbar(im, ax=ax, fraction=0.046)
-    cb.set_label(f"retrieval accuracy ({result['trials']} random passkeys per cell)")
+    cb.set_label(label)
+
+
+def plot_heatmap(result: dict, path: Optional[str] = None, title: str = "", train_len: Optional[int] = None):
+    """Accuracy per (context length, depth) cell, written in each cell as a percentage in a colour
+    that contrasts with its background; the colorbar is labelled with the trials per cell, and
+    ``train_len`` (the training context) is marked on the length axis. When ``result`` holds
+    ``answer_loss`` (:func:`passkey_grid`), a second panel beside it shows that per cell (0 to
+    ln 10 ≈ 2.3 nats, a uniform guess among the digits; higher values are written as they are).
+    Returns the Figure when ``path`` is None (else saves and closes it)."""
+    from ttt_lm.eval.common import pyplot
+    plt = pyplot()
+    lens, depths = result["lengths"], result["depths"]
+    loss = result.get("answer_loss")
+    w, h = max(5.0, 2.4 + 0.9 * len(lens)), max(3.4, 1.6 + 0.5 * len(depths))
+    fig, axes = plt.subplots(1, 2 if loss else 1, figsize=(2 * w if loss else w, h), squeeze=False)
+    _grid_panel(fig, axes[0][0], result["accuracy"], lens, depths, train_len, plt.get_cmap("viridis"), 0, 1,
+                lambda v: f"{v:.0%}", f"retrieval accuracy ({result['trials']} random passkeys per cell)")
+    axes[0][0].set_title(title or "passkey retrieval accuracy", fontsize=10)
+    if loss:
+        _grid_panel(fig, axes[0][1], loss, lens, depths, train_len, plt.get_cmap("viridis_r"), 0, math.log(10),
+                    lambda v: f"{v:.2f}", "answer loss (nats per answer token)")
+        axes[0][1].set_title("teacher-forced loss on the answer's tokens (mean over the passkeys)", fontsize=10)
     fig.tight_layout()
     if path is None:
         return fig
