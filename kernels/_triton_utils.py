@@ -148,3 +148,23 @@ def next_power_of_2(n: int) -> int:
 
 __all__: Iterable[str] = ["is_interpreting", "has_triton", "triton_available", "check_triton_device",
                           "autotune_configs", "prune_by_elements_per_thread", "num_sms", "device_arch", "next_power_of_2"]
+
+
+def packed_chunk_tables(T: int, C: int, cu_seqlens: torch.Tensor):
+    """Chunk tables of a packed batch (``cu_seqlens`` [N+1], T tokens, chunks of C), built on the
+    device with no copy to the host: (N, NC, per-sequence first chunk slot int32 [N], (sequence,
+    chunk) per slot int32 [NC, 2]). NC = ⌊T / C⌋ + N slots bound the Σ ⌈T_i / C⌉ chunks of the
+    sequences (Σ ⌊T_i / C⌋ ≤ ⌊T / C⌋, plus at most one partial chunk each); the spare slots past the
+    last chunk are marked sequence −1, chunk 0."""
+    N = cu_seqlens.numel() - 1
+    NC = T // C + N
+    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    nts = (lens + C - 1) // C
+    ends = nts.cumsum(0)
+    starts = ends - nts
+    slots = torch.arange(NC, device=cu_seqlens.device)
+    seq = torch.searchsorted(ends, slots, right=True)
+    used = seq < N
+    c = slots - starts[seq.clamp(max=N - 1)]
+    chunk_indices = torch.stack([torch.where(used, seq, -1), torch.where(used, c, 0)], 1)
+    return N, NC, starts.to(torch.int32).contiguous(), chunk_indices.to(torch.int32).contiguous()

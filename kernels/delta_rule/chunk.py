@@ -69,7 +69,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton_utils import INTERPRET_ARCH, check_triton_device, device_arch, is_interpreting
+from kernels._triton_utils import (INTERPRET_ARCH, check_triton_device, device_arch, is_interpreting,
+                                   packed_chunk_tables)
 from kernels.delta_rule.shapes import check_delta_rule_inputs, fold_channel_beta, unfold_channel_beta
 
 
@@ -567,18 +568,7 @@ def _layout(B: int, T: int, C: int, cu_seqlens: Optional[torch.Tensor]):
     the chunk-gridded kernels give them length 0, so every load and store of theirs is masked."""
     if cu_seqlens is None:
         return B, B * triton.cdiv(T, C), None, None
-    N = cu_seqlens.numel() - 1
-    NC = T // C + N
-    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    nts = (lens + C - 1) // C
-    ends = nts.cumsum(0)
-    starts = ends - nts
-    slots = torch.arange(NC, device=cu_seqlens.device)
-    seq = torch.searchsorted(ends, slots, right=True)
-    used = seq < N
-    c = slots - starts[seq.clamp(max=N - 1)]
-    chunk_indices = torch.stack([torch.where(used, seq, -1), torch.where(used, c, 0)], 1)
-    return N, NC, starts.to(torch.int32).contiguous(), chunk_indices.to(torch.int32).contiguous()
+    return packed_chunk_tables(T, C, cu_seqlens)
 
 
 def _check_cu_seqlens(cu_seqlens: torch.Tensor, T: int, device) -> torch.Tensor:

@@ -66,7 +66,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton_utils import INTERPRET_ARCH, check_triton_device, device_arch
+from kernels._triton_utils import INTERPRET_ARCH, check_triton_device, device_arch, packed_chunk_tables
 from kernels.titans.reference import _acc, _initial, check_titans_inputs
 from kernels.titans.torch_chunk import titans_linear_chunk_torch
 
@@ -595,18 +595,7 @@ def _layout(B: int, T: int, C: int, cu_seqlens: Optional[torch.Tensor]):
     chunk each), and the spare slots past the last chunk are marked sequence −1."""
     if cu_seqlens is None:
         return B, triton.cdiv(T, C), None, None
-    N = cu_seqlens.numel() - 1
-    NCH = T // C + N
-    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    nts = (lens + C - 1) // C
-    ends = nts.cumsum(0)
-    starts = ends - nts
-    slots = torch.arange(NCH, device=cu_seqlens.device)
-    seq = torch.searchsorted(ends, slots, right=True)
-    used = seq < N
-    c = slots - starts[seq.clamp(max=N - 1)]
-    chunk_indices = torch.stack([torch.where(used, seq, -1), torch.where(used, c, 0)], 1)
-    return N, NCH, starts.to(torch.int32).contiguous(), chunk_indices.to(torch.int32).contiguous()
+    return packed_chunk_tables(T, C, cu_seqlens)
 
 
 # The op is a PyTorch custom op (torch.library): torch.compile (model.compile) captures it as one

@@ -671,6 +671,36 @@ _linear_fwd_op.register_autograd(_linear_backward_rule, setup_context=_linear_se
 
 
 # ---- public -------------------------------------------------------------------------------------
+def run_head_full_tail(XQ, XK, XV, eta, st: dict, bsz: int, keys, torch_part, kernel_part):
+    """One TTT call split at mini-batch boundaries (shared by TTT-Linear and TTT-MLP): the head
+    (completing a mini-batch begun in the state, pos > 0) and a trailing partial mini-batch through
+    ``torch_part(t0, t1, st) -> (out, st)``, the full mini-batches between them through
+    ``kernel_part([XQ, XK, XV, η] of those tokens, st) -> (out, final weights in the order of keys)``.
+    The kernel starts at a boundary, where the carried gradient sums are zero by construction.
+    Returns (out [B, H, T, d], final state)."""
+    T = XQ.shape[2]
+    outs, t = [], 0
+    if st["pos"] > 0 and T > 0:
+        t = min(bsz - st["pos"], T)
+        o, st = torch_part(0, t, st)
+        outs.append(o)
+    n_full = (T - t) // bsz * bsz
+    if n_full > 0:
+        sl = slice(t, t + n_full)
+        o, ws = kernel_part([x[:, :, sl].contiguous() for x in (XQ, XK, XV, eta)], st)
+        outs.append(o)
+        st = {}
+        for name, w in zip(keys, ws):
+            st[name], st["grad_" + name] = w, torch.zeros_like(w)
+        st["pos"] = 0
+        t += n_full
+    if t < T:
+        o, st = torch_part(t, T, st)
+        outs.append(o)
+    out = torch.cat(outs, dim=2) if len(outs) > 1 else (outs[0] if outs else XQ.clone())
+    return out, st
+
+
 def ttt_linear_triton(XQ, XK, XV, eta, token_idx, ln_weight, ln_bias, W1, b1, mini_batch_size=16,
                       initial_state: Optional[dict] = None, output_final_state: bool = False
                       ) -> Tuple[torch.Tensor, Optional[dict]]:
@@ -684,35 +714,20 @@ def ttt_linear_triton(XQ, XK, XV, eta, token_idx, ln_weight, ln_bias, W1, b1, mi
     bsz = mini_batch_size
     dt = acc_dtype(XQ.dtype)
     st = make_state({"W1": W1, "b1": b1}, B, dt, initial_state)
-    pos = st["pos"]
-    outs, t = [], 0
 
     def torch_part(t0, t1, st):
         return ttt_linear_chunk(XQ[:, :, t0:t1], XK[:, :, t0:t1], XV[:, :, t0:t1], eta[:, :, t0:t1],
                                 token_idx, ln_weight, ln_bias, W1, b1, bsz, st, True)
 
-    if pos > 0 and T > 0:
-        t = min(bsz - pos, T)
-        o, st = torch_part(0, t, st)
-        outs.append(o)
-    n_full = (T - t) // bsz * bsz
-    if n_full > 0:
-        sl = slice(t, t + n_full)
-        ins = [t.contiguous() for t in (XQ[:, :, sl], XK[:, :, sl], XV[:, :, sl], eta[:, :, sl], token_idx,
-                                         ln_weight, ln_bias, st["W1"], st["b1"])]
+    def kernel_part(xs, st):
+        ins = xs + [token_idx, ln_weight, ln_bias, st["W1"], st["b1"]]
         # the per-mini-batch start weights serve the backward: without autograd they are kept for a
         # window of mini-batches at a time only
         save = torch.is_grad_enabled() and any(t.requires_grad for t in ins)
         o, Wf, bf = _linear_fwd_op(*ins, bsz, save)[:3]
-        outs.append(o)
-        # the kernel starts at a boundary, where the carried sums are zero by construction
-        st = {"W1": Wf, "b1": bf, "grad_W1": torch.zeros_like(Wf), "grad_b1": torch.zeros_like(bf), "pos": 0}
-        t += n_full
-    if t < T:
-        o, st = torch_part(t, T, st)
-        outs.append(o)
-    out = torch.cat(outs, dim=2) if len(outs) > 1 else (outs[0] if outs else XQ.clone())
-    return out, (st if output_final_state else None)
+        return o, (Wf, bf)
 
+    out, st = run_head_full_tail(XQ, XK, XV, eta, st, bsz, ("W1", "b1"), torch_part, kernel_part)
+    return out, (st if output_final_state else None)
 
 __all__ = ["ttt_linear_triton"]

@@ -99,7 +99,7 @@ import triton
 import triton.language as tl
 
 from kernels._triton_utils import check_triton_device, is_interpreting
-from kernels.ttt.chunk import _MAX_MB, _dot, _ln_bwd, _ln_stats, _precision
+from kernels.ttt.chunk import _MAX_MB, _dot, _ln_bwd, _ln_stats, _precision, run_head_full_tail
 from kernels.ttt.torch_chunk import LN_EPS, acc_dtype, make_state, ttt_mlp_chunk
 
 
@@ -795,36 +795,19 @@ def ttt_mlp_triton(XQ, XK, XV, eta, token_idx, ln_weight, ln_bias, W1, b1, W2, b
     bsz = mini_batch_size
     dt = acc_dtype(XQ.dtype)
     st = make_state({"W1": W1, "b1": b1, "W2": W2, "b2": b2}, B, dt, initial_state)
-    pos = st["pos"]
-    outs, t = [], 0
 
     def torch_part(t0, t1, st):
         return ttt_mlp_chunk(XQ[:, :, t0:t1], XK[:, :, t0:t1], XV[:, :, t0:t1], eta[:, :, t0:t1],
                              token_idx, ln_weight, ln_bias, W1, b1, W2, b2, bsz, st, True)
 
-    if pos > 0 and T > 0:
-        t = min(bsz - pos, T)
-        o, st = torch_part(0, t, st)
-        outs.append(o)
-    n_full = (T - t) // bsz * bsz
-    if n_full > 0:
-        sl = slice(t, t + n_full)
-        ins = [t.contiguous() for t in (XQ[:, :, sl], XK[:, :, sl], XV[:, :, sl], eta[:, :, sl], token_idx,
-                                         ln_weight, ln_bias, st["W1"], st["b1"], st["W2"], st["b2"])]
+    def kernel_part(xs, st):
+        ins = xs + [token_idx, ln_weight, ln_bias, st["W1"], st["b1"], st["W2"], st["b2"]]
         # the start weights of every mini-batch are kept only for the backward
         save = torch.is_grad_enabled() and any(t.requires_grad for t in ins)
         o, *ws = _mlp_fwd_op(*ins, bsz, save)[:5]
-        outs.append(o)
-        # the kernel starts at a boundary, where the carried sums are zero by construction
-        st = {"pos": 0}
-        for name, w in zip(("W1", "b1", "W2", "b2"), ws):
-            st[name], st["grad_" + name] = w, torch.zeros_like(w)
-        t += n_full
-    if t < T:
-        o, st = torch_part(t, T, st)
-        outs.append(o)
-    out = torch.cat(outs, dim=2) if len(outs) > 1 else (outs[0] if outs else XQ.clone())
-    return out, (st if output_final_state else None)
+        return o, ws
 
+    out, st = run_head_full_tail(XQ, XK, XV, eta, st, bsz, ("W1", "b1", "W2", "b2"), torch_part, kernel_part)
+    return out, (st if output_final_state else None)
 
 __all__ = ["ttt_mlp_triton"]
