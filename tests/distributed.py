@@ -1,7 +1,18 @@
-"""Shared by the tests that spawn real gloo processes."""
+"""Shared by the tests that spawn real gloo processes.
+
+``spawn_checks`` runs a module's checks in ``world`` spawned processes joined in one gloo group
+and collects, per rank, each check's result: what the check returned (None for a check that
+only asserts) or the traceback of its failure (a str).
+"""
 from __future__ import annotations
 
+import datetime
+import importlib
+import os
 import socket
+import traceback
+from pathlib import Path
+from typing import List, Optional, Sequence, Tuple
 
 
 def free_port() -> int:
@@ -9,3 +20,73 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _run_checks(rank, world, port, out_dir, module, attr, suite, names, setup, stop_on_failure, timeout_s):
+    import torch
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    kw = {"timeout": datetime.timedelta(seconds=timeout_s)} if timeout_s else {}
+    dist.init_process_group("gloo", rank=rank, world_size=world, **kw)
+    mod = importlib.import_module(module)
+    results = {}
+    try:
+        if setup is not None:
+            getattr(mod, setup)()
+        checks = getattr(mod, attr)
+        if suite is not None:
+            checks = checks[suite]
+        if callable(checks):
+            checks = checks(rank, world)
+        for name, fn in (checks.items() if isinstance(checks, dict) else checks):
+            if names is not None and name not in names:
+                continue
+            try:
+                results[name] = fn()
+            except Exception:  # noqa: BLE001 - reported to the test of that check
+                results[name] = traceback.format_exc()
+                if stop_on_failure:
+                    raise   # the other ranks would wait on this one's collectives
+            if not stop_on_failure:
+                dist.barrier()
+    finally:
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.destroy_process_group()
+
+
+def spawn_checks(world: int, module: str, out_dir, attr: str = "CHECKS", *, suite: Optional[str] = None,
+                 names: Optional[Sequence[str]] = None, setup: Optional[str] = None,
+                 stop_on_failure: bool = False, timeout_s: Optional[float] = None
+                 ) -> Tuple[List[dict], Optional[BaseException]]:
+    """Run the checks ``module.attr`` (``[(name, fn)]`` or ``{name: fn}``; ``[suite]`` of it if
+    given; called as ``attr(rank, world)`` first if callable) on every rank of a ``world``-process
+    gloo group, after ``module.setup()`` if named. Only ``names`` run, if given. After each check
+    the ranks meet at a barrier, so a failed check does not stop the others; with
+    ``stop_on_failure`` a failure ends its rank instead (for checks whose failure leaves peers
+    waiting on collectives), and ``timeout_s`` bounds every collective. Returns the per-rank
+    ``{name: result or traceback}`` dicts ({} for a rank that saved none) and the spawn's
+    exception, if any (the per-check results say which check broke)."""
+    import torch
+    import torch.multiprocessing as mp
+    out_dir = Path(out_dir)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    err = None
+    try:
+        mp.spawn(_run_checks, args=(world, free_port(), str(out_dir), module, attr, suite,
+                                    None if names is None else list(names), setup, stop_on_failure, timeout_s),
+                 nprocs=world, join=True)
+    except Exception as e:  # noqa: BLE001
+        err = e
+    res = []
+    for r in range(world):
+        p = out_dir / f"rank{r}.pt"
+        res.append(torch.load(p) if p.exists() else {})
+    return res, err
+
+
+def assert_all_passed(results: List[dict], name: str, err: Optional[BaseException] = None) -> None:
+    """Every rank ran the assert-only check ``name`` and it passed (returned None)."""
+    errs = [f"rank {r}:\n{res.get(name, 'not run')}" for r, res in enumerate(results)
+            if res.get(name, "not run") is not None]
+    assert not errs, "\n".join(errs) + (f"\n(spawn error: {err})" if err is not None else "")

@@ -14,20 +14,15 @@ before rank c − 1 ends.
 """
 from __future__ import annotations
 
-import datetime
-import json
-import os
 import time
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from ttt_lm.parallel import context_parallel as cp
-from tests.distributed import free_port
+from tests.distributed import spawn_checks
 from tests.parallel.test_context_parallel import _bounds, _leaf, _maxdiff, _sum_grads, _tiny_lm
 
 TOL = 1e-9
@@ -205,37 +200,12 @@ def _checks(rank, world):
     return out
 
 
-def _worker(rank, world, port, out_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
-    results = {}
-    try:
-        for name, fn in _checks(rank, world).items():
-            try:
-                results[name] = fn()
-            except Exception:  # noqa: BLE001 - reported to the test of this check
-                results[name] = traceback.format_exc()
-                raise
-    finally:
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(results, f)
-        dist.destroy_process_group()
-
-
 @pytest.fixture(scope="module", params=[2, 4], ids=["world2", "world4"])
 def results(request, tmp_path_factory):
     world = request.param
-    out = tmp_path_factory.mktemp(f"cppipe{world}")
-    err = None
-    try:
-        mp.spawn(_worker, args=(world, free_port(), str(out)), nprocs=world, join=True)
-    except Exception as e:  # noqa: BLE001 - the per-check results say which check broke
-        err = e
-    res = []
-    for r in range(world):
-        p = out / f"rank{r}.json"
-        res.append(json.loads(p.read_text()) if p.exists() else {})
+    # a broken exchange fails the run in 60 s instead of hanging it
+    res, err = spawn_checks(world, __name__, tmp_path_factory.mktemp(f"cppipe{world}"), "_checks",
+                            stop_on_failure=True, timeout_s=60)
     return world, res, err
 
 

@@ -10,19 +10,16 @@ state or a wrong position, which are O(1) errors.
 from __future__ import annotations
 
 import copy
-import os
 import pathlib
 import re
 import sys
-import traceback
 import types
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from tests.distributed import free_port
+from tests.distributed import assert_all_passed, spawn_checks
 
 README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
 TOL = dict(rtol=1e-9, atol=1e-12)
@@ -184,37 +181,13 @@ def check_cp():
 CHECKS = [("tp", check_tp), ("tp_position_ids", check_tp_position_ids), ("cp", check_cp)]
 
 
-def _worker(rank, world, port, out_dir):
-    os.environ["OMP_NUM_THREADS"] = "1"
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    results = {}
-    try:
-        load_readme_mixer()   # a spawned process starts with an empty registry
-        for name, fn in CHECKS:
-            try:
-                fn()
-                results[name] = None
-            except Exception:  # noqa: BLE001 - reported to the test of that check
-                results[name] = traceback.format_exc()
-            dist.barrier()
-    finally:
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.destroy_process_group()
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("readme_mixer")
-    os.environ["OMP_NUM_THREADS"] = "1"
-    mp.spawn(_worker, args=(WORLD, free_port(), str(out)), nprocs=WORLD, join=True)
-    return [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(WORLD)]
+    # a spawned process starts with an empty registry: load_readme_mixer first
+    return spawn_checks(WORLD, __name__, tmp_path_factory.mktemp("readme_mixer"), setup="load_readme_mixer")
 
 
 @pytest.mark.dist
 @pytest.mark.parametrize("check", [n for n, _ in CHECKS])
 def test_readme_mixer_parallel(results, check):
-    errs = [f"rank {r}:\n{res[check]}" for r, res in enumerate(results) if res.get(check, "not run") is not None]
-    assert not errs, "\n".join(errs)
+    assert_all_passed(results[0], check, results[1])

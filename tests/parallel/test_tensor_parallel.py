@@ -12,16 +12,13 @@ and still fails on any missing, duplicated or mis-sliced term (an O(1) relative 
 from __future__ import annotations
 
 import copy
-import os
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
-from tests.distributed import free_port
+from tests.distributed import assert_all_passed, spawn_checks
 
 pytestmark = pytest.mark.dist
 
@@ -35,35 +32,12 @@ def close(a, b, msg=""):
 # ---- process launch ----------------------------------------------------------------------------
 
 
-def _worker(rank, world, port, suite, out_dir):
-    os.environ["OMP_NUM_THREADS"] = "1"
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    results = {}
-    try:
-        for name, fn in SUITES[suite]:
-            try:
-                fn()
-                results[name] = None
-            except Exception:  # noqa: BLE001 - reported to the test of that check
-                results[name] = traceback.format_exc()
-            dist.barrier()
-    finally:
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.destroy_process_group()
-
-
 def _launch(world, suite, out_dir):
-    os.environ["OMP_NUM_THREADS"] = "1"
-    mp.spawn(_worker, args=(world, free_port(), suite, str(out_dir)), nprocs=world, join=True)
-    return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(world)]
+    return spawn_checks(world, __name__, out_dir, "SUITES", suite=suite)
 
 
 def _assert_ok(results, name):
-    errs = [f"rank {r}:\n{res[name]}" for r, res in enumerate(results) if res.get(name, "not run") is not None]
-    assert not errs, "\n".join(errs)
+    assert_all_passed(results[0], name, results[1])
 
 
 # ---- checks (run inside the workers) -----------------------------------------------------------

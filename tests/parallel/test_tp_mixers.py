@@ -17,15 +17,12 @@ way moves channels between heads).
 from __future__ import annotations
 
 import copy
-import os
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
-from tests.distributed import free_port
+from tests.distributed import assert_all_passed, spawn_checks
 
 pytestmark = pytest.mark.dist
 
@@ -176,33 +173,8 @@ def check_hybrid_tp2_dp2():
 CHECKS = _checks() + [("hybrid_tp2_dp2", check_hybrid_tp2_dp2)]
 
 
-def _worker(rank, world, port, out_dir, names):
-    os.environ["OMP_NUM_THREADS"] = "1"
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    results = {}
-    try:
-        for name, fn in CHECKS:
-            if name not in names:
-                continue
-            try:
-                fn()
-                results[name] = None
-            except Exception:  # noqa: BLE001 - reported to the test of that check
-                results[name] = traceback.format_exc()
-            dist.barrier()
-    finally:
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.destroy_process_group()
-
-
 def _spawn(tmp_path_factory, world, names):
-    out = tmp_path_factory.mktemp("tp_mixers")
-    os.environ["OMP_NUM_THREADS"] = "1"
-    mp.spawn(_worker, args=(world, free_port(), str(out), names), nprocs=world, join=True)
-    return [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(world)]
+    return spawn_checks(world, __name__, tmp_path_factory.mktemp("tp_mixers"), names=names)
 
 
 TP2_CHECKS = [n for n, _ in CHECKS if n != "hybrid_tp2_dp2"]
@@ -214,8 +186,7 @@ def results(tmp_path_factory):
 
 
 def _assert_ok(results, check):
-    errs = [f"rank {r}:\n{res[check]}" for r, res in enumerate(results) if res.get(check, "not run") is not None]
-    assert not errs, "\n".join(errs)
+    assert_all_passed(results[0], check, results[1])
 
 
 @pytest.mark.parametrize("check", TP2_CHECKS)

@@ -14,15 +14,12 @@ structured init so that no slice is all zeros or all ones).
 from __future__ import annotations
 
 import copy
-import os
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
-from tests.distributed import free_port
+from tests.distributed import assert_all_passed, spawn_checks
 
 pytestmark = pytest.mark.dist
 
@@ -32,26 +29,6 @@ WORLD = 2
 
 def close(a, b, msg=""):
     torch.testing.assert_close(a, b, **TOL, msg=lambda m: f"{msg}: {m}")
-
-
-def _worker(rank, world, port, out_dir):
-    os.environ["OMP_NUM_THREADS"] = "1"
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    results = {}
-    try:
-        for name, fn in CHECKS:
-            try:
-                fn()
-                results[name] = None
-            except Exception:  # noqa: BLE001 - reported to the test of that check
-                results[name] = traceback.format_exc()
-            dist.barrier()
-    finally:
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.destroy_process_group()
 
 
 _GROUPS = {}
@@ -192,13 +169,9 @@ CHECKS = [
 # ---- tests -------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tp_ttt")
-    os.environ["OMP_NUM_THREADS"] = "1"
-    mp.spawn(_worker, args=(WORLD, free_port(), str(out)), nprocs=WORLD, join=True)
-    return [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(WORLD)]
+    return spawn_checks(WORLD, __name__, tmp_path_factory.mktemp("tp_ttt"))
 
 
 @pytest.mark.parametrize("check", [n for n, _ in CHECKS])
 def test_tp_ttt(results, check):
-    errs = [f"rank {r}:\n{res[check]}" for r, res in enumerate(results) if res.get(check, "not run") is not None]
-    assert not errs, "\n".join(errs)
+    assert_all_passed(results[0], check, results[1])
