@@ -90,3 +90,14 @@ def assert_all_passed(results: List[dict], name: str, err: Optional[BaseExceptio
     errs = [f"rank {r}:\n{res.get(name, 'not run')}" for r, res in enumerate(results)
             if res.get(name, "not run") is not None]
     assert not errs, "\n".join(errs) + (f"\n(spawn error: {err})" if err is not None else "")
+
+
+def assert_within(results: Tuple[int, List[dict], Optional[BaseException]], name: str, tol: float) -> None:
+    """Every rank of the ``(world, per-rank results, spawn error)`` run reported for the check
+    ``name`` a measured difference (a number) below ``tol``."""
+    world, res, err = results
+    for r, rr in enumerate(res):
+        v = rr.get(name)
+        assert v is not None, f"{name}: rank {r} of {world} did not report (spawn error: {err})"
+        assert not isinstance(v, str), f"{name}, rank {r} of {world}:\n{v}"
+        assert v < tol, f"{name}, rank {r} of {world}: max relative difference {v:.3e} ≥ {tol}"

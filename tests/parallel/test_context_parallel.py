@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from ttt_lm.model import LM, ModelConfig
 from ttt_lm.model.config import LAYER_KINDS
 from ttt_lm.parallel import context_parallel as cp
-from tests.distributed import spawn_checks
+from tests.distributed import assert_within, spawn_checks
 
 TOL = 1e-9
 LM_PATTERN = ["attention", "rglru", "ttt_linear", "deltanet", "local_attention", "ttt_mlp",
@@ -242,12 +242,7 @@ def results(request, tmp_path_factory):
 
 
 def _assert_check(results, name):
-    world, res, err = results
-    for r, rr in enumerate(res):
-        v = rr.get(name)
-        assert v is not None, f"{name}: rank {r} of {world} did not report (spawn error: {err})"
-        assert not isinstance(v, str), f"{name}, rank {r} of {world}:\n{v}"
-        assert v < TOL, f"{name}, rank {r} of {world}: max relative difference {v:.3e} ≥ {TOL}"
+    assert_within(results, name, TOL)
 
 
 @pytest.mark.dist
