@@ -11,13 +11,13 @@ and still fails on any missing, duplicated or mis-sliced term (an O(1) relative 
 """
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from tests.parallel.tp_common import tp_lm_vs_single
 from tests.distributed import assert_all_passed, spawn_checks
 
 pytestmark = pytest.mark.dist
@@ -189,43 +189,9 @@ def _tiny_cfg(pattern, d_ff, tie=True, kv=2, n_layers=2):
 
 
 def _lm_vs_single(cfg, sp, tp, data_seed=0, checkpointing=False):
-    from ttt_lm.model.lm import LM
-    from ttt_lm.parallel.tp_model import gather_full_state_dict, gather_tp_tensor, parallelize_tp
-    groups = _tp_group(tp)
-    torch.manual_seed(0)
-    ref = LM(cfg).double()
-    tpm = parallelize_tp(copy.deepcopy(ref), groups, sequence_parallel=sp)
-    tpm.activation_checkpointing = checkpointing  # the collectives are replayed in the recomputation
-    B, T = 2, 8
-    gen = torch.Generator().manual_seed(100 + data_seed)
-    ids = torch.randint(0, cfg.vocab_size, (B, T), generator=gen)
-    labels = torch.randint(0, cfg.vocab_size, (B, T), generator=gen)
-    labels[0, :3] = -100
-
-    sd, full_sd = ref.state_dict(), gather_full_state_dict(tpm)
-    assert sd.keys() == full_sd.keys()
-    for k in sd:
-        assert torch.equal(sd[k], full_sd[k]), f"{k}: the TP weights must be slices of the single-rank ones"
-
-    # the single-rank LM's own loss goes through .float(); take it in float64 here
-    logits = ref(ids).logits
-    want = F.cross_entropy(logits.view(-1, cfg.vocab_size), labels.view(-1), ignore_index=-100)
-    want.backward()
-    tpm.train()
-    out = tpm(ids, labels=labels)
-    close(out.loss, want.detach(), f"loss sp={sp}")
-    assert out.logits is None  # training: full logits are not formed
-    out.loss.backward()
-    refp = dict(ref.named_parameters())
-    for name, p in tpm.named_parameters():
-        gfull = gather_tp_tensor(p.grad, getattr(p, "partition_dim", None), groups.tp_group)
-        close(gfull, refp[name].grad, f"grad {name} sp={sp}")
-    with torch.no_grad():
-        close(tpm(ids).logits, logits.detach(), "gathered logits")
-        # decode: the KV cache holds local heads; generate runs step() with SP switched off
-        prompt = ids[:, :5]  # 5 is not a multiple of tp: inference falls back to no split
-        close(tpm.generate(prompt, 3, temperature=0), ref.generate(prompt, 3, temperature=0).to(torch.long),
-              "greedy generation")
+    # the structured init as it is: tied/untied heads and GQA are what is checked here
+    tp_lm_vs_single(cfg, _tp_group(tp), sp, close, T=8, n_masked=3, data_seed=data_seed, perturb=False,
+                    checkpointing=checkpointing, nonzero_grads=False)
 
 
 def check_lm_attention(sp):

@@ -16,12 +16,11 @@ way moves channels between heads).
 """
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+from tests.parallel.tp_common import tp_lm_vs_single
 from tests.distributed import assert_all_passed, spawn_checks
 
 pytestmark = pytest.mark.dist
@@ -64,57 +63,11 @@ def _groups():
 
 
 def _lm_vs_single(cfg, sp, dp_rank=0, decode=True):
-    """TP model = single-process model: weights (gathered), loss, every parameter gradient, full
-    logits and greedy decoding (prefill then one token at a time on the local heads' state).
-    ``dp_rank`` picks the data-parallel replica's batch (each replica checks its own);
-    ``decode=False`` leaves out the decoding checks."""
-    from ttt_lm.model.lm import LM
-    from ttt_lm.parallel.tp_model import gather_full_state_dict, gather_tp_tensor, parallelize_tp
-    groups = _groups()
-    torch.manual_seed(0)
-    ref = LM(cfg).double()
-    with torch.no_grad():  # away from the structured init (zero biases, unit gains, A_log = log n)
-        gen = torch.Generator().manual_seed(7)
-        for prm in ref.parameters():
-            prm.add_(0.05 * torch.randn(prm.shape, generator=gen, dtype=prm.dtype))
-    tpm = parallelize_tp(copy.deepcopy(ref), groups, sequence_parallel=sp)
-    B, T = 2, 6  # 6 % p == 0 for sequence parallelism
-    gen = torch.Generator().manual_seed(100 + dp_rank)
-    ids = torch.randint(0, cfg.vocab_size, (B, T), generator=gen)
-    labels = torch.randint(0, cfg.vocab_size, (B, T), generator=gen)
-    labels[0, :2] = -100
-
-    sd, full_sd = ref.state_dict(), gather_full_state_dict(tpm)
-    assert sd.keys() == full_sd.keys()
-    for k in sd:
-        assert torch.equal(sd[k], full_sd[k]), f"{k}: the TP weights must be slices of the single-rank ones"
-    for i, (blk, rblk) in enumerate(zip(tpm.layers, ref.layers)):
-        st, rst = blk.mixer.init_state(B), rblk.mixer.init_state(B)
-        sts = dict(st.named_tensors())
-        for k, v in rst.named_tensors():
-            if v.dim() >= 2 and k.split(".")[-1] not in ("k", "v"):  # heads or channels (dim 1) split by p
-                assert sts[k].shape[1] * TP == v.shape[1] and sts[k].shape[2:] == v.shape[2:], (i, k, sts[k].shape)
-
-    logits = ref(ids).logits
-    want = F.cross_entropy(logits.view(-1, cfg.vocab_size), labels.view(-1), ignore_index=-100)
-    want.backward()
-    tpm.train()
-    out = tpm(ids, labels=labels)
-    close(out.loss, want.detach(), f"loss sp={sp}")
-    out.loss.backward()
-    refp = dict(ref.named_parameters())
-    for name, prm in tpm.named_parameters():
-        gfull = gather_tp_tensor(prm.grad, getattr(prm, "partition_dim", None), groups.tp_group,
-                                 getattr(prm, "partition_stride", 1))
-        assert refp[name].grad.abs().max() > 0, f"{name}: a zero gradient would check nothing"
-        close(gfull, refp[name].grad, f"grad {name} sp={sp}")
-    with torch.no_grad():
-        close(tpm(ids).logits, logits.detach(), "gathered logits")
-        if not decode:
-            return
-        prompt = ids[:, :5]  # 5 tokens: not a multiple of p, no sequence split; then step()
-        close(tpm.generate(prompt, 3, temperature=0), ref.generate(prompt, 3, temperature=0).to(torch.long),
-              "greedy generation")
+    """TP model = single-process model (``tp_lm_vs_single``); ``dp_rank`` picks the data-parallel
+    replica's batch (each replica checks its own); ``decode=False`` leaves out decoding."""
+    # heads or channels (dim 1) split by p; attention's k/v cache is checked by the decode itself
+    tp_lm_vs_single(cfg, _groups(), sp, close, data_seed=dp_rank, decode=decode,
+                    state_split=lambda blk, k, v: v.dim() >= 2 and k.split(".")[-1] not in ("k", "v"))
 
 
 def check_fused_shards():

@@ -13,12 +13,12 @@ structured init so that no slice is all zeros or all ones).
 """
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from tests.parallel.tp_common import tp_lm_vs_single
 from tests.distributed import assert_all_passed, spawn_checks
 
 pytestmark = pytest.mark.dist
@@ -79,55 +79,12 @@ def _cfg(pattern, d_ff=0, **ttt):
 
 
 def _lm_vs_single(cfg, sp):
-    from ttt_lm.model.lm import LM
+    """6 tokens with mini-batch 4: one full and one partial TTT mini-batch (6 % p == 0 for SP); the
+    5-token prefill then step() per token crosses the mini-batch boundary at position 4 with the
+    local heads' decode state."""
     from ttt_lm.model.mixers.ttt import _TTTBase
-    from ttt_lm.parallel.tp_model import gather_full_state_dict, gather_tp_tensor, parallelize_tp
-    groups = _groups()
-    p = WORLD
-    torch.manual_seed(0)
-    ref = LM(cfg).double()
-    with torch.no_grad():  # away from the structured init (zero biases, unit gains, zero τ offsets)
-        gen = torch.Generator().manual_seed(7)
-        for prm in ref.parameters():
-            prm.add_(0.05 * torch.randn(prm.shape, generator=gen, dtype=prm.dtype))
-    tpm = parallelize_tp(copy.deepcopy(ref), groups, sequence_parallel=sp)
-    # 6 tokens with mini-batch 4: one full and one partial TTT mini-batch; 6 % p == 0 for SP
-    B, T = 2, 6
-    gen = torch.Generator().manual_seed(100)
-    ids = torch.randint(0, cfg.vocab_size, (B, T), generator=gen)
-    labels = torch.randint(0, cfg.vocab_size, (B, T), generator=gen)
-    labels[0, :2] = -100
-
-    sd, full_sd = ref.state_dict(), gather_full_state_dict(tpm)
-    assert sd.keys() == full_sd.keys()
-    for k in sd:
-        assert torch.equal(sd[k], full_sd[k]), f"{k}: the TP weights must be slices of the single-rank ones"
-    for i, (blk, rblk) in enumerate(zip(tpm.layers, ref.layers)):
-        if isinstance(rblk.mixer, _TTTBase):
-            st, rst = blk.mixer.init_state(B), rblk.mixer.init_state(B)
-            sts = dict(st.named_tensors())
-            for k, v in rst.named_tensors():  # heads (dim 1) or conv channels (dim 1) split by p
-                assert sts[k].shape[1] * p == v.shape[1] and sts[k].shape[2:] == v.shape[2:], (i, k, sts[k].shape)
-
-    logits = ref(ids).logits
-    want = F.cross_entropy(logits.view(-1, cfg.vocab_size), labels.view(-1), ignore_index=-100)
-    want.backward()
-    tpm.train()
-    out = tpm(ids, labels=labels)
-    close(out.loss, want.detach(), f"loss sp={sp}")
-    out.loss.backward()
-    refp = dict(ref.named_parameters())
-    for name, prm in tpm.named_parameters():
-        gfull = gather_tp_tensor(prm.grad, getattr(prm, "partition_dim", None), groups.tp_group)
-        assert refp[name].grad.abs().max() > 0, f"{name}: a zero gradient would check nothing"
-        close(gfull, refp[name].grad, f"grad {name} sp={sp}")
-    with torch.no_grad():
-        close(tpm(ids).logits, logits.detach(), "gathered logits")
-        # prefill of 5 tokens (not a multiple of p: no sequence split), then step() per token,
-        # crossing the mini-batch boundary at position 4 with the local heads' decode state
-        prompt = ids[:, :5]
-        close(tpm.generate(prompt, 3, temperature=0), ref.generate(prompt, 3, temperature=0).to(torch.long),
-              "greedy generation")
+    # the TTT mixers' state: heads (dim 1) or conv channels (dim 1) split by p
+    tp_lm_vs_single(cfg, _groups(), sp, close, state_split=lambda blk, k, v: isinstance(blk.mixer, _TTTBase))
 
 
 def check_refusals():
