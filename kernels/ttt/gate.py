@@ -46,7 +46,7 @@ def compile_cases():
                 cfg = f"{dt} d={d} m={m} b={b}"
                 fwd = {"BK": mlp_chunk._mlp_col_block(BD)}
                 for kern, extra in ((mlp_chunk._ttt_mlp_fwd_kernel, fwd), (mlp_chunk._ttt_mlp_out_kernel, fwd),
-                                    (mlp_chunk._ttt_mlp_bwd_kernel, {})):
+                                    (mlp_chunk._ttt_mlp_bwd_mb_kernel, fwd), (mlp_chunk._ttt_mlp_bwd_kernel, fwd)):
                     names = set(arg_names(kern))
                     out.append(case(kern, cfg, constexprs=dict(D=d, BD=BD, M=m, BM=BM, MB=b, BT=BT, PREC=chunk._precision(tdt), **extra),
                                     scalars=ints, pointers={n: dt for n in io_names if n in names},
