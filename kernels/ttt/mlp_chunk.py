@@ -353,6 +353,16 @@ def _w_rows(WP, j0, hc, cols, cmask, WK: tl.constexpr, WJ: tl.constexpr, M: tl.c
 
 
 @triton.jit
+def _tile_cols(j0, T, M: tl.constexpr, BD: tl.constexpr, D: tl.constexpr):
+    """Column indices and mask of a [·, BD] tile, tied to the hidden-tile index j0: ``j0 // (M + T)``
+    is 0 (j0 < M, T ≥ 1), which the compiler cannot prove, so the [BM, BD] weight-tile pointers
+    built from them are computed in the tile loop instead of being hoisted out of it and held in
+    registers through the loop (as ``_loop_index`` does for the mini-batch loop)."""
+    cols = tl.arange(0, BD) + j0 // (M + T)
+    return cols, cols < D
+
+
+@triton.jit
 def _m_tile(P, j0, hc, rows, rmask, M: tl.constexpr):
     """Rows 0 … MB − 1 of the hidden tile j0 … j0 + BM − 1 of a [MB, M] buffer at P (zero in
     padded rows and columns), and its offsets and mask for a store."""
@@ -497,19 +507,21 @@ def _ttt_mlp_bwd_mb_kernel(XQ, XK, ETA, TAU, LNW, LNB, W1S, B1S, W2S, B2S, G1S, 
 
 @triton.jit
 def _ttt_mlp_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, W1S, B1S, W2S, G1S, G2S,
-                        DZB1, XB2, DG1P, DZ1P, DZB2, DG2P, DKP, DEP, DB2F, SZ, SS, SD,
-                        DXK, DXV, DETA, DTAU, DLNW, DLNB, DW1, DB1, DW2, DB20,
+                        DZB1, XB2, DG1P, DZ1P, DZB2, DG2P, DKP, DEP, SZ, SS, SX, SD,
+                        DXK, DXV, DETA, DTAU, DLNW, DLNB, DW1, DB1, DW2, DB2,
                         T, NMB, H, eps,
                         D: tl.constexpr, BD: tl.constexpr, M: tl.constexpr, BM: tl.constexpr,
                         MB: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
     """The serial carry, one program per (batch, head), mini-batches in reverse: DW1 [D, M], DB1
-    [M], DW2 [M, D] hold the final-state gradients on entry (the wrapper copies them in) and are
-    accumulated in place into the initial weights' gradients, db2 in registers. Per mini-batch it
+    [M], DW2 [M, D], DB2 [D] hold the final-state gradients on entry (the wrapper copies them in)
+    and are accumulated in place into the initial weights' gradients; DTAU [MB], DLNW, DLNB [D]
+    per mini-batch hold ``_ttt_mlp_bwd_mb_kernel``'s parts, to which this adds its own (nothing of
+    width d is carried in registers from one mini-batch to the next). Per mini-batch it
     adds the update's terms (they need the gradient at the mini-batch's end) to what
     ``_ttt_mlp_bwd_mb_kernel`` stored, back-propagates Γ1 = (Γ2 W2ᵀ) ⊙ GELU'(Z1) and the
     LayerNorm-fused loss gradient Γ2 through Z2 and Z1 to K, V and the weights, and finishes ∂K,
-    ∂V, ∂η. SZ [MB, M] (∂Z1), SS [MB, M] (∂S) and SD [MB, D] (∂Z2) are the program's scratch
-    between the tile loops."""
+    ∂V, ∂η. SZ [MB, M] (∂Z1), SS [MB, M] (∂S), SX [MB, M] (X2) and SD [MB, D] (∂Z2) are the
+    program's scratch between the tile loops."""
     pid = tl.program_id(0)
     h = pid % H
     cdt = W1S.dtype.element_ty
@@ -526,36 +538,26 @@ def _ttt_mlp_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, W1S, B1S, W2S, G1S, G2S,
     GW2 = DW2 + pid * M * D
     ZS = SZ + pid * MB * M
     DSS = SS + pid * MB * M
+    SX = SX + pid * MB * M
     SDZ = SD + pid * MB * D
 
-    gamma = tl.load(LNW + h * D + cols, mask=cmask, other=0.0).to(cdt)
-    beta = tl.load(LNB + h * D + cols, mask=cmask, other=0.0).to(cdt)
     tau_last = tl.load(TAU + MB - 1).to(cdt)
-    # the gradient with respect to b2 at the END of the current mini-batch
-    db2 = tl.load(DB2F + pid * D + cols, mask=cmask, other=0.0).to(cdt)
-    dgamma = tl.zeros([BD], dtype=cdt)
-    dbeta = tl.zeros([BD], dtype=cdt)
-    dtau = tl.zeros([BT], dtype=cdt)
 
     for i in range(NMB):
         n = NMB - 1 - i
         s = pid * NMB + n
-        # the [b, d] index tensors are rebuilt per mini-batch rather than held across the loop
+        # the index tensors are rebuilt per mini-batch and per section rather than held across
+        # the tile loops (``_loop_index``; distinct expressions, so that they are not merged)
         rows, cols = _loop_index(i, NMB, BT, BD)
         cmask = cols < D
         rmask = rows < MB
-        xmask = rmask[:, None] & cmask[None, :]
-        is_last = rows == MB - 1
-        goff = rows[:, None] * D + cols[None, :]
         W1P = W1S + s * D * M
         B1P = B1S + s * M
         W2P = W2S + s * M * D
         G2P = G2S + s * 2 * MB * D              # Γ2, then Z2
         KP = XK + pid * T * D + n * MB * D      # the mini-batch's rows of K and Q (row stride D)
         QP = XQ + pid * T * D + n * MB * D
-        t_off = n * MB + rows
-        xoff = pid * T * D + t_off[:, None] * D + cols[None, :]
-        e = tl.load(ETA + pid * T + t_off, mask=rmask, other=0.0).to(cdt)
+        e = tl.load(ETA + pid * T + n * MB + rows, mask=rmask, other=0.0).to(cdt)
         te = -tau_last * e                      # the update W' = W − τ_{b−1} (…)ᵀ(η ⊙ Γ)
 
         # pass A1 (per tile): X2 through the update of W2, P2 = X2 dW2 (dW2 at the end)
@@ -568,13 +570,14 @@ def _ttt_mlp_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, W1S, B1S, W2S, G1S, G2S,
             dZ1, zo, zm = _m_tile(DZ1P + s * MB * M, j0, hc, rows, rmask, M)
             dX2 = te[:, None] * _rows_w(G2P, rmask, GW2, j0, hc, D, 1, D, D, M, BT, BD, BM, BK, PREC)
             tl.store(ZS + zo, dZ1 + dX2 * gp, mask=zm)
-            P2 += _dot(X2, _w_rows(GW2, j0, hc, cols, cmask, 1, D, M), PREC)
+            P2 += _dot(X2, _w_rows(GW2, j0, hc, *_tile_cols(j0, T, M, BD, D), 1, D, M), PREC)
+        # P2 waits in SD (∂Z2's scratch, free until then) rather than in registers through pass A2
+        tl.store(SDZ + rows[:, None] * D + cols[None, :], P2, mask=rmask[:, None] & cmask[None, :])
         tl.debug_barrier()                      # pass A2 adds to the ∂Z1 tiles of pass A1
 
         # pass A2 (per tile): Γ1 through the update of W1, b1 and through S = Γ2 W2ᵀ
         GP = tl.zeros([BT], dtype=cdt)
         dG2 = tl.zeros([BT, BD], dtype=cdt)
-        dk = tl.zeros([BT, BD], dtype=cdt)
         for j0 in range(0, M, BM):
             hm = (j0 + hc) < M
             b1 = tl.load(B1P + j0 + hc, mask=hm, other=0.0)
@@ -589,28 +592,42 @@ def _ttt_mlp_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, W1S, B1S, W2S, G1S, G2S,
             dS = tl.where(rmask[:, None], dG1 * gp, 0.0)
             tl.store(ZS + zo, tl.load(ZS + zo, mask=zm, other=0.0) + dG1 * S * gpp, mask=zm)
             tl.store(DSS + zo, dS, mask=zm)
-            dk += _dot(te[:, None] * G1, _w_rows(GW1, j0, hc, cols, cmask, M, 1, M), PREC)   # (η⊙Γ1) dW1ᵀ
-            dG2 += _dot(dS, _w_rows(W2P, j0, hc, cols, cmask, 1, D, M), PREC)
-        tl.store(DKP + xoff, tl.load(DKP + xoff, mask=xmask, other=0.0) + dk, mask=xmask)
+            dG2 += _dot(dS, _w_rows(W2P, j0, hc, *_tile_cols(j0, T, M, BD, D), 1, D, M), PREC)
 
         # Γ2 from Z2 and the target V − K: the LayerNorm-fused loss's second derivative
+        rows, cols = _loop_index(i + 1, NMB + 1, BT, BD)
+        cmask = cols < D
+        rmask = rows < MB
+        xmask = rmask[:, None] & cmask[None, :]
+        is_last = rows == MB - 1
+        goff = rows[:, None] * D + cols[None, :]
+        t_off = n * MB + rows
+        xoff = pid * T * D + t_off[:, None] * D + cols[None, :]
         G2 = tl.load(G2P + goff, mask=xmask, other=0.0)
-        P2 += db2[None, :]
+        # db2 at the END of the mini-batch (DB2 holds it between mini-batches)
+        db2 = tl.load(DB2 + pid * D + cols, mask=cmask, other=0.0)
+        P2 = tl.load(SDZ + goff, mask=xmask, other=0.0) + db2[None, :]
         GP += tl.sum(G2 * P2, axis=1)
         dG2 += tl.load(DG2P + s * MB * D + goff, mask=xmask, other=0.0) + te[:, None] * P2
         tl.store(DETA + pid * T + t_off,
                  (tl.load(DEP + pid * T + t_off, mask=rmask, other=0.0) - tau_last * GP).to(DETA.dtype.element_ty),
                  mask=rmask)
-        dtau += tl.where(is_last, -tl.sum(e * GP, axis=0), 0.0)
+        dto = s * MB + rows
+        tl.store(DTAU + dto, tl.load(DTAU + dto, mask=rmask, other=0.0)
+                 + tl.where(is_last, -tl.sum(e * GP, axis=0), 0.0), mask=rmask)
         k = tl.load(XK + xoff, mask=xmask, other=0.0).to(cdt)
         v = tl.load(XV + xoff, mask=xmask, other=0.0).to(cdt)
+        gamma = tl.load(LNW + h * D + cols, mask=cmask, other=0.0).to(cdt)
+        beta = tl.load(LNB + h * D + cols, mask=cmask, other=0.0).to(cdt)
         xh, rstd, tgt, gh, _G2 = _loss_grad(tl.load(G2P + MB * D + goff, mask=xmask, other=0.0),
                                             v, k, gamma, beta, cmask, D, eps)
         dZ2, dtgt, dg, dbt = _ln_l2_bwd_bwd(dG2, G2, gh, xh, rstd, gamma, beta, tgt, cmask, D)
         dZ2 = tl.where(rmask[:, None], dZ2, 0.0)
-        dgamma += dg
-        dbeta += dbt
+        lo = s * D + cols
+        tl.store(DLNW + lo, tl.load(DLNW + lo, mask=cmask, other=0.0) + dg, mask=cmask)
+        tl.store(DLNB + lo, tl.load(DLNB + lo, mask=cmask, other=0.0) + dbt, mask=cmask)
         db2 += tl.sum(tl.load(DZB2 + s * MB * D + goff, mask=xmask, other=0.0), axis=0) + tl.sum(dZ2, axis=0)
+        tl.store(DB2 + pid * D + cols, db2, mask=cmask)
         tl.store(DXV + xoff, dtgt.to(DXV.dtype.element_ty), mask=xmask)
         tl.store(SDZ + goff, dZ2, mask=xmask)
         tl.store(DKP + xoff, tl.load(DKP + xoff, mask=xmask, other=0.0) - dtgt, mask=xmask)
@@ -627,33 +644,49 @@ def _ttt_mlp_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, W1S, B1S, W2S, G1S, G2S,
             X2 = tl.where(rmask[:, None], X2, 0.0)
             dZ1, zo, zm = _m_tile(ZS, j0, hc, rows, rmask, M)
             dZ1 += tl.where(rmask[:, None], _rows_w(SDZ, rmask, W2P, j0, hc, D, 1, D, D, M, BT, BD, BM, BK, PREC) * gp, 0.0)
-            dS = tl.load(DSS + zo, mask=zm, other=0.0)
+            tl.store(ZS + zo, dZ1, mask=zm)
+            tl.store(SX + zo, X2, mask=zm)
             dZ1b = tl.load(DZB1 + s * MB * M + zo, mask=zm, other=0.0)
-            X2b = tl.load(XB2 + s * MB * M + zo, mask=zm, other=0.0)
+            G1 = tl.load(G1S + s * MB * M + zo, mask=zm, other=0.0)
+            # ∂K: through Z1 = K W1 + b1 and the update's Kᵀ(η⊙Γ1) (dW1 still at the end here)
+            dk += _dot(dZ1, _w_rows(W1P, j0, hc, *_tile_cols(j0, T, M, BD, D), M, 1, M), PREC)
+            dk += _dot(te[:, None] * G1, _w_rows(GW1, j0, hc, *_tile_cols(j0, T, M, BD, D), M, 1, M), PREC)
+            # the tile's b1 gradient (pass C adds the W1, W2 ones)
             tl.store(GB1 + j0 + hc, tl.load(GB1 + j0 + hc, mask=hm, other=0.0)
                      + tl.sum(dZ1 + dZ1b, axis=0), mask=hm)
+        rows, cols = _loop_index(i + 2, NMB + 2, BT, BD)
+        xmask = (rows < MB)[:, None] & (cols < D)[None, :]
+        xoff = pid * T * D + (n * MB + rows)[:, None] * D + cols[None, :]
+        k = tl.load(DKP + xoff, mask=xmask, other=0.0) + dk
+        tl.store(DXK + xoff, k.to(DXK.dtype.element_ty), mask=xmask)
+        tl.debug_barrier()                      # pass C reads the ∂Z1 and X2 tiles of pass B
+
+        # pass C (per tile, in column blocks): the weight gradients' terms of this mini-batch,
+        # dW1 (c, j) += Kᵀ∂Z1 + Qᵀ∂Z̄1;  dW2 (j, c) += Γ2ᵀ∂S + ∂Z̄2ᵀX̄2 + ∂Z2ᵀX2 (as [c, j])
+        for j0 in range(0, M, BM):
+            hm = (j0 + hc) < M
+            dZ1, zo, zm = _m_tile(ZS, j0, hc, rows, rmask, M)
+            dZ1b = tl.load(DZB1 + s * MB * M + zo, mask=zm, other=0.0)
             for c0 in range(0, BD, BK):
                 kc = c0 + tl.arange(0, BK)
                 wm = (kc < D)[:, None] & hm[None, :]
-                # dW1 (c, j) += Kᵀ∂Z1 + Qᵀ∂Z̄1;  dW2 (j, c) += Γ2ᵀ∂S + ∂Z̄2ᵀX̄2 + ∂Z2ᵀX2 (as [c, j])
                 w1o = kc[:, None] * M + (j0 + hc)[None, :]
                 tl.store(GW1 + w1o, tl.load(GW1 + w1o, mask=wm, other=0.0)
                          + _xt_blk(KP, rows, rmask, dZ1, c0, D, BK, PREC) + _xt_blk(QP, rows, rmask, dZ1b, c0, D, BK, PREC),
                          mask=wm)
+            dS = tl.load(DSS + zo, mask=zm, other=0.0)
+            X2b = tl.load(XB2 + s * MB * M + zo, mask=zm, other=0.0)
+            X2 = tl.load(SX + zo, mask=zm, other=0.0)
+            for c0 in range(0, BD, BK):
+                kc = c0 + tl.arange(0, BK)
+                wm = (kc < D)[:, None] & hm[None, :]
                 w2o = kc[:, None] + (j0 + hc)[None, :] * D
                 tl.store(GW2 + w2o, tl.load(GW2 + w2o, mask=wm, other=0.0)
                          + _xt_blk(G2P, rows, rmask, dS, c0, D, BK, PREC)
                          + _xt_blk(DZB2 + s * MB * D, rows, rmask, X2b, c0, D, BK, PREC)
                          + _xt_blk(SDZ, rows, rmask, X2, c0, D, BK, PREC), mask=wm)
-            dk += _dot(dZ1, _w_rows(W1P, j0, hc, cols, cmask, M, 1, M), PREC)
-        k = tl.load(DKP + xoff, mask=xmask, other=0.0) + dk
-        tl.store(DXK + xoff, k.to(DXK.dtype.element_ty), mask=xmask)
         tl.debug_barrier()                      # the next mini-batch reads the gradients and scratch
 
-    tl.store(DB20 + pid * D + cols, db2, mask=cmask)
-    tl.store(DLNW + pid * D + cols, dgamma, mask=cmask)
-    tl.store(DLNB + pid * D + cols, dbeta, mask=cmask)
-    tl.store(DTAU + pid * MB + rows, dtau, mask=rmask)
 
 
 # ---- autograd -----------------------------------------------------------------------------------
@@ -798,7 +831,7 @@ def _mlp_bwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: torch
 
     dout = torch.zeros_like(XQ) if dout is None else dout.contiguous()
     dW10, dB10, dW20 = grad_init(dW1F, B, H, d, m), grad_init(dB1F, B, H, 1, m), grad_init(dW2F, B, H, m, d)
-    dB2F = grad_init(dB2F, B, H, 1, d)
+    dB20 = grad_init(dB2F, B, H, 1, d)
     dXQ, dXK, dXV = (torch.empty_like(XQ) for _ in range(3))
     dETA = torch.empty_like(eta)
     # per mini-batch, from the parallel kernel to the carry: ∂Z̄1, X̄2, ∂Γ1 and ∂Z1 partials
@@ -806,28 +839,25 @@ def _mlp_bwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: torch
     DZB1, XB2, DG1P, DZ1P = (empty(B, H, NMB, bsz, m) for _ in range(4))
     DZB2, DG2P = (empty(B, H, NMB, bsz, d) for _ in range(2))
     DKP, DEP = empty(B, H, T, d), empty(B, H, T)
-    dTAU_mb, dLNW_mb, dLNB_mb = empty(B, H, NMB, bsz), empty(B, H, NMB, d), empty(B, H, NMB, d)
-    dTAU, dLNW, dLNB = empty(B, H, bsz), empty(B, H, d), empty(B, H, d)
-    dB20 = empty(B, H, 1, d)
-    # the carry's per-program scratch: ∂Z1, ∂S [b, m] and ∂Z2 [b, d]
-    SZ, SS, SD = empty(B, H, bsz, m), empty(B, H, bsz, m), empty(B, H, bsz, d)
+    # ∂τ, ∂γ, ∂β per (batch, head, mini-batch): both kernels add to them
+    dTAU, dLNW, dLNB = empty(B, H, NMB, bsz), empty(B, H, NMB, d), empty(B, H, NMB, d)
+    # the carry's per-program scratch: ∂Z1, ∂S, X2 [b, m] and ∂Z2 [b, d]
+    SZ, SS, SX, SD = empty(B, H, bsz, m), empty(B, H, bsz, m), empty(B, H, bsz, m), empty(B, H, bsz, d)
     BD, BM, BT, kw = _mlp_launch_cfg(d, m, bsz)
     BK = _mlp_col_block(BD)
     prec = _precision(XQ.dtype)
     XQ, XK, XV, eta = (x.contiguous() for x in (XQ, XK, XV, eta))
     _ttt_mlp_bwd_mb_kernel[(B * H * NMB,)](
         XQ, XK, eta, tau_c, lw, lb, W1S, B1S, W2S, B2S, G1S, G2S, dout,
-        DZB1, XB2, DG1P, DZ1P, DZB2, DG2P, DKP, DEP, dXQ, dTAU_mb, dLNW_mb, dLNB_mb,
+        DZB1, XB2, DG1P, DZ1P, DZB2, DG2P, DKP, DEP, dXQ, dTAU, dLNW, dLNB,
         T, NMB, H, LN_EPS, D=d, BD=BD, M=m, BM=BM, MB=bsz, BT=BT, BK=BK, PREC=prec, **kw)
     _ttt_mlp_bwd_kernel[(B * H,)](
         XQ, XK, XV, eta, tau_c, lw, lb, W1S, B1S, W2S, G1S, G2S,
-        DZB1, XB2, DG1P, DZ1P, DZB2, DG2P, DKP, DEP, dB2F, SZ, SS, SD,
+        DZB1, XB2, DG1P, DZ1P, DZB2, DG2P, DKP, DEP, SZ, SS, SX, SD,
         dXK, dXV, dETA, dTAU, dLNW, dLNB, dW10, dB10, dW20, dB20,
         T, NMB, H, LN_EPS, D=d, BD=BD, M=m, BM=BM, MB=bsz, BT=BT, BK=BK, PREC=prec, **kw)
-    dtau = dTAU.sum((0, 1)) + dTAU_mb.sum((0, 1, 2))
-    dlnw = dLNW.sum(0) + dLNW_mb.sum((0, 2))
-    dlnb = dLNB.sum(0) + dLNB_mb.sum((0, 2))
-    return [dXQ, dXK, dXV, dETA, dtau.to(tau_dt), dlnw.to(lw_dt), dlnb.to(lb_dt),
+    return [dXQ, dXK, dXV, dETA, dTAU.sum((0, 1, 2)).to(tau_dt), dLNW.sum((0, 2)).to(lw_dt),
+            dLNB.sum((0, 2)).to(lb_dt),
             dW10.to(W1_dt), dB10.to(b1_dt), dW20.to(W2_dt), dB20.to(b2_dt)]
 
 

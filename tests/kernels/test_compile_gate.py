@@ -61,14 +61,7 @@ KNOWN_FAILURES = {
     (80, "_ttt_linear_bwd_mb_kernel", "fp32 d=128 b=64 sm_80"): "no_spills: 3804/4404 B spilled",
     (80, "_ttt_linear_bwd_kernel", "fp32 d=128 b=64 sm_80"): "no_spills: 1176/1264 B spilled",
     # -- TTT-MLP (kernels/ttt/mlp_chunk.py; hidden tiles streamed from global memory) --
-    (90, "_ttt_mlp_bwd_kernel", "bf16 d=64 m=256 b=16"): "no_spills: 28/20 B spilled",
-    (80, "_ttt_mlp_bwd_kernel", "bf16 d=128 m=512 b=16"): "no_spills: 160/148 B spilled",
-    (90, "_ttt_mlp_bwd_kernel", "bf16 d=128 m=512 b=16"): "no_spills: 144/136 B spilled",
-    (80, "_ttt_mlp_bwd_kernel", "fp32 d=64 m=256 b=16"): "no_spills: 268/228 B spilled",
-    (90, "_ttt_mlp_bwd_kernel", "fp32 d=64 m=256 b=16"): "no_spills: 192/152 B spilled",
     (80, "_ttt_mlp_bwd_mb_kernel", "fp32 d=128 m=512 b=16"): "no_spills: 48/56 B spilled",
-    (80, "_ttt_mlp_bwd_kernel", "fp32 d=128 m=512 b=16"): "no_spills: 408/388 B spilled",
-    (90, "_ttt_mlp_bwd_kernel", "fp32 d=128 m=512 b=16"): "no_spills: 280/256 B spilled",
 }
 
 
