@@ -60,8 +60,6 @@ KNOWN_FAILURES = {
     (80, "_ttt_linear_out_kernel", "fp32 d=128 b=64 sm_80"): "no_spills: 1668/1920 B spilled",
     (80, "_ttt_linear_bwd_mb_kernel", "fp32 d=128 b=64 sm_80"): "no_spills: 3804/4404 B spilled",
     (80, "_ttt_linear_bwd_kernel", "fp32 d=128 b=64 sm_80"): "no_spills: 1176/1264 B spilled",
-    # -- TTT-MLP (kernels/ttt/mlp_chunk.py; hidden tiles streamed from global memory) --
-    (80, "_ttt_mlp_bwd_mb_kernel", "fp32 d=128 m=512 b=16"): "no_spills: 48/56 B spilled",
 }
 
 
