@@ -40,32 +40,38 @@ the output kernel, and the backward reads them again (all NMB of them are kept w
 them); without autograd the wrapper runs the two kernels over windows of 16 mini-batches
 (``_mlp_window``), the state carried between windows, so that scratch stays bounded in T.
 
-The backward walks the mini-batches in reverse and carries
-(dW1, db1, dW2, db2), the gradient with respect to the weights at the end of the current
-mini-batch, the first three in global memory (the output buffers, which the wrapper fills with the
-final-state gradients), db2 in registers. Per mini-batch it repeats the forward's passes from
-the stored start weights (recomputing rather than keeping), then four backward passes, each
-recomputing the tile's Z1-side quantities (``_tile_fwd``):
+The backward is two kernels, split as TTT-Linear's (``chunk.py``) is:
 
-    pass 3a (per tile): ∂X̄2_j = ∂Z̄2 W2_jᵀ + ∂A2 X2_j, ∂Z̄1_j (to a [b, m] scratch), ∂Q's
-        Σ_j ∂Z̄1_j W1_jᵀ and Σ_j ∂Z̄1_j Γ1_jᵀ (for ∂M1); then ∂M1 and ∂Q are complete;
-    pass 3b (per tile, the W2 side of the update): X2_j dW2_j and (η ⊙ Γ2) dW2_jᵀ, read before the
-        tile's gradient is extended; ∂X2_j's update and A2 terms, times GELU'(Z1_j), to a second
-        scratch; dW2_j gets its Z̄2 term;
-    pass 3c (per tile, the W1 side): P1_j = K dW1_j + db1_j, ∂Γ1_j, Σ_j ∂(Γ1_j) ⊙ GELU'(Z1_j) W2_j
-        (for ∂Γ2); everything of ∂Z1_j except the ∂Z2 term goes to a third scratch, and dW1_j,
-        db1_j, dW2_j are extended with their Z̄ and Γ1 terms;
-    then ∂Γ2 is complete: ∂Z2 (the LayerNorm-fused loss's second derivative), ∂K, ∂η, ∂τ;
-    pass 4 (per tile): ∂Z1_j = scratch_j + (∂Z2 W2_jᵀ) ⊙ GELU'(Z1_j), then ∂K += ∂Z1_j W1_jᵀ and
-        dW1_j, db1_j, dW2_j get their Z1, Z2 terms.
+    ``_ttt_mlp_bwd_mb_kernel`` (one program per (batch, head, mini-batch), all in parallel):
+        everything that does not depend on the gradient carried from later mini-batches. From the
+        stored start weights, Γ1 and Γ2 it repeats the output's tile loop (X2_j recomputed; Z̄1_j,
+        X̄2_j, A2, Z̄2), back-propagates ∂out through the LayerNorm to ∂Z̄2, through
+        Z̄2 = X̄2 W2 + b2 − M2 Γ2 to ∂M2 (so ∂A2 and ∂E) and ∂Γ2's Z̄ term −M2ᵀ∂Z̄2, then per tile
+        ∂X̄2_j = ∂Z̄2 W2_jᵀ + ∂A2 X2_j, ∂Z̄1_j = ∂X̄2_j ⊙ GELU'(Z̄1_j), Σ_j ∂Z̄1_j Γ1_jᵀ (for ∂M1),
+        ∂Γ1_j's Z̄ term −M1ᵀ∂Z̄1_j, ∂Z1_j's A2 term (∂A2ᵀ X̄2_j) ⊙ GELU'(Z1_j) and ∂Q's
+        Σ_j ∂Z̄1_j W1_jᵀ; then ∂M1, ∂Q (complete) and the M-side parts of ∂K, ∂η, ∂τ, ∂γ, ∂β. It
+        writes ∂Z̄1, X̄2 and the two [b, m] partials per mini-batch, ∂Z̄2 and ∂Γ2's partial [b, d].
+    ``_ttt_mlp_bwd_kernel`` (the carry, one program per (batch, head), mini-batches in reverse):
+        carries (dW1, db1, dW2, db2), the gradient with respect to the weights at the end of the
+        current mini-batch, in global memory (the output buffers, which the wrapper fills with the
+        final-state gradients). The update W1' = W1 − τ_{b−1} Kᵀ(η⊙Γ1), W2' = W2 − τ_{b−1}
+        X2ᵀ(η⊙Γ2) (biases likewise) gives, from the end gradients, per tile:
+          pass A1: P2 = X2 dW2 + db2 (Σ over tiles), ∂X2_j's update term (η⊙Γ2) dW2_jᵀ;
+          pass A2: P1_j = K dW1_j + db1_j, ∂Γ1_j = (its Z̄ term) − τ_{b−1} η ⊙ P1_j, and through
+            Γ1 = S ⊙ GELU'(Z1), S = Γ2 W2ᵀ: ∂S_j = ∂Γ1_j ⊙ GELU'(Z1_j), ∂Z1_j += ∂Γ1_j ⊙ S_j ⊙
+            GELU''(Z1_j), ∂Γ2 += ∂S_j W2_j;
+        then ∂Γ2 is complete: ∂Z2 (the LayerNorm-fused loss's second derivative, from the stored
+        Z2), ∂V, ∂η, ∂τ, ∂γ, ∂β, db2 += Σ(∂Z̄2 + ∂Z2);
+          pass B: ∂Z1_j += (∂Z2 W2_jᵀ) ⊙ GELU'(Z1_j), ∂K += ∂Z1_j W1_jᵀ − τ_{b−1} (η⊙Γ1_j) dW1_jᵀ,
+            db1_j += Σ(∂Z1_j + ∂Z̄1_j);
+          pass C (column blocks of BK): dW1_j += Kᵀ∂Z1_j + Qᵀ∂Z̄1_j, dW2_j += ∂S_jᵀΓ2 + X̄2_jᵀ∂Z̄2
+            + X2_jᵀ∂Z2.
+        Passes A1 and A2 read the end gradients before pass C extends them.
 
-The [b, d] tensors the tile loops use (Γ2, ∂Z̄2, ∂Z2, with Z2 for the LayerNorm pieces) go to a
-per-program [4, b, d] scratch and are read again inside each loop rather than held across the
-passes.
-
-The GELU''(Z1) term enters through Γ1's dependence on Z1. One backward program per (batch, head);
-the passes exchange data through global memory, ordered by ``tl.debug_barrier()`` (a CTA barrier,
-which also makes the program's global writes visible to all its threads).
+The GELU''(Z1) term enters through Γ1's dependence on Z1. The passes exchange data through global
+memory (the per-mini-batch buffers and small per-program scratch), ordered by ``tl.debug_barrier()``
+(a CTA barrier, which also makes the program's global writes visible to all its threads). The
+state pass stores Z2 beside Γ2 for the carry's LayerNorm pieces.
 
 Coverage: full mini-batches that start at a mini-batch boundary (pos = 0), b ≤ 64, any d and m
 (d padded to a power of two ≥ 16, m to a multiple of the tile width; padded rows carry τ = η = 0
@@ -75,20 +81,25 @@ partial mini-batch. tanh is written with exp (tanh u = 1 − 2/(e^{2u} + 1), exa
 
 Precision (``_precision``, ``_dot`` in ``chunk.py``): everything is carried and accumulated in
 float32 (float64 for float64 inputs), the weights included (float32 masters); the tl.dot operands
-are bfloat16 for bfloat16/float16 inputs (bf16 tensor-core MMA, fp32 accumulator; the weight tiles
-are rounded to bfloat16 once when loaded, which is the rounding the product applies anyway),
+are bfloat16 for bfloat16/float16 inputs (bf16 tensor-core MMA, fp32 accumulator; the float32
+weight tiles are rounded to bfloat16 as they enter each product),
 3×TF32 for float32 inputs (tensor cores, error within a few fp32 ulps), exact for float64. The forward's
-stored Γ1, Γ2 are in the accumulation dtype (they enter only tl.dot products). Outputs come back in
+stored Γ1, Γ2, Z2 and the backward's per-mini-batch buffers are in the accumulation dtype. Outputs come back in
 the input dtype, the state in float32 (float64 for float64 inputs).
 
-Launch configurations (``_mlp_launch_cfg``, ``_mlp_col_block``, the same on every GPU family):
-compiled for sm_90 and sm_80 by ``python -m kernels.compile_report --op ttt -k _ttt_mlp_``. The
-backward reads Q and K again from global memory in every hidden tile rather than holding them
-across the tile loops. Triton gives every tl.dot of a loop the warp layout of its last one, and a
-square [b, b] product with chained products picks all warps along its b rows (each warp then holds
-the whole tile), so every backward tile loop ends with a [b, d] product. Both forward kernels
-compile clean at d = 64 and d = 128, bfloat16 and float32, on both; the backward still spills
-(``tests/kernels/test_compile_gate.py`` lists each).
+Launch configurations (``_mlp_launch_cfg``, ``_mlp_col_block``): BM = 16 on 8 warps everywhere;
+BK = min(d, 32), except the per-mini-batch backward with 3×TF32 operands on the sm_80 family
+(``device_arch``), which takes BK = 16. Compiled for sm_90 and sm_80 by
+``python -m kernels.compile_report --op ttt -k _ttt_mlp_`` (the per-mini-batch backward one case
+per arch). Registers: products with a [b, d] operand read it from global memory in column blocks
+(``_rows_w``, ``_xt_blk``) rather than holding it across the tile loops. Triton gives every tl.dot
+of a loop the warp layout of its last one, and a square [b, b] product with chained products picks
+all warps along its b rows (each warp then holds the whole tile), so the tile loops end with a
+[b, d] product. The carry kernel holds nothing of width d from one mini-batch to the next (db2,
+∂γ, ∂β and ∂τ are added to global buffers per mini-batch), rebuilds its index tensors per section
+(``_loop_index``) and per tile (``_tile_cols``) so that they are not hoisted and held, and keeps
+P2 in scratch through pass A2. All four kernels compile clean (no spills, tensor cores) at d = 64
+and d = 128, bfloat16 and float32, on both.
 """
 from __future__ import annotations
 
@@ -190,9 +201,8 @@ def _ttt_mlp_fwd_kernel(XK, XV, ETA, TAU, LNW, LNB, B20,
     """The serial state pass, one program per (batch, head): for every mini-batch, store its start
     weights (W1S, B1S, W2S, B2S), its inner gradients Γ1 [MB, M] (G1S) and Γ2 [MB, D], followed
     by Z2 [MB, D] (G2S; the backward's LayerNorm pieces read Z2), then apply the update. W1F [D, M],
-    B1F [M], W2F [M, D] hold the initial weights on entry (the
-    wrapper copies them in) and are updated in place, tile by tile, into the final ones; b2 is
-    carried in registers. The output is ``_ttt_mlp_out_kernel``'s."""
+    B1F [M], W2F [M, D] hold the initial weights on entry (the wrapper copies them in) and are
+    updated in place, tile by tile, into the final ones; b2 is carried in registers. The output is ``_ttt_mlp_out_kernel``'s."""
     pid = tl.program_id(0)                      # = b_idx * H + h_idx
     h = pid % H
     cdt = W1F.dtype.element_ty
@@ -390,8 +400,9 @@ def _ttt_mlp_bwd_mb_kernel(XQ, XK, ETA, TAU, LNW, LNB, W1S, B1S, W2S, B2S, G1S, 
     """The backward through Z̄ and the dual-form products, one program per (batch, head,
     mini-batch), all in parallel: from the stored start weights, Γ1 and Γ2, it recomputes the
     output's tile loop (X2_j, Z̄1_j, X̄2_j, A2, Z̄2), back-propagates ∂out through the LayerNorm,
-    Z̄2 = X̄2 W2 + b2 − M2 Γ2 and Z̄1 = Q W1 + b1 − M1 Γ1, and writes: ∂Q (complete); Qᵀ-side
-    partials of ∂K (DKP), ∂η (DEP), ∂τ (DTAU), ∂γ, ∂β (DLNW, DLNB, per program); and for the
+    Z̄2 = X̄2 W2 + b2 − M2 Γ2 and Z̄1 = Q W1 + b1 − M1 Γ1, and writes: ∂Q (complete); the
+    parts through M1, M2 and the output of ∂K (DKP), ∂η (DEP), ∂τ (DTAU), ∂γ, ∂β (DLNW, DLNB, per
+    program, which the carry kernel extends); and for the
     carry kernel, per mini-batch, ∂Z̄1 (DZB1), X̄2 (XB2), ∂Γ1's Z̄ term −M1ᵀ∂Z̄1 (DG1P), ∂Z1's A2
     term (∂A2ᵀ X̄2) ⊙ GELU'(Z1) (DZ1P), ∂Z̄2 (DZB2) and ∂Γ2's Z̄ term −M2ᵀ∂Z̄2 (DG2P)."""
     pid = tl.program_id(0)                      # = (b_idx * H + h_idx) * NMB + n = the stored slot
