@@ -3,7 +3,7 @@
 which runs in the same 128-wide tiles), TTT-MLP's 4x inner width, mini-batch 16 (every preset)
 and 64, bfloat16 and float32 inputs, with the tile sizes and launch options the wrappers in
 ``chunk.py`` (TTT-Linear, per GPU family: one case per arch, named with it) and ``mlp_chunk.py``
-(TTT-MLP) pick."""
+(TTT-MLP; its per-mini-batch backward per GPU family, named likewise) pick."""
 from __future__ import annotations
 
 import torch
@@ -44,11 +44,18 @@ def compile_cases():
                 m = 4 * d
                 BD, BM, BT, kw = mlp_chunk._mlp_launch_cfg(d, m, b)
                 cfg = f"{dt} d={d} m={m} b={b}"
-                fwd = {"BK": mlp_chunk._mlp_col_block(BD)}
-                for kern, extra in ((mlp_chunk._ttt_mlp_fwd_kernel, fwd), (mlp_chunk._ttt_mlp_out_kernel, fwd),
-                                    (mlp_chunk._ttt_mlp_bwd_kernel, {})):
+                prec = chunk._precision(tdt)
+                fwd = {"BK": mlp_chunk._mlp_col_block(BD, prec)}
+                # the per-mini-batch backward picks its column block per GPU family: one case per arch
+                per_arch = [(mlp_chunk._ttt_mlp_bwd_mb_kernel, f"{cfg} sm_{arch}",
+                             {"BK": mlp_chunk._mlp_col_block(BD, prec, "bwd_mb", arch=arch)}, (arch,))
+                            for arch in ARCHS]
+                for kern, name, extra, archs in ([(mlp_chunk._ttt_mlp_fwd_kernel, cfg, fwd, ARCHS),
+                                                  (mlp_chunk._ttt_mlp_out_kernel, cfg, fwd, ARCHS)] + per_arch
+                                                 + [(mlp_chunk._ttt_mlp_bwd_kernel, cfg, fwd, ARCHS)]):
                     names = set(arg_names(kern))
-                    out.append(case(kern, cfg, constexprs=dict(D=d, BD=BD, M=m, BM=BM, MB=b, BT=BT, PREC=chunk._precision(tdt), **extra),
+                    out.append(case(kern, name, constexprs=dict(D=d, BD=BD, M=m, BM=BM, MB=b, BT=BT, PREC=prec, **extra),
                                     scalars=ints, pointers={n: dt for n in io_names if n in names},
-                                    num_warps=kw.get("num_warps", 4), num_stages=kw.get("num_stages", 1)))
+                                    num_warps=kw.get("num_warps", 4), num_stages=kw.get("num_stages", 1),
+                                    archs=archs))
     return out

@@ -40,32 +40,38 @@ the output kernel, and the backward reads them again (all NMB of them are kept w
 them); without autograd the wrapper runs the two kernels over windows of 16 mini-batches
 (``_mlp_window``), the state carried between windows, so that scratch stays bounded in T.
 
-The backward walks the mini-batches in reverse and carries
-(dW1, db1, dW2, db2), the gradient with respect to the weights at the end of the current
-mini-batch, the first three in global memory (the output buffers, which the wrapper fills with the
-final-state gradients), db2 in registers. Per mini-batch it repeats the forward's passes from
-the stored start weights (recomputing rather than keeping), then four backward passes, each
-recomputing the tile's Z1-side quantities (``_tile_fwd``):
+The backward is two kernels, split as TTT-Linear's (``chunk.py``) is:
 
-    pass 3a (per tile): ∂X̄2_j = ∂Z̄2 W2_jᵀ + ∂A2 X2_j, ∂Z̄1_j (to a [b, m] scratch), ∂Q's
-        Σ_j ∂Z̄1_j W1_jᵀ and Σ_j ∂Z̄1_j Γ1_jᵀ (for ∂M1); then ∂M1 and ∂Q are complete;
-    pass 3b (per tile, the W2 side of the update): X2_j dW2_j and (η ⊙ Γ2) dW2_jᵀ, read before the
-        tile's gradient is extended; ∂X2_j's update and A2 terms, times GELU'(Z1_j), to a second
-        scratch; dW2_j gets its Z̄2 term;
-    pass 3c (per tile, the W1 side): P1_j = K dW1_j + db1_j, ∂Γ1_j, Σ_j ∂(Γ1_j) ⊙ GELU'(Z1_j) W2_j
-        (for ∂Γ2); everything of ∂Z1_j except the ∂Z2 term goes to a third scratch, and dW1_j,
-        db1_j, dW2_j are extended with their Z̄ and Γ1 terms;
-    then ∂Γ2 is complete: ∂Z2 (the LayerNorm-fused loss's second derivative), ∂K, ∂η, ∂τ;
-    pass 4 (per tile): ∂Z1_j = scratch_j + (∂Z2 W2_jᵀ) ⊙ GELU'(Z1_j), then ∂K += ∂Z1_j W1_jᵀ and
-        dW1_j, db1_j, dW2_j get their Z1, Z2 terms.
+    ``_ttt_mlp_bwd_mb_kernel`` (one program per (batch, head, mini-batch), all in parallel):
+        everything that does not depend on the gradient carried from later mini-batches. From the
+        stored start weights, Γ1 and Γ2 it repeats the output's tile loop (X2_j recomputed; Z̄1_j,
+        X̄2_j, A2, Z̄2), back-propagates ∂out through the LayerNorm to ∂Z̄2, through
+        Z̄2 = X̄2 W2 + b2 − M2 Γ2 to ∂M2 (so ∂A2 and ∂E) and ∂Γ2's Z̄ term −M2ᵀ∂Z̄2, then per tile
+        ∂X̄2_j = ∂Z̄2 W2_jᵀ + ∂A2 X2_j, ∂Z̄1_j = ∂X̄2_j ⊙ GELU'(Z̄1_j), Σ_j ∂Z̄1_j Γ1_jᵀ (for ∂M1),
+        ∂Γ1_j's Z̄ term −M1ᵀ∂Z̄1_j, ∂Z1_j's A2 term (∂A2ᵀ X̄2_j) ⊙ GELU'(Z1_j) and ∂Q's
+        Σ_j ∂Z̄1_j W1_jᵀ; then ∂M1, ∂Q (complete) and the M-side parts of ∂K, ∂η, ∂τ, ∂γ, ∂β. It
+        writes ∂Z̄1, X̄2 and the two [b, m] partials per mini-batch, ∂Z̄2 and ∂Γ2's partial [b, d].
+    ``_ttt_mlp_bwd_kernel`` (the carry, one program per (batch, head), mini-batches in reverse):
+        carries (dW1, db1, dW2, db2), the gradient with respect to the weights at the end of the
+        current mini-batch, in global memory (the output buffers, which the wrapper fills with the
+        final-state gradients). The update W1' = W1 − τ_{b−1} Kᵀ(η⊙Γ1), W2' = W2 − τ_{b−1}
+        X2ᵀ(η⊙Γ2) (biases likewise) gives, from the end gradients, per tile:
+          pass A1: P2 = X2 dW2 + db2 (Σ over tiles), ∂X2_j's update term (η⊙Γ2) dW2_jᵀ;
+          pass A2: P1_j = K dW1_j + db1_j, ∂Γ1_j = (its Z̄ term) − τ_{b−1} η ⊙ P1_j, and through
+            Γ1 = S ⊙ GELU'(Z1), S = Γ2 W2ᵀ: ∂S_j = ∂Γ1_j ⊙ GELU'(Z1_j), ∂Z1_j += ∂Γ1_j ⊙ S_j ⊙
+            GELU''(Z1_j), ∂Γ2 += ∂S_j W2_j;
+        then ∂Γ2 is complete: ∂Z2 (the LayerNorm-fused loss's second derivative, from the stored
+        Z2), ∂V, ∂η, ∂τ, ∂γ, ∂β, db2 += Σ(∂Z̄2 + ∂Z2);
+          pass B: ∂Z1_j += (∂Z2 W2_jᵀ) ⊙ GELU'(Z1_j), ∂K += ∂Z1_j W1_jᵀ − τ_{b−1} (η⊙Γ1_j) dW1_jᵀ,
+            db1_j += Σ(∂Z1_j + ∂Z̄1_j);
+          pass C (column blocks of BK): dW1_j += Kᵀ∂Z1_j + Qᵀ∂Z̄1_j, dW2_j += ∂S_jᵀΓ2 + X̄2_jᵀ∂Z̄2
+            + X2_jᵀ∂Z2.
+        Passes A1 and A2 read the end gradients before pass C extends them.
 
-The [b, d] tensors the tile loops use (Γ2, ∂Z̄2, ∂Z2, with Z2 for the LayerNorm pieces) go to a
-per-program [4, b, d] scratch and are read again inside each loop rather than held across the
-passes.
-
-The GELU''(Z1) term enters through Γ1's dependence on Z1. One backward program per (batch, head);
-the passes exchange data through global memory, ordered by ``tl.debug_barrier()`` (a CTA barrier,
-which also makes the program's global writes visible to all its threads).
+The GELU''(Z1) term enters through Γ1's dependence on Z1. The passes exchange data through global
+memory (the per-mini-batch buffers and small per-program scratch), ordered by ``tl.debug_barrier()``
+(a CTA barrier, which also makes the program's global writes visible to all its threads). The
+state pass stores Z2 beside Γ2 for the carry's LayerNorm pieces.
 
 Coverage: full mini-batches that start at a mini-batch boundary (pos = 0), b ≤ 64, any d and m
 (d padded to a power of two ≥ 16, m to a multiple of the tile width; padded rows carry τ = η = 0
@@ -75,20 +81,25 @@ partial mini-batch. tanh is written with exp (tanh u = 1 − 2/(e^{2u} + 1), exa
 
 Precision (``_precision``, ``_dot`` in ``chunk.py``): everything is carried and accumulated in
 float32 (float64 for float64 inputs), the weights included (float32 masters); the tl.dot operands
-are bfloat16 for bfloat16/float16 inputs (bf16 tensor-core MMA, fp32 accumulator; the weight tiles
-are rounded to bfloat16 once when loaded, which is the rounding the product applies anyway),
+are bfloat16 for bfloat16/float16 inputs (bf16 tensor-core MMA, fp32 accumulator; the float32
+weight tiles are rounded to bfloat16 as they enter each product),
 3×TF32 for float32 inputs (tensor cores, error within a few fp32 ulps), exact for float64. The forward's
-stored Γ1, Γ2 are in the accumulation dtype (they enter only tl.dot products). Outputs come back in
+stored Γ1, Γ2, Z2 and the backward's per-mini-batch buffers are in the accumulation dtype. Outputs come back in
 the input dtype, the state in float32 (float64 for float64 inputs).
 
-Launch configurations (``_mlp_launch_cfg``, ``_mlp_col_block``, the same on every GPU family):
-compiled for sm_90 and sm_80 by ``python -m kernels.compile_report --op ttt -k _ttt_mlp_``. The
-backward reads Q and K again from global memory in every hidden tile rather than holding them
-across the tile loops. Triton gives every tl.dot of a loop the warp layout of its last one, and a
-square [b, b] product with chained products picks all warps along its b rows (each warp then holds
-the whole tile), so every backward tile loop ends with a [b, d] product. Both forward kernels
-compile clean at d = 64 and d = 128, bfloat16 and float32, on both; the backward still spills
-(``tests/kernels/test_compile_gate.py`` lists each).
+Launch configurations (``_mlp_launch_cfg``, ``_mlp_col_block``): BM = 16 on 8 warps everywhere;
+BK = min(d, 32), except the per-mini-batch backward with 3×TF32 operands on the sm_80 family
+(``device_arch``), which takes BK = 16. Compiled for sm_90 and sm_80 by
+``python -m kernels.compile_report --op ttt -k _ttt_mlp_`` (the per-mini-batch backward one case
+per arch). Registers: products with a [b, d] operand read it from global memory in column blocks
+(``_rows_w``, ``_xt_blk``) rather than holding it across the tile loops. Triton gives every tl.dot
+of a loop the warp layout of its last one, and a square [b, b] product with chained products picks
+all warps along its b rows (each warp then holds the whole tile), so the tile loops end with a
+[b, d] product. The carry kernel holds nothing of width d from one mini-batch to the next (db2,
+∂γ, ∂β and ∂τ are added to global buffers per mini-batch), rebuilds its index tensors per section
+(``_loop_index``) and per tile (``_tile_cols``) so that they are not hoisted and held, and keeps
+P2 in scratch through pass A2. All four kernels compile clean (no spills, tensor cores) at d = 64
+and d = 128, bfloat16 and float32, on both.
 """
 from __future__ import annotations
 
@@ -98,8 +109,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton_utils import check_triton_device, is_interpreting
-from kernels.ttt.chunk import _MAX_MB, _dot, _ln_bwd, _ln_stats, _precision, run_head_full_tail
+from kernels._triton_utils import INTERPRET_ARCH, check_triton_device, device_arch, is_interpreting
+from kernels.ttt.chunk import _MAX_MB, _dot, _ln_bwd, _ln_stats, _loop_index, _precision, run_head_full_tail
 from kernels.ttt.torch_chunk import LN_EPS, acc_dtype, make_state, ttt_mlp_chunk
 
 
@@ -131,36 +142,6 @@ def _ln_l2_bwd_bwd(dG, G, gh, xh, rstd, gamma, beta, tgt, cmask, D: tl.constexpr
     dtgt = -gamma[None, :] * dgh
     dZ = _ln_bwd(dxh, xh, rstd, cmask, D) + tl.where(cmask[None, :], dsig[:, None] * xh / D, 0.0)
     return dZ, dtgt, dgamma, dbeta
-
-
-@triton.jit
-def _w_tile(W1P, B1P, W2P, j0, cols, hc, cmask, D: tl.constexpr, M: tl.constexpr, PREC: tl.constexpr):
-    """Hidden tile j0 … j0 + BM − 1 of the weights at W1P [D, M], B1P [M], W2P [M, D]: W1_j [BD, BM]
-    and W2_j [BM, BD] as tl.dot operands (rounded to bfloat16 once here for bf16 products), b1_j
-    in the accumulation dtype; zero outside [D] × [M]."""
-    hcols = j0 + hc
-    hmask = hcols < M
-    W1 = tl.load(W1P + cols[:, None] * M + hcols[None, :], mask=cmask[:, None] & hmask[None, :], other=0.0)
-    b1 = tl.load(B1P + hcols, mask=hmask, other=0.0)
-    W2 = tl.load(W2P + hcols[:, None] * D + cols[None, :], mask=hmask[:, None] & cmask[None, :], other=0.0)
-    if PREC == "bf16" or PREC == "bf16_emulated":
-        W1 = W1.to(tl.bfloat16)
-        W2 = W2.to(tl.bfloat16)
-    return W1, b1, W2
-
-
-@triton.jit
-def _z2(k, W1P, B1P, W2P, b2, cols, hc, cmask, rmask, D: tl.constexpr, M: tl.constexpr,
-        BT: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, PREC: tl.constexpr):
-    """Pass 1: Z2 = GELU(K W1 + b1) W2 + b2, summed over the hidden tiles."""
-    Z2 = tl.zeros([BT, BD], dtype=b2.dtype)
-    for j0 in range(0, M, BM):
-        W1, b1, W2 = _w_tile(W1P, B1P, W2P, j0, cols, hc, cmask, D, M, PREC)
-        X2, gp, gpp = _gelu_tanh3(_dot(k, W1, PREC) + b1[None, :])
-        # padded rows (zero k) would give X2 = GELU(b1) ≠ 0; they carry η = 0, zero them anyway
-        X2 = tl.where(rmask[:, None], X2, 0.0)
-        Z2 += _dot(X2, W2, PREC)
-    return Z2 + b2[None, :]
 
 
 @triton.jit
@@ -202,19 +183,6 @@ def _z2_blocked(XP, rmask, W1P, B1P, W2P, b2, cols, hc, cmask, D: tl.constexpr, 
 
 
 @triton.jit
-def _tile_fwd(q, k, G2, M1, W1, b1, W2, rmask, PREC: tl.constexpr):
-    """The hidden tile's Z1-side quantities: X2_j, GELU'(Z1_j), GELU''(Z1_j), S_j = Γ2 W2_jᵀ,
-    Γ1_j, X̄2_j and GELU'(Z̄1_j)."""
-    X2, gp, gpp = _gelu_tanh3(_dot(k, W1, PREC) + b1[None, :])
-    X2 = tl.where(rmask[:, None], X2, 0.0)
-    S = _dot(G2, tl.trans(W2), PREC)
-    G1 = S * gp                                                             # Γ1_j
-    Z1b = _dot(q, W1, PREC) + b1[None, :] - _dot(M1, G1, PREC)
-    X2b, gpb, _unused = _gelu_tanh3(Z1b)
-    return X2, gp, gpp, S, G1, X2b, gpb
-
-
-@triton.jit
 def _loss_grad(Z2, v, k, gamma, beta, cmask, D: tl.constexpr, eps):
     """x̂, 1/σ of Z2, the target V − K, ĝ and Γ2 (the LayerNorm-fused loss's gradient)."""
     xh, rstd = _ln_stats(Z2, cmask, D, eps)
@@ -231,10 +199,10 @@ def _ttt_mlp_fwd_kernel(XK, XV, ETA, TAU, LNW, LNB, B20,
                         D: tl.constexpr, BD: tl.constexpr, M: tl.constexpr, BM: tl.constexpr,
                         MB: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
     """The serial state pass, one program per (batch, head): for every mini-batch, store its start
-    weights (W1S, B1S, W2S, B2S) and its inner gradients Γ1 [MB, M] (G1S) and Γ2 [MB, D] (G2S), then
-    apply the update. W1F [D, M], B1F [M], W2F [M, D] hold the initial weights on entry (the
-    wrapper copies them in) and are updated in place, tile by tile, into the final ones; b2 is
-    carried in registers. The output is ``_ttt_mlp_out_kernel``'s."""
+    weights (W1S, B1S, W2S, B2S), its inner gradients Γ1 [MB, M] (G1S) and Γ2 [MB, D], followed
+    by Z2 [MB, D] (G2S; the backward's LayerNorm pieces read Z2), then apply the update. W1F [D, M],
+    B1F [M], W2F [M, D] hold the initial weights on entry (the wrapper copies them in) and are
+    updated in place, tile by tile, into the final ones; b2 is carried in registers. The output is ``_ttt_mlp_out_kernel``'s."""
     pid = tl.program_id(0)                      # = b_idx * H + h_idx
     h = pid % H
     cdt = W1F.dtype.element_ty
@@ -268,7 +236,7 @@ def _ttt_mlp_fwd_kernel(XK, XV, ETA, TAU, LNW, LNB, B20,
         tl.store(B2S + s * D + cols, b2, mask=cmask)
         t_off = n * MB + rows
         KP = XK + pid * T * D + n * MB * D      # the mini-batch's rows of K (row stride D)
-        GP = G2S + s * MB * D                   # its Γ2 (row stride D)
+        GP = G2S + s * 2 * MB * D               # its Γ2, then Z2 (row stride D)
         xoff = pid * T * D + t_off[:, None] * D + cols[None, :]
         goff = rows[:, None] * D + cols[None, :]
         k = tl.load(XK + xoff, mask=xmask, other=0.0).to(cdt)
@@ -276,6 +244,7 @@ def _ttt_mlp_fwd_kernel(XK, XV, ETA, TAU, LNW, LNB, B20,
         e = tl.load(ETA + pid * T + t_off, mask=rmask, other=0.0).to(cdt)
 
         Z2 = _z2_blocked(KP, rmask, W1P, B1P, W2P, b2, cols, hc, cmask, D, M, BT, BD, BM, BK, PREC)
+        tl.store(GP + MB * D + goff, Z2, mask=xmask)
         xh, rstd, tgt, gh, G2 = _loss_grad(Z2, v, k, gamma, beta, cmask, D, eps)
         tl.store(GP + goff, G2, mask=xmask)
         b2 = b2 - tau_last * tl.sum(e[:, None] * G2, axis=0)
@@ -373,7 +342,7 @@ def _ttt_mlp_out_kernel(XQ, XK, ETA, TAU, LNW, LNB, W1S, B1S, W2S, B2S, G1S, G2S
         Z2b += _dot(X2b, W2, PREC)
     M2 = tl.where(tril, Ev * (A2 + 1.0), 0.0)
     b2 = tl.load(B2S + pid * D + cols, mask=cmask, other=0.0)
-    G2 = tl.load(G2S + pid * MB * D + rows[:, None] * D + cols[None, :], mask=xmask, other=0.0)
+    G2 = tl.load(G2S + pid * 2 * MB * D + rows[:, None] * D + cols[None, :], mask=xmask, other=0.0)
     Z2b += b2[None, :] - _dot(M2, G2, PREC)
     gamma = tl.load(LNW + h * D + cols, mask=cmask, other=0.0).to(cdt)
     beta = tl.load(LNB + h * D + cols, mask=cmask, other=0.0).to(cdt)
@@ -385,15 +354,185 @@ def _ttt_mlp_out_kernel(XQ, XK, ETA, TAU, LNW, LNB, W1S, B1S, W2S, B2S, G1S, G2S
 
 
 @triton.jit
-def _ttt_mlp_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, W1S, B1S, W2S, B2S, DOUT, DB2F, DZ1S, RS,
-                        DXQ, DXK, DXV, DETA, DTAU, DLNW, DLNB, DW1, DB1, DW2, DB20,
+def _w_rows(WP, j0, hc, cols, cmask, WK: tl.constexpr, WJ: tl.constexpr, M: tl.constexpr):
+    """The hidden tile j0 … j0 + BM − 1 of a weight as a [BM, BD] tile, element (j, c) at
+    c·WK + j·WJ (W2 [M, D]: WK = 1, WJ = D; W1ᵀ of W1 [D, M]: WK = M, WJ = 1); zero outside."""
+    hcols = j0 + hc
+    hmask = hcols < M
+    return tl.load(WP + cols[None, :] * WK + hcols[:, None] * WJ, mask=hmask[:, None] & cmask[None, :], other=0.0)
+
+
+@triton.jit
+def _tile_cols(j0, T, M: tl.constexpr, BD: tl.constexpr, D: tl.constexpr):
+    """Column indices and mask of a [·, BD] tile, tied to the hidden-tile index j0: ``j0 // (M + T)``
+    is 0 (j0 < M, T ≥ 1), which the compiler cannot prove, so the [BM, BD] weight-tile pointers
+    built from them are computed in the tile loop instead of being hoisted out of it and held in
+    registers through the loop (as ``_loop_index`` does for the mini-batch loop)."""
+    cols = tl.arange(0, BD) + j0 // (M + T)
+    return cols, cols < D
+
+
+@triton.jit
+def _m_tile(P, j0, hc, rows, rmask, M: tl.constexpr):
+    """Rows 0 … MB − 1 of the hidden tile j0 … j0 + BM − 1 of a [MB, M] buffer at P (zero in
+    padded rows and columns), and its offsets and mask for a store."""
+    hcols = j0 + hc
+    off = rows[:, None] * M + hcols[None, :]
+    msk = rmask[:, None] & (hcols < M)[None, :]
+    return tl.load(P + off, mask=msk, other=0.0), off, msk
+
+
+@triton.jit
+def _xt_blk(XP, rows, rmask, G, c0, D: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+    """X[:, c0 … c0 + BK − 1]ᵀ G [BK, BM] for X [MB, D] at XP (row stride D) and G [BT, BM]."""
+    kc = c0 + tl.arange(0, BK)
+    x = tl.load(XP + rows[:, None] * D + kc[None, :], mask=rmask[:, None] & (kc < D)[None, :], other=0.0)
+    return _dot(tl.trans(x.to(G.dtype)), G, PREC)
+
+
+@triton.jit
+def _ttt_mlp_bwd_mb_kernel(XQ, XK, ETA, TAU, LNW, LNB, W1S, B1S, W2S, B2S, G1S, G2S, DOUT,
+                           DZB1, XB2, DG1P, DZ1P, DZB2, DG2P, DKP, DEP,
+                           DXQ, DTAU, DLNW, DLNB,
+                           T, NMB, H, eps,
+                           D: tl.constexpr, BD: tl.constexpr, M: tl.constexpr, BM: tl.constexpr,
+                           MB: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+    """The backward through Z̄ and the dual-form products, one program per (batch, head,
+    mini-batch), all in parallel: from the stored start weights, Γ1 and Γ2, it recomputes the
+    output's tile loop (X2_j, Z̄1_j, X̄2_j, A2, Z̄2), back-propagates ∂out through the LayerNorm,
+    Z̄2 = X̄2 W2 + b2 − M2 Γ2 and Z̄1 = Q W1 + b1 − M1 Γ1, and writes: ∂Q (complete); the
+    parts through M1, M2 and the output of ∂K (DKP), ∂η (DEP), ∂τ (DTAU), ∂γ, ∂β (DLNW, DLNB, per
+    program, which the carry kernel extends); and for the
+    carry kernel, per mini-batch, ∂Z̄1 (DZB1), X̄2 (XB2), ∂Γ1's Z̄ term −M1ᵀ∂Z̄1 (DG1P), ∂Z1's A2
+    term (∂A2ᵀ X̄2) ⊙ GELU'(Z1) (DZ1P), ∂Z̄2 (DZB2) and ∂Γ2's Z̄ term −M2ᵀ∂Z̄2 (DG2P)."""
+    pid = tl.program_id(0)                      # = (b_idx * H + h_idx) * NMB + n = the stored slot
+    bh = pid // NMB
+    n = pid % NMB
+    h = bh % H
+    cdt = W1S.dtype.element_ty
+    rows = tl.arange(0, BT)
+    cols = tl.arange(0, BD)
+    hc = tl.arange(0, BM)
+    cmask = cols < D
+    rmask = rows < MB
+    xmask = rmask[:, None] & cmask[None, :]
+    tril = rows[None, :] <= rows[:, None]
+    W1P = W1S + pid * D * M
+    B1P = B1S + pid * M
+    W2P = W2S + pid * M * D
+    QP = XQ + bh * T * D + n * MB * D           # the mini-batch's rows of Q and K (row stride D)
+    KP = XK + bh * T * D + n * MB * D
+    G2P = G2S + pid * 2 * MB * D
+    ZB2P = DZB2 + pid * MB * D
+    t_off = n * MB + rows
+    goff = rows[:, None] * D + cols[None, :]
+    xoff = bh * T * D + t_off[:, None] * D + cols[None, :]
+
+    tau = tl.load(TAU + rows, mask=rmask, other=0.0).to(cdt)
+    e = tl.load(ETA + bh * T + t_off, mask=rmask, other=0.0).to(cdt)
+    Ev = tau[:, None] * e[None, :]
+    QK = tl.zeros([BT, BT], dtype=cdt)
+    for c0 in range(0, BD, BK):
+        kc = c0 + tl.arange(0, BK)
+        bm = rmask[:, None] & (kc < D)[None, :]
+        qb = tl.load(QP + rows[:, None] * D + kc[None, :], mask=bm, other=0.0).to(cdt)
+        kb = tl.load(KP + rows[:, None] * D + kc[None, :], mask=bm, other=0.0).to(cdt)
+        QK += _dot(qb, tl.trans(kb), PREC)
+    M1 = tl.where(tril, Ev * (QK + 1.0), 0.0)
+    # the output's tile loop (as in _ttt_mlp_out_kernel)
+    A2 = tl.zeros([BT, BT], dtype=cdt)
+    Z2b = tl.zeros([BT, BD], dtype=cdt)
+    for j0 in range(0, M, BM):
+        b1 = tl.load(B1P + j0 + hc, mask=(j0 + hc) < M, other=0.0)
+        G1, zo, zm = _m_tile(G1S + pid * MB * M, j0, hc, rows, rmask, M)
+        X2, _gp, _gpp = _gelu_tanh3(_rows_w(KP, rmask, W1P, j0, hc, D, M, 1, D, M, BT, BD, BM, BK, PREC)
+                                    + b1[None, :])
+        X2 = tl.where(rmask[:, None], X2, 0.0)
+        Z1b = (_rows_w(QP, rmask, W1P, j0, hc, D, M, 1, D, M, BT, BD, BM, BK, PREC) + b1[None, :]
+               - _dot(M1, G1, PREC))
+        X2b, _gpb, _gppb = _gelu_tanh3(Z1b)
+        A2 += _dot(X2b, tl.trans(X2), PREC)
+        Z2b += _dot(X2b, _w_rows(W2P, j0, hc, cols, cmask, 1, D, M), PREC)
+    M2 = tl.where(tril, Ev * (A2 + 1.0), 0.0)
+    b2 = tl.load(B2S + pid * D + cols, mask=cmask, other=0.0)
+    G2 = tl.load(G2P + goff, mask=xmask, other=0.0)
+    Z2b += b2[None, :] - _dot(M2, G2, PREC)
+    gamma = tl.load(LNW + h * D + cols, mask=cmask, other=0.0).to(cdt)
+    xhb, rstdb = _ln_stats(Z2b, cmask, D, eps)
+
+    # out = Q + γ x̂(Z̄2) + β
+    do = tl.load(DOUT + xoff, mask=xmask, other=0.0).to(cdt)
+    tl.store(DLNW + pid * D + cols, tl.sum(do * xhb, axis=0), mask=cmask)
+    tl.store(DLNB + pid * D + cols, tl.sum(do, axis=0), mask=cmask)
+    dZ2b = _ln_bwd(do * gamma[None, :], xhb, rstdb, cmask, D)
+    tl.store(ZB2P + goff, dZ2b, mask=xmask)
+    # Z̄2 = X̄2 W2 + b2 − M2 Γ2,  M2 = tril(E ⊙ (X̄2 X2ᵀ + 1))
+    tl.store(DG2P + pid * MB * D + goff, -_dot(tl.trans(M2), dZ2b, PREC), mask=xmask)
+    tl.debug_barrier()                          # ∂Z̄2 is read back in column blocks
+    dZG = tl.zeros([BT, BT], dtype=cdt)
+    for c0 in range(0, BD, BK):
+        kc = c0 + tl.arange(0, BK)
+        bm = rmask[:, None] & (kc < D)[None, :]
+        zb = tl.load(ZB2P + rows[:, None] * D + kc[None, :], mask=bm, other=0.0)
+        gb = tl.load(G2P + rows[:, None] * D + kc[None, :], mask=bm, other=0.0)
+        dZG += _dot(zb, tl.trans(gb), PREC)
+    dM2 = tl.where(tril, -dZG, 0.0)
+    dE = dM2 * (A2 + 1.0)
+    dA2 = dM2 * Ev
+
+    # per tile: X̄2 = GELU(Z̄1), Z̄1 = Q W1 + b1 − M1 Γ1; ∂Z̄1_j and the other [b, m] pieces out
+    dMacc = tl.zeros([BT, BT], dtype=cdt)
+    dq = tl.zeros([BT, BD], dtype=cdt)
+    for j0 in range(0, M, BM):
+        b1 = tl.load(B1P + j0 + hc, mask=(j0 + hc) < M, other=0.0)
+        G1, zo, zm = _m_tile(G1S + pid * MB * M, j0, hc, rows, rmask, M)
+        X2, gp, _gpp = _gelu_tanh3(_rows_w(KP, rmask, W1P, j0, hc, D, M, 1, D, M, BT, BD, BM, BK, PREC)
+                                   + b1[None, :])
+        X2 = tl.where(rmask[:, None], X2, 0.0)
+        Z1b = (_rows_w(QP, rmask, W1P, j0, hc, D, M, 1, D, M, BT, BD, BM, BK, PREC) + b1[None, :]
+               - _dot(M1, G1, PREC))
+        X2b, gpb, _gppb = _gelu_tanh3(Z1b)
+        dX2b = _rows_w(ZB2P, rmask, W2P, j0, hc, D, 1, D, D, M, BT, BD, BM, BK, PREC) + _dot(dA2, X2, PREC)
+        dZ1b = tl.where(rmask[:, None], dX2b * gpb, 0.0)
+        dMacc += _dot(dZ1b, tl.trans(G1), PREC)
+        so = pid * MB * M + zo
+        tl.store(DZB1 + so, dZ1b, mask=zm)
+        tl.store(XB2 + so, X2b, mask=zm)
+        tl.store(DG1P + so, -_dot(tl.trans(M1), dZ1b, PREC), mask=zm)
+        tl.store(DZ1P + so, _dot(tl.trans(dA2), X2b, PREC) * gp, mask=zm)
+        # last: Triton gives the loop's products the warp layout of its last one ([b, d] here)
+        dq += _dot(dZ1b, _w_rows(W1P, j0, hc, cols, cmask, M, 1, M), PREC)
+    # M1 = tril(E ⊙ (A1 + 1)), A1 = Q Kᵀ: ∂Q is complete here
+    dM1 = tl.where(tril, -dMacc, 0.0)
+    dE += dM1 * (QK + 1.0)
+    dA1 = dM1 * Ev
+    k = tl.load(XK + xoff, mask=xmask, other=0.0).to(cdt)
+    dq += do + _dot(dA1, k, PREC)
+    tl.store(DXQ + xoff, dq.to(DXQ.dtype.element_ty), mask=xmask)
+    q = tl.load(XQ + xoff, mask=xmask, other=0.0).to(cdt)
+    tl.store(DKP + xoff, _dot(tl.trans(dA1), q, PREC), mask=xmask)
+    # E_ij = τ_i η_j
+    tl.store(DEP + bh * T + t_off, tl.sum(dE * tau[:, None], axis=0), mask=rmask)
+    tl.store(DTAU + pid * MB + rows, tl.sum(dE * e[None, :], axis=1), mask=rmask)
+
+
+@triton.jit
+def _ttt_mlp_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, W1S, B1S, W2S, G1S, G2S,
+                        DZB1, XB2, DG1P, DZ1P, DZB2, DG2P, DKP, DEP, SZ, SS, SX, SD,
+                        DXK, DXV, DETA, DTAU, DLNW, DLNB, DW1, DB1, DW2, DB2,
                         T, NMB, H, eps,
                         D: tl.constexpr, BD: tl.constexpr, M: tl.constexpr, BM: tl.constexpr,
-                        MB: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr):
-    """DW1 [D, M], DB1 [M], DW2 [M, D] hold the final-state gradients on entry (the wrapper copies
-    them in) and are accumulated in place into the initial weights' gradients; DZ1S [2, BT, M] is
-    the program's scratch for ∂Z̄1 (pass 3a → 3b) and the partial ∂Z1 (pass 3b → 4), RS [4, BT, BD]
-    for Γ2, Z2, ∂Z̄2 and ∂Z2, which the tile loops re-read instead of holding them."""
+                        MB: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+    """The serial carry, one program per (batch, head), mini-batches in reverse: DW1 [D, M], DB1
+    [M], DW2 [M, D], DB2 [D] hold the final-state gradients on entry (the wrapper copies them in)
+    and are accumulated in place into the initial weights' gradients; DTAU [MB], DLNW, DLNB [D]
+    per mini-batch hold ``_ttt_mlp_bwd_mb_kernel``'s parts, to which this adds its own (nothing of
+    width d is carried in registers from one mini-batch to the next). Per mini-batch it
+    adds the update's terms (they need the gradient at the mini-batch's end) to what
+    ``_ttt_mlp_bwd_mb_kernel`` stored, back-propagates Γ1 = (Γ2 W2ᵀ) ⊙ GELU'(Z1) and the
+    LayerNorm-fused loss gradient Γ2 through Z2 and Z1 to K, V and the weights, and finishes ∂K,
+    ∂V, ∂η. SZ [MB, M] (∂Z1), SS [MB, M] (∂S), SX [MB, M] (X2) and SD [MB, D] (∂Z2) are the
+    program's scratch between the tile loops."""
     pid = tl.program_id(0)
     h = pid % H
     cdt = W1S.dtype.element_ty
@@ -403,213 +542,162 @@ def _ttt_mlp_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, W1S, B1S, W2S, B2S, DOUT
     cmask = cols < D
     rmask = rows < MB
     xmask = rmask[:, None] & cmask[None, :]
-    tril = rows[None, :] <= rows[:, None]
     is_last = rows == MB - 1
+    goff = rows[:, None] * D + cols[None, :]
     GW1 = DW1 + pid * D * M
     GB1 = DB1 + pid * M
     GW2 = DW2 + pid * M * D
-    ZS = DZ1S + pid * 3 * BT * M
-    ZB = ZS + BT * M
-    ZX = ZB + BT * M
-    roff = rows[:, None] * BD + cols[None, :]
-    SG2 = RS + pid * 4 * BT * BD
-    SZ2 = SG2 + BT * BD
-    SDZB = SZ2 + BT * BD
-    SDZ = SDZB + BT * BD
+    ZS = SZ + pid * MB * M
+    DSS = SS + pid * MB * M
+    SX = SX + pid * MB * M
+    SDZ = SD + pid * MB * D
 
-    gamma = tl.load(LNW + h * D + cols, mask=cmask, other=0.0).to(cdt)
-    beta = tl.load(LNB + h * D + cols, mask=cmask, other=0.0).to(cdt)
-    tau = tl.load(TAU + rows, mask=rmask, other=0.0).to(cdt)
     tau_last = tl.load(TAU + MB - 1).to(cdt)
-    # the gradient with respect to b2 at the END of the current mini-batch
-    db2 = tl.load(DB2F + pid * D + cols, mask=cmask, other=0.0).to(cdt)
-    dgamma = tl.zeros([BD], dtype=cdt)
-    dbeta = tl.zeros([BD], dtype=cdt)
-    dtau = tl.zeros([BT], dtype=cdt)
 
     for i in range(NMB):
         n = NMB - 1 - i
         s = pid * NMB + n
+        # the index tensors are rebuilt per mini-batch and per section rather than held across
+        # the tile loops (``_loop_index``; distinct expressions, so that they are not merged)
+        rows, cols = _loop_index(i, NMB, BT, BD)
+        cmask = cols < D
+        rmask = rows < MB
         W1P = W1S + s * D * M
         B1P = B1S + s * M
         W2P = W2S + s * M * D
-        b2 = tl.load(B2S + s * D + cols, mask=cmask, other=0.0)
-        t_off = n * MB + rows
-        xoff = pid * T * D + t_off[:, None] * D + cols[None, :]
-        k = tl.load(XK + xoff, mask=xmask, other=0.0).to(cdt)
-        v = tl.load(XV + xoff, mask=xmask, other=0.0).to(cdt)
-        e = tl.load(ETA + pid * T + t_off, mask=rmask, other=0.0).to(cdt)
+        G2P = G2S + s * 2 * MB * D              # Γ2, then Z2
+        KP = XK + pid * T * D + n * MB * D      # the mini-batch's rows of K and Q (row stride D)
+        QP = XQ + pid * T * D + n * MB * D
+        e = tl.load(ETA + pid * T + n * MB + rows, mask=rmask, other=0.0).to(cdt)
+        te = -tau_last * e                      # the update W' = W − τ_{b−1} (…)ᵀ(η ⊙ Γ)
 
-        # passes 1 and 2: the forward again from the stored start weights
-        Z2 = _z2(k, W1P, B1P, W2P, b2, cols, hc, cmask, rmask, D, M, BT, BD, BM, PREC)
-        xh, rstd, tgt, gh, G2 = _loss_grad(Z2, v, k, gamma, beta, cmask, D, eps)
-        tl.store(SG2 + roff, G2)
-        tl.store(SZ2 + roff, Z2)
-        tl.debug_barrier()                      # the tile loops read Γ2 back
-        q = tl.load(XQ + xoff, mask=xmask, other=0.0).to(cdt)
-        Ev = tau[:, None] * e[None, :]
-        M1 = tl.where(tril, Ev * (_dot(q, tl.trans(k), PREC) + 1.0), 0.0)
-        A2 = tl.zeros([BT, BT], dtype=cdt)
-        Z2b = tl.zeros([BT, BD], dtype=cdt)
-        for j0 in range(0, M, BM):
-            # Q, K, Γ2 read again in every tile (L1/L2 hits) rather than held across the loop
-            q = tl.load(XQ + xoff, mask=xmask, other=0.0).to(cdt)
-            k = tl.load(XK + xoff, mask=xmask, other=0.0).to(cdt)
-            G2 = tl.load(SG2 + roff)
-            W1, b1, W2 = _w_tile(W1P, B1P, W2P, j0, cols, hc, cmask, D, M, PREC)
-            X2, gp, gpp, S, G1, X2b, gpb = _tile_fwd(q, k, G2, M1, W1, b1, W2, rmask, PREC)
-            A2 += _dot(X2b, tl.trans(X2), PREC)
-            Z2b += _dot(X2b, W2, PREC)
-        G2 = tl.load(SG2 + roff)
-        M2 = tl.where(tril, Ev * (A2 + 1.0), 0.0)
-        Z2b += b2[None, :] - _dot(M2, G2, PREC)
-        xhb, rstdb = _ln_stats(Z2b, cmask, D, eps)
-
-        # out = Q + γ x̂(Z̄2) + β
-        do = tl.load(DOUT + xoff, mask=xmask, other=0.0).to(cdt)
-        dgamma += tl.sum(do * xhb, axis=0)
-        dbeta += tl.sum(do, axis=0)
-        dZ2b = _ln_bwd(do * gamma[None, :], xhb, rstdb, cmask, D)
-        tl.store(SDZB + roff, dZ2b)
-        # Z̄2 = X̄2 W2 + b2 − M2 Γ2,  M2 = tril(E ⊙ (X̄2 X2ᵀ + 1))
-        dM2 = tl.where(tril, -_dot(dZ2b, tl.trans(G2), PREC), 0.0)
-        dE = dM2 * (A2 + 1.0)
-        dA2 = dM2 * Ev
-        dG2 = -_dot(tl.trans(M2), dZ2b, PREC)
-        tl.debug_barrier()                      # the tile loops read ∂Z̄2 back
-
-        # pass 3a (per tile): X̄2 = GELU(Z̄1), Z̄1 = Q W1 + b1 − M1 Γ1; ∂Z̄1_j to scratch
-        dMacc = tl.zeros([BT, BT], dtype=cdt)
-        dq = tl.zeros([BT, BD], dtype=cdt)
-        for j0 in range(0, M, BM):
-            q = tl.load(XQ + xoff, mask=xmask, other=0.0).to(cdt)
-            k = tl.load(XK + xoff, mask=xmask, other=0.0).to(cdt)
-            G2 = tl.load(SG2 + roff)
-            dZ2b = tl.load(SDZB + roff)
-            W1, b1, W2 = _w_tile(W1P, B1P, W2P, j0, cols, hc, cmask, D, M, PREC)
-            X2, gp, gpp, S, G1, X2b, gpb = _tile_fwd(q, k, G2, M1, W1, b1, W2, rmask, PREC)
-            hcols = j0 + hc
-            hmask = hcols < M
-            dZ1b = (_dot(dZ2b, tl.trans(W2), PREC) + _dot(dA2, X2, PREC)) * gpb
-            dMacc += _dot(dZ1b, tl.trans(G1), PREC)
-            # last: Triton gives the loop's products the warp layout of its last one ([b, d] here)
-            dq += _dot(dZ1b, tl.trans(W1), PREC)
-            tl.store(ZB + rows[:, None] * M + hcols[None, :], dZ1b, mask=hmask[None, :])
-        # M1 = tril(E ⊙ (A1 + 1)), A1 = Q Kᵀ: ∂Q is complete here
-        q = tl.load(XQ + xoff, mask=xmask, other=0.0).to(cdt)
-        k = tl.load(XK + xoff, mask=xmask, other=0.0).to(cdt)
-        dM1 = tl.where(tril, -dMacc, 0.0)
-        dE += dM1 * (_dot(q, tl.trans(k), PREC) + 1.0)
-        dA1 = dM1 * Ev
-        do = tl.load(DOUT + xoff, mask=xmask, other=0.0).to(cdt)
-        dq += do + _dot(dA1, k, PREC)
-        tl.store(DXQ + xoff, dq.to(DXQ.dtype.element_ty), mask=xmask)
-        dk = _dot(tl.trans(dA1), q, PREC)
-        tl.debug_barrier()                      # pass 3b reads what pass 3a wrote
-
-        # the end-of-mini-batch update W1' = W1 − τ_{b−1} Kᵀ(η⊙Γ1), W2' = W2 − τ_{b−1} X2ᵀ(η⊙Γ2),
-        # biases likewise: each pass reads the end-weight gradients of its tile before extending them
-        # pass 3b (per tile): the W2 side, X2 through the update of W2 and through A2 = X̄2 X2ᵀ
+        # pass A1 (per tile): X2 through the update of W2, P2 = X2 dW2 (dW2 at the end)
         P2 = tl.zeros([BT, BD], dtype=cdt)
         for j0 in range(0, M, BM):
-            q = tl.load(XQ + xoff, mask=xmask, other=0.0).to(cdt)
-            k = tl.load(XK + xoff, mask=xmask, other=0.0).to(cdt)
-            G2 = tl.load(SG2 + roff)
-            W1, b1, W2 = _w_tile(W1P, B1P, W2P, j0, cols, hc, cmask, D, M, PREC)
-            X2, gp, gpp, S, G1, X2b, gpb = _tile_fwd(q, k, G2, M1, W1, b1, W2, rmask, PREC)
-            hcols = j0 + hc
-            hmask = hcols < M
-            w2o = hcols[:, None] * D + cols[None, :]
-            w2m = hmask[:, None] & cmask[None, :]
-            gW2 = tl.load(GW2 + w2o, mask=w2m, other=0.0)
-            dX2 = (-tau_last * e)[:, None] * _dot(G2, tl.trans(gW2), PREC) + _dot(tl.trans(dA2), X2b, PREC)
-            tl.store(ZX + rows[:, None] * M + hcols[None, :], tl.where(rmask[:, None], dX2 * gp, 0.0),
-                     mask=hmask[None, :])
-            dZ2b = tl.load(SDZB + roff)
-            tl.store(GW2 + w2o, gW2 + _dot(tl.trans(X2b), dZ2b, PREC), mask=w2m)
-            P2 += _dot(X2, gW2, PREC)
-        tl.debug_barrier()                      # pass 3c reads what pass 3b wrote
+            b1 = tl.load(B1P + j0 + hc, mask=(j0 + hc) < M, other=0.0)
+            X2, gp, gpp = _gelu_tanh3(_rows_w(KP, rmask, W1P, j0, hc, D, M, 1, D, M, BT, BD, BM, BK, PREC)
+                                      + b1[None, :])
+            X2 = tl.where(rmask[:, None], X2, 0.0)
+            dZ1, zo, zm = _m_tile(DZ1P + s * MB * M, j0, hc, rows, rmask, M)
+            dX2 = te[:, None] * _rows_w(G2P, rmask, GW2, j0, hc, D, 1, D, D, M, BT, BD, BM, BK, PREC)
+            tl.store(ZS + zo, dZ1 + dX2 * gp, mask=zm)
+            P2 += _dot(X2, _w_rows(GW2, j0, hc, *_tile_cols(j0, T, M, BD, D), 1, D, M), PREC)
+        # P2 waits in SD (∂Z2's scratch, free until then) rather than in registers through pass A2
+        tl.store(SDZ + rows[:, None] * D + cols[None, :], P2, mask=rmask[:, None] & cmask[None, :])
+        tl.debug_barrier()                      # pass A2 adds to the ∂Z1 tiles of pass A1
 
-        # pass 3c (per tile): the Γ1 side, Γ1 through the update of W1 and b1, through M1 Γ1 and S
+        # pass A2 (per tile): Γ1 through the update of W1, b1 and through S = Γ2 W2ᵀ
         GP = tl.zeros([BT], dtype=cdt)
+        dG2 = tl.zeros([BT, BD], dtype=cdt)
         for j0 in range(0, M, BM):
-            q = tl.load(XQ + xoff, mask=xmask, other=0.0).to(cdt)
-            k = tl.load(XK + xoff, mask=xmask, other=0.0).to(cdt)
-            G2 = tl.load(SG2 + roff)
-            W1, b1, W2 = _w_tile(W1P, B1P, W2P, j0, cols, hc, cmask, D, M, PREC)
-            X2, gp, gpp, S, G1, X2b, gpb = _tile_fwd(q, k, G2, M1, W1, b1, W2, rmask, PREC)
-            hcols = j0 + hc
-            hmask = hcols < M
-            w1o = cols[:, None] * M + hcols[None, :]
-            w2o = hcols[:, None] * D + cols[None, :]
-            w1m = cmask[:, None] & hmask[None, :]
-            w2m = hmask[:, None] & cmask[None, :]
-            zo = rows[:, None] * M + hcols[None, :]
-            dZ1b = tl.load(ZB + zo, mask=hmask[None, :], other=0.0)
-            gW1 = tl.load(GW1 + w1o, mask=w1m, other=0.0)
-            gb1 = tl.load(GB1 + hcols, mask=hmask, other=0.0)
-            P1 = _dot(k, gW1, PREC) + gb1[None, :]
+            hm = (j0 + hc) < M
+            b1 = tl.load(B1P + j0 + hc, mask=hm, other=0.0)
+            X2, gp, gpp = _gelu_tanh3(_rows_w(KP, rmask, W1P, j0, hc, D, M, 1, D, M, BT, BD, BM, BK, PREC)
+                                      + b1[None, :])
+            G1, zo, zm = _m_tile(G1S + s * MB * M, j0, hc, rows, rmask, M)
+            gb1 = tl.load(GB1 + j0 + hc, mask=hm, other=0.0)
+            P1 = _rows_w(KP, rmask, GW1, j0, hc, D, M, 1, D, M, BT, BD, BM, BK, PREC) + gb1[None, :]
             GP += tl.sum(G1 * P1, axis=1)
-            dG1 = -tau_last * e[:, None] * P1 - _dot(tl.trans(M1), dZ1b, PREC)
-            dk += (-tau_last * e)[:, None] * _dot(G1, tl.trans(gW1), PREC)      # (η⊙Γ1) gW1ᵀ
-            # Γ1 = (Γ2 W2ᵀ) ⊙ GELU'(Z1)
-            dS = dG1 * gp
-            tl.store(ZS + zo, dG1 * S * gpp + tl.load(ZX + zo, mask=hmask[None, :], other=0.0), mask=hmask[None, :])
-            tl.store(GW1 + w1o, gW1 + _dot(tl.trans(q), dZ1b, PREC), mask=w1m)
-            tl.store(GB1 + hcols, gb1 + tl.sum(dZ1b, axis=0), mask=hmask)
-            tl.store(GW2 + w2o, tl.load(GW2 + w2o, mask=w2m, other=0.0) + _dot(tl.trans(dS), G2, PREC), mask=w2m)
-            dG2 += _dot(dS, W2, PREC)
+            dG1 = tl.load(DG1P + s * MB * M + zo, mask=zm, other=0.0) + te[:, None] * P1
+            S = _rows_w(G2P, rmask, W2P, j0, hc, D, 1, D, D, M, BT, BD, BM, BK, PREC)
+            dS = tl.where(rmask[:, None], dG1 * gp, 0.0)
+            tl.store(ZS + zo, tl.load(ZS + zo, mask=zm, other=0.0) + dG1 * S * gpp, mask=zm)
+            tl.store(DSS + zo, dS, mask=zm)
+            dG2 += _dot(dS, _w_rows(W2P, j0, hc, *_tile_cols(j0, T, M, BD, D), 1, D, M), PREC)
 
-        G2 = tl.load(SG2 + roff)
-        P2 += db2[None, :]
+        # Γ2 from Z2 and the target V − K: the LayerNorm-fused loss's second derivative
+        rows, cols = _loop_index(i + 1, NMB + 1, BT, BD)
+        cmask = cols < D
+        rmask = rows < MB
+        xmask = rmask[:, None] & cmask[None, :]
+        is_last = rows == MB - 1
+        goff = rows[:, None] * D + cols[None, :]
+        t_off = n * MB + rows
+        xoff = pid * T * D + t_off[:, None] * D + cols[None, :]
+        G2 = tl.load(G2P + goff, mask=xmask, other=0.0)
+        # db2 at the END of the mini-batch (DB2 holds it between mini-batches)
+        db2 = tl.load(DB2 + pid * D + cols, mask=cmask, other=0.0)
+        P2 = tl.load(SDZ + goff, mask=xmask, other=0.0) + db2[None, :]
         GP += tl.sum(G2 * P2, axis=1)
-        dG2 += -tau_last * e[:, None] * P2
-        de = -tau_last * GP
-        dtau += tl.where(is_last, -tl.sum(e * GP, axis=0), 0.0)
-        # E_ij = τ_i η_j
-        de += tl.sum(dE * tau[:, None], axis=0)
-        dtau += tl.sum(dE * e[None, :], axis=1)
-        tl.store(DETA + pid * T + t_off, de.to(DETA.dtype.element_ty), mask=rmask)
-        # Γ2 from Z2 and the target V − K (the LayerNorm pieces recomputed from the stored Z2)
+        dG2 += tl.load(DG2P + s * MB * D + goff, mask=xmask, other=0.0) + te[:, None] * P2
+        tl.store(DETA + pid * T + t_off,
+                 (tl.load(DEP + pid * T + t_off, mask=rmask, other=0.0) - tau_last * GP).to(DETA.dtype.element_ty),
+                 mask=rmask)
+        dto = s * MB + rows
+        tl.store(DTAU + dto, tl.load(DTAU + dto, mask=rmask, other=0.0)
+                 + tl.where(is_last, -tl.sum(e * GP, axis=0), 0.0), mask=rmask)
         k = tl.load(XK + xoff, mask=xmask, other=0.0).to(cdt)
         v = tl.load(XV + xoff, mask=xmask, other=0.0).to(cdt)
-        xh, rstd, tgt, gh, G2 = _loss_grad(tl.load(SZ2 + roff), v, k, gamma, beta, cmask, D, eps)
+        gamma = tl.load(LNW + h * D + cols, mask=cmask, other=0.0).to(cdt)
+        beta = tl.load(LNB + h * D + cols, mask=cmask, other=0.0).to(cdt)
+        xh, rstd, tgt, gh, _G2 = _loss_grad(tl.load(G2P + MB * D + goff, mask=xmask, other=0.0),
+                                            v, k, gamma, beta, cmask, D, eps)
         dZ2, dtgt, dg, dbt = _ln_l2_bwd_bwd(dG2, G2, gh, xh, rstd, gamma, beta, tgt, cmask, D)
-        dgamma += dg
-        dbeta += dbt
-        db2 += tl.sum(tl.load(SDZB + roff), axis=0) + tl.sum(dZ2, axis=0)
-        dk -= dtgt
+        dZ2 = tl.where(rmask[:, None], dZ2, 0.0)
+        lo = s * D + cols
+        tl.store(DLNW + lo, tl.load(DLNW + lo, mask=cmask, other=0.0) + dg, mask=cmask)
+        tl.store(DLNB + lo, tl.load(DLNB + lo, mask=cmask, other=0.0) + dbt, mask=cmask)
+        db2 += tl.sum(tl.load(DZB2 + s * MB * D + goff, mask=xmask, other=0.0), axis=0) + tl.sum(dZ2, axis=0)
+        tl.store(DB2 + pid * D + cols, db2, mask=cmask)
         tl.store(DXV + xoff, dtgt.to(DXV.dtype.element_ty), mask=xmask)
-        tl.store(SDZ + roff, dZ2)
-        tl.debug_barrier()                      # pass 4 reads what pass 3b wrote
+        tl.store(SDZ + goff, dZ2, mask=xmask)
+        tl.store(DKP + xoff, tl.load(DKP + xoff, mask=xmask, other=0.0) - dtgt, mask=xmask)
+        tl.debug_barrier()                      # pass B reads ∂Z2 and the tiles of passes A1, A2
 
-        # pass 4: Z2 = X2 W2 + b2,  X2 = GELU(Z1),  Z1 = K W1 + b1
+        # pass B (per tile): Z2 = X2 W2 + b2, X2 = GELU(Z1), Z1 = K W1 + b1; every weight gradient
+        # of the tile gets its terms of this mini-batch (passes A1, A2 read the end values)
+        dk = tl.zeros([BT, BD], dtype=cdt)
         for j0 in range(0, M, BM):
-            k = tl.load(XK + xoff, mask=xmask, other=0.0).to(cdt)
-            dZ2 = tl.load(SDZ + roff)
-            W1, b1, W2 = _w_tile(W1P, B1P, W2P, j0, cols, hc, cmask, D, M, PREC)
-            X2, gp, gpp = _gelu_tanh3(_dot(k, W1, PREC) + b1[None, :])
+            hm = (j0 + hc) < M
+            b1 = tl.load(B1P + j0 + hc, mask=hm, other=0.0)
+            X2, gp, gpp = _gelu_tanh3(_rows_w(KP, rmask, W1P, j0, hc, D, M, 1, D, M, BT, BD, BM, BK, PREC)
+                                      + b1[None, :])
             X2 = tl.where(rmask[:, None], X2, 0.0)
-            hcols = j0 + hc
-            hmask = hcols < M
-            w1o = cols[:, None] * M + hcols[None, :]
-            w2o = hcols[:, None] * D + cols[None, :]
-            w1m = cmask[:, None] & hmask[None, :]
-            w2m = hmask[:, None] & cmask[None, :]
-            dZ1 = tl.load(ZS + rows[:, None] * M + hcols[None, :], mask=hmask[None, :], other=0.0)
-            dZ1 += tl.where(rmask[:, None], _dot(dZ2, tl.trans(W2), PREC) * gp, 0.0)
-            dk += _dot(dZ1, tl.trans(W1), PREC)
-            tl.store(GW1 + w1o, tl.load(GW1 + w1o, mask=w1m, other=0.0) + _dot(tl.trans(k), dZ1, PREC), mask=w1m)
-            tl.store(GB1 + hcols, tl.load(GB1 + hcols, mask=hmask, other=0.0) + tl.sum(dZ1, axis=0), mask=hmask)
-            tl.store(GW2 + w2o, tl.load(GW2 + w2o, mask=w2m, other=0.0) + _dot(tl.trans(X2), dZ2, PREC), mask=w2m)
-        tl.debug_barrier()                      # the next mini-batch's passes read the gradients and scratch
+            dZ1, zo, zm = _m_tile(ZS, j0, hc, rows, rmask, M)
+            dZ1 += tl.where(rmask[:, None], _rows_w(SDZ, rmask, W2P, j0, hc, D, 1, D, D, M, BT, BD, BM, BK, PREC) * gp, 0.0)
+            tl.store(ZS + zo, dZ1, mask=zm)
+            tl.store(SX + zo, X2, mask=zm)
+            dZ1b = tl.load(DZB1 + s * MB * M + zo, mask=zm, other=0.0)
+            G1 = tl.load(G1S + s * MB * M + zo, mask=zm, other=0.0)
+            # ∂K: through Z1 = K W1 + b1 and the update's Kᵀ(η⊙Γ1) (dW1 still at the end here)
+            dk += _dot(dZ1, _w_rows(W1P, j0, hc, *_tile_cols(j0, T, M, BD, D), M, 1, M), PREC)
+            dk += _dot(te[:, None] * G1, _w_rows(GW1, j0, hc, *_tile_cols(j0, T, M, BD, D), M, 1, M), PREC)
+            # the tile's b1 gradient (pass C adds the W1, W2 ones)
+            tl.store(GB1 + j0 + hc, tl.load(GB1 + j0 + hc, mask=hm, other=0.0)
+                     + tl.sum(dZ1 + dZ1b, axis=0), mask=hm)
+        rows, cols = _loop_index(i + 2, NMB + 2, BT, BD)
+        xmask = (rows < MB)[:, None] & (cols < D)[None, :]
+        xoff = pid * T * D + (n * MB + rows)[:, None] * D + cols[None, :]
+        k = tl.load(DKP + xoff, mask=xmask, other=0.0) + dk
+        tl.store(DXK + xoff, k.to(DXK.dtype.element_ty), mask=xmask)
+        tl.debug_barrier()                      # pass C reads the ∂Z1 and X2 tiles of pass B
 
-        tl.store(DXK + xoff, dk.to(DXK.dtype.element_ty), mask=xmask)
+        # pass C (per tile, in column blocks): the weight gradients' terms of this mini-batch,
+        # dW1 (c, j) += Kᵀ∂Z1 + Qᵀ∂Z̄1;  dW2 (j, c) += Γ2ᵀ∂S + ∂Z̄2ᵀX̄2 + ∂Z2ᵀX2 (as [c, j])
+        for j0 in range(0, M, BM):
+            hm = (j0 + hc) < M
+            dZ1, zo, zm = _m_tile(ZS, j0, hc, rows, rmask, M)
+            dZ1b = tl.load(DZB1 + s * MB * M + zo, mask=zm, other=0.0)
+            for c0 in range(0, BD, BK):
+                kc = c0 + tl.arange(0, BK)
+                wm = (kc < D)[:, None] & hm[None, :]
+                w1o = kc[:, None] * M + (j0 + hc)[None, :]
+                tl.store(GW1 + w1o, tl.load(GW1 + w1o, mask=wm, other=0.0)
+                         + _xt_blk(KP, rows, rmask, dZ1, c0, D, BK, PREC) + _xt_blk(QP, rows, rmask, dZ1b, c0, D, BK, PREC),
+                         mask=wm)
+            dS = tl.load(DSS + zo, mask=zm, other=0.0)
+            X2b = tl.load(XB2 + s * MB * M + zo, mask=zm, other=0.0)
+            X2 = tl.load(SX + zo, mask=zm, other=0.0)
+            for c0 in range(0, BD, BK):
+                kc = c0 + tl.arange(0, BK)
+                wm = (kc < D)[:, None] & hm[None, :]
+                w2o = kc[:, None] + (j0 + hc)[None, :] * D
+                tl.store(GW2 + w2o, tl.load(GW2 + w2o, mask=wm, other=0.0)
+                         + _xt_blk(G2P, rows, rmask, dS, c0, D, BK, PREC)
+                         + _xt_blk(DZB2 + s * MB * D, rows, rmask, X2b, c0, D, BK, PREC)
+                         + _xt_blk(SDZ, rows, rmask, X2, c0, D, BK, PREC), mask=wm)
+        tl.debug_barrier()                      # the next mini-batch reads the gradients and scratch
 
-    tl.store(DB20 + pid * D + cols, db2, mask=cmask)
-    tl.store(DLNW + pid * D + cols, dgamma, mask=cmask)
-    tl.store(DLNB + pid * D + cols, dbeta, mask=cmask)
-    tl.store(DTAU + pid * MB + rows, dtau, mask=rmask)
 
 
 # ---- autograd -----------------------------------------------------------------------------------
@@ -629,16 +717,28 @@ def _mlp_launch_cfg(d: int, m: int, b: int):
     return BD, 16, BT, {"num_warps": 8, "num_stages": 1}
 
 
-def _mlp_col_block(BD: int) -> int:
-    """The column block BK of the forward kernels' products with a [b, d] operand (``_rows_w``):
-    16 under the interpreter, so that the tests' small d run several blocks."""
-    return 16 if is_interpreting() else min(BD, 32)
+def _mlp_col_block(BD: int, prec: str = "bf16", part: str = "fwd", arch: int = INTERPRET_ARCH) -> int:
+    """The column block BK of the kernels' products with a [b, d] operand (``_rows_w``,
+    ``_xt_blk``): min(BD, 32), except in the per-mini-batch backward (``part="bwd_mb"``) with
+    3×TF32 operands (``prec="tf32x3"``) on the sm_80 family (``arch``, ``device_arch``), where the
+    split operands spill at 32 (d = 128) and BK = 16 (which spills at d = 64 on sm_90); 16 under
+    the interpreter, so that the tests' small d run several blocks."""
+    if is_interpreting() or (part == "bwd_mb" and prec == "tf32x3" and arch == 80):
+        return 16
+    return min(BD, 32)
 
 
 def _mlp_window() -> int:
     """Mini-batches per state-pass/output window of a forward without autograd (``_mlp_fwd_op``):
     2 under the interpreter, so that the tests run several windows."""
     return 2 if is_interpreting() else 16
+
+
+def _mlp_gamma_buffers(XQ, m: int, n: int, bsz: int):
+    """Empty Γ1 [B, H, n, bsz, m] and (Γ2, Z2) [B, H, n, 2, bsz, d] in the accumulation dtype."""
+    B, H, _, d = XQ.shape
+    cdt = acc_dtype(XQ.dtype)
+    return [XQ.new_empty(B, H, n, bsz, m, dtype=cdt), XQ.new_empty(B, H, n, 2, bsz, d, dtype=cdt)]
 
 
 def _mlp_weight_buffers(XQ, m: int, n: Optional[int]):
@@ -660,7 +760,8 @@ def _mlp_fwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: torch
                 b2: torch.Tensor, mini_batch_size: int, save: bool) -> List[torch.Tensor]:
     """Full mini-batches from a boundary: (XQ, XK, XV, η, τ, γ, β, W1_0 [B,H,d,m], b1_0 [B,H,1,m],
     W2_0 [B,H,m,d], b2_0 [B,H,1,d]) → [out [B,H,T,d], W1_end, b1_end, W2_end, b2_end, and the
-    per-mini-batch start weights W1S, B1S, W2S, B2S, which the output kernel and the backward read].
+    per-mini-batch start weights W1S, B1S, W2S, B2S, Γ1, Γ2 and Z2, which the output kernel and
+    the backward read].
 
     With ``save`` the start weights of every mini-batch are kept for the backward (one state pass
     and one output launch over the whole sequence); without it the sequence runs in windows of
@@ -680,9 +781,9 @@ def _mlp_fwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: torch
     out = torch.empty_like(XQ)
     W1S, B1S, W2S, B2S = _mlp_weight_buffers(XQ, m, NW)
     W1F, B1F, W2F, B2F = _mlp_weight_buffers(XQ, m, None)
-    # Γ1, Γ2 of every mini-batch of a window, from the state pass to the output kernel
-    G1S = XQ.new_empty(B, H, NW, bsz, m, dtype=cdt)
-    G2S = XQ.new_empty(B, H, NW, bsz, d, dtype=cdt)
+    # Γ1, Γ2 and Z2 of every mini-batch of a window, from the state pass to the output kernel
+    # (and the backward)
+    G1S, G2S = _mlp_gamma_buffers(XQ, m, NW, bsz)
     # the state pass updates W1, b1, W2 in place in these (fresh copies: the inputs stay untouched)
     for dst, src in ((W1F, W1), (B1F, b1), (W2F, W2)):
         dst.copy_(src)
@@ -704,25 +805,28 @@ def _mlp_fwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: torch
             q_w, k_w, e_w, tau_c, lw, lb, W1S, B1S, W2S, B2S, G1S, G2S, o_w,
             T, nw, H, LN_EPS, D=d, BD=BD, M=m, BM=BM, MB=bsz, BT=BT, BK=BK, PREC=prec, **kw)
         b2_in = B2F
-    return [out, W1F, B1F, W2F, B2F, W1S, B1S, W2S, B2S]
+    return [out, W1F, B1F, W2F, B2F, W1S, B1S, W2S, B2S, G1S, G2S]
 
 
 @_mlp_fwd_op.register_fake
 def _(XQ, XK, XV, eta, tau, ln_w, ln_b, W1, b1, W2, b2, mini_batch_size, save):
     m = W1.shape[-1]
     NMB = XQ.shape[2] // mini_batch_size
+    NW = NMB if save else min(NMB, _mlp_window())
     return ([torch.empty_like(XQ)] + _mlp_weight_buffers(XQ, m, None)
-            + _mlp_weight_buffers(XQ, m, NMB if save else min(NMB, _mlp_window())))
+            + _mlp_weight_buffers(XQ, m, NW) + _mlp_gamma_buffers(XQ, m, NW, mini_batch_size))
 
 
 @torch.library.custom_op("kernels::ttt_mlp_bwd", mutates_args=())
 def _mlp_bwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: torch.Tensor, tau: torch.Tensor,
                 ln_w: torch.Tensor, ln_b: torch.Tensor, W1S: torch.Tensor, B1S: torch.Tensor, W2S: torch.Tensor,
-                B2S: torch.Tensor, dout: Optional[torch.Tensor], dW1F: Optional[torch.Tensor],
+                B2S: torch.Tensor, G1S: torch.Tensor, G2S: torch.Tensor,
+                dout: Optional[torch.Tensor], dW1F: Optional[torch.Tensor],
                 dB1F: Optional[torch.Tensor], dW2F: Optional[torch.Tensor], dB2F: Optional[torch.Tensor],
                 mini_batch_size: int, W1_dt: torch.dtype, b1_dt: torch.dtype, W2_dt: torch.dtype,
                 b2_dt: torch.dtype) -> List[torch.Tensor]:
-    """Gradients of the eleven tensor inputs of ``_mlp_fwd_op``."""
+    """Gradients of the eleven tensor inputs of ``_mlp_fwd_op``: ``_ttt_mlp_bwd_mb_kernel`` over
+    every (batch, head, mini-batch), then ``_ttt_mlp_bwd_kernel`` over every (batch, head)."""
     bsz, tau_dt, lw_dt, lb_dt = mini_batch_size, tau.dtype, ln_w.dtype, ln_b.dtype
     tau_c = tau.to(W1S.dtype).contiguous()
     lw, lb = ln_w.to(W1S.dtype).contiguous(), ln_b.to(W1S.dtype).contiguous()
@@ -738,29 +842,45 @@ def _mlp_bwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: torch
         buf = torch.zeros(*shape, dtype=cdt, device=dev)
         return buf if g is None else buf.copy_(g)
 
+    def empty(*shape):
+        return torch.empty(*shape, dtype=cdt, device=dev)
+
     dout = torch.zeros_like(XQ) if dout is None else dout.contiguous()
     dW10, dB10, dW20 = grad_init(dW1F, B, H, d, m), grad_init(dB1F, B, H, 1, m), grad_init(dW2F, B, H, m, d)
-    dB2F = grad_init(dB2F, B, H, 1, d)
+    dB20 = grad_init(dB2F, B, H, 1, d)
     dXQ, dXK, dXV = (torch.empty_like(XQ) for _ in range(3))
     dETA = torch.empty_like(eta)
-    dTAU = torch.empty(B, H, bsz, dtype=cdt, device=dev)
-    dLNW = torch.empty(B, H, d, dtype=cdt, device=dev)
-    dLNB = torch.empty(B, H, d, dtype=cdt, device=dev)
-    dB20 = torch.empty(B, H, 1, d, dtype=cdt, device=dev)
+    # per mini-batch, from the parallel kernel to the carry: ∂Z̄1, X̄2, ∂Γ1 and ∂Z1 partials
+    # [b, m], ∂Z̄2 and ∂Γ2's partial [b, d]; the partial ∂K, ∂η in the accumulation dtype
+    DZB1, XB2, DG1P, DZ1P = (empty(B, H, NMB, bsz, m) for _ in range(4))
+    DZB2, DG2P = (empty(B, H, NMB, bsz, d) for _ in range(2))
+    DKP, DEP = empty(B, H, T, d), empty(B, H, T)
+    # ∂τ, ∂γ, ∂β per (batch, head, mini-batch): both kernels add to them
+    dTAU, dLNW, dLNB = empty(B, H, NMB, bsz), empty(B, H, NMB, d), empty(B, H, NMB, d)
+    # the carry's per-program scratch: ∂Z1, ∂S, X2 [b, m] and ∂Z2 [b, d]
+    SZ, SS, SX, SD = empty(B, H, bsz, m), empty(B, H, bsz, m), empty(B, H, bsz, m), empty(B, H, bsz, d)
     BD, BM, BT, kw = _mlp_launch_cfg(d, m, bsz)
-    dZ1S = torch.empty(B, H, 3, BT, m, dtype=cdt, device=dev)
-    RS = torch.empty(B, H, 4, BT, BD, dtype=cdt, device=dev)
+    prec = _precision(XQ.dtype)
+    BK = _mlp_col_block(BD, prec)
+    XQ, XK, XV, eta = (x.contiguous() for x in (XQ, XK, XV, eta))
+    _ttt_mlp_bwd_mb_kernel[(B * H * NMB,)](
+        XQ, XK, eta, tau_c, lw, lb, W1S, B1S, W2S, B2S, G1S, G2S, dout,
+        DZB1, XB2, DG1P, DZ1P, DZB2, DG2P, DKP, DEP, dXQ, dTAU, dLNW, dLNB,
+        T, NMB, H, LN_EPS, D=d, BD=BD, M=m, BM=BM, MB=bsz, BT=BT, BK=_mlp_col_block(BD, prec, "bwd_mb", device_arch(dev)),
+        PREC=prec, **kw)
     _ttt_mlp_bwd_kernel[(B * H,)](
-        XQ, XK, XV, eta, tau_c, lw, lb, W1S, B1S, W2S, B2S, dout, dB2F, dZ1S, RS,
-        dXQ, dXK, dXV, dETA, dTAU, dLNW, dLNB, dW10, dB10, dW20, dB20,
-        T, NMB, H, LN_EPS, D=d, BD=BD, M=m, BM=BM, MB=bsz, BT=BT, PREC=_precision(XQ.dtype), **kw)
-    return [dXQ, dXK, dXV, dETA, dTAU.sum((0, 1)).to(tau_dt), dLNW.sum(0).to(lw_dt),
-            dLNB.sum(0).to(lb_dt), dW10.to(W1_dt), dB10.to(b1_dt), dW20.to(W2_dt), dB20.to(b2_dt)]
+        XQ, XK, XV, eta, tau_c, lw, lb, W1S, B1S, W2S, G1S, G2S,
+        DZB1, XB2, DG1P, DZ1P, DZB2, DG2P, DKP, DEP, SZ, SS, SX, SD,
+        dXK, dXV, dETA, dTAU, dLNW, dLNB, dW10, dB10, dW20, dB20,
+        T, NMB, H, LN_EPS, D=d, BD=BD, M=m, BM=BM, MB=bsz, BT=BT, BK=BK, PREC=prec, **kw)
+    return [dXQ, dXK, dXV, dETA, dTAU.sum((0, 1, 2)).to(tau_dt), dLNW.sum((0, 2)).to(lw_dt),
+            dLNB.sum((0, 2)).to(lb_dt),
+            dW10.to(W1_dt), dB10.to(b1_dt), dW20.to(W2_dt), dB20.to(b2_dt)]
 
 
 @_mlp_bwd_op.register_fake
-def _(XQ, XK, XV, eta, tau, ln_w, ln_b, W1S, B1S, W2S, B2S, dout, dW1F, dB1F, dW2F, dB2F, mini_batch_size,
-      W1_dt, b1_dt, W2_dt, b2_dt):
+def _(XQ, XK, XV, eta, tau, ln_w, ln_b, W1S, B1S, W2S, B2S, G1S, G2S, dout, dW1F, dB1F, dW2F, dB2F,
+      mini_batch_size, W1_dt, b1_dt, W2_dt, b2_dt):
     ws = _mlp_weight_buffers(XQ, W1S.shape[-1], None)
     return ([torch.empty_like(t) for t in (XQ, XK, XV, eta, tau, ln_w, ln_b)]
             + [torch.empty_like(w, dtype=dt) for w, dt in zip(ws, (W1_dt, b1_dt, W2_dt, b2_dt))])

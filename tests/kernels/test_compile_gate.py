@@ -60,15 +60,6 @@ KNOWN_FAILURES = {
     (80, "_ttt_linear_out_kernel", "fp32 d=128 b=64 sm_80"): "no_spills: 1668/1920 B spilled",
     (80, "_ttt_linear_bwd_mb_kernel", "fp32 d=128 b=64 sm_80"): "no_spills: 3804/4404 B spilled",
     (80, "_ttt_linear_bwd_kernel", "fp32 d=128 b=64 sm_80"): "no_spills: 1176/1264 B spilled",
-    # -- TTT-MLP (kernels/ttt/mlp_chunk.py; hidden tiles streamed from global memory) --
-    (90, "_ttt_mlp_bwd_kernel", "bf16 d=64 m=256 b=16"): "no_spills: 84/84 B spilled",
-    (80, "_ttt_mlp_bwd_kernel", "bf16 d=64 m=256 b=16"): "no_spills: 220/252 B spilled",
-    (90, "_ttt_mlp_bwd_kernel", "bf16 d=128 m=512 b=16"): "no_spills: 556/576 B spilled",
-    (80, "_ttt_mlp_bwd_kernel", "bf16 d=128 m=512 b=16"): "no_spills: 740/872 B spilled",
-    (90, "_ttt_mlp_bwd_kernel", "fp32 d=64 m=256 b=16"): "no_spills: 1316/1904 B spilled",
-    (80, "_ttt_mlp_bwd_kernel", "fp32 d=64 m=256 b=16"): "no_spills: 1288/1828 B spilled",
-    (90, "_ttt_mlp_bwd_kernel", "fp32 d=128 m=512 b=16"): "no_spills: 5476/6672 B spilled",
-    (80, "_ttt_mlp_bwd_kernel", "fp32 d=128 m=512 b=16"): "no_spills: 32368/43088 B spilled",
 }
 
 

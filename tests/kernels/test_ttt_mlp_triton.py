@@ -197,6 +197,34 @@ def test_weights_and_state_left_untouched():
     assert all(st[k].grad.abs().max() > 0 for k in WEIGHTS)
 
 
+def test_launch_config_per_gpu_family(monkeypatch):
+    """The TTT-MLP launch configs that the wrapper takes on a GPU are the ones the compile gate
+    compiles (kernels/ttt/gate.py): the per-mini-batch backward's column block per GPU family (16
+    only for 3×TF32 on sm_80), the other kernels' the same on both."""
+    from kernels.ttt import chunk, gate, mlp_chunk
+
+    monkeypatch.setattr(mlp_chunk, "is_interpreting", lambda: False)
+    monkeypatch.setattr(chunk, "is_interpreting", lambda: False)     # gate.py lists TTT-Linear too
+    assert mlp_chunk._mlp_col_block(128, "tf32x3", "bwd_mb", arch=80) == 16
+    assert mlp_chunk._mlp_col_block(128, "tf32x3", "bwd_mb", arch=90) == 32
+    assert mlp_chunk._mlp_col_block(128, "bf16", "bwd_mb", arch=80) == 32
+    assert mlp_chunk._mlp_col_block(16, "tf32x3") == 16
+    cases = [c for c in gate.compile_cases() if c.kernel.startswith("_ttt_mlp_")]
+    assert {c.kernel for c in cases} == {"_ttt_mlp_fwd_kernel", "_ttt_mlp_out_kernel", "_ttt_mlp_bwd_mb_kernel",
+                                         "_ttt_mlp_bwd_kernel"}
+    for c in cases:
+        prec, BD = c.constexprs["PREC"], c.constexprs["BD"]
+        if c.kernel == "_ttt_mlp_bwd_mb_kernel":
+            (arch,) = c.archs
+            assert c.config.endswith(f"sm_{arch}")
+            assert c.constexprs["BK"] == mlp_chunk._mlp_col_block(BD, prec, "bwd_mb", arch=arch)
+        else:
+            assert c.constexprs["BK"] == mlp_chunk._mlp_col_block(BD, prec)
+        BD_, BM, BT, kw = mlp_chunk._mlp_launch_cfg(c.constexprs["D"], c.constexprs["M"], c.constexprs["MB"])
+        assert (BD, c.constexprs["BM"], c.constexprs["BT"]) == (BD_, BM, BT)
+        assert (c.num_warps, c.num_stages) == (kw["num_warps"], kw["num_stages"])
+
+
 def test_rejects_unsupported_mini_batch():
     args = _inputs(4, 8, 128)
     with pytest.raises(ValueError, match="mini_batch_size"):
