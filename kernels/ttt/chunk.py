@@ -343,119 +343,131 @@ def _ttt_linear_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, WS, BS, DWF, DBF, DKP
                            DXK, DXV, DETA, DTAU, DLNW, DLNB, DW0, DB0, DWT, SCR,
                            T, NMB, H, eps,
                            D: tl.constexpr, BD: tl.constexpr, MB: tl.constexpr, BT: tl.constexpr,
-                           BC: tl.constexpr, PREC: tl.constexpr):
+                           BC: tl.constexpr, RB: tl.constexpr, PREC: tl.constexpr):
     """The part of the backward that carries (dW1, db1) from the last mini-batch to the first:
     one program per batch·head, after ``_ttt_linear_bwd_mb_kernel``, whose partial ∂XK, ∂η, ∂Γ
     and ∂Z̄ it completes through the update W1' = W1 − τ_{b−1} Kᵀ(η⊙Γ) and Γ's dependence on Z.
+    Within a mini-batch every row is independent given the carried (dW1, db1) at its end (Z, Γ,
+    P = K dW1 + db1, the LayerNorm's second derivative, ∂Z, ∂K are row by row); the rows meet only
+    in sums (the update Qᵀ∂Z̄ + Kᵀ∂Z of dW1, and ∂b1, ∂τ, ∂γ, ∂β). So a mini-batch runs in blocks
+    of RB rows: each block's [RB, d] LayerNorm intermediates are computed, used and dropped, and
+    its share of the sums is added to the other dW1 slot (the first block adds it to dW1 itself).
     Every product with a [d, d] operand (W1, dW1, the update) runs BC columns of it at a time; the
-    [b, BC] column tiles of a product or of a [b, d] operand pass through four [BT, BD] scratch
-    tiles in ``SCR`` (per program; float32), so at most a [BD, BC] tile of a weight is live."""
+    [RB, BC] column tiles of a product or of a [RB, d] operand pass through four [RB, BD] scratch
+    tiles in ``SCR`` (a fifth holds the row blocks' parts of ∂b1) (per program; float32), so at most a [BD, BC] tile of a weight is live."""
     pid = tl.program_id(0)
     h = pid % H
     cdt = DW0.dtype.element_ty
-    # index tensors built once, outside the loop (unlike the forward's ``_loop_index``: here that
-    # takes fewer registers, by the compile gate)
-    rows = tl.arange(0, BT)
     cols = tl.arange(0, BD)
     cmask = cols < D
-    rmask = rows < MB
     wmask = cmask[:, None] & cmask[None, :]
-    xmask = rmask[:, None] & cmask[None, :]
     woff = cols[:, None] * D + cols[None, :]
-    soff = rows[:, None] * BD + cols[None, :]          # a whole scratch tile
+    rl = tl.arange(0, RB)                              # rows within a row block
+    soff = rl[:, None] * BD + cols[None, :]            # a whole scratch tile
     tau_last = tl.load(TAU + MB - 1).to(cdt)
-    S_Z = SCR + pid * 4 * BT * BD                      # Z = K W1 (read back whole)
-    S_P = S_Z + BT * BD                                # P = K dW1 (read back whole)
-    S_E = S_P + BT * BD                                # η⊙Γ (read by column tiles)
-    S_X = S_E + BT * BD                                # ∂Z (read by column tiles)
+    S_Z = SCR + pid * 4 * RB * BD                      # Z = K W1 (read back whole)
+    S_P = S_Z + RB * BD                                # P = K dW1 (read back whole)
+    S_E = S_P + RB * BD                                # η⊙Γ (read by column tiles)
+    S_X = S_E + RB * BD                                # ∂Z (read by column tiles)
+    S_B = S_X + RB * BD                                # each row block's part of ∂b1 (one row each)
 
     # gradients with respect to the weights at the END of the current mini-batch; dW1 lives in the
     # two slots of DWT [2, d, d] (global memory), not in registers: read in slot i % 2 where a
-    # product needs it, the update written to the other slot at the end of the mini-batch
+    # product needs it, the update written to the other slot during the mini-batch
     DWT = DWT + pid * 2 * D * D
     tl.store(DWT + woff, tl.load(DWF + pid * D * D + woff, mask=wmask, other=0.0).to(cdt), mask=wmask)
     dbb = tl.load(DBF + pid * D + cols, mask=cmask, other=0.0).to(cdt)
-    dgamma = tl.zeros([BD], dtype=cdt)
-    dbeta = tl.zeros([BD], dtype=cdt)
-    dtau = tl.zeros([BT], dtype=cdt)
+    dtau = tl.sum(tl.zeros([BD], dtype=cdt), axis=0)   # ∂τ_{b−1} (the update's scale)
     tl.debug_barrier()
 
     for i in range(NMB):
         n = NMB - 1 - i
         dWP = DWT + (i % 2) * D * D
         dWQ = DWT + ((i + 1) % 2) * D * D
-        gamma = tl.load(LNW + h * D + cols, mask=cmask, other=0.0).to(cdt)
-        beta = tl.load(LNB + h * D + cols, mask=cmask, other=0.0).to(cdt)
         WP = WS + (pid * NMB + n) * D * D
-        bb = tl.load(BS + (pid * NMB + n) * D + cols, mask=cmask, other=0.0).to(cdt)
-        t_off = n * MB + rows
-        xoff = pid * T * D + t_off[:, None] * D + cols[None, :]
-        k = tl.load(XK + xoff, mask=xmask, other=0.0).to(cdt)
-        v = tl.load(XV + xoff, mask=xmask, other=0.0).to(cdt)
-        e = tl.load(ETA + pid * T + t_off, mask=rmask, other=0.0).to(cdt)
-        xh, rstd, r, G = _mini_batch_grad_cols(k, v, WP, S_Z, bb, gamma, beta, cmask, D, BD, BT, BC, eps, PREC)
+        for rb in range(BT // RB):
+            # γ, β, b1 loaded per row block: not held through the block's LayerNorm
+            gamma = tl.load(LNW + h * D + cols, mask=cmask, other=0.0).to(cdt)
+            beta = tl.load(LNB + h * D + cols, mask=cmask, other=0.0).to(cdt)
+            bb = tl.load(BS + (pid * NMB + n) * D + cols, mask=cmask, other=0.0).to(cdt)
+            rows = rb * RB + rl
+            rmask = rows < MB
+            xmask = rmask[:, None] & cmask[None, :]
+            t_off = n * MB + rows
+            xoff = pid * T * D + t_off[:, None] * D + cols[None, :]
+            k = tl.load(XK + xoff, mask=xmask, other=0.0).to(cdt)
+            v = tl.load(XV + xoff, mask=xmask, other=0.0).to(cdt)
+            e = tl.load(ETA + pid * T + t_off, mask=rmask, other=0.0).to(cdt)
+            xh, rstd, r, G = _mini_batch_grad_cols(k, v, WP, S_Z, bb, gamma, beta, cmask, D, BD, RB, BC, eps, PREC)
 
-        # end-of-mini-batch update W1' = W1 − τ_{b−1} Kᵀ(η⊙Γ), b1' = b1 − τ_{b−1} Σ η Γ:
-        # P = K dW1 + db1 and ∂K through the update, −τ_{b−1} (η⊙Γ) dW1ᵀ, column tile by column tile
-        tl.store(S_E + soff, e[:, None] * G)
-        for c in range(BD // BC):
-            cc = c * BC + tl.arange(0, BC)
-            dWc = tl.load(dWP + cols[:, None] * D + cc[None, :], mask=cmask[:, None] & (cc[None, :] < D), other=0.0)
-            tl.store(S_P + rows[:, None] * BD + cc[None, :], _dot(k, dWc, PREC))
+            # end-of-mini-batch update W1' = W1 − τ_{b−1} Kᵀ(η⊙Γ), b1' = b1 − τ_{b−1} Σ η Γ:
+            # P = K dW1 + db1 and ∂K through the update, −τ_{b−1} (η⊙Γ) dW1ᵀ, column tile by column tile
+            tl.store(S_E + soff, e[:, None] * G)
+            for c in range(BD // BC):
+                cc = c * BC + tl.arange(0, BC)
+                dWc = tl.load(dWP + cols[:, None] * D + cc[None, :], mask=cmask[:, None] & (cc[None, :] < D), other=0.0)
+                tl.store(S_P + rl[:, None] * BD + cc[None, :], _dot(k, dWc, PREC))
+            tl.debug_barrier()
+            P = tl.load(S_P + soff) + dbb[None, :]
+            GP = tl.sum(G * P, axis=1)
+            dG = tl.load(DG0 + xoff, mask=xmask, other=0.0).to(cdt) - tau_last * e[:, None] * P
+            de = tl.load(DEP + pid * T + t_off, mask=rmask, other=0.0).to(cdt) - tau_last * GP
+            tl.store(DETA + pid * T + t_off, de.to(DETA.dtype.element_ty), mask=rmask)
+            dtau += -tl.sum(e * GP, axis=0)
+            # Γ = (ĝ − mean ĝ − x̂ mean(ĝ x̂)) / σ with ĝ = γ r, r = γ x̂ + β − (V − K), x̂, σ of Z
+            dgh = _ln_bwd(dG, xh, rstd, cmask, D)
+            c2 = tl.sum(gamma[None, :] * r * xh, axis=1) / D
+            mux = tl.sum(dG * xh, axis=1) / D
+            dxh = (-(dG * c2[:, None] + gamma[None, :] * r * mux[:, None]) * rstd[:, None]
+                   + gamma[None, :] * gamma[None, :] * dgh)
+            dsig = -tl.sum(dG * G, axis=1) * rstd
+            # ∂γ, ∂β: one partial sum per (mini-batch, row block), summed outside (not carried)
+            po = (pid * NMB + n) * (BT // RB) + rb
+            tl.store(DLNW + po * D + cols, tl.sum(dgh * (gamma[None, :] * xh + r), axis=0), mask=cmask)
+            tl.store(DLNB + po * D + cols, tl.sum(dgh * gamma[None, :], axis=0), mask=cmask)
+            dtgt = -gamma[None, :] * dgh
+            tl.store(DXV + xoff, dtgt.to(DXV.dtype.element_ty), mask=xmask)          # target = V − K
+            dZ = _ln_bwd(dxh, xh, rstd, cmask, D) + tl.where(cmask[None, :], dsig[:, None] * xh / D, 0.0)
+            dZb = tl.load(DZB + xoff, mask=xmask, other=0.0).to(cdt)
+            # ∂b1 of this row block, summed over the blocks once the mini-batch is done (not carried)
+            tl.store(S_B + rb * BD + cols, tl.sum(dZb, axis=0) + tl.sum(dZ, axis=0))
+            # ∂K: the per-mini-batch part, through the update (with dW1 of the end of this
+            # mini-batch), through Z (∂Z W1ᵀ) and through the target
+            dk = -dtgt
+            # Z = K W1 + b1, Z̄ = Q W1 + b1 − M Γ: dW1_start = dW1_end + Qᵀ ∂Z̄ + Kᵀ ∂Z (this row
+            # block's share), and ∂Z W1ᵀ, one BC-column tile of W1, ∂Z and ∂Z̄ at a time (∂Z through
+            # the scratch, ∂Z̄ from DZB)
+            tl.store(S_X + soff, dZ)
+            tl.debug_barrier()
+            q = tl.load(XQ + xoff, mask=xmask, other=0.0).to(cdt)
+            k = tl.load(XK + xoff, mask=xmask, other=0.0).to(cdt)     # read again: not held through the LayerNorm
+            for c in range(BD // BC):
+                cc = c * BC + tl.arange(0, BC)
+                ccm = cc < D
+                dZc = tl.load(S_X + rl[:, None] * BD + cc[None, :])
+                dZbc = tl.load(DZB + pid * T * D + t_off[:, None] * D + cc[None, :], mask=rmask[:, None] & ccm[None, :],
+                               other=0.0).to(cdt)
+                # the update's columns cc as [BC, d] rows (a product of BC rows, not d)
+                updT = _dot(tl.trans(dZbc), q, PREC) + _dot(tl.trans(dZc), k, PREC)
+                wc = cc[:, None] + cols[None, :] * D
+                wcm = ccm[:, None] & cmask[None, :]
+                dWt = tl.load(dWP + wc, mask=wcm, other=0.0)
+                # the first row block starts the other slot from dW1_end, later ones add to it
+                acc = tl.load(dWQ + wc, mask=wcm & (rb > 0), other=0.0)
+                tl.store(dWQ + wc, tl.where(rb > 0, acc, dWt) + updT, mask=wcm)
+                # last, so that the loop's last tl.dot, whose warp layout every product takes, is a [RB, d] one
+                dk += (_dot(dZc, tl.load(WP + wc, mask=wcm, other=0.0), PREC)
+                       - tau_last * _dot(tl.load(S_E + rl[:, None] * BD + cc[None, :]), dWt, PREC))
+            dk += tl.load(DKP + xoff, mask=xmask, other=0.0).to(cdt)
+            tl.store(DXK + xoff, dk.to(DXK.dtype.element_ty), mask=xmask)
+            tl.debug_barrier()                  # the next row block reuses the scratch, adds to dWQ
+        dbb += tl.sum(tl.load(S_B + soff, mask=(rl[:, None] < BT // RB) & cmask[None, :], other=0.0), axis=0)
         tl.debug_barrier()
-        P = tl.load(S_P + soff) + dbb[None, :]
-        GP = tl.sum(G * P, axis=1)
-        dG = tl.load(DG0 + xoff, mask=xmask, other=0.0).to(cdt) - tau_last * e[:, None] * P
-        de = tl.load(DEP + pid * T + t_off, mask=rmask, other=0.0).to(cdt) - tau_last * GP
-        tl.store(DETA + pid * T + t_off, de.to(DETA.dtype.element_ty), mask=rmask)
-        dtau += tl.where(rows == MB - 1, -tl.sum(e * GP, axis=0), 0.0)
-        # Γ = (ĝ − mean ĝ − x̂ mean(ĝ x̂)) / σ with ĝ = γ r, r = γ x̂ + β − (V − K), x̂, σ of Z
-        dgh = _ln_bwd(dG, xh, rstd, cmask, D)
-        c2 = tl.sum(gamma[None, :] * r * xh, axis=1) / D
-        mux = tl.sum(dG * xh, axis=1) / D
-        dxh = (-(dG * c2[:, None] + gamma[None, :] * r * mux[:, None]) * rstd[:, None]
-               + gamma[None, :] * gamma[None, :] * dgh)
-        dsig = -tl.sum(dG * G, axis=1) * rstd
-        dgamma += tl.sum(dgh * (gamma[None, :] * xh + r), axis=0)
-        dbeta += tl.sum(dgh * gamma[None, :], axis=0)
-        dtgt = -gamma[None, :] * dgh
-        tl.store(DXV + xoff, dtgt.to(DXV.dtype.element_ty), mask=xmask)          # target = V − K
-        dZ = _ln_bwd(dxh, xh, rstd, cmask, D) + tl.where(cmask[None, :], dsig[:, None] * xh / D, 0.0)
-        dZb = tl.load(DZB + xoff, mask=xmask, other=0.0).to(cdt)
-        dbb += tl.sum(dZb, axis=0) + tl.sum(dZ, axis=0)
-        # ∂K: the per-mini-batch part, through the update (dkW above, with dW1 of the end of this
-        # mini-batch), through Z (∂Z W1ᵀ) and through the target
-        dk = -dtgt
-        # Z = K W1 + b1, Z̄ = Q W1 + b1 − M Γ: dW1_start = dW1_end + Qᵀ ∂Z̄ + Kᵀ ∂Z, and ∂Z W1ᵀ,
-        # one BC-column tile of W1, ∂Z and ∂Z̄ at a time (∂Z through the scratch, ∂Z̄ from DZB)
-        tl.store(S_X + soff, dZ)
-        tl.debug_barrier()
-        q = tl.load(XQ + xoff, mask=xmask, other=0.0).to(cdt)
-        k = tl.load(XK + xoff, mask=xmask, other=0.0).to(cdt)     # read again: not held through the LayerNorm
-        for c in range(BD // BC):
-            cc = c * BC + tl.arange(0, BC)
-            ccm = cc < D
-            dZc = tl.load(S_X + rows[:, None] * BD + cc[None, :])
-            dZbc = tl.load(DZB + pid * T * D + t_off[:, None] * D + cc[None, :], mask=rmask[:, None] & ccm[None, :],
-                           other=0.0).to(cdt)
-            # the update's columns cc as [BC, d] rows (a product of BC rows, not d)
-            updT = _dot(tl.trans(dZbc), q, PREC) + _dot(tl.trans(dZc), k, PREC)
-            wc = cc[:, None] + cols[None, :] * D
-            wcm = ccm[:, None] & cmask[None, :]
-            dWt = tl.load(dWP + wc, mask=wcm, other=0.0)
-            tl.store(dWQ + wc, dWt + updT, mask=wcm)
-            # last, so that the loop's last tl.dot, whose warp layout every product takes, is a [b, d] one
-            dk += (_dot(dZc, tl.load(WP + wc, mask=wcm, other=0.0), PREC)
-                   - tau_last * _dot(tl.load(S_E + rows[:, None] * BD + cc[None, :]), dWt, PREC))
-        dk += tl.load(DKP + xoff, mask=xmask, other=0.0).to(cdt)
-        tl.store(DXK + xoff, dk.to(DXK.dtype.element_ty), mask=xmask)
-        tl.debug_barrier()                      # the next mini-batch reads the slot written above
 
     tl.store(DW0 + pid * D * D + woff, tl.load(DWT + (NMB % 2) * D * D + woff, mask=wmask, other=0.0), mask=wmask)
     tl.store(DB0 + pid * D + cols, dbb, mask=cmask)
-    tl.store(DLNW + pid * D + cols, dgamma, mask=cmask)
-    tl.store(DLNB + pid * D + cols, dbeta, mask=cmask)
-    tl.store(DTAU + pid * MB + rows, dtau, mask=rmask)
+    rows = tl.arange(0, BT)
+    tl.store(DTAU + pid * MB + rows, tl.where(rows == MB - 1, dtau, 0.0), mask=rows < MB)
 
 
 # ---- autograd -----------------------------------------------------------------------------------
@@ -488,11 +500,17 @@ _LINEAR_WARPS = {
 _LINEAR_KERNELS = ("state", "out", "bwd_mb", "bwd")
 #: the kernels whose products with a [d, d] operand run BC columns of it at a time (all of them)
 _COLUMN_TILED = _LINEAR_KERNELS
+#: the kernels that walk a mini-batch in blocks of ``_LINEAR_RB`` rows (its [RB, d] LayerNorm
+#: intermediates live in registers, not the [b, d] ones)
+_ROW_BLOCKED = ("bwd",)
+#: rows per row block (tl.dot needs ≥ 16; BT is a multiple of it)
+_LINEAR_RB = 16
 #: BC per (arch, kernel, bf16 operands, BD, BT), 16 where it names none (these spill at 16, not at
 #: 32: the float32 state pass at d = 128, b = 16 and the bf16 per-mini-batch backward at d = 128,
 #: b = 64 on sm_80, the float32 backward carry at d = 128, b = 16 on both)
 _LINEAR_BC = {(80, "state", False, 128, 16): 32, (80, "bwd_mb", True, 128, 64): 32,
-              (90, "bwd", False, 128, 16): 32, (80, "bwd", False, 128, 16): 32}
+              (90, "bwd", False, 128, 16): 32, (80, "bwd", False, 128, 16): 32,
+              (90, "bwd", False, 128, 64): 32, (80, "bwd", False, 128, 64): 32}
 
 
 def _launch_cfg(d: int, b: int, kernel: str = "state", half: bool = True, arch: int = INTERPRET_ARCH):
@@ -506,6 +524,8 @@ def _launch_cfg(d: int, b: int, kernel: str = "state", half: bool = True, arch: 
     BD = max(16, triton.next_power_of_2(d))
     BT = max(16, triton.next_power_of_2(b))
     tiles = {"BC": min(BD, _LINEAR_BC.get((arch, kernel, half, BD, BT), 16))} if kernel in _COLUMN_TILED else {}
+    if kernel in _ROW_BLOCKED:
+        tiles["RB"] = _LINEAR_RB
     if is_interpreting():                   # 16 columns, so that the tests at d = 32 walk two tiles
         return BD, BT, {k: 16 for k in tiles}
     warps = _LINEAR_WARPS.get((arch, kernel, half, BD, BT), 8)
@@ -618,13 +638,12 @@ def _linear_bwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: to
     dXQ, dXK, dXV = (torch.empty_like(XQ) for _ in range(3))
     dETA = torch.empty_like(eta)
     dTAU = torch.empty(B, H, bsz, dtype=cdt, device=dev)
-    dLNW = torch.empty(B, H, d, dtype=cdt, device=dev)
-    dLNB = torch.empty(B, H, d, dtype=cdt, device=dev)
+    NRB = max(16, triton.next_power_of_2(bsz)) // _LINEAR_RB       # row blocks per mini-batch
+    dLNW = torch.empty(B, H, NMB * NRB, d, dtype=cdt, device=dev)
+    dLNB = torch.empty(B, H, NMB * NRB, d, dtype=cdt, device=dev)
     dW0 = torch.empty(B, H, d, d, dtype=cdt, device=dev)
     dB0 = torch.empty(B, H, 1, d, dtype=cdt, device=dev)
     dWT = torch.empty(B, H, 2, d, d, dtype=cdt, device=dev)           # the second kernel's two dW1 slots
-    SCR = torch.empty(B, H, 4, max(16, triton.next_power_of_2(bsz)), max(16, triton.next_power_of_2(d)),
-                      dtype=cdt, device=dev)                           # its [b, d] scratch tiles
     # what the per-mini-batch kernel hands to the carrying one (float32; float64 for float64 inputs)
     dKP, dG0, dZB = (torch.empty(B, H, T, d, dtype=cdt, device=dev) for _ in range(3))
     dEP = torch.empty(B, H, T, dtype=cdt, device=dev)
@@ -639,12 +658,13 @@ def _linear_bwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: to
         dXQ, dKP, dEP, dG0, dZB, dTAUP, dLNWP, dLNBP, torch.empty(B, H, NMB, BT, BD, dtype=cdt, device=dev),
         T, NMB, H, LN_EPS, D=d, BD=BD, MB=bsz, BT=BT, PREC=prec, **kw)
     BD, BT, kw = _launch_cfg(d, bsz, "bwd", half=half, arch=arch)
+    SCR = torch.empty(B, H, 5, kw["RB"], BD, dtype=cdt, device=dev)   # its [RB, d] scratch tiles
     _ttt_linear_bwd_kernel[(B * H,)](
         XQ, XK, XV, eta, tau_c, lw, lb, WS, BS, dWF, dBF, dKP, dEP, dG0, dZB,
         dXK, dXV, dETA, dTAU, dLNW, dLNB, dW0, dB0, dWT, SCR,
         T, NMB, H, LN_EPS, D=d, BD=BD, MB=bsz, BT=BT, PREC=prec, **kw)
     return [dXQ, dXK, dXV, dETA, (dTAU.sum((0, 1)) + dTAUP.sum((0, 1, 2))).to(tau_dt),
-            (dLNW.sum(0) + dLNWP.sum((0, 2))).to(lw_dt), (dLNB.sum(0) + dLNBP.sum((0, 2))).to(lb_dt),
+            (dLNW.sum((0, 2)) + dLNWP.sum((0, 2))).to(lw_dt), (dLNB.sum((0, 2)) + dLNBP.sum((0, 2))).to(lb_dt),
             dW0.to(W_dt), dB0.to(b_dt)]
 
 

@@ -35,7 +35,7 @@ def compile_cases():
                         ptrs = {n: dt for n in io_names if n in names}
                         if dt == "bf16":
                             ptrs["WS"] = ptrs["GS"] = "bf16"      # see _linear_mini_batch_buffers
-                        tiles = {k: kw[k] for k in ("BC",) if k in kw}
+                        tiles = {k: kw[k] for k in ("BC", "RB") if k in kw}
                         out.append(case(kern, cfg, constexprs=dict(D=d, BD=BD, MB=b, BT=BT, PREC=chunk._precision(tdt),
                                                                    **tiles, **extra),
                                         scalars=ints, pointers=ptrs, num_warps=kw["num_warps"],

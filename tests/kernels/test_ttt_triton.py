@@ -78,9 +78,11 @@ def _compare(got, ref, T, b, atol, rtol, pos0=0):
 # d = 8 and b ∈ {4, 8} exercise the padding of the tiles to 16; the kernels keep W1 and dW1 in two
 # global slots, alternating per mini-batch: 1, 2 and 3 (13 tokens at b = 4) kernel mini-batches;
 # d = 32 and 24 (padded) walk two 16-column tiles of the weights (``_launch_cfg``'s BC under the
-# interpreter)
+# interpreter); b = 32, 24 (padded to 32) and 64 walk a mini-batch in row blocks of 16
+# (``_LINEAR_RB``), the second block of b = 24 half padding
 SHAPES = [(32, 16, 16, 0), (37, 16, 16, 0), (45, 16, 16, 5), (9, 16, 16, 5), (20, 8, 16, 0),
-          (11, 8, 4, 0), (19, 16, 8, 3), (13, 8, 4, 0), (32, 32, 16, 0), (35, 24, 8, 0)]
+          (11, 8, 4, 0), (19, 16, 8, 3), (13, 8, 4, 0), (32, 32, 16, 0), (35, 24, 8, 0),
+          (70, 16, 32, 0), (50, 8, 24, 0), (64, 32, 64, 0)]
 
 
 @pytest.mark.parametrize("T,d,b,prefix", SHAPES)
