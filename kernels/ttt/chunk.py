@@ -241,38 +241,62 @@ def _ttt_linear_state_kernel(XK, XV, ETA, TAU, LNW, LNB, W0, B0, WS, BS, GS, WF,
 
 
 @triton.jit
+def _zbar_block(q, tau_i, rows_i, nb, XK, ETA, GS, WP, S, bb, x0, e0, cmask, D: tl.constexpr,
+                BD: tl.constexpr, MB: tl.constexpr, RB: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
+    """Z̄ of one row block i (rows ``rows_i``, its Q rows ``q`` [RB, BD], τ of its rows ``tau_i``):
+    Q_i W1 + b1 − Σ_{j ≤ i} M_ij Γ_j with M_ij = tril(τ_i η_jᵀ ⊙ (Q_i K_jᵀ + 1)), the sum over the
+    ``nb`` = i + 1 row blocks j ≤ i (K_j, η_j, Γ_j read from XK, ETA, GS at the mini-batch's
+    offsets ``x0``, ``e0``); Q_i W1 BC columns of W1 at a time through the scratch tile ``S``."""
+    rl = tl.arange(0, RB)
+    cols = tl.arange(0, BD)
+    acc = _xw_cols(q, WP, S, D, BD, RB, BC, PREC) + bb[None, :]
+    for j in range(nb):
+        rows_j = j * RB + rl
+        rmask_j = rows_j < MB
+        xo = x0 + rows_j[:, None] * D + cols[None, :]
+        m = rmask_j[:, None] & cmask[None, :]
+        k = tl.load(XK + xo, mask=m, other=0.0).to(acc.dtype)
+        G = tl.load(GS + xo, mask=m, other=0.0).to(acc.dtype)
+        e = tl.load(ETA + e0 + rows_j, mask=rmask_j, other=0.0).to(acc.dtype)
+        A = _dot(q, tl.trans(k), PREC)
+        M = tl.where(rows_j[None, :] <= rows_i[:, None], tau_i[:, None] * e[None, :] * (A + 1.0), 0.0)
+        acc -= _dot(M, G, PREC)
+    return acc
+
+
+@triton.jit
 def _ttt_linear_out_kernel(XQ, XK, ETA, TAU, LNW, LNB, WS, BS, GS, OUT, SCR,
                            T, NMB, H, eps,
                            D: tl.constexpr, BD: tl.constexpr, MB: tl.constexpr, BT: tl.constexpr,
-                           BC: tl.constexpr, PREC: tl.constexpr):
-    """The chunk-parallel part of the forward: one program per (batch·head, mini-batch), all in
-    parallel, after ``_ttt_linear_state_kernel``. From the stored start weights W1, b1 and Γ:
-    Z̄ = Q W1 + b1 − M Γ, out = Q + LN_γβ(Z̄), Q W1 BC columns of W1 at a time through a [BT, BD]
-    scratch tile in SCR (per program; float32)."""
+                           BC: tl.constexpr, RB: tl.constexpr, PREC: tl.constexpr):
+    """The chunk-parallel part of the forward: one program per (batch·head, mini-batch, row block
+    of RB rows), all in parallel, after ``_ttt_linear_state_kernel``. From the stored start weights
+    W1, b1 and Γ: Z̄ = Q W1 + b1 − M Γ, out = Q + LN_γβ(Z̄) for the block's rows (row i of Z̄ reads
+    the rows j ≤ i of K, η, Γ: ``_zbar_block``), Q W1 BC columns of W1 at a time through an
+    [RB, BD] scratch tile in SCR (per program; float32)."""
     pid = tl.program_id(0)
     n = tl.program_id(1)
+    i = tl.program_id(2)
     h = pid % H
     cdt = BS.dtype.element_ty
-    rows = tl.arange(0, BT)
+    rows = i * RB + tl.arange(0, RB)
     cols = tl.arange(0, BD)
     cmask = cols < D
     rmask = rows < MB
     xmask = rmask[:, None] & cmask[None, :]
-    tril = rows[None, :] <= rows[:, None]
-    gamma = tl.load(LNW + h * D + cols, mask=cmask, other=0.0).to(cdt)
-    beta = tl.load(LNB + h * D + cols, mask=cmask, other=0.0).to(cdt)
     # padded rows (MB < BT) get τ = η = 0, so they enter no product that reaches a real row
     tau = tl.load(TAU + rows, mask=rmask, other=0.0).to(cdt)
     WP = WS + (pid * NMB + n) * D * D
     bb = tl.load(BS + (pid * NMB + n) * D + cols, mask=cmask, other=0.0).to(cdt)
-    t_off = n * MB + rows
-    xoff = pid * T * D + t_off[:, None] * D + cols[None, :]
+    x0 = pid * T * D + n * MB * D
+    xoff = x0 + rows[:, None] * D + cols[None, :]
     q = tl.load(XQ + xoff, mask=xmask, other=0.0).to(cdt)
-    k = tl.load(XK + xoff, mask=xmask, other=0.0).to(cdt)
-    e = tl.load(ETA + pid * T + t_off, mask=rmask, other=0.0).to(cdt)
-    G = tl.load(GS + xoff, mask=xmask, other=0.0).to(cdt)
-    S = SCR + (pid * NMB + n) * BT * BD
-    A, Ev, M, xhb, rstdb = _mini_batch_out_cols(q, k, e, tau, G, WP, S, bb, cmask, tril, D, BD, BT, BC, eps, PREC)
+    S = SCR + ((pid * NMB + n) * (BT // RB) + i) * RB * BD
+    Zb = _zbar_block(q, tau, rows, i + 1, XK, ETA, GS, WP, S, bb, x0, pid * T + n * MB, cmask,
+                     D, BD, MB, RB, BC, PREC)
+    xhb, rstdb = _ln_stats(Zb, cmask, D, eps)
+    gamma = tl.load(LNW + h * D + cols, mask=cmask, other=0.0).to(cdt)
+    beta = tl.load(LNB + h * D + cols, mask=cmask, other=0.0).to(cdt)
     out = q + gamma[None, :] * xhb + beta[None, :]
     tl.store(OUT + xoff, out.to(OUT.dtype.element_ty), mask=xmask)
 
@@ -282,60 +306,105 @@ def _ttt_linear_bwd_mb_kernel(XQ, XK, ETA, TAU, LNW, LNB, WS, BS, GS, DOUT,
                               DXQ, DKP, DEP, DG0, DZB, DTAUP, DLNWP, DLNBP, SCR,
                               T, NMB, H, eps,
                               D: tl.constexpr, BD: tl.constexpr, MB: tl.constexpr, BT: tl.constexpr,
-                              BC: tl.constexpr, PREC: tl.constexpr):
+                              BC: tl.constexpr, RB: tl.constexpr, PREC: tl.constexpr):
     """The part of the backward local to one mini-batch (no dependence on the carried dW1, db1):
     one program per (batch·head, mini-batch), all in parallel. Recomputes the forward from the
     stored start weights, back-propagates out through Z̄ and M, and stores ∂XQ (final), the parts
-    of ∂XK, ∂η, ∂Γ that do not involve the carry, ∂Z̄, and per-mini-batch sums for ∂τ, ∂γ, ∂β."""
+    of ∂XK, ∂η, ∂Γ that do not involve the carry, ∂Z̄, and sums for ∂τ, ∂γ, ∂β.
+
+    In row blocks of RB rows, in two passes, so that only [RB, d] and [RB, RB] tiles are live.
+    Pass 1, block i: Z̄_i (``_zbar_block``), ∂Z̄_i (stored to DZB), ∂γ, ∂β of its rows, and, over
+    the blocks j ≤ i, ∂M_ij = −∂Z̄_i Γ_jᵀ (lower-triangular) with ∂Q_i += ∂A_ij K_j, ∂τ_i += Σ_j ∂E_ij η_j;
+    then ∂Q_i += ∂Z̄_i W1ᵀ. Pass 2, block j, over the blocks i ≥ j (∂Z̄_i read back from DZB):
+    ∂Γ_j = −Σ_i M_ijᵀ ∂Z̄_i, ∂K_j = Σ_i ∂A_ijᵀ Q_i, ∂η_j = Σ_i ∂E_ijᵀ τ_i."""
     pid = tl.program_id(0)
     n = tl.program_id(1)
     h = pid % H
     cdt = DKP.dtype.element_ty
-    rows = tl.arange(0, BT)
+    NRB: tl.constexpr = BT // RB
+    rl = tl.arange(0, RB)
     cols = tl.arange(0, BD)
     cmask = cols < D
-    rmask = rows < MB
-    xmask = rmask[:, None] & cmask[None, :]
-    tril = rows[None, :] <= rows[:, None]
-    gamma = tl.load(LNW + h * D + cols, mask=cmask, other=0.0).to(cdt)
-    beta = tl.load(LNB + h * D + cols, mask=cmask, other=0.0).to(cdt)
-    # padded rows (MB < BT) get τ = η = 0, so they enter no product that reaches a real row
-    tau = tl.load(TAU + rows, mask=rmask, other=0.0).to(cdt)
     WP = WS + (pid * NMB + n) * D * D
-    bb = tl.load(BS + (pid * NMB + n) * D + cols, mask=cmask, other=0.0).to(cdt)
-    t_off = n * MB + rows
-    xoff = pid * T * D + t_off[:, None] * D + cols[None, :]
-    q = tl.load(XQ + xoff, mask=xmask, other=0.0).to(cdt)
-    k = tl.load(XK + xoff, mask=xmask, other=0.0).to(cdt)
-    e = tl.load(ETA + pid * T + t_off, mask=rmask, other=0.0).to(cdt)
-    do = tl.load(DOUT + xoff, mask=xmask, other=0.0).to(cdt)
-    G = tl.load(GS + xoff, mask=xmask, other=0.0).to(cdt)              # Γ, stored by the forward
-    S = SCR + (pid * NMB + n) * BT * BD
-    A, Ev, M, xhb, rstdb = _mini_batch_out_cols(q, k, e, tau, G, WP, S, bb, cmask, tril, D, BD, BT, BC, eps, PREC)
+    x0 = pid * T * D + n * MB * D
+    e0 = pid * T + n * MB
+    S = SCR + (pid * NMB + n) * RB * BD
 
-    # out = Q + γ x̂(Z̄) + β
-    tl.store(DLNWP + (pid * NMB + n) * D + cols, tl.sum(do * xhb, axis=0), mask=cmask)
-    tl.store(DLNBP + (pid * NMB + n) * D + cols, tl.sum(do, axis=0), mask=cmask)
-    dZb = _ln_bwd(do * gamma[None, :], xhb, rstdb, cmask, D)
-    tl.store(DZB + xoff, dZb, mask=xmask)
-    # Z̄ = Q W1 + b1 − M Γ
-    dM = tl.where(tril, -_dot(dZb, tl.trans(G), PREC), 0.0)
-    tl.store(DG0 + xoff, -_dot(tl.trans(M), dZb, PREC), mask=xmask)
-    # M = tril(E ⊙ (A + 1)), E_ij = τ_i η_j, A = Q Kᵀ
-    dE = dM * (A + 1.0)
-    dA = dM * Ev
-    tl.store(DKP + xoff, _dot(tl.trans(dA), q, PREC), mask=xmask)
-    tl.store(DEP + pid * T + t_off, tl.sum(dE * tau[:, None], axis=0), mask=rmask)
-    tl.store(DTAUP + (pid * NMB + n) * MB + rows, tl.sum(dE * e[None, :], axis=1), mask=rmask)
-    dq = do + _dot(dA, k, PREC)
-    # ∂Z̄ W1ᵀ, BC columns of W1 (and of ∂Z̄, read back from DZB) at a time
-    tl.debug_barrier()
-    for c in range(BD // BC):
-        cc = c * BC + tl.arange(0, BC)
-        ccm = cc < D
-        dZbc = tl.load(DZB + pid * T * D + t_off[:, None] * D + cc[None, :], mask=rmask[:, None] & ccm[None, :], other=0.0)
-        dq += _dot(dZbc, tl.load(WP + cc[:, None] + cols[None, :] * D, mask=ccm[:, None] & cmask[None, :], other=0.0), PREC)
-    tl.store(DXQ + xoff, dq.to(DXQ.dtype.element_ty), mask=xmask)
+    for i in range(NRB):
+        rows_i = i * RB + rl
+        rmask_i = rows_i < MB
+        xm_i = rmask_i[:, None] & cmask[None, :]
+        xo_i = x0 + rows_i[:, None] * D + cols[None, :]
+        # padded rows (MB < BT) get τ = η = 0, so they enter no product that reaches a real row
+        tau_i = tl.load(TAU + rows_i, mask=rmask_i, other=0.0).to(cdt)
+        bb = tl.load(BS + (pid * NMB + n) * D + cols, mask=cmask, other=0.0).to(cdt)
+        q = tl.load(XQ + xo_i, mask=xm_i, other=0.0).to(cdt)
+        Zb = _zbar_block(q, tau_i, rows_i, i + 1, XK, ETA, GS, WP, S, bb, x0, e0, cmask, D, BD, MB, RB, BC, PREC)
+        xhb, rstdb = _ln_stats(Zb, cmask, D, eps)
+        # out = Q + γ x̂(Z̄) + β
+        do = tl.load(DOUT + xo_i, mask=xm_i, other=0.0).to(cdt)
+        gamma = tl.load(LNW + h * D + cols, mask=cmask, other=0.0).to(cdt)
+        po = (pid * NMB + n) * NRB + i
+        tl.store(DLNWP + po * D + cols, tl.sum(do * xhb, axis=0), mask=cmask)
+        tl.store(DLNBP + po * D + cols, tl.sum(do, axis=0), mask=cmask)
+        dZb = _ln_bwd(do * gamma[None, :], xhb, rstdb, cmask, D)
+        tl.store(DZB + xo_i, dZb, mask=xm_i)
+        # Z̄ = Q W1 + b1 − M Γ, M = tril(E ⊙ (A + 1)), E_ij = τ_i η_j, A = Q Kᵀ: the blocks j ≤ i
+        dq = do
+        dtau = tl.zeros([RB], dtype=cdt)
+        for j in range(i + 1):
+            rows_j = j * RB + rl
+            rmask_j = rows_j < MB
+            xm_j = rmask_j[:, None] & cmask[None, :]
+            xo_j = x0 + rows_j[:, None] * D + cols[None, :]
+            k = tl.load(XK + xo_j, mask=xm_j, other=0.0).to(cdt)
+            G = tl.load(GS + xo_j, mask=xm_j, other=0.0).to(cdt)
+            e = tl.load(ETA + e0 + rows_j, mask=rmask_j, other=0.0).to(cdt)
+            A = _dot(q, tl.trans(k), PREC)
+            dM = tl.where(rows_j[None, :] <= rows_i[:, None], -_dot(dZb, tl.trans(G), PREC), 0.0)
+            dtau += tl.sum(dM * (A + 1.0) * e[None, :], axis=1)
+            dq += _dot(dM * (tau_i[:, None] * e[None, :]), k, PREC)
+        tl.store(DTAUP + (pid * NMB + n) * MB + rows_i, dtau, mask=rmask_i)
+        # ∂Z̄ W1ᵀ, BC columns of W1 (and of ∂Z̄, read back from DZB) at a time
+        tl.debug_barrier()
+        for c in range(BD // BC):
+            cc = c * BC + tl.arange(0, BC)
+            ccm = cc < D
+            dZbc = tl.load(DZB + x0 + rows_i[:, None] * D + cc[None, :], mask=rmask_i[:, None] & ccm[None, :], other=0.0)
+            dq += _dot(dZbc, tl.load(WP + cc[:, None] + cols[None, :] * D, mask=ccm[:, None] & cmask[None, :], other=0.0), PREC)
+        tl.store(DXQ + xo_i, dq.to(DXQ.dtype.element_ty), mask=xm_i)
+
+    tl.debug_barrier()                          # pass 2 reads every block's ∂Z̄
+    for j in range(NRB):
+        rows_j = j * RB + rl
+        rmask_j = rows_j < MB
+        xm_j = rmask_j[:, None] & cmask[None, :]
+        xo_j = x0 + rows_j[:, None] * D + cols[None, :]
+        k = tl.load(XK + xo_j, mask=xm_j, other=0.0).to(cdt)
+        G = tl.load(GS + xo_j, mask=xm_j, other=0.0).to(cdt)
+        e = tl.load(ETA + e0 + rows_j, mask=rmask_j, other=0.0).to(cdt)
+        dG = tl.zeros([RB, BD], dtype=cdt)
+        dk = tl.zeros([RB, BD], dtype=cdt)
+        de = tl.zeros([RB], dtype=cdt)
+        for i in range(j, NRB):
+            rows_i = i * RB + rl
+            rmask_i = rows_i < MB
+            xm_i = rmask_i[:, None] & cmask[None, :]
+            xo_i = x0 + rows_i[:, None] * D + cols[None, :]
+            tau_i = tl.load(TAU + rows_i, mask=rmask_i, other=0.0).to(cdt)
+            q = tl.load(XQ + xo_i, mask=xm_i, other=0.0).to(cdt)
+            dZb = tl.load(DZB + xo_i, mask=xm_i, other=0.0).to(cdt)
+            A = _dot(q, tl.trans(k), PREC)
+            tril = rows_j[None, :] <= rows_i[:, None]
+            Ev = tau_i[:, None] * e[None, :]
+            M = tl.where(tril, Ev * (A + 1.0), 0.0)
+            dM = tl.where(tril, -_dot(dZb, tl.trans(G), PREC), 0.0)
+            dG -= _dot(tl.trans(M), dZb, PREC)
+            de += tl.sum(dM * (A + 1.0) * tau_i[:, None], axis=0)
+            dk += _dot(tl.trans(dM * Ev), q, PREC)
+        tl.store(DG0 + xo_j, dG, mask=xm_j)
+        tl.store(DKP + xo_j, dk, mask=xm_j)
+        tl.store(DEP + e0 + rows_j, de, mask=rmask_j)
 
 
 @triton.jit
@@ -502,7 +571,7 @@ _LINEAR_KERNELS = ("state", "out", "bwd_mb", "bwd")
 _COLUMN_TILED = _LINEAR_KERNELS
 #: the kernels that walk a mini-batch in blocks of ``_LINEAR_RB`` rows (its [RB, d] LayerNorm
 #: intermediates live in registers, not the [b, d] ones)
-_ROW_BLOCKED = ("bwd",)
+_ROW_BLOCKED = ("out", "bwd_mb", "bwd")
 #: rows per row block (tl.dot needs ≥ 16; BT is a multiple of it)
 _LINEAR_RB = 16
 #: BC per (arch, kernel, bf16 operands, BD, BT), 16 where it names none (these spill at 16, not at
@@ -588,7 +657,7 @@ def _linear_fwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: to
     BDs, BTs, kws = _launch_cfg(d, bsz, "state", half=half, arch=arch)
     SCR = torch.empty(B, H, 2, BTs, BDs, dtype=cdt, device=XQ.device)  # its [b, d] scratch tiles
     BDo, BTo, kwo = _launch_cfg(d, bsz, "out", half=half, arch=arch)
-    SCRO = torch.empty(B, H, NW, BTo, BDo, dtype=cdt, device=XQ.device)
+    SCRO = torch.empty(B, H, NW, BTo, BDo, dtype=cdt, device=XQ.device)   # [RB, BD] per row block
     w_in, b_in = W0c, b0c
     for n0 in range(0, NMB, max(NW, 1)):
         nw = min(NW, NMB - n0)
@@ -601,7 +670,7 @@ def _linear_fwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: to
         _ttt_linear_state_kernel[(B * H,)](
             k_w, v_w, e_w, tau_c, lw, lb, w_in, b_in, WS, BS, g_w, WF, BF, WT, SCR,
             T, nw, H, LN_EPS, D=d, BD=BDs, MB=bsz, BT=BTs, PREC=prec, **kws)
-        _ttt_linear_out_kernel[(B * H, nw)](
+        _ttt_linear_out_kernel[(B * H, nw, BTo // kwo["RB"])](
             q_w, k_w, e_w, tau_c, lw, lb, WS, BS, g_w, o_w, SCRO,
             T, nw, H, LN_EPS, D=d, BD=BDo, MB=bsz, BT=BTo, PREC=prec, **kwo)
         w_in, b_in = WF, BF
@@ -648,14 +717,14 @@ def _linear_bwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: to
     dKP, dG0, dZB = (torch.empty(B, H, T, d, dtype=cdt, device=dev) for _ in range(3))
     dEP = torch.empty(B, H, T, dtype=cdt, device=dev)
     dTAUP = torch.empty(B, H, NMB, bsz, dtype=cdt, device=dev)
-    dLNWP = torch.empty(B, H, NMB, d, dtype=cdt, device=dev)
-    dLNBP = torch.empty(B, H, NMB, d, dtype=cdt, device=dev)
     half = XQ.dtype in (torch.bfloat16, torch.float16)
     arch, prec = device_arch(XQ.device), _precision(XQ.dtype)
     BD, BT, kw = _launch_cfg(d, bsz, "bwd_mb", half=half, arch=arch)
+    dLNWP = torch.empty(B, H, NMB * (BT // kw["RB"]), d, dtype=cdt, device=dev)   # per row block
+    dLNBP = torch.empty(B, H, NMB * (BT // kw["RB"]), d, dtype=cdt, device=dev)
     _ttt_linear_bwd_mb_kernel[(B * H, NMB)](
         XQ, XK, eta, tau_c, lw, lb, WS, BS, GS, dout,
-        dXQ, dKP, dEP, dG0, dZB, dTAUP, dLNWP, dLNBP, torch.empty(B, H, NMB, BT, BD, dtype=cdt, device=dev),
+        dXQ, dKP, dEP, dG0, dZB, dTAUP, dLNWP, dLNBP, torch.empty(B, H, NMB, kw["RB"], BD, dtype=cdt, device=dev),
         T, NMB, H, LN_EPS, D=d, BD=BD, MB=bsz, BT=BT, PREC=prec, **kw)
     BD, BT, kw = _launch_cfg(d, bsz, "bwd", half=half, arch=arch)
     SCR = torch.empty(B, H, 5, kw["RB"], BD, dtype=cdt, device=dev)   # its [RB, d] scratch tiles
