@@ -157,19 +157,6 @@ def _mini_batch_grad_cols(k, v, WP, S, bb, gamma, beta, cmask, D: tl.constexpr, 
 
 
 @triton.jit
-def _mini_batch_out_cols(q, k, e, tau, G, WP, S, bb, cmask, tril, D: tl.constexpr, BD: tl.constexpr,
-                         BT: tl.constexpr, BC: tl.constexpr, eps, PREC: tl.constexpr):
-    """M, Z̄ = Q W1 + b1 − M Γ and its LayerNorm statistics, given Γ; Q W1 BC columns of W1 at a
-    time (``_xw_cols``)."""
-    A = _dot(q, tl.trans(k), PREC)
-    Ev = tau[:, None] * e[None, :]
-    M = tl.where(tril, Ev * (A + 1.0), 0.0)
-    Zb = _xw_cols(q, WP, S, D, BD, BT, BC, PREC) + bb[None, :] - _dot(M, G, PREC)
-    xhb, rstdb = _ln_stats(Zb, cmask, D, eps)
-    return A, Ev, M, xhb, rstdb
-
-
-@triton.jit
 def _ttt_linear_state_kernel(XK, XV, ETA, TAU, LNW, LNB, W0, B0, WS, BS, GS, WF, BF, WT, SCR,
                              T, NMB, H, eps,
                              D: tl.constexpr, BD: tl.constexpr, MB: tl.constexpr, BT: tl.constexpr,
@@ -559,6 +546,7 @@ def _precision(dtype: torch.dtype) -> str:
 #: rows each). Checked by ``python -m kernels.compile_report --op ttt``; 16 warps (at most 128
 #: registers a thread) spill more than 8 wherever 8 spill.
 _LINEAR_WARPS = {
+    (90, "out", False, 64, 64): 4,
     (90, "state", True, 64, 16): 4, (80, "state", True, 64, 16): 4,
     (80, "state", True, 128, 16): 4, (80, "state", False, 128, 16): 4,
 }
@@ -577,7 +565,7 @@ _LINEAR_RB = 16
 #: BC per (arch, kernel, bf16 operands, BD, BT), 16 where it names none (these spill at 16, not at
 #: 32: the float32 state pass at d = 128, b = 16 and the bf16 per-mini-batch backward at d = 128,
 #: b = 64 on sm_80, the float32 backward carry at d = 128, b = 16 on both)
-_LINEAR_BC = {(80, "state", False, 128, 16): 32, (80, "bwd_mb", True, 128, 64): 32,
+_LINEAR_BC = {(90, "bwd_mb", False, 128, 64): 32, (80, "state", False, 128, 16): 32, (80, "bwd_mb", True, 128, 64): 32,
               (90, "bwd", False, 128, 16): 32, (80, "bwd", False, 128, 16): 32,
               (90, "bwd", False, 128, 64): 32, (80, "bwd", False, 128, 64): 32}
 
