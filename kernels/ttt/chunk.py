@@ -160,7 +160,7 @@ def _mini_batch_grad_cols(k, v, WP, S, bb, gamma, beta, cmask, D: tl.constexpr, 
 def _ttt_linear_state_kernel(XK, XV, ETA, TAU, LNW, LNB, W0, B0, WS, BS, GS, WF, BF, WT, SCR,
                              T, NMB, H, eps,
                              D: tl.constexpr, BD: tl.constexpr, MB: tl.constexpr, BT: tl.constexpr,
-                             BC: tl.constexpr, PREC: tl.constexpr):
+                             BC: tl.constexpr, RB: tl.constexpr, PREC: tl.constexpr):
     """The sequential part of the forward: one program per batch·head walks the mini-batches in
     order, computes Z = K W1 + b1, Γ and the update, and stores the start weights (W1, b1) of every
     mini-batch (WS, BS) and its Γ (GS), from which ``_ttt_linear_out_kernel`` computes the
@@ -174,49 +174,59 @@ def _ttt_linear_state_kernel(XK, XV, ETA, TAU, LNW, LNB, W0, B0, WS, BS, GS, WF,
     woff = cols[:, None] * D + cols[None, :]
     # W1 lives in global memory, not in registers: the weights at the start of mini-batch n in
     # slot n % 2 of WT [2, d, d], read BC columns at a time where a product needs them; the update
-    # is written to the other slot, tile by tile, at the end of the mini-batch, one barrier per
-    # mini-batch. A [b, d] product or operand needed by column tiles passes through one of two
-    # [BT, BD] scratch tiles in SCR (per program; float32)
+    # is written to the other slot, tile by tile, row block by row block. An [RB, d] product or
+    # operand needed by column tiles passes through one of two [RB, BD] scratch tiles in SCR (per
+    # program; float32); a third holds the row blocks' sums Σ η Γ
     WT = WT + pid * 2 * D * D
-    S_Z = SCR + pid * 2 * BT * BD               # K W1 (read back whole)
-    S_E = S_Z + BT * BD                         # η⊙Γ (read by column tiles)
+    S_Z = SCR + pid * 3 * RB * BD               # K W1 (read back whole)
+    S_E = S_Z + RB * BD                         # η⊙Γ (read by column tiles)
+    S_B = S_E + RB * BD                         # Σ η Γ over each row block's rows
     tl.store(WT + woff, tl.load(W0 + pid * D * D + woff, mask=wmask, other=0.0).to(cdt), mask=wmask)
     bb = tl.load(B0 + pid * D + cols, mask=cmask, other=0.0).to(cdt)
     tau_last = tl.load(TAU + MB - 1).to(cdt)
     tl.debug_barrier()
 
     for n in range(NMB):
-        rows, cols = _loop_index(n, NMB, BT, BD)
+        rl, cols = _loop_index(n, NMB, RB, BD)
         cmask = cols < D
-        rmask = rows < MB
-        xmask = rmask[:, None] & cmask[None, :]
         WP = WT + (n % 2) * D * D
         WQ = WT + ((n + 1) % 2) * D * D
-        gamma = tl.load(LNW + h * D + cols, mask=cmask, other=0.0).to(cdt)
-        beta = tl.load(LNB + h * D + cols, mask=cmask, other=0.0).to(cdt)
         tl.store(BS + (pid * NMB + n) * D + cols, bb, mask=cmask)
-        t_off = n * MB + rows
-        xoff = pid * T * D + t_off[:, None] * D + cols[None, :]
-        k = tl.load(XK + xoff, mask=xmask, other=0.0).to(cdt)
-        v = tl.load(XV + xoff, mask=xmask, other=0.0).to(cdt)
-        # padded rows (MB < BT) get η = 0, so they reach no update
-        e = tl.load(ETA + pid * T + t_off, mask=rmask, other=0.0).to(cdt)
-        xh, rstd, r, G = _mini_batch_grad_cols(k, v, WP, S_Z, bb, gamma, beta, cmask, D, BD, BT, BC, eps, PREC)
-        tl.store(GS + xoff, G, mask=xmask)
-        eG = e[:, None] * G
-        bb = bb - tau_last * tl.sum(eG, axis=0)
-        tl.store(S_E + rows[:, None] * BD + cols[None, :], eG)
-        tl.debug_barrier()
-        # W1' = W1 − τ_{b−1} Kᵀ(η⊙Γ), BC columns of W1 at a time, each as a [BC, d] tile (the
-        # product (η⊙Γ)[:, cols]ᵀ K of BC rows); the start weights stored on the way
-        for c in range(BD // BC):
-            cc = c * BC + tl.arange(0, BC)
-            wc = cc[:, None] + cols[None, :] * D
-            wcm = (cc[:, None] < D) & cmask[None, :]
-            w = tl.load(WP + wc, mask=wcm, other=0.0)
-            tl.store(WS + (pid * NMB + n) * D * D + wc, w, mask=wcm)
-            updT = _dot(tl.trans(tl.load(S_E + rows[:, None] * BD + cc[None, :])), k, PREC)
-            tl.store(WQ + wc, w - tau_last * updT, mask=wcm)
+        # the mini-batch in blocks of RB rows: Z and Γ are row by row, the update sums over rows,
+        # so each block adds its share to the other W1 slot (the first block starts it from W1)
+        # and to Σ η Γ (its rows' sum kept in the scratch, one row per block)
+        for rb in range(BT // RB):
+            rows = rb * RB + rl
+            rmask = rows < MB
+            xmask = rmask[:, None] & cmask[None, :]
+            gamma = tl.load(LNW + h * D + cols, mask=cmask, other=0.0).to(cdt)
+            beta = tl.load(LNB + h * D + cols, mask=cmask, other=0.0).to(cdt)
+            t_off = n * MB + rows
+            xoff = pid * T * D + t_off[:, None] * D + cols[None, :]
+            k = tl.load(XK + xoff, mask=xmask, other=0.0).to(cdt)
+            v = tl.load(XV + xoff, mask=xmask, other=0.0).to(cdt)
+            # padded rows (MB < BT) get η = 0, so they reach no update
+            e = tl.load(ETA + pid * T + t_off, mask=rmask, other=0.0).to(cdt)
+            xh, rstd, r, G = _mini_batch_grad_cols(k, v, WP, S_Z, bb, gamma, beta, cmask, D, BD, RB, BC, eps, PREC)
+            tl.store(GS + xoff, G, mask=xmask)
+            eG = e[:, None] * G
+            tl.store(S_B + rb * BD + cols, tl.sum(eG, axis=0))
+            tl.store(S_E + rl[:, None] * BD + cols[None, :], eG)
+            tl.debug_barrier()
+            # W1' = W1 − τ_{b−1} Kᵀ(η⊙Γ), BC columns of W1 at a time, each as a [BC, d] tile (the
+            # product (η⊙Γ)[:, cols]ᵀ K of BC rows); the start weights stored on the way
+            for c in range(BD // BC):
+                cc = c * BC + tl.arange(0, BC)
+                wc = cc[:, None] + cols[None, :] * D
+                wcm = (cc[:, None] < D) & cmask[None, :]
+                w = tl.load(WP + wc, mask=wcm, other=0.0)
+                tl.store(WS + (pid * NMB + n) * D * D + wc, w, mask=wcm & (rb == 0))
+                acc = tl.load(WQ + wc, mask=wcm & (rb > 0), other=0.0)
+                updT = _dot(tl.trans(tl.load(S_E + rl[:, None] * BD + cc[None, :])), k, PREC)
+                tl.store(WQ + wc, tl.where(rb > 0, acc, w) - tau_last * updT, mask=wcm)
+            tl.debug_barrier()                  # the next block adds to the slot written above
+        bsum = tl.load(S_B + rl[:, None] * BD + cols[None, :], mask=(rl[:, None] < BT // RB) & cmask[None, :], other=0.0)
+        bb = bb - tau_last * tl.sum(bsum, axis=0)
         tl.debug_barrier()                      # the next mini-batch reads the slot written above
 
     cols = tl.arange(0, BD)
@@ -559,13 +569,15 @@ _LINEAR_KERNELS = ("state", "out", "bwd_mb", "bwd")
 _COLUMN_TILED = _LINEAR_KERNELS
 #: the kernels that walk a mini-batch in blocks of ``_LINEAR_RB`` rows (its [RB, d] LayerNorm
 #: intermediates live in registers, not the [b, d] ones)
-_ROW_BLOCKED = ("out", "bwd_mb", "bwd")
+_ROW_BLOCKED = _LINEAR_KERNELS
 #: rows per row block (tl.dot needs ≥ 16; BT is a multiple of it)
 _LINEAR_RB = 16
-#: BC per (arch, kernel, bf16 operands, BD, BT), 16 where it names none (these spill at 16, not at
-#: 32: the float32 state pass at d = 128, b = 16 and the bf16 per-mini-batch backward at d = 128,
-#: b = 64 on sm_80, the float32 backward carry at d = 128, b = 16 on both)
-_LINEAR_BC = {(90, "bwd_mb", False, 128, 64): 32, (80, "state", False, 128, 16): 32, (80, "bwd_mb", True, 128, 64): 32,
+#: BC per (arch, kernel, bf16 operands, BD, BT), 16 where it names none: 32 where 16 spills and
+#: 32 does not (by the compile gate): float32 at d = 128 — the state pass on sm_80, the
+#: per-mini-batch backward at b = 64 on sm_90 and the backward carry on both — and the bf16
+#: per-mini-batch backward at d = 128, b = 64 on sm_80
+_LINEAR_BC = {(80, "state", False, 128, 16): 32, (80, "state", False, 128, 64): 32,
+              (90, "bwd_mb", False, 128, 64): 32, (80, "bwd_mb", True, 128, 64): 32,
               (90, "bwd", False, 128, 16): 32, (80, "bwd", False, 128, 16): 32,
               (90, "bwd", False, 128, 64): 32, (80, "bwd", False, 128, 64): 32}
 
@@ -643,7 +655,7 @@ def _linear_fwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: to
     WT = torch.empty(B, H, 2, d, d, dtype=cdt, device=XQ.device)     # the state pass' two W1 slots
     half, arch = XQ.dtype in (torch.bfloat16, torch.float16), device_arch(XQ.device)
     BDs, BTs, kws = _launch_cfg(d, bsz, "state", half=half, arch=arch)
-    SCR = torch.empty(B, H, 2, BTs, BDs, dtype=cdt, device=XQ.device)  # its [b, d] scratch tiles
+    SCR = torch.empty(B, H, 3, kws["RB"], BDs, dtype=cdt, device=XQ.device)  # its [RB, d] scratch tiles
     BDo, BTo, kwo = _launch_cfg(d, bsz, "out", half=half, arch=arch)
     SCRO = torch.empty(B, H, NW, BTo, BDo, dtype=cdt, device=XQ.device)   # [RB, BD] per row block
     w_in, b_in = W0c, b0c
