@@ -16,15 +16,15 @@ weights and Γ. The forward is two kernels, as flash-linear-attention's chunk_tt
 ``_ttt_linear_state_kernel``, one program per (batch, head), walks the full mini-batches in order
 (b1 [1, d] in registers, W1 [d, d] in global memory, see Registers below), computes Z, Γ and the
 update, and stores W1, b1 at the start of every mini-batch (d² + d numbers per mini-batch and
-head) and Γ (b × d); ``_ttt_linear_out_kernel``, one program per (batch, head, mini-batch), all in
-parallel, computes M, Z̄ and out from them, so the chunk-parallel work does not wait on, nor
+head) and Γ (b × d); ``_ttt_linear_out_kernel``, one program per (batch, head, mini-batch, row
+block), all in parallel, computes M, Z̄ and out from them, so the chunk-parallel work does not wait on, nor
 depend for its occupancy on, batch × heads. Without autograd the two run over windows of
 ``_linear_window`` mini-batches, the state carried from one window to the next, so that the stored
 start weights stay bounded in T. The backward is two kernels.
 ``_ttt_linear_bwd_mb_kernel`` (one program per (batch, head, mini-batch), all in parallel)
 recomputes M, Z̄ from the stored start weights and Γ and back-propagates out through Z̄ and M — everything that does not depend on the gradient carried
 from later mini-batches: ∂XQ, and the first parts of ∂XK, ∂η, ∂τ, ∂γ, ∂β and ∂Γ, with ∂Z̄, go to
-global memory. ``_ttt_linear_bwd_kernel`` then walks the mini-batches in reverse, recomputes Z and Γ,
+global memory (in two passes over its row blocks: by rows of ∂Z̄, then by columns of M). ``_ttt_linear_bwd_kernel`` then walks the mini-batches in reverse, recomputes Z and Γ,
 and carries (dW1, db1), the gradient with respect to the weights at the end of the current
 mini-batch; through the update, dW1_start = dW1_end + Qᵀ dZ̄ + Kᵀ dZ (dZ from differentiating Γ,
 i.e. the second derivative of the LayerNorm-fused loss).
@@ -50,18 +50,28 @@ input dtype, the state in float32 (float64 for float64 inputs), as in ``torch_ch
 
 Registers (``python -m kernels.compile_report --op ttt``): W1 (state pass) and dW1 (backward carry)
 are not carried in registers from one mini-batch to the next. They live in two global slots per
-(batch, head): the weights of mini-batch n in slot n % 2, the update written to the other slot at
-the end of the mini-batch, one barrier per mini-batch. No [d, d] tile is held whole in any
+(batch, head): the weights of mini-batch n in slot n % 2, the update added to the other slot row
+block by row block (below), one barrier per row block. No [d, d] tile is held whole in any
 kernel: every product with a weight operand (K W1, Q W1, ∂Z̄ W1ᵀ, ∂Z W1ᵀ, K dW1, the updates
 Kᵀ(η⊙Γ), Qᵀ∂Z̄ + Kᵀ∂Z) runs BC columns of the weight at a time in a runtime loop (not unrolled,
 so the compiler cannot hoist every tile's loads), writing each update as a [BC, d] tile (a product
-of BC rows). A [b, d] operand or product needed by column tiles, or produced by them, passes
+of BC rows). An [RB, d] operand or product needed by column tiles, or produced by them, passes
 through small per-program scratch tiles in global memory (float32; ``_xw_cols``). The state
 pass builds its index, mask and pointer tensors inside the loop (``_loop_index``) instead of
 letting them be hoisted out of it. Warps and BC per GPU family in ``_LINEAR_WARPS`` and
-``_LINEAR_BC``. Still spilling (the gate's known failures): mini-batch 64 in the backward and
-with float32 operands, and the float32 d = 128 backward: their [b, d] tiles of LayerNorm
-intermediates (b = 64) or 3×TF32 operands do not fit; row blocks of 16 would bound them.
+``_LINEAR_BC``.
+
+Row blocks: every kernel walks a mini-batch in blocks of RB = 16 rows (``_LINEAR_RB``; b padded to
+BT, a multiple of 16), so that only [16, d] and [16, 16] tiles are live whatever b is. Z = K W1 + b1,
+Γ, the LayerNorm and its derivatives are row by row; rows meet only (i) in M Γ, lower-triangular:
+Z̄ of block i sums M_ij Γ_j over the blocks j ≤ i (``_zbar_block``), and its backward gives ∂Q_i,
+∂τ_i by rows (j ≤ i) and ∂Γ_j, ∂K_j, ∂η_j by columns (i ≥ j), two passes of
+``_ttt_linear_bwd_mb_kernel`` with ∂Z̄ in global memory between them; (ii) in sums over rows —
+the update Kᵀ(η⊙Γ), Σ η Γ, dW1's Qᵀ∂Z̄ + Kᵀ∂Z, ∂b1, ∂τ, ∂γ, ∂β — which each block adds to the other
+weight slot (the first block starting it from the current weights), to a per-program scratch row,
+or to per-(mini-batch, row block) partial sums that PyTorch adds up. Still spilling (the gate's
+known failures): the float32 per-mini-batch backward at d = 128, b = 16 and the float32 backward
+carry at d = 128, b = 64 on sm_80 (3×TF32 operands of the [16, 128] tiles, 16–60 B).
 
 TTT-MLP (``ttt_mlp_triton``) is in ``mlp_chunk.py``; it shares ``_dot``, ``_ln_stats``, ``_ln_bwd`` and
 ``_precision`` with this file.
@@ -77,7 +87,8 @@ import triton.language as tl
 from kernels._triton_utils import INTERPRET_ARCH, check_triton_device, device_arch, is_interpreting
 from kernels.ttt.torch_chunk import LN_EPS, acc_dtype, make_state, ttt_linear_chunk
 
-#: b×b and b×d tiles live in registers; beyond 64 they spill
+#: the largest mini-batch the kernels take (the gate compiles b = 16 and 64; a mini-batch runs in
+#: row blocks of 16, so larger b would compile, only its M Γ walks more blocks)
 _MAX_MB = 64
 
 
