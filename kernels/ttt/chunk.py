@@ -29,14 +29,17 @@ and carries (dW1, db1), the gradient with respect to the weights at the end of t
 mini-batch; through the update, dW1_start = dW1_end + Qᵀ dZ̄ + Kᵀ dZ (dZ from differentiating Γ,
 i.e. the second derivative of the LayerNorm-fused loss).
 
-Coverage of the kernel: full mini-batches that start at a mini-batch boundary (pos = 0), any
-b ≤ 64 and any head dim d (b and d padded to powers of two ≥ 16 with masks; padded rows carry
-τ = η = 0, so they reach no real row; b ∈ {16, 32, 64} need no row padding). The public
-``ttt_linear_triton`` covers everything else exactly with the PyTorch dual form, chained through
-autograd: the tokens that complete a mini-batch begun by ``initial_state`` (pos > 0) run before
-the kernel, a trailing partial mini-batch (T − pos not a multiple of b) runs after it. Every
-gradient (XQ, XK, XV, η, token_idx, ln_weight, ln_bias, W1, b1 and the tensors of
-``initial_state``) flows through both parts.
+Coverage of the kernel: every token from a mini-batch boundary (pos = 0), a trailing partial
+mini-batch included, any b ≤ 64 and any head dim d (b and d padded to powers of two ≥ 16 with
+masks; padded rows carry τ = η = 0, so they reach no real row; b ∈ {16, 32, 64} need no row
+padding). The last mini-batch of a launch has LAST ≤ b valid rows, a runtime value: its rows
+≥ LAST are masked (η = 0, ∂out = 0, nothing stored), and when LAST < b it makes no update — the
+end state is its start weights W1, b1 with the sums grad_W1 = Kᵀ(η⊙Γ), grad_b1 = Σ η Γ (unscaled
+by τ) and pos = LAST, the state contract's mid-mini-batch state — and the backward takes the
+gradients of those sums. The public ``ttt_linear_triton`` runs only the head in the PyTorch dual
+form, chained through autograd: the tokens that complete a mini-batch begun by ``initial_state``
+(pos > 0) run before the kernel. Every gradient (XQ, XK, XV, η, token_idx, ln_weight, ln_bias,
+W1, b1 and the tensors of ``initial_state``) flows through both parts.
 
 Precision (``_precision``, ``_dot``): everything is carried and accumulated in float32 (float64
 for float64 inputs); the tl.dot operands are bfloat16 for bfloat16/float16 inputs (bf16 tensor-core
@@ -71,7 +74,7 @@ the update Kᵀ(η⊙Γ), Σ η Γ, dW1's Qᵀ∂Z̄ + Kᵀ∂Z, ∂b1, ∂τ, �
 weight slot (the first block starting it from the current weights), to a per-program scratch row,
 or to per-(mini-batch, row block) partial sums that PyTorch adds up. Still spilling (the gate's
 known failures): the float32 per-mini-batch backward at d = 128, b = 16 and the float32 backward
-carry at d = 128, b = 64 on sm_80 (3×TF32 operands of the [16, 128] tiles, 16–60 B).
+carry at d = 128, b = 64 on sm_80 (3×TF32 operands of the [16, 128] tiles, 32–156 B).
 
 TTT-MLP (``ttt_mlp_triton``) is in ``mlp_chunk.py``; it shares ``_dot``, ``_ln_stats``, ``_ln_bwd`` and
 ``_precision`` with this file.
