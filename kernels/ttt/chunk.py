@@ -16,27 +16,30 @@ weights and Γ. The forward is two kernels, as flash-linear-attention's chunk_tt
 ``_ttt_linear_state_kernel``, one program per (batch, head), walks the full mini-batches in order
 (b1 [1, d] in registers, W1 [d, d] in global memory, see Registers below), computes Z, Γ and the
 update, and stores W1, b1 at the start of every mini-batch (d² + d numbers per mini-batch and
-head) and Γ (b × d); ``_ttt_linear_out_kernel``, one program per (batch, head, mini-batch), all in
-parallel, computes M, Z̄ and out from them, so the chunk-parallel work does not wait on, nor
+head) and Γ (b × d); ``_ttt_linear_out_kernel``, one program per (batch, head, mini-batch, row
+block), all in parallel, computes M, Z̄ and out from them, so the chunk-parallel work does not wait on, nor
 depend for its occupancy on, batch × heads. Without autograd the two run over windows of
 ``_linear_window`` mini-batches, the state carried from one window to the next, so that the stored
 start weights stay bounded in T. The backward is two kernels.
 ``_ttt_linear_bwd_mb_kernel`` (one program per (batch, head, mini-batch), all in parallel)
 recomputes M, Z̄ from the stored start weights and Γ and back-propagates out through Z̄ and M — everything that does not depend on the gradient carried
 from later mini-batches: ∂XQ, and the first parts of ∂XK, ∂η, ∂τ, ∂γ, ∂β and ∂Γ, with ∂Z̄, go to
-global memory. ``_ttt_linear_bwd_kernel`` then walks the mini-batches in reverse, recomputes Z and Γ,
+global memory (in two passes over its row blocks: by rows of ∂Z̄, then by columns of M). ``_ttt_linear_bwd_kernel`` then walks the mini-batches in reverse, recomputes Z and Γ,
 and carries (dW1, db1), the gradient with respect to the weights at the end of the current
 mini-batch; through the update, dW1_start = dW1_end + Qᵀ dZ̄ + Kᵀ dZ (dZ from differentiating Γ,
 i.e. the second derivative of the LayerNorm-fused loss).
 
-Coverage of the kernel: full mini-batches that start at a mini-batch boundary (pos = 0), any
-b ≤ 64 and any head dim d (b and d padded to powers of two ≥ 16 with masks; padded rows carry
-τ = η = 0, so they reach no real row; b ∈ {16, 32, 64} need no row padding). The public
-``ttt_linear_triton`` covers everything else exactly with the PyTorch dual form, chained through
-autograd: the tokens that complete a mini-batch begun by ``initial_state`` (pos > 0) run before
-the kernel, a trailing partial mini-batch (T − pos not a multiple of b) runs after it. Every
-gradient (XQ, XK, XV, η, token_idx, ln_weight, ln_bias, W1, b1 and the tensors of
-``initial_state``) flows through both parts.
+Coverage of the kernel: every token from a mini-batch boundary (pos = 0), a trailing partial
+mini-batch included, any b ≤ 64 and any head dim d (b and d padded to powers of two ≥ 16 with
+masks; padded rows carry τ = η = 0, so they reach no real row; b ∈ {16, 32, 64} need no row
+padding). The last mini-batch of a launch has LAST ≤ b valid rows, a runtime value: its rows
+≥ LAST are masked (η = 0, ∂out = 0, nothing stored), and when LAST < b it makes no update — the
+end state is its start weights W1, b1 with the sums grad_W1 = Kᵀ(η⊙Γ), grad_b1 = Σ η Γ (unscaled
+by τ) and pos = LAST, the state contract's mid-mini-batch state — and the backward takes the
+gradients of those sums. The public ``ttt_linear_triton`` runs only the head in the PyTorch dual
+form, chained through autograd: the tokens that complete a mini-batch begun by ``initial_state``
+(pos > 0) run before the kernel. Every gradient (XQ, XK, XV, η, token_idx, ln_weight, ln_bias,
+W1, b1 and the tensors of ``initial_state``) flows through both parts.
 
 Precision (``_precision``, ``_dot``): everything is carried and accumulated in float32 (float64
 for float64 inputs); the tl.dot operands are bfloat16 for bfloat16/float16 inputs (bf16 tensor-core
@@ -50,18 +53,28 @@ input dtype, the state in float32 (float64 for float64 inputs), as in ``torch_ch
 
 Registers (``python -m kernels.compile_report --op ttt``): W1 (state pass) and dW1 (backward carry)
 are not carried in registers from one mini-batch to the next. They live in two global slots per
-(batch, head): the weights of mini-batch n in slot n % 2, the update written to the other slot at
-the end of the mini-batch, one barrier per mini-batch. No [d, d] tile is held whole in any
+(batch, head): the weights of mini-batch n in slot n % 2, the update added to the other slot row
+block by row block (below), one barrier per row block. No [d, d] tile is held whole in any
 kernel: every product with a weight operand (K W1, Q W1, ∂Z̄ W1ᵀ, ∂Z W1ᵀ, K dW1, the updates
 Kᵀ(η⊙Γ), Qᵀ∂Z̄ + Kᵀ∂Z) runs BC columns of the weight at a time in a runtime loop (not unrolled,
 so the compiler cannot hoist every tile's loads), writing each update as a [BC, d] tile (a product
-of BC rows). A [b, d] operand or product needed by column tiles, or produced by them, passes
+of BC rows). An [RB, d] operand or product needed by column tiles, or produced by them, passes
 through small per-program scratch tiles in global memory (float32; ``_xw_cols``). The state
 pass builds its index, mask and pointer tensors inside the loop (``_loop_index``) instead of
 letting them be hoisted out of it. Warps and BC per GPU family in ``_LINEAR_WARPS`` and
-``_LINEAR_BC``. Still spilling (the gate's known failures): mini-batch 64 in the backward and
-with float32 operands, and the float32 d = 128 backward: their [b, d] tiles of LayerNorm
-intermediates (b = 64) or 3×TF32 operands do not fit; row blocks of 16 would bound them.
+``_LINEAR_BC``.
+
+Row blocks: every kernel walks a mini-batch in blocks of RB = 16 rows (``_LINEAR_RB``; b padded to
+BT, a multiple of 16), so that only [16, d] and [16, 16] tiles are live whatever b is. Z = K W1 + b1,
+Γ, the LayerNorm and its derivatives are row by row; rows meet only (i) in M Γ, lower-triangular:
+Z̄ of block i sums M_ij Γ_j over the blocks j ≤ i (``_zbar_block``), and its backward gives ∂Q_i,
+∂τ_i by rows (j ≤ i) and ∂Γ_j, ∂K_j, ∂η_j by columns (i ≥ j), two passes of
+``_ttt_linear_bwd_mb_kernel`` with ∂Z̄ in global memory between them; (ii) in sums over rows —
+the update Kᵀ(η⊙Γ), Σ η Γ, dW1's Qᵀ∂Z̄ + Kᵀ∂Z, ∂b1, ∂τ, ∂γ, ∂β — which each block adds to the other
+weight slot (the first block starting it from the current weights), to a per-program scratch row,
+or to per-(mini-batch, row block) partial sums that PyTorch adds up. Still spilling (the gate's
+known failures): the float32 per-mini-batch backward at d = 128, b = 16 and the float32 backward
+carry at d = 128, b = 64 on sm_80 (3×TF32 operands of the [16, 128] tiles, 32–156 B).
 
 TTT-MLP (``ttt_mlp_triton``) is in ``mlp_chunk.py``; it shares ``_dot``, ``_ln_stats``, ``_ln_bwd`` and
 ``_precision`` with this file.
@@ -77,7 +90,8 @@ import triton.language as tl
 from kernels._triton_utils import INTERPRET_ARCH, check_triton_device, device_arch, is_interpreting
 from kernels.ttt.torch_chunk import LN_EPS, acc_dtype, make_state, ttt_linear_chunk
 
-#: b×b and b×d tiles live in registers; beyond 64 they spill
+#: the largest mini-batch the kernels take (the gate compiles b = 16 and 64; a mini-batch runs in
+#: row blocks of 16, so larger b would compile, only its M Γ walks more blocks)
 _MAX_MB = 64
 
 
@@ -157,27 +171,17 @@ def _mini_batch_grad_cols(k, v, WP, S, bb, gamma, beta, cmask, D: tl.constexpr, 
 
 
 @triton.jit
-def _mini_batch_out_cols(q, k, e, tau, G, WP, S, bb, cmask, tril, D: tl.constexpr, BD: tl.constexpr,
-                         BT: tl.constexpr, BC: tl.constexpr, eps, PREC: tl.constexpr):
-    """M, Z̄ = Q W1 + b1 − M Γ and its LayerNorm statistics, given Γ; Q W1 BC columns of W1 at a
-    time (``_xw_cols``)."""
-    A = _dot(q, tl.trans(k), PREC)
-    Ev = tau[:, None] * e[None, :]
-    M = tl.where(tril, Ev * (A + 1.0), 0.0)
-    Zb = _xw_cols(q, WP, S, D, BD, BT, BC, PREC) + bb[None, :] - _dot(M, G, PREC)
-    xhb, rstdb = _ln_stats(Zb, cmask, D, eps)
-    return A, Ev, M, xhb, rstdb
-
-
-@triton.jit
-def _ttt_linear_state_kernel(XK, XV, ETA, TAU, LNW, LNB, W0, B0, WS, BS, GS, WF, BF, WT, SCR,
-                             T, NMB, H, eps,
+def _ttt_linear_state_kernel(XK, XV, ETA, TAU, LNW, LNB, W0, B0, WS, BS, GS, WF, BF, GWF, GBF, WT, SCR,
+                             T, NMB, LAST, H, eps,
                              D: tl.constexpr, BD: tl.constexpr, MB: tl.constexpr, BT: tl.constexpr,
-                             BC: tl.constexpr, PREC: tl.constexpr):
+                             BC: tl.constexpr, RB: tl.constexpr, PREC: tl.constexpr):
     """The sequential part of the forward: one program per batch·head walks the mini-batches in
     order, computes Z = K W1 + b1, Γ and the update, and stores the start weights (W1, b1) of every
     mini-batch (WS, BS) and its Γ (GS), from which ``_ttt_linear_out_kernel`` computes the
-    outputs of all mini-batches in parallel."""
+    outputs of all mini-batches in parallel. The last mini-batch has LAST ≤ b valid rows (the rows
+    beyond are masked); when LAST < b it is partial: no update (the end weights WF, BF are its start
+    weights) and its gradient sums Kᵀ(η⊙Γ), Σ η Γ (unscaled by τ) go to GWF, GBF (zero-filled by
+    the caller)."""
     pid = tl.program_id(0)                      # = b_idx * H + h_idx
     h = pid % H
     cdt = W0.dtype.element_ty
@@ -187,92 +191,144 @@ def _ttt_linear_state_kernel(XK, XV, ETA, TAU, LNW, LNB, W0, B0, WS, BS, GS, WF,
     woff = cols[:, None] * D + cols[None, :]
     # W1 lives in global memory, not in registers: the weights at the start of mini-batch n in
     # slot n % 2 of WT [2, d, d], read BC columns at a time where a product needs them; the update
-    # is written to the other slot, tile by tile, at the end of the mini-batch, one barrier per
-    # mini-batch. A [b, d] product or operand needed by column tiles passes through one of two
-    # [BT, BD] scratch tiles in SCR (per program; float32)
+    # is written to the other slot, tile by tile, row block by row block. An [RB, d] product or
+    # operand needed by column tiles passes through one of two [RB, BD] scratch tiles in SCR (per
+    # program; float32); a third holds the row blocks' sums Σ η Γ
     WT = WT + pid * 2 * D * D
-    S_Z = SCR + pid * 2 * BT * BD               # K W1 (read back whole)
-    S_E = S_Z + BT * BD                         # η⊙Γ (read by column tiles)
+    S_Z = SCR + pid * 3 * RB * BD               # K W1 (read back whole)
+    S_E = S_Z + RB * BD                         # η⊙Γ (read by column tiles)
+    S_B = S_E + RB * BD                         # Σ η Γ over each row block's rows
     tl.store(WT + woff, tl.load(W0 + pid * D * D + woff, mask=wmask, other=0.0).to(cdt), mask=wmask)
     bb = tl.load(B0 + pid * D + cols, mask=cmask, other=0.0).to(cdt)
     tau_last = tl.load(TAU + MB - 1).to(cdt)
     tl.debug_barrier()
 
     for n in range(NMB):
-        rows, cols = _loop_index(n, NMB, BT, BD)
+        rl, cols = _loop_index(n, NMB, RB, BD)
         cmask = cols < D
-        rmask = rows < MB
-        xmask = rmask[:, None] & cmask[None, :]
         WP = WT + (n % 2) * D * D
         WQ = WT + ((n + 1) % 2) * D * D
-        gamma = tl.load(LNW + h * D + cols, mask=cmask, other=0.0).to(cdt)
-        beta = tl.load(LNB + h * D + cols, mask=cmask, other=0.0).to(cdt)
+        # valid rows of this mini-batch; a partial last one updates nothing: the other slot gets
+        # its gradient sum Kᵀ(η⊙Γ) instead (start 0, scale −1), and its start weights stay in WP
+        nv = tl.where(n == NMB - 1, LAST, MB)
+        part = nv < MB
+        s = tl.where(part, -1.0, tau_last)
+        w0 = tl.where(part, 0.0, 1.0)
         tl.store(BS + (pid * NMB + n) * D + cols, bb, mask=cmask)
-        t_off = n * MB + rows
-        xoff = pid * T * D + t_off[:, None] * D + cols[None, :]
-        k = tl.load(XK + xoff, mask=xmask, other=0.0).to(cdt)
-        v = tl.load(XV + xoff, mask=xmask, other=0.0).to(cdt)
-        # padded rows (MB < BT) get η = 0, so they reach no update
-        e = tl.load(ETA + pid * T + t_off, mask=rmask, other=0.0).to(cdt)
-        xh, rstd, r, G = _mini_batch_grad_cols(k, v, WP, S_Z, bb, gamma, beta, cmask, D, BD, BT, BC, eps, PREC)
-        tl.store(GS + xoff, G, mask=xmask)
-        eG = e[:, None] * G
-        bb = bb - tau_last * tl.sum(eG, axis=0)
-        tl.store(S_E + rows[:, None] * BD + cols[None, :], eG)
-        tl.debug_barrier()
-        # W1' = W1 − τ_{b−1} Kᵀ(η⊙Γ), BC columns of W1 at a time, each as a [BC, d] tile (the
-        # product (η⊙Γ)[:, cols]ᵀ K of BC rows); the start weights stored on the way
-        for c in range(BD // BC):
-            cc = c * BC + tl.arange(0, BC)
-            wc = cc[:, None] + cols[None, :] * D
-            wcm = (cc[:, None] < D) & cmask[None, :]
-            w = tl.load(WP + wc, mask=wcm, other=0.0)
-            tl.store(WS + (pid * NMB + n) * D * D + wc, w, mask=wcm)
-            updT = _dot(tl.trans(tl.load(S_E + rows[:, None] * BD + cc[None, :])), k, PREC)
-            tl.store(WQ + wc, w - tau_last * updT, mask=wcm)
+        # the mini-batch in blocks of RB rows: Z and Γ are row by row, the update sums over rows,
+        # so each block adds its share to the other W1 slot (the first block starts it from W1)
+        # and to Σ η Γ (its rows' sum kept in the scratch, one row per block)
+        for rb in range(BT // RB):
+            rows = rb * RB + rl
+            rmask = rows < nv
+            xmask = rmask[:, None] & cmask[None, :]
+            gamma = tl.load(LNW + h * D + cols, mask=cmask, other=0.0).to(cdt)
+            beta = tl.load(LNB + h * D + cols, mask=cmask, other=0.0).to(cdt)
+            t_off = n * MB + rows
+            xoff = pid * T * D + t_off[:, None] * D + cols[None, :]
+            k = tl.load(XK + xoff, mask=xmask, other=0.0).to(cdt)
+            v = tl.load(XV + xoff, mask=xmask, other=0.0).to(cdt)
+            # padded and invalid rows get η = 0, so they reach no update
+            e = tl.load(ETA + pid * T + t_off, mask=rmask, other=0.0).to(cdt)
+            xh, rstd, r, G = _mini_batch_grad_cols(k, v, WP, S_Z, bb, gamma, beta, cmask, D, BD, RB, BC, eps, PREC)
+            tl.store(GS + xoff, G, mask=xmask)
+            eG = e[:, None] * G
+            tl.store(S_B + rb * BD + cols, tl.sum(eG, axis=0))
+            tl.store(S_E + rl[:, None] * BD + cols[None, :], eG)
+            tl.debug_barrier()
+            # W1' = W1 − τ_{b−1} Kᵀ(η⊙Γ), BC columns of W1 at a time, each as a [BC, d] tile (the
+            # product (η⊙Γ)[:, cols]ᵀ K of BC rows); the start weights stored on the way
+            for c in range(BD // BC):
+                cc = c * BC + tl.arange(0, BC)
+                wc = cc[:, None] + cols[None, :] * D
+                wcm = (cc[:, None] < D) & cmask[None, :]
+                w = tl.load(WP + wc, mask=wcm, other=0.0)
+                tl.store(WS + (pid * NMB + n) * D * D + wc, w, mask=wcm & (rb == 0))
+                acc = tl.load(WQ + wc, mask=wcm & (rb > 0), other=0.0)
+                updT = _dot(tl.trans(tl.load(S_E + rl[:, None] * BD + cc[None, :])), k, PREC)
+                tl.store(WQ + wc, tl.where(rb > 0, acc, w0 * w) - s * updT, mask=wcm)
+            tl.debug_barrier()                  # the next block adds to the slot written above
+        bsum = tl.load(S_B + rl[:, None] * BD + cols[None, :], mask=(rl[:, None] < BT // RB) & cmask[None, :], other=0.0)
+        bsum = tl.sum(bsum, axis=0)
+        tl.store(GBF + pid * D + cols, bsum, mask=cmask & ((cols * 0 + nv) < MB))
+        bb = bb - w0 * s * bsum
         tl.debug_barrier()                      # the next mini-batch reads the slot written above
 
     cols = tl.arange(0, BD)
     cmask = cols < D
-    wmask = cmask[:, None] & cmask[None, :]
-    woff = cols[:, None] * D + cols[None, :]
-    tl.store(WF + pid * D * D + woff, tl.load(WT + (NMB % 2) * D * D + woff, mask=wmask, other=0.0), mask=wmask)
+    # after a partial last mini-batch, slot NMB % 2 holds its sums and the other its start weights;
+    # copied out BC columns at a time
+    part = (LAST < MB).to(tl.int32)
+    for c in range(BD // BC):
+        cc = c * BC + tl.arange(0, BC)
+        wo = cols[:, None] * D + cc[None, :]
+        wm = cmask[:, None] & (cc[None, :] < D)
+        tl.store(WF + pid * D * D + wo, tl.load(WT + ((NMB + part) % 2) * D * D + wo, mask=wm, other=0.0), mask=wm)
+        tl.store(GWF + pid * D * D + wo, tl.load(WT + (NMB % 2) * D * D + wo, mask=wm, other=0.0),
+                 mask=wm & ((wo * 0 + part) > 0))
     tl.store(BF + pid * D + cols, bb, mask=cmask)
 
 
 @triton.jit
+def _zbar_block(q, tau_i, rows_i, nb, XK, ETA, GS, WP, S, bb, x0, e0, cmask, NV, D: tl.constexpr,
+                BD: tl.constexpr, RB: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
+    """Z̄ of one row block i (rows ``rows_i``, its Q rows ``q`` [RB, BD], τ of its rows ``tau_i``):
+    Q_i W1 + b1 − Σ_{j ≤ i} M_ij Γ_j with M_ij = tril(τ_i η_jᵀ ⊙ (Q_i K_jᵀ + 1)), the sum over the
+    ``nb`` = i + 1 row blocks j ≤ i (K_j, η_j, Γ_j read from XK, ETA, GS at the mini-batch's
+    offsets ``x0``, ``e0``; rows ≥ ``NV`` masked); Q_i W1 BC columns of W1 at a time through the
+    scratch tile ``S``."""
+    rl = tl.arange(0, RB)
+    cols = tl.arange(0, BD)
+    acc = _xw_cols(q, WP, S, D, BD, RB, BC, PREC) + bb[None, :]
+    for j in range(nb):
+        rows_j = j * RB + rl
+        rmask_j = rows_j < NV
+        xo = x0 + rows_j[:, None] * D + cols[None, :]
+        m = rmask_j[:, None] & cmask[None, :]
+        k = tl.load(XK + xo, mask=m, other=0.0).to(acc.dtype)
+        G = tl.load(GS + xo, mask=m, other=0.0).to(acc.dtype)
+        e = tl.load(ETA + e0 + rows_j, mask=rmask_j, other=0.0).to(acc.dtype)
+        A = _dot(q, tl.trans(k), PREC)
+        M = tl.where(rows_j[None, :] <= rows_i[:, None], tau_i[:, None] * e[None, :] * (A + 1.0), 0.0)
+        acc -= _dot(M, G, PREC)
+    return acc
+
+
+@triton.jit
 def _ttt_linear_out_kernel(XQ, XK, ETA, TAU, LNW, LNB, WS, BS, GS, OUT, SCR,
-                           T, NMB, H, eps,
+                           T, NMB, LAST, H, eps,
                            D: tl.constexpr, BD: tl.constexpr, MB: tl.constexpr, BT: tl.constexpr,
-                           BC: tl.constexpr, PREC: tl.constexpr):
-    """The chunk-parallel part of the forward: one program per (batch·head, mini-batch), all in
-    parallel, after ``_ttt_linear_state_kernel``. From the stored start weights W1, b1 and Γ:
-    Z̄ = Q W1 + b1 − M Γ, out = Q + LN_γβ(Z̄), Q W1 BC columns of W1 at a time through a [BT, BD]
-    scratch tile in SCR (per program; float32)."""
+                           BC: tl.constexpr, RB: tl.constexpr, PREC: tl.constexpr):
+    """The chunk-parallel part of the forward: one program per (batch·head, mini-batch, row block
+    of RB rows), all in parallel, after ``_ttt_linear_state_kernel``. From the stored start weights
+    W1, b1 and Γ: Z̄ = Q W1 + b1 − M Γ, out = Q + LN_γβ(Z̄) for the block's rows (row i of Z̄ reads
+    the rows j ≤ i of K, η, Γ: ``_zbar_block``), Q W1 BC columns of W1 at a time through an
+    [RB, BD] scratch tile in SCR (per program; float32). The last mini-batch has LAST valid rows."""
     pid = tl.program_id(0)
     n = tl.program_id(1)
+    i = tl.program_id(2)
     h = pid % H
     cdt = BS.dtype.element_ty
-    rows = tl.arange(0, BT)
+    rows = i * RB + tl.arange(0, RB)
     cols = tl.arange(0, BD)
     cmask = cols < D
-    rmask = rows < MB
+    nv = tl.where(n == NMB - 1, LAST, MB)
+    rmask = rows < nv
     xmask = rmask[:, None] & cmask[None, :]
-    tril = rows[None, :] <= rows[:, None]
-    gamma = tl.load(LNW + h * D + cols, mask=cmask, other=0.0).to(cdt)
-    beta = tl.load(LNB + h * D + cols, mask=cmask, other=0.0).to(cdt)
-    # padded rows (MB < BT) get τ = η = 0, so they enter no product that reaches a real row
-    tau = tl.load(TAU + rows, mask=rmask, other=0.0).to(cdt)
+    # padded rows (MB < BT) get τ = η = 0, and invalid rows (≥ nv) η = 0 and no output, so they
+    # enter no product that reaches a real row
+    tau = tl.load(TAU + rows, mask=rows < MB, other=0.0).to(cdt)
     WP = WS + (pid * NMB + n) * D * D
     bb = tl.load(BS + (pid * NMB + n) * D + cols, mask=cmask, other=0.0).to(cdt)
-    t_off = n * MB + rows
-    xoff = pid * T * D + t_off[:, None] * D + cols[None, :]
+    x0 = pid * T * D + n * MB * D
+    xoff = x0 + rows[:, None] * D + cols[None, :]
     q = tl.load(XQ + xoff, mask=xmask, other=0.0).to(cdt)
-    k = tl.load(XK + xoff, mask=xmask, other=0.0).to(cdt)
-    e = tl.load(ETA + pid * T + t_off, mask=rmask, other=0.0).to(cdt)
-    G = tl.load(GS + xoff, mask=xmask, other=0.0).to(cdt)
-    S = SCR + (pid * NMB + n) * BT * BD
-    A, Ev, M, xhb, rstdb = _mini_batch_out_cols(q, k, e, tau, G, WP, S, bb, cmask, tril, D, BD, BT, BC, eps, PREC)
+    S = SCR + ((pid * NMB + n) * (BT // RB) + i) * RB * BD
+    Zb = _zbar_block(q, tau, rows, i + 1, XK, ETA, GS, WP, S, bb, x0, pid * T + n * MB, cmask, nv,
+                     D, BD, RB, BC, PREC)
+    xhb, rstdb = _ln_stats(Zb, cmask, D, eps)
+    gamma = tl.load(LNW + h * D + cols, mask=cmask, other=0.0).to(cdt)
+    beta = tl.load(LNB + h * D + cols, mask=cmask, other=0.0).to(cdt)
     out = q + gamma[None, :] * xhb + beta[None, :]
     tl.store(OUT + xoff, out.to(OUT.dtype.element_ty), mask=xmask)
 
@@ -280,182 +336,261 @@ def _ttt_linear_out_kernel(XQ, XK, ETA, TAU, LNW, LNB, WS, BS, GS, OUT, SCR,
 @triton.jit
 def _ttt_linear_bwd_mb_kernel(XQ, XK, ETA, TAU, LNW, LNB, WS, BS, GS, DOUT,
                               DXQ, DKP, DEP, DG0, DZB, DTAUP, DLNWP, DLNBP, SCR,
-                              T, NMB, H, eps,
+                              T, NMB, LAST, H, eps,
                               D: tl.constexpr, BD: tl.constexpr, MB: tl.constexpr, BT: tl.constexpr,
-                              BC: tl.constexpr, PREC: tl.constexpr):
+                              BC: tl.constexpr, RB: tl.constexpr, PREC: tl.constexpr):
     """The part of the backward local to one mini-batch (no dependence on the carried dW1, db1):
     one program per (batch·head, mini-batch), all in parallel. Recomputes the forward from the
     stored start weights, back-propagates out through Z̄ and M, and stores ∂XQ (final), the parts
-    of ∂XK, ∂η, ∂Γ that do not involve the carry, ∂Z̄, and per-mini-batch sums for ∂τ, ∂γ, ∂β."""
+    of ∂XK, ∂η, ∂Γ that do not involve the carry, ∂Z̄, and sums for ∂τ, ∂γ, ∂β.
+
+    In row blocks of RB rows, in two passes, so that only [RB, d] and [RB, RB] tiles are live.
+    Pass 1, block i: Z̄_i (``_zbar_block``), ∂Z̄_i (stored to DZB), ∂γ, ∂β of its rows, and, over
+    the blocks j ≤ i, ∂M_ij = −∂Z̄_i Γ_jᵀ (lower-triangular) with ∂Q_i += ∂A_ij K_j, ∂τ_i += Σ_j ∂E_ij η_j;
+    then ∂Q_i += ∂Z̄_i W1ᵀ. Pass 2, block j, over the blocks i ≥ j (∂Z̄_i read back from DZB):
+    ∂Γ_j = −Σ_i M_ijᵀ ∂Z̄_i, ∂K_j = Σ_i ∂A_ijᵀ Q_i, ∂η_j = Σ_i ∂E_ijᵀ τ_i. The last mini-batch has
+    LAST valid rows (the rows beyond: η = 0, ∂out = 0, nothing stored)."""
     pid = tl.program_id(0)
     n = tl.program_id(1)
     h = pid % H
     cdt = DKP.dtype.element_ty
-    rows = tl.arange(0, BT)
+    NRB: tl.constexpr = BT // RB
+    rl = tl.arange(0, RB)
     cols = tl.arange(0, BD)
     cmask = cols < D
-    rmask = rows < MB
-    xmask = rmask[:, None] & cmask[None, :]
-    tril = rows[None, :] <= rows[:, None]
-    gamma = tl.load(LNW + h * D + cols, mask=cmask, other=0.0).to(cdt)
-    beta = tl.load(LNB + h * D + cols, mask=cmask, other=0.0).to(cdt)
-    # padded rows (MB < BT) get τ = η = 0, so they enter no product that reaches a real row
-    tau = tl.load(TAU + rows, mask=rmask, other=0.0).to(cdt)
     WP = WS + (pid * NMB + n) * D * D
-    bb = tl.load(BS + (pid * NMB + n) * D + cols, mask=cmask, other=0.0).to(cdt)
-    t_off = n * MB + rows
-    xoff = pid * T * D + t_off[:, None] * D + cols[None, :]
-    q = tl.load(XQ + xoff, mask=xmask, other=0.0).to(cdt)
-    k = tl.load(XK + xoff, mask=xmask, other=0.0).to(cdt)
-    e = tl.load(ETA + pid * T + t_off, mask=rmask, other=0.0).to(cdt)
-    do = tl.load(DOUT + xoff, mask=xmask, other=0.0).to(cdt)
-    G = tl.load(GS + xoff, mask=xmask, other=0.0).to(cdt)              # Γ, stored by the forward
-    S = SCR + (pid * NMB + n) * BT * BD
-    A, Ev, M, xhb, rstdb = _mini_batch_out_cols(q, k, e, tau, G, WP, S, bb, cmask, tril, D, BD, BT, BC, eps, PREC)
+    x0 = pid * T * D + n * MB * D
+    e0 = pid * T + n * MB
+    S = SCR + (pid * NMB + n) * RB * BD
+    nv = tl.where(n == NMB - 1, LAST, MB)
 
-    # out = Q + γ x̂(Z̄) + β
-    tl.store(DLNWP + (pid * NMB + n) * D + cols, tl.sum(do * xhb, axis=0), mask=cmask)
-    tl.store(DLNBP + (pid * NMB + n) * D + cols, tl.sum(do, axis=0), mask=cmask)
-    dZb = _ln_bwd(do * gamma[None, :], xhb, rstdb, cmask, D)
-    tl.store(DZB + xoff, dZb, mask=xmask)
-    # Z̄ = Q W1 + b1 − M Γ
-    dM = tl.where(tril, -_dot(dZb, tl.trans(G), PREC), 0.0)
-    tl.store(DG0 + xoff, -_dot(tl.trans(M), dZb, PREC), mask=xmask)
-    # M = tril(E ⊙ (A + 1)), E_ij = τ_i η_j, A = Q Kᵀ
-    dE = dM * (A + 1.0)
-    dA = dM * Ev
-    tl.store(DKP + xoff, _dot(tl.trans(dA), q, PREC), mask=xmask)
-    tl.store(DEP + pid * T + t_off, tl.sum(dE * tau[:, None], axis=0), mask=rmask)
-    tl.store(DTAUP + (pid * NMB + n) * MB + rows, tl.sum(dE * e[None, :], axis=1), mask=rmask)
-    dq = do + _dot(dA, k, PREC)
-    # ∂Z̄ W1ᵀ, BC columns of W1 (and of ∂Z̄, read back from DZB) at a time
-    tl.debug_barrier()
-    for c in range(BD // BC):
-        cc = c * BC + tl.arange(0, BC)
-        ccm = cc < D
-        dZbc = tl.load(DZB + pid * T * D + t_off[:, None] * D + cc[None, :], mask=rmask[:, None] & ccm[None, :], other=0.0)
-        dq += _dot(dZbc, tl.load(WP + cc[:, None] + cols[None, :] * D, mask=ccm[:, None] & cmask[None, :], other=0.0), PREC)
-    tl.store(DXQ + xoff, dq.to(DXQ.dtype.element_ty), mask=xmask)
+    for i in range(NRB):
+        rows_i = i * RB + rl
+        rmask_i = rows_i < nv
+        xm_i = rmask_i[:, None] & cmask[None, :]
+        xo_i = x0 + rows_i[:, None] * D + cols[None, :]
+        # padded rows (MB < BT) get τ = η = 0, so they enter no product that reaches a real row
+        tau_i = tl.load(TAU + rows_i, mask=rows_i < MB, other=0.0).to(cdt)
+        bb = tl.load(BS + (pid * NMB + n) * D + cols, mask=cmask, other=0.0).to(cdt)
+        q = tl.load(XQ + xo_i, mask=xm_i, other=0.0).to(cdt)
+        Zb = _zbar_block(q, tau_i, rows_i, i + 1, XK, ETA, GS, WP, S, bb, x0, e0, cmask, nv, D, BD, RB, BC, PREC)
+        xhb, rstdb = _ln_stats(Zb, cmask, D, eps)
+        # out = Q + γ x̂(Z̄) + β
+        do = tl.load(DOUT + xo_i, mask=xm_i, other=0.0).to(cdt)
+        gamma = tl.load(LNW + h * D + cols, mask=cmask, other=0.0).to(cdt)
+        po = (pid * NMB + n) * NRB + i
+        tl.store(DLNWP + po * D + cols, tl.sum(do * xhb, axis=0), mask=cmask)
+        tl.store(DLNBP + po * D + cols, tl.sum(do, axis=0), mask=cmask)
+        dZb = _ln_bwd(do * gamma[None, :], xhb, rstdb, cmask, D)
+        tl.store(DZB + xo_i, dZb, mask=xm_i)
+        # Z̄ = Q W1 + b1 − M Γ, M = tril(E ⊙ (A + 1)), E_ij = τ_i η_j, A = Q Kᵀ: the blocks j ≤ i
+        dq = do
+        dtau = tl.zeros([RB], dtype=cdt)
+        for j in range(i + 1):
+            rows_j = j * RB + rl
+            rmask_j = rows_j < nv
+            xm_j = rmask_j[:, None] & cmask[None, :]
+            xo_j = x0 + rows_j[:, None] * D + cols[None, :]
+            k = tl.load(XK + xo_j, mask=xm_j, other=0.0).to(cdt)
+            G = tl.load(GS + xo_j, mask=xm_j, other=0.0).to(cdt)
+            e = tl.load(ETA + e0 + rows_j, mask=rmask_j, other=0.0).to(cdt)
+            A = _dot(q, tl.trans(k), PREC)
+            dM = tl.where(rows_j[None, :] <= rows_i[:, None], -_dot(dZb, tl.trans(G), PREC), 0.0)
+            dtau += tl.sum(dM * (A + 1.0) * e[None, :], axis=1)
+            dq += _dot(dM * (tau_i[:, None] * e[None, :]), k, PREC)
+        tl.store(DTAUP + (pid * NMB + n) * MB + rows_i, dtau, mask=rows_i < MB)     # 0 past nv
+        # ∂Z̄ W1ᵀ, BC columns of W1 (and of ∂Z̄, read back from DZB) at a time
+        tl.debug_barrier()
+        for c in range(BD // BC):
+            cc = c * BC + tl.arange(0, BC)
+            ccm = cc < D
+            dZbc = tl.load(DZB + x0 + rows_i[:, None] * D + cc[None, :], mask=rmask_i[:, None] & ccm[None, :], other=0.0)
+            dq += _dot(dZbc, tl.load(WP + cc[:, None] + cols[None, :] * D, mask=ccm[:, None] & cmask[None, :], other=0.0), PREC)
+        tl.store(DXQ + xo_i, dq.to(DXQ.dtype.element_ty), mask=xm_i)
+
+    tl.debug_barrier()                          # pass 2 reads every block's ∂Z̄
+    for j in range(NRB):
+        rows_j = j * RB + rl
+        rmask_j = rows_j < nv
+        xm_j = rmask_j[:, None] & cmask[None, :]
+        xo_j = x0 + rows_j[:, None] * D + cols[None, :]
+        k = tl.load(XK + xo_j, mask=xm_j, other=0.0).to(cdt)
+        G = tl.load(GS + xo_j, mask=xm_j, other=0.0).to(cdt)
+        e = tl.load(ETA + e0 + rows_j, mask=rmask_j, other=0.0).to(cdt)
+        dG = tl.zeros([RB, BD], dtype=cdt)
+        dk = tl.zeros([RB, BD], dtype=cdt)
+        de = tl.zeros([RB], dtype=cdt)
+        for i in range(j, NRB):
+            rows_i = i * RB + rl
+            rmask_i = rows_i < nv
+            xm_i = rmask_i[:, None] & cmask[None, :]
+            xo_i = x0 + rows_i[:, None] * D + cols[None, :]
+            tau_i = tl.load(TAU + rows_i, mask=rows_i < MB, other=0.0).to(cdt)
+            q = tl.load(XQ + xo_i, mask=xm_i, other=0.0).to(cdt)
+            dZb = tl.load(DZB + xo_i, mask=xm_i, other=0.0).to(cdt)
+            A = _dot(q, tl.trans(k), PREC)
+            tril = rows_j[None, :] <= rows_i[:, None]
+            Ev = tau_i[:, None] * e[None, :]
+            M = tl.where(tril, Ev * (A + 1.0), 0.0)
+            dM = tl.where(tril, -_dot(dZb, tl.trans(G), PREC), 0.0)
+            dG -= _dot(tl.trans(M), dZb, PREC)
+            de += tl.sum(dM * (A + 1.0) * tau_i[:, None], axis=0)
+            dk += _dot(tl.trans(dM * Ev), q, PREC)
+        tl.store(DG0 + xo_j, dG, mask=xm_j)
+        tl.store(DKP + xo_j, dk, mask=xm_j)
+        tl.store(DEP + e0 + rows_j, de, mask=rmask_j)
 
 
 @triton.jit
-def _ttt_linear_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, WS, BS, DWF, DBF, DKP, DEP, DG0, DZB,
+def _ttt_linear_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, WS, BS, DWF, DBF, DGWF, DGBF, DKP, DEP, DG0, DZB,
                            DXK, DXV, DETA, DTAU, DLNW, DLNB, DW0, DB0, DWT, SCR,
-                           T, NMB, H, eps,
+                           T, NMB, LAST, H, eps,
                            D: tl.constexpr, BD: tl.constexpr, MB: tl.constexpr, BT: tl.constexpr,
-                           BC: tl.constexpr, PREC: tl.constexpr):
+                           BC: tl.constexpr, RB: tl.constexpr, PREC: tl.constexpr):
     """The part of the backward that carries (dW1, db1) from the last mini-batch to the first:
     one program per batch·head, after ``_ttt_linear_bwd_mb_kernel``, whose partial ∂XK, ∂η, ∂Γ
     and ∂Z̄ it completes through the update W1' = W1 − τ_{b−1} Kᵀ(η⊙Γ) and Γ's dependence on Z.
+    Within a mini-batch every row is independent given the carried (dW1, db1) at its end (Z, Γ,
+    P = K dW1 + db1, the LayerNorm's second derivative, ∂Z, ∂K are row by row); the rows meet only
+    in sums (the update Qᵀ∂Z̄ + Kᵀ∂Z of dW1, and ∂b1, ∂τ, ∂γ, ∂β). So a mini-batch runs in blocks
+    of RB rows: each block's [RB, d] LayerNorm intermediates are computed, used and dropped, and
+    its share of the sums is added to the other dW1 slot (the first block adds it to dW1 itself).
     Every product with a [d, d] operand (W1, dW1, the update) runs BC columns of it at a time; the
-    [b, BC] column tiles of a product or of a [b, d] operand pass through four [BT, BD] scratch
-    tiles in ``SCR`` (per program; float32), so at most a [BD, BC] tile of a weight is live."""
+    [RB, BC] column tiles of a product or of a [RB, d] operand pass through four [RB, BD] scratch
+    tiles in ``SCR`` (per program; float32; a fifth holds the row blocks' parts of ∂b1), so at most
+    a [BD, BC] tile of a weight is live.
+
+    A partial last mini-batch (LAST < b valid rows) has no update: its end weights are its start
+    weights (dW1 carries through unchanged but for Qᵀ∂Z̄ + Kᵀ∂Z) and its gradient sums
+    U = Kᵀ(η⊙Γ), Σ η Γ are outputs, with gradients DGWF, DGBF. Both cases are one rule: with
+    Y = dW1_end, y = db1_end, c = −τ_{b−1} for an update and Y = ∂U, y = ∂(Σ η Γ), c = 1 for the sums,
+    P = K Y + y, ∂(η⊙Γ) = c P, ∂K += c (η⊙Γ) Yᵀ."""
     pid = tl.program_id(0)
     h = pid % H
     cdt = DW0.dtype.element_ty
-    # index tensors built once, outside the loop (unlike the forward's ``_loop_index``: here that
-    # takes fewer registers, by the compile gate)
-    rows = tl.arange(0, BT)
     cols = tl.arange(0, BD)
     cmask = cols < D
-    rmask = rows < MB
     wmask = cmask[:, None] & cmask[None, :]
-    xmask = rmask[:, None] & cmask[None, :]
     woff = cols[:, None] * D + cols[None, :]
-    soff = rows[:, None] * BD + cols[None, :]          # a whole scratch tile
+    rl = tl.arange(0, RB)                              # rows within a row block
+    soff = rl[:, None] * BD + cols[None, :]            # a whole scratch tile
     tau_last = tl.load(TAU + MB - 1).to(cdt)
-    S_Z = SCR + pid * 4 * BT * BD                      # Z = K W1 (read back whole)
-    S_P = S_Z + BT * BD                                # P = K dW1 (read back whole)
-    S_E = S_P + BT * BD                                # η⊙Γ (read by column tiles)
-    S_X = S_E + BT * BD                                # ∂Z (read by column tiles)
+    S_Z = SCR + pid * 4 * RB * BD                      # Z = K W1 (read back whole)
+    S_P = S_Z + RB * BD                                # P = K dW1 (read back whole)
+    S_E = S_P + RB * BD                                # η⊙Γ (read by column tiles)
+    S_X = S_E + RB * BD                                # ∂Z (read by column tiles)
+    S_B = S_X + RB * BD                                # each row block's part of ∂b1 (one row each)
 
     # gradients with respect to the weights at the END of the current mini-batch; dW1 lives in the
     # two slots of DWT [2, d, d] (global memory), not in registers: read in slot i % 2 where a
-    # product needs it, the update written to the other slot at the end of the mini-batch
+    # product needs it, the update written to the other slot during the mini-batch
     DWT = DWT + pid * 2 * D * D
-    tl.store(DWT + woff, tl.load(DWF + pid * D * D + woff, mask=wmask, other=0.0).to(cdt), mask=wmask)
+    # a partial last mini-batch (the first walked) reads ∂U as "Y" from slot 0 and adds its
+    # Qᵀ∂Z̄ + Kᵀ∂Z to dW1_end, put in slot 1 (see above)
+    lpart = (woff * 0 + LAST) < MB
+    dWF_t = tl.load(DWF + pid * D * D + woff, mask=wmask, other=0.0).to(cdt)
+    tl.store(DWT + woff, tl.where(lpart, tl.load(DGWF + pid * D * D + woff, mask=wmask, other=0.0).to(cdt), dWF_t),
+             mask=wmask)
+    tl.store(DWT + D * D + woff, dWF_t, mask=wmask)
     dbb = tl.load(DBF + pid * D + cols, mask=cmask, other=0.0).to(cdt)
-    dgamma = tl.zeros([BD], dtype=cdt)
-    dbeta = tl.zeros([BD], dtype=cdt)
-    dtau = tl.zeros([BT], dtype=cdt)
+    dtau = tl.sum(tl.zeros([BD], dtype=cdt), axis=0)   # ∂τ_{b−1} (the update's scale)
     tl.debug_barrier()
 
     for i in range(NMB):
         n = NMB - 1 - i
         dWP = DWT + (i % 2) * D * D
         dWQ = DWT + ((i + 1) % 2) * D * D
-        gamma = tl.load(LNW + h * D + cols, mask=cmask, other=0.0).to(cdt)
-        beta = tl.load(LNB + h * D + cols, mask=cmask, other=0.0).to(cdt)
         WP = WS + (pid * NMB + n) * D * D
-        bb = tl.load(BS + (pid * NMB + n) * D + cols, mask=cmask, other=0.0).to(cdt)
-        t_off = n * MB + rows
-        xoff = pid * T * D + t_off[:, None] * D + cols[None, :]
-        k = tl.load(XK + xoff, mask=xmask, other=0.0).to(cdt)
-        v = tl.load(XV + xoff, mask=xmask, other=0.0).to(cdt)
-        e = tl.load(ETA + pid * T + t_off, mask=rmask, other=0.0).to(cdt)
-        xh, rstd, r, G = _mini_batch_grad_cols(k, v, WP, S_Z, bb, gamma, beta, cmask, D, BD, BT, BC, eps, PREC)
+        nv = tl.where(n == NMB - 1, LAST, MB)           # valid rows
+        part = nv < MB                                 # a partial last mini-batch: sums, no update
+        cf = tl.where(part, 1.0, -tau_last)
+        for rb in range(BT // RB):
+            # γ, β, b1 loaded per row block: not held through the block's LayerNorm
+            gamma = tl.load(LNW + h * D + cols, mask=cmask, other=0.0).to(cdt)
+            beta = tl.load(LNB + h * D + cols, mask=cmask, other=0.0).to(cdt)
+            bb = tl.load(BS + (pid * NMB + n) * D + cols, mask=cmask, other=0.0).to(cdt)
+            rows = rb * RB + rl
+            rmask = rows < nv
+            xmask = rmask[:, None] & cmask[None, :]
+            t_off = n * MB + rows
+            xoff = pid * T * D + t_off[:, None] * D + cols[None, :]
+            k = tl.load(XK + xoff, mask=xmask, other=0.0).to(cdt)
+            v = tl.load(XV + xoff, mask=xmask, other=0.0).to(cdt)
+            e = tl.load(ETA + pid * T + t_off, mask=rmask, other=0.0).to(cdt)
+            xh, rstd, r, G = _mini_batch_grad_cols(k, v, WP, S_Z, bb, gamma, beta, cmask, D, BD, RB, BC, eps, PREC)
 
-        # end-of-mini-batch update W1' = W1 − τ_{b−1} Kᵀ(η⊙Γ), b1' = b1 − τ_{b−1} Σ η Γ:
-        # P = K dW1 + db1 and ∂K through the update, −τ_{b−1} (η⊙Γ) dW1ᵀ, column tile by column tile
-        tl.store(S_E + soff, e[:, None] * G)
-        for c in range(BD // BC):
-            cc = c * BC + tl.arange(0, BC)
-            dWc = tl.load(dWP + cols[:, None] * D + cc[None, :], mask=cmask[:, None] & (cc[None, :] < D), other=0.0)
-            tl.store(S_P + rows[:, None] * BD + cc[None, :], _dot(k, dWc, PREC))
+            # end-of-mini-batch update W1' = W1 − τ_{b−1} Kᵀ(η⊙Γ), b1' = b1 − τ_{b−1} Σ η Γ (or the
+            # sums of a partial one): P = K Y + y and ∂K through it, c (η⊙Γ) Yᵀ, column tile by
+            # column tile (Y = dW1 or ∂U, see above)
+            tl.store(S_E + soff, e[:, None] * G)
+            for c in range(BD // BC):
+                cc = c * BC + tl.arange(0, BC)
+                Yc = tl.load(dWP + cols[:, None] * D + cc[None, :], mask=cmask[:, None] & (cc[None, :] < D), other=0.0)
+                tl.store(S_P + rl[:, None] * BD + cc[None, :], _dot(k, Yc, PREC))
+            tl.debug_barrier()
+            yb = tl.where(part, tl.load(DGBF + pid * D + cols, mask=cmask & ((cols * 0 + nv) < MB), other=0.0).to(cdt), dbb)
+            P = tl.load(S_P + soff) + yb[None, :]
+            GP = tl.sum(G * P, axis=1)
+            dG = tl.load(DG0 + xoff, mask=xmask, other=0.0).to(cdt) + cf * e[:, None] * P
+            de = tl.load(DEP + pid * T + t_off, mask=rmask, other=0.0).to(cdt) + cf * GP
+            tl.store(DETA + pid * T + t_off, de.to(DETA.dtype.element_ty), mask=rmask)
+            dtau += tl.where(part, 0.0, -tl.sum(e * GP, axis=0))
+            # Γ = (ĝ − mean ĝ − x̂ mean(ĝ x̂)) / σ with ĝ = γ r, r = γ x̂ + β − (V − K), x̂, σ of Z
+            dgh = _ln_bwd(dG, xh, rstd, cmask, D)
+            c2 = tl.sum(gamma[None, :] * r * xh, axis=1) / D
+            mux = tl.sum(dG * xh, axis=1) / D
+            dxh = (-(dG * c2[:, None] + gamma[None, :] * r * mux[:, None]) * rstd[:, None]
+                   + gamma[None, :] * gamma[None, :] * dgh)
+            dsig = -tl.sum(dG * G, axis=1) * rstd
+            # ∂γ, ∂β: one partial sum per (mini-batch, row block), summed outside (not carried)
+            po = (pid * NMB + n) * (BT // RB) + rb
+            tl.store(DLNW + po * D + cols, tl.sum(dgh * (gamma[None, :] * xh + r), axis=0), mask=cmask)
+            tl.store(DLNB + po * D + cols, tl.sum(dgh * gamma[None, :], axis=0), mask=cmask)
+            dtgt = -gamma[None, :] * dgh
+            tl.store(DXV + xoff, dtgt.to(DXV.dtype.element_ty), mask=xmask)          # target = V − K
+            dZ = _ln_bwd(dxh, xh, rstd, cmask, D) + tl.where(cmask[None, :], dsig[:, None] * xh / D, 0.0)
+            dZb = tl.load(DZB + xoff, mask=xmask, other=0.0).to(cdt)
+            # ∂b1 of this row block, summed over the blocks once the mini-batch is done (not carried)
+            tl.store(S_B + rb * BD + cols, tl.sum(dZb, axis=0) + tl.sum(dZ, axis=0))
+            # ∂K: the per-mini-batch part, through the update (with dW1 of the end of this
+            # mini-batch), through Z (∂Z W1ᵀ) and through the target
+            dk = -dtgt
+            # Z = K W1 + b1, Z̄ = Q W1 + b1 − M Γ: dW1_start = dW1_end + Qᵀ ∂Z̄ + Kᵀ ∂Z (this row
+            # block's share), and ∂Z W1ᵀ, one BC-column tile of W1, ∂Z and ∂Z̄ at a time (∂Z through
+            # the scratch, ∂Z̄ from DZB)
+            tl.store(S_X + soff, dZ)
+            tl.debug_barrier()
+            q = tl.load(XQ + xoff, mask=xmask, other=0.0).to(cdt)
+            k = tl.load(XK + xoff, mask=xmask, other=0.0).to(cdt)     # read again: not held through the LayerNorm
+            for c in range(BD // BC):
+                cc = c * BC + tl.arange(0, BC)
+                ccm = cc < D
+                dZc = tl.load(S_X + rl[:, None] * BD + cc[None, :])
+                dZbc = tl.load(DZB + pid * T * D + t_off[:, None] * D + cc[None, :], mask=rmask[:, None] & ccm[None, :],
+                               other=0.0).to(cdt)
+                # the update's columns cc as [BC, d] rows (a product of BC rows, not d)
+                updT = _dot(tl.trans(dZbc), q, PREC) + _dot(tl.trans(dZc), k, PREC)
+                wc = cc[:, None] + cols[None, :] * D
+                wcm = ccm[:, None] & cmask[None, :]
+                Yt = tl.load(dWP + wc, mask=wcm, other=0.0)       # dW1_end (∂U for a partial one)
+                # the first row block starts the other slot from dW1_end, later ones add to it
+                # the first row block of a full mini-batch starts the other slot from dW1_end
+                first = (rb == 0) & (nv == MB)
+                acc = tl.load(dWQ + wc, mask=wcm & ((wc * 0 + first.to(tl.int32)) == 0), other=0.0)
+                tl.store(dWQ + wc, tl.where(first, Yt, acc) + updT, mask=wcm)
+                # last, so that the loop's last tl.dot, whose warp layout every product takes, is a [RB, d] one
+                dk += (_dot(dZc, tl.load(WP + wc, mask=wcm, other=0.0), PREC)
+                       + cf * _dot(tl.load(S_E + rl[:, None] * BD + cc[None, :]), Yt, PREC))
+            dk += tl.load(DKP + xoff, mask=xmask, other=0.0).to(cdt)
+            tl.store(DXK + xoff, dk.to(DXK.dtype.element_ty), mask=xmask)
+            tl.debug_barrier()                  # the next row block reuses the scratch, adds to dWQ
+        dbb += tl.sum(tl.load(S_B + soff, mask=(rl[:, None] < BT // RB) & cmask[None, :], other=0.0), axis=0)
         tl.debug_barrier()
-        P = tl.load(S_P + soff) + dbb[None, :]
-        GP = tl.sum(G * P, axis=1)
-        dG = tl.load(DG0 + xoff, mask=xmask, other=0.0).to(cdt) - tau_last * e[:, None] * P
-        de = tl.load(DEP + pid * T + t_off, mask=rmask, other=0.0).to(cdt) - tau_last * GP
-        tl.store(DETA + pid * T + t_off, de.to(DETA.dtype.element_ty), mask=rmask)
-        dtau += tl.where(rows == MB - 1, -tl.sum(e * GP, axis=0), 0.0)
-        # Γ = (ĝ − mean ĝ − x̂ mean(ĝ x̂)) / σ with ĝ = γ r, r = γ x̂ + β − (V − K), x̂, σ of Z
-        dgh = _ln_bwd(dG, xh, rstd, cmask, D)
-        c2 = tl.sum(gamma[None, :] * r * xh, axis=1) / D
-        mux = tl.sum(dG * xh, axis=1) / D
-        dxh = (-(dG * c2[:, None] + gamma[None, :] * r * mux[:, None]) * rstd[:, None]
-               + gamma[None, :] * gamma[None, :] * dgh)
-        dsig = -tl.sum(dG * G, axis=1) * rstd
-        dgamma += tl.sum(dgh * (gamma[None, :] * xh + r), axis=0)
-        dbeta += tl.sum(dgh * gamma[None, :], axis=0)
-        dtgt = -gamma[None, :] * dgh
-        tl.store(DXV + xoff, dtgt.to(DXV.dtype.element_ty), mask=xmask)          # target = V − K
-        dZ = _ln_bwd(dxh, xh, rstd, cmask, D) + tl.where(cmask[None, :], dsig[:, None] * xh / D, 0.0)
-        dZb = tl.load(DZB + xoff, mask=xmask, other=0.0).to(cdt)
-        dbb += tl.sum(dZb, axis=0) + tl.sum(dZ, axis=0)
-        # ∂K: the per-mini-batch part, through the update (dkW above, with dW1 of the end of this
-        # mini-batch), through Z (∂Z W1ᵀ) and through the target
-        dk = -dtgt
-        # Z = K W1 + b1, Z̄ = Q W1 + b1 − M Γ: dW1_start = dW1_end + Qᵀ ∂Z̄ + Kᵀ ∂Z, and ∂Z W1ᵀ,
-        # one BC-column tile of W1, ∂Z and ∂Z̄ at a time (∂Z through the scratch, ∂Z̄ from DZB)
-        tl.store(S_X + soff, dZ)
-        tl.debug_barrier()
-        q = tl.load(XQ + xoff, mask=xmask, other=0.0).to(cdt)
-        k = tl.load(XK + xoff, mask=xmask, other=0.0).to(cdt)     # read again: not held through the LayerNorm
-        for c in range(BD // BC):
-            cc = c * BC + tl.arange(0, BC)
-            ccm = cc < D
-            dZc = tl.load(S_X + rows[:, None] * BD + cc[None, :])
-            dZbc = tl.load(DZB + pid * T * D + t_off[:, None] * D + cc[None, :], mask=rmask[:, None] & ccm[None, :],
-                           other=0.0).to(cdt)
-            # the update's columns cc as [BC, d] rows (a product of BC rows, not d)
-            updT = _dot(tl.trans(dZbc), q, PREC) + _dot(tl.trans(dZc), k, PREC)
-            wc = cc[:, None] + cols[None, :] * D
-            wcm = ccm[:, None] & cmask[None, :]
-            dWt = tl.load(dWP + wc, mask=wcm, other=0.0)
-            tl.store(dWQ + wc, dWt + updT, mask=wcm)
-            # last, so that the loop's last tl.dot, whose warp layout every product takes, is a [b, d] one
-            dk += (_dot(dZc, tl.load(WP + wc, mask=wcm, other=0.0), PREC)
-                   - tau_last * _dot(tl.load(S_E + rows[:, None] * BD + cc[None, :]), dWt, PREC))
-        dk += tl.load(DKP + xoff, mask=xmask, other=0.0).to(cdt)
-        tl.store(DXK + xoff, dk.to(DXK.dtype.element_ty), mask=xmask)
-        tl.debug_barrier()                      # the next mini-batch reads the slot written above
 
     tl.store(DW0 + pid * D * D + woff, tl.load(DWT + (NMB % 2) * D * D + woff, mask=wmask, other=0.0), mask=wmask)
     tl.store(DB0 + pid * D + cols, dbb, mask=cmask)
-    tl.store(DLNW + pid * D + cols, dgamma, mask=cmask)
-    tl.store(DLNB + pid * D + cols, dbeta, mask=cmask)
-    tl.store(DTAU + pid * MB + rows, dtau, mask=rmask)
+    rows = tl.arange(0, BT)
+    tl.store(DTAU + pid * MB + rows, tl.where(rows == MB - 1, dtau, 0.0), mask=rows < MB)
 
 
 # ---- autograd -----------------------------------------------------------------------------------
@@ -478,6 +613,7 @@ def _precision(dtype: torch.dtype) -> str:
 #: rows each). Checked by ``python -m kernels.compile_report --op ttt``; 16 warps (at most 128
 #: registers a thread) spill more than 8 wherever 8 spill.
 _LINEAR_WARPS = {
+    (90, "out", False, 64, 16): 4, (90, "out", False, 64, 64): 4,
     (90, "state", True, 64, 16): 4, (80, "state", True, 64, 16): 4,
     (80, "state", True, 128, 16): 4, (80, "state", False, 128, 16): 4,
 }
@@ -488,11 +624,19 @@ _LINEAR_WARPS = {
 _LINEAR_KERNELS = ("state", "out", "bwd_mb", "bwd")
 #: the kernels whose products with a [d, d] operand run BC columns of it at a time (all of them)
 _COLUMN_TILED = _LINEAR_KERNELS
-#: BC per (arch, kernel, bf16 operands, BD, BT), 16 where it names none (these spill at 16, not at
-#: 32: the float32 state pass at d = 128, b = 16 and the bf16 per-mini-batch backward at d = 128,
-#: b = 64 on sm_80, the float32 backward carry at d = 128, b = 16 on both)
-_LINEAR_BC = {(80, "state", False, 128, 16): 32, (80, "bwd_mb", True, 128, 64): 32,
-              (90, "bwd", False, 128, 16): 32, (80, "bwd", False, 128, 16): 32}
+#: the kernels that walk a mini-batch in blocks of ``_LINEAR_RB`` rows (its [RB, d] LayerNorm
+#: intermediates live in registers, not the [b, d] ones)
+_ROW_BLOCKED = _LINEAR_KERNELS
+#: rows per row block (tl.dot needs ≥ 16; BT is a multiple of it)
+_LINEAR_RB = 16
+#: BC per (arch, kernel, bf16 operands, BD, BT), 16 where it names none: 32 where 16 spills and
+#: 32 does not (by the compile gate): float32 at d = 128 — the state pass on sm_80, the
+#: per-mini-batch backward at b = 64 on sm_90 and the backward carry on both — and the bf16
+#: per-mini-batch backward at d = 128, b = 64 on sm_80
+_LINEAR_BC = {(80, "state", False, 128, 16): 32, (80, "state", False, 128, 64): 32,
+              (90, "bwd_mb", False, 128, 64): 32, (80, "bwd_mb", True, 128, 64): 32,
+              (90, "bwd", False, 128, 16): 32, (80, "bwd", False, 128, 16): 32,
+              (90, "bwd", False, 128, 64): 32, (80, "bwd", False, 128, 64): 32}
 
 
 def _launch_cfg(d: int, b: int, kernel: str = "state", half: bool = True, arch: int = INTERPRET_ARCH):
@@ -506,6 +650,8 @@ def _launch_cfg(d: int, b: int, kernel: str = "state", half: bool = True, arch: 
     BD = max(16, triton.next_power_of_2(d))
     BT = max(16, triton.next_power_of_2(b))
     tiles = {"BC": min(BD, _LINEAR_BC.get((arch, kernel, half, BD, BT), 16))} if kernel in _COLUMN_TILED else {}
+    if kernel in _ROW_BLOCKED:
+        tiles["RB"] = _LINEAR_RB
     if is_interpreting():                   # 16 columns, so that the tests at d = 32 walk two tiles
         return BD, BT, {k: 16 for k in tiles}
     warps = _LINEAR_WARPS.get((arch, kernel, half, BD, BT), 8)
@@ -538,10 +684,14 @@ def _linear_mini_batch_buffers(XQ, NMB: int):
 def _linear_fwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: torch.Tensor, tau: torch.Tensor,
                    ln_w: torch.Tensor, ln_b: torch.Tensor, W0: torch.Tensor, b0: torch.Tensor,
                    mini_batch_size: int, save: bool
-                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Full mini-batches from a boundary: (XQ, XK, XV, η, τ, γ, β, W1_0 [B,H,d,d], b1_0 [B,H,1,d])
-    → (out [B,H,T,d], W1_end, b1_end, and the per-mini-batch start weights WS, BS and Γ (GS) that
-    the output kernel and the backward read).
+                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                              torch.Tensor, torch.Tensor]:
+    """T ≥ 1 tokens from a mini-batch boundary: (XQ, XK, XV, η, τ, γ, β, W1_0 [B,H,d,d], b1_0
+    [B,H,1,d]) → (out [B,H,T,d], W1_end, b1_end, grad_W1_end, grad_b1_end, and the per-mini-batch
+    start weights WS, BS and Γ (GS) that the output kernel and the backward read). When T is not a
+    multiple of b the last mini-batch is partial: W1_end, b1_end are its start weights and
+    grad_W1_end, grad_b1_end its sums Σ η_s ∇ℓ_s (the state contract's mid-mini-batch state);
+    otherwise the sums are zero.
 
     With ``save`` the start weights of every mini-batch are kept for the backward (one state pass
     and one output launch over the whole sequence); without it the sequence runs in windows of
@@ -550,7 +700,8 @@ def _linear_fwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: to
     then the last window's scratch, which nothing reads)."""
     B, H, T, d = XQ.shape
     bsz = mini_batch_size
-    NMB = T // bsz
+    NMB = -(-T // bsz)
+    LAST = T - (NMB - 1) * bsz                  # valid rows of the last mini-batch
     NW = NMB if save else min(NMB, _linear_window())
     cdt = acc_dtype(XQ.dtype)
     XQ, XK, XV, eta = (x.contiguous() for x in (XQ, XK, XV, eta))
@@ -563,12 +714,14 @@ def _linear_fwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: to
     WS, BS, GS = _linear_mini_batch_buffers(XQ, NW)
     WF = torch.empty(B, H, d, d, dtype=cdt, device=XQ.device)
     BF = torch.empty(B, H, 1, d, dtype=cdt, device=XQ.device)
+    GWF = torch.zeros(B, H, d, d, dtype=cdt, device=XQ.device)       # the sums of a partial last
+    GBF = torch.zeros(B, H, 1, d, dtype=cdt, device=XQ.device)       # mini-batch (zero otherwise)
     WT = torch.empty(B, H, 2, d, d, dtype=cdt, device=XQ.device)     # the state pass' two W1 slots
     half, arch = XQ.dtype in (torch.bfloat16, torch.float16), device_arch(XQ.device)
     BDs, BTs, kws = _launch_cfg(d, bsz, "state", half=half, arch=arch)
-    SCR = torch.empty(B, H, 2, BTs, BDs, dtype=cdt, device=XQ.device)  # its [b, d] scratch tiles
+    SCR = torch.empty(B, H, 3, kws["RB"], BDs, dtype=cdt, device=XQ.device)  # its [RB, d] scratch tiles
     BDo, BTo, kwo = _launch_cfg(d, bsz, "out", half=half, arch=arch)
-    SCRO = torch.empty(B, H, NW, BTo, BDo, dtype=cdt, device=XQ.device)
+    SCRO = torch.empty(B, H, NW, BTo, BDo, dtype=cdt, device=XQ.device)   # [RB, BD] per row block
     w_in, b_in = W0c, b0c
     for n0 in range(0, NMB, max(NW, 1)):
         nw = min(NW, NMB - n0)
@@ -578,30 +731,32 @@ def _linear_fwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: to
         q_w, k_w, v_w, e_w, g_w, o_w = (x[:, :, t0:] for x in (XQ, XK, XV, eta, GS, out))
         # the state pass reads its start weights (W0, B0) before it writes the end ones (WF, BF), so
         # a window may start from the previous window's end buffers
+        last = LAST if n0 + nw == NMB else bsz
         _ttt_linear_state_kernel[(B * H,)](
-            k_w, v_w, e_w, tau_c, lw, lb, w_in, b_in, WS, BS, g_w, WF, BF, WT, SCR,
-            T, nw, H, LN_EPS, D=d, BD=BDs, MB=bsz, BT=BTs, PREC=prec, **kws)
-        _ttt_linear_out_kernel[(B * H, nw)](
+            k_w, v_w, e_w, tau_c, lw, lb, w_in, b_in, WS, BS, g_w, WF, BF, GWF, GBF, WT, SCR,
+            T, nw, last, H, LN_EPS, D=d, BD=BDs, MB=bsz, BT=BTs, PREC=prec, **kws)
+        _ttt_linear_out_kernel[(B * H, nw, BTo // kwo["RB"])](
             q_w, k_w, e_w, tau_c, lw, lb, WS, BS, g_w, o_w, SCRO,
-            T, nw, H, LN_EPS, D=d, BD=BDo, MB=bsz, BT=BTo, PREC=prec, **kwo)
+            T, nw, last, H, LN_EPS, D=d, BD=BDo, MB=bsz, BT=BTo, PREC=prec, **kwo)
         w_in, b_in = WF, BF
-    return out, WF, BF, WS, BS, GS
+    return out, WF, BF, GWF, GBF, WS, BS, GS
 
 
 @_linear_fwd_op.register_fake
 def _(XQ, XK, XV, eta, tau, ln_w, ln_b, W0, b0, mini_batch_size, save):
     B, H, T, d = XQ.shape
     cdt = acc_dtype(XQ.dtype)
-    NMB = T // mini_batch_size
+    NMB = -(-T // mini_batch_size)
     WS, BS, GS = _linear_mini_batch_buffers(XQ, NMB if save else min(NMB, _linear_window()))
     return (torch.empty_like(XQ), XQ.new_empty(B, H, d, d, dtype=cdt), XQ.new_empty(B, H, 1, d, dtype=cdt),
-            WS, BS, GS)
+            XQ.new_empty(B, H, d, d, dtype=cdt), XQ.new_empty(B, H, 1, d, dtype=cdt), WS, BS, GS)
 
 
 @torch.library.custom_op("kernels::ttt_linear_bwd", mutates_args=())
 def _linear_bwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: torch.Tensor, tau: torch.Tensor,
                    ln_w: torch.Tensor, ln_b: torch.Tensor, WS: torch.Tensor, BS: torch.Tensor, GS: torch.Tensor,
                    dout: Optional[torch.Tensor], dWF: Optional[torch.Tensor], dBF: Optional[torch.Tensor],
+                   dGWF: Optional[torch.Tensor], dGBF: Optional[torch.Tensor],
                    mini_batch_size: int, W_dt: torch.dtype, b_dt: torch.dtype) -> List[torch.Tensor]:
     """Gradients of the nine tensor inputs of ``_linear_fwd_op``."""
     bsz, tau_dt, lw_dt, lb_dt = mini_batch_size, tau.dtype, ln_w.dtype, ln_b.dtype
@@ -609,47 +764,51 @@ def _linear_bwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: to
     tau_c = tau.to(cdt).contiguous()
     lw, lb = ln_w.to(cdt).contiguous(), ln_b.to(cdt).contiguous()
     B, H, T, d = XQ.shape
-    NMB = T // bsz
+    NMB = -(-T // bsz)
+    LAST = T - (NMB - 1) * bsz
+    XQ, XK, XV, eta = (x.contiguous() for x in (XQ, XK, XV, eta))    # the kernels index rows with stride d
     cdt = BS.dtype
     dev = XQ.device
     dout = torch.zeros_like(XQ) if dout is None else dout.contiguous()
     dWF = torch.zeros(B, H, d, d, dtype=cdt, device=dev) if dWF is None else dWF.to(cdt).contiguous()
     dBF = torch.zeros(B, H, 1, d, dtype=cdt, device=dev) if dBF is None else dBF.to(cdt).contiguous()
+    dGWF = torch.zeros(B, H, d, d, dtype=cdt, device=dev) if dGWF is None else dGWF.to(cdt).contiguous()
+    dGBF = torch.zeros(B, H, 1, d, dtype=cdt, device=dev) if dGBF is None else dGBF.to(cdt).contiguous()
     dXQ, dXK, dXV = (torch.empty_like(XQ) for _ in range(3))
     dETA = torch.empty_like(eta)
     dTAU = torch.empty(B, H, bsz, dtype=cdt, device=dev)
-    dLNW = torch.empty(B, H, d, dtype=cdt, device=dev)
-    dLNB = torch.empty(B, H, d, dtype=cdt, device=dev)
+    NRB = max(16, triton.next_power_of_2(bsz)) // _LINEAR_RB       # row blocks per mini-batch
+    dLNW = torch.empty(B, H, NMB * NRB, d, dtype=cdt, device=dev)
+    dLNB = torch.empty(B, H, NMB * NRB, d, dtype=cdt, device=dev)
     dW0 = torch.empty(B, H, d, d, dtype=cdt, device=dev)
     dB0 = torch.empty(B, H, 1, d, dtype=cdt, device=dev)
     dWT = torch.empty(B, H, 2, d, d, dtype=cdt, device=dev)           # the second kernel's two dW1 slots
-    SCR = torch.empty(B, H, 4, max(16, triton.next_power_of_2(bsz)), max(16, triton.next_power_of_2(d)),
-                      dtype=cdt, device=dev)                           # its [b, d] scratch tiles
     # what the per-mini-batch kernel hands to the carrying one (float32; float64 for float64 inputs)
     dKP, dG0, dZB = (torch.empty(B, H, T, d, dtype=cdt, device=dev) for _ in range(3))
     dEP = torch.empty(B, H, T, dtype=cdt, device=dev)
     dTAUP = torch.empty(B, H, NMB, bsz, dtype=cdt, device=dev)
-    dLNWP = torch.empty(B, H, NMB, d, dtype=cdt, device=dev)
-    dLNBP = torch.empty(B, H, NMB, d, dtype=cdt, device=dev)
     half = XQ.dtype in (torch.bfloat16, torch.float16)
     arch, prec = device_arch(XQ.device), _precision(XQ.dtype)
     BD, BT, kw = _launch_cfg(d, bsz, "bwd_mb", half=half, arch=arch)
+    dLNWP = torch.empty(B, H, NMB * (BT // kw["RB"]), d, dtype=cdt, device=dev)   # per row block
+    dLNBP = torch.empty(B, H, NMB * (BT // kw["RB"]), d, dtype=cdt, device=dev)
     _ttt_linear_bwd_mb_kernel[(B * H, NMB)](
         XQ, XK, eta, tau_c, lw, lb, WS, BS, GS, dout,
-        dXQ, dKP, dEP, dG0, dZB, dTAUP, dLNWP, dLNBP, torch.empty(B, H, NMB, BT, BD, dtype=cdt, device=dev),
-        T, NMB, H, LN_EPS, D=d, BD=BD, MB=bsz, BT=BT, PREC=prec, **kw)
+        dXQ, dKP, dEP, dG0, dZB, dTAUP, dLNWP, dLNBP, torch.empty(B, H, NMB, kw["RB"], BD, dtype=cdt, device=dev),
+        T, NMB, LAST, H, LN_EPS, D=d, BD=BD, MB=bsz, BT=BT, PREC=prec, **kw)
     BD, BT, kw = _launch_cfg(d, bsz, "bwd", half=half, arch=arch)
+    SCR = torch.empty(B, H, 5, kw["RB"], BD, dtype=cdt, device=dev)   # its [RB, d] scratch tiles
     _ttt_linear_bwd_kernel[(B * H,)](
-        XQ, XK, XV, eta, tau_c, lw, lb, WS, BS, dWF, dBF, dKP, dEP, dG0, dZB,
+        XQ, XK, XV, eta, tau_c, lw, lb, WS, BS, dWF, dBF, dGWF, dGBF, dKP, dEP, dG0, dZB,
         dXK, dXV, dETA, dTAU, dLNW, dLNB, dW0, dB0, dWT, SCR,
-        T, NMB, H, LN_EPS, D=d, BD=BD, MB=bsz, BT=BT, PREC=prec, **kw)
+        T, NMB, LAST, H, LN_EPS, D=d, BD=BD, MB=bsz, BT=BT, PREC=prec, **kw)
     return [dXQ, dXK, dXV, dETA, (dTAU.sum((0, 1)) + dTAUP.sum((0, 1, 2))).to(tau_dt),
-            (dLNW.sum(0) + dLNWP.sum((0, 2))).to(lw_dt), (dLNB.sum(0) + dLNBP.sum((0, 2))).to(lb_dt),
+            (dLNW.sum((0, 2)) + dLNWP.sum((0, 2))).to(lw_dt), (dLNB.sum((0, 2)) + dLNBP.sum((0, 2))).to(lb_dt),
             dW0.to(W_dt), dB0.to(b_dt)]
 
 
 @_linear_bwd_op.register_fake
-def _(XQ, XK, XV, eta, tau, ln_w, ln_b, WS, BS, GS, dout, dWF, dBF, mini_batch_size, W_dt, b_dt):
+def _(XQ, XK, XV, eta, tau, ln_w, ln_b, WS, BS, GS, dout, dWF, dBF, dGWF, dGBF, mini_batch_size, W_dt, b_dt):
     B, H, T, d = XQ.shape
     return [torch.empty_like(XQ), torch.empty_like(XK), torch.empty_like(XV), torch.empty_like(eta),
             torch.empty_like(tau), torch.empty_like(ln_w), torch.empty_like(ln_b),
@@ -658,13 +817,13 @@ def _(XQ, XK, XV, eta, tau, ln_w, ln_b, WS, BS, GS, dout, dWF, dBF, mini_batch_s
 
 def _linear_setup_context(ctx, inputs, output):
     XQ, XK, XV, eta, tau, ln_w, ln_b, W0, b0, bsz, _ = inputs
-    ctx.save_for_backward(XQ, XK, XV, eta, tau, ln_w, ln_b, *output[3:])
-    ctx.mark_non_differentiable(*output[3:])
+    ctx.save_for_backward(XQ, XK, XV, eta, tau, ln_w, ln_b, *output[5:])
+    ctx.mark_non_differentiable(*output[5:])
     ctx.meta = (bsz, W0.dtype, b0.dtype)
 
 
-def _linear_backward_rule(ctx, dout, dWF, dBF, *_):
-    return (*_linear_bwd_op(*ctx.saved_tensors, dout, dWF, dBF, *ctx.meta), None, None)
+def _linear_backward_rule(ctx, dout, dWF, dBF, dGWF, dGBF, *_):
+    return (*_linear_bwd_op(*ctx.saved_tensors, dout, dWF, dBF, dGWF, dGBF, *ctx.meta), None, None)
 
 
 _linear_fwd_op.register_autograd(_linear_backward_rule, setup_context=_linear_setup_context)
@@ -704,9 +863,11 @@ def run_head_full_tail(XQ, XK, XV, eta, st: dict, bsz: int, keys, torch_part, ke
 def ttt_linear_triton(XQ, XK, XV, eta, token_idx, ln_weight, ln_bias, W1, b1, mini_batch_size=16,
                       initial_state: Optional[dict] = None, output_final_state: bool = False
                       ) -> Tuple[torch.Tensor, Optional[dict]]:
-    """Same contract as ``kernels.ttt.ttt_linear``. The full mini-batches from a boundary run in
-    the Triton kernel; the head (completing a mini-batch begun in ``initial_state``) and the
-    tail (a trailing partial mini-batch) run in the PyTorch dual form."""
+    """Same contract as ``kernels.ttt.ttt_linear``. Everything from a mini-batch boundary runs in
+    the Triton kernels, a trailing partial mini-batch included (its end state: its start weights
+    and the sums Σ η_s ∇ℓ_s, pos = its length); the head (the tokens completing a mini-batch begun
+    in ``initial_state``, pos > 0) runs in the PyTorch dual form before them, chained through
+    autograd."""
     if not 1 <= mini_batch_size <= _MAX_MB:
         raise ValueError(f"ttt_linear_triton: mini_batch_size must be in [1, {_MAX_MB}], got {mini_batch_size}")
     check_triton_device("ttt_linear_triton", XQ, XK, XV, eta)
@@ -714,20 +875,23 @@ def ttt_linear_triton(XQ, XK, XV, eta, token_idx, ln_weight, ln_bias, W1, b1, mi
     bsz = mini_batch_size
     dt = acc_dtype(XQ.dtype)
     st = make_state({"W1": W1, "b1": b1}, B, dt, initial_state)
-
-    def torch_part(t0, t1, st):
-        return ttt_linear_chunk(XQ[:, :, t0:t1], XK[:, :, t0:t1], XV[:, :, t0:t1], eta[:, :, t0:t1],
-                                token_idx, ln_weight, ln_bias, W1, b1, bsz, st, True)
-
-    def kernel_part(xs, st):
+    outs, t = [], 0
+    if st["pos"] > 0 and T > 0:
+        t = min(bsz - st["pos"], T)
+        o, st = ttt_linear_chunk(XQ[:, :, :t], XK[:, :, :t], XV[:, :, :t], eta[:, :, :t], token_idx, ln_weight,
+                                 ln_bias, W1, b1, bsz, st, True)
+        outs.append(o)
+    if t < T:
+        xs = [x[:, :, t:].contiguous() for x in (XQ, XK, XV, eta)]
         ins = xs + [token_idx, ln_weight, ln_bias, st["W1"], st["b1"]]
         # the per-mini-batch start weights serve the backward: without autograd they are kept for a
         # window of mini-batches at a time only
-        save = torch.is_grad_enabled() and any(t.requires_grad for t in ins)
-        o, Wf, bf = _linear_fwd_op(*ins, bsz, save)[:3]
-        return o, (Wf, bf)
-
-    out, st = run_head_full_tail(XQ, XK, XV, eta, st, bsz, ("W1", "b1"), torch_part, kernel_part)
+        save = torch.is_grad_enabled() and any(x.requires_grad for x in ins)
+        o, Wf, bf, gW, gb = _linear_fwd_op(*ins, bsz, save)[:5]
+        outs.append(o)
+        st = {"W1": Wf, "b1": bf, "grad_W1": gW, "grad_b1": gb, "pos": (T - t) % bsz}
+    out = torch.cat(outs, dim=2) if len(outs) > 1 else (outs[0] if outs else XQ.clone())
     return out, (st if output_final_state else None)
+
 
 __all__ = ["ttt_linear_triton"]

@@ -19,7 +19,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 def compile_cases():
     out = []
-    ints = {"T": "i32", "NMB": "i32", "H": "i32", "eps": "fp32"}
+    ints = {"T": "i32", "NMB": "i32", "LAST": "i32", "H": "i32", "eps": "fp32"}
     io_names = ("XQ", "XK", "XV", "ETA", "OUT", "DOUT", "DXQ", "DXK", "DXV", "DETA")
     for dt, tdt in DTYPES.items():
         for d in HEAD_DIMS:
@@ -35,7 +35,7 @@ def compile_cases():
                         ptrs = {n: dt for n in io_names if n in names}
                         if dt == "bf16":
                             ptrs["WS"] = ptrs["GS"] = "bf16"      # see _linear_mini_batch_buffers
-                        tiles = {k: kw[k] for k in ("BC",) if k in kw}
+                        tiles = {k: kw[k] for k in ("BC", "RB") if k in kw}
                         out.append(case(kern, cfg, constexprs=dict(D=d, BD=BD, MB=b, BT=BT, PREC=chunk._precision(tdt),
                                                                    **tiles, **extra),
                                         scalars=ints, pointers=ptrs, num_warps=kw["num_warps"],

@@ -39,27 +39,9 @@ KNOWN_FAILURES = {
     # -- TTT-Linear (kernels/ttt/chunk.py; warps per GPU family, one case per arch named with it; the
     #    forward is _ttt_linear_state_kernel, then _ttt_linear_out_kernel; the backward is
     #    _ttt_linear_bwd_mb_kernel, then _ttt_linear_bwd_kernel) --
-    (80, "_ttt_linear_bwd_mb_kernel", "bf16 d=64 b=64 sm_80"): "no_spills: 316/316 B spilled",
-    (80, "_ttt_linear_bwd_kernel", "bf16 d=64 b=64 sm_80"): "no_spills: 132/120 B spilled",
-    (90, "_ttt_linear_bwd_mb_kernel", "bf16 d=128 b=64 sm_90"): "no_spills: 472/476 B spilled",
-    (90, "_ttt_linear_bwd_kernel", "bf16 d=128 b=64 sm_90"): "no_spills: 448/420 B spilled",
-    (80, "_ttt_linear_bwd_kernel", "bf16 d=128 b=64 sm_80"): "no_spills: 980/916 B spilled",
-    (90, "_ttt_linear_out_kernel", "fp32 d=64 b=64 sm_90"): "no_spills: 304/304 B spilled",
-    (90, "_ttt_linear_bwd_mb_kernel", "fp32 d=64 b=64 sm_90"): "no_spills: 1924/2324 B spilled",
-    (90, "_ttt_linear_bwd_kernel", "fp32 d=64 b=64 sm_90"): "no_spills: 428/448 B spilled",
-    (80, "_ttt_linear_out_kernel", "fp32 d=64 b=64 sm_80"): "no_spills: 824/1128 B spilled",
-    (80, "_ttt_linear_bwd_mb_kernel", "fp32 d=64 b=64 sm_80"): "no_spills: 8524/11848 B spilled",
-    (80, "_ttt_linear_bwd_kernel", "fp32 d=64 b=64 sm_80"): "no_spills: 800/764 B spilled",
-    (90, "_ttt_linear_bwd_mb_kernel", "fp32 d=128 b=16 sm_90"): "no_spills: 192/200 B spilled",
-    (80, "_ttt_linear_bwd_mb_kernel", "fp32 d=128 b=16 sm_80"): "no_spills: 204/204 B spilled",
-    (90, "_ttt_linear_state_kernel", "fp32 d=128 b=64 sm_90"): "no_spills: 176/188 B spilled",
-    (90, "_ttt_linear_out_kernel", "fp32 d=128 b=64 sm_90"): "no_spills: 1100/1120 B spilled",
-    (90, "_ttt_linear_bwd_mb_kernel", "fp32 d=128 b=64 sm_90"): "no_spills: 2720/3500 B spilled",
-    (90, "_ttt_linear_bwd_kernel", "fp32 d=128 b=64 sm_90"): "no_spills: 1756/2116 B spilled",
-    (80, "_ttt_linear_state_kernel", "fp32 d=128 b=64 sm_80"): "no_spills: 476/468 B spilled",
-    (80, "_ttt_linear_out_kernel", "fp32 d=128 b=64 sm_80"): "no_spills: 1668/1920 B spilled",
-    (80, "_ttt_linear_bwd_mb_kernel", "fp32 d=128 b=64 sm_80"): "no_spills: 3804/4404 B spilled",
-    (80, "_ttt_linear_bwd_kernel", "fp32 d=128 b=64 sm_80"): "no_spills: 1176/1264 B spilled",
+    (90, "_ttt_linear_bwd_mb_kernel", "fp32 d=128 b=16 sm_90"): "no_spills: 104/152 B spilled",
+    (80, "_ttt_linear_bwd_mb_kernel", "fp32 d=128 b=16 sm_80"): "no_spills: 120/156 B spilled",
+    (80, "_ttt_linear_bwd_kernel", "fp32 d=128 b=64 sm_80"): "no_spills: 32/20 B spilled",
 }
 
 

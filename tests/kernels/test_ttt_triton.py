@@ -78,9 +78,11 @@ def _compare(got, ref, T, b, atol, rtol, pos0=0):
 # d = 8 and b ∈ {4, 8} exercise the padding of the tiles to 16; the kernels keep W1 and dW1 in two
 # global slots, alternating per mini-batch: 1, 2 and 3 (13 tokens at b = 4) kernel mini-batches;
 # d = 32 and 24 (padded) walk two 16-column tiles of the weights (``_launch_cfg``'s BC under the
-# interpreter)
+# interpreter); b = 32, 24 (padded to 32) and 64 walk a mini-batch in row blocks of 16
+# (``_LINEAR_RB``), the second block of b = 24 half padding
 SHAPES = [(32, 16, 16, 0), (37, 16, 16, 0), (45, 16, 16, 5), (9, 16, 16, 5), (20, 8, 16, 0),
-          (11, 8, 4, 0), (19, 16, 8, 3), (13, 8, 4, 0), (32, 32, 16, 0), (35, 24, 8, 0)]
+          (11, 8, 4, 0), (19, 16, 8, 3), (13, 8, 4, 0), (32, 32, 16, 0), (35, 24, 8, 0),
+          (70, 16, 32, 0), (50, 8, 24, 0), (64, 32, 64, 0)]
 
 
 @pytest.mark.parametrize("T,d,b,prefix", SHAPES)
@@ -93,6 +95,28 @@ def test_float64_matches_reference(T, d, b, prefix):
     ref = _run("reference", args, b, w, st)
     got = _run("triton", args, b, w, st)
     _compare(got, ref, T, b, atol=1e-10, rtol=1e-10, pos0=prefix)
+
+
+@pytest.mark.parametrize("T,d,b", [(37, 16, 16), (9, 16, 16), (50, 8, 24), (70, 16, 32)])
+def test_partial_last_mini_batch_runs_in_the_kernel(T, d, b, monkeypatch):
+    """From a mini-batch boundary everything runs in the kernels, a trailing partial mini-batch
+    included (T = 37: 2 full + 5 rows; T = 9 < b: only a partial one; b = 24: 2 rows in its second
+    row block; b = 32: 6 rows): the PyTorch dual form is not called (it raises here), and the
+    output, the mid-mini-batch final state (start weights, Σ η ∇ℓ, pos) and every gradient, those
+    through the final state's sums included, equal the specification. float64: 1e-10."""
+    from kernels.ttt import chunk
+
+    def no_torch(*a, **k):
+        raise AssertionError("the PyTorch dual form ran")
+
+    args = _inputs(T, d, b)
+    w = torch.randn(B, H, T, d, dtype=torch.float64)
+    ref = _run("reference", args, b, w)
+    monkeypatch.setattr(chunk, "ttt_linear_chunk", no_torch)
+    got = _run("triton", args, b, w)
+    assert got[1]["pos"] == T % b != 0
+    assert got[1]["grad_W1"].abs().max() > 0
+    _compare(got, ref, T, b, atol=1e-10, rtol=1e-10)
 
 
 @pytest.mark.parametrize("T,prefix", [(37, 0), (45, 5)])
@@ -122,14 +146,16 @@ def test_bfloat16_matches_reference():
     _compare(got, ref, T, b, atol=3e-2, rtol=3e-2)
 
 
-def test_no_grad_forward_and_weights_with_batch_axis():
+@pytest.mark.parametrize("T", [80, 85])
+def test_no_grad_forward_and_weights_with_batch_axis(T):
     """Without autograd the forward equals the PyTorch dual form: it runs in windows of 2
     mini-batches under the interpreter (``_linear_window``), the state carried from window to
     window, so T = 80 (5 mini-batches) is three windows, the last one short, and the stored start
-    weights hold 2 mini-batches, not 5. Per-sequence W1, b1 [B, H, …] are accepted and get
-    per-sequence gradients. float64: 1e-12."""
+    weights hold 2 mini-batches, not 5 (T = 85: the last window ends in a partial mini-batch, whose
+    sums the final state holds). Per-sequence W1, b1 [B, H, …] are accepted and get per-sequence
+    gradients. float64: 1e-12."""
     from kernels.ttt import chunk
-    b, d, T = 16, 16, 80
+    b, d = 16, 16
     args = _inputs(T, d, b)
     W1 = (args[7].detach() + 0.1 * torch.randn(B, H, d, d, dtype=torch.float64)).requires_grad_()
     b1 = (args[8].detach() + 0.1 * torch.randn(B, H, 1, d, dtype=torch.float64)).requires_grad_()
@@ -139,7 +165,7 @@ def test_no_grad_forward_and_weights_with_batch_axis():
 
     def spy(*a):
         res = real(*a)
-        stored.append(tuple(res[3].shape))
+        stored.append(tuple(res[5].shape))     # WS, the stored start weights
         return res
 
     with torch.no_grad():
@@ -153,6 +179,9 @@ def test_no_grad_forward_and_weights_with_batch_axis():
     torch.testing.assert_close(o_ng, o_t, atol=1e-12, rtol=0)
     torch.testing.assert_close(s_ng["W1"], s_t["W1"], atol=1e-12, rtol=0)
     torch.testing.assert_close(s_ng["b1"], s_t["b1"], atol=1e-12, rtol=0)
+    torch.testing.assert_close(s_ng["grad_W1"], s_t["grad_W1"], atol=1e-12, rtol=0)
+    torch.testing.assert_close(s_ng["grad_b1"], s_t["grad_b1"], atol=1e-12, rtol=0)
+    assert s_ng["pos"] == s_t["pos"] == T % b
     out, _ = ttt_linear(*full, mini_batch_size=b, backend="triton")
     gW, gb = torch.autograd.grad(out.sum(), [W1, b1])
     out_t, _ = ttt_linear(*full, mini_batch_size=b, backend="torch")
