@@ -1,4 +1,5 @@
 import json
+import os
 import time
 
 import pytest
@@ -7,8 +8,8 @@ import torch
 from ttt_lm.eval.__main__ import main
 from ttt_lm.eval.synthetic import (SyntheticResult, apply_impl, build_tiny_lm, evaluate_task, induction_heads,
                                    make_task, merge_results, mqar, pick_best, plot_accuracy, plot_accuracy_vs_width,
-                                   result_dict, result_from_dict, results_table, run_synthetic, selective_copying,
-                                   state_size, train_task)
+                                   result_dict, result_from_dict, result_trials, results_table, run_synthetic,
+                                   selective_copying, state_size, train_task, update_report)
 
 
 def g(seed=0):
@@ -119,7 +120,7 @@ def test_lr_sweep_trains_one_model_per_lr_and_keeps_the_solver():
                       num_eval=64, stop_at=0.95, check_every=25)
     assert [t["lr"] for t in r.lr_trials] == [1e-5, 3e-3]
     slow, fast = r.lr_trials
-    assert slow["steps_to_solve"] is None and slow["steps"] == 300
+    assert slow["steps_to_solve"] is None and slow["steps"] == 300 and slow["budget"] == fast["budget"] == 300
     assert fast["steps_to_solve"] is not None and fast["steps_to_solve"] % 25 == 0
     assert r.lr == 3e-3 and r.steps_to_solve == fast["steps_to_solve"] == r.steps and r.budget == 300
     assert r.accuracy[16] == fast["train_acc"] >= 0.9 and set(r.accuracy) == {16, 32}
@@ -261,12 +262,42 @@ def test_merge_results_joins_one_run_per_lr_into_one_row():
     assert merge_results([a, b])[0].lr == 3e-3
     # widths stay separate rows
     assert len(merge_results([_fake("x", {64: 0.5}, d=16), _fake("x", {64: 0.5}, d=32)])) == 2
+    # budgets may differ: every trial states its own
     b.budget = 50
-    with pytest.raises(ValueError, match="different step budgets"):
-        merge_results([a, b])
-    b.budget, b.lr_trials = a.budget, [_trial(1e-3, None, 0.6)]
+    assert [t["budget"] for t in merge_results([a, b])[0].lr_trials] == [100, 50]
+    b.lr_trials = [_trial(1e-3, None, 0.6)]
     with pytest.raises(ValueError, match="lr 0.001 was run in both x and y"):
         merge_results([a, b], ["x", "y"])
+
+
+def test_update_report_replaces_reruns_joins_new_lrs_and_refuses_a_partial_rerun():
+    old_t = _fake("titans", {64: 0.3}, lr=3e-3)
+    old_t.lr_trials = [_trial(3e-3, None, 0.3)]
+    old_r = _fake("rglru", {64: 0.97}, lr=3e-3, solved=80)
+    old_r.lr_trials = [_trial(3e-3, 80, 0.97)]
+    keep = _fake("attention", {64: 1.0}, lr=1e-3, solved=90)
+    new_t = _fake("titans", {64: 0.9}, lr=1e-3)
+    new_t.budget, new_t.lr_trials = 300, [dict(_trial(1e-3, None, 0.9), budget=300), dict(_trial(3e-3, None, 0.5),
+                                                                                           budget=300)]
+    new_r = _fake("rglru", {64: 0.99}, lr=1e-3, solved=60)
+    new_r.budget, new_r.lr_trials = 300, [dict(_trial(1e-3, 60, 0.99), budget=300)]
+    new_m = _fake("mamba", {64: 0.5})
+    rows, replaced = update_report([old_t, old_r, keep], [new_r, new_m, new_t])
+    assert [r.mixer for r in rows] == ["titans", "rglru", "attention", "mamba"]
+    assert rows[0] is new_t and replaced == [old_t]          # both lrs rerun at a larger budget
+    r = rows[1]                                              # a new lr joins the old one as one sweep
+    assert r.lr == 1e-3 and r.steps_to_solve == 60 and r.budget == 300 and replaced[0] is not r
+    assert [(t["lr"], t["budget"]) for t in r.lr_trials] == [(3e-3, 100), (1e-3, 300)]
+    assert rows[2] is keep and rows[3] is new_m
+    # rows saved without lr_trials count as their one kept trial
+    assert [t["lr"] for t in result_trials(keep)] == [1e-3] and result_trials(keep)[0]["steps_to_solve"] == 90
+    # rerunning one lr of a two-lr row would keep half of the old sweep: refused
+    two = _fake("ttt_linear", {64: 0.6}, lr=1e-3)
+    two.lr_trials = [_trial(1e-3, None, 0.6), _trial(3e-3, None, 0.1)]
+    one = _fake("ttt_linear", {64: 0.7}, lr=1e-3)
+    one.lr_trials = [_trial(1e-3, None, 0.7)]
+    with pytest.raises(ValueError, match="rerun lr 0.001 of old.json but not 0.003"):
+        update_report([two], [one], "old.json")
 
 
 def _tiny_run(out, mixer, *extra):
@@ -291,6 +322,44 @@ def test_synthetic_report_merges_saved_runs_into_one_table_and_plot(tmp_path, ca
     assert "| attention |" in md and "| deltanet |" in md and "not solved in 2" in md and "not solved in 3" in md
     assert "## Every lr tried" in md and "32*" in md
     assert (tmp_path / "merged" / "mqar.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_synthetic_report_takes_an_earlier_report_and_updates_it_with_new_runs(tmp_path, capsys):
+    _tiny_run(tmp_path / "a", "attention")
+    _tiny_run(tmp_path / "b", "deltanet")
+    assert main(["synthetic_report", "--from", f"{tmp_path / 'a'},{tmp_path / 'b'}", "--task", "mqar",
+                 "--out", str(tmp_path / "r1")]) == 0
+    # a report written before sources carried mixers and seconds, and trials their budget
+    r1 = json.loads((tmp_path / "r1" / "mqar.json").read_text())
+    for s in r1["sources"]:
+        del s["mixers"], s["train_seconds"]
+    for r in r1["results"]:
+        for t in r["lr_trials"]:
+            del t["budget"]
+    del r1["replaced"]
+    (tmp_path / "r1" / "mqar.json").write_text(json.dumps(r1))
+    _tiny_run(tmp_path / "c", "attention", "--steps", "3")                   # a rerun with a larger budget
+    _tiny_run(tmp_path / "d", "deltanet", "--steps", "3", "--lrs", "3e-3")   # a new lr for deltanet
+    _tiny_run(tmp_path / "e", "rglru")                                       # a new mixer
+    assert main(["synthetic_report", "--from", ",".join(str(tmp_path / x) for x in ("r1", "c", "d", "e")),
+                 "--task", "mqar", "--out", str(tmp_path / "r2")]) == 0
+    out = json.loads((tmp_path / "r2" / "mqar.json").read_text())
+    assert [r["mixer"] for r in out["results"]] == ["attention", "deltanet", "rglru"]
+    att, dn = out["results"][0], out["results"][1]
+    assert att["budget"] == 3 and [t["lr"] for t in att["lr_trials"]] == [1e-3]
+    assert [(t["lr"], t["budget"]) for t in dn["lr_trials"]] == [(1e-3, 2), (3e-3, 3)]
+    assert [r["mixer"] for r in out["replaced"]] == ["attention"] and out["replaced"][0]["budget"] == 2
+    # the runs behind the old report stay listed, with their mixers and seconds
+    assert [os.path.basename(os.path.dirname(s["path"])) for s in out["sources"]] == ["a", "b", "c", "d", "e"]
+    assert out["sources"][0]["mixers"] == ["attention"] and out["sources"][0]["train_seconds"] > 0
+    md = (tmp_path / "r2" / "mqar.md").read_text()
+    assert "Merged from 5 runs" in md and "## Replaced by later runs" in md
+    assert md.count("| attention | 16 | 0.001 | 2 | not solved in 2 |") == 1   # only among the replaced
+    assert "| deltanet | 16 | 0.003 | 3 | not solved in 3 |" in md
+    # the updated report is itself an input; a run already in it is refused
+    assert main(["synthetic_report", "--from", f"{tmp_path / 'r2'},{tmp_path / 'e'}", "--task", "mqar",
+                 "--out", str(tmp_path / "r3")]) == 2
+    assert "is in both" in capsys.readouterr().err
 
 
 def test_synthetic_report_refuses_what_cannot_share_a_table(tmp_path, capsys):

@@ -288,11 +288,46 @@ def _load_synthetic_json(src: str, task: str) -> tuple:
     return path, saved
 
 
+def _is_report(saved: dict) -> bool:
+    """Whether a synthetic JSON is a merged report (``synthetic_report``'s output) rather than one run."""
+    return isinstance(saved.get("sources"), list)
+
+
+def _run_entries(path: str, saved: dict) -> List[dict]:
+    """The runs behind one ``--from`` entry, each as a report's ``sources`` lists them (path, args, date,
+    commit, device, partial, mixers, train_seconds): a run is itself; a merged report, its sources."""
+    from ttt_lm.eval.synthetic import result_from_dict
+    if not _is_report(saved):
+        rs = [result_from_dict(d) for d in saved["results"]]
+        return [dict(path=path, args=saved.get("args"), date=saved.get("date"), commit=saved.get("commit"),
+                     device=saved.get("device"), partial=saved.get("partial"), mixers=[r.mixer for r in rs],
+                     train_seconds=sum(r.train_seconds for r in rs))]
+    out = []
+    rows = [result_from_dict(d) for d in saved["results"]] + [result_from_dict(d) for d in saved.get("replaced", [])]
+    for s in saved["sources"]:
+        s = dict(s)
+        a = s.get("args") or {}
+        if "mixers" not in s:
+            s["mixers"] = [m for m in str(a.get("mixers", "")).split(",") if m]
+        if "train_seconds" not in s:   # reports written before sources carried it: the seconds of its lr trials
+            lrs = set(a.get("lrs") or [a.get("lr")])
+            widths = set(a.get("d_models") or [a.get("d_model")])
+            s["train_seconds"] = sum(t.get("seconds", 0.0) for r in rows if r.mixer in s["mixers"] and
+                                     r.d_model in widths for t in r.lr_trials if t["lr"] in lrs)
+        s.setdefault("via", path)
+        out.append(s)
+    return out
+
+
 def cmd_synthetic_report(args) -> dict:
     """Merge the JSON of several ``synthetic`` runs (e.g. one per mixer, or one per lr) into one table,
-    one accuracy plot and, with several widths, the width plot; nothing is trained."""
+    one accuracy plot and, with several widths, the width plot; nothing is trained. A ``--from``
+    entry may also be an earlier merged report: its rows are kept, and brought up to date by the
+    runs given beside it (:func:`~ttt_lm.eval.synthetic.update_report`); the rows those runs
+    replace are listed in the report, not dropped from it."""
     from ttt_lm.eval.synthetic import (PROTOCOL_KEYS, make_task, merge_results, plot_accuracy,
-                                       plot_accuracy_vs_width, result_dict, result_from_dict, results_table)
+                                       plot_accuracy_vs_width, result_dict, result_from_dict, result_trials,
+                                       results_table, update_report)
     srcs = [s for s in args.sources.split(",") if s.strip()]
     if not srcs:
         raise EvalError("--from needs at least one run directory or results JSON")
@@ -303,23 +338,39 @@ def cmd_synthetic_report(args) -> dict:
         raise EvalError(f"--from names the same results more than once: {', '.join(paths)}")
     if out_json in map(os.path.abspath, paths):
         raise EvalError(f"--out {args.out} would overwrite the source {out_json}; write the merged report elsewhere")
-    first_path, first = loaded[0]
-    for path, saved in loaded[1:]:
+    runs_of = [(p, _run_entries(p, s)) for p, s in loaded]
+    entries = [e for _, es in runs_of for e in es]
+    seen_runs = {}
+    for e in entries:
+        if os.path.abspath(e["path"]) in seen_runs:
+            raise EvalError(f"the run {e['path']} is in both {seen_runs[os.path.abspath(e['path'])]} and "
+                            f"{e.get('via', e['path'])}")
+        seen_runs[os.path.abspath(e["path"])] = e.get("via", e["path"])
+    first = entries[0]
+    for e in entries[1:]:
         for k in PROTOCOL_KEYS:
-            a, b = first.get("args", {}).get(k), saved.get("args", {}).get(k)
+            a, b = (first.get("args") or {}).get(k), (e.get("args") or {}).get(k)
             if a != b:
-                raise EvalError(f"runs with different protocols cannot share a table: {k} is {a!r} in {first_path} "
-                                f"and {b!r} in {path}")
-    results, names = [], []
+                raise EvalError(f"runs with different protocols cannot share a table: {k} is {a!r} in "
+                                f"{first.get('via', first['path'])} and {b!r} in {e.get('via', e['path'])}")
+    old, old_names, new, new_names, replaced = [], [], [], [], []
     for path, saved in loaded:
-        for d in saved["results"]:
-            results.append(result_from_dict(d))
-            names.append(path)
+        rows = [result_from_dict(d) for d in saved["results"]]
+        if _is_report(saved):
+            old += rows
+            old_names += [path] * len(rows)
+            replaced += [result_from_dict(d) for d in saved.get("replaced", [])]
+        else:
+            new += rows
+            new_names += [path] * len(rows)
     try:
-        merged = merge_results(results, names)
+        merged_old, merged_new = merge_results(old, old_names), merge_results(new, new_names)
+        reports = ", ".join(p for p, s in loaded if _is_report(s)) or "the reports"
+        merged, now_replaced = update_report(merged_old, merged_new, reports)
     except ValueError as e:
         raise EvalError(str(e)) from e
-    a = first.get("args", {})
+    replaced += now_replaced
+    a = first.get("args") or {}
     task = make_task(args.task, a.get("vocab_size"), num_kv_pairs=a.get("num_kv_pairs"),
                      num_tokens=a.get("num_tokens"))
     T = merged[0].train_len
@@ -328,40 +379,48 @@ def cmd_synthetic_report(args) -> dict:
     widths = sorted({r.d_model for r in merged if r.d_model is not None})
     hdr = (f"# {args.task}: accuracy vs sequence length\n\n"
            + (f"{args.title}\n\n" if args.title else "")
-           + f"Merged from {len(loaded)} runs (`python -m ttt_lm.eval synthetic_report`). Every model trained at "
+           + f"Merged from {len(entries)} runs (`python -m ttt_lm.eval synthetic_report`). Every model trained at "
            f"length {T} (*) {crit}, batch {a.get('batch_size')}; {a.get('n_layers')} layers, d_model "
            f"{', '.join(map(str, widths))}, vocabulary {task.vocab_size}; {a.get('num_eval')} test sequences per "
            f"length, read {a.get('eval_chunk_len')} tokens at a time with state carried; chance {task.chance:.3f}. "
            f"The lr column is the one kept of those tried (below).\n\n")
     runs = ["", "## Runs", "", "| results | mixers | budget | lrs | impl | date | commit | training s |",
             "|---|---|---:|---|---|---|---|---:|"]
-    for path, saved in loaded:
-        sa = saved.get("args", {})
-        rs = [result_from_dict(d) for d in saved["results"]]
+    for e in entries:
+        sa = e.get("args") or {}
         lrs = sa.get("lrs") or [sa.get("lr")]
-        runs.append(f"| {os.path.relpath(path)}{' (partial)' if saved.get('partial') else ''} | "
-                    f"{', '.join(r.mixer for r in rs)} | {sa.get('steps')} | {', '.join(f'{x:g}' for x in lrs)} | "
-                    f"{sa.get('impl')} | {saved.get('date', '')} | {saved.get('commit') or ''} | "
-                    f"{sum(r.train_seconds for r in rs):.0f} |")
-    trials = ["", "## Every lr tried", "", "| mixer | d_model | lr | steps to solve | accuracy at the train length "
-              "| final train loss | seconds |", "|---|---:|---:|---|---:|---:|---:|"]
-    for r in merged:
-        for t in r.lr_trials:
-            solved = t.get("steps_to_solve")
-            trials.append(f"| {r.mixer} | {r.d_model} | {t['lr']:g} | "
-                          f"{solved if solved is not None else f'not solved in {r.budget}'} | {t['train_acc']:.2f} | "
-                          f"{t['final_train_loss']:.3f} | {t.get('seconds', float('nan')):.0f} |")
+        runs.append(f"| {os.path.relpath(e['path'])}{' (partial)' if e.get('partial') else ''} | "
+                    f"{', '.join(e['mixers'])} | {sa.get('steps')} | {', '.join(f'{x:g}' for x in lrs)} | "
+                    f"{sa.get('impl')} | {e.get('date') or ''} | {e.get('commit') or ''} | "
+                    f"{e['train_seconds']:.0f} |")
+
+    def trial_rows(rs):
+        for r in rs:
+            for t in result_trials(r):
+                solved, budget = t.get("steps_to_solve"), t["budget"]
+                yield (f"| {r.mixer} | {r.d_model} | {t['lr']:g} | {budget} | "
+                       f"{solved if solved is not None else f'not solved in {budget}'} | "
+                       f"{t['train_acc']:.2f} | {t['final_train_loss']:.3f} | {t.get('seconds', float('nan')):.0f} |")
+
+    head = ("| mixer | d_model | lr | budget | steps to solve | accuracy at the train length | final train loss "
+            "| seconds |")
+    rule = "|---|---:|---:|---:|---|---:|---:|---:|"
+    trials = ["", "## Every lr tried", "", head, rule, *trial_rows(merged)]
+    if replaced:
+        trials += ["", "## Replaced by later runs", "",
+                   "Rows of an earlier report that a later run of the same model and lrs replaced (e.g. with a "
+                   "larger budget); kept here so that nothing measured is dropped.", "", head, rule,
+                   *trial_rows(replaced)]
     table = results_table(merged)
     os.makedirs(args.out, exist_ok=True)
     with open(_out(args, f"{args.task}.md"), "w") as f:
         f.write(hdr + table + "\n".join(runs + trials) + "\n")
     png = _out(args, f"{args.task}.png")
     plot_accuracy(merged, png, f"{args.task} (trained at {T})", chance=task.chance)
-    out = dict(task="synthetic", synthetic_task=args.task, partial=any(s.get("partial") for _, s in loaded),
+    out = dict(task="synthetic", synthetic_task=args.task, partial=any(e.get("partial") for e in entries),
                results=[result_dict(r) for r in merged], table=table, plot=png,
-               sources=[dict(path=p, args=s.get("args"), date=s.get("date"), commit=s.get("commit"),
-                             device=s.get("device"), partial=s.get("partial")) for p, s in loaded],
-               **_meta(args, args.dev))
+               replaced=[result_dict(r) for r in replaced],
+               sources=[{k: v for k, v in e.items() if k != "via"} for e in entries], **_meta(args, args.dev))
     if len(widths) > 1:
         out["width_plot"] = _out(args, f"{args.task}_width.png")
         plot_accuracy_vs_width(merged, out["width_plot"],

@@ -314,7 +314,7 @@ def run_synthetic(task: Task, mixer: str, train_len: int, test_lens: Sequence[in
                                   progress=progress, stop_at=stop_at, check_every=check_every)
         acc = evaluate_task(model, task, train_len, num_examples=num_eval, seed=seed + 10_000,
                             chunk_len=eval_chunk_len)
-        trial = {"lr": r, "steps_to_solve": solved, "steps": steps if solved is None else solved,
+        trial = {"lr": r, "steps_to_solve": solved, "steps": steps if solved is None else solved, "budget": steps,
                  "train_acc": acc, "final_train_loss": loss, "seconds": time.time() - t1}
         trials.append(trial)
         if best is None or pick_best([best[0], trial]) is trial:
@@ -501,40 +501,81 @@ def _kept_trial(r: SyntheticResult) -> Dict:
             "final_train_loss": r.final_train_loss}
 
 
+def result_trials(r: SyntheticResult) -> List[Dict]:
+    """Every lr tried for ``r``, each stating its own step budget (trials saved before trials carried
+    one get the row's); a result saved without ``lr_trials`` is its one kept trial."""
+    trials = r.lr_trials or [dict(lr=r.lr, steps=r.steps, seconds=r.train_seconds, **_kept_trial(r))]
+    return [dict(t, budget=t.get("budget", r.budget)) for t in trials]
+
+
+def _join(rs: Sequence[Tuple[SyntheticResult, str]]) -> SyntheticResult:
+    """Results of one model run at different lrs as one row, as if one ``--lrs`` sweep had run them:
+    the kept model is :func:`pick_best` of each one's kept model, ``lr_trials`` the union (each trial
+    with its own budget) and ``train_seconds`` the sum. No lr may appear twice (which to trust
+    would be a guess)."""
+    r0 = rs[0][0]
+    seen: Dict[float, str] = {}
+    for r, src in rs:
+        for t in result_trials(r):
+            if t["lr"] in seen:
+                raise ValueError(f"{r0.task} {r0.mixer} d_model={r0.d_model}: lr {t['lr']:g} was run in both "
+                                 f"{seen[t['lr']]} and {src}")
+            seen[t["lr"]] = src
+    kept = [(_kept_trial(r), r) for r, _ in rs]
+    best = pick_best([k for k, _ in kept])
+    winner = next(r for k, r in kept if k is best)
+    out = SyntheticResult(**{f: getattr(winner, f) for f in winner.__dataclass_fields__})
+    out.lr_trials = [t for r, _ in rs for t in result_trials(r)]
+    out.train_seconds = sum(r.train_seconds for r, _ in rs)
+    return out
+
+
+def _key(r: SyntheticResult) -> Tuple:
+    return (r.task, r.mixer, r.d_model, r.train_len)
+
+
 def merge_results(results: Sequence[SyntheticResult], sources: Optional[Sequence[str]] = None
                   ) -> List[SyntheticResult]:
     """One row per (mixer, d_model, train length) from results saved by separate runs, in order of
     first appearance. Runs of the same model at different learning rates (e.g. one run per lr)
-    become one row as if they had been one ``--lrs`` sweep: the kept model is :func:`pick_best` of
-    each run's kept one, ``lr_trials`` is the union and ``train_seconds`` the sum. Their budgets must
-    match and no lr may appear twice (which run to trust would be a guess)."""
+    become one row as if they had been one ``--lrs`` sweep (:func:`_join`); their budgets may
+    differ, and every trial states its own."""
     names = list(sources) if sources is not None else [f"result {i}" for i in range(len(results))]
     if len(names) != len(results):
         raise ValueError(f"merge_results: {len(results)} results but {len(names)} source names")
     groups: Dict[Tuple, List[Tuple[SyntheticResult, str]]] = {}
     for r, src in zip(results, names):
-        groups.setdefault((r.task, r.mixer, r.d_model, r.train_len), []).append((r, src))
-    merged = []
-    for (task, mixer, d, T), rs in groups.items():
-        if len(rs) == 1:
-            merged.append(rs[0][0])
+        groups.setdefault(_key(r), []).append((r, src))
+    return [rs[0][0] if len(rs) == 1 else _join(rs) for rs in groups.values()]
+
+
+def update_report(old: Sequence[SyntheticResult], new: Sequence[SyntheticResult], old_name: str = "the report",
+                  new_name: str = "the new runs") -> Tuple[List[SyntheticResult], List[SyntheticResult]]:
+    """The rows of an earlier merged report ``old`` brought up to date with the rows of newer runs
+    ``new``. For the same (mixer, d_model, train length): a new row whose lrs include every lr of
+    the old row replaces it (a rerun, e.g. with a larger budget); a new row with no lr in common
+    joins it as one sweep (:func:`_join`); a partial overlap is refused, since part of the old
+    sweep would be silently kept. Returns (rows: the old order, then models only ``new`` has;
+    the old rows that were replaced)."""
+    fresh = {_key(r): r for r in new}
+    rows, replaced, used = [], [], set()
+    for r in old:
+        n = fresh.get(_key(r))
+        if n is None:
+            rows.append(r)
             continue
-        budgets = {r.budget for r, _ in rs}
-        if len(budgets) > 1:
-            raise ValueError(f"{task} {mixer} d_model={d}: runs with different step budgets cannot be one row "
-                             f"({', '.join(f'{s}: {r.budget}' for r, s in rs)})")
-        seen: Dict[float, str] = {}
-        for r, src in rs:
-            for t in r.lr_trials or [{"lr": r.lr}]:
-                if t["lr"] in seen:
-                    raise ValueError(f"{task} {mixer} d_model={d}: lr {t['lr']:g} was run in both {seen[t['lr']]} "
-                                     f"and {src}")
-                seen[t["lr"]] = src
-        kept = [(_kept_trial(r), r) for r, _ in rs]
-        best = pick_best([k for k, _ in kept])
-        winner = next(r for k, r in kept if k is best)
-        out = SyntheticResult(**{f: getattr(winner, f) for f in winner.__dataclass_fields__})
-        out.lr_trials = [t for r, _ in rs for t in r.lr_trials]
-        out.train_seconds = sum(r.train_seconds for r, _ in rs)
-        merged.append(out)
-    return merged
+        used.add(_key(r))
+        old_lrs = {t["lr"] for t in result_trials(r)}
+        new_lrs = {t["lr"] for t in result_trials(n)}
+        if old_lrs <= new_lrs:
+            rows.append(n)
+            replaced.append(r)
+        elif old_lrs & new_lrs:
+            raise ValueError(f"{r.task} {r.mixer} d_model={r.d_model}: {new_name} rerun lr "
+                             f"{', '.join(f'{x:g}' for x in sorted(old_lrs & new_lrs))} of {old_name} but not "
+                             f"{', '.join(f'{x:g}' for x in sorted(old_lrs - new_lrs))}: rerun every lr of that "
+                             f"row, or none")
+        else:
+            rows.append(_join([(r, old_name), (n, new_name)]))
+    rows += [r for r in new if _key(r) not in used]
+    return rows, replaced
