@@ -73,11 +73,19 @@ memory (the per-mini-batch buffers and small per-program scratch), ordered by ``
 (a CTA barrier, which also makes the program's global writes visible to all its threads). The
 state pass stores Z2 beside Γ2 for the carry's LayerNorm pieces.
 
-Coverage: full mini-batches that start at a mini-batch boundary (pos = 0), b ≤ 64, any d and m
-(d padded to a power of two ≥ 16, m to a multiple of the tile width; padded rows carry τ = η = 0
-and X2 = 0). ``ttt_mlp_triton`` covers everything else exactly with the PyTorch dual form, chained
-through autograd: the head that completes a mini-batch begun in ``initial_state`` and a trailing
-partial mini-batch. tanh is written with exp (tanh u = 1 − 2/(e^{2u} + 1), exact at ±∞).
+Coverage: everything from a mini-batch boundary (pos = 0) on, a trailing partial mini-batch of
+r < b tokens included, b ≤ 64, any d and m (d padded to a power of two ≥ 16, m to a multiple of
+the tile width; padded rows carry τ = η = 0 and X2 = 0). The partial mini-batch is zero-padded to
+b rows by the wrapper, with η = 0 in the padding: the padding adds nothing to the gradient sums
+and, the dual form being causal, reaches no real row. Its end state (``kernels/ttt/__init__.py``)
+is not an update: W1 … b2 = its start weights, grad_* = Σ_{s<r} η_s ∇ℓ_s, pos = r. The state pass
+takes r (R) and, for that mini-batch, writes keep·W − c·Σ with (keep, c) = (0, −1), i.e. the sums,
+where a full one writes (1, τ_{b−1}); the carry runs it in a launch of its own with the scale −1
+in place of τ_{b−1} (``_mlp_bwd_op``), then adds the start weights' gradient from the state.
+``ttt_mlp_triton`` runs the head that completes a mini-batch begun in ``initial_state`` (pos > 0)
+with the PyTorch dual form, chained through autograd; packed batches (``cu_seqlens``) run once per
+sequence (``kernels/ttt/__init__.py``). tanh is written with exp (tanh u = 1 − 2/(e^{2u} + 1),
+exact at ±∞).
 
 Precision (``_precision``, ``_dot`` in ``chunk.py``): everything is carried and accumulated in
 float32 (float64 for float64 inputs), the weights included (float32 masters); the tl.dot operands
@@ -204,9 +212,10 @@ def _ttt_mlp_fwd_kernel(XK, XV, ETA, TAU, LNW, LNB, B20,
     by Z2 [MB, D] (G2S; the backward's LayerNorm pieces read Z2), then apply the update. W1F [D, M],
     B1F [M], W2F [M, D] hold the initial weights on entry (the wrapper copies them in) and are
     updated in place, tile by tile, into the final ones; b2 is carried in registers. The last
-    mini-batch has R valid rows (R = MB: full); when it is partial (R < MB) it is not applied:
-    W1F, B1F, W2F, B2F receive its η-weighted gradient sums instead (the state's grad_*), its start
-    weights staying in W1S … B2S. The output is ``_ttt_mlp_out_kernel``'s."""
+    mini-batch has R real rows (R = MB: full; the rest is zero padding with η = 0); when it is
+    partial (R < MB) it is not applied: W1F, B1F, W2F, B2F receive its η-weighted gradient sums
+    instead (the state's grad_*), its start weights staying in W1S … B2S. The output is
+    ``_ttt_mlp_out_kernel``'s."""
     pid = tl.program_id(0)                      # = b_idx * H + h_idx
     h = pid % H
     cdt = W1F.dtype.element_ty

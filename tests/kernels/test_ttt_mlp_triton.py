@@ -90,9 +90,9 @@ def _compare(got, ref, T, b, atol, rtol, pos0=0, state_names=()):
         close(g1, g0, "grad " + name)
 
 
-# (T, d, b, m, prefix): T = 32 (kernel only), 37 (kernel + partial tail), 45 after a 5-token
-# prefix (torch head of 11 tokens, kernel over 32, tail of 2), 9 after a prefix (no full
-# mini-batch); d = 8 pads the d-tiles to 16, m = 24 pads the hidden tiles to 32, b ∈ {4, 8}
+# (T, d, b, m, prefix): T = 32 (kernel only), 37 (kernel, a partial last mini-batch of 5 rows
+# included), 45 after a 5-token prefix (torch head of 11 tokens, kernel over 34: two full
+# mini-batches and a partial one of 2), 9 after a prefix (torch head only); d = 8 pads the d-tiles to 16, m = 24 pads the hidden tiles to 32, b ∈ {4, 8}
 # pads the rows to 16
 SHAPES = [(32, 16, 16, None, 0), (37, 16, 16, None, 0), (45, 16, 16, None, 5), (9, 16, 16, None, 5),
           (20, 8, 16, 24, 0), (11, 8, 4, None, 0), (19, 8, 8, None, 3)]
