@@ -55,7 +55,7 @@ def compile_cases():
                                                  + [(mlp_chunk._ttt_mlp_bwd_kernel, cfg, fwd, ARCHS)]):
                     names = set(arg_names(kern))
                     out.append(case(kern, name, constexprs=dict(D=d, BD=BD, M=m, BM=BM, MB=b, BT=BT, PREC=prec, **extra),
-                                    scalars=ints, pointers={n: dt for n in io_names if n in names},
+                                    scalars={**ints, "R": "i32", "NS": "i32"}, pointers={n: dt for n in io_names if n in names},
                                     num_warps=kw.get("num_warps", 4), num_stages=kw.get("num_stages", 1),
                                     archs=archs))
     return out

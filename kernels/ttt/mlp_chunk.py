@@ -73,11 +73,19 @@ memory (the per-mini-batch buffers and small per-program scratch), ordered by ``
 (a CTA barrier, which also makes the program's global writes visible to all its threads). The
 state pass stores Z2 beside Γ2 for the carry's LayerNorm pieces.
 
-Coverage: full mini-batches that start at a mini-batch boundary (pos = 0), b ≤ 64, any d and m
-(d padded to a power of two ≥ 16, m to a multiple of the tile width; padded rows carry τ = η = 0
-and X2 = 0). ``ttt_mlp_triton`` covers everything else exactly with the PyTorch dual form, chained
-through autograd: the head that completes a mini-batch begun in ``initial_state`` and a trailing
-partial mini-batch. tanh is written with exp (tanh u = 1 − 2/(e^{2u} + 1), exact at ±∞).
+Coverage: everything from a mini-batch boundary (pos = 0) on, a trailing partial mini-batch of
+r < b tokens included, b ≤ 64, any d and m (d padded to a power of two ≥ 16, m to a multiple of
+the tile width; padded rows carry τ = η = 0 and X2 = 0). The partial mini-batch is zero-padded to
+b rows by the wrapper, with η = 0 in the padding: the padding adds nothing to the gradient sums
+and, the dual form being causal, reaches no real row. Its end state (``kernels/ttt/__init__.py``)
+is not an update: W1 … b2 = its start weights, grad_* = Σ_{s<r} η_s ∇ℓ_s, pos = r. The state pass
+takes r (R) and, for that mini-batch, writes keep·W − c·Σ with (keep, c) = (0, −1), i.e. the sums,
+where a full one writes (1, τ_{b−1}); the carry runs it in a launch of its own with the scale −1
+in place of τ_{b−1} (``_mlp_bwd_op``), then adds the start weights' gradient from the state.
+``ttt_mlp_triton`` runs the head that completes a mini-batch begun in ``initial_state`` (pos > 0)
+with the PyTorch dual form, chained through autograd; packed batches (``cu_seqlens``) run once per
+sequence (``kernels/ttt/__init__.py``). tanh is written with exp (tanh u = 1 − 2/(e^{2u} + 1),
+exact at ±∞).
 
 Precision (``_precision``, ``_dot`` in ``chunk.py``): everything is carried and accumulated in
 float32 (float64 for float64 inputs), the weights included (float32 masters); the tl.dot operands
@@ -106,11 +114,12 @@ from __future__ import annotations
 from typing import List, Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from kernels._triton_utils import INTERPRET_ARCH, check_triton_device, device_arch, is_interpreting
-from kernels.ttt.chunk import _MAX_MB, _dot, _ln_bwd, _ln_stats, _loop_index, _precision, run_head_full_tail
+from kernels.ttt.chunk import _MAX_MB, _dot, _ln_bwd, _ln_stats, _loop_index, _precision
 from kernels.ttt.torch_chunk import LN_EPS, acc_dtype, make_state, ttt_mlp_chunk
 
 
@@ -195,14 +204,18 @@ def _loss_grad(Z2, v, k, gamma, beta, cmask, D: tl.constexpr, eps):
 @triton.jit
 def _ttt_mlp_fwd_kernel(XK, XV, ETA, TAU, LNW, LNB, B20,
                         W1S, B1S, W2S, B2S, G1S, G2S, W1F, B1F, W2F, B2F,
-                        T, NMB, H, eps,
+                        T, NMB, R, H, eps,
                         D: tl.constexpr, BD: tl.constexpr, M: tl.constexpr, BM: tl.constexpr,
                         MB: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
     """The serial state pass, one program per (batch, head): for every mini-batch, store its start
     weights (W1S, B1S, W2S, B2S), its inner gradients Γ1 [MB, M] (G1S) and Γ2 [MB, D], followed
     by Z2 [MB, D] (G2S; the backward's LayerNorm pieces read Z2), then apply the update. W1F [D, M],
     B1F [M], W2F [M, D] hold the initial weights on entry (the wrapper copies them in) and are
-    updated in place, tile by tile, into the final ones; b2 is carried in registers. The output is ``_ttt_mlp_out_kernel``'s."""
+    updated in place, tile by tile, into the final ones; b2 is carried in registers. The last
+    mini-batch has R real rows (R = MB: full; the rest is zero padding with η = 0); when it is
+    partial (R < MB) it is not applied: W1F, B1F, W2F, B2F receive its η-weighted gradient sums
+    instead (the state's grad_*), its start weights staying in W1S … B2S. The output is
+    ``_ttt_mlp_out_kernel``'s."""
     pid = tl.program_id(0)                      # = b_idx * H + h_idx
     h = pid % H
     cdt = W1F.dtype.element_ty
@@ -223,6 +236,11 @@ def _ttt_mlp_fwd_kernel(XK, XV, ETA, TAU, LNW, LNB, B20,
 
     for n in range(NMB):
         s = pid * NMB + n
+        # the update W ← keep·W − cu·Σ: W − τ_{b−1}·Σ after a full mini-batch, the sums Σ
+        # themselves after a partial last one (keep = 0, cu = −1; its rows ≥ R are zero, η = 0)
+        part = ((n == NMB - 1) & (R < MB)).to(cdt)
+        keep = 1.0 - part
+        cu = tau_last * keep - part
         for j0 in range(0, M, BM):
             hcols = j0 + hc
             hmask = hcols < M
@@ -247,7 +265,7 @@ def _ttt_mlp_fwd_kernel(XK, XV, ETA, TAU, LNW, LNB, B20,
         tl.store(GP + MB * D + goff, Z2, mask=xmask)
         xh, rstd, tgt, gh, G2 = _loss_grad(Z2, v, k, gamma, beta, cmask, D, eps)
         tl.store(GP + goff, G2, mask=xmask)
-        b2 = b2 - tau_last * tl.sum(e[:, None] * G2, axis=0)
+        b2 = b2 * keep - cu * tl.sum(e[:, None] * G2, axis=0)
         tl.debug_barrier()                      # the tile loop reads Γ2 back
         for j0 in range(0, M, BM):
             hcols = j0 + hc
@@ -263,7 +281,7 @@ def _ttt_mlp_fwd_kernel(XK, XV, ETA, TAU, LNW, LNB, B20,
             # blocks of BK: W1_j −= τ_{b−1} Kᵀ(η ⊙ Γ1_j), W2_j −= τ_{b−1} X2_jᵀ(η ⊙ Γ2)
             eG1 = e[:, None] * G1
             tl.debug_barrier()                  # every thread has read the tile's old weights
-            tl.store(B1P + hcols, b1 - tau_last * tl.sum(eG1, axis=0), mask=hmask)
+            tl.store(B1P + hcols, b1 * keep - cu * tl.sum(eG1, axis=0), mask=hmask)
             for c0 in range(0, BD, BK):
                 kc = c0 + tl.arange(0, BK)
                 km = kc < D
@@ -274,10 +292,10 @@ def _ttt_mlp_fwd_kernel(XK, XV, ETA, TAU, LNW, LNB, B20,
                 w1m = km[:, None] & hmask[None, :]
                 w2o = hcols[:, None] * D + kc[None, :]
                 w2m = hmask[:, None] & km[None, :]
-                tl.store(W1P + w1o, tl.load(W1P + w1o, mask=w1m, other=0.0)
-                         - tau_last * _dot(tl.trans(kb), eG1, PREC), mask=w1m)
-                tl.store(W2P + w2o, tl.load(W2P + w2o, mask=w2m, other=0.0)
-                         - tau_last * _dot(tl.trans(X2), eG2, PREC), mask=w2m)
+                tl.store(W1P + w1o, tl.load(W1P + w1o, mask=w1m, other=0.0) * keep
+                         - cu * _dot(tl.trans(kb), eG1, PREC), mask=w1m)
+                tl.store(W2P + w2o, tl.load(W2P + w2o, mask=w2m, other=0.0) * keep
+                         - cu * _dot(tl.trans(X2), eG2, PREC), mask=w2m)
         tl.debug_barrier()                      # the new weights are visible to the next mini-batch
 
     tl.store(B2F + pid * D + cols, b2, mask=cmask)
@@ -519,8 +537,8 @@ def _ttt_mlp_bwd_mb_kernel(XQ, XK, ETA, TAU, LNW, LNB, W1S, B1S, W2S, B2S, G1S, 
 @triton.jit
 def _ttt_mlp_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, W1S, B1S, W2S, G1S, G2S,
                         DZB1, XB2, DG1P, DZ1P, DZB2, DG2P, DKP, DEP, SZ, SS, SX, SD,
-                        DXK, DXV, DETA, DTAU, DLNW, DLNB, DW1, DB1, DW2, DB2,
-                        T, NMB, H, eps,
+                        DXK, DXV, DETA, DTAU, DLNW, DLNB, DW1, DB1, DW2, DB2, CU,
+                        T, NMB, NS, H, eps,
                         D: tl.constexpr, BD: tl.constexpr, M: tl.constexpr, BM: tl.constexpr,
                         MB: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
     """The serial carry, one program per (batch, head), mini-batches in reverse: DW1 [D, M], DB1
@@ -532,7 +550,10 @@ def _ttt_mlp_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, W1S, B1S, W2S, G1S, G2S,
     ``_ttt_mlp_bwd_mb_kernel`` stored, back-propagates Γ1 = (Γ2 W2ᵀ) ⊙ GELU'(Z1) and the
     LayerNorm-fused loss gradient Γ2 through Z2 and Z1 to K, V and the weights, and finishes ∂K,
     ∂V, ∂η. SZ [MB, M] (∂Z1), SS [MB, M] (∂S), SX [MB, M] (X2) and SD [MB, D] (∂Z2) are the
-    program's scratch between the tile loops."""
+    program's scratch between the tile loops. It walks NMB mini-batches, slot n at (pid·NS + n)
+    of the per-mini-batch buffers (NS per (batch, head)); CU [1] is the update's scale, τ_{b−1}
+    (the wrapper passes −1, with every pointer at the last slot, in a launch of its own for a
+    partial last mini-batch, which the forward did not apply; see ``_mlp_bwd_op``)."""
     pid = tl.program_id(0)
     h = pid % H
     cdt = W1S.dtype.element_ty
@@ -552,11 +573,11 @@ def _ttt_mlp_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, W1S, B1S, W2S, G1S, G2S,
     SX = SX + pid * MB * M
     SDZ = SD + pid * MB * D
 
-    tau_last = tl.load(TAU + MB - 1).to(cdt)
+    tau_last = tl.load(CU).to(cdt)
 
     for i in range(NMB):
         n = NMB - 1 - i
-        s = pid * NMB + n
+        s = pid * NS + n
         # the index tensors are rebuilt per mini-batch and per section rather than held across
         # the tile loops (``_loop_index``; distinct expressions, so that they are not merged)
         rows, cols = _loop_index(i, NMB, BT, BD)
@@ -757,11 +778,13 @@ def _mlp_weight_buffers(XQ, m: int, n: Optional[int]):
 @torch.library.custom_op("kernels::ttt_mlp_fwd", mutates_args=())
 def _mlp_fwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: torch.Tensor, tau: torch.Tensor,
                 ln_w: torch.Tensor, ln_b: torch.Tensor, W1: torch.Tensor, b1: torch.Tensor, W2: torch.Tensor,
-                b2: torch.Tensor, mini_batch_size: int, save: bool) -> List[torch.Tensor]:
-    """Full mini-batches from a boundary: (XQ, XK, XV, η, τ, γ, β, W1_0 [B,H,d,m], b1_0 [B,H,1,m],
-    W2_0 [B,H,m,d], b2_0 [B,H,1,d]) → [out [B,H,T,d], W1_end, b1_end, W2_end, b2_end, and the
-    per-mini-batch start weights W1S, B1S, W2S, B2S, Γ1, Γ2 and Z2, which the output kernel and
-    the backward read].
+                b2: torch.Tensor, mini_batch_size: int, last_rows: int, save: bool) -> List[torch.Tensor]:
+    """Whole mini-batches from a boundary (T a multiple of b), the last of which has ``last_rows``
+    = R ∈ [1, b] real rows, the rest zero padding with η = 0 (the wrapper pads): (XQ, XK, XV, η,
+    τ, γ, β, W1_0 [B,H,d,m], b1_0 [B,H,1,m], W2_0 [B,H,m,d], b2_0 [B,H,1,d]) → [out [B,H,T,d], W1_end, b1_end, W2_end, b2_end (after a partial last
+    mini-batch: its gradient sums grad_W1 … grad_b2 instead), the last mini-batch's start weights
+    W1_L, b1_L, W2_L, b2_L (shaped as W1_0 …), and the per-mini-batch start weights W1S, B1S, W2S,
+    B2S, Γ1, Γ2 and Z2, which the output kernel and the backward read].
 
     With ``save`` the start weights of every mini-batch are kept for the backward (one state pass
     and one output launch over the whole sequence); without it the sequence runs in windows of
@@ -772,6 +795,7 @@ def _mlp_fwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: torch
     m = W1.shape[-1]
     bsz = mini_batch_size
     NMB = T // bsz
+    R = last_rows
     NW = NMB if save else min(NMB, _mlp_window())
     cdt = acc_dtype(XQ.dtype)
     XQ, XK, XV, eta = (x.contiguous() for x in (XQ, XK, XV, eta))
@@ -793,6 +817,7 @@ def _mlp_fwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: torch
     b2_in = b2c
     for n0 in range(0, NMB, NW):
         nw = min(NW, NMB - n0)
+        r = R if n0 + nw == NMB else bsz        # valid rows of the window's last mini-batch
         # views from the window's first token: the kernels index rows within a head with stride d
         # and heads with stride T·d, so a view at an offset needs no copy
         t0 = n0 * bsz
@@ -800,20 +825,26 @@ def _mlp_fwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: torch
         _ttt_mlp_fwd_kernel[(B * H,)](
             k_w, v_w, e_w, tau_c, lw, lb, b2_in,
             W1S, B1S, W2S, B2S, G1S, G2S, W1F, B1F, W2F, B2F,
-            T, nw, H, LN_EPS, D=d, BD=BD, M=m, BM=BM, MB=bsz, BT=BT, BK=BK, PREC=prec, **kw)
+            T, nw, r, H, LN_EPS, D=d, BD=BD, M=m, BM=BM, MB=bsz, BT=BT, BK=BK, PREC=prec, **kw)
         _ttt_mlp_out_kernel[(B * H * nw,)](
             q_w, k_w, e_w, tau_c, lw, lb, W1S, B1S, W2S, B2S, G1S, G2S, o_w,
             T, nw, H, LN_EPS, D=d, BD=BD, M=m, BM=BM, MB=bsz, BT=BT, BK=BK, PREC=prec, **kw)
         b2_in = B2F
-    return [out, W1F, B1F, W2F, B2F, W1S, B1S, W2S, B2S, G1S, G2S]
+    # the last mini-batch's start weights: slot nw − 1 of the last window, whose nw slots per
+    # (batch, head) the kernels pack at the front of the buffers (slot (b·H + h)·nw + n)
+    def last_slot(S, shape):
+        return S.reshape(-1)[:B * H * nw * S[0, 0, 0].numel()].view(B, H, nw, *S.shape[3:])[:, :, nw - 1].reshape(
+            B, H, *shape).clone()
+    last = [last_slot(W1S, (d, m)), last_slot(B1S, (1, m)), last_slot(W2S, (m, d)), last_slot(B2S, (1, d))]
+    return [out, W1F, B1F, W2F, B2F, *last, W1S, B1S, W2S, B2S, G1S, G2S]
 
 
 @_mlp_fwd_op.register_fake
-def _(XQ, XK, XV, eta, tau, ln_w, ln_b, W1, b1, W2, b2, mini_batch_size, save):
+def _(XQ, XK, XV, eta, tau, ln_w, ln_b, W1, b1, W2, b2, mini_batch_size, last_rows, save):
     m = W1.shape[-1]
     NMB = XQ.shape[2] // mini_batch_size
     NW = NMB if save else min(NMB, _mlp_window())
-    return ([torch.empty_like(XQ)] + _mlp_weight_buffers(XQ, m, None)
+    return ([torch.empty_like(XQ)] + _mlp_weight_buffers(XQ, m, None) + _mlp_weight_buffers(XQ, m, None)
             + _mlp_weight_buffers(XQ, m, NW) + _mlp_gamma_buffers(XQ, m, NW, mini_batch_size))
 
 
@@ -823,16 +854,20 @@ def _mlp_bwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: torch
                 B2S: torch.Tensor, G1S: torch.Tensor, G2S: torch.Tensor,
                 dout: Optional[torch.Tensor], dW1F: Optional[torch.Tensor],
                 dB1F: Optional[torch.Tensor], dW2F: Optional[torch.Tensor], dB2F: Optional[torch.Tensor],
-                mini_batch_size: int, W1_dt: torch.dtype, b1_dt: torch.dtype, W2_dt: torch.dtype,
-                b2_dt: torch.dtype) -> List[torch.Tensor]:
+                dW1L: Optional[torch.Tensor], dB1L: Optional[torch.Tensor], dW2L: Optional[torch.Tensor],
+                dB2L: Optional[torch.Tensor], mini_batch_size: int, last_rows: int, W1_dt: torch.dtype,
+                b1_dt: torch.dtype, W2_dt: torch.dtype, b2_dt: torch.dtype) -> List[torch.Tensor]:
     """Gradients of the eleven tensor inputs of ``_mlp_fwd_op``: ``_ttt_mlp_bwd_mb_kernel`` over
-    every (batch, head, mini-batch), then ``_ttt_mlp_bwd_kernel`` over every (batch, head)."""
+    every (batch, head, mini-batch), then ``_ttt_mlp_bwd_kernel`` over every (batch, head), the
+    last mini-batch in a launch of its own when it is partial (or its start weights W_L have a
+    gradient)."""
     bsz, tau_dt, lw_dt, lb_dt = mini_batch_size, tau.dtype, ln_w.dtype, ln_b.dtype
     tau_c = tau.to(W1S.dtype).contiguous()
     lw, lb = ln_w.to(W1S.dtype).contiguous(), ln_b.to(W1S.dtype).contiguous()
     B, H, T, d = XQ.shape
     m = W1S.shape[-1]
     NMB = T // bsz
+    R = last_rows
     cdt = W1S.dtype
     dev = XQ.device
 
@@ -868,11 +903,40 @@ def _mlp_bwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: torch
         DZB1, XB2, DG1P, DZ1P, DZB2, DG2P, DKP, DEP, dXQ, dTAU, dLNW, dLNB,
         T, NMB, H, LN_EPS, D=d, BD=BD, M=m, BM=BM, MB=bsz, BT=BT, BK=_mlp_col_block(BD, prec, "bwd_mb", device_arch(dev)),
         PREC=prec, **kw)
-    _ttt_mlp_bwd_kernel[(B * H,)](
-        XQ, XK, XV, eta, tau_c, lw, lb, W1S, B1S, W2S, G1S, G2S,
-        DZB1, XB2, DG1P, DZ1P, DZB2, DG2P, DKP, DEP, SZ, SS, SX, SD,
-        dXK, dXV, dETA, dTAU, dLNW, dLNB, dW10, dB10, dW20, dB20,
-        T, NMB, H, LN_EPS, D=d, BD=BD, M=m, BM=BM, MB=bsz, BT=BT, BK=BK, PREC=prec, **kw)
+
+    def carry(first, count, scale):
+        """The carry over mini-batches first … first + count − 1 (in reverse), the update's scale
+        ``scale`` [1]: the per-mini-batch and per-token pointers start at mini-batch ``first``."""
+        if count == 0:
+            return
+        t0 = first * bsz
+        _ttt_mlp_bwd_kernel[(B * H,)](
+            XQ[:, :, t0:], XK[:, :, t0:], XV[:, :, t0:], eta[:, :, t0:], tau_c, lw, lb,
+            *(x[:, :, first:] for x in (W1S, B1S, W2S, G1S, G2S, DZB1, XB2, DG1P, DZ1P, DZB2, DG2P)),
+            DKP[:, :, t0:], DEP[:, :, t0:], SZ, SS, SX, SD,
+            dXK[:, :, t0:], dXV[:, :, t0:], dETA[:, :, t0:], *(x[:, :, first:] for x in (dTAU, dLNW, dLNB)),
+            dW10, dB10, dW20, dB20, scale,
+            T, count, NMB, H, LN_EPS, D=d, BD=BD, M=m, BM=BM, MB=bsz, BT=BT, BK=BK, PREC=prec, **kw)
+
+    ends, lasts = (dW1F, dB1F, dW2F, dB2F), (dW1L, dB1L, dW2L, dB2L)
+    if R < bsz or any(g is not None for g in lasts):
+        # The last mini-batch in a launch of its own. A partial one was not applied: its end values
+        # are its gradient sums, so their gradients (the buffers' initial values) enter with the
+        # scale −1 in place of −τ_{b−1}, τ_{b−1} gets no update term (its one spurious entry, the
+        # last row's, is zeroed: that row is padding, with no term of its own), and its start
+        # weights' gradient is the state's W_L gradient instead of the end gradient.
+        part = R < bsz
+        carry(NMB - 1, 1, torch.full((1,), -1.0, dtype=cdt, device=dev) if part else tau_c[bsz - 1:])
+        if part:
+            dTAU[:, :, NMB - 1, bsz - 1] = 0
+        for buf, gl, ge in zip((dW10, dB10, dW20, dB20), lasts, ends):
+            if gl is not None:
+                buf += gl
+            if part and ge is not None:
+                buf -= ge
+        carry(0, NMB - 1, tau_c[bsz - 1:])
+    else:
+        carry(0, NMB, tau_c[bsz - 1:])
     return [dXQ, dXK, dXV, dETA, dTAU.sum((0, 1, 2)).to(tau_dt), dLNW.sum((0, 2)).to(lw_dt),
             dLNB.sum((0, 2)).to(lb_dt),
             dW10.to(W1_dt), dB10.to(b1_dt), dW20.to(W2_dt), dB20.to(b2_dt)]
@@ -880,21 +944,21 @@ def _mlp_bwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: torch
 
 @_mlp_bwd_op.register_fake
 def _(XQ, XK, XV, eta, tau, ln_w, ln_b, W1S, B1S, W2S, B2S, G1S, G2S, dout, dW1F, dB1F, dW2F, dB2F,
-      mini_batch_size, W1_dt, b1_dt, W2_dt, b2_dt):
+      dW1L, dB1L, dW2L, dB2L, mini_batch_size, last_rows, W1_dt, b1_dt, W2_dt, b2_dt):
     ws = _mlp_weight_buffers(XQ, W1S.shape[-1], None)
     return ([torch.empty_like(t) for t in (XQ, XK, XV, eta, tau, ln_w, ln_b)]
             + [torch.empty_like(w, dtype=dt) for w, dt in zip(ws, (W1_dt, b1_dt, W2_dt, b2_dt))])
 
 
 def _mlp_setup_context(ctx, inputs, output):
-    XQ, XK, XV, eta, tau, ln_w, ln_b, W1, b1, W2, b2, bsz, _ = inputs
-    ctx.save_for_backward(XQ, XK, XV, eta, tau, ln_w, ln_b, *output[5:])
-    ctx.mark_non_differentiable(*output[5:])
-    ctx.meta = (bsz, W1.dtype, b1.dtype, W2.dtype, b2.dtype)
+    XQ, XK, XV, eta, tau, ln_w, ln_b, W1, b1, W2, b2, bsz, last_rows, _ = inputs
+    ctx.save_for_backward(XQ, XK, XV, eta, tau, ln_w, ln_b, *output[9:])
+    ctx.mark_non_differentiable(*output[9:])
+    ctx.meta = (bsz, last_rows, W1.dtype, b1.dtype, W2.dtype, b2.dtype)
 
 
 def _mlp_backward_rule(ctx, grads):
-    return (*_mlp_bwd_op(*ctx.saved_tensors, *grads[:5], *ctx.meta), None, None)
+    return (*_mlp_bwd_op(*ctx.saved_tensors, *grads[:9], *ctx.meta), None, None, None)
 
 
 _mlp_fwd_op.register_autograd(_mlp_backward_rule, setup_context=_mlp_setup_context)
@@ -904,10 +968,10 @@ _mlp_fwd_op.register_autograd(_mlp_backward_rule, setup_context=_mlp_setup_conte
 def ttt_mlp_triton(XQ, XK, XV, eta, token_idx, ln_weight, ln_bias, W1, b1, W2, b2, mini_batch_size=16,
                    initial_state: Optional[dict] = None, output_final_state: bool = False
                    ) -> Tuple[torch.Tensor, Optional[dict]]:
-    r"""Same contract as ``kernels.ttt.ttt_mlp``. The full mini-batches from a boundary run in the
-    Triton kernels (math, tiling and precision in the module docstring); the head (completing a
-    mini-batch begun in ``initial_state``) and the tail (a trailing partial mini-batch) run in the
-    PyTorch dual form."""
+    r"""Same contract as ``kernels.ttt.ttt_mlp``. Everything from the first mini-batch boundary on,
+    a trailing partial mini-batch included, runs in the Triton kernels (math, tiling and precision
+    in the module docstring); the head (completing a mini-batch begun in ``initial_state``) runs
+    in the PyTorch dual form."""
     if not 1 <= mini_batch_size <= _MAX_MB:
         raise ValueError(f"ttt_mlp_triton: mini_batch_size must be in [1, {_MAX_MB}], got {mini_batch_size}")
     check_triton_device("ttt_mlp_triton", XQ, XK, XV, eta)
@@ -915,19 +979,34 @@ def ttt_mlp_triton(XQ, XK, XV, eta, token_idx, ln_weight, ln_bias, W1, b1, W2, b
     bsz = mini_batch_size
     dt = acc_dtype(XQ.dtype)
     st = make_state({"W1": W1, "b1": b1, "W2": W2, "b2": b2}, B, dt, initial_state)
-
-    def torch_part(t0, t1, st):
-        return ttt_mlp_chunk(XQ[:, :, t0:t1], XK[:, :, t0:t1], XV[:, :, t0:t1], eta[:, :, t0:t1],
-                             token_idx, ln_weight, ln_bias, W1, b1, W2, b2, bsz, st, True)
-
-    def kernel_part(xs, st):
-        ins = xs + [token_idx, ln_weight, ln_bias, st["W1"], st["b1"], st["W2"], st["b2"]]
+    keys = ("W1", "b1", "W2", "b2")
+    outs, t = [], 0
+    if st["pos"] > 0 and T > 0:
+        t = min(bsz - st["pos"], T)
+        o, st = ttt_mlp_chunk(XQ[:, :, :t], XK[:, :, :t], XV[:, :, :t], eta[:, :, :t], token_idx, ln_weight,
+                              ln_bias, W1, b1, W2, b2, bsz, st, True)
+        outs.append(o)
+    if t < T:
+        # from a boundary (the carried sums are zero there by construction) to the end, a partial
+        # last mini-batch of r rows padded with zeros (η = 0: the padding adds nothing to the
+        # gradient sums and, the dual form being causal, reaches no real row)
+        r = (T - t) % bsz
+        pad = (bsz - r) % bsz
+        ins = [F.pad(x[:, :, t:], (0, 0, 0, pad)) if pad else x[:, :, t:].contiguous() for x in (XQ, XK, XV)]
+        ins.append(F.pad(eta[:, :, t:], (0, pad)) if pad else eta[:, :, t:].contiguous())
+        ins += [token_idx, ln_weight, ln_bias, st["W1"], st["b1"], st["W2"], st["b2"]]
         # the start weights of every mini-batch are kept only for the backward
-        save = torch.is_grad_enabled() and any(t.requires_grad for t in ins)
-        o, *ws = _mlp_fwd_op(*ins, bsz, save)[:5]
-        return o, ws
-
-    out, st = run_head_full_tail(XQ, XK, XV, eta, st, bsz, ("W1", "b1", "W2", "b2"), torch_part, kernel_part)
+        save = torch.is_grad_enabled() and any(x.requires_grad for x in ins)
+        o, *ws = _mlp_fwd_op(*ins, bsz, r or bsz, save)[:9]
+        outs.append(o[:, :, :T - t] if pad else o)
+        if r == 0:
+            st = {k: w for k, w in zip(keys, ws[:4])}
+            st.update({"grad_" + k: torch.zeros_like(w) for k, w in zip(keys, ws[:4])})
+        else:   # a partial last mini-batch: its start weights and its gradient sums
+            st = {k: w for k, w in zip(keys, ws[4:])}
+            st.update({"grad_" + k: w for k, w in zip(keys, ws[:4])})
+        st["pos"] = r
+    out = torch.cat(outs, dim=2) if len(outs) > 1 else (outs[0] if outs else XQ.clone())
     return out, (st if output_final_state else None)
 
 __all__ = ["ttt_mlp_triton"]

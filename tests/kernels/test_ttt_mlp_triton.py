@@ -90,9 +90,9 @@ def _compare(got, ref, T, b, atol, rtol, pos0=0, state_names=()):
         close(g1, g0, "grad " + name)
 
 
-# (T, d, b, m, prefix): T = 32 (kernel only), 37 (kernel + partial tail), 45 after a 5-token
-# prefix (torch head of 11 tokens, kernel over 32, tail of 2), 9 after a prefix (no full
-# mini-batch); d = 8 pads the d-tiles to 16, m = 24 pads the hidden tiles to 32, b ∈ {4, 8}
+# (T, d, b, m, prefix): T = 32 (kernel only), 37 (kernel, a partial last mini-batch of 5 rows
+# included), 45 after a 5-token prefix (torch head of 11 tokens, kernel over 34: two full
+# mini-batches and a partial one of 2), 9 after a prefix (torch head only); d = 8 pads the d-tiles to 16, m = 24 pads the hidden tiles to 32, b ∈ {4, 8}
 # pads the rows to 16
 SHAPES = [(32, 16, 16, None, 0), (37, 16, 16, None, 0), (45, 16, 16, None, 5), (9, 16, 16, None, 5),
           (20, 8, 16, 24, 0), (11, 8, 4, None, 0), (19, 8, 8, None, 3)]
@@ -135,6 +135,76 @@ def test_bfloat16_matches_reference():
     got = _run("triton", args, b, w)
     assert got[0].dtype == torch.bfloat16 and all(got[1][k].dtype == torch.float32 for k in WEIGHTS)
     _compare(got, ref, T, b, atol=3e-2, rtol=3e-2)
+
+
+def _no_torch_form(monkeypatch):
+    """Make the PyTorch dual form unusable inside mlp_chunk.py: a test that passes after this ran
+    everything in the kernels."""
+    from kernels.ttt import mlp_chunk
+
+    def refuse(*a, **k):
+        raise AssertionError("the PyTorch dual form ran")
+    monkeypatch.setattr(mlp_chunk, "ttt_mlp_chunk", refuse)
+
+
+@pytest.mark.parametrize("T", [40, 7])
+def test_partial_last_mini_batch_runs_in_kernels(T, monkeypatch):
+    """T = 40 = 2 full mini-batches of 16 and 8 rows, T = 7 < b: the trailing partial mini-batch
+    runs in the kernels (rows ≥ 8 resp. 7 masked), with no PyTorch fallback. Its final state is
+    its start weights, its gradient sums and pos = T mod b; output, state and the gradient of
+    every input (the loss includes Σ‖state‖², so the state's W and grad_* both send gradients
+    back) match the specification to 1e-10 (float64)."""
+    b, d = 16, 16
+    args = _inputs(T, d, b)
+    w = torch.randn(B, H, T, d, dtype=torch.float64)
+    ref = _run("reference", args, b, w)
+    _no_torch_form(monkeypatch)
+    got = _run("triton", args, b, w)
+    assert got[1]["pos"] == T % b
+    _compare(got, ref, T, b, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("T,grad_of", [(40, "grad_"), (40, "weights"), (7, "grad_")])
+def test_partial_last_mini_batch_state_gradients(T, grad_of, monkeypatch):
+    """The gradient from the final state alone, through either its gradient sums grad_* or its
+    weights (the partial mini-batch's start weights), with no output gradient: the carry's two
+    paths for a partial last mini-batch, each on its own. float64: 1e-10 of each tensor's scale."""
+    b, d = 16, 8
+    args = _inputs(T, d, b, m=24)
+    keys = [("grad_" if grad_of == "grad_" else "") + k for k in WEIGHTS]
+
+    def grads(backend):
+        out, st = ttt_mlp(*args, mini_batch_size=b, output_final_state=True, backend=backend)
+        g = torch.Generator().manual_seed(7)
+        loss = sum((st[k] * torch.randn(st[k].shape, generator=g, dtype=st[k].dtype)).sum() for k in keys)
+        return torch.autograd.grad(loss, args, allow_unused=True)
+
+    ref = grads("reference")
+    _no_torch_form(monkeypatch)
+    got = grads("triton")
+    for name, a, c in zip(NAMES, got, ref):
+        if c is None or c.abs().max() == 0:
+            assert a is None or a.abs().max() == 0, f"grad {name} should be zero"
+            continue
+        torch.testing.assert_close(a, c, atol=1e-10 * c.abs().max().item(), rtol=1e-10, msg=lambda s: f"grad {name}: {s}")
+
+
+@pytest.mark.parametrize("T", [40, 7])
+def test_partial_last_mini_batch_no_grad_windows(T, monkeypatch):
+    """Without autograd the forward runs in windows of 2 mini-batches under the interpreter: at
+    T = 40 (b = 16) the partial mini-batch is the last window's second; T = 7 is one partial
+    window. Output and final state equal the PyTorch dual form's. float64: 1e-12."""
+    b, d = 16, 16
+    args = [a.detach() for a in _inputs(T, d, b)]
+    o_t, s_t = ttt_mlp(*args, mini_batch_size=b, output_final_state=True, backend="torch")
+    _no_torch_form(monkeypatch)
+    with torch.no_grad():
+        o_k, s_k = ttt_mlp(*args, mini_batch_size=b, output_final_state=True, backend="triton")
+    torch.testing.assert_close(o_k, o_t, atol=1e-12, rtol=0)
+    assert s_k["pos"] == s_t["pos"] == T % b
+    for k in s_t:
+        if k != "pos":
+            torch.testing.assert_close(s_k[k], s_t[k], atol=1e-12, rtol=0, msg=lambda s: f"state {k}: {s}")
 
 
 def test_no_grad_forward_and_weights_with_batch_axis():
