@@ -541,11 +541,19 @@ def _ttt_linear_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, WS, BS, DWF, DBF, DGW
             # end-of-mini-batch update W1' = W1 − τ_{b−1} Kᵀ(η⊙Γ), b1' = b1 − τ_{b−1} Σ η Γ (or the
             # sums of a partial one): P = K Y + y and ∂K through it, c (η⊙Γ) Yᵀ, column tile by
             # column tile (Y = dW1 or ∂U, see above)
+            # (K's [RB, BC] column tiles read from XK: a product over d with a [RB, BC] result from
+            # the whole [RB, d] K in registers would put all of K in every warp)
             tl.store(S_E + soff, e[:, None] * G)
             for c in range(BD // BC):
                 cc = c * BC + tl.arange(0, BC)
-                Yc = tl.load(dWP + cols[:, None] * D + cc[None, :], mask=cmask[:, None] & (cc[None, :] < D), other=0.0)
-                tl.store(S_P + rl[:, None] * BD + cc[None, :], _dot(k, Yc, PREC))
+                pc = tl.zeros([RB, BC], dtype=cdt)
+                for kk in range(BD // BC):
+                    kc = kk * BC + tl.arange(0, BC)
+                    kt = tl.load(XK + pid * T * D + t_off[:, None] * D + kc[None, :],
+                                 mask=rmask[:, None] & (kc[None, :] < D), other=0.0).to(cdt)
+                    Yc = tl.load(dWP + kc[:, None] * D + cc[None, :], mask=(kc[:, None] < D) & (cc[None, :] < D), other=0.0)
+                    pc += _dot(kt, Yc, PREC)
+                tl.store(S_P + rl[:, None] * BD + cc[None, :], pc)
             tl.debug_barrier()
             yb = tl.where(part, tl.load(DGBF + pid * D + cols, mask=cmask & ((cols * 0 + nv) < MB), other=0.0).to(cdt), dbb)
             P = tl.load(S_P + soff) + yb[None, :]

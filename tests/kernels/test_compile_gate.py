@@ -39,7 +39,6 @@ KNOWN_FAILURES = {
     # -- TTT-Linear (kernels/ttt/chunk.py; warps per GPU family, one case per arch named with it; the
     #    forward is _ttt_linear_state_kernel, then _ttt_linear_out_kernel; the backward is
     #    _ttt_linear_bwd_mb_kernel, then _ttt_linear_bwd_kernel) --
-    (80, "_ttt_linear_bwd_kernel", "fp32 d=128 b=64 sm_80"): "no_spills: 32/20 B spilled",
 }
 
 
