@@ -61,8 +61,9 @@ so the compiler cannot hoist every tile's loads), writing each update as a [BC, 
 of BC rows). An [RB, d] operand or product needed by column tiles, or produced by them, passes
 through small per-program scratch tiles in global memory (float32; ``_xw_cols``). The state
 pass builds its index, mask and pointer tensors inside the loop (``_loop_index``) instead of
-letting them be hoisted out of it. Warps and BC per GPU family in ``_LINEAR_WARPS`` and
-``_LINEAR_BC``.
+letting them be hoisted out of it. A product over d with an [RB, RB] or [RB, BC] result reads
+both operands from global memory in [RB, BC] column tiles (``_rows_dot_t``, see Row blocks). Warps
+and BC per GPU family in ``_LINEAR_WARPS`` and ``_LINEAR_BC``.
 
 Row blocks: every kernel walks a mini-batch in blocks of RB = 16 rows (``_LINEAR_RB``; b padded to
 BT, a multiple of 16), so that only [16, d] and [16, 16] tiles are live whatever b is. Z = K W1 + b1,
@@ -72,9 +73,13 @@ Z̄ of block i sums M_ij Γ_j over the blocks j ≤ i (``_zbar_block``), and its
 ``_ttt_linear_bwd_mb_kernel`` with ∂Z̄ in global memory between them; (ii) in sums over rows —
 the update Kᵀ(η⊙Γ), Σ η Γ, dW1's Qᵀ∂Z̄ + Kᵀ∂Z, ∂b1, ∂τ, ∂γ, ∂β — which each block adds to the other
 weight slot (the first block starting it from the current weights), to a per-program scratch row,
-or to per-(mini-batch, row block) partial sums that PyTorch adds up. Still spilling (the gate's
-known failures): the float32 per-mini-batch backward at d = 128, b = 16 and the float32 backward
-carry at d = 128, b = 64 on sm_80 (3×TF32 operands of the [16, 128] tiles, 32–156 B).
+or to per-(mini-batch, row block) partial sums that PyTorch adds up. A product over d whose
+result is small ([RB, RB]: Q Kᵀ, ∂Z̄ Γᵀ; [RB, BC]: K dW1 in the backward carry) does not take a
+whole [RB, d] operand from registers, which would put all of it (its three TF32 parts for float32)
+in every warp: its operands are read from global memory in [RB, BC] column tiles
+(``_rows_dot_t``). The rows of a block past the valid rows (nv = LAST in the last mini-batch) are
+read as row nv − 1 (in bounds, no [RB, d] row mask) and carry τ = η = 0 and ∂out = 0; only
+stores are masked by row. Every TTT-Linear case of the gate passes (no spills, both archs).
 
 TTT-MLP (``ttt_mlp_triton``) is in ``mlp_chunk.py``; it shares ``_dot``, ``_ln_stats``, ``_ln_bwd`` and
 ``_precision`` with this file.
