@@ -61,8 +61,9 @@ so the compiler cannot hoist every tile's loads), writing each update as a [BC, 
 of BC rows). An [RB, d] operand or product needed by column tiles, or produced by them, passes
 through small per-program scratch tiles in global memory (float32; ``_xw_cols``). The state
 pass builds its index, mask and pointer tensors inside the loop (``_loop_index``) instead of
-letting them be hoisted out of it. Warps and BC per GPU family in ``_LINEAR_WARPS`` and
-``_LINEAR_BC``.
+letting them be hoisted out of it. A product over d with an [RB, RB] or [RB, BC] result reads
+both operands from global memory in [RB, BC] column tiles (``_rows_dot_t``, see Row blocks). Warps
+and BC per GPU family in ``_LINEAR_WARPS`` and ``_LINEAR_BC``.
 
 Row blocks: every kernel walks a mini-batch in blocks of RB = 16 rows (``_LINEAR_RB``; b padded to
 BT, a multiple of 16), so that only [16, d] and [16, 16] tiles are live whatever b is. Z = K W1 + b1,
@@ -72,9 +73,13 @@ Z̄ of block i sums M_ij Γ_j over the blocks j ≤ i (``_zbar_block``), and its
 ``_ttt_linear_bwd_mb_kernel`` with ∂Z̄ in global memory between them; (ii) in sums over rows —
 the update Kᵀ(η⊙Γ), Σ η Γ, dW1's Qᵀ∂Z̄ + Kᵀ∂Z, ∂b1, ∂τ, ∂γ, ∂β — which each block adds to the other
 weight slot (the first block starting it from the current weights), to a per-program scratch row,
-or to per-(mini-batch, row block) partial sums that PyTorch adds up. Still spilling (the gate's
-known failures): the float32 per-mini-batch backward at d = 128, b = 16 and the float32 backward
-carry at d = 128, b = 64 on sm_80 (3×TF32 operands of the [16, 128] tiles, 32–156 B).
+or to per-(mini-batch, row block) partial sums that PyTorch adds up. A product over d whose
+result is small ([RB, RB]: Q Kᵀ, ∂Z̄ Γᵀ; [RB, BC]: K dW1 in the backward carry) does not take a
+whole [RB, d] operand from registers, which would put all of it (its three TF32 parts for float32)
+in every warp: its operands are read from global memory in [RB, BC] column tiles
+(``_rows_dot_t``). The rows of a block past the valid rows (nv = LAST in the last mini-batch) are
+read as row nv − 1 (in bounds, no [RB, d] row mask) and carry τ = η = 0 and ∂out = 0; only
+stores are masked by row. Every TTT-Linear case of the gate passes (no spills, both archs).
 
 TTT-MLP (``ttt_mlp_triton``) is in ``mlp_chunk.py``; it shares ``_dot``, ``_ln_stats``, ``_ln_bwd`` and
 ``_precision`` with this file.
@@ -270,25 +275,40 @@ def _ttt_linear_state_kernel(XK, XV, ETA, TAU, LNW, LNB, W0, B0, WS, BS, GS, WF,
 
 
 @triton.jit
-def _zbar_block(q, tau_i, rows_i, nb, XK, ETA, GS, WP, S, bb, x0, e0, cmask, NV, D: tl.constexpr,
+def _rows_dot_t(acc, PA, oa, PB, ob, D: tl.constexpr, BD: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
+    """acc + A Bᵀ for two row blocks A, B [RB, D] in global memory (rows at offsets ``oa``, ``ob``
+    [RB] from PA, PB; row-major, D per row), BC columns at a time: only [RB, BC] operand tiles are
+    live, not the [RB, d] ones (a product over d with a small [RB, RB] result puts a whole operand
+    in every warp)."""
+    for c in range(BD // BC):
+        cc = c * BC + tl.arange(0, BC)
+        ccm = cc < D
+        a = tl.load(PA + oa[:, None] + cc[None, :], mask=ccm[None, :], other=0.0).to(acc.dtype)
+        b = tl.load(PB + ob[:, None] + cc[None, :], mask=ccm[None, :], other=0.0).to(acc.dtype)
+        acc += _dot(a, tl.trans(b), PREC)
+    return acc
+
+
+@triton.jit
+def _zbar_block(q, XQ, tau_i, rows_i, nb, XK, ETA, GS, WP, S, bb, x0, e0, cmask, NV, D: tl.constexpr,
                 BD: tl.constexpr, RB: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
     """Z̄ of one row block i (rows ``rows_i``, its Q rows ``q`` [RB, BD], τ of its rows ``tau_i``):
     Q_i W1 + b1 − Σ_{j ≤ i} M_ij Γ_j with M_ij = tril(τ_i η_jᵀ ⊙ (Q_i K_jᵀ + 1)), the sum over the
     ``nb`` = i + 1 row blocks j ≤ i (K_j, η_j, Γ_j read from XK, ETA, GS at the mini-batch's
-    offsets ``x0``, ``e0``; rows ≥ ``NV`` masked); Q_i W1 BC columns of W1 at a time through the
-    scratch tile ``S``."""
+    offsets ``x0``, ``e0``; rows ≥ ``NV`` carry η = 0); Q_i W1 BC columns of W1 at a time through
+    the scratch tile ``S``; Q_i K_jᵀ from XQ, XK in column tiles (``_rows_dot_t``)."""
     rl = tl.arange(0, RB)
     cols = tl.arange(0, BD)
     acc = _xw_cols(q, WP, S, D, BD, RB, BC, PREC) + bb[None, :]
+    oq = x0 + tl.minimum(rows_i, NV - 1) * D
     for j in range(nb):
         rows_j = j * RB + rl
         rmask_j = rows_j < NV
-        xo = x0 + rows_j[:, None] * D + cols[None, :]
-        m = rmask_j[:, None] & cmask[None, :]
-        k = tl.load(XK + xo, mask=m, other=0.0).to(acc.dtype)
-        G = tl.load(GS + xo, mask=m, other=0.0).to(acc.dtype)
+        # rows ≥ NV read row NV − 1 again (in bounds, no [RB, d] mask) and carry η = 0
+        ok = x0 + tl.minimum(rows_j, NV - 1) * D
+        G = tl.load(GS + ok[:, None] + cols[None, :], mask=cmask[None, :], other=0.0).to(acc.dtype)
         e = tl.load(ETA + e0 + rows_j, mask=rmask_j, other=0.0).to(acc.dtype)
-        A = _dot(q, tl.trans(k), PREC)
+        A = _rows_dot_t(tl.zeros([RB, RB], dtype=acc.dtype), XQ, oq, XK, ok, D, BD, BC, PREC)
         M = tl.where(rows_j[None, :] <= rows_i[:, None], tau_i[:, None] * e[None, :] * (A + 1.0), 0.0)
         acc -= _dot(M, G, PREC)
     return acc
@@ -324,7 +344,7 @@ def _ttt_linear_out_kernel(XQ, XK, ETA, TAU, LNW, LNB, WS, BS, GS, OUT, SCR,
     xoff = x0 + rows[:, None] * D + cols[None, :]
     q = tl.load(XQ + xoff, mask=xmask, other=0.0).to(cdt)
     S = SCR + ((pid * NMB + n) * (BT // RB) + i) * RB * BD
-    Zb = _zbar_block(q, tau, rows, i + 1, XK, ETA, GS, WP, S, bb, x0, pid * T + n * MB, cmask, nv,
+    Zb = _zbar_block(q, XQ, tau, rows, i + 1, XK, ETA, GS, WP, S, bb, x0, pid * T + n * MB, cmask, nv,
                      D, BD, RB, BC, PREC)
     xhb, rstdb = _ln_stats(Zb, cmask, D, eps)
     gamma = tl.load(LNW + h * D + cols, mask=cmask, other=0.0).to(cdt)
@@ -363,17 +383,20 @@ def _ttt_linear_bwd_mb_kernel(XQ, XK, ETA, TAU, LNW, LNB, WS, BS, GS, DOUT,
     e0 = pid * T + n * MB
     S = SCR + (pid * NMB + n) * RB * BD
     nv = tl.where(n == NMB - 1, LAST, MB)
+    # the rows ≥ nv (padding, or past the end of a partial last mini-batch) carry τ = η = 0 and
+    # ∂out = 0, so they reach no real row; their Q, K, Γ, ∂Z̄ loads read row nv − 1 again (in
+    # bounds, no [RB, d] row mask), and only the stores are masked
 
     for i in range(NRB):
         rows_i = i * RB + rl
         rmask_i = rows_i < nv
         xm_i = rmask_i[:, None] & cmask[None, :]
         xo_i = x0 + rows_i[:, None] * D + cols[None, :]
-        # padded rows (MB < BT) get τ = η = 0, so they enter no product that reaches a real row
-        tau_i = tl.load(TAU + rows_i, mask=rows_i < MB, other=0.0).to(cdt)
+        xl_i = x0 + tl.minimum(rows_i, nv - 1)[:, None] * D + cols[None, :]
+        tau_i = tl.load(TAU + rows_i, mask=rmask_i, other=0.0).to(cdt)
         bb = tl.load(BS + (pid * NMB + n) * D + cols, mask=cmask, other=0.0).to(cdt)
-        q = tl.load(XQ + xo_i, mask=xm_i, other=0.0).to(cdt)
-        Zb = _zbar_block(q, tau_i, rows_i, i + 1, XK, ETA, GS, WP, S, bb, x0, e0, cmask, nv, D, BD, RB, BC, PREC)
+        q = tl.load(XQ + xl_i, mask=cmask[None, :], other=0.0).to(cdt)
+        Zb = _zbar_block(q, XQ, tau_i, rows_i, i + 1, XK, ETA, GS, WP, S, bb, x0, e0, cmask, nv, D, BD, RB, BC, PREC)
         xhb, rstdb = _ln_stats(Zb, cmask, D, eps)
         # out = Q + γ x̂(Z̄) + β
         do = tl.load(DOUT + xo_i, mask=xm_i, other=0.0).to(cdt)
@@ -383,29 +406,33 @@ def _ttt_linear_bwd_mb_kernel(XQ, XK, ETA, TAU, LNW, LNB, WS, BS, GS, DOUT,
         tl.store(DLNBP + po * D + cols, tl.sum(do, axis=0), mask=cmask)
         dZb = _ln_bwd(do * gamma[None, :], xhb, rstdb, cmask, D)
         tl.store(DZB + xo_i, dZb, mask=xm_i)
+        tl.debug_barrier()                      # ∂Z̄_i is read back below
         # Z̄ = Q W1 + b1 − M Γ, M = tril(E ⊙ (A + 1)), E_ij = τ_i η_j, A = Q Kᵀ: the blocks j ≤ i
-        dq = do
+        # (A and ∂Z̄ Γᵀ from Q, K, ∂Z̄, Γ in global memory, ``_rows_dot_t``); ∂out, the first term
+        # of ∂Q, is read again at the end, not held through these loops
+        dq = tl.zeros([RB, BD], dtype=cdt)
         dtau = tl.zeros([RB], dtype=cdt)
+        ol_i = x0 + tl.minimum(rows_i, nv - 1) * D
         for j in range(i + 1):
             rows_j = j * RB + rl
-            rmask_j = rows_j < nv
-            xm_j = rmask_j[:, None] & cmask[None, :]
-            xo_j = x0 + rows_j[:, None] * D + cols[None, :]
-            k = tl.load(XK + xo_j, mask=xm_j, other=0.0).to(cdt)
-            G = tl.load(GS + xo_j, mask=xm_j, other=0.0).to(cdt)
-            e = tl.load(ETA + e0 + rows_j, mask=rmask_j, other=0.0).to(cdt)
-            A = _dot(q, tl.trans(k), PREC)
-            dM = tl.where(rows_j[None, :] <= rows_i[:, None], -_dot(dZb, tl.trans(G), PREC), 0.0)
+            ol_j = x0 + tl.minimum(rows_j, nv - 1) * D
+            e = tl.load(ETA + e0 + rows_j, mask=rows_j < nv, other=0.0).to(cdt)
+            A = _rows_dot_t(tl.zeros([RB, RB], dtype=cdt), XQ, ol_i, XK, ol_j, D, BD, BC, PREC)
+            # (rows i ≥ nv read ∂Z̄ of row nv − 1: masked here, so that their ∂τ is 0)
+            dM = tl.where((rows_j[None, :] <= rows_i[:, None]) & rmask_i[:, None],
+                          -_rows_dot_t(tl.zeros([RB, RB], dtype=cdt), DZB, ol_i, GS, ol_j, D, BD, BC, PREC), 0.0)
             dtau += tl.sum(dM * (A + 1.0) * e[None, :], axis=1)
+            k = tl.load(XK + ol_j[:, None] + cols[None, :], mask=cmask[None, :], other=0.0).to(cdt)
             dq += _dot(dM * (tau_i[:, None] * e[None, :]), k, PREC)
         tl.store(DTAUP + (pid * NMB + n) * MB + rows_i, dtau, mask=rows_i < MB)     # 0 past nv
         # ∂Z̄ W1ᵀ, BC columns of W1 (and of ∂Z̄, read back from DZB) at a time
-        tl.debug_barrier()
         for c in range(BD // BC):
             cc = c * BC + tl.arange(0, BC)
             ccm = cc < D
-            dZbc = tl.load(DZB + x0 + rows_i[:, None] * D + cc[None, :], mask=rmask_i[:, None] & ccm[None, :], other=0.0)
+            dZbc = tl.load(DZB + x0 + tl.minimum(rows_i, nv - 1)[:, None] * D + cc[None, :], mask=ccm[None, :],
+                           other=0.0)
             dq += _dot(dZbc, tl.load(WP + cc[:, None] + cols[None, :] * D, mask=ccm[:, None] & cmask[None, :], other=0.0), PREC)
+        dq += tl.load(DOUT + xo_i, mask=xm_i, other=0.0).to(cdt)
         tl.store(DXQ + xo_i, dq.to(DXQ.dtype.element_ty), mask=xm_i)
 
     tl.debug_barrier()                          # pass 2 reads every block's ∂Z̄
@@ -414,27 +441,24 @@ def _ttt_linear_bwd_mb_kernel(XQ, XK, ETA, TAU, LNW, LNB, WS, BS, GS, DOUT,
         rmask_j = rows_j < nv
         xm_j = rmask_j[:, None] & cmask[None, :]
         xo_j = x0 + rows_j[:, None] * D + cols[None, :]
-        k = tl.load(XK + xo_j, mask=xm_j, other=0.0).to(cdt)
-        G = tl.load(GS + xo_j, mask=xm_j, other=0.0).to(cdt)
+        ol_j = x0 + tl.minimum(rows_j, nv - 1) * D
         e = tl.load(ETA + e0 + rows_j, mask=rmask_j, other=0.0).to(cdt)
         dG = tl.zeros([RB, BD], dtype=cdt)
         dk = tl.zeros([RB, BD], dtype=cdt)
         de = tl.zeros([RB], dtype=cdt)
         for i in range(j, NRB):
             rows_i = i * RB + rl
-            rmask_i = rows_i < nv
-            xm_i = rmask_i[:, None] & cmask[None, :]
-            xo_i = x0 + rows_i[:, None] * D + cols[None, :]
-            tau_i = tl.load(TAU + rows_i, mask=rows_i < MB, other=0.0).to(cdt)
-            q = tl.load(XQ + xo_i, mask=xm_i, other=0.0).to(cdt)
-            dZb = tl.load(DZB + xo_i, mask=xm_i, other=0.0).to(cdt)
-            A = _dot(q, tl.trans(k), PREC)
+            ol_i = x0 + tl.minimum(rows_i, nv - 1) * D
+            tau_i = tl.load(TAU + rows_i, mask=rows_i < nv, other=0.0).to(cdt)
+            A = _rows_dot_t(tl.zeros([RB, RB], dtype=cdt), XQ, ol_i, XK, ol_j, D, BD, BC, PREC)
             tril = rows_j[None, :] <= rows_i[:, None]
             Ev = tau_i[:, None] * e[None, :]
             M = tl.where(tril, Ev * (A + 1.0), 0.0)
-            dM = tl.where(tril, -_dot(dZb, tl.trans(G), PREC), 0.0)
-            dG -= _dot(tl.trans(M), dZb, PREC)
+            dM = tl.where(tril, -_rows_dot_t(tl.zeros([RB, RB], dtype=cdt), DZB, ol_i, GS, ol_j, D, BD, BC, PREC), 0.0)
             de += tl.sum(dM * (A + 1.0) * tau_i[:, None], axis=0)
+            dZb = tl.load(DZB + ol_i[:, None] + cols[None, :], mask=cmask[None, :], other=0.0).to(cdt)
+            dG -= _dot(tl.trans(M), dZb, PREC)
+            q = tl.load(XQ + ol_i[:, None] + cols[None, :], mask=cmask[None, :], other=0.0).to(cdt)
             dk += _dot(tl.trans(dM * Ev), q, PREC)
         tl.store(DG0 + xo_j, dG, mask=xm_j)
         tl.store(DKP + xo_j, dk, mask=xm_j)
@@ -522,11 +546,19 @@ def _ttt_linear_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, WS, BS, DWF, DBF, DGW
             # end-of-mini-batch update W1' = W1 − τ_{b−1} Kᵀ(η⊙Γ), b1' = b1 − τ_{b−1} Σ η Γ (or the
             # sums of a partial one): P = K Y + y and ∂K through it, c (η⊙Γ) Yᵀ, column tile by
             # column tile (Y = dW1 or ∂U, see above)
+            # (K's [RB, BC] column tiles read from XK: a product over d with a [RB, BC] result from
+            # the whole [RB, d] K in registers would put all of K in every warp)
             tl.store(S_E + soff, e[:, None] * G)
             for c in range(BD // BC):
                 cc = c * BC + tl.arange(0, BC)
-                Yc = tl.load(dWP + cols[:, None] * D + cc[None, :], mask=cmask[:, None] & (cc[None, :] < D), other=0.0)
-                tl.store(S_P + rl[:, None] * BD + cc[None, :], _dot(k, Yc, PREC))
+                pc = tl.zeros([RB, BC], dtype=cdt)
+                for kk in range(BD // BC):
+                    kc = kk * BC + tl.arange(0, BC)
+                    kt = tl.load(XK + pid * T * D + t_off[:, None] * D + kc[None, :],
+                                 mask=rmask[:, None] & (kc[None, :] < D), other=0.0).to(cdt)
+                    Yc = tl.load(dWP + kc[:, None] * D + cc[None, :], mask=(kc[:, None] < D) & (cc[None, :] < D), other=0.0)
+                    pc += _dot(kt, Yc, PREC)
+                tl.store(S_P + rl[:, None] * BD + cc[None, :], pc)
             tl.debug_barrier()
             yb = tl.where(part, tl.load(DGBF + pid * D + cols, mask=cmask & ((cols * 0 + nv) < MB), other=0.0).to(cdt), dbb)
             P = tl.load(S_P + soff) + yb[None, :]
@@ -631,10 +663,12 @@ _ROW_BLOCKED = _LINEAR_KERNELS
 _LINEAR_RB = 16
 #: BC per (arch, kernel, bf16 operands, BD, BT), 16 where it names none: 32 where 16 spills and
 #: 32 does not (by the compile gate): float32 at d = 128 — the state pass on sm_80, the
-#: per-mini-batch backward at b = 64 on sm_90 and the backward carry on both — and the bf16
-#: per-mini-batch backward at d = 128, b = 64 on sm_80
+#: per-mini-batch backward on sm_80 and at b = 64 on sm_90, and the backward carry on both — and
+#: the bf16 per-mini-batch backward at d = 128, b = 64 on both
 _LINEAR_BC = {(80, "state", False, 128, 16): 32, (80, "state", False, 128, 64): 32,
-              (90, "bwd_mb", False, 128, 64): 32, (80, "bwd_mb", True, 128, 64): 32,
+              (90, "bwd_mb", False, 128, 64): 32, (80, "bwd_mb", False, 128, 16): 32,
+              (80, "bwd_mb", False, 128, 64): 32,
+              (90, "bwd_mb", True, 128, 64): 32, (80, "bwd_mb", True, 128, 64): 32,
               (90, "bwd", False, 128, 16): 32, (80, "bwd", False, 128, 16): 32,
               (90, "bwd", False, 128, 64): 32, (80, "bwd", False, 128, 64): 32}
 
