@@ -42,6 +42,7 @@ KNOWN_FAILURES = {
     (90, "_ttt_linear_bwd_mb_kernel", "fp32 d=128 b=16 sm_90"): "no_spills: 104/152 B spilled",
     (80, "_ttt_linear_bwd_mb_kernel", "fp32 d=128 b=16 sm_80"): "no_spills: 120/156 B spilled",
     (80, "_ttt_linear_bwd_kernel", "fp32 d=128 b=64 sm_80"): "no_spills: 32/20 B spilled",
+    (90, "_ttt_linear_bwd_mb_kernel", "fp32 d=128 b=16 varlen sm_90"): "no_spills: 80/136 B spilled",
 }
 
 
