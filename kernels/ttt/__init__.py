@@ -26,9 +26,10 @@ Variable-length batches: ``cu_seqlens`` (int32 [N+1], cumulative lengths, B = 1)
 sequences along T. Each starts at a mini-batch boundary from θ_0 = ``initial_state`` row n (every
 tensor [N, H, …], "pos" 0 for all) or from the weights arguments ([H, …] or [1, H, …]); the final
 state then holds every tensor stacked [N, H, …] and "pos" as a list of N ints. Sequences may be
-empty (their final state is their initial one). This is done per sequence: the chosen backend
-runs once on each sequence, so its kernels are launched N times; one launch over the packed
-batch is future work.
+empty (their final state is their initial one). With backend="triton", TTT-Linear runs the packed
+batch in one launch of each of its kernels (``ttt_linear_triton_packed`` in ``chunk.py``: the
+mini-batch tables built on the device, one flag read back to check the offsets); every other
+backend, and TTT-MLP, runs once on each sequence, so its kernels are launched N times.
 """
 from __future__ import annotations
 
@@ -137,7 +138,8 @@ def ttt_linear(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: torch.
                backend: str = "torch", cu_seqlens: Optional[torch.Tensor] = None
                ) -> Tuple[torch.Tensor, Optional[dict]]:
     """TTT-Linear: f(x; W1, b1) = x W1 + b1. With ``cu_seqlens`` (int32 [N+1], B = 1) the N packed
-    sequences run one after another through ``backend`` (see the module docstring)."""
+    sequences run in one launch per kernel with backend="triton", one after another through any
+    other ``backend`` (see the module docstring)."""
     _check(XQ, XK, XV, eta, token_idx, mini_batch_size)
     if cu_seqlens is not None and backend == "triton" and has_triton_backend("linear"):
         # one launch of each kernel over the packed batch

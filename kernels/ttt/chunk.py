@@ -41,6 +41,21 @@ form, chained through autograd: the tokens that complete a mini-batch begun by `
 (pos > 0) run before the kernel. Every gradient (XQ, XK, XV, η, token_idx, ln_weight, ln_bias,
 W1, b1 and the tensors of ``initial_state``) flows through both parts.
 
+Packed batches (``cu_seqlens``, B = 1, ``ttt_linear_triton_packed``): one launch of each kernel for
+all N sequences, with VARLEN = True. ``packed_chunk_tables`` builds on the device the ⌊T/b⌋ + N
+mini-batch slots (each sequence's first slot; (sequence, mini-batch) per slot, spare slots marked
+−1). The serial kernels (state pass, backward carry) run one program per (sequence, head), each
+walking its sequence's ⌈L/b⌉ mini-batches from its own start weights (``initial_state`` row n, or
+the shared weights expanded to [N, H, …]); the per-mini-batch kernels (output, per-mini-batch
+backward) one per (head, slot[, row block]), a spare slot with every row masked. Each sequence's
+last mini-batch has its own valid row count L − (⌈L/b⌉ − 1) b in place of LAST (an empty sequence
+runs nothing: its end state is its start state). Only the program-id → offsets mapping at the top
+of each kernel differs (``_packed_serial``, ``_packed_slot``): it moves the base pointers so that
+the kernel body's offsets land on the sequence's rows and slots. The end state is [N, H, …] with
+"pos" per sequence; the gradients of every input and of ``initial_state`` flow through the
+backward. Without autograd a packed forward stores every start weight (no windows: a window of
+mini-batches cuts across sequences), d/b times the size of XQ, as a forward under autograd does.
+
 Precision (``_precision``, ``_dot``): everything is carried and accumulated in float32 (float64
 for float64 inputs); the tl.dot operands are bfloat16 for bfloat16/float16 inputs (bf16 tensor-core
 MMA, fp32 accumulator), 3×TF32 for float32 inputs (tensor cores, error within a few fp32 ulps:
