@@ -714,7 +714,14 @@ _LINEAR_BC = {(80, "state", False, 128, 16): 32, (80, "state", False, 128, 64): 
               (90, "bwd", False, 128, 64): 32, (80, "bwd", False, 128, 64): 32}
 
 
-def _launch_cfg(d: int, b: int, kernel: str = "state", half: bool = True, arch: int = INTERPRET_ARCH):
+#: num_warps of the packed (``cu_seqlens``) variants where they differ from ``_LINEAR_WARPS``: the
+#: float32 output kernel at d = 64 on sm_80 spilled 4 B with 8 warps (the slot-table lookup's
+#: registers on top of the fixed-length kernel's), none with 4
+_LINEAR_WARPS_PACKED = {(80, "out", False, 64, 16): 4, (80, "out", False, 64, 64): 4}
+
+
+def _launch_cfg(d: int, b: int, kernel: str = "state", half: bool = True, arch: int = INTERPRET_ARCH,
+                packed: bool = False):
     """Padded tile sizes (tl.dot needs every block dim ≥ 16) and launch options of TTT-Linear
     ``kernel`` (one of ``_LINEAR_KERNELS``) for GPU family ``arch`` (90 or 80, ``device_arch``; ``half``:
     bf16 operands, False for 3×TF32 with float32 inputs). num_warps from ``_LINEAR_WARPS``, 8 where
@@ -729,7 +736,9 @@ def _launch_cfg(d: int, b: int, kernel: str = "state", half: bool = True, arch: 
         tiles["RB"] = _LINEAR_RB
     if is_interpreting():                   # 16 columns, so that the tests at d = 32 walk two tiles
         return BD, BT, {k: 16 for k in tiles}
-    warps = _LINEAR_WARPS.get((arch, kernel, half, BD, BT), 8)
+    key = (arch, kernel, half, BD, BT)
+    warps = _LINEAR_WARPS_PACKED.get(key) if packed else None
+    warps = warps or _LINEAR_WARPS.get(key, 8)
     return BD, BT, {"num_warps": warps, "num_stages": 1, **tiles}
 
 
@@ -852,7 +861,7 @@ def _linear_fwd_packed(XQ, XK, XV, eta, tau, ln_w, ln_b, W0, b0, bsz: int, cu_se
     half, arch = XQ.dtype in (torch.bfloat16, torch.float16), device_arch(dev)
     BDs, BTs, kws = _launch_cfg(d, bsz, "state", half=half, arch=arch)
     SCR = torch.empty(N, H, 3, kws["RB"], BDs, dtype=cdt, device=dev)
-    BDo, BTo, kwo = _launch_cfg(d, bsz, "out", half=half, arch=arch)
+    BDo, BTo, kwo = _launch_cfg(d, bsz, "out", half=half, arch=arch, packed=True)
     SCRO = torch.empty(1, H, NC, BTo, BDo, dtype=cdt, device=dev)
     _ttt_linear_state_kernel[(N * H,)](
         XK, XV, eta, tau_c, lw, lb, W0c, b0c, WS, BS, GS, WF, BF, GWF, GBF, WT, SCR,

@@ -34,7 +34,7 @@ def compile_cases():
                                               (chunk._ttt_linear_out_kernel, {}, "out"),
                                               (chunk._ttt_linear_bwd_mb_kernel, {}, "bwd_mb"),
                                               (chunk._ttt_linear_bwd_kernel, {}, "bwd")):
-                        BD, BT, kw = chunk._launch_cfg(d, b, part, half=dt == "bf16", arch=arch)
+                        BD, BT, kw = chunk._launch_cfg(d, b, part, half=dt == "bf16", arch=arch, packed=varlen)
                         names = set(arg_names(kern))
                         ptrs = {n: dt for n in io_names if n in names}
                         if varlen:

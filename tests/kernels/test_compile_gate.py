@@ -43,6 +43,8 @@ KNOWN_FAILURES = {
     (80, "_ttt_linear_bwd_mb_kernel", "fp32 d=128 b=16 sm_80"): "no_spills: 120/156 B spilled",
     (80, "_ttt_linear_bwd_kernel", "fp32 d=128 b=64 sm_80"): "no_spills: 32/20 B spilled",
     (90, "_ttt_linear_bwd_mb_kernel", "fp32 d=128 b=16 varlen sm_90"): "no_spills: 80/136 B spilled",
+    (80, "_ttt_linear_bwd_mb_kernel", "fp32 d=128 b=16 varlen sm_80"): "no_spills: 116/152 B spilled",
+    (80, "_ttt_linear_bwd_kernel", "fp32 d=128 b=64 varlen sm_80"): "no_spills: 36/24 B spilled",
 }
 
 
