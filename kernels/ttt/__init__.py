@@ -26,9 +26,10 @@ Variable-length batches: ``cu_seqlens`` (int32 [N+1], cumulative lengths, B = 1)
 sequences along T. Each starts at a mini-batch boundary from θ_0 = ``initial_state`` row n (every
 tensor [N, H, …], "pos" 0 for all) or from the weights arguments ([H, …] or [1, H, …]); the final
 state then holds every tensor stacked [N, H, …] and "pos" as a list of N ints. Sequences may be
-empty (their final state is their initial one). This is done per sequence: the chosen backend
-runs once on each sequence, so its kernels are launched N times; one launch over the packed
-batch is future work.
+empty (their final state is their initial one). With backend="triton", TTT-Linear runs the packed
+batch in one launch of each of its kernels (``ttt_linear_triton_packed`` in ``chunk.py``: the
+mini-batch tables built on the device, one flag read back to check the offsets); every other
+backend, and TTT-MLP, runs once on each sequence, so its kernels are launched N times.
 """
 from __future__ import annotations
 
@@ -81,13 +82,9 @@ def _seq_bounds(name: str, cu_seqlens: torch.Tensor, B: int, T: int) -> List[int
     return bounds
 
 
-def _varlen(name: str, run: Callable, weights: Dict[str, torch.Tensor], XQ: torch.Tensor,
-            initial_state: Optional[dict], output_final_state: bool, cu_seqlens: torch.Tensor):
-    """``run(t0, t1, state_n)`` on every sequence [t0, t1) of the packed batch, each from its own
-    initial state; outputs concatenated along T, final states stacked along the batch axis."""
-    B, H, T, d = XQ.shape
-    bounds = _seq_bounds(name, cu_seqlens, B, T)
-    N = len(bounds) - 1
+def _check_varlen_state(name: str, weights: Dict[str, torch.Tensor], initial_state: Optional[dict], N: int):
+    """The weights and ``initial_state`` of a packed batch of N sequences: weights [H, …] or
+    [1, H, …], ``initial_state`` tensors [N, H, …] with every "pos" 0."""
     for k, w in weights.items():
         if w.dim() == 4 and w.shape[0] != 1:
             raise ValueError(f"{name}: with cu_seqlens the weight {k} must be [H, …] or [1, H, …], got "
@@ -104,6 +101,16 @@ def _varlen(name: str, run: Callable, weights: Dict[str, torch.Tensor], XQ: torc
             if initial_state[k].shape[0] != N:
                 raise ValueError(f"{name}: with cu_seqlens initial_state[{k!r}] must be [N = {N}, H, …], "
                                  f"got {tuple(initial_state[k].shape)}")
+
+
+def _varlen(name: str, run: Callable, weights: Dict[str, torch.Tensor], XQ: torch.Tensor,
+            initial_state: Optional[dict], output_final_state: bool, cu_seqlens: torch.Tensor):
+    """``run(t0, t1, state_n)`` on every sequence [t0, t1) of the packed batch, each from its own
+    initial state; outputs concatenated along T, final states stacked along the batch axis."""
+    B, H, T, d = XQ.shape
+    bounds = _seq_bounds(name, cu_seqlens, B, T)
+    N = len(bounds) - 1
+    _check_varlen_state(name, weights, initial_state, N)
     outs, finals = [], []
     for n, (t0, t1) in enumerate(zip(bounds[:-1], bounds[1:])):
         st = None
@@ -131,8 +138,20 @@ def ttt_linear(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: torch.
                backend: str = "torch", cu_seqlens: Optional[torch.Tensor] = None
                ) -> Tuple[torch.Tensor, Optional[dict]]:
     """TTT-Linear: f(x; W1, b1) = x W1 + b1. With ``cu_seqlens`` (int32 [N+1], B = 1) the N packed
-    sequences run one after another through ``backend`` (see the module docstring)."""
+    sequences run in one launch per kernel with backend="triton", one after another through any
+    other ``backend`` (see the module docstring)."""
     _check(XQ, XK, XV, eta, token_idx, mini_batch_size)
+    if cu_seqlens is not None and backend == "triton" and has_triton_backend("linear"):
+        # one launch of each kernel over the packed batch
+        if XQ.shape[0] != 1:
+            raise ValueError(f"ttt_linear: cu_seqlens needs packed input with B = 1, got B = {XQ.shape[0]}")
+        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+            raise ValueError(f"ttt_linear: cu_seqlens must be an integer tensor [N+1] with N ≥ 1, "
+                             f"got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
+        _check_varlen_state("ttt_linear", {"W1": W1, "b1": b1}, initial_state, cu_seqlens.numel() - 1)
+        from kernels.ttt.chunk import ttt_linear_triton_packed
+        return ttt_linear_triton_packed(XQ, XK, XV, eta, token_idx, ln_weight, ln_bias, W1, b1, mini_batch_size,
+                                        initial_state, output_final_state, cu_seqlens)
     if cu_seqlens is not None:
         def run(t0, t1, st):
             return ttt_linear(XQ[:, :, t0:t1], XK[:, :, t0:t1], XV[:, :, t0:t1], eta[:, :, t0:t1], token_idx,

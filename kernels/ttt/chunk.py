@@ -41,6 +41,21 @@ form, chained through autograd: the tokens that complete a mini-batch begun by `
 (pos > 0) run before the kernel. Every gradient (XQ, XK, XV, η, token_idx, ln_weight, ln_bias,
 W1, b1 and the tensors of ``initial_state``) flows through both parts.
 
+Packed batches (``cu_seqlens``, B = 1, ``ttt_linear_triton_packed``): one launch of each kernel for
+all N sequences, with VARLEN = True. ``packed_chunk_tables`` builds on the device the ⌊T/b⌋ + N
+mini-batch slots (each sequence's first slot; (sequence, mini-batch) per slot, spare slots marked
+−1). The serial kernels (state pass, backward carry) run one program per (sequence, head), each
+walking its sequence's ⌈L/b⌉ mini-batches from its own start weights (``initial_state`` row n, or
+the shared weights expanded to [N, H, …]); the per-mini-batch kernels (output, per-mini-batch
+backward) one per (head, slot[, row block]), a spare slot with every row masked. Each sequence's
+last mini-batch has its own valid row count L − (⌈L/b⌉ − 1) b in place of LAST (an empty sequence
+runs nothing: its end state is its start state). Only the program-id → offsets mapping at the top
+of each kernel differs (``_packed_serial``, ``_packed_slot``): it moves the base pointers so that
+the kernel body's offsets land on the sequence's rows and slots. The end state is [N, H, …] with
+"pos" per sequence; the gradients of every input and of ``initial_state`` flow through the
+backward. Without autograd a packed forward stores every start weight (no windows: a window of
+mini-batches cuts across sequences), d/b times the size of XQ, as a forward under autograd does.
+
 Precision (``_precision``, ``_dot``): everything is carried and accumulated in float32 (float64
 for float64 inputs); the tl.dot operands are bfloat16 for bfloat16/float16 inputs (bf16 tensor-core
 MMA, fp32 accumulator), 3×TF32 for float32 inputs (tensor cores, error within a few fp32 ulps:
@@ -92,7 +107,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton_utils import INTERPRET_ARCH, check_triton_device, device_arch, is_interpreting
+from kernels._triton_utils import (INTERPRET_ARCH, check_triton_device, device_arch, is_interpreting,
+                                   packed_chunk_tables)
 from kernels.ttt.torch_chunk import LN_EPS, acc_dtype, make_state, ttt_linear_chunk
 
 #: the largest mini-batch the kernels take (the gate compiles b = 16 and 64; a mini-batch runs in
@@ -176,10 +192,50 @@ def _mini_batch_grad_cols(k, v, WP, S, bb, gamma, beta, cmask, D: tl.constexpr, 
 
 
 @triton.jit
+def _packed_serial(CU, CS, pid, h, T, H, NC, D: tl.constexpr, MB: tl.constexpr):
+    """Packed batches (``cu_seqlens``), the serial kernels (grid: sequences × heads, pid =
+    sequence * H + h): the sequence's mini-batches NMB = ⌈L / b⌉ (L its tokens) and the valid rows
+    LAST = L − (NMB − 1) b of its last one (b when L = 0: nothing runs, the end state is the start
+    state), and the shifts that move the kernel body's offsets onto the sequence: ``xs`` for a
+    [·, H, T, d] tensor (the body's row offset ``pid * T * D`` lands on row ``bos`` of head h),
+    ``es`` for a [·, H, T] one, ``ms`` in mini-batches (the body's ``pid * NMB + n`` lands on slot
+    ``CS[seq] + n`` of head h, of NC). The body's int32 products are subtracted as the same int32
+    products, so they cancel exactly."""
+    seq = pid // H
+    bos = tl.load(CU + seq)
+    L = tl.load(CU + seq + 1) - bos
+    NMB = (L + MB - 1) // MB
+    LAST = L - (NMB - 1) * MB
+    xs = (h * T + bos).to(tl.int64) * D - (pid * T * D).to(tl.int64)
+    es = (h * T + bos).to(tl.int64) - (pid * T).to(tl.int64)
+    ms = (h * NC + tl.load(CS + seq)).to(tl.int64) - (pid * NMB).to(tl.int64)
+    return xs, es, ms, NMB, LAST
+
+
+@triton.jit
+def _packed_slot(CU, CI, slot, h, NC, MB: tl.constexpr):
+    """Packed batches, the per-mini-batch kernels (grid: heads × slots[ × row blocks]): slot ``slot``
+    of ``CI`` holds (sequence, mini-batch c); returns the sequence's first token, c, its mini-batch
+    count NMB, the valid rows LAST of its last mini-batch, and the shift ms (in mini-batches) that
+    moves the kernel body's mini-batch index ``h * NMB + c`` to slot ``h * NC + slot``. A spare slot
+    (sequence −1) gets L = 0, NMB = 1, LAST = 0: every row masked, nothing loaded or stored but its
+    own scratch and zero partial sums."""
+    seq = tl.load(CI + 2 * slot)
+    c = tl.load(CI + 2 * slot + 1)
+    sq = tl.maximum(seq, 0)
+    bos = tl.load(CU + sq)
+    L = tl.where(seq < 0, 0, tl.load(CU + sq + 1) - bos)
+    NMB = tl.maximum((L + MB - 1) // MB, 1)
+    LAST = L - (NMB - 1) * MB
+    ms = (h * NC + slot - c).to(tl.int64) - (h * NMB).to(tl.int64)
+    return bos.to(tl.int64), c, NMB, LAST, ms
+
+
+@triton.jit
 def _ttt_linear_state_kernel(XK, XV, ETA, TAU, LNW, LNB, W0, B0, WS, BS, GS, WF, BF, GWF, GBF, WT, SCR,
-                             T, NMB, LAST, H, eps,
+                             CU, CS, CI, T, NMB, LAST, H, NC, eps,
                              D: tl.constexpr, BD: tl.constexpr, MB: tl.constexpr, BT: tl.constexpr,
-                             BC: tl.constexpr, RB: tl.constexpr, PREC: tl.constexpr):
+                             BC: tl.constexpr, RB: tl.constexpr, PREC: tl.constexpr, VARLEN: tl.constexpr):
     """The sequential part of the forward: one program per batch·head walks the mini-batches in
     order, computes Z = K W1 + b1, Γ and the update, and stores the start weights (W1, b1) of every
     mini-batch (WS, BS) and its Γ (GS), from which ``_ttt_linear_out_kernel`` computes the
@@ -187,8 +243,11 @@ def _ttt_linear_state_kernel(XK, XV, ETA, TAU, LNW, LNB, W0, B0, WS, BS, GS, WF,
     beyond are masked); when LAST < b it is partial: no update (the end weights WF, BF are its start
     weights) and its gradient sums Kᵀ(η⊙Γ), Σ η Γ (unscaled by τ) go to GWF, GBF (zero-filled by
     the caller)."""
-    pid = tl.program_id(0)                      # = b_idx * H + h_idx
+    pid = tl.program_id(0)                      # = b_idx * H + h_idx (packed: sequence * H + h_idx)
     h = pid % H
+    if VARLEN:
+        xs, es, ms, NMB, LAST = _packed_serial(CU, CS, pid, h, T, H, NC, D, MB)
+        XK, XV, GS, ETA, WS, BS = XK + xs, XV + xs, GS + xs, ETA + es, WS + ms * D * D, BS + ms * D
     cdt = W0.dtype.element_ty
     cols = tl.arange(0, BD)
     cmask = cols < D
@@ -316,9 +375,9 @@ def _zbar_block(q, XQ, tau_i, rows_i, nb, XK, ETA, GS, WP, S, bb, x0, e0, cmask,
 
 @triton.jit
 def _ttt_linear_out_kernel(XQ, XK, ETA, TAU, LNW, LNB, WS, BS, GS, OUT, SCR,
-                           T, NMB, LAST, H, eps,
+                           CU, CS, CI, T, NMB, LAST, H, NC, eps,
                            D: tl.constexpr, BD: tl.constexpr, MB: tl.constexpr, BT: tl.constexpr,
-                           BC: tl.constexpr, RB: tl.constexpr, PREC: tl.constexpr):
+                           BC: tl.constexpr, RB: tl.constexpr, PREC: tl.constexpr, VARLEN: tl.constexpr):
     """The chunk-parallel part of the forward: one program per (batch·head, mini-batch, row block
     of RB rows), all in parallel, after ``_ttt_linear_state_kernel``. From the stored start weights
     W1, b1 and Γ: Z̄ = Q W1 + b1 − M Γ, out = Q + LN_γβ(Z̄) for the block's rows (row i of Z̄ reads
@@ -328,6 +387,10 @@ def _ttt_linear_out_kernel(XQ, XK, ETA, TAU, LNW, LNB, WS, BS, GS, OUT, SCR,
     n = tl.program_id(1)
     i = tl.program_id(2)
     h = pid % H
+    if VARLEN:                                  # grid (H, slots, row blocks): pid = head, n = slot
+        bos, n, NMB, LAST, ms = _packed_slot(CU, CI, n, pid, NC, MB)
+        XQ, XK, ETA, GS, OUT = XQ + bos * D, XK + bos * D, ETA + bos, GS + bos * D, OUT + bos * D
+        WS, BS, SCR = WS + ms * D * D, BS + ms * D, SCR + ms * BT * BD
     cdt = BS.dtype.element_ty
     rows = i * RB + tl.arange(0, RB)
     cols = tl.arange(0, BD)
@@ -356,9 +419,9 @@ def _ttt_linear_out_kernel(XQ, XK, ETA, TAU, LNW, LNB, WS, BS, GS, OUT, SCR,
 @triton.jit
 def _ttt_linear_bwd_mb_kernel(XQ, XK, ETA, TAU, LNW, LNB, WS, BS, GS, DOUT,
                               DXQ, DKP, DEP, DG0, DZB, DTAUP, DLNWP, DLNBP, SCR,
-                              T, NMB, LAST, H, eps,
+                              CU, CS, CI, T, NMB, LAST, H, NC, eps,
                               D: tl.constexpr, BD: tl.constexpr, MB: tl.constexpr, BT: tl.constexpr,
-                              BC: tl.constexpr, RB: tl.constexpr, PREC: tl.constexpr):
+                              BC: tl.constexpr, RB: tl.constexpr, PREC: tl.constexpr, VARLEN: tl.constexpr):
     """The part of the backward local to one mini-batch (no dependence on the carried dW1, db1):
     one program per (batch·head, mini-batch), all in parallel. Recomputes the forward from the
     stored start weights, back-propagates out through Z̄ and M, and stores ∂XQ (final), the parts
@@ -373,6 +436,12 @@ def _ttt_linear_bwd_mb_kernel(XQ, XK, ETA, TAU, LNW, LNB, WS, BS, GS, DOUT,
     pid = tl.program_id(0)
     n = tl.program_id(1)
     h = pid % H
+    if VARLEN:                                  # grid (H, slots): pid = head, n = slot
+        bos, n, NMB, LAST, ms = _packed_slot(CU, CI, n, pid, NC, MB)
+        XQ, XK, GS, DOUT, DXQ = XQ + bos * D, XK + bos * D, GS + bos * D, DOUT + bos * D, DXQ + bos * D
+        DKP, DG0, DZB, ETA, DEP = DKP + bos * D, DG0 + bos * D, DZB + bos * D, ETA + bos, DEP + bos
+        WS, BS, SCR, DTAUP = WS + ms * D * D, BS + ms * D, SCR + ms * RB * BD, DTAUP + ms * MB
+        DLNWP, DLNBP = DLNWP + ms * (BT // RB) * D, DLNBP + ms * (BT // RB) * D
     cdt = DKP.dtype.element_ty
     NRB: tl.constexpr = BT // RB
     rl = tl.arange(0, RB)
@@ -468,9 +537,9 @@ def _ttt_linear_bwd_mb_kernel(XQ, XK, ETA, TAU, LNW, LNB, WS, BS, GS, DOUT,
 @triton.jit
 def _ttt_linear_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, WS, BS, DWF, DBF, DGWF, DGBF, DKP, DEP, DG0, DZB,
                            DXK, DXV, DETA, DTAU, DLNW, DLNB, DW0, DB0, DWT, SCR,
-                           T, NMB, LAST, H, eps,
+                           CU, CS, CI, T, NMB, LAST, H, NC, eps,
                            D: tl.constexpr, BD: tl.constexpr, MB: tl.constexpr, BT: tl.constexpr,
-                           BC: tl.constexpr, RB: tl.constexpr, PREC: tl.constexpr):
+                           BC: tl.constexpr, RB: tl.constexpr, PREC: tl.constexpr, VARLEN: tl.constexpr):
     """The part of the backward that carries (dW1, db1) from the last mini-batch to the first:
     one program per batch·head, after ``_ttt_linear_bwd_mb_kernel``, whose partial ∂XK, ∂η, ∂Γ
     and ∂Z̄ it completes through the update W1' = W1 − τ_{b−1} Kᵀ(η⊙Γ) and Γ's dependence on Z.
@@ -489,8 +558,14 @@ def _ttt_linear_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, WS, BS, DWF, DBF, DGW
     U = Kᵀ(η⊙Γ), Σ η Γ are outputs, with gradients DGWF, DGBF. Both cases are one rule: with
     Y = dW1_end, y = db1_end, c = −τ_{b−1} for an update and Y = ∂U, y = ∂(Σ η Γ), c = 1 for the sums,
     P = K Y + y, ∂(η⊙Γ) = c P, ∂K += c (η⊙Γ) Yᵀ."""
-    pid = tl.program_id(0)
+    pid = tl.program_id(0)                             # = b_idx * H + h_idx (packed: sequence * H + h_idx)
     h = pid % H
+    if VARLEN:
+        xs, es, ms, NMB, LAST = _packed_serial(CU, CS, pid, h, T, H, NC, D, MB)
+        XQ, XK, XV, DKP, DG0, DZB = XQ + xs, XK + xs, XV + xs, DKP + xs, DG0 + xs, DZB + xs
+        DXK, DXV, ETA, DEP, DETA = DXK + xs, DXV + xs, ETA + es, DEP + es, DETA + es
+        WS, BS = WS + ms * D * D, BS + ms * D
+        DLNW, DLNB = DLNW + ms * (BT // RB) * D, DLNB + ms * (BT // RB) * D
     cdt = DW0.dtype.element_ty
     cols = tl.arange(0, BD)
     cmask = cols < D
@@ -673,7 +748,14 @@ _LINEAR_BC = {(80, "state", False, 128, 16): 32, (80, "state", False, 128, 64): 
               (90, "bwd", False, 128, 64): 32, (80, "bwd", False, 128, 64): 32}
 
 
-def _launch_cfg(d: int, b: int, kernel: str = "state", half: bool = True, arch: int = INTERPRET_ARCH):
+#: num_warps of the packed (``cu_seqlens``) variants where they differ from ``_LINEAR_WARPS``: the
+#: float32 output kernel at d = 64 on sm_80 spilled 4 B with 8 warps (the slot-table lookup's
+#: registers on top of the fixed-length kernel's), none with 4
+_LINEAR_WARPS_PACKED = {(80, "out", False, 64, 16): 4, (80, "out", False, 64, 64): 4}
+
+
+def _launch_cfg(d: int, b: int, kernel: str = "state", half: bool = True, arch: int = INTERPRET_ARCH,
+                packed: bool = False):
     """Padded tile sizes (tl.dot needs every block dim ≥ 16) and launch options of TTT-Linear
     ``kernel`` (one of ``_LINEAR_KERNELS``) for GPU family ``arch`` (90 or 80, ``device_arch``; ``half``:
     bf16 operands, False for 3×TF32 with float32 inputs). num_warps from ``_LINEAR_WARPS``, 8 where
@@ -688,7 +770,9 @@ def _launch_cfg(d: int, b: int, kernel: str = "state", half: bool = True, arch: 
         tiles["RB"] = _LINEAR_RB
     if is_interpreting():                   # 16 columns, so that the tests at d = 32 walk two tiles
         return BD, BT, {k: 16 for k in tiles}
-    warps = _LINEAR_WARPS.get((arch, kernel, half, BD, BT), 8)
+    key = (arch, kernel, half, BD, BT)
+    warps = _LINEAR_WARPS_PACKED.get(key) if packed else None
+    warps = warps or _LINEAR_WARPS.get(key, 8)
     return BD, BT, {"num_warps": warps, "num_stages": 1, **tiles}
 
 
@@ -717,7 +801,7 @@ def _linear_mini_batch_buffers(XQ, NMB: int):
 @torch.library.custom_op("kernels::ttt_linear_fwd", mutates_args=())
 def _linear_fwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: torch.Tensor, tau: torch.Tensor,
                    ln_w: torch.Tensor, ln_b: torch.Tensor, W0: torch.Tensor, b0: torch.Tensor,
-                   mini_batch_size: int, save: bool
+                   mini_batch_size: int, save: bool, cu_seqlens: Optional[torch.Tensor] = None
                    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                               torch.Tensor, torch.Tensor]:
     """T ≥ 1 tokens from a mini-batch boundary: (XQ, XK, XV, η, τ, γ, β, W1_0 [B,H,d,d], b1_0
@@ -731,7 +815,12 @@ def _linear_fwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: to
     and one output launch over the whole sequence); without it the sequence runs in windows of
     ``_linear_window`` mini-batches, the state carried from one window to the next in the
     final-weight buffers, so the stored start weights stay bounded in T (the returned WS, BS are
-    then the last window's scratch, which nothing reads)."""
+    then the last window's scratch, which nothing reads).
+
+    With ``cu_seqlens`` (int32 [N+1], checked by the caller; B = 1) the N packed sequences run in
+    one launch of each kernel (``_linear_fwd_packed``): W0, b0 and the end states are [N, H, …]."""
+    if cu_seqlens is not None:
+        return _linear_fwd_packed(XQ, XK, XV, eta, tau, ln_w, ln_b, W0, b0, mini_batch_size, cu_seqlens)
     B, H, T, d = XQ.shape
     bsz = mini_batch_size
     NMB = -(-T // bsz)
@@ -768,20 +857,65 @@ def _linear_fwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: to
         last = LAST if n0 + nw == NMB else bsz
         _ttt_linear_state_kernel[(B * H,)](
             k_w, v_w, e_w, tau_c, lw, lb, w_in, b_in, WS, BS, g_w, WF, BF, GWF, GBF, WT, SCR,
-            T, nw, last, H, LN_EPS, D=d, BD=BDs, MB=bsz, BT=BTs, PREC=prec, **kws)
+            None, None, None, T, nw, last, H, 0, LN_EPS, D=d, BD=BDs, MB=bsz, BT=BTs, PREC=prec, VARLEN=False, **kws)
         _ttt_linear_out_kernel[(B * H, nw, BTo // kwo["RB"])](
             q_w, k_w, e_w, tau_c, lw, lb, WS, BS, g_w, o_w, SCRO,
-            T, nw, last, H, LN_EPS, D=d, BD=BDo, MB=bsz, BT=BTo, PREC=prec, **kwo)
+            None, None, None, T, nw, last, H, 0, LN_EPS, D=d, BD=BDo, MB=bsz, BT=BTo, PREC=prec, VARLEN=False, **kwo)
         w_in, b_in = WF, BF
     return out, WF, BF, GWF, GBF, WS, BS, GS
 
 
+def _linear_fwd_packed(XQ, XK, XV, eta, tau, ln_w, ln_b, W0, b0, bsz: int, cu_seqlens):
+    """The forward of a packed batch, one launch of each kernel: the state pass one program per
+    (sequence, head), walking that sequence's mini-batches from its own start weights (W0, b0
+    [N, H, …]); the output kernel one program per (head, mini-batch slot, row block) over the
+    ⌊T/b⌋ + N slots of ``packed_chunk_tables`` (spare slots masked). Every start weight is stored
+    (no windows: a window of mini-batches would cut across sequences); they take d/b times the
+    memory of XQ (H · (⌊T/b⌋ + N) · d² numbers), the same as a forward under autograd."""
+    _, H, T, d = XQ.shape
+    N, NC, CS, CI = packed_chunk_tables(T, bsz, cu_seqlens)
+    cdt = acc_dtype(XQ.dtype)
+    XQ, XK, XV, eta = (x.contiguous() for x in (XQ, XK, XV, eta))
+    tau_c = tau.to(cdt).contiguous()
+    lw, lb = ln_w.to(cdt).contiguous(), ln_b.to(cdt).contiguous()
+    W0c, b0c = W0.to(cdt).contiguous(), b0.to(cdt).contiguous()
+    out = torch.empty_like(XQ)
+    prec = _precision(XQ.dtype)
+    WS, BS, GS = _linear_mini_batch_buffers(XQ, NC)
+    # the spare slots (past the last mini-batch) are read by the masked programs of the output
+    # kernel and the backward but written by no one: zeros, so that their partial sums are zero
+    WS.zero_()
+    BS.zero_()
+    dev = XQ.device
+    WF = torch.empty(N, H, d, d, dtype=cdt, device=dev)
+    BF = torch.empty(N, H, 1, d, dtype=cdt, device=dev)
+    GWF = torch.zeros(N, H, d, d, dtype=cdt, device=dev)
+    GBF = torch.zeros(N, H, 1, d, dtype=cdt, device=dev)
+    WT = torch.empty(N, H, 2, d, d, dtype=cdt, device=dev)
+    half, arch = XQ.dtype in (torch.bfloat16, torch.float16), device_arch(dev)
+    BDs, BTs, kws = _launch_cfg(d, bsz, "state", half=half, arch=arch)
+    SCR = torch.empty(N, H, 3, kws["RB"], BDs, dtype=cdt, device=dev)
+    BDo, BTo, kwo = _launch_cfg(d, bsz, "out", half=half, arch=arch, packed=True)
+    SCRO = torch.empty(1, H, NC, BTo, BDo, dtype=cdt, device=dev)
+    _ttt_linear_state_kernel[(N * H,)](
+        XK, XV, eta, tau_c, lw, lb, W0c, b0c, WS, BS, GS, WF, BF, GWF, GBF, WT, SCR,
+        cu_seqlens, CS, CI, T, 0, 0, H, NC, LN_EPS, D=d, BD=BDs, MB=bsz, BT=BTs, PREC=prec, VARLEN=True, **kws)
+    _ttt_linear_out_kernel[(H, NC, BTo // kwo["RB"])](
+        XQ, XK, eta, tau_c, lw, lb, WS, BS, GS, out, SCRO,
+        cu_seqlens, CS, CI, T, 0, 0, H, NC, LN_EPS, D=d, BD=BDo, MB=bsz, BT=BTo, PREC=prec, VARLEN=True, **kwo)
+    return out, WF, BF, GWF, GBF, WS, BS, GS
+
+
 @_linear_fwd_op.register_fake
-def _(XQ, XK, XV, eta, tau, ln_w, ln_b, W0, b0, mini_batch_size, save):
+def _(XQ, XK, XV, eta, tau, ln_w, ln_b, W0, b0, mini_batch_size, save, cu_seqlens=None):
     B, H, T, d = XQ.shape
     cdt = acc_dtype(XQ.dtype)
     NMB = -(-T // mini_batch_size)
-    WS, BS, GS = _linear_mini_batch_buffers(XQ, NMB if save else min(NMB, _linear_window()))
+    if cu_seqlens is not None:
+        B = cu_seqlens.shape[0] - 1
+        WS, BS, GS = _linear_mini_batch_buffers(XQ, T // mini_batch_size + B)
+    else:
+        WS, BS, GS = _linear_mini_batch_buffers(XQ, NMB if save else min(NMB, _linear_window()))
     return (torch.empty_like(XQ), XQ.new_empty(B, H, d, d, dtype=cdt), XQ.new_empty(B, H, 1, d, dtype=cdt),
             XQ.new_empty(B, H, d, d, dtype=cdt), XQ.new_empty(B, H, 1, d, dtype=cdt), WS, BS, GS)
 
@@ -791,14 +925,23 @@ def _linear_bwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: to
                    ln_w: torch.Tensor, ln_b: torch.Tensor, WS: torch.Tensor, BS: torch.Tensor, GS: torch.Tensor,
                    dout: Optional[torch.Tensor], dWF: Optional[torch.Tensor], dBF: Optional[torch.Tensor],
                    dGWF: Optional[torch.Tensor], dGBF: Optional[torch.Tensor],
-                   mini_batch_size: int, W_dt: torch.dtype, b_dt: torch.dtype) -> List[torch.Tensor]:
-    """Gradients of the nine tensor inputs of ``_linear_fwd_op``."""
+                   mini_batch_size: int, W_dt: torch.dtype, b_dt: torch.dtype,
+                   cu_seqlens: Optional[torch.Tensor] = None) -> List[torch.Tensor]:
+    """Gradients of the nine tensor inputs of ``_linear_fwd_op``. With ``cu_seqlens`` (packed,
+    B = 1): the per-mini-batch kernel one program per (head, slot), the carry one per (sequence,
+    head), each sequence from the gradient of its own end state; ∂W0, ∂b0 are [N, H, …]."""
     bsz, tau_dt, lw_dt, lb_dt = mini_batch_size, tau.dtype, ln_w.dtype, ln_b.dtype
     cdt = BS.dtype
     tau_c = tau.to(cdt).contiguous()
     lw, lb = ln_w.to(cdt).contiguous(), ln_b.to(cdt).contiguous()
-    B, H, T, d = XQ.shape
-    NMB = -(-T // bsz)
+    _, H, T, d = XQ.shape
+    if cu_seqlens is None:
+        B, NMB, CU, CS, CI, NC = XQ.shape[0], -(-T // bsz), None, None, None, 0
+        grid_mb, grid_carry = (B * H, NMB), (B * H,)
+    else:                   # NMB: the slots, as the buffers of per-mini-batch partial sums count them
+        B, NC, CS, CI = packed_chunk_tables(T, bsz, cu_seqlens)
+        CU, NMB = cu_seqlens, NC
+        grid_mb, grid_carry = (H, NC), (B * H,)
     LAST = T - (NMB - 1) * bsz
     XQ, XK, XV, eta = (x.contiguous() for x in (XQ, XK, XV, eta))    # the kernels index rows with stride d
     cdt = BS.dtype
@@ -809,55 +952,62 @@ def _linear_bwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: to
     dGWF = torch.zeros(B, H, d, d, dtype=cdt, device=dev) if dGWF is None else dGWF.to(cdt).contiguous()
     dGBF = torch.zeros(B, H, 1, d, dtype=cdt, device=dev) if dGBF is None else dGBF.to(cdt).contiguous()
     dXQ, dXK, dXV = (torch.empty_like(XQ) for _ in range(3))
+    Bx = XQ.shape[0]                                                  # 1 when packed
     dETA = torch.empty_like(eta)
     dTAU = torch.empty(B, H, bsz, dtype=cdt, device=dev)
     NRB = max(16, triton.next_power_of_2(bsz)) // _LINEAR_RB       # row blocks per mini-batch
-    dLNW = torch.empty(B, H, NMB * NRB, d, dtype=cdt, device=dev)
-    dLNB = torch.empty(B, H, NMB * NRB, d, dtype=cdt, device=dev)
+    # packed: the carry writes the row blocks of the slots in use only (the spare slots stay zero)
+    new = torch.empty if cu_seqlens is None else torch.zeros
+    dLNW = new(Bx, H, NMB * NRB, d, dtype=cdt, device=dev)
+    dLNB = new(Bx, H, NMB * NRB, d, dtype=cdt, device=dev)
     dW0 = torch.empty(B, H, d, d, dtype=cdt, device=dev)
     dB0 = torch.empty(B, H, 1, d, dtype=cdt, device=dev)
     dWT = torch.empty(B, H, 2, d, d, dtype=cdt, device=dev)           # the second kernel's two dW1 slots
     # what the per-mini-batch kernel hands to the carrying one (float32; float64 for float64 inputs)
-    dKP, dG0, dZB = (torch.empty(B, H, T, d, dtype=cdt, device=dev) for _ in range(3))
-    dEP = torch.empty(B, H, T, dtype=cdt, device=dev)
-    dTAUP = torch.empty(B, H, NMB, bsz, dtype=cdt, device=dev)
+    dKP, dG0, dZB = (torch.empty(Bx, H, T, d, dtype=cdt, device=dev) for _ in range(3))
+    dEP = torch.empty(Bx, H, T, dtype=cdt, device=dev)
+    dTAUP = torch.empty(Bx, H, NMB, bsz, dtype=cdt, device=dev)
     half = XQ.dtype in (torch.bfloat16, torch.float16)
     arch, prec = device_arch(XQ.device), _precision(XQ.dtype)
     BD, BT, kw = _launch_cfg(d, bsz, "bwd_mb", half=half, arch=arch)
-    dLNWP = torch.empty(B, H, NMB * (BT // kw["RB"]), d, dtype=cdt, device=dev)   # per row block
-    dLNBP = torch.empty(B, H, NMB * (BT // kw["RB"]), d, dtype=cdt, device=dev)
-    _ttt_linear_bwd_mb_kernel[(B * H, NMB)](
+    dLNWP = torch.empty(Bx, H, NMB * (BT // kw["RB"]), d, dtype=cdt, device=dev)   # per row block
+    dLNBP = torch.empty(Bx, H, NMB * (BT // kw["RB"]), d, dtype=cdt, device=dev)
+    _ttt_linear_bwd_mb_kernel[grid_mb](
         XQ, XK, eta, tau_c, lw, lb, WS, BS, GS, dout,
-        dXQ, dKP, dEP, dG0, dZB, dTAUP, dLNWP, dLNBP, torch.empty(B, H, NMB, kw["RB"], BD, dtype=cdt, device=dev),
-        T, NMB, LAST, H, LN_EPS, D=d, BD=BD, MB=bsz, BT=BT, PREC=prec, **kw)
+        dXQ, dKP, dEP, dG0, dZB, dTAUP, dLNWP, dLNBP, torch.empty(Bx, H, NMB, kw["RB"], BD, dtype=cdt, device=dev),
+        CU, CS, CI, T, NMB, LAST, H, NC, LN_EPS, D=d, BD=BD, MB=bsz, BT=BT, PREC=prec, VARLEN=CU is not None, **kw)
     BD, BT, kw = _launch_cfg(d, bsz, "bwd", half=half, arch=arch)
     SCR = torch.empty(B, H, 5, kw["RB"], BD, dtype=cdt, device=dev)   # its [RB, d] scratch tiles
-    _ttt_linear_bwd_kernel[(B * H,)](
+    _ttt_linear_bwd_kernel[grid_carry](
         XQ, XK, XV, eta, tau_c, lw, lb, WS, BS, dWF, dBF, dGWF, dGBF, dKP, dEP, dG0, dZB,
         dXK, dXV, dETA, dTAU, dLNW, dLNB, dW0, dB0, dWT, SCR,
-        T, NMB, LAST, H, LN_EPS, D=d, BD=BD, MB=bsz, BT=BT, PREC=prec, **kw)
+        CU, CS, CI, T, NMB, LAST, H, NC, LN_EPS, D=d, BD=BD, MB=bsz, BT=BT, PREC=prec, VARLEN=CU is not None, **kw)
     return [dXQ, dXK, dXV, dETA, (dTAU.sum((0, 1)) + dTAUP.sum((0, 1, 2))).to(tau_dt),
             (dLNW.sum((0, 2)) + dLNWP.sum((0, 2))).to(lw_dt), (dLNB.sum((0, 2)) + dLNBP.sum((0, 2))).to(lb_dt),
             dW0.to(W_dt), dB0.to(b_dt)]
 
 
 @_linear_bwd_op.register_fake
-def _(XQ, XK, XV, eta, tau, ln_w, ln_b, WS, BS, GS, dout, dWF, dBF, dGWF, dGBF, mini_batch_size, W_dt, b_dt):
+def _(XQ, XK, XV, eta, tau, ln_w, ln_b, WS, BS, GS, dout, dWF, dBF, dGWF, dGBF, mini_batch_size, W_dt, b_dt,
+      cu_seqlens=None):
     B, H, T, d = XQ.shape
+    if cu_seqlens is not None:
+        B = cu_seqlens.shape[0] - 1
     return [torch.empty_like(XQ), torch.empty_like(XK), torch.empty_like(XV), torch.empty_like(eta),
             torch.empty_like(tau), torch.empty_like(ln_w), torch.empty_like(ln_b),
             XQ.new_empty(B, H, d, d, dtype=W_dt), XQ.new_empty(B, H, 1, d, dtype=b_dt)]
 
 
 def _linear_setup_context(ctx, inputs, output):
-    XQ, XK, XV, eta, tau, ln_w, ln_b, W0, b0, bsz, _ = inputs
-    ctx.save_for_backward(XQ, XK, XV, eta, tau, ln_w, ln_b, *output[5:])
+    XQ, XK, XV, eta, tau, ln_w, ln_b, W0, b0, bsz, _, cu = (tuple(inputs) + (None,))[:12]
+    ctx.save_for_backward(XQ, XK, XV, eta, tau, ln_w, ln_b, *output[5:], cu)
     ctx.mark_non_differentiable(*output[5:])
     ctx.meta = (bsz, W0.dtype, b0.dtype)
 
 
 def _linear_backward_rule(ctx, dout, dWF, dBF, dGWF, dGBF, *_):
-    return (*_linear_bwd_op(*ctx.saved_tensors, dout, dWF, dBF, dGWF, dGBF, *ctx.meta), None, None)
+    *saved, cu = ctx.saved_tensors
+    return (*_linear_bwd_op(*saved, dout, dWF, dBF, dGWF, dGBF, *ctx.meta, cu), None, None, None)
 
 
 _linear_fwd_op.register_autograd(_linear_backward_rule, setup_context=_linear_setup_context)
@@ -928,4 +1078,46 @@ def ttt_linear_triton(XQ, XK, XV, eta, token_idx, ln_weight, ln_bias, W1, b1, mi
     return out, (st if output_final_state else None)
 
 
-__all__ = ["ttt_linear_triton"]
+def check_cu_seqlens(name: str, cu_seqlens: torch.Tensor, T: int, device) -> torch.Tensor:
+    """The packed batch's offsets as int32 on ``device``, checked there: one flag read back (the
+    only copy to the host before the launches)."""
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.is_floating_point():
+        raise ValueError(f"{name}: cu_seqlens must be an integer tensor [N+1] with N ≥ 1, "
+                         f"got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
+    cu = cu_seqlens.to(device=device, dtype=torch.int32).contiguous()
+    if bool((cu[0] != 0) | (cu[-1] != T) | (cu[1:] < cu[:-1]).any()):
+        raise ValueError(f"{name}: cu_seqlens must rise from 0 to T = {T} without decreasing, got {cu_seqlens.tolist()}")
+    return cu
+
+
+def ttt_linear_triton_packed(XQ, XK, XV, eta, token_idx, ln_weight, ln_bias, W1, b1, mini_batch_size,
+                             initial_state: Optional[dict], output_final_state: bool, cu_seqlens: torch.Tensor
+                             ) -> Tuple[torch.Tensor, Optional[dict]]:
+    """``kernels.ttt.ttt_linear`` with ``cu_seqlens`` (B = 1; the caller checks the weights' and
+    ``initial_state``'s shapes and that every "pos" is 0): the N packed sequences in one launch of
+    each kernel, each from its own start weights (``initial_state`` row n, or the weights
+    arguments [H, …] / [1, H, …] for all), each ending in a partial mini-batch per its own length.
+    The final state holds every tensor stacked [N, H, …] and "pos" as a list of N ints (read back
+    after the launches)."""
+    if not 1 <= mini_batch_size <= _MAX_MB:
+        raise ValueError(f"ttt_linear_triton: mini_batch_size must be in [1, {_MAX_MB}], got {mini_batch_size}")
+    check_triton_device("ttt_linear_triton", XQ, XK, XV, eta)
+    _, H, T, d = XQ.shape
+    cu = check_cu_seqlens("ttt_linear_triton", cu_seqlens, T, XQ.device)
+    N = cu.numel() - 1
+    if N * H * T * d >= 2 ** 31:
+        raise ValueError(f"ttt_linear_triton: a packed launch indexes (sequence, head) rows with int32 offsets: "
+                         f"N·H·T·d = {N * H * T * d} must be < 2^31; split the batch")
+    if initial_state is not None:
+        W0, b0 = initial_state["W1"], initial_state["b1"]
+    else:
+        W0, b0 = W1.reshape(1, H, d, d).expand(N, H, d, d), b1.reshape(1, H, 1, d).expand(N, H, 1, d)
+    out, Wf, bf, gW, gb = _linear_fwd_op(XQ, XK, XV, eta, token_idx, ln_weight, ln_bias, W0, b0,
+                                         mini_batch_size, True, cu)[:5]
+    if not output_final_state:
+        return out, None
+    pos = ((cu[1:] - cu[:-1]) % mini_batch_size).tolist()
+    return out, {"W1": Wf, "b1": bf, "grad_W1": gW, "grad_b1": gb, "pos": pos}
+
+
+__all__ = ["ttt_linear_triton", "ttt_linear_triton_packed"]

@@ -3,7 +3,9 @@
 which runs in the same 128-wide tiles), TTT-MLP's 4x inner width, mini-batch 16 (every preset)
 and 64, bfloat16 and float32 inputs, with the tile sizes and launch options the wrappers in
 ``chunk.py`` (TTT-Linear, per GPU family: one case per arch, named with it) and ``mlp_chunk.py``
-(TTT-MLP; its per-mini-batch backward per GPU family, named likewise) pick."""
+(TTT-MLP; its per-mini-batch backward per GPU family, named likewise) pick. TTT-Linear also runs
+packed batches (``cu_seqlens``, one launch over all sequences): those variants take the offsets
+and mini-batch tables (int32 pointers, None above) with VARLEN = True, configs named "varlen"."""
 from __future__ import annotations
 
 import torch
@@ -19,25 +21,29 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 def compile_cases():
     out = []
-    ints = {"T": "i32", "NMB": "i32", "LAST": "i32", "H": "i32", "eps": "fp32"}
+    ints = {"T": "i32", "NMB": "i32", "LAST": "i32", "H": "i32", "NC": "i32", "eps": "fp32"}
     io_names = ("XQ", "XK", "XV", "ETA", "OUT", "DOUT", "DXQ", "DXK", "DXV", "DETA")
     for dt, tdt in DTYPES.items():
         for d in HEAD_DIMS:
             for b in LINEAR_MINI_BATCHES:
-                for arch in ARCHS:              # TTT-Linear picks its warps per GPU family
-                    cfg = f"{dt} d={d} b={b} sm_{arch}"
+                for arch, varlen in ((a, v) for v in (False, True) for a in ARCHS):
+                    # TTT-Linear picks its warps per GPU family; packed batches ("varlen") pass tables
+                    cfg = f"{dt} d={d} b={b}{' varlen' if varlen else ''} sm_{arch}"
+                    tables = {"VARLEN": True} if varlen else {"CU": None, "CS": None, "CI": None, "VARLEN": False}
                     for kern, extra, part in ((chunk._ttt_linear_state_kernel, {}, "state"),
                                               (chunk._ttt_linear_out_kernel, {}, "out"),
                                               (chunk._ttt_linear_bwd_mb_kernel, {}, "bwd_mb"),
                                               (chunk._ttt_linear_bwd_kernel, {}, "bwd")):
-                        BD, BT, kw = chunk._launch_cfg(d, b, part, half=dt == "bf16", arch=arch)
+                        BD, BT, kw = chunk._launch_cfg(d, b, part, half=dt == "bf16", arch=arch, packed=varlen)
                         names = set(arg_names(kern))
                         ptrs = {n: dt for n in io_names if n in names}
+                        if varlen:
+                            ptrs.update(CU="i32", CS="i32", CI="i32")
                         if dt == "bf16":
                             ptrs["WS"] = ptrs["GS"] = "bf16"      # see _linear_mini_batch_buffers
                         tiles = {k: kw[k] for k in ("BC", "RB") if k in kw}
                         out.append(case(kern, cfg, constexprs=dict(D=d, BD=BD, MB=b, BT=BT, PREC=chunk._precision(tdt),
-                                                                   **tiles, **extra),
+                                                                   **tiles, **extra, **tables),
                                         scalars=ints, pointers=ptrs, num_warps=kw["num_warps"],
                                         num_stages=kw["num_stages"], archs=(arch,)))
             for b in MLP_MINI_BATCHES:

@@ -311,3 +311,81 @@ def test_titans_triton_varlen_is_one_launch_per_kernel(monkeypatch, lengths):
         _assert_close(a, b, f"final {name}", tol)
     for name, a, b in zip(TITANS_NAMES, got[2], want[2]):
         _assert_close(a, b, f"grad {name}", tol)
+
+
+LINEAR_KERNELS = ("_ttt_linear_state_kernel", "_ttt_linear_out_kernel", "_ttt_linear_bwd_mb_kernel",
+                  "_ttt_linear_bwd_kernel")
+
+
+@pytest.mark.parametrize("with_state", [False, True])
+@pytest.mark.parametrize("b,lengths", [(16, (5, 0, 16, 37)), (8, (0, 3, 20, 8))])
+def test_ttt_linear_triton_varlen_is_one_launch_per_kernel(monkeypatch, b, lengths, with_state):
+    """With cu_seqlens the Triton TTT-Linear backend launches each of its four kernels once for the
+    whole packed batch — the serial kernels one program per (sequence, head), the per-mini-batch
+    ones one per (head, mini-batch slot[, row block]) over ⌊T/b⌋ + N slots — and equals the same
+    kernels run on each sequence alone (float64: output, final states with per-sequence "pos", and
+    every gradient, initial states included). Lengths: an empty sequence, one shorter than b, a
+    whole number of mini-batches, several mini-batches and a partial tail; b = 8 pads the
+    mini-batch to 16 rows."""
+    import kernels.ttt.chunk as lchunk
+
+    d = 16
+    xs, state = _ttt_inputs("linear", sum(lengths), d, b, len(lengths), with_state, seed=5)
+
+    def separate(x, s):
+        keys = TTT_WEIGHTS["linear"]
+        outs, finals, t0 = [], [], 0
+        for n, L in enumerate(lengths):
+            st = None if s is None else {**{k: v[n:n + 1] for k, v in s.items() if k != "pos"}, "pos": 0}
+            if L == 0:      # an empty sequence keeps its initial state (as the per-sequence path does)
+                st = st or {k: x[k].reshape(1, *x[k].shape[-3:]) for k in keys}
+                finals.append({**{k: st[k] for k in keys},
+                               **{"grad_" + k: torch.zeros_like(st[k]) for k in keys}, "pos": 0})
+                continue
+            seg = {k: (v[:, :, t0:t0 + L] if k in ("XQ", "XK", "XV", "eta") else v) for k, v in x.items()}
+            o, f = _ttt_call("linear", seg, st, b, "triton", None)
+            outs.append(o)
+            finals.append(f)
+            t0 += L
+        final = {k: torch.cat([f[k] for f in finals], 0) for k in finals[0] if k != "pos"}
+        final["pos"] = [f["pos"] for f in finals]
+        return torch.cat(outs, 2), final
+
+    want = _ttt_run(separate, xs, state)
+    counters = {name: _CountLaunches(getattr(lchunk, name)) for name in LINEAR_KERNELS}
+    for name, counter in counters.items():
+        monkeypatch.setattr(lchunk, name, counter)
+    got = _ttt_run(lambda x, s: _ttt_packed("linear", x, s, b, "triton", lengths), xs, state)
+    N, T = len(lengths), sum(lengths)
+    NC, NRB = T // b + N, 16 // 16
+    assert [c.grids for c in counters.values()] == [[(N * H,)], [(H, NC, NRB)], [(H, NC)], [(N * H,)]]
+    tol = 1e-10     # float64; the same kernels, only the launch differs
+    _assert_close(got[0], want[0], "out", tol)
+    assert got[1]["pos"] == want[1]["pos"] == [L % b for L in lengths]
+    for k in want[1]:
+        if k != "pos":
+            _assert_close(got[1][k], want[1][k], f"final {k}", tol)
+    assert set(got[2]) == set(want[2])
+    for k in want[2]:
+        _assert_close(got[2][k], want[2][k], f"grad {k}", tol)
+    if with_state:  # every sequence's own initial state gets its gradient (the empty one: its final state's)
+        assert all(got[2]["state.W1"][n].abs().max() > 0 for n in range(N))
+
+
+def test_ttt_linear_triton_varlen_no_grad_and_refusals():
+    """Without autograd the packed launch gives the same output and final state as with it (every
+    start weight is stored: the packed launch has no windows), float64 to 1e-12; bad offsets are
+    refused by the one flag read back, naming the problem."""
+    lengths, b = (21, 0, 7), 16
+    xs, state = _ttt_inputs("linear", sum(lengths), 16, b, len(lengths), True, seed=2)
+    with torch.no_grad():
+        o_ng, f_ng = _ttt_packed("linear", xs, state, b, "triton", lengths)
+        o_t, f_t = _ttt_packed("linear", xs, state, b, "torch", lengths)
+    _assert_close(o_ng, o_t, "out", 1e-10)
+    assert f_ng["pos"] == f_t["pos"] == [5, 0, 7]
+    for k in ("W1", "b1", "grad_W1", "grad_b1"):
+        _assert_close(f_ng[k], f_t[k], f"final {k}", 1e-10)
+    with pytest.raises(ValueError, match="rise from 0"):
+        _ttt_packed("linear", xs, state, b, "triton", (21, 8, -1))
+    with pytest.raises(ValueError, match=r"\[N = 2"):
+        _ttt_packed("linear", xs, state, b, "triton", (21, 7))

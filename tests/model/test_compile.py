@@ -191,9 +191,10 @@ BLOCKS = {
 
 def test_packed_sequences_compile_like_eager():
     """cu_seqlens: the op's fake shapes take the number of sequences from the offsets' length (and
-    the delta rule's and Titans' chunk slots as ⌊T / C⌋ + N); compiled outputs and gradients equal
-    eager. delta_rule_triton and titans_linear_triton read back one flag, the check of the offsets
-    (a graph break before their op)."""
+    the delta rule's, Titans' and TTT-Linear's chunk slots as ⌊T / C⌋ + N); compiled outputs and
+    gradients equal eager. delta_rule_triton, titans_linear_triton and TTT-Linear read back one flag,
+    the check of the offsets (a graph break before their op; TTT-Linear's final "pos" list is read
+    back after it)."""
     g = torch.Generator().manual_seed(0)
     cu = torch.tensor([0, 5, 20], dtype=torch.int32)
     q, k = (torch.nn.functional.normalize(torch.randn(1, 2, 20, 16, generator=g, dtype=torch.float64), dim=-1)
@@ -210,9 +211,12 @@ def test_packed_sequences_compile_like_eager():
         y, fin = titans_linear(q, k, v, theta, log_eta, log_keep, None, True, backend="triton", chunk_size=8,
                                cu_seqlens=cu)
         return (y, *fin)
+    def ttt(*ins):                                   # mini-batch 8: both sequences end in a partial one
+        out, st = ttt_linear(*ins, mini_batch_size=8, output_final_state=True, backend="triton", cu_seqlens=cu)
+        return out, st["W1"], st["b1"], st["grad_W1"]
     cases = [(lambda q, k, v, beta: delta_rule_triton(q, k, v, beta, None, True, 16, cu_seqlens=cu), (q, k, v, beta)),
              (lambda la, b: linear_scan(la, b, None, True, backend="triton", chunk_size=8, cu_seqlens=cu), (la, b)),
-             (titans, (q, k, v, theta, log_eta, log_keep))]
+             (titans, (q, k, v, theta, log_eta, log_keep)), (ttt, _ttt_inputs(g, False))]
 
     def run(fn, inputs):
         leaves = [x.clone().requires_grad_() for x in inputs]
