@@ -748,6 +748,9 @@ _LINEAR_BC = {(80, "state", False, 128, 16): 32, (80, "state", False, 128, 64): 
               (90, "bwd", False, 128, 64): 32, (80, "bwd", False, 128, 64): 32}
 
 
+#: the weight column tile BC of the packed variants where it differs from ``_LINEAR_BC``: the bf16
+#: per-mini-batch backward at d = 128, b = 64 on sm_90 spilled 8 B with 32 columns, none with 64
+_LINEAR_BC_PACKED = {(90, "bwd_mb", True, 128, 64): 64}
 #: num_warps of the packed (``cu_seqlens``) variants where they differ from ``_LINEAR_WARPS``: the
 #: float32 output kernel at d = 64 on sm_80 spilled 4 B with 8 warps (the slot-table lookup's
 #: registers on top of the fixed-length kernel's), none with 4
@@ -765,7 +768,8 @@ def _launch_cfg(d: int, b: int, kernel: str = "state", half: bool = True, arch: 
         raise ValueError(f"_launch_cfg: unknown TTT-Linear kernel {kernel!r}")
     BD = max(16, triton.next_power_of_2(d))
     BT = max(16, triton.next_power_of_2(b))
-    tiles = {"BC": min(BD, _LINEAR_BC.get((arch, kernel, half, BD, BT), 16))} if kernel in _COLUMN_TILED else {}
+    bc = (_LINEAR_BC_PACKED.get((arch, kernel, half, BD, BT)) if packed else None) or _LINEAR_BC.get((arch, kernel, half, BD, BT), 16)
+    tiles = {"BC": min(BD, bc)} if kernel in _COLUMN_TILED else {}
     if kernel in _ROW_BLOCKED:
         tiles["RB"] = _LINEAR_RB
     if is_interpreting():                   # 16 columns, so that the tests at d = 32 walk two tiles
