@@ -141,8 +141,9 @@ def ttt_linear(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: torch.
     sequences run in one launch per kernel with backend="triton", one after another through any
     other ``backend`` (see the module docstring)."""
     _check(XQ, XK, XV, eta, token_idx, mini_batch_size)
-    if cu_seqlens is not None and backend == "triton" and has_triton_backend("linear"):
-        # one launch of each kernel over the packed batch
+    if cu_seqlens is not None and backend == "triton" and has_triton_backend("linear") and XQ.shape[2] > 0:
+        # one launch of each kernel over the packed batch (a batch of empty sequences only, T = 0,
+        # keeps its initial states through the per-sequence path below, which launches nothing)
         if XQ.shape[0] != 1:
             raise ValueError(f"ttt_linear: cu_seqlens needs packed input with B = 1, got B = {XQ.shape[0]}")
         if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:

@@ -218,13 +218,17 @@ def _packed_slot(CU, CI, slot, h, NC, MB: tl.constexpr):
     of ``CI`` holds (sequence, mini-batch c); returns the sequence's first token, c, its mini-batch
     count NMB, the valid rows LAST of its last mini-batch, and the shift ms (in mini-batches) that
     moves the kernel body's mini-batch index ``h * NMB + c`` to slot ``h * NC + slot``. A spare slot
-    (sequence −1) gets L = 0, NMB = 1, LAST = 0: every row masked, nothing loaded or stored but its
-    own scratch and zero partial sums."""
+    (sequence −1) gets L = 0, NMB = 1, LAST = 0 and first token 1: every row masked, nothing stored
+    but its own scratch and zero partial sums."""
     seq = tl.load(CI + 2 * slot)
     c = tl.load(CI + 2 * slot + 1)
     sq = tl.maximum(seq, 0)
     bos = tl.load(CU + sq)
     L = tl.where(seq < 0, 0, tl.load(CU + sq + 1) - bos)
+    # a spare slot's body reads row "LAST − 1" = −1 of its first token (rows past the valid ones
+    # re-read the last valid row); starting it at token 1 keeps that read on token 0, inside the
+    # inputs (T ≥ 1: an all-empty packed batch does not reach the kernels)
+    bos = tl.where(seq < 0, 1, bos)
     NMB = tl.maximum((L + MB - 1) // MB, 1)
     LAST = L - (NMB - 1) * MB
     ms = (h * NC + slot - c).to(tl.int64) - (h * NMB).to(tl.int64)

@@ -389,3 +389,55 @@ def test_ttt_linear_triton_varlen_no_grad_and_refusals():
         _ttt_packed("linear", xs, state, b, "triton", (21, 8, -1))
     with pytest.raises(ValueError, match=r"\[N = 2"):
         _ttt_packed("linear", xs, state, b, "triton", (21, 7))
+
+
+def test_ttt_linear_triton_varlen_reads_no_unwritten_buffer(monkeypatch):
+    """Every buffer the packed TTT-Linear path allocates uninitialized is written before it is
+    read: with torch.empty, torch.empty_like and Tensor.new_empty handing out NaN-filled tensors,
+    output, final state and gradients still match the per-sequence reference. The spare chunk
+    slots (here one: 17, 0, 5, 33 tokens at b = 16) must write zero partial sums of ∂τ, ∂γ, ∂β,
+    which are summed over every slot."""
+    lengths = (17, 0, 5, 33)
+    xs, state = _ttt_inputs("linear", sum(lengths), 16, 16, len(lengths), False)
+    want = _ttt_run(lambda x, s: _ttt_separate("linear", x, s, 16, lengths), xs, state)
+    empty, empty_like, new_empty = torch.empty, torch.empty_like, torch.Tensor.new_empty
+
+    def poison(t):
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: poison(empty(*a, **k)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison(empty_like(*a, **k)))
+    monkeypatch.setattr(torch.Tensor, "new_empty", lambda self, *a, **k: poison(new_empty(self, *a, **k)))
+    assert torch.isnan(torch.empty(2)).all() and torch.isnan(xs["XQ"].new_empty(2)).all()
+    got = _ttt_run(lambda x, s: _ttt_packed("linear", x, s, 16, "triton", lengths), xs, state)
+    monkeypatch.undo()
+    _assert_close(got[0], want[0], "out", 1e-9)
+    for k in want[1]:
+        if k != "pos":
+            _assert_close(got[1][k], want[1][k], f"final {k}", 1e-9)
+    for k in want[2]:
+        _assert_close(got[2][k], want[2][k], f"grad {k}", 1e-9)
+
+
+def test_ttt_linear_triton_varlen_spare_slot_reads_inside_its_inputs():
+    """A spare chunk slot (no valid rows) reads no memory before its inputs: XQ, XK, XV here start
+    right after NaN-filled memory, so a read of row −1 (the last valid row, clamped, of a slot with
+    none) would turn ∂τ, ∂γ, ∂β into NaN through the spare slot's zero-weighted partial sums."""
+    lengths = (17, 0, 5, 33)
+    xs, _ = _ttt_inputs("linear", sum(lengths), 16, 16, len(lengths), False)
+    want = _ttt_run(lambda x, s: _ttt_separate("linear", x, s, 16, lengths), xs, None)
+    pad = 64 * 16
+    leaves = {}
+    for k, v in xs.items():
+        if k in ("XQ", "XK", "XV"):
+            buf = torch.full((pad + v.numel(),), float("nan"), dtype=v.dtype)
+            buf[pad:] = v.flatten()
+            leaves[k] = buf[pad:].view(v.shape).detach().requires_grad_(True)
+            assert leaves[k].storage_offset() == pad
+        else:
+            leaves[k] = _leaf(v)
+    out, fin = _ttt_packed("linear", leaves, None, 16, "triton", lengths)
+    _weighted_loss([out] + [fin[k] for k in sorted(k for k in fin if k != "pos")]).backward()
+    _assert_close(out.detach(), want[0], "out", 1e-9)
+    for k in want[2]:
+        _assert_close(leaves[k].grad, want[2][k], f"grad {k}", 1e-9)
