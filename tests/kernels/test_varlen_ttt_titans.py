@@ -391,6 +391,33 @@ def test_ttt_linear_triton_varlen_no_grad_and_refusals():
         _ttt_packed("linear", xs, state, b, "triton", (21, 7))
 
 
+@pytest.mark.parametrize("with_state", [False, True])
+def test_ttt_linear_triton_varlen_all_empty_batch_launches_nothing(monkeypatch, with_state):
+    """A packed batch of empty sequences only (T = 0) launches no kernel: the output is [1, H, 0, d],
+    every sequence's final state is its initial one (pos 0, zero sums), and the final state's
+    gradient reaches the initial state unchanged (float64, same as the PyTorch backend)."""
+    import kernels.ttt.chunk as lchunk
+
+    lengths, b = (0, 0, 0), 16
+    xs, state = _ttt_inputs("linear", 0, 16, b, len(lengths), with_state, seed=4)
+    counters = {name: _CountLaunches(getattr(lchunk, name)) for name in LINEAR_KERNELS}
+    for name, counter in counters.items():
+        monkeypatch.setattr(lchunk, name, counter)
+    got = _ttt_run(lambda x, s: _ttt_packed("linear", x, s, b, "triton", lengths), xs, state)
+    want = _ttt_run(lambda x, s: _ttt_packed("linear", x, s, b, "torch", lengths), xs, state)
+    assert all(c.grids == [] for c in counters.values())
+    assert got[0].shape == (1, H, 0, 16)
+    assert got[1]["pos"] == [0, 0, 0]
+    for k in ("W1", "b1"):
+        start = state[k] if with_state else xs[k].unsqueeze(0).expand(len(lengths), *xs[k].shape)
+        _assert_close(got[1][k], start, f"final {k}", 0.0)
+        assert got[1]["grad_" + k].abs().max() == 0
+    for k in want[2]:
+        _assert_close(got[2][k], want[2][k], f"grad {k}", 1e-12)
+    if with_state:
+        assert got[2]["state.W1"].abs().max() > 0
+
+
 def test_ttt_linear_triton_varlen_reads_no_unwritten_buffer(monkeypatch):
     """Every buffer the packed TTT-Linear path allocates uninitialized is written before it is
     read: with torch.empty, torch.empty_like and Tensor.new_empty handing out NaN-filled tensors,
