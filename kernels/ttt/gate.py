@@ -21,7 +21,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 def compile_cases():
     out = []
-    ints = {"T": "i32", "NMB": "i32", "LAST": "i32", "H": "i32", "NC": "i32", "eps": "fp32"}
+    ints = {"T": "i32", "NMB": "i32", "LAST": "i32", "H": "i32", "NC": "i32", "NZH": "i32", "eps": "fp32"}
     io_names = ("XQ", "XK", "XV", "ETA", "OUT", "DOUT", "DXQ", "DXK", "DXV", "DETA")
     for dt, tdt in DTYPES.items():
         for d in HEAD_DIMS:

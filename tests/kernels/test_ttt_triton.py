@@ -104,7 +104,7 @@ def test_partial_last_mini_batch_runs_in_the_kernel(T, d, b, monkeypatch):
     row block; b = 32: 6 rows): the PyTorch dual form is not called (it raises here), and the
     output, the mid-mini-batch final state (start weights, Σ η ∇ℓ, pos) and every gradient, those
     through the final state's sums included, equal the specification. float64: 1e-10."""
-    from kernels.ttt import chunk
+    from kernels.ttt import torch_chunk
 
     def no_torch(*a, **k):
         raise AssertionError("the PyTorch dual form ran")
@@ -112,11 +112,74 @@ def test_partial_last_mini_batch_runs_in_the_kernel(T, d, b, monkeypatch):
     args = _inputs(T, d, b)
     w = torch.randn(B, H, T, d, dtype=torch.float64)
     ref = _run("reference", args, b, w)
-    monkeypatch.setattr(chunk, "ttt_linear_chunk", no_torch)
+    monkeypatch.setattr(torch_chunk, "scan_mini_batches", no_torch)
     got = _run("triton", args, b, w)
     assert got[1]["pos"] == T % b != 0
     assert got[1]["grad_W1"].abs().max() > 0
     _compare(got, ref, T, b, atol=1e-10, rtol=1e-10)
+
+
+def _no_torch_form(monkeypatch):
+    """Make every PyTorch form of ``torch_chunk`` (dual and primal, ``scan_mini_batches`` under
+    both) raise from here on."""
+    from kernels.ttt import torch_chunk
+
+    def no_torch(*a, **k):
+        raise AssertionError("the PyTorch form ran")
+
+    monkeypatch.setattr(torch_chunk, "scan_mini_batches", no_torch)
+
+
+# (b, d, p, T): the head is h = b − p tokens; T < h (head only, ending mid-mini-batch: p + T < b;
+# at p = b − 1 the one head token completes it), T = h + b (head + a full mini-batch), T = h + b + 3
+# (head + full + a partial tail); b = 24 is padded to 32 rows (two row blocks, the second half
+# padding), d = 8 to 16 columns
+HEAD_SHAPES = [(b, d, p, T) for b, d in ((16, 16), (24, 8)) for p in (1, 5, b - 1)
+               for T in (max(1, b - p - 2), 2 * b - p, 2 * b - p + 3)]
+
+
+@pytest.mark.parametrize("b,d,p,T", HEAD_SHAPES)
+def test_head_runs_in_the_kernel(b, d, p, T, monkeypatch):
+    """A call from a state begun mid-mini-batch (pos = p > 0, carried sums G ≠ 0): the head runs
+    in the kernels (the PyTorch forms raise here), and the output, the final state and every
+    gradient, the four tensors of ``initial_state`` included, equal the specification. float64:
+    1e-10 of each tensor's scale."""
+    args = _inputs(T, d, b)
+    st = _prefix_state(args, b, p)
+    assert st["pos"] == p and st["grad_W1"].abs().max() > 0
+    w = torch.randn(B, H, T, d, dtype=torch.float64)
+    ref = _run("reference", args, b, w, st)
+    _no_torch_form(monkeypatch)
+    got = _run("triton", args, b, w, st)
+    _compare(got, ref, T, b, atol=1e-10, rtol=1e-10, pos0=p)
+
+
+@pytest.mark.parametrize("b,d,T,cuts", [(16, 16, 50, (3, 7, 20, 21, 38)), (24, 8, 61, (1, 2, 25, 47, 48))])
+def test_decode_style_chaining_equals_one_call(b, d, T, cuts, monkeypatch):
+    """A sequence cut at arbitrary points (inside mini-batches, on a boundary, one token long),
+    each piece continued from the previous piece's final state, gives the output, final state and
+    input gradients of one call over the whole sequence, all in the kernels. float64: 1e-10."""
+    _no_torch_form(monkeypatch)
+    args = _inputs(T, d, b)
+    w = torch.randn(B, H, T, d, dtype=torch.float64)
+    one = _run("triton", args, b, w)
+    for t in args:
+        t.grad = None
+    outs, st = [], None
+    bounds = (0,) + cuts + (T,)
+    for t0, t1 in zip(bounds[:-1], bounds[1:]):
+        xs = [x[:, :, t0:t1] for x in args[:4]]
+        o, st = ttt_linear(*xs, *args[4:], mini_batch_size=b, initial_state=st, output_final_state=True,
+                           backend="triton")
+        assert st["pos"] == t1 % b
+        outs.append(o)
+    out = torch.cat(outs, dim=2)
+    # the loss of ``_run``, term for term (its .float() rounds the gradients alike)
+    loss = (out.float() * w).sum() + sum((v.float() ** 2).sum() for v in st.values() if torch.is_tensor(v))
+    loss.backward()
+    chained = (out.detach(), {k: (v.detach() if torch.is_tensor(v) else v) for k, v in st.items()},
+               [t.grad.clone() for t in args])
+    _compare(chained, one, T, b, atol=1e-10, rtol=1e-10)
 
 
 @pytest.mark.parametrize("T,prefix", [(37, 0), (45, 5)])
