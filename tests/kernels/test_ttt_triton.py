@@ -196,17 +196,20 @@ def test_float32_matches_reference(T, prefix):
     _compare(got, ref, T, b, atol=1e-4, rtol=1e-4, pos0=prefix)
 
 
-def test_bfloat16_matches_reference():
+@pytest.mark.parametrize("prefix", [0, 5])
+def test_bfloat16_matches_reference(prefix):
     """bfloat16 inputs, float32 inside both: the output and the input gradients are rounded to
     bfloat16 (8 mantissa bits, 2^-8 ≈ 4e-3 relative), and the backward consumes a bfloat16 output
-    gradient rounded differently on each side; 3e-2 of each tensor's scale covers that."""
+    gradient rounded differently on each side; 3e-2 of each tensor's scale covers that. prefix = 5:
+    from a float32 state at pos 5 (the head in the kernels, its carried sums in float32)."""
     b, d, T = 16, 16, 37
     args = _inputs(T, d, b, dtype=torch.bfloat16)
+    st = _prefix_state(args, b, prefix) if prefix else None
     w = torch.randn(B, H, T, d)
-    ref = _run("reference", args, b, w)
-    got = _run("triton", args, b, w)
+    ref = _run("reference", args, b, w, st)
+    got = _run("triton", args, b, w, st)
     assert got[0].dtype == torch.bfloat16 and got[1]["W1"].dtype == torch.float32
-    _compare(got, ref, T, b, atol=3e-2, rtol=3e-2)
+    _compare(got, ref, T, b, atol=3e-2, rtol=3e-2, pos0=prefix)
 
 
 @pytest.mark.parametrize("T", [80, 85])
