@@ -208,7 +208,8 @@ def _packed_serial(CU, CS, pid, h, T, H, NC, D: tl.constexpr, MB: tl.constexpr):
     [·, H, T, d] tensor (the body's row offset ``pid * T * D`` lands on row ``bos`` of head h),
     ``es`` for a [·, H, T] one, ``ms`` in mini-batches (the body's ``pid * NMB + n`` lands on slot
     ``CS[seq] + n`` of head h, of NC). The body's int32 products are subtracted as the same int32
-    products, so they cancel exactly."""
+    products, so they cancel exactly. (The backward carry adds ``es`` to its token index instead of
+    moving its [·, H, T, …] pointers: xs = es·d.)"""
     seq = pid // H
     bos = tl.load(CU + seq)
     L = tl.load(CU + seq + 1) - bos
@@ -579,10 +580,14 @@ def _ttt_linear_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, WS, BS, DWF, DBF, DGW
     P = K Y + y, ∂(η⊙Γ) = c P, ∂K += c (η⊙Γ) Yᵀ."""
     pid = tl.program_id(0)                             # = b_idx * H + h_idx (packed: sequence * H + h_idx)
     h = pid % H
+    ts = 0                                             # token shift (packed: onto the sequence's rows)
     if VARLEN:
         xs, es, ms, NMB, LAST = _packed_serial(CU, CS, pid, h, T, H, NC, D, MB)
-        XQ, XK, XV, DKP, DG0, DZB = XQ + xs, XK + xs, XV + xs, DKP + xs, DG0 + xs, DZB + xs
-        DXK, DXV, ETA, DEP, DETA = DXK + xs, DXV + xs, ETA + es, DEP + es, DETA + es
+        # the [·, H, T, d] and [·, H, T] tensors are reached by shifting the body's token index by
+        # es (xs = es·d; int32 is exact: N·H·T·d < 2^31, checked by the wrapper), not by moving
+        # their eleven base pointers, held in registers through the kernel (with those, float32 at
+        # d = 128, b = 64 spilled 32 B on sm_80)
+        ts = es.to(tl.int32)
         WS, BS = WS + ms * D * D, BS + ms * D
         DLNW, DLNB = DLNW + ms * (BT // RB) * D, DLNB + ms * (BT // RB) * D
     cdt = DW0.dtype.element_ty
@@ -630,7 +635,7 @@ def _ttt_linear_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, WS, BS, DWF, DBF, DGW
             rows = rb * RB + rl
             rmask = rows < nv
             xmask = rmask[:, None] & cmask[None, :]
-            t_off = n * MB + rows
+            t_off = n * MB + rows + ts
             xoff = pid * T * D + t_off[:, None] * D + cols[None, :]
             k = tl.load(XK + xoff, mask=xmask, other=0.0).to(cdt)
             v = tl.load(XV + xoff, mask=xmask, other=0.0).to(cdt)
