@@ -5,7 +5,10 @@ and 64, bfloat16 and float32 inputs, with the tile sizes and launch options the 
 ``chunk.py`` (TTT-Linear, per GPU family: one case per arch, named with it) and ``mlp_chunk.py``
 (TTT-MLP; its per-mini-batch backward per GPU family, named likewise) pick. TTT-Linear also runs
 packed batches (``cu_seqlens``, one launch over all sequences): those variants take the offsets
-and mini-batch tables (int32 pointers, None above) with VARLEN = True, configs named "varlen"."""
+and mini-batch tables (int32 pointers, None above) with VARLEN = True, configs named "varlen". The
+head of a state begun mid-mini-batch (pos > 0) is a launch of the same variants: every launch of the
+output kernel and the per-mini-batch backward passes a pointer ZH and its row count NZH (0 without
+a head)."""
 from __future__ import annotations
 
 import torch
