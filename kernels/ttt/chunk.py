@@ -40,12 +40,14 @@ gradients of those sums.
 
 The head (``_linear_head``): the tokens that complete a mini-batch begun by ``initial_state``
 (pos = p > 0, start weights θ_0, carried sums G, Gb) run in a launch of their own before the rest,
-as one mini-batch of p + n rows whose first p are absent — zero rows with η = 0, masked like the
+as one mini-batch of p + n rows whose first p are absent — zero rows with η = 0, inert like the
 padded rows (they reach no sum and no other row; their outputs are dropped), which puts the head's
-tokens at positions p … p + n − 1. G enters linearly: the output kernel adds the row offset
-ZH_i = −τ_{p+i} (q_i G + Gb) (built in PyTorch, [b, d] per head) to Z̄ before the LayerNorm, and
-its gradient is ∂Z̄ (which the backward already computes), and the end state is the kernels'
-minus τ_{b−1} (G, Gb) (a completed mini-batch) or the kernels' sums plus (G, Gb) (p + n < b).
+tokens at positions p … p + n − 1. G enters linearly, through a few PyTorch ops around the launch
+(autograd takes their gradients): the output kernel adds the row offset ZH_i = −τ_{p+i} (q_i G + Gb)
+([p + n, d] per head) to Z̄ before the LayerNorm, and ZH's gradient is ∂Z̄ (which the backward
+already computes); the end state is the kernels' minus τ_{b−1} (G, Gb) (a completed mini-batch) or
+the kernels' sums plus (G, Gb) (p + n < b). Γ, the LayerNorms, M Γ, the outputs and the update all
+run in the kernels.
 Every gradient (XQ, XK, XV, η, token_idx, ln_weight, ln_bias, W1, b1 and the tensors of
 ``initial_state``) flows through both launches.
 
