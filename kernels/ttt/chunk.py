@@ -839,7 +839,7 @@ def _zh_arg(zh: Optional[torch.Tensor], XQ: torch.Tensor):
     so that both launches are the one compiled variant the gate checks)."""
     cdt = acc_dtype(XQ.dtype)
     if zh is None:
-        return torch.zeros(1, dtype=cdt, device=XQ.device), 0
+        return torch.empty(1, dtype=cdt, device=XQ.device), 0      # never read (NZH = 0)
     if zh.shape != XQ.shape or zh.dtype != cdt:
         raise ValueError(f"ttt_linear_triton: zh must be {tuple(XQ.shape)} {cdt}, got {tuple(zh.shape)} {zh.dtype}")
     return zh.contiguous(), XQ.shape[2]
