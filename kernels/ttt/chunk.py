@@ -36,10 +36,20 @@ padding). The last mini-batch of a launch has LAST ≤ b valid rows, a runtime v
 ≥ LAST are masked (η = 0, ∂out = 0, nothing stored), and when LAST < b it makes no update — the
 end state is its start weights W1, b1 with the sums grad_W1 = Kᵀ(η⊙Γ), grad_b1 = Σ η Γ (unscaled
 by τ) and pos = LAST, the state contract's mid-mini-batch state — and the backward takes the
-gradients of those sums. The public ``ttt_linear_triton`` runs only the head in the PyTorch dual
-form, chained through autograd: the tokens that complete a mini-batch begun by ``initial_state``
-(pos > 0) run before the kernel. Every gradient (XQ, XK, XV, η, token_idx, ln_weight, ln_bias,
-W1, b1 and the tensors of ``initial_state``) flows through both parts.
+gradients of those sums.
+
+The head (``_linear_head``): the tokens that complete a mini-batch begun by ``initial_state``
+(pos = p > 0, start weights θ_0, carried sums G, Gb) run in a launch of their own before the rest,
+as one mini-batch of p + n rows whose first p are absent — zero rows with η = 0, inert like the
+padded rows (they reach no sum and no other row; their outputs are dropped), which puts the head's
+tokens at positions p … p + n − 1. G enters linearly, through a few PyTorch ops around the launch
+(autograd takes their gradients): the output kernel adds the row offset ZH_i = −τ_{p+i} (q_i G + Gb)
+([p + n, d] per head) to Z̄ before the LayerNorm, and ZH's gradient is ∂Z̄ (which the backward
+already computes); the end state is the kernels' minus τ_{b−1} (G, Gb) (a completed mini-batch) or
+the kernels' sums plus (G, Gb) (p + n < b). Γ, the LayerNorms, M Γ, the outputs and the update all
+run in the kernels.
+Every gradient (XQ, XK, XV, η, token_idx, ln_weight, ln_bias, W1, b1 and the tensors of
+``initial_state``) flows through both launches.
 
 Packed batches (``cu_seqlens``, B = 1, ``ttt_linear_triton_packed``): one launch of each kernel for
 all N sequences, with VARLEN = True. ``packed_chunk_tables`` builds on the device the ⌊T/b⌋ + N
@@ -109,7 +119,7 @@ import triton.language as tl
 
 from kernels._triton_utils import (INTERPRET_ARCH, check_triton_device, device_arch, is_interpreting,
                                    packed_chunk_tables)
-from kernels.ttt.torch_chunk import LN_EPS, acc_dtype, make_state, ttt_linear_chunk
+from kernels.ttt.torch_chunk import LN_EPS, acc_dtype, make_state
 
 #: the largest mini-batch the kernels take (the gate compiles b = 16 and 64; a mini-batch runs in
 #: row blocks of 16, so larger b would compile, only its M Γ walks more blocks)
@@ -200,7 +210,8 @@ def _packed_serial(CU, CS, pid, h, T, H, NC, D: tl.constexpr, MB: tl.constexpr):
     [·, H, T, d] tensor (the body's row offset ``pid * T * D`` lands on row ``bos`` of head h),
     ``es`` for a [·, H, T] one, ``ms`` in mini-batches (the body's ``pid * NMB + n`` lands on slot
     ``CS[seq] + n`` of head h, of NC). The body's int32 products are subtracted as the same int32
-    products, so they cancel exactly."""
+    products, so they cancel exactly. (The backward carry adds ``es`` to its token index instead of
+    moving its [·, H, T, …] pointers: xs = es·d.)"""
     seq = pid // H
     bos = tl.load(CU + seq)
     L = tl.load(CU + seq + 1) - bos
@@ -353,16 +364,19 @@ def _rows_dot_t(acc, PA, oa, PB, ob, D: tl.constexpr, BD: tl.constexpr, BC: tl.c
 
 
 @triton.jit
-def _zbar_block(q, XQ, tau_i, rows_i, nb, XK, ETA, GS, WP, S, bb, x0, e0, cmask, NV, D: tl.constexpr,
+def _zbar_block(q, XQ, tau_i, rows_i, nb, XK, ETA, GS, WP, S, bb, x0, e0, cmask, NV, ZH, NZ, D: tl.constexpr,
                 BD: tl.constexpr, RB: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
     """Z̄ of one row block i (rows ``rows_i``, its Q rows ``q`` [RB, BD], τ of its rows ``tau_i``):
     Q_i W1 + b1 − Σ_{j ≤ i} M_ij Γ_j with M_ij = tril(τ_i η_jᵀ ⊙ (Q_i K_jᵀ + 1)), the sum over the
     ``nb`` = i + 1 row blocks j ≤ i (K_j, η_j, Γ_j read from XK, ETA, GS at the mini-batch's
     offsets ``x0``, ``e0``; rows ≥ ``NV`` carry η = 0); Q_i W1 BC columns of W1 at a time through
-    the scratch tile ``S``; Q_i K_jᵀ from XQ, XK in column tiles (``_rows_dot_t``)."""
+    the scratch tile ``S``; Q_i K_jᵀ from XQ, XK in column tiles (``_rows_dot_t``). The rows
+    < ``NZ`` add their row of ``ZH`` (the head's −τ_i (q_i G + Gb), same layout as XQ; NZ ≤ 0: none)."""
     rl = tl.arange(0, RB)
     cols = tl.arange(0, BD)
     acc = _xw_cols(q, WP, S, D, BD, RB, BC, PREC) + bb[None, :]
+    acc += tl.load(ZH + x0 + rows_i[:, None] * D + cols[None, :], mask=(rows_i < NZ)[:, None] & cmask[None, :],
+                   other=0.0).to(acc.dtype)
     oq = x0 + tl.minimum(rows_i, NV - 1) * D
     for j in range(nb):
         rows_j = j * RB + rl
@@ -378,15 +392,17 @@ def _zbar_block(q, XQ, tau_i, rows_i, nb, XK, ETA, GS, WP, S, bb, x0, e0, cmask,
 
 
 @triton.jit
-def _ttt_linear_out_kernel(XQ, XK, ETA, TAU, LNW, LNB, WS, BS, GS, OUT, SCR,
-                           CU, CS, CI, T, NMB, LAST, H, NC, eps,
+def _ttt_linear_out_kernel(XQ, XK, ETA, TAU, LNW, LNB, WS, BS, GS, OUT, SCR, ZH,
+                           CU, CS, CI, T, NMB, LAST, H, NC, NZH, eps,
                            D: tl.constexpr, BD: tl.constexpr, MB: tl.constexpr, BT: tl.constexpr,
                            BC: tl.constexpr, RB: tl.constexpr, PREC: tl.constexpr, VARLEN: tl.constexpr):
     """The chunk-parallel part of the forward: one program per (batch·head, mini-batch, row block
     of RB rows), all in parallel, after ``_ttt_linear_state_kernel``. From the stored start weights
     W1, b1 and Γ: Z̄ = Q W1 + b1 − M Γ, out = Q + LN_γβ(Z̄) for the block's rows (row i of Z̄ reads
     the rows j ≤ i of K, η, Γ: ``_zbar_block``), Q W1 BC columns of W1 at a time through an
-    [RB, BD] scratch tile in SCR (per program; float32). The last mini-batch has LAST valid rows."""
+    [RB, BD] scratch tile in SCR (per program; float32). The last mini-batch has LAST valid rows.
+    The first NZH tokens add their row of ZH to Z̄ (the head's carried sums, ``_linear_head``; NZH = 0
+    and a placeholder ZH otherwise)."""
     pid = tl.program_id(0)
     n = tl.program_id(1)
     i = tl.program_id(2)
@@ -412,7 +428,7 @@ def _ttt_linear_out_kernel(XQ, XK, ETA, TAU, LNW, LNB, WS, BS, GS, OUT, SCR,
     q = tl.load(XQ + xoff, mask=xmask, other=0.0).to(cdt)
     S = SCR + ((pid * NMB + n) * (BT // RB) + i) * RB * BD
     Zb = _zbar_block(q, XQ, tau, rows, i + 1, XK, ETA, GS, WP, S, bb, x0, pid * T + n * MB, cmask, nv,
-                     D, BD, RB, BC, PREC)
+                     ZH, NZH - n * MB, D, BD, RB, BC, PREC)
     xhb, rstdb = _ln_stats(Zb, cmask, D, eps)
     gamma = tl.load(LNW + h * D + cols, mask=cmask, other=0.0).to(cdt)
     beta = tl.load(LNB + h * D + cols, mask=cmask, other=0.0).to(cdt)
@@ -422,8 +438,8 @@ def _ttt_linear_out_kernel(XQ, XK, ETA, TAU, LNW, LNB, WS, BS, GS, OUT, SCR,
 
 @triton.jit
 def _ttt_linear_bwd_mb_kernel(XQ, XK, ETA, TAU, LNW, LNB, WS, BS, GS, DOUT,
-                              DXQ, DKP, DEP, DG0, DZB, DTAUP, DLNWP, DLNBP, SCR,
-                              CU, CS, CI, T, NMB, LAST, H, NC, eps,
+                              DXQ, DKP, DEP, DG0, DZB, DTAUP, DLNWP, DLNBP, SCR, ZH,
+                              CU, CS, CI, T, NMB, LAST, H, NC, NZH, eps,
                               D: tl.constexpr, BD: tl.constexpr, MB: tl.constexpr, BT: tl.constexpr,
                               BC: tl.constexpr, RB: tl.constexpr, PREC: tl.constexpr, VARLEN: tl.constexpr):
     """The part of the backward local to one mini-batch (no dependence on the carried dW1, db1):
@@ -436,7 +452,8 @@ def _ttt_linear_bwd_mb_kernel(XQ, XK, ETA, TAU, LNW, LNB, WS, BS, GS, DOUT,
     the blocks j ≤ i, ∂M_ij = −∂Z̄_i Γ_jᵀ (lower-triangular) with ∂Q_i += ∂A_ij K_j, ∂τ_i += Σ_j ∂E_ij η_j;
     then ∂Q_i += ∂Z̄_i W1ᵀ. Pass 2, block j, over the blocks i ≥ j (∂Z̄_i read back from DZB):
     ∂Γ_j = −Σ_i M_ijᵀ ∂Z̄_i, ∂K_j = Σ_i ∂A_ijᵀ Q_i, ∂η_j = Σ_i ∂E_ijᵀ τ_i. The last mini-batch has
-    LAST valid rows (the rows beyond: η = 0, ∂out = 0, nothing stored)."""
+    LAST valid rows (the rows beyond: η = 0, ∂out = 0, nothing stored). Z̄ of the first NZH tokens
+    includes their row of ZH, as in the forward; ∂ZH = ∂Z̄ (DZB)."""
     pid = tl.program_id(0)
     n = tl.program_id(1)
     h = pid % H
@@ -469,7 +486,8 @@ def _ttt_linear_bwd_mb_kernel(XQ, XK, ETA, TAU, LNW, LNB, WS, BS, GS, DOUT,
         tau_i = tl.load(TAU + rows_i, mask=rmask_i, other=0.0).to(cdt)
         bb = tl.load(BS + (pid * NMB + n) * D + cols, mask=cmask, other=0.0).to(cdt)
         q = tl.load(XQ + xl_i, mask=cmask[None, :], other=0.0).to(cdt)
-        Zb = _zbar_block(q, XQ, tau_i, rows_i, i + 1, XK, ETA, GS, WP, S, bb, x0, e0, cmask, nv, D, BD, RB, BC, PREC)
+        Zb = _zbar_block(q, XQ, tau_i, rows_i, i + 1, XK, ETA, GS, WP, S, bb, x0, e0, cmask, nv, ZH, NZH - n * MB,
+                         D, BD, RB, BC, PREC)
         xhb, rstdb = _ln_stats(Zb, cmask, D, eps)
         # out = Q + γ x̂(Z̄) + β
         do = tl.load(DOUT + xo_i, mask=xm_i, other=0.0).to(cdt)
@@ -564,10 +582,14 @@ def _ttt_linear_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, WS, BS, DWF, DBF, DGW
     P = K Y + y, ∂(η⊙Γ) = c P, ∂K += c (η⊙Γ) Yᵀ."""
     pid = tl.program_id(0)                             # = b_idx * H + h_idx (packed: sequence * H + h_idx)
     h = pid % H
+    ts = 0                                             # token shift (packed: onto the sequence's rows)
     if VARLEN:
         xs, es, ms, NMB, LAST = _packed_serial(CU, CS, pid, h, T, H, NC, D, MB)
-        XQ, XK, XV, DKP, DG0, DZB = XQ + xs, XK + xs, XV + xs, DKP + xs, DG0 + xs, DZB + xs
-        DXK, DXV, ETA, DEP, DETA = DXK + xs, DXV + xs, ETA + es, DEP + es, DETA + es
+        # the [·, H, T, d] and [·, H, T] tensors are reached by shifting the body's token index by
+        # es (xs = es·d; int32 is exact: N·H·T·d < 2^31, checked by the wrapper), not by moving
+        # their eleven base pointers, held in registers through the kernel (with those, float32 at
+        # d = 128, b = 64 spilled 32 B on sm_80)
+        ts = es.to(tl.int32)
         WS, BS = WS + ms * D * D, BS + ms * D
         DLNW, DLNB = DLNW + ms * (BT // RB) * D, DLNB + ms * (BT // RB) * D
     cdt = DW0.dtype.element_ty
@@ -615,7 +637,7 @@ def _ttt_linear_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, WS, BS, DWF, DBF, DGW
             rows = rb * RB + rl
             rmask = rows < nv
             xmask = rmask[:, None] & cmask[None, :]
-            t_off = n * MB + rows
+            t_off = n * MB + rows + ts
             xoff = pid * T * D + t_off[:, None] * D + cols[None, :]
             k = tl.load(XK + xoff, mask=xmask, other=0.0).to(cdt)
             v = tl.load(XV + xoff, mask=xmask, other=0.0).to(cdt)
@@ -722,11 +744,14 @@ def _precision(dtype: torch.dtype) -> str:
 #: tile (the state pass at d = 64, and on sm_80 at d = 128, fits 4); at b = d = 64 they split the
 #: 64 rows (16 per warp at 4 warps; 8 duplicate the tiles of an sm_80 MMA, whose warps take 16
 #: rows each). Checked by ``python -m kernels.compile_report --op ttt``; 16 warps (at most 128
-#: registers a thread) spill more than 8 wherever 8 spill.
+#: registers a thread) spill more than 8 wherever 8 spill. The bf16 per-mini-batch backward at
+#: d = 128, b = 64 on sm_90 takes 4: with the head's Z̄ offset (ZH, ``_zbar_block``) it spilled
+#: 12 B with 8 warps (255 registers; 180 without that load), none with 4 (187 registers).
 _LINEAR_WARPS = {
     (90, "out", False, 64, 16): 4, (90, "out", False, 64, 64): 4,
     (90, "state", True, 64, 16): 4, (80, "state", True, 64, 16): 4,
     (80, "state", True, 128, 16): 4, (80, "state", False, 128, 16): 4,
+    (90, "bwd_mb", True, 128, 64): 4,
 }
 
 
@@ -757,8 +782,10 @@ _LINEAR_BC = {(80, "state", False, 128, 16): 32, (80, "state", False, 128, 64): 
 _LINEAR_BC_PACKED = {(90, "bwd_mb", True, 128, 64): 64}
 #: num_warps of the packed (``cu_seqlens``) variants where they differ from ``_LINEAR_WARPS``: the
 #: float32 output kernel at d = 64 on sm_80 spilled 4 B with 8 warps (the slot-table lookup's
-#: registers on top of the fixed-length kernel's), none with 4
-_LINEAR_WARPS_PACKED = {(80, "out", False, 64, 16): 4, (80, "out", False, 64, 64): 4}
+#: registers on top of the fixed-length kernel's), none with 4; the bf16 per-mini-batch backward at
+#: d = 128, b = 64 on sm_90 keeps 8 when packed (with its 64 columns: 36 B spilled with 4)
+_LINEAR_WARPS_PACKED = {(80, "out", False, 64, 16): 4, (80, "out", False, 64, 64): 4,
+                        (90, "bwd_mb", True, 128, 64): 8}
 
 
 def _launch_cfg(d: int, b: int, kernel: str = "state", half: bool = True, arch: int = INTERPRET_ARCH,
@@ -806,10 +833,23 @@ def _linear_mini_batch_buffers(XQ, NMB: int):
             XQ.new_empty(B, H, T, d, dtype=ws_dt))
 
 
+def _zh_arg(zh: Optional[torch.Tensor], XQ: torch.Tensor):
+    """The output kernels' ZH pointer and its row count NZH: ``zh`` (checked, contiguous) and its T,
+    or, without a head, a one-element placeholder of the same dtype and 0 (a pointer either way,
+    so that both launches are the one compiled variant the gate checks)."""
+    cdt = acc_dtype(XQ.dtype)
+    if zh is None:
+        return torch.empty(1, dtype=cdt, device=XQ.device), 0      # never read (NZH = 0)
+    if zh.shape != XQ.shape or zh.dtype != cdt:
+        raise ValueError(f"ttt_linear_triton: zh must be {tuple(XQ.shape)} {cdt}, got {tuple(zh.shape)} {zh.dtype}")
+    return zh.contiguous(), XQ.shape[2]
+
+
 @torch.library.custom_op("kernels::ttt_linear_fwd", mutates_args=())
 def _linear_fwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: torch.Tensor, tau: torch.Tensor,
                    ln_w: torch.Tensor, ln_b: torch.Tensor, W0: torch.Tensor, b0: torch.Tensor,
-                   mini_batch_size: int, save: bool, cu_seqlens: Optional[torch.Tensor] = None
+                   mini_batch_size: int, save: bool, cu_seqlens: Optional[torch.Tensor] = None,
+                   zh: Optional[torch.Tensor] = None
                    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                               torch.Tensor, torch.Tensor]:
     """T ≥ 1 tokens from a mini-batch boundary: (XQ, XK, XV, η, τ, γ, β, W1_0 [B,H,d,d], b1_0
@@ -824,6 +864,10 @@ def _linear_fwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: to
     ``_linear_window`` mini-batches, the state carried from one window to the next in the
     final-weight buffers, so the stored start weights stay bounded in T (the returned WS, BS are
     then the last window's scratch, which nothing reads).
+
+    With ``zh`` (the shape of XQ, in the accumulation dtype) row t of it is added to Z̄_t before the
+    output LayerNorm: the head (``ttt_linear_triton``) passes −τ_t (q_t G + Gb) for the sums G, Gb
+    carried in its state; its gradient is ∂Z̄ (``_linear_bwd_op``).
 
     With ``cu_seqlens`` (int32 [N+1], checked by the caller; B = 1) the N packed sequences run in
     one launch of each kernel (``_linear_fwd_packed``): W0, b0 and the end states are [N, H, …]."""
@@ -853,6 +897,7 @@ def _linear_fwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: to
     SCR = torch.empty(B, H, 3, kws["RB"], BDs, dtype=cdt, device=XQ.device)  # its [RB, d] scratch tiles
     BDo, BTo, kwo = _launch_cfg(d, bsz, "out", half=half, arch=arch)
     SCRO = torch.empty(B, H, NW, BTo, BDo, dtype=cdt, device=XQ.device)   # [RB, BD] per row block
+    ZH, NZH = _zh_arg(zh, XQ)
     w_in, b_in = W0c, b0c
     for n0 in range(0, NMB, max(NW, 1)):
         nw = min(NW, NMB - n0)
@@ -860,6 +905,7 @@ def _linear_fwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: to
         # and heads with stride T·d, so a view at an offset needs no copy (GS has the inputs' layout)
         t0 = n0 * bsz
         q_w, k_w, v_w, e_w, g_w, o_w = (x[:, :, t0:] for x in (XQ, XK, XV, eta, GS, out))
+        z_w = ZH[:, :, t0:] if NZH else ZH
         # the state pass reads its start weights (W0, B0) before it writes the end ones (WF, BF), so
         # a window may start from the previous window's end buffers
         last = LAST if n0 + nw == NMB else bsz
@@ -867,8 +913,8 @@ def _linear_fwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: to
             k_w, v_w, e_w, tau_c, lw, lb, w_in, b_in, WS, BS, g_w, WF, BF, GWF, GBF, WT, SCR,
             None, None, None, T, nw, last, H, 0, LN_EPS, D=d, BD=BDs, MB=bsz, BT=BTs, PREC=prec, VARLEN=False, **kws)
         _ttt_linear_out_kernel[(B * H, nw, BTo // kwo["RB"])](
-            q_w, k_w, e_w, tau_c, lw, lb, WS, BS, g_w, o_w, SCRO,
-            None, None, None, T, nw, last, H, 0, LN_EPS, D=d, BD=BDo, MB=bsz, BT=BTo, PREC=prec, VARLEN=False, **kwo)
+            q_w, k_w, e_w, tau_c, lw, lb, WS, BS, g_w, o_w, SCRO, z_w,
+            None, None, None, T, nw, last, H, 0, max(NZH - t0, 0), LN_EPS, D=d, BD=BDo, MB=bsz, BT=BTo, PREC=prec, VARLEN=False, **kwo)
         w_in, b_in = WF, BF
     return out, WF, BF, GWF, GBF, WS, BS, GS
 
@@ -909,13 +955,13 @@ def _linear_fwd_packed(XQ, XK, XV, eta, tau, ln_w, ln_b, W0, b0, bsz: int, cu_se
         XK, XV, eta, tau_c, lw, lb, W0c, b0c, WS, BS, GS, WF, BF, GWF, GBF, WT, SCR,
         cu_seqlens, CS, CI, T, 0, 0, H, NC, LN_EPS, D=d, BD=BDs, MB=bsz, BT=BTs, PREC=prec, VARLEN=True, **kws)
     _ttt_linear_out_kernel[(H, NC, BTo // kwo["RB"])](
-        XQ, XK, eta, tau_c, lw, lb, WS, BS, GS, out, SCRO,
-        cu_seqlens, CS, CI, T, 0, 0, H, NC, LN_EPS, D=d, BD=BDo, MB=bsz, BT=BTo, PREC=prec, VARLEN=True, **kwo)
+        XQ, XK, eta, tau_c, lw, lb, WS, BS, GS, out, SCRO, _zh_arg(None, XQ)[0],
+        cu_seqlens, CS, CI, T, 0, 0, H, NC, 0, LN_EPS, D=d, BD=BDo, MB=bsz, BT=BTo, PREC=prec, VARLEN=True, **kwo)
     return out, WF, BF, GWF, GBF, WS, BS, GS
 
 
 @_linear_fwd_op.register_fake
-def _(XQ, XK, XV, eta, tau, ln_w, ln_b, W0, b0, mini_batch_size, save, cu_seqlens=None):
+def _(XQ, XK, XV, eta, tau, ln_w, ln_b, W0, b0, mini_batch_size, save, cu_seqlens=None, zh=None):
     B, H, T, d = XQ.shape
     cdt = acc_dtype(XQ.dtype)
     NMB = -(-T // mini_batch_size)
@@ -934,8 +980,10 @@ def _linear_bwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: to
                    dout: Optional[torch.Tensor], dWF: Optional[torch.Tensor], dBF: Optional[torch.Tensor],
                    dGWF: Optional[torch.Tensor], dGBF: Optional[torch.Tensor],
                    mini_batch_size: int, W_dt: torch.dtype, b_dt: torch.dtype,
-                   cu_seqlens: Optional[torch.Tensor] = None) -> List[torch.Tensor]:
-    """Gradients of the nine tensor inputs of ``_linear_fwd_op``. With ``cu_seqlens`` (packed,
+                   cu_seqlens: Optional[torch.Tensor] = None, zh: Optional[torch.Tensor] = None
+                   ) -> List[torch.Tensor]:
+    """Gradients of the nine tensor inputs of ``_linear_fwd_op``, then ∂Z̄ (the gradient of its
+    ``zh``; every row of a fixed-length call is written). With ``cu_seqlens`` (packed,
     B = 1): the per-mini-batch kernel one program per (head, slot), the carry one per (sequence,
     head), each sequence from the gradient of its own end state; ∂W0, ∂b0 are [N, H, …]."""
     bsz, tau_dt, lw_dt, lb_dt = mini_batch_size, tau.dtype, ln_w.dtype, ln_b.dtype
@@ -977,13 +1025,14 @@ def _linear_bwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: to
     dTAUP = torch.empty(Bx, H, NMB, bsz, dtype=cdt, device=dev)
     half = XQ.dtype in (torch.bfloat16, torch.float16)
     arch, prec = device_arch(XQ.device), _precision(XQ.dtype)
+    ZH, NZH = _zh_arg(zh, XQ)
     BD, BT, kw = _launch_cfg(d, bsz, "bwd_mb", half=half, arch=arch)
     dLNWP = torch.empty(Bx, H, NMB * (BT // kw["RB"]), d, dtype=cdt, device=dev)   # per row block
     dLNBP = torch.empty(Bx, H, NMB * (BT // kw["RB"]), d, dtype=cdt, device=dev)
     _ttt_linear_bwd_mb_kernel[grid_mb](
         XQ, XK, eta, tau_c, lw, lb, WS, BS, GS, dout,
         dXQ, dKP, dEP, dG0, dZB, dTAUP, dLNWP, dLNBP, torch.empty(Bx, H, NMB, kw["RB"], BD, dtype=cdt, device=dev),
-        CU, CS, CI, T, NMB, LAST, H, NC, LN_EPS, D=d, BD=BD, MB=bsz, BT=BT, PREC=prec, VARLEN=CU is not None, **kw)
+        ZH, CU, CS, CI, T, NMB, LAST, H, NC, NZH, LN_EPS, D=d, BD=BD, MB=bsz, BT=BT, PREC=prec, VARLEN=CU is not None, **kw)
     BD, BT, kw = _launch_cfg(d, bsz, "bwd", half=half, arch=arch)
     SCR = torch.empty(B, H, 5, kw["RB"], BD, dtype=cdt, device=dev)   # its [RB, d] scratch tiles
     _ttt_linear_bwd_kernel[grid_carry](
@@ -992,30 +1041,32 @@ def _linear_bwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: to
         CU, CS, CI, T, NMB, LAST, H, NC, LN_EPS, D=d, BD=BD, MB=bsz, BT=BT, PREC=prec, VARLEN=CU is not None, **kw)
     return [dXQ, dXK, dXV, dETA, (dTAU.sum((0, 1)) + dTAUP.sum((0, 1, 2))).to(tau_dt),
             (dLNW.sum((0, 2)) + dLNWP.sum((0, 2))).to(lw_dt), (dLNB.sum((0, 2)) + dLNBP.sum((0, 2))).to(lb_dt),
-            dW0.to(W_dt), dB0.to(b_dt)]
+            dW0.to(W_dt), dB0.to(b_dt), dZB]
 
 
 @_linear_bwd_op.register_fake
 def _(XQ, XK, XV, eta, tau, ln_w, ln_b, WS, BS, GS, dout, dWF, dBF, dGWF, dGBF, mini_batch_size, W_dt, b_dt,
-      cu_seqlens=None):
+      cu_seqlens=None, zh=None):
     B, H, T, d = XQ.shape
     if cu_seqlens is not None:
         B = cu_seqlens.shape[0] - 1
     return [torch.empty_like(XQ), torch.empty_like(XK), torch.empty_like(XV), torch.empty_like(eta),
             torch.empty_like(tau), torch.empty_like(ln_w), torch.empty_like(ln_b),
-            XQ.new_empty(B, H, d, d, dtype=W_dt), XQ.new_empty(B, H, 1, d, dtype=b_dt)]
+            XQ.new_empty(B, H, d, d, dtype=W_dt), XQ.new_empty(B, H, 1, d, dtype=b_dt),
+            XQ.new_empty(XQ.shape[0], H, T, d, dtype=acc_dtype(XQ.dtype))]
 
 
 def _linear_setup_context(ctx, inputs, output):
-    XQ, XK, XV, eta, tau, ln_w, ln_b, W0, b0, bsz, _, cu = (tuple(inputs) + (None,))[:12]
-    ctx.save_for_backward(XQ, XK, XV, eta, tau, ln_w, ln_b, *output[5:], cu)
+    XQ, XK, XV, eta, tau, ln_w, ln_b, W0, b0, bsz, _, cu, zh = (tuple(inputs) + (None, None))[:13]
+    ctx.save_for_backward(XQ, XK, XV, eta, tau, ln_w, ln_b, *output[5:], cu, zh)
     ctx.mark_non_differentiable(*output[5:])
     ctx.meta = (bsz, W0.dtype, b0.dtype)
 
 
 def _linear_backward_rule(ctx, dout, dWF, dBF, dGWF, dGBF, *_):
-    *saved, cu = ctx.saved_tensors
-    return (*_linear_bwd_op(*saved, dout, dWF, dBF, dGWF, dGBF, *ctx.meta, cu), None, None, None)
+    *saved, cu, zh = ctx.saved_tensors
+    *grads, dzh = _linear_bwd_op(*saved, dout, dWF, dBF, dGWF, dGBF, *ctx.meta, cu, zh)
+    return (*grads, None, None, None, dzh if zh is not None else None)
 
 
 _linear_fwd_op.register_autograd(_linear_backward_rule, setup_context=_linear_setup_context)
@@ -1052,14 +1103,48 @@ def run_head_full_tail(XQ, XK, XV, eta, st: dict, bsz: int, keys, torch_part, ke
     return out, st
 
 
+def _linear_head(XQ, XK, XV, eta, token_idx, ln_weight, ln_bias, bsz: int, st: dict, n: int):
+    """The head in the kernels: the first n = min(b − p, T) tokens, completing the mini-batch begun
+    in the state ``st`` at pos = p > 0 with start weights θ_0 = (W1, b1) and carried sums
+    G = grad_W1, Gb = grad_b1 (Σ η_s ∇ℓ_s over its first p rows). One launch of the kernels over a
+    single mini-batch of p + n rows, the first p absent: zero rows with η = 0 (so they enter no sum
+    and no other row; their outputs are dropped), which puts the head's tokens at positions
+    p … p + n − 1 (their τ). The carried sums enter twice, both linear in G: the output rows through
+    ``zh`` = −τ_{p+i} (q_i G + Gb), added to Z̄ in the output kernel (its gradient ∂Z̄ comes back
+    from the backward), and the end state: a completed mini-batch (p + n = b) ends at
+    θ_0 − τ_{b−1} (G + Σ_head η ∇ℓ), i.e. the kernels' end weights − τ_{b−1} (G, Gb); a head that
+    ends the call first (p + n < b) keeps θ_0 with the sums G + Σ_head η ∇ℓ and pos = p + n."""
+    p = st["pos"]
+    B, H, _, d = XQ.shape
+    dt = acc_dtype(XQ.dtype)
+
+    def pad(x):
+        return torch.cat([x.new_zeros(*x.shape[:2], p, *x.shape[3:]), x[:, :, :n]], dim=2)
+
+    xs = [pad(x) for x in (XQ, XK, XV, eta)]
+    G, Gb = st["grad_W1"], st["grad_b1"]
+    tau = token_idx.to(dt)
+    tau_h = torch.cat([tau.new_zeros(p), tau[p:p + n]])            # 0 on the absent rows
+    zh = -tau_h[:, None] * (xs[0].to(dt) @ G + Gb)
+    ins = xs + [token_idx, ln_weight, ln_bias, st["W1"], st["b1"]]
+    save = torch.is_grad_enabled() and any(x.requires_grad for x in ins + [zh])
+    o, Wf, bf, gW, gb = _linear_fwd_op(*ins, bsz, save, None, zh)[:5]
+    if p + n == bsz:
+        st = {"W1": Wf - tau[bsz - 1] * G, "b1": bf - tau[bsz - 1] * Gb,
+              "grad_W1": torch.zeros_like(gW), "grad_b1": torch.zeros_like(gb), "pos": 0}
+    else:
+        st = {"W1": Wf, "b1": bf, "grad_W1": gW + G, "grad_b1": gb + Gb, "pos": p + n}
+    return o[:, :, p:], st
+
+
 def ttt_linear_triton(XQ, XK, XV, eta, token_idx, ln_weight, ln_bias, W1, b1, mini_batch_size=16,
                       initial_state: Optional[dict] = None, output_final_state: bool = False
                       ) -> Tuple[torch.Tensor, Optional[dict]]:
-    """Same contract as ``kernels.ttt.ttt_linear``. Everything from a mini-batch boundary runs in
-    the Triton kernels, a trailing partial mini-batch included (its end state: its start weights
-    and the sums Σ η_s ∇ℓ_s, pos = its length); the head (the tokens completing a mini-batch begun
-    in ``initial_state``, pos > 0) runs in the PyTorch dual form before them, chained through
-    autograd."""
+    """Same contract as ``kernels.ttt.ttt_linear``. Everything runs in the Triton kernels: the head
+    (the tokens completing a mini-batch begun in ``initial_state``, pos > 0; ``_linear_head``) in
+    one launch of them, then everything from the next mini-batch boundary in another, a trailing
+    partial mini-batch included (its end state: its start weights and the sums Σ η_s ∇ℓ_s, pos =
+    its length), chained through autograd."""
     if not 1 <= mini_batch_size <= _MAX_MB:
         raise ValueError(f"ttt_linear_triton: mini_batch_size must be in [1, {_MAX_MB}], got {mini_batch_size}")
     check_triton_device("ttt_linear_triton", XQ, XK, XV, eta)
@@ -1070,8 +1155,7 @@ def ttt_linear_triton(XQ, XK, XV, eta, token_idx, ln_weight, ln_bias, W1, b1, mi
     outs, t = [], 0
     if st["pos"] > 0 and T > 0:
         t = min(bsz - st["pos"], T)
-        o, st = ttt_linear_chunk(XQ[:, :, :t], XK[:, :, :t], XV[:, :, :t], eta[:, :, :t], token_idx, ln_weight,
-                                 ln_bias, W1, b1, bsz, st, True)
+        o, st = _linear_head(XQ, XK, XV, eta, token_idx, ln_weight, ln_bias, bsz, st, t)
         outs.append(o)
     if t < T:
         xs = [x[:, :, t:].contiguous() for x in (XQ, XK, XV, eta)]

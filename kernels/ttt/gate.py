@@ -5,7 +5,10 @@ and 64, bfloat16 and float32 inputs, with the tile sizes and launch options the 
 ``chunk.py`` (TTT-Linear, per GPU family: one case per arch, named with it) and ``mlp_chunk.py``
 (TTT-MLP; its per-mini-batch backward per GPU family, named likewise) pick. TTT-Linear also runs
 packed batches (``cu_seqlens``, one launch over all sequences): those variants take the offsets
-and mini-batch tables (int32 pointers, None above) with VARLEN = True, configs named "varlen"."""
+and mini-batch tables (int32 pointers, None above) with VARLEN = True, configs named "varlen". The
+head of a state begun mid-mini-batch (pos > 0) is a launch of the same variants: every launch of the
+output kernel and the per-mini-batch backward passes a pointer ZH and its row count NZH (0 without
+a head)."""
 from __future__ import annotations
 
 import torch
@@ -21,7 +24,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 def compile_cases():
     out = []
-    ints = {"T": "i32", "NMB": "i32", "LAST": "i32", "H": "i32", "NC": "i32", "eps": "fp32"}
+    ints = {"T": "i32", "NMB": "i32", "LAST": "i32", "H": "i32", "NC": "i32", "NZH": "i32", "eps": "fp32"}
     io_names = ("XQ", "XK", "XV", "ETA", "OUT", "DOUT", "DXQ", "DXK", "DXV", "DETA")
     for dt, tdt in DTYPES.items():
         for d in HEAD_DIMS:

@@ -36,9 +36,6 @@ SLOW = "compiles: ptxas does not finish within the timeout"
 
 # (arch, kernel, config) -> the failing check(s). ``config`` "*" matches every config of the kernel.
 KNOWN_FAILURES = {
-    # -- TTT-Linear (kernels/ttt/chunk.py): the packed (cu_seqlens) float32 backward carry at d = 128,
-    #    b = 64 on sm_80 (the fixed-length one passes; 4 or 16 warps, BC 16 or 64 spill more) --
-    (80, "_ttt_linear_bwd_kernel", "fp32 d=128 b=64 varlen sm_80"): "no_spills: 32/20 B spilled",
 }
 
 

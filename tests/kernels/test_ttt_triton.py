@@ -104,7 +104,7 @@ def test_partial_last_mini_batch_runs_in_the_kernel(T, d, b, monkeypatch):
     row block; b = 32: 6 rows): the PyTorch dual form is not called (it raises here), and the
     output, the mid-mini-batch final state (start weights, Σ η ∇ℓ, pos) and every gradient, those
     through the final state's sums included, equal the specification. float64: 1e-10."""
-    from kernels.ttt import chunk
+    from kernels.ttt import torch_chunk
 
     def no_torch(*a, **k):
         raise AssertionError("the PyTorch dual form ran")
@@ -112,11 +112,102 @@ def test_partial_last_mini_batch_runs_in_the_kernel(T, d, b, monkeypatch):
     args = _inputs(T, d, b)
     w = torch.randn(B, H, T, d, dtype=torch.float64)
     ref = _run("reference", args, b, w)
-    monkeypatch.setattr(chunk, "ttt_linear_chunk", no_torch)
+    monkeypatch.setattr(torch_chunk, "scan_mini_batches", no_torch)
     got = _run("triton", args, b, w)
     assert got[1]["pos"] == T % b != 0
     assert got[1]["grad_W1"].abs().max() > 0
     _compare(got, ref, T, b, atol=1e-10, rtol=1e-10)
+
+
+def _no_torch_form(monkeypatch):
+    """Make every PyTorch form of ``torch_chunk`` (dual and primal, ``scan_mini_batches`` under
+    both) raise from here on."""
+    from kernels.ttt import torch_chunk
+
+    def no_torch(*a, **k):
+        raise AssertionError("the PyTorch form ran")
+
+    monkeypatch.setattr(torch_chunk, "scan_mini_batches", no_torch)
+
+
+# (b, d, p, T): the head is h = b − p tokens; T < h (head only, ending mid-mini-batch: p + T < b;
+# at p = b − 1 the one head token completes it), T = h + b (head + a full mini-batch), T = h + b + 3
+# (head + full + a partial tail); b = 24 is padded to 32 rows (two row blocks, the second half
+# padding), d = 8 to 16 columns
+HEAD_SHAPES = [(b, d, p, T) for b, d in ((16, 16), (24, 8)) for p in (1, 5, b - 1)
+               for T in (max(1, b - p - 2), 2 * b - p, 2 * b - p + 3)]
+
+
+@pytest.mark.parametrize("b,d,p,T", HEAD_SHAPES)
+def test_head_runs_in_the_kernel(b, d, p, T, monkeypatch):
+    """A call from a state begun mid-mini-batch (pos = p > 0, carried sums G ≠ 0): the head runs
+    in the kernels (the PyTorch forms raise here), and the output, the final state and every
+    gradient, the four tensors of ``initial_state`` included, equal the specification. float64:
+    1e-10 of each tensor's scale."""
+    args = _inputs(T, d, b)
+    st = _prefix_state(args, b, p)
+    assert st["pos"] == p and st["grad_W1"].abs().max() > 0
+    w = torch.randn(B, H, T, d, dtype=torch.float64)
+    ref = _run("reference", args, b, w, st)
+    _no_torch_form(monkeypatch)
+    got = _run("triton", args, b, w, st)
+    _compare(got, ref, T, b, atol=1e-10, rtol=1e-10, pos0=p)
+
+
+@pytest.mark.parametrize("b,d,T,cuts", [(16, 16, 50, (3, 7, 20, 21, 38)), (24, 8, 61, (1, 2, 25, 47, 48))])
+def test_decode_style_chaining_equals_one_call(b, d, T, cuts, monkeypatch):
+    """A sequence cut at arbitrary points (inside mini-batches, on a boundary, one token long),
+    each piece continued from the previous piece's final state, gives the output, final state and
+    input gradients of one call over the whole sequence, all in the kernels. float64: 1e-10."""
+    _no_torch_form(monkeypatch)
+    args = _inputs(T, d, b)
+    w = torch.randn(B, H, T, d, dtype=torch.float64)
+    one = _run("triton", args, b, w)
+    for t in args:
+        t.grad = None
+    outs, st = [], None
+    bounds = (0,) + cuts + (T,)
+    for t0, t1 in zip(bounds[:-1], bounds[1:]):
+        xs = [x[:, :, t0:t1] for x in args[:4]]
+        o, st = ttt_linear(*xs, *args[4:], mini_batch_size=b, initial_state=st, output_final_state=True,
+                           backend="triton")
+        assert st["pos"] == t1 % b
+        outs.append(o)
+    out = torch.cat(outs, dim=2)
+    # the loss of ``_run``, term for term (its .float() rounds the gradients alike)
+    loss = (out.float() * w).sum() + sum((v.float() ** 2).sum() for v in st.values() if torch.is_tensor(v))
+    loss.backward()
+    chained = (out.detach(), {k: (v.detach() if torch.is_tensor(v) else v) for k, v in st.items()},
+               [t.grad.clone() for t in args])
+    _compare(chained, one, T, b, atol=1e-10, rtol=1e-10)
+
+
+def test_head_compiles_like_eager():
+    """torch.compile (fullgraph, aot_eager) of a call from a state at pos 3 (a head launch, a full
+    mini-batch, a partial tail: the custom op twice, the head's Z̄ offset and end state in
+    between): no graph break, and outputs and every gradient equal eager exactly."""
+    b, d, T, p = 8, 16, 15, 3              # 5 head tokens, 8, then 2 (final pos 2)
+    args = [a.detach() for a in _inputs(T, d, b)]
+    st = {k: v.detach() for k, v in _prefix_state(args, b, p).items() if torch.is_tensor(v)}
+    keys = sorted(st)
+
+    def fn(*xs):
+        state = dict(zip(keys, xs[9:]), pos=p)
+        out, fin = ttt_linear(*xs[:9], mini_batch_size=b, initial_state=state, output_final_state=True,
+                              backend="triton")
+        return (out,) + tuple(fin[k] for k in keys)
+
+    results = []
+    for f in (fn, torch.compile(fn, backend="aot_eager", fullgraph=True)):
+        leaves = [x.clone().requires_grad_() for x in args + [st[k] for k in keys]]
+        outs = f(*leaves)
+        grads = torch.autograd.grad(sum((o * o).sum() for o in outs), leaves, allow_unused=True)
+        results.append((list(outs), list(grads)))
+    for a, c in zip(results[0][0] + results[0][1], results[1][0] + results[1][1]):
+        assert (a is None and c is None) or torch.equal(a, c)
+    outs, grads = results[0]
+    assert outs[0].shape == (B, H, T, d) and outs[1 + keys.index("grad_W1")].abs().max() > 0
+    assert grads[9 + keys.index("grad_W1")].abs().max() > 0     # ∂ of the carried sums reached
 
 
 @pytest.mark.parametrize("T,prefix", [(37, 0), (45, 5)])
@@ -133,17 +224,20 @@ def test_float32_matches_reference(T, prefix):
     _compare(got, ref, T, b, atol=1e-4, rtol=1e-4, pos0=prefix)
 
 
-def test_bfloat16_matches_reference():
+@pytest.mark.parametrize("prefix", [0, 5])
+def test_bfloat16_matches_reference(prefix):
     """bfloat16 inputs, float32 inside both: the output and the input gradients are rounded to
     bfloat16 (8 mantissa bits, 2^-8 ≈ 4e-3 relative), and the backward consumes a bfloat16 output
-    gradient rounded differently on each side; 3e-2 of each tensor's scale covers that."""
+    gradient rounded differently on each side; 3e-2 of each tensor's scale covers that. prefix = 5:
+    from a float32 state at pos 5 (the head in the kernels, its carried sums in float32)."""
     b, d, T = 16, 16, 37
     args = _inputs(T, d, b, dtype=torch.bfloat16)
+    st = _prefix_state(args, b, prefix) if prefix else None
     w = torch.randn(B, H, T, d)
-    ref = _run("reference", args, b, w)
-    got = _run("triton", args, b, w)
+    ref = _run("reference", args, b, w, st)
+    got = _run("triton", args, b, w, st)
     assert got[0].dtype == torch.bfloat16 and got[1]["W1"].dtype == torch.float32
-    _compare(got, ref, T, b, atol=3e-2, rtol=3e-2)
+    _compare(got, ref, T, b, atol=3e-2, rtol=3e-2, pos0=prefix)
 
 
 @pytest.mark.parametrize("T", [80, 85])
