@@ -203,10 +203,11 @@ def _loss_grad(Z2, v, k, gamma, beta, cmask, D: tl.constexpr, eps):
 
 @triton.jit
 def _ttt_mlp_fwd_kernel(XK, XV, ETA, TAU, LNW, LNB, B20,
-                        W1S, B1S, W2S, B2S, G1S, G2S, W1F, B1F, W2F, B2F,
-                        T, NMB, R, H, eps,
+                        W1S, B1S, W2S, B2S, G1S, G2S, W1F, B1F, W2F, B2F, CU, CS,
+                        T, NMB, R, H, NC, eps,
                         D: tl.constexpr, BD: tl.constexpr, M: tl.constexpr, BM: tl.constexpr,
-                        MB: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+                        MB: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
+                        VARLEN: tl.constexpr):
     """The serial state pass, one program per (batch, head): for every mini-batch, store its start
     weights (W1S, B1S, W2S, B2S), its inner gradients Γ1 [MB, M] (G1S) and Γ2 [MB, D], followed
     by Z2 [MB, D] (G2S; the backward's LayerNorm pieces read Z2), then apply the update. W1F [D, M],
@@ -215,9 +216,18 @@ def _ttt_mlp_fwd_kernel(XK, XV, ETA, TAU, LNW, LNB, B20,
     mini-batch has R real rows (R = MB: full; the rest is zero padding with η = 0); when it is
     partial (R < MB) it is not applied: W1F, B1F, W2F, B2F receive its η-weighted gradient sums
     instead (the state's grad_*), its start weights staying in W1S … B2S. The output is
-    ``_ttt_mlp_out_kernel``'s."""
-    pid = tl.program_id(0)                      # = b_idx * H + h_idx
+    ``_ttt_mlp_out_kernel``'s.
+
+    VARLEN (packed batch, ``cu_seqlens`` CU, first slots CS, NC slots per head): pid = sequence·H
+    + head; the sequence's own NMB and R replace the arguments (``_packed_serial``), the rows past R
+    of its last mini-batch are masked (they belong to the next sequence) instead of zero-padded."""
+    pid = tl.program_id(0)                      # = b_idx * H + h_idx (packed: sequence * H + h_idx)
     h = pid % H
+    if VARLEN:
+        xs, es, ms, NMB, R = _packed_serial(CU, CS, pid, h, T, H, NC, D, MB)
+        XK, XV, ETA = XK + xs, XV + xs, ETA + es
+        W1S, B1S, W2S, B2S = W1S + ms * D * M, B1S + ms * M, W2S + ms * M * D, B2S + ms * D
+        G1S, G2S = G1S + ms * MB * M, G2S + ms * 2 * MB * D
     cdt = W1F.dtype.element_ty
     rows = tl.arange(0, BT)
     cols = tl.arange(0, BD)
@@ -241,6 +251,9 @@ def _ttt_mlp_fwd_kernel(XK, XV, ETA, TAU, LNW, LNB, B20,
         part = ((n == NMB - 1) & (R < MB)).to(cdt)
         keep = 1.0 - part
         cu = tau_last * keep - part
+        if VARLEN:                              # the rows past the sequence's end read as zero padding
+            rmask = rows < tl.where(n == NMB - 1, R, MB)
+            xmask = rmask[:, None] & cmask[None, :]
         for j0 in range(0, M, BM):
             hcols = j0 + hc
             hmask = hcols < M
@@ -302,14 +315,17 @@ def _ttt_mlp_fwd_kernel(XK, XV, ETA, TAU, LNW, LNB, B20,
 
 
 @triton.jit
-def _ttt_mlp_out_kernel(XQ, XK, ETA, TAU, LNW, LNB, W1S, B1S, W2S, B2S, G1S, G2S, OUT,
-                        T, NMB, H, eps,
+def _ttt_mlp_out_kernel(XQ, XK, ETA, TAU, LNW, LNB, W1S, B1S, W2S, B2S, G1S, G2S, OUT, CU, CI,
+                        T, NMB, H, NC, eps,
                         D: tl.constexpr, BD: tl.constexpr, M: tl.constexpr, BM: tl.constexpr,
-                        MB: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+                        MB: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
+                        VARLEN: tl.constexpr):
     """The output, one program per (batch, head, mini-batch), all in parallel: Z̄1, X̄2, Z̄2, the
     LayerNorm and out from the mini-batch's start weights and Γ1, Γ2 stored by
     ``_ttt_mlp_fwd_kernel``; X2_j = GELU(K W1_j + b1_j) is recomputed per hidden tile. The products
-    with a [b, d] operand run over column blocks of BK (``_rows_w``)."""
+    with a [b, d] operand run over column blocks of BK (``_rows_w``). VARLEN (packed batch, NMB =
+    NC slots per head, ``_packed_slot``): pid = head·NC + slot, the slot's rows past its sequence's
+    end masked (a spare slot: all of them)."""
     pid = tl.program_id(0)                      # = (b_idx * H + h_idx) * NMB + n = the stored slot
     bh = pid // NMB
     n = pid % NMB
@@ -320,6 +336,10 @@ def _ttt_mlp_out_kernel(XQ, XK, ETA, TAU, LNW, LNB, W1S, B1S, W2S, B2S, G1S, G2S
     hc = tl.arange(0, BM)
     cmask = cols < D
     rmask = rows < MB
+    if VARLEN:                                  # bh = head (B = 1), n = slot → its mini-batch c
+        bos, n, NMBs, LAST, _ms = _packed_slot(CU, CI, n, bh, NC, MB)
+        XQ, XK, ETA, OUT = XQ + bos * D, XK + bos * D, ETA + bos, OUT + bos * D
+        rmask = rows < tl.where(n == NMBs - 1, LAST, MB)
     xmask = rmask[:, None] & cmask[None, :]
     tril = rows[None, :] <= rows[:, None]
     W1P = W1S + pid * D * M
@@ -411,10 +431,11 @@ def _xt_blk(XP, rows, rmask, G, c0, D: tl.constexpr, BK: tl.constexpr, PREC: tl.
 @triton.jit
 def _ttt_mlp_bwd_mb_kernel(XQ, XK, ETA, TAU, LNW, LNB, W1S, B1S, W2S, B2S, G1S, G2S, DOUT,
                            DZB1, XB2, DG1P, DZ1P, DZB2, DG2P, DKP, DEP,
-                           DXQ, DTAU, DLNW, DLNB,
-                           T, NMB, H, eps,
+                           DXQ, DTAU, DLNW, DLNB, CU, CI,
+                           T, NMB, H, NC, eps,
                            D: tl.constexpr, BD: tl.constexpr, M: tl.constexpr, BM: tl.constexpr,
-                           MB: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+                           MB: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
+                           VARLEN: tl.constexpr):
     """The backward through Z̄ and the dual-form products, one program per (batch, head,
     mini-batch), all in parallel: from the stored start weights, Γ1 and Γ2, it recomputes the
     output's tile loop (X2_j, Z̄1_j, X̄2_j, A2, Z̄2), back-propagates ∂out through the LayerNorm,
@@ -422,7 +443,9 @@ def _ttt_mlp_bwd_mb_kernel(XQ, XK, ETA, TAU, LNW, LNB, W1S, B1S, W2S, B2S, G1S, 
     parts through M1, M2 and the output of ∂K (DKP), ∂η (DEP), ∂τ (DTAU), ∂γ, ∂β (DLNW, DLNB, per
     program, which the carry kernel extends); and for the
     carry kernel, per mini-batch, ∂Z̄1 (DZB1), X̄2 (XB2), ∂Γ1's Z̄ term −M1ᵀ∂Z̄1 (DG1P), ∂Z1's A2
-    term (∂A2ᵀ X̄2) ⊙ GELU'(Z1) (DZ1P), ∂Z̄2 (DZB2) and ∂Γ2's Z̄ term −M2ᵀ∂Z̄2 (DG2P)."""
+    term (∂A2ᵀ X̄2) ⊙ GELU'(Z1) (DZ1P), ∂Z̄2 (DZB2) and ∂Γ2's Z̄ term −M2ᵀ∂Z̄2 (DG2P). VARLEN:
+    as ``_ttt_mlp_out_kernel`` (rows past the sequence's end masked: ∂out = 0 there, nothing of
+    theirs stored; the wrapper zero-fills DTAU)."""
     pid = tl.program_id(0)                      # = (b_idx * H + h_idx) * NMB + n = the stored slot
     bh = pid // NMB
     n = pid % NMB
@@ -433,6 +456,11 @@ def _ttt_mlp_bwd_mb_kernel(XQ, XK, ETA, TAU, LNW, LNB, W1S, B1S, W2S, B2S, G1S, 
     hc = tl.arange(0, BM)
     cmask = cols < D
     rmask = rows < MB
+    if VARLEN:                                  # bh = head (B = 1), n = slot → its mini-batch c
+        bos, n, NMBs, LAST, _ms = _packed_slot(CU, CI, n, bh, NC, MB)
+        XQ, XK, ETA, DOUT, DXQ = XQ + bos * D, XK + bos * D, ETA + bos, DOUT + bos * D, DXQ + bos * D
+        DKP, DEP = DKP + bos * D, DEP + bos
+        rmask = rows < tl.where(n == NMBs - 1, LAST, MB)
     xmask = rmask[:, None] & cmask[None, :]
     tril = rows[None, :] <= rows[:, None]
     W1P = W1S + pid * D * M
@@ -537,10 +565,11 @@ def _ttt_mlp_bwd_mb_kernel(XQ, XK, ETA, TAU, LNW, LNB, W1S, B1S, W2S, B2S, G1S, 
 @triton.jit
 def _ttt_mlp_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, W1S, B1S, W2S, G1S, G2S,
                         DZB1, XB2, DG1P, DZ1P, DZB2, DG2P, DKP, DEP, SZ, SS, SX, SD,
-                        DXK, DXV, DETA, DTAU, DLNW, DLNB, DW1, DB1, DW2, DB2, CU,
-                        T, NMB, NS, H, eps,
+                        DXK, DXV, DETA, DTAU, DLNW, DLNB, DW1, DB1, DW2, DB2, SC,
+                        CU, CS, DL1, DLB1, DL2, DLB2, T, NMB, NS, H, NC, eps,
                         D: tl.constexpr, BD: tl.constexpr, M: tl.constexpr, BM: tl.constexpr,
-                        MB: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+                        MB: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
+                        VARLEN: tl.constexpr):
     """The serial carry, one program per (batch, head), mini-batches in reverse: DW1 [D, M], DB1
     [M], DW2 [M, D], DB2 [D] hold the final-state gradients on entry (the wrapper copies them in)
     and are accumulated in place into the initial weights' gradients; DTAU [MB], DLNW, DLNB [D]
@@ -551,11 +580,30 @@ def _ttt_mlp_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, W1S, B1S, W2S, G1S, G2S,
     LayerNorm-fused loss gradient Γ2 through Z2 and Z1 to K, V and the weights, and finishes ∂K,
     ∂V, ∂η. SZ [MB, M] (∂Z1), SS [MB, M] (∂S), SX [MB, M] (X2) and SD [MB, D] (∂Z2) are the
     program's scratch between the tile loops. It walks NMB mini-batches, slot n at (pid·NS + n)
-    of the per-mini-batch buffers (NS per (batch, head)); CU [1] is the update's scale, τ_{b−1}
+    of the per-mini-batch buffers (NS per (batch, head)); SC [1] is the update's scale, τ_{b−1}
     (the wrapper passes −1, with every pointer at the last slot, in a launch of its own for a
-    partial last mini-batch, which the forward did not apply; see ``_mlp_bwd_op``)."""
+    partial last mini-batch, which the forward did not apply; see ``_mlp_bwd_op``).
+
+    VARLEN (packed batch, ``cu_seqlens`` CU, first slots CS, NC slots per head; pid = sequence·H +
+    head): the sequence's own mini-batches, from slot CS[seq] of head h, its last one's rows past
+    its end masked. A partial last mini-batch is handled in the same launch: scale −1 and no ∂τ
+    term for it, and once it is done the gradient of its start weights gets DL1, DLB1, DL2, DLB2
+    ([N, H, …]: the state's W_L gradient minus the end gradient the carry started from, which for
+    a partial one is the gradient of its sums; see ``_mlp_bwd_packed``)."""
     pid = tl.program_id(0)
     h = pid % H
+    sb = pid * NS                               # the program's first slot, row and η offsets
+    xb = pid * T * D
+    eb = pid * T
+    if VARLEN:
+        seq = pid // H
+        bos = tl.load(CU + seq)
+        L = tl.load(CU + seq + 1) - bos
+        NMB = (L + MB - 1) // MB
+        part = (L - (NMB - 1) * MB) < MB        # its last mini-batch is partial
+        sb = h * NC + tl.load(CS + seq)
+        xb = (h * T + bos) * D
+        eb = h * T + bos
     cdt = W1S.dtype.element_ty
     rows = tl.arange(0, BT)
     cols = tl.arange(0, BD)
@@ -573,24 +621,30 @@ def _ttt_mlp_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, W1S, B1S, W2S, G1S, G2S,
     SX = SX + pid * MB * M
     SDZ = SD + pid * MB * D
 
-    tau_last = tl.load(CU).to(cdt)
+    tau_last = tl.load(SC).to(cdt)
 
     for i in range(NMB):
         n = NMB - 1 - i
-        s = pid * NS + n
+        s = sb + n
+        nv = MB                                 # valid rows; the update's scale
+        cun = tau_last
+        if VARLEN:
+            nv = tl.where(i == 0, L - (NMB - 1) * MB, MB)
+            lp = ((i == 0) & part).to(cdt)      # 1 for a partial last mini-batch: no update
+            cun = tau_last * (1.0 - lp) - lp
         # the index tensors are rebuilt per mini-batch and per section rather than held across
         # the tile loops (``_loop_index``; distinct expressions, so that they are not merged)
         rows, cols = _loop_index(i, NMB, BT, BD)
         cmask = cols < D
-        rmask = rows < MB
+        rmask = rows < nv
         W1P = W1S + s * D * M
         B1P = B1S + s * M
         W2P = W2S + s * M * D
         G2P = G2S + s * 2 * MB * D              # Γ2, then Z2
-        KP = XK + pid * T * D + n * MB * D      # the mini-batch's rows of K and Q (row stride D)
-        QP = XQ + pid * T * D + n * MB * D
-        e = tl.load(ETA + pid * T + n * MB + rows, mask=rmask, other=0.0).to(cdt)
-        te = -tau_last * e                      # the update W' = W − τ_{b−1} (…)ᵀ(η ⊙ Γ)
+        KP = XK + xb + n * MB * D               # the mini-batch's rows of K and Q (row stride D)
+        QP = XQ + xb + n * MB * D
+        e = tl.load(ETA + eb + n * MB + rows, mask=rmask, other=0.0).to(cdt)
+        te = -cun * e                           # the update W' = W − τ_{b−1} (…)ᵀ(η ⊙ Γ)
 
         # pass A1 (per tile): X2 through the update of W2, P2 = X2 dW2 (dW2 at the end)
         P2 = tl.zeros([BT, BD], dtype=cdt)
@@ -629,24 +683,27 @@ def _ttt_mlp_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, W1S, B1S, W2S, G1S, G2S,
         # Γ2 from Z2 and the target V − K: the LayerNorm-fused loss's second derivative
         rows, cols = _loop_index(i + 1, NMB + 1, BT, BD)
         cmask = cols < D
-        rmask = rows < MB
+        rmask = rows < nv
         xmask = rmask[:, None] & cmask[None, :]
         is_last = rows == MB - 1
         goff = rows[:, None] * D + cols[None, :]
         t_off = n * MB + rows
-        xoff = pid * T * D + t_off[:, None] * D + cols[None, :]
+        xoff = xb + t_off[:, None] * D + cols[None, :]
         G2 = tl.load(G2P + goff, mask=xmask, other=0.0)
         # db2 at the END of the mini-batch (DB2 holds it between mini-batches)
         db2 = tl.load(DB2 + pid * D + cols, mask=cmask, other=0.0)
         P2 = tl.load(SDZ + goff, mask=xmask, other=0.0) + db2[None, :]
         GP += tl.sum(G2 * P2, axis=1)
         dG2 += tl.load(DG2P + s * MB * D + goff, mask=xmask, other=0.0) + te[:, None] * P2
-        tl.store(DETA + pid * T + t_off,
-                 (tl.load(DEP + pid * T + t_off, mask=rmask, other=0.0) - tau_last * GP).to(DETA.dtype.element_ty),
+        tl.store(DETA + eb + t_off,
+                 (tl.load(DEP + eb + t_off, mask=rmask, other=0.0) - cun * GP).to(DETA.dtype.element_ty),
                  mask=rmask)
         dto = s * MB + rows
+        dtl = -tl.sum(e * GP, axis=0)
+        if VARLEN:
+            dtl = dtl * (1.0 - lp)              # a partial last mini-batch's scale −1 has no τ
         tl.store(DTAU + dto, tl.load(DTAU + dto, mask=rmask, other=0.0)
-                 + tl.where(is_last, -tl.sum(e * GP, axis=0), 0.0), mask=rmask)
+                 + tl.where(is_last, dtl, 0.0), mask=rmask)
         k = tl.load(XK + xoff, mask=xmask, other=0.0).to(cdt)
         v = tl.load(XV + xoff, mask=xmask, other=0.0).to(cdt)
         gamma = tl.load(LNW + h * D + cols, mask=cmask, other=0.0).to(cdt)
@@ -687,8 +744,8 @@ def _ttt_mlp_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, W1S, B1S, W2S, G1S, G2S,
             tl.store(GB1 + j0 + hc, tl.load(GB1 + j0 + hc, mask=hm, other=0.0)
                      + tl.sum(dZ1 + dZ1b, axis=0), mask=hm)
         rows, cols = _loop_index(i + 2, NMB + 2, BT, BD)
-        xmask = (rows < MB)[:, None] & (cols < D)[None, :]
-        xoff = pid * T * D + (n * MB + rows)[:, None] * D + cols[None, :]
+        xmask = (rows < nv)[:, None] & (cols < D)[None, :]
+        xoff = xb + (n * MB + rows)[:, None] * D + cols[None, :]
         k = tl.load(DKP + xoff, mask=xmask, other=0.0) + dk
         tl.store(DXK + xoff, k.to(DXK.dtype.element_ty), mask=xmask)
         tl.debug_barrier()                      # pass C reads the ∂Z1 and X2 tiles of pass B
@@ -718,6 +775,24 @@ def _ttt_mlp_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, W1S, B1S, W2S, G1S, G2S,
                          + _xt_blk(DZB2 + s * MB * D, rows, rmask, X2b, c0, D, BK, PREC)
                          + _xt_blk(SDZ, rows, rmask, X2, c0, D, BK, PREC), mask=wm)
         tl.debug_barrier()                      # the next mini-batch reads the gradients and scratch
+        if VARLEN:
+            if i == 0:                          # the last mini-batch's start weights: their own gradient
+                for o0 in range(0, D * M, 32 * BM):
+                    o = o0 + tl.arange(0, 32 * BM)
+                    om = o < D * M
+                    tl.store(GW1 + o, tl.load(GW1 + o, mask=om, other=0.0)
+                             + tl.load(DL1 + pid * D * M + o, mask=om, other=0.0), mask=om)
+                    tl.store(GW2 + o, tl.load(GW2 + o, mask=om, other=0.0)
+                             + tl.load(DL2 + pid * D * M + o, mask=om, other=0.0), mask=om)
+                for o0 in range(0, M, 32 * BM):
+                    o = o0 + tl.arange(0, 32 * BM)
+                    om = o < M
+                    tl.store(GB1 + o, tl.load(GB1 + o, mask=om, other=0.0)
+                             + tl.load(DLB1 + pid * M + o, mask=om, other=0.0), mask=om)
+                c2 = tl.arange(0, BD)
+                tl.store(DB2 + pid * D + c2, tl.load(DB2 + pid * D + c2, mask=c2 < D, other=0.0)
+                         + tl.load(DLB2 + pid * D + c2, mask=c2 < D, other=0.0), mask=c2 < D)
+                tl.debug_barrier()
 
 
 
@@ -824,11 +899,11 @@ def _mlp_fwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: torch
         q_w, k_w, v_w, e_w, o_w = (x[:, :, t0:] for x in (XQ, XK, XV, eta, out))
         _ttt_mlp_fwd_kernel[(B * H,)](
             k_w, v_w, e_w, tau_c, lw, lb, b2_in,
-            W1S, B1S, W2S, B2S, G1S, G2S, W1F, B1F, W2F, B2F,
-            T, nw, r, H, LN_EPS, D=d, BD=BD, M=m, BM=BM, MB=bsz, BT=BT, BK=BK, PREC=prec, **kw)
+            W1S, B1S, W2S, B2S, G1S, G2S, W1F, B1F, W2F, B2F, None, None,
+            T, nw, r, H, 0, LN_EPS, D=d, BD=BD, M=m, BM=BM, MB=bsz, BT=BT, BK=BK, PREC=prec, VARLEN=False, **kw)
         _ttt_mlp_out_kernel[(B * H * nw,)](
-            q_w, k_w, e_w, tau_c, lw, lb, W1S, B1S, W2S, B2S, G1S, G2S, o_w,
-            T, nw, H, LN_EPS, D=d, BD=BD, M=m, BM=BM, MB=bsz, BT=BT, BK=BK, PREC=prec, **kw)
+            q_w, k_w, e_w, tau_c, lw, lb, W1S, B1S, W2S, B2S, G1S, G2S, o_w, None, None,
+            T, nw, H, 0, LN_EPS, D=d, BD=BD, M=m, BM=BM, MB=bsz, BT=BT, BK=BK, PREC=prec, VARLEN=False, **kw)
         b2_in = B2F
     # the last mini-batch's start weights: slot nw − 1 of the last window, whose nw slots per
     # (batch, head) the kernels pack at the front of the buffers (slot (b·H + h)·nw + n)
@@ -900,9 +975,9 @@ def _mlp_bwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: torch
     XQ, XK, XV, eta = (x.contiguous() for x in (XQ, XK, XV, eta))
     _ttt_mlp_bwd_mb_kernel[(B * H * NMB,)](
         XQ, XK, eta, tau_c, lw, lb, W1S, B1S, W2S, B2S, G1S, G2S, dout,
-        DZB1, XB2, DG1P, DZ1P, DZB2, DG2P, DKP, DEP, dXQ, dTAU, dLNW, dLNB,
-        T, NMB, H, LN_EPS, D=d, BD=BD, M=m, BM=BM, MB=bsz, BT=BT, BK=_mlp_col_block(BD, prec, "bwd_mb", device_arch(dev)),
-        PREC=prec, **kw)
+        DZB1, XB2, DG1P, DZ1P, DZB2, DG2P, DKP, DEP, dXQ, dTAU, dLNW, dLNB, None, None,
+        T, NMB, H, 0, LN_EPS, D=d, BD=BD, M=m, BM=BM, MB=bsz, BT=BT, BK=_mlp_col_block(BD, prec, "bwd_mb", device_arch(dev)),
+        PREC=prec, VARLEN=False, **kw)
 
     def carry(first, count, scale):
         """The carry over mini-batches first … first + count − 1 (in reverse), the update's scale
@@ -915,8 +990,8 @@ def _mlp_bwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: torch
             *(x[:, :, first:] for x in (W1S, B1S, W2S, G1S, G2S, DZB1, XB2, DG1P, DZ1P, DZB2, DG2P)),
             DKP[:, :, t0:], DEP[:, :, t0:], SZ, SS, SX, SD,
             dXK[:, :, t0:], dXV[:, :, t0:], dETA[:, :, t0:], *(x[:, :, first:] for x in (dTAU, dLNW, dLNB)),
-            dW10, dB10, dW20, dB20, scale,
-            T, count, NMB, H, LN_EPS, D=d, BD=BD, M=m, BM=BM, MB=bsz, BT=BT, BK=BK, PREC=prec, **kw)
+            dW10, dB10, dW20, dB20, scale, None, None, None, None, None, None,
+            T, count, NMB, H, 0, LN_EPS, D=d, BD=BD, M=m, BM=BM, MB=bsz, BT=BT, BK=BK, PREC=prec, VARLEN=False, **kw)
 
     ends, lasts = (dW1F, dB1F, dW2F, dB2F), (dW1L, dB1L, dW2L, dB2L)
     if R < bsz or any(g is not None for g in lasts):
