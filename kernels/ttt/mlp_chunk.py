@@ -118,8 +118,10 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels._triton_utils import INTERPRET_ARCH, check_triton_device, device_arch, is_interpreting
-from kernels.ttt.chunk import _MAX_MB, _dot, _ln_bwd, _ln_stats, _loop_index, _precision
+from kernels._triton_utils import (INTERPRET_ARCH, check_triton_device, device_arch, is_interpreting,
+                                   packed_chunk_tables)
+from kernels.ttt.chunk import (_MAX_MB, _dot, _ln_bwd, _ln_stats, _loop_index, _packed_serial, _packed_slot,
+                               _precision, check_cu_seqlens)
 from kernels.ttt.torch_chunk import LN_EPS, acc_dtype, make_state, ttt_mlp_chunk
 
 
@@ -797,7 +799,7 @@ def _ttt_mlp_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, W1S, B1S, W2S, G1S, G2S,
 
 
 # ---- autograd -----------------------------------------------------------------------------------
-def _mlp_launch_cfg(d: int, m: int, b: int):
+def _mlp_launch_cfg(d: int, m: int, b: int, packed: bool = False):
     """Padded tile sizes (every tl.dot block dim ≥ 16), the hidden tile width BM and launch
     options for TTT-MLP, the same on every GPU family. Under the interpreter BM = 16 as well, so
     that the tests' small m (32, 64 and a padded 24) run several hidden tiles.
@@ -805,7 +807,8 @@ def _mlp_launch_cfg(d: int, m: int, b: int):
     Compiled for sm_90 and sm_80 (``python -m kernels.compile_report --op ttt -k _ttt_mlp_``):
     BM = 16 on 8 warps. Register pressure comes mostly from the [b, d] tiles that enter products
     as the left operand (each warp holds all b rows of such an operand, whatever the warp count)
-    and stay live across the tile loop, not from the weight tiles: BM = 32 or 4 warps spill more."""
+    and stay live across the tile loop, not from the weight tiles: BM = 32 or 4 warps spill more.
+    The packed variants (``packed``, VARLEN = True) take the same."""
     BD = max(16, triton.next_power_of_2(d))
     BT = max(16, triton.next_power_of_2(b))
     if is_interpreting():
@@ -853,7 +856,8 @@ def _mlp_weight_buffers(XQ, m: int, n: Optional[int]):
 @torch.library.custom_op("kernels::ttt_mlp_fwd", mutates_args=())
 def _mlp_fwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: torch.Tensor, tau: torch.Tensor,
                 ln_w: torch.Tensor, ln_b: torch.Tensor, W1: torch.Tensor, b1: torch.Tensor, W2: torch.Tensor,
-                b2: torch.Tensor, mini_batch_size: int, last_rows: int, save: bool) -> List[torch.Tensor]:
+                b2: torch.Tensor, mini_batch_size: int, last_rows: int, save: bool,
+                cu_seqlens: Optional[torch.Tensor] = None) -> List[torch.Tensor]:
     """Whole mini-batches from a boundary (T a multiple of b), the last of which has ``last_rows``
     = R ∈ [1, b] real rows, the rest zero padding with η = 0 (the wrapper pads): (XQ, XK, XV, η,
     τ, γ, β, W1_0 [B,H,d,m], b1_0 [B,H,1,m], W2_0 [B,H,m,d], b2_0 [B,H,1,d]) → [out [B,H,T,d], W1_end, b1_end, W2_end, b2_end (after a partial last
@@ -865,7 +869,13 @@ def _mlp_fwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: torch
     and one output launch over the whole sequence); without it the sequence runs in windows of
     ``_mlp_window`` mini-batches, the state carried from one window to the next in the final-weight
     buffers, so the scratch stays bounded (the returned start weights are then the last window's
-    scratch, which nothing reads)."""
+    scratch, which nothing reads).
+
+    With ``cu_seqlens`` (int32 [N+1], checked by the caller; B = 1; XQ … η unpadded, T ≥ 1) the N
+    packed sequences run in one launch of each kernel (``_mlp_fwd_packed``): W1_0 … b2_0 and the
+    end and last-start weights are [N, H, …], ``last_rows`` and ``save`` are unused."""
+    if cu_seqlens is not None:
+        return _mlp_fwd_packed(XQ, XK, XV, eta, tau, ln_w, ln_b, W1, b1, W2, b2, mini_batch_size, cu_seqlens)
     B, H, T, d = XQ.shape
     m = W1.shape[-1]
     bsz = mini_batch_size
@@ -914,9 +924,64 @@ def _mlp_fwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: torch
     return [out, W1F, B1F, W2F, B2F, *last, W1S, B1S, W2S, B2S, G1S, G2S]
 
 
-@_mlp_fwd_op.register_fake
-def _(XQ, XK, XV, eta, tau, ln_w, ln_b, W1, b1, W2, b2, mini_batch_size, last_rows, save):
+def _packed_seqs(cu_seqlens: torch.Tensor, bsz: int):
+    """Per sequence of a packed batch, on the device: its mini-batch count, whether its last
+    mini-batch is partial, whether it is empty."""
+    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    return (lens + bsz - 1) // bsz, lens % bsz != 0, lens == 0
+
+
+def _mlp_fwd_packed(XQ, XK, XV, eta, tau, ln_w, ln_b, W1, b1, W2, b2, bsz: int, cu_seqlens):
+    """The forward of a packed batch, one launch of each kernel: the state pass one program per
+    (sequence, head), walking that sequence's mini-batches from its own start weights (W1 … b2
+    [N, H, …]), its last mini-batch's rows past its end masked; the output kernel one program per
+    (head, mini-batch slot) over the ⌊T/b⌋ + N slots of ``packed_chunk_tables`` (spare slots:
+    every row masked). Every start weight is stored (no windows). The per-slot buffers are
+    zero-filled: the spare slots are read (masked rows aside) but written by no one. The last
+    mini-batch's start weights W_L of each sequence are gathered from its slot (an empty
+    sequence's: its initial weights)."""
+    _, H, T, d = XQ.shape
     m = W1.shape[-1]
+    N, NC, CS, CI = packed_chunk_tables(T, bsz, cu_seqlens)
+    cdt = acc_dtype(XQ.dtype)
+    dev = XQ.device
+    XQ, XK, XV, eta = (x.contiguous() for x in (XQ, XK, XV, eta))
+    tau_c = tau.to(cdt).contiguous()
+    lw, lb = ln_w.to(cdt).contiguous(), ln_b.to(cdt).contiguous()
+    out = torch.empty_like(XQ)
+    W1S, B1S, W2S, B2S = (x.zero_() for x in _mlp_weight_buffers(XQ, m, NC))
+    G1S, G2S = (x.zero_() for x in _mlp_gamma_buffers(XQ, m, NC, bsz))
+    # the state pass updates these in place from the start weights (fresh copies)
+    W1F, B1F, W2F = (w.to(cdt).contiguous().clone() for w in (W1, b1, W2))
+    b20 = b2.to(cdt).contiguous()
+    B2F = torch.empty(N, H, 1, d, dtype=cdt, device=dev)
+    BD, BM, BT, kw = _mlp_launch_cfg(d, m, bsz, packed=True)
+    BK = _mlp_col_block(BD)
+    prec = _precision(XQ.dtype)
+    _ttt_mlp_fwd_kernel[(N * H,)](
+        XK, XV, eta, tau_c, lw, lb, b20, W1S, B1S, W2S, B2S, G1S, G2S, W1F, B1F, W2F, B2F, cu_seqlens, CS,
+        T, 0, 0, H, NC, LN_EPS, D=d, BD=BD, M=m, BM=BM, MB=bsz, BT=BT, BK=BK, PREC=prec, VARLEN=True, **kw)
+    _ttt_mlp_out_kernel[(H * NC,)](
+        XQ, XK, eta, tau_c, lw, lb, W1S, B1S, W2S, B2S, G1S, G2S, out, cu_seqlens, CI,
+        T, NC, H, NC, LN_EPS, D=d, BD=BD, M=m, BM=BM, MB=bsz, BT=BT, BK=BK, PREC=prec, VARLEN=True, **kw)
+    nts, _part, empty = _packed_seqs(cu_seqlens, bsz)
+    idx = (CS.long() + nts - 1).clamp(min=0)
+
+    def last(S, W0):
+        g = S[0].index_select(1, idx).transpose(0, 1).reshape(W0.shape)
+        return torch.where(empty.view(N, 1, 1, 1), W0.to(cdt), g)
+    lasts = [last(W1S, W1), last(B1S, b1), last(W2S, W2), last(B2S, b2)]
+    return [out, W1F, B1F, W2F, B2F, *lasts, W1S, B1S, W2S, B2S, G1S, G2S]
+
+
+@_mlp_fwd_op.register_fake
+def _(XQ, XK, XV, eta, tau, ln_w, ln_b, W1, b1, W2, b2, mini_batch_size, last_rows, save, cu_seqlens=None):
+    m = W1.shape[-1]
+    if cu_seqlens is not None:
+        NC = XQ.shape[2] // mini_batch_size + cu_seqlens.shape[0] - 1
+        ws = [torch.empty_like(w, dtype=acc_dtype(XQ.dtype)) for w in (W1, b1, W2, b2)]
+        return ([torch.empty_like(XQ)] + ws + [torch.empty_like(w) for w in ws]
+                + _mlp_weight_buffers(XQ, m, NC) + _mlp_gamma_buffers(XQ, m, NC, mini_batch_size))
     NMB = XQ.shape[2] // mini_batch_size
     NW = NMB if save else min(NMB, _mlp_window())
     return ([torch.empty_like(XQ)] + _mlp_weight_buffers(XQ, m, None) + _mlp_weight_buffers(XQ, m, None)
@@ -931,11 +996,16 @@ def _mlp_bwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: torch
                 dB1F: Optional[torch.Tensor], dW2F: Optional[torch.Tensor], dB2F: Optional[torch.Tensor],
                 dW1L: Optional[torch.Tensor], dB1L: Optional[torch.Tensor], dW2L: Optional[torch.Tensor],
                 dB2L: Optional[torch.Tensor], mini_batch_size: int, last_rows: int, W1_dt: torch.dtype,
-                b1_dt: torch.dtype, W2_dt: torch.dtype, b2_dt: torch.dtype) -> List[torch.Tensor]:
+                b1_dt: torch.dtype, W2_dt: torch.dtype, b2_dt: torch.dtype,
+                cu_seqlens: Optional[torch.Tensor] = None) -> List[torch.Tensor]:
     """Gradients of the eleven tensor inputs of ``_mlp_fwd_op``: ``_ttt_mlp_bwd_mb_kernel`` over
     every (batch, head, mini-batch), then ``_ttt_mlp_bwd_kernel`` over every (batch, head), the
     last mini-batch in a launch of its own when it is partial (or its start weights W_L have a
-    gradient)."""
+    gradient). With ``cu_seqlens``: one launch of each (``_mlp_bwd_packed``)."""
+    if cu_seqlens is not None:
+        return _mlp_bwd_packed(XQ, XK, XV, eta, tau, ln_w, ln_b, W1S, B1S, W2S, B2S, G1S, G2S, dout,
+                               (dW1F, dB1F, dW2F, dB2F), (dW1L, dB1L, dW2L, dB2L), mini_batch_size,
+                               (W1_dt, b1_dt, W2_dt, b2_dt), cu_seqlens)
     bsz, tau_dt, lw_dt, lb_dt = mini_batch_size, tau.dtype, ln_w.dtype, ln_b.dtype
     tau_c = tau.to(W1S.dtype).contiguous()
     lw, lb = ln_w.to(W1S.dtype).contiguous(), ln_b.to(W1S.dtype).contiguous()
@@ -1017,23 +1087,94 @@ def _mlp_bwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: torch
             dW10.to(W1_dt), dB10.to(b1_dt), dW20.to(W2_dt), dB20.to(b2_dt)]
 
 
+def _mlp_bwd_packed(XQ, XK, XV, eta, tau, ln_w, ln_b, W1S, B1S, W2S, B2S, G1S, G2S, dout, ends, lasts,
+                    bsz: int, dts, cu_seqlens):
+    """The backward of a packed batch, one launch of each kernel: the per-mini-batch one per
+    (head, slot), the carry one per (sequence, head), each sequence from the gradient of its own
+    end weights, its last mini-batch (partial: scale −1, no ∂τ term) in the same walk; once that
+    is done the carry adds Δ = ∂W_L − [partial] ∂W_end (the start weights' own gradient; a partial
+    one's end values are its sums, not a function of its start weights), and an empty sequence's
+    gradient is ∂W_end + ∂W_L (both are its initial weights). ∂W1_0 … ∂b2_0 are [N, H, …]."""
+    tau_dt, lw_dt, lb_dt = tau.dtype, ln_w.dtype, ln_b.dtype
+    cdt = W1S.dtype
+    dev = XQ.device
+    tau_c = tau.to(cdt).contiguous()
+    lw, lb = ln_w.to(cdt).contiguous(), ln_b.to(cdt).contiguous()
+    _, H, T, d = XQ.shape
+    m = W1S.shape[-1]
+    N, NC, CS, CI = packed_chunk_tables(T, bsz, cu_seqlens)
+    _nts, part, empty = _packed_seqs(cu_seqlens, bsz)
+    shapes = ((N, H, d, m), (N, H, 1, m), (N, H, m, d), (N, H, 1, d))
+
+    def zeros(*shape):
+        return torch.zeros(*shape, dtype=cdt, device=dev)
+
+    def empty_buf(*shape):
+        return torch.empty(*shape, dtype=cdt, device=dev)
+
+    # the carry accumulates in place into the end weights' gradients (copies)
+    dW0 = [zeros(*sh) if g is None else g.to(cdt).contiguous().clone() for g, sh in zip(ends, shapes)]
+    delta = []
+    for g, ge, sh in zip(lasts, ends, shapes):
+        dl = zeros(*sh) if g is None else g.to(cdt).contiguous().clone()
+        if ge is not None:
+            dl -= torch.where(part.view(N, 1, 1, 1), ge.to(cdt), 0.0)
+        delta.append(dl.contiguous())
+    dout = torch.zeros_like(XQ) if dout is None else dout.contiguous()
+    XQ, XK, XV, eta = (x.contiguous() for x in (XQ, XK, XV, eta))
+    dXQ, dXK, dXV = (torch.empty_like(XQ) for _ in range(3))
+    dETA = torch.empty_like(eta)
+    DZB1, XB2, DG1P, DZ1P = (empty_buf(1, H, NC, bsz, m) for _ in range(4))
+    DZB2, DG2P = (empty_buf(1, H, NC, bsz, d) for _ in range(2))
+    DKP, DEP = empty_buf(1, H, T, d), empty_buf(1, H, T)
+    # summed over every slot: the rows past a sequence's end (and every row of a spare slot)
+    # are written by no one
+    dTAU, dLNW, dLNB = zeros(1, H, NC, bsz), zeros(1, H, NC, d), zeros(1, H, NC, d)
+    SZ, SS, SX, SD = empty_buf(N, H, bsz, m), empty_buf(N, H, bsz, m), empty_buf(N, H, bsz, m), empty_buf(N, H, bsz, d)
+    BD, BM, BT, kw = _mlp_launch_cfg(d, m, bsz, packed=True)
+    prec = _precision(XQ.dtype)
+    BK = _mlp_col_block(BD, prec)
+    _ttt_mlp_bwd_mb_kernel[(H * NC,)](
+        XQ, XK, eta, tau_c, lw, lb, W1S, B1S, W2S, B2S, G1S, G2S, dout,
+        DZB1, XB2, DG1P, DZ1P, DZB2, DG2P, DKP, DEP, dXQ, dTAU, dLNW, dLNB, cu_seqlens, CI,
+        T, NC, H, NC, LN_EPS, D=d, BD=BD, M=m, BM=BM, MB=bsz, BT=BT,
+        BK=_mlp_col_block(BD, prec, "bwd_mb", device_arch(dev)), PREC=prec, VARLEN=True, **kw)
+    _ttt_mlp_bwd_kernel[(N * H,)](
+        XQ, XK, XV, eta, tau_c, lw, lb, W1S, B1S, W2S, G1S, G2S,
+        DZB1, XB2, DG1P, DZ1P, DZB2, DG2P, DKP, DEP, SZ, SS, SX, SD,
+        dXK, dXV, dETA, dTAU, dLNW, dLNB, *dW0, tau_c[bsz - 1:], cu_seqlens, CS, *delta,
+        T, 0, 0, H, NC, LN_EPS, D=d, BD=BD, M=m, BM=BM, MB=bsz, BT=BT, BK=BK, PREC=prec, VARLEN=True, **kw)
+    for buf, gl in zip(dW0, lasts):
+        if gl is not None:
+            buf += torch.where(empty.view(N, 1, 1, 1), gl.to(cdt), 0.0)
+    return [dXQ, dXK, dXV, dETA, dTAU.sum((0, 1, 2)).to(tau_dt), dLNW.sum((0, 2)).to(lw_dt),
+            dLNB.sum((0, 2)).to(lb_dt)] + [g.to(dt) for g, dt in zip(dW0, dts)]
+
+
 @_mlp_bwd_op.register_fake
 def _(XQ, XK, XV, eta, tau, ln_w, ln_b, W1S, B1S, W2S, B2S, G1S, G2S, dout, dW1F, dB1F, dW2F, dB2F,
-      dW1L, dB1L, dW2L, dB2L, mini_batch_size, last_rows, W1_dt, b1_dt, W2_dt, b2_dt):
+      dW1L, dB1L, dW2L, dB2L, mini_batch_size, last_rows, W1_dt, b1_dt, W2_dt, b2_dt, cu_seqlens=None):
     ws = _mlp_weight_buffers(XQ, W1S.shape[-1], None)
+    if cu_seqlens is not None:
+        N, H, d, m = cu_seqlens.shape[0] - 1, XQ.shape[1], XQ.shape[3], W1S.shape[-1]
+        ws = [XQ.new_empty(N, H, *sh) for sh in ((d, m), (1, m), (m, d), (1, d))]
     return ([torch.empty_like(t) for t in (XQ, XK, XV, eta, tau, ln_w, ln_b)]
             + [torch.empty_like(w, dtype=dt) for w, dt in zip(ws, (W1_dt, b1_dt, W2_dt, b2_dt))])
 
 
 def _mlp_setup_context(ctx, inputs, output):
-    XQ, XK, XV, eta, tau, ln_w, ln_b, W1, b1, W2, b2, bsz, last_rows, _ = inputs
-    ctx.save_for_backward(XQ, XK, XV, eta, tau, ln_w, ln_b, *output[9:])
+    XQ, XK, XV, eta, tau, ln_w, ln_b, W1, b1, W2, b2, bsz, last_rows, _, cu = (tuple(inputs) + (None,))[:15]
+    ctx.save_for_backward(XQ, XK, XV, eta, tau, ln_w, ln_b, *output[9:], cu)
     ctx.mark_non_differentiable(*output[9:])
     ctx.meta = (bsz, last_rows, W1.dtype, b1.dtype, W2.dtype, b2.dtype)
 
 
 def _mlp_backward_rule(ctx, grads):
-    return (*_mlp_bwd_op(*ctx.saved_tensors, *grads[:9], *ctx.meta), None, None, None)
+    *saved, cu = ctx.saved_tensors
+    # no gradient for mini_batch_size, last_rows, save (and cu_seqlens, an input only when given:
+    # the op's inputs leave out a trailing argument left at its default)
+    rest = (None,) * (3 if cu is None else 4)
+    return (*_mlp_bwd_op(*saved, *grads[:9], *ctx.meta, cu), *rest)
 
 
 _mlp_fwd_op.register_autograd(_mlp_backward_rule, setup_context=_mlp_setup_context)
@@ -1084,4 +1225,47 @@ def ttt_mlp_triton(XQ, XK, XV, eta, token_idx, ln_weight, ln_bias, W1, b1, W2, b
     out = torch.cat(outs, dim=2) if len(outs) > 1 else (outs[0] if outs else XQ.clone())
     return out, (st if output_final_state else None)
 
-__all__ = ["ttt_mlp_triton"]
+
+def ttt_mlp_triton_packed(XQ, XK, XV, eta, token_idx, ln_weight, ln_bias, W1, b1, W2, b2, mini_batch_size,
+                          initial_state: Optional[dict], output_final_state: bool, cu_seqlens: torch.Tensor
+                          ) -> Tuple[torch.Tensor, Optional[dict]]:
+    """``kernels.ttt.ttt_mlp`` with ``cu_seqlens`` (B = 1, T ≥ 1; the caller checks the weights'
+    and ``initial_state``'s shapes and that every "pos" is 0): the N packed sequences in one launch
+    of each kernel, each from its own start weights (``initial_state`` row n, or the weights
+    arguments [H, …] / [1, H, …] for all), each ending per its own length: after a partial last
+    mini-batch of r rows its state is that mini-batch's start weights, the sums Σ η ∇ℓ over its r
+    rows and pos = r; otherwise its end weights, zero sums and pos = 0 (an empty sequence: its
+    initial weights). The final state holds every tensor stacked [N, H, …] and "pos" as a list of
+    N ints (read back after the launches)."""
+    if not 1 <= mini_batch_size <= _MAX_MB:
+        raise ValueError(f"ttt_mlp_triton: mini_batch_size must be in [1, {_MAX_MB}], got {mini_batch_size}")
+    check_triton_device("ttt_mlp_triton", XQ, XK, XV, eta)
+    _, H, T, d = XQ.shape
+    m = W1.shape[-1]
+    cu = check_cu_seqlens("ttt_mlp_triton", cu_seqlens, T, XQ.device)
+    N = cu.numel() - 1
+    if N * H * T * max(d, m) >= 2 ** 31:
+        raise ValueError(f"ttt_mlp_triton: a packed launch indexes (sequence, head) rows with int32 offsets: "
+                         f"N·H·T·max(d, m) = {N * H * T * max(d, m)} must be < 2^31; split the batch")
+    keys = ("W1", "b1", "W2", "b2")
+    if initial_state is not None:
+        w0 = [initial_state[k] for k in keys]
+    else:
+        w0 = [w.reshape(1, H, *w.shape[-2:]).expand(N, H, *w.shape[-2:]) for w in (W1, b1, W2, b2)]
+    outs = _mlp_fwd_op(XQ, XK, XV, eta, token_idx, ln_weight, ln_bias, *w0, mini_batch_size, mini_batch_size,
+                       True, cu)
+    out = outs[0]
+    if not output_final_state:
+        return out, None
+    _nts, part, _empty = _packed_seqs(cu, mini_batch_size)
+    part = part.view(N, 1, 1, 1)
+    st = {}
+    for k, w_end, w_last in zip(keys, outs[1:5], outs[5:9]):
+        # a partial last mini-batch: its start weights and its sums (the kernel's end values)
+        st[k] = torch.where(part, w_last, w_end)
+        st["grad_" + k] = torch.where(part, w_end, torch.zeros_like(w_end))
+    st["pos"] = ((cu[1:] - cu[:-1]) % mini_batch_size).tolist()
+    return out, st
+
+
+__all__ = ["ttt_mlp_triton", "ttt_mlp_triton_packed"]
