@@ -83,9 +83,27 @@ takes r (R) and, for that mini-batch, writes keep·W − c·Σ with (keep, c) = 
 where a full one writes (1, τ_{b−1}); the carry runs it in a launch of its own with the scale −1
 in place of τ_{b−1} (``_mlp_bwd_op``), then adds the start weights' gradient from the state.
 ``ttt_mlp_triton`` runs the head that completes a mini-batch begun in ``initial_state`` (pos > 0)
-with the PyTorch dual form, chained through autograd; packed batches (``cu_seqlens``) run once per
-sequence (``kernels/ttt/__init__.py``). tanh is written with exp (tanh u = 1 − 2/(e^{2u} + 1),
-exact at ±∞).
+with the PyTorch dual form, chained through autograd. tanh is written with exp (tanh u = 1 −
+2/(e^{2u} + 1), exact at ±∞).
+
+Packed batches (``cu_seqlens``, B = 1, ``ttt_mlp_triton_packed``): one launch of each kernel for
+all N sequences, with VARLEN = True, on the mini-batch tables of ``packed_chunk_tables`` (built
+on the device: ⌊T/b⌋ + N slots per head, each sequence's first slot, (sequence, mini-batch) per
+slot, spare slots marked −1; no copy of ``cu_seqlens`` to the host but the one flag of
+``check_cu_seqlens``). The serial kernels (state pass, carry) run one program per (sequence,
+head), each walking its own ⌈L/b⌉ mini-batches from its own start weights (``initial_state`` row
+n, or the shared weights expanded to [N, H, …]); the output and per-mini-batch backward kernels
+one per (head, slot). Nothing is padded: each sequence's last mini-batch masks its rows past
+L − (⌈L/b⌉ − 1) b (they belong to the next sequence), which reads them as the zero padding of
+the fixed-length path (η = 0, ∂out = 0, nothing of theirs stored); a spare slot masks every row
+and reads no input. The per-slot buffers are zero-filled, so the spare slots' products and
+partial sums (∂τ, ∂γ, ∂β) are zero. Each sequence ends in its own state: a partial last
+mini-batch of r rows is not applied (the state pass writes its sums, keep = 0), the state holds
+its start weights (gathered from its slot), the sums and pos = r; an empty sequence keeps its
+initial state. The carry handles a partial last mini-batch in the same launch (scale −1 and no
+∂τ term for it), then adds Δ = ∂W_L − ∂W_end to the gradient of its start weights, where the
+fixed-length path adds them between two launches. Every input's gradient flows, the initial
+state's included.
 
 Precision (``_precision``, ``_dot`` in ``chunk.py``): everything is carried and accumulated in
 float32 (float64 for float64 inputs), the weights included (float32 masters); the tl.dot operands
@@ -120,8 +138,7 @@ import triton.language as tl
 
 from kernels._triton_utils import (INTERPRET_ARCH, check_triton_device, device_arch, is_interpreting,
                                    packed_chunk_tables)
-from kernels.ttt.chunk import (_MAX_MB, _dot, _ln_bwd, _ln_stats, _loop_index, _packed_serial, _packed_slot,
-                               _precision, check_cu_seqlens)
+from kernels.ttt.chunk import _MAX_MB, _dot, _ln_bwd, _ln_stats, _loop_index, _precision, check_cu_seqlens
 from kernels.ttt.torch_chunk import LN_EPS, acc_dtype, make_state, ttt_mlp_chunk
 
 
@@ -137,6 +154,17 @@ def _gelu_tanh3(x):
     dg = 0.5 * (1.0 + t) + 0.5 * x * s * du
     ddg = s * (du - x * t * du * du + 3.0 * 0.7978845608028654 * 0.044715 * x * x)
     return g, dg, ddg
+
+
+@triton.jit
+def _pick(a, b, VARLEN: tl.constexpr):
+    """``a`` in the packed (VARLEN) variant of a kernel, ``b`` in the fixed-length one: the
+    fixed-length kernels keep their own expressions (offsets from the program id, masks against
+    the constexpr MB), so that their compiled code is the same as without the packed variant."""
+    if VARLEN:
+        return a
+    else:
+        return b
 
 
 @triton.jit
@@ -221,15 +249,22 @@ def _ttt_mlp_fwd_kernel(XK, XV, ETA, TAU, LNW, LNB, B20,
     ``_ttt_mlp_out_kernel``'s.
 
     VARLEN (packed batch, ``cu_seqlens`` CU, first slots CS, NC slots per head): pid = sequence·H
-    + head; the sequence's own NMB and R replace the arguments (``_packed_serial``), the rows past R
-    of its last mini-batch are masked (they belong to the next sequence) instead of zero-padded."""
+    + head; the sequence's own NMB and R replace the arguments, and its mini-batches are the slots
+    CS[seq] … of head h, whose rows the inputs hold slot by slot (the wrapper's zero-padded
+    slot-major copy, T = NC·b rows per head)."""
     pid = tl.program_id(0)                      # = b_idx * H + h_idx (packed: sequence * H + h_idx)
     h = pid % H
+    sb = pid * NMB                              # the program's first slot, row and η offsets
+    xb = pid * T * D
+    eb = pid * T
     if VARLEN:
-        xs, es, ms, NMB, R = _packed_serial(CU, CS, pid, h, T, H, NC, D, MB)
-        XK, XV, ETA = XK + xs, XV + xs, ETA + es
-        W1S, B1S, W2S, B2S = W1S + ms * D * M, B1S + ms * M, W2S + ms * M * D, B2S + ms * D
-        G1S, G2S = G1S + ms * MB * M, G2S + ms * 2 * MB * D
+        seq = pid // H
+        L = tl.load(CU + seq + 1) - tl.load(CU + seq)
+        NMB = (L + MB - 1) // MB
+        R = L - (NMB - 1) * MB                  # MB for an empty sequence (nothing runs)
+        sb = h * NC + tl.load(CS + seq)
+        xb = sb * MB * D
+        eb = sb * MB
     cdt = W1F.dtype.element_ty
     rows = tl.arange(0, BT)
     cols = tl.arange(0, BD)
@@ -247,15 +282,12 @@ def _ttt_mlp_fwd_kernel(XK, XV, ETA, TAU, LNW, LNB, B20,
     tau_last = tl.load(TAU + MB - 1).to(cdt)
 
     for n in range(NMB):
-        s = pid * NMB + n
+        s = _pick(sb + n, pid * NMB + n, VARLEN)
         # the update W ← keep·W − cu·Σ: W − τ_{b−1}·Σ after a full mini-batch, the sums Σ
         # themselves after a partial last one (keep = 0, cu = −1; its rows ≥ R are zero, η = 0)
         part = ((n == NMB - 1) & (R < MB)).to(cdt)
         keep = 1.0 - part
         cu = tau_last * keep - part
-        if VARLEN:                              # the rows past the sequence's end read as zero padding
-            rmask = rows < tl.where(n == NMB - 1, R, MB)
-            xmask = rmask[:, None] & cmask[None, :]
         for j0 in range(0, M, BM):
             hcols = j0 + hc
             hmask = hcols < M
@@ -268,13 +300,13 @@ def _ttt_mlp_fwd_kernel(XK, XV, ETA, TAU, LNW, LNB, B20,
             tl.store(W2S + s * M * D + w2o, tl.load(W2P + w2o, mask=w2m, other=0.0), mask=w2m)
         tl.store(B2S + s * D + cols, b2, mask=cmask)
         t_off = n * MB + rows
-        KP = XK + pid * T * D + n * MB * D      # the mini-batch's rows of K (row stride D)
+        KP = XK + _pick(xb, pid * T * D, VARLEN) + n * MB * D   # the mini-batch's rows of K (row stride D)
         GP = G2S + s * 2 * MB * D               # its Γ2, then Z2 (row stride D)
-        xoff = pid * T * D + t_off[:, None] * D + cols[None, :]
+        xoff = _pick(xb, pid * T * D, VARLEN) + t_off[:, None] * D + cols[None, :]
         goff = rows[:, None] * D + cols[None, :]
         k = tl.load(XK + xoff, mask=xmask, other=0.0).to(cdt)
         v = tl.load(XV + xoff, mask=xmask, other=0.0).to(cdt)
-        e = tl.load(ETA + pid * T + t_off, mask=rmask, other=0.0).to(cdt)
+        e = tl.load(ETA + _pick(eb, pid * T, VARLEN) + t_off, mask=rmask, other=0.0).to(cdt)
 
         Z2 = _z2_blocked(KP, rmask, W1P, B1P, W2P, b2, cols, hc, cmask, D, M, BT, BD, BM, BK, PREC)
         tl.store(GP + MB * D + goff, Z2, mask=xmask)
@@ -317,17 +349,14 @@ def _ttt_mlp_fwd_kernel(XK, XV, ETA, TAU, LNW, LNB, B20,
 
 
 @triton.jit
-def _ttt_mlp_out_kernel(XQ, XK, ETA, TAU, LNW, LNB, W1S, B1S, W2S, B2S, G1S, G2S, OUT, CU, CI,
-                        T, NMB, H, NC, eps,
+def _ttt_mlp_out_kernel(XQ, XK, ETA, TAU, LNW, LNB, W1S, B1S, W2S, B2S, G1S, G2S, OUT,
+                        T, NMB, H, eps,
                         D: tl.constexpr, BD: tl.constexpr, M: tl.constexpr, BM: tl.constexpr,
-                        MB: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
-                        VARLEN: tl.constexpr):
+                        MB: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
     """The output, one program per (batch, head, mini-batch), all in parallel: Z̄1, X̄2, Z̄2, the
     LayerNorm and out from the mini-batch's start weights and Γ1, Γ2 stored by
     ``_ttt_mlp_fwd_kernel``; X2_j = GELU(K W1_j + b1_j) is recomputed per hidden tile. The products
-    with a [b, d] operand run over column blocks of BK (``_rows_w``). VARLEN (packed batch, NMB =
-    NC slots per head, ``_packed_slot``): pid = head·NC + slot, the slot's rows past its sequence's
-    end masked (a spare slot: all of them)."""
+    with a [b, d] operand run over column blocks of BK (``_rows_w``)."""
     pid = tl.program_id(0)                      # = (b_idx * H + h_idx) * NMB + n = the stored slot
     bh = pid // NMB
     n = pid % NMB
@@ -338,10 +367,6 @@ def _ttt_mlp_out_kernel(XQ, XK, ETA, TAU, LNW, LNB, W1S, B1S, W2S, B2S, G1S, G2S
     hc = tl.arange(0, BM)
     cmask = cols < D
     rmask = rows < MB
-    if VARLEN:                                  # bh = head (B = 1), n = slot → its mini-batch c
-        bos, n, NMBs, LAST, _ms = _packed_slot(CU, CI, n, bh, NC, MB)
-        XQ, XK, ETA, OUT = XQ + bos * D, XK + bos * D, ETA + bos, OUT + bos * D
-        rmask = rows < tl.where(n == NMBs - 1, LAST, MB)
     xmask = rmask[:, None] & cmask[None, :]
     tril = rows[None, :] <= rows[:, None]
     W1P = W1S + pid * D * M
@@ -433,11 +458,10 @@ def _xt_blk(XP, rows, rmask, G, c0, D: tl.constexpr, BK: tl.constexpr, PREC: tl.
 @triton.jit
 def _ttt_mlp_bwd_mb_kernel(XQ, XK, ETA, TAU, LNW, LNB, W1S, B1S, W2S, B2S, G1S, G2S, DOUT,
                            DZB1, XB2, DG1P, DZ1P, DZB2, DG2P, DKP, DEP,
-                           DXQ, DTAU, DLNW, DLNB, CU, CI,
-                           T, NMB, H, NC, eps,
+                           DXQ, DTAU, DLNW, DLNB,
+                           T, NMB, H, eps,
                            D: tl.constexpr, BD: tl.constexpr, M: tl.constexpr, BM: tl.constexpr,
-                           MB: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
-                           VARLEN: tl.constexpr):
+                           MB: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
     """The backward through Z̄ and the dual-form products, one program per (batch, head,
     mini-batch), all in parallel: from the stored start weights, Γ1 and Γ2, it recomputes the
     output's tile loop (X2_j, Z̄1_j, X̄2_j, A2, Z̄2), back-propagates ∂out through the LayerNorm,
@@ -445,9 +469,7 @@ def _ttt_mlp_bwd_mb_kernel(XQ, XK, ETA, TAU, LNW, LNB, W1S, B1S, W2S, B2S, G1S, 
     parts through M1, M2 and the output of ∂K (DKP), ∂η (DEP), ∂τ (DTAU), ∂γ, ∂β (DLNW, DLNB, per
     program, which the carry kernel extends); and for the
     carry kernel, per mini-batch, ∂Z̄1 (DZB1), X̄2 (XB2), ∂Γ1's Z̄ term −M1ᵀ∂Z̄1 (DG1P), ∂Z1's A2
-    term (∂A2ᵀ X̄2) ⊙ GELU'(Z1) (DZ1P), ∂Z̄2 (DZB2) and ∂Γ2's Z̄ term −M2ᵀ∂Z̄2 (DG2P). VARLEN:
-    as ``_ttt_mlp_out_kernel`` (rows past the sequence's end masked: ∂out = 0 there, nothing of
-    theirs stored; the wrapper zero-fills DTAU)."""
+    term (∂A2ᵀ X̄2) ⊙ GELU'(Z1) (DZ1P), ∂Z̄2 (DZB2) and ∂Γ2's Z̄ term −M2ᵀ∂Z̄2 (DG2P)."""
     pid = tl.program_id(0)                      # = (b_idx * H + h_idx) * NMB + n = the stored slot
     bh = pid // NMB
     n = pid % NMB
@@ -458,11 +480,6 @@ def _ttt_mlp_bwd_mb_kernel(XQ, XK, ETA, TAU, LNW, LNB, W1S, B1S, W2S, B2S, G1S, 
     hc = tl.arange(0, BM)
     cmask = cols < D
     rmask = rows < MB
-    if VARLEN:                                  # bh = head (B = 1), n = slot → its mini-batch c
-        bos, n, NMBs, LAST, _ms = _packed_slot(CU, CI, n, bh, NC, MB)
-        XQ, XK, ETA, DOUT, DXQ = XQ + bos * D, XK + bos * D, ETA + bos, DOUT + bos * D, DXQ + bos * D
-        DKP, DEP = DKP + bos * D, DEP + bos
-        rmask = rows < tl.where(n == NMBs - 1, LAST, MB)
     xmask = rmask[:, None] & cmask[None, :]
     tril = rows[None, :] <= rows[:, None]
     W1P = W1S + pid * D * M
@@ -587,8 +604,8 @@ def _ttt_mlp_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, W1S, B1S, W2S, G1S, G2S,
     partial last mini-batch, which the forward did not apply; see ``_mlp_bwd_op``).
 
     VARLEN (packed batch, ``cu_seqlens`` CU, first slots CS, NC slots per head; pid = sequence·H +
-    head): the sequence's own mini-batches, from slot CS[seq] of head h, its last one's rows past
-    its end masked. A partial last mini-batch is handled in the same launch: scale −1 and no ∂τ
+    head): the sequence's own mini-batches, the slots CS[seq] … of head h (the per-token tensors
+    slot-major and zero-padded, as in ``_ttt_mlp_fwd_kernel``). A partial last mini-batch is handled in the same launch: scale −1 and no ∂τ
     term for it, and once it is done the gradient of its start weights gets DL1, DLB1, DL2, DLB2
     ([N, H, …]: the state's W_L gradient minus the end gradient the carry started from, which for
     a partial one is the gradient of its sums; see ``_mlp_bwd_packed``)."""
@@ -599,13 +616,12 @@ def _ttt_mlp_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, W1S, B1S, W2S, G1S, G2S,
     eb = pid * T
     if VARLEN:
         seq = pid // H
-        bos = tl.load(CU + seq)
-        L = tl.load(CU + seq + 1) - bos
+        L = tl.load(CU + seq + 1) - tl.load(CU + seq)
         NMB = (L + MB - 1) // MB
-        part = (L - (NMB - 1) * MB) < MB        # its last mini-batch is partial
+        part = (L % MB) != 0                    # its last mini-batch is partial
         sb = h * NC + tl.load(CS + seq)
-        xb = (h * T + bos) * D
-        eb = h * T + bos
+        xb = sb * MB * D
+        eb = sb * MB
     cdt = W1S.dtype.element_ty
     rows = tl.arange(0, BT)
     cols = tl.arange(0, BD)
@@ -627,25 +643,23 @@ def _ttt_mlp_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, W1S, B1S, W2S, G1S, G2S,
 
     for i in range(NMB):
         n = NMB - 1 - i
-        s = sb + n
-        nv = MB                                 # valid rows; the update's scale
-        cun = tau_last
+        s = _pick(sb + n, pid * NS + n, VARLEN)
+        cun = tau_last                          # the update's scale
         if VARLEN:
-            nv = tl.where(i == 0, L - (NMB - 1) * MB, MB)
             lp = ((i == 0) & part).to(cdt)      # 1 for a partial last mini-batch: no update
             cun = tau_last * (1.0 - lp) - lp
         # the index tensors are rebuilt per mini-batch and per section rather than held across
         # the tile loops (``_loop_index``; distinct expressions, so that they are not merged)
         rows, cols = _loop_index(i, NMB, BT, BD)
         cmask = cols < D
-        rmask = rows < nv
+        rmask = rows < MB
         W1P = W1S + s * D * M
         B1P = B1S + s * M
         W2P = W2S + s * M * D
         G2P = G2S + s * 2 * MB * D              # Γ2, then Z2
-        KP = XK + xb + n * MB * D               # the mini-batch's rows of K and Q (row stride D)
-        QP = XQ + xb + n * MB * D
-        e = tl.load(ETA + eb + n * MB + rows, mask=rmask, other=0.0).to(cdt)
+        KP = XK + _pick(xb, pid * T * D, VARLEN) + n * MB * D   # the mini-batch's rows of K and Q (row stride D)
+        QP = XQ + _pick(xb, pid * T * D, VARLEN) + n * MB * D
+        e = tl.load(ETA + _pick(eb, pid * T, VARLEN) + n * MB + rows, mask=rmask, other=0.0).to(cdt)
         te = -cun * e                           # the update W' = W − τ_{b−1} (…)ᵀ(η ⊙ Γ)
 
         # pass A1 (per tile): X2 through the update of W2, P2 = X2 dW2 (dW2 at the end)
@@ -685,21 +699,21 @@ def _ttt_mlp_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, W1S, B1S, W2S, G1S, G2S,
         # Γ2 from Z2 and the target V − K: the LayerNorm-fused loss's second derivative
         rows, cols = _loop_index(i + 1, NMB + 1, BT, BD)
         cmask = cols < D
-        rmask = rows < nv
+        rmask = rows < MB
         xmask = rmask[:, None] & cmask[None, :]
         is_last = rows == MB - 1
         goff = rows[:, None] * D + cols[None, :]
         t_off = n * MB + rows
-        xoff = xb + t_off[:, None] * D + cols[None, :]
+        xoff = _pick(xb, pid * T * D, VARLEN) + t_off[:, None] * D + cols[None, :]
         G2 = tl.load(G2P + goff, mask=xmask, other=0.0)
         # db2 at the END of the mini-batch (DB2 holds it between mini-batches)
         db2 = tl.load(DB2 + pid * D + cols, mask=cmask, other=0.0)
         P2 = tl.load(SDZ + goff, mask=xmask, other=0.0) + db2[None, :]
         GP += tl.sum(G2 * P2, axis=1)
         dG2 += tl.load(DG2P + s * MB * D + goff, mask=xmask, other=0.0) + te[:, None] * P2
-        tl.store(DETA + eb + t_off,
-                 (tl.load(DEP + eb + t_off, mask=rmask, other=0.0) - cun * GP).to(DETA.dtype.element_ty),
-                 mask=rmask)
+        tl.store(DETA + _pick(eb, pid * T, VARLEN) + t_off,
+                 (tl.load(DEP + _pick(eb, pid * T, VARLEN) + t_off, mask=rmask, other=0.0)
+                  - cun * GP).to(DETA.dtype.element_ty), mask=rmask)
         dto = s * MB + rows
         dtl = -tl.sum(e * GP, axis=0)
         if VARLEN:
@@ -746,8 +760,8 @@ def _ttt_mlp_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, W1S, B1S, W2S, G1S, G2S,
             tl.store(GB1 + j0 + hc, tl.load(GB1 + j0 + hc, mask=hm, other=0.0)
                      + tl.sum(dZ1 + dZ1b, axis=0), mask=hm)
         rows, cols = _loop_index(i + 2, NMB + 2, BT, BD)
-        xmask = (rows < nv)[:, None] & (cols < D)[None, :]
-        xoff = xb + (n * MB + rows)[:, None] * D + cols[None, :]
+        xmask = (rows < MB)[:, None] & (cols < D)[None, :]
+        xoff = _pick(xb, pid * T * D, VARLEN) + (n * MB + rows)[:, None] * D + cols[None, :]
         k = tl.load(DKP + xoff, mask=xmask, other=0.0) + dk
         tl.store(DXK + xoff, k.to(DXK.dtype.element_ty), mask=xmask)
         tl.debug_barrier()                      # pass C reads the ∂Z1 and X2 tiles of pass B
@@ -779,19 +793,22 @@ def _ttt_mlp_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, W1S, B1S, W2S, G1S, G2S,
         tl.debug_barrier()                      # the next mini-batch reads the gradients and scratch
         if VARLEN:
             if i == 0:                          # the last mini-batch's start weights: their own gradient
+                # index vectors tied to n (n // (NMB + T) = 0), so that they are not hoisted out of
+                # the mini-batch loop and held through it (as ``_tile_cols``)
+                z = n // (NMB + T)
                 for o0 in range(0, D * M, 32 * BM):
-                    o = o0 + tl.arange(0, 32 * BM)
+                    o = o0 + tl.arange(0, 32 * BM) + z
                     om = o < D * M
                     tl.store(GW1 + o, tl.load(GW1 + o, mask=om, other=0.0)
                              + tl.load(DL1 + pid * D * M + o, mask=om, other=0.0), mask=om)
                     tl.store(GW2 + o, tl.load(GW2 + o, mask=om, other=0.0)
                              + tl.load(DL2 + pid * D * M + o, mask=om, other=0.0), mask=om)
                 for o0 in range(0, M, 32 * BM):
-                    o = o0 + tl.arange(0, 32 * BM)
+                    o = o0 + tl.arange(0, 32 * BM) + z
                     om = o < M
                     tl.store(GB1 + o, tl.load(GB1 + o, mask=om, other=0.0)
                              + tl.load(DLB1 + pid * M + o, mask=om, other=0.0), mask=om)
-                c2 = tl.arange(0, BD)
+                c2 = tl.arange(0, BD) + z
                 tl.store(DB2 + pid * D + c2, tl.load(DB2 + pid * D + c2, mask=c2 < D, other=0.0)
                          + tl.load(DLB2 + pid * D + c2, mask=c2 < D, other=0.0), mask=c2 < D)
                 tl.debug_barrier()
@@ -912,8 +929,8 @@ def _mlp_fwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: torch
             W1S, B1S, W2S, B2S, G1S, G2S, W1F, B1F, W2F, B2F, None, None,
             T, nw, r, H, 0, LN_EPS, D=d, BD=BD, M=m, BM=BM, MB=bsz, BT=BT, BK=BK, PREC=prec, VARLEN=False, **kw)
         _ttt_mlp_out_kernel[(B * H * nw,)](
-            q_w, k_w, e_w, tau_c, lw, lb, W1S, B1S, W2S, B2S, G1S, G2S, o_w, None, None,
-            T, nw, H, 0, LN_EPS, D=d, BD=BD, M=m, BM=BM, MB=bsz, BT=BT, BK=BK, PREC=prec, VARLEN=False, **kw)
+            q_w, k_w, e_w, tau_c, lw, lb, W1S, B1S, W2S, B2S, G1S, G2S, o_w,
+            T, nw, H, LN_EPS, D=d, BD=BD, M=m, BM=BM, MB=bsz, BT=BT, BK=BK, PREC=prec, **kw)
         b2_in = B2F
     # the last mini-batch's start weights: slot nw − 1 of the last window, whose nw slots per
     # (batch, head) the kernels pack at the front of the buffers (slot (b·H + h)·nw + n)
@@ -931,21 +948,50 @@ def _packed_seqs(cu_seqlens: torch.Tensor, bsz: int):
     return (lens + bsz - 1) // bsz, lens % bsz != 0, lens == 0
 
 
+def _packed_rows(cu_seqlens: torch.Tensor, T: int, bsz: int, CS: torch.Tensor, CI: torch.Tensor):
+    """The slot-major layout of a packed batch, built on the device: the NC mini-batch slots of
+    ``packed_chunk_tables`` one after another, b rows each. Returns, per padded row, the token it
+    holds (``idx`` [NC·b], 0 where none) and whether it holds one (``valid``: the rows past a
+    sequence's end and every row of a spare slot do not), and per token its padded row (``pos``
+    [T])."""
+    dev = cu_seqlens.device
+    cu = cu_seqlens.long()
+    seq, c = CI[:, 0].long(), CI[:, 1].long()
+    sq = seq.clamp(min=0)
+    bos = cu[sq]
+    within = c[:, None] * bsz + torch.arange(bsz, device=dev)[None, :]
+    valid = (seq >= 0)[:, None] & (within < (cu[sq + 1] - bos)[:, None])
+    idx = torch.where(valid, bos[:, None] + within, 0).reshape(-1)
+    t = torch.arange(T, device=dev)
+    ts = torch.searchsorted(cu[1:], t, right=True)          # the sequence of each token
+    off = t - cu[ts]
+    pos = (CS.long()[ts] + off // bsz) * bsz + off % bsz
+    return idx, valid.reshape(-1), pos
+
+
+def _pad_rows(x: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """[1, H, T(, d)] → the slot-major [1, H, NC·b(, d)], zero in the rows that hold no token."""
+    xp = x.index_select(2, idx)
+    return torch.where(valid.view(-1, *([1] * (x.dim() - 3))), xp, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
 def _mlp_fwd_packed(XQ, XK, XV, eta, tau, ln_w, ln_b, W1, b1, W2, b2, bsz: int, cu_seqlens):
-    """The forward of a packed batch, one launch of each kernel: the state pass one program per
-    (sequence, head), walking that sequence's mini-batches from its own start weights (W1 … b2
-    [N, H, …]), its last mini-batch's rows past its end masked; the output kernel one program per
-    (head, mini-batch slot) over the ⌊T/b⌋ + N slots of ``packed_chunk_tables`` (spare slots:
-    every row masked). Every start weight is stored (no windows). The per-slot buffers are
-    zero-filled: the spare slots are read (masked rows aside) but written by no one. The last
-    mini-batch's start weights W_L of each sequence are gathered from its slot (an empty
-    sequence's: its initial weights)."""
+    """The forward of a packed batch, one launch of each kernel, on a slot-major copy of the inputs
+    (``_packed_rows``: each sequence's mini-batches in its slots, its last one zero-padded to b rows
+    with η = 0, as the fixed-length path pads its tail): the state pass one program per
+    (sequence, head), walking that sequence's slots from its own start weights (W1 … b2 [N, H,
+    …]); the output kernel, unchanged, one program per (head, slot) over the ⌊T/b⌋ + N slots (a
+    spare slot computes on zero rows). Every start weight is stored (no windows); the per-slot
+    buffers are zero-filled, so a spare slot reads zeros. The last mini-batch's start weights
+    W_L of each sequence are gathered from its slot (an empty sequence's: its initial weights)."""
     _, H, T, d = XQ.shape
     m = W1.shape[-1]
     N, NC, CS, CI = packed_chunk_tables(T, bsz, cu_seqlens)
+    idx, valid, pos = _packed_rows(cu_seqlens, T, bsz, CS, CI)
+    TP = NC * bsz
     cdt = acc_dtype(XQ.dtype)
     dev = XQ.device
-    XQ, XK, XV, eta = (x.contiguous() for x in (XQ, XK, XV, eta))
+    XQ, XK, XV, eta = (_pad_rows(x, idx, valid) for x in (XQ, XK, XV, eta))
     tau_c = tau.to(cdt).contiguous()
     lw, lb = ln_w.to(cdt).contiguous(), ln_b.to(cdt).contiguous()
     out = torch.empty_like(XQ)
@@ -956,22 +1002,22 @@ def _mlp_fwd_packed(XQ, XK, XV, eta, tau, ln_w, ln_b, W1, b1, W2, b2, bsz: int, 
     b20 = b2.to(cdt).contiguous()
     B2F = torch.empty(N, H, 1, d, dtype=cdt, device=dev)
     BD, BM, BT, kw = _mlp_launch_cfg(d, m, bsz, packed=True)
-    BK = _mlp_col_block(BD)
     prec = _precision(XQ.dtype)
+    BK = _mlp_col_block(BD, prec)
     _ttt_mlp_fwd_kernel[(N * H,)](
         XK, XV, eta, tau_c, lw, lb, b20, W1S, B1S, W2S, B2S, G1S, G2S, W1F, B1F, W2F, B2F, cu_seqlens, CS,
-        T, 0, 0, H, NC, LN_EPS, D=d, BD=BD, M=m, BM=BM, MB=bsz, BT=BT, BK=BK, PREC=prec, VARLEN=True, **kw)
+        TP, 0, 0, H, NC, LN_EPS, D=d, BD=BD, M=m, BM=BM, MB=bsz, BT=BT, BK=BK, PREC=prec, VARLEN=True, **kw)
     _ttt_mlp_out_kernel[(H * NC,)](
-        XQ, XK, eta, tau_c, lw, lb, W1S, B1S, W2S, B2S, G1S, G2S, out, cu_seqlens, CI,
-        T, NC, H, NC, LN_EPS, D=d, BD=BD, M=m, BM=BM, MB=bsz, BT=BT, BK=BK, PREC=prec, VARLEN=True, **kw)
+        XQ, XK, eta, tau_c, lw, lb, W1S, B1S, W2S, B2S, G1S, G2S, out,
+        TP, NC, H, LN_EPS, D=d, BD=BD, M=m, BM=BM, MB=bsz, BT=BT, BK=BK, PREC=prec, **kw)
     nts, _part, empty = _packed_seqs(cu_seqlens, bsz)
-    idx = (CS.long() + nts - 1).clamp(min=0)
+    last_slot = (CS.long() + nts - 1).clamp(min=0)
 
     def last(S, W0):
-        g = S[0].index_select(1, idx).transpose(0, 1).reshape(W0.shape)
+        g = S[0].index_select(1, last_slot).transpose(0, 1).reshape(W0.shape)
         return torch.where(empty.view(N, 1, 1, 1), W0.to(cdt), g)
     lasts = [last(W1S, W1), last(B1S, b1), last(W2S, W2), last(B2S, b2)]
-    return [out, W1F, B1F, W2F, B2F, *lasts, W1S, B1S, W2S, B2S, G1S, G2S]
+    return [out.index_select(2, pos), W1F, B1F, W2F, B2F, *lasts, W1S, B1S, W2S, B2S, G1S, G2S]
 
 
 @_mlp_fwd_op.register_fake
@@ -1045,9 +1091,9 @@ def _mlp_bwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: torch
     XQ, XK, XV, eta = (x.contiguous() for x in (XQ, XK, XV, eta))
     _ttt_mlp_bwd_mb_kernel[(B * H * NMB,)](
         XQ, XK, eta, tau_c, lw, lb, W1S, B1S, W2S, B2S, G1S, G2S, dout,
-        DZB1, XB2, DG1P, DZ1P, DZB2, DG2P, DKP, DEP, dXQ, dTAU, dLNW, dLNB, None, None,
-        T, NMB, H, 0, LN_EPS, D=d, BD=BD, M=m, BM=BM, MB=bsz, BT=BT, BK=_mlp_col_block(BD, prec, "bwd_mb", device_arch(dev)),
-        PREC=prec, VARLEN=False, **kw)
+        DZB1, XB2, DG1P, DZ1P, DZB2, DG2P, DKP, DEP, dXQ, dTAU, dLNW, dLNB,
+        T, NMB, H, LN_EPS, D=d, BD=BD, M=m, BM=BM, MB=bsz, BT=BT, BK=_mlp_col_block(BD, prec, "bwd_mb", device_arch(dev)),
+        PREC=prec, **kw)
 
     def carry(first, count, scale):
         """The carry over mini-batches first … first + count − 1 (in reverse), the update's scale
@@ -1089,12 +1135,14 @@ def _mlp_bwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: torch
 
 def _mlp_bwd_packed(XQ, XK, XV, eta, tau, ln_w, ln_b, W1S, B1S, W2S, B2S, G1S, G2S, dout, ends, lasts,
                     bsz: int, dts, cu_seqlens):
-    """The backward of a packed batch, one launch of each kernel: the per-mini-batch one per
-    (head, slot), the carry one per (sequence, head), each sequence from the gradient of its own
-    end weights, its last mini-batch (partial: scale −1, no ∂τ term) in the same walk; once that
-    is done the carry adds Δ = ∂W_L − [partial] ∂W_end (the start weights' own gradient; a partial
-    one's end values are its sums, not a function of its start weights), and an empty sequence's
-    gradient is ∂W_end + ∂W_L (both are its initial weights). ∂W1_0 … ∂b2_0 are [N, H, …]."""
+    """The backward of a packed batch, one launch of each kernel on the slot-major copies (as
+    ``_mlp_fwd_packed``; ∂out zero in the padding): the per-mini-batch kernel, unchanged, one
+    program per (head, slot), the carry one per (sequence, head), each sequence from the gradient
+    of its own end weights, its last mini-batch (partial: scale −1, no ∂τ term) in the same walk;
+    once that is done the carry adds Δ = ∂W_L − [partial] ∂W_end (the start weights' own
+    gradient; a partial one's end values are its sums, not a function of its start weights), and
+    an empty sequence's gradient is ∂W_end + ∂W_L (both are its initial weights). ∂W1_0 … ∂b2_0
+    are [N, H, …]; the input gradients are gathered back to the packed rows."""
     tau_dt, lw_dt, lb_dt = tau.dtype, ln_w.dtype, ln_b.dtype
     cdt = W1S.dtype
     dev = XQ.device
@@ -1103,6 +1151,8 @@ def _mlp_bwd_packed(XQ, XK, XV, eta, tau, ln_w, ln_b, W1S, B1S, W2S, B2S, G1S, G
     _, H, T, d = XQ.shape
     m = W1S.shape[-1]
     N, NC, CS, CI = packed_chunk_tables(T, bsz, cu_seqlens)
+    idx, valid, pos = _packed_rows(cu_seqlens, T, bsz, CS, CI)
+    TP = NC * bsz
     _nts, part, empty = _packed_seqs(cu_seqlens, bsz)
     shapes = ((N, H, d, m), (N, H, 1, m), (N, H, m, d), (N, H, 1, d))
 
@@ -1120,34 +1170,33 @@ def _mlp_bwd_packed(XQ, XK, XV, eta, tau, ln_w, ln_b, W1S, B1S, W2S, B2S, G1S, G
         if ge is not None:
             dl -= torch.where(part.view(N, 1, 1, 1), ge.to(cdt), 0.0)
         delta.append(dl.contiguous())
-    dout = torch.zeros_like(XQ) if dout is None else dout.contiguous()
-    XQ, XK, XV, eta = (x.contiguous() for x in (XQ, XK, XV, eta))
+    dout = torch.zeros_like(XQ) if dout is None else dout
+    XQ, XK, XV, eta, dout = (_pad_rows(x, idx, valid) for x in (XQ, XK, XV, eta, dout))
     dXQ, dXK, dXV = (torch.empty_like(XQ) for _ in range(3))
     dETA = torch.empty_like(eta)
     DZB1, XB2, DG1P, DZ1P = (empty_buf(1, H, NC, bsz, m) for _ in range(4))
     DZB2, DG2P = (empty_buf(1, H, NC, bsz, d) for _ in range(2))
-    DKP, DEP = empty_buf(1, H, T, d), empty_buf(1, H, T)
-    # summed over every slot: the rows past a sequence's end (and every row of a spare slot)
-    # are written by no one
-    dTAU, dLNW, dLNB = zeros(1, H, NC, bsz), zeros(1, H, NC, d), zeros(1, H, NC, d)
+    DKP, DEP = empty_buf(1, H, TP, d), empty_buf(1, H, TP)
+    dTAU, dLNW, dLNB = empty_buf(1, H, NC, bsz), empty_buf(1, H, NC, d), empty_buf(1, H, NC, d)
     SZ, SS, SX, SD = empty_buf(N, H, bsz, m), empty_buf(N, H, bsz, m), empty_buf(N, H, bsz, m), empty_buf(N, H, bsz, d)
     BD, BM, BT, kw = _mlp_launch_cfg(d, m, bsz, packed=True)
     prec = _precision(XQ.dtype)
-    BK = _mlp_col_block(BD, prec)
     _ttt_mlp_bwd_mb_kernel[(H * NC,)](
         XQ, XK, eta, tau_c, lw, lb, W1S, B1S, W2S, B2S, G1S, G2S, dout,
-        DZB1, XB2, DG1P, DZ1P, DZB2, DG2P, DKP, DEP, dXQ, dTAU, dLNW, dLNB, cu_seqlens, CI,
-        T, NC, H, NC, LN_EPS, D=d, BD=BD, M=m, BM=BM, MB=bsz, BT=BT,
-        BK=_mlp_col_block(BD, prec, "bwd_mb", device_arch(dev)), PREC=prec, VARLEN=True, **kw)
+        DZB1, XB2, DG1P, DZ1P, DZB2, DG2P, DKP, DEP, dXQ, dTAU, dLNW, dLNB,
+        TP, NC, H, LN_EPS, D=d, BD=BD, M=m, BM=BM, MB=bsz, BT=BT,
+        BK=_mlp_col_block(BD, prec, "bwd_mb", device_arch(dev)), PREC=prec, **kw)
     _ttt_mlp_bwd_kernel[(N * H,)](
         XQ, XK, XV, eta, tau_c, lw, lb, W1S, B1S, W2S, G1S, G2S,
         DZB1, XB2, DG1P, DZ1P, DZB2, DG2P, DKP, DEP, SZ, SS, SX, SD,
         dXK, dXV, dETA, dTAU, dLNW, dLNB, *dW0, tau_c[bsz - 1:], cu_seqlens, CS, *delta,
-        T, 0, 0, H, NC, LN_EPS, D=d, BD=BD, M=m, BM=BM, MB=bsz, BT=BT, BK=BK, PREC=prec, VARLEN=True, **kw)
+        TP, 0, 0, H, NC, LN_EPS, D=d, BD=BD, M=m, BM=BM, MB=bsz, BT=BT, BK=_mlp_col_block(BD, prec),
+        PREC=prec, VARLEN=True, **kw)
     for buf, gl in zip(dW0, lasts):
         if gl is not None:
             buf += torch.where(empty.view(N, 1, 1, 1), gl.to(cdt), 0.0)
-    return [dXQ, dXK, dXV, dETA, dTAU.sum((0, 1, 2)).to(tau_dt), dLNW.sum((0, 2)).to(lw_dt),
+    return [dXQ.index_select(2, pos), dXK.index_select(2, pos), dXV.index_select(2, pos),
+            dETA.index_select(2, pos), dTAU.sum((0, 1, 2)).to(tau_dt), dLNW.sum((0, 2)).to(lw_dt),
             dLNB.sum((0, 2)).to(lb_dt)] + [g.to(dt) for g, dt in zip(dW0, dts)]
 
 
