@@ -55,7 +55,7 @@ def compile_cases():
                 BD, BM, BT, kw = mlp_chunk._mlp_launch_cfg(d, m, b, packed=varlen)
                 cfg = f"{dt} d={d} m={m} b={b}{' varlen' if varlen else ''}"
                 prec = chunk._precision(tdt)
-                fwd = {"BK": mlp_chunk._mlp_col_block(BD, prec)}
+                fwd = {"BK": mlp_chunk._mlp_col_block(BD, prec, packed=varlen)}
                 # the per-mini-batch backward picks its column block per GPU family: one case per arch
                 per_arch = [(mlp_chunk._ttt_mlp_bwd_mb_kernel, f"{cfg} sm_{arch}",
                              {"BK": mlp_chunk._mlp_col_block(BD, prec, "bwd_mb", arch=arch)}, (arch,))

@@ -605,23 +605,16 @@ def _ttt_mlp_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, W1S, B1S, W2S, G1S, G2S,
 
     VARLEN (packed batch, ``cu_seqlens`` CU, first slots CS, NC slots per head; pid = sequence·H +
     head): the sequence's own mini-batches, the slots CS[seq] … of head h (the per-token tensors
-    slot-major and zero-padded, as in ``_ttt_mlp_fwd_kernel``). A partial last mini-batch is handled in the same launch: scale −1 and no ∂τ
-    term for it, and once it is done the gradient of its start weights gets DL1, DLB1, DL2, DLB2
-    ([N, H, …]: the state's W_L gradient minus the end gradient the carry started from, which for
-    a partial one is the gradient of its sums; see ``_mlp_bwd_packed``)."""
+    slot-major and zero-padded, as in ``_ttt_mlp_fwd_kernel``); SC [2, H, NC] holds per slot the
+    update's scale and whether it has a ∂τ term (τ_{b−1}, 1; a partial last mini-batch −1, 0), so
+    a partial last mini-batch runs in the same launch; once a sequence's last mini-batch is done,
+    the gradient of its start weights gets DL1, DLB1, DL2, DLB2 ([N, H, …]: the state's W_L
+    gradient minus the end gradient the carry started from, which for a partial one is the
+    gradient of its sums; see ``_mlp_bwd_packed``)."""
     pid = tl.program_id(0)
     h = pid % H
-    sb = pid * NS                               # the program's first slot, row and η offsets
-    xb = pid * T * D
-    eb = pid * T
     if VARLEN:
-        seq = pid // H
-        L = tl.load(CU + seq + 1) - tl.load(CU + seq)
-        NMB = (L + MB - 1) // MB
-        part = (L % MB) != 0                    # its last mini-batch is partial
-        sb = h * NC + tl.load(CS + seq)
-        xb = sb * MB * D
-        eb = sb * MB
+        NMB = (tl.load(CU + pid // H + 1) - tl.load(CU + pid // H) + MB - 1) // MB
     cdt = W1S.dtype.element_ty
     rows = tl.arange(0, BT)
     cols = tl.arange(0, BD)
@@ -643,11 +636,14 @@ def _ttt_mlp_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, W1S, B1S, W2S, G1S, G2S,
 
     for i in range(NMB):
         n = NMB - 1 - i
-        s = _pick(sb + n, pid * NS + n, VARLEN)
-        cun = tau_last                          # the update's scale
+        s = pid * NS + n
         if VARLEN:
-            lp = ((i == 0) & part).to(cdt)      # 1 for a partial last mini-batch: no update
-            cun = tau_last * (1.0 - lp) - lp
+            # the sequence's first slot, read again per mini-batch (tied to i: i // (NMB + T) = 0)
+            # rather than held in a register through the loop
+            s = h * NC + tl.load(CS + pid // H + i // (NMB + T)) + n
+        cun = tau_last                          # the update's scale
+        if VARLEN:                              # per slot: −1 for a partial last mini-batch
+            cun = tl.load(SC + s).to(cdt)
         # the index tensors are rebuilt per mini-batch and per section rather than held across
         # the tile loops (``_loop_index``; distinct expressions, so that they are not merged)
         rows, cols = _loop_index(i, NMB, BT, BD)
@@ -657,9 +653,10 @@ def _ttt_mlp_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, W1S, B1S, W2S, G1S, G2S,
         B1P = B1S + s * M
         W2P = W2S + s * M * D
         G2P = G2S + s * 2 * MB * D              # Γ2, then Z2
-        KP = XK + _pick(xb, pid * T * D, VARLEN) + n * MB * D   # the mini-batch's rows of K and Q (row stride D)
-        QP = XQ + _pick(xb, pid * T * D, VARLEN) + n * MB * D
-        e = tl.load(ETA + _pick(eb, pid * T, VARLEN) + n * MB + rows, mask=rmask, other=0.0).to(cdt)
+        # the mini-batch's rows of K and Q (row stride D); packed: slot s's rows of the slot-major copy
+        KP = _pick(XK + s * MB * D, XK + pid * T * D + n * MB * D, VARLEN)
+        QP = _pick(XQ + s * MB * D, XQ + pid * T * D + n * MB * D, VARLEN)
+        e = tl.load(_pick(ETA + s * MB, ETA + pid * T + n * MB, VARLEN) + rows, mask=rmask, other=0.0).to(cdt)
         te = -cun * e                           # the update W' = W − τ_{b−1} (…)ᵀ(η ⊙ Γ)
 
         # pass A1 (per tile): X2 through the update of W2, P2 = X2 dW2 (dW2 at the end)
@@ -704,20 +701,21 @@ def _ttt_mlp_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, W1S, B1S, W2S, G1S, G2S,
         is_last = rows == MB - 1
         goff = rows[:, None] * D + cols[None, :]
         t_off = n * MB + rows
-        xoff = _pick(xb, pid * T * D, VARLEN) + t_off[:, None] * D + cols[None, :]
+        xoff = _pick(s * MB * D + rows[:, None] * D + cols[None, :], pid * T * D + t_off[:, None] * D + cols[None, :],
+                     VARLEN)
         G2 = tl.load(G2P + goff, mask=xmask, other=0.0)
         # db2 at the END of the mini-batch (DB2 holds it between mini-batches)
         db2 = tl.load(DB2 + pid * D + cols, mask=cmask, other=0.0)
         P2 = tl.load(SDZ + goff, mask=xmask, other=0.0) + db2[None, :]
         GP += tl.sum(G2 * P2, axis=1)
         dG2 += tl.load(DG2P + s * MB * D + goff, mask=xmask, other=0.0) + te[:, None] * P2
-        tl.store(DETA + _pick(eb, pid * T, VARLEN) + t_off,
-                 (tl.load(DEP + _pick(eb, pid * T, VARLEN) + t_off, mask=rmask, other=0.0)
-                  - cun * GP).to(DETA.dtype.element_ty), mask=rmask)
+        eo = _pick(s * MB + rows, pid * T + t_off, VARLEN)
+        tl.store(DETA + eo, (tl.load(DEP + eo, mask=rmask, other=0.0) - cun * GP).to(DETA.dtype.element_ty),
+                 mask=rmask)
         dto = s * MB + rows
         dtl = -tl.sum(e * GP, axis=0)
-        if VARLEN:
-            dtl = dtl * (1.0 - lp)              # a partial last mini-batch's scale −1 has no τ
+        if VARLEN:                              # 0 for a partial last mini-batch: its scale −1 has no τ
+            dtl = dtl * tl.load(SC + H * NC + s).to(cdt)
         tl.store(DTAU + dto, tl.load(DTAU + dto, mask=rmask, other=0.0)
                  + tl.where(is_last, dtl, 0.0), mask=rmask)
         k = tl.load(XK + xoff, mask=xmask, other=0.0).to(cdt)
@@ -761,7 +759,8 @@ def _ttt_mlp_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, W1S, B1S, W2S, G1S, G2S,
                      + tl.sum(dZ1 + dZ1b, axis=0), mask=hm)
         rows, cols = _loop_index(i + 2, NMB + 2, BT, BD)
         xmask = (rows < MB)[:, None] & (cols < D)[None, :]
-        xoff = _pick(xb, pid * T * D, VARLEN) + (n * MB + rows)[:, None] * D + cols[None, :]
+        xoff = _pick(s * MB * D + rows[:, None] * D + cols[None, :],
+                     pid * T * D + (n * MB + rows)[:, None] * D + cols[None, :], VARLEN)
         k = tl.load(DKP + xoff, mask=xmask, other=0.0) + dk
         tl.store(DXK + xoff, k.to(DXK.dtype.element_ty), mask=xmask)
         tl.debug_barrier()                      # pass C reads the ∂Z1 and X2 tiles of pass B
@@ -833,13 +832,14 @@ def _mlp_launch_cfg(d: int, m: int, b: int, packed: bool = False):
     return BD, 16, BT, {"num_warps": 8, "num_stages": 1}
 
 
-def _mlp_col_block(BD: int, prec: str = "bf16", part: str = "fwd", arch: int = INTERPRET_ARCH) -> int:
+def _mlp_col_block(BD: int, prec: str = "bf16", part: str = "fwd", arch: int = INTERPRET_ARCH,
+                   packed: bool = False) -> int:
     """The column block BK of the kernels' products with a [b, d] operand (``_rows_w``,
     ``_xt_blk``): min(BD, 32), except in the per-mini-batch backward (``part="bwd_mb"``) with
     3×TF32 operands (``prec="tf32x3"``) on the sm_80 family (``arch``, ``device_arch``), where the
     split operands spill at 32 (d = 128) and BK = 16 (which spills at d = 64 on sm_90); 16 under
     the interpreter, so that the tests' small d run several blocks."""
-    if is_interpreting() or (part == "bwd_mb" and prec == "tf32x3" and arch == 80):
+    if is_interpreting() or packed or (part == "bwd_mb" and prec == "tf32x3" and arch == 80):
         return 16
     return min(BD, 32)
 
@@ -1006,7 +1006,8 @@ def _mlp_fwd_packed(XQ, XK, XV, eta, tau, ln_w, ln_b, W1, b1, W2, b2, bsz: int, 
     BK = _mlp_col_block(BD, prec)
     _ttt_mlp_fwd_kernel[(N * H,)](
         XK, XV, eta, tau_c, lw, lb, b20, W1S, B1S, W2S, B2S, G1S, G2S, W1F, B1F, W2F, B2F, cu_seqlens, CS,
-        TP, 0, 0, H, NC, LN_EPS, D=d, BD=BD, M=m, BM=BM, MB=bsz, BT=BT, BK=BK, PREC=prec, VARLEN=True, **kw)
+        TP, 0, 0, H, NC, LN_EPS, D=d, BD=BD, M=m, BM=BM, MB=bsz, BT=BT, BK=_mlp_col_block(BD, prec, packed=True),
+        PREC=prec, VARLEN=True, **kw)
     _ttt_mlp_out_kernel[(H * NC,)](
         XQ, XK, eta, tau_c, lw, lb, W1S, B1S, W2S, B2S, G1S, G2S, out,
         TP, NC, H, LN_EPS, D=d, BD=BD, M=m, BM=BM, MB=bsz, BT=BT, BK=BK, PREC=prec, **kw)
@@ -1179,6 +1180,13 @@ def _mlp_bwd_packed(XQ, XK, XV, eta, tau, ln_w, ln_b, W1S, B1S, W2S, B2S, G1S, G
     DKP, DEP = empty_buf(1, H, TP, d), empty_buf(1, H, TP)
     dTAU, dLNW, dLNB = empty_buf(1, H, NC, bsz), empty_buf(1, H, NC, d), empty_buf(1, H, NC, d)
     SZ, SS, SX, SD = empty_buf(N, H, bsz, m), empty_buf(N, H, bsz, m), empty_buf(N, H, bsz, m), empty_buf(N, H, bsz, d)
+    # per slot (for every head): the update's scale and whether τ_{b−1} enters it; a partial last
+    # mini-batch (its end values are its sums) takes −1 and none
+    seq, c = CI[:, 0].long(), CI[:, 1].long()
+    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    plast = (seq >= 0) & ((c + 1) * bsz > lens[seq.clamp(min=0)])
+    scale = torch.stack([torch.where(plast, -1.0, tau_c[bsz - 1]), (~plast).to(cdt)])
+    scale = scale[:, None, :].expand(2, H, NC).contiguous()
     BD, BM, BT, kw = _mlp_launch_cfg(d, m, bsz, packed=True)
     prec = _precision(XQ.dtype)
     _ttt_mlp_bwd_mb_kernel[(H * NC,)](
@@ -1189,9 +1197,9 @@ def _mlp_bwd_packed(XQ, XK, XV, eta, tau, ln_w, ln_b, W1S, B1S, W2S, B2S, G1S, G
     _ttt_mlp_bwd_kernel[(N * H,)](
         XQ, XK, XV, eta, tau_c, lw, lb, W1S, B1S, W2S, G1S, G2S,
         DZB1, XB2, DG1P, DZ1P, DZB2, DG2P, DKP, DEP, SZ, SS, SX, SD,
-        dXK, dXV, dETA, dTAU, dLNW, dLNB, *dW0, tau_c[bsz - 1:], cu_seqlens, CS, *delta,
-        TP, 0, 0, H, NC, LN_EPS, D=d, BD=BD, M=m, BM=BM, MB=bsz, BT=BT, BK=_mlp_col_block(BD, prec),
-        PREC=prec, VARLEN=True, **kw)
+        dXK, dXV, dETA, dTAU, dLNW, dLNB, *dW0, scale, cu_seqlens, CS, *delta,
+        TP, 0, 0, H, NC, LN_EPS, D=d, BD=BD, M=m, BM=BM, MB=bsz, BT=BT,
+        BK=_mlp_col_block(BD, prec, "bwd", packed=True), PREC=prec, VARLEN=True, **kw)
     for buf, gl in zip(dW0, lasts):
         if gl is not None:
             buf += torch.where(empty.view(N, 1, 1, 1), gl.to(cdt), 0.0)
