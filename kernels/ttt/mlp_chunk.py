@@ -87,23 +87,25 @@ with the PyTorch dual form, chained through autograd. tanh is written with exp (
 2/(e^{2u} + 1), exact at ±∞).
 
 Packed batches (``cu_seqlens``, B = 1, ``ttt_mlp_triton_packed``): one launch of each kernel for
-all N sequences, with VARLEN = True, on the mini-batch tables of ``packed_chunk_tables`` (built
-on the device: ⌊T/b⌋ + N slots per head, each sequence's first slot, (sequence, mini-batch) per
-slot, spare slots marked −1; no copy of ``cu_seqlens`` to the host but the one flag of
-``check_cu_seqlens``). The serial kernels (state pass, carry) run one program per (sequence,
-head), each walking its own ⌈L/b⌉ mini-batches from its own start weights (``initial_state`` row
-n, or the shared weights expanded to [N, H, …]); the output and per-mini-batch backward kernels
-one per (head, slot). Nothing is padded: each sequence's last mini-batch masks its rows past
-L − (⌈L/b⌉ − 1) b (they belong to the next sequence), which reads them as the zero padding of
-the fixed-length path (η = 0, ∂out = 0, nothing of theirs stored); a spare slot masks every row
-and reads no input. The per-slot buffers are zero-filled, so the spare slots' products and
-partial sums (∂τ, ∂γ, ∂β) are zero. Each sequence ends in its own state: a partial last
+all N sequences, on the mini-batch tables of ``packed_chunk_tables`` (built on the device:
+⌊T/b⌋ + N slots per head, each sequence's first slot, (sequence, mini-batch) per slot, spare
+slots marked −1; nothing of ``cu_seqlens`` is copied to the host before the launches but the one
+flag of ``check_cu_seqlens``). The wrapper pads per sequence on the device (``_packed_rows``): a
+slot-major copy of XQ, XK, XV, η (and ∂out) holds each slot's b rows, zero past a sequence's end
+and in the spare slots — each sequence's last mini-batch zero-padded with η = 0, exactly as the
+fixed-length path pads its tail — and the outputs and input gradients are gathered back. On it
+the output and per-mini-batch backward kernels are the fixed-length ones, one program per (head,
+slot) (a spare slot computes on zeros: the per-slot buffers are zero-filled, its partial sums of
+∂τ, ∂γ, ∂β are zero); only the serial kernels have packed variants (VARLEN = True), one program
+per (sequence, head), each walking its own ⌈L/b⌉ slots from its own start weights
+(``initial_state`` row n, or the shared weights expanded to [N, H, …]), its valid row count of
+the last one read from ``cu_seqlens``. Each sequence ends in its own state: a partial last
 mini-batch of r rows is not applied (the state pass writes its sums, keep = 0), the state holds
 its start weights (gathered from its slot), the sums and pos = r; an empty sequence keeps its
-initial state. The carry handles a partial last mini-batch in the same launch (scale −1 and no
-∂τ term for it), then adds Δ = ∂W_L − ∂W_end to the gradient of its start weights, where the
-fixed-length path adds them between two launches. Every input's gradient flows, the initial
-state's included.
+initial state. The carry runs a partial last mini-batch in the same launch (a per-slot scale:
+−1 and no ∂τ term for it), then adds Δ = ∂W_L − ∂W_end to the gradient of its start weights,
+where the fixed-length path adds them between two launches. Every input's gradient flows, the
+initial state's included. The padded copies cost O(T d) memory traffic per call.
 
 Precision (``_precision``, ``_dot`` in ``chunk.py``): everything is carried and accumulated in
 float32 (float64 for float64 inputs), the weights included (float32 masters); the tl.dot operands
@@ -125,7 +127,11 @@ all warps along its b rows (each warp then holds the whole tile), so the tile lo
 ∂γ, ∂β and ∂τ are added to global buffers per mini-batch), rebuilds its index tensors per section
 (``_loop_index``) and per tile (``_tile_cols``) so that they are not hoisted and held, and keeps
 P2 in scratch through pass A2. All four kernels compile clean (no spills, tensor cores) at d = 64
-and d = 128, bfloat16 and float32, on both.
+and d = 128, bfloat16 and float32, on both. The packed (VARLEN) state pass and carry take BK = 16
+(``_mlp_col_block(packed=True)``: with 32 the packed state pass at d = 64, bf16, spilled 24 B on
+sm_90 and the packed carry 4–56 B) and compile clean too, but for the packed bfloat16 carry at
+d = 128 on sm_90, which spills 20 B (the fixed-length one sits at 255 registers without; column
+blocks of 32, 64, 128 spill 24, 4, 4 B; 4 and 16 warps spill more).
 """
 from __future__ import annotations
 
@@ -824,7 +830,8 @@ def _mlp_launch_cfg(d: int, m: int, b: int, packed: bool = False):
     BM = 16 on 8 warps. Register pressure comes mostly from the [b, d] tiles that enter products
     as the left operand (each warp holds all b rows of such an operand, whatever the warp count)
     and stay live across the tile loop, not from the weight tiles: BM = 32 or 4 warps spill more.
-    The packed variants (``packed``, VARLEN = True) take the same."""
+    The packed variants (``packed``, VARLEN = True) take the same (their column block differs,
+    ``_mlp_col_block``)."""
     BD = max(16, triton.next_power_of_2(d))
     BT = max(16, triton.next_power_of_2(b))
     if is_interpreting():
@@ -837,8 +844,9 @@ def _mlp_col_block(BD: int, prec: str = "bf16", part: str = "fwd", arch: int = I
     """The column block BK of the kernels' products with a [b, d] operand (``_rows_w``,
     ``_xt_blk``): min(BD, 32), except in the per-mini-batch backward (``part="bwd_mb"``) with
     3×TF32 operands (``prec="tf32x3"``) on the sm_80 family (``arch``, ``device_arch``), where the
-    split operands spill at 32 (d = 128) and BK = 16 (which spills at d = 64 on sm_90); 16 under
-    the interpreter, so that the tests' small d run several blocks."""
+    split operands spill at 32 (d = 128) and BK = 16 (which spills at d = 64 on sm_90); 16 in the
+    packed (``packed``, VARLEN) state pass and carry, whose per-sequence offsets and scale spilled
+    4–56 B with 32; 16 under the interpreter, so that the tests' small d run several blocks."""
     if is_interpreting() or packed or (part == "bwd_mb" and prec == "tf32x3" and arch == 80):
         return 16
     return min(BD, 32)
