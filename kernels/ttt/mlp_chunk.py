@@ -165,8 +165,8 @@ def _gelu_tanh3(x):
 @triton.jit
 def _pick(a, b, VARLEN: tl.constexpr):
     """``a`` in the packed (VARLEN) variant of a kernel, ``b`` in the fixed-length one: the
-    fixed-length kernels keep their own expressions (offsets from the program id, masks against
-    the constexpr MB), so that their compiled code is the same as without the packed variant."""
+    fixed-length kernels keep their own offset expressions (from the program id), so that their
+    compiled code is the same as without the packed variant."""
     if VARLEN:
         return a
     else:
@@ -1309,9 +1309,11 @@ def ttt_mlp_triton_packed(XQ, XK, XV, eta, token_idx, ln_weight, ln_bias, W1, b1
     m = W1.shape[-1]
     cu = check_cu_seqlens("ttt_mlp_triton", cu_seqlens, T, XQ.device)
     N = cu.numel() - 1
-    if N * H * T * max(d, m) >= 2 ** 31:
-        raise ValueError(f"ttt_mlp_triton: a packed launch indexes (sequence, head) rows with int32 offsets: "
-                         f"N·H·T·max(d, m) = {N * H * T * max(d, m)} must be < 2^31; split the batch")
+    rows = (T // mini_batch_size + N) * mini_batch_size          # the slot-major copy's rows per head
+    if max(H * rows * max(d, m), N * H * d * m) >= 2 ** 31:
+        raise ValueError(f"ttt_mlp_triton: a packed launch indexes its slot-major rows and per-sequence weights "
+                         f"with int32 offsets: H·(⌊T/b⌋ + N)·b·max(d, m) = {H * rows * max(d, m)} and N·H·d·m = "
+                         f"{N * H * d * m} must be < 2^31; split the batch")
     keys = ("W1", "b1", "W2", "b2")
     if initial_state is not None:
         w0 = [initial_state[k] for k in keys]
