@@ -28,8 +28,9 @@ tensor [N, H, …], "pos" 0 for all) or from the weights arguments ([H, …] or 
 state then holds every tensor stacked [N, H, …] and "pos" as a list of N ints. Sequences may be
 empty (their final state is their initial one). With backend="triton", TTT-Linear runs the packed
 batch in one launch of each of its kernels (``ttt_linear_triton_packed`` in ``chunk.py``: the
-mini-batch tables built on the device, one flag read back to check the offsets); every other
-backend, and TTT-MLP, runs once on each sequence, so its kernels are launched N times.
+mini-batch tables built on the device, one flag read back to check the offsets), and so does
+TTT-MLP (``ttt_mlp_triton_packed`` in ``mlp_chunk.py``); every other backend runs once on each
+sequence, so its kernels are launched N times.
 """
 from __future__ import annotations
 
@@ -180,9 +181,21 @@ def ttt_mlp(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: torch.Ten
             output_final_state: bool = False, backend: str = "torch",
             cu_seqlens: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Optional[dict]]:
     """TTT-MLP: f(x; W1, b1, W2, b2) = GELU_tanh(x W1 + b1) W2 + b2. With ``cu_seqlens`` (int32
-    [N+1], B = 1) the N packed sequences run one after another through ``backend`` (see the module
-    docstring)."""
+    [N+1], B = 1) the N packed sequences run in one launch per kernel with backend="triton", one
+    after another through any other ``backend`` (see the module docstring)."""
     _check(XQ, XK, XV, eta, token_idx, mini_batch_size)
+    if cu_seqlens is not None and backend == "triton" and has_triton_backend("mlp") and XQ.shape[2] > 0:
+        # one launch of each kernel over the packed batch (T = 0: the per-sequence path below)
+        if XQ.shape[0] != 1:
+            raise ValueError(f"ttt_mlp: cu_seqlens needs packed input with B = 1, got B = {XQ.shape[0]}")
+        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+            raise ValueError(f"ttt_mlp: cu_seqlens must be an integer tensor [N+1] with N ≥ 1, "
+                             f"got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
+        _check_varlen_state("ttt_mlp", {"W1": W1, "b1": b1, "W2": W2, "b2": b2}, initial_state,
+                            cu_seqlens.numel() - 1)
+        from kernels.ttt.mlp_chunk import ttt_mlp_triton_packed
+        return ttt_mlp_triton_packed(XQ, XK, XV, eta, token_idx, ln_weight, ln_bias, W1, b1, W2, b2,
+                                     mini_batch_size, initial_state, output_final_state, cu_seqlens)
     if cu_seqlens is not None:
         def run(t0, t1, st):
             return ttt_mlp(XQ[:, :, t0:t1], XK[:, :, t0:t1], XV[:, :, t0:t1], eta[:, :, t0:t1], token_idx,

@@ -3,12 +3,12 @@
 which runs in the same 128-wide tiles), TTT-MLP's 4x inner width, mini-batch 16 (every preset)
 and 64, bfloat16 and float32 inputs, with the tile sizes and launch options the wrappers in
 ``chunk.py`` (TTT-Linear, per GPU family: one case per arch, named with it) and ``mlp_chunk.py``
-(TTT-MLP; its per-mini-batch backward per GPU family, named likewise) pick. TTT-Linear also runs
-packed batches (``cu_seqlens``, one launch over all sequences): those variants take the offsets
-and mini-batch tables (int32 pointers, None above) with VARLEN = True, configs named "varlen". The
-head of a state begun mid-mini-batch (pos > 0) is a launch of the same variants: every launch of the
-output kernel and the per-mini-batch backward passes a pointer ZH and its row count NZH (0 without
-a head)."""
+(TTT-MLP; its per-mini-batch backward per GPU family, named likewise) pick. TTT-Linear and TTT-MLP
+also run packed batches (``cu_seqlens``, one launch over all sequences): those variants take the
+offsets and mini-batch tables (int32 pointers, None above) with VARLEN = True, configs named
+"varlen". The TTT-Linear head of a state begun mid-mini-batch (pos > 0) is a launch of the same
+variants: every launch of its output kernel and per-mini-batch backward passes a pointer ZH and its
+row count NZH (0 without a head)."""
 from __future__ import annotations
 
 import torch
@@ -20,6 +20,9 @@ HEAD_DIMS = (64, 128)
 LINEAR_MINI_BATCHES = (16, 64)
 MLP_MINI_BATCHES = (16,)
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+#: the TTT-MLP serial kernels' pointer arguments that only packed launches pass (None otherwise):
+#: the offsets, the first slots, and the carry's per-sequence last-mini-batch gradients
+MLP_VARLEN_ONLY = ("CU", "CS", "DL1", "DLB1", "DL2", "DLB2")
 
 
 def compile_cases():
@@ -49,22 +52,33 @@ def compile_cases():
                                                                    **tiles, **extra, **tables),
                                         scalars=ints, pointers=ptrs, num_warps=kw["num_warps"],
                                         num_stages=kw["num_stages"], archs=(arch,)))
-            for b in MLP_MINI_BATCHES:
+            for b, varlen in ((b, v) for b in MLP_MINI_BATCHES for v in (False, True)):
                 m = 4 * d
-                BD, BM, BT, kw = mlp_chunk._mlp_launch_cfg(d, m, b)
-                cfg = f"{dt} d={d} m={m} b={b}"
+                BD, BM, BT, kw = mlp_chunk._mlp_launch_cfg(d, m, b, packed=varlen)
+                cfg = f"{dt} d={d} m={m} b={b}{' varlen' if varlen else ''}"
                 prec = chunk._precision(tdt)
-                fwd = {"BK": mlp_chunk._mlp_col_block(BD, prec)}
+                fwd = {"BK": mlp_chunk._mlp_col_block(BD, prec, packed=varlen)}
                 # the per-mini-batch backward picks its column block per GPU family: one case per arch
                 per_arch = [(mlp_chunk._ttt_mlp_bwd_mb_kernel, f"{cfg} sm_{arch}",
                              {"BK": mlp_chunk._mlp_col_block(BD, prec, "bwd_mb", arch=arch)}, (arch,))
                             for arch in ARCHS]
-                for kern, name, extra, archs in ([(mlp_chunk._ttt_mlp_fwd_kernel, cfg, fwd, ARCHS),
-                                                  (mlp_chunk._ttt_mlp_out_kernel, cfg, fwd, ARCHS)] + per_arch
-                                                 + [(mlp_chunk._ttt_mlp_bwd_kernel, cfg, fwd, ARCHS)]):
+                serial = [(mlp_chunk._ttt_mlp_fwd_kernel, cfg, fwd, ARCHS), (mlp_chunk._ttt_mlp_bwd_kernel, cfg, fwd, ARCHS)]
+                # a packed batch runs the output and per-mini-batch backward kernels as they are (on
+                # its slot-major copy): only the serial ones have packed variants
+                parallel = [] if varlen else [(mlp_chunk._ttt_mlp_out_kernel, cfg, fwd, ARCHS)] + per_arch
+                for kern, name, extra, archs in serial + parallel:
                     names = set(arg_names(kern))
-                    out.append(case(kern, name, constexprs=dict(D=d, BD=BD, M=m, BM=BM, MB=b, BT=BT, PREC=prec, **extra),
-                                    scalars={**ints, "R": "i32", "NS": "i32"}, pointers={n: dt for n in io_names if n in names},
+                    ptrs = {n: dt for n in io_names if n in names}
+                    # packed batches ("varlen") pass the offsets and tables; the others None
+                    tables = {n: None for n in MLP_VARLEN_ONLY if n in names}
+                    if "VARLEN" in names:
+                        tables["VARLEN"] = varlen
+                    if varlen:
+                        ptrs.update({n: "i32" for n in ("CU", "CS") if n in names})
+                        tables = {"VARLEN": True}
+                    out.append(case(kern, name, constexprs=dict(D=d, BD=BD, M=m, BM=BM, MB=b, BT=BT, PREC=prec,
+                                                                **extra, **tables),
+                                    scalars={**ints, "R": "i32", "NS": "i32"}, pointers=ptrs,
                                     num_warps=kw.get("num_warps", 4), num_stages=kw.get("num_stages", 1),
                                     archs=archs))
     return out

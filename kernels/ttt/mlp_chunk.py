@@ -83,9 +83,29 @@ takes r (R) and, for that mini-batch, writes keep·W − c·Σ with (keep, c) = 
 where a full one writes (1, τ_{b−1}); the carry runs it in a launch of its own with the scale −1
 in place of τ_{b−1} (``_mlp_bwd_op``), then adds the start weights' gradient from the state.
 ``ttt_mlp_triton`` runs the head that completes a mini-batch begun in ``initial_state`` (pos > 0)
-with the PyTorch dual form, chained through autograd; packed batches (``cu_seqlens``) run once per
-sequence (``kernels/ttt/__init__.py``). tanh is written with exp (tanh u = 1 − 2/(e^{2u} + 1),
-exact at ±∞).
+with the PyTorch dual form, chained through autograd. tanh is written with exp (tanh u = 1 −
+2/(e^{2u} + 1), exact at ±∞).
+
+Packed batches (``cu_seqlens``, B = 1, ``ttt_mlp_triton_packed``): one launch of each kernel for
+all N sequences, on the mini-batch tables of ``packed_chunk_tables`` (built on the device:
+⌊T/b⌋ + N slots per head, each sequence's first slot, (sequence, mini-batch) per slot, spare
+slots marked −1; nothing of ``cu_seqlens`` is copied to the host before the launches but the one
+flag of ``check_cu_seqlens``). The wrapper pads per sequence on the device (``_packed_rows``): a
+slot-major copy of XQ, XK, XV, η (and ∂out) holds each slot's b rows, zero past a sequence's end
+and in the spare slots — each sequence's last mini-batch zero-padded with η = 0, exactly as the
+fixed-length path pads its tail — and the outputs and input gradients are gathered back. On it
+the output and per-mini-batch backward kernels are the fixed-length ones, one program per (head,
+slot) (a spare slot computes on zeros: the per-slot buffers are zero-filled, its partial sums of
+∂τ, ∂γ, ∂β are zero); only the serial kernels have packed variants (VARLEN = True), one program
+per (sequence, head), each walking its own ⌈L/b⌉ slots from its own start weights
+(``initial_state`` row n, or the shared weights expanded to [N, H, …]), its valid row count of
+the last one read from ``cu_seqlens``. Each sequence ends in its own state: a partial last
+mini-batch of r rows is not applied (the state pass writes its sums, keep = 0), the state holds
+its start weights (gathered from its slot), the sums and pos = r; an empty sequence keeps its
+initial state. The carry runs a partial last mini-batch in the same launch (a per-slot scale:
+−1 and no ∂τ term for it), then adds Δ = ∂W_L − ∂W_end to the gradient of its start weights,
+where the fixed-length path adds them between two launches. Every input's gradient flows, the
+initial state's included. The padded copies cost O(T d) memory traffic per call.
 
 Precision (``_precision``, ``_dot`` in ``chunk.py``): everything is carried and accumulated in
 float32 (float64 for float64 inputs), the weights included (float32 masters); the tl.dot operands
@@ -107,7 +127,11 @@ all warps along its b rows (each warp then holds the whole tile), so the tile lo
 ∂γ, ∂β and ∂τ are added to global buffers per mini-batch), rebuilds its index tensors per section
 (``_loop_index``) and per tile (``_tile_cols``) so that they are not hoisted and held, and keeps
 P2 in scratch through pass A2. All four kernels compile clean (no spills, tensor cores) at d = 64
-and d = 128, bfloat16 and float32, on both.
+and d = 128, bfloat16 and float32, on both. The packed (VARLEN) state pass and carry take BK = 16
+(``_mlp_col_block(packed=True)``: with 32 the packed state pass at d = 64, bf16, spilled 24 B on
+sm_90 and the packed carry 4–56 B) and compile clean too, but for the packed bfloat16 carry at
+d = 128 on sm_90, which spills 20 B (the fixed-length one sits at 255 registers without; column
+blocks of 32, 64, 128 spill 24, 4, 4 B; 4 and 16 warps spill more).
 """
 from __future__ import annotations
 
@@ -118,8 +142,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels._triton_utils import INTERPRET_ARCH, check_triton_device, device_arch, is_interpreting
-from kernels.ttt.chunk import _MAX_MB, _dot, _ln_bwd, _ln_stats, _loop_index, _precision
+from kernels._triton_utils import (INTERPRET_ARCH, check_triton_device, device_arch, is_interpreting,
+                                   packed_chunk_tables)
+from kernels.ttt.chunk import _MAX_MB, _dot, _ln_bwd, _ln_stats, _loop_index, _precision, check_cu_seqlens
 from kernels.ttt.torch_chunk import LN_EPS, acc_dtype, make_state, ttt_mlp_chunk
 
 
@@ -135,6 +160,17 @@ def _gelu_tanh3(x):
     dg = 0.5 * (1.0 + t) + 0.5 * x * s * du
     ddg = s * (du - x * t * du * du + 3.0 * 0.7978845608028654 * 0.044715 * x * x)
     return g, dg, ddg
+
+
+@triton.jit
+def _pick(a, b, VARLEN: tl.constexpr):
+    """``a`` in the packed (VARLEN) variant of a kernel, ``b`` in the fixed-length one: the
+    fixed-length kernels keep their own offset expressions (from the program id), so that their
+    compiled code is the same as without the packed variant."""
+    if VARLEN:
+        return a
+    else:
+        return b
 
 
 @triton.jit
@@ -203,10 +239,11 @@ def _loss_grad(Z2, v, k, gamma, beta, cmask, D: tl.constexpr, eps):
 
 @triton.jit
 def _ttt_mlp_fwd_kernel(XK, XV, ETA, TAU, LNW, LNB, B20,
-                        W1S, B1S, W2S, B2S, G1S, G2S, W1F, B1F, W2F, B2F,
-                        T, NMB, R, H, eps,
+                        W1S, B1S, W2S, B2S, G1S, G2S, W1F, B1F, W2F, B2F, CU, CS,
+                        T, NMB, R, H, NC, eps,
                         D: tl.constexpr, BD: tl.constexpr, M: tl.constexpr, BM: tl.constexpr,
-                        MB: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+                        MB: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
+                        VARLEN: tl.constexpr):
     """The serial state pass, one program per (batch, head): for every mini-batch, store its start
     weights (W1S, B1S, W2S, B2S), its inner gradients Γ1 [MB, M] (G1S) and Γ2 [MB, D], followed
     by Z2 [MB, D] (G2S; the backward's LayerNorm pieces read Z2), then apply the update. W1F [D, M],
@@ -215,9 +252,25 @@ def _ttt_mlp_fwd_kernel(XK, XV, ETA, TAU, LNW, LNB, B20,
     mini-batch has R real rows (R = MB: full; the rest is zero padding with η = 0); when it is
     partial (R < MB) it is not applied: W1F, B1F, W2F, B2F receive its η-weighted gradient sums
     instead (the state's grad_*), its start weights staying in W1S … B2S. The output is
-    ``_ttt_mlp_out_kernel``'s."""
-    pid = tl.program_id(0)                      # = b_idx * H + h_idx
+    ``_ttt_mlp_out_kernel``'s.
+
+    VARLEN (packed batch, ``cu_seqlens`` CU, first slots CS, NC slots per head): pid = sequence·H
+    + head; the sequence's own NMB and R replace the arguments, and its mini-batches are the slots
+    CS[seq] … of head h, whose rows the inputs hold slot by slot (the wrapper's zero-padded
+    slot-major copy, T = NC·b rows per head)."""
+    pid = tl.program_id(0)                      # = b_idx * H + h_idx (packed: sequence * H + h_idx)
     h = pid % H
+    sb = pid * NMB                              # the program's first slot, row and η offsets
+    xb = pid * T * D
+    eb = pid * T
+    if VARLEN:
+        seq = pid // H
+        L = tl.load(CU + seq + 1) - tl.load(CU + seq)
+        NMB = (L + MB - 1) // MB
+        R = L - (NMB - 1) * MB                  # MB for an empty sequence (nothing runs)
+        sb = h * NC + tl.load(CS + seq)
+        xb = sb * MB * D
+        eb = sb * MB
     cdt = W1F.dtype.element_ty
     rows = tl.arange(0, BT)
     cols = tl.arange(0, BD)
@@ -235,7 +288,7 @@ def _ttt_mlp_fwd_kernel(XK, XV, ETA, TAU, LNW, LNB, B20,
     tau_last = tl.load(TAU + MB - 1).to(cdt)
 
     for n in range(NMB):
-        s = pid * NMB + n
+        s = _pick(sb + n, pid * NMB + n, VARLEN)
         # the update W ← keep·W − cu·Σ: W − τ_{b−1}·Σ after a full mini-batch, the sums Σ
         # themselves after a partial last one (keep = 0, cu = −1; its rows ≥ R are zero, η = 0)
         part = ((n == NMB - 1) & (R < MB)).to(cdt)
@@ -253,13 +306,13 @@ def _ttt_mlp_fwd_kernel(XK, XV, ETA, TAU, LNW, LNB, B20,
             tl.store(W2S + s * M * D + w2o, tl.load(W2P + w2o, mask=w2m, other=0.0), mask=w2m)
         tl.store(B2S + s * D + cols, b2, mask=cmask)
         t_off = n * MB + rows
-        KP = XK + pid * T * D + n * MB * D      # the mini-batch's rows of K (row stride D)
+        KP = XK + _pick(xb, pid * T * D, VARLEN) + n * MB * D   # the mini-batch's rows of K (row stride D)
         GP = G2S + s * 2 * MB * D               # its Γ2, then Z2 (row stride D)
-        xoff = pid * T * D + t_off[:, None] * D + cols[None, :]
+        xoff = _pick(xb, pid * T * D, VARLEN) + t_off[:, None] * D + cols[None, :]
         goff = rows[:, None] * D + cols[None, :]
         k = tl.load(XK + xoff, mask=xmask, other=0.0).to(cdt)
         v = tl.load(XV + xoff, mask=xmask, other=0.0).to(cdt)
-        e = tl.load(ETA + pid * T + t_off, mask=rmask, other=0.0).to(cdt)
+        e = tl.load(ETA + _pick(eb, pid * T, VARLEN) + t_off, mask=rmask, other=0.0).to(cdt)
 
         Z2 = _z2_blocked(KP, rmask, W1P, B1P, W2P, b2, cols, hc, cmask, D, M, BT, BD, BM, BK, PREC)
         tl.store(GP + MB * D + goff, Z2, mask=xmask)
@@ -537,10 +590,11 @@ def _ttt_mlp_bwd_mb_kernel(XQ, XK, ETA, TAU, LNW, LNB, W1S, B1S, W2S, B2S, G1S, 
 @triton.jit
 def _ttt_mlp_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, W1S, B1S, W2S, G1S, G2S,
                         DZB1, XB2, DG1P, DZ1P, DZB2, DG2P, DKP, DEP, SZ, SS, SX, SD,
-                        DXK, DXV, DETA, DTAU, DLNW, DLNB, DW1, DB1, DW2, DB2, CU,
-                        T, NMB, NS, H, eps,
+                        DXK, DXV, DETA, DTAU, DLNW, DLNB, DW1, DB1, DW2, DB2, SC,
+                        CU, CS, DL1, DLB1, DL2, DLB2, T, NMB, NS, H, NC, eps,
                         D: tl.constexpr, BD: tl.constexpr, M: tl.constexpr, BM: tl.constexpr,
-                        MB: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+                        MB: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
+                        VARLEN: tl.constexpr):
     """The serial carry, one program per (batch, head), mini-batches in reverse: DW1 [D, M], DB1
     [M], DW2 [M, D], DB2 [D] hold the final-state gradients on entry (the wrapper copies them in)
     and are accumulated in place into the initial weights' gradients; DTAU [MB], DLNW, DLNB [D]
@@ -551,11 +605,22 @@ def _ttt_mlp_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, W1S, B1S, W2S, G1S, G2S,
     LayerNorm-fused loss gradient Γ2 through Z2 and Z1 to K, V and the weights, and finishes ∂K,
     ∂V, ∂η. SZ [MB, M] (∂Z1), SS [MB, M] (∂S), SX [MB, M] (X2) and SD [MB, D] (∂Z2) are the
     program's scratch between the tile loops. It walks NMB mini-batches, slot n at (pid·NS + n)
-    of the per-mini-batch buffers (NS per (batch, head)); CU [1] is the update's scale, τ_{b−1}
+    of the per-mini-batch buffers (NS per (batch, head)); SC [1] is the update's scale, τ_{b−1}
     (the wrapper passes −1, with every pointer at the last slot, in a launch of its own for a
-    partial last mini-batch, which the forward did not apply; see ``_mlp_bwd_op``)."""
+    partial last mini-batch, which the forward did not apply; see ``_mlp_bwd_op``).
+
+    VARLEN (packed batch, ``cu_seqlens`` CU, first slots CS, NC slots per head; pid = sequence·H +
+    head): the sequence's own mini-batches, the slots CS[seq] … of head h (the per-token tensors
+    slot-major and zero-padded, as in ``_ttt_mlp_fwd_kernel``); SC [2, H, NC] holds per slot the
+    update's scale and whether it has a ∂τ term (τ_{b−1}, 1; a partial last mini-batch −1, 0), so
+    a partial last mini-batch runs in the same launch; once a sequence's last mini-batch is done,
+    the gradient of its start weights gets DL1, DLB1, DL2, DLB2 ([N, H, …]: the state's W_L
+    gradient minus the end gradient the carry started from, which for a partial one is the
+    gradient of its sums; see ``_mlp_bwd_packed``)."""
     pid = tl.program_id(0)
     h = pid % H
+    if VARLEN:
+        NMB = (tl.load(CU + pid // H + 1) - tl.load(CU + pid // H) + MB - 1) // MB
     cdt = W1S.dtype.element_ty
     rows = tl.arange(0, BT)
     cols = tl.arange(0, BD)
@@ -573,11 +638,18 @@ def _ttt_mlp_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, W1S, B1S, W2S, G1S, G2S,
     SX = SX + pid * MB * M
     SDZ = SD + pid * MB * D
 
-    tau_last = tl.load(CU).to(cdt)
+    tau_last = tl.load(SC).to(cdt)
 
     for i in range(NMB):
         n = NMB - 1 - i
         s = pid * NS + n
+        if VARLEN:
+            # the sequence's first slot, read again per mini-batch (tied to i: i // (NMB + T) = 0)
+            # rather than held in a register through the loop
+            s = h * NC + tl.load(CS + pid // H + i // (NMB + T)) + n
+        cun = tau_last                          # the update's scale
+        if VARLEN:                              # per slot: −1 for a partial last mini-batch
+            cun = tl.load(SC + s).to(cdt)
         # the index tensors are rebuilt per mini-batch and per section rather than held across
         # the tile loops (``_loop_index``; distinct expressions, so that they are not merged)
         rows, cols = _loop_index(i, NMB, BT, BD)
@@ -587,10 +659,11 @@ def _ttt_mlp_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, W1S, B1S, W2S, G1S, G2S,
         B1P = B1S + s * M
         W2P = W2S + s * M * D
         G2P = G2S + s * 2 * MB * D              # Γ2, then Z2
-        KP = XK + pid * T * D + n * MB * D      # the mini-batch's rows of K and Q (row stride D)
-        QP = XQ + pid * T * D + n * MB * D
-        e = tl.load(ETA + pid * T + n * MB + rows, mask=rmask, other=0.0).to(cdt)
-        te = -tau_last * e                      # the update W' = W − τ_{b−1} (…)ᵀ(η ⊙ Γ)
+        # the mini-batch's rows of K and Q (row stride D); packed: slot s's rows of the slot-major copy
+        KP = _pick(XK + s * MB * D, XK + pid * T * D + n * MB * D, VARLEN)
+        QP = _pick(XQ + s * MB * D, XQ + pid * T * D + n * MB * D, VARLEN)
+        e = tl.load(_pick(ETA + s * MB, ETA + pid * T + n * MB, VARLEN) + rows, mask=rmask, other=0.0).to(cdt)
+        te = -cun * e                           # the update W' = W − τ_{b−1} (…)ᵀ(η ⊙ Γ)
 
         # pass A1 (per tile): X2 through the update of W2, P2 = X2 dW2 (dW2 at the end)
         P2 = tl.zeros([BT, BD], dtype=cdt)
@@ -634,19 +707,23 @@ def _ttt_mlp_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, W1S, B1S, W2S, G1S, G2S,
         is_last = rows == MB - 1
         goff = rows[:, None] * D + cols[None, :]
         t_off = n * MB + rows
-        xoff = pid * T * D + t_off[:, None] * D + cols[None, :]
+        xoff = _pick(s * MB * D + rows[:, None] * D + cols[None, :], pid * T * D + t_off[:, None] * D + cols[None, :],
+                     VARLEN)
         G2 = tl.load(G2P + goff, mask=xmask, other=0.0)
         # db2 at the END of the mini-batch (DB2 holds it between mini-batches)
         db2 = tl.load(DB2 + pid * D + cols, mask=cmask, other=0.0)
         P2 = tl.load(SDZ + goff, mask=xmask, other=0.0) + db2[None, :]
         GP += tl.sum(G2 * P2, axis=1)
         dG2 += tl.load(DG2P + s * MB * D + goff, mask=xmask, other=0.0) + te[:, None] * P2
-        tl.store(DETA + pid * T + t_off,
-                 (tl.load(DEP + pid * T + t_off, mask=rmask, other=0.0) - tau_last * GP).to(DETA.dtype.element_ty),
+        eo = _pick(s * MB + rows, pid * T + t_off, VARLEN)
+        tl.store(DETA + eo, (tl.load(DEP + eo, mask=rmask, other=0.0) - cun * GP).to(DETA.dtype.element_ty),
                  mask=rmask)
         dto = s * MB + rows
+        dtl = -tl.sum(e * GP, axis=0)
+        if VARLEN:                              # 0 for a partial last mini-batch: its scale −1 has no τ
+            dtl = dtl * tl.load(SC + H * NC + s).to(cdt)
         tl.store(DTAU + dto, tl.load(DTAU + dto, mask=rmask, other=0.0)
-                 + tl.where(is_last, -tl.sum(e * GP, axis=0), 0.0), mask=rmask)
+                 + tl.where(is_last, dtl, 0.0), mask=rmask)
         k = tl.load(XK + xoff, mask=xmask, other=0.0).to(cdt)
         v = tl.load(XV + xoff, mask=xmask, other=0.0).to(cdt)
         gamma = tl.load(LNW + h * D + cols, mask=cmask, other=0.0).to(cdt)
@@ -688,7 +765,8 @@ def _ttt_mlp_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, W1S, B1S, W2S, G1S, G2S,
                      + tl.sum(dZ1 + dZ1b, axis=0), mask=hm)
         rows, cols = _loop_index(i + 2, NMB + 2, BT, BD)
         xmask = (rows < MB)[:, None] & (cols < D)[None, :]
-        xoff = pid * T * D + (n * MB + rows)[:, None] * D + cols[None, :]
+        xoff = _pick(s * MB * D + rows[:, None] * D + cols[None, :],
+                     pid * T * D + (n * MB + rows)[:, None] * D + cols[None, :], VARLEN)
         k = tl.load(DKP + xoff, mask=xmask, other=0.0) + dk
         tl.store(DXK + xoff, k.to(DXK.dtype.element_ty), mask=xmask)
         tl.debug_barrier()                      # pass C reads the ∂Z1 and X2 tiles of pass B
@@ -718,11 +796,32 @@ def _ttt_mlp_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, W1S, B1S, W2S, G1S, G2S,
                          + _xt_blk(DZB2 + s * MB * D, rows, rmask, X2b, c0, D, BK, PREC)
                          + _xt_blk(SDZ, rows, rmask, X2, c0, D, BK, PREC), mask=wm)
         tl.debug_barrier()                      # the next mini-batch reads the gradients and scratch
+        if VARLEN:
+            if i == 0:                          # the last mini-batch's start weights: their own gradient
+                # index vectors tied to n (n // (NMB + T) = 0), so that they are not hoisted out of
+                # the mini-batch loop and held through it (as ``_tile_cols``)
+                z = n // (NMB + T)
+                for o0 in range(0, D * M, 32 * BM):
+                    o = o0 + tl.arange(0, 32 * BM) + z
+                    om = o < D * M
+                    tl.store(GW1 + o, tl.load(GW1 + o, mask=om, other=0.0)
+                             + tl.load(DL1 + pid * D * M + o, mask=om, other=0.0), mask=om)
+                    tl.store(GW2 + o, tl.load(GW2 + o, mask=om, other=0.0)
+                             + tl.load(DL2 + pid * D * M + o, mask=om, other=0.0), mask=om)
+                for o0 in range(0, M, 32 * BM):
+                    o = o0 + tl.arange(0, 32 * BM) + z
+                    om = o < M
+                    tl.store(GB1 + o, tl.load(GB1 + o, mask=om, other=0.0)
+                             + tl.load(DLB1 + pid * M + o, mask=om, other=0.0), mask=om)
+                c2 = tl.arange(0, BD) + z
+                tl.store(DB2 + pid * D + c2, tl.load(DB2 + pid * D + c2, mask=c2 < D, other=0.0)
+                         + tl.load(DLB2 + pid * D + c2, mask=c2 < D, other=0.0), mask=c2 < D)
+                tl.debug_barrier()
 
 
 
 # ---- autograd -----------------------------------------------------------------------------------
-def _mlp_launch_cfg(d: int, m: int, b: int):
+def _mlp_launch_cfg(d: int, m: int, b: int, packed: bool = False):
     """Padded tile sizes (every tl.dot block dim ≥ 16), the hidden tile width BM and launch
     options for TTT-MLP, the same on every GPU family. Under the interpreter BM = 16 as well, so
     that the tests' small m (32, 64 and a padded 24) run several hidden tiles.
@@ -730,7 +829,9 @@ def _mlp_launch_cfg(d: int, m: int, b: int):
     Compiled for sm_90 and sm_80 (``python -m kernels.compile_report --op ttt -k _ttt_mlp_``):
     BM = 16 on 8 warps. Register pressure comes mostly from the [b, d] tiles that enter products
     as the left operand (each warp holds all b rows of such an operand, whatever the warp count)
-    and stay live across the tile loop, not from the weight tiles: BM = 32 or 4 warps spill more."""
+    and stay live across the tile loop, not from the weight tiles: BM = 32 or 4 warps spill more.
+    The packed variants (``packed``, VARLEN = True) take the same (their column block differs,
+    ``_mlp_col_block``)."""
     BD = max(16, triton.next_power_of_2(d))
     BT = max(16, triton.next_power_of_2(b))
     if is_interpreting():
@@ -738,13 +839,15 @@ def _mlp_launch_cfg(d: int, m: int, b: int):
     return BD, 16, BT, {"num_warps": 8, "num_stages": 1}
 
 
-def _mlp_col_block(BD: int, prec: str = "bf16", part: str = "fwd", arch: int = INTERPRET_ARCH) -> int:
+def _mlp_col_block(BD: int, prec: str = "bf16", part: str = "fwd", arch: int = INTERPRET_ARCH,
+                   packed: bool = False) -> int:
     """The column block BK of the kernels' products with a [b, d] operand (``_rows_w``,
     ``_xt_blk``): min(BD, 32), except in the per-mini-batch backward (``part="bwd_mb"``) with
     3×TF32 operands (``prec="tf32x3"``) on the sm_80 family (``arch``, ``device_arch``), where the
-    split operands spill at 32 (d = 128) and BK = 16 (which spills at d = 64 on sm_90); 16 under
-    the interpreter, so that the tests' small d run several blocks."""
-    if is_interpreting() or (part == "bwd_mb" and prec == "tf32x3" and arch == 80):
+    split operands spill at 32 (d = 128) and BK = 16 (which spills at d = 64 on sm_90); 16 in the
+    packed (``packed``, VARLEN) state pass and carry, whose per-sequence offsets and scale spilled
+    4–56 B with 32; 16 under the interpreter, so that the tests' small d run several blocks."""
+    if is_interpreting() or packed or (part == "bwd_mb" and prec == "tf32x3" and arch == 80):
         return 16
     return min(BD, 32)
 
@@ -778,7 +881,8 @@ def _mlp_weight_buffers(XQ, m: int, n: Optional[int]):
 @torch.library.custom_op("kernels::ttt_mlp_fwd", mutates_args=())
 def _mlp_fwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: torch.Tensor, tau: torch.Tensor,
                 ln_w: torch.Tensor, ln_b: torch.Tensor, W1: torch.Tensor, b1: torch.Tensor, W2: torch.Tensor,
-                b2: torch.Tensor, mini_batch_size: int, last_rows: int, save: bool) -> List[torch.Tensor]:
+                b2: torch.Tensor, mini_batch_size: int, last_rows: int, save: bool,
+                cu_seqlens: Optional[torch.Tensor] = None) -> List[torch.Tensor]:
     """Whole mini-batches from a boundary (T a multiple of b), the last of which has ``last_rows``
     = R ∈ [1, b] real rows, the rest zero padding with η = 0 (the wrapper pads): (XQ, XK, XV, η,
     τ, γ, β, W1_0 [B,H,d,m], b1_0 [B,H,1,m], W2_0 [B,H,m,d], b2_0 [B,H,1,d]) → [out [B,H,T,d], W1_end, b1_end, W2_end, b2_end (after a partial last
@@ -790,7 +894,13 @@ def _mlp_fwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: torch
     and one output launch over the whole sequence); without it the sequence runs in windows of
     ``_mlp_window`` mini-batches, the state carried from one window to the next in the final-weight
     buffers, so the scratch stays bounded (the returned start weights are then the last window's
-    scratch, which nothing reads)."""
+    scratch, which nothing reads).
+
+    With ``cu_seqlens`` (int32 [N+1], checked by the caller; B = 1; XQ … η unpadded, T ≥ 1) the N
+    packed sequences run in one launch of each kernel (``_mlp_fwd_packed``): W1_0 … b2_0 and the
+    end and last-start weights are [N, H, …], ``last_rows`` and ``save`` are unused."""
+    if cu_seqlens is not None:
+        return _mlp_fwd_packed(XQ, XK, XV, eta, tau, ln_w, ln_b, W1, b1, W2, b2, mini_batch_size, cu_seqlens)
     B, H, T, d = XQ.shape
     m = W1.shape[-1]
     bsz = mini_batch_size
@@ -824,8 +934,8 @@ def _mlp_fwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: torch
         q_w, k_w, v_w, e_w, o_w = (x[:, :, t0:] for x in (XQ, XK, XV, eta, out))
         _ttt_mlp_fwd_kernel[(B * H,)](
             k_w, v_w, e_w, tau_c, lw, lb, b2_in,
-            W1S, B1S, W2S, B2S, G1S, G2S, W1F, B1F, W2F, B2F,
-            T, nw, r, H, LN_EPS, D=d, BD=BD, M=m, BM=BM, MB=bsz, BT=BT, BK=BK, PREC=prec, **kw)
+            W1S, B1S, W2S, B2S, G1S, G2S, W1F, B1F, W2F, B2F, None, None,
+            T, nw, r, H, 0, LN_EPS, D=d, BD=BD, M=m, BM=BM, MB=bsz, BT=BT, BK=BK, PREC=prec, VARLEN=False, **kw)
         _ttt_mlp_out_kernel[(B * H * nw,)](
             q_w, k_w, e_w, tau_c, lw, lb, W1S, B1S, W2S, B2S, G1S, G2S, o_w,
             T, nw, H, LN_EPS, D=d, BD=BD, M=m, BM=BM, MB=bsz, BT=BT, BK=BK, PREC=prec, **kw)
@@ -839,9 +949,94 @@ def _mlp_fwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: torch
     return [out, W1F, B1F, W2F, B2F, *last, W1S, B1S, W2S, B2S, G1S, G2S]
 
 
-@_mlp_fwd_op.register_fake
-def _(XQ, XK, XV, eta, tau, ln_w, ln_b, W1, b1, W2, b2, mini_batch_size, last_rows, save):
+def _packed_seqs(cu_seqlens: torch.Tensor, bsz: int):
+    """Per sequence of a packed batch, on the device: its mini-batch count, whether its last
+    mini-batch is partial, whether it is empty."""
+    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    return (lens + bsz - 1) // bsz, lens % bsz != 0, lens == 0
+
+
+def _packed_rows(cu_seqlens: torch.Tensor, T: int, bsz: int, CS: torch.Tensor, CI: torch.Tensor):
+    """The slot-major layout of a packed batch, built on the device: the NC mini-batch slots of
+    ``packed_chunk_tables`` one after another, b rows each. Returns, per padded row, the token it
+    holds (``idx`` [NC·b], 0 where none) and whether it holds one (``valid``: the rows past a
+    sequence's end and every row of a spare slot do not), and per token its padded row (``pos``
+    [T])."""
+    dev = cu_seqlens.device
+    cu = cu_seqlens.long()
+    seq, c = CI[:, 0].long(), CI[:, 1].long()
+    sq = seq.clamp(min=0)
+    bos = cu[sq]
+    within = c[:, None] * bsz + torch.arange(bsz, device=dev)[None, :]
+    valid = (seq >= 0)[:, None] & (within < (cu[sq + 1] - bos)[:, None])
+    idx = torch.where(valid, bos[:, None] + within, 0).reshape(-1)
+    t = torch.arange(T, device=dev)
+    ts = torch.searchsorted(cu[1:], t, right=True)          # the sequence of each token
+    off = t - cu[ts]
+    pos = (CS.long()[ts] + off // bsz) * bsz + off % bsz
+    return idx, valid.reshape(-1), pos
+
+
+def _pad_rows(x: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """[1, H, T(, d)] → the slot-major [1, H, NC·b(, d)], zero in the rows that hold no token."""
+    xp = x.index_select(2, idx)
+    return torch.where(valid.view(-1, *([1] * (x.dim() - 3))), xp, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def _mlp_fwd_packed(XQ, XK, XV, eta, tau, ln_w, ln_b, W1, b1, W2, b2, bsz: int, cu_seqlens):
+    """The forward of a packed batch, one launch of each kernel, on a slot-major copy of the inputs
+    (``_packed_rows``: each sequence's mini-batches in its slots, its last one zero-padded to b rows
+    with η = 0, as the fixed-length path pads its tail): the state pass one program per
+    (sequence, head), walking that sequence's slots from its own start weights (W1 … b2 [N, H,
+    …]); the output kernel, unchanged, one program per (head, slot) over the ⌊T/b⌋ + N slots (a
+    spare slot computes on zero rows). Every start weight is stored (no windows); the per-slot
+    buffers are zero-filled, so a spare slot reads zeros. The last mini-batch's start weights
+    W_L of each sequence are gathered from its slot (an empty sequence's: its initial weights)."""
+    _, H, T, d = XQ.shape
     m = W1.shape[-1]
+    N, NC, CS, CI = packed_chunk_tables(T, bsz, cu_seqlens)
+    idx, valid, pos = _packed_rows(cu_seqlens, T, bsz, CS, CI)
+    TP = NC * bsz
+    cdt = acc_dtype(XQ.dtype)
+    dev = XQ.device
+    XQ, XK, XV, eta = (_pad_rows(x, idx, valid) for x in (XQ, XK, XV, eta))
+    tau_c = tau.to(cdt).contiguous()
+    lw, lb = ln_w.to(cdt).contiguous(), ln_b.to(cdt).contiguous()
+    out = torch.empty_like(XQ)
+    W1S, B1S, W2S, B2S = (x.zero_() for x in _mlp_weight_buffers(XQ, m, NC))
+    G1S, G2S = (x.zero_() for x in _mlp_gamma_buffers(XQ, m, NC, bsz))
+    # the state pass updates these in place from the start weights (fresh copies)
+    W1F, B1F, W2F = (w.to(cdt).contiguous().clone() for w in (W1, b1, W2))
+    b20 = b2.to(cdt).contiguous()
+    B2F = torch.empty(N, H, 1, d, dtype=cdt, device=dev)
+    BD, BM, BT, kw = _mlp_launch_cfg(d, m, bsz, packed=True)
+    prec = _precision(XQ.dtype)
+    BK = _mlp_col_block(BD, prec)
+    _ttt_mlp_fwd_kernel[(N * H,)](
+        XK, XV, eta, tau_c, lw, lb, b20, W1S, B1S, W2S, B2S, G1S, G2S, W1F, B1F, W2F, B2F, cu_seqlens, CS,
+        TP, 0, 0, H, NC, LN_EPS, D=d, BD=BD, M=m, BM=BM, MB=bsz, BT=BT, BK=_mlp_col_block(BD, prec, packed=True),
+        PREC=prec, VARLEN=True, **kw)
+    _ttt_mlp_out_kernel[(H * NC,)](
+        XQ, XK, eta, tau_c, lw, lb, W1S, B1S, W2S, B2S, G1S, G2S, out,
+        TP, NC, H, LN_EPS, D=d, BD=BD, M=m, BM=BM, MB=bsz, BT=BT, BK=BK, PREC=prec, **kw)
+    nts, _part, empty = _packed_seqs(cu_seqlens, bsz)
+    last_slot = (CS.long() + nts - 1).clamp(min=0)
+
+    def last(S, W0):
+        g = S[0].index_select(1, last_slot).transpose(0, 1).reshape(W0.shape)
+        return torch.where(empty.view(N, 1, 1, 1), W0.to(cdt), g)
+    lasts = [last(W1S, W1), last(B1S, b1), last(W2S, W2), last(B2S, b2)]
+    return [out.index_select(2, pos), W1F, B1F, W2F, B2F, *lasts, W1S, B1S, W2S, B2S, G1S, G2S]
+
+
+@_mlp_fwd_op.register_fake
+def _(XQ, XK, XV, eta, tau, ln_w, ln_b, W1, b1, W2, b2, mini_batch_size, last_rows, save, cu_seqlens=None):
+    m = W1.shape[-1]
+    if cu_seqlens is not None:
+        NC = XQ.shape[2] // mini_batch_size + cu_seqlens.shape[0] - 1
+        ws = [torch.empty_like(w, dtype=acc_dtype(XQ.dtype)) for w in (W1, b1, W2, b2)]
+        return ([torch.empty_like(XQ)] + ws + [torch.empty_like(w) for w in ws]
+                + _mlp_weight_buffers(XQ, m, NC) + _mlp_gamma_buffers(XQ, m, NC, mini_batch_size))
     NMB = XQ.shape[2] // mini_batch_size
     NW = NMB if save else min(NMB, _mlp_window())
     return ([torch.empty_like(XQ)] + _mlp_weight_buffers(XQ, m, None) + _mlp_weight_buffers(XQ, m, None)
@@ -856,11 +1051,16 @@ def _mlp_bwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: torch
                 dB1F: Optional[torch.Tensor], dW2F: Optional[torch.Tensor], dB2F: Optional[torch.Tensor],
                 dW1L: Optional[torch.Tensor], dB1L: Optional[torch.Tensor], dW2L: Optional[torch.Tensor],
                 dB2L: Optional[torch.Tensor], mini_batch_size: int, last_rows: int, W1_dt: torch.dtype,
-                b1_dt: torch.dtype, W2_dt: torch.dtype, b2_dt: torch.dtype) -> List[torch.Tensor]:
+                b1_dt: torch.dtype, W2_dt: torch.dtype, b2_dt: torch.dtype,
+                cu_seqlens: Optional[torch.Tensor] = None) -> List[torch.Tensor]:
     """Gradients of the eleven tensor inputs of ``_mlp_fwd_op``: ``_ttt_mlp_bwd_mb_kernel`` over
     every (batch, head, mini-batch), then ``_ttt_mlp_bwd_kernel`` over every (batch, head), the
     last mini-batch in a launch of its own when it is partial (or its start weights W_L have a
-    gradient)."""
+    gradient). With ``cu_seqlens``: one launch of each (``_mlp_bwd_packed``)."""
+    if cu_seqlens is not None:
+        return _mlp_bwd_packed(XQ, XK, XV, eta, tau, ln_w, ln_b, W1S, B1S, W2S, B2S, G1S, G2S, dout,
+                               (dW1F, dB1F, dW2F, dB2F), (dW1L, dB1L, dW2L, dB2L), mini_batch_size,
+                               (W1_dt, b1_dt, W2_dt, b2_dt), cu_seqlens)
     bsz, tau_dt, lw_dt, lb_dt = mini_batch_size, tau.dtype, ln_w.dtype, ln_b.dtype
     tau_c = tau.to(W1S.dtype).contiguous()
     lw, lb = ln_w.to(W1S.dtype).contiguous(), ln_b.to(W1S.dtype).contiguous()
@@ -915,8 +1115,8 @@ def _mlp_bwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: torch
             *(x[:, :, first:] for x in (W1S, B1S, W2S, G1S, G2S, DZB1, XB2, DG1P, DZ1P, DZB2, DG2P)),
             DKP[:, :, t0:], DEP[:, :, t0:], SZ, SS, SX, SD,
             dXK[:, :, t0:], dXV[:, :, t0:], dETA[:, :, t0:], *(x[:, :, first:] for x in (dTAU, dLNW, dLNB)),
-            dW10, dB10, dW20, dB20, scale,
-            T, count, NMB, H, LN_EPS, D=d, BD=BD, M=m, BM=BM, MB=bsz, BT=BT, BK=BK, PREC=prec, **kw)
+            dW10, dB10, dW20, dB20, scale, None, None, None, None, None, None,
+            T, count, NMB, H, 0, LN_EPS, D=d, BD=BD, M=m, BM=BM, MB=bsz, BT=BT, BK=BK, PREC=prec, VARLEN=False, **kw)
 
     ends, lasts = (dW1F, dB1F, dW2F, dB2F), (dW1L, dB1L, dW2L, dB2L)
     if R < bsz or any(g is not None for g in lasts):
@@ -942,23 +1142,104 @@ def _mlp_bwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: torch
             dW10.to(W1_dt), dB10.to(b1_dt), dW20.to(W2_dt), dB20.to(b2_dt)]
 
 
+def _mlp_bwd_packed(XQ, XK, XV, eta, tau, ln_w, ln_b, W1S, B1S, W2S, B2S, G1S, G2S, dout, ends, lasts,
+                    bsz: int, dts, cu_seqlens):
+    """The backward of a packed batch, one launch of each kernel on the slot-major copies (as
+    ``_mlp_fwd_packed``; ∂out zero in the padding): the per-mini-batch kernel, unchanged, one
+    program per (head, slot), the carry one per (sequence, head), each sequence from the gradient
+    of its own end weights, its last mini-batch (partial: scale −1, no ∂τ term) in the same walk;
+    once that is done the carry adds Δ = ∂W_L − [partial] ∂W_end (the start weights' own
+    gradient; a partial one's end values are its sums, not a function of its start weights), and
+    an empty sequence's gradient is ∂W_end + ∂W_L (both are its initial weights). ∂W1_0 … ∂b2_0
+    are [N, H, …]; the input gradients are gathered back to the packed rows."""
+    tau_dt, lw_dt, lb_dt = tau.dtype, ln_w.dtype, ln_b.dtype
+    cdt = W1S.dtype
+    dev = XQ.device
+    tau_c = tau.to(cdt).contiguous()
+    lw, lb = ln_w.to(cdt).contiguous(), ln_b.to(cdt).contiguous()
+    _, H, T, d = XQ.shape
+    m = W1S.shape[-1]
+    N, NC, CS, CI = packed_chunk_tables(T, bsz, cu_seqlens)
+    idx, valid, pos = _packed_rows(cu_seqlens, T, bsz, CS, CI)
+    TP = NC * bsz
+    _nts, part, empty = _packed_seqs(cu_seqlens, bsz)
+    shapes = ((N, H, d, m), (N, H, 1, m), (N, H, m, d), (N, H, 1, d))
+
+    def zeros(*shape):
+        return torch.zeros(*shape, dtype=cdt, device=dev)
+
+    def empty_buf(*shape):
+        return torch.empty(*shape, dtype=cdt, device=dev)
+
+    # the carry accumulates in place into the end weights' gradients (copies)
+    dW0 = [zeros(*sh) if g is None else g.to(cdt).contiguous().clone() for g, sh in zip(ends, shapes)]
+    delta = []
+    for g, ge, sh in zip(lasts, ends, shapes):
+        dl = zeros(*sh) if g is None else g.to(cdt).contiguous().clone()
+        if ge is not None:
+            dl -= torch.where(part.view(N, 1, 1, 1), ge.to(cdt), 0.0)
+        delta.append(dl.contiguous())
+    dout = torch.zeros_like(XQ) if dout is None else dout
+    XQ, XK, XV, eta, dout = (_pad_rows(x, idx, valid) for x in (XQ, XK, XV, eta, dout))
+    dXQ, dXK, dXV = (torch.empty_like(XQ) for _ in range(3))
+    dETA = torch.empty_like(eta)
+    DZB1, XB2, DG1P, DZ1P = (empty_buf(1, H, NC, bsz, m) for _ in range(4))
+    DZB2, DG2P = (empty_buf(1, H, NC, bsz, d) for _ in range(2))
+    DKP, DEP = empty_buf(1, H, TP, d), empty_buf(1, H, TP)
+    dTAU, dLNW, dLNB = empty_buf(1, H, NC, bsz), empty_buf(1, H, NC, d), empty_buf(1, H, NC, d)
+    SZ, SS, SX, SD = empty_buf(N, H, bsz, m), empty_buf(N, H, bsz, m), empty_buf(N, H, bsz, m), empty_buf(N, H, bsz, d)
+    # per slot (for every head): the update's scale and whether τ_{b−1} enters it; a partial last
+    # mini-batch (its end values are its sums) takes −1 and none
+    seq, c = CI[:, 0].long(), CI[:, 1].long()
+    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    plast = (seq >= 0) & ((c + 1) * bsz > lens[seq.clamp(min=0)])
+    scale = torch.stack([torch.where(plast, -1.0, tau_c[bsz - 1]), (~plast).to(cdt)])
+    scale = scale[:, None, :].expand(2, H, NC).contiguous()
+    BD, BM, BT, kw = _mlp_launch_cfg(d, m, bsz, packed=True)
+    prec = _precision(XQ.dtype)
+    _ttt_mlp_bwd_mb_kernel[(H * NC,)](
+        XQ, XK, eta, tau_c, lw, lb, W1S, B1S, W2S, B2S, G1S, G2S, dout,
+        DZB1, XB2, DG1P, DZ1P, DZB2, DG2P, DKP, DEP, dXQ, dTAU, dLNW, dLNB,
+        TP, NC, H, LN_EPS, D=d, BD=BD, M=m, BM=BM, MB=bsz, BT=BT,
+        BK=_mlp_col_block(BD, prec, "bwd_mb", device_arch(dev)), PREC=prec, **kw)
+    _ttt_mlp_bwd_kernel[(N * H,)](
+        XQ, XK, XV, eta, tau_c, lw, lb, W1S, B1S, W2S, G1S, G2S,
+        DZB1, XB2, DG1P, DZ1P, DZB2, DG2P, DKP, DEP, SZ, SS, SX, SD,
+        dXK, dXV, dETA, dTAU, dLNW, dLNB, *dW0, scale, cu_seqlens, CS, *delta,
+        TP, 0, 0, H, NC, LN_EPS, D=d, BD=BD, M=m, BM=BM, MB=bsz, BT=BT,
+        BK=_mlp_col_block(BD, prec, "bwd", packed=True), PREC=prec, VARLEN=True, **kw)
+    for buf, gl in zip(dW0, lasts):
+        if gl is not None:
+            buf += torch.where(empty.view(N, 1, 1, 1), gl.to(cdt), 0.0)
+    return [dXQ.index_select(2, pos), dXK.index_select(2, pos), dXV.index_select(2, pos),
+            dETA.index_select(2, pos), dTAU.sum((0, 1, 2)).to(tau_dt), dLNW.sum((0, 2)).to(lw_dt),
+            dLNB.sum((0, 2)).to(lb_dt)] + [g.to(dt) for g, dt in zip(dW0, dts)]
+
+
 @_mlp_bwd_op.register_fake
 def _(XQ, XK, XV, eta, tau, ln_w, ln_b, W1S, B1S, W2S, B2S, G1S, G2S, dout, dW1F, dB1F, dW2F, dB2F,
-      dW1L, dB1L, dW2L, dB2L, mini_batch_size, last_rows, W1_dt, b1_dt, W2_dt, b2_dt):
+      dW1L, dB1L, dW2L, dB2L, mini_batch_size, last_rows, W1_dt, b1_dt, W2_dt, b2_dt, cu_seqlens=None):
     ws = _mlp_weight_buffers(XQ, W1S.shape[-1], None)
+    if cu_seqlens is not None:
+        N, H, d, m = cu_seqlens.shape[0] - 1, XQ.shape[1], XQ.shape[3], W1S.shape[-1]
+        ws = [XQ.new_empty(N, H, *sh) for sh in ((d, m), (1, m), (m, d), (1, d))]
     return ([torch.empty_like(t) for t in (XQ, XK, XV, eta, tau, ln_w, ln_b)]
             + [torch.empty_like(w, dtype=dt) for w, dt in zip(ws, (W1_dt, b1_dt, W2_dt, b2_dt))])
 
 
 def _mlp_setup_context(ctx, inputs, output):
-    XQ, XK, XV, eta, tau, ln_w, ln_b, W1, b1, W2, b2, bsz, last_rows, _ = inputs
-    ctx.save_for_backward(XQ, XK, XV, eta, tau, ln_w, ln_b, *output[9:])
+    XQ, XK, XV, eta, tau, ln_w, ln_b, W1, b1, W2, b2, bsz, last_rows, _, cu = (tuple(inputs) + (None,))[:15]
+    ctx.save_for_backward(XQ, XK, XV, eta, tau, ln_w, ln_b, *output[9:], cu)
     ctx.mark_non_differentiable(*output[9:])
     ctx.meta = (bsz, last_rows, W1.dtype, b1.dtype, W2.dtype, b2.dtype)
 
 
 def _mlp_backward_rule(ctx, grads):
-    return (*_mlp_bwd_op(*ctx.saved_tensors, *grads[:9], *ctx.meta), None, None, None)
+    *saved, cu = ctx.saved_tensors
+    # no gradient for mini_batch_size, last_rows, save (and cu_seqlens, an input only when given:
+    # the op's inputs leave out a trailing argument left at its default)
+    rest = (None,) * (3 if cu is None else 4)
+    return (*_mlp_bwd_op(*saved, *grads[:9], *ctx.meta, cu), *rest)
 
 
 _mlp_fwd_op.register_autograd(_mlp_backward_rule, setup_context=_mlp_setup_context)
@@ -1009,4 +1290,49 @@ def ttt_mlp_triton(XQ, XK, XV, eta, token_idx, ln_weight, ln_bias, W1, b1, W2, b
     out = torch.cat(outs, dim=2) if len(outs) > 1 else (outs[0] if outs else XQ.clone())
     return out, (st if output_final_state else None)
 
-__all__ = ["ttt_mlp_triton"]
+
+def ttt_mlp_triton_packed(XQ, XK, XV, eta, token_idx, ln_weight, ln_bias, W1, b1, W2, b2, mini_batch_size,
+                          initial_state: Optional[dict], output_final_state: bool, cu_seqlens: torch.Tensor
+                          ) -> Tuple[torch.Tensor, Optional[dict]]:
+    """``kernels.ttt.ttt_mlp`` with ``cu_seqlens`` (B = 1, T ≥ 1; the caller checks the weights'
+    and ``initial_state``'s shapes and that every "pos" is 0): the N packed sequences in one launch
+    of each kernel, each from its own start weights (``initial_state`` row n, or the weights
+    arguments [H, …] / [1, H, …] for all), each ending per its own length: after a partial last
+    mini-batch of r rows its state is that mini-batch's start weights, the sums Σ η ∇ℓ over its r
+    rows and pos = r; otherwise its end weights, zero sums and pos = 0 (an empty sequence: its
+    initial weights). The final state holds every tensor stacked [N, H, …] and "pos" as a list of
+    N ints (read back after the launches)."""
+    if not 1 <= mini_batch_size <= _MAX_MB:
+        raise ValueError(f"ttt_mlp_triton: mini_batch_size must be in [1, {_MAX_MB}], got {mini_batch_size}")
+    check_triton_device("ttt_mlp_triton", XQ, XK, XV, eta)
+    _, H, T, d = XQ.shape
+    m = W1.shape[-1]
+    cu = check_cu_seqlens("ttt_mlp_triton", cu_seqlens, T, XQ.device)
+    N = cu.numel() - 1
+    rows = (T // mini_batch_size + N) * mini_batch_size          # the slot-major copy's rows per head
+    if max(H * rows * max(d, m), N * H * d * m) >= 2 ** 31:
+        raise ValueError(f"ttt_mlp_triton: a packed launch indexes its slot-major rows and per-sequence weights "
+                         f"with int32 offsets: H·(⌊T/b⌋ + N)·b·max(d, m) = {H * rows * max(d, m)} and N·H·d·m = "
+                         f"{N * H * d * m} must be < 2^31; split the batch")
+    keys = ("W1", "b1", "W2", "b2")
+    if initial_state is not None:
+        w0 = [initial_state[k] for k in keys]
+    else:
+        w0 = [w.reshape(1, H, *w.shape[-2:]).expand(N, H, *w.shape[-2:]) for w in (W1, b1, W2, b2)]
+    outs = _mlp_fwd_op(XQ, XK, XV, eta, token_idx, ln_weight, ln_bias, *w0, mini_batch_size, mini_batch_size,
+                       True, cu)
+    out = outs[0]
+    if not output_final_state:
+        return out, None
+    _nts, part, _empty = _packed_seqs(cu, mini_batch_size)
+    part = part.view(N, 1, 1, 1)
+    st = {}
+    for k, w_end, w_last in zip(keys, outs[1:5], outs[5:9]):
+        # a partial last mini-batch: its start weights and its sums (the kernel's end values)
+        st[k] = torch.where(part, w_last, w_end)
+        st["grad_" + k] = torch.where(part, w_end, torch.zeros_like(w_end))
+    st["pos"] = ((cu[1:] - cu[:-1]) % mini_batch_size).tolist()
+    return out, st
+
+
+__all__ = ["ttt_mlp_triton", "ttt_mlp_triton_packed"]

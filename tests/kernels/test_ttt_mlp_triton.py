@@ -270,7 +270,9 @@ def test_weights_and_state_left_untouched():
 def test_launch_config_per_gpu_family(monkeypatch):
     """The TTT-MLP launch configs that the wrapper takes on a GPU are the ones the compile gate
     compiles (kernels/ttt/gate.py): the per-mini-batch backward's column block per GPU family (16
-    only for 3×TF32 on sm_80), the other kernels' the same on both."""
+    only for 3×TF32 on sm_80), the other kernels' the same on both; packed batches ("varlen")
+    have packed variants of the two serial kernels only (state pass and carry, column blocks of
+    16), the output and per-mini-batch backward kernels run as they are."""
     from kernels.ttt import chunk, gate, mlp_chunk
 
     monkeypatch.setattr(mlp_chunk, "is_interpreting", lambda: False)
@@ -279,9 +281,12 @@ def test_launch_config_per_gpu_family(monkeypatch):
     assert mlp_chunk._mlp_col_block(128, "tf32x3", "bwd_mb", arch=90) == 32
     assert mlp_chunk._mlp_col_block(128, "bf16", "bwd_mb", arch=80) == 32
     assert mlp_chunk._mlp_col_block(16, "tf32x3") == 16
+    assert mlp_chunk._mlp_col_block(128, "bf16", packed=True) == 16
+    assert mlp_chunk._mlp_col_block(128, "tf32x3", "bwd", arch=80, packed=True) == 16
     cases = [c for c in gate.compile_cases() if c.kernel.startswith("_ttt_mlp_")]
     assert {c.kernel for c in cases} == {"_ttt_mlp_fwd_kernel", "_ttt_mlp_out_kernel", "_ttt_mlp_bwd_mb_kernel",
                                          "_ttt_mlp_bwd_kernel"}
+    assert {c.kernel for c in cases if c.constexprs.get("VARLEN")} == {"_ttt_mlp_fwd_kernel", "_ttt_mlp_bwd_kernel"}
     for c in cases:
         prec, BD = c.constexprs["PREC"], c.constexprs["BD"]
         if c.kernel == "_ttt_mlp_bwd_mb_kernel":
@@ -289,8 +294,12 @@ def test_launch_config_per_gpu_family(monkeypatch):
             assert c.config.endswith(f"sm_{arch}")
             assert c.constexprs["BK"] == mlp_chunk._mlp_col_block(BD, prec, "bwd_mb", arch=arch)
         else:
-            assert c.constexprs["BK"] == mlp_chunk._mlp_col_block(BD, prec)
-        BD_, BM, BT, kw = mlp_chunk._mlp_launch_cfg(c.constexprs["D"], c.constexprs["M"], c.constexprs["MB"])
+            packed = c.constexprs.get("VARLEN", False)
+            assert packed == c.config.endswith("varlen")
+            assert not packed or c.kernel in ("_ttt_mlp_fwd_kernel", "_ttt_mlp_bwd_kernel")
+            assert c.constexprs["BK"] == mlp_chunk._mlp_col_block(BD, prec, packed=packed)
+        BD_, BM, BT, kw = mlp_chunk._mlp_launch_cfg(c.constexprs["D"], c.constexprs["M"], c.constexprs["MB"],
+                                                     packed=c.constexprs.get("VARLEN", False))
         assert (BD, c.constexprs["BM"], c.constexprs["BT"]) == (BD_, BM, BT)
         assert (c.num_warps, c.num_stages) == (kw["num_warps"], kw["num_stages"])
 

@@ -468,3 +468,135 @@ def test_ttt_linear_triton_varlen_spare_slot_reads_inside_its_inputs():
     _assert_close(out.detach(), want[0], "out", 1e-9)
     for k in want[2]:
         _assert_close(leaves[k].grad, want[2][k], f"grad {k}", 1e-9)
+
+
+MLP_KERNELS = ("_ttt_mlp_fwd_kernel", "_ttt_mlp_out_kernel", "_ttt_mlp_bwd_mb_kernel", "_ttt_mlp_bwd_kernel")
+
+
+def _mlp_triton_separate(lengths, b):
+    """Each sequence alone through the fixed-length Triton TTT-MLP path; an empty one keeps its
+    initial state (the per-sequence path launches nothing for it)."""
+    keys = TTT_WEIGHTS["mlp"]
+
+    def separate(x, s):
+        outs, finals, t0 = [], [], 0
+        for n, L in enumerate(lengths):
+            st = None if s is None else {**{k: v[n:n + 1] for k, v in s.items() if k != "pos"}, "pos": 0}
+            if L == 0:
+                st = st or {k: x[k].reshape(1, *x[k].shape[-3:]) for k in keys}
+                finals.append({**{k: st[k] for k in keys},
+                               **{"grad_" + k: torch.zeros_like(st[k]) for k in keys}, "pos": 0})
+                continue
+            seg = {k: (v[:, :, t0:t0 + L] if k in ("XQ", "XK", "XV", "eta") else v) for k, v in x.items()}
+            o, f = _ttt_call("mlp", seg, st, b, "triton", None)
+            outs.append(o)
+            finals.append(f)
+            t0 += L
+        final = {k: torch.cat([f[k] for f in finals], 0) for k in finals[0] if k != "pos"}
+        final["pos"] = [f["pos"] for f in finals]
+        return torch.cat(outs, 2), final
+    return separate
+
+
+def _assert_runs_close(got, want, tol):
+    _assert_close(got[0], want[0], "out", tol)
+    assert got[1]["pos"] == want[1]["pos"]
+    assert set(got[1]) == set(want[1])
+    for k in want[1]:
+        if k != "pos":
+            _assert_close(got[1][k], want[1][k], f"final {k}", tol)
+    assert set(got[2]) == set(want[2])
+    for k in want[2]:
+        _assert_close(got[2][k], want[2][k], f"grad {k}", tol)
+
+
+@pytest.mark.parametrize("with_state", [False, True])
+@pytest.mark.parametrize("b,lengths", [(16, (5, 0, 16, 37)), (8, (0, 3, 20, 8))])
+def test_ttt_mlp_triton_varlen_is_one_launch_per_kernel(monkeypatch, b, lengths, with_state):
+    """With cu_seqlens the Triton TTT-MLP backend launches each of its four kernels once for the
+    whole packed batch — the state pass and the backward carry one program per (sequence, head),
+    the output and the per-mini-batch backward one per (head, mini-batch slot) over ⌊T/b⌋ + N
+    slots — and equals the fixed-length kernels run on each sequence alone (float64: output,
+    final states with per-sequence "pos", every gradient, initial states included). Lengths: an
+    empty sequence, one shorter than b, a whole number of mini-batches, several with a partial
+    tail; b = 8 pads the mini-batch to 16 rows; m = 32 runs two hidden tiles."""
+    import kernels.ttt.mlp_chunk as mchunk
+
+    d = 16
+    xs, state = _ttt_inputs("mlp", sum(lengths), d, b, len(lengths), with_state, seed=5)
+    want = _ttt_run(_mlp_triton_separate(lengths, b), xs, state)
+    counters = {name: _CountLaunches(getattr(mchunk, name)) for name in MLP_KERNELS}
+    for name, counter in counters.items():
+        monkeypatch.setattr(mchunk, name, counter)
+    got = _ttt_run(lambda x, s: _ttt_packed("mlp", x, s, b, "triton", lengths), xs, state)
+    N, T = len(lengths), sum(lengths)
+    NC = T // b + N
+    assert [c.grids for c in counters.values()] == [[(N * H,)], [(H * NC,)], [(H * NC,)], [(N * H,)]]
+    assert got[1]["pos"] == [L % b for L in lengths]
+    _assert_runs_close(got, want, 1e-10)    # float64; the same kernels, only the launch differs
+    if with_state:  # every sequence's own initial state gets its gradient (the empty one: its final state's)
+        assert all(got[2]["state.W1"][n].abs().max() > 0 for n in range(N))
+        assert all(got[2]["state.b2"][n].abs().max() > 0 for n in range(N))
+
+
+def test_ttt_mlp_triton_varlen_no_grad_and_refusals():
+    """Without autograd the packed launch gives the same output and final state as the PyTorch
+    dual form (float64 to 1e-10); bad offsets are refused by the one flag read back, naming the
+    problem; a batch of empty sequences only (T = 0) keeps its initial states."""
+    lengths, b = (21, 0, 7), 16
+    xs, state = _ttt_inputs("mlp", sum(lengths), 16, b, len(lengths), True, seed=2)
+    with torch.no_grad():
+        o_ng, f_ng = _ttt_packed("mlp", xs, state, b, "triton", lengths)
+        o_t, f_t = _ttt_packed("mlp", xs, state, b, "torch", lengths)
+    _assert_close(o_ng, o_t, "out", 1e-10)
+    assert f_ng["pos"] == f_t["pos"] == [5, 0, 7]
+    for k in ("W1", "b1", "W2", "b2", "grad_W1", "grad_b1", "grad_W2", "grad_b2"):
+        _assert_close(f_ng[k], f_t[k], f"final {k}", 1e-10)
+    with pytest.raises(ValueError, match="rise from 0"):
+        _ttt_packed("mlp", xs, state, b, "triton", (21, 8, -1))
+    with pytest.raises(ValueError, match=r"\[N = 2"):
+        _ttt_packed("mlp", xs, state, b, "triton", (21, 7))
+    empty_xs, empty_state = _ttt_inputs("mlp", 0, 16, b, 2, True, seed=3)
+    out, fin = _ttt_packed("mlp", empty_xs, empty_state, b, "triton", (0, 0))
+    assert out.shape == (1, H, 0, 16) and fin["pos"] == [0, 0]
+    assert torch.equal(fin["W2"], empty_state["W2"])
+
+
+def test_ttt_mlp_triton_varlen_reads_no_unwritten_buffer_nor_outside_its_inputs(monkeypatch):
+    """Every buffer the packed TTT-MLP path allocates uninitialized is written before it is read,
+    and no program reads memory before its inputs: with torch.empty, torch.empty_like and
+    Tensor.new_empty handing out NaN-filled tensors, and XQ, XK, XV, η placed right after
+    NaN-filled memory, output, final state and gradients still match the per-sequence reference.
+    The spare mini-batch slots (here one: 17, 0, 5, 33 tokens at b = 16) and the rows past a
+    sequence's end must add nothing to ∂τ, ∂γ, ∂β, which are summed over every slot."""
+    lengths = (17, 0, 5, 33)
+    xs, _ = _ttt_inputs("mlp", sum(lengths), 16, 16, len(lengths), False)
+    want = _ttt_run(lambda x, s: _ttt_separate("mlp", x, s, 16, lengths), xs, None)
+    pad = 64 * 16
+    leaves = {}
+    for k, v in xs.items():
+        if k in ("XQ", "XK", "XV", "eta"):
+            buf = torch.full((pad + v.numel(),), float("nan"), dtype=v.dtype)
+            buf[pad:] = v.flatten()
+            leaves[k] = buf[pad:].view(v.shape).detach().requires_grad_(True)
+            assert leaves[k].storage_offset() == pad
+        else:
+            leaves[k] = _leaf(v)
+    empty, empty_like, new_empty = torch.empty, torch.empty_like, torch.Tensor.new_empty
+
+    def poison(t):
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: poison(empty(*a, **k)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison(empty_like(*a, **k)))
+    monkeypatch.setattr(torch.Tensor, "new_empty", lambda self, *a, **k: poison(new_empty(self, *a, **k)))
+    assert torch.isnan(torch.empty(2)).all() and torch.isnan(xs["XQ"].new_empty(2)).all()
+    out, fin = _ttt_packed("mlp", leaves, None, 16, "triton", lengths)
+    _weighted_loss([out] + [fin[k] for k in sorted(k for k in fin if k != "pos")]).backward()
+    monkeypatch.undo()
+    _assert_close(out.detach(), want[0], "out", 1e-9)
+    for k in want[1]:
+        if k != "pos":
+            _assert_close(fin[k].detach(), want[1][k], f"final {k}", 1e-9)
+    for k in want[2]:
+        _assert_close(leaves[k].grad, want[2][k], f"grad {k}", 1e-9)

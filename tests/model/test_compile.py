@@ -231,6 +231,30 @@ def test_packed_sequences_compile_like_eager():
     assert torch._dynamo.explain(cases[1][0])(la, b).graph_break_count == 0
 
 
+def test_packed_ttt_mlp_compiles_like_eager():
+    """TTT-MLP with cu_seqlens (one launch of each kernel): the op's fake shapes take the number of
+    sequences from the offsets' length and the mini-batch slots as ⌊T / b⌋ + N; compiled outputs,
+    final states and gradients equal eager (the offsets' check and the final "pos" list are read
+    back around the op)."""
+    g = torch.Generator().manual_seed(0)
+    cu = torch.tensor([0, 5, 20], dtype=torch.int32)
+
+    def fn(*ins):                                    # mini-batch 8: both sequences end in a partial one
+        out, st = ttt_mlp(*ins, mini_batch_size=8, output_final_state=True, backend="triton", cu_seqlens=cu)
+        return out, st["W1"], st["b2"], st["grad_W2"]
+    inputs = _ttt_inputs(g, True)
+
+    def run(f):
+        leaves = [x.clone().requires_grad_() for x in inputs]
+        out = f(*leaves)
+        return list(out) + list(torch.autograd.grad(sum(o.sum() for o in out), leaves))
+    torch._dynamo.reset()
+    eager, compiled = run(fn), run(torch.compile(fn, backend="aot_eager"))
+    assert eager[1].shape[0] == 2   # one final state per sequence
+    for a, c in zip(eager, compiled):
+        assert torch.equal(a, c), (a - c).abs().max()
+
+
 class _RecordKernelOps(TorchDispatchMode):
     """The kernels:: op calls (forward and backward ops) with the arguments they were given."""
 
