@@ -60,6 +60,54 @@ def has_triton_backend(kind: str = "linear") -> bool:
     return hasattr(mod, f"ttt_{kind}_triton")
 
 
+# The Triton kernels form element offsets as int32 products of their program index (one program per
+# (batch row, head[, mini-batch])) with the row sizes; a launch whose buffers reach 2^31 elements
+# would wrap. Larger batches run in groups of batch rows, each its own launch.
+_INT32_ELEMS = 2 ** 31
+
+
+def _triton_rows_per_launch(name: str, XQ: torch.Tensor, mini_batch_size: int, inner: int) -> int:
+    """How many batch rows one launch of the TTT kernels may take so that every buffer they index
+    (inputs [H, T, d]; per-mini-batch start weights [H, ⌈T/b⌉, d, inner] and row tiles
+    [H, ⌈T/b⌉, b padded to a power of two ≥ 16, max(inner, 2d, 128)] per row) stays below 2^31
+    elements; a single row that does not is refused."""
+    B, H, T, d = XQ.shape
+    nmb = -(-T // mini_batch_size) + 1
+    rows = max(16, 1 << (mini_batch_size - 1).bit_length())    # a mini-batch's rows padded as the kernels pad them
+    per_row = H * max(T * d, nmb * d * inner, nmb * rows * max(inner, 2 * d, 128))
+    if per_row >= _INT32_ELEMS:
+        raise ValueError(f"{name}: one batch row needs {per_row} elements of kernel buffers (H = {H}, T = {T}, "
+                         f"d = {d}, mini-batch {mini_batch_size}), beyond the kernels' int32 offsets "
+                         f"(2^31); use a shorter sequence (carry the state across calls) or fewer heads")
+    return max(1, (_INT32_ELEMS - 1) // per_row)
+
+
+def _in_row_groups(fn: Callable, XQ: torch.Tensor, rows: int, n_inputs: int, args: tuple):
+    """``fn(*args)`` over groups of ``rows`` batch rows: the first ``n_inputs`` arguments ([B, …]),
+    batched weights ([B, H, …], 4 dims) and ``initial_state`` tensors sliced along the batch axis;
+    outputs and final states concatenated back. Every (batch row, head) is independent in the
+    kernels, so the result is the one-launch result."""
+    B = XQ.shape[0]
+    *head, initial_state, output_final_state = args
+    outs, finals = [], []
+    for r0 in range(0, B, rows):
+        sl = slice(r0, r0 + rows)
+        part = [a[sl] if i < n_inputs or (torch.is_tensor(a) and a.dim() == 4 and a.shape[0] == B) else a
+                for i, a in enumerate(head)]
+        st = None if initial_state is None else {
+            k: (v[sl] if torch.is_tensor(v) and v.dim() == 4 and v.shape[0] == B else v)
+            for k, v in initial_state.items()}
+        o, f = fn(*part, st, output_final_state)
+        outs.append(o)
+        finals.append(f)
+    out = torch.cat(outs, 0)
+    if not output_final_state:
+        return out, None
+    final = {k: torch.cat([f[k] for f in finals], 0) for k in finals[0] if k != "pos"}
+    final["pos"] = finals[0]["pos"]
+    return out, final
+
+
 def _check(XQ, XK, XV, eta, token_idx, mini_batch_size):
     if XQ.dim() != 4 or XK.shape != XQ.shape or XV.shape != XQ.shape:
         raise ValueError(f"ttt: XQ, XK, XV must all be [B, H, T, d], got {tuple(XQ.shape)}, "
@@ -170,6 +218,9 @@ def ttt_linear(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: torch.
         if not has_triton_backend("linear"):
             raise RuntimeError("ttt_linear: backend='triton' needs ttt_linear_triton in kernels/ttt/chunk.py, which is absent")
         from kernels.ttt.chunk import ttt_linear_triton
+        rows = _triton_rows_per_launch("ttt_linear", XQ, mini_batch_size, XQ.shape[-1])
+        if rows < XQ.shape[0]:
+            return _in_row_groups(ttt_linear_triton, XQ, rows, 4, args)
         return ttt_linear_triton(*args)
     raise ValueError(f"ttt_linear: backend must be torch, primal, reference or triton, got {backend!r}")
 
@@ -214,6 +265,9 @@ def ttt_mlp(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: torch.Ten
         if not has_triton_backend("mlp"):
             raise RuntimeError("ttt_mlp: backend='triton' needs ttt_mlp_triton in kernels/ttt/mlp_chunk.py, which is absent")
         from kernels.ttt.mlp_chunk import ttt_mlp_triton
+        rows = _triton_rows_per_launch("ttt_mlp", XQ, mini_batch_size, W1.shape[-1])
+        if rows < XQ.shape[0]:
+            return _in_row_groups(ttt_mlp_triton, XQ, rows, 4, args)
         return ttt_mlp_triton(*args)
     raise ValueError(f"ttt_mlp: backend must be torch, primal, reference or triton, got {backend!r}")
 
