@@ -80,21 +80,20 @@ def _ttt_packed(kind, xs, state, b, backend, lengths):
     return _ttt_call(kind, xs, state, b, backend, _cu(lengths))
 
 
-def _ttt_separate(kind, xs, state, b, lengths):
-    """Each sequence alone through the reference; an empty one keeps its initial state."""
+def _ttt_separate(kind, xs, state, b, lengths, backend="reference"):
+    """Each sequence alone through ``backend`` (fixed-length calls); an empty one keeps its initial
+    state, with zero sums (the per-sequence path launches nothing for it)."""
     keys = TTT_WEIGHTS[kind]
     outs, finals, t0 = [], [], 0
     for n, L in enumerate(lengths):
         st = None if state is None else {**{k: v[n:n + 1] for k, v in state.items() if k != "pos"}, "pos": 0}
         if L == 0:
-            if st is None:
-                st = {k: xs[k].unsqueeze(0) for k in keys}
-                st.update({"grad_" + k: torch.zeros_like(st[k]) for k in keys})
-                st["pos"] = 0
-            finals.append(st)
+            st = st or {k: xs[k].unsqueeze(0) for k in keys}
+            finals.append({**{k: st[k] for k in keys}, **{"grad_" + k: torch.zeros_like(st[k]) for k in keys},
+                           "pos": 0})
             continue
         seg = {k: (v[:, :, t0:t0 + L] if k in ("XQ", "XK", "XV", "eta") else v) for k, v in xs.items()}
-        o, f = _ttt_call(kind, seg, st, b, "reference", None)
+        o, f = _ttt_call(kind, seg, st, b, backend, None)
         outs.append(o)
         finals.append(f)
         t0 += L
@@ -332,26 +331,7 @@ def test_ttt_linear_triton_varlen_is_one_launch_per_kernel(monkeypatch, b, lengt
     d = 16
     xs, state = _ttt_inputs("linear", sum(lengths), d, b, len(lengths), with_state, seed=5)
 
-    def separate(x, s):
-        keys = TTT_WEIGHTS["linear"]
-        outs, finals, t0 = [], [], 0
-        for n, L in enumerate(lengths):
-            st = None if s is None else {**{k: v[n:n + 1] for k, v in s.items() if k != "pos"}, "pos": 0}
-            if L == 0:      # an empty sequence keeps its initial state (as the per-sequence path does)
-                st = st or {k: x[k].reshape(1, *x[k].shape[-3:]) for k in keys}
-                finals.append({**{k: st[k] for k in keys},
-                               **{"grad_" + k: torch.zeros_like(st[k]) for k in keys}, "pos": 0})
-                continue
-            seg = {k: (v[:, :, t0:t0 + L] if k in ("XQ", "XK", "XV", "eta") else v) for k, v in x.items()}
-            o, f = _ttt_call("linear", seg, st, b, "triton", None)
-            outs.append(o)
-            finals.append(f)
-            t0 += L
-        final = {k: torch.cat([f[k] for f in finals], 0) for k in finals[0] if k != "pos"}
-        final["pos"] = [f["pos"] for f in finals]
-        return torch.cat(outs, 2), final
-
-    want = _ttt_run(separate, xs, state)
+    want = _ttt_run(lambda x, s: _ttt_separate("linear", x, s, b, lengths, "triton"), xs, state)
     counters = {name: _CountLaunches(getattr(lchunk, name)) for name in LINEAR_KERNELS}
     for name, counter in counters.items():
         monkeypatch.setattr(lchunk, name, counter)
@@ -473,31 +453,6 @@ def test_ttt_linear_triton_varlen_spare_slot_reads_inside_its_inputs():
 MLP_KERNELS = ("_ttt_mlp_fwd_kernel", "_ttt_mlp_out_kernel", "_ttt_mlp_bwd_mb_kernel", "_ttt_mlp_bwd_kernel")
 
 
-def _mlp_triton_separate(lengths, b):
-    """Each sequence alone through the fixed-length Triton TTT-MLP path; an empty one keeps its
-    initial state (the per-sequence path launches nothing for it)."""
-    keys = TTT_WEIGHTS["mlp"]
-
-    def separate(x, s):
-        outs, finals, t0 = [], [], 0
-        for n, L in enumerate(lengths):
-            st = None if s is None else {**{k: v[n:n + 1] for k, v in s.items() if k != "pos"}, "pos": 0}
-            if L == 0:
-                st = st or {k: x[k].reshape(1, *x[k].shape[-3:]) for k in keys}
-                finals.append({**{k: st[k] for k in keys},
-                               **{"grad_" + k: torch.zeros_like(st[k]) for k in keys}, "pos": 0})
-                continue
-            seg = {k: (v[:, :, t0:t0 + L] if k in ("XQ", "XK", "XV", "eta") else v) for k, v in x.items()}
-            o, f = _ttt_call("mlp", seg, st, b, "triton", None)
-            outs.append(o)
-            finals.append(f)
-            t0 += L
-        final = {k: torch.cat([f[k] for f in finals], 0) for k in finals[0] if k != "pos"}
-        final["pos"] = [f["pos"] for f in finals]
-        return torch.cat(outs, 2), final
-    return separate
-
-
 def _assert_runs_close(got, want, tol):
     _assert_close(got[0], want[0], "out", tol)
     assert got[1]["pos"] == want[1]["pos"]
@@ -524,7 +479,7 @@ def test_ttt_mlp_triton_varlen_is_one_launch_per_kernel(monkeypatch, b, lengths,
 
     d = 16
     xs, state = _ttt_inputs("mlp", sum(lengths), d, b, len(lengths), with_state, seed=5)
-    want = _ttt_run(_mlp_triton_separate(lengths, b), xs, state)
+    want = _ttt_run(lambda x, s: _ttt_separate("mlp", x, s, b, lengths, "triton"), xs, state)
     counters = {name: _CountLaunches(getattr(mchunk, name)) for name in MLP_KERNELS}
     for name, counter in counters.items():
         monkeypatch.setattr(mchunk, name, counter)
