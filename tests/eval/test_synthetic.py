@@ -270,6 +270,26 @@ def test_merge_results_joins_one_run_per_lr_into_one_row():
         merge_results([a, b], ["x", "y"])
 
 
+def test_results_table_states_each_rows_budget_when_budgets_differ():
+    a = _fake("attention", {64: 0.99}, solved=1850)
+    b = _fake("deltanet", {64: 0.3})
+    same = results_table([a, b])
+    assert "budget" not in same.splitlines()[0] and "| 1850 |" in same and "not solved in 100" in same
+    a.budget = 3000
+    head, _, row_a, row_b = results_table([a, b]).splitlines()
+    cols = [c.strip() for c in head.strip("|").split("|")]
+    assert cols.index("budget") == cols.index("lr") + 1
+    assert [c.strip() for c in row_a.strip("|").split("|")][cols.index("budget")] == "3000"
+    assert [c.strip() for c in row_b.strip("|").split("|")][cols.index("budget")] == "100"
+    # one row whose lrs were tried at different budgets (joined runs) names the others' budgets
+    slow, fast = _fake("rglru", {64: 0.3}, lr=1e-3), _fake("rglru", {64: 0.6}, lr=3e-3)
+    slow.budget, fast.budget = 2000, 3000
+    slow.lr_trials, fast.lr_trials = [_trial(1e-3, None, 0.3)], [_trial(3e-3, None, 0.6)]
+    row = merge_results([slow, fast])[0]
+    table = results_table([row])
+    assert "budget" in table.splitlines()[0] and "| 3000 (lr 0.001: 2000) | not solved in 3000 |" in table
+
+
 def test_update_report_replaces_reruns_joins_new_lrs_and_refuses_a_partial_rerun():
     old_t = _fake("titans", {64: 0.3}, lr=3e-3)
     old_t.lr_trials = [_trial(3e-3, None, 0.3)]

@@ -371,22 +371,41 @@ def _steps_cell(r: SyntheticResult) -> str:
     return f"not solved in {r.budget if r.budget is not None else r.steps}"
 
 
+def _budget(r: SyntheticResult) -> int:
+    return r.budget if r.budget is not None else r.steps
+
+
+def _budget_cell(r: SyntheticResult) -> str:
+    """The kept model's step budget, and the budgets of the other lrs tried where they differ
+    (e.g. ``3000 (lr 0.001: 2000)``), so that a row joined from runs of different budgets says so."""
+    own = _budget(r)
+    others = [t for t in result_trials(r) if t["lr"] != r.lr and t["budget"] is not None and t["budget"] != own]
+    if not others:
+        return f"{own}"
+    return f"{own} (" + ", ".join(f"lr {t['lr']:g}: {t['budget']}" for t in others) + ")"
+
+
 def results_table(results: Sequence[SyntheticResult]) -> str:
     """Markdown: one row per mixer (and width): the lr kept, steps to reach the criterion (or "not
-    solved in N"), and accuracy at each test length (train length marked *)."""
+    solved in N"), and accuracy at each test length (train length marked *). Where the rows' step
+    budgets differ (or a row's lrs were tried at different budgets), a budget column states each
+    row's, so that rows of different budgets are never mixed silently."""
     lens = sorted({T for r in results for T in r.accuracy})
     tl = {r.train_len for r in results}
     widths = len({r.d_model for r in results}) > 1
-    head = ["mixer"] + (["d_model"] if widths else []) + ["layers", "params", "state", "lr", "steps to solve",
-                                                           "train loss"]
+    cells = [_budget_cell(r) for r in results]
+    budgets = len(set(cells)) > 1 or any(" (" in c for c in cells)
+    head = ["mixer"] + (["d_model"] if widths else []) + ["layers", "params", "state", "lr"]
+    head += (["budget"] if budgets else []) + ["steps to solve", "train loss"]
     head += [f"{T}{'*' if T in tl else ''}" for T in lens]
     nfix = len(head) - len(lens)
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * nfix + ["---:"] * len(lens)) + "|"]
-    for r in results:
+    for r, cell in zip(results, cells):
         row = [r.mixer] + ([str(r.d_model)] if widths else [])
         row += [",".join(r.pattern), f"{r.num_params / 1e3:.0f}k",
                 "" if r.state_size is None else f"{r.state_size / 1e3:.1f}k",
-                "" if r.lr is None else f"{r.lr:g}", _steps_cell(r), f"{r.final_train_loss:.3f}"]
+                "" if r.lr is None else f"{r.lr:g}"] + ([cell] if budgets else [])
+        row += [_steps_cell(r), f"{r.final_train_loss:.3f}"]
         row += [f"{r.accuracy[T]:.2f}" if T in r.accuracy else "" for T in lens]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"
