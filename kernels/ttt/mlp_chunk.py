@@ -83,8 +83,35 @@ takes r (R) and, for that mini-batch, writes keep·W − c·Σ with (keep, c) = 
 where a full one writes (1, τ_{b−1}); the carry runs it in a launch of its own with the scale −1
 in place of τ_{b−1} (``_mlp_bwd_op``), then adds the start weights' gradient from the state.
 ``ttt_mlp_triton`` runs the head that completes a mini-batch begun in ``initial_state`` (pos > 0)
-with the PyTorch dual form, chained through autograd. tanh is written with exp (tanh u = 1 −
+with the PyTorch dual form, chained through autograd (see "The head" below). tanh is written with exp (tanh u = 1 −
 2/(e^{2u} + 1), exact at ±∞).
+
+The head (the math for running it in the kernels; not built yet: today the PyTorch dual form runs
+it). A state at pos = p > 0 holds the start weights θ_0 = (W1, b1, W2, b2) of a mini-batch and the
+sums G = (G_W1, G_b1, G_W2, G_b2) = Σ_{s<p} η_s ∇ℓ_s of its first p rows, unscaled by τ. The call's
+first n = min(b − p, T) tokens complete it: token i at position p + i uses θ_i = θ_0 − τ_{p+i} (G +
+Σ_{s≤i} η_s ∇ℓ_s), every ∇ℓ at θ_0. As for TTT-Linear (``_linear_head`` in ``chunk.py``), one
+launch over a single mini-batch of p + n rows, the first p absent (zeros, η = 0), puts the head's
+tokens at positions p … p + n − 1 (their τ) and leaves Γ1, Γ2, X2, Z2 (all at θ_0, so the state pass)
+untouched by G. With τ_i = τ_{p+i}, the dual form of the head's rows gains one term per layer:
+
+    Z̄1_i = Q_i W1 + b1 − (M1 Γ1)_i − τ_i (Q_i G_W1 + G_b1)
+    X̄2_i = GELU(Z̄1_i)
+    Z̄2_i = X̄2_i W2 + b2 − (M2 Γ2)_i − τ_i (X̄2_i G_W2 + G_b2)
+
+The layer-1 term ZH1 = −τ ⊙ (Q G_W1 + G_b1) [n, m] is a row offset computable before the launch
+(linear in G, its gradient ∂Z̄1, which the per-mini-batch backward stores), as TTT-Linear's ``zh``.
+The layer-2 term is not: X̄2 is the kernel's own layer-1 result, corrected by ZH1. Per hidden tile
+it is −(τ ⊙ X̄2_j) G_W2_j, a second product beside X̄2_j W2_j in the output's tile loop, so the
+kernels would take G_W2 as an extra weight tile read only when a runtime head row count is non-zero
+(−τ G_b2 is again a row offset). Backward: ∂X̄2_j gains −τ ⊙ (∂Z̄2 G_W2_jᵀ) in the per-mini-batch
+backward's tile loop, and everything after ∂X̄2_j is unchanged; ∂G_W2 = −X̄2ᵀ(τ ⊙ ∂Z̄2),
+∂G_b2 = −Σ_i τ_i ∂Z̄2_i and τ's extra −Σ_c (X̄2_i G_W2 + G_b2)_c ∂Z̄2_ic follow in PyTorch from the
+stored X̄2 and ∂Z̄2. The carry is untouched (G does not enter the update: Γ1, Γ2 are at θ_0). End
+state, as TTT-Linear's: a completed mini-batch (p + n = b) ends at the kernels' end weights
+− τ_{b−1} G; a head that ends the call keeps θ_0 with sums = the kernels' sums + G, pos = p + n.
+The extra product sits in the two kernels that are closest to 255 registers; whether they still
+compile clean with it (or need a head variant of their own, then a gate case) is not yet checked.
 
 Packed batches (``cu_seqlens``, B = 1, ``ttt_mlp_triton_packed``): one launch of each kernel for
 all N sequences, on the mini-batch tables of ``packed_chunk_tables`` (built on the device:

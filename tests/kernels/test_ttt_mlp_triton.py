@@ -207,6 +207,50 @@ def test_partial_last_mini_batch_no_grad_windows(T, monkeypatch):
             torch.testing.assert_close(s_k[k], s_t[k], atol=1e-12, rtol=0, msg=lambda s: f"state {k}: {s}")
 
 
+# (p, T) at b = 16: a head only (T < b − p, and p = b − 1 with T = 1), a head completing its
+# mini-batch and one full one after it, a head + a full mini-batch + a partial tail
+@pytest.mark.parametrize("p,T", [(1, 4), (5, 27), (15, 1), (15, 20), (1, 34), (5, 30)])
+def test_head_matches_reference(p, T):
+    """A call from a state begun mid-mini-batch (pos = p > 0, carried sums G ≠ 0): output, final
+    state and every gradient, the eight tensors of ``initial_state`` included, equal the
+    specification. float64: 1e-10 of each tensor's scale."""
+    b, d = 16, 16
+    args = _inputs(T, d, b)
+    st = _prefix_state(args, b, p)
+    assert st["pos"] == p and st["grad_W1"].abs().max() > 0 and st["grad_W2"].abs().max() > 0
+    w = torch.randn(B, H, T, d, dtype=torch.float64)
+    ref = _run("reference", args, b, w, st)
+    got = _run("triton", args, b, w, st)
+    _compare(got, ref, T, b, atol=1e-10, rtol=1e-10, pos0=p, state_names=_state_names(st))
+
+
+def test_decode_style_chaining_equals_one_call():
+    """A sequence cut at arbitrary points (inside mini-batches, on a boundary, one token long),
+    each piece continued from the previous piece's final state, gives the output, final state and
+    input gradients of one call over the whole sequence. float64: 1e-10."""
+    b, d, T, cuts = 16, 16, 36, (3, 7, 16, 17, 30)
+    args = _inputs(T, d, b)
+    w = torch.randn(B, H, T, d, dtype=torch.float64)
+    one = _run("triton", args, b, w)
+    for t in args:
+        t.grad = None
+    outs, st = [], None
+    bounds = (0,) + cuts + (T,)
+    for t0, t1 in zip(bounds[:-1], bounds[1:]):
+        xs = [x[:, :, t0:t1] for x in args[:4]]
+        o, st = ttt_mlp(*xs, *args[4:], mini_batch_size=b, initial_state=st, output_final_state=True,
+                        backend="triton")
+        assert st["pos"] == t1 % b
+        outs.append(o)
+    out = torch.cat(outs, dim=2)
+    # the loss of ``_run``, term for term
+    loss = (out.float() * w).sum() + sum((v.float() ** 2).sum() for v in st.values() if torch.is_tensor(v))
+    loss.backward()
+    chained = (out.detach(), {k: (v.detach() if torch.is_tensor(v) else v) for k, v in st.items()},
+               [t.grad.clone() for t in args])
+    _compare(chained, one, T, b, atol=1e-10, rtol=1e-10)
+
+
 def test_no_grad_forward_and_weights_with_batch_axis():
     """Without autograd the forward (state pass and output kernel) matches the reference; per-sequence
     weights [B, H, …] are accepted and get per-sequence gradients. float64: 1e-12."""
