@@ -1113,7 +1113,7 @@ def _mlp_fwd_packed(XQ, XK, XV, eta, tau, ln_w, ln_b, W1, b1, W2, b2, bsz: int, 
         TP, 0, 0, H, NC, LN_EPS, D=d, BD=BD, M=m, BM=BM, MB=bsz, BT=BT, BK=_mlp_col_block(BD, prec, packed=True),
         PREC=prec, VARLEN=True, **kw)
     _ttt_mlp_out_kernel[(H * NC,)](
-        XQ, XK, eta, tau_c, lw, lb, W1S, B1S, W2S, B2S, G1S, G2S, out, *_head_args(None, None, XQ),
+        XQ, XK, eta, tau_c, lw, lb, W1S, B1S, W2S, B2S, G1S, G2S, out, *_head_args(None, None, XQ)[:2],
         TP, NC, H, 0, LN_EPS, D=d, BD=BD, M=m, BM=BM, MB=bsz, BT=BT, BK=BK, PREC=prec, **kw)
     nts, _part, empty = _packed_seqs(cu_seqlens, bsz)
     last_slot = (CS.long() + nts - 1).clamp(min=0)
@@ -1314,7 +1314,7 @@ def _mlp_bwd_packed(XQ, XK, XV, eta, tau, ln_w, ln_b, W1S, B1S, W2S, B2S, G1S, G
     prec = _precision(XQ.dtype)
     _ttt_mlp_bwd_mb_kernel[(H * NC,)](
         XQ, XK, eta, tau_c, lw, lb, W1S, B1S, W2S, B2S, G1S, G2S, dout,
-        DZB1, XB2, DG1P, DZ1P, DZB2, DG2P, DKP, DEP, dXQ, dTAU, dLNW, dLNB, *_head_args(None, None, XQ),
+        DZB1, XB2, DG1P, DZ1P, DZB2, DG2P, DKP, DEP, dXQ, dTAU, dLNW, dLNB, *_head_args(None, None, XQ)[:2],
         TP, NC, H, 0, LN_EPS, D=d, BD=BD, M=m, BM=BM, MB=bsz, BT=BT,
         BK=_mlp_col_block(BD, prec, "bwd_mb", device_arch(dev)), PREC=prec, HEAD=False, **kw)
     _ttt_mlp_bwd_kernel[(N * H,)](
