@@ -8,7 +8,9 @@ also run packed batches (``cu_seqlens``, one launch over all sequences): those v
 offsets and mini-batch tables (int32 pointers, None above) with VARLEN = True, configs named
 "varlen". The TTT-Linear head of a state begun mid-mini-batch (pos > 0) is a launch of the same
 variants: every launch of its output kernel and per-mini-batch backward passes a pointer ZH and its
-row count NZH (0 without a head)."""
+row count NZH (0 without a head). TTT-MLP's head passes ZH1, GW2 and NZH to the same output kernel
+(NZH = 0 without a head) and runs a variant of its per-mini-batch backward (HEAD = True, configs
+named "head", with its own column block and warps)."""
 from __future__ import annotations
 
 import torch
@@ -60,13 +62,19 @@ def compile_cases():
                 fwd = {"BK": mlp_chunk._mlp_col_block(BD, prec, packed=varlen)}
                 # the per-mini-batch backward picks its column block per GPU family: one case per arch
                 per_arch = [(mlp_chunk._ttt_mlp_bwd_mb_kernel, f"{cfg} sm_{arch}",
-                             {"BK": mlp_chunk._mlp_col_block(BD, prec, "bwd_mb", arch=arch)}, (arch,))
+                             {"BK": mlp_chunk._mlp_col_block(BD, prec, "bwd_mb", arch=arch), "HEAD": False}, (arch,), kw)
                             for arch in ARCHS]
-                serial = [(mlp_chunk._ttt_mlp_fwd_kernel, cfg, fwd, ARCHS), (mlp_chunk._ttt_mlp_bwd_kernel, cfg, fwd, ARCHS)]
+                # its head variant (HEAD = True: the launch completing a mini-batch begun in the
+                # state), with its own column block and warps per GPU family
+                for arch in ARCHS:
+                    hbk, hkw = mlp_chunk._mlp_head_bwd_cfg(BD, prec, arch)
+                    per_arch.append((mlp_chunk._ttt_mlp_bwd_mb_kernel, f"{cfg} head sm_{arch}",
+                                     {"BK": hbk, "HEAD": True}, (arch,), hkw))
+                serial = [(mlp_chunk._ttt_mlp_fwd_kernel, cfg, fwd, ARCHS, kw), (mlp_chunk._ttt_mlp_bwd_kernel, cfg, fwd, ARCHS, kw)]
                 # a packed batch runs the output and per-mini-batch backward kernels as they are (on
                 # its slot-major copy): only the serial ones have packed variants
-                parallel = [] if varlen else [(mlp_chunk._ttt_mlp_out_kernel, cfg, fwd, ARCHS)] + per_arch
-                for kern, name, extra, archs in serial + parallel:
+                parallel = [] if varlen else [(mlp_chunk._ttt_mlp_out_kernel, cfg, fwd, ARCHS, kw)] + per_arch
+                for kern, name, extra, archs, kw in serial + parallel:
                     names = set(arg_names(kern))
                     ptrs = {n: dt for n in io_names if n in names}
                     # packed batches ("varlen") pass the offsets and tables; the others None

@@ -83,8 +83,37 @@ takes r (R) and, for that mini-batch, writes keep·W − c·Σ with (keep, c) = 
 where a full one writes (1, τ_{b−1}); the carry runs it in a launch of its own with the scale −1
 in place of τ_{b−1} (``_mlp_bwd_op``), then adds the start weights' gradient from the state.
 ``ttt_mlp_triton`` runs the head that completes a mini-batch begun in ``initial_state`` (pos > 0)
-with the PyTorch dual form, chained through autograd. tanh is written with exp (tanh u = 1 −
+in a launch of the kernels of its own, chained through autograd (``_mlp_head``, "The head" below). tanh is written with exp (tanh u = 1 −
 2/(e^{2u} + 1), exact at ±∞).
+
+The head. A state at pos = p > 0 holds the start weights θ_0 = (W1, b1, W2, b2) of a mini-batch and the
+sums G = (G_W1, G_b1, G_W2, G_b2) = Σ_{s<p} η_s ∇ℓ_s of its first p rows, unscaled by τ. The call's
+first n = min(b − p, T) tokens complete it: token i at position p + i uses θ_i = θ_0 − τ_{p+i} (G +
+Σ_{s≤i} η_s ∇ℓ_s), every ∇ℓ at θ_0. As for TTT-Linear (``_linear_head`` in ``chunk.py``), one
+launch over a single mini-batch of p + n rows, the first p absent (zeros, η = 0), puts the head's
+tokens at positions p … p + n − 1 (their τ) and leaves Γ1, Γ2, X2, Z2 (all at θ_0, so the state pass)
+untouched by G. With τ_i = τ_{p+i}, the dual form of the head's rows gains one term per layer:
+
+    Z̄1_i = Q_i W1 + b1 − (M1 Γ1)_i − τ_i (Q_i G_W1 + G_b1)
+    X̄2_i = GELU(Z̄1_i)
+    Z̄2_i = X̄2_i W2 + b2 − (M2 Γ2)_i − τ_i (X̄2_i G_W2 + G_b2)
+
+The layer-1 term ZH1 = −τ ⊙ (Q G_W1 + G_b1) [b, m] is a row offset computed in PyTorch before the
+launch (linear in G; its gradient is ∂Z̄1, which the per-mini-batch backward stores), as
+TTT-Linear's ``zh``. The layer-2 term is not: X̄2 is the kernel's own layer-1 result, corrected by
+ZH1. Per hidden tile it is −(τ ⊙ X̄2_j) G_W2_j, a second product beside X̄2_j W2_j in the tile loop,
+so the kernels take GW2 = (G_W2; G_b2) [m + 1, d] per head as an extra weight tile, read only in a
+head launch: the output kernel when its runtime row count NZH > 0 (every launch is the same
+compiled variant, NZH = 0 without a head), the per-mini-batch backward in a variant of its own
+(HEAD = True, its own column block and warps, ``_mlp_head_bwd_cfg``: with the extra products the
+shared configuration spilled 4-84 B). Backward: ∂X̄2_j gains −τ ⊙ (∂Z̄2 G_W2_jᵀ) in the per-mini-batch
+backward's tile loop, and everything after ∂X̄2_j is unchanged; ∂G_W2 = −X̄2ᵀ(τ ⊙ ∂Z̄2),
+∂G_b2 = −Σ_i τ_i ∂Z̄2_i and τ's extra −Σ_c (X̄2_i G_W2 + G_b2)_c ∂Z̄2_ic follow in PyTorch from the
+stored X̄2 and ∂Z̄2. The carry is untouched (G does not enter the update: Γ1, Γ2 are at θ_0). End
+state, as TTT-Linear's: a completed mini-batch (p + n = b) ends at the kernels' end weights
+− τ_{b−1} G; a head that ends the call (p + n < b, a partial mini-batch of the launch, zero rows
+after the head) keeps θ_0 with sums = the kernels' sums + G, pos = p + n. The PyTorch dual form
+does not run for any part of a call.
 
 Packed batches (``cu_seqlens``, B = 1, ``ttt_mlp_triton_packed``): one launch of each kernel for
 all N sequences, on the mini-batch tables of ``packed_chunk_tables`` (built on the device:
@@ -119,7 +148,7 @@ Launch configurations (``_mlp_launch_cfg``, ``_mlp_col_block``): BM = 16 on 8 wa
 BK = min(d, 32), except the per-mini-batch backward with 3×TF32 operands on the sm_80 family
 (``device_arch``), which takes BK = 16. Compiled for sm_90 and sm_80 by
 ``python -m kernels.compile_report --op ttt -k _ttt_mlp_`` (the per-mini-batch backward one case
-per arch). Registers: products with a [b, d] operand read it from global memory in column blocks
+per arch, and one per arch of its head variant, configs named "head"). Registers: products with a [b, d] operand read it from global memory in column blocks
 (``_rows_w``, ``_xt_blk``) rather than holding it across the tile loops. Triton gives every tl.dot
 of a loop the warp layout of its last one, and a square [b, b] product with chained products picks
 all warps along its b rows (each warp then holds the whole tile), so the tile loops end with a
@@ -145,7 +174,7 @@ import triton.language as tl
 from kernels._triton_utils import (INTERPRET_ARCH, check_triton_device, device_arch, is_interpreting,
                                    packed_chunk_tables)
 from kernels.ttt.chunk import _MAX_MB, _dot, _ln_bwd, _ln_stats, _loop_index, _precision, check_cu_seqlens
-from kernels.ttt.torch_chunk import LN_EPS, acc_dtype, make_state, ttt_mlp_chunk
+from kernels.ttt.torch_chunk import LN_EPS, acc_dtype, make_state
 
 
 # ---- in-kernel pieces -------------------------------------------------------------------------
@@ -355,14 +384,17 @@ def _ttt_mlp_fwd_kernel(XK, XV, ETA, TAU, LNW, LNB, B20,
 
 
 @triton.jit
-def _ttt_mlp_out_kernel(XQ, XK, ETA, TAU, LNW, LNB, W1S, B1S, W2S, B2S, G1S, G2S, OUT,
-                        T, NMB, H, eps,
+def _ttt_mlp_out_kernel(XQ, XK, ETA, TAU, LNW, LNB, W1S, B1S, W2S, B2S, G1S, G2S, OUT, ZH1, GW2,
+                        T, NMB, H, NZH, eps,
                         D: tl.constexpr, BD: tl.constexpr, M: tl.constexpr, BM: tl.constexpr,
                         MB: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
     """The output, one program per (batch, head, mini-batch), all in parallel: Z̄1, X̄2, Z̄2, the
     LayerNorm and out from the mini-batch's start weights and Γ1, Γ2 stored by
     ``_ttt_mlp_fwd_kernel``; X2_j = GELU(K W1_j + b1_j) is recomputed per hidden tile. The products
-    with a [b, d] operand run over column blocks of BK (``_rows_w``)."""
+    with a [b, d] operand run over column blocks of BK (``_rows_w``). A head launch (NZH > 0,
+    ``_mlp_head``) adds the carried sums' terms: row t < NZH of ZH1 ([T, M] per head) to Z̄1, and
+    −τ ⊙ (X̄2 G_W2 + G_b2) to Z̄2 from GW2 ([M + 1, D] per head: G_W2, then G_b2); NZH = 0 and
+    placeholders otherwise (never read)."""
     pid = tl.program_id(0)                      # = (b_idx * H + h_idx) * NMB + n = the stored slot
     bh = pid // NMB
     n = pid % NMB
@@ -407,14 +439,18 @@ def _ttt_mlp_out_kernel(XQ, XK, ETA, TAU, LNW, LNB, W1S, B1S, W2S, B2S, G1S, G2S
                                     + b1[None, :])
         X2 = tl.where(rmask[:, None], X2, 0.0)
         Z1b = (_rows_w(QP, rmask, W1P, j0, hc, D, M, 1, D, M, BT, BD, BM, BK, PREC) + b1[None, :]
-               - _dot(M1, G1, PREC))
+               - _dot(M1, G1, PREC) + _zh_tile(ZH1, bh, t_off, rmask, hcols, hmask, T, NZH, M))
         X2b, _gpb, _gppb = _gelu_tanh3(Z1b)
         A2 += _dot(X2b, tl.trans(X2), PREC)
         Z2b += _dot(X2b, W2, PREC)
+        if NZH > 0:                             # the head's −τ X̄2 G_W2
+            Z2b -= _dot(tau[:, None] * X2b, tl.load(GW2 + bh * (M + 1) * D + hcols[:, None] * D + cols[None, :],
+                                                    mask=hmask[:, None] & cmask[None, :], other=0.0), PREC)
     M2 = tl.where(tril, Ev * (A2 + 1.0), 0.0)
     b2 = tl.load(B2S + pid * D + cols, mask=cmask, other=0.0)
     G2 = tl.load(G2S + pid * 2 * MB * D + rows[:, None] * D + cols[None, :], mask=xmask, other=0.0)
-    Z2b += b2[None, :] - _dot(M2, G2, PREC)
+    gb2 = tl.load(GW2 + bh * (M + 1) * D + M * D + cols, mask=cmask & (cols * 0 < NZH), other=0.0)
+    Z2b += b2[None, :] - _dot(M2, G2, PREC) - tau[:, None] * gb2[None, :]
     gamma = tl.load(LNW + h * D + cols, mask=cmask, other=0.0).to(cdt)
     beta = tl.load(LNB + h * D + cols, mask=cmask, other=0.0).to(cdt)
     xhb, rstdb = _ln_stats(Z2b, cmask, D, eps)
@@ -422,6 +458,14 @@ def _ttt_mlp_out_kernel(XQ, XK, ETA, TAU, LNW, LNB, W1S, B1S, W2S, B2S, G1S, G2S
     q = tl.load(XQ + xoff, mask=xmask, other=0.0).to(cdt)
     out = q + gamma[None, :] * xhb + beta[None, :]
     tl.store(OUT + xoff, out.to(OUT.dtype.element_ty), mask=xmask)
+
+
+@triton.jit
+def _zh_tile(ZH1, bh, t_off, rmask, hcols, hmask, T, NZH, M: tl.constexpr):
+    """The hidden tile ``hcols`` of the head's layer-1 offset ZH1 ([T, M] per (batch, head)) for the
+    rows at tokens ``t_off``: the rows t < NZH (none when NZH = 0), zero elsewhere."""
+    msk = (rmask & (t_off < NZH))[:, None] & hmask[None, :]
+    return tl.load(ZH1 + bh * T * M + t_off[:, None] * M + hcols[None, :], mask=msk, other=0.0)
 
 
 @triton.jit
@@ -464,10 +508,11 @@ def _xt_blk(XP, rows, rmask, G, c0, D: tl.constexpr, BK: tl.constexpr, PREC: tl.
 @triton.jit
 def _ttt_mlp_bwd_mb_kernel(XQ, XK, ETA, TAU, LNW, LNB, W1S, B1S, W2S, B2S, G1S, G2S, DOUT,
                            DZB1, XB2, DG1P, DZ1P, DZB2, DG2P, DKP, DEP,
-                           DXQ, DTAU, DLNW, DLNB,
-                           T, NMB, H, eps,
+                           DXQ, DTAU, DLNW, DLNB, ZH1, GW2,
+                           T, NMB, H, NZH, eps,
                            D: tl.constexpr, BD: tl.constexpr, M: tl.constexpr, BM: tl.constexpr,
-                           MB: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+                           MB: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
+                           HEAD: tl.constexpr):
     """The backward through Z̄ and the dual-form products, one program per (batch, head,
     mini-batch), all in parallel: from the stored start weights, Γ1 and Γ2, it recomputes the
     output's tile loop (X2_j, Z̄1_j, X̄2_j, A2, Z̄2), back-propagates ∂out through the LayerNorm,
@@ -475,7 +520,10 @@ def _ttt_mlp_bwd_mb_kernel(XQ, XK, ETA, TAU, LNW, LNB, W1S, B1S, W2S, B2S, G1S, 
     parts through M1, M2 and the output of ∂K (DKP), ∂η (DEP), ∂τ (DTAU), ∂γ, ∂β (DLNW, DLNB, per
     program, which the carry kernel extends); and for the
     carry kernel, per mini-batch, ∂Z̄1 (DZB1), X̄2 (XB2), ∂Γ1's Z̄ term −M1ᵀ∂Z̄1 (DG1P), ∂Z1's A2
-    term (∂A2ᵀ X̄2) ⊙ GELU'(Z1) (DZ1P), ∂Z̄2 (DZB2) and ∂Γ2's Z̄ term −M2ᵀ∂Z̄2 (DG2P)."""
+    term (∂A2ᵀ X̄2) ⊙ GELU'(Z1) (DZ1P), ∂Z̄2 (DZB2) and ∂Γ2's Z̄ term −M2ᵀ∂Z̄2 (DG2P). The head
+    variant (HEAD = True, a head launch: its first NZH rows) has the output kernel's terms of ZH1 and GW2 in Z̄1 and Z̄2, and ∂X̄2 gains
+    −τ ⊙ (∂Z̄2 G_W2ᵀ); the gradients of ZH1 (= ∂Z̄1), of G_W2, G_b2 and τ's part through them are
+    taken from DZB1, XB2 and DZB2 by the wrapper."""
     pid = tl.program_id(0)                      # = (b_idx * H + h_idx) * NMB + n = the stored slot
     bh = pid // NMB
     n = pid % NMB
@@ -521,13 +569,19 @@ def _ttt_mlp_bwd_mb_kernel(XQ, XK, ETA, TAU, LNW, LNB, W1S, B1S, W2S, B2S, G1S, 
         X2 = tl.where(rmask[:, None], X2, 0.0)
         Z1b = (_rows_w(QP, rmask, W1P, j0, hc, D, M, 1, D, M, BT, BD, BM, BK, PREC) + b1[None, :]
                - _dot(M1, G1, PREC))
+        if HEAD:
+            Z1b += _zh_tile(ZH1, bh, t_off, rmask, j0 + hc, (j0 + hc) < M, T, NZH, M)
         X2b, _gpb, _gppb = _gelu_tanh3(Z1b)
         A2 += _dot(X2b, tl.trans(X2), PREC)
         Z2b += _dot(X2b, _w_rows(W2P, j0, hc, cols, cmask, 1, D, M), PREC)
+        if HEAD:                                # the head's −τ X̄2 G_W2
+            Z2b -= _dot(tau[:, None] * X2b, _w_rows(GW2 + bh * (M + 1) * D, j0, hc, cols, cmask, 1, D, M), PREC)
     M2 = tl.where(tril, Ev * (A2 + 1.0), 0.0)
     b2 = tl.load(B2S + pid * D + cols, mask=cmask, other=0.0)
     G2 = tl.load(G2P + goff, mask=xmask, other=0.0)
     Z2b += b2[None, :] - _dot(M2, G2, PREC)
+    if HEAD:
+        Z2b -= tau[:, None] * tl.load(GW2 + bh * (M + 1) * D + M * D + cols, mask=cmask, other=0.0)[None, :]
     gamma = tl.load(LNW + h * D + cols, mask=cmask, other=0.0).to(cdt)
     xhb, rstdb = _ln_stats(Z2b, cmask, D, eps)
 
@@ -562,8 +616,13 @@ def _ttt_mlp_bwd_mb_kernel(XQ, XK, ETA, TAU, LNW, LNB, W1S, B1S, W2S, B2S, G1S, 
         X2 = tl.where(rmask[:, None], X2, 0.0)
         Z1b = (_rows_w(QP, rmask, W1P, j0, hc, D, M, 1, D, M, BT, BD, BM, BK, PREC) + b1[None, :]
                - _dot(M1, G1, PREC))
+        if HEAD:
+            Z1b += _zh_tile(ZH1, bh, t_off, rmask, j0 + hc, (j0 + hc) < M, T, NZH, M)
         X2b, gpb, _gppb = _gelu_tanh3(Z1b)
         dX2b = _rows_w(ZB2P, rmask, W2P, j0, hc, D, 1, D, D, M, BT, BD, BM, BK, PREC) + _dot(dA2, X2, PREC)
+        if HEAD:                             # the head's Z̄2 term −τ X̄2 G_W2
+            dX2b -= tau[:, None] * _rows_w(ZB2P, rmask, GW2 + bh * (M + 1) * D, j0, hc, D, 1, D, D, M, BT, BD, BM,
+                                           BK, PREC)
         dZ1b = tl.where(rmask[:, None], dX2b * gpb, 0.0)
         dMacc += _dot(dZ1b, tl.trans(G1), PREC)
         so = pid * MB * M + zo
@@ -852,6 +911,20 @@ def _mlp_col_block(BD: int, prec: str = "bf16", part: str = "fwd", arch: int = I
     return min(BD, 32)
 
 
+def _mlp_head_bwd_cfg(BD: int, prec: str, arch: int = INTERPRET_ARCH):
+    """Column block BK and launch options of the per-mini-batch backward's head variant (HEAD =
+    True, one launch per call from a state at pos > 0): its extra products −τ ⊙ (X̄2 G_W2) and
+    −τ ⊙ (∂Z̄2 G_W2ᵀ) raise the register count, so it takes its own at BD = 128: with 3×TF32
+    operands BK = 16 (32 spilled 76-84 B on sm_80); bfloat16 on the sm_90 family BK = 16 on 4
+    warps (8 warps spilled 12-44 B with BK = 16, 32, 64; 16 warps more), on the sm_80 family 32
+    (16 spilled 84 B). Otherwise min(BD, 32) on 8 warps. The interpreter takes BK = 16."""
+    if is_interpreting():
+        return 16, {}
+    if BD < 128 or (prec == "bf16" and arch != 90):
+        return min(BD, 32), {"num_warps": 8, "num_stages": 1}
+    return 16, {"num_warps": 4 if prec == "bf16" else 8, "num_stages": 1}
+
+
 def _mlp_window() -> int:
     """Mini-batches per state-pass/output window of a forward without autograd (``_mlp_fwd_op``):
     2 under the interpreter, so that the tests run several windows."""
@@ -875,6 +948,23 @@ def _mlp_weight_buffers(XQ, m: int, n: Optional[int]):
     return [XQ.new_empty(B, H, n, *s, dtype=cdt) for s in ((d, m), (m,), (m, d), (d,))]
 
 
+def _head_args(zh1: Optional[torch.Tensor], gw2: Optional[torch.Tensor], XQ: torch.Tensor):
+    """The output kernel's and the per-mini-batch backward's ZH1, GW2 pointers and their row count
+    NZH: a head launch's ``zh1`` [B, H, T, m] and ``gw2`` [B, H, m + 1, d] (checked, contiguous)
+    and T; placeholders (never read) and 0 without a head."""
+    cdt = acc_dtype(XQ.dtype)
+    if zh1 is None and gw2 is None:
+        ph = torch.empty(1, dtype=cdt, device=XQ.device)
+        return ph, ph, 0
+    B, H, T, d = XQ.shape
+    if zh1 is None or gw2 is None or zh1.dtype != cdt or gw2.dtype != cdt or zh1.shape[:3] != (B, H, T) \
+            or gw2.shape[:2] != (B, H) or gw2.shape[3] != d or zh1.shape[3] + 1 != gw2.shape[2]:
+        raise ValueError(f"ttt_mlp_triton: the head's zh1 must be [{B}, {H}, {T}, m] and gw2 [{B}, {H}, m + 1, {d}], "
+                         f"both {cdt}; got {None if zh1 is None else (tuple(zh1.shape), zh1.dtype)} and "
+                         f"{None if gw2 is None else (tuple(gw2.shape), gw2.dtype)}")
+    return zh1.contiguous(), gw2.contiguous(), T
+
+
 # The ops are PyTorch custom ops (torch.library): torch.compile (model.compile) captures each as one
 # opaque node of the block's graph, with shapes from the fake implementations and the backward
 # registered below, instead of tracing the Triton launches or breaking the graph.
@@ -882,7 +972,8 @@ def _mlp_weight_buffers(XQ, m: int, n: Optional[int]):
 def _mlp_fwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: torch.Tensor, tau: torch.Tensor,
                 ln_w: torch.Tensor, ln_b: torch.Tensor, W1: torch.Tensor, b1: torch.Tensor, W2: torch.Tensor,
                 b2: torch.Tensor, mini_batch_size: int, last_rows: int, save: bool,
-                cu_seqlens: Optional[torch.Tensor] = None) -> List[torch.Tensor]:
+                cu_seqlens: Optional[torch.Tensor] = None, zh1: Optional[torch.Tensor] = None,
+                gw2: Optional[torch.Tensor] = None) -> List[torch.Tensor]:
     """Whole mini-batches from a boundary (T a multiple of b), the last of which has ``last_rows``
     = R ∈ [1, b] real rows, the rest zero padding with η = 0 (the wrapper pads): (XQ, XK, XV, η,
     τ, γ, β, W1_0 [B,H,d,m], b1_0 [B,H,1,m], W2_0 [B,H,m,d], b2_0 [B,H,1,d]) → [out [B,H,T,d], W1_end, b1_end, W2_end, b2_end (after a partial last
@@ -898,7 +989,10 @@ def _mlp_fwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: torch
 
     With ``cu_seqlens`` (int32 [N+1], checked by the caller; B = 1; XQ … η unpadded, T ≥ 1) the N
     packed sequences run in one launch of each kernel (``_mlp_fwd_packed``): W1_0 … b2_0 and the
-    end and last-start weights are [N, H, …], ``last_rows`` and ``save`` are unused."""
+    end and last-start weights are [N, H, …], ``last_rows`` and ``save`` are unused.
+
+    A head launch (``_mlp_head``, fixed-length only) passes ``zh1`` [B, H, T, m], added to Z̄1, and
+    ``gw2`` = (G_W2; G_b2) [B, H, m + 1, d], whose term −τ ⊙ (X̄2 G_W2 + G_b2) enters Z̄2."""
     if cu_seqlens is not None:
         return _mlp_fwd_packed(XQ, XK, XV, eta, tau, ln_w, ln_b, W1, b1, W2, b2, mini_batch_size, cu_seqlens)
     B, H, T, d = XQ.shape
@@ -912,6 +1006,7 @@ def _mlp_fwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: torch
     tau_c = tau.to(cdt).contiguous()
     lw, lb = ln_w.to(cdt).contiguous(), ln_b.to(cdt).contiguous()
     b2c = b2.to(cdt).contiguous()
+    ZH1, GW2, NZH = _head_args(zh1, gw2, XQ)
     out = torch.empty_like(XQ)
     W1S, B1S, W2S, B2S = _mlp_weight_buffers(XQ, m, NW)
     W1F, B1F, W2F, B2F = _mlp_weight_buffers(XQ, m, None)
@@ -932,13 +1027,14 @@ def _mlp_fwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: torch
         # and heads with stride T·d, so a view at an offset needs no copy
         t0 = n0 * bsz
         q_w, k_w, v_w, e_w, o_w = (x[:, :, t0:] for x in (XQ, XK, XV, eta, out))
+        zh_w = ZH1[:, :, t0:] if NZH else ZH1
         _ttt_mlp_fwd_kernel[(B * H,)](
             k_w, v_w, e_w, tau_c, lw, lb, b2_in,
             W1S, B1S, W2S, B2S, G1S, G2S, W1F, B1F, W2F, B2F, None, None,
             T, nw, r, H, 0, LN_EPS, D=d, BD=BD, M=m, BM=BM, MB=bsz, BT=BT, BK=BK, PREC=prec, VARLEN=False, **kw)
         _ttt_mlp_out_kernel[(B * H * nw,)](
-            q_w, k_w, e_w, tau_c, lw, lb, W1S, B1S, W2S, B2S, G1S, G2S, o_w,
-            T, nw, H, LN_EPS, D=d, BD=BD, M=m, BM=BM, MB=bsz, BT=BT, BK=BK, PREC=prec, **kw)
+            q_w, k_w, e_w, tau_c, lw, lb, W1S, B1S, W2S, B2S, G1S, G2S, o_w, zh_w, GW2,
+            T, nw, H, max(NZH - t0, 0), LN_EPS, D=d, BD=BD, M=m, BM=BM, MB=bsz, BT=BT, BK=BK, PREC=prec, **kw)
         b2_in = B2F
     # the last mini-batch's start weights: slot nw − 1 of the last window, whose nw slots per
     # (batch, head) the kernels pack at the front of the buffers (slot (b·H + h)·nw + n)
@@ -1017,8 +1113,8 @@ def _mlp_fwd_packed(XQ, XK, XV, eta, tau, ln_w, ln_b, W1, b1, W2, b2, bsz: int, 
         TP, 0, 0, H, NC, LN_EPS, D=d, BD=BD, M=m, BM=BM, MB=bsz, BT=BT, BK=_mlp_col_block(BD, prec, packed=True),
         PREC=prec, VARLEN=True, **kw)
     _ttt_mlp_out_kernel[(H * NC,)](
-        XQ, XK, eta, tau_c, lw, lb, W1S, B1S, W2S, B2S, G1S, G2S, out,
-        TP, NC, H, LN_EPS, D=d, BD=BD, M=m, BM=BM, MB=bsz, BT=BT, BK=BK, PREC=prec, **kw)
+        XQ, XK, eta, tau_c, lw, lb, W1S, B1S, W2S, B2S, G1S, G2S, out, *_head_args(None, None, XQ)[:2],
+        TP, NC, H, 0, LN_EPS, D=d, BD=BD, M=m, BM=BM, MB=bsz, BT=BT, BK=BK, PREC=prec, **kw)
     nts, _part, empty = _packed_seqs(cu_seqlens, bsz)
     last_slot = (CS.long() + nts - 1).clamp(min=0)
 
@@ -1030,7 +1126,8 @@ def _mlp_fwd_packed(XQ, XK, XV, eta, tau, ln_w, ln_b, W1, b1, W2, b2, bsz: int, 
 
 
 @_mlp_fwd_op.register_fake
-def _(XQ, XK, XV, eta, tau, ln_w, ln_b, W1, b1, W2, b2, mini_batch_size, last_rows, save, cu_seqlens=None):
+def _(XQ, XK, XV, eta, tau, ln_w, ln_b, W1, b1, W2, b2, mini_batch_size, last_rows, save, cu_seqlens=None,
+      zh1=None, gw2=None):
     m = W1.shape[-1]
     if cu_seqlens is not None:
         NC = XQ.shape[2] // mini_batch_size + cu_seqlens.shape[0] - 1
@@ -1052,11 +1149,14 @@ def _mlp_bwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: torch
                 dW1L: Optional[torch.Tensor], dB1L: Optional[torch.Tensor], dW2L: Optional[torch.Tensor],
                 dB2L: Optional[torch.Tensor], mini_batch_size: int, last_rows: int, W1_dt: torch.dtype,
                 b1_dt: torch.dtype, W2_dt: torch.dtype, b2_dt: torch.dtype,
-                cu_seqlens: Optional[torch.Tensor] = None) -> List[torch.Tensor]:
+                cu_seqlens: Optional[torch.Tensor] = None, zh1: Optional[torch.Tensor] = None,
+                gw2: Optional[torch.Tensor] = None) -> List[torch.Tensor]:
     """Gradients of the eleven tensor inputs of ``_mlp_fwd_op``: ``_ttt_mlp_bwd_mb_kernel`` over
     every (batch, head, mini-batch), then ``_ttt_mlp_bwd_kernel`` over every (batch, head), the
     last mini-batch in a launch of its own when it is partial (or its start weights W_L have a
-    gradient). With ``cu_seqlens``: one launch of each (``_mlp_bwd_packed``)."""
+    gradient). With ``cu_seqlens``: one launch of each (``_mlp_bwd_packed``). A head launch's
+    (``zh1``, ``gw2``) add their two gradients at the end: ∂zh1 = ∂Z̄1; from Z̄2's −τ ⊙ (X̄2 G_W2
+    + G_b2), ∂G_W2 = −X̄2ᵀ(τ ⊙ ∂Z̄2), ∂G_b2 = −Σ_t τ_t ∂Z̄2_t, and τ's part −Σ_c (X̄2 G_W2 + G_b2) ⊙ ∂Z̄2."""
     if cu_seqlens is not None:
         return _mlp_bwd_packed(XQ, XK, XV, eta, tau, ln_w, ln_b, W1S, B1S, W2S, B2S, G1S, G2S, dout,
                                (dW1F, dB1F, dW2F, dB2F), (dW1L, dB1L, dW2L, dB2L), mini_batch_size,
@@ -1098,11 +1198,16 @@ def _mlp_bwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: torch
     prec = _precision(XQ.dtype)
     BK = _mlp_col_block(BD, prec)
     XQ, XK, XV, eta = (x.contiguous() for x in (XQ, XK, XV, eta))
+    ZH1, GW2, NZH = _head_args(zh1, gw2, XQ)
+    if NZH:     # a head launch: the head variant, with its own column block and warps
+        BK_mb, kw_mb = _mlp_head_bwd_cfg(BD, prec, device_arch(dev))
+    else:
+        BK_mb, kw_mb = _mlp_col_block(BD, prec, "bwd_mb", device_arch(dev)), kw
     _ttt_mlp_bwd_mb_kernel[(B * H * NMB,)](
         XQ, XK, eta, tau_c, lw, lb, W1S, B1S, W2S, B2S, G1S, G2S, dout,
-        DZB1, XB2, DG1P, DZ1P, DZB2, DG2P, DKP, DEP, dXQ, dTAU, dLNW, dLNB,
-        T, NMB, H, LN_EPS, D=d, BD=BD, M=m, BM=BM, MB=bsz, BT=BT, BK=_mlp_col_block(BD, prec, "bwd_mb", device_arch(dev)),
-        PREC=prec, **kw)
+        DZB1, XB2, DG1P, DZ1P, DZB2, DG2P, DKP, DEP, dXQ, dTAU, dLNW, dLNB, ZH1, GW2,
+        T, NMB, H, NZH, LN_EPS, D=d, BD=BD, M=m, BM=BM, MB=bsz, BT=BT, BK=BK_mb, PREC=prec, HEAD=NZH > 0,
+        **kw_mb)
 
     def carry(first, count, scale):
         """The carry over mini-batches first … first + count − 1 (in reverse), the update's scale
@@ -1137,9 +1242,19 @@ def _mlp_bwd_op(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: torch
         carry(0, NMB - 1, tau_c[bsz - 1:])
     else:
         carry(0, NMB, tau_c[bsz - 1:])
+    head = []
+    if NZH:
+        # the head's terms: Z̄1 += zh1, Z̄2 −= τ ⊙ (X̄2 G_W2 + G_b2), with X̄2, ∂Z̄1, ∂Z̄2 as stored
+        dZ1b, X2b, dZ2b = DZB1.view(B, H, T, m), XB2.view(B, H, T, m), DZB2.view(B, H, T, d)
+        tau_t = tau_c.repeat(NMB)[:, None]
+        dGW = -torch.einsum("bhtm,bhtd->bhmd", X2b, tau_t * dZ2b)
+        dGb = -(tau_t * dZ2b).sum(2, keepdim=True)
+        h2 = X2b @ GW2[:, :, :m] + GW2[:, :, m:]
+        dTAU -= (h2 * dZ2b).sum(-1).view(B, H, NMB, bsz)
+        head = [dZ1b.clone(), torch.cat([dGW, dGb], dim=2)]
     return [dXQ, dXK, dXV, dETA, dTAU.sum((0, 1, 2)).to(tau_dt), dLNW.sum((0, 2)).to(lw_dt),
             dLNB.sum((0, 2)).to(lb_dt),
-            dW10.to(W1_dt), dB10.to(b1_dt), dW20.to(W2_dt), dB20.to(b2_dt)]
+            dW10.to(W1_dt), dB10.to(b1_dt), dW20.to(W2_dt), dB20.to(b2_dt)] + head
 
 
 def _mlp_bwd_packed(XQ, XK, XV, eta, tau, ln_w, ln_b, W1S, B1S, W2S, B2S, G1S, G2S, dout, ends, lasts,
@@ -1199,9 +1314,9 @@ def _mlp_bwd_packed(XQ, XK, XV, eta, tau, ln_w, ln_b, W1S, B1S, W2S, B2S, G1S, G
     prec = _precision(XQ.dtype)
     _ttt_mlp_bwd_mb_kernel[(H * NC,)](
         XQ, XK, eta, tau_c, lw, lb, W1S, B1S, W2S, B2S, G1S, G2S, dout,
-        DZB1, XB2, DG1P, DZ1P, DZB2, DG2P, DKP, DEP, dXQ, dTAU, dLNW, dLNB,
-        TP, NC, H, LN_EPS, D=d, BD=BD, M=m, BM=BM, MB=bsz, BT=BT,
-        BK=_mlp_col_block(BD, prec, "bwd_mb", device_arch(dev)), PREC=prec, **kw)
+        DZB1, XB2, DG1P, DZ1P, DZB2, DG2P, DKP, DEP, dXQ, dTAU, dLNW, dLNB, *_head_args(None, None, XQ)[:2],
+        TP, NC, H, 0, LN_EPS, D=d, BD=BD, M=m, BM=BM, MB=bsz, BT=BT,
+        BK=_mlp_col_block(BD, prec, "bwd_mb", device_arch(dev)), PREC=prec, HEAD=False, **kw)
     _ttt_mlp_bwd_kernel[(N * H,)](
         XQ, XK, XV, eta, tau_c, lw, lb, W1S, B1S, W2S, G1S, G2S,
         DZB1, XB2, DG1P, DZ1P, DZB2, DG2P, DKP, DEP, SZ, SS, SX, SD,
@@ -1218,41 +1333,86 @@ def _mlp_bwd_packed(XQ, XK, XV, eta, tau, ln_w, ln_b, W1S, B1S, W2S, B2S, G1S, G
 
 @_mlp_bwd_op.register_fake
 def _(XQ, XK, XV, eta, tau, ln_w, ln_b, W1S, B1S, W2S, B2S, G1S, G2S, dout, dW1F, dB1F, dW2F, dB2F,
-      dW1L, dB1L, dW2L, dB2L, mini_batch_size, last_rows, W1_dt, b1_dt, W2_dt, b2_dt, cu_seqlens=None):
+      dW1L, dB1L, dW2L, dB2L, mini_batch_size, last_rows, W1_dt, b1_dt, W2_dt, b2_dt, cu_seqlens=None,
+      zh1=None, gw2=None):
     ws = _mlp_weight_buffers(XQ, W1S.shape[-1], None)
+    head = [] if zh1 is None else [torch.empty_like(zh1), torch.empty_like(gw2)]
     if cu_seqlens is not None:
         N, H, d, m = cu_seqlens.shape[0] - 1, XQ.shape[1], XQ.shape[3], W1S.shape[-1]
         ws = [XQ.new_empty(N, H, *sh) for sh in ((d, m), (1, m), (m, d), (1, d))]
     return ([torch.empty_like(t) for t in (XQ, XK, XV, eta, tau, ln_w, ln_b)]
-            + [torch.empty_like(w, dtype=dt) for w, dt in zip(ws, (W1_dt, b1_dt, W2_dt, b2_dt))])
+            + [torch.empty_like(w, dtype=dt) for w, dt in zip(ws, (W1_dt, b1_dt, W2_dt, b2_dt))] + head)
 
 
 def _mlp_setup_context(ctx, inputs, output):
-    XQ, XK, XV, eta, tau, ln_w, ln_b, W1, b1, W2, b2, bsz, last_rows, _, cu = (tuple(inputs) + (None,))[:15]
-    ctx.save_for_backward(XQ, XK, XV, eta, tau, ln_w, ln_b, *output[9:], cu)
+    XQ, XK, XV, eta, tau, ln_w, ln_b, W1, b1, W2, b2, bsz, last_rows, _, cu, zh1, gw2 = (
+        tuple(inputs) + (None,) * 3)[:17]
+    ctx.save_for_backward(XQ, XK, XV, eta, tau, ln_w, ln_b, *output[9:], cu, zh1, gw2)
     ctx.mark_non_differentiable(*output[9:])
     ctx.meta = (bsz, last_rows, W1.dtype, b1.dtype, W2.dtype, b2.dtype)
+    # the op's inputs as autograd counts them: trailing arguments left at their defaults left out
+    ctx.n_inputs = 17 if zh1 is not None else (15 if cu is not None else 14)
 
 
 def _mlp_backward_rule(ctx, grads):
-    *saved, cu = ctx.saved_tensors
-    # no gradient for mini_batch_size, last_rows, save (and cu_seqlens, an input only when given:
-    # the op's inputs leave out a trailing argument left at its default)
-    rest = (None,) * (3 if cu is None else 4)
-    return (*_mlp_bwd_op(*saved, *grads[:9], *ctx.meta, cu), *rest)
+    *saved, cu, zh1, gw2 = ctx.saved_tensors
+    g = _mlp_bwd_op(*saved, *grads[:9], *ctx.meta, cu, zh1, gw2)
+    # no gradient for mini_batch_size, last_rows, save, cu_seqlens; a head's zh1, gw2 get theirs
+    rest = [None] * (ctx.n_inputs - 11)
+    if zh1 is not None:
+        rest[4], rest[5] = g[11], g[12]
+    return (*g[:11], *rest)
 
 
 _mlp_fwd_op.register_autograd(_mlp_backward_rule, setup_context=_mlp_setup_context)
 
 
 # ---- public -------------------------------------------------------------------------------------
+def _mlp_head(XQ, XK, XV, eta, token_idx, ln_weight, ln_bias, bsz: int, st: dict, n: int):
+    """The head in the kernels: the first n = min(b − p, T) tokens, completing the mini-batch begun
+    in the state ``st`` at pos = p > 0 (start weights θ_0 = W1, b1, W2, b2; carried sums
+    G = grad_W1 … grad_b2). One launch of the kernels over a single mini-batch: p absent rows
+    (zeros, η = 0: they enter no sum and no other row; their outputs are dropped), the head's n
+    tokens at positions p … p + n − 1 (their τ), zero padding after them (η = 0, a partial
+    mini-batch of p + n rows when p + n < b). The carried sums enter the output rows as the
+    layer-1 offset zh1 = −τ ⊙ (Q G_W1 + G_b1) and, inside the kernels, Z̄2's −τ ⊙ (X̄2 G_W2 + G_b2)
+    (``gw2``; module docstring, "The head"), and the end state: a completed mini-batch ends at the
+    kernels' end weights − τ_{b−1} G; a head that ends the call keeps θ_0 with the sums = the
+    kernels' sums + G and pos = p + n."""
+    p = st["pos"]
+    dt = acc_dtype(XQ.dtype)
+
+    def pad(x):
+        z = [x.new_zeros(*x.shape[:2], k, *x.shape[3:]) for k in (p, bsz - p - n)]
+        return torch.cat([z[0], x[:, :, :n], z[1]], dim=2)
+
+    xs = [pad(x) for x in (XQ, XK, XV, eta)]
+    tau = token_idx.to(dt)
+    tau_h = torch.cat([tau.new_zeros(p), tau[p:p + n], tau.new_zeros(bsz - p - n)])   # 0 off the head
+    zh1 = -tau_h[:, None] * (xs[0].to(dt) @ st["grad_W1"] + st["grad_b1"])
+    gw2 = torch.cat([st["grad_W2"], st["grad_b2"]], dim=2)
+    ins = xs + [token_idx, ln_weight, ln_bias, st["W1"], st["b1"], st["W2"], st["b2"]]
+    save = torch.is_grad_enabled() and any(x.requires_grad for x in ins + [zh1, gw2])
+    o, *ws = _mlp_fwd_op(*ins, bsz, p + n, save, None, zh1, gw2)[:9]
+    keys = ("W1", "b1", "W2", "b2")
+    if p + n == bsz:
+        st_new = {k: w - tau[bsz - 1] * st["grad_" + k] for k, w in zip(keys, ws[:4])}
+        st_new.update({"grad_" + k: torch.zeros_like(w) for k, w in zip(keys, ws[:4])})
+        st_new["pos"] = 0
+    else:   # the kernels' partial mini-batch: its start weights (θ_0) and its sums
+        st_new = {k: w for k, w in zip(keys, ws[4:])}
+        st_new.update({"grad_" + k: w + st["grad_" + k] for k, w in zip(keys, ws[:4])})
+        st_new["pos"] = p + n
+    return o[:, :, p:p + n], st_new
+
+
 def ttt_mlp_triton(XQ, XK, XV, eta, token_idx, ln_weight, ln_bias, W1, b1, W2, b2, mini_batch_size=16,
                    initial_state: Optional[dict] = None, output_final_state: bool = False
                    ) -> Tuple[torch.Tensor, Optional[dict]]:
     r"""Same contract as ``kernels.ttt.ttt_mlp``. Everything from the first mini-batch boundary on,
     a trailing partial mini-batch included, runs in the Triton kernels (math, tiling and precision
-    in the module docstring); the head (completing a mini-batch begun in ``initial_state``) runs
-    in the PyTorch dual form."""
+    in the module docstring), and the head (completing a mini-batch begun in ``initial_state``,
+    pos > 0; ``_mlp_head``) in a launch of its own before them, chained through autograd."""
     if not 1 <= mini_batch_size <= _MAX_MB:
         raise ValueError(f"ttt_mlp_triton: mini_batch_size must be in [1, {_MAX_MB}], got {mini_batch_size}")
     check_triton_device("ttt_mlp_triton", XQ, XK, XV, eta)
@@ -1264,8 +1424,7 @@ def ttt_mlp_triton(XQ, XK, XV, eta, token_idx, ln_weight, ln_bias, W1, b1, W2, b
     outs, t = [], 0
     if st["pos"] > 0 and T > 0:
         t = min(bsz - st["pos"], T)
-        o, st = ttt_mlp_chunk(XQ[:, :, :t], XK[:, :, :t], XV[:, :, :t], eta[:, :, :t], token_idx, ln_weight,
-                              ln_bias, W1, b1, W2, b2, bsz, st, True)
+        o, st = _mlp_head(XQ, XK, XV, eta, token_idx, ln_weight, ln_bias, bsz, st, t)
         outs.append(o)
     if t < T:
         # from a boundary (the carried sums are zero there by construction) to the end, a partial

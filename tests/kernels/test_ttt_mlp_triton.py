@@ -91,8 +91,8 @@ def _compare(got, ref, T, b, atol, rtol, pos0=0, state_names=()):
 
 
 # (T, d, b, m, prefix): T = 32 (kernel only), 37 (kernel, a partial last mini-batch of 5 rows
-# included), 45 after a 5-token prefix (torch head of 11 tokens, kernel over 34: two full
-# mini-batches and a partial one of 2), 9 after a prefix (torch head only); d = 8 pads the d-tiles to 16, m = 24 pads the hidden tiles to 32, b ∈ {4, 8}
+# included), 45 after a 5-token prefix (a head of 11 tokens, then 34: two full
+# mini-batches and a partial one of 2), 9 after a prefix (a head only); d = 8 pads the d-tiles to 16, m = 24 pads the hidden tiles to 32, b ∈ {4, 8}
 # pads the rows to 16
 SHAPES = [(32, 16, 16, None, 0), (37, 16, 16, None, 0), (45, 16, 16, None, 5), (9, 16, 16, None, 5),
           (20, 8, 16, 24, 0), (11, 8, 4, None, 0), (19, 8, 8, None, 3)]
@@ -138,13 +138,16 @@ def test_bfloat16_matches_reference():
 
 
 def _no_torch_form(monkeypatch):
-    """Make the PyTorch dual form unusable inside mlp_chunk.py: a test that passes after this ran
-    everything in the kernels."""
-    from kernels.ttt import mlp_chunk
+    """Make the PyTorch dual form unusable: mlp_chunk.py does not import it, and it raises where
+    it is defined and exported. A test that passes after this ran everything in the kernels."""
+    import kernels.ttt
+    from kernels.ttt import mlp_chunk, torch_chunk
 
     def refuse(*a, **k):
         raise AssertionError("the PyTorch dual form ran")
-    monkeypatch.setattr(mlp_chunk, "ttt_mlp_chunk", refuse)
+    assert not hasattr(mlp_chunk, "ttt_mlp_chunk")
+    monkeypatch.setattr(torch_chunk, "ttt_mlp_chunk", refuse)
+    monkeypatch.setattr(kernels.ttt, "ttt_mlp_chunk", refuse)
 
 
 @pytest.mark.parametrize("T", [40, 7])
@@ -205,6 +208,53 @@ def test_partial_last_mini_batch_no_grad_windows(T, monkeypatch):
     for k in s_t:
         if k != "pos":
             torch.testing.assert_close(s_k[k], s_t[k], atol=1e-12, rtol=0, msg=lambda s: f"state {k}: {s}")
+
+
+# (p, T) at b = 16: a head only (T < b − p, and p = b − 1 with T = 1), a head completing its
+# mini-batch and one full one after it, a head + a full mini-batch + a partial tail
+@pytest.mark.parametrize("p,T", [(1, 4), (5, 27), (15, 1), (15, 20), (1, 34), (5, 30)])
+def test_head_runs_in_the_kernels(p, T, monkeypatch):
+    """A call from a state begun mid-mini-batch (pos = p > 0, carried sums G ≠ 0): the head runs
+    in the kernels (the PyTorch dual form raises here), and the output, the final state and every
+    gradient, the eight tensors of ``initial_state`` included, equal the specification. float64:
+    1e-10 of each tensor's scale."""
+    b, d = 16, 16
+    args = _inputs(T, d, b)
+    st = _prefix_state(args, b, p)
+    assert st["pos"] == p and st["grad_W1"].abs().max() > 0 and st["grad_W2"].abs().max() > 0
+    w = torch.randn(B, H, T, d, dtype=torch.float64)
+    ref = _run("reference", args, b, w, st)
+    _no_torch_form(monkeypatch)
+    got = _run("triton", args, b, w, st)
+    _compare(got, ref, T, b, atol=1e-10, rtol=1e-10, pos0=p, state_names=_state_names(st))
+
+
+def test_decode_style_chaining_equals_one_call(monkeypatch):
+    """A sequence cut at arbitrary points (inside mini-batches, on a boundary, one token long),
+    each piece continued from the previous piece's final state, gives the output, final state and
+    input gradients of one call over the whole sequence, all in the kernels. float64: 1e-10."""
+    b, d, T, cuts = 16, 16, 36, (3, 7, 16, 17, 30)
+    _no_torch_form(monkeypatch)
+    args = _inputs(T, d, b)
+    w = torch.randn(B, H, T, d, dtype=torch.float64)
+    one = _run("triton", args, b, w)
+    for t in args:
+        t.grad = None
+    outs, st = [], None
+    bounds = (0,) + cuts + (T,)
+    for t0, t1 in zip(bounds[:-1], bounds[1:]):
+        xs = [x[:, :, t0:t1] for x in args[:4]]
+        o, st = ttt_mlp(*xs, *args[4:], mini_batch_size=b, initial_state=st, output_final_state=True,
+                        backend="triton")
+        assert st["pos"] == t1 % b
+        outs.append(o)
+    out = torch.cat(outs, dim=2)
+    # the loss of ``_run``, term for term
+    loss = (out.float() * w).sum() + sum((v.float() ** 2).sum() for v in st.values() if torch.is_tensor(v))
+    loss.backward()
+    chained = (out.detach(), {k: (v.detach() if torch.is_tensor(v) else v) for k, v in st.items()},
+               [t.grad.clone() for t in args])
+    _compare(chained, one, T, b, atol=1e-10, rtol=1e-10)
 
 
 def test_no_grad_forward_and_weights_with_batch_axis():
@@ -270,7 +320,8 @@ def test_weights_and_state_left_untouched():
 def test_launch_config_per_gpu_family(monkeypatch):
     """The TTT-MLP launch configs that the wrapper takes on a GPU are the ones the compile gate
     compiles (kernels/ttt/gate.py): the per-mini-batch backward's column block per GPU family (16
-    only for 3×TF32 on sm_80), the other kernels' the same on both; packed batches ("varlen")
+    only for 3×TF32 on sm_80) and its head variant's column block and warps, the other kernels'
+    the same on both; packed batches ("varlen")
     have packed variants of the two serial kernels only (state pass and carry, column blocks of
     16), the output and per-mini-batch backward kernels run as they are."""
     from kernels.ttt import chunk, gate, mlp_chunk
@@ -283,23 +334,32 @@ def test_launch_config_per_gpu_family(monkeypatch):
     assert mlp_chunk._mlp_col_block(16, "tf32x3") == 16
     assert mlp_chunk._mlp_col_block(128, "bf16", packed=True) == 16
     assert mlp_chunk._mlp_col_block(128, "tf32x3", "bwd", arch=80, packed=True) == 16
+    assert mlp_chunk._mlp_head_bwd_cfg(128, "bf16", arch=90) == (16, {"num_warps": 4, "num_stages": 1})
+    assert mlp_chunk._mlp_head_bwd_cfg(128, "bf16", arch=80) == (32, {"num_warps": 8, "num_stages": 1})
+    assert mlp_chunk._mlp_head_bwd_cfg(64, "tf32x3", arch=90) == (32, {"num_warps": 8, "num_stages": 1})
     cases = [c for c in gate.compile_cases() if c.kernel.startswith("_ttt_mlp_")]
     assert {c.kernel for c in cases} == {"_ttt_mlp_fwd_kernel", "_ttt_mlp_out_kernel", "_ttt_mlp_bwd_mb_kernel",
                                          "_ttt_mlp_bwd_kernel"}
     assert {c.kernel for c in cases if c.constexprs.get("VARLEN")} == {"_ttt_mlp_fwd_kernel", "_ttt_mlp_bwd_kernel"}
     for c in cases:
         prec, BD = c.constexprs["PREC"], c.constexprs["BD"]
+        BD_, BM, BT, kw = mlp_chunk._mlp_launch_cfg(c.constexprs["D"], c.constexprs["M"], c.constexprs["MB"],
+                                                     packed=c.constexprs.get("VARLEN", False))
         if c.kernel == "_ttt_mlp_bwd_mb_kernel":
             (arch,) = c.archs
             assert c.config.endswith(f"sm_{arch}")
-            assert c.constexprs["BK"] == mlp_chunk._mlp_col_block(BD, prec, "bwd_mb", arch=arch)
+            head = c.constexprs["HEAD"]
+            assert head == (" head " in c.config)
+            if head:    # the head variant's own column block and warps
+                BK, kw = mlp_chunk._mlp_head_bwd_cfg(BD, prec, arch)
+                assert c.constexprs["BK"] == BK
+            else:
+                assert c.constexprs["BK"] == mlp_chunk._mlp_col_block(BD, prec, "bwd_mb", arch=arch)
         else:
             packed = c.constexprs.get("VARLEN", False)
             assert packed == c.config.endswith("varlen")
             assert not packed or c.kernel in ("_ttt_mlp_fwd_kernel", "_ttt_mlp_bwd_kernel")
             assert c.constexprs["BK"] == mlp_chunk._mlp_col_block(BD, prec, packed=packed)
-        BD_, BM, BT, kw = mlp_chunk._mlp_launch_cfg(c.constexprs["D"], c.constexprs["M"], c.constexprs["MB"],
-                                                     packed=c.constexprs.get("VARLEN", False))
         assert (BD, c.constexprs["BM"], c.constexprs["BT"]) == (BD_, BM, BT)
         assert (c.num_warps, c.num_stages) == (kw["num_warps"], kw["num_stages"])
 
