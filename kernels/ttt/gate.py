@@ -70,7 +70,9 @@ def compile_cases():
                     hbk, hkw = mlp_chunk._mlp_head_bwd_cfg(BD, prec, arch)
                     per_arch.append((mlp_chunk._ttt_mlp_bwd_mb_kernel, f"{cfg} head sm_{arch}",
                                      {"BK": hbk, "HEAD": True}, (arch,), hkw))
-                serial = [(mlp_chunk._ttt_mlp_fwd_kernel, cfg, fwd, ARCHS, kw), (mlp_chunk._ttt_mlp_bwd_kernel, cfg, fwd, ARCHS, kw)]
+                # the carry's own launch options (``_mlp_carry_opts``: the packed bf16 one, num_stages 2)
+                serial = [(mlp_chunk._ttt_mlp_fwd_kernel, cfg, fwd, ARCHS, kw),
+                          (mlp_chunk._ttt_mlp_bwd_kernel, cfg, fwd, ARCHS, mlp_chunk._mlp_carry_opts(kw, BD, prec, varlen))]
                 # a packed batch runs the output and per-mini-batch backward kernels as they are (on
                 # its slot-major copy): only the serial ones have packed variants
                 parallel = [] if varlen else [(mlp_chunk._ttt_mlp_out_kernel, cfg, fwd, ARCHS, kw)] + per_arch

@@ -678,8 +678,13 @@ def _ttt_mlp_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, W1S, B1S, W2S, G1S, G2S,
     gradient of its sums; see ``_mlp_bwd_packed``)."""
     pid = tl.program_id(0)
     h = pid % H
+    NTIE = NMB                                  # i // NTIE = 0 for every i (``_loop_index``)
     if VARLEN:
         NMB = (tl.load(CU + pid // H + 1) - tl.load(CU + pid // H) + MB - 1) // MB
+        # the index ties divide by the slot count NC (≥ the sequence's NMB; an argument), so that
+        # the sequence's own count is needed only by the loop bound and n (tied to it, the packed
+        # bf16 carry at d = 128 spilled 20 B on sm_90)
+        NTIE = NC
     cdt = W1S.dtype.element_ty
     rows = tl.arange(0, BT)
     cols = tl.arange(0, BD)
@@ -703,15 +708,15 @@ def _ttt_mlp_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, W1S, B1S, W2S, G1S, G2S,
         n = NMB - 1 - i
         s = pid * NS + n
         if VARLEN:
-            # the sequence's first slot, read again per mini-batch (tied to i: i // (NMB + T) = 0)
+            # the sequence's first slot, read again per mini-batch (tied to i: i // (NTIE + T) = 0)
             # rather than held in a register through the loop
-            s = h * NC + tl.load(CS + pid // H + i // (NMB + T)) + n
+            s = h * NC + tl.load(CS + pid // H + i // (NTIE + T)) + n
         cun = tau_last                          # the update's scale
         if VARLEN:                              # per slot: −1 for a partial last mini-batch
             cun = tl.load(SC + s).to(cdt)
         # the index tensors are rebuilt per mini-batch and per section rather than held across
         # the tile loops (``_loop_index``; distinct expressions, so that they are not merged)
-        rows, cols = _loop_index(i, NMB, BT, BD)
+        rows, cols = _loop_index(i, NTIE, BT, BD)
         cmask = cols < D
         rmask = rows < MB
         W1P = W1S + s * D * M
@@ -759,7 +764,7 @@ def _ttt_mlp_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, W1S, B1S, W2S, G1S, G2S,
             dG2 += _dot(dS, _w_rows(W2P, j0, hc, *_tile_cols(j0, T, M, BD, D), 1, D, M), PREC)
 
         # Γ2 from Z2 and the target V − K: the LayerNorm-fused loss's second derivative
-        rows, cols = _loop_index(i + 1, NMB + 1, BT, BD)
+        rows, cols = _loop_index(i + 1, NTIE + 1, BT, BD)
         cmask = cols < D
         rmask = rows < MB
         xmask = rmask[:, None] & cmask[None, :]
@@ -822,7 +827,7 @@ def _ttt_mlp_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, W1S, B1S, W2S, G1S, G2S,
             # the tile's b1 gradient (pass C adds the W1, W2 ones)
             tl.store(GB1 + j0 + hc, tl.load(GB1 + j0 + hc, mask=hm, other=0.0)
                      + tl.sum(dZ1 + dZ1b, axis=0), mask=hm)
-        rows, cols = _loop_index(i + 2, NMB + 2, BT, BD)
+        rows, cols = _loop_index(i + 2, NTIE + 2, BT, BD)
         xmask = (rows < MB)[:, None] & (cols < D)[None, :]
         xoff = _pick(s * MB * D + rows[:, None] * D + cols[None, :],
                      pid * T * D + (n * MB + rows)[:, None] * D + cols[None, :], VARLEN)
@@ -857,9 +862,9 @@ def _ttt_mlp_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, W1S, B1S, W2S, G1S, G2S,
         tl.debug_barrier()                      # the next mini-batch reads the gradients and scratch
         if VARLEN:
             if i == 0:                          # the last mini-batch's start weights: their own gradient
-                # index vectors tied to n (n // (NMB + T) = 0), so that they are not hoisted out of
+                # index vectors tied to n (n // (NTIE + T) = 0), so that they are not hoisted out of
                 # the mini-batch loop and held through it (as ``_tile_cols``)
-                z = n // (NMB + T)
+                z = n // (NTIE + T)
                 for o0 in range(0, D * M, 32 * BM):
                     o = o0 + tl.arange(0, 32 * BM) + z
                     om = o < D * M
@@ -909,6 +914,17 @@ def _mlp_col_block(BD: int, prec: str = "bf16", part: str = "fwd", arch: int = I
     if is_interpreting() or packed or (part == "bwd_mb" and prec == "tf32x3" and arch == 80):
         return 16
     return min(BD, 32)
+
+
+def _mlp_carry_opts(kw: dict, BD: int, prec: str, packed: bool = False) -> dict:
+    """Launch options of the carry (``_ttt_mlp_bwd_kernel``): those of ``_mlp_launch_cfg``, except
+    the packed (VARLEN) bfloat16 variant, which takes num_stages = 2 on every GPU family (with 1,
+    at 255 registers, it spilled 12-20 B at d = 128 and 8 B at d = 64 on sm_90; with 2 both
+    compile without spills on sm_90 and sm_80; the float32 packed one spills with 2 at d = 64, so
+    keeps 1). The interpreter takes none."""
+    if kw and packed and prec == "bf16":
+        return {**kw, "num_stages": 2}
+    return kw
 
 
 def _mlp_head_bwd_cfg(BD: int, prec: str, arch: int = INTERPRET_ARCH):
@@ -1322,7 +1338,8 @@ def _mlp_bwd_packed(XQ, XK, XV, eta, tau, ln_w, ln_b, W1S, B1S, W2S, B2S, G1S, G
         DZB1, XB2, DG1P, DZ1P, DZB2, DG2P, DKP, DEP, SZ, SS, SX, SD,
         dXK, dXV, dETA, dTAU, dLNW, dLNB, *dW0, scale, cu_seqlens, CS, *delta,
         TP, 0, 0, H, NC, LN_EPS, D=d, BD=BD, M=m, BM=BM, MB=bsz, BT=BT,
-        BK=_mlp_col_block(BD, prec, "bwd", packed=True), PREC=prec, VARLEN=True, **kw)
+        BK=_mlp_col_block(BD, prec, "bwd", packed=True), PREC=prec, VARLEN=True,
+        **_mlp_carry_opts(kw, BD, prec, packed=True))
     for buf, gl in zip(dW0, lasts):
         if gl is not None:
             buf += torch.where(empty.view(N, 1, 1, 1), gl.to(cdt), 0.0)

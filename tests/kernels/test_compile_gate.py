@@ -36,10 +36,6 @@ SLOW = "compiles: ptxas does not finish within the timeout"
 
 # (arch, kernel, config) -> the failing check(s). ``config`` "*" matches every config of the kernel.
 KNOWN_FAILURES = {
-    # -- TTT-MLP (kernels/ttt/mlp_chunk.py): the packed (cu_seqlens) bf16 backward carry at d = 128 on
-    #    sm_90 (the fixed-length one passes at 255 registers; column blocks of 32 spill 24 B, 64 and
-    #    128 4 B, 16 warps 212 B, 4 warps 24 B) --
-    (90, "_ttt_mlp_bwd_kernel", "bf16 d=128 m=512 b=16 varlen"): "no_spills: 20/20 B spilled",
 }
 
 

@@ -334,6 +334,11 @@ def test_launch_config_per_gpu_family(monkeypatch):
     assert mlp_chunk._mlp_col_block(16, "tf32x3") == 16
     assert mlp_chunk._mlp_col_block(128, "bf16", packed=True) == 16
     assert mlp_chunk._mlp_col_block(128, "tf32x3", "bwd", arch=80, packed=True) == 16
+    kw8 = {"num_warps": 8, "num_stages": 1}
+    assert mlp_chunk._mlp_carry_opts(kw8, 128, "bf16", packed=True) == {"num_warps": 8, "num_stages": 2}
+    assert mlp_chunk._mlp_carry_opts(kw8, 128, "bf16") == kw8
+    assert mlp_chunk._mlp_carry_opts(kw8, 64, "bf16", packed=True) == {"num_warps": 8, "num_stages": 2}
+    assert mlp_chunk._mlp_carry_opts(kw8, 128, "tf32x3", packed=True) == kw8
     assert mlp_chunk._mlp_head_bwd_cfg(128, "bf16", arch=90) == (16, {"num_warps": 4, "num_stages": 1})
     assert mlp_chunk._mlp_head_bwd_cfg(128, "bf16", arch=80) == (32, {"num_warps": 8, "num_stages": 1})
     assert mlp_chunk._mlp_head_bwd_cfg(64, "tf32x3", arch=90) == (32, {"num_warps": 8, "num_stages": 1})
@@ -361,6 +366,8 @@ def test_launch_config_per_gpu_family(monkeypatch):
             assert not packed or c.kernel in ("_ttt_mlp_fwd_kernel", "_ttt_mlp_bwd_kernel")
             assert c.constexprs["BK"] == mlp_chunk._mlp_col_block(BD, prec, packed=packed)
         assert (BD, c.constexprs["BM"], c.constexprs["BT"]) == (BD_, BM, BT)
+        if c.kernel == "_ttt_mlp_bwd_kernel":   # the carry's own options (packed bf16: num_stages 2)
+            kw = mlp_chunk._mlp_carry_opts(kw, BD, prec, c.constexprs.get("VARLEN", False))
         assert (c.num_warps, c.num_stages) == (kw["num_warps"], kw["num_stages"])
 
 
