@@ -158,9 +158,12 @@ all warps along its b rows (each warp then holds the whole tile), so the tile lo
 P2 in scratch through pass A2. All four kernels compile clean (no spills, tensor cores) at d = 64
 and d = 128, bfloat16 and float32, on both. The packed (VARLEN) state pass and carry take BK = 16
 (``_mlp_col_block(packed=True)``: with 32 the packed state pass at d = 64, bf16, spilled 24 B on
-sm_90 and the packed carry 4–56 B) and compile clean too, but for the packed bfloat16 carry at
-d = 128 on sm_90, which spills 20 B (the fixed-length one sits at 255 registers without; column
-blocks of 32, 64, 128 spill 24, 4, 4 B; 4 and 16 warps spill more).
+sm_90 and the packed carry 4–56 B) and compile clean too. The packed bfloat16 carry also launches
+with num_stages = 2 (``_mlp_carry_opts``, which the gate uses as well) and bounds its loop's index
+ties by the slot count NC, an argument, rather than by the sequence's mini-batch count: with
+neither it spilled 20 B at d = 128 on sm_90 (4 B with only the stages, 12 B with only the bound);
+with both, 0 B at 254 registers. The float32 packed carry keeps one stage (it spills with 2 at
+d = 64).
 """
 from __future__ import annotations
 
