@@ -108,6 +108,27 @@ def _in_row_groups(fn: Callable, XQ: torch.Tensor, rows: int, n_inputs: int, arg
     return out, final
 
 
+def _check_packed(name: str, XQ: torch.Tensor, cu_seqlens: torch.Tensor, weights: dict,
+                  initial_state: Optional[dict]) -> None:
+    """The packed one-launch path's entry checks: B = 1, ``cu_seqlens`` [N+1] with N ≥ 1, and an
+    ``initial_state`` (if any) with one row per sequence."""
+    if XQ.shape[0] != 1:
+        raise ValueError(f"{name}: cu_seqlens needs packed input with B = 1, got B = {XQ.shape[0]}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"{name}: cu_seqlens must be an integer tensor [N+1] with N ≥ 1, "
+                         f"got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
+    _check_varlen_state(name, weights, initial_state, cu_seqlens.numel() - 1)
+
+
+def _run_triton(name: str, fn: Callable, XQ: torch.Tensor, mini_batch_size: int, width: int, args: tuple):
+    """``fn(*args)`` in one launch, or in groups of batch rows where one launch's offsets would
+    pass the int32 limit (``_triton_rows_per_launch``, ``_in_row_groups``)."""
+    rows = _triton_rows_per_launch(name, XQ, mini_batch_size, width)
+    if rows < XQ.shape[0]:
+        return _in_row_groups(fn, XQ, rows, 4, args)
+    return fn(*args)
+
+
 def _check(XQ, XK, XV, eta, token_idx, mini_batch_size):
     if XQ.dim() != 4 or XK.shape != XQ.shape or XV.shape != XQ.shape:
         raise ValueError(f"ttt: XQ, XK, XV must all be [B, H, T, d], got {tuple(XQ.shape)}, "
@@ -193,12 +214,7 @@ def ttt_linear(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: torch.
     if cu_seqlens is not None and backend == "triton" and has_triton_backend("linear") and XQ.shape[2] > 0:
         # one launch of each kernel over the packed batch (a batch of empty sequences only, T = 0,
         # keeps its initial states through the per-sequence path below, which launches nothing)
-        if XQ.shape[0] != 1:
-            raise ValueError(f"ttt_linear: cu_seqlens needs packed input with B = 1, got B = {XQ.shape[0]}")
-        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-            raise ValueError(f"ttt_linear: cu_seqlens must be an integer tensor [N+1] with N ≥ 1, "
-                             f"got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
-        _check_varlen_state("ttt_linear", {"W1": W1, "b1": b1}, initial_state, cu_seqlens.numel() - 1)
+        _check_packed("ttt_linear", XQ, cu_seqlens, {"W1": W1, "b1": b1}, initial_state)
         from kernels.ttt.chunk import ttt_linear_triton_packed
         return ttt_linear_triton_packed(XQ, XK, XV, eta, token_idx, ln_weight, ln_bias, W1, b1, mini_batch_size,
                                         initial_state, output_final_state, cu_seqlens)
@@ -218,10 +234,7 @@ def ttt_linear(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: torch.
         if not has_triton_backend("linear"):
             raise RuntimeError("ttt_linear: backend='triton' needs ttt_linear_triton in kernels/ttt/chunk.py, which is absent")
         from kernels.ttt.chunk import ttt_linear_triton
-        rows = _triton_rows_per_launch("ttt_linear", XQ, mini_batch_size, XQ.shape[-1])
-        if rows < XQ.shape[0]:
-            return _in_row_groups(ttt_linear_triton, XQ, rows, 4, args)
-        return ttt_linear_triton(*args)
+        return _run_triton("ttt_linear", ttt_linear_triton, XQ, mini_batch_size, XQ.shape[-1], args)
     raise ValueError(f"ttt_linear: backend must be torch, primal, reference or triton, got {backend!r}")
 
 
@@ -237,13 +250,7 @@ def ttt_mlp(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: torch.Ten
     _check(XQ, XK, XV, eta, token_idx, mini_batch_size)
     if cu_seqlens is not None and backend == "triton" and has_triton_backend("mlp") and XQ.shape[2] > 0:
         # one launch of each kernel over the packed batch (T = 0: the per-sequence path below)
-        if XQ.shape[0] != 1:
-            raise ValueError(f"ttt_mlp: cu_seqlens needs packed input with B = 1, got B = {XQ.shape[0]}")
-        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-            raise ValueError(f"ttt_mlp: cu_seqlens must be an integer tensor [N+1] with N ≥ 1, "
-                             f"got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
-        _check_varlen_state("ttt_mlp", {"W1": W1, "b1": b1, "W2": W2, "b2": b2}, initial_state,
-                            cu_seqlens.numel() - 1)
+        _check_packed("ttt_mlp", XQ, cu_seqlens, {"W1": W1, "b1": b1, "W2": W2, "b2": b2}, initial_state)
         from kernels.ttt.mlp_chunk import ttt_mlp_triton_packed
         return ttt_mlp_triton_packed(XQ, XK, XV, eta, token_idx, ln_weight, ln_bias, W1, b1, W2, b2,
                                      mini_batch_size, initial_state, output_final_state, cu_seqlens)
@@ -265,10 +272,7 @@ def ttt_mlp(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: torch.Ten
         if not has_triton_backend("mlp"):
             raise RuntimeError("ttt_mlp: backend='triton' needs ttt_mlp_triton in kernels/ttt/mlp_chunk.py, which is absent")
         from kernels.ttt.mlp_chunk import ttt_mlp_triton
-        rows = _triton_rows_per_launch("ttt_mlp", XQ, mini_batch_size, W1.shape[-1])
-        if rows < XQ.shape[0]:
-            return _in_row_groups(ttt_mlp_triton, XQ, rows, 4, args)
-        return ttt_mlp_triton(*args)
+        return _run_triton("ttt_mlp", ttt_mlp_triton, XQ, mini_batch_size, W1.shape[-1], args)
     raise ValueError(f"ttt_mlp: backend must be torch, primal, reference or triton, got {backend!r}")
 
 

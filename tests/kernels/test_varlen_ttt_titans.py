@@ -494,6 +494,20 @@ def test_ttt_mlp_triton_varlen_is_one_launch_per_kernel(monkeypatch, b, lengths,
         assert all(got[2]["state.b2"][n].abs().max() > 0 for n in range(N))
 
 
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+def test_ttt_triton_packed_path_refuses_bad_batch_at_entry(kind):
+    """The one-launch packed path checks its input before any launch: B > 1, a cu_seqlens that is
+    not [N+1] with N ≥ 1, and an initial state with the wrong number of rows, each named."""
+    xs, state = _ttt_inputs(kind, 9, 16, 4, 2, True)
+    xs2 = {k: (torch.cat([v, v]) if k in ("XQ", "XK", "XV", "eta") else v) for k, v in xs.items()}
+    with pytest.raises(ValueError, match=f"ttt_{kind}: cu_seqlens needs packed input with B = 1, got B = 2"):
+        _ttt_packed(kind, xs2, state, 4, "triton", (4, 5))
+    with pytest.raises(ValueError, match=f"ttt_{kind}: cu_seqlens must be an integer tensor \\[N\\+1\\]"):
+        _ttt_call(kind, xs, state, 4, "triton", _cu((4, 5)).view(1, -1))
+    with pytest.raises(ValueError, match=r"\[N = 3"):
+        _ttt_packed(kind, xs, state, 4, "triton", (4, 5, 0))
+
+
 def test_ttt_mlp_triton_varlen_no_grad_and_refusals():
     """Without autograd the packed launch gives the same output and final state as the PyTorch
     dual form (float64 to 1e-10); bad offsets are refused by the one flag read back, naming the
