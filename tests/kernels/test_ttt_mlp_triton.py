@@ -8,6 +8,7 @@ import torch
 
 from kernels.ttt import ttt_mlp
 from kernels.ttt.mlp_chunk import ttt_mlp_triton
+from tests.kernels.ttt_checks import run_chained
 
 B, H = 2, 2
 WEIGHTS = ["W1", "b1", "W2", "b2"]
@@ -238,22 +239,7 @@ def test_decode_style_chaining_equals_one_call(monkeypatch):
     args = _inputs(T, d, b)
     w = torch.randn(B, H, T, d, dtype=torch.float64)
     one = _run("triton", args, b, w)
-    for t in args:
-        t.grad = None
-    outs, st = [], None
-    bounds = (0,) + cuts + (T,)
-    for t0, t1 in zip(bounds[:-1], bounds[1:]):
-        xs = [x[:, :, t0:t1] for x in args[:4]]
-        o, st = ttt_mlp(*xs, *args[4:], mini_batch_size=b, initial_state=st, output_final_state=True,
-                        backend="triton")
-        assert st["pos"] == t1 % b
-        outs.append(o)
-    out = torch.cat(outs, dim=2)
-    # the loss of ``_run``, term for term
-    loss = (out.float() * w).sum() + sum((v.float() ** 2).sum() for v in st.values() if torch.is_tensor(v))
-    loss.backward()
-    chained = (out.detach(), {k: (v.detach() if torch.is_tensor(v) else v) for k, v in st.items()},
-               [t.grad.clone() for t in args])
+    chained = run_chained(ttt_mlp, args, b, w, cuts)
     _compare(chained, one, T, b, atol=1e-10, rtol=1e-10)
 
 
