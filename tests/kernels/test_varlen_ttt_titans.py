@@ -398,58 +398,6 @@ def test_ttt_linear_triton_varlen_all_empty_batch_launches_nothing(monkeypatch, 
         assert got[2]["state.W1"].abs().max() > 0
 
 
-def test_ttt_linear_triton_varlen_reads_no_unwritten_buffer(monkeypatch):
-    """Every buffer the packed TTT-Linear path allocates uninitialized is written before it is
-    read: with torch.empty, torch.empty_like and Tensor.new_empty handing out NaN-filled tensors,
-    output, final state and gradients still match the per-sequence reference. The spare chunk
-    slots (here one: 17, 0, 5, 33 tokens at b = 16) must write zero partial sums of ∂τ, ∂γ, ∂β,
-    which are summed over every slot."""
-    lengths = (17, 0, 5, 33)
-    xs, state = _ttt_inputs("linear", sum(lengths), 16, 16, len(lengths), False)
-    want = _ttt_run(lambda x, s: _ttt_separate("linear", x, s, 16, lengths), xs, state)
-    empty, empty_like, new_empty = torch.empty, torch.empty_like, torch.Tensor.new_empty
-
-    def poison(t):
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    monkeypatch.setattr(torch, "empty", lambda *a, **k: poison(empty(*a, **k)))
-    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison(empty_like(*a, **k)))
-    monkeypatch.setattr(torch.Tensor, "new_empty", lambda self, *a, **k: poison(new_empty(self, *a, **k)))
-    assert torch.isnan(torch.empty(2)).all() and torch.isnan(xs["XQ"].new_empty(2)).all()
-    got = _ttt_run(lambda x, s: _ttt_packed("linear", x, s, 16, "triton", lengths), xs, state)
-    monkeypatch.undo()
-    _assert_close(got[0], want[0], "out", 1e-9)
-    for k in want[1]:
-        if k != "pos":
-            _assert_close(got[1][k], want[1][k], f"final {k}", 1e-9)
-    for k in want[2]:
-        _assert_close(got[2][k], want[2][k], f"grad {k}", 1e-9)
-
-
-def test_ttt_linear_triton_varlen_spare_slot_reads_inside_its_inputs():
-    """A spare chunk slot (no valid rows) reads no memory before its inputs: XQ, XK, XV here start
-    right after NaN-filled memory, so a read of row −1 (the last valid row, clamped, of a slot with
-    none) would turn ∂τ, ∂γ, ∂β into NaN through the spare slot's zero-weighted partial sums."""
-    lengths = (17, 0, 5, 33)
-    xs, _ = _ttt_inputs("linear", sum(lengths), 16, 16, len(lengths), False)
-    want = _ttt_run(lambda x, s: _ttt_separate("linear", x, s, 16, lengths), xs, None)
-    pad = 64 * 16
-    leaves = {}
-    for k, v in xs.items():
-        if k in ("XQ", "XK", "XV"):
-            buf = torch.full((pad + v.numel(),), float("nan"), dtype=v.dtype)
-            buf[pad:] = v.flatten()
-            leaves[k] = buf[pad:].view(v.shape).detach().requires_grad_(True)
-            assert leaves[k].storage_offset() == pad
-        else:
-            leaves[k] = _leaf(v)
-    out, fin = _ttt_packed("linear", leaves, None, 16, "triton", lengths)
-    _weighted_loss([out] + [fin[k] for k in sorted(k for k in fin if k != "pos")]).backward()
-    _assert_close(out.detach(), want[0], "out", 1e-9)
-    for k in want[2]:
-        _assert_close(leaves[k].grad, want[2][k], f"grad {k}", 1e-9)
-
-
 MLP_KERNELS = ("_ttt_mlp_fwd_kernel", "_ttt_mlp_out_kernel", "_ttt_mlp_bwd_mb_kernel", "_ttt_mlp_bwd_kernel")
 
 
@@ -531,16 +479,18 @@ def test_ttt_mlp_triton_varlen_no_grad_and_refusals():
     assert torch.equal(fin["W2"], empty_state["W2"])
 
 
-def test_ttt_mlp_triton_varlen_reads_no_unwritten_buffer_nor_outside_its_inputs(monkeypatch):
-    """Every buffer the packed TTT-MLP path allocates uninitialized is written before it is read,
-    and no program reads memory before its inputs: with torch.empty, torch.empty_like and
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+def test_ttt_triton_varlen_reads_no_unwritten_buffer_nor_outside_its_inputs(monkeypatch, kind):
+    """Every buffer the packed path allocates uninitialized is written before it is read, and no
+    program reads memory before its inputs: with torch.empty, torch.empty_like and
     Tensor.new_empty handing out NaN-filled tensors, and XQ, XK, XV, η placed right after
     NaN-filled memory, output, final state and gradients still match the per-sequence reference.
-    The spare mini-batch slots (here one: 17, 0, 5, 33 tokens at b = 16) and the rows past a
-    sequence's end must add nothing to ∂τ, ∂γ, ∂β, which are summed over every slot."""
+    The spare chunk slots (here one: 17, 0, 5, 33 tokens at b = 16) and the rows past a sequence's
+    end must add nothing to ∂τ, ∂γ, ∂β, which are summed over every slot; a read of row −1 (the
+    last valid row, clamped, of a slot with none) would make them NaN."""
     lengths = (17, 0, 5, 33)
-    xs, _ = _ttt_inputs("mlp", sum(lengths), 16, 16, len(lengths), False)
-    want = _ttt_run(lambda x, s: _ttt_separate("mlp", x, s, 16, lengths), xs, None)
+    xs, _ = _ttt_inputs(kind, sum(lengths), 16, 16, len(lengths), False)
+    want = _ttt_run(lambda x, s: _ttt_separate(kind, x, s, 16, lengths), xs, None)
     pad = 64 * 16
     leaves = {}
     for k, v in xs.items():
@@ -560,10 +510,11 @@ def test_ttt_mlp_triton_varlen_reads_no_unwritten_buffer_nor_outside_its_inputs(
     monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison(empty_like(*a, **k)))
     monkeypatch.setattr(torch.Tensor, "new_empty", lambda self, *a, **k: poison(new_empty(self, *a, **k)))
     assert torch.isnan(torch.empty(2)).all() and torch.isnan(xs["XQ"].new_empty(2)).all()
-    out, fin = _ttt_packed("mlp", leaves, None, 16, "triton", lengths)
+    out, fin = _ttt_packed(kind, leaves, None, 16, "triton", lengths)
     _weighted_loss([out] + [fin[k] for k in sorted(k for k in fin if k != "pos")]).backward()
     monkeypatch.undo()
     _assert_close(out.detach(), want[0], "out", 1e-9)
+    assert fin["pos"] == want[1]["pos"]
     for k in want[1]:
         if k != "pos":
             _assert_close(fin[k].detach(), want[1][k], f"final {k}", 1e-9)
