@@ -49,7 +49,10 @@ representation and S, M advance once per chunk (the chunk's gradients summed), w
 (and this file) has per-token gates and per-token S_t, M_t; retrieval there reads the memory as
 it was after the previous chunk (its weights shifted by one chunk), here y_t = M_t(q_t) reads
 the memory after token t's own update; its inner step is θ_t = max_lr · σ(·) (max_lr 0.01 by
-default), here θ_t = σ(W_θ x_t + b_θ); and it adds options the
+default), here θ_t = σ(W_θ x_t + b_θ); its persistent memory (MAC) is a learned key and value
+per head and slot (zero at init) placed before the attention's keys and values, here, as in the
+paper's Eq. 22, learned tokens p_1 … p_{N_p} (N(0, 1) at init, the scale of the normed input)
+prepended to the segment and projected by W_K and W_V like any token; and it adds options the
 paper does not have (q/k RMSNorm, spectral-normed surprises, higher-order or learned momentum,
 weight residuals across layers).
 """
