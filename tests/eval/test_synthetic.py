@@ -9,7 +9,7 @@ from ttt_lm.eval.__main__ import main
 from ttt_lm.eval.synthetic import (SyntheticResult, apply_impl, build_tiny_lm, evaluate_task, induction_heads,
                                    make_task, merge_results, mqar, pick_best, plot_accuracy, plot_accuracy_vs_width,
                                    result_dict, result_from_dict, result_trials, results_table, run_synthetic,
-                                   selective_copying, state_size, train_task, update_report)
+                                   seeds_table, selective_copying, state_size, train_task, update_report)
 
 
 def g(seed=0):
@@ -374,8 +374,8 @@ def test_synthetic_report_takes_an_earlier_report_and_updates_it_with_new_runs(t
     assert out["sources"][0]["mixers"] == ["attention"] and out["sources"][0]["train_seconds"] > 0
     md = (tmp_path / "r2" / "mqar.md").read_text()
     assert "Merged from 5 runs" in md and "## Replaced by later runs" in md
-    assert md.count("| attention | 16 | 0.001 | 2 | not solved in 2 |") == 1   # only among the replaced
-    assert "| deltanet | 16 | 0.003 | 3 | not solved in 3 |" in md
+    assert md.count("| attention | 16 | 0 | 0.001 | 2 | not solved in 2 |") == 1   # only among the replaced
+    assert "| deltanet | 16 | 0 | 0.003 | 3 | not solved in 3 |" in md
     # the updated report is itself an input; a run already in it is refused
     assert main(["synthetic_report", "--from", f"{tmp_path / 'r2'},{tmp_path / 'e'}", "--task", "mqar",
                  "--out", str(tmp_path / "r3")]) == 2
@@ -402,3 +402,117 @@ def test_synthetic_report_refuses_what_cannot_share_a_table(tmp_path, capsys):
                  "--out", str(tmp_path / "m")]) == 2
     assert "not the JSON of a synthetic run" in capsys.readouterr().err
     assert (tmp_path / "a" / "mqar.json").read_text() == before
+
+
+def _seeded(mixer, seed, acc, solved=None, lr=1e-3):
+    r = _fake(mixer, acc, lr=lr, solved=solved)
+    r.seed, r.lr_trials = seed, [_trial(lr, solved, acc[64])]
+    return r
+
+
+def test_seeds_are_separate_rows_summarized_across_seeds():
+    rs = [_seeded("attention", 0, {64: 1.0, 256: 0.5}, 40), _seeded("attention", 1, {64: 0.8, 256: 0.2}),
+          _seeded("deltanet", 0, {64: 0.99, 256: 0.9}, 30), _seeded("attention", 2, {64: 0.9, 256: 0.2}, 60)]
+    merged = merge_results(rs)                       # the same lr at another seed is another row, not a clash
+    assert [(r.mixer, r.seed) for r in merged] == [("attention", 0), ("attention", 1), ("deltanet", 0),
+                                                    ("attention", 2)]
+    lines = seeds_table(merged).splitlines()
+    assert lines[0] == "| mixer | seeds | lr | solved | steps to solve (per seed) | 64* | 256 |"
+    assert lines[2] == ("| attention | 0, 1, 2 | 0.001 | 2 of 3 | 40 · >100 · 60 | 0.90 (0.80–1.00) "
+                        "| 0.30 (0.20–0.50) |")
+    assert lines[3] == "| deltanet | 0 | 0.001 | 1 of 1 | 30 | 0.99 | 0.90 |"
+    head = [c.strip() for c in results_table(merged).splitlines()[0].strip("|").split("|")]
+    assert head[:2] == ["mixer", "seed"]
+    assert "seed" not in results_table(merged[:1])       # one seed: no seed column
+    # a report's seed-0 rows stay; runs at other seeds join as rows of their own; a seed-0 rerun replaces
+    old = [_seeded("attention", 0, {64: 1.0, 256: 0.5}, 40)]
+    rows, replaced = update_report(old, [_seeded("attention", 1, {64: 0.8, 256: 0.2})])
+    assert [r.seed for r in rows] == [0, 1] and rows[0] is old[0] and replaced == []
+    rerun = _seeded("attention", 0, {64: 0.9, 256: 0.4}, 50)
+    rows, replaced = update_report(old, [rerun])
+    assert rows == [rerun] and replaced == old
+
+
+def test_accuracy_plot_draws_the_mean_over_seeds_with_min_max_bars():
+    import matplotlib.pyplot as plt
+    rs = [_seeded("attention", 0, {64: 1.0, 256: 0.5}, 40), _seeded("attention", 1, {64: 0.8, 256: 0.2}),
+          _seeded("deltanet", 0, {64: 0.6, 256: 0.4})]
+    fig = plot_accuracy(rs, None, "t")
+    ax = fig.axes[0]
+    curves = {c.get_label(): c for c in ax.containers}
+    att = curves["attention (lr 0.001, solved by 1 of 2 seeds)"]
+    assert list(att.lines[0].get_ydata()) == pytest.approx([0.9, 0.35])
+    assert list(curves["deltanet (lr 0.001, solved by 0 of 1 seeds)"].lines[0].get_ydata()) == pytest.approx([0.6, 0.4])
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert "attention (lr 0.001, solved by 1 of 2 seeds)" in legend and "chance (0.031)" in legend
+    segs = att.lines[2][0].get_segments()            # attention's bars span its seeds' min to max
+    assert [(s[0][1], s[1][1]) for s in segs] == [pytest.approx((0.8, 1.0)), pytest.approx((0.2, 0.5))]
+    assert "min–max" in ax.get_ylabel()
+    plt.close(fig)
+    # the width plot averages the seeds of a width
+    fig = plot_accuracy_vs_width(rs[:2], None, "t")
+    assert list(fig.axes[0].get_lines()[0].get_ydata()) == pytest.approx([0.9])
+    plt.close(fig)
+
+
+def test_cli_seeds_and_reports_of_runs_at_different_seeds(tmp_path, capsys):
+    _tiny_run(tmp_path / "s", "deltanet", "--seeds", "0,1")
+    out = json.loads((tmp_path / "s" / "mqar.json").read_text())
+    assert [r["seed"] for r in out["results"]] == [0, 1]
+    assert out["results"][0]["accuracy"] != out["results"][1]["accuracy"] or \
+        out["results"][0]["final_train_loss"] != out["results"][1]["final_train_loss"]
+    md = (tmp_path / "s" / "mqar.md").read_text()
+    assert "seeds 0, 1" in md and "Across seeds" in md and "| deltanet | 0, 1 | 0.001 | 0 of 2 | >2 · >2 |" in md
+    # one run per seed, the older one saved before results carried their seed: the run's --seed is used
+    _tiny_run(tmp_path / "a", "attention")
+    _tiny_run(tmp_path / "b", "attention", "--seed", "3")
+    saved = json.loads((tmp_path / "b" / "mqar.json").read_text())
+    del saved["results"][0]["seed"]
+    (tmp_path / "b" / "mqar.json").write_text(json.dumps(saved))
+    assert main(["synthetic_report", "--task", "mqar", "--from", f"{tmp_path / 'a'},{tmp_path / 'b'}",
+                 "--out", str(tmp_path / "m")]) == 0
+    rep = json.loads((tmp_path / "m" / "mqar.json").read_text())
+    assert [(r["mixer"], r["seed"]) for r in rep["results"]] == [("attention", 0), ("attention", 3)]
+    assert "| attention | 0, 3 | 0.001 | 0 of 2 | >2 · >2 |" in (tmp_path / "m" / "mqar.md").read_text()
+    # the same run at the same seed twice is still one lr run twice: refused
+    _tiny_run(tmp_path / "c", "attention", "--seed", "3")
+    assert main(["synthetic_report", "--task", "mqar", "--from", f"{tmp_path / 'b'},{tmp_path / 'c'}",
+                 "--out", str(tmp_path / "m2")]) == 2
+    assert "seed 3: lr 0.001 was run in both" in capsys.readouterr().err
+    assert main(["synthetic", "--task", "mqar", "--mixers", "deltanet", "--seeds", "1,1", "--steps", "1",
+                 "--out", str(tmp_path / "bad"), "--no-progress"]) == 2
+    assert "--seeds needs distinct" in capsys.readouterr().err
+
+
+def test_synthetic_report_keeps_only_the_widths_asked_for_and_lists_the_rest(tmp_path, capsys):
+    _tiny_run(tmp_path / "a", "deltanet", "--d-models", "16,32")
+    _tiny_run(tmp_path / "b", "attention", "--d-models", "32")
+    assert main(["synthetic_report", "--task", "mqar", "--from", f"{tmp_path / 'a'},{tmp_path / 'b'}",
+                 "--d-models", "32", "--out", str(tmp_path / "m")]) == 0
+    out = json.loads((tmp_path / "m" / "mqar.json").read_text())
+    assert [(r["mixer"], r["d_model"]) for r in out["results"]] == [("deltanet", 32), ("attention", 32)]
+    assert [(r["mixer"], r["d_model"]) for r in out["left_out"]] == [("deltanet", 16)]
+    md = (tmp_path / "m" / "mqar.md").read_text()
+    table, rest = md.split("## Runs")
+    assert "| deltanet |" in table and "| 16 |" not in table and "d_model 32," in table
+    assert "## Other widths (left out by --d-models)" in rest and "| deltanet | 16 | 0 | 0.001 | 2 |" in rest
+    assert "width_plot" not in out                                  # one width left: no width figure
+    # the report as a source brings its left-out rows back
+    assert main(["synthetic_report", "--task", "mqar", "--from", str(tmp_path / "m"),
+                 "--out", str(tmp_path / "m2")]) == 0
+    out2 = json.loads((tmp_path / "m2" / "mqar.json").read_text())
+    assert sorted((r["mixer"], r["d_model"]) for r in out2["results"]) == [("attention", 32), ("deltanet", 16),
+                                                                          ("deltanet", 32)]
+    assert out2["left_out"] == [] and "width_plot" in out2
+    assert main(["synthetic_report", "--task", "mqar", "--from", str(tmp_path / "a"), "--d-models", "8",
+                 "--out", str(tmp_path / "m3")]) == 2
+    assert "--d-models 8: no row at these widths (the runs have 16, 32)" in capsys.readouterr().err
+
+
+def test_accuracy_plot_gives_up_to_twenty_curves_distinct_colours():
+    import matplotlib.pyplot as plt
+    rs = [_fake(f"m{k}", {64: 0.5, 128: 0.4}) for k in range(12)]
+    fig = plot_accuracy(rs, None, "t")
+    curves = [ln for ln in fig.axes[0].get_lines() if ln.get_label().startswith("m")]
+    assert len(curves) == 12 and len({tuple(ln.get_color()) for ln in curves}) == 12
+    plt.close(fig)

@@ -213,7 +213,7 @@ def cmd_passkey_train(args) -> dict:
 
 def cmd_synthetic(args) -> dict:
     from ttt_lm.eval.synthetic import (make_task, parse_impl, plot_accuracy, plot_accuracy_vs_width, result_dict,
-                                       results_table, run_synthetic)
+                                       run_synthetic)
     task = make_task(args.task, args.vocab_size, num_kv_pairs=args.num_kv_pairs, num_tokens=args.num_tokens)
     if args.stop_at is not None and not 0 < args.stop_at <= 1:
         raise EvalError(f"--stop-at is an accuracy in (0, 1], got {args.stop_at}")
@@ -224,27 +224,31 @@ def cmd_synthetic(args) -> dict:
         parse_impl(args.impl)
     except ValueError as e:
         raise EvalError(f"--impl: {e}") from e
-    torch.manual_seed(args.seed)
+    seeds = args.seeds if args.seeds is not None else [args.seed]
+    if not seeds or len(set(seeds)) < len(seeds) or min(seeds) < 0:
+        raise EvalError(f"--seeds needs distinct non-negative seeds, got {args.seeds}")
+    torch.manual_seed(seeds[0])
     results = []
     for mixer in [m for m in args.mixers.split(",") if m]:
         for d in widths:
-            t0 = time.time()
-            r = run_synthetic(task, mixer, args.train_len, args.test_lens, args.steps, batch_size=args.batch_size,
-                              lr=args.lr, d_model=d, n_layers=args.n_layers, n_heads=args.n_heads,
-                              num_eval=args.num_eval, seed=args.seed, device=str(args.dev),
-                              progress=not args.no_progress, stop_at=args.stop_at, impl=args.impl, lrs=args.lrs,
-                              eval_chunk_len=args.eval_chunk_len, check_every=args.check_every)
-            results.append(r)
-            # after every model, so that a long sweep stopped part way keeps what it finished
-            write_json(_out(args, f"{task.name}.json"),
-                       dict(task="synthetic", synthetic_task=task.name, partial=True,
-                            results=[result_dict(x) for x in results], **_meta(args, args.dev)))
-            solved = (f"solved in {r.steps_to_solve} steps" if r.steps_to_solve is not None
-                      else f"not solved in {args.steps} steps")
-            print(f"{task.name} {mixer} d_model={d} lr={r.lr:g} ({solved}): "
-                  + "  ".join(f"{T}: {a:.2f}" for T, a in r.accuracy.items())
-                  + f"  ({time.time() - t0:.0f}s)", flush=True)
-    table = results_table(results)
+            for seed in seeds:
+                t0 = time.time()
+                r = run_synthetic(task, mixer, args.train_len, args.test_lens, args.steps,
+                                  batch_size=args.batch_size, lr=args.lr, d_model=d, n_layers=args.n_layers,
+                                  n_heads=args.n_heads, num_eval=args.num_eval, seed=seed, device=str(args.dev),
+                                  progress=not args.no_progress, stop_at=args.stop_at, impl=args.impl,
+                                  lrs=args.lrs, eval_chunk_len=args.eval_chunk_len, check_every=args.check_every)
+                results.append(r)
+                # after every model, so that a long sweep stopped part way keeps what it finished
+                write_json(_out(args, f"{task.name}.json"),
+                           dict(task="synthetic", synthetic_task=task.name, partial=True,
+                                results=[result_dict(x) for x in results], **_meta(args, args.dev)))
+                solved = (f"solved in {r.steps_to_solve} steps" if r.steps_to_solve is not None
+                          else f"not solved in {args.steps} steps")
+                print(f"{task.name} {mixer} d_model={d} seed={seed} lr={r.lr:g} ({solved}): "
+                      + "  ".join(f"{T}: {a:.2f}" for T, a in r.accuracy.items())
+                      + f"  ({time.time() - t0:.0f}s)", flush=True)
+    table = _tables(results)
     crit = (f"until accuracy >= {args.stop_at} at length {args.train_len} (checked every {args.check_every} "
             f"steps) or {args.steps} steps" if args.stop_at is not None else f"for {args.steps} steps")
     lrs = f"learning rates {', '.join(f'{x:g}' for x in args.lrs)} (the best kept)" if args.lrs else f"lr {args.lr:g}"
@@ -252,7 +256,8 @@ def cmd_synthetic(args) -> dict:
            f"Trained at length {args.train_len} (*) {crit}, batch {args.batch_size}, {lrs}; "
            f"{args.n_layers} layers, d_model {', '.join(map(str, widths))}, vocabulary {task.vocab_size}; "
            f"{args.num_eval} test sequences per length, read {args.eval_chunk_len} tokens at a time with state "
-           f"carried; chance {task.chance:.3f}.\n\n")
+           f"carried; chance {task.chance:.3f}; seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))} "
+           f"(each seed draws the initial weights, the training batches and the test sequences).\n\n")
     with open(_out(args, f"{task.name}.md"), "w") as f:
         f.write(hdr + table)
     png = _out(args, f"{task.name}.png")
@@ -265,6 +270,35 @@ def cmd_synthetic(args) -> dict:
                                f"{task.name}: accuracy at length {args.train_len} vs width and state size")
     write_json(_out(args, f"{task.name}.json"), out)
     print(table)
+    return out
+
+
+def _tables(results) -> str:
+    """The markdown tables of synthetic results: one row per run; where some model ran with several
+    seeds, first a summary across seeds (:func:`~ttt_lm.eval.synthetic.seeds_table`)."""
+    from ttt_lm.eval.synthetic import results_table, seeds_table, several_seeds
+    if not several_seeds(results):
+        return results_table(results)
+    return ("Across seeds (solved: how many met the criterion; steps to solve in seed order, >N: not solved in "
+            "the budget N; accuracy: mean over the seeds (min–max)):\n\n" + seeds_table(results)
+            + "\nEvery run:\n\n" + results_table(results))
+
+
+def _fill_seeds(saved: dict, key: str = "results") -> list:
+    """The results of one saved synthetic JSON, each with its seed. Results saved before they carried
+    one take the seed of the run's arguments (of a report: its sources' seed, which they shared)."""
+    from ttt_lm.eval.synthetic import result_from_dict
+    if _is_report(saved):
+        seeds = {(s.get("args") or {}).get("seed") for s in saved["sources"]}
+    else:
+        seeds = {(saved.get("args") or {}).get("seed")}
+    default = int(next(iter(seeds)) or 0) if len(seeds) == 1 else 0
+    out = []
+    for d in saved.get(key, []):
+        r = result_from_dict(d)
+        if "seed" not in d:
+            r.seed = default
+        out.append(r)
     return out
 
 
@@ -326,8 +360,7 @@ def cmd_synthetic_report(args) -> dict:
     runs given beside it (:func:`~ttt_lm.eval.synthetic.update_report`); the rows those runs
     replace are listed in the report, not dropped from it."""
     from ttt_lm.eval.synthetic import (PROTOCOL_KEYS, make_task, merge_results, plot_accuracy,
-                                       plot_accuracy_vs_width, result_dict, result_from_dict, result_trials,
-                                       results_table, update_report)
+                                       plot_accuracy_vs_width, result_dict, result_trials, update_report)
     srcs = [s for s in args.sources.split(",") if s.strip()]
     if not srcs:
         raise EvalError("--from needs at least one run directory or results JSON")
@@ -355,11 +388,12 @@ def cmd_synthetic_report(args) -> dict:
                                 f"{first.get('via', first['path'])} and {b!r} in {e.get('via', e['path'])}")
     old, old_names, new, new_names, replaced = [], [], [], [], []
     for path, saved in loaded:
-        rows = [result_from_dict(d) for d in saved["results"]]
+        rows = _fill_seeds(saved)
         if _is_report(saved):
+            rows += _fill_seeds(saved, "left_out")      # rows an earlier --d-models filter set aside
             old += rows
             old_names += [path] * len(rows)
-            replaced += [result_from_dict(d) for d in saved.get("replaced", [])]
+            replaced += _fill_seeds(saved, "replaced")
         else:
             new += rows
             new_names += [path] * len(rows)
@@ -370,6 +404,13 @@ def cmd_synthetic_report(args) -> dict:
     except ValueError as e:
         raise EvalError(str(e)) from e
     replaced += now_replaced
+    left_out = []
+    if args.d_models:
+        left_out = [r for r in merged if r.d_model not in args.d_models]
+        merged = [r for r in merged if r.d_model in args.d_models]
+        if not merged:
+            raise EvalError(f"--d-models {','.join(map(str, args.d_models))}: no row at these widths (the runs have "
+                            f"{', '.join(str(w) for w in sorted({r.d_model for r in left_out}))})")
     a = first.get("args") or {}
     task = make_task(args.task, a.get("vocab_size"), num_kv_pairs=a.get("num_kv_pairs"),
                      num_tokens=a.get("num_tokens"))
@@ -384,13 +425,14 @@ def cmd_synthetic_report(args) -> dict:
            f"{', '.join(map(str, widths))}, vocabulary {task.vocab_size}; {a.get('num_eval')} test sequences per "
            f"length, read {a.get('eval_chunk_len')} tokens at a time with state carried; chance {task.chance:.3f}. "
            f"The lr column is the one kept of those tried (below).\n\n")
-    runs = ["", "## Runs", "", "| results | mixers | budget | lrs | impl | date | commit | training s |",
-            "|---|---|---:|---|---|---|---|---:|"]
+    runs = ["", "## Runs", "", "| results | mixers | seed | budget | lrs | impl | date | commit | training s |",
+            "|---|---|---:|---:|---|---|---|---|---:|"]
     for e in entries:
         sa = e.get("args") or {}
         lrs = sa.get("lrs") or [sa.get("lr")]
         runs.append(f"| {os.path.relpath(e['path'])}{' (partial)' if e.get('partial') else ''} | "
-                    f"{', '.join(e['mixers'])} | {sa.get('steps')} | {', '.join(f'{x:g}' for x in lrs)} | "
+                    f"{', '.join(e['mixers'])} | {sa.get('seed')} | {sa.get('steps')} | "
+                    f"{', '.join(f'{x:g}' for x in lrs)} | "
                     f"{sa.get('impl')} | {e.get('date') or ''} | {e.get('commit') or ''} | "
                     f"{e['train_seconds']:.0f} |")
 
@@ -398,20 +440,25 @@ def cmd_synthetic_report(args) -> dict:
         for r in rs:
             for t in result_trials(r):
                 solved, budget = t.get("steps_to_solve"), t["budget"]
-                yield (f"| {r.mixer} | {r.d_model} | {t['lr']:g} | {budget} | "
+                yield (f"| {r.mixer} | {r.d_model} | {r.seed} | {t['lr']:g} | {budget} | "
                        f"{solved if solved is not None else f'not solved in {budget}'} | "
                        f"{t['train_acc']:.2f} | {t['final_train_loss']:.3f} | {t.get('seconds', float('nan')):.0f} |")
 
-    head = ("| mixer | d_model | lr | budget | steps to solve | accuracy at the train length | final train loss "
+    head = ("| mixer | d_model | seed | lr | budget | steps to solve | accuracy at the train length | final train loss "
             "| seconds |")
-    rule = "|---|---:|---:|---:|---|---:|---:|---:|"
+    rule = "|---|---:|---:|---:|---:|---|---:|---:|---:|"
     trials = ["", "## Every lr tried", "", head, rule, *trial_rows(merged)]
     if replaced:
         trials += ["", "## Replaced by later runs", "",
                    "Rows of an earlier report that a later run of the same model and lrs replaced (e.g. with a "
                    "larger budget); kept here so that nothing measured is dropped.", "", head, rule,
                    *trial_rows(replaced)]
-    table = results_table(merged)
+    if left_out:
+        trials += ["", "## Other widths (left out by --d-models)", "",
+                   f"Rows of the runs above at widths other than {', '.join(map(str, args.d_models))}: not in the "
+                   "table or the figures, kept here and in the JSON (`left_out`).", "", head, rule,
+                   *trial_rows(left_out)]
+    table = _tables(merged)
     os.makedirs(args.out, exist_ok=True)
     with open(_out(args, f"{args.task}.md"), "w") as f:
         f.write(hdr + table + "\n".join(runs + trials) + "\n")
@@ -419,7 +466,7 @@ def cmd_synthetic_report(args) -> dict:
     plot_accuracy(merged, png, f"{args.task} (trained at {T})", chance=task.chance)
     out = dict(task="synthetic", synthetic_task=args.task, partial=any(e.get("partial") for e in entries),
                results=[result_dict(r) for r in merged], table=table, plot=png,
-               replaced=[result_dict(r) for r in replaced],
+               replaced=[result_dict(r) for r in replaced], left_out=[result_dict(r) for r in left_out],
                sources=[{k: v for k, v in e.items() if k != "via"} for e in entries], **_meta(args, args.dev))
     if len(widths) > 1:
         out["width_plot"] = _out(args, f"{args.task}_width.png")
@@ -560,6 +607,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-kv-pairs", type=int, default=None, help="mqar (default 8)")
     p.add_argument("--num-tokens", type=int, default=None, help="selective copying (default 8)")
     p.add_argument("--num-eval", type=int, default=64, help="test sequences per length")
+    p.add_argument("--seeds", type=_ints, default=None,
+                   help="comma-separated seeds: train every mixer (and width) once per seed, each with the whole "
+                        "lr sweep; the tables and plot then summarize the seeds (overrides --seed)")
     p.add_argument("--impl", default="chunked",
                    help="mixer form: chunked | reference for every mixer, or per kind, e.g. "
                         "mamba=reference,rglru=reference; the sequential reference forms are faster on a CPU "
@@ -572,6 +622,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--task", default="induction", help="induction | mqar | selective_copying")
     p.add_argument("--out", default="eval_results", help="directory for <task>.json, .md and .png")
     p.add_argument("--title", default="", help="a paragraph for the top of <task>.md (e.g. how runs were shortened)")
+    p.add_argument("--d-models", type=_ints, default=None,
+                   help="comma-separated widths: only rows at these go into the table and figures; the others are "
+                        "listed apart in <task>.md and kept in the JSON (left_out)")
     p.set_defaults(func=cmd_synthetic_report, device="cpu")
 
     p = sub.add_parser("lm_eval", help="run lm-evaluation-harness tasks on a checkpoint")

@@ -210,6 +210,7 @@ class SyntheticResult:
     chance: Optional[float] = None
     budget: Optional[int] = None           # the step budget (steps = steps_to_solve or budget)
     lr_trials: List[Dict] = field(default_factory=list)  # every lr tried: lr, steps_to_solve, train_acc, loss
+    seed: int = 0                          # of the model's init, the training batches and the test sequences
 
 
 def train_steps(model: LM, next_batch: Callable[[], Tuple[torch.Tensor, torch.Tensor]], steps: int,
@@ -330,7 +331,7 @@ def run_synthetic(task: Task, mixer: str, train_len: int, test_lens: Sequence[in
     return SyntheticResult(task.name, mixer, model.cfg.layer_kinds(), train_len, trial["steps"],
                            trial["final_train_loss"], dt, acc, model.num_params(), trial["steps_to_solve"],
                            lr=trial["lr"], d_model=d_model, state_size=state_size(model, task, train_len),
-                           chance=task.chance, budget=steps, lr_trials=trials)
+                           chance=task.chance, budget=steps, lr_trials=trials, seed=seed)
 
 
 def parse_impl(impl: str) -> Dict[Optional[str], str]:
@@ -393,15 +394,17 @@ def results_table(results: Sequence[SyntheticResult]) -> str:
     lens = sorted({T for r in results for T in r.accuracy})
     tl = {r.train_len for r in results}
     widths = len({r.d_model for r in results}) > 1
+    seeds = len({r.seed for r in results}) > 1
     cells = [_budget_cell(r) for r in results]
     budgets = len(set(cells)) > 1 or any(" (" in c for c in cells)
-    head = ["mixer"] + (["d_model"] if widths else []) + ["layers", "params", "state", "lr"]
+    head = ["mixer"] + (["d_model"] if widths else []) + (["seed"] if seeds else [])
+    head += ["layers", "params", "state", "lr"]
     head += (["budget"] if budgets else []) + ["steps to solve", "train loss"]
     head += [f"{T}{'*' if T in tl else ''}" for T in lens]
     nfix = len(head) - len(lens)
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * nfix + ["---:"] * len(lens)) + "|"]
     for r, cell in zip(results, cells):
-        row = [r.mixer] + ([str(r.d_model)] if widths else [])
+        row = [r.mixer] + ([str(r.d_model)] if widths else []) + ([str(r.seed)] if seeds else [])
         row += [",".join(r.pattern), f"{r.num_params / 1e3:.0f}k",
                 "" if r.state_size is None else f"{r.state_size / 1e3:.1f}k",
                 "" if r.lr is None else f"{r.lr:g}"] + ([cell] if budgets else [])
@@ -409,6 +412,51 @@ def results_table(results: Sequence[SyntheticResult]) -> str:
         row += [f"{r.accuracy[T]:.2f}" if T in r.accuracy else "" for T in lens]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"
+
+
+def seed_groups(results: Sequence[SyntheticResult]) -> List[List[SyntheticResult]]:
+    """The results grouped by model (mixer, d_model, train length), in order of first appearance;
+    each group's runs (one per seed) in seed order."""
+    groups: Dict[Tuple, List[SyntheticResult]] = {}
+    for r in results:
+        groups.setdefault(_key(r)[:-1], []).append(r)       # a row's key without its seed
+    return [sorted(g, key=lambda r: r.seed) for g in groups.values()]
+
+
+def _mean_range(xs: Sequence[float]) -> str:
+    if len(xs) == 1:
+        return f"{xs[0]:.2f}"
+    return f"{sum(xs) / len(xs):.2f} ({min(xs):.2f}–{max(xs):.2f})"
+
+
+def seeds_table(results: Sequence[SyntheticResult]) -> str:
+    """Markdown: one row per model across its seeds: the seeds, the lr(s) they ran with, how many
+    met the criterion, each seed's steps to solve in seed order (">N": not solved in its budget N),
+    and at each test length the mean accuracy over the seeds with (min–max)."""
+    groups = seed_groups(results)
+    lens = sorted({T for r in results for T in r.accuracy})
+    tl = {r.train_len for r in results}
+    widths = len({r.d_model for r in results}) > 1
+    head = ["mixer"] + (["d_model"] if widths else []) + ["seeds", "lr", "solved", "steps to solve (per seed)"]
+    head += [f"{T}{'*' if T in tl else ''}" for T in lens]
+    nfix = len(head) - len(lens)
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * nfix + ["---:"] * len(lens)) + "|"]
+    for g in groups:
+        r0 = g[0]
+        lrs = list(dict.fromkeys(r.lr for r in g if r.lr is not None))
+        row = [r0.mixer] + ([str(r0.d_model)] if widths else [])
+        row += [", ".join(str(r.seed) for r in g), ", ".join(f"{x:g}" for x in lrs),
+                f"{sum(r.steps_to_solve is not None for r in g)} of {len(g)}",
+                " · ".join(f"{r.steps_to_solve}" if r.steps_to_solve is not None else f">{_budget(r)}" for r in g)]
+        row += [_mean_range([r.accuracy[T] for r in g if T in r.accuracy]) if any(T in r.accuracy for r in g)
+                else "" for T in lens]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def several_seeds(results: Sequence[SyntheticResult]) -> bool:
+    """Whether some model was run with more than one seed (then tables and plots summarize seeds)."""
+    return any(len(g) > 1 for g in seed_groups(results))
 
 
 MARKERS = "osD^vP*Xh<>"
@@ -419,28 +467,44 @@ def _style(k: int, n: int) -> dict:
     """Marker, line style and a small multiplicative x offset for curve k of n, so that curves that
     coincide (e.g. several at chance) stay visible side by side."""
     off = 2 ** (0.06 * (k - (n - 1) / 2)) if n > 1 else 1.0
-    return {"marker": MARKERS[k % len(MARKERS)], "ls": LINESTYLES[k % len(LINESTYLES)], "off": off}
+    from matplotlib import colormaps
+    color = colormaps["tab10" if n <= 10 else "tab20"](k % (10 if n <= 10 else 20))   # no colour repeats up to 20
+    return {"marker": MARKERS[k % len(MARKERS)], "ls": LINESTYLES[k % len(LINESTYLES)], "off": off, "color": color}
 
 
 def plot_accuracy(results: Sequence[SyntheticResult], path: Optional[str] = None, title: str = "",
                   chance: Optional[float] = None):
     """Accuracy against test length, one curve per result: distinct markers and line styles with a
     small horizontal offset per curve (stated in the caption) so overlapping curves stay apart,
-    a dotted chance line, and the training length marked and labelled. Returns the Figure when
-    ``path`` is None (else saves and closes it)."""
+    a dotted chance line, and the training length marked and labelled. Where some model ran with
+    several seeds, one curve per model: the mean over its seeds with min–max bars, labelled with
+    how many seeds met the criterion. Returns the Figure when ``path`` is None (else saves and
+    closes it)."""
     from ttt_lm.eval.common import pyplot
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7.2, 4.4))
-    n = len(results)
     widths = len({r.d_model for r in results}) > 1
-    for k, r in enumerate(results):
-        st = _style(k, n)
-        xs = sorted(r.accuracy)
+    seeds = several_seeds(results)
+    groups = seed_groups(results) if seeds else [[r] for r in results]
+    for k, g in enumerate(groups):
+        st, r = _style(k, len(groups)), g[0]
+        xs = sorted({T for x in g for T in x.accuracy})
+        ys = [[x.accuracy[T] for x in g if T in x.accuracy] for T in xs]
+        mean = [sum(y) / len(y) for y in ys]
+        name = r.mixer + (f" d={r.d_model}" if widths else "")
+        if seeds:
+            lrs = ", ".join(dict.fromkeys(f"{x.lr:g}" for x in g if x.lr is not None))
+            lab = name + f" (lr {lrs}, solved by {sum(x.steps_to_solve is not None for x in g)} of {len(g)} seeds)"
+            ax.errorbar([x * st["off"] for x in xs], mean, yerr=[[m - min(y) for m, y in zip(mean, ys)],
+                                                                  [max(y) - m for m, y in zip(mean, ys)]],
+                        marker=st["marker"], ls=st["ls"], color=st["color"], ms=5, lw=1.3, capsize=2, label=lab,
+                        alpha=0.9)
+            continue
         solved = (f", solved in {r.steps_to_solve}" if r.steps_to_solve is not None else
                   f", not solved in {r.budget}" if r.budget is not None else "")
-        lab = r.mixer + (f" d={r.d_model}" if widths else "") + (f" (lr {r.lr:g}{solved})" if r.lr is not None else "")
-        ax.plot([x * st["off"] for x in xs], [r.accuracy[x] for x in xs], marker=st["marker"], ls=st["ls"],
-                ms=5, lw=1.3, label=lab, alpha=0.9)
+        lab = name + (f" (lr {r.lr:g}{solved})" if r.lr is not None else "")
+        ax.plot([x * st["off"] for x in xs], mean, marker=st["marker"], ls=st["ls"], color=st["color"], ms=5, lw=1.3,
+                label=lab, alpha=0.9)
     chance = chance if chance is not None else next((r.chance for r in results if r.chance is not None), None)
     if chance is not None:
         ax.axhline(chance, color="gray", ls=":", lw=1.2, label=f"chance ({chance:.3f})")
@@ -449,7 +513,7 @@ def plot_accuracy(results: Sequence[SyntheticResult], path: Optional[str] = None
     ax.set_xscale("log", base=2)
     ax.set_ylim(-0.02, 1.02)
     ax.set_xlabel("test sequence length (tokens; curves offset slightly sideways)")
-    ax.set_ylabel("accuracy")
+    ax.set_ylabel("accuracy (mean over seeds; bars: min–max)" if seeds else "accuracy")
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     ax.grid(alpha=0.3)
@@ -464,18 +528,22 @@ def plot_accuracy(results: Sequence[SyntheticResult], path: Optional[str] = None
 def plot_accuracy_vs_width(results: Sequence[SyntheticResult], path: Optional[str] = None, title: str = "",
                            chance: Optional[float] = None):
     """Zoology's figure: accuracy at the train length against model width (left) and against the
-    state a sequence carries (right), one curve per mixer, with the chance line."""
+    state a sequence carries (right), one curve per mixer, with the chance line; a width run with
+    several seeds is one point, their mean accuracy."""
     from ttt_lm.eval.common import pyplot
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10, 4.2), sharey=True)
     mixers = list(dict.fromkeys(r.mixer for r in results))
     chance = chance if chance is not None else next((r.chance for r in results if r.chance is not None), None)
     for k, m in enumerate(mixers):
-        rs = sorted((r for r in results if r.mixer == m), key=lambda r: r.d_model or 0)
+        gs = sorted((g for g in seed_groups(results) if g[0].mixer == m), key=lambda g: g[0].d_model or 0)
+        rs = [g[0] for g in gs]
         st = _style(k, len(mixers))
-        acc = [r.accuracy.get(r.train_len, float("nan")) for r in rs]
-        axes[0].plot([(r.d_model or 0) * st["off"] for r in rs], acc, marker=st["marker"], ls=st["ls"], label=m)
-        axes[1].plot([(r.state_size or 0) * st["off"] for r in rs], acc, marker=st["marker"], ls=st["ls"], label=m)
+        acc = [sum(r.accuracy.get(r.train_len, float("nan")) for r in g) / len(g) for g in gs]
+        axes[0].plot([(r.d_model or 0) * st["off"] for r in rs], acc, marker=st["marker"], ls=st["ls"], color=st["color"],
+                     label=m)
+        axes[1].plot([(r.state_size or 0) * st["off"] for r in rs], acc, marker=st["marker"], ls=st["ls"],
+                     color=st["color"], label=m)
     for ax, xl in zip(axes, ["model width d_model", "state size (numbers per sequence at the train length)"]):
         if chance is not None:
             ax.axhline(chance, color="gray", ls=":", lw=1.2, label=f"chance ({chance:.3f})")
@@ -510,9 +578,9 @@ def result_dict(r: SyntheticResult) -> dict:
 # ---- merging saved runs -----------------------------------------------------------------------
 
 #: arguments that must agree between runs whose rows share one table (the budget ``steps``, the
-#: lrs, the width and the test lengths may differ: each row states its own)
+#: lrs, the width, the seed and the test lengths may differ: each row states its own)
 PROTOCOL_KEYS = ("task", "train_len", "stop_at", "batch_size", "check_every", "n_layers", "n_heads", "vocab_size",
-                 "num_kv_pairs", "num_tokens", "num_eval", "eval_chunk_len", "seed")
+                 "num_kv_pairs", "num_tokens", "num_eval", "eval_chunk_len")
 
 
 def _kept_trial(r: SyntheticResult) -> Dict:
@@ -537,8 +605,8 @@ def _join(rs: Sequence[Tuple[SyntheticResult, str]]) -> SyntheticResult:
     for r, src in rs:
         for t in result_trials(r):
             if t["lr"] in seen:
-                raise ValueError(f"{r0.task} {r0.mixer} d_model={r0.d_model}: lr {t['lr']:g} was run in both "
-                                 f"{seen[t['lr']]} and {src}")
+                raise ValueError(f"{r0.task} {r0.mixer} d_model={r0.d_model} seed {r0.seed}: lr {t['lr']:g} was run "
+                                 f"in both {seen[t['lr']]} and {src}")
             seen[t["lr"]] = src
     kept = [(_kept_trial(r), r) for r, _ in rs]
     best = pick_best([k for k, _ in kept])
@@ -550,12 +618,12 @@ def _join(rs: Sequence[Tuple[SyntheticResult, str]]) -> SyntheticResult:
 
 
 def _key(r: SyntheticResult) -> Tuple:
-    return (r.task, r.mixer, r.d_model, r.train_len)
+    return (r.task, r.mixer, r.d_model, r.train_len, r.seed)
 
 
 def merge_results(results: Sequence[SyntheticResult], sources: Optional[Sequence[str]] = None
                   ) -> List[SyntheticResult]:
-    """One row per (mixer, d_model, train length) from results saved by separate runs, in order of
+    """One row per (mixer, d_model, train length, seed) from results saved by separate runs, in order of
     first appearance. Runs of the same model at different learning rates (e.g. one run per lr)
     become one row as if they had been one ``--lrs`` sweep (:func:`_join`); their budgets may
     differ, and every trial states its own."""
@@ -571,7 +639,7 @@ def merge_results(results: Sequence[SyntheticResult], sources: Optional[Sequence
 def update_report(old: Sequence[SyntheticResult], new: Sequence[SyntheticResult], old_name: str = "the report",
                   new_name: str = "the new runs") -> Tuple[List[SyntheticResult], List[SyntheticResult]]:
     """The rows of an earlier merged report ``old`` brought up to date with the rows of newer runs
-    ``new``. For the same (mixer, d_model, train length): a new row whose lrs include every lr of
+    ``new``. For the same (mixer, d_model, train length, seed): a new row whose lrs include every lr of
     the old row replaces it (a rerun, e.g. with a larger budget); a new row with no lr in common
     joins it as one sweep (:func:`_join`); a partial overlap is refused, since part of the old
     sweep would be silently kept. Returns (rows: the old order, then models only ``new`` has;
@@ -590,7 +658,7 @@ def update_report(old: Sequence[SyntheticResult], new: Sequence[SyntheticResult]
             rows.append(n)
             replaced.append(r)
         elif old_lrs & new_lrs:
-            raise ValueError(f"{r.task} {r.mixer} d_model={r.d_model}: {new_name} rerun lr "
+            raise ValueError(f"{r.task} {r.mixer} d_model={r.d_model} seed {r.seed}: {new_name} rerun lr "
                              f"{', '.join(f'{x:g}' for x in sorted(old_lrs & new_lrs))} of {old_name} but not "
                              f"{', '.join(f'{x:g}' for x in sorted(old_lrs - new_lrs))}: rerun every lr of that "
                              f"row, or none")
