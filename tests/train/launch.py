@@ -62,7 +62,7 @@ def spawn(run_dir: str, overrides: Sequence[str] = (), nprocs: int = 1, env: Opt
             e.pop(k, None)
         e.update({"RANK": str(r), "WORLD_SIZE": str(nprocs), "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(nprocs),
                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1",
-                  "DS_ACCELERATOR": "cpu", "PYTHONPATH": REPO})
+                  "DS_ACCELERATOR": "cpu", "PYTHONPATH": REPO, "PYTHONFAULTHANDLER": "1"})
         e.update(env or {})
         log = os.path.join(os.path.dirname(run_dir.rstrip("/")), f"{os.path.basename(run_dir)}.{tag}.rank{r}.log")
         with open(log, "w") as f:
@@ -77,7 +77,11 @@ def run(run_dir: str, overrides: Sequence[str] = (), nprocs: int = 1, env=None, 
     r = spawn(run_dir, overrides, nprocs, env, tag)
     rcs = r.wait(timeout)
     if expect is not None:
-        assert rcs == [expect] * nprocs, f"exit codes {rcs}, expected {expect}; rank 0 log:\n{r.output()[-4000:]}"
+        # rank 0's log, and that of every other rank that exited otherwise (a crash there, e.g. an
+        # abort at exit, shows its own traceback: PYTHONFAULTHANDLER is set for every rank)
+        shown = [0] + [k for k in range(1, nprocs) if rcs[k] != expect]
+        logs = "".join(f"\nrank {k} log:\n{r.output(k)[-4000:]}" for k in shown)
+        assert rcs == [expect] * nprocs, f"exit codes {rcs}, expected {expect};{logs}"
     return r
 
 
