@@ -10,7 +10,8 @@ prints it; ``--out`` defaults to ``benchmarks/gpu_results``):
 
 - ``tests``: the ``gpu`` test tier, one test file at a time in its own process under a time limit
   (a kernel whose compile does not return stalls one file, not the campaign); per file the counts,
-  the failing tests and the first error line of each.
+  the failing tests and the error line of each (printed as each test fails, so a file stopped at
+  its time limit still says why); each file's whole pytest output in ``<out>/logs/``.
 - ``kernels`` / ``kernels128``: ``benchmarks/kernels.py`` for every registered op at T = 2k, 8k, 32k
   with B·T = 64k, H = 12, D = 64 (``kernels128``: H = 16, D = 128), bf16: forward and
   forward+backward time and peak memory of each op's Triton kernel, its PyTorch form, causal flash
@@ -74,10 +75,10 @@ def _device() -> str:
     return "no CUDA device"
 
 
-def _run(cmd: List[str], timeout: float) -> Tuple[int, str, float]:
+def _run(cmd: List[str], timeout: float, **env_extra: str) -> Tuple[int, str, float]:
     """(exit status, stdout+stderr, seconds); status 124 when the time limit ended it."""
     t0 = time.perf_counter()
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **env_extra)
     try:
         p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
         return p.returncode, p.stdout + p.stderr, time.perf_counter() - t0
@@ -115,13 +116,20 @@ def part_tests(a) -> str:
             continue
         cmd = [PY, "-m", "pytest", str(rel), "-m", "gpu", "-v", "--tb=short", "-p", "no:cacheprovider"]
         part.commands.append(" ".join(cmd[1:]))
-        rc, out, dt = _run(cmd, min(a.file_timeout, part.left()))
+        rc, out, dt = _run(cmd, min(a.file_timeout, part.left()), TTT_LM_INSTANT_FAILURES="1")
+        log = a.out / "logs" / f"{rel.with_suffix('').as_posix().replace('/', '__')}.txt"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text(" ".join(cmd[1:]) + "\n\n" + out)
         passed = len(re.findall(r" PASSED", out))
         failed = re.findall(r"^(\S+::\S+) FAILED", out, re.M)
         errors = len(re.findall(r" ERROR", out))
+        # the error line of each failure, printed when it failed (tests/conftest.py), else the first one
+        instant = dict(re.findall(r"^E\s+(\S+::\S+): (.*)$", out, re.M))
         first_err = re.findall(r"^E\s+(\S.*)$", out, re.M)
-        note = "; ".join(f"`{t.split('::', 1)[1]}`" for t in failed)
-        if first_err:
+        notes = [f"`{t.split('::', 1)[1]}`" + (f": {instant[t][:160]}" if t in instant else "") for t in failed]
+        notes += [f"`{t.split('::', 1)[1]}`: {e[:160]}" for t, e in instant.items() if t not in failed]
+        note = "; ".join(notes).replace("|", "/")
+        if first_err and not instant:
             note += (": " if note else "") + first_err[0][:160].replace("|", "/")
         if rc == 124:
             note = (note + "; " if note else "") + f"stopped at its {a.file_timeout:.0f} s limit"

@@ -23,6 +23,25 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs CUDA"))
 
 
+_CONFIG = []
+
+
+def pytest_configure(config):
+    _CONFIG.append(config)
+
+
+def pytest_runtest_logreport(report):
+    """With TTT_LM_INSTANT_FAILURES=1 (set by ``benchmarks/gpu_campaign.py``), a failing test's
+    error line is printed as soon as it fails, as ``E   <test id>: <error>``, not only in the summary
+    at the end: a file stopped at its time limit still says why its earlier tests failed."""
+    if not (report.failed and os.environ.get("TTT_LM_INSTANT_FAILURES") == "1" and _CONFIG):
+        return
+    lines = [ln[1:].strip() for ln in str(report.longrepr).splitlines() if ln.startswith("E ")]
+    tr = _CONFIG[-1].pluginmanager.get_plugin("terminalreporter")
+    if tr is not None:
+        tr.write_line(f"E   {report.nodeid}: {lines[0] if lines else str(report.longrepr).splitlines()[-1:]}")
+
+
 _DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 

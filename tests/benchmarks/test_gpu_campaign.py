@@ -1,6 +1,9 @@
 """The GPU campaign's bookkeeping, checked without a GPU: which files and presets it picks, how it
 reads the outputs of the processes it starts, and how it records a campaign into RESULTS.md."""
 import importlib.util
+import os
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -14,7 +17,7 @@ spec.loader.exec_module(gc)
 
 def _args(**kw):
     base = dict(part_budget=450.0, file_timeout=150.0, op_timeout=120.0, preset_timeout=90.0,
-                seq_lens=[2048], reps=5)
+                seq_lens=[2048], reps=5, out=Path("/nonexistent"))
     base.update(kw)
     return SimpleNamespace(**base)
 
@@ -25,18 +28,30 @@ def test_presets_cover_every_architecture_at_two_sizes():
     assert "mamba_130m.yaml" in names and "titans_lmm_350m.yaml" in names
 
 
-def test_tests_part_reads_pytest_output(monkeypatch):
+def test_tests_part_reads_pytest_output(monkeypatch, tmp_path):
     out = ("tests/kernels/test_delta_rule_triton.py::test_gpu_a PASSED [ 50%]\n"
            "tests/kernels/test_delta_rule_triton.py::test_gpu_b FAILED [100%]\n"
            "E   triton.runtime.errors.OutOfResources: out of resource: shared memory\n")
-    calls = []
+    # a file stopped at its limit: its failure's error line was printed when the test failed
+    killed = ("tests/kernels/test_titans_triton.py::test_gpu_c[2-4] FAILED [ 33%]\n"
+              "E   tests/kernels/test_titans_triton.py::test_gpu_c[2-4]: AssertionError: dk: Tensor-likes are not close!\n")
+    calls, envs = [], []
 
-    def fake_run(cmd, timeout):
+    def fake_run(cmd, timeout, **env):
         calls.append(cmd)
-        return (1, out, 3.0) if "delta_rule" in cmd[3] else (124, "", 150.0)
+        envs.append(env)
+        if "delta_rule" in cmd[3]:
+            return 1, out, 3.0
+        return (124, killed, 150.0) if "titans" in cmd[3] else (124, "", 150.0)
 
     monkeypatch.setattr(gc, "_run", fake_run)
-    text = gc.part_tests(_args())
+    text = gc.part_tests(_args(out=tmp_path))
+    assert all(e == {"TTT_LM_INSTANT_FAILURES": "1"} for e in envs)
+    titans = [ln for ln in text.splitlines() if ln.startswith("| `tests/kernels/test_titans_triton")][0]
+    assert "`test_gpu_c[2-4]`: AssertionError: dk: Tensor-likes are not close!" in titans
+    assert "stopped at its 150 s limit" in titans
+    log = tmp_path / "logs" / "tests__kernels__test_titans_triton.txt"
+    assert log.read_text().endswith(killed) and "-m gpu" in log.read_text()
     files = [c[3] for c in calls]
     assert "tests/kernels/test_delta_rule_triton.py" in files and all("-m" in c and "gpu" in c for c in calls)
     row = [ln for ln in text.splitlines() if ln.startswith("| `tests/kernels/test_delta_rule_triton")][0]
@@ -49,7 +64,7 @@ def test_kernels_part_keeps_rows_and_reports_timeouts(monkeypatch):
              "|---|---|---|---|---|---|---|---|---|---|\n"
              "| sdpa (flash, causal) | 2048 | 32 | sdpa | 0.8 | 3.5 | 99 | 870 | - | - |\n")
 
-    def fake_run(cmd, timeout):
+    def fake_run(cmd, timeout, **env):
         op = cmd[cmd.index("--ops") + 1]
         if op == "ttt_mlp":
             return 124, table, 120.0
@@ -85,3 +100,23 @@ def test_record_inserts_sections(tmp_path, monkeypatch):
     gc.record(src)
     text = (res_dir / "RESULTS.md").read_text()
     assert "## GPU campaign" in text and "### `gpu` test tier" in text
+
+
+def test_failures_are_printed_as_they_happen(tmp_path):
+    """tests/conftest.py prints ``E   <id>: <error>`` when a test fails (with the campaign's
+    environment variable), before the later tests run and before the summary."""
+    (tmp_path / "test_two.py").write_text(
+        "def test_fails():\n    assert 1 == 2, 'one is not two'\n\n"
+        "def test_later():\n    print('LATER-TEST-RAN')\n")
+    env = dict(os.environ, TTT_LM_INSTANT_FAILURES="1", PYTHONPATH=str(ROOT))
+    p = subprocess.run([sys.executable, "-m", "pytest", "-p", "tests.conftest", "-v", "-s", "-p", "no:cacheprovider",
+                        str(tmp_path / "test_two.py")], cwd=tmp_path, env=env, capture_output=True, text=True)
+    lines = p.stdout.splitlines()
+    instant = [i for i, ln in enumerate(lines) if ln.startswith("E   ") and "test_two.py::test_fails: " in ln]
+    assert p.returncode == 1 and len(instant) == 1, p.stdout
+    assert "AssertionError: one is not two" in lines[instant[0]]
+    assert instant[0] < next(i for i, ln in enumerate(lines) if "LATER-TEST-RAN" in ln)
+    env.pop("TTT_LM_INSTANT_FAILURES")
+    p = subprocess.run([sys.executable, "-m", "pytest", "-p", "tests.conftest", "-v", "-p", "no:cacheprovider",
+                        str(tmp_path / "test_two.py")], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert not any(ln.startswith("E   ") and "::test_fails: " in ln for ln in p.stdout.splitlines())
