@@ -516,3 +516,46 @@ def test_accuracy_plot_gives_up_to_twenty_curves_distinct_colours():
     curves = [ln for ln in fig.axes[0].get_lines() if ln.get_label().startswith("m")]
     assert len(curves) == 12 and len({tuple(ln.get_color()) for ln in curves}) == 12
     plt.close(fig)
+
+
+def test_model_overrides_change_the_tiny_model_and_refuse_bad_options():
+    from ttt_lm.eval.synthetic import apply_overrides
+    from ttt_lm.model import ModelConfig
+
+    m = build_tiny_lm(["ttt_linear"], 16, overrides={"ttt.pre_conv": "true", "titans.segment_len": "16"})
+    assert m.cfg.ttt.pre_conv is True and m.cfg.titans.segment_len == 16
+    assert m.cfg.ttt.mini_batch_size == 16                      # the tiny model's own settings stay
+    plain = build_tiny_lm(["ttt_linear"], 16)
+    assert any("pre_conv" in n for n, _ in m.named_parameters())
+    assert not any("pre_conv" in n for n, _ in plain.named_parameters())
+    base = ModelConfig(vocab_size=16, layer_pattern=["attention"])
+    for bad, why in [({"ttt.bogus": "1"}, "bogus"), ({"ttt.pre_conv": "maybe"}, "maybe"),
+                     ({"titans.segment_len": "x"}, "segment_len")]:
+        with pytest.raises(ValueError, match=why):
+            apply_overrides(base, bad)
+    with pytest.raises(ValueError, match="segment_len must be"):   # refused by the mixer itself
+        build_tiny_lm(["titans_mac"], 16, overrides={"titans.segment_len": "0"})
+
+
+def test_cli_set_names_the_rows_and_refuses_bad_options_before_training(tmp_path, capsys):
+    args = ["synthetic", "--task", "mqar", "--mixers", "ttt_linear", "--train-len", "32", "--test-lens", "32",
+            "--steps", "1", "--vocab-size", "32", "--num-kv-pairs", "4", "--num-eval", "4", "--no-progress"]
+    assert main(args + ["--set", "model.ttt.pre_conv=true", "--set", "ttt.conv_width=2", "--out", str(tmp_path)]) == 0
+    r = json.loads((tmp_path / "mqar.json").read_text())["results"][0]
+    assert r["mixer"] == "ttt_linear [ttt.pre_conv=true, ttt.conv_width=2]"
+    assert r["overrides"] == {"ttt.pre_conv": "true", "ttt.conv_width": "2"}
+    assert "| ttt_linear [ttt.pre_conv=true, ttt.conv_width=2] |" in (tmp_path / "mqar.md").read_text()
+    back = result_from_dict(r)
+    assert back.overrides == r["overrides"] and result_dict(back)["mixer"] == r["mixer"]
+    # a run without overrides is a separate row when merged with it
+    assert main(args + ["--out", str(tmp_path / "plain")]) == 0
+    plain = result_from_dict(json.loads((tmp_path / "plain" / "mqar.json").read_text())["results"][0])
+    assert len(merge_results([back, plain])) == 2 and plain.overrides == {}
+    capsys.readouterr()
+    for bad, why in [("ttt.pre_conv", "KEY=VALUE"), ("ttt.nope=1", "nope"), ("titans.segment_len=0", "segment_len")]:
+        out = tmp_path / bad.replace("=", "_")
+        assert main(args + ["--mixers", "titans_mac", "--set", bad, "--out", str(out)]) == 2
+        assert why in capsys.readouterr().err and not (out / "mqar.json").exists()
+    # results saved before overrides existed still load
+    old = {k: v for k, v in r.items() if k != "overrides"}
+    assert result_from_dict(old).overrides == {}

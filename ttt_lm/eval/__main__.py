@@ -212,8 +212,8 @@ def cmd_passkey_train(args) -> dict:
 
 
 def cmd_synthetic(args) -> dict:
-    from ttt_lm.eval.synthetic import (make_task, parse_impl, plot_accuracy, plot_accuracy_vs_width, result_dict,
-                                       run_synthetic)
+    from ttt_lm.eval.synthetic import (build_tiny_lm, make_task, parse_impl, parse_mixer_spec, plot_accuracy,
+                                       plot_accuracy_vs_width, result_dict, run_synthetic)
     task = make_task(args.task, args.vocab_size, num_kv_pairs=args.num_kv_pairs, num_tokens=args.num_tokens)
     if args.stop_at is not None and not 0 < args.stop_at <= 1:
         raise EvalError(f"--stop-at is an accuracy in (0, 1], got {args.stop_at}")
@@ -227,6 +227,18 @@ def cmd_synthetic(args) -> dict:
     seeds = args.seeds if args.seeds is not None else [args.seed]
     if not seeds or len(set(seeds)) < len(seeds) or min(seeds) < 0:
         raise EvalError(f"--seeds needs distinct non-negative seeds, got {args.seeds}")
+    overrides = {}
+    for kv in args.set or []:
+        k, eq, v = kv.partition("=")
+        if not eq or not k.strip():
+            raise EvalError(f"--set takes KEY=VALUE (a model option, e.g. ttt.pre_conv=true), got {kv!r}")
+        overrides[k.strip().removeprefix("model.")] = v.strip()
+    for mixer in [m for m in args.mixers.split(",") if m] if overrides else []:
+        try:  # every model once, before any training: a bad option fails here, not after hours
+            build_tiny_lm(parse_mixer_spec(mixer), task.vocab_size, n_layers=args.n_layers, d_model=widths[0],
+                          n_heads=args.n_heads, max_seq_len=args.train_len, overrides=overrides)
+        except ValueError as e:
+            raise EvalError(f"--set with {mixer}: {e}") from e
     torch.manual_seed(seeds[0])
     results = []
     for mixer in [m for m in args.mixers.split(",") if m]:
@@ -237,7 +249,8 @@ def cmd_synthetic(args) -> dict:
                                   batch_size=args.batch_size, lr=args.lr, d_model=d, n_layers=args.n_layers,
                                   n_heads=args.n_heads, num_eval=args.num_eval, seed=seed, device=str(args.dev),
                                   progress=not args.no_progress, stop_at=args.stop_at, impl=args.impl,
-                                  lrs=args.lrs, eval_chunk_len=args.eval_chunk_len, check_every=args.check_every)
+                                  lrs=args.lrs, eval_chunk_len=args.eval_chunk_len, check_every=args.check_every,
+                                  overrides=overrides)
                 results.append(r)
                 # after every model, so that a long sweep stopped part way keeps what it finished
                 write_json(_out(args, f"{task.name}.json"),
@@ -614,6 +627,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="mixer form: chunked | reference for every mixer, or per kind, e.g. "
                         "mamba=reference,rglru=reference; the sequential reference forms are faster on a CPU "
                         "for these tiny models (Mamba, RG-LRU), and compute the same function")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE",
+                   help="change a model option of every model of the run (repeatable), e.g. --set ttt.pre_conv=true "
+                        "or --set titans.segment_len=16; the rows are then named '<mixer> [KEY=VALUE]'")
     p.set_defaults(func=cmd_synthetic)
 
     p = sub.add_parser("synthetic_report", help="merge saved synthetic runs into one table and plot (no training)")

@@ -144,11 +144,29 @@ def parse_mixer_spec(spec: str) -> List[str]:
     return [s.strip() for s in spec.split("+") if s.strip()]
 
 
+def apply_overrides(cfg: ModelConfig, overrides: Optional[Dict[str, str]]) -> ModelConfig:
+    """``cfg`` with ``overrides`` ({"ttt.pre_conv": "true", …}, keys as in ``model.*`` without the
+    prefix, values parsed as YAML) applied; an unknown key or a value of the wrong type is refused
+    with a ValueError that names it."""
+    if not overrides:
+        return cfg
+    from omegaconf import OmegaConf
+    base = OmegaConf.structured(cfg)
+    for k, v in overrides.items():
+        try:
+            base = OmegaConf.merge(base, OmegaConf.from_dotlist([f"{k}={v}"]))
+        except Exception as e:  # noqa: BLE001 - omegaconf's errors name the key; say which override
+            raise ValueError(f"model option {k}={v}: {str(e).splitlines()[0]}") from None
+    return OmegaConf.to_object(base).validate()
+
+
 def build_tiny_lm(pattern: Sequence[str], vocab_size: int, n_layers: int = 2, d_model: int = 64,
-                  n_heads: int = 2, max_seq_len: int = 4096, seed: int = 0) -> LM:
+                  n_heads: int = 2, max_seq_len: int = 4096, seed: int = 0,
+                  overrides: Optional[Dict[str, str]] = None) -> LM:
     """A small LM for synthetic tasks. Chunk/mini-batch sizes are 16 so that short training
     sequences span several chunks; attention is global (``attention``) unless the pattern says
-    ``local_attention``."""
+    ``local_attention``. ``overrides`` (:func:`apply_overrides`) change any other model option,
+    e.g. {"ttt.pre_conv": "true"}."""
     torch.manual_seed(seed)
     pat = list(pattern)
     if n_layers % len(pat):
@@ -159,7 +177,15 @@ def build_tiny_lm(pattern: Sequence[str], vocab_size: int, n_layers: int = 2, d_
     cfg.titans.chunk_size = 16
     cfg.deltanet.chunk_size = 16
     cfg.mamba.chunk_size = 16
-    return LM(cfg)
+    return LM(apply_overrides(cfg, overrides))
+
+
+def model_label(mixer: str, overrides: Optional[Dict[str, str]] = None) -> str:
+    """The name a run's rows carry: the mixer spec, with its model overrides in brackets (so that
+    runs with and without them are separate rows of a report), e.g. ``ttt_linear [ttt.pre_conv=true]``."""
+    if not overrides:
+        return mixer
+    return f"{mixer} [{', '.join(f'{k}={v}' for k, v in overrides.items())}]"
 
 
 # ---- train and test -------------------------------------------------------------------------
@@ -211,6 +237,7 @@ class SyntheticResult:
     budget: Optional[int] = None           # the step budget (steps = steps_to_solve or budget)
     lr_trials: List[Dict] = field(default_factory=list)  # every lr tried: lr, steps_to_solve, train_acc, loss
     seed: int = 0                          # of the model's init, the training batches and the test sequences
+    overrides: Dict[str, str] = field(default_factory=dict)  # model options changed (``--set``); in ``mixer`` too
 
 
 def train_steps(model: LM, next_batch: Callable[[], Tuple[torch.Tensor, torch.Tensor]], steps: int,
@@ -294,21 +321,23 @@ def run_synthetic(task: Task, mixer: str, train_len: int, test_lens: Sequence[in
                   n_heads: int = 2, num_eval: int = 64, seed: int = 0, device: str = "cpu",
                   progress: bool = False, stop_at: Optional[float] = None,
                   impl: str = "chunked", lrs: Optional[Sequence[float]] = None, eval_chunk_len: int = 512,
-                  check_every: int = 50) -> SyntheticResult:
+                  check_every: int = 50, overrides: Optional[Dict[str, str]] = None) -> SyntheticResult:
     """Train a tiny model of ``mixer`` on ``task`` at ``train_len`` and test it at ``test_lens``.
 
     With ``lrs`` (a small sweep, as Zoology does) one model is trained per learning rate, each
     until accuracy at ``train_len`` reaches ``stop_at`` or ``steps`` run out; the kept one is
     :func:`pick_best` of them, and only it is tested at every length. Every lr tried is recorded
-    in ``lr_trials``."""
+    in ``lr_trials``. ``overrides`` change model options (:func:`build_tiny_lm`); the result's
+    ``mixer`` is then :func:`model_label`'s."""
     pattern = parse_mixer_spec(mixer)
+    overrides = dict(overrides or {})
     max_len = max([train_len, *test_lens])
     trials = []
     best = None
     t0 = time.time()
     for i, r in enumerate(lrs or [lr]):
         model = build_tiny_lm(pattern, task.vocab_size, n_layers=n_layers, d_model=d_model, n_heads=n_heads,
-                              max_seq_len=max_len, seed=seed).to(device)
+                              max_seq_len=max_len, seed=seed, overrides=overrides).to(device)
         apply_impl(model, impl)
         t1 = time.time()
         loss, solved = train_task(model, task, train_len, steps, batch_size=batch_size, lr=r, seed=seed,
@@ -328,10 +357,10 @@ def run_synthetic(task: Task, mixer: str, train_len: int, test_lens: Sequence[in
                     evaluate_task(model, task, int(T), num_examples=num_eval, seed=seed + 10_000,
                                   chunk_len=eval_chunk_len))
            for T in test_lens}
-    return SyntheticResult(task.name, mixer, model.cfg.layer_kinds(), train_len, trial["steps"],
+    return SyntheticResult(task.name, model_label(mixer, overrides), model.cfg.layer_kinds(), train_len, trial["steps"],
                            trial["final_train_loss"], dt, acc, model.num_params(), trial["steps_to_solve"],
                            lr=trial["lr"], d_model=d_model, state_size=state_size(model, task, train_len),
-                           chance=task.chance, budget=steps, lr_trials=trials, seed=seed)
+                           chance=task.chance, budget=steps, lr_trials=trials, seed=seed, overrides=overrides)
 
 
 def parse_impl(impl: str) -> Dict[Optional[str], str]:
