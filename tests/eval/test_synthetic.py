@@ -188,6 +188,9 @@ def test_width_plot_puts_accuracy_against_width_and_state():
     assert [x / s for x, s in zip(dn.get_xdata(), (1024, 2048))] == pytest.approx([1.0, 1.0], abs=0.1)
     assert "state" in right.get_xlabel()
     assert any(ln.get_label().startswith("chance") for ln in right.get_lines())
+    fig.canvas.draw()   # the legend sits right of both plots, where it hides no point
+    box = right.get_legend().get_window_extent()
+    assert box.x0 >= right.get_window_extent().x1 and box.x0 >= left.get_window_extent().x1
     plt.close(fig)
 
 

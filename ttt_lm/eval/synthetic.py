@@ -581,7 +581,8 @@ def plot_accuracy_vs_width(results: Sequence[SyntheticResult], path: Optional[st
         ax.set_ylim(-0.02, 1.02)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("accuracy at the train length")
-    axes[1].legend(fontsize=8, loc="best")
+    # outside the plots, right of them: inside, it would hide points wherever it went
+    axes[1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     if path is None:
