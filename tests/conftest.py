@@ -36,10 +36,11 @@ def pytest_runtest_logreport(report):
     at the end: a file stopped at its time limit still says why its earlier tests failed."""
     if not (report.failed and os.environ.get("TTT_LM_INSTANT_FAILURES") == "1" and _CONFIG):
         return
-    lines = [ln[1:].strip() for ln in str(report.longrepr).splitlines() if ln.startswith("E ")]
+    text = str(report.longrepr).splitlines()
+    lines = [ln[1:].strip() for ln in text if ln.startswith("E ")] or text[-1:] or ["(no message)"]
     tr = _CONFIG[-1].pluginmanager.get_plugin("terminalreporter")
     if tr is not None:
-        tr.write_line(f"E   {report.nodeid}: {lines[0] if lines else str(report.longrepr).splitlines()[-1:]}")
+        tr.write_line(f"E   {report.nodeid}: {lines[0]}")
 
 
 _DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")

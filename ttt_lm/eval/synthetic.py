@@ -146,18 +146,19 @@ def parse_mixer_spec(spec: str) -> List[str]:
 
 def apply_overrides(cfg: ModelConfig, overrides: Optional[Dict[str, str]]) -> ModelConfig:
     """``cfg`` with ``overrides`` ({"ttt.pre_conv": "true", …}, keys as in ``model.*`` without the
-    prefix, values parsed as YAML) applied; an unknown key or a value of the wrong type is refused
-    with a ValueError that names it."""
+    prefix, values parsed as YAML) applied by the config loader's own override path
+    (``ttt_lm.config.load_config``); an unknown key or a value of the wrong type is refused with a
+    ValueError that names it."""
     if not overrides:
         return cfg
     from omegaconf import OmegaConf
-    base = OmegaConf.structured(cfg)
-    for k, v in overrides.items():
-        try:
-            base = OmegaConf.merge(base, OmegaConf.from_dotlist([f"{k}={v}"]))
-        except Exception as e:  # noqa: BLE001 - omegaconf's errors name the key; say which override
-            raise ValueError(f"model option {k}={v}: {str(e).splitlines()[0]}") from None
-    return OmegaConf.to_object(base).validate()
+
+    from ttt_lm.config import ConfigError, ExperimentConfig, load_config
+    try:
+        return load_config(None, [f"model.{k}={v}" for k, v in overrides.items()],
+                           schema=OmegaConf.structured(ExperimentConfig(model=cfg))).model
+    except ConfigError as e:
+        raise ValueError(f"model option: {e}") from None
 
 
 def build_tiny_lm(pattern: Sequence[str], vocab_size: int, n_layers: int = 2, d_model: int = 64,
