@@ -216,6 +216,26 @@ class LocalSlurm:
             raise RuntimeError(f"{' '.join(cmd)} failed ({r.returncode}): {r.stderr.strip()}")
         return r
 
+    # a client killed by a signal (SIGPIPE when slurmctld drops the connection under load) or
+    # refused by a busy controller; a read-only query is safe to repeat after these
+    TRANSIENT = ("Socket timed out", "Unable to contact slurm controller", "Zero Bytes were transmitted",
+                 "Connection reset", "Resource temporarily unavailable")
+
+    def query(self, cmd: List[str], attempts: int = 5, delay: float = 0.5) -> subprocess.CompletedProcess:
+        """Run a read-only client command, repeating it after a transient failure (see TRANSIENT);
+        any other failure, or the last attempt's, raises with every attempt's return code."""
+        codes = []
+        for i in range(attempts):
+            r = self.run(cmd, check=False)
+            if r.returncode == 0:
+                return r
+            codes.append(r.returncode)
+            transient = r.returncode < 0 or any(t in r.stderr for t in self.TRANSIENT)
+            if not transient or i == attempts - 1:
+                raise RuntimeError(f"{' '.join(cmd)} failed (return codes {codes}): {r.stderr.strip()}")
+            time.sleep(delay * (i + 1))
+        raise AssertionError("unreachable")
+
     def _run(self, cmd: List[str]) -> None:
         r = subprocess.run(cmd, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         if r.returncode != 0:
@@ -223,7 +243,7 @@ class LocalSlurm:
 
     def job(self, job_id: str) -> Dict[str, str]:
         """``scontrol show job`` as a dict (JobState, Restarts, ExitCode, ...)."""
-        r = self.run(["scontrol", "show", "job", "-o", str(job_id)])
+        r = self.query(["scontrol", "show", "job", "-o", str(job_id)])
         out: Dict[str, str] = {}
         for tok in r.stdout.split():
             if "=" in tok:

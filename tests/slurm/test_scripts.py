@@ -145,3 +145,47 @@ def test_bundled_sweep_list_is_valid(tmp_path):
     lst = os.path.join(SLURM, "sweeps", "ttt_paper_sizes.txt")
     cmd = _cmd(["sweep", lst, "--log-dir", str(tmp_path)])  # every entry loads, no two share a run_dir
     assert _opts(cmd)["array"] == f"0-{len(submit.sweep_entries(lst)) - 1}"
+
+
+def _flaky_client(tmp_path, fail_with):
+    """A client that fails once (killed by SIGPIPE, or exiting 1 with a message) and then succeeds."""
+    state, script = tmp_path / "calls", tmp_path / "client.sh"
+    script.write_text(f"""#!/bin/bash
+n=$(cat {state} 2>/dev/null || echo 0); echo $((n + 1)) > {state}
+if [ "$n" = 0 ]; then {fail_with}; fi
+echo JobState=RUNNING Restarts=0
+""")
+    script.chmod(0o755)
+    return str(script), state
+
+
+def _client_side(tmp_path):
+    """A LocalSlurm with no daemons: only its client-side methods are used."""
+    import shutil
+    from tests.slurm.cluster import LocalSlurm
+    c = LocalSlurm(str(tmp_path / "slurm"))
+    shutil.rmtree(c.munge_dir)
+    return c
+
+
+def test_query_repeats_a_client_killed_by_a_signal(tmp_path):
+    c = _client_side(tmp_path)
+    script, state = _flaky_client(tmp_path, "kill -PIPE $$")
+    r = c.query([script], delay=0.01)
+    assert "JobState=RUNNING" in r.stdout and state.read_text().strip() == "2"
+    state.unlink()
+    script, state = _flaky_client(tmp_path, "echo 'slurm_load_jobs error: Socket timed out on send/recv' >&2; exit 1")
+    assert c.query([script], delay=0.01).returncode == 0 and state.read_text().strip() == "2"
+
+
+def test_query_raises_at_once_on_a_lasting_error(tmp_path):
+    c = _client_side(tmp_path)
+    script, state = _flaky_client(tmp_path, "echo 'Invalid job id specified' >&2; exit 1")
+    with pytest.raises(RuntimeError, match=r"return codes \[1\]\): Invalid job id"):
+        c.query([script], delay=0.01)
+    assert state.read_text().strip() == "1"
+    always = tmp_path / "dead.sh"
+    always.write_text("#!/bin/bash\nkill -PIPE $$\n")
+    always.chmod(0o755)
+    with pytest.raises(RuntimeError, match=r"return codes \[-13, -13, -13\]"):
+        c.query([str(always)], attempts=3, delay=0.01)
