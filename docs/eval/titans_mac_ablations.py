@@ -5,7 +5,11 @@
 Trains ``titans_mac`` exactly as ``python -m ttt_lm.eval synthetic --task induction --mixers titans_mac
 --train-len 64 --test-lens 64,256 --stop-at 0.98`` does (``run_synthetic``: same tiny model, data,
 schedule, criterion), with ``TitansMAC`` patched in this process only, and prints one JSON line.
-VARIANTS is a comma-joined set of:
+VARIANTS is a comma-joined set of the following. The rows of ``titans_mac_ablations.jsonl`` marked
+``"code": "6aa8fd0"`` ran against MAC as it was at commit 6aa8fd0, with a second trained W_O after
+the gate, o = W_O [RMSNorm(y) ⊙ σ(RMSNorm(m))]; to rerun them, check that commit out. Since then
+MAC's output is the gate alone (the ``nofinalout`` form below, which ``full`` now is), and the
+variants act on that form; each new row records the commit it ran at.
 
 - ``noh``: no retrieval keys h (attention over [p ‖ S] only)
 - ``nopersist``: no persistent tokens (N_p = 0)
@@ -18,6 +22,9 @@ VARIANTS is a comma-joined set of:
   projection; everything else of MAC kept
 - ``eyeinit``: MAC unchanged but for the attention's own W_O starting at the identity, so that at
   initialization the output is the one-projection form of ``noattnout``, and that W_O still trains
+- ``nofinalout``: the gate's W_O removed, o = RMSNorm(y) ⊙ σ(RMSNorm(m)) as the paper's Eq. 25
+  (o = y ⊗ M*(y)) writes it, so the attention's own W_O is the one output projection (MAC has
+  this form since 6aa8fd0's successor: a no-op there)
 - ``full``: MAC unchanged
 
 Results of 2026-11-23/24 are in ``titans_mac_ablations.jsonl`` beside this file; the README's
@@ -25,6 +32,8 @@ induction section reads them.
 """
 import json
 import math
+import os
+import subprocess
 import sys
 import time
 
@@ -36,7 +45,7 @@ from ttt_lm.model import LM
 from ttt_lm.model.mixers import titans as T
 
 variant, seed, lr, steps = sys.argv[1].split(","), int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
-known = {"noh", "nopersist", "nogate", "nonorm", "single", "noattnout", "eyeinit", "full"}
+known = {"noh", "nopersist", "nogate", "nonorm", "single", "noattnout", "eyeinit", "nofinalout", "full"}
 if not set(variant) <= known:
     sys.exit(f"unknown variants {sorted(set(variant) - known)}; known: {sorted(known)}")
 torch.set_num_threads(1)
@@ -46,12 +55,12 @@ if "single" in variant:
     def output(self, ym, x):
         return ym[0]
     Mac.output = output
-elif "nogate" in variant or "nonorm" in variant:
+elif "nogate" in variant or "nonorm" in variant or "nofinalout" in variant:
     def output(self, ym, x):
         y, m = ym
         yy = y if "nonorm" in variant else self.attn_norm(y)
         g = 1.0 if "nogate" in variant else torch.sigmoid(self.mem_norm(m))
-        return self.o_proj(yy * g)
+        return self.o_proj(yy * g) if hasattr(self, "o_proj") and "nofinalout" not in variant else yy * g
     Mac.output = output
 
 if "noh" in variant:
@@ -98,5 +107,7 @@ def build(pattern, vocab_size, **kw):
 S.build_tiny_lm = build
 t0 = time.time()
 r = S.run_synthetic(S.make_task("induction"), "titans_mac", 64, [64, 256], steps, lr=lr, seed=seed, stop_at=0.98)
-print(json.dumps({"variant": variant, "seed": seed, "lr": lr, "budget": steps, "steps_to_solve": r.steps_to_solve,
+code = subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], capture_output=True, text=True,
+                      cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+print(json.dumps({"code": code, "variant": variant, "seed": seed, "lr": lr, "budget": steps, "steps_to_solve": r.steps_to_solve,
                   "loss": r.final_train_loss, "acc": r.accuracy, "seconds": round(time.time() - t0, 1)}))

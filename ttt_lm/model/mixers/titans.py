@@ -558,7 +558,7 @@ class TitansMAC(Mixer):
         S̃   = [p_1 … p_{N_p}] ‖ h ‖ S^{(i)}                     (22)
         y   = Attn(S̃)  at the positions of S^{(i)}              (23)
         M^{(i+1)} = M^{(i)} updated on y                         (24)
-        o_j = W_O [RMSNorm(y_j) ⊙ σ(RMSNorm(M*_j(y_j)))]         (25) o = y ⊗ M*(y)
+        o_j = RMSNorm(y_j) ⊙ σ(RMSNorm(M*_j(y_j)))               (25) o = y ⊗ M*(y)
 
     Causal reading (the paper states the segment form, not the masks): token j of the segment
     attends to every persistent token, to h_{j'} and x_{j'} for j' ≤ j (h_j depends on x_j and
@@ -570,6 +570,13 @@ class TitansMAC(Mixer):
     convolution, which belongs to the stream of y). ⊗ is the gate of MAG. Positions (RoPE):
     p_n at n, h_j and x_j both at N_p + j, restarting every segment. Attention is over
     N_p + 2C keys at most, so the cost is linear in the sequence length.
+
+    Attn is multi-head attention with its own output projection W_O^attn, and (25) is the paper's
+    o = y ⊗ M*(y) with the gate of MAG (both branches RMSNorm-ed with learned gains, the memory's
+    through a sigmoid) and no projection after it: W_O^attn is the one projection between the
+    heads and the residual stream. (MAG keeps a W_O after its gate.) With a second trained
+    projection after the gate, W_O [RMSNorm(y) ⊙ σ(…)], MAC stayed at chance on the induction task
+    where this form solves it (``docs/eval/titans_mac_ablations.py``; README, "Induction heads").
 
     Forms: ``reference`` (explicit softmax, the LMM's sequential form), ``chunked`` (the
     attention backend that the one resolver picks for ``attention.backend``, ``attention_backend``:
@@ -592,15 +599,13 @@ class TitansMAC(Mixer):
             raise ValueError(f"model.titans.segment_len must be ≥ 1, got {self.segment_len}")
         self.attn = Attention(cfg, layer_idx)
         self.memory = TitansMemory(cfg, layer_idx)
-        # the branches feed the gate, not the residual stream: only W_O gets the depth-scaled init
+        # the branches feed the gate's norms, not the residual stream: no depth-scaled init
         self.attn.o_proj._is_residual_out = False
         self.memory.o_proj._is_residual_out = False
         self.persistent = nn.Parameter(torch.empty(self.n_persist, cfg.d_model))
         self.persistent._no_weight_decay = True
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mem_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.o_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
-        self.o_proj._is_residual_out = True
         # tensor-parallel hooks (identity here): [p ‖ h] every key/value head reads, y every memory
         # head reads, and the gate's inputs handed to the block's sequence region
         self.context_shared = nn.Identity()
@@ -615,12 +620,12 @@ class TitansMAC(Mixer):
         row-parallel and summed on every rank over the whole sequence (``row_full_sequence``),
         because later tokens read them: y feeds the LMM (every memory head reads it:
         ``y_shared``), the retrieval h = W_O^M[…] feeds every key/value head, with the persistent
-        tokens (``context_shared``). The gate (its norms and W_O) runs replicated, with sequence
+        tokens (``context_shared``). The gate (its two norms) runs replicated, with sequence
         parallelism on this rank's T/p tokens of y and m (``out_split``)."""
         full = TPPlan.merged(*(dataclasses.replace(q, row=(), row_full_sequence=q.row) for q in (
             Attention.tp_plan(cfg).prefixed("attn"), TitansMemory.tp_plan(cfg).prefixed("memory"))))
         return full.merged(TPPlan(shared=("context_shared", "y_shared"), sequence_split=("out_split",),
-                                  sequence_region=("attn_norm", "mem_norm", "o_proj")))
+                                  sequence_region=("attn_norm", "mem_norm")))
 
     def reset_parameters(self) -> None:
         self.memory.reset_parameters()
@@ -726,11 +731,11 @@ class TitansMAC(Mixer):
         return ym, ((mem_state, tuple(R), seg) if output_final_state else None)
 
     def output(self, ym, x: torch.Tensor) -> torch.Tensor:
-        """The gate, per token, once over the whole call: o = W_O [RMSNorm(y) ⊙ σ(RMSNorm(m))]."""
+        """The gate, per token, once over the whole call: o = RMSNorm(y) ⊙ σ(RMSNorm(m))."""
         if ym is None:
             return x.new_zeros(x.shape[0], 0, self.d_model)
         y, m = self.out_split(ym[0]), self.out_split(ym[1])
-        return self.o_proj(self.attn_norm(y) * torch.sigmoid(self.mem_norm(m)))
+        return self.attn_norm(y) * torch.sigmoid(self.mem_norm(m))
 
     def _run(self, x, state, output_state, sequential: bool):
         inp, carry = self.inputs(x, state, output_state, sequential)
