@@ -180,6 +180,22 @@ def test_mac_attention_stays_in_its_segment_and_memory_carries_across():
     assert (y1[:, :4] - y2[:, :4]).abs().max() > 1e-6
 
 
+def test_mac_output_is_the_gate_with_no_projection_after_it():
+    """Eq. 25, o = y ⊗ M*(y): the output is RMSNorm(y) ⊙ σ(RMSNorm(m)) of the op's (y, m), and the
+    attention's W_O is the one projection (no W_O after the gate, with which MAC did not learn
+    induction). y is the attention's output, W_O^attn applied: the gate's inputs have d_model."""
+    m, _ = make_mixer("titans_mac", titans={"chunk_size": 2, "segment_len": 4, "persistent_tokens": 2})
+    assert not hasattr(m, "o_proj")
+    assert [n for n, _ in m.named_children() if n.endswith("proj")] == []
+    torch.manual_seed(3)
+    x = torch.randn(2, 6, m.d_model, dtype=torch.float64)
+    with torch.no_grad():
+        inp, _ = m.inputs(x)
+        (y, mm), _ = m.op(inp, backend=m.op_backend(x))
+        assert y.shape == mm.shape == x.shape
+        torch.testing.assert_close(m(x)[0], m.attn_norm(y) * torch.sigmoid(m.mem_norm(mm)), atol=1e-12, rtol=0)
+
+
 @pytest.mark.parametrize("kind", ["titans_mac", "titans_mal"])
 def test_persistent_tokens_are_trained(kind):
     """The outer loss reaches the persistent memory tokens (and every other parameter)."""
