@@ -384,8 +384,28 @@ def cmd_synthetic_report(args) -> dict:
         raise EvalError(f"--from names the same results more than once: {', '.join(paths)}")
     if out_json in map(os.path.abspath, paths):
         raise EvalError(f"--out {args.out} would overwrite the source {out_json}; write the merged report elsewhere")
+    drop = set(args.drop or [])
+    if drop:   # rows of the earlier reports left out by name (e.g. after the mixer changed), with their runs
+        named = {d["mixer"] for _, s in loaded if _is_report(s) for key in ("results", "left_out", "replaced")
+                 for d in s.get(key, [])}
+        if drop - named:
+            raise EvalError(f"--drop {', '.join(sorted(drop - named))}: no row of the reports given has that name "
+                            f"(they have: {', '.join(sorted(named)) or 'no report among --from'})")
+    dropped, dropped_runs = [], []
+    for path, saved in loaded:
+        if _is_report(saved):
+            dropped += [r for key in ("results", "left_out", "replaced") for r in _fill_seeds(saved, key)
+                        if r.mixer in drop]
+            dropped += [r for r in _fill_seeds(saved, "dropped")]
+            dropped_runs += [dict(s, via=s.get("via", path)) for s in saved.get("dropped_sources", [])]
     runs_of = [(p, _run_entries(p, s)) for p, s in loaded]
-    entries = [e for _, es in runs_of for e in es]
+    entries = []
+    for _, es in runs_of:
+        for e in es:
+            gone = bool(e.get("mixers")) and set(e["mixers"]) <= drop and e.get("via") is not None
+            (dropped_runs if gone else entries).append(e)
+    if not entries:
+        raise EvalError(f"--drop {', '.join(sorted(drop))} leaves no run to report")
     seen_runs = {}
     for e in entries:
         if os.path.abspath(e["path"]) in seen_runs:
@@ -404,9 +424,10 @@ def cmd_synthetic_report(args) -> dict:
         rows = _fill_seeds(saved)
         if _is_report(saved):
             rows += _fill_seeds(saved, "left_out")      # rows an earlier --d-models filter set aside
+            rows = [r for r in rows if r.mixer not in drop]
             old += rows
             old_names += [path] * len(rows)
-            replaced += _fill_seeds(saved, "replaced")
+            replaced += [r for r in _fill_seeds(saved, "replaced") if r.mixer not in drop]
         else:
             new += rows
             new_names += [path] * len(rows)
@@ -466,6 +487,13 @@ def cmd_synthetic_report(args) -> dict:
                    "Rows of an earlier report that a later run of the same model and lrs replaced (e.g. with a "
                    "larger budget); kept here so that nothing measured is dropped.", "", head, rule,
                    *trial_rows(replaced)]
+    if dropped:
+        trials += ["", "## Dropped from the earlier reports (--drop)", "",
+                   f"Rows of the reports given that were left out by name ({', '.join(sorted({r.mixer for r in dropped}))}), "
+                   f"e.g. because the model changed since they ran: not in the table or the figures, kept here and "
+                   f"in the JSON (`dropped`, and their runs in `dropped_sources`: "
+                   f"{', '.join(os.path.relpath(e['path']) for e in dropped_runs) or 'none listed'}).", "", head, rule,
+                   *trial_rows(dropped)]
     if left_out:
         trials += ["", "## Other widths (left out by --d-models)", "",
                    f"Rows of the runs above at widths other than {', '.join(map(str, args.d_models))}: not in the "
@@ -480,7 +508,9 @@ def cmd_synthetic_report(args) -> dict:
     out = dict(task="synthetic", synthetic_task=args.task, partial=any(e.get("partial") for e in entries),
                results=[result_dict(r) for r in merged], table=table, plot=png,
                replaced=[result_dict(r) for r in replaced], left_out=[result_dict(r) for r in left_out],
-               sources=[{k: v for k, v in e.items() if k != "via"} for e in entries], **_meta(args, args.dev))
+               sources=[{k: v for k, v in e.items() if k != "via"} for e in entries],
+               dropped=[result_dict(r) for r in dropped],
+               dropped_sources=[{k: v for k, v in e.items() if k != "via"} for e in dropped_runs], **_meta(args, args.dev))
     if len(widths) > 1:
         out["width_plot"] = _out(args, f"{args.task}_width.png")
         plot_accuracy_vs_width(merged, out["width_plot"],
@@ -641,6 +671,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--d-models", type=_ints, default=None,
                    help="comma-separated widths: only rows at these go into the table and figures; the others are "
                         "listed apart in <task>.md and kept in the JSON (left_out)")
+    p.add_argument("--drop", action="append", metavar="NAME",
+                   help="a row name of the earlier reports among --from (as the table writes it, e.g. titans_mac or "
+                        "'ttt_linear [ttt.pre_conv=true]'; repeatable): its rows and the runs behind them leave the "
+                        "table and the figures (e.g. after the model changed), listed apart in <task>.md and kept "
+                        "in the JSON (dropped, dropped_sources); runs given directly are never dropped")
     p.set_defaults(func=cmd_synthetic_report, device="cpu")
 
     p = sub.add_parser("lm_eval", help="run lm-evaluation-harness tasks on a checkpoint")
