@@ -596,3 +596,52 @@ def test_synthetic_report_drops_rows_of_an_earlier_report_by_name(tmp_path, caps
     assert main(["synthetic_report", "--from", str(tmp_path / "r1"), "--task", "mqar", "--drop", "deltanet",
                  "--drop", "attention", "--out", str(tmp_path / "r4")]) == 2
     assert "leaves no run to report" in capsys.readouterr().err
+
+
+def test_a_run_without_a_criterion_is_labelled_so_not_unsolved(tmp_path, capsys):
+    """Without --stop-at nothing is checked during training: the table, the seed summary, the plot, the
+    printed line and a merged report say "no criterion", never "not solved"; results saved before the
+    field existed take it from their run's stop_at."""
+    args = ["synthetic", "--task", "mqar", "--mixers", "deltanet", "--train-len", "32", "--test-lens", "32,64",
+            "--steps", "2", "--vocab-size", "32", "--num-kv-pairs", "4", "--d-model", "16", "--num-eval", "8",
+            "--lrs", "1e-3", "--no-progress"]
+    assert main(args + ["--seeds", "0,1", "--out", str(tmp_path / "free")]) == 0
+    assert "2 steps, no criterion" in capsys.readouterr().out
+    saved = json.loads((tmp_path / "free" / "mqar.json").read_text())
+    assert [r["criterion"] for r in saved["results"]] == [False, False]
+    md = (tmp_path / "free" / "mqar.md").read_text()
+    assert "not solved" not in md and ">2" not in md
+    assert "| no criterion | 2 (no criterion) · 2 (no criterion) |" in md and "no criterion (2 steps)" in md
+    rs = [result_from_dict(d) for d in saved["results"]]
+    import matplotlib.pyplot as plt
+    for group, label in [(rs, "deltanet (lr 0.001, no criterion, 2 seeds)"),
+                         (rs[:1], "deltanet (lr 0.001, 2 steps, no criterion)")]:
+        fig = plot_accuracy(group, None, "t")
+        legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+        assert label in legend and not any("solved" in x for x in legend)
+        plt.close(fig)
+    # a model with one seed trained to a criterion and one without: the count covers the checked seed only
+    mixed = [_fake("attention", {64: 0.2}), _fake("attention", {64: 0.3})]
+    mixed[1].seed, mixed[1].criterion = 1, False
+    assert "| attention | 0, 1 | 0.001 | 0 of 1 (1 without a criterion) | >100 · 100 (no criterion) |" in \
+        seeds_table(mixed)
+    assert "| attention | 0 | attention | 1k | 0.1k | 0.001 | not solved in 100 |" in results_table(mixed)
+    # merged through synthetic_report, also from a JSON saved before results carried the field
+    for d in saved["results"]:
+        del d["criterion"]
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "mqar.json").write_text(json.dumps(saved))
+    assert main(["synthetic_report", "--from", str(tmp_path / "old"), "--task", "mqar",
+                 "--out", str(tmp_path / "rep")]) == 0
+    rep = (tmp_path / "rep" / "mqar.md").read_text()
+    assert "not solved" not in rep and "| deltanet | 16 | 0 | 0.001 | 2 | no criterion |" in rep
+    assert [r["criterion"] for r in json.loads((tmp_path / "rep" / "mqar.json").read_text())["results"]] == [False] * 2
+    # a run with a criterion keeps "not solved in N", also when loaded from a JSON without the field
+    _tiny_run(tmp_path / "crit", "deltanet")
+    crit = json.loads((tmp_path / "crit" / "mqar.json").read_text())
+    assert crit["results"][0]["criterion"] is True
+    del crit["results"][0]["criterion"]
+    (tmp_path / "crit" / "mqar.json").write_text(json.dumps(crit))
+    assert main(["synthetic_report", "--from", str(tmp_path / "crit"), "--task", "mqar",
+                 "--out", str(tmp_path / "rep2")]) == 0
+    assert "| deltanet | 16 | 0 | 0.001 | 2 | not solved in 2 |" in (tmp_path / "rep2" / "mqar.md").read_text()

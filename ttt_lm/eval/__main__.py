@@ -257,7 +257,8 @@ def cmd_synthetic(args) -> dict:
                            dict(task="synthetic", synthetic_task=task.name, partial=True,
                                 results=[result_dict(x) for x in results], **_meta(args, args.dev)))
                 solved = (f"solved in {r.steps_to_solve} steps" if r.steps_to_solve is not None
-                          else f"not solved in {args.steps} steps")
+                          else f"not solved in {args.steps} steps" if args.stop_at is not None
+                          else f"{args.steps} steps, no criterion")
                 print(f"{task.name} {mixer} d_model={d} seed={seed} lr={r.lr:g} ({solved}): "
                       + "  ".join(f"{T}: {a:.2f}" for T, a in r.accuracy.items())
                       + f"  ({time.time() - t0:.0f}s)", flush=True)
@@ -292,25 +293,29 @@ def _tables(results) -> str:
     from ttt_lm.eval.synthetic import results_table, seeds_table, several_seeds
     if not several_seeds(results):
         return results_table(results)
-    return ("Across seeds (solved: how many met the criterion; steps to solve in seed order, >N: not solved in "
-            "the budget N; accuracy: mean over the seeds (min–max)):\n\n" + seeds_table(results)
+    keys = ([">N: not solved in the budget N"] if any(r.criterion for r in results) else []) + (
+        ["N (no criterion): trained N steps without one"] if not all(r.criterion for r in results) else [])
+    return (f"Across seeds (solved: how many met the criterion; steps to solve in seed order, {'; '.join(keys)}; "
+            "accuracy: mean over the seeds (min–max)):\n\n" + seeds_table(results)
             + "\nEvery run:\n\n" + results_table(results))
 
 
 def _fill_seeds(saved: dict, key: str = "results") -> list:
-    """The results of one saved synthetic JSON, each with its seed. Results saved before they carried
-    one take the seed of the run's arguments (of a report: its sources' seed, which they shared)."""
+    """The results of one saved synthetic JSON, each with its seed and whether it was trained to a
+    criterion. Results saved before they carried these take them from the run's arguments (of a
+    report: its sources' seed and ``stop_at``, which they shared)."""
     from ttt_lm.eval.synthetic import result_from_dict
-    if _is_report(saved):
-        seeds = {(s.get("args") or {}).get("seed") for s in saved["sources"]}
-    else:
-        seeds = {(saved.get("args") or {}).get("seed")}
+    runs = [s.get("args") or {} for s in saved["sources"]] if _is_report(saved) else [saved.get("args") or {}]
+    seeds = {a.get("seed") for a in runs}
     default = int(next(iter(seeds)) or 0) if len(seeds) == 1 else 0
+    criterion = any(a.get("stop_at") is not None for a in runs)
     out = []
     for d in saved.get(key, []):
         r = result_from_dict(d)
         if "seed" not in d:
             r.seed = default
+        if "criterion" not in d:
+            r.criterion = criterion
         out.append(r)
     return out
 
@@ -474,8 +479,9 @@ def cmd_synthetic_report(args) -> dict:
         for r in rs:
             for t in result_trials(r):
                 solved, budget = t.get("steps_to_solve"), t["budget"]
-                yield (f"| {r.mixer} | {r.d_model} | {r.seed} | {t['lr']:g} | {budget} | "
-                       f"{solved if solved is not None else f'not solved in {budget}'} | "
+                steps = (solved if solved is not None else f"not solved in {budget}" if r.criterion
+                         else "no criterion")
+                yield (f"| {r.mixer} | {r.d_model} | {r.seed} | {t['lr']:g} | {budget} | {steps} | "
                        f"{t['train_acc']:.2f} | {t['final_train_loss']:.3f} | {t.get('seconds', float('nan')):.0f} |")
 
     head = ("| mixer | d_model | seed | lr | budget | steps to solve | accuracy at the train length | final train loss "

@@ -239,6 +239,7 @@ class SyntheticResult:
     lr_trials: List[Dict] = field(default_factory=list)  # every lr tried: lr, steps_to_solve, train_acc, loss
     seed: int = 0                          # of the model's init, the training batches and the test sequences
     overrides: Dict[str, str] = field(default_factory=dict)  # model options changed (``--set``); in ``mixer`` too
+    criterion: bool = True                 # trained to ``stop_at``; False: ran its whole budget, nothing checked
 
 
 def train_steps(model: LM, next_batch: Callable[[], Tuple[torch.Tensor, torch.Tensor]], steps: int,
@@ -361,7 +362,8 @@ def run_synthetic(task: Task, mixer: str, train_len: int, test_lens: Sequence[in
     return SyntheticResult(task.name, model_label(mixer, overrides), model.cfg.layer_kinds(), train_len, trial["steps"],
                            trial["final_train_loss"], dt, acc, model.num_params(), trial["steps_to_solve"],
                            lr=trial["lr"], d_model=d_model, state_size=state_size(model, task, train_len),
-                           chance=task.chance, budget=steps, lr_trials=trials, seed=seed, overrides=overrides)
+                           chance=task.chance, budget=steps, lr_trials=trials, seed=seed, overrides=overrides,
+                           criterion=stop_at is not None)
 
 
 def parse_impl(impl: str) -> Dict[Optional[str], str]:
@@ -399,7 +401,27 @@ def pick_best(trials: Sequence[Dict]) -> Dict:
 def _steps_cell(r: SyntheticResult) -> str:
     if r.steps_to_solve is not None:
         return f"{r.steps_to_solve}"
-    return f"not solved in {r.budget if r.budget is not None else r.steps}"
+    if not r.criterion:
+        return f"no criterion ({_budget(r)} steps)"
+    return f"not solved in {_budget(r)}"
+
+
+def _seed_steps(r: SyntheticResult) -> str:
+    """One seed's entry in the across-seeds table: its steps to solve, ">N" where its budget N ran
+    out, "N (no criterion)" where it trained N steps without checking one."""
+    if r.steps_to_solve is not None:
+        return f"{r.steps_to_solve}"
+    return f">{_budget(r)}" if r.criterion else f"{_budget(r)} (no criterion)"
+
+
+def _solved_count(g: Sequence[SyntheticResult]) -> str:
+    """How many of a model's seeds met the criterion, of those trained to one; "no criterion" where
+    none was."""
+    checked = [r for r in g if r.criterion]
+    if not checked:
+        return "no criterion"
+    return f"{sum(r.steps_to_solve is not None for r in checked)} of {len(checked)}" + (
+        f" ({len(g) - len(checked)} without a criterion)" if len(checked) < len(g) else "")
 
 
 def _budget(r: SyntheticResult) -> int:
@@ -418,7 +440,7 @@ def _budget_cell(r: SyntheticResult) -> str:
 
 def results_table(results: Sequence[SyntheticResult]) -> str:
     """Markdown: one row per mixer (and width): the lr kept, steps to reach the criterion (or "not
-    solved in N"), and accuracy at each test length (train length marked *). Where the rows' step
+    solved in N"; "no criterion (N steps)" for a run trained without one), and accuracy at each test length (train length marked *). Where the rows' step
     budgets differ (or a row's lrs were tried at different budgets), a budget column states each
     row's, so that rows of different budgets are never mixed silently."""
     lens = sorted({T for r in results for T in r.accuracy})
@@ -461,8 +483,8 @@ def _mean_range(xs: Sequence[float]) -> str:
 
 def seeds_table(results: Sequence[SyntheticResult]) -> str:
     """Markdown: one row per model across its seeds: the seeds, the lr(s) they ran with, how many
-    met the criterion, each seed's steps to solve in seed order (">N": not solved in its budget N),
-    and at each test length the mean accuracy over the seeds with (min–max)."""
+    met the criterion, each seed's steps to solve in seed order (">N": not solved in its budget N;
+    "N (no criterion)": trained N steps without one), and at each test length the mean accuracy over the seeds with (min–max)."""
     groups = seed_groups(results)
     lens = sorted({T for r in results for T in r.accuracy})
     tl = {r.train_len for r in results}
@@ -476,8 +498,7 @@ def seeds_table(results: Sequence[SyntheticResult]) -> str:
         lrs = list(dict.fromkeys(r.lr for r in g if r.lr is not None))
         row = [r0.mixer] + ([str(r0.d_model)] if widths else [])
         row += [", ".join(str(r.seed) for r in g), ", ".join(f"{x:g}" for x in lrs),
-                f"{sum(r.steps_to_solve is not None for r in g)} of {len(g)}",
-                " · ".join(f"{r.steps_to_solve}" if r.steps_to_solve is not None else f">{_budget(r)}" for r in g)]
+                _solved_count(g), " · ".join(_seed_steps(r) for r in g)]
         row += [_mean_range([r.accuracy[T] for r in g if T in r.accuracy]) if any(T in r.accuracy for r in g)
                 else "" for T in lens]
         lines.append("| " + " | ".join(row) + " |")
@@ -524,13 +545,18 @@ def plot_accuracy(results: Sequence[SyntheticResult], path: Optional[str] = None
         name = r.mixer + (f" d={r.d_model}" if widths else "")
         if seeds:
             lrs = ", ".join(dict.fromkeys(f"{x.lr:g}" for x in g if x.lr is not None))
-            lab = name + f" (lr {lrs}, solved by {sum(x.steps_to_solve is not None for x in g)} of {len(g)} seeds)"
+            checked = [x for x in g if x.criterion]
+            lab = name + (f" (lr {lrs}, no criterion, {len(g)} seeds)" if not checked else
+                          f" (lr {lrs}, solved by {sum(x.steps_to_solve is not None for x in checked)} of "
+                          f"{len(checked)} seeds" + (f", {len(g) - len(checked)} without a criterion)"
+                                                     if len(checked) < len(g) else ")"))
             ax.errorbar([x * st["off"] for x in xs], mean, yerr=[[m - min(y) for m, y in zip(mean, ys)],
                                                                   [max(y) - m for m, y in zip(mean, ys)]],
                         marker=st["marker"], ls=st["ls"], color=st["color"], ms=5, lw=1.3, capsize=2, label=lab,
                         alpha=0.9)
             continue
         solved = (f", solved in {r.steps_to_solve}" if r.steps_to_solve is not None else
+                  f", {_budget(r)} steps, no criterion" if not r.criterion else
                   f", not solved in {r.budget}" if r.budget is not None else "")
         lab = name + (f" (lr {r.lr:g}{solved})" if r.lr is not None else "")
         ax.plot([x * st["off"] for x in xs], mean, marker=st["marker"], ls=st["ls"], color=st["color"], ms=5, lw=1.3,
