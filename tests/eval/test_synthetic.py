@@ -1,5 +1,6 @@
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -8,7 +9,8 @@ from ttt_lm.eval.__main__ import main
 from ttt_lm.eval.synthetic import (SyntheticResult, apply_impl, build_tiny_lm, evaluate_task, induction_heads,
                                    make_task, merge_results, mqar, pick_best, plot_accuracy, plot_accuracy_vs_width,
                                    result_dict, result_from_dict, result_trials, results_table, run_synthetic,
-                                   seeds_table, selective_copying, state_size, train_task, update_report)
+                                   seeds_table, selective_copying, state_size, train_task,
+                                   trial_accuracy, update_report)
 
 
 def g(seed=0):
@@ -256,6 +258,18 @@ def test_merge_results_joins_one_run_per_lr_into_one_row():
     assert m.lr == 3e-3 and m.steps_to_solve == 40 and m.accuracy == {64: 0.98, 256: 0.7}
     assert [t["lr"] for t in m.lr_trials] == [1e-3, 3e-3] and m.train_seconds == 2.0
     assert merged[1] is other
+    # the run not kept keeps its accuracy at every length in its trial (nothing measured is dropped)
+    assert m.lr_trials[0]["accuracy"] == {"64": 0.99, "256": 0.5}
+    assert trial_accuracy(m, m.lr_trials[0]) == {64: 0.99, 256: 0.5}
+    assert trial_accuracy(m, m.lr_trials[1]) == {64: 0.98, 256: 0.7}
+    sweep = _fake("mamba", {64: 0.9, 256: 0.4}, lr=1e-3, solved=80)     # one --lrs sweep: the lr not kept
+    sweep.lr_trials = [_trial(1e-3, 80, 0.9), _trial(3e-4, None, 0.2)]  # was tested at the train length only
+    assert trial_accuracy(sweep, sweep.lr_trials[1]) is None
+    # and through a later join (an earlier report's row with a new lr) and a JSON round trip
+    newer = _fake("mamba", {64: 1.0, 256: 0.9}, lr=5e-4, solved=30)
+    newer.lr_trials = [_trial(5e-4, 30, 1.0)]
+    again = result_from_dict(json.loads(json.dumps(result_dict(merge_results([m, newer])[0]))))
+    assert again.lr == 5e-4 and [trial_accuracy(again, t)[256] for t in again.lr_trials] == [0.5, 0.7, 0.9]
     # neither solved: the more accurate one is kept
     a, b = _fake("rglru", {64: 0.3}, lr=1e-3), _fake("rglru", {64: 0.6}, lr=3e-3)
     a.lr_trials, b.lr_trials = [_trial(1e-3, None, 0.3)], [_trial(3e-3, None, 0.6)]
@@ -341,6 +355,7 @@ def test_synthetic_report_merges_saved_runs_into_one_table_and_plot(tmp_path, ca
     assert "Shortened for the CPU." in md and "Merged from 2 runs" in md
     assert "| attention |" in md and "| deltanet |" in md and "not solved in 2" in md and "not solved in 3" in md
     assert "## Every lr tried" in md and "32*" in md
+    assert re.search(r"\| attention \| 16 \| 0 \| 0\.001 \| 2 \| not solved in 2 \| [0-9.]+ \| 64: [0-9.]+ \|", md)
     assert (tmp_path / "merged" / "mqar.png").read_bytes()[:4] == b"\x89PNG"
 
 

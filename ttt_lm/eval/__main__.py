@@ -378,7 +378,8 @@ def cmd_synthetic_report(args) -> dict:
     runs given beside it (:func:`~ttt_lm.eval.synthetic.update_report`); the rows those runs
     replace are listed in the report, not dropped from it."""
     from ttt_lm.eval.synthetic import (PROTOCOL_KEYS, make_task, merge_results, plot_accuracy,
-                                       plot_accuracy_vs_width, result_dict, result_trials, update_report)
+                                       plot_accuracy_vs_width, result_dict, result_trials, trial_accuracy,
+                                       update_report)
     srcs = [s for s in args.sources.split(",") if s.strip()]
     if not srcs:
         raise EvalError("--from needs at least one run directory or results JSON")
@@ -481,13 +482,20 @@ def cmd_synthetic_report(args) -> dict:
                 solved, budget = t.get("steps_to_solve"), t["budget"]
                 steps = (solved if solved is not None else f"not solved in {budget}" if r.criterion
                          else "no criterion")
+                acc = trial_accuracy(r, t)
+                other = ("" if acc is None else
+                         ", ".join(f"{T}: {a:.2f}" for T, a in sorted(acc.items()) if T != r.train_len))
                 yield (f"| {r.mixer} | {r.d_model} | {r.seed} | {t['lr']:g} | {budget} | {steps} | "
-                       f"{t['train_acc']:.2f} | {t['final_train_loss']:.3f} | {t.get('seconds', float('nan')):.0f} |")
+                       f"{t['train_acc']:.2f} | {other} | {t['final_train_loss']:.3f} | "
+                       f"{t.get('seconds', float('nan')):.0f} |")
 
-    head = ("| mixer | d_model | seed | lr | budget | steps to solve | accuracy at the train length | final train loss "
-            "| seconds |")
-    rule = "|---|---:|---:|---:|---:|---|---:|---:|---:|"
-    trials = ["", "## Every lr tried", "", head, rule, *trial_rows(merged)]
+    head = ("| mixer | d_model | seed | lr | budget | steps to solve | accuracy at the train length | at the other "
+            "test lengths | final train loss | seconds |")
+    rule = "|---|---:|---:|---:|---:|---|---:|---|---:|---:|"
+    trials = ["", "## Every lr tried", "",
+              "At the other test lengths: blank where that model was tested at the train length only (an lr "
+              "its own sweep did not keep, or a run joined into a row before reports kept these).", "",
+              head, rule, *trial_rows(merged)]
     if replaced:
         trials += ["", "## Replaced by later runs", "",
                    "Rows of an earlier report that a later run of the same model and lrs replaced (e.g. with a "

@@ -669,9 +669,26 @@ def _join(rs: Sequence[Tuple[SyntheticResult, str]]) -> SyntheticResult:
     best = pick_best([k for k, _ in kept])
     winner = next(r for k, r in kept if k is best)
     out = SyntheticResult(**{f: getattr(winner, f) for f in winner.__dataclass_fields__})
-    out.lr_trials = [t for r, _ in rs for t in result_trials(r)]
+    out.lr_trials = [t for r, _ in rs for t in _with_accuracy(r)]
     out.train_seconds = sum(r.train_seconds for r, _ in rs)
     return out
+
+
+def _with_accuracy(r: SyntheticResult) -> List[Dict]:
+    """``r``'s trials, its kept one carrying ``r``'s accuracy at every test length (``accuracy``,
+    lengths as strings), so that joining it into a row it does not win keeps what was measured."""
+    return [dict(t, accuracy={str(k): v for k, v in r.accuracy.items()}) if t["lr"] == r.lr and "accuracy" not in t
+            else t for t in result_trials(r)]
+
+
+def trial_accuracy(r: SyntheticResult, t: Dict) -> Optional[Dict[int, float]]:
+    """Accuracy by test length of the model trained in trial ``t`` of row ``r``: the row's own for its
+    kept lr, the saved one for a run joined into the row; None for an lr whose model was only
+    tested at the train length (not the kept one of its own sweep)."""
+    if t["lr"] == r.lr:
+        return dict(r.accuracy)
+    acc = t.get("accuracy")
+    return None if acc is None else {int(k): v for k, v in acc.items()}
 
 
 def _key(r: SyntheticResult) -> Tuple:
