@@ -577,6 +577,8 @@ class TitansMAC(Mixer):
     heads and the residual stream. (MAG keeps a W_O after its gate.) With a second trained
     projection after the gate, W_O [RMSNorm(y) ⊙ σ(…)], MAC stayed at chance on the induction task
     where this form solves it (``docs/eval/titans_mac_ablations.py``; README, "Induction heads").
+    MAG learns with that projection, but only with its gate reading x: with σ(RMSNorm(M(y))), or
+    with no gate, it stays at chance too (``docs/eval/titans_mag_ablations.py``).
 
     Forms: ``reference`` (explicit softmax, the LMM's sequential form), ``chunked`` (the
     attention backend that the one resolver picks for ``attention.backend``, ``attention_backend``:
