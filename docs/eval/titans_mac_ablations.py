@@ -27,8 +27,8 @@ variants act on that form; each new row records the commit it ran at.
   this form since 6aa8fd0's successor: a no-op there)
 - ``full``: MAC unchanged
 
-Results of 2026-11-23/24 are in ``titans_mac_ablations.jsonl`` beside this file; the README's
-induction section reads them.
+Results of 2026-11-23/24 are in ``titans_mac_ablations.jsonl`` beside this file;
+``docs/results/induction.md`` reads them.
 """
 import json
 import math
@@ -44,6 +44,9 @@ from ttt_lm.eval import synthetic as S
 from ttt_lm.model import LM
 from ttt_lm.model.mixers import titans as T
 
+if len(sys.argv) != 5 or sys.argv[1] in ("-h", "--help"):
+    print(__doc__)
+    sys.exit(0 if sys.argv[1:2] in (["-h"], ["--help"]) else 2)
 variant, seed, lr, steps = sys.argv[1].split(","), int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
 known = {"noh", "nopersist", "nogate", "nonorm", "single", "noattnout", "eyeinit", "nofinalout", "full"}
 if not set(variant) <= known:

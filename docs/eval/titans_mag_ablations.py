@@ -29,6 +29,9 @@ import torch
 from ttt_lm.eval import synthetic as S
 from ttt_lm.model.mixers import titans as T
 
+if len(sys.argv) != 5 or sys.argv[1] in ("-h", "--help"):
+    print(__doc__)
+    sys.exit(0 if sys.argv[1:2] in (["-h"], ["--help"]) else 2)
 variant, seed, lr, steps = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
 if variant not in ("full", "nogate", "ygate"):
     sys.exit(f"unknown variant {variant!r}; known: full, nogate, ygate")

@@ -1,4 +1,4 @@
-"""The README's "Adding a mixer" example, run as it stands: its code block is executed, a tiny LM
+"""The "Adding a mixer" example of docs/adding_a_mixer.md, run as it stands: its code block is executed, a tiny LM
 with the new kind is built, and the model runs through 2-rank tensor parallelism and 2-rank
 context parallelism (real gloo processes on CPU), compared with one process.
 
@@ -21,30 +21,29 @@ import torch.distributed as dist
 
 from tests.distributed import assert_all_passed, spawn_checks
 
-README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
+PAGE = pathlib.Path(__file__).resolve().parents[2] / "docs" / "adding_a_mixer.md"
 TOL = dict(rtol=1e-9, atol=1e-12)
 WORLD = 2
 KIND = "gated_sum"
 
 
 def readme_block() -> str:
-    """The first ```python block of the README's "## Adding a mixer" section."""
-    text = README.read_text()
-    m = re.search(r"^## Adding a mixer\n(.*?)(?=^## )", text, flags=re.S | re.M)
-    assert m, "README.md has no '## Adding a mixer' section"
-    code = re.search(r"```python\n(.*?)```", m.group(1), flags=re.S)
-    assert code, "the 'Adding a mixer' section has no python code block"
+    """The first ```python block of docs/adding_a_mixer.md."""
+    text = PAGE.read_text()
+    assert re.search(r"^# Adding a mixer$", text, flags=re.M), f"{PAGE} has no '# Adding a mixer' title"
+    code = re.search(r"```python\n(.*?)```", text, flags=re.S)
+    assert code, f"{PAGE} has no python code block"
     return code.group(1)
 
 
 def load_readme_mixer() -> dict:
-    """Execute the README block as a module of its own (it registers its kind), importable as
+    """Execute the page's block as a module of its own (it registers its kind), importable as
     ``readme_adding_a_mixer`` as a plugin's module would be (its dataclass state needs that)."""
     mod = sys.modules.get("readme_adding_a_mixer")
     if mod is None:
         mod = types.ModuleType("readme_adding_a_mixer")
         sys.modules[mod.__name__] = mod
-        exec(compile(readme_block(), "README.md:Adding a mixer", "exec", dont_inherit=True), mod.__dict__)
+        exec(compile(readme_block(), "docs/adding_a_mixer.md", "exec", dont_inherit=True), mod.__dict__)
     return mod.__dict__
 
 
