@@ -6,7 +6,7 @@ kind's class found without importing every mixer (and torch) up front: ``mixer_c
 the listed module on first use, and the decorator refuses a built-in kind registered from any
 other module or a module that leaves a listed kind unregistered (``tests/model/test_registry.py``
 imports every listed module and checks both directions). A mixer defined outside the package
-(a plugin, or the toy mixer of the README's "Adding a mixer") registers a new kind by the decorator
+(a plugin, or the toy mixer of ``docs/adding_a_mixer.md``) registers a new kind by the decorator
 alone; ``layer_kinds()`` then includes it.
 
 This module imports nothing heavy: ``ttt_lm.model.config`` reads it to validate layer patterns.

@@ -21,7 +21,7 @@ So the resharding is ours, in two steps:
 
 Nothing is approximated: the values are copied, so a resumed run continues from bit-identical
 weights and optimizer state; only the reduction order of the gradients differs with the rank
-count (see the README's "Resuming").
+count (see ``docs/training.md``, "On another number of data-parallel ranks").
 """
 from __future__ import annotations
 
