@@ -139,7 +139,8 @@ def _help(kind: str, name: str):
 
 @pytest.mark.slow
 def test_documented_commands_answer_help():
-    """About 25 distinct CLIs, two at a time; each start-up imports torch (1-2 min in all here)."""
+    """About 15 distinct CLIs, two at a time; most start-ups import torch (2-3 min in all on a loaded
+    2-core machine)."""
     cmds = commands()
     problems, todo = [], []
     for (kind, name), uses in sorted(cmds.items()):
