@@ -224,7 +224,8 @@ def run_cmd(cmd: List[str], timeout: float, env: Optional[Dict[str, str]] = None
 def last_error(out: str) -> str:
     """The line of ``out`` that says what went wrong: the last ``XxxError: ...`` line, else the last line."""
     lines = [ln.strip() for ln in out.splitlines() if ln.strip()]
-    errs = [ln for ln in lines if re.match(r"^([\w.]+(Error|Exception|Interrupt)|AssertionError|RuntimeError)\b", ln)]
+    errs = [ln for ln in lines if re.match(r"^(?:[a-z_]\w*\.)*[A-Z]\w*: ", ln)
+            and not re.match(r"^(?:[a-z_]\w*\.)*\w*Warning: ", ln)]
     return (errs or lines or ["(no output)"])[-1][:300]
 
 
@@ -554,7 +555,7 @@ def train_items(name: str, a) -> List[Tuple[Preset, int, bool]]:
     if name == "train8k":
         return [(p, 8192, False) for p in first(discover_presets("125m"))]
     if name == "profile":
-        return [(p, 2048, False) for p in discover_presets("125m") if p.arch in a.profile_archs]
+        return [(p, 2048, False) for p in first(discover_presets("125m")) if p.arch in a.profile_archs]
     raise ValueError(name)
 
 
