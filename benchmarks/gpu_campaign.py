@@ -148,6 +148,35 @@ def prepare(path: Path = COMMIT_FILE) -> str:
     return text
 
 
+WHEELS_FILE = ROOT / "benchmarks" / "gpu_wheels.txt"
+WHEEL_DIR = ROOT / ".whl"
+#: the device image's Python and platform (docs/gpu_campaign.md)
+WHEEL_PLATFORM = ["--python-version", "3.12", "--implementation", "cp", "--platform", "manylinux_2_28_x86_64",
+                  "--platform", "manylinux_2_17_x86_64", "--platform", "manylinux2014_x86_64"]
+
+
+def wheel_requirements(path: Path = WHEELS_FILE) -> List[str]:
+    return [ln.split("#")[0].strip() for ln in path.read_text().splitlines() if ln.split("#")[0].strip()]
+
+
+def download_wheels(dest: Path = WHEEL_DIR) -> None:
+    """The wheels of benchmarks/gpu_wheels.txt, for the device's Python, into ``dest`` (carried
+    with the tree; the device has no package index). A wheel of another version of one of these
+    packages already in ``dest`` is removed: two versions stop the install there."""
+    reqs = wheel_requirements()
+    dest.mkdir(exist_ok=True)
+    cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", *WHEEL_PLATFORM,
+           "-d", str(dest), *reqs]
+    if subprocess.run(cmd).returncode != 0:
+        sys.exit(f"gpu_campaign prepare: pip download failed: {' '.join(cmd)}")
+    want = {re.split(r"[=<>]", r)[0].lower().replace("-", "_"): r.split("==")[-1] for r in reqs}
+    for w in dest.glob("*.whl"):
+        name, version = w.name.split("-")[:2]
+        if name.lower() in want and version != want[name.lower()]:
+            w.unlink()
+    print(f"gpu_campaign prepare: {dest.name}/: " + ", ".join(sorted(w.name for w in dest.glob('*.whl'))))
+
+
 def read_commit(path: Path = COMMIT_FILE) -> str:
     """The commit ``prepare`` wrote (read first: a copied tree's git metadata can name another
     commit), else this checkout's HEAD, marked as such."""
@@ -804,6 +833,7 @@ def main(argv=None) -> int:
     ap.add_argument("command", choices=["prepare", "run", "more", "record"])
     ap.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/gpu_results/<date>-<command>)")
     ap.add_argument("--from", dest="src", type=Path, default=None, help="record: the --out folder of a campaign")
+    ap.add_argument("--wheels", action="store_true", help="prepare: also download benchmarks/gpu_wheels.txt into .whl/")
     ap.add_argument("--budget", type=float, default=None, help="seconds for the whole command (run 510, more 285)")
     ap.add_argument("--steps", nargs="*", default=None, help="only these steps of the command's plan")
     ap.add_argument("--jobs", type=int, default=0, help="warm-up compile workers (default: CPUs − 2)")
@@ -818,6 +848,8 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.command == "prepare":
         prepare()
+        if a.wheels:
+            download_wheels()
         return 0
     if a.command == "record":
         if a.src is None:

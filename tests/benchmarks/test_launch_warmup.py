@@ -240,3 +240,40 @@ def test_warmup_walks_every_later_step(monkeypatch):
     tests = [c for label, c in items if label == "gpu test tier"]
     assert tests and all(f in tests[0] for f in gc.gpu_test_files())
     assert len({tuple(c) for c in cmds}) == len(cmds)      # the profile's presets are recorded once
+
+
+def test_warmup_step_records_compiles_and_reports(monkeypatch, tmp_path):
+    """The warm-up step end to end on CPU: a record item (the stand-in driver in place of a GPU) and
+    a record item that crashes; the recorded launches compiled by worker processes into the Triton
+    cache; the report names the slowest compiles and the crash; a second warm-up finds everything
+    cached. Then ``compiled_since`` sees no kernel compiled after it."""
+    from types import SimpleNamespace
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    code = _FAKE_DRIVER.format(root=str(ROOT)) + _BENCH_PATHS.format(root=str(ROOT), size=SIZE, ops=["linear_scan"])
+    items = [("linear_scan", [sys.executable, "-c", code]),
+             ("broken", [sys.executable, "-c", "raise SystemExit('RuntimeError: no such preset')"])]
+    a = SimpleNamespace(out=tmp_path, jobs=2, record_jobs=2)
+
+    def warm():
+        title, cols = gc.STEP_TITLES["warmup"]
+        s = gc.Step("warmup", title, list(cols), budget=600.0).start(600.0)
+        gc.step_warmup(s, a, items, lambda *_: None)
+        return s
+
+    s = warm()
+    d = s.data
+    assert d["recorded"] == 2 and d["compiled"] == 2 and not d["errors"] and not d["hash_mismatch"], d
+    assert [x["name"] for x in d["slowest"]] and all(x["name"] in ("_fwd_kernel", "_bwd_kernel") for x in d["slowest"])
+    rows = {r[0]: r[1] for r in s.rows}
+    assert rows["distinct specializations recorded"] == "2"
+    assert any(k.startswith("slow compile: _fwd_kernel w") for k in rows)
+    assert rows["record pass `broken`: exit 1"] == "RuntimeError: no such preset"
+    warm_end = __import__("time").time()
+    assert json.loads((tmp_path / "warmup.json").read_text())["results"][0]["status"] == "ok"
+    again = warm().data
+    assert again["already_cached"] == 2 and again["compiled"] == 0
+    assert gc.compiled_since(warm_end, cache) == {"ours": [], "inductor": []}
+    assert set(gc.compiled_since(0.0, cache)["ours"]) == {"_fwd_kernel", "_bwd_kernel"}
