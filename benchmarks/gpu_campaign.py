@@ -473,7 +473,7 @@ def parse_pytest(out: str) -> Dict[str, dict]:
 
 
 def step_tests(step: Step, a, files: List[str], log) -> None:
-    base = ["-m", "gpu", "-v", "-rfE", "--tb=line", "-p", "no:cacheprovider"]
+    base = ["-m", "gpu", "-v", "-rfE", "--tb=short", "-p", "no:cacheprovider"]
     if importlib.util.find_spec("pytest_timeout"):
         base += ["--timeout", str(int(a.test_timeout))]
     env = {"TTT_LM_INSTANT_FAILURES": "1", "TTT_LM_PIN_LAUNCH_CONFIGS": "1"}

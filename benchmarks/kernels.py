@@ -3,18 +3,27 @@ chunked PyTorch form and against causal flash attention (``scaled_dot_product_at
 flash backend) on q, k, v of the same [B, H, T, D].
 
 Sizes: T ∈ {2k, 8k, 32k} with B·T = 64k tokens, H = 12 heads, D = 64, bfloat16, on CUDA. For each
-form: forward time, forward+backward time (median of CUDA-event timings), the peak memory each
-allocates beyond its inputs, and for the Triton forms the bandwidth implied by the bytes the op
-must move at least (reads of its inputs, writes of its outputs) as a share of the device's peak.
+form: forward time, forward+backward time (median of up to ``--reps`` CUDA-event timings; a slow
+form is timed fewer times, at least 3), the peak memory each allocates beyond its inputs, and a
+rate: for every form but the PyTorch one, the bandwidth implied by the bytes the op must move at
+least (reads of its inputs, writes of its outputs), with its share of the device's DRAM peak; for
+causal SDPA, TFLOP/s (4·B·H·T²·D/2 forward, 3.5 × that forward+backward).
 
-    python benchmarks/kernels.py                    # every registered op, CUDA
-    python benchmarks/kernels.py --ops linear_scan --seq-lens 2048 8192
+    python benchmarks/kernels.py                    # sdpa and every registered op, CUDA
+    python benchmarks/kernels.py --ops sdpa linear_scan --seq-lens 2048 8192 --json rows.jsonl
     python benchmarks/kernels.py --smoke            # tiny size; on CPU through the Triton interpreter
+    python benchmarks/kernels.py --list             # registered ops, kernels/ folders without a benchmark
 
-An op is added by registering a function that builds its inputs and forms:
+The forms of an op are the backends its module lists in ``BACKENDS`` (but the sequential
+reference), plus flash-linear-attention's kernel where that package imports (CUDA only). An op is
+added by registering a function that builds its inputs and forms; ``folder`` names the kernels/
+folder it measures, ``needs`` a module without which it is not registered:
 
-    @register("my_op")
+    @register("my_op", folder="my_op", needs="kernels.my_op")
     def my_op(B, T, H, D, dtype, device) -> Bench: ...
+
+``--record-pass`` runs each non-PyTorch form once, forward and backward, untimed: the GPU
+campaign runs it with ``TTT_LM_RECORD_LAUNCHES`` to learn which Triton kernels to compile first.
 """
 from __future__ import annotations
 

@@ -136,14 +136,18 @@ def install_recorder(path: str) -> None:
 
     def _do_compile(self, key, signature, device, constexprs, options, attrs, warmup):
         kernel_cache, _, target, backend, _ = self.device_caches[device]
-        src = ASTSource(self, signature, constexprs, attrs)
-        rec = {"kernel": f"{self.fn.__module__}:{self.fn.__qualname__}", "name": self.fn.__name__,
-               "signature": encode(dict(signature)),
-               "constexprs": [[list(k), encode(v)] for k, v in constexprs.items()],
-               "attrs": [[list(k), encode(v)] for k, v in attrs.items()],
-               "options": encode(dict(options.__dict__)), "target": encode(dict(target.__dict__)),
-               "num_warps": options.num_warps, "num_stages": options.num_stages,
-               "hash": _cache_hash(src, backend, dict(options.__dict__))}
+        name = f"{self.fn.__module__}:{self.fn.__qualname__}"
+        try:
+            src = ASTSource(self, signature, constexprs, attrs)
+            rec = {"kernel": name, "name": self.fn.__name__, "signature": encode(dict(signature)),
+                   "constexprs": [[list(k), encode(v)] for k, v in constexprs.items()],
+                   "attrs": [[list(k), encode(v)] for k, v in attrs.items()],
+                   "options": encode(dict(options.__dict__)), "target": encode(dict(target.__dict__)),
+                   "num_warps": options.num_warps, "num_stages": options.num_stages,
+                   "hash": _cache_hash(src, backend, dict(options.__dict__))}
+        except Exception as e:  # a launch we cannot describe is compiled where it runs; say which
+            rec = {"kernel": name, "name": self.fn.__name__, "hash": None,
+                   "error": f"{type(e).__name__}: {e}"[:300]}
         _record_line(path, rec)
         return None
 
@@ -243,6 +247,8 @@ def read_records(path: str) -> list:
                 rec = json.loads(line)
             except json.JSONDecodeError:
                 continue    # a line cut short by a killed process
+            if rec.get("hash") is None:
+                continue    # a launch record mode could not describe (its "error" says why)
             if rec["hash"] not in seen:
                 seen.add(rec["hash"])
                 out.append(rec)
