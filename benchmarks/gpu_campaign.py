@@ -349,9 +349,15 @@ def step_warmup(step: Step, a, record_items: List[Tuple[str, List[str]]], log) -
     ctx = multiprocessing.get_context("spawn")
     pool = cf.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=_launch_cache.worker_init)
     submitted: Dict[str, dict] = {}
+    queue: List[dict] = []
     futures: Dict[cf.Future, dict] = {}
     done: List[dict] = []
     already = 0
+
+    def priority(rec):
+        """The timed steps' kernels of ours first, then other packages' (flash-linear-attention's
+        autotune candidates), then what only the gpu tests launch (they compile in parallel there too)."""
+        return (rec.get("source") == "tests", not rec["kernel"].startswith("kernels."))
 
     def poll():
         nonlocal already
@@ -361,7 +367,11 @@ def step_warmup(step: Step, a, record_items: List[Tuple[str, List[str]]], log) -
             submitted[rec["hash"]] = rec
             if _launch_cache.cached(rec):
                 already += 1
-                continue
+            else:
+                queue.append(rec)
+        queue.sort(key=priority)
+        while queue and sum(not f.done() for f in futures) < jobs:
+            rec = queue.pop(0)
             futures[pool.submit(_launch_cache.compile_record, rec)] = rec
 
     record_rows = []
@@ -370,12 +380,13 @@ def step_warmup(step: Step, a, record_items: List[Tuple[str, List[str]]], log) -
     def record(item):
         label, cmd = item
         step.commands.append(" ".join(cmd[1:]))
-        r = run_cmd(cmd, min(ITEM_LIMITS["record"], max(1.0, step.left() - 5)), env)
+        r = run_cmd(cmd, min(ITEM_LIMITS["record"], max(1.0, step.left() - 5)),
+                    dict(env, TTT_LM_RECORD_LABEL="tests" if label == "gpu test tier" else "timed"))
         log(f"record {label}", cmd, r)
         return label, r
 
     pending = {tp.submit(record, it): it[0] for it in record_items}
-    while pending or any(not f.done() for f in futures):
+    while pending or queue or any(not f.done() for f in futures):
         for f in [f for f in pending if f.done()]:
             label, r = f.result()
             del pending[f]
@@ -389,7 +400,7 @@ def step_warmup(step: Step, a, record_items: List[Tuple[str, List[str]]], log) -
     not_started = [label for f, label in pending.items() if f.cancel()]
     tp.shutdown(wait=True)
     poll()
-    waited_out = [f for f in futures if not f.done()]
+    waited_out = [f for f in futures if not f.done()] + [None] * len(queue)
     for f in futures:
         if f.done():
             done.append(f.result())
@@ -402,7 +413,8 @@ def step_warmup(step: Step, a, record_items: List[Tuple[str, List[str]]], log) -
     slow = sorted(done, key=lambda d: -d["seconds"])[:5]
     step.data = {"recorded": len(submitted), "already_cached": already, "compiled": len(done) - len(errors),
                  "errors": errors, "hash_mismatch": [d["kernel"] for d in mism],
-                 "not_finished": [futures[f]["kernel"] for f in waited_out], "jobs": jobs,
+                 "not_finished": [futures[f]["kernel"] for f in waited_out if f is not None]
+                 + [r["kernel"] for r in queue], "jobs": jobs,
                  "compile_seconds_sum": round(sum(d["seconds"] for d in done), 1),
                  "slowest": [{**d, "summary": _summary(submitted[d["hash"]])} for d in slow]}
     (a.out / "warmup.json").write_text(json.dumps({"records": list(submitted.values()), "results": done}, indent=0))
@@ -418,8 +430,9 @@ def step_warmup(step: Step, a, record_items: List[Tuple[str, List[str]]], log) -
         step.rows.append(["compiled under another cache key (a launch will compile again)",
                           ", ".join(sorted({d['name'] for d in mism}))])
     if waited_out:
-        step.rows.append([f"not finished compiling ({len(waited_out)}; step budget spent)",
-                          ", ".join(sorted({futures[f]['name'] for f in waited_out}))[:300]])
+        names = sorted({futures[f]["name"] for f in waited_out if f is not None} | {r["name"] for r in queue})
+        step.rows.append([f"not compiled in the warm-up ({len(waited_out)}; step budget spent: they compile "
+                          f"where they are launched)", ", ".join(names)[:300]])
     for label, status, err in record_rows:
         step.rows.append([f"record pass `{label}`: {status}", err])
     for label in not_started:

@@ -36,6 +36,8 @@ from typing import Any, Dict, Optional
 
 RECORD_ENV = "TTT_LM_RECORD_LAUNCHES"
 PIN_ENV = "TTT_LM_PIN_LAUNCH_CONFIGS"
+#: a label the recording process gives its records (the GPU campaign: "timed" or "tests")
+LABEL_ENV = "TTT_LM_RECORD_LABEL"
 _DO_COMPILE_ARGS = ["self", "key", "signature", "device", "constexprs", "options", "attrs", "warmup"]
 _installed: Dict[str, Any] = {}
 
@@ -144,7 +146,8 @@ def install_recorder(path: str) -> None:
                    "attrs": [[list(k), encode(v)] for k, v in attrs.items()],
                    "options": encode(dict(options.__dict__)), "target": encode(dict(target.__dict__)),
                    "num_warps": options.num_warps, "num_stages": options.num_stages,
-                   "hash": _cache_hash(src, backend, dict(options.__dict__))}
+                   "hash": _cache_hash(src, backend, dict(options.__dict__)),
+                   "source": os.environ.get(LABEL_ENV, "")}
         except Exception as e:  # a launch we cannot describe is compiled where it runs; say which
             rec = {"kernel": name, "name": self.fn.__name__, "hash": None,
                    "error": f"{type(e).__name__}: {e}"[:300]}
