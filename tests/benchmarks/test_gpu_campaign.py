@@ -301,14 +301,21 @@ def test_a_crashing_step_is_a_row_and_the_campaign_goes_on(monkeypatch, tmp_path
         ran.append(step.name)
         step.rows.append(["configs/transformer_125m.yaml", "no"] + ["1"] * 8)
 
+    def fine_checks_progress(step, a, *rest):
+        fine(step, a)
+        # the steps done so far are on disk before the next one starts
+        so_far = json.loads((a.out / "campaign.json").read_text())
+        assert [s["name"] for s in so_far["steps"]] == ["kernels"] and so_far["complete"] is False
+        assert "Still to run after" in (a.out / "campaign.md").read_text()
+
     monkeypatch.setattr(gc, "step_kernels", boom)
-    monkeypatch.setattr(gc, "step_train", fine)
+    monkeypatch.setattr(gc, "step_train", fine_checks_progress)
     monkeypatch.setattr(gc, "read_commit", lambda: "abc123")
     a = _args(tmp_path / "out", budget=100.0, steps=["kernels", "train"])
     assert gc.run_campaign(a, "run") == 0
     assert ran == ["kernels", "train"]
     res = json.loads((tmp_path / "out" / "campaign.json").read_text())
-    assert [s["name"] for s in res["steps"]] == ["kernels", "train"]
+    assert [s["name"] for s in res["steps"]] == ["kernels", "train"] and res["complete"] is True
     assert res["steps"][0]["rows"][0][:2] == ["step kernels crashed", "RuntimeError: CUDA error: device-side assert triggered"]
     md = (tmp_path / "out" / "campaign.md").read_text()
     assert "- Commit: abc123" in md and "step kernels crashed" in md and "configs/transformer_125m.yaml" in md
