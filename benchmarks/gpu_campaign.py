@@ -359,7 +359,9 @@ def step_warmup(step: Step, a, record_items: List[Tuple[str, List[str]]], log) -
         autotune candidates), then what only the gpu tests launch (they compile in parallel there too)."""
         return (rec.get("source") == "tests", not rec["kernel"].startswith("kernels."))
 
-    def poll():
+    broken = []
+
+    def poll(submit: bool = True):
         nonlocal already
         for rec in _launch_cache.read_records(str(rec_file)):
             if rec["hash"] in submitted:
@@ -370,9 +372,13 @@ def step_warmup(step: Step, a, record_items: List[Tuple[str, List[str]]], log) -
             else:
                 queue.append(rec)
         queue.sort(key=priority)
-        while queue and sum(not f.done() for f in futures) < jobs:
-            rec = queue.pop(0)
-            futures[pool.submit(_launch_cache.compile_record, rec)] = rec
+        while submit and not broken and queue and sum(not f.done() for f in futures) < jobs:
+            try:
+                fut = pool.submit(_launch_cache.compile_record, queue[0])
+            except Exception as e:  # noqa: BLE001 - a worker died: the pool takes no more work
+                broken.append(f"{type(e).__name__}: {e}")
+                break
+            futures[fut] = queue.pop(0)
 
     record_rows = []
     tp = cf.ThreadPoolExecutor(max_workers=a.record_jobs)
@@ -386,7 +392,7 @@ def step_warmup(step: Step, a, record_items: List[Tuple[str, List[str]]], log) -
         return label, r
 
     pending = {tp.submit(record, it): it[0] for it in record_items}
-    while pending or queue or any(not f.done() for f in futures):
+    while pending or (queue and not broken) or any(not f.done() for f in futures):
         for f in [f for f in pending if f.done()]:
             label, r = f.result()
             del pending[f]
@@ -399,11 +405,21 @@ def step_warmup(step: Step, a, record_items: List[Tuple[str, List[str]]], log) -
         time.sleep(0.3)
     not_started = [label for f, label in pending.items() if f.cancel()]
     tp.shutdown(wait=True)
-    poll()
+    for f, label in pending.items():        # record processes still running when the time was up
+        if not f.cancelled():
+            r = f.result()[1]
+            if r.rc != 0:
+                record_rows.append((label, "exit 124 (time limit)" if r.timed_out else f"exit {r.rc}",
+                                    last_error(r.out)))
+    poll(submit=False)
     waited_out = [f for f in futures if not f.done()] + [None] * len(queue)
-    for f in futures:
+    for f, rec in futures.items():
         if f.done():
-            done.append(f.result())
+            try:
+                done.append(f.result())
+            except Exception as e:  # noqa: BLE001 - the worker died under this compile
+                done.append({"kernel": rec["kernel"], "name": rec["name"], "hash": rec["hash"], "status": "error",
+                             "error": f"compile worker died: {type(e).__name__}: {e}"[:300], "seconds": 0.0})
     workers = list((getattr(pool, "_processes", None) or {}).values())
     pool.shutdown(wait=False, cancel_futures=True)
     for p in workers:       # a compile still running must not share the CPUs with the timed steps
@@ -433,6 +449,8 @@ def step_warmup(step: Step, a, record_items: List[Tuple[str, List[str]]], log) -
         names = sorted({futures[f]["name"] for f in waited_out if f is not None} | {r["name"] for r in queue})
         step.rows.append([f"not compiled in the warm-up ({len(waited_out)}; step budget spent: they compile "
                           f"where they are launched)", ", ".join(names)[:300]])
+    if broken:
+        step.rows.append(["compile pool stopped (a worker died)", broken[0][:300]])
     for label, status, err in record_rows:
         step.rows.append([f"record pass `{label}`: {status}", err])
     for label in not_started:
