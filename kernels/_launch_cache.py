@@ -10,7 +10,8 @@ other package's, e.g. flash-linear-attention's) that would compile appends one J
 (pointer alignment, integer divisibility), compile options and target, and the hash of the Triton
 cache entry its compile would write — and returns without compiling or launching. The program
 runs on with unwritten outputs: a record pass only walks the code paths. An ``@triton.autotune``
-kernel records each config it would benchmark (the benchmark itself is skipped).
+kernel records each config it would benchmark (the benchmark itself is skipped, and nothing is
+written to Triton's autotune cache on disk).
 
 ``TTT_LM_PIN_LAUNCH_CONFIGS=1`` — no autotuning for the kernels of ``kernels/``: an autotuned
 kernel runs the first config its pruner keeps for the GPU family (the configs the compile gate
@@ -160,9 +161,17 @@ def install_recorder(path: str) -> None:
         self.fn.run(*args, **current)
         return [0.0, 0.0, 0.0]
 
+    def check_disk_cache(self, tuning_key, configs, bench_fn):
+        # the recorded "timings" are not timings: never let them into Triton's autotune cache on
+        # disk (flash-linear-attention turns it on), where the timed run would take them as results
+        bench_fn()
+        return False
+
     _installed.setdefault("bench", autotuner.Autotuner._bench)
     JITFunction._do_compile = _do_compile
     autotuner.Autotuner._bench = _bench
+    if hasattr(autotuner.Autotuner, "check_disk_cache"):
+        autotuner.Autotuner.check_disk_cache = check_disk_cache
     _installed["record"] = path
 
 
