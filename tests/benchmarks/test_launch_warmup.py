@@ -277,3 +277,34 @@ def test_warmup_step_records_compiles_and_reports(monkeypatch, tmp_path):
     assert again["already_cached"] == 2 and again["compiled"] == 0
     assert gc.compiled_since(warm_end, cache) == {"ours": [], "inductor": []}
     assert set(gc.compiled_since(0.0, cache)["ours"]) == {"_fwd_kernel", "_bwd_kernel"}
+
+
+def test_record_mode_leaves_no_autotune_results_on_disk(tmp_path):
+    """An autotuned kernel that caches its results on disk (as flash-linear-attention's do) records
+    every candidate config in record mode and writes no stand-in result for the timed run to find."""
+    (tmp_path / "tuned_mod.py").write_text(textwrap.dedent("""
+        import triton
+        import triton.language as tl
+
+        @triton.autotune(configs=[triton.Config({"BLOCK": 16}, num_warps=1), triton.Config({"BLOCK": 32}, num_warps=2)],
+                         key=["n"], cache_results=True)
+        @triton.jit
+        def scale(x, y, n, BLOCK: tl.constexpr):
+            i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+            tl.store(y + i, 2 * tl.load(x + i, mask=i < n), mask=i < n)
+    """))
+    code = _FAKE_DRIVER.format(root=str(ROOT)) + textwrap.dedent(f"""
+        sys.path.insert(0, {str(tmp_path)!r})
+        import kernels._triton_utils   # installs record mode, as every kernel module does
+        import torch, tuned_mod
+        x = torch.randn(100)
+        tuned_mod.scale[(4,)](x, torch.empty_like(x), 100)
+    """)
+    cache = tmp_path / "cache"
+    _run_script(code, {"TTT_LM_RECORD_LAUNCHES": str(tmp_path / "rec.jsonl"), "TRITON_CACHE_DIR": str(cache)})
+    from kernels import _launch_cache
+
+    recs = _launch_cache.read_records(str(tmp_path / "rec.jsonl"))
+    assert sorted(r["num_warps"] for r in recs) == [1, 2]
+    written = [p.name for p in cache.rglob("*") if p.is_file()] if cache.exists() else []
+    assert not written, written
