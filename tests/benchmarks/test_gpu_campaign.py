@@ -397,3 +397,12 @@ def test_failures_are_printed_as_they_happen(tmp_path):
     p = subprocess.run([sys.executable, "-m", "pytest", "-p", "tests.conftest", "-v", "-p", "no:cacheprovider",
                         str(tmp_path / "test_two.py")], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert not any(ln.startswith("E   ") and "::test_fails: " in ln for ln in p.stdout.splitlines())
+
+
+def test_the_plans_fit_their_windows():
+    """`run` fits 9 minutes (540 s) with room for starting Python and installing the wheels, `more`
+    5 minutes; each step's budget adds up to the command's total."""
+    assert sum(b for _, b in gc.PLANS["run"]) == gc.BUDGETS["run"] <= 540 - 25
+    assert sum(b for _, b in gc.PLANS["more"]) == gc.BUDGETS["more"] <= 300 - 15
+    assert [n for n, _ in gc.PLANS["run"]] == ["warmup", "tests", "kernels", "train", "profile"]
+    assert gc.PLANS["more"][0][0] == "warmup"
