@@ -67,7 +67,7 @@ PLANS: Dict[str, List[Tuple[str, float]]] = {
     "run": [("warmup", 140.0), ("tests", 60.0), ("kernels", 70.0), ("train", 200.0), ("profile", 40.0)],
     "more": [("warmup", 60.0), ("kernels128", 60.0), ("train350", 90.0), ("train8k", 70.0)],
 }
-BUDGETS = {"run": 510.0, "more": 285.0}
+BUDGETS = {"run": 510.0, "more": 280.0}
 #: seconds an item may take at most, per step
 ITEM_LIMITS = {"record": 90.0, "tests": 600.0, "kernels": 45.0, "kernels128": 45.0, "train": 45.0,
                "train_compile": 75.0, "train350": 45.0, "train8k": 45.0, "profile": 40.0}
@@ -875,7 +875,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/gpu_results/<date>-<command>)")
     ap.add_argument("--from", dest="src", type=Path, default=None, help="record: the --out folder of a campaign")
     ap.add_argument("--wheels", action="store_true", help="prepare: also download benchmarks/gpu_wheels.txt into .whl/")
-    ap.add_argument("--budget", type=float, default=None, help="seconds for the whole command (run 510, more 285)")
+    ap.add_argument("--budget", type=float, default=None, help="seconds for the whole command (run 510, more 280)")
     ap.add_argument("--steps", nargs="*", default=None, help="only these steps of the command's plan")
     ap.add_argument("--jobs", type=int, default=0, help="warm-up compile workers (default: CPUs − 2)")
     ap.add_argument("--record-jobs", type=int, default=4, help="record-mode processes at a time")
