@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-unit run data bench gpu-bench clean
+.PHONY: setup test test-unit run data bench gpu-bench gpu-bench-more gpu-bench-prepare gpu-bench-record clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -40,15 +40,24 @@ run: setup data
 bench: setup
 	$(PY) benchmarks/kernels.py
 
-# The GPU campaign (on a CUDA machine): the gpu test tier, kernel and training benchmarks, in parts of
-# at most ~8 minutes each (`make gpu-bench-tests`, -kernels, -kernels128, -train, -train8k), tables in
-# benchmarks/gpu_results/; `make gpu-bench-record` puts them into benchmarks/RESULTS.md. Uses .venv
-# where it exists, else the machine's python3 (a GPU image with torch and triton installed).
+# The GPU campaign (docs/gpu_campaign.md). Here, before sending the tree to a GPU machine:
+# `make gpu-bench-prepare` writes benchmarks/.campaign_commit (the commit the results will name)
+# and downloads into .whl/ the wheels a bare GPU image lacks (benchmarks/gpu_wheels.txt). There:
+# `make gpu-bench` (≤ 9 min: warm-up, gpu tests, kernels, training, profile), then
+# `make gpu-bench-more` (≤ 5 min: 350M, seq_len 8192, H = 16 D = 128). Back here:
+# `make gpu-bench-record FROM=<the results folder>` puts them into benchmarks/RESULTS.md.
+# Uses .venv where it exists, else the machine's python3 (a GPU image with torch and triton).
 BENCH_PY ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
+GPU_BENCH_ARGS ?=
 gpu-bench:
-	$(BENCH_PY) benchmarks/gpu_campaign.py all
-gpu-bench-%:
-	$(BENCH_PY) benchmarks/gpu_campaign.py $*
+	$(BENCH_PY) benchmarks/gpu_campaign.py run $(GPU_BENCH_ARGS)
+gpu-bench-more:
+	$(BENCH_PY) benchmarks/gpu_campaign.py more $(GPU_BENCH_ARGS)
+gpu-bench-prepare:
+	$(BENCH_PY) benchmarks/gpu_campaign.py prepare --wheels
+gpu-bench-record:
+	@test -n "$(FROM)" || { echo "make gpu-bench-record FROM=<folder with campaign.json>"; exit 2; }
+	$(BENCH_PY) benchmarks/gpu_campaign.py record --from "$(FROM)"
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -3,22 +3,33 @@ chunked PyTorch form and against causal flash attention (``scaled_dot_product_at
 flash backend) on q, k, v of the same [B, H, T, D].
 
 Sizes: T ∈ {2k, 8k, 32k} with B·T = 64k tokens, H = 12 heads, D = 64, bfloat16, on CUDA. For each
-form: forward time, forward+backward time (median of CUDA-event timings), the peak memory each
-allocates beyond its inputs, and for the Triton forms the bandwidth implied by the bytes the op
-must move at least (reads of its inputs, writes of its outputs) as a share of the device's peak.
+form: forward time, forward+backward time (median of up to ``--reps`` CUDA-event timings; a slow
+form is timed fewer times, at least 3), the peak memory each allocates beyond its inputs, and a
+rate: for every form but the PyTorch one, the bandwidth implied by the bytes the op must move at
+least (reads of its inputs, writes of its outputs), with its share of the device's DRAM peak; for
+causal SDPA, TFLOP/s (4·B·H·T²·D/2 forward, 3.5 × that forward+backward).
 
-    python benchmarks/kernels.py                    # every registered op, CUDA
-    python benchmarks/kernels.py --ops linear_scan --seq-lens 2048 8192
+    python benchmarks/kernels.py                    # sdpa and every registered op, CUDA
+    python benchmarks/kernels.py --ops sdpa linear_scan --seq-lens 2048 8192 --json rows.jsonl
     python benchmarks/kernels.py --smoke            # tiny size; on CPU through the Triton interpreter
+    python benchmarks/kernels.py --list             # registered ops, kernels/ folders without a benchmark
 
-An op is added by registering a function that builds its inputs and forms:
+The forms of an op are the backends its module lists in ``BACKENDS`` (but the sequential
+reference), plus flash-linear-attention's kernel where that package imports (CUDA only). An op is
+added by registering a function that builds its inputs and forms; ``folder`` names the kernels/
+folder it measures, ``needs`` a module without which it is not registered:
 
-    @register("my_op")
+    @register("my_op", folder="my_op", needs="kernels.my_op")
     def my_op(B, T, H, D, dtype, device) -> Bench: ...
+
+``--record-pass`` runs each non-PyTorch form once, forward and backward, untimed: the GPU
+campaign runs it with ``TTT_LM_RECORD_LAUNCHES`` to learn which Triton kernels to compile first.
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import json
 import math
 import os
 import statistics
@@ -26,7 +37,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -52,13 +63,41 @@ class Bench:
 
 
 REGISTRY: Dict[str, Callable[..., Bench]] = {}
+#: op name → the kernels/ folder it measures
+FOLDERS: Dict[str, str] = {}
+KERNELS_DIR = Path(__file__).resolve().parents[1] / "kernels"
 
 
-def register(name: str):
+def register(name: str, folder: Optional[str] = None, needs: Optional[str] = None):
+    """Register a benchmark of the op in ``kernels/<folder>`` (default: ``name``). ``needs``: a
+    module the benchmark imports; where it does not exist (an op not in this checkout) the
+    benchmark is not registered."""
     def deco(fn):
+        if needs is not None and not _exists(needs):
+            return fn
         REGISTRY[name] = fn
+        FOLDERS[name] = folder or name
         return fn
     return deco
+
+
+def _exists(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def folders_without_bench() -> List[str]:
+    """The op folders under kernels/ that no registered benchmark measures."""
+    have = set(FOLDERS.values())
+    return sorted(p.name for p in KERNELS_DIR.iterdir()
+                  if p.is_dir() and (p / "__init__.py").exists() and p.name not in have)
+
+
+def backend_forms(module) -> List[str]:
+    """The forms to time of an op module: its ``BACKENDS`` except the sequential reference."""
+    return [b for b in getattr(module, "BACKENDS", ("triton", "torch")) if b != "reference"]
 
 
 # ---- ops ---------------------------------------------------------------------------------------
@@ -126,7 +165,7 @@ def delta_rule_bench(B: int, T: int, H: int, D: int, dtype: torch.dtype, device:
     return Bench(inputs=inputs, forms=forms, min_bytes_fwd=4 * n, min_bytes_fwd_bwd=11 * n)
 
 
-@register("titans_linear")
+@register("titans_linear", folder="titans")
 def titans_linear_bench(B: int, T: int, H: int, D: int, dtype: torch.dtype, device: str) -> Bench:
     """Titans' linear memory with momentum and forgetting, chunks of 64 tokens."""
     from kernels.titans import titans_linear
@@ -159,7 +198,7 @@ def _ttt_inputs(B, H, T, D, dtype, device, mlp: bool):
     return [q, k, v, eta, token_idx, ln_w, ln_b, *inner], b
 
 
-@register("ttt_linear")
+@register("ttt_linear", folder="ttt")
 def ttt_linear_bench(B: int, T: int, H: int, D: int, dtype: torch.dtype, device: str) -> Bench:
     """TTT-Linear's dual form over mini-batches of 16, inner LayerNorm fused, per-head per-token η."""
     from kernels.ttt import ttt_linear
@@ -179,7 +218,7 @@ def ttt_linear_bench(B: int, T: int, H: int, D: int, dtype: torch.dtype, device:
     return Bench(inputs=inputs, forms=forms, min_bytes_fwd=4 * n, min_bytes_fwd_bwd=11 * n)
 
 
-@register("ttt_mlp")
+@register("ttt_mlp", folder="ttt")
 def ttt_mlp_bench(B: int, T: int, H: int, D: int, dtype: torch.dtype, device: str) -> Bench:
     """TTT-MLP's dual form (inner MLP D → 4D → D), mini-batches of 16."""
     from kernels.ttt import has_triton_backend, ttt_mlp
@@ -213,6 +252,43 @@ def selective_scan_bench(B: int, T: int, H: int, D: int, dtype: torch.dtype, dev
     )
 
 
+@register("gated_delta_rule", needs="kernels.gated_delta_rule")
+def gated_delta_rule_bench(B: int, T: int, H: int, D: int, dtype: torch.dtype, device: str) -> Bench:
+    """Gated DeltaNet's S_t = α_t S_{t−1} + β_t k_t (v_t − α_t S_{t−1}ᵀ k_t)ᵀ, α_t = exp(g_t), L2-normalized
+    q, k; every backend the op module lists, and flash-linear-attention's chunk_gated_delta_rule."""
+    import kernels.gated_delta_rule as mod
+
+    q, k, v = _qkv(B, H, T, D, dtype, device, normalize_k=True)
+    g = F.logsigmoid(torch.randn(B, H, T, device=device) + 4).to(dtype).requires_grad_()
+    beta = torch.rand(B, H, T, device=device).to(dtype).requires_grad_()
+    n = B * H * T * D * torch.finfo(dtype).bits // 8
+    forms = {f: (lambda f=f: mod.gated_delta_rule_trusted(q, k, v, g, beta, backend=f)[:1])
+             for f in backend_forms(mod)}
+    inputs = [q, k, v, g, beta]
+    fla = _fla_op("gated_delta_rule", "chunk_gated_delta_rule", device)
+    if fla is not None:
+        fq, fk, fv, fg, fbeta = _bthd_leaves(q, k, v, g, beta)
+        forms["fla chunk_gated_delta_rule"] = lambda: fla(fq, fk, fv, fg, fbeta)[:1]
+        inputs += [fq, fk, fv, fg, fbeta]
+    return Bench(inputs=inputs, forms=forms, min_bytes_fwd=4 * n, min_bytes_fwd_bwd=11 * n)
+
+
+@register("lact", needs="kernels.lact")
+def lact_bench(B: int, T: int, H: int, D: int, dtype: torch.dtype, device: str) -> Bench:
+    """LaCT's block-causal SwiGLU fast weights (d_h = 2·D, chunks of 2048 tokens, no Muon)."""
+    import kernels.lact as mod
+
+    q, k, v = _qkv(B, H, T, D, dtype, device, normalize_k=True)
+    lrs = [(1e-3 * torch.rand(B, H, T, device=device)).to(dtype).requires_grad_() for _ in range(3)]
+    dh = 2 * D
+    w0, w2 = ((torch.randn(H, dh, D, device=device) / D ** 0.5).requires_grad_() for _ in range(2))
+    w1 = (torch.randn(H, D, dh, device=device) / dh ** 0.5).requires_grad_()
+    n = B * H * T * D * torch.finfo(dtype).bits // 8
+    forms = {f: (lambda f=f: mod.block_causal_lact_swiglu(q, k, v, *lrs, w0, w1, w2, chunk_size=min(2048, T),
+                                                          backend=f)[:1]) for f in backend_forms(mod)}
+    return Bench(inputs=[q, k, v, *lrs, w0, w1, w2], forms=forms, min_bytes_fwd=4 * n, min_bytes_fwd_bwd=11 * n)
+
+
 # ---- timing ------------------------------------------------------------------------------------
 
 def _sdpa_form(B, T, H, D, dtype, device):
@@ -234,12 +310,16 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def _time(fn, device, reps, warmup):
+def _time(fn, device, reps, warmup, max_ms: float = 3000.0):
+    """Median of ``reps`` timings after ``warmup`` calls; a slow form (the PyTorch ones) is timed
+    fewer times, so that its timings take about ``max_ms`` (at least 3)."""
     for _ in range(warmup):
         fn()
     _sync(device)
     out = []
-    for _ in range(reps):
+    for i in range(reps):
+        if i >= 3 and sum(out) > max_ms:
+            break
         if device == "cuda":
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             s.record()
@@ -310,9 +390,39 @@ def _fmt(x, spec=".3f"):
     return x if isinstance(x, str) else ("-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec))
 
 
+def sdpa_flops(B: int, T: int, H: int, D: int) -> Tuple[float, float]:
+    """FLOPs of causal attention (forward; forward+backward = 3.5 × forward, flash's count with the
+    recomputation in its backward): 2 products of T × T × D per head, half of them masked."""
+    fwd = 4 * B * H * T * T * D / 2
+    return fwd, 3.5 * fwd
+
+
+def _rate(ms, nbytes=0, flops=0.0, peak_bw=None) -> str:
+    if not isinstance(ms, float) or not (nbytes or flops):
+        return "-"
+    if flops:
+        return f"{flops / (ms * 1e-3) / 1e12:.0f} TFLOP/s"
+    gbps = nbytes / (ms * 1e-3) / 1e9
+    return f"{gbps:.0f} GB/s" + (f" ({100 * gbps / peak_bw:.0f}%)" if peak_bw else "")
+
+
+def _record_pass(bench: Bench) -> None:
+    """Each non-PyTorch form once, forward and backward, untimed: under TTT_LM_RECORD_LAUNCHES this
+    records every Triton launch the timed run makes (kernels/_launch_cache.py)."""
+    for form, run in bench.forms.items():
+        if form == "torch":
+            continue
+        outs = run()
+        torch.autograd.backward(list(outs), [torch.ones_like(o) for o in outs])
+        for x in bench.inputs:
+            x.grad = None
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--ops", nargs="*", default=None, help=f"registered ops (default all: {', '.join(REGISTRY)})")
+    p.add_argument("--ops", nargs="*", default=None,
+                   help=f"registered ops, and 'sdpa' for causal attention (default: sdpa and every op: "
+                        f"{', '.join(REGISTRY)})")
     p.add_argument("--seq-lens", nargs="*", type=int, default=[2048, 8192, 32768])
     p.add_argument("--tokens", type=int, default=65536, help="B·T")
     p.add_argument("--heads", type=int, default=12)
@@ -320,48 +430,69 @@ def main(argv=None):
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--json", default=None, help="also append one JSON line per row to this file")
+    p.add_argument("--record-pass", action="store_true",
+                   help="run each non-PyTorch form once, untimed (the GPU campaign's launch record)")
+    p.add_argument("--list", action="store_true", help="print the registered ops and uncovered kernels/ folders")
     p.add_argument("--smoke", action="store_true",
                    help="tiny size (T=64, B=2, H=2, D=16, float32) that runs anywhere, the CPU included")
     a = p.parse_args(argv)
+    if a.list:
+        print(json.dumps({"ops": list(REGISTRY), "folders": FOLDERS, "without_bench": folders_without_bench()}))
+        return
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if a.smoke:
         a.seq_lens, a.tokens, a.heads, a.head_dim, a.dtype, a.reps, a.warmup = [64], 128, 2, 16, "float32", 1, 1
-    elif device != "cuda":
+    elif device != "cuda" and not a.record_pass:
         sys.exit("benchmarks/kernels.py: no CUDA device; the benchmark sizes need a GPU "
                  "(use --smoke for a tiny run through the Triton interpreter)")
     dtype = getattr(torch, a.dtype)
-    ops = a.ops or list(REGISTRY)
-    unknown = [o for o in ops if o not in REGISTRY]
+    ops = a.ops if a.ops is not None else ["sdpa"] + list(REGISTRY)
+    unknown = [o for o in ops if o not in REGISTRY and o != "sdpa"]
     if unknown:
-        sys.exit(f"benchmarks/kernels.py: unknown ops {unknown}; registered: {list(REGISTRY)}")
+        sys.exit(f"benchmarks/kernels.py: unknown ops {unknown}; registered: {['sdpa'] + list(REGISTRY)}")
+    if a.record_pass:
+        for T in a.seq_lens:
+            for op in ops:
+                if op != "sdpa":
+                    _record_pass(REGISTRY[op](max(1, a.tokens // T), T, a.heads, a.head_dim, dtype, device))
+        return
 
     peak = peak_bandwidth_gbps(device)
     dev_name = torch.cuda.get_device_name() if device == "cuda" else "CPU (Triton interpreter)"
     print(f"# device: {dev_name}; dtype {a.dtype}; H={a.heads}, D={a.head_dim}, B·T={a.tokens}; "
-          f"median of {a.reps}" + (f"; peak DRAM bandwidth {peak:.0f} GB/s" if peak else ""))
-    print("| op | T | B | form | fwd ms | fwd+bwd ms | fwd peak MiB | fwd+bwd peak MiB | fwd GB/s | fwd+bwd GB/s |")
+          f"median of up to {a.reps}" + (f"; peak DRAM bandwidth {peak:.0f} GB/s" if peak else ""))
+    print("| op | T | B | form | fwd ms | fwd+bwd ms | fwd peak MiB | fwd+bwd peak MiB | fwd rate | fwd+bwd rate |")
     print("|---|---|---|---|---|---|---|---|---|---|")
+
+    def emit(op, T, B, form, r, rates):
+        row = {"op": op, "T": T, "B": B, "form": form, "fwd_ms": _fmt(r["fwd_ms"]), "fwd_bwd_ms": _fmt(r["fwd_bwd_ms"]),
+               "fwd_mib": _fmt(r["fwd_mib"], ".0f"), "fwd_bwd_mib": _fmt(r["fwd_bwd_mib"], ".0f"),
+               "fwd_rate": rates[0], "fwd_bwd_rate": rates[1]}
+        print("| " + " | ".join(str(v) for v in row.values()) + " |", flush=True)
+        if a.json:
+            with open(a.json, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
     for T in a.seq_lens:
         B = max(1, a.tokens // T)
-        qkv, sdpa_run = _sdpa_form(B, T, a.heads, a.head_dim, dtype, device)
-        s = _measure(sdpa_run, qkv, device, a.reps, a.warmup)
-        label = "sdpa (flash, causal)" if device == "cuda" else "sdpa (causal)"
-        print(f"| {label} | {T} | {B} | sdpa | {_fmt(s['fwd_ms'])} | {_fmt(s['fwd_bwd_ms'])} | "
-              f"{_fmt(s['fwd_mib'], '.0f')} | {_fmt(s['fwd_bwd_mib'], '.0f')} | - | - |")
-        del qkv, sdpa_run
         for op in ops:
+            if op == "sdpa":
+                qkv, sdpa_run = _sdpa_form(B, T, a.heads, a.head_dim, dtype, device)
+                r = _measure(sdpa_run, qkv, device, a.reps, a.warmup)
+                fl = sdpa_flops(B, T, a.heads, a.head_dim)
+                label = "sdpa (flash, causal)" if device == "cuda" else "sdpa (causal)"
+                emit(label, T, B, "sdpa", r, [_rate(r["fwd_ms"], flops=fl[0]), _rate(r["fwd_bwd_ms"], flops=fl[1])])
+                del qkv, sdpa_run
+                continue
             bench = REGISTRY[op](B, T, a.heads, a.head_dim, dtype, device)
             for form, run in bench.forms.items():
                 r = _measure(run, bench.inputs, device, a.reps, a.warmup)
-                bw = ["-", "-"]
-                if form == "triton":
-                    for j, (k, nb) in enumerate((("fwd_ms", bench.min_bytes_fwd), ("fwd_bwd_ms", bench.min_bytes_fwd_bwd))):
-                        if isinstance(r[k], float) and nb:
-                            gbps = nb / (r[k] * 1e-3) / 1e9
-                            bw[j] = f"{gbps:.0f}" + (f" ({100 * gbps / peak:.0f}%)" if peak else "")
-                print(f"| {op} | {T} | {B} | {form} | {_fmt(r['fwd_ms'])} | {_fmt(r['fwd_bwd_ms'])} | "
-                      f"{_fmt(r['fwd_mib'], '.0f')} | {_fmt(r['fwd_bwd_mib'], '.0f')} | {bw[0]} | {bw[1]} |")
+                rates = ["-", "-"] if form == "torch" else [
+                    _rate(r["fwd_ms"], bench.min_bytes_fwd, peak_bw=peak),
+                    _rate(r["fwd_bwd_ms"], bench.min_bytes_fwd_bwd, peak_bw=peak)]
+                emit(op, T, B, form, r, rates)
             del bench
             if device == "cuda":
                 torch.cuda.empty_cache()

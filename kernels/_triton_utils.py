@@ -14,6 +14,9 @@
 * ``num_sms(device)`` — streaming multiprocessors, to size grids that must fill the GPU.
 * ``device_arch(device)`` — the launch-config family (90: Hopper and newer, 80: Ampere/Ada) whose
   tiles and warps an op's ``launch_meta`` picks; the compile gate checks each family's choice.
+* On import, ``kernels._launch_cache.install_from_env()``: with ``TTT_LM_RECORD_LAUNCHES`` set,
+  launches are recorded and not run (any device's tensors are then accepted); with
+  ``TTT_LM_PIN_LAUNCH_CONFIGS=1`` our autotuned kernels run their pruner's first config.
 
 Whether the interpreter is on is decided when ``@triton.jit`` runs, i.e. when a ``chunk.py`` is
 imported: set ``TRITON_INTERPRET`` before that (``tests/conftest.py`` does).
@@ -42,6 +45,8 @@ def triton_available(device: Optional[torch.device | str] = None) -> bool:
     """Can a Triton kernel run on tensors of ``device`` (default: wherever it would run here)?"""
     if not has_triton():
         return False
+    if os.environ.get("TTT_LM_RECORD_LAUNCHES"):
+        return True     # a record pass (kernels._launch_cache): launches are recorded, never run
     if device is None:
         return is_interpreting() or torch.cuda.is_available()
     dev = torch.device(device)
@@ -168,3 +173,9 @@ def packed_chunk_tables(T: int, C: int, cu_seqlens: torch.Tensor):
     c = slots - starts[seq.clamp(max=N - 1)]
     chunk_indices = torch.stack([torch.where(used, seq, -1), torch.where(used, c, 0)], 1)
     return N, NC, starts.to(torch.int32).contiguous(), chunk_indices.to(torch.int32).contiguous()
+
+
+if has_triton():
+    from kernels._launch_cache import install_from_env as _install_from_env
+
+    _install_from_env()
