@@ -41,7 +41,8 @@ def _cfg(pattern, d_ff=0, titans_memory="linear"):
     # chunks of 4 over 6 tokens: one full and one partial chunk in every chunked form
     cfg.ttt.mini_batch_size = 4
     cfg.deltanet.chunk_size = 4
-    cfg.lact.chunk_size, cfg.lact.window, cfg.lact.num_heads, cfg.lact.low_rank = 4, 3, 2, 2
+    # chunks of 2 over 6 tokens: two writes, so the momentum (zero before the first) reaches the output
+    cfg.lact.chunk_size, cfg.lact.window, cfg.lact.num_heads, cfg.lact.low_rank = 2, 3, 2, 2
     cfg.lact.muon_dtype = "state"
     cfg.rglru.chunk_size = 4
     cfg.mamba.chunk_size = 4
