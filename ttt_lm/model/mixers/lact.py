@@ -28,15 +28,20 @@ Init (the official ``_init_weights``): every linear N(0, 0.02) with zero bias (`
 ttt`` in the presets), s = 1, o = 0, w1 ~ N(0, 1/d_h), full-rank w0, w2 ~ N(0, 1/e), low-rank
 factors N(0, g²/r) and N(0, g²/e) with g = ``lact.fw_init_gain`` = 0.5.
 
-Paper and code. The paper's text describes the update with a generic fast-weight optimizer; this
-follows the official code where they differ or the text is silent: the learning rates are
-per token, head and matrix; momentum is the chunk's mean of σ(W_m x); the Muon steps run in
+Paper and code. The paper (arXiv 2505.23884) gives the design (large-chunk apply-then-update,
+SwiGLU fast weights, window attention in the layer, momentum and Muon as optional fast-weight
+optimizers); this file was checked against the official code, not line by line against the
+paper's equations, and follows the code wherever it fixes a detail: the learning rates
+are per token, head and matrix; momentum is the chunk's mean of σ(W_m x); the Muon steps run in
 bfloat16 (``lact.muon_dtype``); the weight normalisation's targets are the row norms of the
-initial weights, not detached; the fast path's RoPE rotates its e-wide heads as H d-wide pieces,
-as the code does. The official code ignores document boundaries in the fast path (its note:
-"current implementation ignores cu_seqlens for ttt-layer"); here a packed document starts from
-the initial weights (``model.reset_at_doc_boundaries``, the LM's per-document path). The fast
-weights are kept in float32 under half-precision inputs (the official code's ``fp32_states``).
+initial weights, not detached; the fast path's RoPE rotates its e-wide heads as H d-wide pieces.
+Two differences from the official code: it ignores document boundaries in the fast path (its
+note: "current implementation ignores cu_seqlens for ttt-layer"), while here a packed document
+starts from the initial weights (``model.reset_at_doc_boundaries``, the LM's per-document path);
+and it rounds the learning rates and momentum to float32 whatever the model's dtype, while here
+they stay in the model's dtype (float32 under half precision, as there). The fast weights are
+kept in float32 under half-precision inputs (the official ``fp32_states``). The presets tie the
+LM head to the embedding (the official 760M config unties it; see configs/lact_760m.yaml).
 
 Forms: ``reference`` runs the op's plain schedule and the explicit windowed softmax; ``chunked``
 the op's batched form and SDPA / flash-attn; ``step`` one token: the attention reads its KV cache
