@@ -92,6 +92,15 @@ def test_bad_config_names_the_key():
             build_mixer("lact", cfg, 0)
 
 
+def test_no_triton_kernel_is_refused_loudly():
+    m, _ = make_mixer("lact", lact=dict(BASE))
+    m.kernel_backend = "triton"
+    with pytest.raises(ValueError, match="kernels.lact has only"):
+        m(torch.zeros(1, 4, m.d_model, dtype=torch.float64))
+    m.kernel_backend = "auto"
+    assert m.resolve_backend("cuda") == "torch"
+
+
 def test_init_follows_the_official_code():
     cfg = tiny_cfg("lact", d_model=64, lact=dict(BASE, low_rank=4, num_heads=2))
     torch.manual_seed(0)
