@@ -8,6 +8,11 @@ squares. A form whose cost is linear in T has slope 1; a chunk loop whose backwa
 full-length gradient per chunk (slicing inside the loop) grows quadratically and shows a slope
 well above 1. Goal: slope ≤ 1.15 for every mixer.
 
+``lact_op`` times the LaCT op itself (``kernels.lact``, backend "torch": d_model / heads wide
+heads, momentum on, chunks of 256 so that the share of tokens in written chunks, all but the
+last chunk, stays within 7/8 … 31/32 over the lengths), not the mixer: the mixer's sliding-window
+attention runs on the CPU through SDPA with a dense T × T mask, whose cost is quadratic there.
+
     python benchmarks/chunk_scaling.py                       # every mixer, T = 2048 4096 8192
     python benchmarks/chunk_scaling.py --mixers mamba --seq-lens 1024 2048 --reps 1
 
@@ -40,13 +45,40 @@ MIXERS = {
     "deltanet": ("deltanet", {}),
     "mamba": ("mamba", {}),
     "rglru": ("rglru", {}),
+    "lact_op": (None, {"chunk_size": 256}),
 }
 _SUB = {"ttt_linear": "ttt", "ttt_mlp": "ttt", "titans": "titans", "deltanet": "deltanet",
         "mamba": "mamba", "rglru": "rglru"}
 
 
+class LaCTOp(torch.nn.Module):
+    """The LaCT op on x [B, T, D] cut into heads (q = k = x per head, L2-normalised, v = x),
+    per-token learning rates and momentum from x; its initial fast weights are parameters."""
+
+    def __init__(self, d_model: int, n_heads: int, chunk_size: int):
+        super().__init__()
+        self.h, self.e, self.chunk_size = n_heads, d_model // n_heads, chunk_size
+        e = self.e
+        self.w0, self.w1, self.w2 = (torch.nn.Parameter(torch.randn(n_heads, e, e) / e ** 0.5) for _ in range(3))
+        self.lr = torch.nn.Linear(d_model, 4 * n_heads)
+
+    def forward(self, x):
+        from kernels.lact import block_causal_lact_swiglu
+        B, T, D = x.shape
+        xh = x.view(B, T, self.h, self.e).transpose(1, 2)
+        qk = torch.nn.functional.normalize(xh, dim=-1)
+        r = self.lr(x).view(B, T, self.h, 4).permute(3, 0, 2, 1)
+        lr0, lr1, lr2 = (torch.nn.functional.softplus(r[i] - 6.9) for i in range(3))
+        o, _ = block_causal_lact_swiglu(qk, qk, xh, lr0, lr1, lr2, self.w0, self.w1, self.w2,
+                                        chunk_size=self.chunk_size, momentum=torch.sigmoid(r[3]))
+        return o.transpose(1, 2).reshape(B, T, D), None
+
+
 def build(name: str, d_model: int, n_heads: int, seed: int = 0):
     kind, sub = MIXERS[name]
+    if kind is None:
+        torch.manual_seed(seed)
+        return LaCTOp(d_model, n_heads, **sub)
     cfg = ModelConfig(vocab_size=64, d_model=d_model, n_layers=1, n_heads=n_heads, layer_pattern=[kind])
     for k, v in sub.items():
         setattr(getattr(cfg, _SUB[kind]), k, v)

@@ -230,6 +230,25 @@ def ttt_mlp_bench(B: int, T: int, H: int, D: int, dtype: torch.dtype, device: st
                  min_bytes_fwd=4 * n, min_bytes_fwd_bwd=11 * n)
 
 
+@register("lact")
+def lact_bench(B: int, T: int, H: int, D: int, dtype: torch.dtype, device: str) -> Bench:
+    """LaCT's SwiGLU fast weights (d_h = D), chunks of 2048, momentum, no Muon; the layer's inputs
+    (L2-normalised q, k; per-token lr ≈ 0.001 per matrix), float32 fast weights. PyTorch form only:
+    its work is large bmm's. Fast-weight FLOPs of forward+backward ≈ 3 · B·H·T·D²·(6 + 12·w),
+    w the share of tokens in written chunks (all but the last chunk)."""
+    from kernels.lact import block_causal_lact_swiglu
+
+    q, k, v = _qkv(B, H, T, D, dtype, device, normalize_k=True)
+    lrs = [(0.001 * torch.ones(B, H, T, device=device)).requires_grad_() for _ in range(3)]
+    mom = torch.sigmoid(torch.randn(B, H, T, device=device)).requires_grad_()
+    ws = [(torch.randn(H, D, D, device=device) / D ** 0.5).requires_grad_() for _ in range(3)]
+    n = B * H * T * D * torch.finfo(dtype).bits // 8
+    return Bench(inputs=[q, k, v, *lrs, mom, *ws],
+                 forms={"torch": lambda: block_causal_lact_swiglu(q, k, v, *lrs, *ws, chunk_size=2048,
+                                                                  momentum=mom)[:1]},
+                 min_bytes_fwd=4 * n, min_bytes_fwd_bwd=11 * n)
+
+
 @register("selective_scan")
 def selective_scan_bench(B: int, T: int, H: int, D: int, dtype: torch.dtype, device: str) -> Bench:
     """Mamba's selective scan at the width of a model with d_model = H·D: d_inner = 2·H·D channels,

@@ -21,6 +21,7 @@ def tiny_model(pattern=("attention",), vocab_size=VOCAB, max_seq_len=256, seed=0
     cfg.attention.window = 8
     cfg.mamba.chunk_size = 8
     cfg.deltanet.chunk_size = 8
+    cfg.lact.chunk_size, cfg.lact.window, cfg.lact.num_heads = 8, 8, 2
     cfg.ttt.mini_batch_size = 8
     cfg.titans.chunk_size = 8
     return LM(cfg).eval()

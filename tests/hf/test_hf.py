@@ -34,6 +34,7 @@ def tiny_cfg(pattern=LAYER_KINDS, **kw) -> ModelConfig:
     cfg.ttt.mini_batch_size = 4
     cfg.titans.chunk_size = 4
     cfg.deltanet.chunk_size = 4
+    cfg.lact.chunk_size, cfg.lact.window, cfg.lact.num_heads = 4, 5, 2
     cfg.mamba.chunk_size = 4
     return cfg
 

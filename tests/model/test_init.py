@@ -99,13 +99,14 @@ def test_unknown_init_is_refused():
 
 PRESET_INIT = {"ttt_linear_": "ttt", "ttt_mlp_": "ttt", "tiny_ttt_": "ttt", "griffin_": "griffin",
                "hawk_": "griffin", "tiny_griffin": "griffin", "tiny_hawk": "griffin", "mamba_": "mamba",
-               "tiny_mamba": "mamba"}
+               "tiny_mamba": "mamba", "lact_": "ttt", "tiny_lact": "ttt"}
 
 
 @pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml"))),
                          ids=lambda p: os.path.basename(p))
 def test_presets_choose_their_official_init(path):
-    """The paper presets use their architecture's official init; the others (hybrids, the
+    """The paper presets use their architecture's official init (LaCT's official code: N(0, 0.02)
+    everywhere, the ``ttt`` scheme); the others (hybrids, the
     Transformer, Titans, DeltaNet, the default tiny.yaml) keep gpt2."""
     name = os.path.basename(path)
     cfg = load_config(path)

@@ -21,6 +21,7 @@ def tiny_lm(pattern, n_layers=None, dtype=torch.float64, **kw) -> LM:
     cfg.ttt.mini_batch_size = 4
     cfg.titans.chunk_size = 4
     cfg.deltanet.chunk_size = 4
+    cfg.lact.chunk_size, cfg.lact.window, cfg.lact.num_heads = 4, 5, 2
     cfg.mamba.chunk_size = 4
     return LM(cfg).to(dtype)
 

@@ -24,6 +24,8 @@ KINDS = [
     ("deltanet", {}),
     ("rglru", {"rglru": {"chunk_size": 4}}),
     ("mamba", {"mamba": {"d_state": 4}}),
+    ("lact", {"lact": {"chunk_size": 2, "window": 3, "num_heads": 2, "low_rank": 2, "use_muon": True,
+              "muon_dtype": "state"}}),
 ]
 IDS = [f"{k}-{i}" for i, (k, _) in enumerate(KINDS)]
 

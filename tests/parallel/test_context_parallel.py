@@ -44,6 +44,7 @@ def _tiny_lm(pattern, **ttt) -> LM:
     cfg.titans.chunk_size = 4
     cfg.titans.memory = "mlp"
     cfg.deltanet.chunk_size = 3
+    cfg.lact.chunk_size, cfg.lact.window, cfg.lact.num_heads = 3, 4, 2
     cfg.rglru.chunk_size = 3
     cfg.mamba.chunk_size = 3
     cfg.mamba.d_state = 4

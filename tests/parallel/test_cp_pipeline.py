@@ -26,7 +26,7 @@ from tests.distributed import assert_within, spawn_checks
 from tests.parallel.test_context_parallel import _bounds, _leaf, _maxdiff, _sum_grads, _tiny_lm
 
 TOL = 1e-9
-STATE_PASSING_KINDS = ["ttt_linear", "ttt_mlp", "titans"]
+STATE_PASSING_KINDS = ["ttt_linear", "ttt_mlp", "titans", "lact"]
 HYBRID = ["attention", "ttt_linear", "rglru", "ttt_mlp", "deltanet", "titans"]
 T_OF = {2: 11, 4: 9}
 

@@ -41,6 +41,9 @@ def _cfg(pattern, d_ff=0, titans_memory="linear"):
     # chunks of 4 over 6 tokens: one full and one partial chunk in every chunked form
     cfg.ttt.mini_batch_size = 4
     cfg.deltanet.chunk_size = 4
+    # chunks of 2 over 6 tokens: two writes, so the momentum (zero before the first) reaches the output
+    cfg.lact.chunk_size, cfg.lact.window, cfg.lact.num_heads, cfg.lact.low_rank = 2, 3, 2, 2
+    cfg.lact.muon_dtype = "state"
     cfg.rglru.chunk_size = 4
     cfg.mamba.chunk_size = 4
     cfg.mamba.d_state = 4
@@ -101,7 +104,7 @@ def check_refusals():
 
 def _checks():
     out = [("fused_shards", check_fused_shards), ("refusals", check_refusals)]
-    for kind in ("deltanet", "rglru", "mamba", "titans", "titans_mag", "titans_mal", "titans_mac"):
+    for kind in ("deltanet", "rglru", "mamba", "titans", "titans_mag", "titans_mal", "titans_mac", "lact"):
         for sp in (False, True):
             out.append((f"{kind}{'_sp' if sp else ''}", lambda k=kind, s=sp: _lm_vs_single(_cfg([k], d_ff=24), s)))
     out.append(("titans_mlp_memory_sp", lambda: _lm_vs_single(_cfg(["titans"], titans_memory="mlp"), True)))

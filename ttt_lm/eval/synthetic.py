@@ -164,7 +164,7 @@ def apply_overrides(cfg: ModelConfig, overrides: Optional[Dict[str, str]]) -> Mo
 def build_tiny_lm(pattern: Sequence[str], vocab_size: int, n_layers: int = 2, d_model: int = 64,
                   n_heads: int = 2, max_seq_len: int = 4096, seed: int = 0,
                   overrides: Optional[Dict[str, str]] = None) -> LM:
-    """A small LM for synthetic tasks. Chunk/mini-batch sizes are 16 so that short training
+    """A small LM for synthetic tasks. Chunk/mini-batch sizes (and LaCT's window) are 16 so that short training
     sequences span several chunks; attention is global (``attention``) unless the pattern says
     ``local_attention``. ``overrides`` (:func:`apply_overrides`) change any other model option,
     e.g. {"ttt.pre_conv": "true"}."""
@@ -177,6 +177,8 @@ def build_tiny_lm(pattern: Sequence[str], vocab_size: int, n_layers: int = 2, d_
     cfg.ttt.mini_batch_size = 16
     cfg.titans.chunk_size = 16
     cfg.deltanet.chunk_size = 16
+    cfg.lact.chunk_size = 16
+    cfg.lact.window = 16
     cfg.mamba.chunk_size = 16
     return LM(apply_overrides(cfg, overrides))
 

@@ -1,6 +1,6 @@
 """Model configuration: one structured schema (dataclasses read by omegaconf), the single place a
 model's shape lives. Every mixer reads its own section (``ttt``, ``attention``, ``rglru``,
-``titans``, ``deltanet``, ``mamba``)."""
+``titans``, ``deltanet``, ``mamba``, ``lact``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -94,6 +94,24 @@ class MambaConfig:
 
 
 @dataclass
+class LaCTConfig:
+    """LaCT: large-chunk test-time training with SwiGLU fast weights and sliding-window attention
+    in one layer (Zhang et al. 2025); see ttt_lm/model/mixers/lact.py."""
+    num_heads: int = 4                  # fast-weight heads (each d_model / num_heads wide)
+    chunk_size: int = 2048              # tokens per fast-weight update
+    window: int = 2048                  # sliding window of the layer's attention (keys t-window+1..t)
+    inter_multi: float = 1.0            # fast-weight hidden width d_h = inter_multi × head width
+    low_rank: int = 0                   # > 0: initial w0, w2 = W_left W_right + 0.5·I of this rank; 0: full
+    fw_init_gain: float = 0.5           # gain of the low-rank factors' init
+    use_momentum: bool = True
+    use_muon: bool = False
+    muon_dtype: str = "bfloat16"        # dtype of the Newton–Schulz steps: bfloat16 (official) | state
+    prenorm: bool = False               # the official prenorm variant of the weight normalisation
+    base_lr: float = 0.001              # lr = softplus(W_lr x + softplus⁻¹(base_lr))
+    rope_theta: float = 10000.0
+
+
+@dataclass
 class ModelConfig:
     vocab_size: int = 4096
     d_model: int = 256
@@ -125,6 +143,7 @@ class ModelConfig:
     titans: TitansConfig = field(default_factory=TitansConfig)
     deltanet: DeltaNetConfig = field(default_factory=DeltaNetConfig)
     mamba: MambaConfig = field(default_factory=MambaConfig)
+    lact: LaCTConfig = field(default_factory=LaCTConfig)
 
     # ---- derived ---------------------------------------------------------------------------
     @property

@@ -9,7 +9,9 @@ LM head even when it is tied to the embedding (the head's matmul runs either way
 matrix W applied to one token costs 2·|W| FLOPs (a multiply and an add per entry); depthwise
 convolutions ([C, 1, K]) and a fast-weight mixer's initial state W_0 applied to the token cost the
 same 2·|W|. What a mixer does beyond that (attention scores, inner-model gradient steps, scans) is
-its own ``flops_per_token``. Norms, biases and elementwise gates are left out, as in Kaplan et al.
+its own ``flops_per_token``; a parameter whose per-token cost the mixer counts there itself (LaCT's
+initial fast weights, low-rank factors and per-channel scales) carries ``_flops_not_per_token``
+and is left out of N_matmul. Norms, biases and elementwise gates are left out, as in Kaplan et al.
 (2020) and the PaLM MFU convention.
 """
 from __future__ import annotations
@@ -33,7 +35,7 @@ def matmul_params(cfg: ModelConfig) -> int:
         model = LM(cfg)
     n = 0
     for name, p in model.named_parameters():  # tied weights are listed once, under embed
-        if p.ndim >= 2 and p is not model.embed.weight:
+        if p.ndim >= 2 and p is not model.embed.weight and not getattr(p, "_flops_not_per_token", False):
             n += p.numel()
     n += model.lm_head.weight.numel() if cfg.tie_embeddings else 0
     return n

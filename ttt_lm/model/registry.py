@@ -29,6 +29,7 @@ BUILTIN_KINDS: Dict[str, str] = {
     "deltanet": "ttt_lm.model.mixers.deltanet",
     "rglru": "ttt_lm.model.mixers.rglru",
     "mamba": "ttt_lm.model.mixers.mamba",
+    "lact": "ttt_lm.model.mixers.lact",
 }
 
 #: kind → class, filled by ``register_mixer`` as mixer modules are imported
