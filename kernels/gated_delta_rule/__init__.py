@@ -1,0 +1,46 @@
+r"""The gated delta rule (Yang, Kautz & Hatamizadeh 2025, "Gated Delta Networks: Improving Mamba2
+with Delta Rule"), the recurrence of Gated DeltaNet:
+
+    S_t = α_t S_{t−1} + β_t k_t (v_t − α_t S_{t−1}ᵀ k_t)ᵀ,     o_t = S_tᵀ q_t,     α_t = exp(g_t)
+
+``reference.py`` is the sequential specification; ``torch_chunk.py`` the chunkwise WY/UT form
+with the decay folded in, used for training on CPU. Every backend checks its inputs' shapes
+and dtypes at entry (``shapes.py``); the public function also checks g ≤ 0 and β ∈ [0, 1].
+Design notes: ``kernels/gated_delta_rule/README.md``.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from kernels.gated_delta_rule.reference import gated_delta_rule_reference
+from kernels.gated_delta_rule.shapes import check_gate_values, check_gated_delta_rule_inputs
+from kernels.gated_delta_rule.torch_chunk import gated_delta_rule_chunk_torch
+
+#: implementations ``gated_delta_rule`` can dispatch to
+BACKENDS = ("torch", "reference")
+
+
+def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     initial_state: Optional[torch.Tensor] = None, output_final_state: bool = False,
+                     backend: str = "torch", chunk_size: int = 64
+                     ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """q, k [B, H, T, d_k]; v [B, H, T, d_v]; g [B, H, T] the log decay (≤ 0); beta [B, H, T] in
+    [0, 1]; initial_state [B, H, d_k, d_v] or None.
+
+    Returns (o [B, H, T, d_v] in v's dtype, final state [B, H, d_k, d_v] in the accumulation
+    dtype — float32 for half inputs — or None unless ``output_final_state``). ``backend``: "torch"
+    (chunked, ``chunk_size`` tokens per chunk; the result does not depend on it) or "reference"
+    (sequential)."""
+    check_gated_delta_rule_inputs("gated_delta_rule", q, k, v, g, beta, initial_state, chunk_size)
+    if backend not in BACKENDS:
+        raise ValueError(f"gated_delta_rule: unknown backend {backend!r}; available: {list(BACKENDS)}")
+    if not torch.compiler.is_compiling():
+        check_gate_values("gated_delta_rule", g, beta)
+    if backend == "torch":
+        return gated_delta_rule_chunk_torch(q, k, v, g, beta, initial_state, output_final_state, chunk_size)
+    return gated_delta_rule_reference(q, k, v, g, beta, initial_state, output_final_state)
+
+
+__all__ = ["gated_delta_rule", "gated_delta_rule_reference", "gated_delta_rule_chunk_torch", "BACKENDS"]
