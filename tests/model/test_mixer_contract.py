@@ -21,6 +21,7 @@ def _cfg(kind):
     cfg.attention.window = 4
     cfg.ttt.mini_batch_size = 4
     cfg.deltanet.chunk_size = 3
+    cfg.gated_deltanet.chunk_size = 3
     cfg.rglru.chunk_size = 3
     cfg.mamba.chunk_size = 3
     return cfg
