@@ -99,13 +99,15 @@ def test_unknown_init_is_refused():
 
 PRESET_INIT = {"ttt_linear_": "ttt", "ttt_mlp_": "ttt", "tiny_ttt_": "ttt", "griffin_": "griffin",
                "hawk_": "griffin", "tiny_griffin": "griffin", "tiny_hawk": "griffin", "mamba_": "mamba",
-               "tiny_mamba": "mamba"}
+               "tiny_mamba": "mamba", "gated_deltanet_": "mamba", "tiny_gated_deltanet": "mamba",
+               "gdn_hybrid_": "mamba", "tiny_gdn_hybrid": "mamba"}
 
 
 @pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml"))),
                          ids=lambda p: os.path.basename(p))
 def test_presets_choose_their_official_init(path):
-    """The paper presets use their architecture's official init; the others (hybrids, the
+    """The paper presets use their architecture's official init (Gated DeltaNet's hybrids too:
+    the official hybrid code inits every layer as mamba_ssm does); the others (TTT hybrids, the
     Transformer, Titans, DeltaNet, the default tiny.yaml) keep gpt2."""
     name = os.path.basename(path)
     cfg = load_config(path)
