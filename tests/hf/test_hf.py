@@ -34,6 +34,7 @@ def tiny_cfg(pattern=LAYER_KINDS, **kw) -> ModelConfig:
     cfg.ttt.mini_batch_size = 4
     cfg.titans.chunk_size = 4
     cfg.deltanet.chunk_size = 4
+    cfg.gated_deltanet.chunk_size = 4
     cfg.mamba.chunk_size = 4
     return cfg
 
