@@ -4,7 +4,8 @@ with Delta Rule"), the recurrence of Gated DeltaNet:
     S_t = α_t S_{t−1} + β_t k_t (v_t − α_t S_{t−1}ᵀ k_t)ᵀ,     o_t = S_tᵀ q_t,     α_t = exp(g_t)
 
 ``reference.py`` is the sequential specification; ``torch_chunk.py`` the chunkwise WY/UT form
-with the decay folded in, used for training on CPU. Every backend checks its inputs' shapes
+with the decay folded in; ``chunk.py`` the same form as Triton kernels (forward and backward,
+variable-length batches via ``gated_delta_rule_triton(..., cu_seqlens=...)``). Every backend checks its inputs' shapes
 and dtypes at entry (``shapes.py``); the public function also checks g ≤ 0 and β ∈ [0, 1].
 Design notes: ``kernels/gated_delta_rule/README.md``.
 """
@@ -18,8 +19,13 @@ from kernels.gated_delta_rule.reference import gated_delta_rule_reference
 from kernels.gated_delta_rule.shapes import check_gate_values, check_gated_delta_rule_inputs
 from kernels.gated_delta_rule.torch_chunk import gated_delta_rule_chunk_torch
 
+try:
+    from kernels.gated_delta_rule.chunk import gated_delta_rule_triton
+except ImportError:  # no triton installed: the PyTorch forms still work
+    gated_delta_rule_triton = None
+
 #: implementations ``gated_delta_rule`` can dispatch to
-BACKENDS = ("torch", "reference")
+BACKENDS = ("torch", "reference") + (("triton",) if gated_delta_rule_triton is not None else ())
 
 
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -31,8 +37,9 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
 
     Returns (o [B, H, T, d_v] in v's dtype, final state [B, H, d_k, d_v] in the accumulation
     dtype — float32 for half inputs — or None unless ``output_final_state``). ``backend``: "torch"
-    (chunked, ``chunk_size`` tokens per chunk; the result does not depend on it) or "reference"
-    (sequential)."""
+    (chunked, ``chunk_size`` tokens per chunk; the result does not depend on it), "triton"
+    (``chunk.py``; d_k ≤ 128, d_v ≤ 256; kernel chunk a power of two in [16, 64] capped per dtype
+    and GPU as the delta rule's) or "reference" (sequential)."""
     check_gated_delta_rule_inputs("gated_delta_rule", q, k, v, g, beta, initial_state, chunk_size)
     if backend not in BACKENDS:
         raise ValueError(f"gated_delta_rule: unknown backend {backend!r}; available: {list(BACKENDS)}")
@@ -55,8 +62,11 @@ def gated_delta_rule_trusted(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 
 
 def _dispatch(q, k, v, g, beta, initial_state, output_final_state, backend, chunk_size):
+    if backend == "triton":
+        return gated_delta_rule_triton(q, k, v, g, beta, initial_state, output_final_state, chunk_size)
     if backend == "torch":
         return gated_delta_rule_chunk_torch(q, k, v, g, beta, initial_state, output_final_state, chunk_size)
     return gated_delta_rule_reference(q, k, v, g, beta, initial_state, output_final_state)
 
-__all__ = ["gated_delta_rule", "gated_delta_rule_trusted", "gated_delta_rule_reference", "gated_delta_rule_chunk_torch", "BACKENDS"]
+__all__ = ["gated_delta_rule", "gated_delta_rule_trusted", "gated_delta_rule_reference", "gated_delta_rule_chunk_torch",
+           "gated_delta_rule_triton", "BACKENDS"]

@@ -217,7 +217,13 @@ class GatedDeltaNet(Mixer):
         return self._run(x, state, output_state, "reference")
 
     def triton_unavailable(self):
-        return None if "triton" in _gdr.BACKENDS else f"kernels.gated_delta_rule has only {list(_gdr.BACKENDS)}"
+        if "triton" not in _gdr.BACKENDS:
+            return f"kernels.gated_delta_rule has only {list(_gdr.BACKENDS)}"
+        from kernels.gated_delta_rule.chunk import MAX_DK, MAX_DV
+        if self.dk > MAX_DK or self.dv > MAX_DV:
+            return (f"its Triton kernel takes d_k ≤ {MAX_DK} and d_v ≤ {MAX_DV}; this layer has d_k = {self.dk}, "
+                    f"d_v = {self.dv}")
+        return None
 
     def chunked(self, x, state=None, output_state=False):
         return self._run(x, state, output_state, self._resolve_backend(x))
