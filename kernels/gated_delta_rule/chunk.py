@@ -15,22 +15,22 @@ last entry:
     O  = diag(e^{γ}) Q S_n + (M ∘ Γ ∘ Q Kᵀ) Ṽ                       (M = tril(1))
     S_{n+1} = e^{γ_C} S_n + K_dᵀ Ṽ,       K_d = diag(e^{γ_C − γ}) K
 
-Kernels (each as the delta rule's, named the same; γ is recomputed from g wherever it is needed,
-a cumulative sum over the chunk's C entries):
-  ``_wy_inv``       T, by blocked forward substitution on 16 × 16 blocks of L.
-  ``_wy_fwd``       W and U.
-  ``_fwd_state``    the sweep over chunks: Ṽ = U − W S_n, S_{n+1} = e^{γ_C} S_n + K_dᵀ Ṽ.
-  ``_fwd_o``        O, chunk-parallel.
+Kernels (each the delta rule's kernel of the same name without ``_gdr``; γ is recomputed from g
+wherever it is needed, a cumulative sum over the chunk's C entries):
+  ``_gdr_wy_inv``       T, by blocked forward substitution on 16 × 16 blocks of L.
+  ``_gdr_wy_fwd``       W and U.
+  ``_gdr_fwd_state``    the sweep over chunks: Ṽ = U − W S_n, S_{n+1} = e^{γ_C} S_n + K_dᵀ Ṽ.
+  ``_gdr_fwd_o``        O, chunk-parallel.
 Backward, dS the gradient of the state at the end of the chunk:
-  ``_bwd_dv_local`` (M ∘ Γ ∘ Q Kᵀ)ᵀ dO.
-  ``_bwd_state``    chunks in reverse: dṼ = (M ∘ Γ ∘ Q Kᵀ)ᵀ dO + K_d dS;
+  ``_gdr_bwd_dv_local`` (M ∘ Γ ∘ Q Kᵀ)ᵀ dO.
+  ``_gdr_bwd_state``    chunks in reverse: dṼ = (M ∘ Γ ∘ Q Kᵀ)ᵀ dO + K_d dS;
                     dS ← e^{γ_C} dS + (diag(e^{γ}) Q)ᵀ dO − Wᵀ dṼ.
-  ``_bwd_dqk``      with dP = M ∘ Γ ∘ dO Ṽᵀ: dQ = diag(e^{γ}) dO S_nᵀ + dP K,
+  ``_gdr_bwd_dqk``      with dP = M ∘ Γ ∘ dO Ṽᵀ: dQ = diag(e^{γ}) dO S_nᵀ + dP K,
                     dK ∋ dPᵀ Q + diag(e^{γ_C − γ}) Ṽ dSᵀ, dW = −dṼ S_nᵀ, and the gradient of γ
                     from these terms: dγ_i ∋ e^{γ_i} q_i·(S_n dO_i) + Σ_j A_ij − Σ_j A_ji
                     (A = dP ∘ Q Kᵀ) − e^{γ_C − γ_i} k_i·(dS Ṽ_i), and dγ_C ∋ e^{γ_C} ⟨S_n, dS⟩ +
                     Σ_i e^{γ_C − γ_i} k_i·(dS Ṽ_i) (added to the chunk's last row).
-  ``_bwd_wy``       through W, U and T: dT = dW (β e^{γ} K)ᵀ + dU (βV)ᵀ, dL = −tril(Tᵀ dT Tᵀ, −1),
+  ``_gdr_bwd_wy``       through W, U and T: dT = dW (β e^{γ} K)ᵀ + dU (βV)ᵀ, dL = −tril(Tᵀ dT Tᵀ, −1),
                     dβ ∋ rowsum(dL ∘ K Kᵀ ∘ Γ) + …, dγ ∋ rowsum(B) − colsum(B) with
                     B = diag(β) dL ∘ K Kᵀ ∘ Γ, dγ_i ∋ β_i e^{γ_i} k_i·(Tᵀ dW)_i; then
                     dg = the reverse cumulative sum of dγ over the chunk (γ_i = Σ_{s≤i} g_s).
@@ -47,14 +47,22 @@ import triton
 import triton.language as tl
 
 from kernels._triton_utils import check_triton_device, device_arch, is_interpreting
+from kernels._triton_utils import INTERPRET_ARCH
+from kernels.delta_rule import chunk as _dr_chunk
 from kernels.delta_rule.chunk import (_TL, _IN_DTYPES, _acc_dtype, _chunk_info, _layout,
-                                      _mm, _pow2, _seq_info, _store_block, _unit_lower_inverse16, launch_meta)
+                                      _mm, _pow2, _seq_info, _store_block, _unit_lower_inverse16)
 from kernels.gated_delta_rule.shapes import check_gated_delta_rule_inputs
 
 #: head dims the kernels take (the state tile and the [C, d_k] operands are sized for these; the
 #: compile gate checks d_k = 64, 128 with d_v = d_k and 2·d_k)
 MAX_DK = 128
 MAX_DV = 256
+
+
+def launch_meta(DK: int, DV: int, dtype: torch.dtype, arch: int = INTERPRET_ARCH):
+    """Kernel chunk cap, tiles and warps per kernel (the keys of the delta rule's
+    ``launch_meta``): the delta rule's choice for the same head dims, dtype and GPU family."""
+    return _dr_chunk.launch_meta(DK, DV, dtype, arch)
 
 
 @triton.jit
@@ -101,7 +109,7 @@ def _lblock(k_i, b_i, g_i, k_j, g_j, PK: tl.constexpr, EMU: tl.constexpr):
 
 
 @triton.jit
-def _wy_inv(k, beta, g, Tm, cu_seqlens, chunk_offsets, chunk_indices, T, H,
+def _gdr_wy_inv(k, beta, g, Tm, cu_seqlens, chunk_offsets, chunk_indices, T, H,
             DK: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr,
             ACC: tl.constexpr, PK: tl.constexpr, PS: tl.constexpr, EMU: tl.constexpr):
     """T = (I + L)⁻¹ of one chunk by blocked forward substitution on 16 × 16 blocks
@@ -151,7 +159,7 @@ def _wy_inv(k, beta, g, Tm, cu_seqlens, chunk_offsets, chunk_indices, T, H,
 
 
 @triton.jit
-def _wy_fwd(k, v, beta, g, Tm, W, U, cu_seqlens, chunk_offsets, chunk_indices, T, H,
+def _gdr_wy_fwd(k, v, beta, g, Tm, W, U, cu_seqlens, chunk_offsets, chunk_indices, T, H,
             DK: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
             IS_VARLEN: tl.constexpr, ACC: tl.constexpr, PS: tl.constexpr, EMU: tl.constexpr):
     """W = T (β e^{γ} K) and U = T (βV) for one chunk and one block of BK key / BV value columns
@@ -181,7 +189,7 @@ def _wy_fwd(k, v, beta, g, Tm, W, U, cu_seqlens, chunk_offsets, chunk_indices, T
 
 
 @triton.jit
-def _fwd_state(k, g, W, U, Hs, VN, h0, ht, cu_seqlens, chunk_offsets, T, H,
+def _gdr_fwd_state(k, g, W, U, Hs, VN, h0, ht, cu_seqlens, chunk_offsets, T, H,
                DK: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                USE_H0: tl.constexpr, STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr,
                ACC: tl.constexpr, PS: tl.constexpr, EMU: tl.constexpr):
@@ -244,7 +252,7 @@ def _fwd_state(k, g, W, U, Hs, VN, h0, ht, cu_seqlens, chunk_offsets, T, H,
 
 
 @triton.jit
-def _fwd_o(q, k, g, VN, Hs, o, cu_seqlens, chunk_offsets, chunk_indices, T, H,
+def _gdr_fwd_o(q, k, g, VN, Hs, o, cu_seqlens, chunk_offsets, chunk_indices, T, H,
            DK: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
            IS_VARLEN: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr, PS: tl.constexpr,
            EMU: tl.constexpr):
@@ -279,12 +287,12 @@ def _fwd_o(q, k, g, VN, Hs, o, cu_seqlens, chunk_offsets, chunk_indices, T, H,
 
 
 @triton.jit
-def _bwd_dv_local(q, k, g, do, dVN, cu_seqlens, chunk_offsets, chunk_indices, T, H,
+def _gdr_bwd_dv_local(q, k, g, do, dVN, cu_seqlens, chunk_offsets, chunk_indices, T, H,
                   DK: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                   IS_VARLEN: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr, PS: tl.constexpr,
                   EMU: tl.constexpr):
     """The chunk-local part of dṼ, (M ∘ Γ ∘ Q Kᵀ)ᵀ dO (grid: chunks, H, d_v blocks), written to
-    dVN for ``_bwd_state`` to add K_d dS to."""
+    dVN for ``_gdr_bwd_state`` to add K_d dS to."""
     i_c, h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     c, row0, Tn, coff = _chunk_info(cu_seqlens, chunk_offsets, chunk_indices, i_c, h, T, H, C, IS_VARLEN)
     o_v = i_v * BV + tl.arange(0, BV)
@@ -309,7 +317,7 @@ def _bwd_dv_local(q, k, g, do, dVN, cu_seqlens, chunk_offsets, chunk_indices, T,
 
 
 @triton.jit
-def _bwd_state(q, k, g, W, do, dht, dHs, dVN, dh0, cu_seqlens, chunk_offsets, T, H,
+def _gdr_bwd_state(q, k, g, W, do, dht, dHs, dVN, dh0, cu_seqlens, chunk_offsets, T, H,
                DK: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, IS_VARLEN: tl.constexpr,
                ACC: tl.constexpr, PS: tl.constexpr, EMU: tl.constexpr):
@@ -373,13 +381,13 @@ def _bwd_state(q, k, g, W, do, dht, dHs, dVN, dh0, cu_seqlens, chunk_offsets, T,
 
 
 @triton.jit
-def _bwd_dqk(q, k, g, VN, do, dVN, Hs, dHs, dq, dk_part, dw, dg_part,
+def _gdr_bwd_dqk(q, k, g, VN, do, dVN, Hs, dHs, dq, dk_part, dw, dg_part,
              cu_seqlens, chunk_offsets, chunk_indices, T, H,
              DK: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
              IS_VARLEN: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr, PS: tl.constexpr,
              EMU: tl.constexpr):
     """Chunk-local gradients through the state and the intra-chunk attention, summed over d_v
-    blocks: dQ, the dK terms dPᵀ Q + K_d's (stored as dk_part), dW = −dṼ S_nᵀ (for ``_bwd_wy``)
+    blocks: dQ, the dK terms dPᵀ Q + K_d's (stored as dk_part), dW = −dṼ S_nᵀ (for ``_gdr_bwd_wy``)
     and the gradient of γ from these terms (dg_part; module docstring)."""
     i_c, h = tl.program_id(0), tl.program_id(1)
     c, row0, Tn, coff = _chunk_info(cu_seqlens, chunk_offsets, chunk_indices, i_c, h, T, H, C, IS_VARLEN)
@@ -437,13 +445,13 @@ def _bwd_dqk(q, k, g, VN, do, dVN, Hs, dHs, dq, dk_part, dw, dg_part,
 
 
 @triton.jit
-def _bwd_wy(k, v, beta, g, Tm, dVN, dk_part, dw, dg_part, dk, dv, dbeta, dg,
+def _gdr_bwd_wy(k, v, beta, g, Tm, dVN, dk_part, dw, dg_part, dk, dv, dbeta, dg,
             cu_seqlens, chunk_offsets, chunk_indices, T, H,
             DK: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
             IS_VARLEN: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr, PS: tl.constexpr,
             EMU: tl.constexpr):
     """Gradients through U = T (βV), W = T (β e^{γ} K) and T = (I + L)⁻¹ given dU = dṼ and dW
-    from ``_bwd_dqk``: writes dv, dβ, dk = dk_part + β e^{γ} Tᵀ dW + (dG + dGᵀ) K and
+    from ``_gdr_bwd_dqk``: writes dv, dβ, dk = dk_part + β e^{γ} Tᵀ dW + (dG + dGᵀ) K and
     dg = the reverse cumulative sum of dγ (dg_part plus the terms here)."""
     i_c, h = tl.program_id(0), tl.program_id(1)
     c, row0, Tn, coff = _chunk_info(cu_seqlens, chunk_offsets, chunk_indices, i_c, h, T, H, C, IS_VARLEN)
@@ -538,17 +546,17 @@ def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     ht = torch.empty(N, H, DK, DV, dtype=acc, device=k.device) if output_final_state else None
     cu = cu_seqlens
     if B * T > 0:
-        _wy_inv[(NC, H)](k, beta, g, Tm, cu, chunk_offsets, chunk_indices, T, H, DK=DK, BK=BK,
+        _gdr_wy_inv[(NC, H)](k, beta, g, Tm, cu, chunk_offsets, chunk_indices, T, H, DK=DK, BK=BK,
                          PK=mt["PREC"], PS=mt["PS"], num_warps=mt["warps_inv"], **common)
         BKW, BVW = mt["BKW"], mt["BVW"]
-        _wy_fwd[(NC, H, triton.cdiv(DK, BKW) + triton.cdiv(DV, BVW))](
+        _gdr_wy_fwd[(NC, H, triton.cdiv(DK, BKW) + triton.cdiv(DV, BVW))](
             k, v, beta, g, Tm, W, U, cu, chunk_offsets, chunk_indices, T, H, DK=DK, DV=DV, BK=BKW, BV=BVW,
             PS=mt["PS"], num_warps=mt["warps_wy"], **common)
-    _fwd_state[(NV, N * H)](k, g, W, U, Hs, VN, h0, ht, cu, chunk_offsets, T, H,
+    _gdr_fwd_state[(NV, N * H)](k, g, W, U, Hs, VN, h0, ht, cu, chunk_offsets, T, H,
                             DK=DK, DV=DV, BK=mt["BKS"], BV=BV, USE_H0=h0 is not None, STORE_HT=ht is not None,
                             PS=mt["PS"], num_warps=mt["warps_state"], **common)
     if B * T > 0:
-        _fwd_o[(NC, H, NV)](q, k, g, VN, Hs, o, cu, chunk_offsets, chunk_indices, T, H, DK=DK, DV=DV,
+        _gdr_fwd_o[(NC, H, NV)](q, k, g, VN, Hs, o, cu, chunk_offsets, chunk_indices, T, H, DK=DK, DV=DV,
                             BK=mt["BKS"], BV=BV, PREC=mt["PREC"], PS=mt["PS"], num_warps=mt["warps_o"], **common)
     if ht is None:
         ht = o.new_empty(0, dtype=acc)
@@ -594,10 +602,10 @@ def _bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     dVN = torch.empty_like(VN)
     dh0 = torch.empty(N, H, DK, DV, dtype=Hs.dtype, device=k.device) if has_h0 else None
     if B * T > 0:
-        _bwd_dv_local[(NC, H, NV)](q, k, g, do, dVN, cu, chunk_offsets, chunk_indices, T, H, DK=DK, DV=DV,
+        _gdr_bwd_dv_local[(NC, H, NV)](q, k, g, do, dVN, cu, chunk_offsets, chunk_indices, T, H, DK=DK, DV=DV,
                                    BK=mt["BKS"], BV=BV, PREC=mt["PREC"], PS=mt["PS"],
                                    num_warps=mt["warps_o"], **common)
-    _bwd_state[(NV, N * H)](q, k, g, W, do, dht, dHs, dVN, dh0, cu, chunk_offsets, T, H,
+    _gdr_bwd_state[(NV, N * H)](q, k, g, W, do, dht, dHs, dVN, dh0, cu, chunk_offsets, T, H,
                             DK=DK, DV=DV, BK=mt["BKS"], BV=BV, USE_DHT=dht is not None, STORE_DH0=has_h0,
                             PS=mt["PS"], num_warps=mt["warps_state"], **common)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -607,10 +615,10 @@ def _bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
         dk_part = torch.empty(B, H, T, DK, dtype=acc, device=k.device)
         dw = torch.empty_like(dk_part)
         dg_part = torch.empty(B, H, T, dtype=acc, device=k.device)
-        _bwd_dqk[(NC, H)](q, k, g, VN, do, dVN, Hs, dHs, dq, dk_part, dw, dg_part, cu, chunk_offsets,
+        _gdr_bwd_dqk[(NC, H)](q, k, g, VN, do, dVN, Hs, dHs, dq, dk_part, dw, dg_part, cu, chunk_offsets,
                           chunk_indices, T, H, DK=DK, DV=DV, BK=BK, BV=BV, PREC=mt["PREC"], PS=mt["PS"],
                           num_warps=mt["warps_chunk"], **common)
-        _bwd_wy[(NC, H)](k, v, beta, g, Tm, dVN, dk_part, dw, dg_part, dk, dv, dbeta, dg, cu, chunk_offsets,
+        _gdr_bwd_wy[(NC, H)](k, v, beta, g, Tm, dVN, dk_part, dw, dg_part, dk, dv, dbeta, dg, cu, chunk_offsets,
                          chunk_indices, T, H, DK=DK, DV=DV, BK=mt["BKS"], BV=BV, PREC=mt["PREC"], PS=mt["PS"],
                          num_warps=mt["warps_chunk"], **common)
     dh0 = dh0.to(h0_dtype) if dh0 is not None else q.new_empty(0)
