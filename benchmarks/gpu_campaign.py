@@ -38,9 +38,11 @@ from typing import List, Sequence, Tuple
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 
-KERNEL_OPS = ["linear_scan", "delta_rule", "titans_linear", "ttt_linear", "ttt_mlp", "selective_scan"]
-ARCHS = ["transformer", "ttt_linear", "ttt_mlp", "hybrid", "griffin", "deltanet", "mamba", "titans_lmm"]
-RECURRENT = ["ttt_linear", "ttt_mlp", "hybrid", "griffin", "deltanet", "mamba", "titans_lmm"]
+KERNEL_OPS = ["linear_scan", "delta_rule", "gated_delta_rule", "titans_linear", "ttt_linear", "ttt_mlp", "selective_scan"]
+ARCHS = ["transformer", "ttt_linear", "ttt_mlp", "hybrid", "griffin", "deltanet", "gated_deltanet", "gdn_hybrid",
+         "mamba", "titans_lmm"]
+RECURRENT = ["ttt_linear", "ttt_mlp", "hybrid", "griffin", "deltanet", "gated_deltanet", "gdn_hybrid", "mamba",
+             "titans_lmm"]
 
 
 def _presets(archs: Sequence[str]) -> List[Path]:

@@ -61,8 +61,22 @@ MAX_DV = 256
 
 def launch_meta(DK: int, DV: int, dtype: torch.dtype, arch: int = INTERPRET_ARCH):
     """Kernel chunk cap, tiles and warps per kernel (the keys of the delta rule's
-    ``launch_meta``): the delta rule's choice for the same head dims, dtype and GPU family."""
-    return _dr_chunk.launch_meta(DK, DV, dtype, arch)
+    ``launch_meta``): the delta rule's choice for the same head dims, dtype and GPU family, with
+    two changes that the compile gate (``python -m kernels.compile_report --op gated_delta_rule``)
+    called for, the decay's extra [C] vectors and [C, C] factors holding more registers:
+
+    * float32 on sm_90: the state and backward kernels take 8 warps, not 4 (with 4, ptxas spilled
+      36–104 bytes in ``_gdr_bwd_wy`` and ``_gdr_bwd_dqk`` at 255 registers, and 4 bytes in
+      ``_gdr_bwd_state`` at d_k = 128), as the delta rule's state kernels do on sm_80;
+    * half inputs on sm_80: ``_gdr_wy_fwd`` takes 32-wide column blocks, not 64 (4 bytes spilled
+      in its packed-batch form)."""
+    mt = dict(_dr_chunk.launch_meta(DK, DV, dtype, arch))
+    half = dtype in (torch.bfloat16, torch.float16)
+    if not half and arch >= 90:
+        mt.update(warps_state=8, warps_chunk=8)
+    if half and arch < 90:
+        mt.update(BKW=min(mt["BKW"], 32), BVW=min(mt["BVW"], 32))
+    return mt
 
 
 @triton.jit
@@ -575,7 +589,7 @@ def _(q, k, v, g, beta, initial_state, cu_seqlens, C, arch, output_final_state):
     U = k.new_empty(B, H, T, DV, dtype=acc)
     Hs = k.new_empty(torch.sym_max(NC, 1), H, DK, DV, dtype=acc)
     ht = k.new_empty(N, H, DK, DV, dtype=acc) if output_final_state else k.new_empty(0, dtype=acc)
-    return torch.empty_like(v), ht, Tm, W, U, Hs
+    return v.new_empty(B, H, T, DV), ht, Tm, W, U, Hs   # contiguous, as the real o
 
 
 @torch.library.custom_op("kernels::gated_delta_rule_bwd", mutates_args=())
@@ -584,9 +598,11 @@ def _bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
             dht: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], C: int, arch: int,
             h0_dtype: Optional[torch.dtype]
             ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq, dk, dv, dg, dbeta, d initial_state ([0] when there is none)."""
+    """dq, dk, dv, dg, dbeta, d initial_state ([0] when there is none); each input's gradient in
+    that input's memory layout (strides), as the fake implementation and autograd expect."""
     cu = cu_seqlens
-    q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
+    given = (q, k, v, g, beta)
+    q, k, v, g, beta = (t.contiguous() for t in given)
     mt = launch_meta(k.shape[-1], v.shape[-1], q.dtype, arch)
     BK, BV = mt["BK"], mt["BV"]
     B, H, T, DK = k.shape
@@ -622,6 +638,8 @@ def _bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
                          chunk_indices, T, H, DK=DK, DV=DV, BK=mt["BKS"], BV=BV, PREC=mt["PREC"], PS=mt["PS"],
                          num_warps=mt["warps_chunk"], **common)
     dh0 = dh0.to(h0_dtype) if dh0 is not None else q.new_empty(0)
+    dq, dk, dv, dg, dbeta = (d if x.is_contiguous() else torch.empty_like(x).copy_(d)
+                             for x, d in zip(given, (dq, dk, dv, dg, dbeta)))
     return dq, dk, dv, dg, dbeta, dh0
 
 
@@ -680,8 +698,7 @@ def gated_delta_rule_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
         cu_seqlens = _check_cu_seqlens(cu_seqlens, T, k.device)
     arch = device_arch(q.device)
     C = min(launch_meta(DK, DV, q.dtype, arch)["C"], _pow2(chunk_size))
-    q, k, v, beta = (t.contiguous() for t in (q, k, v, beta))
-    g = g.to(_acc_dtype(k)).contiguous()
+    g = g.to(_acc_dtype(k))   # made contiguous inside the op: its gradient keeps g's layout
     o, ht = _fwd_op(q, k, v, g, beta, initial_state, cu_seqlens, C, arch, output_final_state)[:2]
     return o, (ht if output_final_state else None)
 

@@ -203,9 +203,8 @@ class GatedDeltaNet(Mixer):
 
     def output(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         B, H, T, D = y.shape
-        gate = self.g_proj(x).view(B, T, H, D)
-        y = self.o_norm(y.transpose(1, 2).to(x.dtype)) * F.silu(gate)
-        return self.o_proj(y.reshape(B, T, H * D))
+        y = self.o_norm(y.transpose(1, 2).to(x.dtype)).reshape(B, T, H * D)
+        return self.o_proj(y * F.silu(self.g_proj(x)))
 
     def _run(self, x, state, output_state, backend):
         inp, carry = self.inputs(x, state, output_state)
