@@ -67,13 +67,16 @@ def launch_meta(DK: int, DV: int, dtype: torch.dtype, arch: int = INTERPRET_ARCH
 
     * float32 on sm_90: the state and backward kernels take 8 warps, not 4 (with 4, ptxas spilled
       36–104 bytes in ``_gdr_bwd_wy`` and ``_gdr_bwd_dqk`` at 255 registers, and 4 bytes in
-      ``_gdr_bwd_state`` at d_k = 128), as the delta rule's state kernels do on sm_80;
+      ``_gdr_bwd_state`` at d_k = 128), as the delta rule's state kernels do on sm_80, and
+      ``_gdr_bwd_wy`` walks d_v in blocks of 16 (``BV_bwd_wy``; with 32, at d_k = 64, it still
+      spilled 40 bytes at 8 warps; 16 warps cap a thread at 128 registers and spilled ~300);
     * half inputs on sm_80: ``_gdr_wy_fwd`` takes 32-wide column blocks, not 64 (4 bytes spilled
       in its packed-batch form)."""
     mt = dict(_dr_chunk.launch_meta(DK, DV, dtype, arch))
     half = dtype in (torch.bfloat16, torch.float16)
+    mt.update(warps_bwd_wy=mt["warps_chunk"], BV_bwd_wy=mt["BV"])
     if not half and arch >= 90:
-        mt.update(warps_state=8, warps_chunk=8)
+        mt.update(warps_state=8, warps_chunk=8, warps_bwd_wy=8, BV_bwd_wy=min(mt["BV"], 16))
     if half and arch < 90:
         mt.update(BKW=min(mt["BKW"], 32), BVW=min(mt["BVW"], 32))
     return mt
@@ -635,8 +638,9 @@ def _bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
                           chunk_indices, T, H, DK=DK, DV=DV, BK=BK, BV=BV, PREC=mt["PREC"], PS=mt["PS"],
                           num_warps=mt["warps_chunk"], **common)
         _gdr_bwd_wy[(NC, H)](k, v, beta, g, Tm, dVN, dk_part, dw, dg_part, dk, dv, dbeta, dg, cu, chunk_offsets,
-                         chunk_indices, T, H, DK=DK, DV=DV, BK=mt["BKS"], BV=BV, PREC=mt["PREC"], PS=mt["PS"],
-                         num_warps=mt["warps_chunk"], **common)
+                         chunk_indices, T, H, DK=DK, DV=DV, BK=mt["BKS"], BV=mt["BV_bwd_wy"], PREC=mt["PREC"],
+                         PS=mt["PS"],
+                         num_warps=mt["warps_bwd_wy"], **common)
     dh0 = dh0.to(h0_dtype) if dh0 is not None else q.new_empty(0)
     dq, dk, dv, dg, dbeta = (d if x.is_contiguous() else torch.empty_like(x).copy_(d)
                              for x, d in zip(given, (dq, dk, dv, dg, dbeta)))

@@ -64,8 +64,8 @@ def _launches(arch: int, dt: str, tdt: torch.dtype, dk: int, dv: int, varlen: bo
               PS=mt["PS"]), mt["warps_chunk"]),
         (chunk._gdr_bwd_wy, {**io("k", "v", "beta"), **acc("g", "Tm", "dVN", "dk_part", "dw", "dg_part"),
                              **io("dk", "dv", "dbeta"), **acc("dg"), **ints},
-         dict(base, chunk_indices=None, DK=dk, DV=dv, BK=mt["BKS"], BV=mt["BV"], PREC=mt["PREC"],
-              PS=mt["PS"]), mt["warps_chunk"]),
+         dict(base, chunk_indices=None, DK=dk, DV=dv, BK=mt["BKS"], BV=mt["BV_bwd_wy"], PREC=mt["PREC"],
+              PS=mt["PS"]), mt["warps_bwd_wy"]),
     ]
     out = []
     for fn, sig, cex, warps in entries:
