@@ -1,7 +1,7 @@
 """How the cost of each recurrent mixer's PyTorch form grows with the sequence length.
 
 For every recurrent mixer (TTT-Linear, TTT-MLP, Titans with linear and with MLP memory, DeltaNet,
-Mamba, RG-LRU), built at d_model 256 with 4 heads and its config's chunk size, forward+backward of
+Gated DeltaNet, Mamba, RG-LRU), built at d_model 256 with 4 heads and its config's chunk size, forward+backward of
 one sequence of T tokens through the mixer's chunked PyTorch form (``kernel_backend="torch"``) is
 timed at T = 2k, 4k, 8k on the CPU, and the slope of log(time) against log(T) is fitted by least
 squares. A form whose cost is linear in T has slope 1; a chunk loop whose backward allocates a
@@ -43,12 +43,13 @@ MIXERS = {
     "titans_linear": ("titans", {"memory": "linear"}),
     "titans_mlp": ("titans", {"memory": "mlp"}),
     "deltanet": ("deltanet", {}),
+    "gated_deltanet": ("gated_deltanet", {}),
     "mamba": ("mamba", {}),
     "rglru": ("rglru", {}),
     "lact_op": (None, {"chunk_size": 256}),
 }
 _SUB = {"ttt_linear": "ttt", "ttt_mlp": "ttt", "titans": "titans", "deltanet": "deltanet",
-        "mamba": "mamba", "rglru": "rglru"}
+        "gated_deltanet": "gated_deltanet", "mamba": "mamba", "rglru": "rglru"}
 
 
 class LaCTOp(torch.nn.Module):

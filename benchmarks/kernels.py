@@ -165,6 +165,28 @@ def delta_rule_bench(B: int, T: int, H: int, D: int, dtype: torch.dtype, device:
     return Bench(inputs=inputs, forms=forms, min_bytes_fwd=4 * n, min_bytes_fwd_bwd=11 * n)
 
 
+@register("gated_delta_rule")
+def gated_delta_rule_bench(B: int, T: int, H: int, D: int, dtype: torch.dtype, device: str) -> Bench:
+    """Gated DeltaNet's S_t = α_t (I − β_t k_t k_tᵀ) S_{t−1} + β_t k_t v_tᵀ, o_t = S_tᵀ q_t,
+    α_t = exp(g_t); L2-normalized q, k; d_v = d_k = D here (flash-linear-attention's
+    ``chunk_gated_delta_rule`` beside it, with its query scale set to 1 so both compute the same)."""
+    from kernels.gated_delta_rule import gated_delta_rule
+
+    q, k, v = _qkv(B, H, T, D, dtype, device, normalize_k=True)
+    g = (-0.1 * torch.rand(B, H, T, device=device)).requires_grad_()
+    beta = torch.rand(B, H, T, device=device).to(dtype).requires_grad_()
+    n = B * H * T * D * torch.finfo(dtype).bits // 8
+    forms = {f: (lambda f=f: gated_delta_rule(q, k, v, g, beta, backend=f, chunk_size=64)[:1])
+             for f in ("triton", "torch")}
+    inputs = [q, k, v, g, beta]
+    fla = _fla_op("gated_delta_rule", "chunk_gated_delta_rule", device)
+    if fla is not None:
+        fq, fk, fv, fg, fbeta = _bthd_leaves(q, k, v, g, beta)
+        forms["fla chunk_gated_delta_rule"] = lambda: fla(fq, fk, fv, fg, fbeta, scale=1.0)[:1]
+        inputs += [fq, fk, fv, fg, fbeta]
+    return Bench(inputs=inputs, forms=forms, min_bytes_fwd=4 * n, min_bytes_fwd_bwd=11 * n)
+
+
 @register("titans_linear", folder="titans")
 def titans_linear_bench(B: int, T: int, H: int, D: int, dtype: torch.dtype, device: str) -> Bench:
     """Titans' linear memory with momentum and forgetting, chunks of 64 tokens."""

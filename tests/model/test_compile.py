@@ -15,6 +15,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from kernels.delta_rule import delta_rule
 from kernels.delta_rule.chunk import delta_rule_triton
+from kernels.gated_delta_rule import gated_delta_rule
+from kernels.gated_delta_rule.chunk import gated_delta_rule_triton
 from kernels.linear_scan import linear_scan
 from kernels.linear_scan.chunk import linear_scan_triton
 from kernels.selective_scan import selective_scan
@@ -91,6 +93,17 @@ def _delta_rule_case(g):
         (q, k, v, beta, h0)
 
 
+def _gated_delta_rule_case(g):
+    q, k = (torch.nn.functional.normalize(torch.randn(1, 2, 20, 16, generator=g, dtype=torch.float64), dim=-1)
+            for _ in range(2))
+    v = torch.randn(1, 2, 20, 16, generator=g, dtype=torch.float64)
+    lg = -torch.rand(1, 2, 20, generator=g, dtype=torch.float64)
+    beta = torch.rand(1, 2, 20, generator=g, dtype=torch.float64)
+    h0 = torch.randn(1, 2, 16, 16, generator=g, dtype=torch.float64)
+    return (lambda q, k, v, lg, beta, h0: gated_delta_rule(q, k, v, lg, beta, h0, True, backend="triton",
+                                                           chunk_size=16)), (q, k, v, lg, beta, h0)
+
+
 def _titans_case(g):
     q, k = (torch.nn.functional.normalize(torch.randn(1, 2, 20, 16, generator=g, dtype=torch.float64), dim=-1)
             for _ in range(2))
@@ -149,6 +162,7 @@ def _selective_scan_case(g):
 CUSTOM_OPS = {
     "kernels.linear_scan_fwd.default": _linear_scan_case,
     "kernels.delta_rule_fwd.default": _delta_rule_case,
+    "kernels.gated_delta_rule_fwd.default": _gated_delta_rule_case,
     "kernels.titans_linear_fwd.default": _titans_case,
     "kernels.ttt_linear_fwd.default": _ttt_linear_case,
     "kernels.ttt_mlp_fwd.default": _ttt_mlp_case,
@@ -181,6 +195,7 @@ def test_triton_op_is_one_custom_op_node(node):
 BLOCKS = {
     "rglru": ("kernels.linear_scan_fwd.default", "aten.nonzero"),   # document resets read on the host
     "deltanet": ("kernels.delta_rule_fwd.default", None),
+    "gated_deltanet": ("kernels.gated_delta_rule_fwd.default", None),
     "titans": ("kernels.titans_linear_fwd.default", None),
     "ttt_linear": ("kernels.ttt_linear_fwd.default", None),
     "ttt_mlp": ("kernels.ttt_mlp_fwd.default", None),
@@ -216,7 +231,9 @@ def test_packed_sequences_compile_like_eager():
         return out, st["W1"], st["b1"], st["grad_W1"]
     cases = [(lambda q, k, v, beta: delta_rule_triton(q, k, v, beta, None, True, 16, cu_seqlens=cu), (q, k, v, beta)),
              (lambda la, b: linear_scan(la, b, None, True, backend="triton", chunk_size=8, cu_seqlens=cu), (la, b)),
-             (titans, (q, k, v, theta, log_eta, log_keep)), (ttt, _ttt_inputs(g, False))]
+             (titans, (q, k, v, theta, log_eta, log_keep)), (ttt, _ttt_inputs(g, False)),
+             (lambda q, k, v, lg, beta: gated_delta_rule_triton(q, k, v, lg, beta, None, True, 16, cu_seqlens=cu),
+              (q, k, v, -theta, beta))]
 
     def run(fn, inputs):
         leaves = [x.clone().requires_grad_() for x in inputs]
@@ -290,7 +307,7 @@ def test_custom_op_registrations_pass_opcheck(node):
 
 def test_entry_points_are_not_compiler_disabled():
     """Every Triton entry point is traced (the op inside it is the custom-op node), none skipped."""
-    for fn in (delta_rule_triton, linear_scan_triton, selective_scan_triton, titans_linear_triton,
+    for fn in (delta_rule_triton, gated_delta_rule_triton, linear_scan_triton, selective_scan_triton, titans_linear_triton,
                ttt_linear_triton, ttt_mlp_triton):
         assert not getattr(fn, "_torchdynamo_disable", False), fn.__name__
 

@@ -53,3 +53,17 @@ def test_mamba_without_a_triton_scan_fails_loudly_under_triton():
         assert _model("tiny_mamba").kernel_backends("cuda")["mamba"] == "torch"
         with pytest.raises(ValueError, match=r"layer kind 'mamba'.*selective_scan has no Triton kernel"):
             m.kernel_backends("cuda")
+
+
+def test_gated_deltanet_backend_follows_the_op():
+    """Gated DeltaNet runs kernels.gated_delta_rule: Triton on CUDA under auto when the op lists a
+    Triton backend, PyTorch otherwise; kernel_backend=triton without one fails naming the layer."""
+    import kernels.gated_delta_rule as gdr
+    m = _model("tiny_gated_deltanet")
+    if "triton" in gdr.BACKENDS:
+        assert m.kernel_backends("cuda")["gated_deltanet"] == "triton"
+    else:
+        assert m.kernel_backends("cuda")["gated_deltanet"] == "torch"
+        with pytest.raises(ValueError, match=r"layer kind 'gated_deltanet'.*gated_delta_rule has only"):
+            _model("tiny_gated_deltanet", "model.kernel_backend=triton").kernel_backends("cuda")
+    assert m.kernel_backends("cpu")["gated_deltanet"] == "torch"

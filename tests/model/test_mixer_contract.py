@@ -22,6 +22,7 @@ def _cfg(kind):
     cfg.ttt.mini_batch_size = 4
     cfg.deltanet.chunk_size = 3
     cfg.lact.chunk_size, cfg.lact.window, cfg.lact.num_heads = 3, 4, 2
+    cfg.gated_deltanet.chunk_size = 3
     cfg.rglru.chunk_size = 3
     cfg.mamba.chunk_size = 3
     return cfg

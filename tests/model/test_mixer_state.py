@@ -22,6 +22,7 @@ KINDS = [
     ("titans_mal", {"titans": {"chunk_size": 4, "window": 3, "persistent_tokens": 2}}),
     ("titans_mac", {"titans": {"chunk_size": 4, "segment_len": 4, "persistent_tokens": 2}}),
     ("deltanet", {}),
+    ("gated_deltanet", {}),
     ("rglru", {"rglru": {"chunk_size": 4}}),
     ("mamba", {"mamba": {"d_state": 4}}),
     ("lact", {"lact": {"chunk_size": 2, "window": 3, "num_heads": 2, "low_rank": 2, "use_muon": True,

@@ -28,7 +28,7 @@ from tests.distributed import assert_within, spawn_checks
 
 TOL = 1e-9
 LM_PATTERN = ["attention", "rglru", "ttt_linear", "deltanet", "local_attention", "ttt_mlp",
-              "titans", "mamba", "titans_mag"]
+              "titans", "mamba", "titans_mag", "gated_deltanet"]
 
 
 def _tiny_lm(pattern, **ttt) -> LM:
@@ -45,6 +45,7 @@ def _tiny_lm(pattern, **ttt) -> LM:
     cfg.titans.memory = "mlp"
     cfg.deltanet.chunk_size = 3
     cfg.lact.chunk_size, cfg.lact.window, cfg.lact.num_heads = 3, 4, 2
+    cfg.gated_deltanet.chunk_size = 3
     cfg.rglru.chunk_size = 3
     cfg.mamba.chunk_size = 3
     cfg.mamba.d_state = 4
@@ -115,6 +116,30 @@ def check_delta_rule(rank, world, T):
     o_r, S_r = cp.cp_delta_rule(*loc, backend="torch", chunk_size=2)
     (o_r * w[:, :, s:e]).sum().backward()
     _, S_full_here = delta_rule(q[:, :, :e], k[:, :, :e], v[:, :, :e], beta[:, :, :e], None, True, backend="reference")
+    err = max(_maxdiff(o_r, o[:, :, s:e]), _maxdiff(S_r, S_full_here))
+    for a, f in zip(loc, full):
+        err = max(err, _maxdiff(a.grad, f.grad[:, :, s:e]))
+    return err
+
+
+def check_gated_delta_rule(rank, world, T):
+    g = torch.Generator().manual_seed(2)
+    B, H, dk, dv = 1, 2, 4, 3
+    q = torch.randn(B, H, T, dk, generator=g, dtype=torch.float64)
+    k = F.normalize(torch.randn(B, H, T, dk, generator=g, dtype=torch.float64), dim=-1)
+    v = torch.randn(B, H, T, dv, generator=g, dtype=torch.float64)
+    lg = -0.3 * torch.rand(B, H, T, generator=g, dtype=torch.float64)
+    beta = torch.sigmoid(torch.randn(B, H, T, generator=g, dtype=torch.float64))
+    w = torch.randn(B, H, T, dv, generator=g, dtype=torch.float64)
+    full = [_leaf(t) for t in (q, k, v, lg, beta)]
+    from kernels.gated_delta_rule import gated_delta_rule
+    o, _ = gated_delta_rule(*full, backend="reference")
+    (o * w).sum().backward()
+    s, e = _bounds(T, world, rank)
+    loc = [_leaf(t[:, :, s:e]) for t in (q, k, v, lg, beta)]
+    o_r, S_r = cp.cp_gated_delta_rule(*loc, backend="torch", chunk_size=2)
+    (o_r * w[:, :, s:e]).sum().backward()
+    _, S_full_here = gated_delta_rule(*(t[:, :, :e] for t in (q, k, v, lg, beta)), None, True, backend="reference")
     err = max(_maxdiff(o_r, o[:, :, s:e]), _maxdiff(S_r, S_full_here))
     for a, f in zip(loc, full):
         err = max(err, _maxdiff(a.grad, f.grad[:, :, s:e]))
@@ -220,10 +245,12 @@ def _checks(rank, world):
     T = T_OF[world]
     out = {"linear_scan": lambda: check_linear_scan(rank, world, T),
            "delta_rule": lambda: check_delta_rule(rank, world, T),
+           "gated_delta_rule": lambda: check_gated_delta_rule(rank, world, T),
            "block_state_passing": lambda: check_state_passing_block(rank, world, T),
            "lm": lambda: check_lm(rank, world, T),
            # the sequential forms (impl="reference") of the mixers with a parallel form
-           "lm_reference": lambda: check_lm(rank, world, T, ["local_attention", "rglru", "deltanet", "mamba"],
+           "lm_reference": lambda: check_lm(rank, world, T, ["local_attention", "rglru", "deltanet", "mamba",
+                                                              "gated_deltanet"],
                                             "reference"),
            # the loader's positions through the whole LM: RG-LRU resets on several ranks
            "lm_positions": lambda: check_lm(rank, world, T, LM_PATTERN, position_ids=_packed_positions(T)),
@@ -258,6 +285,13 @@ def test_delta_rule_summaries(results):
     """Delta rule: (P_r = Π(I − β k kᵀ), S_loc) summaries, exclusive scan, rerun; outputs,
     the state after each slice, gradients of q, k, v, β."""
     _assert_check(results, "delta_rule")
+
+
+@pytest.mark.dist
+def test_gated_delta_rule_summaries(results):
+    """Gated delta rule: (P_r = Π α (I − β k kᵀ), S_loc) summaries, exclusive scan, rerun;
+    outputs, the state after each slice, gradients of q, k, v, g, β."""
+    _assert_check(results, "gated_delta_rule")
 
 
 @pytest.mark.dist

@@ -1,4 +1,4 @@
-"""Tensor (and sequence) parallelism of DeltaNet, RG-LRU, Mamba, the Titans variants and a hybrid of every TP-ready
+"""Tensor (and sequence) parallelism of DeltaNet, Gated DeltaNet, RG-LRU, Mamba, the Titans variants and a hybrid of every TP-ready
 kind against the single-process model, with two real gloo processes on CPU (and one check of
 TP=2 × DP=2 on four).
 
@@ -44,6 +44,7 @@ def _cfg(pattern, d_ff=0, titans_memory="linear"):
     # chunks of 2 over 6 tokens: two writes, so the momentum (zero before the first) reaches the output
     cfg.lact.chunk_size, cfg.lact.window, cfg.lact.num_heads, cfg.lact.low_rank = 2, 3, 2, 2
     cfg.lact.muon_dtype = "state"
+    cfg.gated_deltanet.chunk_size = 4
     cfg.rglru.chunk_size = 4
     cfg.mamba.chunk_size = 4
     cfg.mamba.d_state = 4
@@ -104,7 +105,8 @@ def check_refusals():
 
 def _checks():
     out = [("fused_shards", check_fused_shards), ("refusals", check_refusals)]
-    for kind in ("deltanet", "rglru", "mamba", "titans", "titans_mag", "titans_mal", "titans_mac", "lact"):
+    for kind in ("deltanet", "gated_deltanet", "rglru", "mamba", "titans", "titans_mag", "titans_mal",
+                 "titans_mac", "lact"):
         for sp in (False, True):
             out.append((f"{kind}{'_sp' if sp else ''}", lambda k=kind, s=sp: _lm_vs_single(_cfg([k], d_ff=24), s)))
     out.append(("titans_mlp_memory_sp", lambda: _lm_vs_single(_cfg(["titans"], titans_memory="mlp"), True)))
@@ -115,7 +117,7 @@ def _checks():
 
 
 #: every TP-ready kind in one model
-HYBRID = ["deltanet", "rglru", "mamba", "titans", "titans_mag", "titans_mal", "titans_mac", "attention",
+HYBRID = ["deltanet", "gated_deltanet", "rglru", "mamba", "titans", "titans_mag", "titans_mal", "titans_mac", "attention",
           "local_attention", "ttt_linear"]
 
 

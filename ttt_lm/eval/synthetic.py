@@ -179,6 +179,7 @@ def build_tiny_lm(pattern: Sequence[str], vocab_size: int, n_layers: int = 2, d_
     cfg.deltanet.chunk_size = 16
     cfg.lact.chunk_size = 16
     cfg.lact.window = 16
+    cfg.gated_deltanet.chunk_size = 16
     cfg.mamba.chunk_size = 16
     return LM(apply_overrides(cfg, overrides))
 

@@ -1,6 +1,6 @@
 """Model configuration: one structured schema (dataclasses read by omegaconf), the single place a
 model's shape lives. Every mixer reads its own section (``ttt``, ``attention``, ``rglru``,
-``titans``, ``deltanet``, ``mamba``, ``lact``)."""
+``titans``, ``deltanet``, ``gated_deltanet``, ``mamba``, ``lact``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -81,6 +81,17 @@ class DeltaNetConfig:
 
 
 @dataclass
+class GatedDeltaNetConfig:
+    """Gated DeltaNet (Yang, Kautz & Hatamizadeh 2025); shapes as its official code builds them:
+    key width expand_k·d_model, value width expand_v·d_model, split into num_heads heads."""
+    num_heads: Optional[int] = None     # None = model.n_heads
+    expand_k: float = 0.75              # q/k width = expand_k · d_model (official: 0.75)
+    expand_v: float = 1.5               # v / gate / o_proj width = expand_v · d_model (official: 1.5)
+    conv_width: int = 4                 # short causal conv on q/k/v (0 = none)
+    chunk_size: int = 64
+
+
+@dataclass
 class MambaConfig:
     """Mamba selective SSM (Gu & Dao 2023)."""
     d_state: int = 16
@@ -142,6 +153,7 @@ class ModelConfig:
     rglru: RGLRUConfig = field(default_factory=RGLRUConfig)
     titans: TitansConfig = field(default_factory=TitansConfig)
     deltanet: DeltaNetConfig = field(default_factory=DeltaNetConfig)
+    gated_deltanet: GatedDeltaNetConfig = field(default_factory=GatedDeltaNetConfig)
     mamba: MambaConfig = field(default_factory=MambaConfig)
     lact: LaCTConfig = field(default_factory=LaCTConfig)
 

@@ -27,6 +27,7 @@ BUILTIN_KINDS: Dict[str, str] = {
     "titans_mac": "ttt_lm.model.mixers.titans",
     "titans_mal": "ttt_lm.model.mixers.titans",
     "deltanet": "ttt_lm.model.mixers.deltanet",
+    "gated_deltanet": "ttt_lm.model.mixers.gated_deltanet",
     "rglru": "ttt_lm.model.mixers.rglru",
     "mamba": "ttt_lm.model.mixers.mamba",
     "lact": "ttt_lm.model.mixers.lact",

@@ -15,7 +15,9 @@ Three schemes, each exact (outputs and gradients equal one pass over the whole s
   S_out = P_r S_in + S^loc(r) with P_r = Π_t (I − β_t k_t k_tᵀ) ∈ R^{d_k×d_k} per head. One run
   of the op on the values [v, 0] from the initial state [0, I] yields [S^loc(r), P_r]; the
   exclusive scan S_in(r) = P_{r−1} S_in(r−1) + S^loc(r−1) runs over the gathered summaries; a
-  second run from S_in(r) gives the outputs.
+  second run from S_in(r) gives the outputs. The gated delta rule
+  S_t = α_t (I − β_t k_t k_tᵀ) S_{t−1} + β_t k_t v_tᵀ combines the same way, with
+  P_r = Π_t α_t (I − β_t k_t k_tᵀ).
 
 * **Nonlinear recurrences by state passing** (TTT with its inner LayerNorm, TTT-MLP, the
   Titans MLP memory, and any module with the ``(x, state, output_state)`` interface): rank r receives
@@ -64,6 +66,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from kernels import delta_rule as _dr
+from kernels import gated_delta_rule as _gdr
 from kernels.linear_scan import linear_scan, linear_scan_reset
 from ttt_lm.model.layers import acc
 
@@ -398,6 +401,29 @@ def cp_delta_rule(q, k, v, beta, group=None, backend: str = "torch", chunk_size:
     return _dr.delta_rule(q, k, v, beta, S_in, True, backend=backend, chunk_size=chunk_size)
 
 
+def cp_gated_delta_rule(q, k, v, g, beta, group=None, backend: str = "torch", chunk_size: int = 64
+                        ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``kernels.gated_delta_rule.gated_delta_rule`` over a sequence split along T across the
+    group (q, k [B, H, T_r, d_k], v [B, H, T_r, d_v], g, β [B, H, T_r]; the sequence starts from
+    S = 0), by ``cp_delta_rule``'s summaries with P_r = Π α_t (I − β_t k_t k_tᵀ).
+    Returns (o [B, H, T_r, d_v], the state after this rank's slice [B, H, d_k, d_v])."""
+    rank, _ = _rank_world(group)
+    B, H, T, dk = k.shape
+    dv = v.shape[-1]
+    sd = acc(v[:0]).dtype
+    op = _gdr.gated_delta_rule_trusted
+    # [v, 0] from [0, I]: the final state is [S^loc, P]
+    v_ext = torch.cat([v, v.new_zeros(B, H, T, dk)], -1)
+    eye = torch.eye(dk, dtype=sd, device=v.device).expand(B, H, dk, dk)
+    init = torch.cat([torch.zeros(B, H, dk, dv, dtype=sd, device=v.device), eye], -1)
+    _, fin = op(q, k, v_ext, g, beta, init, True, backend=backend, chunk_size=chunk_size)
+    gath = all_gather(fin, group)                                     # [world, B, H, dk, dv + dk]
+    S_in = gath[:0, ..., :dv].sum(0)   # zeros, connected to the gather (see module doc)
+    for s in range(rank):
+        S_in = gath[s, ..., dv:] @ S_in + gath[s, ..., :dv]
+    return op(q, k, v, g, beta, S_in, True, backend=backend, chunk_size=chunk_size)
+
+
 # ---------------------------------------------------------------------------------------------
 # the mixer contract's parallel forms (ttt_lm.model.mixers.base: cp_form, the public stages)
 # ---------------------------------------------------------------------------------------------
@@ -412,6 +438,12 @@ def _summary_linear_scan(mixer, inp, group, backend):
 
 def _summary_delta_rule(mixer, inp, group, backend):
     y, _ = cp_delta_rule(inp["q"], inp["k"], inp["v"], inp["beta"], group, backend, inp["chunk_size"])
+    return y
+
+
+def _summary_gated_delta_rule(mixer, inp, group, backend):
+    y, _ = cp_gated_delta_rule(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], group, backend,
+                               inp["chunk_size"])
     return y
 
 
@@ -432,7 +464,7 @@ def _summary_selective_scan(mixer, inp, group, backend):
 
 #: ``Mixer.op_name`` → how the ranks combine that op's chunk summaries
 SUMMARY_COMBINES = {"linear_scan": _summary_linear_scan, "delta_rule": _summary_delta_rule,
-                    "selective_scan": _summary_selective_scan}
+                    "gated_delta_rule": _summary_gated_delta_rule, "selective_scan": _summary_selective_scan}
 
 
 def _context_state(mixer, x, lengths, group):
@@ -572,6 +604,6 @@ def allreduce_gradients(model, group=None) -> None:
 
 
 __all__ = ["split_lengths", "gather_lengths", "all_gather", "all_gather_varlen", "halo",
-           "pass_state_forward", "wait_pending", "cp_linear_scan", "cp_delta_rule", "cp_summary",
+           "pass_state_forward", "wait_pending", "cp_linear_scan", "cp_delta_rule", "cp_gated_delta_rule", "cp_summary",
            "cp_kv_exchange", "SUMMARY_COMBINES", "CP_FORMS", "cp_mixer", "block_scheme",
            "context_parallel_forward", "allreduce_gradients"]
