@@ -185,8 +185,11 @@ def practice_finetune(model: LM, tok, lengths: Sequence[int], steps: int, batch_
 
 
 @torch.no_grad()
-def greedy_continue(model: LM, ids: Sequence[int], n: int, chunk_len: int = 2048) -> List[int]:
-    """Greedy decoding of ``n`` tokens after ``ids``, reading the prompt chunk by chunk."""
+def greedy_continue(model: LM, ids: Sequence[int], n: int, chunk_len: int = 2048,
+                    vocab_size: Optional[int] = None) -> List[int]:
+    """Greedy decoding of ``n`` tokens after ``ids``, reading the prompt chunk by chunk; with
+    ``vocab_size`` (the tokenizer's) only ids below it (``ttt_lm.model.lm.mask_vocab``)."""
+    from ttt_lm.model.lm import mask_vocab
     dev = next(model.parameters()).device
     x = torch.tensor([list(ids)], dtype=torch.long, device=dev)
     states = None
@@ -196,7 +199,7 @@ def greedy_continue(model: LM, ids: Sequence[int], n: int, chunk_len: int = 2048
     logits = out.logits[:, -1]
     res = []
     for i in range(n):
-        nxt = logits.argmax(-1)
+        nxt = mask_vocab(logits, vocab_size).argmax(-1)
         res.append(int(nxt))
         if i + 1 < n:
             logits, states = model.step(nxt, states)
@@ -231,7 +234,7 @@ def passkey_grid(model: LM, tok, lengths: Sequence[int], depths: Sequence[float]
         check_context(model, L)
     check_vocab(model, tok.vocab_size, "the tokenizer", allow_padding=True)
     model.eval()
-    gen = generate or (lambda ids, n: greedy_continue(model, ids, n, chunk_len))
+    gen = generate or (lambda ids, n: greedy_continue(model, ids, n, chunk_len, tok.vocab_size))
     keys = grid_keys(trials, seed, digits)
     cells = [(i, j) for i in range(len(lengths)) for j in range(len(depths))]
     correct = torch.zeros(len(cells), dtype=torch.int64)
