@@ -289,7 +289,8 @@ def _grid_panel(fig, ax, values, lens, depths, train_len, cmap, vmin: float, vma
     ax.set_xlabel("context length (tokens)")
     ax.set_ylabel("needle depth")
     cb = fig.colorbar(im, ax=ax, fraction=0.046)
-    cb.set_label(label)
+    cb.set_label(label, fontsize=9)
+    return cb
 
 
 def plot_heatmap(result: dict, path: Optional[str] = None, title: str = "", train_len: Optional[int] = None):
@@ -297,22 +298,33 @@ def plot_heatmap(result: dict, path: Optional[str] = None, title: str = "", trai
     that contrasts with its background; the colorbar is labelled with the trials per cell, and
     ``train_len`` (the training context) is marked on the length axis. When ``result`` holds
     ``answer_loss`` (:func:`passkey_grid`), a second panel beside it shows that per cell (0 to
-    ln 10 ≈ 2.3 nats, a uniform guess among the digits; higher values are written as they are).
+    0 up to the largest cell, at least ln 10 ≈ 2.3 nats, a uniform guess among the digits, which the
+    colorbar marks), so the colour carries every cell's value. Titles and colorbar labels are
+    wrapped to their panel and the layout is matplotlib's constrained one: no text is cut off.
     Returns the Figure when ``path`` is None (else saves and closes it)."""
+    import textwrap
+
     from ttt_lm.eval.common import pyplot
     plt = pyplot()
     lens, depths = result["lengths"], result["depths"]
     loss = result.get("answer_loss")
-    w, h = max(5.0, 2.4 + 0.9 * len(lens)), max(3.4, 1.6 + 0.5 * len(depths))
-    fig, axes = plt.subplots(1, 2 if loss else 1, figsize=(2 * w if loss else w, h), squeeze=False)
+    w, h = max(5.0, 2.4 + 0.9 * len(lens)), max(3.6, 1.6 + 0.5 * len(depths))
+    fig, axes = plt.subplots(1, 2 if loss else 1, figsize=(2 * w if loss else w, h), squeeze=False,
+                             layout="constrained")
+    wrap = lambda text, inches: "\n".join(textwrap.wrap(text, max(12, int(inches * 11))))  # noqa: E731
     _grid_panel(fig, axes[0][0], result["accuracy"], lens, depths, train_len, plt.get_cmap("viridis"), 0, 1,
-                lambda v: f"{v:.0%}", f"retrieval accuracy ({result['trials']} random passkeys per cell)")
-    axes[0][0].set_title(title or "passkey retrieval accuracy", fontsize=10)
+                lambda v: f"{v:.0%}", wrap(f"retrieval accuracy ({result['trials']} random passkeys per cell)",
+                                           h - 1.0))
+    axes[0][0].set_title(wrap(title or "passkey retrieval accuracy", w - 1.8), fontsize=10)
     if loss:
-        _grid_panel(fig, axes[0][1], loss, lens, depths, train_len, plt.get_cmap("viridis_r"), 0, math.log(10),
-                    lambda v: f"{v:.2f}", "answer loss (nats per answer token)")
-        axes[0][1].set_title("teacher-forced loss on the answer's tokens (mean over the passkeys)", fontsize=10)
-    fig.tight_layout()
+        uniform = math.log(10)
+        finite = [v for row in loss for v in row if math.isfinite(v)]
+        top = max([uniform, *finite])
+        cb = _grid_panel(fig, axes[0][1], loss, lens, depths, train_len, plt.get_cmap("viridis_r"), 0, top,
+                         lambda v: f"{v:.2f}", wrap("answer loss (nats per answer token)", h - 1.0))
+        cb.ax.axhline(uniform, color="red", lw=1.5)
+        axes[0][1].set_title(wrap("teacher-forced loss on the answer's tokens (mean over the passkeys; "
+                                  "red line: ln 10, a uniform guess among the digits)", w - 1.8), fontsize=10)
     if path is None:
         return fig
     fig.savefig(path, dpi=120)
