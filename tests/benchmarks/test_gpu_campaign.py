@@ -102,6 +102,7 @@ def test_record_inserts_sections(tmp_path, monkeypatch):
     assert "## GPU campaign" in text and "### `gpu` test tier" in text
 
 
+@pytest.mark.slow
 def test_failures_are_printed_as_they_happen(tmp_path):
     """tests/conftest.py prints ``E   <id>: <error>`` when a test fails (with the campaign's
     environment variable), before the later tests run and before the summary."""

@@ -1,5 +1,6 @@
 """The Trainer's callback mechanism, in-process on a one-rank gloo group with a stand-in engine
 (the hooks and the step's collective are what is tested, not DeepSpeed)."""
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -228,6 +229,7 @@ def test_the_validation_line_says_how_many_tokens_it_covered(one_rank_group):
     assert logged[0]["tokens"] == 2 * B * (T - 2)
 
 
+@pytest.mark.slow
 def test_a_callback_given_to_main_sees_the_steps_and_stops_the_run(tmp_path):
     """End to end (DeepSpeed, one rank): a callback passed to ``ttt_lm.train.main`` runs after the
     built-in ones; its stop request ends the run after that step, which is checkpointed."""
@@ -243,3 +245,24 @@ def test_a_callback_given_to_main_sees_the_steps_and_stops_the_run(tmp_path):
     assert [s for s, _ in ck.list_checkpoints(root)] == [3]
     assert ck.read_state(ck.find_latest(root))["step"] == 3
     assert "[train]   checkpoint:" in r.output()
+
+
+@pytest.mark.slow
+def test_a_run_validates_at_its_last_step_and_a_rerun_says_it_is_complete(tmp_path):
+    """End to end (one rank): a padded vocabulary gets its startup line; max_steps=3 with
+    eval.every=2 validates at steps 2 and 3, each line with its token count; running the same
+    command again trains nothing and says the run is complete and how to extend it."""
+    from tests.train.launch import metrics, run
+    d = str(tmp_path / "run")
+    args = ["model.vocab_size=96", "train.max_steps=3", "eval.every=2", "eval.batches=2", "checkpoint.at_end=true"]
+    out = run(d, args).output()
+    assert out.count("[train] model.vocab_size=96 is larger than the tokenizer's vocab_size=64") == 1
+    assert "ids 64..95 are padding" in out
+    # runner.py's synthetic data: micro-batch 2 × 16 tokens, 2 batches
+    assert re.search(r"\[val\] step 2 loss [\d.]+ ppl [\d.]+ over 64 tokens \(2 batches per rank", out)
+    assert re.search(r"\[val\] step 3 loss [\d.]+ ppl [\d.]+ over 64 tokens", out)
+    assert [(r["step"], r["tokens"]) for r in metrics(d, "val")] == [(2, 64), (3, 64)]
+    again = run(d, args, tag="again").output()
+    assert "the run is complete:" in again and "is at step 3 and train.max_steps=3" in again
+    assert "run the same command with a larger train.max_steps (e.g. train.max_steps=6)" in again
+    assert "[val]" not in again and [r["step"] for r in metrics(d, "val")] == [2, 3]
