@@ -268,3 +268,14 @@ def test_generate_text_and_passkey_decoding_keep_to_the_tokenizer(tokenizer):
     ids = tokenizer.encode("the quick brown")
     assert all(i >= tokenizer.vocab_size for i in greedy_continue(m, ids, 4))
     assert all(i < tokenizer.vocab_size for i in greedy_continue(m, ids, 4, vocab_size=tokenizer.vocab_size))
+
+
+def test_passkey_practice_accuracy_counts_the_best_real_token():
+    from ttt_lm.eval.passkey import answer_metrics
+    m = _padded_model()
+    x = torch.randint(3, 300, (2, 8), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        y = m(x).logits[..., :300].argmax(-1)
+    y[:, :4] = -100  # the prompt; the last 4 positions are the answer
+    assert answer_metrics(m, [(x, y)], 300)["prompt_accuracy"] == 1.0
+    assert answer_metrics(m, [(x, y)])["token_accuracy"] == 0.0  # unmasked, the padding wins

@@ -128,10 +128,13 @@ def practice_batch(tok, batch: int, context_len: int, rng: random.Random, digits
 
 
 @torch.no_grad()
-def answer_metrics(model: LM, batches: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> dict:
+def answer_metrics(model: LM, batches: Sequence[Tuple[torch.Tensor, torch.Tensor]],
+                   vocab_size: Optional[int] = None) -> dict:
     """Mean loss over the answer tokens of ``batches`` (from :func:`practice_batch`), the fraction of
-    those tokens predicted right (argmax, teacher-forced) and of prompts with every answer token right."""
+    those tokens predicted right (argmax, teacher-forced, among the ids below ``vocab_size``, the
+    tokenizer's) and of prompts with every answer token right."""
     from ttt_lm.eval.synthetic import masked_accuracy
+    from ttt_lm.model.lm import mask_vocab
     model.eval()
     dev = next(model.parameters()).device
     loss_sum, right, total, whole, n = 0.0, 0, 0, 0, 0
@@ -140,6 +143,7 @@ def answer_metrics(model: LM, batches: Sequence[Tuple[torch.Tensor, torch.Tensor
         logits = model(x).logits.float()
         m = y != -100
         loss_sum += float(torch.nn.functional.cross_entropy(logits[m], y[m], reduction="sum"))
+        logits = mask_vocab(logits, vocab_size)
         c, t = masked_accuracy(logits, y)
         right, total = right + c, total + t
         ok = (logits.argmax(-1) == y) | ~m
@@ -169,7 +173,7 @@ def practice_finetune(model: LM, tok, lengths: Sequence[int], steps: int, batch_
     hb = min(batch_size, held_out)
     held = [practice_batch(tok, min(hb, held_out - i), lengths[(i // hb) % len(lengths)], held_rng, digits, exclude)
             for i in range(0, held_out, hb)]
-    before = answer_metrics(model, held)
+    before = answer_metrics(model, held, tok.vocab_size)
 
     def next_batch():
         return practice_batch(tok, batch_size, rng.choice(list(lengths)), rng, digits, exclude)
@@ -177,7 +181,7 @@ def practice_finetune(model: LM, tok, lengths: Sequence[int], steps: int, batch_
     last, _ = train_steps(model, next_batch, steps, lr=lr, warmup=min(warmup, max(steps - 1, 0)),
                           progress=show_progress, desc="passkey practice")
     model.eval()
-    after = answer_metrics(model, held)
+    after = answer_metrics(model, held, tok.vocab_size)
     if not math.isfinite(last):
         raise EvalError(f"passkey practice diverged: the last training loss is {last} (try a lower --lr)")
     return {"steps": steps, "lengths": list(lengths), "batch_size": batch_size, "lr": lr, "seed": seed,
