@@ -221,6 +221,7 @@ def test_practice_batch_labels_exactly_the_answer_tokens(tokenizer):
         practice_batch(tokenizer, 1, 300, random.Random(0), digits=2, exclude=[str(k) for k in range(10, 100)])
 
 
+@pytest.mark.slow
 def test_practice_finetune_lowers_the_answer_loss(tokenizer):
     m = tiny_model(("attention",), max_seq_len=512)
     res = practice_finetune(m, tokenizer, [300, 400], steps=25, batch_size=8, lr=3e-3, warmup=5,
