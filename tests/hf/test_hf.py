@@ -276,6 +276,7 @@ print(json.dumps({"module": type(m).__module__, "transformers": __import__("tran
 """
 
 
+@pytest.mark.slow
 def test_trust_remote_code_from_the_folder_alone(exported, tmp_path):
     """A fresh process that never imports ttt_lm.hf loads the folder with trust_remote_code=True
     (the copied modeling files, which import ttt_lm) and AutoTokenizer: same logits, same
