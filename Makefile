@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-unit run data bench gpu-bench gpu-bench-more gpu-bench-prepare gpu-bench-record clean
+.PHONY: setup test test-fast test-unit run data bench gpu-bench gpu-bench-more gpu-bench-prepare gpu-bench-record clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -27,8 +27,14 @@ setup: $(VENV)/.installed
 test: setup
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(PYTEST_ARGS)
 
+# The unit tier: every test in one process on the CPU (no dist, slurm, gpu or aot marker).
 test-unit: setup
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not dist and not slurm and not aot" $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m unit $(PYTEST_ARGS)
+
+# What to run before every commit: the unit tier without its slow tests (in-process training runs,
+# Triton kernels swept under the interpreter, spawned processes); a few minutes on a 2-core CPU.
+test-fast: setup
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "unit and not slow" $(PYTEST_ARGS)
 
 data: setup
 	$(PY) -m ttt_lm.data.default_corpus

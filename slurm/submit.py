@@ -3,7 +3,8 @@
 
     python slurm/submit.py train CONFIG [key=value ...] [--nodes 2 --gpus-per-node 8 --time 24:00:00]
     python slurm/submit.py eval  CONFIG [key=value ...] --task perplexity [--after <train job id>]
-    python slurm/submit.py sweep LIST_FILE [--max-running 4]
+    python slurm/submit.py sweep LIST_FILE [--max-running 4]   # job name sweep-<list file name>; for a
+                                                               # ladder's sweep.txt, sweep-<its folder>
 
 The config (with its overrides) is loaded and validated before anything is queued, so a typo
 fails here, not hours later on the cluster. From it come the job name (the basename of
@@ -109,6 +110,17 @@ def sweep_entries(list_file: str) -> List[List[str]]:
     return out
 
 
+def sweep_name(list_file: str) -> str:
+    """What names a sweep's job (``sweep-<name>``) and its default log folder: the list file's name
+    without its extension, or, for a file named ``sweep.*`` (what ``python -m ttt_lm.scaling ladder``
+    writes into each ladder's folder), the name of the folder that holds it."""
+    path = os.path.abspath(list_file)
+    stem = os.path.splitext(os.path.basename(path))[0]
+    if stem.lower() == "sweep":
+        stem = os.path.basename(os.path.dirname(path)) or stem
+    return stem
+
+
 def sbatch_command(args, extra: Sequence[str]) -> List[str]:
     tasks = args.tasks_per_node if args.tasks_per_node is not None else max(args.gpus_per_node, 1)
     if args.gpus_per_node and tasks != args.gpus_per_node:
@@ -152,7 +164,7 @@ def sbatch_command(args, extra: Sequence[str]) -> List[str]:
             if rd in seen:
                 raise SubmitError(f"entries {seen[rd]} and {i} both train into {rd}: give each its own train.run_dir")
             seen[rd] = i
-        stem = os.path.splitext(os.path.basename(args.list_file))[0]
+        stem = sweep_name(args.list_file)
         log_dir = _abs(args.log_dir or os.path.join("runs", "sweeps", stem))
         os.makedirs(log_dir, exist_ok=True)
         name = args.job_name or f"sweep-{stem}"

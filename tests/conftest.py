@@ -15,9 +15,14 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import pytest  # noqa: E402
 
 
+#: the tiers other than unit; a test without any of these markers is in the unit tier
+OTHER_TIERS = ("dist", "slurm", "gpu", "aot")
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest's own -m selection reads the markers
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if not any(item.iter_markers(name=m) for m in ("dist", "slurm", "gpu", "aot")):
+        if not any(item.get_closest_marker(m) is not None for m in OTHER_TIERS):
             item.add_marker(pytest.mark.unit)
         if item.get_closest_marker("gpu") and not _HAS_CUDA:
             item.add_marker(pytest.mark.skip(reason="needs CUDA"))

@@ -12,7 +12,8 @@ followed one, so the model reads the prompt as the start of a document. Generati
 :meth:`ttt_lm.model.LM.generate`: one forward pass over the prompt, then one decode step per token
 with each layer's state (attention's KV cache, the recurrent layers' states), sampling with
 temperature, top-k and top-p (temperature 0 is greedy), and stops a sample at the end-of-document
-id or after ``--max-new-tokens``. A model with global attention layers is refused a prompt plus
+id or after ``--max-new-tokens``. A model whose vocabulary is padded beyond the tokenizer's never
+produces the padding ids (their logits are masked). A model with global attention layers is refused a prompt plus
 continuation longer than its ``model.max_seq_len``. ``--seed`` fixes the draw (the same seed, device
 and settings give the same text). Prints each sample (prompt and continuation) separated by a
 line of dashes, or with ``--json`` one JSON object per sample.
@@ -46,7 +47,7 @@ def generate_text(ck, tok, prompt: str, max_new_tokens: int = 100, temperature: 
     gen = torch.Generator(device=dev).manual_seed(seed)
     x = torch.tensor([ids] * num_samples, dtype=torch.long, device=dev)
     out = model.generate(x, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, generator=gen,
-                         eos_id=tok.eos_id)[:, len(ids):].tolist()
+                         eos_id=tok.eos_id, vocab_size=tok.vocab_size)[:, len(ids):].tolist()
     samples = []
     for row in out:
         end = "length"

@@ -379,6 +379,7 @@ def test_record_inserts_newest_first_and_keeps_the_files(tmp_path):
         gc.record(_campaign_dir(tmp_path, copy="-again"), res, dest_root)
 
 
+@pytest.mark.slow
 def test_failures_are_printed_as_they_happen(tmp_path):
     """tests/conftest.py prints ``E   <id>: <error>`` when a test fails (with the campaign's
     environment variable), before the later tests run and before the summary."""

@@ -65,6 +65,7 @@ def test_forms_of_data_path():
     assert locate("pipe:aws s3 cp s3://b/c/{file} -", "manifest.json") == "pipe:aws s3 cp s3://b/c/manifest.json -"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_http_batches_equal_local_and_resume_exactly(prepared, serve, num_workers, cache):
     out, man = prepared

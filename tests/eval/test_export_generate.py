@@ -57,6 +57,7 @@ def moved_export(trained_run):
     return moved
 
 
+@pytest.mark.slow
 def test_perplexity_on_text_from_a_moved_export(moved_export, tmp_path):
     text = tmp_path / "t.txt"
     text.write_text("the quick brown fox jumps over a lazy dog and then the cat sat on my mat\n" * 20)
@@ -68,6 +69,7 @@ def test_perplexity_on_text_from_a_moved_export(moved_export, tmp_path):
     assert res["tokens"] > 0 and 0 < res["loss"] < 10 and res["bits_per_byte"] > 0
 
 
+@pytest.mark.slow
 def test_generate_cli_from_a_moved_export(moved_export, tmp_path):
     args = ["-m", "ttt_lm.generate", "--checkpoint", moved_export, "--prompt", "the quick brown",
             "--max-new-tokens", "12", "--temperature", "0.9", "--top-k", "40", "--top-p", "0.9", "--seed", "3",
@@ -90,6 +92,7 @@ def test_generate_cli_from_a_moved_export(moved_export, tmp_path):
     assert generate_text(ck, load_tokenizer(ck.tokenizer_path), "the quick brown", 12, 0.9, 40, 0.9, 3, 2) == samples
 
 
+@pytest.mark.slow
 def test_generate_without_a_tokenizer_says_why(trained_run, moved_export, tmp_path):
     bare = str(tmp_path / "bare")
     shutil.copytree(moved_export, bare)
@@ -104,6 +107,7 @@ def test_generate_without_a_tokenizer_says_why(trained_run, moved_export, tmp_pa
     assert r.returncode == 2 and "temperature must be >= 0" in r.stderr
 
 
+@pytest.mark.slow
 def test_export_without_the_data_writes_no_tokenizer_and_says_so(trained_run, moved_export, tmp_path):
     _, _, run = trained_run  # moved_export has renamed the data away
     r = _run(["-m", "ttt_lm.train.export", run, str(tmp_path / "e")])
@@ -116,6 +120,7 @@ def test_export_without_the_data_writes_no_tokenizer_and_says_so(trained_run, mo
     assert r.returncode == 1 and "does not exist" in r.stderr
 
 
+@pytest.mark.slow
 def test_export_takes_only_the_tokenizer_the_run_trained_with(trained_run, moved_export, tmp_path):
     """Another corpus prepared at the run's data.path (another tokenizer, same vocabulary size): the
     checkpoint's recorded tokenizer digest keeps it out of the export."""
@@ -202,3 +207,75 @@ def test_generate_stops_every_row_at_eos():
         cut = want.index(eos) + 1 if eos in want else len(want)
         assert gen[:cut] == want[:cut] and all(t == eos for t in gen[cut:])
     assert out.shape[1] <= free.shape[1] and eos in out[1, 5:].tolist()
+
+
+class _PaddingFavoured(torch.nn.Module):
+    """An LM head whose logits favour the ids from ``n`` on by 100: the padding of a vocabulary
+    larger than the tokenizer's, which an unmasked argmax or draw would then always produce."""
+
+    def __init__(self, head, n):
+        super().__init__()
+        self.head, self.n = head, n
+
+    def forward(self, h):
+        out = self.head(h).clone()
+        out[..., self.n:] += 100.0
+        return out
+
+
+def _padded_model(tok_vocab=300, model_vocab=320):
+    from tests.eval.conftest import tiny_model
+    m = tiny_model(("ttt_linear", "attention"), vocab_size=model_vocab)
+    m.lm_head = _PaddingFavoured(m.lm_head, tok_vocab)
+    return m
+
+
+def test_mask_vocab_and_sampling_keep_to_the_tokenizers_ids():
+    from ttt_lm.model.lm import mask_vocab
+    logits = torch.tensor([[0.0, 1.0, 5.0, 9.0]])
+    assert mask_vocab(logits, None) is logits and mask_vocab(logits, 4) is logits
+    assert mask_vocab(logits, 2).tolist() == [[0.0, 1.0, float("-inf"), float("-inf")]]
+    assert logits[0, 3] == 9.0  # the input is left as it was
+    assert int(sample_next(logits, 0.0, vocab_size=2)) == 1 and int(sample_next(logits, 0.0)) == 3
+    g = torch.Generator().manual_seed(0)
+    draws = [int(sample_next(logits, 1.0, top_k=3, generator=g, vocab_size=2)) for _ in range(50)]
+    assert set(draws) <= {0, 1}
+    with pytest.raises(ValueError, match="vocab_size must be >= 1"):
+        mask_vocab(logits, 0)
+
+
+@pytest.mark.parametrize("kw", [{"temperature": 0.0}, {"temperature": 1.0}, {"temperature": 0.8, "top_k": 5}])
+def test_generate_never_produces_padding_ids(kw):
+    m = _padded_model()
+    p = torch.randint(3, 300, (2, 4), generator=torch.Generator().manual_seed(0))
+    free = m.generate(p, 6, generator=torch.Generator().manual_seed(1), **kw)[:, 4:]
+    assert bool((free >= 300).all())  # unmasked, the padding wins every time
+    out = m.generate(p, 6, generator=torch.Generator().manual_seed(1), vocab_size=300, **kw)[:, 4:]
+    assert out.shape == (2, 6) and bool((out < 300).all())
+    with pytest.raises(ValueError, match=r"vocab_size .* must be in \[1, model.vocab_size=320\], got 321"):
+        m.generate(p, 2, vocab_size=321)
+
+
+def test_generate_text_and_passkey_decoding_keep_to_the_tokenizer(tokenizer):
+    from types import SimpleNamespace
+
+    from ttt_lm.eval.passkey import greedy_continue
+    from ttt_lm.generate import generate_text
+    m = _padded_model(tokenizer.vocab_size, tokenizer.vocab_size + 20)
+    for t in (0.0, 1.0):
+        for s in generate_text(SimpleNamespace(model=m), tokenizer, "the quick", 8, temperature=t, num_samples=2):
+            assert s["ids"] and all(i < tokenizer.vocab_size for i in s["ids"])
+    ids = tokenizer.encode("the quick brown")
+    assert all(i >= tokenizer.vocab_size for i in greedy_continue(m, ids, 4))
+    assert all(i < tokenizer.vocab_size for i in greedy_continue(m, ids, 4, vocab_size=tokenizer.vocab_size))
+
+
+def test_passkey_practice_accuracy_counts_the_best_real_token():
+    from ttt_lm.eval.passkey import answer_metrics
+    m = _padded_model()
+    x = torch.randint(3, 300, (2, 8), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        y = m(x).logits[..., :300].argmax(-1)
+    y[:, :4] = -100  # the prompt; the last 4 positions are the answer
+    assert answer_metrics(m, [(x, y)], 300)["prompt_accuracy"] == 1.0
+    assert answer_metrics(m, [(x, y)])["token_accuracy"] == 0.0  # unmasked, the padding wins

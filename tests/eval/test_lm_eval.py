@@ -137,3 +137,34 @@ def test_pretrained_is_another_name_for_checkpoint(harness_export, prepared):
     assert torch.equal(h.model.embed.weight, m.embed.weight)
     with pytest.raises(EvalError, match="two checkpoints"):
         TTTLMHarness(pretrained=d, checkpoint=prepared, device="cpu")
+
+
+def test_padding_ids_are_never_the_answer(tokenizer):
+    """A model whose vocabulary is padded beyond the tokenizer's, with logits that favour the
+    padding: generation and the greedy check of a continuation both keep to the tokenizer's ids."""
+    from tests.eval.test_export_generate import _padded_model
+    from ttt_lm.eval.lm_eval_adapter import TTTLMHarness
+    V = tokenizer.vocab_size
+    h = TTTLMHarness(model=_padded_model(V, V + 20), tokenizer_obj=tokenizer, device="cpu", chunk_len=16,
+                     max_gen_toks=6)
+    seen = []
+
+    class Recording:  # the tokenizer, recording every id list it decodes
+        def __getattr__(self, name):
+            return getattr(tokenizer, name)
+
+        def decode(self, ids):
+            seen.append(list(ids))
+            return tokenizer.decode(ids)
+
+    h.tok = Recording()
+    h._generate_batch([tokenizer.encode("the quick"), tokenizer.encode("a lazy dog")], 6, 0.0, [])
+    assert seen and all(i < V for ids in seen for i in ids)
+    # lm_eval's is_greedy: the continuation the model ranks first among the tokenizer's ids is greedy
+    # (unmasked, a padding id would always rank first and nothing would be)
+    ctx = tokenizer.encode("the quick brown")
+    with torch.no_grad():
+        best = int(h.model(torch.tensor([ctx])).logits[0, -1, :V].argmax())
+    other = (best + 1) % V
+    (_, greedy), (_, not_greedy) = h._score_batch([(ctx + [best], 1), (ctx + [other], 1)])
+    assert greedy and not not_greedy

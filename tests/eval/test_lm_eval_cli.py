@@ -12,6 +12,9 @@ import pytest
 
 from tests.eval.conftest import export_model, tiny_model
 
+# slow: each test runs lm_eval's command line in a new process
+pytestmark = pytest.mark.slow
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 N_DOCS = 12  # lines of ttt_lm/eval/tasks/ttt_tiny.jsonl
 

@@ -1,4 +1,5 @@
 import json
+import math
 import re
 
 import pytest
@@ -108,7 +109,8 @@ def test_heatmap_has_a_labelled_colorbar_and_contrasting_percentages():
            "accuracy": [[1.0, 0.0], [0.6, 0.2], [0.0, 0.0]]}
     fig = plot_heatmap(res, None, "t", train_len=256)
     ax, cax = fig.axes
-    assert "accuracy" in cax.get_ylabel() and "5 random passkeys" in cax.get_ylabel()
+    label = " ".join(cax.get_ylabel().split())  # wrapped to the colorbar's height
+    assert "accuracy" in label and "5 random passkeys per cell" in label
     cells = {t.get_text(): t for t in ax.texts}
     assert set(cells) == {"100%", "0%", "60%", "20%"} and len(ax.texts) == 6
     assert cells["0%"].get_color() == "white" and cells["100%"].get_color() == "black"
@@ -127,13 +129,49 @@ def test_heatmap_shows_the_answer_loss_beside_the_accuracy():
     acc_ax, loss_ax = (a for a in fig.axes if a.texts)
     assert len(fig.axes) == 4 and len(loss_ax.texts) == 6
     cbar_labels = [a.get_ylabel() for a in fig.axes if not a.texts]
-    assert "accuracy" in cbar_labels[0] and "nats per answer token" in cbar_labels[1]
+    assert "accuracy" in cbar_labels[0] and "nats per answer token" in " ".join(cbar_labels[1].split())
     cells = {t.get_text(): t for t in loss_ax.texts}
     assert set(cells) == {"0.01", "3.50", "1.20", "2.00", "2.20", "0.40"}
     # the loss map is reversed (low loss bright): dark text on the best cell, light on the worst
     assert cells["0.01"].get_color() == "black" and cells["3.50"].get_color() == "white"
     assert [t.get_text() for t in loss_ax.get_xticklabels()] == ["128", "256\n(train)"]
     plt.close(fig)
+
+
+def _cut_off_texts(fig):
+    """The titles, axis labels and tick labels (colorbars' included) that reach outside the figure."""
+    fig.canvas.draw()
+    r, box = fig.canvas.get_renderer(), fig.bbox
+    out = []
+    for ax in fig.axes:
+        for t in (ax.title, ax.xaxis.label, ax.yaxis.label, *ax.get_xticklabels(), *ax.get_yticklabels()):
+            if t.get_text() and t.get_visible():
+                b = t.get_window_extent(r)
+                if b.x0 < box.x0 - 1 or b.y0 < box.y0 - 1 or b.x1 > box.x1 + 1 or b.y1 > box.y1 + 1:
+                    out.append(t.get_text())
+    return out
+
+
+@pytest.mark.parametrize("n_lengths, n_depths", [(1, 1), (2, 2), (4, 5), (8, 9)])
+def test_heatmap_text_stays_inside_and_the_loss_colours_cover_the_data(n_lengths, n_depths):
+    """Every title and colorbar label fits in the figure, whatever the grid; a loss far above ln 10
+    (an untrained model's ~11.8 nats) gets the colour scale's top, not a clipped ln 10."""
+    import matplotlib.pyplot as plt
+    res = {"lengths": [256 * 2 ** i for i in range(n_lengths)],
+           "depths": [j / max(n_depths - 1, 1) for j in range(n_depths)], "trials": 5,
+           "accuracy": [[0.0] * n_depths for _ in range(n_lengths)],
+           "answer_loss": [[11.8 - 0.1 * j for j in range(n_depths)] for _ in range(n_lengths)]}
+    fig = plot_heatmap(res, None, "passkey retrieval: a-checkpoint-with-a-long-name", train_len=512)
+    assert _cut_off_texts(fig) == []
+    acc_im, loss_im = (a.images[0] for a in fig.axes if a.texts)
+    assert (acc_im.norm.vmin, acc_im.norm.vmax) == (0, 1)
+    assert loss_im.norm.vmin == 0 and loss_im.norm.vmax == pytest.approx(11.8)
+    # a loss grid below ln 10 keeps ln 10 as the top: the colour of a uniform guess stays the same
+    res["answer_loss"] = [[0.5] * n_depths for _ in range(n_lengths)]
+    fig2 = plot_heatmap(res, None, "t")
+    assert [a.images[0] for a in fig2.axes if a.texts][1].norm.vmax == pytest.approx(math.log(10))
+    plt.close(fig)
+    plt.close(fig2)
 
 
 def test_practice_documents_follow_the_prompt_format():
@@ -183,6 +221,7 @@ def test_practice_batch_labels_exactly_the_answer_tokens(tokenizer):
         practice_batch(tokenizer, 1, 300, random.Random(0), digits=2, exclude=[str(k) for k in range(10, 100)])
 
 
+@pytest.mark.slow
 def test_practice_finetune_lowers_the_answer_loss(tokenizer):
     m = tiny_model(("attention",), max_seq_len=512)
     res = practice_finetune(m, tokenizer, [300, 400], steps=25, batch_size=8, lr=3e-3, warmup=5,

@@ -7,7 +7,9 @@ import torch
 from tests.eval.conftest import VOCAB, export_model, tiny_model
 from ttt_lm.data import DataConfig, build_val_loader, iter_documents
 from ttt_lm.eval import EvalError, evaluate_perplexity, token_byte_lengths
-from ttt_lm.eval.__main__ import main
+from ttt_lm.config import ExperimentConfig
+from ttt_lm.eval.__main__ import main, perplexity_window
+from ttt_lm.eval.checkpoint import save_export
 from ttt_lm.eval.perplexity import text_batches
 
 
@@ -72,3 +74,29 @@ def test_cli_writes_json(attn_export, tmp_path, capsys):
     # an untrained model is close to uniform over the vocabulary
     assert abs(r["loss"] - math.log(VOCAB)) < 0.2
     assert "perplexity" in capsys.readouterr().out
+
+
+def test_the_window_defaults_to_the_training_context(prepared, tmp_path, capsys):
+    """Without --seq-len the windows are the checkpoint's data.seq_len, and the summary line says
+    the window, where it comes from and how many tokens it scored."""
+    e = ExperimentConfig(model=tiny_model(max_seq_len=512).cfg)
+    e.data.path, e.data.seq_len = prepared, 48
+    d = save_export(tiny_model(max_seq_len=512), str(tmp_path / "ck"), e)
+    assert main(["perplexity", "--checkpoint", d, "--out", str(tmp_path), "--no-progress"]) == 0
+    r = json.loads((tmp_path / "perplexity.json").read_text())["result"]
+    assert r["seq_len"] == 48 and r["seq_len_from"] == "the training context, data.seq_len"
+    out = capsys.readouterr().out
+    assert f"over {r['tokens']:,} tokens in windows of 48 (the training context, data.seq_len)" in out
+    # the validation loader's windows of 48: a multiple of 48 tokens
+    assert r["tokens"] % 48 == 0
+    assert main(["perplexity", "--checkpoint", d, "--seq-len", "64", "--out", str(tmp_path), "--no-progress"]) == 0
+    assert "in windows of 64 (--seq-len)" in capsys.readouterr().out
+
+
+def test_perplexity_window_rules():
+    assert perplexity_window(None, 256, 4096) == (256, "the training context, data.seq_len")
+    assert perplexity_window(None, None, 4096)[0] == 2048
+    assert perplexity_window(None, None, 512)[0] == 512
+    assert perplexity_window(128, 256, 4096) == (128, "--seq-len")
+    with pytest.raises(EvalError, match="--seq-len must be >= 2"):
+        perplexity_window(1, 256, 4096)

@@ -71,6 +71,7 @@ def test_generators_are_reproducible():
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
+@pytest.mark.slow
 def test_two_layer_attention_learns_induction_heads():
     """Budget: at most 800 AdamW steps of 32 sequences of length 16 (vocabulary 8) for a 2-layer
     d_model=64 attention model (about 15 s on one CPU core; the bound is the step count, not the
@@ -126,6 +127,7 @@ def test_pick_best_prefers_fewest_steps_to_solve_then_accuracy():
     assert pick_best([a, {**d, "train_acc": 0.5}]) is a
 
 
+@pytest.mark.slow
 def test_lr_sweep_trains_one_model_per_lr_and_keeps_the_solver():
     """Induction at length 16 (vocabulary 8): lr 3e-3 solves it within 300 steps (see the test above
     at 800), lr 1e-5 cannot move a fresh model off chance in 300 steps; the sweep keeps 3e-3."""

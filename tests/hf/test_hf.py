@@ -17,10 +17,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from ttt_lm.config import ExperimentConfig
 from ttt_lm.convert import ConversionError
 from ttt_lm.convert import main as convert_main
+from ttt_lm.data.tokenizer import open_tokenizer
 from ttt_lm.eval.checkpoint import load_checkpoint
 from ttt_lm.hf import HFError, TTTLMForCausalLM, hf_config, load_hf, save_hf
+from ttt_lm.hf.modeling_ttt_lm import CACHE_NAME
 from ttt_lm.model import LM, ModelConfig
 from ttt_lm.model.config import LAYER_KINDS
+from ttt_lm.model.lm import mask_vocab
 from ttt_lm.train.export import load_pretrained, save_export
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -89,10 +92,13 @@ def test_same_logits_and_greedy_generate_as_our_lm(exported):
     lm, out = exported
     hf = AutoModelForCausalLM.from_pretrained(out).eval()
     assert isinstance(hf, TTTLMForCausalLM) and hf.dtype == torch.float32
-    ids = torch.randint(1, V, (2, 13), generator=torch.Generator().manual_seed(1))
+    # the tokenizer has fewer ids than the model's vocabulary: the rest are suppressed in generate
+    n_tok = open_tokenizer(os.path.join(out, "tokenizer.json")).vocab_size
+    assert n_tok < V and hf.generation_config.suppress_tokens == list(range(n_tok, V))
+    ids = torch.randint(1, n_tok, (2, 13), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert torch.equal(hf(ids).logits, lm(ids).logits)
-        ours = lm.generate(ids, 10, temperature=0)
+        ours = lm.generate(ids, 10, temperature=0, vocab_size=n_tok)
     steps = []
     real_step = hf.model.step
     hf.model.step = lambda *a, **k: steps.append(1) or real_step(*a, **k)
@@ -108,7 +114,7 @@ def test_same_logits_and_greedy_generate_as_our_lm(exported):
             lg, states = lm.step(ours[:, 13 + t], states)
             want.append(lg)
     for got, w in zip(gen.scores, want):
-        torch.testing.assert_close(got, w, rtol=0, atol=0)
+        torch.testing.assert_close(got, mask_vocab(w, n_tok), rtol=0, atol=0)
     no_cache = hf.generate(ids, max_new_tokens=10, do_sample=False, use_cache=False, eos_token_id=None,
                            pad_token_id=None)
     assert torch.equal(no_cache, ours)
@@ -124,9 +130,12 @@ def test_cache_continuation_labels_and_bf16(exported, tmp_path):
     with torch.no_grad():
         full = lm(ids).logits
         first = hf(ids[:, :9], use_cache=True)
-        rest = hf(ids[:, 9:], past_key_values=first.past_key_values, use_cache=True)
-        assert rest.past_key_values.get_seq_length() == 14
-        torch.testing.assert_close(rest.logits, full[:, 9:], atol=1e-5, rtol=0)
+        # the cache under the name the installed transformers uses, and under its older name
+        assert getattr(first, CACHE_NAME) is first.past_key_values is not None
+        for name in ("cache", "past_key_values"):
+            rest = hf(ids[:, 9:], use_cache=True, **{name: getattr(first, CACHE_NAME)})
+            assert getattr(rest, CACHE_NAME).get_seq_length() == 14 and rest.past_key_values.get_seq_length() == 14
+            torch.testing.assert_close(rest.logits, full[:, 9:], atol=1e-5, rtol=0)
         aligned = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], 1)
         # the same mean over the same 26 tokens, reduced over [26] rows here and over [28] rows with
         # two ignored in the LM: float32 summation order only, ~1e-7 relative
@@ -149,7 +158,9 @@ def test_sampling_and_eos(exported):
     b = hf.generate(ids, max_new_tokens=8, do_sample=True, top_k=20)
     assert torch.equal(a, b) and a.shape[1] <= 14
     assert hf.generation_config.eos_token_id == 0  # the tokenizer's <|endoftext|>
-    first = lm.generate(ids, 1, temperature=0)[0, -1].item()
+    n_tok = V - len(hf.generation_config.suppress_tokens)
+    assert a[:, 6:].max() < n_tok  # no padding id is drawn
+    first = lm.generate(ids, 1, temperature=0, vocab_size=n_tok)[0, -1].item()
     hf.generation_config.eos_token_id = first  # the greedy first token ends the document
     g = hf.generate(ids, max_new_tokens=8, do_sample=False)
     assert g[0, 6:].tolist() == [first]
@@ -186,8 +197,13 @@ def test_refusals(exported, tmp_path):
     with pytest.raises(ValueError, match="return_dict_in_generate is not supported"):
         hf.generate(ids, attention_mask=torch.tensor([[0, 1, 1, 1, 1], [1] * 5]), max_new_tokens=2,
                     return_dict_in_generate=True)
-    with pytest.raises(ValueError, match="past_key_values must be the TTTLMCache"):
+    with pytest.raises(ValueError, match=r"the cache \(cache= or past_key_values=\) must be the TTTLMCache"):
         hf(ids, past_key_values=object())
+    with pytest.raises(ValueError, match=r"the cache \(cache= or past_key_values=\) must be the TTTLMCache"):
+        hf(ids, cache=object())
+    c = hf(ids, use_cache=True).past_key_values
+    with pytest.raises(ValueError, match="two caches given"):
+        hf(ids, cache=c, past_key_values=hf(ids, use_cache=True).past_key_values)
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("mine")
@@ -264,6 +280,7 @@ print(json.dumps({"module": type(m).__module__, "transformers": __import__("tran
 """
 
 
+@pytest.mark.slow
 def test_trust_remote_code_from_the_folder_alone(exported, tmp_path):
     """A fresh process that never imports ttt_lm.hf loads the folder with trust_remote_code=True
     (the copied modeling files, which import ttt_lm) and AutoTokenizer: same logits, same

@@ -18,6 +18,9 @@ from ttt_lm.convert import main as convert_main
 from ttt_lm.generate import main as generate_main
 from ttt_lm.train.export import export, load_pretrained
 
+# slow: trains a run with train.py in a spawned process
+pytestmark = pytest.mark.slow
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 

@@ -9,6 +9,9 @@ import torch.nn.functional as F
 import kernels.delta_rule.chunk as dr_chunk
 from kernels.delta_rule import BACKENDS, delta_rule, delta_rule_reference, delta_rule_triton
 
+# slow: Triton kernels swept under the interpreter on CPU (make test-fast leaves them out)
+pytestmark = pytest.mark.slow
+
 D64 = torch.float64
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -13,6 +13,9 @@ from kernels.linear_scan import linear_scan
 from kernels.linear_scan.chunk import linear_scan_triton
 from kernels.linear_scan.reference import linear_scan_ref
 
+# slow: Triton kernels swept under the interpreter on CPU (make test-fast leaves them out)
+pytestmark = pytest.mark.slow
+
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 

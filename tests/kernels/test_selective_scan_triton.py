@@ -14,6 +14,9 @@ from kernels.selective_scan import selective_scan
 from kernels.selective_scan.chunk import selective_scan_triton, tile_sizes
 from kernels.selective_scan.reference import selective_scan_ref
 
+# slow: Triton kernels swept under the interpreter on CPU (make test-fast leaves them out)
+pytestmark = pytest.mark.slow
+
 NAMES = ("x", "delta", "A", "B", "C", "D", "z", "delta_bias", "initial_state")
 
 

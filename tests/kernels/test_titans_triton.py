@@ -8,6 +8,9 @@ import torch.nn.functional as F
 
 from kernels.titans import BACKENDS, titans_linear, titans_linear_reference
 
+# slow: Triton kernels swept under the interpreter on CPU (make test-fast leaves them out)
+pytestmark = pytest.mark.slow
+
 D64 = torch.float64
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -10,6 +10,9 @@ import kernels.ttt as ttt
 from kernels.ttt import chunk as lchunk
 from kernels.ttt import mlp_chunk
 
+# slow: Triton kernels swept under the interpreter on CPU (make test-fast leaves them out)
+pytestmark = pytest.mark.slow
+
 B, H, T, d, b = 3, 2, 21, 16, 8
 
 

@@ -10,6 +10,9 @@ from kernels.ttt import ttt_mlp
 from kernels.ttt.mlp_chunk import ttt_mlp_triton
 from tests.kernels.ttt_checks import run_chained
 
+# slow: Triton kernels swept under the interpreter on CPU (make test-fast leaves them out)
+pytestmark = pytest.mark.slow
+
 B, H = 2, 2
 WEIGHTS = ["W1", "b1", "W2", "b2"]
 

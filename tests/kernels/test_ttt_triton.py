@@ -9,6 +9,9 @@ from kernels.ttt import ttt_linear
 from kernels.ttt.chunk import ttt_linear_triton
 from tests.kernels.ttt_checks import run_chained
 
+# slow: Triton kernels swept under the interpreter on CPU (make test-fast leaves them out)
+pytestmark = pytest.mark.slow
+
 B, H = 2, 2
 
 

@@ -10,6 +10,9 @@ import torch.nn.functional as F
 from kernels.titans import titans_linear
 from kernels.ttt import ttt_linear, ttt_mlp
 
+# slow: Triton kernels swept under the interpreter on CPU (make test-fast leaves them out)
+pytestmark = pytest.mark.slow
+
 D64 = torch.float64
 H = 2
 LENGTHS = (5, 0, 17, 11)

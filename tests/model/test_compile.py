@@ -29,6 +29,9 @@ from kernels.ttt.mlp_chunk import ttt_mlp_triton
 from ttt_lm.config import ConfigError, load_config
 from ttt_lm.model import LM, ModelConfig
 
+# slow: torch.compile of blocks and of the Triton ops run under the interpreter
+pytestmark = pytest.mark.slow
+
 TOL = 1e-5
 
 

@@ -72,6 +72,7 @@ def test_generate_is_deterministic_and_greedy_matches_argmax():
     assert torch.equal(s1, s2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pattern", [["attention"], ["ttt_linear", "local_attention"]])
 def test_tiny_model_overfits_short_sequence(pattern):
     """A 2-layer model memorizes one 48-token sequence: loss falls from ≈ ln(61) ≈ 4.1 to < 0.3."""

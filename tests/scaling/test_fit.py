@@ -152,3 +152,38 @@ def test_too_few_points_is_reported_not_fitted(tmp_path):
     assert "at least 5" in res["archs"]["x"]["error"]
     with pytest.raises(F.FitError, match="too few"):
         F.fit_parametric([1, 2], [1, 2], [1, 2])
+
+
+def test_two_sizes_per_family_are_refused_as_under_determined(tmp_path, monkeypatch):
+    """2 sizes × 4 token counts: 8 points, but A and α are not determined by two sizes (any α
+    fits them with some A), so approach 3 is not fitted; the table and the plot say why."""
+    from ttt_lm.scaling.plot import loss_vs_flops
+    truth = TRUTHS[1]
+    rows = [{"arch": "two", "params": n, "tokens": d, "loss": float(F.law(truth, n, d)), "run": f"r{n:g}",
+             "final": int(d == 1e10)} for n in (1e7, 1e8) for d in (1e8, 1e9, 3e9, 1e10)]
+    rows += [{"arch": "three", "params": n, "tokens": d, "loss": float(F.law(truth, n, d)), "run": f"s{n:g}",
+              "final": 1} for n in (1e7, 1e8, 1e9) for d in (1e8, 1e9, 1e10)]
+    _write(tmp_path / "t.csv", rows)
+    t = F.read_table(str(tmp_path / "t.csv"))
+    res = F.fit_table(t, points="all", n_bootstrap=0)
+    two, three = res["archs"]["two"], res["archs"]["three"]
+    assert two["underdetermined"] and "alpha" not in two and "A" not in two
+    assert two["error"].startswith("under-determined: 2 model size(s), A and alpha need at least 3")
+    assert "token count" not in two["error"]  # four token counts are enough for B and β
+    assert "error" not in three and three["alpha"] == pytest.approx(truth["alpha"], rel=1e-3)
+    text = F.format_table(res)
+    assert "approach 3: not fitted, under-determined: 2 model size(s)" in text
+    with pytest.raises(F.FitError, match=r"under-determined: 2 model size\(s\).*; 1 token count"):
+        F.fit_parametric([1e7, 1e8] * 3, [1e9] * 6, [3.0, 2.9, 2.8, 2.7, 2.6, 2.5])
+    # the plot's legend carries the reason for the family without a fit
+    from matplotlib.figure import Figure
+    seen, real_savefig = {}, Figure.savefig
+
+    def keep_legend(fig, *a, **kw):
+        seen["labels"] = [x.get_text() for x in fig.axes[0].get_legend().get_texts()]
+        return real_savefig(fig, *a, **kw)
+
+    monkeypatch.setattr(Figure, "savefig", keep_legend)
+    loss_vs_flops(t, res, str(tmp_path / "p.png"))
+    assert "two: no fit, under-determined (2 model size(s))" in seen["labels"]
+    assert any(x.startswith("three: α=0.40") for x in seen["labels"])

@@ -34,12 +34,14 @@ def test_peak_lr_rule():
     ["model.layer_pattern=[rglru,rglru,local_attention]", "model.d_model=64", "model.n_layers=9", "model.n_heads=2",
      "model.attention.num_kv_heads=1"],
 ])
+@pytest.mark.slow
 def test_counts_from_two_shallow_models_are_exact(overrides):
     m = load_config(os.path.join(CONFIGS, "tiny.yaml"), overrides).model
     assert Lm.counts(m) == param_counts(m)
     assert Lm.train_flops_per_token(m, 256) == pytest.approx(flops_per_token(m, 256)["train"], rel=1e-12)
 
 
+@pytest.mark.slow
 def test_shape_rule():
     fam = load_config(os.path.join(CONFIGS, "hybrid_125m.yaml")).model
     for target in (50e6, 125e6, 400e6):
@@ -64,6 +66,7 @@ def test_shape_rule():
 TINY = ["model.vocab_size=512", "data.seq_len=64", "train.micro_batch_size=4"]
 
 
+@pytest.mark.slow
 def test_ladder_by_size(tmp_path):
     runs = Lm.plan([os.path.join(CONFIGS, "tiny_transformer.yaml"), os.path.join(CONFIGS, "tiny_ttt_linear.yaml")],
                    str(tmp_path), sizes=[30e3, 100e3], tokens_per_param=5, count="non_embedding", head_dim=16,
@@ -87,6 +90,7 @@ def test_ladder_by_size(tmp_path):
     assert lines == [os.path.abspath(r.config) for r in runs]
 
 
+@pytest.mark.slow
 def test_isoflop_ladder(tmp_path):
     runs = Lm.plan([os.path.join(CONFIGS, "tiny_transformer.yaml")], str(tmp_path), budgets=[1e11, 1e12],
                    sizes=[30e3, 100e3, 300e3], count="non_embedding", head_dim=16, aspect=16, batch_tokens=512,

@@ -18,6 +18,9 @@ from ttt_lm.scaling import ladder as Lm
 from ttt_lm.scaling import sweep as S
 from ttt_lm.scaling.__main__ import main
 
+# slow: trains six models in-process (make test-fast leaves it out)
+pytestmark = pytest.mark.slow
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VOCAB = 512
 

@@ -106,6 +106,20 @@ def test_submit_sweep(tmp_path):
         _cmd(["sweep", str(lst)])
 
 
+def test_sweep_job_names(tmp_path):
+    """A list file names its job; a ladder's sweep.txt is named by its ladder's folder, not
+    sweep-sweep, and so is its default log folder."""
+    entry = f"configs/tiny.yaml train.run_dir={tmp_path}/runs/a\n"
+    (tmp_path / "sizes.txt").write_text(entry)
+    (tmp_path / "ttt_ladder").mkdir()
+    (tmp_path / "ttt_ladder" / "sweep.txt").write_text(entry)
+    assert _opts(_cmd(["sweep", str(tmp_path / "sizes.txt"), "--log-dir", str(tmp_path)]))["job-name"] == "sweep-sizes"
+    o = _opts(_cmd(["sweep", str(tmp_path / "ttt_ladder" / "sweep.txt"), "--log-dir", str(tmp_path)]))
+    assert o["job-name"] == "sweep-ttt_ladder"
+    assert submit.sweep_name(str(tmp_path / "ttt_ladder" / "sweep.txt")) == "ttt_ladder"
+    assert submit.sweep_name("sweeps/ttt_paper_sizes.txt") == "ttt_paper_sizes"
+
+
 def test_dry_run_prints_command(capsys, tmp_path):
     assert submit.main(["train", "configs/tiny.yaml", f"train.run_dir={tmp_path}", "--dry-run"]) == 0
     printed = shlex.split(capsys.readouterr().out)

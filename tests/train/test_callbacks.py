@@ -1,5 +1,6 @@
 """The Trainer's callback mechanism, in-process on a one-rank gloo group with a stand-in engine
 (the hooks and the step's collective are what is tested, not DeepSpeed)."""
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -194,6 +195,41 @@ def test_the_validation_loader_is_built_once(one_rank_group):
     assert logged[-1]["loss"] < logged[0]["loss"]
 
 
+def _val_batches(n=5):
+    g = torch.Generator().manual_seed(2)
+    for _ in range(n):
+        ids = torch.randint(0, V, (B, T + 1), generator=g)
+        yield {"input_ids": ids[:, :-1], "labels": ids[:, 1:]}
+
+
+@pytest.mark.parametrize("max_steps, every, want", [(7, 3, [3, 6, 7]), (6, 3, [3, 6]), (7, 0, [])])
+def test_validation_runs_at_the_last_step_too(one_rank_group, max_steps, every, want):
+    """A run whose max_steps is not a multiple of eval.every still ends with a validation pass
+    (once: not twice when it is a multiple); every = 0 turns validation off altogether."""
+    logged, lines = [], []
+    ev = EvalCallback(_val_batches, every=every, n_batches=3, writer=SimpleNamespace(log=logged.append))
+    make_trainer([ev], max_steps=max_steps, write=lines.append).fit()
+    assert [r["step"] for r in logged] == want
+    assert len(lines) == len(want)
+
+
+def test_the_validation_line_says_how_many_tokens_it_covered(one_rank_group):
+    logged, lines = [], []
+    ev = EvalCallback(_val_batches, every=2, n_batches=3, writer=SimpleNamespace(log=logged.append))
+    make_trainer([ev], max_steps=2, write=lines.append).fit()
+    assert logged[0]["tokens"] == 3 * B * T
+    assert lines == [f"[val] step 2 loss {logged[0]['loss']:.4f} ppl {logged[0]['ppl']:.2f} over {3 * B * T:,} "
+                     "tokens (3 batches per rank × 1 data-parallel rank)"]
+    # labels at -100 are not counted
+    masked = lambda: ({**b, "labels": b["labels"].masked_fill(torch.arange(T) < 2, -100)}  # noqa: E731
+                      for b in _val_batches())
+    logged.clear()
+    ev = EvalCallback(masked, every=1, n_batches=2, writer=SimpleNamespace(log=logged.append))
+    make_trainer([ev], max_steps=1, write=lambda line: None).fit()
+    assert logged[0]["tokens"] == 2 * B * (T - 2)
+
+
+@pytest.mark.slow
 def test_a_callback_given_to_main_sees_the_steps_and_stops_the_run(tmp_path):
     """End to end (DeepSpeed, one rank): a callback passed to ``ttt_lm.train.main`` runs after the
     built-in ones; its stop request ends the run after that step, which is checkpointed."""
@@ -209,3 +245,24 @@ def test_a_callback_given_to_main_sees_the_steps_and_stops_the_run(tmp_path):
     assert [s for s, _ in ck.list_checkpoints(root)] == [3]
     assert ck.read_state(ck.find_latest(root))["step"] == 3
     assert "[train]   checkpoint:" in r.output()
+
+
+@pytest.mark.slow
+def test_a_run_validates_at_its_last_step_and_a_rerun_says_it_is_complete(tmp_path):
+    """End to end (one rank): a padded vocabulary gets its startup line; max_steps=3 with
+    eval.every=2 validates at steps 2 and 3, each line with its token count; running the same
+    command again trains nothing and says the run is complete and how to extend it."""
+    from tests.train.launch import metrics, run
+    d = str(tmp_path / "run")
+    args = ["model.vocab_size=96", "train.max_steps=3", "eval.every=2", "eval.batches=2", "checkpoint.at_end=true"]
+    out = run(d, args).output()
+    assert out.count("[train] model.vocab_size=96 is larger than the tokenizer's vocab_size=64") == 1
+    assert "ids 64..95 are padding" in out
+    # runner.py's synthetic data: micro-batch 2 × 16 tokens, 2 batches
+    assert re.search(r"\[val\] step 2 loss [\d.]+ ppl [\d.]+ over 64 tokens \(2 batches per rank", out)
+    assert re.search(r"\[val\] step 3 loss [\d.]+ ppl [\d.]+ over 64 tokens", out)
+    assert [(r["step"], r["tokens"]) for r in metrics(d, "val")] == [(2, 64), (3, 64)]
+    again = run(d, args, tag="again").output()
+    assert "the run is complete:" in again and "is at step 3 and train.max_steps=3" in again
+    assert "run the same command with a larger train.max_steps (e.g. train.max_steps=6)" in again
+    assert "[val]" not in again and [r["step"] for r in metrics(d, "val")] == [2, 3]

@@ -101,6 +101,7 @@ def test_damaged_state_file_and_old_checkpoints(tmp_path):
     assert ck.verify(c2) == []
 
 
+@pytest.mark.slow
 def test_export_and_eval_of_missing_or_damaged_checkpoints_end_in_a_message(tmp_path, capsys):
     from ttt_lm.eval.checkpoint import load_checkpoint
     from ttt_lm.eval.common import EvalError

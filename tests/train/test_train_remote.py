@@ -9,6 +9,9 @@ from launch import losses_by_step, metrics, run
 from tests.data.corpus import SHARD_TOKENS, VOCAB, make_texts, write_corpus
 from ttt_lm.data.prepare import prepare
 
+# slow: each test trains in spawned processes
+pytestmark = pytest.mark.slow
+
 REAL = {"TTT_TEST_REAL_DATA": "1"}
 
 

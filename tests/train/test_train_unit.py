@@ -282,3 +282,14 @@ def test_reshard_names_missing_zero_files(tmp_path):
     (tmp_path / "zero_pp_rank_1_mp_rank_00_optim_states.pt").write_bytes(b"")
     with pytest.raises(ck.CheckpointError, match="holds no model-states file"):
         consolidate(str(tmp_path))
+
+
+def test_startup_notes_for_a_padded_vocabulary_and_a_finished_run():
+    from ttt_lm.train.trainer import finished_note, vocab_padding_note
+    note = vocab_padding_note(4096, 2000, "data/tiny")
+    assert note.startswith("model.vocab_size=4096 is larger than the tokenizer's vocab_size=2000 (data/tiny)")
+    assert "ids 2000..4095 are padding" in note and "never produce them" in note
+    done = finished_note("runs/tiny/checkpoints/step_00000200", 200, 200)
+    assert done.startswith("the run is complete: runs/tiny/checkpoints/step_00000200 is at step 200 and "
+                           "train.max_steps=200")
+    assert "train.max_steps=400" in done and "resumes from step 200" in done

@@ -89,7 +89,7 @@ def cmd_perplexity(args) -> dict:
     from ttt_lm.eval.perplexity import evaluate_perplexity, text_batches
     ck = _load(args, args.checkpoint)
     model = ck.model
-    seq_len = args.seq_len or min(model.cfg.max_seq_len, 2048)
+    seq_len, window_from = perplexity_window(args.seq_len, ck.train_len, model.cfg.max_seq_len)
     if args.text:
         tok = _tokenizer(args.tokenizer, ck, "--text")
         from ttt_lm.eval.common import check_vocab as check_tok_vocab
@@ -113,14 +113,28 @@ def cmd_perplexity(args) -> dict:
         source = f"{path}:{args.split}"
     res = evaluate_perplexity(model, batches, token_byte_lengths(tok, model.cfg.vocab_size), args.max_batches,
                               show_progress=_progress(args), total=total, dist=args.dist)
-    res.update(source=source, seq_len=seq_len, checkpoint=ck.path)
+    res.update(source=source, seq_len=seq_len, seq_len_from=window_from, checkpoint=ck.path)
     out = dict(task="perplexity", result=res, **_meta(args, model.embed.weight.device))
     if not args.dist.is_main:
         return out
     write_json(_out(args, "perplexity.json"), out)
     print(f"perplexity {ck.name} on {source}: loss {res['loss']:.4f}  ppl {res['perplexity']:.3f}  "
-          f"bpb {res.get('bits_per_byte', float('nan')):.4f}  tokens {res['tokens']}")
+          f"bpb {res.get('bits_per_byte', float('nan')):.4f}  over {res['tokens']:,} tokens in windows of "
+          f"{seq_len} ({window_from})")
     return out
+
+
+def perplexity_window(given: Optional[int], train_len: Optional[int], max_seq_len: int):
+    """The window ``eval perplexity`` scores in, and where it comes from: ``--seq-len`` when given,
+    else the checkpoint's training context (its config's data.seq_len), else (a checkpoint that does
+    not record it, e.g. a Hugging Face export) min(model.max_seq_len, 2048)."""
+    if given is not None:
+        if given < 2:
+            raise EvalError(f"--seq-len must be >= 2 (a window holds inputs and their next tokens), got {given}")
+        return given, "--seq-len"
+    if train_len:
+        return int(train_len), "the training context, data.seq_len"
+    return min(max_seq_len, 2048), "min(model.max_seq_len, 2048): the checkpoint records no data.seq_len"
 
 
 def cmd_long_context(args) -> dict:
@@ -581,7 +595,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--split", default="val", help="val (the validation loader) or train")
     p.add_argument("--text", help="a UTF-8 text file to score instead of prepared data (needs a tokenizer)")
     p.add_argument("--tokenizer", help=".model file or prepared data dir (for --text)")
-    p.add_argument("--seq-len", type=int, default=None, help="tokens per window (default min(max_seq_len, 2048))")
+    p.add_argument("--seq-len", type=int, default=None,
+                   help="tokens per window (default: the checkpoint's training context, its data.seq_len; "
+                        "else min(model.max_seq_len, 2048))")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--max-batches", type=int, default=None)
     p.set_defaults(func=cmd_perplexity)

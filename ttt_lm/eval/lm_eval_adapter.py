@@ -51,7 +51,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from ttt_lm.eval.checkpoint import load_checkpoint, missing_tokenizer
 from ttt_lm.eval.common import EvalError, GLOBAL_ATTENTION, check_vocab, dtype_of, pick_device, progress
-from ttt_lm.model.lm import sample_next
+from ttt_lm.model.lm import mask_vocab, sample_next
 
 #: a scoring item: the whole token sequence and how many of its last tokens are scored
 Item = Tuple[List[int], int]
@@ -168,7 +168,7 @@ class TTTLMHarness(HarnessLM):
             logp = F.log_softmax(o.logits.float(), -1)
             yy = y[:, s:e]
             lp[:, s:e] = logp.gather(-1, yy.clamp(min=0)[..., None])[..., 0].double()
-            hit[:, s:e] = logp.argmax(-1) == yy
+            hit[:, s:e] = mask_vocab(logp, self.tok.vocab_size).argmax(-1) == yy  # greedy: a real token
         out = []
         for i, (inp, _, n) in enumerate(rows):
             a, b = len(inp) - n, len(inp)
@@ -236,7 +236,7 @@ class TTTLMHarness(HarnessLM):
         out: List[List[int]] = [[] for _ in range(B)]
         texts, done, pos = [""] * B, [False] * B, n0
         while True:
-            drawn = sample_next(logits, temperature).tolist()
+            drawn = sample_next(logits, temperature, vocab_size=self.tok.vocab_size).tolist()
             feed = []
             for i in range(B):
                 if pos < len(prompts[i]):  # still inside this row's prompt

@@ -128,10 +128,13 @@ def practice_batch(tok, batch: int, context_len: int, rng: random.Random, digits
 
 
 @torch.no_grad()
-def answer_metrics(model: LM, batches: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> dict:
+def answer_metrics(model: LM, batches: Sequence[Tuple[torch.Tensor, torch.Tensor]],
+                   vocab_size: Optional[int] = None) -> dict:
     """Mean loss over the answer tokens of ``batches`` (from :func:`practice_batch`), the fraction of
-    those tokens predicted right (argmax, teacher-forced) and of prompts with every answer token right."""
+    those tokens predicted right (argmax, teacher-forced, among the ids below ``vocab_size``, the
+    tokenizer's) and of prompts with every answer token right."""
     from ttt_lm.eval.synthetic import masked_accuracy
+    from ttt_lm.model.lm import mask_vocab
     model.eval()
     dev = next(model.parameters()).device
     loss_sum, right, total, whole, n = 0.0, 0, 0, 0, 0
@@ -140,6 +143,7 @@ def answer_metrics(model: LM, batches: Sequence[Tuple[torch.Tensor, torch.Tensor
         logits = model(x).logits.float()
         m = y != -100
         loss_sum += float(torch.nn.functional.cross_entropy(logits[m], y[m], reduction="sum"))
+        logits = mask_vocab(logits, vocab_size)
         c, t = masked_accuracy(logits, y)
         right, total = right + c, total + t
         ok = (logits.argmax(-1) == y) | ~m
@@ -169,7 +173,7 @@ def practice_finetune(model: LM, tok, lengths: Sequence[int], steps: int, batch_
     hb = min(batch_size, held_out)
     held = [practice_batch(tok, min(hb, held_out - i), lengths[(i // hb) % len(lengths)], held_rng, digits, exclude)
             for i in range(0, held_out, hb)]
-    before = answer_metrics(model, held)
+    before = answer_metrics(model, held, tok.vocab_size)
 
     def next_batch():
         return practice_batch(tok, batch_size, rng.choice(list(lengths)), rng, digits, exclude)
@@ -177,7 +181,7 @@ def practice_finetune(model: LM, tok, lengths: Sequence[int], steps: int, batch_
     last, _ = train_steps(model, next_batch, steps, lr=lr, warmup=min(warmup, max(steps - 1, 0)),
                           progress=show_progress, desc="passkey practice")
     model.eval()
-    after = answer_metrics(model, held)
+    after = answer_metrics(model, held, tok.vocab_size)
     if not math.isfinite(last):
         raise EvalError(f"passkey practice diverged: the last training loss is {last} (try a lower --lr)")
     return {"steps": steps, "lengths": list(lengths), "batch_size": batch_size, "lr": lr, "seed": seed,
@@ -185,8 +189,11 @@ def practice_finetune(model: LM, tok, lengths: Sequence[int], steps: int, batch_
 
 
 @torch.no_grad()
-def greedy_continue(model: LM, ids: Sequence[int], n: int, chunk_len: int = 2048) -> List[int]:
-    """Greedy decoding of ``n`` tokens after ``ids``, reading the prompt chunk by chunk."""
+def greedy_continue(model: LM, ids: Sequence[int], n: int, chunk_len: int = 2048,
+                    vocab_size: Optional[int] = None) -> List[int]:
+    """Greedy decoding of ``n`` tokens after ``ids``, reading the prompt chunk by chunk; with
+    ``vocab_size`` (the tokenizer's) only ids below it (``ttt_lm.model.lm.mask_vocab``)."""
+    from ttt_lm.model.lm import mask_vocab
     dev = next(model.parameters()).device
     x = torch.tensor([list(ids)], dtype=torch.long, device=dev)
     states = None
@@ -196,7 +203,7 @@ def greedy_continue(model: LM, ids: Sequence[int], n: int, chunk_len: int = 2048
     logits = out.logits[:, -1]
     res = []
     for i in range(n):
-        nxt = logits.argmax(-1)
+        nxt = mask_vocab(logits, vocab_size).argmax(-1)
         res.append(int(nxt))
         if i + 1 < n:
             logits, states = model.step(nxt, states)
@@ -231,7 +238,7 @@ def passkey_grid(model: LM, tok, lengths: Sequence[int], depths: Sequence[float]
         check_context(model, L)
     check_vocab(model, tok.vocab_size, "the tokenizer", allow_padding=True)
     model.eval()
-    gen = generate or (lambda ids, n: greedy_continue(model, ids, n, chunk_len))
+    gen = generate or (lambda ids, n: greedy_continue(model, ids, n, chunk_len, tok.vocab_size))
     keys = grid_keys(trials, seed, digits)
     cells = [(i, j) for i in range(len(lengths)) for j in range(len(depths))]
     correct = torch.zeros(len(cells), dtype=torch.int64)
@@ -286,7 +293,8 @@ def _grid_panel(fig, ax, values, lens, depths, train_len, cmap, vmin: float, vma
     ax.set_xlabel("context length (tokens)")
     ax.set_ylabel("needle depth")
     cb = fig.colorbar(im, ax=ax, fraction=0.046)
-    cb.set_label(label)
+    cb.set_label(label, fontsize=9)
+    return cb
 
 
 def plot_heatmap(result: dict, path: Optional[str] = None, title: str = "", train_len: Optional[int] = None):
@@ -294,22 +302,33 @@ def plot_heatmap(result: dict, path: Optional[str] = None, title: str = "", trai
     that contrasts with its background; the colorbar is labelled with the trials per cell, and
     ``train_len`` (the training context) is marked on the length axis. When ``result`` holds
     ``answer_loss`` (:func:`passkey_grid`), a second panel beside it shows that per cell (0 to
-    ln 10 ≈ 2.3 nats, a uniform guess among the digits; higher values are written as they are).
+    0 up to the largest cell, at least ln 10 ≈ 2.3 nats, a uniform guess among the digits, which the
+    colorbar marks), so the colour carries every cell's value. Titles and colorbar labels are
+    wrapped to their panel and the layout is matplotlib's constrained one: no text is cut off.
     Returns the Figure when ``path`` is None (else saves and closes it)."""
+    import textwrap
+
     from ttt_lm.eval.common import pyplot
     plt = pyplot()
     lens, depths = result["lengths"], result["depths"]
     loss = result.get("answer_loss")
-    w, h = max(5.0, 2.4 + 0.9 * len(lens)), max(3.4, 1.6 + 0.5 * len(depths))
-    fig, axes = plt.subplots(1, 2 if loss else 1, figsize=(2 * w if loss else w, h), squeeze=False)
+    w, h = max(5.0, 2.4 + 0.9 * len(lens)), max(3.6, 1.6 + 0.5 * len(depths))
+    fig, axes = plt.subplots(1, 2 if loss else 1, figsize=(2 * w if loss else w, h), squeeze=False,
+                             layout="constrained")
+    wrap = lambda text, inches: "\n".join(textwrap.wrap(text, max(12, int(inches * 11))))  # noqa: E731
     _grid_panel(fig, axes[0][0], result["accuracy"], lens, depths, train_len, plt.get_cmap("viridis"), 0, 1,
-                lambda v: f"{v:.0%}", f"retrieval accuracy ({result['trials']} random passkeys per cell)")
-    axes[0][0].set_title(title or "passkey retrieval accuracy", fontsize=10)
+                lambda v: f"{v:.0%}", wrap(f"retrieval accuracy ({result['trials']} random passkeys per cell)",
+                                           h - 1.0))
+    axes[0][0].set_title(wrap(title or "passkey retrieval accuracy", w - 1.8), fontsize=10)
     if loss:
-        _grid_panel(fig, axes[0][1], loss, lens, depths, train_len, plt.get_cmap("viridis_r"), 0, math.log(10),
-                    lambda v: f"{v:.2f}", "answer loss (nats per answer token)")
-        axes[0][1].set_title("teacher-forced loss on the answer's tokens (mean over the passkeys)", fontsize=10)
-    fig.tight_layout()
+        uniform = math.log(10)
+        finite = [v for row in loss for v in row if math.isfinite(v)]
+        top = max([uniform, *finite])
+        cb = _grid_panel(fig, axes[0][1], loss, lens, depths, train_len, plt.get_cmap("viridis_r"), 0, top,
+                         lambda v: f"{v:.2f}", wrap("answer loss (nats per answer token)", h - 1.0))
+        cb.ax.axhline(uniform, color="red", lw=1.5)
+        axes[0][1].set_title(wrap("teacher-forced loss on the answer's tokens (mean over the passkeys; "
+                                  "red line: ln 10, a uniform guess among the digits)", w - 1.8), fontsize=10)
     if path is None:
         return fig
     fig.savefig(path, dpi=120)

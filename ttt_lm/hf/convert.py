@@ -71,7 +71,9 @@ def _check_out_dir(out_dir: str) -> None:
 def save_hf(lm, out_dir: str, tokenizer: Optional[str] = None) -> str:
     """Write ``lm`` (a :class:`ttt_lm.model.LM`) into ``out_dir`` as a Hugging Face folder, with
     ``tokenizer`` (a ``tokenizer.json`` or SentencePiece ``.model`` file) beside it; the
-    tokenizer's end-of-document id becomes the config's ``eos_token_id``. The folder is written
+    tokenizer's end-of-document id becomes the config's ``eos_token_id``, and a model vocabulary
+    padded beyond the tokenizer's puts the padding ids in generation_config.json's
+    ``suppress_tokens`` (transformers' generate never produces them). The folder is written
     in a temporary sibling and moved into place file by file, so a failed export leaves what
     was there."""
     from ttt_lm.data.manifest import vocab_fits
@@ -94,8 +96,12 @@ def save_hf(lm, out_dir: str, tokenizer: Optional[str] = None) -> str:
     tmp = tempfile.mkdtemp(prefix=".hf_export_", dir=parent)
     try:
         hf.save_pretrained(tmp)
-        if hf.generation_config is not None and eos is not None:
-            hf.generation_config.eos_token_id = eos
+        if hf.generation_config is not None and tok is not None:
+            if eos is not None:
+                hf.generation_config.eos_token_id = eos
+            if tok.vocab_size < lm.cfg.vocab_size:
+                # the padding ids beyond the tokenizer's vocabulary: generate never produces them
+                hf.generation_config.suppress_tokens = list(range(tok.vocab_size, lm.cfg.vocab_size))
             hf.generation_config.save_pretrained(tmp)
         if tok is not None and tok.kind == "hf":  # the file as it is, and what AutoTokenizer needs beside it
             tok.save_copy(os.path.join(tmp, HF_TOKENIZER))

@@ -37,11 +37,28 @@ from ttt_lm.model.lm import LM, BlockState
 from .configuration_ttt_lm import TTTLMConfig
 
 
+#: the name transformers gives the decode cache in model outputs and in the inputs generate hands the
+#: model: ``cache`` from transformers 5.24 on, ``past_key_values`` before. The model takes either
+#: name and returns the cache under this one (5.24's outputs still answer to ``past_key_values``).
+CACHE_NAME = "cache" if "cache" in getattr(CausalLMOutputWithPast, "__dataclass_fields__", {}) else "past_key_values"
+
+
+def _the_cache(cache, past_key_values):
+    """The one cache passed as ``cache`` or by its older name ``past_key_values``, checked."""
+    if cache is not None and past_key_values is not None and cache is not past_key_values:
+        raise ValueError("two caches given: cache= and past_key_values= (its older name); pass one")
+    c = cache if cache is not None else past_key_values
+    if c is not None and not isinstance(c, TTTLMCache):
+        raise ValueError(f"the cache (cache= or past_key_values=) must be the TTTLMCache a previous call returned, "
+                         f"got {type(c).__name__}")
+    return c
+
+
 class TTTLMCache:
     """Every layer's decode state (a list of typed block states, ``ttt_lm.model.lm.BlockState``,
     as :meth:`LM.init_states` makes them) and how many tokens it has read. transformers'
-    generate carries it between forward calls as ``past_key_values``; the model replaces
-    ``states`` after each call."""
+    generate carries it between forward calls as ``cache`` (``past_key_values`` before
+    transformers 5.24, see :data:`CACHE_NAME`); the model replaces ``states`` after each call."""
 
     is_compileable = False
 
@@ -162,15 +179,14 @@ class TTTLMForCausalLM(TTTLMPreTrainedModel, GenerationMixin):
     def forward(self, input_ids: torch.LongTensor, attention_mask: Optional[torch.Tensor] = None,
                 past_key_values: Optional[TTTLMCache] = None, labels: Optional[torch.LongTensor] = None,
                 use_cache: Optional[bool] = None, return_dict: Optional[bool] = None,
-                **kwargs) -> CausalLMOutputWithPast:
-        """Logits [B, T, V] of ``input_ids`` [B, T]; with ``past_key_values`` (a
-        :class:`TTTLMCache`) the tokens continue that state, and with ``use_cache`` the output
-        carries the new state. ``labels`` [B, T] as in transformers: shifted inside."""
+                cache: Optional[TTTLMCache] = None, **kwargs) -> CausalLMOutputWithPast:
+        """Logits [B, T, V] of ``input_ids`` [B, T]; with ``cache`` (a :class:`TTTLMCache`; its
+        older name ``past_key_values`` is accepted too) the tokens continue that state, and with
+        ``use_cache`` the output carries the new state under :data:`CACHE_NAME`. ``labels`` [B, T]
+        as in transformers: shifted inside."""
         if kwargs.get("inputs_embeds") is not None:
             raise ValueError("ttt-lm models take input_ids, not inputs_embeds")
-        if past_key_values is not None and not isinstance(past_key_values, TTTLMCache):
-            raise ValueError(f"past_key_values must be the TTTLMCache a previous call returned, got "
-                             f"{type(past_key_values).__name__}")
+        past_key_values = _the_cache(cache, past_key_values)
         self._check_mask(attention_mask)
         use_cache = self.config.use_cache if use_cache is None else use_cache
         states = None if past_key_values is None else past_key_values.states
@@ -185,16 +201,18 @@ class TTTLMForCausalLM(TTTLMPreTrainedModel, GenerationMixin):
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]),
                                    labels[:, 1:].reshape(-1), ignore_index=-100)
-        cache = TTTLMCache(new_states, seen + input_ids.shape[1]) if use_cache else None
-        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=cache)
+        new_cache = TTTLMCache(new_states, seen + input_ids.shape[1]) if use_cache else None
+        return CausalLMOutputWithPast(loss=loss, logits=logits, **{CACHE_NAME: new_cache})
 
     def prepare_inputs_for_generation(self, input_ids: torch.LongTensor, past_key_values: Optional[TTTLMCache] = None,
                                       attention_mask: Optional[torch.Tensor] = None, use_cache: bool = True,
-                                      **kwargs) -> dict:
-        """The tokens the cache has not read yet (all of them on the first call), with the cache."""
+                                      cache: Optional[TTTLMCache] = None, **kwargs) -> dict:
+        """The tokens the cache has not read yet (all of them on the first call), with the cache
+        (given as ``cache`` or ``past_key_values``, handed on as :data:`CACHE_NAME`)."""
         if kwargs.get("inputs_embeds") is not None:
             raise ValueError("ttt-lm models generate from input_ids, not inputs_embeds")
         self._check_mask(attention_mask)
-        if past_key_values is not None:
-            input_ids = input_ids[:, past_key_values.seen_tokens:]
-        return {"input_ids": input_ids, "past_key_values": past_key_values, "use_cache": use_cache}
+        c = _the_cache(cache, past_key_values)
+        if c is not None:
+            input_ids = input_ids[:, c.seen_tokens:]
+        return {"input_ids": input_ids, CACHE_NAME: c, "use_cache": use_cache}

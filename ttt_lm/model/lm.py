@@ -276,7 +276,8 @@ class LM(nn.Module):
     @torch.no_grad()
     def generate(self, prompt_ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
                  top_k: Optional[int] = None, generator: Optional[torch.Generator] = None,
-                 top_p: Optional[float] = None, eos_id: Optional[int] = None) -> torch.Tensor:
+                 top_p: Optional[float] = None, eos_id: Optional[int] = None,
+                 vocab_size: Optional[int] = None) -> torch.Tensor:
         """Sample continuations of prompt_ids [B, T0]; returns [B, T0 + n], n <= max_new_tokens.
 
         The prompt is read in one forward pass that returns every layer's state; each new token is
@@ -285,14 +286,16 @@ class LM(nn.Module):
         position for the recurrent layers. Sampling: :func:`sample_next` (temperature, then top-k,
         then top-p; temperature 0 is greedy). With ``eos_id`` a row that emits it is finished: its
         later positions hold ``eos_id``, and generation ends when every row is finished (n can then
-        be below max_new_tokens)."""
+        be below max_new_tokens). With ``vocab_size`` (the tokenizer's, when the model's vocabulary
+        is padded beyond it) only ids below it are drawn (:func:`mask_vocab`)."""
         check_sampling(temperature, top_k, top_p)
+        check_vocab_limit(vocab_size, self.cfg.vocab_size)
         out = self(prompt_ids, output_states=True)
         logits, states = out.logits[:, -1], out.states
         toks = [prompt_ids]
         done = torch.zeros(prompt_ids.shape[0], dtype=torch.bool, device=prompt_ids.device)
         for i in range(max_new_tokens):
-            nxt = sample_next(logits, temperature, top_k, generator, top_p)
+            nxt = sample_next(logits, temperature, top_k, generator, top_p, vocab_size)
             if eos_id is not None:
                 nxt = nxt.masked_fill(done, eos_id)
                 done = done | (nxt == eos_id)
@@ -312,6 +315,26 @@ def check_sampling(temperature: float = 1.0, top_k: Optional[int] = None, top_p:
         raise ValueError(f"top_k must be >= 1 (or None for no limit), got {top_k}")
     if top_p is not None and not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1] (or None for no limit), got {top_p}")
+
+
+def check_vocab_limit(vocab_size: Optional[int], model_vocab: int) -> None:
+    """Refuse a token limit that is not a vocabulary the model's can hold: 1 <= vocab_size <= model_vocab."""
+    if vocab_size is not None and not 1 <= vocab_size <= model_vocab:
+        raise ValueError(f"vocab_size (the ids generation may produce) must be in [1, model.vocab_size={model_vocab}], "
+                         f"got {vocab_size}")
+
+
+def mask_vocab(logits: torch.Tensor, vocab_size: Optional[int]) -> torch.Tensor:
+    """``logits`` [..., V] with every id >= ``vocab_size`` set to -inf, so that argmax and sampling
+    never give an id the tokenizer cannot decode when the model's vocabulary is padded beyond the
+    tokenizer's (V > vocab_size). Unchanged (the same tensor) when ``vocab_size`` is None or >= V."""
+    if vocab_size is None or vocab_size >= logits.shape[-1]:
+        return logits
+    if vocab_size < 1:
+        raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+    out = logits.clone()
+    out[..., vocab_size:] = float("-inf")
+    return out
 
 
 def filter_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: Optional[int] = None,
@@ -337,9 +360,11 @@ def filter_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: Optiona
 
 
 def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: Optional[int] = None,
-                generator: Optional[torch.Generator] = None, top_p: Optional[float] = None) -> torch.Tensor:
+                generator: Optional[torch.Generator] = None, top_p: Optional[float] = None,
+                vocab_size: Optional[int] = None) -> torch.Tensor:
     """One token per row of logits [B, V]: argmax when temperature is 0, else a draw from
-    softmax(:func:`filter_logits`)."""
+    softmax(:func:`filter_logits`); with ``vocab_size`` only ids below it (:func:`mask_vocab`)."""
+    logits = mask_vocab(logits, vocab_size)
     if temperature <= 0:
         check_sampling(temperature, top_k, top_p)
         return logits.argmax(-1)

@@ -42,6 +42,11 @@ this is what the budget buys for these architectures, attention and inner-loop F
 N is the non-embedding parameter count in this project's tables (the ``params_kind`` column);
 Hoffmann count embeddings too, Kaplan et al. 2020 do not.
 
+A table whose points hold fewer than 3 distinct sizes (or token counts) per architecture does not
+determine the law (two sizes fix one difference of A/N^α, not A and α): such a fit is refused, and
+the table and the plot say it is under-determined; bootstrap resamples with fewer than 3 sizes or
+token counts are skipped for the same reason.
+
 Approach 2, isoFLOP profiles. Runs are grouped by compute budget (the ``budget`` column a ladder
 writes, else training FLOPs that agree within 10%). In each group with at least three model
 sizes the final loss is fitted by a parabola in log N, L = c₀ + c₁ log N + c₂ (log N)²; its
@@ -177,6 +182,21 @@ def _params(theta: np.ndarray) -> Dict[str, float]:
 
 
 DEFAULT_STARTS = 24
+#: distinct model sizes (and token counts) the law needs: the points fix E + A/N^α + B/D^β only up to
+#: its values there, so the N term's two parameters (A, α) need the differences between at least 3
+#: sizes, and (B, β) those between at least 3 token counts
+MIN_DISTINCT = 3
+
+
+def underdetermined(N, D) -> Optional[str]:
+    """Why the parametric law is not determined by points at sizes ``N`` and token counts ``D``
+    (fewer than 3 distinct values of either), or None when it is."""
+    nN, nD = len(np.unique(np.asarray(N, float))), len(np.unique(np.asarray(D, float)))
+    why = ([f"{nN} model size(s), A and alpha need at least {MIN_DISTINCT}"] if nN < MIN_DISTINCT else []) + \
+          ([f"{nD} token count(s), B and beta need at least {MIN_DISTINCT}"] if nD < MIN_DISTINCT else [])
+    if not why:
+        return None
+    return "under-determined: " + "; ".join(why) + " (the law E + A/N^alpha + B/D^beta has 5 parameters)"
 
 
 def fit_parametric(N, D, L, delta: float = HUBER_DELTA, starts=DEFAULT_STARTS, return_ranked: bool = False):
@@ -186,6 +206,9 @@ def fit_parametric(N, D, L, delta: float = HUBER_DELTA, starts=DEFAULT_STARTS, r
     logN, logD, logL = np.log(np.asarray(N, float)), np.log(np.asarray(D, float)), np.log(np.asarray(L, float))
     if len(logL) < 5:
         raise FitError(f"the law has 5 parameters: {len(logL)} points are too few")
+    why = underdetermined(N, D)
+    if why is not None:
+        raise FitError(f"approach 3 is {why}")
     if starts is None:
         starts = _grid()
     elif isinstance(starts, (int, np.integer)):
@@ -271,8 +294,8 @@ def bootstrap(t: Table, best_theta: np.ndarray, ranked_starts: np.ndarray, n: in
     for _ in range(n):
         idx = np.concatenate([members[k] for k in rng.choice(keys, size=len(keys), replace=True)])
         N, D, L = t.params[idx], t.tokens[idx], t.loss[idx]
-        if len(np.unique(N)) < 2 or len(np.unique(D)) < 2:
-            continue  # a resample with one size or one token count says nothing about α or β
+        if len(idx) < 5 or underdetermined(N, D) is not None:
+            continue  # a resample with fewer than 3 sizes or token counts does not determine α or β
         p, _ = fit_parametric(N, D, L, delta, starts=starts)
         out.append(p)
     return out
@@ -353,8 +376,11 @@ def fit_table(t: Table, points: str = "final", n_bootstrap: int = 100, level: fl
         tf = ta.select(ta.final) if (points == "final" and ta.final is not None) else ta
         entry: Dict = {"points": int(len(tf)), "runs": int(len(np.unique(tf.run))) if tf.run is not None else None,
                        "flops_per_token": fpt.as_dict()}
+        why = underdetermined(tf.params, tf.tokens)
         if len(tf) < 5:
             entry["error"] = f"{len(tf)} points: approach 3 needs at least 5"
+        elif why is not None:
+            entry["error"], entry["underdetermined"] = why, True
         else:
             p, fun, ranked = fit_parametric(tf.params, tf.tokens, tf.loss, delta, starts=starts, return_ranked=True)
             entry.update(p)
@@ -391,7 +417,7 @@ def format_table(res: Dict) -> str:
     for arch, e in res["archs"].items():
         lines.append(f"== {arch}: {e['points']} points" + (f" from {e['runs']} runs" if e.get("runs") else ""))
         if "error" in e:
-            lines.append(f"  approach 3: {e['error']}")
+            lines.append(f"  approach 3: not fitted, {e['error']}")
         else:
             lines.append("  approach 3 (parametric):  " + "  ".join(
                 f"{k} {_fmt_ci(e[k], e[k + '_ci'])}" for k in PARAM_NAMES))

@@ -3,7 +3,8 @@
 * ``loss_vs_flops.png``: validation loss against training compute, log-log, one colour per
   architecture; final losses as filled markers, intermediate ones small and faint; the fitted
   compute-optimal frontier L*(C) = min over N of L(N, C / f(N)) as a line, the fitted law along
-  each trained size N as a dotted line; the fitted exponents in the legend.
+  each trained size N as a dotted line; the fitted exponents in the legend (or, for an
+  architecture whose points do not determine the law, "no fit, under-determined (2 model size(s))").
 * ``isoflop.png``: one panel per architecture, loss against non-embedding parameters at each
   compute budget with the approach-2 parabola and its minimum; the exponents a, b in the title.
 """
@@ -23,6 +24,14 @@ def _plt():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     return plt
+
+
+def _short(why: str) -> str:
+    """``under-determined: 2 model size(s), A and alpha need at least 3 (...)`` → ``under-determined
+    (2 model size(s))``: the legend's version of the fit's reason."""
+    head, _, rest = why.partition(": ")
+    counts = [part.split(",")[0].strip() for part in rest.split(" (")[0].split(";")]
+    return f"{head} ({', '.join(counts)})" if rest else head
 
 
 def loss_vs_flops(t: Table, res: Dict, path: str) -> str:
@@ -45,6 +54,8 @@ def loss_vs_flops(t: Table, res: Dict, path: str) -> str:
             # the fitted law along each trained size: L(N, C / f(N)), dotted
             for N in np.unique(t.params[m][fin]):
                 ax.plot(Cs, law(e, N, Cs / fpt(N)), color=color, lw=0.6, ls=":")
+        elif e.get("underdetermined"):
+            label += f": no fit, {_short(e['error'])}"
         ax.scatter(C[fin], L[fin], s=30, color=color, label=label, edgecolor="k", linewidth=0.5, zorder=3)
     ax.set_xscale("log")
     ax.set_yscale("log")

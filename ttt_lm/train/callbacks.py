@@ -6,7 +6,8 @@ checkpoints (``ttt_lm.train.loop.Trainer`` calls their hooks).
 
     MetricsCallback        the step's record to metrics.jsonl / TensorBoard / W&B, the console line
     NonFiniteLossCallback  NonFiniteLossError after train.max_nonfinite_steps non-finite losses in a row
-    EvalCallback           validation loss every eval.every steps (its batches read once, then kept)
+    EvalCallback           validation loss every eval.every steps and at the last step (its batches read
+                           once, then kept)
     PreemptionCallback     a signalled rank (SIGTERM/SIGUSR1) stops the run with PREEMPTED_EXIT_CODE
     CheckpointCallback     every checkpoint.every steps, on any stop request, and at the end
 
@@ -89,13 +90,17 @@ class NonFiniteLossCallback(Callback):
 
 
 class EvalCallback(Callback):
-    """Validation loss every ``every`` steps over the first ``n_batches`` batches of
-    ``build_loader()`` (built and read once, at the first evaluation; every pass then uses the same
-    batches), averaged over label tokens and ranks; logged as a ``kind: val`` record."""
+    """Validation loss every ``every`` steps and at the last step (``max_steps``, when it is not a
+    multiple of ``every``) over the first ``n_batches`` batches of ``build_loader()`` (built and read
+    once, at the first evaluation; every pass then uses the same batches), averaged over label
+    tokens and ranks; logged as a ``kind: val`` record with ``tokens``, the number of label tokens
+    the mean is over (every data-parallel rank's batches, each token counted once). ``every`` = 0
+    turns validation off, the last step's included."""
 
     def __init__(self, build_loader: Callable[[], object], every: int, n_batches: int, writer):
         self.build_loader, self.every, self.n_batches, self.writer = build_loader, every, n_batches, writer
         self.batches: Optional[List[dict]] = None
+        self.tokens = 0  # label tokens of the last evaluation
 
     def _val_batches(self, trainer: Trainer) -> List[dict]:
         if self.batches is None:
@@ -114,6 +119,7 @@ class EvalCallback(Callback):
         return self.batches
 
     def evaluate(self, trainer: Trainer) -> float:
+        """The mean validation loss; ``self.tokens`` is then how many label tokens it covered."""
         import torch
         import torch.distributed as tdist
         engine, dev = trainer.engine, trainer.device
@@ -133,17 +139,22 @@ class EvalCallback(Callback):
         engine.train()
         tdist.all_reduce(tot)
         s, c = tot.tolist()
+        # every TP and CP peer counted its rows' labels: each token was counted world / dp_world times
+        self.tokens = int(round(c)) * trainer.dp_world // trainer.world
         return s / c if c > 0 else float("nan")
 
     def post_step(self, trainer: Trainer) -> None:
         step = trainer.step
-        if not (self.every and step % self.every == 0):
+        if not self.every or not (step % self.every == 0 or step == trainer.max_steps):
             return
         vl = self.evaluate(trainer)
         ppl = math.exp(min(vl, 700.0))
-        self.writer.log({"kind": "val", "step": step, "loss": vl, "ppl": ppl})
+        n = len(self.batches or [])
+        self.writer.log({"kind": "val", "step": step, "loss": vl, "ppl": ppl, "tokens": self.tokens})
         if trainer.rank == 0:
-            trainer.write(f"[val] step {step} loss {vl:.4f} ppl {ppl:.2f}")
+            trainer.write(f"[val] step {step} loss {vl:.4f} ppl {ppl:.2f} over {self.tokens:,} tokens "
+                          f"({n} batch{'es' if n != 1 else ''} per rank × {trainer.dp_world} data-parallel rank"
+                          f"{'s' if trainer.dp_world != 1 else ''})")
 
 
 class PreemptionCallback(Callback):

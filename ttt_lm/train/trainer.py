@@ -89,6 +89,22 @@ def main(argv: Optional[Sequence[str]] = None, data_api=None, preempt: Optional[
         return 2 if isinstance(e, (ConfigError, ParallelConfigError)) else 1
 
 
+def vocab_padding_note(model_vocab: int, tokenizer_vocab: int, data_path: str) -> str:
+    """The startup line of a model whose vocabulary is larger than its tokenizer's (padding, e.g.
+    to a multiple of 64 for the matrix units, is legitimate; the extra rows are never a target)."""
+    return (f"model.vocab_size={model_vocab} is larger than the tokenizer's vocab_size={tokenizer_vocab} "
+            f"({data_path}): ids {tokenizer_vocab}..{model_vocab - 1} are padding that no data holds; generation "
+            f"and the evals never produce them")
+
+
+def finished_note(ckpt: str, step: int, max_steps: int) -> str:
+    """What a rerun of a finished run says: nothing is left to train, and how to train further."""
+    return (f"the run is complete: {ckpt} is at step {step} and train.max_steps={max_steps}, so there is nothing "
+            f"to train. To train further, run the same command with a larger train.max_steps (e.g. "
+            f"train.max_steps={2 * max(step, 1)}): the run resumes from step {step}, and the learning-rate "
+            f"schedule, unless optim.total_steps fixes its length, stretches to the new total")
+
+
 # ---- resume checks ---------------------------------------------------------------------------
 
 def _flat(d, prefix=""):
@@ -355,6 +371,9 @@ def _train(cfg, data_api, preempt, held, extra_callbacks=()) -> int:
             cfg.model.vocab_size, int(manifest["vocab_size"]), allow_padding=True):
         raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
                           f"vocab_size={manifest['vocab_size']} ({cfg.data.path}); set model.vocab_size >= it")
+    if rank == 0 and manifest.get("vocab_size") is not None and cfg.model.vocab_size > int(manifest["vocab_size"]):
+        print(f"[train] {vocab_padding_note(cfg.model.vocab_size, int(manifest['vocab_size']), cfg.data.path)}",
+              flush=True)
     inv = invariants(cfg, manifest)
 
     def after_finite_loss(c):
@@ -469,6 +488,8 @@ def _train(cfg, data_api, preempt, held, extra_callbacks=()) -> int:
         print(f"[train] MFU against {peak / 1e12:.1f} TFLOP/s per device ({peak_from})" if peak
               else f"[train] MFU not reported: {peak_from}", flush=True)
         print(f"[train] git commit {run_info['git_commit']}", flush=True)
+        if resume is not None and step >= t.max_steps:
+            print(f"[train] {finished_note(resume, step, t.max_steps)}", flush=True)
     fpt = flops_per_token(cfg.model, cfg.data.seq_len)["train"]
     cfg_yaml = to_yaml(cfg)
 
