@@ -154,6 +154,10 @@ class TitansMemory(Mixer):
         else:
             e = c.memory_expansion * d
             self.M_init = nn.ParameterList([nn.Parameter(torch.zeros(H, d, e)), nn.Parameter(torch.zeros(H, e, d))])
+            # γ of the memory's output norm, per head (an outer parameter: the inner loop never updates it)
+            self.mem_norm_weight = nn.Parameter(torch.ones(H, d))
+            self.mem_norm_weight._no_weight_decay = True
+        self.mem_eps = cfg.norm_eps
         self.g_proj = nn.Linear(cfg.d_model, inner, bias=False)    # W_G
         self.o_norm = RMSNorm(d, cfg.norm_eps)
         self.o_proj = nn.Linear(inner, cfg.d_model, bias=False)    # W_O
@@ -167,7 +171,7 @@ class TitansMemory(Mixer):
         conv per channel (its [q | k | v] channels fused: each part split by heads), the initial
         memory by heads, W_O by rows; o_norm (over one head's features) is shared by all heads."""
         conv = ("conv.conv",) if cfg.titans.conv_width > 0 else ()
-        mem = ("M_init.0",) if cfg.titans.memory == "linear" else ("M_init.0", "M_init.1")
+        mem = ("M_init.0",) if cfg.titans.memory == "linear" else ("M_init.0", "M_init.1", "mem_norm_weight")
         return TPPlan(column=("q_proj", "k_proj", "v_proj", "g_proj", "theta_proj", "eta_proj", "alpha_proj"),
                       row=("o_proj",), channel_convs=conv, fused=tuple((n, 3) for n in conv), head_params=mem,
                       shared_modules=("o_norm",), head_counts=("n_heads",))
@@ -180,9 +184,12 @@ class TitansMemory(Mixer):
             if self.memory == "linear":
                 self.M_init[0].zero_()
             else:
-                # the MLP memory cannot start at zero: both of its gradients would vanish
-                for W in self.M_init:
-                    nn.init.normal_(W, std=1.0 / math.sqrt(W.shape[1]))
+                # the MLP memory cannot start at zero: both of its gradients would vanish. W₁ ~ N(0, 1):
+                # k is unit-norm, so h = k W₁ ~ N(0, 1) per unit, GELU's nonlinear range; W₂ ~ N(0, 1/(ed))
+                W1, W2 = self.M_init
+                nn.init.normal_(W1, std=1.0)
+                nn.init.normal_(W2, std=1.0 / math.sqrt(W2.shape[1]))
+                self.mem_norm_weight.fill_(1.0)
 
     @property
     def n_mem(self) -> int:
@@ -247,45 +254,71 @@ class TitansMemory(Mixer):
                                         conv=carry.conv if self.conv is not None else None)
 
     # ---- MLP memory ----------------------------------------------------------------------------
+    def _gain(self, ndim: int, dtype) -> torch.Tensor:
+        """γ [H, d] shaped to broadcast against [..., H, d] (ndim 3) or [..., H, n, d] (ndim 4)."""
+        g = self.mem_norm_weight.to(dtype)
+        return g if ndim == 3 else g[:, None, :]
+
+    def _rms(self, z: torch.Tensor) -> torch.Tensor:
+        return z * torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + self.mem_eps)
+
+    def mlp_read(self, q: torch.Tensor, W1: torch.Tensor, W2: torch.Tensor) -> torch.Tensor:
+        """M(q) = q + γ ⊙ RMSNorm(GELU(q W₁) W₂) for q [B, H, n, d] (or [B, H, d]) and one memory
+        (W₁, W₂) per sequence and head."""
+        z = F.gelu(q @ W1.to(q.dtype)) @ W2.to(q.dtype) if q.dim() == 4 else \
+            torch.einsum("bhj,bhjd->bhd", F.gelu(torch.einsum("bhi,bhij->bhj", q, W1.to(q.dtype))), W2.to(q.dtype))
+        return q + self._gain(q.dim(), q.dtype) * self._rms(z)
+
     def _mlp_reference(self, q, k, v, theta, log_eta, log_keep, M: List, S: List, Mh: List, pos: int):
-        """Token by token; ∇ℓ by torch.func.grad of ℓ(W₁, W₂; k, v) = ‖GELU(k W₁) W₂ − v‖²."""
-        def loss(W1, W2, k_t, v_t):
-            return (F.gelu(k_t @ W1) @ W2 - v_t).pow(2).sum()
+        """Token by token; ∇ℓ by torch.func.grad of ℓ(W₁, W₂; k, v) = mean_d (M(k) − v)²,
+        M(k) = k + γ ⊙ RMSNorm(GELU(k W₁) W₂)."""
+        eps = self.mem_eps
+
+        def loss(W1, W2, k_t, v_t, g):
+            z = F.gelu(k_t @ W1) @ W2
+            out = k_t + g * z * torch.rsqrt(z.pow(2).mean() + eps)
+            return (out - v_t).pow(2).mean()
 
         grad_fn = torch.func.vmap(torch.func.vmap(torch.func.grad(loss, argnums=(0, 1))))
+        g = self._gain(3, q.dtype).expand(q.shape[0], -1, -1)
         C = self.chunk_size
         eta, keep = log_eta.exp(), log_keep.exp()
         outs = []
         for t in range(q.shape[2]):
             if (pos + t) % C == 0:
                 Mh = list(M)
-            G = grad_fn(Mh[0], Mh[1], k[:, :, t], v[:, :, t])
+            G = grad_fn(Mh[0], Mh[1], k[:, :, t], v[:, :, t], g)
             e_t, th_t, kp_t = eta[:, :, t, None, None], theta[:, :, t, None, None], keep[:, :, t, None, None]
-            S = [e_t * s - th_t * g for s, g in zip(S, G)]
+            S = [e_t * s - th_t * gr for s, gr in zip(S, G)]
             M = [kp_t * m + s for m, s in zip(M, S)]
-            z = F.gelu(torch.einsum("bhi,bhij->bhj", q[:, :, t], M[0]))
-            outs.append(torch.einsum("bhi,bhij->bhj", z, M[1]))
+            outs.append(self.mlp_read(q[:, :, t], M[0], M[1]))
         if (pos + q.shape[2]) % C == 0:
             Mh = list(M)
         y = torch.stack(outs, 2) if outs else v.new_zeros(v.shape)
         return y, M, S, Mh
 
     def _mlp_chunked(self, q, k, v, theta, log_eta, log_keep, M: List, S: List, Mh: List, pos: int):
-        """Chunk-parallel: per chunk, closed-form rank-one gradients at the anchor, then
-        ``chunk_memory_step`` for W₁ (query side: q) and for W₂ (query side: GELU(q W₁,t))."""
+        """Chunk-parallel: per chunk, closed-form rank-one gradients at the anchor (the error
+        backpropagated through the output's RMSNorm), then ``chunk_memory_step`` for W₁ (query
+        side: q) and for W₂ (query side: GELU(q W₁,t)); the read adds q + γ ⊙ RMSNorm(·)."""
         C = self.chunk_size
+        g = self._gain(4, q.dtype)
         outs = []
         pieces = split_spans(_tk.chunk_spans(q.shape[2], C, pos), q, k, v, theta, log_eta, log_keep)
         for i, (qc, kc, vc, thc, lec, lkc) in enumerate(pieces):
             A1, A2 = Mh if (i == 0 and pos % C) else M
             h = kc @ A1
             a = F.gelu(h)
-            err = 2.0 * (a @ A2 - vc)
-            delta1 = (err @ A2.transpose(-1, -2)) * _gelu_grad(h)
+            z = a @ A2
+            r = torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + self.mem_eps)
+            zh = z * r
+            ge = g * (2.0 / z.shape[-1]) * (kc + g * zh - vc)            # γ ⊙ ∂ℓ/∂M(k)
+            dz = r * (ge - zh * (zh * ge).mean(-1, keepdim=True))       # through RMSNorm: ∂ℓ/∂z
+            delta1 = (dz @ A2.transpose(-1, -2)) * _gelu_grad(h)
             dec = _tk.chunk_decays(thc, lec, lkc)
             hq, M1, S1 = _tk.chunk_memory_step(M[0], S[0], kc, delta1, qc, dec)
-            y, M2, S2 = _tk.chunk_memory_step(M[1], S[1], a, err, F.gelu(hq), dec)
-            outs.append(y)
+            zq, M2, S2 = _tk.chunk_memory_step(M[1], S[1], a, dz, F.gelu(hq), dec)
+            outs.append(qc + g * self._rms(zq))
             Mh = [A1, A2]
             M, S = [M1, M2], [S1, S2]
         if (pos + q.shape[2]) % C == 0:
@@ -640,7 +673,7 @@ class TitansMAC(Mixer):
         B, n, _ = x.shape
         q = F.silu(mem.q_proj(x)).view(B, n, mem.n_heads, mem.hd).transpose(1, 2)
         q = F.normalize(acc(q), p=2.0, dim=-1, eps=1e-6)
-        y = q @ R[0].to(q.dtype) if mem.memory == "linear" else F.gelu(q @ R[0].to(q.dtype)) @ R[1].to(q.dtype)
+        y = q @ R[0].to(q.dtype) if mem.memory == "linear" else mem.mlp_read(q, R[0], R[1])
         return mem.output(y, x)
 
     #: the segment mask (every persistent token, then h and S causally) is neither causal nor a
