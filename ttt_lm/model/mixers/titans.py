@@ -12,8 +12,8 @@ L2-normalized), data-dependent gates
 
     θ_t = σ(W_θ x_t + b_θ),   η_t = σ(W_η x_t + b_η),   α_t = σ(W_α x_t + b_α),
 
-the associative loss ℓ(M; k, v) = ‖M(k) − v‖² and the memory M (its weights; the surprise S has
-the same shape), the update and retrieval are
+the associative loss ℓ(M; k, v) (below, per memory) and the memory M (its weights; the surprise S
+has the same shape), the update and retrieval are
 
     S_t = η_t S_{t−1} − θ_t ∇ℓ(M̂_t; k_t, v_t)        (momentary surprise with momentum)
     M_t = (1 − α_t) M_{t−1} + S_t                     (forgetting gate)
@@ -29,12 +29,52 @@ semantics; the decode state therefore carries M̂ and the position besides M and
 
 Memory (``titans.memory``), in the row layout M(k) = k W:
 
-* ``linear``: M(k) = k W, W ∈ R^{d×d}, ∇_W ℓ = 2 kᵀ (k W − v). Update and retrieval are
-  ``kernels.titans.titans_linear``.
-* ``mlp``: M(k) = GELU(k W₁) W₂, W₁ ∈ R^{d×ed}, W₂ ∈ R^{ed×d} (e = ``titans.memory_expansion``).
-  With h = k W₁, a = GELU(h), err = 2(a W₂ − v): ∇_{W₂} ℓ = aᵀ err,
-  ∇_{W₁} ℓ = kᵀ [(err W₂ᵀ) ⊙ GELU′(h)]. Both are rank one per token, so the chunk-parallel form
-  (``kernels.titans.chunk_memory_step``) runs each layer as decayed linear attention.
+* ``linear``: M(k) = k W, W ∈ R^{d×d}, ℓ = ‖k W − v‖² (the paper's), ∇_W ℓ = 2 kᵀ (k W − v).
+  Update and retrieval are ``kernels.titans.titans_linear``.
+* ``mlp``: M(k) = k + γ ⊙ RMSNorm(GELU(k W₁) W₂), W₁ ∈ R^{d×d_h}, W₂ ∈ R^{d_h×d}
+  (d_h = ``titans.memory_expansion`` · d), γ ∈ R^d a learned per-head gain (an outer parameter,
+  never updated by the inner loop), RMSNorm(z) = z r, r = (mean_i z_i² + ε)^{−1/2} without
+  weights, and ℓ = (1/d) ‖M(k) − v‖² (the mean over the d features). With h = k W₁, a = GELU(h),
+  z = a W₂, ẑ = z r, e = (2/d)(k + γ ⊙ ẑ − v) and δ = r [γ ⊙ e − ẑ · mean(ẑ ⊙ γ ⊙ e)] (e through
+  the norm): ∇_{W₂} ℓ = aᵀ δ, ∇_{W₁} ℓ = kᵀ [(δ W₂ᵀ) ⊙ GELU′(h)]. Both are rank one per token, so
+  the chunk-parallel form (``kernels.titans.chunk_memory_step``) runs each layer as decayed linear
+  attention; the read adds q + γ ⊙ RMSNorm(·) to the second layer's output. Init: W₁ ~ N(0, 1) (k
+  is unit-norm, so h = k W₁ ~ N(0, 1) per unit, GELU's nonlinear range), W₂ ~ N(0, 1/d_h), γ = 1.
+
+Step size and stability. The gates are the paper's, θ_t ∈ (0, 1), η_t ∈ (0, 1), α_t ∈ (0, 1)
+(b_θ, b_η, b_α give 0.1, 0.9 and 0.01 at init).
+
+* Linear memory: per token, W ↦ W − 2θ kᵀ(k W − v) = (I − 2θ kᵀk) W + 2θ kᵀv. For ‖k‖ = 1 the
+  matrix I − 2θ kᵀk has eigenvalues 1 (orthogonal to k) and 1 − 2θ (along k), and |1 − 2θ| ≤ 1
+  for θ ∈ [0, 1]: θ = σ(·) keeps the per-token update non-expansive (contractive along k), and
+  the heavy-ball recurrence with momentum η stays stable while 2θ < 2(1 + η), which θ < 1
+  satisfies. Inside a chunk the gradients are all taken at M̂, so the chunk applies
+  I − 2 Σ_t θ_t k_tᵀk_t: contractive when the chunk's keys are spread (‖Σ_t θ_t k_tᵀk_t‖ ≤ 1), but
+  C copies of one key act as one step of C·θ, which overshoots for θ > 1/C; that case is damped
+  only by the forgetting gate.
+* MLP memory, why it is parametrized as above: with the paper's plain M(k) = GELU(k W₁) W₂ and
+  ℓ = ‖M(k) − v‖², the read grows like the square of the weights' scale s and the gradient like
+  s³, so an overshooting step makes the next one larger. At the 125M shape (d = 64, 12 heads,
+  chunk 16, the gates at init) ‖W₁‖ went from 10 to 2·10⁵ in 5 chunks and to NaN (0 · ∞ behind
+  GELU) at token 96, in the reference and the chunked form alike. What bounds it now: (1) the
+  read no longer grows with the weights, |RMSNorm(z)_i| ≤ √d, so ‖M(k)‖ ≤ 1 + √d ‖γ‖_∞ and the
+  error e that drives every step is bounded independently of the memory; (2) the step on W₂ is
+  orthogonal to W₂ (at the anchor, Σ_t ⟨W₂, a_tᵀ δ_t⟩ = Σ_t ⟨z_t, δ_t⟩ = 0: the norm's Jacobian
+  removes z's own direction) and its size carries the factor r ∝ 1/‖W₂‖, so a large step grows W₂
+  and shrinks the next one (the self-limiting step of scale-invariant weights); W₁'s gradient
+  passes through the same factor r. The mean over d keeps the error's size, hence θ's meaning,
+  independent of the head width. Measured (float32, one layer at the 125M shape, random inputs):
+  at the init gates the largest ‖W₁‖, ‖W₂‖ over heads settle near 3 and stay there over 16,384
+  tokens; with the gates at their limits (θ ≈ 1, η ≈ 0.9997, α ≈ 10⁻⁴), where momentum integrates
+  the bounded steps, they grow about linearly (‖W₂‖ ≈ 3.7·10³ after 4,096 tokens), far from
+  overflow. ``tests/model/test_health.py`` runs every preset at its own length.
+
+Where this departs from the paper and from titans-pytorch (lucidrains): the paper's MLP memory
+has no residual and no norm, and its loss sums over the features; titans-pytorch wraps its memory
+MLP in the same residual + norm (a LayerNorm with gain 1 + γ′, as in the TTT layer) and averages
+its loss over the features, as here. Its inner step is max_lr · σ(·) with max_lr = 1 by default
+in ``NeuralMemory`` (the transform's own default of 0.01 is overridden), the same range (0, 1) as
+θ_t = σ(·) here. The linear memory keeps the paper's equations.
 
 The inner gradients are closed-form tensor expressions (``reference`` for the MLP memory takes
 them with ``torch.func.grad``), never written into parameters, so the outer loss reaches W_Q, W_K,
@@ -48,8 +88,7 @@ there the momentum and forgetting gates are computed once per chunk from a poole
 representation and S, M advance once per chunk (the chunk's gradients summed), where the paper
 (and this file) has per-token gates and per-token S_t, M_t; retrieval there reads the memory as
 it was after the previous chunk (its weights shifted by one chunk), here y_t = M_t(q_t) reads
-the memory after token t's own update; its inner step is θ_t = max_lr · σ(·) (max_lr 0.01 by
-default), here θ_t = σ(W_θ x_t + b_θ); its persistent memory (MAC) is a learned key and value
+the memory after token t's own update; its persistent memory (MAC) is a learned key and value
 per head and slot (zero at init) placed before the attention's keys and values, here, as in the
 paper's Eq. 22, learned tokens p_1 … p_{N_p} (N(0, 1) at init, the scale of the normed input)
 prepended to the segment and projected by W_K and W_V like any token; and it adds options the
@@ -185,7 +224,7 @@ class TitansMemory(Mixer):
                 self.M_init[0].zero_()
             else:
                 # the MLP memory cannot start at zero: both of its gradients would vanish. W₁ ~ N(0, 1):
-                # k is unit-norm, so h = k W₁ ~ N(0, 1) per unit, GELU's nonlinear range; W₂ ~ N(0, 1/(ed))
+                # k is unit-norm, so h = k W₁ ~ N(0, 1) per unit, GELU's nonlinear range; W₂ ~ N(0, 1/d_h)
                 W1, W2 = self.M_init
                 nn.init.normal_(W1, std=1.0)
                 nn.init.normal_(W2, std=1.0 / math.sqrt(W2.shape[1]))
