@@ -12,8 +12,8 @@ L2-normalized), data-dependent gates
 
     θ_t = σ(W_θ x_t + b_θ),   η_t = σ(W_η x_t + b_η),   α_t = σ(W_α x_t + b_α),
 
-the associative loss ℓ(M; k, v) = ‖M(k) − v‖² and the memory M (its weights; the surprise S has
-the same shape), the update and retrieval are
+the associative loss ℓ(M; k, v) (below, per memory) and the memory M (its weights; the surprise S
+has the same shape), the update and retrieval are
 
     S_t = η_t S_{t−1} − θ_t ∇ℓ(M̂_t; k_t, v_t)        (momentary surprise with momentum)
     M_t = (1 − α_t) M_{t−1} + S_t                     (forgetting gate)
@@ -29,12 +29,52 @@ semantics; the decode state therefore carries M̂ and the position besides M and
 
 Memory (``titans.memory``), in the row layout M(k) = k W:
 
-* ``linear``: M(k) = k W, W ∈ R^{d×d}, ∇_W ℓ = 2 kᵀ (k W − v). Update and retrieval are
-  ``kernels.titans.titans_linear``.
-* ``mlp``: M(k) = GELU(k W₁) W₂, W₁ ∈ R^{d×ed}, W₂ ∈ R^{ed×d} (e = ``titans.memory_expansion``).
-  With h = k W₁, a = GELU(h), err = 2(a W₂ − v): ∇_{W₂} ℓ = aᵀ err,
-  ∇_{W₁} ℓ = kᵀ [(err W₂ᵀ) ⊙ GELU′(h)]. Both are rank one per token, so the chunk-parallel form
-  (``kernels.titans.chunk_memory_step``) runs each layer as decayed linear attention.
+* ``linear``: M(k) = k W, W ∈ R^{d×d}, ℓ = ‖k W − v‖² (the paper's), ∇_W ℓ = 2 kᵀ (k W − v).
+  Update and retrieval are ``kernels.titans.titans_linear``.
+* ``mlp``: M(k) = k + γ ⊙ RMSNorm(GELU(k W₁) W₂), W₁ ∈ R^{d×d_h}, W₂ ∈ R^{d_h×d}
+  (d_h = ``titans.memory_expansion`` · d), γ ∈ R^d a learned per-head gain (an outer parameter,
+  never updated by the inner loop), RMSNorm(z) = z r, r = (mean_i z_i² + ε)^{−1/2} without
+  weights, and ℓ = (1/d) ‖M(k) − v‖² (the mean over the d features). With h = k W₁, a = GELU(h),
+  z = a W₂, ẑ = z r, e = (2/d)(k + γ ⊙ ẑ − v) and δ = r [γ ⊙ e − ẑ · mean(ẑ ⊙ γ ⊙ e)] (e through
+  the norm): ∇_{W₂} ℓ = aᵀ δ, ∇_{W₁} ℓ = kᵀ [(δ W₂ᵀ) ⊙ GELU′(h)]. Both are rank one per token, so
+  the chunk-parallel form (``kernels.titans.chunk_memory_step``) runs each layer as decayed linear
+  attention; the read adds q + γ ⊙ RMSNorm(·) to the second layer's output. Init: W₁ ~ N(0, 1) (k
+  is unit-norm, so h = k W₁ ~ N(0, 1) per unit, GELU's nonlinear range), W₂ ~ N(0, 1/d_h), γ = 1.
+
+Step size and stability. The gates are the paper's, θ_t ∈ (0, 1), η_t ∈ (0, 1), α_t ∈ (0, 1)
+(b_θ, b_η, b_α give 0.1, 0.9 and 0.01 at init).
+
+* Linear memory: per token, W ↦ W − 2θ kᵀ(k W − v) = (I − 2θ kᵀk) W + 2θ kᵀv. For ‖k‖ = 1 the
+  matrix I − 2θ kᵀk has eigenvalues 1 (orthogonal to k) and 1 − 2θ (along k), and |1 − 2θ| ≤ 1
+  for θ ∈ [0, 1]: θ = σ(·) keeps the per-token update non-expansive (contractive along k), and
+  the heavy-ball recurrence with momentum η stays stable while 2θ < 2(1 + η), which θ < 1
+  satisfies. Inside a chunk the gradients are all taken at M̂, so the chunk applies
+  I − 2 Σ_t θ_t k_tᵀk_t: contractive when the chunk's keys are spread (‖Σ_t θ_t k_tᵀk_t‖ ≤ 1), but
+  C copies of one key act as one step of C·θ, which overshoots for θ > 1/C; that case is damped
+  only by the forgetting gate.
+* MLP memory, why it is parametrized as above: with the paper's plain M(k) = GELU(k W₁) W₂ and
+  ℓ = ‖M(k) − v‖², the read grows like the square of the weights' scale s and the gradient like
+  s³, so an overshooting step makes the next one larger. At the 125M shape (d = 64, 12 heads,
+  chunk 16, the gates at init) ‖W₁‖ went from 10 to 2·10⁵ in 5 chunks and to NaN (0 · ∞ behind
+  GELU) at token 96, in the reference and the chunked form alike. What bounds it now: (1) the
+  read no longer grows with the weights, |RMSNorm(z)_i| ≤ √d, so ‖M(k)‖ ≤ 1 + √d ‖γ‖_∞ and the
+  error e that drives every step is bounded independently of the memory; (2) the step on W₂ is
+  orthogonal to W₂ (at the anchor, Σ_t ⟨W₂, a_tᵀ δ_t⟩ = Σ_t ⟨z_t, δ_t⟩ = 0: the norm's Jacobian
+  removes z's own direction) and its size carries the factor r ∝ 1/‖W₂‖, so a large step grows W₂
+  and shrinks the next one (the self-limiting step of scale-invariant weights); W₁'s gradient
+  passes through the same factor r. The mean over d keeps the error's size, hence θ's meaning,
+  independent of the head width. Measured (float32, one layer at the 125M shape, random inputs):
+  at the init gates the largest ‖W₁‖, ‖W₂‖ over heads settle near 3 and stay there over 16,384
+  tokens; with the gates at their limits (θ ≈ 1, η ≈ 0.9997, α ≈ 10⁻⁴), where momentum integrates
+  the bounded steps, they grow about linearly (‖W₂‖ ≈ 3.7·10³ after 4,096 tokens), far from
+  overflow. ``tests/model/test_health.py`` runs every preset at its own length.
+
+Where this departs from the paper and from titans-pytorch (lucidrains): the paper's MLP memory
+has no residual and no norm, and its loss sums over the features; titans-pytorch wraps its memory
+MLP in the same residual + norm (a LayerNorm with gain 1 + γ′, as in the TTT layer) and averages
+its loss over the features, as here. Its inner step is max_lr · σ(·) with max_lr = 1 by default
+in ``NeuralMemory`` (the transform's own default of 0.01 is overridden), the same range (0, 1) as
+θ_t = σ(·) here. The linear memory keeps the paper's equations.
 
 The inner gradients are closed-form tensor expressions (``reference`` for the MLP memory takes
 them with ``torch.func.grad``), never written into parameters, so the outer loss reaches W_Q, W_K,
@@ -48,8 +88,7 @@ there the momentum and forgetting gates are computed once per chunk from a poole
 representation and S, M advance once per chunk (the chunk's gradients summed), where the paper
 (and this file) has per-token gates and per-token S_t, M_t; retrieval there reads the memory as
 it was after the previous chunk (its weights shifted by one chunk), here y_t = M_t(q_t) reads
-the memory after token t's own update; its inner step is θ_t = max_lr · σ(·) (max_lr 0.01 by
-default), here θ_t = σ(W_θ x_t + b_θ); its persistent memory (MAC) is a learned key and value
+the memory after token t's own update; its persistent memory (MAC) is a learned key and value
 per head and slot (zero at init) placed before the attention's keys and values, here, as in the
 paper's Eq. 22, learned tokens p_1 … p_{N_p} (N(0, 1) at init, the scale of the normed input)
 prepended to the segment and projected by W_K and W_V like any token; and it adds options the
@@ -154,6 +193,10 @@ class TitansMemory(Mixer):
         else:
             e = c.memory_expansion * d
             self.M_init = nn.ParameterList([nn.Parameter(torch.zeros(H, d, e)), nn.Parameter(torch.zeros(H, e, d))])
+            # γ of the memory's output norm, per head (an outer parameter: the inner loop never updates it)
+            self.mem_norm_weight = nn.Parameter(torch.ones(H, d))
+            self.mem_norm_weight._no_weight_decay = True
+        self.mem_eps = cfg.norm_eps
         self.g_proj = nn.Linear(cfg.d_model, inner, bias=False)    # W_G
         self.o_norm = RMSNorm(d, cfg.norm_eps)
         self.o_proj = nn.Linear(inner, cfg.d_model, bias=False)    # W_O
@@ -167,7 +210,7 @@ class TitansMemory(Mixer):
         conv per channel (its [q | k | v] channels fused: each part split by heads), the initial
         memory by heads, W_O by rows; o_norm (over one head's features) is shared by all heads."""
         conv = ("conv.conv",) if cfg.titans.conv_width > 0 else ()
-        mem = ("M_init.0",) if cfg.titans.memory == "linear" else ("M_init.0", "M_init.1")
+        mem = ("M_init.0",) if cfg.titans.memory == "linear" else ("M_init.0", "M_init.1", "mem_norm_weight")
         return TPPlan(column=("q_proj", "k_proj", "v_proj", "g_proj", "theta_proj", "eta_proj", "alpha_proj"),
                       row=("o_proj",), channel_convs=conv, fused=tuple((n, 3) for n in conv), head_params=mem,
                       shared_modules=("o_norm",), head_counts=("n_heads",))
@@ -180,9 +223,12 @@ class TitansMemory(Mixer):
             if self.memory == "linear":
                 self.M_init[0].zero_()
             else:
-                # the MLP memory cannot start at zero: both of its gradients would vanish
-                for W in self.M_init:
-                    nn.init.normal_(W, std=1.0 / math.sqrt(W.shape[1]))
+                # the MLP memory cannot start at zero: both of its gradients would vanish. W₁ ~ N(0, 1):
+                # k is unit-norm, so h = k W₁ ~ N(0, 1) per unit, GELU's nonlinear range; W₂ ~ N(0, 1/d_h)
+                W1, W2 = self.M_init
+                nn.init.normal_(W1, std=1.0)
+                nn.init.normal_(W2, std=1.0 / math.sqrt(W2.shape[1]))
+                self.mem_norm_weight.fill_(1.0)
 
     @property
     def n_mem(self) -> int:
@@ -247,45 +293,71 @@ class TitansMemory(Mixer):
                                         conv=carry.conv if self.conv is not None else None)
 
     # ---- MLP memory ----------------------------------------------------------------------------
+    def _gain(self, ndim: int, dtype) -> torch.Tensor:
+        """γ [H, d] shaped to broadcast against [..., H, d] (ndim 3) or [..., H, n, d] (ndim 4)."""
+        g = self.mem_norm_weight.to(dtype)
+        return g if ndim == 3 else g[:, None, :]
+
+    def _rms(self, z: torch.Tensor) -> torch.Tensor:
+        return z * torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + self.mem_eps)
+
+    def mlp_read(self, q: torch.Tensor, W1: torch.Tensor, W2: torch.Tensor) -> torch.Tensor:
+        """M(q) = q + γ ⊙ RMSNorm(GELU(q W₁) W₂) for q [B, H, n, d] (or [B, H, d]) and one memory
+        (W₁, W₂) per sequence and head."""
+        z = F.gelu(q @ W1.to(q.dtype)) @ W2.to(q.dtype) if q.dim() == 4 else \
+            torch.einsum("bhj,bhjd->bhd", F.gelu(torch.einsum("bhi,bhij->bhj", q, W1.to(q.dtype))), W2.to(q.dtype))
+        return q + self._gain(q.dim(), q.dtype) * self._rms(z)
+
     def _mlp_reference(self, q, k, v, theta, log_eta, log_keep, M: List, S: List, Mh: List, pos: int):
-        """Token by token; ∇ℓ by torch.func.grad of ℓ(W₁, W₂; k, v) = ‖GELU(k W₁) W₂ − v‖²."""
-        def loss(W1, W2, k_t, v_t):
-            return (F.gelu(k_t @ W1) @ W2 - v_t).pow(2).sum()
+        """Token by token; ∇ℓ by torch.func.grad of ℓ(W₁, W₂; k, v) = mean_d (M(k) − v)²,
+        M(k) = k + γ ⊙ RMSNorm(GELU(k W₁) W₂)."""
+        eps = self.mem_eps
+
+        def loss(W1, W2, k_t, v_t, g):
+            z = F.gelu(k_t @ W1) @ W2
+            out = k_t + g * z * torch.rsqrt(z.pow(2).mean() + eps)
+            return (out - v_t).pow(2).mean()
 
         grad_fn = torch.func.vmap(torch.func.vmap(torch.func.grad(loss, argnums=(0, 1))))
+        g = self._gain(3, q.dtype).expand(q.shape[0], -1, -1)
         C = self.chunk_size
         eta, keep = log_eta.exp(), log_keep.exp()
         outs = []
         for t in range(q.shape[2]):
             if (pos + t) % C == 0:
                 Mh = list(M)
-            G = grad_fn(Mh[0], Mh[1], k[:, :, t], v[:, :, t])
+            G = grad_fn(Mh[0], Mh[1], k[:, :, t], v[:, :, t], g)
             e_t, th_t, kp_t = eta[:, :, t, None, None], theta[:, :, t, None, None], keep[:, :, t, None, None]
-            S = [e_t * s - th_t * g for s, g in zip(S, G)]
+            S = [e_t * s - th_t * gr for s, gr in zip(S, G)]
             M = [kp_t * m + s for m, s in zip(M, S)]
-            z = F.gelu(torch.einsum("bhi,bhij->bhj", q[:, :, t], M[0]))
-            outs.append(torch.einsum("bhi,bhij->bhj", z, M[1]))
+            outs.append(self.mlp_read(q[:, :, t], M[0], M[1]))
         if (pos + q.shape[2]) % C == 0:
             Mh = list(M)
         y = torch.stack(outs, 2) if outs else v.new_zeros(v.shape)
         return y, M, S, Mh
 
     def _mlp_chunked(self, q, k, v, theta, log_eta, log_keep, M: List, S: List, Mh: List, pos: int):
-        """Chunk-parallel: per chunk, closed-form rank-one gradients at the anchor, then
-        ``chunk_memory_step`` for W₁ (query side: q) and for W₂ (query side: GELU(q W₁,t))."""
+        """Chunk-parallel: per chunk, closed-form rank-one gradients at the anchor (the error
+        backpropagated through the output's RMSNorm), then ``chunk_memory_step`` for W₁ (query
+        side: q) and for W₂ (query side: GELU(q W₁,t)); the read adds q + γ ⊙ RMSNorm(·)."""
         C = self.chunk_size
+        g = self._gain(4, q.dtype)
         outs = []
         pieces = split_spans(_tk.chunk_spans(q.shape[2], C, pos), q, k, v, theta, log_eta, log_keep)
         for i, (qc, kc, vc, thc, lec, lkc) in enumerate(pieces):
             A1, A2 = Mh if (i == 0 and pos % C) else M
             h = kc @ A1
             a = F.gelu(h)
-            err = 2.0 * (a @ A2 - vc)
-            delta1 = (err @ A2.transpose(-1, -2)) * _gelu_grad(h)
+            z = a @ A2
+            r = torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + self.mem_eps)
+            zh = z * r
+            ge = g * (2.0 / z.shape[-1]) * (kc + g * zh - vc)            # γ ⊙ ∂ℓ/∂M(k)
+            dz = r * (ge - zh * (zh * ge).mean(-1, keepdim=True))       # through RMSNorm: ∂ℓ/∂z
+            delta1 = (dz @ A2.transpose(-1, -2)) * _gelu_grad(h)
             dec = _tk.chunk_decays(thc, lec, lkc)
             hq, M1, S1 = _tk.chunk_memory_step(M[0], S[0], kc, delta1, qc, dec)
-            y, M2, S2 = _tk.chunk_memory_step(M[1], S[1], a, err, F.gelu(hq), dec)
-            outs.append(y)
+            zq, M2, S2 = _tk.chunk_memory_step(M[1], S[1], a, dz, F.gelu(hq), dec)
+            outs.append(qc + g * self._rms(zq))
             Mh = [A1, A2]
             M, S = [M1, M2], [S1, S2]
         if (pos + q.shape[2]) % C == 0:
@@ -640,7 +712,7 @@ class TitansMAC(Mixer):
         B, n, _ = x.shape
         q = F.silu(mem.q_proj(x)).view(B, n, mem.n_heads, mem.hd).transpose(1, 2)
         q = F.normalize(acc(q), p=2.0, dim=-1, eps=1e-6)
-        y = q @ R[0].to(q.dtype) if mem.memory == "linear" else F.gelu(q @ R[0].to(q.dtype)) @ R[1].to(q.dtype)
+        y = q @ R[0].to(q.dtype) if mem.memory == "linear" else mem.mlp_read(q, R[0], R[1])
         return mem.output(y, x)
 
     #: the segment mask (every persistent token, then h and S causally) is neither causal nor a
