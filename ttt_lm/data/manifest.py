@@ -129,16 +129,29 @@ def verify_checksums(man: dict) -> None:
 
     if sha256_file(man["tokenizer_path"]) != man["tokenizer_sha256"]:
         raise DataError(f"tokenizer {man['tokenizer_path']}: sha256 differs from the manifest")
-    root, fetch = man["root"], remote.is_remote(man["root"])
     for split in SPLITS:
         for s in man["splits"].get(split, {}).get("shards", []):
-            where = remote.locate(root, s["name"])
-            digest = remote.sha256_of(root, s["name"]) if fetch else sha256_file(where)
-            where = remote.shown(where)
-            if digest != s["sha256"]:
-                raise DataError(f"shard {where}: sha256 differs from the manifest")
+            verify_shard(man["root"], s)
     if manifest_checksum(man["tokenizer_sha256"], man["splits"]) != man["checksum"]:
         raise DataError(f"manifest in {remote.shown(man['root'])}: checksum does not match its shard list")
+
+
+def verify_shard(root: str, shard: dict) -> None:
+    """Hash one shard (a remote one is read through, with the retries of ``ttt_lm.data.remote``);
+    raise DataError naming it when it cannot be read or its sha256 differs from the manifest."""
+    from ttt_lm.data import remote
+    from ttt_lm.data.tokenizer import sha256_file
+
+    where = remote.locate(root, shard["name"])
+    if remote.is_remote(root):
+        digest = remote.sha256_of(root, shard["name"])
+    else:
+        try:
+            digest = sha256_file(where)
+        except OSError as e:
+            raise DataError(f"shard {where}: cannot be read ({e.strerror or e})") from None
+    if digest != shard["sha256"]:
+        raise DataError(f"shard {remote.shown(where)}: sha256 differs from the manifest")
 
 
 def vocab_fits(model_vocab_size: int, tokenizer_vocab_size: int, allow_padding: bool = False) -> bool:
