@@ -4,11 +4,7 @@ Streams. The run reads ``V`` streams in all (``data.streams``; by default ``dp_w
 max(1, num_workers)`` when the run starts, then fixed: a resumed run takes it from its
 checkpoint). For epoch ``e`` the train shards are permuted with a generator seeded by
 ``(seed, e)`` and stream ``v`` takes every ``V``-th shard of that order starting at ``v``, so
-within an epoch the streams read disjoint shards whose union is the whole train split, whatever
-the number of ranks. Data-parallel rank ``r`` serves the ``S = V / dp_world`` streams
-``v = r + dp_world·s`` (its local streams ``s = 0 .. S-1``); each of its DataLoader workers serves
-``S / num_workers`` of them (the main process all of them with ``num_workers = 0``).
-Tensor/sequence-parallel peers pass the same ``dp_rank`` and therefore read the same data.
+within an epoch the streams read disjoint shards whose union is the whole train split.
 
 Packing. A stream reads its shards one at a time. A shard's documents (each ending in the
 end-of-document id) are permuted with a generator seeded by ``(seed, e, shard)`` and
@@ -28,27 +24,32 @@ A batch is ``B`` consecutive windows of one stream:
 
 A model resets its state where ``position_ids == 0`` (or where ``doc_ids`` changes).
 
-Order. A rank's batch ``k`` comes from its local stream ``k mod S``: DataLoader returns batches
-from its workers strictly round-robin, and worker ``j`` of ``W`` serves local streams
-``(k0 + j + W·i) mod S`` for its ``i``-th batch after a (re)start at batch ``k0``. Counting the
-batches of all ranks in the order ``g = k·dp_world + r`` (one micro-batch of every rank, then
-the next), batch ``g`` comes from stream ``g mod V``: the run reads one global sequence of
-batches whose order does not depend on the number of ranks. An optimizer step of
-``micro_batch_size × grad_accum × dp_world`` sequences reads the next ``grad_accum × dp_world``
-batches of it, so with the same ``V`` and the same global batch every step reads the same
-sequences on any number of ranks (only which rank reads which, and so the order in which their
-gradients are summed, differs).
+Order. The run reads one global sequence of samples (windows): sample ``i`` is the next window
+of stream ``i mod V``. It depends on the data, the seed and ``V`` only, never on the number of
+ranks, workers or the batch size. An optimizer step of global batch ``G`` reads the next ``G``
+samples; data-parallel rank ``r`` of ``dp_world`` takes those with ``i ≡ r (mod dp_world)``, in
+order, and cuts them into its micro-batches (any contiguous range of ``G`` samples, ``G`` a
+multiple of ``dp_world``, gives every rank ``G / dp_world``). DataLoader worker ``j`` of ``W``
+serves the rank's ``j``-th, ``(j+W)``-th, ... samples and DataLoader returns them strictly
+round-robin, so they arrive in order. When ``dp_world × W`` divides ``V`` every stream has one
+reader; otherwise a stream is shared, and each reader reads all its windows and keeps its own
+(exact, but more reading). Tensor/sequence-parallel peers pass the same ``dp_rank`` and read the
+same samples.
 
 State. A stream's position is three counters ``(epoch, shard index in its epoch list, window
-index in that shard)``, and everything it yields from there is a deterministic function of the
-seed, the epoch and the shard list, so the position alone restores it. Every batch carries its
-stream's position after it and the main process keeps the latest per stream. ``state_dict`` is
-per data-parallel rank (its local streams and its batch count); restoring reads only the shard a
-stream was in. To resume on another number of ranks, ``merge_states`` joins the states of all
-old ranks into one table of the ``V`` stream positions and the global batch count ``G``, and
-``TrainLoader.load_merged_state`` gives rank ``r`` of ``dp_world'`` its streams and the batch
-count ``G / dp_world'`` (``V`` and ``G`` must be multiples of ``dp_world'``): no sequence is read
-twice or skipped.
+index in that shard)`` plus the global index of the sample at that position; everything it
+yields from there is a deterministic function of the seed, the epoch and the shard list, so the
+position alone restores it. ``state_dict`` holds the global samples read (exact at an optimizer
+step) and every stream's position as this rank last saw it; a stream another rank reads is
+behind there, so ``merge_states`` joins all ranks' states taking each stream at its furthest
+position, and the result resumes on any number of ranks and with any global batch: the next
+step starts at the next sample, none read twice or skipped. Restoring reads only the shard a
+stream was in.
+
+Ahead of the reader. ``shards_ahead(n)`` names, from the manifest's token counts alone, the
+shards the rank's next ``n`` samples read; ``check_ahead`` verifies them (sha256 against the
+manifest) and ``start_verifier`` keeps doing so in a background thread, so that the trainer can
+stop before a step that would read a bad shard.
 """
 from __future__ import annotations
 

@@ -88,7 +88,9 @@ def main(argv: Optional[Sequence[str]] = None, data_api=None, preempt: Optional[
         # an error that every rank raises alike (the config, the resume checks) is said once, by rank 0
         alike = isinstance(e, (ConfigError, ParallelConfigError)) or getattr(e, "same_on_every_rank", False)
         if not alike or int(os.environ.get("RANK", "0")) == 0:
-            print(f"error: {e}", file=sys.stderr, flush=True)
+            # on a line of its own: a run that fails mid-way has a progress bar on the last line
+            print(f"{chr(10) if isinstance(e, (DataError, NonFiniteLossError)) else ''}error: {e}", file=sys.stderr,
+                  flush=True)
         return 2 if isinstance(e, (ConfigError, ParallelConfigError)) else 1
 
 
@@ -401,16 +403,12 @@ def _train(cfg, data_api, preempt, held, extra_callbacks=()) -> int:
                           f"vocab_size={manifest['vocab_size']} ({cfg.data.path}); set model.vocab_size >= it")
     inv = invariants(cfg, manifest)
 
-    def after_finite_loss(c):
-        n = ck.read_state(c).get("nonfinite_in_a_row", 0)
-        return f"saved during {n} non-finite losses in a row" if n else None
-
     say = (lambda m: print(f"[train] {m}", flush=True)) if rank == 0 else (lambda m: None)
     resume, passed = None, []
     if t.resume_from:
-        resume, passed = ck.select(t.resume_from, accept=after_finite_loss, note=say)
+        resume, passed = ck.select(t.resume_from, accept=ck.after_nonfinite_losses, note=say)
     elif ck.list_checkpoints(ckpt_root):
-        resume, passed = ck.select(ckpt_root, accept=after_finite_loss, note=say)
+        resume, passed = ck.select(ckpt_root, accept=ck.after_nonfinite_losses, note=say)
     if resume is not None:
         try:
             check_resume(ck.read_state(resume), inv, resume, dp_world, cfg)
