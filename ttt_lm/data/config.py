@@ -19,3 +19,7 @@ class DataConfig:
     prefetch_factor: int = 2            # micro-batches each worker prepares ahead (num_workers > 0 only)
     pin_memory: bool = False
     verify_checksums: bool = False      # sha256 every shard against the manifest before first use
+    # sha256 the shards each step reads before it runs (a background pass keeps ahead): a bad shard
+    # then stops the run with a checkpoint before the step that reads it. Each shard is read once
+    # more per run (for remote data: twice the transfer); false: a bad shard ends the run unsaved
+    verify_ahead: bool = True

@@ -502,7 +502,8 @@ def _train(cfg, data_api, preempt, held, extra_callbacks=()) -> int:
     if startup_preempted():
         return PREEMPTED_EXIT_CODE
 
-    data_stop = _verify_ahead(loader, t.micro_batch_size * t.grad_accum, rank)
+    data_stop = _verify_ahead(loader if getattr(cfg.data, "verify_ahead", True) else None,
+                              t.micro_batch_size * t.grad_accum, rank)
     batches = iter(loader)  # after load_state_dict: continues with the next batch
     peak, peak_from = resolve_peak_flops(cfg.logging.peak_flops, dev)
     commit = git_commit() if rank == 0 else None
