@@ -465,16 +465,6 @@ def rank_states(ckpt: str) -> List[Dict[str, Any]]:
     return out
 
 
-def load_resharded(engine, ckpt: str, mp_rank: int) -> Dict[str, Any]:
-    """Collective: restore the engine from a checkpoint written on another number of
-    data-parallel ranks (``ttt_lm.train.reshard``) and return the trainer state. RNG states are
-    not restored (they are per rank): the caller seeds them."""
-    from ttt_lm.train import reshard
-    state = read_state(ckpt)
-    reshard.apply(engine, reshard.consolidate(os.path.join(ckpt, DS_TAG), mp_rank), ckpt)
-    return state
-
-
 def load(engine, ckpt: str, rank: int) -> Tuple[Dict[str, Any], Dict[str, Any]]:
     """Collective: restore the engine (module, optimizer, schedule) and return
     (trainer_state, this rank's state); RNG states are restored here too. ``ckpt`` should have

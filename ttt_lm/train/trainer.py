@@ -476,7 +476,8 @@ def _train(cfg, data_api, preempt, held, extra_callbacks=()) -> int:
     changes, last_bytes = [], None
     if resharded:
         old_dp = ck.read_state(resume)["dp_world"]
-        state = ck.load_resharded(engine, resume, groups.tp_rank)
+        from ttt_lm.train.reshard import load_resharded
+        state = load_resharded(engine, resume, groups.tp_rank)
         loader.load_merged_state(data_api.merge_states([s_["loader"] for s_ in saved_loaders]))
         # RNG states are per rank: with another rank count each rank starts a stream of its own,
         # from the seed, its rank and the step
