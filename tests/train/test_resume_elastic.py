@@ -46,7 +46,8 @@ def test_one_to_two_to_one_rank_reads_the_same_samples_and_learns_the_same(tmp_p
     full = str(tmp_path / "full")
     _run(full, _args(corpus, 12, 8), 1)
     two = str(tmp_path / "two")
-    r2 = _run(two, _args(corpus, 9, 4) + [f"train.resume_from={_ckpt(full, 6)}"], 2)
+    # stop_after, not max_steps: the learning-rate schedule spans train.max_steps
+    r2 = _run(two, _args(corpus, 12, 4) + ["train.stop_after=9", f"train.resume_from={_ckpt(full, 6)}"], 2)
     back = str(tmp_path / "back")
     _run(back, _args(corpus, 12, 8) + [f"train.resume_from={_ckpt(two, 9)}"], 1)
 
