@@ -28,10 +28,12 @@ optimizer hyperparameters from its own config (``ttt_lm.train.optim.apply_hyperp
 says which changed.
 
 A checkpoint written on another number of data-parallel ranks (tensor- and context-parallel
-sizes unchanged) is resumed when the global batch (micro-batch × grad_accum × data-parallel
-ranks) is the same: ``ttt_lm.train.reshard`` rebuilds the ZeRO optimizer state for the new
-partition count, and the loader states of all old ranks are merged (``ttt_lm.data.merge_states``)
-so that the data order continues exactly (README "Resuming").
+sizes unchanged) is resumed, with the same or another global batch (micro-batch × grad_accum ×
+data-parallel ranks; another one is said in one line): ``ttt_lm.train.reshard`` rebuilds the ZeRO
+optimizer state for the new partition count, and the loader states of all old ranks are merged
+(``ttt_lm.data.merge_states``) so that the global sample order continues at the next sample
+(docs/training.md "Resuming"). Before every step the shards it reads are verified (``_DataStop``);
+a bad one stops the run like a preemption, with a checkpoint, before the step that would read it.
 """
 from __future__ import annotations
 
@@ -209,6 +211,12 @@ def _seed_all(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def _alike(e: Exception) -> Exception:
+    """Mark an error that every rank raises alike (``main`` prints it once, on rank 0)."""
+    e.same_on_every_rank = True
+    return e
+
+
 def _build_loader(data_api, cfg, dp_rank: int, dp_world: int, resume: Optional[str], saved_loaders):
     """The train loader with the run's number of data streams: a resumed run's from its
     checkpoint (``data.streams``, if set, must agree), a new run's from the config.
@@ -217,23 +225,24 @@ def _build_loader(data_api, cfg, dp_rank: int, dp_world: int, resume: Optional[s
     sd = None
     if saved_loaders is not None:
         if not hasattr(data_api, "merge_states"):
-            raise CheckpointError(f"cannot resume from {resume} on another number of data-parallel ranks: this data "
-                                  "pipeline cannot convert its loader state")
+            raise _alike(CheckpointError(f"cannot resume from {resume} on another number of data-parallel ranks: "
+                                         "this data pipeline cannot convert its loader state"))
         sd = saved_loaders[0].get("loader")
     elif resume is not None:
         import torch
         sd = torch.load(os.path.join(resume, rank_file(0)), map_location="cpu", weights_only=False).get("loader")
     if not isinstance(sd, dict) or "total_streams" not in sd:  # a new run, or a pipeline without streams
         if isinstance(sd, dict) and "n_streams" in sd:
-            raise CheckpointError(f"cannot resume from {resume}: its data-loader state (version {sd.get('version')}) "
-                                  "was written by an older version of this code, whose data order differs; resume it "
-                                  "with that version, or start a new run with train.init_from=<exported weights>")
+            raise _alike(CheckpointError(f"cannot resume from {resume}: its data-loader state (version "
+                                         f"{sd.get('version')}) was written by an older version of this code, whose "
+                                         "data order differs; resume it with that version, or start a new run with "
+                                         "train.init_from=<exported weights>"))
         return data_api.build_train_loader(cfg.data, cfg.train.micro_batch_size, dp_rank, dp_world)
     V = int(sd["total_streams"])
     want = getattr(cfg.data, "streams", None)
     if want is not None and want != V:
-        raise CheckpointError(f"cannot resume from {resume} with data.streams={want}: the run reads {V} data streams "
-                              f"(fixed when it started); set data.streams={V} or leave it unset")
+        raise _alike(CheckpointError(f"cannot resume from {resume} with data.streams={want}: the run reads {V} data "
+                                     f"streams (fixed when it started); set data.streams={V} or leave it unset"))
     return data_api.build_train_loader(cfg.data, cfg.train.micro_batch_size, dp_rank, dp_world, total_streams=V)
 
 
@@ -413,8 +422,7 @@ def _train(cfg, data_api, preempt, held, extra_callbacks=()) -> int:
         try:
             check_resume(ck.read_state(resume), inv, resume, dp_world, cfg)
         except ck.CheckpointError as e:
-            e.same_on_every_rank = True  # every rank read the same checkpoint and config
-            raise
+            raise _alike(e)  # every rank read the same checkpoint and config
         note = global_batch_note(resume, cfg, ck.read_state(resume)["dp_world"], dp_world)
         if note:
             say(note)
