@@ -134,8 +134,10 @@ def test_bf16_zero3_two_to_one(runs):
     assert "optimizer state resharded" in out
     a, b = losses_by_step(full), losses_by_step(resumed)
     assert sorted(b) == list(range(N + 1, 2 * N + 1))
+    # bf16 gradients summed over other micro-batch groupings round differently (observed 7e-6
+    # relative after one update): the bound is the elastic-resume goal of 1e-4
     for s in range(N + 1, 2 * N + 1):
-        assert b[s] == pytest.approx(a[s], rel=1e-6, abs=0), s
+        assert b[s] == pytest.approx(a[s], rel=1e-4, abs=0), s
 
 
 def test_both_rank_counts_read_the_same_steps(runs):
