@@ -258,7 +258,7 @@ def test_manifest_without_train_shards_or_with_missing_files(copy):
 
 def test_fewer_shards_than_ranks_times_workers(prepared):
     n = len(prepared[1]["splits"]["train"]["shards"])
-    with pytest.raises(DataError, match=rf"has {n} train shard\(s\), fewer than .* = 4 × 8 = 32"):
+    with pytest.raises(DataError, match=rf"has {n} train shard\(s\), fewer than the 32 data streams"):
         build_train_loader(data_cfg(prepared[0], num_workers=8), B, 0, 4)
 
 

@@ -1,4 +1,5 @@
 import itertools
+import os
 import json
 
 import pytest
@@ -50,11 +51,11 @@ def test_resume_yields_the_same_batches(prepared, num_workers):
     uninterrupted = build_train_loader(cfg, 4 * B, 0, 1)
     ref = take(uninterrupted, k + more)
     # the run crosses an epoch boundary in every stream, so resuming across one is covered
-    assert all(epoch >= 1 for epoch, _, _ in uninterrupted.state_dict()["streams"])
+    assert all(epoch >= 1 for epoch, _, _, _ in uninterrupted.state_dict()["streams"])
     loader = build_train_loader(cfg, 4 * B, 0, 1)
     first = take(loader, k)
     sd = json.loads(json.dumps(loader.state_dict()))
-    assert sd["batches"] == k
+    assert sd["samples"] == k * 4 * B
     resumed = build_train_loader(cfg, 4 * B, 0, 1)
     resumed.load_state_dict(sd)
     rest = take(resumed, more)
@@ -106,7 +107,7 @@ def test_two_ranks_split_an_epoch(prepared, num_workers):
     for rank in range(2):
         plan = build_train_loader(data_cfg(out, num_workers=num_workers), B, rank, 2).plan
         tokens = []
-        for s in range(plan.n_streams):
+        for s in range(rank, plan.n_streams, 2):  # V a multiple of the ranks: rank r reads streams r, r + 2, ...
             tokens += _epoch_windows(plan, s, 0)
         per_rank.append(tokens)
         assert len(set(tokens)) == len(tokens)  # no token twice within a rank's epoch
@@ -146,10 +147,14 @@ def test_resume_refuses_other_settings(prepared):
     take(loader, 2)
     sd = loader.state_dict()
     other = build_train_loader(data_cfg(out, num_workers=2), B)
-    with pytest.raises(DataError, match="n_streams: saved 1, now 2"):
+    with pytest.raises(DataError, match="total_streams: saved 1, now 2"):
         other.load_state_dict(sd)
-    with pytest.raises(DataError, match="dp_rank"):
+    with pytest.raises(DataError, match="seed: saved 1234, now 3"):
+        build_train_loader(data_cfg(out, seed=3), B).load_state_dict(sd)
+    with pytest.raises(DataError, match="rank 0 of 2 cannot be loaded by rank 1 of 2"):
         build_train_loader(data_cfg(out), B, 1, 2).load_state_dict(build_train_loader(data_cfg(out), B, 0, 2).state_dict())
+    with pytest.raises(DataError, match="loader state version 1, expected 2"):
+        loader.load_state_dict({**sd, "version": 1})
 
 
 def test_val_loader_is_fixed_and_split_by_rank(prepared):
@@ -181,67 +186,134 @@ def test_iter_documents_ranks(prepared):
     assert all(torch.equal(x, y) for x, y in zip(halves[1], docs[1::2]))
 
 
-def _global_order(loaders, n):
-    """Batches of ``n`` micro-steps of every rank, in the order g = k·dp_world + r."""
-    its = [iter(ld) for ld in loaders]
-    return [next(it) for _ in range(n) for it in its]
+def _step(loaders, global_batch):
+    """One optimizer step's batches: ``global_batch / len(loaders)`` sequences from each rank."""
+    per = global_batch // len(loaders)
+    return [next(it) for it in loaders] if per else []
 
 
-def _same(a, b):
-    return len(a) == len(b) and all(torch.equal(x[k], y[k]) for x, y in zip(a, b) for k in x)
+def _rows(batches):
+    """(document, position) of each row's first token: one id per sample."""
+    return [(int(b["doc_ids"][i, 0]), int(b["position_ids"][i, 0])) for b in batches for i in range(b["doc_ids"].shape[0])]
 
 
-@pytest.mark.parametrize("num_workers", [0, 2])
-def test_order_does_not_depend_on_the_rank_count_and_resumes_across_it(prepared, num_workers):
-    """V streams are read in one global order g ↦ stream g mod V whatever the rank count, so a
-    state saved on 2 ranks continues on 1 (and back) with no batch lost or read twice."""
+def _run(layouts, cfg, V, G):
+    """Steps of global batch ``G`` on a sequence of layouts ``[(data-parallel ranks, steps), ...]``,
+    the loader state carried across each change by ``merge_states`` (through JSON). Returns each
+    step's set of sample ids."""
+    steps, state = [], None
+    for dp, n in layouts:
+        loaders = [build_train_loader(cfg, G // dp, r, dp, total_streams=V) for r in range(dp)]
+        if state is not None:
+            for ld in loaders:
+                ld.load_state_dict(state)
+        its = [iter(ld) for ld in loaders]
+        for _ in range(n):
+            steps.append(sorted(_rows(next(it) for it in its)))
+        state = json.loads(json.dumps(merge_states([ld.state_dict() for ld in loaders])))
+        assert state["samples"] == len(steps) * G
+    return steps
+
+
+@pytest.mark.parametrize("num_workers,V", [(0, 1), (0, 2), (2, 2), (0, 3)])
+def test_order_does_not_depend_on_the_rank_count_and_resumes_across_it(prepared, num_workers, V):
+    """Sample i comes from stream i mod V and step n reads samples [nG, (n+1)G), whatever the
+    rank count (a stream shared by ranks is read by each and split), so a run continues on 1, 2 or
+    4 ranks with every step reading the same samples: none twice, none skipped."""
     out, _ = prepared
     cfg = data_cfg(out, num_workers=num_workers)
-    V = 2 * max(1, num_workers)
-    ref = _global_order([build_train_loader(cfg, B, r, 2) for r in range(2)], 10)   # 20 batches
-    assert _same(_global_order([build_train_loader(cfg, B, 0, 1, total_streams=V)], 20), ref)
-    # 2 → 1: three micro-steps on each of 2 ranks, the rest on one rank
-    two = [build_train_loader(cfg, B, r, 2) for r in range(2)]
-    first = _global_order(two, 3)
-    merged = json.loads(json.dumps(merge_states([ld.state_dict() for ld in two])))
-    assert merged["total_streams"] == V and merged["global_batches"] == 6
-    one = build_train_loader(cfg, B, 0, 1, total_streams=V)
-    one.load_merged_state(merged)
-    got = first + _global_order([one], 8)
-    assert _same(got, ref[:14])
-    # 1 → 2 from there (a tensor-parallel peer repeats rank 0's state: accepted)
-    merged = merge_states([one.state_dict(), one.state_dict()])
-    assert merged["global_batches"] == 14
-    two = [build_train_loader(cfg, B, r, 2, total_streams=V) for r in range(2)]
+    G = 8
+    ref = _run([(1, 12)], cfg, V, G)
+    for layouts in ([(1, 3), (2, 3), (1, 3), (4, 3)], [(2, 5), (4, 1), (1, 6)]):
+        got = _run(layouts, cfg, V, G)
+        assert got == ref
+    flat = [r for s in ref for r in s]
+    assert len(flat) == 12 * G and len(set(flat)) == len(flat)  # no sample twice
+
+
+def test_another_global_batch_keeps_the_sample_position(prepared):
+    out, _ = prepared
+    cfg = data_cfg(out)
+    ref = _rows(take(build_train_loader(cfg, 24, 0, 1, total_streams=2), 2))  # 48 samples in one order
+    a = build_train_loader(cfg, 8, 0, 1, total_streams=2)
+    first = _rows(take(a, 3))  # 3 steps of 8
+    two = [build_train_loader(cfg, 6, r, 2, total_streams=2) for r in range(2)]
     for ld in two:
-        ld.load_merged_state(merged)
-    got += _global_order(two, 3)
-    assert _same(got, ref)
-    # no sequence twice: (document, position) of each row's first token
-    rows = [(int(b["doc_ids"][i, 0]), int(b["position_ids"][i, 0])) for b in got for i in range(B)]
-    assert len(set(rows)) == len(rows)
+        ld.load_state_dict(merge_states([a.state_dict()]))
+    its = [iter(ld) for ld in two]
+    rest = [r for _ in range(2) for it in its for r in _rows([next(it)])]  # 2 steps of 12
+    assert sorted(first + rest) == sorted(ref)
 
 
-def test_merged_state_refuses_what_cannot_continue_exactly(prepared):
+def test_merge_refuses_what_cannot_continue_exactly(prepared):
     out, _ = prepared
     cfg = data_cfg(out)
     one = build_train_loader(cfg, B, 0, 1, total_streams=2)
     take(one, 3)
     merged = merge_states([one.state_dict()])
-    with pytest.raises(DataError, match="3 batches were read on 1 data-parallel ranks: not a multiple of 2"):
-        build_train_loader(cfg, B, 0, 2, total_streams=2).load_merged_state(merged)
-    with pytest.raises(DataError, match="has 2 streams .* this loader 1 ranks × 1 = 1"):
-        build_train_loader(cfg, B, 0, 1).load_merged_state(merged)
-    with pytest.raises(DataError, match="micro_batch_size: saved 4, now 8"):
-        build_train_loader(cfg, 2 * B, 0, 1, total_streams=2).load_merged_state(merged)
-    with pytest.raises(DataError, match="2 data streams .* cannot be shared by 4 data-parallel ranks"):
-        build_train_loader(cfg, B, 0, 4, total_streams=2)
-    with pytest.raises(DataError, match="data.num_workers=2 must divide that"):
-        build_train_loader(data_cfg(out, num_workers=2), B, 0, 2, total_streams=2)
+    with pytest.raises(DataError, match="total_streams: saved 2, now 1"):
+        build_train_loader(cfg, B, 0, 1).load_state_dict(merged)
+    with pytest.raises(DataError, match="fewer than the 1000 data streams"):
+        build_train_loader(cfg, B, 0, 1, total_streams=1000)
     r0 = build_train_loader(cfg, B, 0, 2)
     with pytest.raises(DataError, match=r"data-parallel ranks \[0\] given, the run had 2"):
         merge_states([r0.state_dict()])
     r1 = build_train_loader(cfg, B, 1, 2)
     take(r1, 1)
-    with pytest.raises(DataError, match="read different numbers of batches"):
+    with pytest.raises(DataError, match="read different numbers of samples"):
         merge_states([r0.state_dict(), r1.state_dict()])
+
+
+@pytest.mark.parametrize("dp,V", [(1, 1), (1, 2), (2, 2), (2, 1), (2, 3)])
+def test_shards_ahead_are_the_shards_the_next_samples_read(prepared, monkeypatch, dp, V):
+    """``shards_ahead`` (from the manifest's token counts, nothing read) names exactly the shards
+    that reading the next samples opens, from any position, also for streams shared by ranks."""
+    import ttt_lm.data.loader as L
+    out, _ = prepared
+    opened = []
+    real = L.read_shard
+
+    def recording(root, shard, *a, **k):
+        opened.append(shard["name"])
+        return real(root, shard, *a, **k)
+
+    monkeypatch.setattr(L, "read_shard", recording)
+    cfg = data_cfg(out)
+    for r in range(dp):
+        sd = None
+        for n in (2, 6, 10, 4, 30):  # each from a resumed loader: it opens its current shard again
+            ld = build_train_loader(cfg, 2, r, dp, total_streams=V)
+            if sd is not None:
+                ld.load_state_dict(sd)
+            names = [ld.plan.shards[i]["name"] for i in ld.shards_ahead(2 * n)]
+            opened.clear()
+            take(ld, n)
+            assert sorted(set(opened)) == sorted(names), (r, n)
+            assert len(names) == len(set(names))
+            sd = ld.state_dict()
+
+
+def test_check_ahead_names_a_bad_shard_before_it_is_read(prepared, tmp_path):
+    import shutil
+    out, _ = prepared
+    copy = str(tmp_path / "data")
+    shutil.copytree(out, copy)
+    ld = build_train_loader(data_cfg(copy), 2, 0, 1, total_streams=2)
+    assert ld.check_ahead(8) is None
+    take(ld, 4)
+    later = [i for i in ld.shards_ahead(200) if i not in ld.shards_ahead(8)]
+    bad = ld.plan.shards[later[0]]["name"]
+    with open(os.path.join(copy, bad), "r+b") as f:
+        f.seek(10)
+        byte = f.read(1)
+        f.seek(10)
+        f.write(bytes([byte[0] ^ 1]))
+    assert ld.check_ahead(8) is None  # the next 8 samples do not read it
+    msg = ld.check_ahead(200)
+    assert msg is not None and bad in msg and "sha256 differs from the manifest" in msg
+    assert ld.check_ahead(200) == msg  # kept: not hashed again
+    fresh = build_train_loader(data_cfg(copy), 2, 0, 1, total_streams=2)
+    fresh.load_state_dict(ld.state_dict())
+    os.remove(os.path.join(copy, bad))  # gone after the start (whose manifest check names missing shards)
+    missing = fresh.check_ahead(200)
+    assert missing is not None and bad in missing and "cannot be read" in missing

@@ -80,7 +80,7 @@ def test_http_batches_equal_local_and_resume_exactly(prepared, serve, num_worker
     uninterrupted = build_train_loader(cfg, 4 * B, 0, 1)
     ref = take(uninterrupted, k + more)
     _same(ref, take(build_train_loader(local, 4 * B, 0, 1), k + more))
-    assert all(epoch >= 1 for epoch, _, _ in uninterrupted.state_dict()["streams"])  # crossed an epoch
+    assert all(epoch >= 1 for epoch, _, _, _ in uninterrupted.state_dict()["streams"])  # crossed an epoch
     loader = build_train_loader(cfg, 4 * B, 0, 1)
     first = take(loader, k)
     sd = json.loads(json.dumps(loader.state_dict()))
@@ -218,7 +218,7 @@ def test_http_resume_mid_shard_in_order_is_exact(prepared, serve, num_workers):
     loader = build_train_loader(cfg, B)
     first = take(loader, k)
     sd = json.loads(json.dumps(loader.state_dict()))
-    epoch, shard, window = sd["streams"][0]
+    epoch, shard, window, _ = sd["streams"][0]
     assert shard == 0 and 0 < window  # inside the first shard
     resumed = build_train_loader(cfg, B)
     resumed.load_state_dict(sd)

@@ -13,8 +13,9 @@ interface (so the tests need no prepared corpus), with fault injection from the 
     TTT_TEST_HOOK_LOG=path      register a callback (through ``main``'s ``callbacks``) that appends
                                 "<hook> <step>" per hook call to path
     TTT_TEST_STOP_AT=k          that callback asks the run to stop after step k
-    TTT_TEST_BATCH_LOG=path     with real data: append "<dp_rank> <batches read> <doc:pos> ..." (the
-                                document and position of each row's first token) per training batch
+    TTT_TEST_BATCH_LOG=path     with real data: append "<dp_rank> <sample:doc:pos> ..." (each row's
+                                global sample index, and its first token's document and position)
+                                per training batch
 
 Like train.py, it imports only ``ttt_lm.train`` before calling ``main`` (which installs the
 preemption handler first); torch and the model load afterwards, as in a real start.
@@ -89,9 +90,9 @@ class RealData:
 
             def logged(self):
                 for b in inner(self):
-                    rows = zip(b["doc_ids"][:, 0].tolist(), b["position_ids"][:, 0].tolist())
+                    rows = zip(self.last_indices, b["doc_ids"][:, 0].tolist(), b["position_ids"][:, 0].tolist())
                     with open(path, "a") as f:
-                        f.write(f"{dp_rank} {self.batches} " + " ".join(f"{d}:{p}" for d, p in rows) + "\n")
+                        f.write(f"{dp_rank} " + " ".join(f"{i}:{d}:{p}" for i, d, p in rows) + "\n")
                     yield b
 
             loader.__class__ = type("LoggedTrainLoader", (type(loader),), {"__iter__": logged})

@@ -2,12 +2,12 @@
 on a real prepared corpus (the loader's order must carry over, which the synthetic one cannot).
 
 The global batch is held: micro-batch 2 × grad_accum 1 × 2 ranks = 2 × 2 × 1 rank. Every step then
-reads the same sequences on either rank count (ttt_lm.data.loader), so the reference for a resumed
-run is the uninterrupted run on the old rank count. The first resumed step must match it exactly
-(its forward runs on the transferred weights, on the same sequences); later steps sum the same
-gradients in another grouping ((g0 + g1) / 2 on 2 ranks, g0 / 2 + g1 / 2 on one: equal in binary
-floating point) and may differ only by the order of the clipping norm's partial sums, so they are
-compared at rtol 1e-6 (observed bit-identical).
+reads the same samples of the global order on either rank count (ttt_lm.data.loader), so the
+reference for a resumed run is the uninterrupted run on the old rank count. The micro-batches
+group those samples differently (rank r reads samples r, r + 2, ... of a step: {0, 2} and {1, 3} on
+2 ranks, {0, 1} and {2, 3} as one rank's two micro-batches), so the loss is the same mean summed in
+another order and the gradients the same sums in another grouping: steps are compared at rtol 1e-6
+(fp32 reduction-order noise; observed differences ~5e-8).
 """
 import os
 
@@ -66,15 +66,16 @@ def runs(tmp_path_factory, corpus):
     return Runs(tmp_path_factory.mktemp("dpresume"), corpus)
 
 
-def global_rows(run_dir, ranks):
-    """{global batch index g = k·ranks + rank: the (document, position) of each row's first token}."""
+def global_rows(run_dir, ranks=None):
+    """{global sample index: the (document, position) of its first token}, from every rank's log."""
     out = {}
     with open(run_dir + ".batches") as f:
         for line in f:
-            rank, k, *rows = line.split()
-            g = (int(k) - 1) * ranks + int(rank)
-            assert g not in out, f"batch {g} read twice"
-            out[g] = tuple(rows)
+            rank, *rows = line.split()
+            for row in rows:
+                i, doc_pos = row.split(":", 1)
+                assert int(i) not in out, f"sample {i} read twice"
+                out[int(i)] = doc_pos
     return out
 
 
@@ -98,8 +99,7 @@ def test_resume_on_another_rank_count(runs, stage, old, new):
             "the data order continues (2 streams)") in out
     a, b = losses_by_step(full), losses_by_step(resumed)
     assert sorted(b) == list(range(N + 1, 2 * N + 1))
-    assert b[N + 1] == a[N + 1]  # exact: transferred weights, same sequences
-    for s in range(N + 2, 2 * N + 1):
+    for s in range(N + 1, 2 * N + 1):  # transferred weights, same sequences, other grouping
         assert b[s] == pytest.approx(a[s], rel=1e-6, abs=0), s
     assert a[2 * N] < a[1]
     if stage < 3:  # ZeRO-3 holds only a partition of each parameter outside its forward
@@ -107,12 +107,12 @@ def test_resume_on_another_rank_count(runs, stage, old, new):
         assert first_sum(resumed) == sums(full)[N * GA[old] * old]
     # data: the resumed run reads exactly the batches the old run read after step N, in the same
     # global order, and none of those read before the checkpoint
-    ga, gb = global_rows(full, old), global_rows(resumed, new)
-    per_step = old * GA[old]
-    assert sorted(ga) == list(range(2 * N * per_step)) and sorted(gb) == list(range(N * per_step, 2 * N * per_step))
-    assert all(gb[g] == ga[g] for g in gb)
-    rows = [r for g in range(N * per_step) for r in ga[g]] + [r for g in sorted(gb) for r in gb[g]]
-    assert len(rows) == len(set(rows)) == 2 * N * 4
+    ga, gb = global_rows(full), global_rows(resumed)
+    G = 4  # sequences per step
+    assert sorted(ga) == list(range(2 * N * G)) and sorted(gb) == list(range(N * G, 2 * N * G))
+    assert all(gb[i] == ga[i] for i in gb)
+    rows = [ga[i] for i in range(N * G)] + [gb[i] for i in sorted(gb)]
+    assert len(rows) == len(set(rows)) == 2 * N * G
     # the optimizer state went on: at step 2N the resumed run's AdamW state (consolidated from its
     # shards) equals the old run's
     sa = consolidate(os.path.join(runs.ckpt("full", old, stage, 2 * N), "ds"))
@@ -133,9 +133,11 @@ def test_bf16_zero3_two_to_one(runs):
     resumed, out = runs.get("resumed", 1, 3, "bf16")
     assert "optimizer state resharded" in out
     a, b = losses_by_step(full), losses_by_step(resumed)
-    assert sorted(b) == list(range(N + 1, 2 * N + 1)) and b[N + 1] == a[N + 1]
-    for s in range(N + 2, 2 * N + 1):
-        assert b[s] == pytest.approx(a[s], rel=1e-6, abs=0), s
+    assert sorted(b) == list(range(N + 1, 2 * N + 1))
+    # bf16 gradients summed over other micro-batch groupings round differently (observed 7e-6
+    # relative after one update): the bound is the elastic-resume goal of 1e-4
+    for s in range(N + 1, 2 * N + 1):
+        assert b[s] == pytest.approx(a[s], rel=1e-4, abs=0), s
 
 
 def test_both_rank_counts_read_the_same_steps(runs):
@@ -145,19 +147,23 @@ def test_both_rank_counts_read_the_same_steps(runs):
     g2, g1 = global_rows(two, 2), global_rows(one, 1)
     assert g2 == g1
     a, b = losses_by_step(two), losses_by_step(one)
-    assert b[1] == a[1]
     for s in a:
         assert b[s] == pytest.approx(a[s], rel=1e-6, abs=0)
 
 
-def test_changed_global_batch_is_refused(runs, tmp_path):
+def test_changed_global_batch_goes_on_from_the_sample_position(runs, tmp_path):
+    """Another global batch is resumed, said in one line, and reads on from the checkpoint's
+    sample; data.streams other than the run's is refused."""
     ckpt = runs.ckpt("full", 2, 1, N)
-    r = run(str(tmp_path / "one"), [f"data.path={runs.corpus}", f"model.vocab_size={VOCAB + 20}",
-                                    f"train.max_steps={2 * N}", f"train.resume_from={ckpt}"],
-            nprocs=1, env={"TTT_TEST_REAL_DATA": "1"}, expect=1)
-    assert ("global batch of 2 × 1 × 2 = 4 sequences (micro_batch_size × grad_accum × ranks) and this run's is "
-            "2 × 1 × 1 = 2. Keep the global batch: set train.global_batch_size=4 (grad_accum is derived from it) "
-            "or train.grad_accum=2") in r.output()
+    d = str(tmp_path / "one")
+    r = run(d, [f"data.path={runs.corpus}", f"model.vocab_size={VOCAB + 20}", f"train.max_steps={N + 2}",
+                f"train.resume_from={ckpt}"], nprocs=1,
+            env={"TTT_TEST_REAL_DATA": "1", "TTT_TEST_BATCH_LOG": d + ".batches"})
+    assert r.output().count("the global batch changes from 4 to 2 sequences") == 1
+    full = global_rows(runs.get("full", 2, 1)[0])
+    got = global_rows(d)
+    assert sorted(got) == list(range(N * 4, N * 4 + 2 * 2))
+    assert all(got[i] == full[i] for i in got)
     r = run(str(tmp_path / "streams"), [f"data.path={runs.corpus}", f"model.vocab_size={VOCAB + 20}",
                                         f"train.max_steps={2 * N}", "train.global_batch_size=4", "data.streams=4",
                                         f"train.resume_from={ckpt}"], nprocs=1, env={"TTT_TEST_REAL_DATA": "1"},

@@ -4,11 +4,7 @@ Streams. The run reads ``V`` streams in all (``data.streams``; by default ``dp_w
 max(1, num_workers)`` when the run starts, then fixed: a resumed run takes it from its
 checkpoint). For epoch ``e`` the train shards are permuted with a generator seeded by
 ``(seed, e)`` and stream ``v`` takes every ``V``-th shard of that order starting at ``v``, so
-within an epoch the streams read disjoint shards whose union is the whole train split, whatever
-the number of ranks. Data-parallel rank ``r`` serves the ``S = V / dp_world`` streams
-``v = r + dp_world·s`` (its local streams ``s = 0 .. S-1``); each of its DataLoader workers serves
-``S / num_workers`` of them (the main process all of them with ``num_workers = 0``).
-Tensor/sequence-parallel peers pass the same ``dp_rank`` and therefore read the same data.
+within an epoch the streams read disjoint shards whose union is the whole train split.
 
 Packing. A stream reads its shards one at a time. A shard's documents (each ending in the
 end-of-document id) are permuted with a generator seeded by ``(seed, e, shard)`` and
@@ -28,27 +24,32 @@ A batch is ``B`` consecutive windows of one stream:
 
 A model resets its state where ``position_ids == 0`` (or where ``doc_ids`` changes).
 
-Order. A rank's batch ``k`` comes from its local stream ``k mod S``: DataLoader returns batches
-from its workers strictly round-robin, and worker ``j`` of ``W`` serves local streams
-``(k0 + j + W·i) mod S`` for its ``i``-th batch after a (re)start at batch ``k0``. Counting the
-batches of all ranks in the order ``g = k·dp_world + r`` (one micro-batch of every rank, then
-the next), batch ``g`` comes from stream ``g mod V``: the run reads one global sequence of
-batches whose order does not depend on the number of ranks. An optimizer step of
-``micro_batch_size × grad_accum × dp_world`` sequences reads the next ``grad_accum × dp_world``
-batches of it, so with the same ``V`` and the same global batch every step reads the same
-sequences on any number of ranks (only which rank reads which, and so the order in which their
-gradients are summed, differs).
+Order. The run reads one global sequence of samples (windows): sample ``i`` is the next window
+of stream ``i mod V``. It depends on the data, the seed and ``V`` only, never on the number of
+ranks, workers or the batch size. An optimizer step of global batch ``G`` reads the next ``G``
+samples; data-parallel rank ``r`` of ``dp_world`` takes those with ``i ≡ r (mod dp_world)``, in
+order, and cuts them into its micro-batches (any contiguous range of ``G`` samples, ``G`` a
+multiple of ``dp_world``, gives every rank ``G / dp_world``). DataLoader worker ``j`` of ``W``
+serves the rank's ``j``-th, ``(j+W)``-th, ... samples and DataLoader returns them strictly
+round-robin, so they arrive in order. When ``dp_world × W`` divides ``V`` every stream has one
+reader; otherwise a stream is shared, and each reader reads all its windows and keeps its own
+(exact, but more reading). Tensor/sequence-parallel peers pass the same ``dp_rank`` and read the
+same samples.
 
 State. A stream's position is three counters ``(epoch, shard index in its epoch list, window
-index in that shard)``, and everything it yields from there is a deterministic function of the
-seed, the epoch and the shard list, so the position alone restores it. Every batch carries its
-stream's position after it and the main process keeps the latest per stream. ``state_dict`` is
-per data-parallel rank (its local streams and its batch count); restoring reads only the shard a
-stream was in. To resume on another number of ranks, ``merge_states`` joins the states of all
-old ranks into one table of the ``V`` stream positions and the global batch count ``G``, and
-``TrainLoader.load_merged_state`` gives rank ``r`` of ``dp_world'`` its streams and the batch
-count ``G / dp_world'`` (``V`` and ``G`` must be multiples of ``dp_world'``): no sequence is read
-twice or skipped.
+index in that shard)`` plus the global index of the sample at that position; everything it
+yields from there is a deterministic function of the seed, the epoch and the shard list, so the
+position alone restores it. ``state_dict`` holds the global samples read (exact at an optimizer
+step) and every stream's position as this rank last saw it; a stream another rank reads is
+behind there, so ``merge_states`` joins all ranks' states taking each stream at its furthest
+position, and the result resumes on any number of ranks and with any global batch: the next
+step starts at the next sample, none read twice or skipped. Restoring reads only the shard a
+stream was in.
+
+Ahead of the reader. ``shards_ahead(n)`` names, from the manifest's token counts alone, the
+shards the rank's next ``n`` samples read; ``check_ahead`` verifies them (sha256 against the
+manifest) and ``start_verifier`` keeps doing so in a background thread, so that the trainer can
+stop before a step that would read a bad shard.
 """
 from __future__ import annotations
 
@@ -61,11 +62,11 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from ttt_lm.data.config import DataConfig
-from ttt_lm.data.manifest import DataError, load_manifest, verify_checksums
+from ttt_lm.data.manifest import DataError, load_manifest, verify_checksums, verify_shard
 from ttt_lm.data.remote import is_remote
 from ttt_lm.data.shards import iter_shard, read_shard
 
-STATE_VERSION = 1
+STATE_VERSION = 2
 # Distinct streams of random numbers derived from one seed.
 _SHARD_ORDER, _DOC_ORDER, _WINDOW_ORDER = 1, 2, 3
 
@@ -93,7 +94,7 @@ class StreamPlan:
     def stream_shards(self, epoch: int, stream: int) -> List[int]:
         n = len(self.shards)
         order = _rng(self.seed, _SHARD_ORDER, epoch).permutation(n) if self.shuffle else np.arange(n)
-        return [int(i) for i in order[self.dp_rank::self.dp_world][stream::self.n_streams]]
+        return [int(i) for i in order[stream::self.n_streams]]
 
     def shard_windows(self, epoch: int, shard: int):
         """Packed tokens of one shard with their document ids and positions, and the window order."""
@@ -172,10 +173,15 @@ def iter_stream(plan: StreamPlan, stream: int, pos: Position) -> Iterator[Tuple[
             shard_pos, window = shard_pos + 1, 0
         if from_start and not produced:
             names = [plan.shards[i]["name"] for i in shard_list]
-            raise DataError(f"data-parallel rank {plan.dp_rank}, stream {stream}: shards {names} in epoch {epoch} hold "
+            raise DataError(f"stream {stream}: shards {names} in epoch {epoch} hold "
                             f"no sequence of seq_len+1={T + 1} tokens; prepare with larger --shard-tokens "
                             f"or use a shorter seq_len")
         epoch, shard_pos, window = epoch + 1, 0, 0
+
+
+def first_sample(start: int, dp_rank: int, dp_world: int) -> int:
+    """The first global sample index ``>= start`` that data-parallel rank ``dp_rank`` reads."""
+    return start + (dp_rank - start) % dp_world
 
 
 def _to_batch(packed: np.ndarray) -> Dict[str, torch.Tensor]:
@@ -185,30 +191,37 @@ def _to_batch(packed: np.ndarray) -> Dict[str, torch.Tensor]:
             "doc_ids": t[1, :, :-1].contiguous(), "position_ids": t[2, :, :-1].contiguous()}
 
 
-class _TrainStreams(IterableDataset):
-    """Yields the batches of this rank's local streams; a DataLoader worker serves every
-    ``num_workers``-th of them (the main process all), round-robin (see the module docstring)."""
+class _RankSamples(IterableDataset):
+    """Yields this rank's samples ``first, first + dp_world, ...`` (global indices) one at a time,
+    each as ``(packed window, global index, stream, stream position after it)``; DataLoader worker
+    ``j`` of ``W`` serves the ``j``-th, ``(j+W)``-th, ... of them (the main process all), so that
+    DataLoader's strict round-robin over its workers returns them in order."""
 
-    def __init__(self, plan: StreamPlan, batch_size: int, positions: Sequence[Position], rotation: int):
-        self.plan, self.batch_size, self.positions, self.rotation = plan, batch_size, list(positions), rotation
+    def __init__(self, plan: StreamPlan, table: Sequence[Tuple[Position, int]], first: int):
+        self.plan, self.table, self.first = plan, list(table), first
 
     def __iter__(self):
         info = get_worker_info()
         worker, n = (info.id, info.num_workers) if info is not None else (0, 1)
-        S = self.plan.n_streams
-        if S % n:
-            raise DataError(f"{n} DataLoader workers for {S} streams: the workers must divide the streams")
-        windows = {}
-        i = 0
+        p = self.plan
+        V, step = p.n_streams, p.dp_world * n
+        opened: Dict[int, list] = {}  # stream -> [window iterator, global index of its next window]
+        i = self.first + p.dp_world * worker
         while True:
-            stream = (self.rotation + worker + n * i) % S
-            i += 1
-            if stream not in windows:
-                windows[stream] = iter_stream(self.plan, stream, tuple(self.positions[stream]))
-            got = [next(windows[stream]) for _ in range(self.batch_size)]
-            # One numpy array per batch: it crosses the worker pipe as plain bytes, which is much
-            # cheaper than four tensors passed as shared-memory handles.
-            yield (np.stack([np.stack([g[i] for g in got]) for i in range(3)]), stream, got[-1][3])
+            v = i % V
+            if v not in opened:
+                pos, nxt = self.table[v]
+                opened[v] = [iter_stream(p, v, tuple(pos)), int(nxt)]
+            it = opened[v]
+            if it[1] > i:
+                raise DataError(f"stream {v} is past sample {i} (at {it[1]}): the loader state is inconsistent")
+            while it[1] < i:  # windows of this stream that other ranks or workers read
+                next(it[0])
+                it[1] += V
+            tokens, doc_ids, positions, after = next(it[0])
+            it[1] += V
+            yield np.stack([tokens, doc_ids, positions]), i, v, after
+            i += step
 
 
 def _identity(x):
@@ -220,110 +233,200 @@ class TrainLoader:
 
     def __init__(self, plan: StreamPlan, cfg: DataConfig, micro_batch_size: int, checksum: str):
         self.plan, self.cfg, self.micro_batch_size, self.checksum = plan, cfg, micro_batch_size, checksum
-        self.positions: List[Position] = [(0, 0, 0)] * plan.n_streams
-        self.batches = 0
+        # per stream: its position and the global index of the window at that position
+        self.table: List[Tuple[Position, int]] = [((0, 0, 0), v) for v in range(plan.n_streams)]
+        self.start = 0      # global samples read before this loader's (re)start
+        self.taken = 0      # samples this rank has read since then
+        self.last_indices: List[int] = []  # global sample index of each row of the last batch
+
+    @property
+    def samples(self) -> int:
+        """Global samples read, counted at this rank's position (exact at every optimizer step:
+        then every rank has read the same number since the start)."""
+        return self.start + self.taken * self.plan.dp_world
+
+    @property
+    def total_streams(self) -> int:
+        """``V``: the streams the global order interleaves (``data.streams``, fixed when a run starts)."""
+        return self.plan.n_streams
+
+    @property
+    def shared_streams(self) -> bool:
+        """Whether a stream is read by more than one rank or worker (each then reads all its windows
+        and keeps its own): exact, but more reading than ``V`` a multiple of ranks × workers."""
+        return self.plan.n_streams % (self.plan.dp_world * max(1, self.cfg.num_workers)) != 0
 
     @property
     def epoch(self) -> int:
-        """The lowest epoch any of this rank's streams is in."""
-        return min(p[0] for p in self.positions)
+        """The lowest epoch any stream is in."""
+        return min(pos[0] for pos, _ in self.table)
 
     def __iter__(self) -> Iterator[Dict[str, torch.Tensor]]:
-        ds = _TrainStreams(self.plan, self.micro_batch_size, self.positions, self.batches % self.plan.n_streams)
+        p = self.plan
+        ds = _RankSamples(p, self.table, first_sample(self.samples, p.dp_rank, p.dp_world) + 0)
         nw = self.cfg.num_workers
         dl = DataLoader(ds, batch_size=None, num_workers=nw, collate_fn=_identity,
-                        prefetch_factor=self.cfg.prefetch_factor if nw > 0 else None)
-        for packed, stream, position in dl:
-            self.positions[stream] = tuple(int(x) for x in position)
-            self.batches += 1
-            batch = _to_batch(packed)
-            if self.cfg.pin_memory and torch.cuda.is_available():
-                batch = {k: v.pin_memory() for k, v in batch.items()}
-            yield batch
+                        prefetch_factor=self.cfg.prefetch_factor * self.micro_batch_size if nw > 0 else None)
+        got, idx = [], []
+        for packed, i, v, after in dl:
+            self.table[v] = (tuple(int(x) for x in after), int(i) + p.n_streams)
+            got.append(packed)
+            idx.append(int(i))
+            if len(got) == self.micro_batch_size:
+                self.taken += len(got)
+                self.last_indices = idx
+                batch = _to_batch(np.stack(got, axis=1))
+                got, idx = [], []
+                if self.cfg.pin_memory and torch.cuda.is_available():
+                    batch = {k: v.pin_memory() for k, v in batch.items()}
+                yield batch
+
+    # ---- verification ahead of the reader -----------------------------------------------------
+
+    def shards_ahead(self, n: int) -> List[int]:
+        """The train shards (indices into the manifest's list) that this rank's next ``n`` samples
+        read, in the order of first use; from the manifest's token counts, without reading them."""
+        p, T = self.plan, self.plan.seq_len
+        V, table = p.n_streams, list(self.table)
+        first = first_sample(self.samples, p.dp_rank, p.dp_world)
+        need: Dict[int, int] = {}  # stream -> windows to pass from its position, the last one included
+        for m in range(n):
+            i = first + m * p.dp_world
+            v = i % V
+            need[v] = max(need.get(v, 0), (i - table[v][1]) // V + 1)
+        out: List[int] = []
+        for v in sorted(need):
+            (e, s, w), left = table[v][0], need[v]
+            empty_epochs = 0
+            while left > 0 and empty_epochs < 2:
+                shard_list = p.stream_shards(e, v)
+                if s >= len(shard_list):
+                    e, s, w = e + 1, 0, 0
+                    empty_epochs += 1
+                    continue
+                sh = shard_list[s]
+                avail = max(0, (int(p.shards[sh]["tokens"]) - 1) // T) - w
+                if avail > 0:
+                    empty_epochs = 0
+                    if sh not in out:
+                        out.append(sh)
+                    left -= avail
+                s, w = s + 1, 0
+        return out
+
+    def check_ahead(self, n: int) -> Optional[str]:
+        """Verify every shard that the next ``n`` samples of this rank read and that was not verified
+        yet (sha256 against the manifest; a remote shard read through, with retries). Returns what
+        is wrong with the first bad one (naming it), or None. Results are kept: a shard is hashed
+        once per run, here or by the background pass (``start_verifier``)."""
+        for sh in self.shards_ahead(n):
+            bad = self._verify(sh)
+            if bad:
+                return bad
+        return None
+
+    def _verify(self, sh: int) -> Optional[str]:
+        import threading
+        if not hasattr(self, "_verified"):
+            self._verified, self._verify_lock = {}, threading.Lock()
+        with self._verify_lock:
+            if sh in self._verified:
+                return self._verified[sh]
+        try:
+            verify_shard(self.plan.root, self.plan.shards[sh])
+            bad = None
+        except DataError as e:
+            bad = str(e)
+        with self._verify_lock:
+            self._verified[sh] = bad
+        return bad
+
+    def start_verifier(self, n: int, say=None) -> None:
+        """A background pass that keeps verifying the shards of this rank's next ``n`` samples as
+        the run moves on, so a corrupt or unreachable shard is named long before its turn
+        (``say``: where to tell; the trainer stops before the step that would read it)."""
+        import threading
+        self._stop_verifier = threading.Event()
+        told = set()
+
+        def loop():
+            while not self._stop_verifier.is_set():
+                for sh in self.shards_ahead(n):
+                    if self._stop_verifier.is_set():
+                        return
+                    bad = self._verify(sh)
+                    if bad and sh not in told and say is not None:
+                        told.add(sh)
+                        say(f"{bad}: found ahead of the reader; the run will stop with a checkpoint before the "
+                            "step that reads it unless the shard is restored first")
+                self._stop_verifier.wait(0.5)
+
+        threading.Thread(target=loop, name="shard-verifier", daemon=True).start()
+
+    def stop_verifier(self) -> None:
+        if getattr(self, "_stop_verifier", None) is not None:
+            self._stop_verifier.set()
 
     def _fingerprint(self) -> dict:
         p = self.plan
         return dict(data_checksum=self.checksum, seed=p.seed, seq_len=p.seq_len, shuffle=p.shuffle,
-                    micro_batch_size=self.micro_batch_size, dp_rank=p.dp_rank, dp_world=p.dp_world,
-                    n_streams=p.n_streams)
+                    total_streams=p.n_streams)
 
     def state_dict(self) -> dict:
-        """JSON-able: the batches consumed so far and each stream's (epoch, shard, window) after them."""
-        return dict(version=STATE_VERSION, batches=self.batches, streams=[list(p) for p in self.positions],
+        """JSON-able: the global samples read and each stream's ``(epoch, shard, window)`` with
+        the global index of its next window (this rank's view: ``merge_states`` joins the ranks')."""
+        return dict(version=STATE_VERSION, samples=self.samples, dp_rank=self.plan.dp_rank,
+                    dp_world=self.plan.dp_world, streams=[[*pos, nxt] for pos, nxt in self.table],
                     **self._fingerprint())
 
     def load_state_dict(self, sd: dict) -> None:
-        """This rank's own state, saved on the same number of data-parallel ranks and streams
-        (another layout: ``merge_states`` and ``load_merged_state``)."""
-        if sd.get("version") != STATE_VERSION:
-            raise DataError(f"loader state version {sd.get('version')!r}, expected {STATE_VERSION}")
+        """Continue from a state saved on any number of data-parallel ranks: this rank's own
+        (same layout) or ``merge_states``'s join of all ranks' states."""
+        _check_version(sd)
         diffs = [f"{k}: saved {sd.get(k)!r}, now {v!r}" for k, v in self._fingerprint().items() if sd.get(k) != v]
         if diffs:
             raise DataError("the loader state was saved for different data or settings and cannot resume "
-                            "exactly (n_streams: streams per data-parallel rank): " + "; ".join(diffs))
-        self.positions = [tuple(int(x) for x in p) for p in sd["streams"]]
-        self.batches = int(sd["batches"])
-
-    @property
-    def total_streams(self) -> int:
-        """``V``: the streams of all data-parallel ranks together."""
-        return self.plan.dp_world * self.plan.n_streams
-
-    def load_merged_state(self, merged: dict) -> None:
-        """Take this rank's streams from ``merge_states``'s table (saved on any number of ranks)."""
-        p = self.plan
-        fp = {k: v for k, v in self._fingerprint().items() if k in _MERGED_KEYS}
-        diffs = [f"{k}: saved {merged.get(k)!r}, now {v!r}" for k, v in fp.items() if merged.get(k) != v]
-        if diffs:
-            raise DataError("the loader state was saved for different data or settings and cannot resume "
                             "exactly: " + "; ".join(diffs))
-        V, G = int(merged["total_streams"]), int(merged["global_batches"])
-        if V != self.total_streams:
-            raise DataError(f"the checkpoint's data order has {V} streams (data.streams) and this loader "
-                            f"{p.dp_world} ranks × {p.n_streams} = {self.total_streams}; build it with "
-                            f"total_streams={V}")
-        if G % p.dp_world:
-            raise DataError(f"{G} batches were read on {merged['dp_world']} data-parallel ranks: not a multiple of "
-                            f"{p.dp_world} ranks, so they cannot continue the same order (keep the global batch: "
-                            "micro_batch_size × grad_accum × data-parallel ranks)")
-        self.positions = [tuple(int(x) for x in merged["streams"][p.dp_rank + p.dp_world * s])
-                          for s in range(p.n_streams)]
-        self.batches = G // p.dp_world
+        if sd.get("dp_rank") is not None and (sd["dp_rank"], sd["dp_world"]) != (self.plan.dp_rank, self.plan.dp_world):
+            raise DataError(f"the loader state of data-parallel rank {sd['dp_rank']} of {sd['dp_world']} cannot be "
+                            f"loaded by rank {self.plan.dp_rank} of {self.plan.dp_world}: join all ranks' states "
+                            "with merge_states")
+        self.table = [((int(e), int(s), int(w)), int(n)) for e, s, w, n in sd["streams"]]
+        self.start, self.taken = int(sd["samples"]), 0
+
+    load_merged_state = load_state_dict
 
 
-#: what a merged state keeps of each rank's fingerprint (the rest describes the old layout)
-_MERGED_KEYS = ("data_checksum", "seed", "seq_len", "shuffle", "micro_batch_size")
+def _check_version(sd: dict) -> None:
+    if sd.get("version") != STATE_VERSION:
+        raise DataError(f"loader state version {sd.get('version')!r}, expected {STATE_VERSION} (written by an older "
+                        "version of this code, whose data order differs: start a new run, or resume it with that "
+                        "version)")
 
 
 def merge_states(states: Sequence[dict]) -> dict:
-    """One table of the ``V`` stream positions and the global batch count from the loader states
-    of every rank of a run (tensor/context-parallel peers may repeat a data-parallel rank's state;
-    they must agree). JSON-able; see ``TrainLoader.load_merged_state``."""
+    """One state of the whole run from the loader states of all its ranks (tensor/context-parallel
+    peers repeat a data-parallel rank's state): each stream at the furthest position any rank
+    saw. JSON-able, loadable on any number of ranks (``TrainLoader.load_state_dict``)."""
     if not states:
         raise DataError("no loader state to merge")
     for sd in states:
-        if sd.get("version") != STATE_VERSION:
-            raise DataError(f"loader state version {sd.get('version')!r}, expected {STATE_VERSION}")
+        _check_version(sd)
     first = states[0]
-    dp, S = int(first["dp_world"]), int(first["n_streams"])
-    by_rank: Dict[int, dict] = {}
+    keys = ("data_checksum", "seed", "seq_len", "shuffle", "total_streams", "dp_world")
     for sd in states:
-        bad = [k for k in (*_MERGED_KEYS, "dp_world", "n_streams") if sd.get(k) != first.get(k)]
+        bad = [k for k in keys if sd.get(k) != first.get(k)]
         if bad:
             raise DataError(f"the loader states of the ranks disagree on {bad}")
-        r = int(sd["dp_rank"])
-        if r in by_rank and (by_rank[r]["streams"] != sd["streams"] or by_rank[r]["batches"] != sd["batches"]):
-            raise DataError(f"two loader states of data-parallel rank {r} disagree")
-        by_rank[r] = sd
-    if sorted(by_rank) != list(range(dp)):
-        raise DataError(f"loader states of data-parallel ranks {sorted(by_rank)} given, the run had {dp}")
-    counts = {int(sd["batches"]) for sd in by_rank.values()}
+    ranks = sorted({int(sd["dp_rank"]) for sd in states})
+    if ranks != list(range(int(first["dp_world"]))):
+        raise DataError(f"loader states of data-parallel ranks {ranks} given, the run had {first['dp_world']}")
+    counts = {int(sd["samples"]) for sd in states}
     if len(counts) != 1:
-        raise DataError(f"the data-parallel ranks read different numbers of batches ({sorted(counts)}): the "
+        raise DataError(f"the data-parallel ranks read different numbers of samples ({sorted(counts)}): the "
                         "state was not saved at an optimizer step")
-    streams = [list(by_rank[v % dp]["streams"][v // dp]) for v in range(dp * S)]
-    return dict(version=STATE_VERSION, total_streams=dp * S, global_batches=counts.pop() * dp, dp_world=dp,
-                streams=streams, **{k: first[k] for k in _MERGED_KEYS})
+    streams = [max((sd["streams"][v] for sd in states), key=lambda e: e[3]) for v in range(int(first["total_streams"]))]
+    return dict(first, dp_rank=None, dp_world=None, streams=[list(e) for e in streams])
 
 
 def _plan(cfg: DataConfig, man: dict, split: str, dp_rank: int, dp_world: int, n_streams: int) -> StreamPlan:
@@ -354,28 +457,21 @@ def build_train_loader(cfg: DataConfig, micro_batch_size: int, dp_rank: int = 0,
     (from its checkpoint); by default ``data.streams`` or ``dp_world × max(1, num_workers)``."""
     _check_args(cfg, micro_batch_size, dp_rank, dp_world)
     V = total_streams if total_streams is not None else default_total_streams(cfg, dp_world)
-    if V < 1 or V % dp_world:
-        raise DataError(f"{V} data streams (data.streams, or the checkpoint's: fixed when a run starts) cannot be "
-                        f"shared by {dp_world} data-parallel ranks: the streams must be a multiple of the ranks. Use a "
-                        f"rank count that divides {V}, or start runs with data.streams set to a multiple of every "
-                        "rank count they may resume on")
-    n_streams = V // dp_world
-    if cfg.num_workers > 0 and n_streams % cfg.num_workers:
-        raise DataError(f"each of the {dp_world} data-parallel rank(s) serves {n_streams} of the {V} data streams; "
-                        f"data.num_workers={cfg.num_workers} must divide that (or be 0)")
+    if V < 1:
+        raise DataError(f"data.streams must be >= 1, got {V}")
     man = load_manifest(cfg.path)
     if cfg.verify_checksums:
         verify_checksums(man)
     shards = man["splits"]["train"]["shards"]
-    if len(shards) < dp_world * n_streams:
-        raise DataError(f"{cfg.path} has {len(shards)} train shard(s), fewer than data-parallel ranks × streams "
-                        f"= {dp_world} × {n_streams} = {dp_world * n_streams} (streams = data.streams, by default "
-                        f"ranks × max(1, num_workers)); prepare with a smaller --shard-tokens or use fewer streams")
+    if len(shards) < V:
+        raise DataError(f"{cfg.path} has {len(shards)} train shard(s), fewer than the {V} data streams (data.streams, "
+                        "by default data-parallel ranks × max(1, num_workers) when a run starts): every stream needs "
+                        "a shard in every epoch; prepare with a smaller --shard-tokens or use fewer streams")
     longest = max(s["tokens"] for s in shards)
     if longest < cfg.seq_len + 1:
         raise DataError(f"{cfg.path}: the largest train shard holds {longest} tokens, fewer than "
                         f"seq_len+1 = {cfg.seq_len + 1}")
-    return TrainLoader(_plan(cfg, man, "train", dp_rank, dp_world, n_streams), cfg, micro_batch_size,
+    return TrainLoader(_plan(cfg, man, "train", dp_rank, dp_world, V), cfg, micro_batch_size,
                        man["checksum"])
 
 

@@ -28,13 +28,15 @@ import json
 import os
 from typing import Dict, List
 
+from ttt_lm.data import remote
+from ttt_lm.data.errors import DataError  # noqa: F401 - re-exported: ttt_lm.data.manifest.DataError
+from ttt_lm.data.hashing import HF_TOKENIZER_CONFIG, sha256_file
+
 FORMAT = "ttt_lm.tokens.v1"
 MANIFEST = "manifest.json"
 SPLITS = ("train", "val")
 
 
-class DataError(ValueError):
-    """A prepared directory, manifest or shard that cannot be used; the message names it."""
 
 
 def manifest_checksum(tokenizer_sha256: str, splits: Dict[str, dict]) -> str:
@@ -63,7 +65,6 @@ def load_manifest(path: str, check_files: bool = True) -> dict:
     truncated copies and missing files at startup rather than mid-run; remote shards are checked
     when read.
     """
-    from ttt_lm.data import remote
     if remote.is_remote(path):
         root, name = remote.split_manifest(os.fspath(path), MANIFEST)
         mfile = remote.shown(remote.locate(root, name))
@@ -100,7 +101,6 @@ def load_manifest(path: str, check_files: bool = True) -> dict:
     if remote.is_remote(root):
         # fetched (and its sha256 checked) into a local cache: SentencePiece loads from a file.
         # The shards are checked when read (size and sha256, see ttt_lm.data.remote)
-        from ttt_lm.data.tokenizer import HF_TOKENIZER_CONFIG
         beside = (HF_TOKENIZER_CONFIG,) if man["tokenizer"].endswith(".json") else ()
         man["tokenizer_path"] = remote.fetch_cached(root, man["tokenizer"], man.get("tokenizer_sha256"), beside)
         return man
@@ -124,21 +124,28 @@ def load_manifest(path: str, check_files: bool = True) -> dict:
 
 def verify_checksums(man: dict) -> None:
     """Hash the tokenizer and every shard; raise DataError naming the first file that differs."""
-    from ttt_lm.data import remote
-    from ttt_lm.data.tokenizer import sha256_file
-
     if sha256_file(man["tokenizer_path"]) != man["tokenizer_sha256"]:
         raise DataError(f"tokenizer {man['tokenizer_path']}: sha256 differs from the manifest")
-    root, fetch = man["root"], remote.is_remote(man["root"])
     for split in SPLITS:
         for s in man["splits"].get(split, {}).get("shards", []):
-            where = remote.locate(root, s["name"])
-            digest = remote.sha256_of(root, s["name"]) if fetch else sha256_file(where)
-            where = remote.shown(where)
-            if digest != s["sha256"]:
-                raise DataError(f"shard {where}: sha256 differs from the manifest")
+            verify_shard(man["root"], s)
     if manifest_checksum(man["tokenizer_sha256"], man["splits"]) != man["checksum"]:
         raise DataError(f"manifest in {remote.shown(man['root'])}: checksum does not match its shard list")
+
+
+def verify_shard(root: str, shard: dict) -> None:
+    """Hash one shard (a remote one is read through, with the retries of ``ttt_lm.data.remote``);
+    raise DataError naming it when it cannot be read or its sha256 differs from the manifest."""
+    where = remote.locate(root, shard["name"])
+    if remote.is_remote(root):
+        digest = remote.sha256_of(root, shard["name"])
+    else:
+        try:
+            digest = sha256_file(where)
+        except OSError as e:
+            raise DataError(f"shard {where}: cannot be read ({e.strerror or e})") from None
+    if digest != shard["sha256"]:
+        raise DataError(f"shard {remote.shown(where)}: sha256 differs from the manifest")
 
 
 def vocab_fits(model_vocab_size: int, tokenizer_vocab_size: int, allow_padding: bool = False) -> bool:

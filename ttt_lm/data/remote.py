@@ -42,7 +42,8 @@ import re
 from typing import Optional, Tuple
 from urllib.parse import urlsplit, urlunsplit
 
-from ttt_lm.data.manifest import DataError
+from ttt_lm.data.errors import DataError
+from ttt_lm.data.hashing import sha256_file
 
 PIPE = "pipe:"
 PLACEHOLDER = "{file}"
@@ -165,7 +166,6 @@ def fetch_cached(base: str, name: str, sha256: Optional[str], beside: Tuple[str,
     in a folder named by its digest. ``beside``: files that must lie next to the copy (a Hugging
     Face tokenizer's ``tokenizer_config.json``), fetched with it; the manifest holds no digest of
     theirs."""
-    from ttt_lm.data.tokenizer import sha256_file
     fname = os.path.basename(name)
     if sha256:
         d = os.path.join(cache_dir(), "files", sha256)

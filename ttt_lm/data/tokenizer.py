@@ -14,13 +14,15 @@ first of :data:`EOS_TOKENS` among its special tokens; a tokenizer with none is r
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
 from typing import Iterable, List, Optional, Sequence
 
 import sentencepiece as spm
+
+from ttt_lm.data.hashing import HF_TOKENIZER_CONFIG, sha256_file  # noqa: F401 - re-exported
+from ttt_lm.data.manifest import load_manifest
 
 UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
 MODEL_TYPES = ("bpe", "unigram")
@@ -84,7 +86,6 @@ class Tokenizer:
 #: naming one, in order: GPT-2/GPT-NeoX/Pythia, Llama 2/Mistral/T5, Gemma, Llama 3
 EOS_TOKENS = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
 #: where an HF tokenizer's eos and bos tokens are recorded (transformers' name and format)
-HF_TOKENIZER_CONFIG = "tokenizer_config.json"
 
 
 def _token_name(v) -> Optional[str]:
@@ -210,18 +211,9 @@ def load_tokenizer(path: str):
     """A tokenizer from a ``.model`` or ``tokenizer.json`` file, or from a prepared data
     directory / its ``manifest.json``."""
     if os.path.isdir(path) or os.path.basename(path) == "manifest.json":
-        from ttt_lm.data.manifest import load_manifest
 
         return open_tokenizer(load_manifest(path)["tokenizer_path"])
     return open_tokenizer(path)
-
-
-def sha256_file(path: str, block: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(block), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _lines(texts: Iterable[str], max_bytes: int) -> Iterable[str]:

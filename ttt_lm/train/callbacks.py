@@ -17,11 +17,15 @@ always one saved after a finite loss.
 from __future__ import annotations
 
 import math
+import sys
 import time
 from typing import Callable, List, Optional
 
 from ttt_lm.train.loop import Callback, Trainer
 from ttt_lm.train.preempt import PREEMPTED_EXIT_CODE
+
+#: the exit status of a run stopped by a bad shard found ahead of the reader (after its checkpoint)
+DATA_ERROR_EXIT_CODE = 1
 
 
 class NonFiniteLossError(RuntimeError):
@@ -162,11 +166,23 @@ class PreemptionCallback(Callback):
     collective), stops the run with PREEMPTED_EXIT_CODE; the checkpoint callback, after this one,
     saves the step. The Slurm scripts requeue a job that exits with it."""
 
+    def __init__(self, why: Optional[Callable[[], Optional[str]]] = None):
+        #: collective, after a stop: a reason other than a signal (a shard found bad ahead of the
+        #: reader), or None; with one the run exits with DATA_ERROR_EXIT_CODE and says it
+        self.why = why
+
     def post_step(self, trainer: Trainer) -> None:
         if trainer.preempted:
             trainer.request_stop(PREEMPTED_EXIT_CODE)
 
     def post_train(self, trainer: Trainer) -> None:
+        reason = self.why() if trainer.preempted and self.why is not None else None
+        if reason:
+            trainer.exit_code = DATA_ERROR_EXIT_CODE
+            if trainer.rank == 0:
+                saved = "checkpoint saved" if trainer.last_saved == trainer.step else "no checkpoint (non-finite loss)"
+                print(f"\n[train] stopped at step {trainer.step} ({saved}): {reason}", file=sys.stderr, flush=True)
+            return
         if trainer.preempted and trainer.rank == 0:
             print(f"\n[train] preempted at step {trainer.step}: "
                   + ("checkpoint saved" if trainer.last_saved == trainer.step else "no checkpoint (non-finite loss)")

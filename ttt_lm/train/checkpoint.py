@@ -226,9 +226,21 @@ def select(path: str, accept: Optional[Callable[[str], Optional[str]]] = None,
     raise CheckpointError(f"no complete checkpoint at {path}")
 
 
-def resolve(path: str) -> str:
-    """A verified checkpoint dir from a checkpoint dir, a checkpoints/ root or a run dir (see select)."""
-    return select(path)[0]
+def after_nonfinite_losses(ckpt: str) -> Optional[str]:
+    """Why a checkpoint is not resumed from (nor exported, nor evaluated from a run directory):
+    it was saved while the loss was non-finite; None for a good one. ``select``'s ``accept``."""
+    n = read_state(ckpt).get("nonfinite_in_a_row", 0)
+    return f"saved during {n} non-finite losses in a row" if n else None
+
+
+def resolve(path: str, say: Optional[Callable[[str], Any]] = None) -> str:
+    """A verified checkpoint dir from a checkpoint dir, a checkpoints/ root or a run dir, chosen
+    as a resumed run chooses (``select`` with ``after_nonfinite_losses``). From a root or run
+    directory ``say`` (default: stderr) is told which checkpoint and step were taken."""
+    ckpt, _ = select(path, accept=after_nonfinite_losses)
+    if not _step_dir(path):
+        (say or _note)(f"using {ckpt} (step {read_state(ckpt).get('step')})")
+    return ckpt
 
 
 def set_aside(path: str, reason: str) -> str:
@@ -451,16 +463,6 @@ def rank_states(ckpt: str) -> List[Dict[str, Any]]:
         rs.pop("rng", None)
         out.append(rs)
     return out
-
-
-def load_resharded(engine, ckpt: str, mp_rank: int) -> Dict[str, Any]:
-    """Collective: restore the engine from a checkpoint written on another number of
-    data-parallel ranks (``ttt_lm.train.reshard``) and return the trainer state. RNG states are
-    not restored (they are per rank): the caller seeds them."""
-    from ttt_lm.train import reshard
-    state = read_state(ckpt)
-    reshard.apply(engine, reshard.consolidate(os.path.join(ckpt, DS_TAG), mp_rank), ckpt)
-    return state
 
 
 def load(engine, ckpt: str, rank: int) -> Tuple[Dict[str, Any], Dict[str, Any]]:

@@ -7,6 +7,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 
+#: the learning-rate schedules ``ttt_lm.train.optim`` implements (optim.schedule)
+SCHEDULES = ("cosine", "wsd", "constant")
+
 @dataclass
 class OptimConfig:
     lr: float = 3e-3
@@ -85,7 +88,6 @@ def check_training_config(cfg) -> None:
     """Refuse values no run can use, naming the key: ValueError("key: must be …, got …"). Called by
     ``ttt_lm.config.load_config`` (so train.py, slurm/submit.py and resumed runs all check) and by
     the trainer for configs built in Python."""
-    from ttt_lm.train.optim import SCHEDULES
     t, o, c, e, lg = cfg.train, cfg.optim, cfg.checkpoint, cfg.eval, cfg.logging
     rules = [
         ("train.max_steps", t.max_steps, t.max_steps >= 1, ">= 1"),

@@ -28,9 +28,7 @@ from typing import Callable, List
 import torch
 from torch import nn
 
-from ttt_lm.train.config import OptimConfig
-
-SCHEDULES = ("cosine", "wsd", "constant")
+from ttt_lm.train.config import SCHEDULES, OptimConfig  # noqa: F401 - SCHEDULES re-exported
 
 
 def lr_multiplier(cfg: OptimConfig, total_steps: int) -> Callable[[int], float]:

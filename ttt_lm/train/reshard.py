@@ -33,7 +33,7 @@ from typing import Any, Dict, List
 
 import torch
 
-from ttt_lm.train.checkpoint import CheckpointError
+from ttt_lm.train.checkpoint import DS_TAG, CheckpointError, read_state
 
 OPTIM_KEYS = ("exp_avg", "exp_avg_sq")
 _OPTIM_RE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
@@ -234,3 +234,12 @@ def _apply_stage3(opt, named: Dict[str, torch.nn.Parameter], state: Dict[str, An
         updated = opt.unflatten(opt.fp16_partitioned_groups_flat[i], opt.fp16_partitioned_groups[i])
         for partitioned, q in zip(opt.fp16_partitioned_groups[i], updated):
             partitioned.data = q.data
+
+
+def load_resharded(engine, ckpt: str, mp_rank: int) -> Dict[str, Any]:
+    """Collective: restore the engine from a checkpoint written on another number of
+    data-parallel ranks and return the trainer state. RNG states are not restored (they are per
+    rank): the caller seeds them."""
+    state = read_state(ckpt)
+    apply(engine, consolidate(os.path.join(ckpt, DS_TAG), mp_rank), ckpt)
+    return state

@@ -28,10 +28,12 @@ optimizer hyperparameters from its own config (``ttt_lm.train.optim.apply_hyperp
 says which changed.
 
 A checkpoint written on another number of data-parallel ranks (tensor- and context-parallel
-sizes unchanged) is resumed when the global batch (micro-batch × grad_accum × data-parallel
-ranks) is the same: ``ttt_lm.train.reshard`` rebuilds the ZeRO optimizer state for the new
-partition count, and the loader states of all old ranks are merged (``ttt_lm.data.merge_states``)
-so that the data order continues exactly (README "Resuming").
+sizes unchanged) is resumed, with the same or another global batch (micro-batch × grad_accum ×
+data-parallel ranks; another one is said in one line): ``ttt_lm.train.reshard`` rebuilds the ZeRO
+optimizer state for the new partition count, and the loader states of all old ranks are merged
+(``ttt_lm.data.merge_states``) so that the global sample order continues at the next sample
+(docs/training.md "Resuming"). Before every step the shards it reads are verified (``_DataStop``);
+a bad one stops the run like a preemption, with a checkpoint, before the step that would read it.
 """
 from __future__ import annotations
 
@@ -85,7 +87,12 @@ def main(argv: Optional[Sequence[str]] = None, data_api=None, preempt: Optional[
         cfg = load_config(path, overrides)
         return train(cfg, data_api=data_api, preempt=preempt, callbacks=callbacks)
     except (ConfigError, CheckpointError, ParallelConfigError, NonFiniteLossError, DataError) as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        # an error that every rank raises alike (the config, the resume checks) is said once, by rank 0
+        alike = isinstance(e, (ConfigError, ParallelConfigError)) or getattr(e, "same_on_every_rank", False)
+        if not alike or int(os.environ.get("RANK", "0")) == 0:
+            # on a line of its own: a run that fails mid-way has a progress bar on the last line
+            print(f"{chr(10) if isinstance(e, (DataError, NonFiniteLossError)) else ''}error: {e}", file=sys.stderr,
+                  flush=True)
         return 2 if isinstance(e, (ConfigError, ParallelConfigError)) else 1
 
 
@@ -137,9 +144,10 @@ def invariants(cfg, manifest: dict) -> dict:
             "tensor_parallel": cfg.parallel.tensor_parallel, "context_parallel": cfg.parallel.context_parallel}
 
 
-def check_resume(saved: dict, now: dict, ckpt: str, dp_world: int, cfg_now=None) -> None:
-    """Refuse a resume that cannot continue the run. ``cfg_now`` (the running config) is needed
-    when the number of data-parallel ranks changed (the global batch is checked)."""
+def check_resume(saved: dict, now: dict, ckpt: str, dp_world: int = None, cfg_now=None) -> None:
+    """Refuse a resume that cannot continue the run: another model, tokenizer, data, or tensor-
+    or context-parallel size. The number of data-parallel ranks and the global batch may change
+    (``global_batch_note``); ``dp_world`` and ``cfg_now`` are accepted for callers that pass them."""
     from ttt_lm.train.checkpoint import CheckpointError
     from omegaconf import OmegaConf
     from ttt_lm.model.config import ModelConfig
@@ -179,33 +187,25 @@ def check_resume(saved: dict, now: dict, ckpt: str, dp_world: int, cfg_now=None)
         raise CheckpointError(
             f"cannot resume from {ckpt}: the run changed what a resumed run must keep:\n  " + "\n  ".join(diff)
             + "\nrestore those settings, or start a new run (another train.run_dir)")
-    if saved["dp_world"] != dp_world:
-        _check_global_batch(saved, ckpt, cfg_now, dp_world)
 
 
-def _check_global_batch(saved: dict, ckpt: str, cfg, dp_world: int) -> None:
-    """A resume on another number of data-parallel ranks keeps the global batch (micro-batch ×
-    grad_accum × data-parallel ranks): each step then reads the same sequences it would have
-    read on the old rank count (``ttt_lm.data.loader``); another batch would change the run."""
+def global_batch_note(ckpt: str, cfg, saved_dp: int, dp_world: int) -> Optional[str]:
+    """One line when the run's global batch (micro-batch × grad_accum × data-parallel ranks)
+    differs from the checkpoint's, else None. Allowed: the data order is a sequence of samples
+    (``ttt_lm.data.loader``), and the run continues at the sample where the checkpoint stopped."""
     from ttt_lm.train.checkpoint import CheckpointError
     from omegaconf import OmegaConf
     try:
         old = OmegaConf.to_container(OmegaConf.load(os.path.join(ckpt, "config.yaml")))["train"]
     except Exception as e:  # noqa: BLE001 - verified at select(); yaml errors name the file
         raise CheckpointError(f"cannot read {ckpt}/config.yaml: {e}") from e
-    t = cfg.train
-    g_old = old["micro_batch_size"] * old["grad_accum"] * saved["dp_world"]
-    g_new = t.micro_batch_size * t.grad_accum * dp_world
-    if g_old != g_new:
-        per = t.micro_batch_size * dp_world
-        fix = (f"train.grad_accum={g_old // per}" if g_old % per == 0 else
-               f"a train.micro_batch_size that divides {g_old // dp_world if g_old % dp_world == 0 else g_old}")
-        raise CheckpointError(
-            f"cannot resume from {ckpt} on {dp_world} data-parallel rank(s): it was written by {saved['dp_world']} "
-            f"with a global batch of {old['micro_batch_size']} × {old['grad_accum']} × {saved['dp_world']} = {g_old} "
-            f"sequences (micro_batch_size × grad_accum × ranks) and this run's is {t.micro_batch_size} × "
-            f"{t.grad_accum} × {dp_world} = {g_new}. Keep the global batch: set train.global_batch_size={g_old} "
-            f"(grad_accum is derived from it) or {fix}")
+    g_old = old["micro_batch_size"] * old["grad_accum"] * saved_dp
+    g_new = cfg.train.micro_batch_size * cfg.train.grad_accum * dp_world
+    if g_old == g_new:
+        return None
+    return (f"the global batch changes from {g_old} to {g_new} sequences (micro_batch_size × grad_accum × "
+            f"data-parallel ranks): the data order goes on from the checkpoint's sample position, each step now "
+            f"reads {g_new}")
 
 
 # ---- the run ---------------------------------------------------------------------------------
@@ -227,6 +227,12 @@ def _seed_all(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def _alike(e: Exception) -> Exception:
+    """Mark an error that every rank raises alike (``main`` prints it once, on rank 0)."""
+    e.same_on_every_rank = True
+    return e
+
+
 def _build_loader(data_api, cfg, dp_rank: int, dp_world: int, resume: Optional[str], saved_loaders):
     """The train loader with the run's number of data streams: a resumed run's from its
     checkpoint (``data.streams``, if set, must agree), a new run's from the config.
@@ -235,20 +241,69 @@ def _build_loader(data_api, cfg, dp_rank: int, dp_world: int, resume: Optional[s
     sd = None
     if saved_loaders is not None:
         if not hasattr(data_api, "merge_states"):
-            raise CheckpointError(f"cannot resume from {resume} on another number of data-parallel ranks: this data "
-                                  "pipeline cannot convert its loader state")
+            raise _alike(CheckpointError(f"cannot resume from {resume} on another number of data-parallel ranks: "
+                                         "this data pipeline cannot convert its loader state"))
         sd = saved_loaders[0].get("loader")
     elif resume is not None:
         import torch
         sd = torch.load(os.path.join(resume, rank_file(0)), map_location="cpu", weights_only=False).get("loader")
-    if not isinstance(sd, dict) or "n_streams" not in sd:  # a new run, or a pipeline without streams
+    if not isinstance(sd, dict) or "total_streams" not in sd:  # a new run, or a pipeline without streams
+        if isinstance(sd, dict) and "n_streams" in sd:
+            raise _alike(CheckpointError(f"cannot resume from {resume}: its data-loader state (version "
+                                         f"{sd.get('version')}) was written by an older version of this code, whose "
+                                         "data order differs; resume it with that version, or start a new run with "
+                                         "train.init_from=<exported weights>"))
         return data_api.build_train_loader(cfg.data, cfg.train.micro_batch_size, dp_rank, dp_world)
-    V = int(sd["dp_world"]) * int(sd["n_streams"])
+    V = int(sd["total_streams"])
     want = getattr(cfg.data, "streams", None)
     if want is not None and want != V:
-        raise CheckpointError(f"cannot resume from {resume} with data.streams={want}: the run reads {V} data streams "
-                              f"(fixed when it started); set data.streams={V} or leave it unset")
+        raise _alike(CheckpointError(f"cannot resume from {resume} with data.streams={want}: the run reads {V} data "
+                                     f"streams (fixed when it started); set data.streams={V} or leave it unset"))
     return data_api.build_train_loader(cfg.data, cfg.train.micro_batch_size, dp_rank, dp_world, total_streams=V)
+
+
+class _DataStop:
+    """The trainer's side of verifying shards ahead of the reader (``TrainLoader.check_ahead``):
+    before each step, the shards it will read are verified (most already by the loader's
+    background pass); a bad one makes the step's collective stop the run like a preemption, with a
+    checkpoint of the step before it, and ``reason`` (collective) says which shard and what to do."""
+
+    def __init__(self, loader, per_step: int):
+        self.loader, self.per_step, self.bad = loader, per_step, None
+
+    def check(self) -> bool:
+        ahead = getattr(self.loader, "check_ahead", None)
+        if ahead is not None and self.bad is None:
+            self.bad = ahead(self.per_step)
+        return self.bad is not None
+
+    def reason(self) -> Optional[str]:
+        from ttt_lm.train.checkpoint import gather
+        bad = [b for b in gather(self.bad) if b]
+        if not bad:
+            return None
+        return (f"{bad[0]}\nThe next step reads that shard, so the run stopped before it with a checkpoint of this "
+                "step: restore the shard (copy it again, or prepare the data again with the same command), or check "
+                "the connection for a remote one, then run the same command again: it resumes exactly here")
+
+    def close(self) -> None:
+        stop = getattr(self.loader, "stop_verifier", None)
+        if stop is not None:
+            stop()
+
+
+def _verify_ahead(loader, per_step: int, rank: int) -> _DataStop:
+    """Verify the first step's shards now (a bad one stops the run before any work: nothing to
+    lose), then keep verifying ahead in the background (``_DataStop``)."""
+    from ttt_lm.data import DataError
+    stop = _DataStop(loader, per_step)
+    if stop.check():
+        raise DataError(f"{stop.bad}; the first step reads it: restore it (copy it again, or prepare the data "
+                        "again with the same command) and run again")
+    if hasattr(loader, "start_verifier"):
+        loader.start_verifier(per_step * 8, say=lambda m: print(f"\n[data] rank {rank}: {m}", file=sys.stderr,
+                                                                  flush=True))
+    return stop
 
 
 def train(cfg, data_api=None, preempt: Optional[PreemptionFlag] = None, callbacks: Sequence = ()) -> int:
@@ -376,18 +431,20 @@ def _train(cfg, data_api, preempt, held, extra_callbacks=()) -> int:
               flush=True)
     inv = invariants(cfg, manifest)
 
-    def after_finite_loss(c):
-        n = ck.read_state(c).get("nonfinite_in_a_row", 0)
-        return f"saved during {n} non-finite losses in a row" if n else None
-
     say = (lambda m: print(f"[train] {m}", flush=True)) if rank == 0 else (lambda m: None)
     resume, passed = None, []
     if t.resume_from:
-        resume, passed = ck.select(t.resume_from, accept=after_finite_loss, note=say)
+        resume, passed = ck.select(t.resume_from, accept=ck.after_nonfinite_losses, note=say)
     elif ck.list_checkpoints(ckpt_root):
-        resume, passed = ck.select(ckpt_root, accept=after_finite_loss, note=say)
+        resume, passed = ck.select(ckpt_root, accept=ck.after_nonfinite_losses, note=say)
     if resume is not None:
-        check_resume(ck.read_state(resume), inv, resume, dp_world, cfg)
+        try:
+            check_resume(ck.read_state(resume), inv, resume, dp_world, cfg)
+        except ck.CheckpointError as e:
+            raise _alike(e)  # every rank read the same checkpoint and config
+        note = global_batch_note(resume, cfg, ck.read_state(resume)["dp_world"], dp_world)
+        if note:
+            say(note)
         # newer checkpoints of this run directory that are not resumed from are renamed aside
         # (kept, never pruned): a later restart must not pick them over the new branch
         if rank == 0:
@@ -437,11 +494,17 @@ def _train(cfg, data_api, preempt, held, extra_callbacks=()) -> int:
     loader = _build_loader(data_api, cfg, dp_rank, dp_world, resume, saved_loaders)
     if hasattr(loader, "total_streams"):
         cfg.data.streams = loader.total_streams  # saved with the config: the value used
+    if getattr(loader, "shared_streams", False):
+        say(f"{loader.total_streams} data stream(s) on {dp_world} data-parallel rank(s) × "
+            f"{max(1, cfg.data.num_workers)} loader worker(s): a stream is shared, and each of its readers reads all "
+            "its windows to keep its own (exact, but more reading; runs that may change rank count start with "
+            "data.streams a multiple of every ranks × workers they will use)")
     step, tokens, skipped_total, nonfinite_run = 0, 0, 0, 0
     changes, last_bytes = [], None
     if resharded:
         old_dp = ck.read_state(resume)["dp_world"]
-        state = ck.load_resharded(engine, resume, groups.tp_rank)
+        from ttt_lm.train.reshard import load_resharded
+        state = load_resharded(engine, resume, groups.tp_rank)
         loader.load_merged_state(data_api.merge_states([s_["loader"] for s_ in saved_loaders]))
         # RNG states are per rank: with another rank count each rank starts a stream of its own,
         # from the seed, its rank and the step
@@ -467,6 +530,8 @@ def _train(cfg, data_api, preempt, held, extra_callbacks=()) -> int:
     if startup_preempted():
         return PREEMPTED_EXIT_CODE
 
+    data_stop = _verify_ahead(loader if getattr(cfg.data, "verify_ahead", True) else None,
+                              t.micro_batch_size * t.grad_accum, rank)
     batches = iter(loader)  # after load_state_dict: continues with the next batch
     peak, peak_from = resolve_peak_flops(cfg.logging.peak_flops, dev)
     commit = git_commit() if rank == 0 else None
@@ -507,7 +572,7 @@ def _train(cfg, data_api, preempt, held, extra_callbacks=()) -> int:
         NonFiniteLossCallback(t.max_nonfinite_steps, lambda: ck.find_latest(ckpt_root)),
         EvalCallback(lambda: data_api.build_val_loader(cfg.data, t.micro_batch_size, dp_rank, dp_world),
                      cfg.eval.every, cfg.eval.batches, log),
-        PreemptionCallback(),
+        PreemptionCallback(why=data_stop.reason),
         CheckpointCallback(engine, ckpt_root, loader, cfg_yaml,
                            {"dp_world": dp_world, "invariants": inv, "zero_stage": cfg.parallel.zero_stage,
                             "tensor_parallel": tp, "context_parallel": cp, "partition_dims": pdims},
@@ -517,12 +582,15 @@ def _train(cfg, data_api, preempt, held, extra_callbacks=()) -> int:
     ]
     trainer = Trainer(engine=engine, scheduler=sched, batches=batches, device=dev, max_steps=t.max_steps,
                       grad_accum=t.grad_accum, rank=rank, world=world, dp_world=dp_world, callbacks=callbacks,
-                      signalled=lambda: preempt.requested, forward_kwargs=fwd_kw,
+                      signalled=lambda: preempt.requested or data_stop.check(), forward_kwargs=fwd_kw,
                       after_backward=(lambda: (wait_pending(), model.release_parameters())) if cp > 1 else None,
                       stop_after=t.stop_after,
                       step=step, tokens=tokens, skipped_total=skipped_total, nonfinite_run=nonfinite_run)
     trainer.last_saved = step if resume is not None else -1
-    exit_code = trainer.fit()
+    try:
+        exit_code = trainer.fit()
+    finally:
+        data_stop.close()
     if rank == 0:
         latest = ck.find_latest(ckpt_root)
         print(f"[train] run directory: {os.path.abspath(run_dir)}\n"
