@@ -50,7 +50,7 @@ from ttt_lm.train.preempt import PREEMPTED_EXIT_CODE, PreemptionFlag
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                               "configs", "tiny.yaml")
 #: model-config keys that may differ on resume: they choose kernels, not the model's shape
-RUNTIME_MODEL_KEYS = ("kernel_backend", "attention.backend", "compile", "compile_backend")
+RUNTIME_MODEL_KEYS = ("kernel_backend", "attention.backend", "compile", "compile_backend", "loss_chunk_size")
 
 
 def _pos(batch: dict):
