@@ -499,7 +499,9 @@ def _train(cfg, data_api, preempt, held, extra_callbacks=()) -> int:
                       signalled=lambda: preempt.requested, forward_kwargs=fwd_kw,
                       after_backward=(lambda: (wait_pending(), model.release_parameters())) if cp > 1 else None,
                       stop_after=t.stop_after,
-                      step=step, tokens=tokens, skipped_total=skipped_total, nonfinite_run=nonfinite_run)
+                      step=step, tokens=tokens, skipped_total=skipped_total, nonfinite_run=nonfinite_run,
+                      # the step's metrics stay on the device until a console line needs them
+                      read_every=max(1, cfg.logging.log_every))
     trainer.last_saved = step if resume is not None else -1
     exit_code = trainer.fit()
     if rank == 0:
