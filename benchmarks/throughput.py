@@ -33,7 +33,7 @@ from ttt_lm.config import load_config  # noqa: E402
 from ttt_lm.model import LM  # noqa: E402
 from ttt_lm.model.flops import flops_per_token  # noqa: E402
 from ttt_lm.train.metrics import resolve_peak_flops  # noqa: E402
-from ttt_lm.train.optim import param_groups  # noqa: E402
+from ttt_lm.train.optim import adamw_kwargs, param_groups  # noqa: E402
 
 
 def profile_step(step, dev, top: int) -> dict:
@@ -66,8 +66,7 @@ def measure(path: str, overrides, steps: int, warmup: int, peak_flops=None, devi
     model.activation_checkpointing = cfg.train.activation_checkpointing
     if cfg.model.compile:  # --set model.compile=true: the warm-up steps include the compilation
         model.compile_blocks(cfg.model.compile_backend)
-    # fused AdamW on CUDA: one kernel launch per parameter group instead of several per tensor
-    opt = torch.optim.AdamW(param_groups(model, cfg.optim.weight_decay), lr=cfg.optim.lr, fused=dev.type == "cuda")
+    opt = torch.optim.AdamW(param_groups(model, cfg.optim.weight_decay), lr=cfg.optim.lr, **adamw_kwargs(dev))
     B, T = cfg.train.micro_batch_size, cfg.data.seq_len
     ids = torch.randint(0, cfg.model.vocab_size, (B, T + 1), device=dev)
     x, y = ids[:, :-1], ids[:, 1:]

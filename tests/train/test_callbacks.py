@@ -1,6 +1,7 @@
 """The Trainer's callback mechanism, in-process on a one-rank gloo group with a stand-in engine
 (the hooks and the step's collective are what is tested, not DeepSpeed)."""
 import re
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -266,3 +267,99 @@ def test_a_run_validates_at_its_last_step_and_a_rerun_says_it_is_complete(tmp_pa
     assert "the run is complete:" in again and "is at step 3 and train.max_steps=3" in again
     assert "run the same command with a larger train.max_steps (e.g. train.max_steps=6)" in again
     assert "[val]" not in again and [r["step"] for r in metrics(d, "val")] == [2, 3]
+# ---- metrics read every read_every steps, nothing read inside a step ---------------------------
+
+class Collect(Callback):
+    def __init__(self):
+        self.reads, self.post = [], []
+
+    def on_metrics(self, trainer, records):
+        self.reads.append((trainer.step, [r["step"] for r in records]))
+
+    def post_step(self, trainer):
+        self.post.append((trainer.step, trainer.record.get("step")))
+
+
+def test_metrics_are_read_every_read_every_steps_and_at_the_end(one_rank_group):
+    col = Collect()
+    trainer = make_trainer([col], max_steps=10, read_every=4)
+    trainer.fit()
+    assert col.reads == [(4, [1, 2, 3, 4]), (8, [5, 6, 7, 8]), (10, [9, 10])]
+    # between reads, post_step sees the newest record read (none before the first read)
+    assert col.post[:5] == [(1, None), (2, None), (3, None), (4, 4), (5, 4)]
+    with pytest.raises(ValueError, match="read_every"):
+        make_trainer(read_every=0)
+
+
+def test_a_callback_that_wants_metrics_gets_a_read_at_its_step(one_rank_group):
+    class At3(Callback):
+        def wants_metrics(self, trainer):
+            return trainer.step == 3
+
+    col = Collect()
+    make_trainer([At3(), col], max_steps=5, read_every=100).fit()
+    assert col.reads == [(3, [1, 2, 3]), (5, [4, 5])]
+
+
+def test_nonfinite_losses_stop_the_run_at_the_next_read(one_rank_group):
+    """Losses are read every 4 steps: NaN at steps 2 and 3 (limit 2) stops the run at the read of
+    step 4, naming steps 2..3."""
+    nan_steps = {2, 3}
+    trainer = make_trainer([NonFiniteLossCallback(2, lambda: None)], read_every=4,
+                           forward_kwargs=lambda b: {"nan": trainer.step + 1 in nan_steps})
+    with pytest.raises(NonFiniteLossError, match=r"2 steps in a row \(steps 2..3"):
+        trainer.fit()
+    assert trainer.step == 4 and trainer.skipped_total == 2 and trainer.nonfinite_run == 0
+
+
+def test_a_signal_is_seen_at_the_next_read(one_rank_group):
+    signalled = {"now": False}
+
+    class SignalAtStep2(Callback):
+        def pre_step(self, trainer):
+            signalled["now"] = signalled["now"] or trainer.step == 1
+
+    trainer = make_trainer([SignalAtStep2(), PreemptionCallback()], read_every=3,
+                           signalled=lambda: signalled["now"])
+    assert trainer.fit() == PREEMPTED_EXIT_CODE
+    assert trainer.step == 3 and trainer.preempted
+
+
+SYNCS = ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__")
+
+
+def forbid_syncs(monkeypatch):
+    """Every way of reading a tensor's values on the host raises (a sync on a GPU)."""
+    for name in SYNCS:
+        def refuse(self, *a, _name=name, **k):
+            raise AssertionError(f"Tensor.{_name} called inside a training step")
+        monkeypatch.setattr(torch.Tensor, name, refuse)
+
+
+class SyncFreeEngine(Engine):
+    """The stand-in engine without its own host reads (DeepSpeed's are its own business)."""
+
+    def step(self):
+        self.opt.step()
+        self.opt.zero_grad()
+
+
+def test_a_training_step_reads_nothing_from_the_device(one_rank_group):
+    """Training steps (grad_accum 2: forward, loss, backward, optimizer, the loss summed on the
+    device, the metrics queued) with every host read of a tensor made to raise; the read of the
+    queued metrics, with reads allowed, gives both steps' records. The same read with them
+    forbidden raises: the patch does catch a read."""
+    trainer = make_trainer(engine=SyncFreeEngine(), read_every=100)
+    trainer.scheduler = torch.optim.lr_scheduler.LambdaLR(trainer.engine.opt, lambda s: 1.0)
+    with pytest.MonkeyPatch.context() as mp:
+        forbid_syncs(mp)
+        trainer.train_step()
+        trainer.train_step()
+    recs = trainer.read_metrics()
+    assert [r["step"] for r in recs] == [1, 2]
+    assert all(math.isfinite(r["loss"]) and r["loss"] > 0 and not r["skipped"] for r in recs)
+    with pytest.MonkeyPatch.context() as mp:
+        forbid_syncs(mp)
+        trainer.train_step()
+        with pytest.raises(AssertionError, match="inside a training step"):
+            trainer.read_metrics()

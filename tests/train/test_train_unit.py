@@ -101,6 +101,42 @@ def test_deepspeed_config_generated_and_from_file(tmp_path):
         deepspeed_config(cfg, dp_world=2)
 
 
+def test_adamw_is_fused_on_cuda_unless_offloaded(monkeypatch):
+    """The choice of torch AdamW's form, made without a GPU: fused for parameters on a CUDA device,
+    the default form on the CPU and when DeepSpeed offloads the optimizer to the host; and
+    build_engine hands DeepSpeed an optimizer built that way for the model's device."""
+    from ttt_lm.train import engine as eng
+    from ttt_lm.train.optim import adamw_kwargs
+    assert adamw_kwargs("cuda") == adamw_kwargs(torch.device("cuda", 1)) == {"fused": True}
+    assert adamw_kwargs("cpu") == adamw_kwargs(None) == {}
+    assert adamw_kwargs("cuda", offload=True) == {}
+    assert eng.offloads_optimizer({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}})
+    assert not eng.offloads_optimizer({"zero_optimization": {"offload_optimizer": {"device": "none"}}})
+    assert not eng.offloads_optimizer(deepspeed_config(ExperimentConfig(), dp_world=1))
+
+    import deepspeed
+    got = {}
+
+    def initialize(model, optimizer, config, mpu, lr_scheduler):
+        got["opt"], got["config"] = optimizer, config
+        return object(), optimizer, None, lr_scheduler(optimizer)
+
+    monkeypatch.setattr(deepspeed, "initialize", initialize)
+    cfg = ExperimentConfig()
+    model = LM(tiny_model_cfg())
+    eng.build_engine(model, cfg, dp_world=1)
+    assert not got["opt"].defaults["fused"]                   # CPU parameters
+    # parameters on a CUDA device (stood in for: torch's fused AdamW also accepts CPU tensors)
+    monkeypatch.setattr(eng, "param_device", lambda m: torch.device("cuda", 0))
+    eng.build_engine(model, cfg, dp_world=1)
+    assert got["opt"].defaults["fused"] is True
+    cfg.parallel.deepspeed_config = "ds.json"
+    monkeypatch.setattr(eng, "deepspeed_config", lambda c, w: {"zero_optimization": {
+        "stage": 2, "offload_optimizer": {"device": "cpu"}}})
+    eng.build_engine(model, cfg, dp_world=1)
+    assert not got["opt"].defaults["fused"]
+
+
 def test_tensor_parallel_refused_with_message(monkeypatch):
     from ttt_lm.model.mixers import mixer_class
     # every built-in kind declares a plan: titans_mac with its plan removed stands for one without

@@ -145,6 +145,9 @@ class ModelConfig:
     # torch.compile every block (LM.compile_blocks); the Triton ops run uncompiled inside them
     compile: bool = False
     compile_backend: str = "inductor"   # torch.compile backend: inductor | aot_eager | eager
+    # tokens per chunk of the LM head + cross-entropy in training (ttt_lm.model.loss): the
+    # [tokens, vocab] logits are never formed whole; 0 forms them and uses F.cross_entropy
+    loss_chunk_size: int = 1024
     # Restart every mixer's state (and attention's context) where a document starts inside a
     # packed training row (position_ids == 0), so no layer carries memory across documents.
     reset_at_doc_boundaries: bool = False
@@ -194,6 +197,9 @@ class ModelConfig:
         if self.compile_backend not in COMPILE_BACKENDS:
             raise ValueError(f"model.compile_backend must be one of {list(COMPILE_BACKENDS)}, "
                              f"got {self.compile_backend!r}")
+        if not isinstance(self.loss_chunk_size, int) or self.loss_chunk_size < 0:
+            raise ValueError(f"model.loss_chunk_size must be >= 0 tokens (0: the full logits and F.cross_entropy), "
+                             f"got {self.loss_chunk_size!r}")
         if self.init not in INIT_SCHEMES:
             raise ValueError(f"model.init must be one of {list(INIT_SCHEMES)}, got {self.init!r}")
         t = self.ttt

@@ -9,7 +9,11 @@ TTT layers with ``ttt.pre_conv`` add, before the mixer, the residual causal conv
 paper's "Mamba backbone": x ← x + Conv(RMSNorm(x)).
 
 ``forward(input_ids, labels)`` takes labels aligned with the inputs (labels[t] is the token that
-should follow input_ids[t]; −100 is ignored), so the data pipeline does the shift once.
+should follow input_ids[t]; −100 is ignored), so the data pipeline does the shift once. With labels
+the head and the loss are one chunked step (``ttt_lm.model.loss.linear_cross_entropy``,
+``model.loss_chunk_size`` tokens at a time): the [B, T, V] logits are never formed, and the output's
+``logits`` is None. ``model.loss_chunk_size=0`` forms them and takes F.cross_entropy of their
+float32 copy instead (the same loss; memory grows with B·T·V).
 
 Packed rows: with ``model.reset_at_doc_boundaries`` and the data's ``position_ids`` (0 at each
 document's first token), every token-mixing part of a block (the mixer and the pre-conv) runs
@@ -27,11 +31,11 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ttt_lm.model.config import ModelConfig
-from ttt_lm.model.layers import CausalConv1d, GatedMLP, RMSNorm, acc, init_weights
+from ttt_lm.model.layers import CausalConv1d, GatedMLP, RMSNorm, init_weights
+from ttt_lm.model.loss import linear_cross_entropy, plain_cross_entropy
 from ttt_lm.model.mixers import build_mixer, mixer_class
 from ttt_lm.model.mixers.base import MixerState
 
@@ -141,6 +145,24 @@ class Block(nn.Module):
         return x, BlockState(mixer=ms, pos=ms.pos, pre_conv=cc)
 
 
+class LMHead(nn.Linear):
+    """The output projection h → logits; given labels, the mean cross-entropy of those logits
+    instead, ``chunk_size`` tokens at a time without forming them all (``linear_cross_entropy``;
+    ``chunk_size`` 0: the full logits and F.cross_entropy). The loss is computed inside this
+    module's call, so wrappers that gather a module's parameters around its forward (ZeRO-3) see it."""
+
+    def __init__(self, d_model: int, vocab_size: int, chunk_size: int):
+        super().__init__(d_model, vocab_size, bias=False)
+        self.chunk_size = chunk_size
+
+    def forward(self, h: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if labels is None:
+            return super().forward(h)
+        if self.chunk_size == 0:
+            return plain_cross_entropy(super().forward(h), labels, ignore_index=-100)
+        return linear_cross_entropy(h, self.weight, labels, ignore_index=-100, chunk_size=self.chunk_size)
+
+
 class LM(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -149,7 +171,7 @@ class LM(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.lm_head = LMHead(cfg.d_model, cfg.vocab_size, cfg.loss_chunk_size)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         init_weights(self, cfg.init_std, cfg.n_layers, cfg.init, n_residuals_per_layer=2 if cfg.ff > 0 else 1)
@@ -245,13 +267,14 @@ class LM(nn.Module):
                 states=None, output_states: bool = False,
                 position_ids: Optional[torch.Tensor] = None) -> LMOutput:
         """position_ids [B, T] (0 at a document's first token): segment positions for the mixers
-        that read them (RG-LRU), and document resets with model.reset_at_doc_boundaries."""
+        that read them (RG-LRU), and document resets with model.reset_at_doc_boundaries. With
+        ``labels`` the output has the loss and no logits (module docstring)."""
         h, new_states = self.hidden(input_ids, states, output_states, position_ids)
-        logits = self.lm_head(h)
-        loss = None
         if labels is not None:
-            loss = F.cross_entropy(acc(logits).view(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
-        return LMOutput(logits=logits, loss=loss, states=new_states)
+            loss = self.lm_head(h, labels) if isinstance(self.lm_head, LMHead) else \
+                plain_cross_entropy(self.lm_head(h), labels)  # a head swapped in from outside
+            return LMOutput(logits=None, loss=loss, states=new_states)
+        return LMOutput(logits=self.lm_head(h), states=new_states)
 
     def step(self, token_ids: torch.Tensor, states: List[BlockState], position_ids: Optional[torch.Tensor] = None):
         """One decode step: token_ids [B] → logits [B, V] and the new states. ``position_ids``

@@ -4,7 +4,7 @@ checkpoints (``ttt_lm.train.loop.Trainer`` calls their hooks).
 ``ttt_lm.train.trainer`` registers them in this order, which is the order of their ``post_step``
 (``post_train`` runs in reverse)::
 
-    MetricsCallback        the step's record to metrics.jsonl / TensorBoard / W&B, the console line
+    MetricsCallback        each step's record to metrics.jsonl / TensorBoard / W&B, the console line
     NonFiniteLossCallback  NonFiniteLossError after train.max_nonfinite_steps non-finite losses in a row
     EvalCallback           validation loss every eval.every steps and at the last step (its batches read
                            once, then kept)
@@ -12,7 +12,10 @@ checkpoints (``ttt_lm.train.loop.Trainer`` calls their hooks).
     CheckpointCallback     every checkpoint.every steps, on any stop request, and at the end
 
 A step whose loss is non-finite on any rank is never checkpointed: the newest checkpoint is
-always one saved after a finite loss.
+always one saved after a finite loss. The metrics and non-finite checks act on the records of
+``on_metrics``, which the trainer reads from the device every ``logging.log_every`` steps and at
+checkpoint and evaluation steps (``ttt_lm.train.loop``); the checkpoint callback reads before it
+saves, so it always knows whether the step's loss was finite.
 """
 from __future__ import annotations
 
@@ -33,9 +36,9 @@ class NonFiniteLossError(RuntimeError):
 
 
 class MetricsCallback(Callback):
-    """Writes each step's record (with MFU and memory) through ``writer`` (a ``MetricsWriter``),
-    shows a tqdm progress bar on rank 0 when ``progress``, else prints a line every ``log_every``
-    steps. Closes the writer at the end."""
+    """Writes each step's record (with MFU and memory) through ``writer`` (a ``MetricsWriter``)
+    when it is read, shows a tqdm progress bar on rank 0 when ``progress``, else prints a line every
+    ``log_every`` steps. Closes the writer at the end."""
 
     def __init__(self, writer, device: str, flops_per_token: float, peak_flops: Optional[float],
                  log_every: int, progress: bool):
@@ -50,23 +53,27 @@ class MetricsCallback(Callback):
                             dynamic_ncols=True, leave=True)
             trainer.write = self.bar.write
 
-    def post_step(self, trainer: Trainer) -> None:
+    def on_metrics(self, trainer: Trainer, records: List[dict]) -> None:
+        """The records of the steps read at once (``Trainer.read_metrics``): each to the writer,
+        the bar moved by their count, a console line for each step that is a multiple of
+        ``log_every``."""
         from ttt_lm.train.metrics import memory_mb, mfu
-        r, step = trainer.record, trainer.step
-        tps = r["tokens_per_s"]
-        rec = {**{k: r[k] for k in ("kind", "step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s")},
-               "mfu": mfu(tps, self.fpt, self.peak, trainer.world),
-               **{k: r[k] for k in ("step_time_s", "skipped", "skipped_total")}, **memory_mb(self.device)}
-        trainer.record = rec
-        self.writer.log(rec)
-        loss, lr = rec["loss"], rec["lr"]
+        mem = memory_mb(self.device)
+        for r in records:
+            step, tps = r["step"], r["tokens_per_s"]
+            rec = {**{k: r[k] for k in ("kind", "step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s")},
+                   "mfu": mfu(tps, self.fpt, self.peak, trainer.world),
+                   **{k: r[k] for k in ("step_time_s", "skipped", "skipped_total")}, **mem}
+            self.writer.log(rec)
+            loss, lr = rec["loss"], rec["lr"]
+            if trainer.rank == 0 and self.log_every and step % self.log_every == 0 and self.bar is None:
+                print(f"[train] step {step}/{trainer.max_steps} loss {loss:.4f} lr {lr:.3e} tok/s {tps:.0f}"
+                      + (f" mfu {rec['mfu']:.1%}" if rec["mfu"] is not None else ""), flush=True)
+        trainer.record = {**trainer.record, "mfu": rec["mfu"], **mem}
         if self.bar is not None:
-            self.bar.update(1)
+            self.bar.update(len(records))
             self.bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tps:.0f}",
                                  **({"mfu": f"{rec['mfu']:.1%}"} if rec["mfu"] is not None else {}))
-        if trainer.rank == 0 and self.log_every and step % self.log_every == 0 and self.bar is None:
-            print(f"[train] step {step}/{trainer.max_steps} loss {loss:.4f} lr {lr:.3e} tok/s {tps:.0f}"
-                  + (f" mfu {rec['mfu']:.1%}" if rec["mfu"] is not None else ""), flush=True)
 
     def post_train(self, trainer: Trainer) -> None:
         if self.bar is not None:
@@ -81,9 +88,13 @@ class NonFiniteLossCallback(Callback):
     def __init__(self, max_in_a_row: int, latest_checkpoint: Callable[[], Optional[str]]):
         self.max_in_a_row, self.latest_checkpoint = max_in_a_row, latest_checkpoint
 
-    def post_step(self, trainer: Trainer) -> None:
-        n, step = trainer.nonfinite_run, trainer.step
-        if n >= self.max_in_a_row:
+    def on_metrics(self, trainer: Trainer, records: List[dict]) -> None:
+        """Checked when the steps' losses are read (``Trainer.read_metrics``: every
+        ``logging.log_every`` steps in a run), so the run stops at that read, up to log_every − 1
+        steps after the limit was reached; the error names the steps whose losses were non-finite."""
+        bad = next((r for r in records if r["nonfinite_run"] >= self.max_in_a_row), None)
+        if bad is not None:
+            n, step = bad["nonfinite_run"], bad["step"]
             good = self.latest_checkpoint()  # no checkpoint is saved after a non-finite loss
             raise NonFiniteLossError(
                 f"loss was NaN/Inf for {n} steps in a row (steps {step - n + 1}..{step}; "
@@ -146,6 +157,10 @@ class EvalCallback(Callback):
         # every TP and CP peer counted its rows' labels: each token was counted world / dp_world times
         self.tokens = int(round(c)) * trainer.dp_world // trainer.world
         return s / c if c > 0 else float("nan")
+
+    def wants_metrics(self, trainer: Trainer) -> bool:
+        # the evaluation reads from the device anyway; the train records are written before its own
+        return bool(self.every and trainer.step % self.every == 0)
 
     def post_step(self, trainer: Trainer) -> None:
         step = trainer.step
@@ -221,9 +236,13 @@ class CheckpointCallback(Callback):
         trainer.last_saved = trainer.step
         return path
 
+    def wants_metrics(self, trainer: Trainer) -> bool:
+        return bool(self.every and trainer.step % self.every == 0)   # whether the step's loss was finite
+
     def post_step(self, trainer: Trainer) -> None:
         step = trainer.step
         if (self.every and step % self.every == 0) or trainer.stop_requested:
+            trainer.read_metrics()   # a stop asked at a step that was not read: read it before deciding
             if trainer.nonfinite_run == 0:
                 self.save(trainer)
             elif self.rank == 0:
@@ -231,6 +250,7 @@ class CheckpointCallback(Callback):
                       f"({trainer.nonfinite_run} in a row); the newest checkpoint stays the last good one", flush=True)
 
     def post_train(self, trainer: Trainer) -> None:
+        trainer.read_metrics()   # nothing left after fit()'s own read; a no-op then
         if (trainer.exit_code == 0 and self.at_end and trainer.last_saved != trainer.step
                 and trainer.nonfinite_run == 0):
             self.save(trainer)

@@ -73,7 +73,10 @@ class EvalConfig:
 
 @dataclass
 class LoggingConfig:
-    log_every: int = 10                 # steps between console lines (metrics.jsonl gets every step)
+    # steps between console lines (metrics.jsonl gets every step); also how often the steps' losses
+    # are read from the device (ttt_lm.train.loop): the non-finite-loss stop and a preemption signal
+    # are seen at those reads (0: no console lines, losses read every step)
+    log_every: int = 10
     tensorboard: bool = True
     wandb: bool = False
     wandb_project: str = "ttt-lm"

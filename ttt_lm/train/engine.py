@@ -20,7 +20,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from ttt_lm.train.optim import build_optimizer, lr_multiplier, param_groups
+from ttt_lm.train.optim import adamw_kwargs, build_optimizer, lr_multiplier, param_device, param_groups
 
 #: keys of the DeepSpeed JSON that our config decides (a given file may not contradict them)
 OWNED_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
@@ -201,8 +201,17 @@ def _explicit_zero3_gathering(engine) -> None:
     offload.destroy()
 
 
+def offloads_optimizer(ds: Dict[str, Any]) -> bool:
+    """Whether a DeepSpeed config moves the optimizer state off the GPU (ZeRO-Offload)."""
+    off = ds.get("zero_optimization", {}).get("offload_optimizer") or {}
+    return str(off.get("device", "none")).lower() not in ("none", "")
+
+
 def build_engine(model: torch.nn.Module, cfg, dp_world: int, mpu=None):
-    """deepspeed.initialize → (engine, lr_scheduler). ``dp_world`` is DeepSpeed's data-parallel size,
+    """deepspeed.initialize → (engine, lr_scheduler). The optimizer is torch's AdamW, fused when
+    the parameters are on a CUDA device and the optimizer is not offloaded (``adamw_kwargs``):
+    DeepSpeed's ZeRO wraps it as it does any client optimizer, and its own FusedAdam (a CUDA
+    extension built at first use) is not needed. ``dp_world`` is DeepSpeed's data-parallel size,
     the ranks that average gradients: world / tensor_parallel (= data parallel × context parallel);
     ``mpu`` (``ParallelGroups.mpu()``) is given when tensor_parallel or context_parallel > 1, so
     DeepSpeed reduces gradients and shards ZeRO state over that group only and counts TP-sharded
@@ -211,11 +220,13 @@ def build_engine(model: torch.nn.Module, cfg, dp_world: int, mpu=None):
 
     check_parallel(cfg)
     total = cfg.optim.total_steps or cfg.train.max_steps
+    ds = deepspeed_config(cfg, dp_world)
     opt = torch.optim.AdamW(param_groups(model, cfg.optim.weight_decay), lr=cfg.optim.lr,
-                            betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps)
+                            betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps,
+                            **adamw_kwargs(param_device(model), offload=offloads_optimizer(ds)))
     mult = lr_multiplier(cfg.optim, total)
     engine, _, _, sched = deepspeed.initialize(
-        model=model, optimizer=opt, config=deepspeed_config(cfg, dp_world), mpu=mpu,
+        model=model, optimizer=opt, config=ds, mpu=mpu,
         lr_scheduler=lambda o: torch.optim.lr_scheduler.LambdaLR(o, mult))
     if cfg.parallel.context_parallel > 1 and cfg.parallel.zero_stage == 3:
         _explicit_zero3_gathering(engine)

@@ -1,14 +1,25 @@
 """The training loop: a ``Trainer`` whose ``fit()`` runs steps and hands everything else to callbacks.
 
-One step = ``train.grad_accum`` micro-batches per rank, then one optimizer update, then one
-collective (the mean loss over ranks and whether any rank was signalled to stop), read on the host
-once. The loss of each micro-batch is summed on the device: no host sync per micro-batch.
+One step = ``train.grad_accum`` micro-batches per rank, then one optimizer update. The step reads
+nothing back from the device (no ``.item()``, ``.tolist()``, ``float(tensor)``): its loss stays a
+device tensor, queued with the host-side facts of the step (lr, whether DeepSpeed applied the
+update, the gradient norm as DeepSpeed returns it). Every ``read_every`` steps (``logging.log_every``
+in a run), and wherever a callback needs them (``Callback.wants_metrics``: checkpoint and evaluation
+steps), at the last step and before a stop, ``read_metrics()`` turns the queue into records with
+one collective (the losses' mean over ranks and whether any rank was signalled to stop) and one
+device-to-host read, then hands them to every callback's ``on_metrics``. So a non-finite loss, a
+preemption signal and the metrics are all seen at the next read, up to ``read_every`` − 1 steps
+late; the steps in between keep the device busy. DeepSpeed's own optimizer step still reads its
+overflow flag and gradient norm on the host (ZeRO-1/2 under bf16: one ``.item()`` and a few
+``bool(tensor)`` per step; ZeRO-3 more): those are DeepSpeed's, not this loop's.
 
 Around the steps, ``fit()`` calls each callback's hooks (OLMo-core's shape)::
 
     pre_train                 once, before the first step
     pre_step / post_step      around every step (``trainer.step`` is the number of finished steps:
                               k in pre_step of step k + 1, k + 1 in its post_step)
+    wants_metrics             after a step, before post_step: True asks for a read at this step
+    on_metrics(records)       after each read: the records of the steps read, in step order
     post_train                once, after the last step, in reverse order (teardown)
     on_error(exc)             when a step or a hook raised; the exception is re-raised after
 
@@ -21,6 +32,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 
@@ -36,6 +48,14 @@ class Callback:
     def post_step(self, trainer: "Trainer") -> None:
         pass
 
+    def wants_metrics(self, trainer: "Trainer") -> bool:
+        """Whether this callback needs the metrics of the step just finished read in its
+        post_step (the step's loss, skipped flag, preemption verdict)."""
+        return False
+
+    def on_metrics(self, trainer: "Trainer", records: List[Dict[str, Any]]) -> None:
+        pass
+
     def post_train(self, trainer: "Trainer") -> None:
         pass
 
@@ -43,12 +63,24 @@ class Callback:
         pass
 
 
+@dataclass
+class _Queued:
+    """A step whose metrics are not read yet: its loss on the device, the rest from the host."""
+    step: int
+    loss: Any                 # 0-dim float64 tensor on the training device: this rank's mean loss
+    lr: float
+    applied: bool             # DeepSpeed applied the update (False: skipped for a non-finite gradient)
+    grad_norm: Any            # as DeepSpeed returns it: a tensor, a float or None
+    local_tokens: int
+    tokens: int               # the run's tokens after this step
+
+
 class Trainer:
     """Runs ``max_steps`` optimizer steps of ``engine`` (a DeepSpeed engine) on ``batches``.
 
     ``step``/``tokens``/``skipped_total``/``nonfinite_run`` continue from a resumed checkpoint's.
-    After each step ``record`` holds the step's metrics (the ``kind: train`` record of
-    metrics.jsonl). ``forward_kwargs(batch)`` gives the model's extra keyword arguments for a
+    ``record`` holds the newest step's metrics that were read (the ``kind: train`` record of
+    metrics.jsonl); ``read_every`` steps are read at once (module docstring). ``forward_kwargs(batch)`` gives the model's extra keyword arguments for a
     batch; ``after_backward`` runs after each backward pass (context parallelism waits for its
     state sends there). ``preempted`` reads whether this rank was signalled (``PreemptionFlag``);
     the step's collective turns it into ``trainer.preempted`` (any rank signalled)."""
@@ -59,7 +91,9 @@ class Trainer:
                  forward_kwargs: Callable[[dict], dict] = lambda b: {},
                  after_backward: Optional[Callable[[], None]] = None, stop_after: Optional[int] = None,
                  step: int = 0, tokens: int = 0, skipped_total: int = 0, nonfinite_run: int = 0,
-                 write: Callable[[str], None] = lambda line: print(line, flush=True)):
+                 write: Callable[[str], None] = lambda line: print(line, flush=True), read_every: int = 1):
+        if read_every < 1:
+            raise ValueError(f"read_every must be >= 1 step, got {read_every}")
         self.engine, self.scheduler, self.batches, self.device = engine, scheduler, batches, device
         self.max_steps, self.grad_accum, self.stop_after = max_steps, grad_accum, stop_after
         self.rank, self.world, self.dp_world = rank, world, dp_world
@@ -75,6 +109,9 @@ class Trainer:
         self.last_saved = -1
         #: a console line (rank 0 prints; a progress bar, when shown, replaces this to keep its line intact)
         self.write = write
+        self.read_every = read_every
+        self._queue: List[_Queued] = []
+        self._t_read = time.perf_counter()   # start of the steps the next read covers
 
     def add_callback(self, cb: Callback) -> "Trainer":
         self.callbacks.append(cb)
@@ -101,9 +138,12 @@ class Trainer:
                 self.train_step()
                 if self.stop_after is not None and self.step >= self.stop_after:
                     self.request_stop()
+                if self._read_due():
+                    self.read_metrics()
                 self._call("post_step", self.callbacks)
                 if self.stop_requested:
                     break
+            self.read_metrics()   # steps after the last read (a stop requested at a step not read)
             self._call("post_train", list(reversed(self.callbacks)))
         except BaseException as e:
             for cb in self.callbacks:
@@ -111,14 +151,18 @@ class Trainer:
             raise
         return self.exit_code
 
+    def _read_due(self) -> bool:
+        return (self.step % self.read_every == 0 or self.step >= self.max_steps or self.stop_requested
+                or any(cb.wants_metrics(self) for cb in self.callbacks))
+
     def train_step(self) -> None:
-        """One optimizer step; fills ``record``. One collective, read on the host once."""
+        """One optimizer step, queued for the next read: nothing is read from the device."""
         import torch
-        import torch.distributed as tdist
         engine, dev = self.engine, self.device
-        t0 = time.perf_counter()
+        if not self._queue:
+            self._t_read = time.perf_counter()
         lr = self.scheduler.get_last_lr()[0]
-        # summed on the device: the host reads it once per step, not once per micro-batch
+        # summed on the device
         loss_sum = torch.zeros((), dtype=torch.float64, device=dev)
         local_tokens = 0
         engine.module.set_train_step(self.step + 1)   # schedules inside the model (TTT's η_base warmup)
@@ -132,29 +176,54 @@ class Trainer:
             engine.step()
             loss_sum += out.loss.detach().to(torch.float64)
             local_tokens += ids.numel()
-        # one collective per step: mean loss over ranks, and whether any rank was signalled.
-        # TP peers hold the same (full, vocab-parallel) loss of the same batch and CP peers loss
-        # shares whose mean is that loss, so the mean over the world is the mean over the
-        # data-parallel replicas.
-        # Built on the training device (NCCL reduces CUDA tensors only) and read on the host once.
-        agg = torch.stack([loss_sum / self.grad_accum,
-                           torch.tensor(float(self.signalled()), dtype=torch.float64, device=dev)])
-        tdist.all_reduce(agg)
-        agg = agg.tolist()
-        loss = agg[0] / self.world
-        self.preempted = agg[1] > 0
         self.step += 1
         self.tokens += local_tokens * self.dp_world
-        skipped = not math.isfinite(loss) or not engine.was_step_applied()
-        if skipped:
-            self.skipped_total += 1
-            self.nonfinite_run += 1
-        else:
-            self.nonfinite_run = 0
-        gn = engine.get_global_grad_norm()
-        gn = float(gn) if gn is not None else None
-        dt = time.perf_counter() - t0
-        self.record = {"kind": "train", "step": self.step, "loss": loss, "lr": lr,
-                       "grad_norm": gn if not skipped else None, "tokens": self.tokens,
-                       "tokens_per_s": local_tokens * self.dp_world / dt, "step_time_s": dt,
-                       "skipped": skipped, "skipped_total": self.skipped_total}
+        self._queue.append(_Queued(self.step, loss_sum / self.grad_accum, lr, bool(engine.was_step_applied()),
+                                   engine.get_global_grad_norm(), local_tokens, self.tokens))
+
+    def read_metrics(self) -> List[Dict[str, Any]]:
+        """Read the queued steps' metrics: one collective (the losses' sum over ranks and whether
+        any rank was signalled) and one device-to-host read; sets ``record``, ``skipped_total``,
+        ``nonfinite_run`` and ``preempted``, calls every callback's ``on_metrics`` and returns the
+        records (none when nothing is queued). A collective: every rank calls it at the same step.
+        Tokens/s and step time are the means over the steps read: the host runs ahead of the
+        device between reads, so a single step's wall time would measure only its launch."""
+        import torch
+        import torch.distributed as tdist
+        if not self._queue:
+            return []
+        q, self._queue = self._queue, []
+        dev = self.device
+        # one collective: TP peers hold the same (full, vocab-parallel) loss of the same batch and
+        # CP peers loss shares whose mean is that loss, so the mean over the world is the mean
+        # over the data-parallel replicas. On the training device (NCCL reduces CUDA tensors only).
+        agg = torch.stack([e.loss for e in q] + [torch.full((), float(self.signalled()), dtype=torch.float64,
+                                                              device=dev)])
+        tdist.all_reduce(agg)
+        norms = [i for i, e in enumerate(q) if torch.is_tensor(e.grad_norm)]
+        dev_vals = agg if not norms else torch.cat(
+            [agg, torch.stack([q[i].grad_norm.detach().reshape(()).to(device=dev, dtype=torch.float64)
+                               for i in norms])])
+        host = dev_vals.tolist()   # the read: one device-to-host copy for all the queued steps
+        dt = time.perf_counter() - self._t_read
+        gn = {i: host[len(q) + 1 + k] for k, i in enumerate(norms)}
+        self.preempted = host[len(q)] > 0
+        tps = sum(e.local_tokens for e in q) * self.dp_world / dt
+        records = []
+        for i, e in enumerate(q):
+            loss = host[i] / self.world
+            skipped = not math.isfinite(loss) or not e.applied
+            if skipped:
+                self.skipped_total += 1
+                self.nonfinite_run += 1
+            else:
+                self.nonfinite_run = 0
+            g = gn.get(i, e.grad_norm)
+            records.append({"kind": "train", "step": e.step, "loss": loss, "lr": e.lr,
+                            "grad_norm": float(g) if g is not None and not skipped else None, "tokens": e.tokens,
+                            "tokens_per_s": tps, "step_time_s": dt / len(q), "skipped": skipped,
+                            "skipped_total": self.skipped_total, "nonfinite_run": self.nonfinite_run})
+        self.record = records[-1]
+        for cb in self.callbacks:
+            cb.on_metrics(self, records)
+        return records

@@ -23,7 +23,7 @@ optimizer's moments are kept.
 from __future__ import annotations
 
 import math
-from typing import Callable, List
+from typing import Callable, List, Optional, Union
 
 import torch
 from torch import nn
@@ -74,10 +74,26 @@ def param_groups(model: nn.Module, weight_decay: float) -> List[dict]:
     return [g for g in groups if g["params"]]
 
 
+def adamw_kwargs(device: Union[str, torch.device, None], offload: bool = False) -> dict:
+    """How torch's AdamW runs for parameters on ``device``: ``{"fused": True}`` on a CUDA device
+    (one fused kernel for every parameter's update instead of a launch per tensor op), ``{}``
+    elsewhere (the default foreach/for-loop form) and when the optimizer state is offloaded to the
+    host (``offload``: DeepSpeed ZeRO-Offload steps it on CPU tensors). Same update either way;
+    the fused kernel rounds differently at float32's last bits."""
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    return {"fused": True} if dev.type == "cuda" and not offload else {}
+
+
+def param_device(model: nn.Module) -> Optional[torch.device]:
+    """The device of the model's first trainable parameter (None without one)."""
+    return next((p.device for p in model.parameters() if p.requires_grad), None)
+
+
 def build_optimizer(model: nn.Module, cfg: OptimConfig, total_steps: int):
-    """torch AdamW (no CUDA extension needed) and its LambdaLR schedule."""
+    """torch AdamW (no CUDA extension needed; fused on CUDA, ``adamw_kwargs``) and its LambdaLR
+    schedule."""
     opt = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
-                            eps=cfg.eps)
+                            eps=cfg.eps, **adamw_kwargs(param_device(model)))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_multiplier(cfg, total_steps))
     return opt, sched
 

@@ -52,7 +52,7 @@ from ttt_lm.train.preempt import PREEMPTED_EXIT_CODE, PreemptionFlag
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                               "configs", "tiny.yaml")
 #: model-config keys that may differ on resume: they choose kernels, not the model's shape
-RUNTIME_MODEL_KEYS = ("kernel_backend", "attention.backend", "compile", "compile_backend")
+RUNTIME_MODEL_KEYS = ("kernel_backend", "attention.backend", "compile", "compile_backend", "loss_chunk_size")
 
 
 def _pos(batch: dict):
@@ -585,7 +585,9 @@ def _train(cfg, data_api, preempt, held, extra_callbacks=()) -> int:
                       signalled=lambda: preempt.requested or data_stop.check(), forward_kwargs=fwd_kw,
                       after_backward=(lambda: (wait_pending(), model.release_parameters())) if cp > 1 else None,
                       stop_after=t.stop_after,
-                      step=step, tokens=tokens, skipped_total=skipped_total, nonfinite_run=nonfinite_run)
+                      step=step, tokens=tokens, skipped_total=skipped_total, nonfinite_run=nonfinite_run,
+                      # the step's metrics stay on the device until a console line needs them
+                      read_every=max(1, cfg.logging.log_every))
     trainer.last_saved = step if resume is not None else -1
     try:
         exit_code = trainer.fit()
