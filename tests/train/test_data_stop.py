@@ -16,6 +16,9 @@ from ttt_lm.data.prepare import prepare
 pytestmark = pytest.mark.dist
 
 MICRO, STEPS = 4, 10
+#: the metrics (and with them the stop signal) are read every READ steps; each read verifies the
+#: shards of the next READ steps, so the run stops at the last read before the bad shard's step
+READ = 2
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +54,7 @@ def _flip(path):
 
 def test_a_corrupt_shard_costs_no_step(tmp_path, corpus, capsys):
     args = lambda d: [f"data.path={d}", f"model.vocab_size={VOCAB + 20}", f"train.max_steps={STEPS}",
-                      f"train.micro_batch_size={MICRO}", "checkpoint.every=100"]
+                      f"train.micro_batch_size={MICRO}", "checkpoint.every=100", f"logging.log_every={READ}"]
     ref = str(tmp_path / "ref")
     run(ref, args(corpus), env={"TTT_TEST_REAL_DATA": "1"})
 
@@ -62,10 +65,12 @@ def test_a_corrupt_shard_costs_no_step(tmp_path, corpus, capsys):
     d = str(tmp_path / "run")
     r = run(d, args(data), env={"TTT_TEST_REAL_DATA": "1"}, expect=1)
     out = r.output()
-    # the stop: a checkpoint of step k-1, the step before the one that reads the shard
-    assert os.path.isdir(os.path.join(d, "checkpoints", f"step_{k - 1:08d}"))
-    assert sorted(losses_by_step(d)) == list(range(1, k))
-    line = next(ln for ln in out.splitlines() if ln.startswith(f"[train] stopped at step {k - 1} (checkpoint saved)"))
+    # the stop: a checkpoint at the last read of the metrics before step k, the one that reads the shard
+    s = (k - 1) // READ * READ
+    assert k - READ <= s < k
+    assert os.path.isdir(os.path.join(d, "checkpoints", f"step_{s:08d}"))
+    assert sorted(losses_by_step(d)) == list(range(1, s + 1))
+    line = next(ln for ln in out.splitlines() if ln.startswith(f"[train] stopped at step {s} (checkpoint saved)"))
     assert name in line and "sha256 differs from the manifest" in line
     assert "restore the shard" in out and "run the same command again" in out
     # named by the background pass before the run reached it
@@ -73,22 +78,22 @@ def test_a_corrupt_shard_costs_no_step(tmp_path, corpus, capsys):
 
     shutil.copy(os.path.join(corpus, name), os.path.join(data, name))  # restored
     r = run(d, args(data), env={"TTT_TEST_REAL_DATA": "1"})
-    assert f"resuming from {os.path.join(d, 'checkpoints', f'step_{k - 1:08d}')}" in r.output()
+    assert f"resuming from {os.path.join(d, 'checkpoints', f'step_{s:08d}')}" in r.output()
     assert losses_by_step(d) == losses_by_step(ref)
 
     # export and eval of the run directory whose newest checkpoint fails verification: they fall
     # back as a resume does, and say which step they used
     from ttt_lm.eval.checkpoint import load_checkpoint
     from ttt_lm.train.export import main as export_main
-    newest, before = (os.path.join(d, "checkpoints", f"step_{s:08d}") for s in (STEPS, k - 1))
+    newest, before = (os.path.join(d, "checkpoints", f"step_{n:08d}") for n in (STEPS, s))
     assert os.path.isdir(newest)
     _flip(os.path.join(newest, "rank_00000.pt"))
     capsys.readouterr()
     assert export_main([d, str(tmp_path / "export")]) == 0
     err = capsys.readouterr().err
-    assert f"passing over {newest}" in err and f"using {before} (step {k - 1})" in err
+    assert f"passing over {newest}" in err and f"using {before} (step {s})" in err
     ck = load_checkpoint(d)
-    assert f"using {before} (step {k - 1})" in capsys.readouterr().err
+    assert f"using {before} (step {s})" in capsys.readouterr().err
     assert ck.model.cfg.vocab_size == VOCAB + 20
 
 
@@ -100,6 +105,6 @@ def test_a_bad_shard_in_the_first_step_stops_before_any_work(tmp_path, corpus):
     _flip(os.path.join(data, name))
     d = str(tmp_path / "run")
     r = run(d, [f"data.path={data}", f"model.vocab_size={VOCAB + 20}", "train.max_steps=3",
-                f"train.micro_batch_size={MICRO}"], env={"TTT_TEST_REAL_DATA": "1"}, expect=1)
-    assert f"{name}: sha256 differs from the manifest; the first step reads it" in r.output()
+                f"train.micro_batch_size={MICRO}", "logging.log_every=1"], env={"TTT_TEST_REAL_DATA": "1"}, expect=1)
+    assert f"{name}: sha256 differs from the manifest; one of the first 1 step(s) reads it" in r.output()
     assert not os.path.exists(os.path.join(d, "metrics.jsonl")) or losses_by_step(d) == {}

@@ -263,18 +263,20 @@ def _build_loader(data_api, cfg, dp_rank: int, dp_world: int, resume: Optional[s
 
 
 class _DataStop:
-    """The trainer's side of verifying shards ahead of the reader (``TrainLoader.check_ahead``):
-    before each step, the shards it will read are verified (most already by the loader's
-    background pass); a bad one makes the step's collective stop the run like a preemption, with a
-    checkpoint of the step before it, and ``reason`` (collective) says which shard and what to do."""
+    """The trainer's side of verifying shards ahead of the reader (``TrainLoader.check_ahead``).
+    The signal is taken at each read of the metrics (every ``logging.log_every`` = R steps, no
+    host read in between), so each read verifies the shards of the next ``horizon`` = R steps
+    (most already hashed by the loader's background pass): a bad one makes that read's collective
+    stop the run like a preemption, with a checkpoint of the read's step, which comes before the
+    step that would read the shard; ``reason`` (collective) says which shard and what to do."""
 
-    def __init__(self, loader, per_step: int):
-        self.loader, self.per_step, self.bad = loader, per_step, None
+    def __init__(self, loader, per_step: int, horizon: int = 1):
+        self.loader, self.per_step, self.horizon, self.bad = loader, per_step, max(1, horizon), None
 
     def check(self) -> bool:
         ahead = getattr(self.loader, "check_ahead", None)
         if ahead is not None and self.bad is None:
-            self.bad = ahead(self.per_step)
+            self.bad = ahead(self.per_step * self.horizon)
         return self.bad is not None
 
     def reason(self) -> Optional[str]:
@@ -282,8 +284,8 @@ class _DataStop:
         bad = [b for b in gather(self.bad) if b]
         if not bad:
             return None
-        return (f"{bad[0]}\nThe next step reads that shard, so the run stopped before it with a checkpoint of this "
-                "step: restore the shard (copy it again, or prepare the data again with the same command), or check "
+        return (f"{bad[0]}\nOne of the next {self.horizon} step(s) reads that shard, so the run stopped before it with "
+                "a checkpoint of this step: restore the shard (copy it again, or prepare the data again with the same command), or check "
                 "the connection for a remote one, then run the same command again: it resumes exactly here")
 
     def close(self) -> None:
@@ -292,16 +294,17 @@ class _DataStop:
             stop()
 
 
-def _verify_ahead(loader, per_step: int, rank: int) -> _DataStop:
-    """Verify the first step's shards now (a bad one stops the run before any work: nothing to
-    lose), then keep verifying ahead in the background (``_DataStop``)."""
+def _verify_ahead(loader, per_step: int, rank: int, horizon: int = 1) -> _DataStop:
+    """Verify the shards of the steps before the first read of the metrics now (a bad one stops
+    the run before any work: nothing to lose), then keep verifying ahead in the background
+    (``_DataStop``)."""
     from ttt_lm.data import DataError
-    stop = _DataStop(loader, per_step)
+    stop = _DataStop(loader, per_step, horizon)
     if stop.check():
-        raise DataError(f"{stop.bad}; the first step reads it: restore it (copy it again, or prepare the data "
-                        "again with the same command) and run again")
+        raise DataError(f"{stop.bad}; one of the first {stop.horizon} step(s) reads it: restore it (copy it again, "
+                        "or prepare the data again with the same command) and run again")
     if hasattr(loader, "start_verifier"):
-        loader.start_verifier(per_step * 8, say=lambda m: print(f"\n[data] rank {rank}: {m}", file=sys.stderr,
+        loader.start_verifier(per_step * max(8, 2 * stop.horizon), say=lambda m: print(f"\n[data] rank {rank}: {m}", file=sys.stderr,
                                                                   flush=True))
     return stop
 
@@ -531,7 +534,7 @@ def _train(cfg, data_api, preempt, held, extra_callbacks=()) -> int:
         return PREEMPTED_EXIT_CODE
 
     data_stop = _verify_ahead(loader if getattr(cfg.data, "verify_ahead", True) else None,
-                              t.micro_batch_size * t.grad_accum, rank)
+                              t.micro_batch_size * t.grad_accum, rank, max(1, cfg.logging.log_every))
     batches = iter(loader)  # after load_state_dict: continues with the next batch
     peak, peak_from = resolve_peak_flops(cfg.logging.peak_flops, dev)
     commit = git_commit() if rank == 0 else None
