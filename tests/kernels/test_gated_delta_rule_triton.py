@@ -110,8 +110,9 @@ def test_strong_decay_stays_finite():
 def test_several_dv_and_dk_blocks(monkeypatch):
     """d_v split over programs (blocks of 16, d_v = 40: three, the last ragged) and the state
     kernels' d_k read back in blocks of 16 (d_k = 40): float32, tolerances as above."""
+    meta = gdr_chunk.launch_meta
     monkeypatch.setattr(gdr_chunk, "launch_meta", lambda DK, DV, dtype, arch=90: dict(
-        __import__("kernels.delta_rule.chunk", fromlist=["x"]).launch_meta(DK, DV, dtype, arch), BV=16, BKS=16))
+        meta(DK, DV, dtype, arch), BV=16, BKS=16, BV_bwd_wy=16))
     _compare(2, 1, 37, 40, 40, 16, torch.float32, True, atol=1e-4, rtol=1e-4)
 
 
