@@ -67,13 +67,21 @@ HAS_FLEX = _importable("torch.nn.attention.flex_attention")
 TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 try:  # optional extra
     from flash_attn import flash_attn_func as _flash_attn_func  # type: ignore
+    from flash_attn import flash_attn_varlen_func as _flash_attn_varlen_func  # type: ignore
 except Exception:  # noqa: BLE001 - any import problem means "not available"
     _flash_attn_func = None
+    _flash_attn_varlen_func = None
 
 
 def flash_attn_func() -> Optional[Callable]:
     """flash-attn's ``flash_attn_func``, or None where the package does not import."""
     return _flash_attn_func
+
+
+def flash_attn_varlen_func() -> Optional[Callable]:
+    """flash-attn's ``flash_attn_varlen_func`` (documents of packed rows through ``cu_seqlens``),
+    or None where the package does not import."""
+    return _flash_attn_varlen_func
 
 
 def _triton(device, dtype) -> Optional[str]:

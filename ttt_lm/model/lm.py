@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from ttt_lm.model.config import ModelConfig
+from ttt_lm.model.docs import DocLayout, doc_conv
 from ttt_lm.model.layers import CausalConv1d, GatedMLP, RMSNorm, init_weights
 from ttt_lm.model.loss import linear_cross_entropy, plain_cross_entropy
 from ttt_lm.model.mixers import build_mixer, mixer_class
@@ -54,31 +55,6 @@ class LMOutput:
     logits: Optional[torch.Tensor]
     loss: Optional[torch.Tensor] = None
     states: Optional[List[BlockState]] = None
-
-
-Segments = List[List[Tuple[int, int]]]  # per row: [start, end) of each document piece
-
-
-def doc_segments(position_ids: torch.Tensor) -> Segments:
-    """Per row, the [start, end) spans that begin at index 0 or where position_ids == 0."""
-    T = position_ids.shape[1]
-    out = []
-    for row in position_ids.detach().cpu():
-        starts = sorted({0} | set((row == 0).nonzero().flatten().tolist()))
-        out.append([(s, e) for s, e in zip(starts, starts[1:] + [T])])
-    return out
-
-
-def _per_segment(fn, x: torch.Tensor, segments: Segments, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """fn applied to each document piece of each row on its own (fresh state), reassembled;
-    with ``position_ids``, fn also gets the piece's positions."""
-    rows = []
-    for b, segs in enumerate(segments):
-        if position_ids is None:
-            rows.append(torch.cat([fn(x[b:b + 1, s:e]) for s, e in segs], dim=1))
-        else:
-            rows.append(torch.cat([fn(x[b:b + 1, s:e], position_ids[b:b + 1, s:e]) for s, e in segs], dim=1))
-    return torch.cat(rows, dim=0)
 
 
 class Block(nn.Module):
@@ -106,32 +82,24 @@ class Block(nn.Module):
         return {"segment_pos": position_ids} if position_ids is not None and self.mixer.takes_segment_pos else {}
 
     def forward(self, x: torch.Tensor, state: Optional[BlockState] = None, output_state: bool = False,
-                segments: Optional[Segments] = None, position_ids: Optional[torch.Tensor] = None):
-        if segments is not None:
-            return self._forward_segments(x, segments, position_ids), None
+                docs: Optional[DocLayout] = None, position_ids: Optional[torch.Tensor] = None):
+        """``docs``: the batch's document layout when documents restart inside packed rows (the
+        pre-conv and the mixer then run once on the whole batch, each document from a fresh
+        state; ``Mixer.forward``)."""
         cc = None
         if self.pre_conv is not None:
-            c, cc = self.pre_conv(self.pre_conv_norm(x), None if state is None else state.pre_conv, output_state)
+            xn = self.pre_conv_norm(x)
+            if docs is not None and docs.inner_starts:
+                c = doc_conv(self.pre_conv, xn, docs)
+            else:
+                c, cc = self.pre_conv(xn, None if state is None else state.pre_conv, output_state)
             x = x + c
         h, ms = self.mixer(self.mixer_norm(x), None if state is None else state.mixer, output_state,
-                           **self.mixer_kw(position_ids))
+                           docs=docs, **self.mixer_kw(position_ids))
         x = x + h
         if self.mlp is not None:
             x = x + self.mlp(self.mlp_norm(x))
         return x, (BlockState(mixer=ms, pos=ms.pos, pre_conv=cc) if output_state else None)
-
-    def _forward_segments(self, x: torch.Tensor, segments: Segments,
-                          position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if self.pre_conv is not None:
-            x = x + _per_segment(lambda xs: self.pre_conv(xs)[0], self.pre_conv_norm(x), segments)
-        if self.mixer_kw(position_ids):
-            x = x + _per_segment(lambda xs, ps: self.mixer(xs, **self.mixer_kw(ps))[0], self.mixer_norm(x),
-                                 segments, position_ids)
-        else:
-            x = x + _per_segment(lambda xs: self.mixer(xs)[0], self.mixer_norm(x), segments)
-        if self.mlp is not None:
-            x = x + self.mlp(self.mlp_norm(x))
-        return x
 
     def step(self, x: torch.Tensor, state: BlockState, position_ids: Optional[torch.Tensor] = None):
         cc = None
@@ -242,11 +210,16 @@ class LM(nn.Module):
 
     def hidden(self, input_ids: torch.Tensor, states=None, output_states: bool = False,
                position_ids: Optional[torch.Tensor] = None):
-        segments = None
-        if self.cfg.reset_at_doc_boundaries and position_ids is not None:
-            segments = doc_segments(position_ids)
-            if all(len(s) == 1 for s in segments):
-                segments = None  # no document starts inside a row: one batched pass
+        docs = None
+        if position_ids is not None:
+            position_ids = position_ids.to(input_ids.device, non_blocking=True)
+            if tuple(position_ids.shape) != tuple(input_ids.shape):
+                raise ValueError(f"position_ids must be [B, T] = {tuple(input_ids.shape)} like input_ids, "
+                                 f"got {tuple(position_ids.shape)}")
+            # the positions are checked (and, with resets, the layout built) once per batch: one host sync
+            docs = DocLayout.build(position_ids)
+            if not (self.cfg.reset_at_doc_boundaries and docs.inner_starts):
+                docs = None  # no document starts inside a row, or no resets: one plain batched pass
             elif states is not None or output_states:
                 raise ValueError("resetting at document boundaries (model.reset_at_doc_boundaries with "
                                  "position_ids) cannot be combined with carried states")
@@ -255,10 +228,10 @@ class LM(nn.Module):
         for i, block in enumerate(self.layers):
             st = None if states is None else states[i]
             if self.activation_checkpointing and self.training and torch.is_grad_enabled():
-                x, ns = torch.utils.checkpoint.checkpoint(block, x, st, output_states, segments, position_ids,
+                x, ns = torch.utils.checkpoint.checkpoint(block, x, st, output_states, docs, position_ids,
                                                           use_reentrant=False)
             else:
-                x, ns = block(x, st, output_states, segments, position_ids)
+                x, ns = block(x, st, output_states, docs, position_ids)
             if output_states:
                 new_states.append(ns)
         return self.norm(x), new_states

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ttt_lm.model.backend import Backend, flash_attn_func
+from ttt_lm.model.backend import Backend, flash_attn_func, flash_attn_varlen_func
 from ttt_lm.model.layers import acc, apply_rope, rope_cos_sin
 from ttt_lm.model.mixers.base import Mixer, MixerState, TPPlan
 from ttt_lm.model.registry import register_mixer
@@ -86,6 +86,27 @@ def _flex_block_mask(T: int, window: Optional[int], device: str):
     return create_block_mask(mask_mod, None, None, T, T, device=device)
 
 
+def _same_doc(docs) -> torch.Tensor:
+    """[B, 1, T, T] bool: query t and key s are in the same document of their packed row."""
+    seg = docs.seg
+    return (seg[:, :, None] == seg[:, None, :])[:, None]
+
+
+def _flex_doc_block_mask(seg: torch.Tensor, window: Optional[int], device: str):
+    """flex_attention's block mask for causal (windowed) attention within the documents of packed
+    rows (``seg`` [B, T]: each token's document in its row)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+    B, T = seg.shape
+
+    def mask_mod(b, h, qi, ki):
+        ok = (ki <= qi) & (seg[b, qi] == seg[b, ki])
+        if window is not None:
+            ok = ok & (ki > qi - window)
+        return ok
+
+    return create_block_mask(mask_mod, B, None, T, T, device=device)
+
+
 @register_mixer("attention")
 class Attention(Mixer):
     window: Optional[int] = None
@@ -132,14 +153,18 @@ class Attention(Mixer):
         keeps no op state (the KV cache is the forms')."""
         if initial_state is not None or output_final_state:
             raise ValueError("attention's op keeps no state; the KV cache belongs to the forms")
-        q, k, v = inp["q"], inp["k"], inp["v"]
+        q, k, v, docs = inp["q"], inp["k"], inp["v"], inp.get("docs")
         if backend == Backend.REFERENCE:
             rep = self.n_heads // self.n_kv
             kk, vv = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
             s = (acc(q) @ acc(kk).transpose(-1, -2)) / math.sqrt(self.hd)
             m = _window_mask(q.shape[2], kk.shape[2], self.window, q.device)
+            if docs is not None:
+                m = m & _same_doc(docs)
             s = s.masked_fill(~m, float("-inf"))
             return (s.softmax(-1) @ acc(vv)).to(q.dtype), None
+        if docs is not None:
+            return self._attend_docs(q, k, v, docs), None
         return self._attend(q, k, v), None
 
     def requested_backend(self) -> str:
@@ -203,21 +228,24 @@ class Attention(Mixer):
         return AttentionState(k=k_all, v=v_all, pos=pos_end, kv_buf=buf, kv_end=None if buf is None else buf.end)
 
     # ---- forms -------------------------------------------------------------------------------
-    def _run(self, x, state, output_state, backend: str):
+    def _run(self, x, state, output_state, backend: str, docs=None):
         pos0 = int(state.pos) if state is not None else 0
         inp, _ = self.inputs(x, state)
         k_all, v_all, buf = self._cat_cache(state, inp["k"], inp["v"])
-        o, _ = self.op({"q": inp["q"], "k": k_all, "v": v_all}, backend=backend)
+        o, _ = self.op({"q": inp["q"], "k": k_all, "v": v_all, "docs": docs}, backend=backend)
         st = None
         if output_state:
             st = self._new_state(k_all, v_all, pos0 + x.shape[1], None if backend == "reference" else buf)
         return self.output(o, x), st
 
-    def reference(self, x, state=None, output_state=False):
-        return self._run(x, state, output_state, "reference")
+    #: packed documents: a document mask on the packed rows (``_attend``), one call for the batch
+    handles_docs = True
 
-    def chunked(self, x, state=None, output_state=False):
-        return self._run(x, state, output_state, self.resolve_backend(x.device))
+    def reference(self, x, state=None, output_state=False, docs=None):
+        return self._run(x, state, output_state, "reference", docs)
+
+    def chunked(self, x, state=None, output_state=False, docs=None):
+        return self._run(x, state, output_state, self.resolve_backend(x.device), docs)
 
     def step(self, x, state):
         return self.chunked(x, state, output_state=True)
@@ -245,6 +273,36 @@ class Attention(Mixer):
         if self.window is None and tq == tk:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         mask = _window_mask(tq, tk, self.window, q.device)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+    def _attend_docs(self, q, k, v, docs):
+        """Attention within each document of packed rows (q, k, v [B, H, T, d], no cache): the
+        causal (windowed) mask of ``_attend`` and'ed with "same document" (``docs.seg``). flash-attn:
+        its varlen kernel over the batch flattened to [B·T] with ``docs.cu_seqlens``; flex: a
+        document ``mask_mod`` (its block mask built once per batch and shared by the layers); SDPA
+        and math: the block-diagonal boolean mask [B, 1, T, T]."""
+        be = self.resolve_backend(q.device, q.dtype)
+        B, H, T, hd = q.shape
+        gqa = self.n_kv != self.n_heads
+        if be == Backend.FLASH and flash_attn_varlen_func() is not None:
+            ws = (-1, -1) if self.window is None else (self.window - 1, 0)
+            cu = docs.cu_seqlens
+            flat = lambda t: t.transpose(1, 2).reshape(B * T, t.shape[1], hd)
+            o = flash_attn_varlen_func()(flat(q), flat(k), flat(v), cu, cu, docs.max_len, docs.max_len,
+                                         causal=True, window_size=ws)
+            return o.view(B, T, H, hd).transpose(1, 2)
+        if be == Backend.FLEX:
+            from torch.nn.attention.flex_attention import flex_attention
+            key = ("flex_doc_mask", self.window, str(q.device))
+            if key not in docs.cache:
+                docs.cache[key] = _flex_doc_block_mask(docs.seg, self.window, str(q.device))
+            return flex_attention(q, k, v, block_mask=docs.cache[key], enable_gqa=gqa)
+        mask = _window_mask(T, T, self.window, q.device) & _same_doc(docs)
+        if be == Backend.MATH:
+            rep = self.n_heads // self.n_kv
+            kk, vv = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+            s = (acc(q) @ acc(kk).transpose(-1, -2)) / math.sqrt(self.hd)
+            return (s.masked_fill(~mask, float("-inf")).softmax(-1) @ acc(vv)).to(q.dtype)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
     def _flex(self, q, k, v):

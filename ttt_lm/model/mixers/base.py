@@ -252,14 +252,29 @@ class Mixer(nn.Module, metaclass=abc.ABCMeta):
         """Tokens before a slice that ``inputs`` reads (a causal conv's width − 1); 0 for none."""
         return 0
 
+    #: the forms take ``docs`` (a ``ttt_lm.model.docs.DocLayout``) and restart at its document
+    #: starts inside the packed rows themselves (masks in the scan / attention); False: ``forward``
+    #: runs the form once on the layout's padded view (one document per row)
+    handles_docs: bool = False
+
     def forward(self, x: torch.Tensor, state: Optional[State] = None,
-                output_state: bool = False, **kw) -> Tuple[torch.Tensor, Optional[State]]:
-        """``kw``: ``segment_pos`` for mixers that set ``takes_segment_pos``."""
-        if self.impl == "reference":
-            return self.reference(x, state, output_state, **kw)
-        if self.impl != "chunked":
+                output_state: bool = False, docs=None, **kw) -> Tuple[torch.Tensor, Optional[State]]:
+        """``kw``: ``segment_pos`` for mixers that set ``takes_segment_pos``. ``docs``: the batch's
+        ``DocLayout`` when every document of a packed row must start from the initial state (the
+        LM's ``model.reset_at_doc_boundaries``): one call of the form for the whole batch, either
+        with ``docs`` (``handles_docs``) or on ``docs.pad(x)``; the result is each document's own
+        output, as if it ran alone. ``docs`` takes no carried state."""
+        if self.impl not in ("chunked", "reference"):
             raise ValueError(f"mixer impl must be 'chunked' or 'reference', got {self.impl!r}")
-        return self.chunked(x, state, output_state, **kw)
+        form = self.reference if self.impl == "reference" else self.chunked
+        if docs is None or not docs.inner_starts:
+            return form(x, state, output_state, **kw)
+        if state is not None or output_state:
+            raise ValueError("document resets (docs) cannot be combined with a carried or returned state")
+        if self.handles_docs:
+            return form(x, None, False, docs=docs, **kw)
+        y, _ = form(docs.pad(x), None, False, **{k: docs.pad(v) for k, v in kw.items()})
+        return docs.unpad(y), None
 
     @abc.abstractmethod
     def chunked(self, x, state=None, output_state=False):

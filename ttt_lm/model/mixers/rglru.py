@@ -272,10 +272,14 @@ class RGLRUBlock(Mixer):
         return None if has_triton_backend() else "kernels/linear_scan has no Triton kernel"
 
     # ---- forms -------------------------------------------------------------------------------
-    def reference(self, x, state=None, output_state=False, segment_pos=None):
+    # documents restart inside packed rows through segment_pos (the LM passes position_ids with
+    # its DocLayout): the scan's resets and the conv's masks, one call for the batch
+    handles_docs = True
+
+    def reference(self, x, state=None, output_state=False, segment_pos=None, docs=None):
         return self._scan(x, state, output_state, "reference", segment_pos)
 
-    def chunked(self, x, state=None, output_state=False, segment_pos=None):
+    def chunked(self, x, state=None, output_state=False, segment_pos=None, docs=None):
         return self._scan(x, state, output_state, self._resolve_backend(x), segment_pos)
 
     def step(self, x, state, segment_pos=None):

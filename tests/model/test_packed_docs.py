@@ -1,0 +1,167 @@
+"""Packed documents: with ``model.reset_at_doc_boundaries`` every layer kind runs a batch of packed
+rows in one mixer call per layer, and each document's outputs and gradients equal those of the
+document run alone. fp32; the tolerance (2e-4 relative to the largest value) covers the different
+summation order of a batch of padded documents or a masked scan against a lone document."""
+import pytest
+import torch
+
+from ttt_lm.model import LM, ModelConfig
+from ttt_lm.model.docs import DocLayout, doc_conv
+from ttt_lm.model.layers import CausalConv1d
+from ttt_lm.model.registry import layer_kinds
+
+KINDS = list(layer_kinds())
+V = 53
+# two rows of 24 tokens: documents shorter than a conv width (4) and a TTT mini-batch (4) included
+ROW_LENS = [[5, 1, 9, 2, 7], [3, 12, 4, 1, 4]]
+
+
+def tiny(kind, **kw) -> LM:
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=V, d_model=16, n_heads=2, n_layers=2, layer_pattern=[kind],
+                      reset_at_doc_boundaries=True, **kw)
+    cfg.attention.window = 5
+    cfg.ttt.mini_batch_size = 4
+    cfg.titans.chunk_size = 4
+    cfg.titans.segment_len = 6
+    cfg.deltanet.chunk_size = 4
+    cfg.gated_deltanet.chunk_size = 4
+    cfg.lact.chunk_size, cfg.lact.window, cfg.lact.num_heads = 4, 5, 2
+    cfg.mamba.chunk_size = 4
+    cfg.rglru.chunk_size = 4
+    return LM(cfg)
+
+
+def packed_batch(row_lens, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    docs = [[torch.randint(0, V, (1, n), generator=g) for n in lens] for lens in row_lens]
+    ids = torch.cat([torch.cat(r, 1) for r in docs])
+    pos = torch.cat([torch.cat([torch.arange(n) for n in lens])[None] for lens in row_lens])
+    return docs, ids, pos
+
+
+def rel(a, b):
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_packed_equals_each_document_alone(kind):
+    m = tiny(kind)
+    docs, ids, pos = packed_batch(ROW_LENS)
+    w = torch.randn(ids.shape[0], ids.shape[1], V, generator=torch.Generator().manual_seed(1))
+
+    calls = []
+    hooks = [b.mixer.register_forward_hook(lambda mod, a, o: calls.append(mod)) for b in m.layers]
+    packed = m(ids, position_ids=pos).logits
+    for h in hooks:
+        h.remove()
+    assert len(calls) == m.cfg.n_layers, f"{kind}: {len(calls)} mixer calls for {m.cfg.n_layers} layers"
+    (packed * w).sum().backward()
+    g_packed = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+    m.zero_grad()
+
+    alone = torch.cat([torch.cat([m(d).logits for d in row], 1) for row in docs])
+    (alone * w).sum().backward()
+    assert rel(packed.detach(), alone.detach()) <= 2e-4, f"{kind}: logits rel err {rel(packed.detach(), alone.detach()):.2e}"
+    for n, p in m.named_parameters():
+        if p.grad is None:
+            assert n not in g_packed
+            continue
+        assert rel(g_packed[n], p.grad) <= 2e-4, f"{kind}: grad of {n} rel err {rel(g_packed[n], p.grad):.2e}"
+    # without document starts the later documents read the earlier ones
+    with torch.no_grad():
+        plain = m(ids).logits
+    assert (plain[:, 5:] - alone[:, 5:]).abs().max() > 1e-5
+
+
+@pytest.mark.parametrize("kind", ["ttt_linear", "ttt_mlp"])
+def test_pre_conv_restarts(kind):
+    """TTT's block pre-conv (Mamba backbone) restarts at document starts too."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=V, d_model=16, n_heads=2, n_layers=1, layer_pattern=[kind],
+                      reset_at_doc_boundaries=True)
+    cfg.ttt.mini_batch_size = 4
+    cfg.ttt.pre_conv = True
+    m = LM(cfg)
+    assert m.layers[0].pre_conv is not None
+    docs, ids, pos = packed_batch(ROW_LENS)
+    with torch.no_grad():
+        packed = m(ids, position_ids=pos).logits
+        alone = torch.cat([torch.cat([m(d).logits for d in row], 1) for row in docs])
+    assert rel(packed, alone) <= 2e-4
+
+
+def test_reference_forms_take_documents():
+    """impl="reference" (the sequential forms) follows the same contract."""
+    for kind in ("attention", "local_attention", "rglru", "ttt_linear"):
+        m = tiny(kind).set_impl("reference")
+        docs, ids, pos = packed_batch(ROW_LENS)
+        with torch.no_grad():
+            packed = m(ids, position_ids=pos).logits
+            alone = torch.cat([torch.cat([m(d).logits for d in row], 1) for row in docs])
+        assert rel(packed, alone) <= 2e-4, kind
+
+
+def test_row_starting_inside_a_document():
+    """A row whose first position is not 0 (the loader cuts rows out of the packed stream) starts
+    from a fresh state there: the same as the piece alone."""
+    m = tiny("gated_deltanet")
+    _, ids, _ = packed_batch([[10, 14]])
+    pos = torch.cat([torch.arange(7, 17), torch.arange(14)])[None]
+    with torch.no_grad():
+        packed = m(ids, position_ids=pos).logits
+        alone = torch.cat([m(ids[:, :10]).logits, m(ids[:, 10:]).logits], 1)
+    assert rel(packed, alone) <= 2e-4
+
+
+def test_layout_views():
+    pos = torch.tensor([[3, 4, 0, 1, 2, 0], [0, 1, 2, 3, 0, 0]])
+    d = DocLayout.build(pos)
+    assert (d.n_docs, d.max_len) == (6, 4) and d.inner_starts
+    assert d.cu_seqlens.tolist() == [0, 2, 5, 6, 10, 11, 12]
+    assert d.seg.tolist() == [[0, 0, 1, 1, 1, 2], [0, 0, 0, 0, 1, 2]]
+    x = torch.arange(12.0).view(2, 6, 1)
+    p = d.pad(x)
+    assert p[:, :, 0].tolist() == [[0, 1, 0, 0], [2, 3, 4, 0], [5, 0, 0, 0], [6, 7, 8, 9], [10, 0, 0, 0],
+                                   [11, 0, 0, 0]]
+    assert torch.equal(d.unpad(p), x)
+    assert not DocLayout.build(torch.arange(5)[None] + 2).inner_starts
+
+
+def test_doc_conv_equals_conv_of_each_document():
+    torch.manual_seed(0)
+    conv = CausalConv1d(3, 4)
+    pos = torch.tensor([[0, 1, 2, 3, 4, 0, 0, 1, 0, 1, 2]])
+    x = torch.randn(1, 11, 3)
+    y = doc_conv(conv, x, DocLayout.build(pos))
+    ref = torch.cat([conv(x[:, a:b])[0] for a, b in [(0, 5), (5, 6), (6, 8), (8, 11)]], 1)
+    torch.testing.assert_close(y, ref, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("pos, where", [
+    ([[0, 1, 2, 0, 1], [-1, 0, 1, 2, 3]], "row 1, position 0"),
+    ([[0, 1, 2, 0, 1], [0, 1, 3, 4, 5]], "row 1, position 2"),
+    ([[0, 1, 1, 0, 1], [0, 1, 2, 3, 4]], "row 0, position 2"),
+    ([[0, 1, 2, 5, 6], [0, 1, 2, 3, 4]], "row 0, position 3"),
+])
+def test_bad_positions_name_row_and_position(pos, where):
+    m = tiny("rglru")
+    ids = torch.zeros(2, 5, dtype=torch.long)
+    with pytest.raises(ValueError, match=where):
+        m(ids, position_ids=torch.tensor(pos))
+    m.cfg.reset_at_doc_boundaries = False     # checked whether or not the model resets
+    with pytest.raises(ValueError, match=where):
+        m(ids, position_ids=torch.tensor(pos))
+
+
+def test_position_shape_must_match():
+    m = tiny("attention")
+    with pytest.raises(ValueError, match=r"position_ids must be \[B, T\]"):
+        m(torch.zeros(2, 5, dtype=torch.long), position_ids=torch.arange(5)[None])
+
+
+def test_carried_states_refused_with_resets():
+    m = tiny("mamba")
+    ids = torch.zeros(1, 6, dtype=torch.long)
+    with pytest.raises(ValueError, match="carried states"):
+        m(ids, position_ids=torch.tensor([[0, 1, 2, 0, 1, 2]]), output_states=True)

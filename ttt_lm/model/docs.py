@@ -1,0 +1,160 @@
+"""The document layout of a packed batch, computed once per forward and handed to every mixer.
+
+A training row packs documents end to end; the data's ``position_ids`` [B, T] give each token's
+offset in its document (0 at a document's first token, +1 at every later one). A row's first
+token starts a document piece whatever its position (the loader cuts rows out of the packed
+stream, so a row usually starts inside a document: that piece is read from a fresh state).
+
+``DocLayout.build(position_ids)`` checks the positions and derives, on the device:
+
+* ``starts`` [B, T] bool: a document (piece) starts here (position 0, or the row's first token);
+* ``seg`` [B, T] long: which document of its row a token belongs to (0, 1, ...);
+* ``offset`` [B, T] long: the token's index inside its piece (``position_ids`` where the piece
+  starts at 0; a row's first piece counts from 0 as well).
+
+and, from the one host synchronization of the batch (``n_docs`` and ``max_len``, read with the
+validity check in one transfer), two views of the same documents:
+
+* ``cu_seqlens`` [N + 1] int32: the batch flattened to [1, B·T], cumulative document lengths as
+  flash-attn's varlen API and the ``kernels/`` ops' ``cu_seqlens`` take them;
+* the padded view, ``pad(x)`` [B, T, ...] → [N, L, ...] (document n in row n, zero after its
+  end, L = the longest document) and ``unpad(y)`` back; both are one gather, differentiable.
+
+A mixer whose forms reset inside the scan (masks on the packed rows: attention's document mask,
+the RG-LRU's segment positions) reads ``starts``/``seg``/``position_ids``; the others run their
+chunked form once on the padded view, where each document is a row of its own from the initial
+state (TTT's mini-batches then start at each document's first token, as for the document alone).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+
+def check_positions(position_ids: torch.Tensor) -> Optional[str]:
+    """None when ``position_ids`` [B, T] is a valid layout, else the message naming the first bad
+    row and position. One host synchronization (a 3-element read)."""
+    info = _bad_and_sizes(position_ids)
+    return _message(position_ids, info)
+
+
+def _bad_and_sizes(pos: torch.Tensor):
+    """(first bad flat index or -1, number of document pieces, longest piece), read to the host in
+    one transfer."""
+    B, T = pos.shape
+    step_ok = (pos[:, 1:] == pos[:, :-1] + 1) | (pos[:, 1:] == 0)
+    ok = torch.cat([pos[:, :1] >= 0, step_ok], dim=1).flatten()
+    idx = torch.arange(B * T, device=pos.device)
+    first_bad = torch.where(ok, torch.full_like(idx, B * T), idx).min()
+    starts = _starts(pos).flatten()
+    begin = torch.cummax(torch.where(starts, idx, torch.zeros_like(idx)), 0).values
+    offset = idx - begin
+    vals = torch.stack([first_bad, starts.sum(), offset.max() + 1]).tolist()
+    return vals, starts.view(B, T), offset.view(B, T)
+
+
+def _starts(pos: torch.Tensor) -> torch.Tensor:
+    s = pos == 0
+    s[:, 0] = True
+    return s
+
+
+def _message(pos: torch.Tensor, info) -> Optional[str]:
+    (first_bad, _, _), _, _ = info
+    B, T = pos.shape
+    if first_bad >= B * T:
+        return None
+    b, t = divmod(first_bad, T)
+    if t == 0:
+        return (f"position_ids row {b}, position 0: a row's first position must be >= 0 (its offset in "
+                f"its document), got {int(pos[b, 0])}")
+    return (f"position_ids row {b}, position {t}: positions must go up by 1 inside a document or restart "
+            f"at 0 where a document starts, got {int(pos[b, t - 1])} then {int(pos[b, t])}")
+
+
+@dataclass
+class DocLayout:
+    position_ids: torch.Tensor   # [B, T] long, on the model's device
+    starts: torch.Tensor         # [B, T] bool
+    offset: torch.Tensor         # [B, T] long: index inside the document piece
+    n_docs: int                  # document pieces in the batch (>= B)
+    max_len: int                 # the longest piece
+    #: per-batch objects the layers share (attention's flex block mask), keyed by their maker
+    cache: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @classmethod
+    def build(cls, position_ids: torch.Tensor) -> "DocLayout":
+        """Check ``position_ids`` (a ValueError names the first bad row and position) and build the
+        layout; one host synchronization."""
+        pos = position_ids.long()
+        info = _bad_and_sizes(pos)
+        msg = _message(pos, info)
+        if msg is not None:
+            raise ValueError(msg)
+        (_, n_docs, max_len), starts, offset = info
+        return cls(pos, starts, offset, int(n_docs), int(max_len))
+
+    @property
+    def shape(self):
+        return tuple(self.position_ids.shape)
+
+    @property
+    def inner_starts(self) -> bool:
+        """Whether a document starts inside some row (else every row is one piece)."""
+        return self.n_docs > self.shape[0]
+
+    @property
+    def seg(self) -> torch.Tensor:
+        """[B, T]: the index of each token's document within its row."""
+        return self.starts.long().cumsum(1) - 1
+
+    @property
+    def doc_index(self) -> torch.Tensor:
+        """[B, T]: the index of each token's document in the batch (0 … N − 1, row-major)."""
+        return self.starts.flatten().long().cumsum(0).view(self.shape) - 1
+
+    @property
+    def cu_seqlens(self) -> torch.Tensor:
+        """[N + 1] int32 cumulative lengths of the documents of the batch flattened to [1, B·T]."""
+        B, T = self.shape
+        begins = torch.nonzero_static(self.starts.flatten(), size=self.n_docs)[:, 0]  # size known: no sync
+        end = torch.full((1,), B * T, dtype=begins.dtype, device=begins.device)
+        return torch.cat([begins, end]).to(torch.int32)
+
+    def _dest(self) -> torch.Tensor:
+        """[B·T]: each token's flat index in the padded [N · L] view."""
+        return (self.doc_index * self.max_len + self.offset).flatten()
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, T, ...] → [N, L, ...]: document n in row n, zeros after its end."""
+        B, T = self.shape
+        flat = x.reshape(B * T, *x.shape[2:])
+        out = flat.new_zeros(self.n_docs * self.max_len, *x.shape[2:])
+        out = out.index_copy(0, self._dest(), flat)
+        return out.view(self.n_docs, self.max_len, *x.shape[2:])
+
+    def unpad(self, y: torch.Tensor) -> torch.Tensor:
+        """y [N, L, ...] → [B, T, ...], the inverse of ``pad`` on the tokens that exist."""
+        B, T = self.shape
+        flat = y.reshape(self.n_docs * self.max_len, *y.shape[2:])
+        return flat.index_select(0, self._dest()).view(B, T, *y.shape[2:])
+
+
+def doc_conv(conv, x: torch.Tensor, docs: DocLayout) -> torch.Tensor:
+    """A ``CausalConv1d`` over x [B, T, C] restarted at each document start, from zero history:
+    y_t = b + Σ_{j<w, j ≤ offset_t} W_j ⊙ x_{t−j} (the taps that would read the previous document
+    are masked, not sliced), the same as the convolution of each document alone."""
+    w = conv.width
+    weight = conv.conv.weight[:, 0, :]                  # [C, w]; tap j (x_{t−j}) is weight[:, w−1−j]
+    y = conv.conv.bias.to(x.dtype).expand_as(x) if conv.conv.bias is not None else torch.zeros_like(x)
+    T = x.shape[1]
+    for j in range(min(w, T)):
+        xs = x if j == 0 else torch.nn.functional.pad(x[:, :T - j], (0, 0, j, 0))
+        keep = (docs.offset >= j).unsqueeze(-1).to(x.dtype)
+        y = y + weight[:, w - 1 - j].to(x.dtype) * xs * keep
+    return y
+
+
+__all__ = ["DocLayout", "check_positions", "doc_conv"]
