@@ -31,6 +31,11 @@ batch in one launch of each of its kernels (``ttt_linear_triton_packed`` in ``ch
 mini-batch tables built on the device, one flag read back to check the offsets), and so does
 TTT-MLP (``ttt_mlp_triton_packed`` in ``mlp_chunk.py``); every other backend runs once on each
 sequence, so its kernels are launched N times.
+
+In-scan restarts: ``mini_batch_resets`` (bool [B, ⌈T/b⌉], backend="torch", no initial state)
+start mini-batch m of row r from the weights arguments where it is True, inside the one dual-form
+scan over the batch (``torch_chunk.scan_mini_batches``): documents laid out so that each starts
+at a mini-batch boundary (``ttt_lm.model.docs.DocLayout.aligned``) then run as if each were alone.
 """
 from __future__ import annotations
 
@@ -201,16 +206,29 @@ def _varlen(name: str, run: Callable, weights: Dict[str, torch.Tensor], XQ: torc
     return out, final
 
 
+def _check_resets(name: str, backend: str, initial_state, cu_seqlens) -> None:
+    if backend != "torch":
+        raise ValueError(f"{name}: mini_batch_resets are a backend='torch' feature, got backend={backend!r}")
+    if initial_state is not None or cu_seqlens is not None:
+        raise ValueError(f"{name}: mini_batch_resets start every row from the weights arguments; "
+                         f"they take no initial_state and no cu_seqlens")
+
+
 def ttt_linear(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: torch.Tensor,
                token_idx: torch.Tensor, ln_weight: torch.Tensor, ln_bias: torch.Tensor,
                W1: torch.Tensor, b1: torch.Tensor, mini_batch_size: int = 16,
                initial_state: Optional[dict] = None, output_final_state: bool = False,
-               backend: str = "torch", cu_seqlens: Optional[torch.Tensor] = None
-               ) -> Tuple[torch.Tensor, Optional[dict]]:
+               backend: str = "torch", cu_seqlens: Optional[torch.Tensor] = None,
+               mini_batch_resets: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Optional[dict]]:
     """TTT-Linear: f(x; W1, b1) = x W1 + b1. With ``cu_seqlens`` (int32 [N+1], B = 1) the N packed
     sequences run in one launch per kernel with backend="triton", one after another through any
-    other ``backend`` (see the module docstring)."""
+    other ``backend`` (see the module docstring). ``mini_batch_resets`` (module docstring): the
+    PyTorch dual form's in-scan restarts."""
     _check(XQ, XK, XV, eta, token_idx, mini_batch_size)
+    if mini_batch_resets is not None:
+        _check_resets("ttt_linear", backend, initial_state, cu_seqlens)
+        return ttt_linear_chunk(XQ, XK, XV, eta, token_idx, ln_weight, ln_bias, W1, b1, mini_batch_size, None,
+                                output_final_state, mini_batch_resets)
     if cu_seqlens is not None and backend == "triton" and has_triton_backend("linear") and XQ.shape[2] > 0:
         # one launch of each kernel over the packed batch (a batch of empty sequences only, T = 0,
         # keeps its initial states through the per-sequence path below, which launches nothing)
@@ -243,11 +261,17 @@ def ttt_mlp(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: torch.Ten
             W1: torch.Tensor, b1: torch.Tensor, W2: torch.Tensor, b2: torch.Tensor,
             mini_batch_size: int = 16, initial_state: Optional[dict] = None,
             output_final_state: bool = False, backend: str = "torch",
-            cu_seqlens: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Optional[dict]]:
+            cu_seqlens: Optional[torch.Tensor] = None,
+            mini_batch_resets: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Optional[dict]]:
     """TTT-MLP: f(x; W1, b1, W2, b2) = GELU_tanh(x W1 + b1) W2 + b2. With ``cu_seqlens`` (int32
     [N+1], B = 1) the N packed sequences run in one launch per kernel with backend="triton", one
-    after another through any other ``backend`` (see the module docstring)."""
+    after another through any other ``backend`` (see the module docstring). ``mini_batch_resets``
+    (module docstring): the PyTorch dual form's in-scan restarts."""
     _check(XQ, XK, XV, eta, token_idx, mini_batch_size)
+    if mini_batch_resets is not None:
+        _check_resets("ttt_mlp", backend, initial_state, cu_seqlens)
+        return ttt_mlp_chunk(XQ, XK, XV, eta, token_idx, ln_weight, ln_bias, W1, b1, W2, b2, mini_batch_size,
+                             None, output_final_state, mini_batch_resets)
     if cu_seqlens is not None and backend == "triton" and has_triton_backend("mlp") and XQ.shape[2] > 0:
         # one launch of each kernel over the packed batch (T = 0: the per-sequence path below)
         _check_packed("ttt_mlp", XQ, cu_seqlens, {"W1": W1, "b1": b1, "W2": W2, "b2": b2}, initial_state)

@@ -106,10 +106,24 @@ def _close_mini_batch(st: TTTState, keys, tau_last: torch.Tensor, full: bool) ->
 
 
 def scan_mini_batches(segment: Callable, st: TTTState, keys, xs: List[torch.Tensor],
-                      token_idx: torch.Tensor, mini_batch_size: int):
+                      token_idx: torch.Tensor, mini_batch_size: int,
+                      resets: Optional[torch.Tensor] = None):
     """Split the time axis (dim 2 of every tensor in xs) at mini-batch boundaries, counting from
-    st["pos"], and run ``segment(st, *xs_seg, tau_seg)`` on each piece in order."""
+    st["pos"], and run ``segment(st, *xs_seg, tau_seg)`` on each piece in order.
+
+    ``resets`` [B, ⌈T/b⌉] bool (only from pos 0): where True, mini-batch m of that row starts
+    from the scan's initial W_0 instead of the carried one (a new sequence starts there; masked
+    per row, the scan itself is one pass over the batch)."""
     T = xs[0].shape[2]
+    W0 = None
+    if resets is not None:
+        if st["pos"] != 0:
+            raise ValueError("scan_mini_batches: resets need a scan that starts at a mini-batch boundary (pos 0)")
+        n_mb = -(-T // mini_batch_size)
+        if tuple(resets.shape) != (xs[0].shape[0], n_mb) or resets.dtype != torch.bool:
+            raise ValueError(f"scan_mini_batches: resets must be bool [B, ceil(T/b)] = "
+                             f"{(xs[0].shape[0], n_mb)}, got {resets.dtype} {tuple(resets.shape)}")
+        W0 = {k: st[k] for k in keys}
     # the pieces' lengths: the rest of the current mini-batch, then whole ones, then the tail.
     # Each input is split once (one autograd node whose backward concatenates the pieces'
     # gradients), not sliced per piece: a slice's backward writes a zero-filled gradient of the
@@ -123,6 +137,11 @@ def scan_mini_batches(segment: Callable, st: TTTState, keys, xs: List[torch.Tens
     outs = []
     for i, n in enumerate(sizes):
         p = st["pos"]
+        if W0 is not None and i > 0:   # pos is 0 here: piece i is mini-batch i
+            r = resets[:, i]
+            st = dict(st)
+            for k in keys:
+                st[k] = torch.where(r.view(-1, *[1] * (st[k].dim() - 1)), W0[k], st[k])
         o, st = segment(st, *[xp[i] for xp in pieces], token_idx[p:p + n])
         full = p + n == mini_batch_size
         st["pos"] = p + n
@@ -210,7 +229,7 @@ def _mlp_segment_primal(ln_w, ln_b):
 
 # ---- entry points ---------------------------------------------------------------------------
 def _run(kind: str, form: str, XQ, XK, XV, eta, token_idx, ln_weight, ln_bias, weights,
-         mini_batch_size, initial_state, output_final_state):
+         mini_batch_size, initial_state, output_final_state, resets=None):
     dt = acc_dtype(XQ.dtype)
     B, H, T, d = XQ.shape
     keys = LINEAR_KEYS if kind == "linear" else MLP_KEYS
@@ -221,20 +240,20 @@ def _run(kind: str, form: str, XQ, XK, XV, eta, token_idx, ln_weight, ln_bias, w
             ("linear", "primal"): _linear_segment_primal, ("mlp", "primal"): _mlp_segment_primal}
     seg = make[(kind, form)](ln_w, ln_b)
     out, st = scan_mini_batches(seg, st, keys, [XQ.to(dt), XK.to(dt), XV.to(dt), eta.to(dt)],
-                                token_idx.to(dt), mini_batch_size)
+                                token_idx.to(dt), mini_batch_size, resets)
     return out.to(XQ.dtype), (st if output_final_state else None)
 
 
 def ttt_linear_chunk(XQ, XK, XV, eta, token_idx, ln_weight, ln_bias, W1, b1, mini_batch_size=16,
-                     initial_state=None, output_final_state=False) -> Tuple[torch.Tensor, Optional[TTTState]]:
+                     initial_state=None, output_final_state=False, resets=None) -> Tuple[torch.Tensor, Optional[TTTState]]:
     return _run("linear", "dual", XQ, XK, XV, eta, token_idx, ln_weight, ln_bias, {"W1": W1, "b1": b1},
-                mini_batch_size, initial_state, output_final_state)
+                mini_batch_size, initial_state, output_final_state, resets)
 
 
 def ttt_mlp_chunk(XQ, XK, XV, eta, token_idx, ln_weight, ln_bias, W1, b1, W2, b2, mini_batch_size=16,
-                  initial_state=None, output_final_state=False) -> Tuple[torch.Tensor, Optional[TTTState]]:
+                  initial_state=None, output_final_state=False, resets=None) -> Tuple[torch.Tensor, Optional[TTTState]]:
     return _run("mlp", "dual", XQ, XK, XV, eta, token_idx, ln_weight, ln_bias,
-                {"W1": W1, "b1": b1, "W2": W2, "b2": b2}, mini_batch_size, initial_state, output_final_state)
+                {"W1": W1, "b1": b1, "W2": W2, "b2": b2}, mini_batch_size, initial_state, output_final_state, resets)
 
 
 def ttt_linear_primal(XQ, XK, XV, eta, token_idx, ln_weight, ln_bias, W1, b1, mini_batch_size=16,

@@ -123,6 +123,33 @@ class DocLayout:
         end = torch.full((1,), B * T, dtype=begins.dtype, device=begins.device)
         return torch.cat([begins, end]).to(torch.int32)
 
+    def aligned(self, C: int) -> AlignedDocs:
+        """The chunk-aligned view for chunk size C (``AlignedDocs``), built once per batch and C
+        (one host read: its length T′ ≤ T + (documents in a row) · (C − 1))."""
+        key = ("aligned", C)
+        if key in self.cache:
+            return self.cache[key]
+        B, T = self.shape
+        dev = self.starts.device
+        d = self.doc_index.flatten()
+        off = self.offset.flatten()
+        lens = torch.zeros(self.n_docs, dtype=torch.long, device=dev).scatter_reduce(0, d, off + 1, "amax")
+        plen = (lens + C - 1) // C * C
+        begin = plen.cumsum(0) - plen                      # each document's start, rows laid end to end
+        row_base = begin[self.doc_index[:, 0]]             # [B]
+        row_len = begin[self.doc_index[:, -1]] + plen[self.doc_index[:, -1]] - row_base
+        Tp = int(row_len.max())
+        row = torch.arange(B, device=dev).repeat_interleave(T)
+        doc_begin = begin[d] - row_base[row]               # in its row of the aligned view
+        dest = row * Tp + doc_begin + off
+        big = torch.iinfo(torch.long).max // 2
+        offset = torch.full((B * Tp,), big, dtype=torch.long, device=dev).index_copy(0, dest, off)
+        n_mb = Tp // C
+        resets = torch.zeros(B * n_mb, dtype=torch.bool, device=dev).index_fill(0, row * n_mb + doc_begin // C, True)
+        out = AlignedDocs(dest, offset.view(B, Tp), resets.view(B, n_mb), Tp)
+        self.cache[key] = out
+        return out
+
     def _dest(self) -> torch.Tensor:
         """[B·T]: each token's flat index in the padded [N · L] view."""
         return (self.doc_index * self.max_len + self.offset).flatten()
@@ -142,19 +169,51 @@ class DocLayout:
         return flat.index_select(0, self._dest()).view(B, T, *y.shape[2:])
 
 
-def doc_conv(conv, x: torch.Tensor, docs: DocLayout) -> torch.Tensor:
-    """A ``CausalConv1d`` over x [B, T, C] restarted at each document start, from zero history:
-    y_t = b + Σ_{j<w, j ≤ offset_t} W_j ⊙ x_{t−j} (the taps that would read the previous document
-    are masked, not sliced), the same as the convolution of each document alone."""
-    w = conv.width
-    weight = conv.conv.weight[:, 0, :]                  # [C, w]; tap j (x_{t−j}) is weight[:, w−1−j]
-    y = conv.conv.bias.to(x.dtype).expand_as(x) if conv.conv.bias is not None else torch.zeros_like(x)
+def masked_conv(conv: torch.nn.Conv1d, x: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    """A depthwise causal ``nn.Conv1d`` (weight [C, 1, w], y_t = b + Σ_j weight[:, j] x_{t−w+1+j})
+    over x [B, T, C] restarted at each document start, from zero history: y_t = b + Σ_{j<w,
+    j ≤ offset_t} W_j ⊙ x_{t−j}, ``offset`` [B, T] the token's index in its document (the taps
+    that would read the previous document are masked, not sliced): the convolution of each
+    document alone."""
+    w = conv.kernel_size[0]
+    weight = conv.weight[:, 0, :]                       # [C, w]; tap j (x_{t−j}) is weight[:, w−1−j]
+    y = conv.bias.to(x.dtype).expand_as(x) if conv.bias is not None else torch.zeros_like(x)
     T = x.shape[1]
     for j in range(min(w, T)):
         xs = x if j == 0 else torch.nn.functional.pad(x[:, :T - j], (0, 0, j, 0))
-        keep = (docs.offset >= j).unsqueeze(-1).to(x.dtype)
+        keep = (offset >= j).unsqueeze(-1).to(x.dtype)
         y = y + weight[:, w - 1 - j].to(x.dtype) * xs * keep
     return y
 
 
-__all__ = ["DocLayout", "check_positions", "doc_conv"]
+def doc_conv(conv, x: torch.Tensor, docs: DocLayout) -> torch.Tensor:
+    """A ``CausalConv1d`` over the packed rows x [B, T, C], restarted at each document start
+    (``masked_conv``)."""
+    return masked_conv(conv.conv, x, docs.offset)
+
+
+@dataclass
+class AlignedDocs:
+    """The documents of a batch laid out so that each starts at a multiple of C, each in its own
+    row and order, followed by zeros up to the next multiple (``DocLayout.aligned``): [B, T′]
+    with T′ the longest such row. ``offset`` [B, T′]: a token's index in its document (a large
+    value on padding, whose outputs are dropped); ``resets`` [B, T′/C] bool: chunk m starts a
+    document."""
+    dest: torch.Tensor     # [B·T]: each token's flat index in [B · T′]
+    offset: torch.Tensor   # [B, T′]
+    resets: torch.Tensor   # [B, T′ / C]
+    length: int            # T′
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        B, T = x.shape[:2]
+        flat = x.reshape(B * T, *x.shape[2:])
+        out = flat.new_zeros(B * self.length, *x.shape[2:]).index_copy(0, self.dest, flat)
+        return out.view(B, self.length, *x.shape[2:])
+
+    def unpad(self, y: torch.Tensor) -> torch.Tensor:
+        B = y.shape[0]
+        flat = y.reshape(B * self.length, *y.shape[2:]).index_select(0, self.dest)
+        return flat.view(B, -1, *y.shape[2:])
+
+
+__all__ = ["AlignedDocs", "DocLayout", "check_positions", "doc_conv", "masked_conv"]

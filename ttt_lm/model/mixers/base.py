@@ -273,6 +273,12 @@ class Mixer(nn.Module, metaclass=abc.ABCMeta):
             raise ValueError("document resets (docs) cannot be combined with a carried or returned state")
         if self.handles_docs:
             return form(x, None, False, docs=docs, **kw)
+        return self.run_padded(form, x, docs, **kw)
+
+    @staticmethod
+    def run_padded(form, x: torch.Tensor, docs, **kw) -> Tuple[torch.Tensor, None]:
+        """``form`` once on the padded view of packed rows (``docs.pad``: one document per row from
+        the initial state), its output put back in the packed layout."""
         y, _ = form(docs.pad(x), None, False, **{k: docs.pad(v) for k, v in kw.items()})
         return docs.unpad(y), None
 

@@ -87,6 +87,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.ttt import has_triton_backend, ttt_linear, ttt_mlp
+from ttt_lm.model.backend import Backend
+from ttt_lm.model.docs import masked_conv
 from ttt_lm.model.layers import acc, apply_rope, rope_cos_sin
 from ttt_lm.model.mixers.base import Mixer, MixerState, TPPlan
 from ttt_lm.model.registry import register_mixer
@@ -274,13 +276,18 @@ class _TTTBase(Mixer):
             self.conv_k.reset_parameters()
 
     # ---- stages ------------------------------------------------------------------------------
-    def inputs(self, x: torch.Tensor, state: Optional[TTTState] = None, output_state: bool = False):
+    def inputs(self, x: torch.Tensor, state: Optional[TTTState] = None, output_state: bool = False,
+               doc_offset: Optional[torch.Tensor] = None):
         """The op's arguments: XQ, XK, XV [B, H, T, d] (RoPE at positions mod b), η, τ, the inner
         LayerNorm's γ, β, the inner weights (the initial state when none is carried) and b; the
-        carry is the conv caches (share_qk)."""
+        carry is the conv caches (share_qk). ``doc_offset`` [B, T] (each token's index in its
+        document, no state): the convolutions restart at document starts (``masked_conv``)."""
         B, T, _ = x.shape
         conv_q = conv_k = None
-        if self.share_qk:
+        if self.share_qk and doc_offset is not None:
+            xq = self.q_proj(x)
+            XQ, XK = masked_conv(self.conv_q, xq, doc_offset), masked_conv(self.conv_k, xq, doc_offset)
+        elif self.share_qk:
             xq = self.q_proj(x)
             XQ, conv_q = _causal_conv(self.conv_q, xq, None if state is None else state.conv_q)
             XK, conv_k = _causal_conv(self.conv_k, xq, None if state is None else state.conv_k)
@@ -299,11 +306,13 @@ class _TTTBase(Mixer):
         return inp, (TTTState(conv_q=conv_q, conv_k=conv_k, pos=pos0 + T) if output_state else None)
 
     def op(self, inp, initial_state=None, output_final_state: bool = False, backend: str = "torch"):
-        """Mini-batch TTT: ``kernels.ttt.ttt_linear`` / ``ttt_mlp``."""
+        """Mini-batch TTT: ``kernels.ttt.ttt_linear`` / ``ttt_mlp`` (``inp["resets"]``: the
+        mini-batches that start a document, restarted from the initial weights in the scan)."""
         op = ttt_linear if self.kind == "linear" else ttt_mlp
+        kw = {"mini_batch_resets": inp["resets"]} if inp.get("resets") is not None else {}
         return op(inp["q"], inp["k"], inp["v"], inp["eta"], inp["tau"], inp["ln_weight"], inp["ln_bias"],
                   *inp["inner"], mini_batch_size=inp["mini_batch_size"], initial_state=initial_state,
-                  output_final_state=output_final_state, backend=backend)
+                  output_final_state=output_final_state, backend=backend, **kw)
 
     def output(self, z: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """o = o_proj(gate(post_norm(concat_heads(z))))."""
@@ -349,10 +358,30 @@ class _TTTBase(Mixer):
         return None if has_triton_backend(self.kind) else (f"kernels/ttt/{'chunk' if self.kind == 'linear' else 'mlp_chunk'}.py "
                                                           f"has no ttt_{self.kind}_triton")
 
-    def chunked(self, x, state=None, output_state=False):
-        return self._run(x, state, output_state, self._resolve_backend(x))
+    #: packed documents (``docs``): the PyTorch dual form lays the documents out at mini-batch
+    #: boundaries (``DocLayout.aligned``) and restarts W at each document's first mini-batch inside
+    #: its scan; the other backends run on the padded view (``Mixer.run_padded``)
+    handles_docs = True
 
-    def reference(self, x, state=None, output_state=False):
+    def _run_docs(self, x: torch.Tensor, docs, backend: str):
+        al = docs.aligned(self.mini_batch_size)
+        xa = al.pad(x)
+        inp, _ = self.inputs(xa, doc_offset=al.offset)
+        inp["resets"] = al.resets
+        z, _ = self.op(inp, backend=backend)
+        return al.unpad(self.output(z, xa)), None
+
+    def chunked(self, x, state=None, output_state=False, docs=None):
+        backend = self._resolve_backend(x)
+        if docs is not None:
+            if backend == Backend.TORCH:
+                return self._run_docs(x, docs, backend)
+            return self.run_padded(self.chunked, x, docs)
+        return self._run(x, state, output_state, backend)
+
+    def reference(self, x, state=None, output_state=False, docs=None):
+        if docs is not None:
+            return self.run_padded(self.reference, x, docs)
         return self._run(x, state, output_state, "reference")
 
     def step(self, x, state):
