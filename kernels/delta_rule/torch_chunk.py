@@ -40,15 +40,36 @@ def _acc(x: torch.Tensor) -> torch.Tensor:
     return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
 
 
+def reset_masks(resets: torch.Tensor, T: int, C: int, dtype):
+    """Masks of the chunked forms for state resets inside the scan (masks, not slices): a sequence
+    starts at every t with resets[b, t] (bool [B, T]), from a zero state. Per chunk n of C tokens
+    (the tail padded): ``same`` [B, 1, N, C, C]: tokens i and j are in one sequence; ``carry``
+    [B, 1, N, C, 1]: the state entering the chunk reaches token i (no start in the chunk up to i);
+    ``last`` [B, 1, N, C, 1]: token i is in the chunk's last sequence (it reaches the state leaving
+    the chunk); ``keep`` [B, 1, N, 1, 1]: no start in the chunk (the entering state survives it)."""
+    B = resets.shape[0]
+    r = F.pad(resets.to(torch.long), (0, (-T) % C))
+    N = r.shape[1] // C
+    seg = r.cumsum(1).view(B, N, C)                       # sequence index, running over the row
+    first = seg[..., :1] - r.view(B, N, C)[..., :1]        # the sequence entering the chunk
+    same = (seg[..., :, None] == seg[..., None, :]).to(dtype)[:, None]
+    carry = (seg == first).to(dtype)[:, None, ..., None]
+    last = (seg == seg[..., -1:]).to(dtype)[:, None, ..., None]
+    keep = (seg[..., -1:] == first).to(dtype)[:, None, ..., None]
+    return same, carry, last, keep
+
+
 def delta_rule_chunk_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
                            initial_state: Optional[torch.Tensor] = None, output_final_state: bool = False,
-                           chunk_size: int = 64) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+                           chunk_size: int = 64, resets: Optional[torch.Tensor] = None
+                           ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """q, k [B, H, T, d_k]; v [B, H, T, d_v]; beta [B, H, T] or [B, H, T, d_v] (per value
-    channel); initial_state [B, H, d_k, d_v]. Returns (o in v's dtype, final state or None)."""
+    channel); initial_state [B, H, d_k, d_v]; resets [B, T] bool (``reset_masks``). Returns (o in
+    v's dtype, final state or None)."""
     if check_delta_rule_inputs("delta_rule_chunk_torch", q, k, v, beta, initial_state, chunk_size):
         H, dv = k.shape[1], v.shape[-1]
         o, S = delta_rule_chunk_torch(*fold_channel_beta(q, k, v, beta, initial_state),
-                                      output_final_state, chunk_size)
+                                      output_final_state, chunk_size, resets)
         return unfold_channel_beta(o, S, H, dv)
     B, H, T, dk = k.shape
     dv = v.shape[-1]
@@ -79,6 +100,21 @@ def delta_rule_chunk_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, be
     S = (torch.zeros(B, H, dk, dv, dtype=k.dtype, device=k.device) if initial_state is None
          else _acc(initial_state).to(k.dtype))
     outs = []
+    if resets is not None:
+        same, carry, last, keep = reset_masks(resets, T, C, k.dtype)
+        # A and QK block-diagonal by document (A's inverse then is too); S reaches only the
+        # chunk's first document (carry), and the next chunk only from its last one (last, keep)
+        A = A * same
+        U = torch.linalg.solve_triangular(A, beta * v, upper=False, unitriangular=True)
+        W = torch.linalg.solve_triangular(A, beta * k * carry, upper=False, unitriangular=True)
+        QK = QK * same
+        q, k = q * carry, k * last
+        for q_n, k_n, U_n, W_n, QK_n, a_n in zip(*(t.unbind(2) for t in (q, k, U, W, QK, keep))):
+            v_new = U_n - W_n @ S
+            outs.append(q_n @ S + QK_n @ v_new)
+            S = a_n * S + k_n.transpose(-1, -2) @ v_new
+        o = torch.stack(outs, dim=2).reshape(B, H, N * C, dv)[:, :, :T]
+        return o.to(out_dtype), (S if output_final_state else None)
     # split once: slicing chunk n inside the loop would cost a full-size gradient per chunk
     for q_n, k_n, U_n, W_n, QK_n in zip(*(t.unbind(2) for t in (q, k, U, W, QK))):
         v_new = U_n - W_n @ S

@@ -30,6 +30,7 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from kernels.delta_rule.torch_chunk import reset_masks
 from kernels.gated_delta_rule.shapes import check_gated_delta_rule_inputs
 
 
@@ -39,10 +40,13 @@ def _acc(x: torch.Tensor) -> torch.Tensor:
 
 def gated_delta_rule_chunk_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                                  beta: torch.Tensor, initial_state: Optional[torch.Tensor] = None,
-                                 output_final_state: bool = False, chunk_size: int = 64
+                                 output_final_state: bool = False, chunk_size: int = 64,
+                                 resets: Optional[torch.Tensor] = None
                                  ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """q, k [B, H, T, d_k]; v [B, H, T, d_v]; g, beta [B, H, T]; initial_state [B, H, d_k, d_v].
-    Returns (o in v's dtype, final state in the accumulation dtype or None)."""
+    """q, k [B, H, T, d_k]; v [B, H, T, d_v]; g, beta [B, H, T]; initial_state [B, H, d_k, d_v];
+    resets [B, T] bool: a sequence starts there from a zero state (masks inside the scan:
+    ``kernels.delta_rule.torch_chunk.reset_masks``). Returns (o in v's dtype, final state in the
+    accumulation dtype or None)."""
     check_gated_delta_rule_inputs("gated_delta_rule_chunk_torch", q, k, v, g, beta, initial_state, chunk_size)
     B, H, T, dk = k.shape
     dv = v.shape[-1]
@@ -75,6 +79,17 @@ def gated_delta_rule_chunk_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     U = torch.linalg.solve_triangular(A, beta * v, upper=False, unitriangular=True)
     W = torch.linalg.solve_triangular(A, beta * eg * k, upper=False, unitriangular=True)
     QK = (q @ k.transpose(-1, -2)) * Gam
+    if resets is not None:
+        # Γ and the UT transform block-diagonal by sequence; the entering state reaches only the
+        # chunk's first sequence, the leaving one only the last; a start in the chunk drops S
+        same, carry, last, keep = reset_masks(resets, T, C, k.dtype)
+        Gam = Gam * same
+        A = (beta * (k @ k.transpose(-1, -2)) * Gam).masked_fill(~strict, 0.0) + torch.eye(C, dtype=k.dtype,
+                                                                                              device=k.device)
+        U = torch.linalg.solve_triangular(A, beta * v, upper=False, unitriangular=True)
+        W = torch.linalg.solve_triangular(A, beta * eg * carry * k, upper=False, unitriangular=True)
+        QK = (q @ k.transpose(-1, -2)) * Gam
+        eg, decay_end, chunk_decay = eg * carry, decay_end * last, chunk_decay * keep
     Qg = q * eg
     Kd = k * decay_end
 

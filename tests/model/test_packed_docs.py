@@ -99,31 +99,6 @@ def test_ttt_mamba_backbone_restarts(kind):
         assert rel(g[n], p.grad) <= 1e-9, n
 
 
-def test_ttt_scan_resets_restart_the_weights():
-    """The op's in-scan restarts: rows of [doc a | doc b] aligned at mini-batch boundaries give
-    each document's own outputs from W_0."""
-    from kernels.ttt import ttt_linear
-    torch.manual_seed(0)
-    B, H, d, b = 2, 2, 4, 4
-    T = 12
-    q, k, v = (torch.randn(B, H, T, d) for _ in range(3))
-    eta = torch.rand(B, H, T) * 0.1
-    tau = 1.0 / torch.arange(1, b + 1)
-    lw, lb = torch.ones(H, d), torch.zeros(H, d)
-    W1, b1 = torch.randn(H, d, d) * 0.1, torch.zeros(H, 1, d)
-    resets = torch.tensor([[True, False, True], [True, True, False]])
-    out, _ = ttt_linear(q, k, v, eta, tau, lw, lb, W1, b1, b, mini_batch_resets=resets)
-    for r, cut in ((0, 8), (1, 4)):
-        for a, e in ((0, cut), (cut, T)):
-            ref, _ = ttt_linear(q[r:r + 1, :, a:e], k[r:r + 1, :, a:e], v[r:r + 1, :, a:e], eta[r:r + 1, :, a:e],
-                                tau, lw, lb, W1, b1, b)
-            torch.testing.assert_close(out[r:r + 1, :, a:e], ref, atol=1e-6, rtol=0)
-    with pytest.raises(ValueError, match="backend='torch'"):
-        ttt_linear(q, k, v, eta, tau, lw, lb, W1, b1, b, backend="reference", mini_batch_resets=resets)
-    with pytest.raises(ValueError, match=r"bool \[B, ceil\(T/b\)\]"):
-        ttt_linear(q, k, v, eta, tau, lw, lb, W1, b1, b, mini_batch_resets=resets[:, :2])
-
-
 def test_reference_forms_take_documents():
     """impl="reference" (the sequential forms) follows the same contract."""
     for kind in ("attention", "local_attention", "rglru", "ttt_linear"):

@@ -46,6 +46,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import delta_rule as _dr
+from kernels.delta_rule.torch_chunk import delta_rule_chunk_torch
+from ttt_lm.model.backend import Backend
+from ttt_lm.model.docs import doc_conv
 from ttt_lm.model.layers import CausalConv1d, RMSNorm
 from ttt_lm.model.mixers.base import Mixer, MixerState, TPPlan
 from ttt_lm.model.registry import register_mixer
@@ -130,22 +133,34 @@ class DeltaNet(Mixer):
         qkv = torch.cat([self.q_proj(x_before), self.k_proj(x_before), self.v_proj(x_before)], -1)
         return DeltaNetState(conv=self.conv.cache_from(qkv, valid), pos=start)
 
-    def inputs(self, x: torch.Tensor, state=None, output_state: bool = False):
+    def inputs(self, x: torch.Tensor, state=None, output_state: bool = False, docs=None):
         """φ(q), φ(k), v as [B, H, T, ·] and β [B, H, T] (``delta_rule``'s arguments); the carry is
-        the conv cache."""
+        the conv cache. ``docs`` (packed documents, no state): the conv restarts at each document
+        start and the op's ``resets`` are the starts."""
         B, T, _ = x.shape
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         cache = None
-        if self.conv is not None:
+        if self.conv is not None and docs is not None:
+            qkv = doc_conv(self.conv, qkv, docs)
+        elif self.conv is not None:
             qkv, cache = self.conv(qkv, None if state is None else state.conv, output_cache=True)
         q, k, v = (t.view(B, T, self.n_heads, self.hd).transpose(1, 2) for t in qkv.chunk(3, dim=-1))
         beta = torch.sigmoid(self.b_proj(x)).transpose(1, 2)
         pos0 = 0 if state is None else int(state.pos)
         carry = DeltaNetState(conv=cache, pos=pos0 + T) if output_state else None
-        return {"q": self._phi(q), "k": self._phi(k), "v": F.silu(v), "beta": beta, "chunk_size": self.chunk_size}, carry
+        inp = {"q": self._phi(q), "k": self._phi(k), "v": F.silu(v), "beta": beta, "chunk_size": self.chunk_size}
+        if docs is not None:
+            inp["resets"] = docs.starts
+        return inp, carry
 
     def op(self, inp, initial_state=None, output_final_state: bool = False, backend: str = "torch"):
-        """The delta rule, ``kernels.delta_rule``."""
+        """The delta rule, ``kernels.delta_rule``; with ``inp["resets"]`` (document starts) its
+        PyTorch chunked form with the resets inside the scan."""
+        if inp.get("resets") is not None:
+            if backend != Backend.TORCH:
+                raise ValueError(f"DeltaNet: document resets run in the PyTorch chunked form, not {backend!r}")
+            return delta_rule_chunk_torch(inp["q"], inp["k"], inp["v"], inp["beta"], initial_state,
+                                          output_final_state, inp["chunk_size"], inp["resets"])
         return _dr.delta_rule(inp["q"], inp["k"], inp["v"], inp["beta"], initial_state=initial_state,
                               output_final_state=output_final_state, backend=backend, chunk_size=inp["chunk_size"])
 
@@ -154,20 +169,29 @@ class DeltaNet(Mixer):
         y = self.o_norm(y.to(x.dtype)).transpose(1, 2).reshape(B, T, H * D)
         return self.o_proj(y)
 
-    def _run(self, x, state, output_state, backend):
-        inp, carry = self.inputs(x, state, output_state)
+    def _run(self, x, state, output_state, backend, docs=None):
+        inp, carry = self.inputs(x, state, output_state, docs)
         y, S = self.op(inp, None if state is None else state.S, output_state, backend)
         return self.output(y, x), (replace(carry, S=S) if output_state else None)
 
     # ---- forms -------------------------------------------------------------------------------
-    def reference(self, x, state=None, output_state=False):
+    #: packed documents: the PyTorch chunked form resets inside its scan (``reset_masks``) and the
+    #: conv is masked; the reference and Triton forms run on the padded view
+    handles_docs = True
+
+    def reference(self, x, state=None, output_state=False, docs=None):
+        if docs is not None:
+            return self.run_padded(self.reference, x, docs)
         return self._run(x, state, output_state, "reference")
 
     def triton_unavailable(self):
         return None if "triton" in _dr.BACKENDS else f"kernels.delta_rule has only {list(_dr.BACKENDS)}"
 
-    def chunked(self, x, state=None, output_state=False):
-        return self._run(x, state, output_state, self._resolve_backend(x))
+    def chunked(self, x, state=None, output_state=False, docs=None):
+        backend = self._resolve_backend(x)
+        if docs is not None and backend != Backend.TORCH:
+            return self.run_padded(self.chunked, x, docs)
+        return self._run(x, state, output_state, backend, docs)
 
     def step(self, x, state):
         return self._run(x, state, True, "reference")

@@ -52,6 +52,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import gated_delta_rule as _gdr
+from kernels.gated_delta_rule.torch_chunk import gated_delta_rule_chunk_torch
+from ttt_lm.model.backend import Backend
+from ttt_lm.model.docs import doc_conv
 from ttt_lm.model.layers import CausalConv1d, RMSNorm, acc
 from ttt_lm.model.mixers.base import Mixer, MixerState, TPPlan
 from ttt_lm.model.registry import register_mixer
@@ -169,20 +172,24 @@ class GatedDeltaNet(Mixer):
                                   conv_k=self.k_conv.cache_from(self.k_proj(x_before), valid),
                                   conv_v=self.v_conv.cache_from(self.v_proj(x_before), valid), pos=start)
 
-    def _conv(self, conv, x, cache):
+    def _conv(self, conv, x, cache, docs=None):
         if conv is None:
             return F.silu(x), None
+        if docs is not None:
+            return F.silu(doc_conv(conv, x, docs)), None
         y, new = conv(x, cache, output_cache=True)
         return F.silu(y), new
 
-    def inputs(self, x: torch.Tensor, state=None, output_state: bool = False):
+    def inputs(self, x: torch.Tensor, state=None, output_state: bool = False, docs=None):
         """q (normalized, scaled by d_k^−1/2), k (normalized), v as [B, H, T, ·], g (log decay)
-        and β [B, H, T]: ``gated_delta_rule``'s arguments; the carry is the conv caches."""
+        and β [B, H, T]: ``gated_delta_rule``'s arguments; the carry is the conv caches. ``docs``
+        (packed documents, no state): the convs restart at each document start and the op's
+        ``resets`` are the starts."""
         B, T, _ = x.shape
         st = state if state is not None else GatedDeltaNetState()
-        q, cq = self._conv(self.q_conv, self.q_proj(x), st.conv_q)
-        k, ck = self._conv(self.k_conv, self.k_proj(x), st.conv_k)
-        v, cv = self._conv(self.v_conv, self.v_proj(x), st.conv_v)
+        q, cq = self._conv(self.q_conv, self.q_proj(x), st.conv_q, docs)
+        k, ck = self._conv(self.k_conv, self.k_proj(x), st.conv_k, docs)
+        v, cv = self._conv(self.v_conv, self.v_proj(x), st.conv_v, docs)
         heads = lambda t, d: t.view(B, T, self.n_heads, d).transpose(1, 2)
         q = l2norm(heads(q, self.dk)) * self.dk ** -0.5
         k = l2norm(heads(k, self.dk))
@@ -191,12 +198,21 @@ class GatedDeltaNet(Mixer):
         beta = torch.sigmoid(acc(self.b_proj(x)))
         pos0 = 0 if state is None else int(state.pos)
         carry = GatedDeltaNetState(conv_q=cq, conv_k=ck, conv_v=cv, pos=pos0 + T) if output_state else None
-        return {"q": q, "k": k, "v": v, "g": g.transpose(1, 2), "beta": beta.transpose(1, 2),
-                "chunk_size": self.chunk_size}, carry
+        inp = {"q": q, "k": k, "v": v, "g": g.transpose(1, 2), "beta": beta.transpose(1, 2),
+               "chunk_size": self.chunk_size}
+        if docs is not None:
+            inp["resets"] = docs.starts
+        return inp, carry
 
     def op(self, inp, initial_state=None, output_final_state: bool = False, backend: str = "torch"):
         """The gated delta rule, ``kernels.gated_delta_rule`` (g ≤ 0 and β ∈ (0, 1) hold by
-        construction, so their values are not re-checked)."""
+        construction, so their values are not re-checked); with ``inp["resets"]`` (document starts)
+        its PyTorch chunked form with the resets inside the scan."""
+        if inp.get("resets") is not None:
+            if backend != Backend.TORCH:
+                raise ValueError(f"Gated DeltaNet: document resets run in the PyTorch chunked form, not {backend!r}")
+            return gated_delta_rule_chunk_torch(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], initial_state,
+                                                output_final_state, inp["chunk_size"], inp["resets"])
         return _gdr.gated_delta_rule_trusted(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"],
                                              initial_state=initial_state, output_final_state=output_final_state,
                                              backend=backend, chunk_size=inp["chunk_size"])
@@ -206,13 +222,19 @@ class GatedDeltaNet(Mixer):
         y = self.o_norm(y.transpose(1, 2).to(x.dtype)).reshape(B, T, H * D)
         return self.o_proj(y * F.silu(self.g_proj(x)))
 
-    def _run(self, x, state, output_state, backend):
-        inp, carry = self.inputs(x, state, output_state)
+    def _run(self, x, state, output_state, backend, docs=None):
+        inp, carry = self.inputs(x, state, output_state, docs)
         y, S = self.op(inp, None if state is None else state.S, output_state, backend)
         return self.output(y, x), (replace(carry, S=S) if output_state else None)
 
     # ---- forms -------------------------------------------------------------------------------
-    def reference(self, x, state=None, output_state=False):
+    #: packed documents: the PyTorch chunked form resets inside its scan and the convs are
+    #: masked; the reference and Triton forms run on the padded view
+    handles_docs = True
+
+    def reference(self, x, state=None, output_state=False, docs=None):
+        if docs is not None:
+            return self.run_padded(self.reference, x, docs)
         return self._run(x, state, output_state, "reference")
 
     def triton_unavailable(self):
@@ -224,8 +246,11 @@ class GatedDeltaNet(Mixer):
                     f"d_v = {self.dv}")
         return None
 
-    def chunked(self, x, state=None, output_state=False):
-        return self._run(x, state, output_state, self._resolve_backend(x))
+    def chunked(self, x, state=None, output_state=False, docs=None):
+        backend = self._resolve_backend(x)
+        if docs is not None and backend != Backend.TORCH:
+            return self.run_padded(self.chunked, x, docs)
+        return self._run(x, state, output_state, backend, docs)
 
     def step(self, x, state):
         return self._run(x, state, True, "reference")

@@ -1,0 +1,90 @@
+"""State resets inside the PyTorch chunked scans (masks, not slices): a row holding several
+sequences, with ``resets`` True at each one's first token, gives each sequence's own outputs and
+gradients, as if it ran alone from a zero state. float64, so that 1e-10 checks exactness (the
+masks change only which terms are summed)."""
+import pytest
+import torch
+
+from kernels.delta_rule.torch_chunk import delta_rule_chunk_torch
+from kernels.gated_delta_rule.torch_chunk import gated_delta_rule_chunk_torch
+
+B, H, T, DK, DV = 2, 2, 23, 4, 3
+CUTS = [[0, 3, 4, 11, 20], [0, 1, 9, 10]]   # sequences of 1 token, shorter than a chunk, across chunks
+
+
+def _inputs(channel_beta=False):
+    g = torch.Generator().manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)
+    q = r(B, H, T, DK)
+    k = torch.nn.functional.normalize(r(B, H, T, DK), dim=-1)
+    v = r(B, H, T, DV)
+    beta = torch.rand(B, H, T, *((DV,) if channel_beta else ()), generator=g, dtype=torch.float64)
+    gate = -torch.rand(B, H, T, generator=g, dtype=torch.float64)
+    resets = torch.zeros(B, T, dtype=torch.bool)
+    for b, c in enumerate(CUTS):
+        resets[b, c] = True
+    return [t.requires_grad_() for t in (q, k, v, beta, gate)], resets
+
+
+def _pieces():
+    for b, c in enumerate(CUTS):
+        for a, e in zip(c, c[1:] + [T]):
+            yield b, a, e
+
+
+def _check(run, tensors, resets):
+    w = torch.randn(B, H, T, DV, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    out = run(*tensors, resets=resets)
+    grads = torch.autograd.grad((out * w).sum(), tensors)
+    ref = torch.zeros_like(out)
+    ref_grads = [torch.zeros_like(t) for t in tensors]
+    for b, a, e in _pieces():
+        piece = [t[b:b + 1, :, a:e].detach().requires_grad_() for t in tensors]
+        o = run(*piece, resets=None)
+        ref[b:b + 1, :, a:e] = o.detach()
+        for rg, gp in zip(ref_grads, torch.autograd.grad((o * w[b:b + 1, :, a:e]).sum(), piece)):
+            rg[b:b + 1, :, a:e] = gp
+    torch.testing.assert_close(out, ref, atol=1e-10, rtol=0)
+    for g, rg in zip(grads, ref_grads):
+        torch.testing.assert_close(g, rg, atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("chunk", [4, 5, 64])
+@pytest.mark.parametrize("channel_beta", [False, True])
+def test_delta_rule_resets(chunk, channel_beta):
+    (q, k, v, beta, _), resets = _inputs(channel_beta)
+    _check(lambda q, k, v, beta, resets: delta_rule_chunk_torch(q, k, v, beta, chunk_size=chunk, resets=resets)[0],
+           [q, k, v, beta], resets)
+
+
+@pytest.mark.parametrize("chunk", [4, 5, 64])
+def test_gated_delta_rule_resets(chunk):
+    (q, k, v, beta, gate), resets = _inputs()
+    _check(lambda q, k, v, g, beta, resets: gated_delta_rule_chunk_torch(q, k, v, g, beta, chunk_size=chunk,
+                                                                        resets=resets)[0],
+           [q, k, v, gate, beta], resets)
+
+
+def test_ttt_mini_batch_resets_restart_the_weights():
+    """TTT's in-scan restarts: rows of [doc a | doc b] aligned at mini-batch boundaries give each
+    document's own outputs from W_0."""
+    from kernels.ttt import ttt_linear
+    torch.manual_seed(0)
+    B, H, d, b = 2, 2, 4, 4
+    T = 12
+    q, k, v = (torch.randn(B, H, T, d) for _ in range(3))
+    eta = torch.rand(B, H, T) * 0.1
+    tau = 1.0 / torch.arange(1, b + 1)
+    lw, lb = torch.ones(H, d), torch.zeros(H, d)
+    W1, b1 = torch.randn(H, d, d) * 0.1, torch.zeros(H, 1, d)
+    resets = torch.tensor([[True, False, True], [True, True, False]])
+    out, _ = ttt_linear(q, k, v, eta, tau, lw, lb, W1, b1, b, mini_batch_resets=resets)
+    for r, cut in ((0, 8), (1, 4)):
+        for a, e in ((0, cut), (cut, T)):
+            ref, _ = ttt_linear(q[r:r + 1, :, a:e], k[r:r + 1, :, a:e], v[r:r + 1, :, a:e], eta[r:r + 1, :, a:e],
+                                tau, lw, lb, W1, b1, b)
+            torch.testing.assert_close(out[r:r + 1, :, a:e], ref, atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="backend='torch'"):
+        ttt_linear(q, k, v, eta, tau, lw, lb, W1, b1, b, backend="reference", mini_batch_resets=resets)
+    with pytest.raises(ValueError, match=r"bool \[B, ceil\(T/b\)\]"):
+        ttt_linear(q, k, v, eta, tau, lw, lb, W1, b1, b, mini_batch_resets=resets[:, :2])
