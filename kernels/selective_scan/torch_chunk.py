@@ -33,9 +33,14 @@ import torch
 from kernels.selective_scan.reference import acc_dtype, discretize, finish
 
 
-def _chunk_terms(Delta, x, A, B):
-    """Ā = exp(Δ A) and Δ x B for one chunk: [Bt, l, Di, N] each."""
-    return torch.exp(Delta[..., None] * A), (Delta * x)[..., None] * B[:, :, None, :]
+def _chunk_terms(Delta, x, A, B, keep=None):
+    """Ā = exp(Δ A) and Δ x B for one chunk: [Bt, l, Di, N] each. ``keep`` [Bt, l] (0 where a
+    sequence starts): Ā_t ← keep_t Ā_t, so h_{t−1} does not reach h_t there (a constant mask:
+    every gradient through Ā is masked alike)."""
+    abar = torch.exp(Delta[..., None] * A)
+    if keep is not None:
+        abar = abar * keep[:, :, None, None]
+    return abar, (Delta * x)[..., None] * B[:, :, None, :]
 
 
 def _scan_chunk(abar, bx, h, hs):
@@ -49,7 +54,7 @@ class _SelectiveScan(torch.autograd.Function):
     """(x, Δ, A, B, C, h0) → (y = Σ_n C h, h_{T−1}); Δ in the accumulation dtype."""
 
     @staticmethod
-    def forward(ctx, x, Delta, A, B, C, h0, L):
+    def forward(ctx, x, Delta, A, B, C, h0, L, keep=None):
         dt = Delta.dtype
         Bt, T, Di = x.shape
         N = A.shape[1]
@@ -62,11 +67,13 @@ class _SelectiveScan(torch.autograd.Function):
         for c in range(n):
             s0, s1 = c * L, min(T, (c + 1) * L)
             starts[c] = h
-            abar, bx = _chunk_terms(Delta[:, s0:s1], xa[:, s0:s1], Aa, Ba[:, s0:s1])
+            abar, bx = _chunk_terms(Delta[:, s0:s1], xa[:, s0:s1], Aa, Ba[:, s0:s1],
+                                    None if keep is None else keep[:, s0:s1])
             hs = hs_buf[:, :s1 - s0]
             h = _scan_chunk(abar, bx, h, hs).clone()
             y[:, s0:s1] = torch.einsum("bldn,bln->bld", hs, Ca[:, s0:s1])
         ctx.save_for_backward(x, Delta, A, B, C, starts)
+        ctx.keep = keep
         ctx.L, ctx.h0_dtype = L, (h0.dtype if h0 is not None else None)
         return y, h
 
@@ -91,7 +98,7 @@ class _SelectiveScan(torch.autograd.Function):
             s0, s1 = c * L, min(T, (c + 1) * L)
             l = s1 - s0
             Dc, xc, Bc, Cc, gc = Delta[:, s0:s1], xa[:, s0:s1], Ba[:, s0:s1], Ca[:, s0:s1], gy[:, s0:s1]
-            abar, bx = _chunk_terms(Dc, xc, Aa, Bc)
+            abar, bx = _chunk_terms(Dc, xc, Aa, Bc, None if ctx.keep is None else ctx.keep[:, s0:s1])
             hx = hs_buf[:, :l + 1]
             hx[:, 0] = starts[c]
             _scan_chunk(abar, bx, starts[c], hx[:, 1:])
@@ -109,12 +116,14 @@ class _SelectiveScan(torch.autograd.Function):
             dB[:, s0:s1] = torch.einsum("bldn,bld->bln", dh, Dc * xc)
             dC[:, s0:s1] = torch.einsum("bldn,bld->bln", hs, gc)
         dh0 = carry.to(ctx.h0_dtype) if ctx.h0_dtype is not None else None
-        return dx.to(x.dtype), dDelta, dA.to(A.dtype), dB.to(B.dtype), dC.to(C.dtype), dh0, None
+        return dx.to(x.dtype), dDelta, dA.to(A.dtype), dB.to(B.dtype), dC.to(C.dtype), dh0, None, None
 
 
 def selective_scan_chunk(x, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
-                         initial_state=None, output_final_state=False, chunk_size: int = 64
-                         ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+                         initial_state=None, output_final_state=False, chunk_size: int = 64,
+                         resets: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``resets`` [Bt, T] bool: a sequence starts there from a zero state (Ā_t masked to 0 inside
+    the scan), so a row of packed sequences gives each one's own outputs."""
     dt = acc_dtype(x.dtype)
     Bt, T, Di = x.shape
     N = A.shape[1]
@@ -123,5 +132,6 @@ def selective_scan_chunk(x, delta, A, B, C, D=None, z=None, delta_bias=None, del
         h = (torch.zeros(Bt, Di, N, dtype=dt, device=x.device) if initial_state is None
              else initial_state.to(dt))
         return x.new_zeros(Bt, 0, Di), (h if output_final_state else None)
-    y, h = _SelectiveScan.apply(x, Delta, A, B, C, initial_state, max(1, int(chunk_size)))
+    keep = None if resets is None else (~resets.to(torch.bool)).to(dt)
+    y, h = _SelectiveScan.apply(x, Delta, A, B, C, initial_state, max(1, int(chunk_size)), keep)
     return finish(y, x, D, z), (h if output_final_state else None)

@@ -88,3 +88,32 @@ def test_ttt_mini_batch_resets_restart_the_weights():
         ttt_linear(q, k, v, eta, tau, lw, lb, W1, b1, b, backend="reference", mini_batch_resets=resets)
     with pytest.raises(ValueError, match=r"bool \[B, ceil\(T/b\)\]"):
         ttt_linear(q, k, v, eta, tau, lw, lb, W1, b1, b, mini_batch_resets=resets[:, :2])
+
+
+@pytest.mark.parametrize("chunk", [4, 64])
+def test_selective_scan_resets(chunk):
+    """Mamba's scan with Ā_t = 0 at each start (its hand-written backward included)."""
+    from kernels.selective_scan.torch_chunk import selective_scan_chunk
+    g = torch.Generator().manual_seed(0)
+    Di, N = 3, 4
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)
+    x, delta, Bm, Cm, z = r(B, T, Di), r(B, T, Di), r(B, T, N), r(B, T, N), r(B, T, Di)
+    A, D = -torch.rand(Di, N, generator=g, dtype=torch.float64), r(Di)
+    tensors = [t.requires_grad_() for t in (x, delta, Bm, Cm, z)]
+    resets = torch.zeros(B, T, dtype=torch.bool)
+    for b, c in enumerate(CUTS):
+        resets[b, c] = True
+    w = r(B, T, Di)
+
+    def run(x, delta, Bm, Cm, z, resets):
+        return selective_scan_chunk(x, delta, A, Bm, Cm, D, z, delta_softplus=True, chunk_size=chunk,
+                                    resets=resets)[0]
+
+    out = run(*tensors, resets)
+    grads = torch.autograd.grad((out * w).sum(), tensors)
+    for b, a, e in _pieces():
+        piece = [t[b:b + 1, a:e].detach().requires_grad_() for t in tensors]
+        o = run(*piece, None)
+        torch.testing.assert_close(out[b:b + 1, a:e], o, atol=1e-10, rtol=0)
+        for gr, gp in zip(grads, torch.autograd.grad((o * w[b:b + 1, a:e]).sum(), piece)):
+            torch.testing.assert_close(gr[b:b + 1, a:e], gp, atol=1e-10, rtol=0)

@@ -99,6 +99,27 @@ def test_ttt_mamba_backbone_restarts(kind):
         assert rel(g[n], p.grad) <= 1e-9, n
 
 
+NATIVE = ["attention", "local_attention", "rglru", "ttt_linear", "ttt_mlp", "deltanet", "gated_deltanet", "mamba"]
+
+
+@pytest.mark.parametrize("kind", NATIVE)
+def test_cpu_path_resets_inside_the_packed_rows(kind, monkeypatch):
+    """On the PyTorch path these kinds never fall back to the padded view (one document per row):
+    resets are masks in their scans (TTT: on the mini-batch-aligned rows), attention a document
+    mask."""
+    from ttt_lm.model.mixers.base import Mixer
+
+    def refuse(*a, **k):
+        raise AssertionError("padded view used")
+    monkeypatch.setattr(Mixer, "run_padded", staticmethod(refuse))
+    m = tiny(kind, kernel_backend="torch")
+    docs, ids, pos = packed_batch(ROW_LENS)
+    with torch.no_grad():
+        packed = m(ids, position_ids=pos).logits
+        alone = torch.cat([torch.cat([m(d).logits for d in row], 1) for row in docs])
+    assert rel(packed, alone) <= 2e-4
+
+
 def test_reference_forms_take_documents():
     """impl="reference" (the sequential forms) follows the same contract."""
     for kind in ("attention", "local_attention", "rglru", "ttt_linear"):

@@ -33,6 +33,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.selective_scan import has_triton_backend, selective_scan
+from kernels.selective_scan.torch_chunk import selective_scan_chunk
+from ttt_lm.model.backend import Backend
+from ttt_lm.model.docs import doc_conv
 from ttt_lm.model.layers import CausalConv1d, acc
 from ttt_lm.model.mixers.base import Mixer, MixerState, TPPlan
 from ttt_lm.model.registry import register_mixer
@@ -112,12 +115,16 @@ class Mamba(Mixer):
     def context_state(self, u_before, valid, start: int) -> MambaState:
         return MambaState(conv=self.conv1d.cache_from(self.in_proj(u_before)[..., :self.d_inner], valid), pos=start)
 
-    def inputs(self, u: torch.Tensor, state=None, output_state: bool = False):
+    def inputs(self, u: torch.Tensor, state=None, output_state: bool = False, docs=None):
         """u → ``selective_scan``'s arguments: x, z, δ = W_Δ·(W_x x)_δ without bias (b_Δ enters
         inside the scan, before softplus), B_t, C_t, A = −exp(A_log), D; the carry is the conv
-        cache."""
+        cache. ``docs`` (packed documents, no state): the conv restarts at each document start and
+        the scan's ``resets`` are the starts."""
         x, z = self.in_proj(u).chunk(2, dim=-1)
-        x, conv_cache = self.conv1d(x, None if state is None else state.conv, output_state)
+        if docs is not None:
+            x, conv_cache = doc_conv(self.conv1d, x, docs), None
+        else:
+            x, conv_cache = self.conv1d(x, None if state is None else state.conv, output_state)
         x = F.silu(x)
         dbc = self.x_proj(x)
         delta, B_t, C_t = dbc.split([self.dt_rank, self.d_state, self.d_state], dim=-1)
@@ -125,30 +132,46 @@ class Mamba(Mixer):
         A = -torch.exp(acc(self.A_log))
         inp = dict(x=x, delta=delta, A=A, B=B_t, C=C_t, D=self.D, z=z, delta_bias=self.dt_proj.bias,
                    delta_softplus=True, chunk_size=self.chunk_size)
+        if docs is not None:
+            inp["resets"] = docs.starts
         pos0 = 0 if state is None else int(state.pos)
         return inp, (MambaState(conv=conv_cache, pos=pos0 + u.shape[1]) if output_state else None)
 
     def op(self, inp, initial_state=None, output_final_state: bool = False, backend: str = "torch"):
-        """The selective scan, ``kernels.selective_scan``."""
+        """The selective scan, ``kernels.selective_scan``; with ``inp["resets"]`` (document starts)
+        its PyTorch chunked form with Ā_t = 0 at each start."""
+        if inp.get("resets") is not None:
+            if backend != Backend.TORCH:
+                raise ValueError(f"Mamba: document resets run in the PyTorch chunked form, not {backend!r}")
+            return selective_scan_chunk(**inp, initial_state=initial_state, output_final_state=output_final_state)
         return selective_scan(**inp, initial_state=initial_state, output_final_state=output_final_state,
                               backend=backend)
 
     def output(self, y: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         return self.out_proj(y)
 
-    def _scan(self, u, state, output_state, backend):
-        inp, carry = self.inputs(u, state, output_state)
+    def _scan(self, u, state, output_state, backend, docs=None):
+        inp, carry = self.inputs(u, state, output_state, docs)
         y, hT = self.op(inp, None if state is None else state.ssm, output_state, backend)
         return self.output(y, u), (replace(carry, ssm=hT) if output_state else None)
 
-    def reference(self, x, state=None, output_state=False):
+    #: packed documents: the PyTorch chunked scan resets inside (Ā_t = 0 at a start) and the conv
+    #: is masked; the reference and Triton forms run on the padded view
+    handles_docs = True
+
+    def reference(self, x, state=None, output_state=False, docs=None):
+        if docs is not None:
+            return self.run_padded(self.reference, x, docs)
         return self._scan(x, state, output_state, "reference")
 
     def triton_unavailable(self):
         return None if has_triton_backend() else "kernels/selective_scan has no Triton kernel"
 
-    def chunked(self, x, state=None, output_state=False):
-        return self._scan(x, state, output_state, self._resolve_backend(x))
+    def chunked(self, x, state=None, output_state=False, docs=None):
+        backend = self._resolve_backend(x)
+        if docs is not None and backend != Backend.TORCH:
+            return self.run_padded(self.chunked, x, docs)
+        return self._scan(x, state, output_state, backend, docs)
 
     def step(self, u, state):
         inp, carry = self.inputs(u, state, True)
