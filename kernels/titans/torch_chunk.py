@@ -96,9 +96,18 @@ def split_spans(spans: List[Tuple[int, int]], *xs: torch.Tensor, dim: int = 2) -
 def titans_linear_chunk_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, theta: torch.Tensor,
                               log_eta: torch.Tensor, log_keep: torch.Tensor,
                               initial_state: Optional[Sequence[torch.Tensor]] = None,
-                              output_final_state: bool = False, chunk_size: int = 16, offset: int = 0):
+                              output_final_state: bool = False, chunk_size: int = 16, offset: int = 0,
+                              chunk_resets: Optional[torch.Tensor] = None):
+    """``chunk_resets`` [B, ⌈T/C⌉] bool (offset 0): where True, chunk n of that row starts again
+    from the initial (M, S) (a new sequence starts there; masked per row inside the one scan)."""
     check_titans_inputs("titans_linear_chunk_torch", q, k, v, theta, log_eta, log_keep, initial_state,
                         chunk_size, offset)
+    if chunk_resets is not None:
+        n = -(-k.shape[2] // chunk_size)
+        if offset % chunk_size or tuple(chunk_resets.shape) != (k.shape[0], n) or chunk_resets.dtype != torch.bool:
+            raise ValueError(f"titans_linear_chunk_torch: chunk_resets must be bool [B, ceil(T/C)] = "
+                             f"{(k.shape[0], n)} with offset a multiple of C, got {chunk_resets.dtype} "
+                             f"{tuple(chunk_resets.shape)}, offset {offset}")
     B, H, T, dk = k.shape
     dv = v.shape[-1]
     out_dtype = v.dtype
@@ -106,7 +115,11 @@ def titans_linear_chunk_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     M, S, Mh = _initial(initial_state, B, H, dk, dv, k)
     outs = []
     pieces = split_spans(chunk_spans(T, chunk_size, offset), q, k, v, theta, log_eta, log_keep)
+    M0, S0 = M, S
     for i, (qc, kn, vc, thc, lec, lkc) in enumerate(pieces):
+        if chunk_resets is not None and i > 0:
+            r = chunk_resets[:, i, None, None, None]
+            M, S = torch.where(r, M0, M), torch.where(r, S0, S)
         # the given anchor only matters when the call starts inside a chunk
         anchor = Mh if (i == 0 and offset % chunk_size) else M
         delta = 2.0 * (kn @ anchor - vc)

@@ -117,3 +117,27 @@ def test_selective_scan_resets(chunk):
         torch.testing.assert_close(out[b:b + 1, a:e], o, atol=1e-10, rtol=0)
         for gr, gp in zip(grads, torch.autograd.grad((o * w[b:b + 1, a:e]).sum(), piece)):
             torch.testing.assert_close(gr[b:b + 1, a:e], gp, atol=1e-10, rtol=0)
+
+
+def test_titans_linear_chunk_resets():
+    """Titans' linear memory restarted from the initial (M, S) at chunks flagged in chunk_resets."""
+    from kernels.titans.torch_chunk import titans_linear_chunk_torch
+    g = torch.Generator().manual_seed(0)
+    C, T = 4, 12
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)
+    q, k, v = r(B, H, T, DK), torch.nn.functional.normalize(r(B, H, T, DK), dim=-1), r(B, H, T, DK)
+    theta = torch.rand(B, H, T, generator=g, dtype=torch.float64) * 0.1
+    log_eta, log_keep = -torch.rand(B, H, T, generator=g, dtype=torch.float64), -torch.rand(B, H, T, generator=g,
+                                                                                           dtype=torch.float64) * 0.1
+    M0 = r(B, H, DK, DK)
+    init = (M0, torch.zeros_like(M0), M0)
+    resets = torch.tensor([[True, False, True], [True, True, False]])
+    out, _ = titans_linear_chunk_torch(q, k, v, theta, log_eta, log_keep, init, chunk_size=C, chunk_resets=resets)
+    for row, cut in ((0, 8), (1, 4)):
+        for a, e in ((0, cut), (cut, T)):
+            sl = lambda t: t[row:row + 1, :, a:e]
+            ref, _ = titans_linear_chunk_torch(sl(q), sl(k), sl(v), sl(theta), sl(log_eta), sl(log_keep),
+                                               tuple(t[row:row + 1] for t in init), chunk_size=C)
+            torch.testing.assert_close(out[row:row + 1, :, a:e], ref, atol=1e-10, rtol=0)
+    with pytest.raises(ValueError, match="chunk_resets must be bool"):
+        titans_linear_chunk_torch(q, k, v, theta, log_eta, log_keep, init, chunk_size=C, chunk_resets=resets[:, :2])

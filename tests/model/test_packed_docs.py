@@ -99,14 +99,15 @@ def test_ttt_mamba_backbone_restarts(kind):
         assert rel(g[n], p.grad) <= 1e-9, n
 
 
-NATIVE = ["attention", "local_attention", "rglru", "ttt_linear", "ttt_mlp", "deltanet", "gated_deltanet", "mamba"]
+NATIVE = ["attention", "local_attention", "rglru", "ttt_linear", "ttt_mlp", "deltanet", "gated_deltanet", "mamba",
+          "titans", "titans_mag"]
 
 
 @pytest.mark.parametrize("kind", NATIVE)
 def test_cpu_path_resets_inside_the_packed_rows(kind, monkeypatch):
     """On the PyTorch path these kinds never fall back to the padded view (one document per row):
-    resets are masks in their scans (TTT: on the mini-batch-aligned rows), attention a document
-    mask."""
+    resets are masks in their scans (TTT and Titans: restarts at the chunks of the chunk-aligned
+    rows), attention a document mask."""
     from ttt_lm.model.mixers.base import Mixer
 
     def refuse(*a, **k):
@@ -118,6 +119,26 @@ def test_cpu_path_resets_inside_the_packed_rows(kind, monkeypatch):
         packed = m(ids, position_ids=pos).logits
         alone = torch.cat([torch.cat([m(d).logits for d in row], 1) for row in docs])
     assert rel(packed, alone) <= 2e-4
+
+
+def test_titans_mlp_memory_restarts(monkeypatch):
+    """Titans' MLP memory (its chunk loop in the mixer) restarts at chunk-aligned documents too;
+    gradients included."""
+    from ttt_lm.model.mixers.base import Mixer
+    monkeypatch.setattr(Mixer, "run_padded", staticmethod(lambda *a, **k: (_ for _ in ()).throw(AssertionError)))
+    m = tiny("titans", kernel_backend="torch")
+    m.cfg.titans.memory = "mlp"
+    m = LM(m.cfg)
+    docs, ids, pos = packed_batch(ROW_LENS)
+    packed = m(ids, position_ids=pos).logits
+    packed.square().sum().backward()
+    g = {n: p.grad.clone() for n, p in m.named_parameters()}
+    m.zero_grad()
+    alone = torch.cat([torch.cat([m(d).logits for d in row], 1) for row in docs])
+    alone.square().sum().backward()
+    assert rel(packed.detach(), alone.detach()) <= 2e-4
+    for n, p in m.named_parameters():
+        assert rel(g[n], p.grad) <= 2e-4, n
 
 
 def test_reference_forms_take_documents():

@@ -107,8 +107,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import titans as _tk
-from kernels.titans.torch_chunk import split_spans
+from kernels.titans.torch_chunk import split_spans, titans_linear_chunk_torch
 from ttt_lm.model.backend import Backend, resolve
+from ttt_lm.model.docs import masked_conv
 from ttt_lm.model.layers import CausalConv1d, RMSNorm, acc, apply_rope, rope_cos_sin
 from ttt_lm.model.mixers.attention import Attention, AttentionState, LocalAttention
 from ttt_lm.model.mixers.base import Mixer, MixerState, TPPlan
@@ -235,14 +236,18 @@ class TitansMemory(Mixer):
         return len(self.M_init)
 
     # ---- stages ------------------------------------------------------------------------------
-    def inputs(self, x: torch.Tensor, state: Optional[TitansMemoryState] = None, output_state: bool = False):
+    def inputs(self, x: torch.Tensor, state: Optional[TitansMemoryState] = None, output_state: bool = False,
+               doc_offset: Optional[torch.Tensor] = None):
         """The op's arguments: q, k, v [B, H, T, d]; θ, log η, log(1 − α) [B, H, T] (accumulation
         dtype); the chunk size and ``offset`` (the state's position: chunks are counted from the
-        stream start). The carry is the conv cache and the next position."""
+        stream start). The carry is the conv cache and the next position. ``doc_offset`` [B, T]
+        (each token's index in its document, no state): the conv restarts at document starts."""
         B, T, _ = x.shape
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         cache = None
-        if self.conv is not None:
+        if self.conv is not None and doc_offset is not None:
+            qkv = masked_conv(self.conv.conv, qkv, doc_offset)
+        elif self.conv is not None:
             qkv, cache = self.conv(qkv, None if state is None else state.conv, output_cache=True)
         q, k, v = (F.silu(t).view(B, T, self.n_heads, self.hd).transpose(1, 2) for t in qkv.chunk(3, dim=-1))
         q = F.normalize(acc(q), p=2.0, dim=-1, eps=1e-6)
@@ -267,14 +272,21 @@ class TitansMemory(Mixer):
             S, Mh = [torch.zeros_like(m) for m in M], list(M)
         else:
             M, S, Mh = (list(t) for t in initial_state)
-        if self.memory == "linear":
+        resets = inp.get("resets")
+        if resets is not None and backend != Backend.TORCH:
+            raise ValueError(f"Titans: chunk resets run in the PyTorch chunked form, not {backend!r}")
+        if self.memory == "linear" and resets is not None:
+            y, fin = titans_linear_chunk_torch(q, k, v, theta, log_eta, log_keep, (M[0], S[0], Mh[0]), True,
+                                               inp["chunk_size"], pos, resets)
+            M, S, Mh = [fin[0]], [fin[1]], [fin[2]]
+        elif self.memory == "linear":
             y, fin = _tk.titans_linear(q, k, v, theta, log_eta, log_keep, (M[0], S[0], Mh[0]), True,
                                        backend=backend, chunk_size=inp["chunk_size"], offset=pos)
             M, S, Mh = [fin[0]], [fin[1]], [fin[2]]
         elif backend == "reference":
             y, M, S, Mh = self._mlp_reference(q, k, v, theta, log_eta, log_keep, M, S, Mh, pos)
         else:
-            y, M, S, Mh = self._mlp_chunked(q, k, v, theta, log_eta, log_keep, M, S, Mh, pos)
+            y, M, S, Mh = self._mlp_chunked(q, k, v, theta, log_eta, log_keep, M, S, Mh, pos, resets)
         return y, ((tuple(M), tuple(S), tuple(Mh)) if output_final_state else None)
 
     def output(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -336,15 +348,22 @@ class TitansMemory(Mixer):
         y = torch.stack(outs, 2) if outs else v.new_zeros(v.shape)
         return y, M, S, Mh
 
-    def _mlp_chunked(self, q, k, v, theta, log_eta, log_keep, M: List, S: List, Mh: List, pos: int):
+    def _mlp_chunked(self, q, k, v, theta, log_eta, log_keep, M: List, S: List, Mh: List, pos: int,
+                     resets: Optional[torch.Tensor] = None):
         """Chunk-parallel: per chunk, closed-form rank-one gradients at the anchor (the error
         backpropagated through the output's RMSNorm), then ``chunk_memory_step`` for W₁ (query
-        side: q) and for W₂ (query side: GELU(q W₁,t)); the read adds q + γ ⊙ RMSNorm(·)."""
+        side: q) and for W₂ (query side: GELU(q W₁,t)); the read adds q + γ ⊙ RMSNorm(·).
+        ``resets`` [B, ⌈T/C⌉] bool (pos 0): chunk n of a row restarts from the initial (M, S)."""
         C = self.chunk_size
         g = self._gain(4, q.dtype)
         outs = []
         pieces = split_spans(_tk.chunk_spans(q.shape[2], C, pos), q, k, v, theta, log_eta, log_keep)
+        M0, S0 = list(M), list(S)
         for i, (qc, kc, vc, thc, lec, lkc) in enumerate(pieces):
+            if resets is not None and i > 0:
+                r = resets[:, i, None, None, None]
+                M = [torch.where(r, a, b) for a, b in zip(M0, M)]
+                S = [torch.where(r, a, b) for a, b in zip(S0, S)]
             A1, A2 = Mh if (i == 0 and pos % C) else M
             h = kc @ A1
             a = F.gelu(h)
@@ -365,8 +384,25 @@ class TitansMemory(Mixer):
         y = torch.cat(outs, 2) if outs else v.new_zeros(v.shape)
         return y, M, S, Mh
 
+    def _run_docs(self, x: torch.Tensor, docs) -> torch.Tensor:
+        """Packed documents (PyTorch form): the documents laid out at chunk boundaries
+        (``DocLayout.aligned``), the memory restarted from its initial state at each document's
+        first chunk inside the scan, the conv masked."""
+        al = docs.aligned(self.chunk_size)
+        xa = al.pad(x)
+        inp, _ = self.inputs(xa, doc_offset=al.offset)
+        inp["resets"] = al.resets
+        y, _ = self.op(inp, backend=Backend.TORCH)
+        return al.unpad(self.output(y, xa))
+
     # ---- forms -------------------------------------------------------------------------------
-    def reference(self, x, state=None, output_state=False):
+    #: packed documents: the PyTorch form on chunk-aligned documents with in-scan restarts
+    #: (``_run_docs``); the reference and Triton forms run on the padded view
+    handles_docs = True
+
+    def reference(self, x, state=None, output_state=False, docs=None):
+        if docs is not None:
+            return self.run_padded(self.reference, x, docs)
         return self._run(x, state, output_state, "reference")
 
     def triton_unavailable(self):
@@ -377,8 +413,13 @@ class TitansMemory(Mixer):
             return f"kernels/titans has a Triton kernel only for the linear memory, not titans.memory={self.memory!r}"
         return None
 
-    def chunked(self, x, state=None, output_state=False):
-        return self._run(x, state, output_state, self._resolve_backend(x))
+    def chunked(self, x, state=None, output_state=False, docs=None):
+        backend = self._resolve_backend(x)
+        if docs is not None:
+            if backend != Backend.TORCH:
+                return self.run_padded(self.chunked, x, docs)
+            return self._run_docs(x, docs), None
+        return self._run(x, state, output_state, backend)
 
     def step(self, x, state):
         return self._run(x, state, True, "reference")
@@ -483,15 +524,29 @@ class TitansMAG(Mixer):
         return self.output(ym, x), (dataclasses.replace(carry, attn=fin[0], mem=fin[1]) if output_state else None)
 
     # ---- forms -------------------------------------------------------------------------------
-    def reference(self, x, state=None, output_state=False):
+    #: packed documents: each branch takes them (the attention's document mask, the LMM's
+    #: chunk-aligned restarts); the reference and Triton forms run on the padded view
+    handles_docs = True
+
+    def reference(self, x, state=None, output_state=False, docs=None):
+        if docs is not None:
+            return self.run_padded(self.reference, x, docs)
         return self._run(x, state, output_state, Backend.REFERENCE)
 
     def triton_unavailable(self):
         return self.memory.triton_unavailable()     # the attention half uses no kernels/ op
 
-    def chunked(self, x, state=None, output_state=False):
+    def chunked(self, x, state=None, output_state=False, docs=None):
         self.memory.kernel_backend = self.kernel_backend
-        return self._run(x, state, output_state, self.memory._resolve_backend(x))
+        backend = self.memory._resolve_backend(x)
+        if docs is not None:
+            if backend != Backend.TORCH:
+                return self.run_padded(self.chunked, x, docs)
+            self.attn.kernel_backend = self.kernel_backend
+            y, _ = self.attn.chunked(x, docs=docs)
+            m, _ = self.memory.chunked(x, docs=docs)
+            return self.output((y, m), x), None
+        return self._run(x, state, output_state, backend)
 
     def step(self, x, state):
         y, sa = self.attn.step(x, state.attn)
