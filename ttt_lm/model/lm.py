@@ -16,9 +16,13 @@ the head and the loss are one chunked step (``ttt_lm.model.loss.linear_cross_ent
 float32 copy instead (the same loss; memory grows with B·T·V).
 
 Packed rows: with ``model.reset_at_doc_boundaries`` and the data's ``position_ids`` (0 at each
-document's first token), every token-mixing part of a block (the mixer and the pre-conv) runs
-separately on each document of a row from a fresh state, exactly as if each document were its
-own sequence; the position-wise parts (norms, MLP, LM head) run on the whole batch.
+document's first token), every token-mixing part of a block (the mixer and the pre-conv) reads each
+document of a row from a fresh state, exactly as if each document were its own sequence, in one
+call per layer for the whole batch: ``forward`` checks the positions and builds the batch's
+``DocLayout`` once (``ttt_lm.model.docs``: one host read per batch) and every block passes it to
+its mixer (``Mixer.forward``'s ``docs``) and masks its pre-conv (``doc_conv``). Positions are
+checked whenever they are given: a first position below 0 or a jump inside a document is a
+ValueError naming the row and position.
 
 Segment positions: mixers whose official code reads them (``Mixer.takes_segment_pos``: Griffin's
 RG-LRU block) get ``position_ids`` as ``segment_pos`` whenever they are given, in training and in
@@ -28,7 +32,7 @@ segment_pos = 0 and normalizes every other token, as recurrentgemma does.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional
 
 import torch
 from torch import nn

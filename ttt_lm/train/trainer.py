@@ -58,9 +58,8 @@ RUNTIME_MODEL_KEYS = ("kernel_backend", "attention.backend", "compile", "compile
 def _pos(batch: dict):
     """Position of each token in its document (0 at a document's first token), which the model
     uses to reset its state at document boundaries when model.reset_at_doc_boundaries is set.
-    Kept where the loader made it (the host): the model only reads the document spans from it on
-    the host (``lm.doc_segments``), so a copy to the device would cost a round trip and a sync per
-    micro-batch."""
+    Kept where the loader made it; ``LM.forward`` moves it to the model's device and checks it and
+    builds the document layout there, with one host read per batch (``ttt_lm.model.docs``)."""
     return batch.get("position_ids")
 
 

@@ -47,6 +47,14 @@ sequence start) and the slice's global start position, without the recurrent par
 A mixer whose official code reads segment positions (the position of each token in its document,
 0 at a document's first token; the data loader's ``position_ids``) sets ``takes_segment_pos``;
 its three forms then accept ``segment_pos`` ([B, T] integers) and the block passes it through.
+
+Packed documents. With ``model.reset_at_doc_boundaries`` the block calls ``forward(x, docs=...)``
+once for the whole batch, ``docs`` a ``ttt_lm.model.docs.DocLayout`` (document starts, segment
+ids, offsets, ``cu_seqlens``, padded and chunk-aligned views), and every document's outputs must
+be those of the document alone from ``init_state``. A mixer that sets ``handles_docs`` takes
+``docs`` in ``reference`` and ``chunked`` and restarts inside its own computation (masks in the
+scan, a document mask); any other mixer gets its form run once on ``docs.pad(x)`` (one document
+per row), which is correct for every causal mixer and costs the padding.
 """
 from __future__ import annotations
 

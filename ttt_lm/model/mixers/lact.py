@@ -37,7 +37,8 @@ bfloat16 (``lact.muon_dtype``); the weight normalisation's targets are the row n
 initial weights, not detached; the fast path's RoPE rotates its e-wide heads as H d-wide pieces.
 Two differences from the official code: it ignores document boundaries in the fast path (its
 note: "current implementation ignores cu_seqlens for ttt-layer"), while here a packed document
-starts from the initial weights (``model.reset_at_doc_boundaries``, the LM's per-document path);
+starts from the initial weights (``model.reset_at_doc_boundaries``: the forms run once on the
+batch's padded view, one document per row, ``Mixer.run_padded``);
 and it rounds the learning rates and momentum to float32 whatever the model's dtype, while here
 they stay in the model's dtype (float32 under half precision, as there). The fast weights are
 kept in float32 under half-precision inputs (the official ``fp32_states``). The presets tie the
