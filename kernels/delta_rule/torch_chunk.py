@@ -92,22 +92,21 @@ def delta_rule_chunk_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, be
     # UT transform for every chunk at once
     strict = torch.ones(C, C, dtype=torch.bool, device=k.device).tril(-1)
     A = (beta * (k @ k.transpose(-1, -2))).masked_fill(~strict, 0.0)
+    QK = (q @ k.transpose(-1, -2)).masked_fill(~strict.logical_or(torch.eye(C, dtype=torch.bool, device=k.device)), 0.0)
+    if resets is not None:
+        # A and QK block-diagonal by sequence (A's inverse then is too); S reaches only the
+        # chunk's first sequence (carry), and the next chunk only from its last one (last, keep)
+        same, carry, last, keep = reset_masks(resets, T, C, k.dtype)
+        A, QK = A * same, QK * same
     A = A + torch.eye(C, dtype=k.dtype, device=k.device)
     U = torch.linalg.solve_triangular(A, beta * v, upper=False, unitriangular=True)
-    W = torch.linalg.solve_triangular(A, beta * k, upper=False, unitriangular=True)
-    QK = (q @ k.transpose(-1, -2)).masked_fill(~strict.logical_or(torch.eye(C, dtype=torch.bool, device=k.device)), 0.0)
+    W = torch.linalg.solve_triangular(A, beta * (k if resets is None else k * carry), upper=False,
+                                      unitriangular=True)
 
     S = (torch.zeros(B, H, dk, dv, dtype=k.dtype, device=k.device) if initial_state is None
          else _acc(initial_state).to(k.dtype))
     outs = []
     if resets is not None:
-        same, carry, last, keep = reset_masks(resets, T, C, k.dtype)
-        # A and QK block-diagonal by document (A's inverse then is too); S reaches only the
-        # chunk's first document (carry), and the next chunk only from its last one (last, keep)
-        A = A * same
-        U = torch.linalg.solve_triangular(A, beta * v, upper=False, unitriangular=True)
-        W = torch.linalg.solve_triangular(A, beta * k * carry, upper=False, unitriangular=True)
-        QK = QK * same
         q, k = q * carry, k * last
         for q_n, k_n, U_n, W_n, QK_n, a_n in zip(*(t.unbind(2) for t in (q, k, U, W, QK, keep))):
             v_new = U_n - W_n @ S

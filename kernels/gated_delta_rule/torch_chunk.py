@@ -71,6 +71,12 @@ def gated_delta_rule_chunk_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     eg = gam.exp()[..., None]                                             # e^{γ_i}
     decay_end = (gam[..., -1:] - gam).exp()[..., None]                   # e^{γ_C − γ_i}
     chunk_decay = gam[..., -1].exp()[..., None, None]                    # e^{γ_C}
+    if resets is not None:
+        # Γ (so the UT transform and QK) block-diagonal by sequence; the entering state reaches
+        # only the chunk's first sequence, the leaving one only the last; a start drops S
+        same, carry, last, keep = reset_masks(resets, T, C, k.dtype)
+        Gam = Gam * same
+        eg, decay_end, chunk_decay = eg * carry, decay_end * last, chunk_decay * keep
 
     # UT transform of every chunk at once
     strict = torch.ones(C, C, dtype=torch.bool, device=k.device).tril(-1)
@@ -79,17 +85,6 @@ def gated_delta_rule_chunk_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     U = torch.linalg.solve_triangular(A, beta * v, upper=False, unitriangular=True)
     W = torch.linalg.solve_triangular(A, beta * eg * k, upper=False, unitriangular=True)
     QK = (q @ k.transpose(-1, -2)) * Gam
-    if resets is not None:
-        # Γ and the UT transform block-diagonal by sequence; the entering state reaches only the
-        # chunk's first sequence, the leaving one only the last; a start in the chunk drops S
-        same, carry, last, keep = reset_masks(resets, T, C, k.dtype)
-        Gam = Gam * same
-        A = (beta * (k @ k.transpose(-1, -2)) * Gam).masked_fill(~strict, 0.0) + torch.eye(C, dtype=k.dtype,
-                                                                                              device=k.device)
-        U = torch.linalg.solve_triangular(A, beta * v, upper=False, unitriangular=True)
-        W = torch.linalg.solve_triangular(A, beta * eg * carry * k, upper=False, unitriangular=True)
-        QK = (q @ k.transpose(-1, -2)) * Gam
-        eg, decay_end, chunk_decay = eg * carry, decay_end * last, chunk_decay * keep
     Qg = q * eg
     Kd = k * decay_end
 
