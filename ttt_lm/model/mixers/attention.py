@@ -134,14 +134,19 @@ class Attention(Mixer):
         self.o_proj._is_residual_out = True
 
     # ---- stages ------------------------------------------------------------------------------
-    def inputs(self, x: torch.Tensor, state: Optional[AttentionState] = None, output_state: bool = False):
-        """q [B, H, T, d_h], k, v [B, H_kv, T, d_h] with RoPE at positions state.pos + t; the
-        carry is the next position (the KV cache is built by the forms)."""
+    def inputs(self, x: torch.Tensor, state: Optional[AttentionState] = None, output_state: bool = False,
+               positions: Optional[torch.Tensor] = None):
+        """q [B, H, T, d_h], k, v [B, H_kv, T, d_h] with RoPE at positions state.pos + t (or at
+        ``positions`` [B, T]: packed documents, each at its own offsets); the carry is the next
+        position (the KV cache is built by the forms)."""
         B, T, _ = x.shape
         pos0 = int(state.pos) if state is not None else 0
         q = self.q_proj(x).view(B, T, self.n_heads, self.hd).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.n_kv, self.hd).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.n_kv, self.hd).transpose(1, 2)
+        if positions is not None:
+            cos, sin = rope_cos_sin(positions[:, None], self.hd, self.rope_theta)   # [B, 1, T, d_h]
+            return {"q": apply_rope(q, cos, sin), "k": apply_rope(k, cos, sin), "v": v}, None
         cos, sin = rope_cos_sin(torch.arange(pos0, pos0 + T, device=x.device), self.hd, self.rope_theta)
         return {"q": apply_rope(q, cos, sin), "k": apply_rope(k, cos, sin), "v": v}, \
             (AttentionState(pos=pos0 + T) if output_state else None)
@@ -230,7 +235,8 @@ class Attention(Mixer):
     # ---- forms -------------------------------------------------------------------------------
     def _run(self, x, state, output_state, backend: str, docs=None):
         pos0 = int(state.pos) if state is not None else 0
-        inp, _ = self.inputs(x, state)
+        # packed documents: RoPE at each token's offset in its document, as for the document alone
+        inp, _ = self.inputs(x, state, positions=None if docs is None else docs.offset)
         k_all, v_all, buf = self._cat_cache(state, inp["k"], inp["v"])
         o, _ = self.op({"q": inp["q"], "k": k_all, "v": v_all, "docs": docs}, backend=backend)
         st = None
