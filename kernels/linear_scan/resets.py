@@ -12,11 +12,16 @@ from kernels.linear_scan.reference import acc_dtype
 def linear_scan_reset(log_a: torch.Tensor, b: torch.Tensor, initial_state: Optional[torch.Tensor],
                       reset: torch.Tensor, output_final_state: bool, backend: str, chunk_size: int):
     """``kernels.linear_scan.linear_scan`` with h_t = b_t where ``reset`` [B, T] (bool) is set: a
-    reset at a row's first token drops ``initial_state``; resets inside rows split the rows into
-    packed sequences (``cu_seqlens``, one sequence per document piece; their offsets are read on
-    the host). Returns (h, the final state or None)."""
+    reset at a row's first token drops ``initial_state``. backend "torch": a_t = 0 at each reset
+    inside the one scan; the others split the rows at resets inside them into packed sequences
+    (``cu_seqlens``, one sequence per document piece; their offsets are read on the host).
+    Returns (h, the final state or None)."""
     from kernels.linear_scan import linear_scan
     B, T, D = b.shape
+    if backend == "torch":
+        # the PyTorch form resets inside its one scan (a_t = 0 at a reset): no host read, one call
+        from kernels.linear_scan.torch_chunk import linear_scan_chunk
+        return linear_scan_chunk(log_a, b, initial_state, output_final_state, chunk_size, resets=reset)
     h0 = initial_state
     if h0 is not None and T > 0:
         h0 = torch.where(reset[:, 0, None], torch.zeros_like(h0), h0)   # a reset drops the carried state

@@ -30,8 +30,10 @@ class _LinearScan(torch.autograd.Function):
     """(log_a, b, h0) → (h, h_{T−1}), all in the accumulation dtype."""
 
     @staticmethod
-    def forward(ctx, log_a, b, h0):
+    def forward(ctx, log_a, b, h0, keep=None):
         a = log_a.exp()
+        if keep is not None:
+            a = a * keep[..., None]   # a_t = 0 where a sequence starts: the same formulas hold
         h = torch.empty_like(b)
         prev = h0 if h0 is not None else b.new_zeros(b.shape[0], b.shape[2])
         for t in range(b.shape[1]):
@@ -53,12 +55,14 @@ class _LinearScan(torch.autograd.Function):
                 dh[:, t] = carry
             carry = a[:, t] * dh[:, t]
         h_prev = torch.cat([(h0 if h0 is not None else h.new_zeros(B, D))[:, None], h[:, :-1]], 1)
-        return dh * a * h_prev, dh, (carry if h0 is not None else None)
+        return dh * a * h_prev, dh, (carry if h0 is not None else None), None
 
 
 def linear_scan_chunk(log_a: torch.Tensor, b: torch.Tensor, initial_state: Optional[torch.Tensor] = None,
-                      output_final_state: bool = False, chunk_size: int = 64
-                      ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+                      output_final_state: bool = False, chunk_size: int = 64,
+                      resets: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``resets`` [B, T] bool: h_t = b_t there (a_t replaced by 0 inside the scan, the initial
+    state dropped at a reset on the first token)."""
     check_linear_scan_inputs("linear_scan_chunk", log_a, b, initial_state, chunk_size)
     dt = acc_dtype(b.dtype)
     B, T, D = b.shape
@@ -66,5 +70,6 @@ def linear_scan_chunk(log_a: torch.Tensor, b: torch.Tensor, initial_state: Optio
     if T == 0:
         hT = h0 if h0 is not None else torch.zeros(B, D, dtype=dt, device=b.device)
         return b, (hT if output_final_state else None)
-    h, hT = _LinearScan.apply(log_a.to(dt), b.to(dt), h0)
+    keep = None if resets is None else (~resets.to(torch.bool)).to(dt)
+    h, hT = _LinearScan.apply(log_a.to(dt), b.to(dt), h0, keep)
     return h.to(b.dtype), (hT if output_final_state else None)

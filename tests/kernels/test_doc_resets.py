@@ -141,3 +141,26 @@ def test_titans_linear_chunk_resets():
             torch.testing.assert_close(out[row:row + 1, :, a:e], ref, atol=1e-10, rtol=0)
     with pytest.raises(ValueError, match="chunk_resets must be bool"):
         titans_linear_chunk_torch(q, k, v, theta, log_eta, log_keep, init, chunk_size=C, chunk_resets=resets[:, :2])
+
+
+def test_linear_scan_resets():
+    """The RG-LRU's scan with a_t = 0 at each start (its hand-written backward included), against
+    each piece run alone; a reset on a row's first token drops the initial state."""
+    from kernels.linear_scan.torch_chunk import linear_scan_chunk
+    g = torch.Generator().manual_seed(0)
+    log_a = -torch.rand(B, T, 5, generator=g, dtype=torch.float64)
+    b = torch.randn(B, T, 5, generator=g, dtype=torch.float64)
+    h0 = torch.randn(B, 5, generator=g, dtype=torch.float64)
+    tensors = [t.clone().requires_grad_() for t in (log_a, b)]
+    resets = torch.zeros(B, T, dtype=torch.bool)
+    for row, c in enumerate(CUTS):
+        resets[row, c] = True
+    w = torch.randn(B, T, 5, generator=g, dtype=torch.float64)
+    h, _ = linear_scan_chunk(*tensors, h0, resets=resets)
+    grads = torch.autograd.grad((h * w).sum(), tensors)
+    for row, a, e in _pieces():
+        piece = [t[row:row + 1, a:e].detach().requires_grad_() for t in tensors]
+        ref, _ = linear_scan_chunk(*piece)
+        torch.testing.assert_close(h[row:row + 1, a:e], ref, atol=1e-12, rtol=0)
+        for gr, gp in zip(grads, torch.autograd.grad((ref * w[row:row + 1, a:e]).sum(), piece)):
+            torch.testing.assert_close(gr[row:row + 1, a:e], gp, atol=1e-12, rtol=0)
