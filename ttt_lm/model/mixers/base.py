@@ -240,6 +240,13 @@ class Mixer(nn.Module, metaclass=abc.ABCMeta):
     takes_segment_pos: bool = False
     #: set by ``@register_mixer``: the kind a layer pattern names this mixer by
     layer_kind: Optional[str] = None
+    #: set by ``@register_mixer``: the model config section this mixer reads (``model.<section>``)
+    #: and its schema dataclass; None for a mixer without a section of its own
+    config_section: Optional[str] = None
+    config_class: Optional[type] = None
+    #: attention over every earlier token (no window): its cost and positional range (RoPE, the
+    #: memory plan) grow with the context, so evals refuse contexts beyond ``model.max_seq_len``
+    global_attention: bool = False
     #: context-parallel form, one of CP_FORMS (see the module docstring)
     cp_form: str = "state_passing"
     #: "summary" form: the kernels/ op whose summaries combine across ranks, one of SUMMARY_OPS
@@ -279,6 +286,10 @@ class Mixer(nn.Module, metaclass=abc.ABCMeta):
 
     def reset_parameters(self) -> None:
         """Mixer-specific initialization, run after the model's generic init."""
+
+    def set_train_step(self, step: int) -> None:
+        """The optimizer step (1-based) that comes next, for a mixer with a training schedule
+        of its own (TTT's inner learning-rate warmup); the model calls it on every mixer."""
 
     @classmethod
     def tp_plan(cls, cfg) -> Optional[TPPlan]:

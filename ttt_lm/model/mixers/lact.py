@@ -65,7 +65,25 @@ from kernels import lact as _lact
 from ttt_lm.model.backend import Backend, flash_attn_func, resolve
 from ttt_lm.model.layers import RMSNorm, acc, apply_rope, rope_cos_sin
 from ttt_lm.model.mixers.base import Mixer, MixerState, TPPlan
-from ttt_lm.model.registry import register_mixer
+from ttt_lm.model.registry import option, register_mixer
+
+
+@dataclass
+class LaCTConfig:
+    """``model.lact``: large-chunk test-time training with SwiGLU fast weights and sliding-window
+    attention in one layer (Zhang et al. 2025)."""
+    num_heads: int = 4                  # fast-weight heads (each d_model / num_heads wide)
+    chunk_size: int = 2048              # tokens per fast-weight update
+    window: int = 2048                  # sliding window of the layer's attention (keys t-window+1..t)
+    inter_multi: float = 1.0            # fast-weight hidden width d_h = inter_multi × head width
+    low_rank: int = 0                   # > 0: initial w0, w2 = W_left W_right + 0.5·I of this rank; 0: full
+    fw_init_gain: float = 0.5           # gain of the low-rank factors' init
+    use_momentum: bool = True
+    use_muon: bool = False
+    muon_dtype: str = "bfloat16"        # dtype of the Newton–Schulz steps: bfloat16 (official) | state
+    prenorm: bool = False               # the official prenorm variant of the weight normalisation
+    base_lr: float = 0.001              # lr = softplus(W_lr x + softplus⁻¹(base_lr))
+    rope_theta: float = 10000.0
 
 _MUON_DTYPES = {"bfloat16": torch.bfloat16, "state": None}
 
@@ -146,7 +164,7 @@ def _window_mask(tq: int, tk: int, window: int, device) -> torch.Tensor:
     return (kpos <= qpos) & (kpos > qpos - window)
 
 
-@register_mixer("lact")
+@register_mixer("lact", config=LaCTConfig)
 class LaCT(Mixer):
     #: the fast weights are a nonlinear recurrence over chunks: ranks hand the state on
     cp_form = "state_passing"

@@ -112,7 +112,20 @@ from ttt_lm.model.backend import Backend, resolve
 from ttt_lm.model.layers import CausalConv1d, RMSNorm, acc, apply_rope, rope_cos_sin
 from ttt_lm.model.mixers.attention import Attention, AttentionState, LocalAttention
 from ttt_lm.model.mixers.base import Mixer, MixerState, TPPlan
-from ttt_lm.model.registry import register_mixer
+from ttt_lm.model.registry import option, register_mixer
+
+
+@dataclass
+class TitansConfig:
+    """``model.titans``: Titans neural memory (Behrouz et al. 2025), one section for the four
+    kinds (their attention branches also read ``model.attention``)."""
+    memory: str = "linear"              # linear | mlp
+    memory_expansion: int = option(2, ge=1)  # MLP memory hidden = expansion × head_dim
+    chunk_size: int = 16                # tokens whose gradients are taken at one memory state
+    conv_width: int = 4
+    window: int = option(256, ge=1)     # sliding window of the attention in titans_mag and titans_mal
+    segment_len: int = 64               # titans_mac: tokens per segment (attention within a segment)
+    persistent_tokens: int = 4          # titans_mac, titans_mal: learned persistent memory tokens
 
 
 def _gelu_grad(h: torch.Tensor) -> torch.Tensor:
@@ -161,7 +174,7 @@ class TitansMACState(MixerState):
     seg: Optional[torch.Tensor] = None
 
 
-@register_mixer("titans")
+@register_mixer("titans", config=TitansConfig)
 class TitansMemory(Mixer):
     """The long-term memory module (LMM) as a sequence layer."""
 
@@ -412,7 +425,7 @@ class TitansMemory(Mixer):
         return float(cfg.n_heads * per_head)
 
 
-@register_mixer("titans_mag")
+@register_mixer("titans_mag", config=TitansConfig, section="titans")
 class TitansMAG(Mixer):
     r"""Memory as a gate (Titans §4.2, without persistent memory tokens):
 
@@ -508,7 +521,7 @@ class TitansMAG(Mixer):
         return LocalAttention.flops_per_token(acfg, seq_len) + TitansMemory.flops_per_token(cfg, seq_len)
 
 
-@register_mixer("titans_mal")
+@register_mixer("titans_mal", config=TitansConfig, section="titans")
 class TitansMAL(Mixer):
     r"""Memory as a layer (Titans §4.3, Eqs. 29–31):
 
@@ -617,7 +630,7 @@ class TitansMAL(Mixer):
         return LocalAttention.flops_per_token(acfg, seq_len) + TitansMemory.flops_per_token(cfg, seq_len)
 
 
-@register_mixer("titans_mac")
+@register_mixer("titans_mac", config=TitansConfig, section="titans")
 class TitansMAC(Mixer):
     r"""Memory as a context (Titans §4.1, Eqs. 21–25), with causal masks for language modeling.
 
