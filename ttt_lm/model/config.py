@@ -35,7 +35,7 @@ class ModelConfig:
     n_heads: int = 4
     head_dim: Optional[int] = None      # None = d_model // n_heads
     # Mixer of each layer, repeated cyclically to n_layers (n_layers must be a multiple of its
-    # length): ["ttt_linear"] is pure TTT-Linear; ["rglru", "rglru", "local_attention"] is Griffin.
+    # length): [ttt_linear] is pure TTT-Linear; [rglru, rglru, local_attention] is Griffin.
     layer_pattern: List[str] = field(default_factory=lambda: ["ttt_linear"])
     d_ff: Optional[int] = None          # gated MLP width; None = 8/3·d_model rounded up to 64; 0 = no MLP
     mlp_act: str = "silu"               # silu (SwiGLU) | gelu (GeGLU)
