@@ -103,10 +103,16 @@ def check_refusals():
     assert type(m) is LM and isinstance(m.layers[0].mixer.linear_x, torch.nn.Linear), "refusal must change nothing"
 
 
+#: TP-ready kinds whose tensor-parallel runs are checked with attention's in test_tensor_parallel.py and
+#: test_tp_ttt.py; every other TP-ready kind of the registry is checked here
+CHECKED_ELSEWHERE = ("attention", "local_attention", "ttt_linear", "ttt_mlp")
+
+
 def _checks():
+    from ttt_lm.model.registry import builtin_kinds
+    from ttt_lm.parallel.tp_model import tp_ready_kinds
     out = [("fused_shards", check_fused_shards), ("refusals", check_refusals)]
-    for kind in ("deltanet", "gated_deltanet", "rglru", "mamba", "titans", "titans_mag", "titans_mal",
-                 "titans_mac", "lact"):
+    for kind in (k for k in tp_ready_kinds() if k in builtin_kinds() and k not in CHECKED_ELSEWHERE):
         for sp in (False, True):
             out.append((f"{kind}{'_sp' if sp else ''}", lambda k=kind, s=sp: _lm_vs_single(_cfg([k], d_ff=24), s)))
     out.append(("titans_mlp_memory_sp", lambda: _lm_vs_single(_cfg(["titans"], titans_memory="mlp"), True)))

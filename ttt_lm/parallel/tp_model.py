@@ -48,11 +48,12 @@ from typing import Dict, List, Optional
 import torch
 from torch import nn
 
-from ttt_lm.model.config import LAYER_KINDS, ModelConfig
+from ttt_lm.model.config import ModelConfig
 from ttt_lm.model.layers import GatedMLP, RMSNorm, acc
 from ttt_lm.model.lm import LM, LMOutput
 from ttt_lm.model.mixers import Mixer, mixer_class
 from ttt_lm.model.mixers.base import TPPlan
+from ttt_lm.model.registry import builtin_kinds
 from ttt_lm.parallel.groups import ParallelGroups
 from ttt_lm.parallel.tensor_parallel import (
     ColumnParallelLinear, RowParallelLinear, TPContext, VocabParallelEmbedding, _all_gather, _mark, _shard,
@@ -69,7 +70,7 @@ def tp_ready_kinds(cfg: Optional[ModelConfig] = None) -> tuple:
 
 
 #: the built-in TP-ready layer kinds
-TP_READY_KINDS = tuple(k for k in tp_ready_kinds() if k in LAYER_KINDS)
+TP_READY_KINDS = tuple(k for k in tp_ready_kinds() if k in builtin_kinds())
 
 
 class RegionEntryRMSNorm(RMSNorm):

@@ -47,6 +47,12 @@ sequence start) and the slice's global start position, without the recurrent par
 A mixer whose official code reads segment positions (the position of each token in its document,
 0 at a document's first token; the data loader's ``position_ids``) sets ``takes_segment_pos``;
 its three forms then accept ``segment_pos`` ([B, T] integers) and the block passes it through.
+
+Config. A mixer's settings are its own config section, a dataclass declared in its file and
+registered with its kind (``@register_mixer(kind, config=Section, section=name)``,
+``ttt_lm.model.registry``): ``model.<section>`` of every model config, read as ``cfg.<section>``.
+What other code needs to know about a kind is a class attribute read through the registry
+(``mixer_class(kind).global_attention``), never a list of kind names kept elsewhere.
 """
 from __future__ import annotations
 
