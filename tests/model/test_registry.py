@@ -172,3 +172,26 @@ def test_a_section_of_a_kind_the_pattern_does_not_use_is_kept_and_checked():
     assert "rglru" not in cfg.layer_pattern and (cfg.rglru.lru_width, cfg.mamba.d_state) == (96, 8)
     with pytest.raises(ConfigError, match=r"model\.mamba\.d_state must be >= 1, got 0"):
         load_config("configs/tiny.yaml", ["model.mamba.d_state=0"])
+
+
+def test_mixer_modules_are_imported_before_the_config_is_read(scratch_registry, tmp_path):
+    """``model.mixer_modules`` (here a .py path) registers its kinds and sections before the
+    overrides that use them are read; a module that cannot be imported is named."""
+    import sys
+
+    from ttt_lm.config import ConfigError, load_config
+    f = tmp_path / "path_toy_mixer.py"
+    f.write_text("from dataclasses import dataclass\n"
+                 "from ttt_lm.model.mixers import Mixer, register_mixer\n\n\n"
+                 "@dataclass\nclass PathToyConfig:\n    depth: int = 3\n\n\n"
+                 "@register_mixer('path_toy', config=PathToyConfig)\nclass PathToy(Mixer):\n    pass\n")
+    try:
+        with pytest.raises(ConfigError, match=r"key 'model\.path_toy'"):
+            load_config("configs/tiny.yaml", ["model.path_toy.depth=5"])
+        cfg = load_config("configs/tiny.yaml", [f"model.mixer_modules=[{f}]", "model.path_toy.depth=5"]).model
+        assert cfg.path_toy.depth == 5 and cfg.mixer_modules == [str(f)]
+        assert mixer_class("path_toy").config_section == "path_toy"
+    finally:
+        sys.modules.pop("path_toy_mixer", None)
+    with pytest.raises(ConfigError, match="model.mixer_modules: cannot import 'no_such_mixer_module'"):
+        load_config("configs/tiny.yaml", ["model.mixer_modules=[no_such_mixer_module]"])
