@@ -179,7 +179,11 @@ def model_config_from_dict(d: Optional[dict]) -> "ModelConfig":
 
 
 def __getattr__(name: str):
-    # LAYER_KINDS, kept for callers: the built-in kinds, from the registry
+    # kept for callers of names this module had: LAYER_KINDS (the built-in kinds) and the section
+    # dataclasses (TTTConfig, ...), now in their mixers' files, found through the registry
     if name == "LAYER_KINDS":
         return registry.builtin_kinds()
+    for section in registry.sections().values():
+        if section.__name__ == name:
+            return section
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
