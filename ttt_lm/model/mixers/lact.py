@@ -65,7 +65,7 @@ from kernels import lact as _lact
 from ttt_lm.model.backend import Backend, flash_attn_func, resolve
 from ttt_lm.model.layers import RMSNorm, acc, apply_rope, rope_cos_sin
 from ttt_lm.model.mixers.base import Mixer, MixerState, TPPlan
-from ttt_lm.model.registry import option, register_mixer
+from ttt_lm.model.registry import register_mixer
 
 
 @dataclass
