@@ -50,6 +50,10 @@ class MambaConfig:
     # tokens per chunk: the PyTorch form's vectorized unit, the Triton kernel's tile (at most 16)
     chunk_size: int = option(16, ge=1)
 
+    def validate(self, model) -> None:
+        if not 0.0 < self.dt_min <= self.dt_max:
+            raise ValueError(f"model.mamba needs 0 < dt_min <= dt_max, got {self.dt_min}, {self.dt_max}")
+
 _DT_INIT_FLOOR = 1e-4
 
 
@@ -76,8 +80,6 @@ class Mamba(Mixer):
         self.dt_rank = mc.dt_rank or math.ceil(cfg.d_model / 16)
         self.dt_min, self.dt_max = mc.dt_min, mc.dt_max
         self.chunk_size = mc.chunk_size
-        if not 0.0 < mc.dt_min <= mc.dt_max:
-            raise ValueError(f"model.mamba needs 0 < dt_min <= dt_max, got {mc.dt_min}, {mc.dt_max}")
         self.in_proj = nn.Linear(cfg.d_model, 2 * self.d_inner, bias=False)
         self.conv1d = CausalConv1d(self.d_inner, mc.d_conv)
         self.x_proj = nn.Linear(self.d_inner, self.dt_rank + 2 * self.d_state, bias=False)

@@ -70,6 +70,9 @@ from ttt_lm.model.layers import CausalConv1d, acc
 from ttt_lm.model.mixers.base import Mixer, MixerState, TPPlan
 from ttt_lm.model.registry import option, register_mixer
 
+#: model.rglru.a_init: how Λ is drawn (see the module docstring)
+A_INITS = ("official", "paper")
+
 
 @dataclass
 class RGLRUConfig:
@@ -79,7 +82,7 @@ class RGLRUConfig:
     c: float = 8.0
     # Λ init: official (recurrentgemma: a ∈ [a_min, a_max] with a² uniform) | paper (the paper's
     # text: a^c uniform on [a_min, a_max]); see the module docstring
-    a_init: str = "official"
+    a_init: str = option("official", choices=A_INITS)
     a_min: float = 0.9
     a_max: float = 0.999
     conv_width: int = option(4, ge=1)
@@ -96,6 +99,10 @@ class RGLRUConfig:
         if self.num_heads is not None:
             out = replace(out, num_heads=model.n_heads)
         return out
+
+    def validate(self, model) -> None:
+        if not 0.0 < self.a_min < self.a_max < 1.0:
+            raise ValueError(f"model.rglru needs 0 < a_min < a_max < 1, got {self.a_min}, {self.a_max}")
 
 
 #: bound on d√x/dx, as recurrentgemma's RG-LRU
@@ -116,7 +123,6 @@ class _SqrtBoundDerivative(torch.autograd.Function):
 
 #: recurrentgemma's rnn_param_init adds this to both ends of the a² range
 _RNN_INIT_EPS = 1e-8
-A_INITS = ("official", "paper")
 
 
 def lambda_init(width: int, c: float, a_min: float, a_max: float, mode: str = "official",
@@ -193,10 +199,6 @@ class RGLRUBlock(Mixer):
         self.c, self.a_min, self.a_max = rc.c, rc.a_min, rc.a_max
         self.a_init = rc.a_init
         self.chunk_size = rc.chunk_size
-        if not 0.0 < rc.a_min < rc.a_max < 1.0:
-            raise ValueError(f"model.rglru needs 0 < a_min < a_max < 1, got {rc.a_min}, {rc.a_max}")
-        if rc.a_init not in A_INITS:
-            raise ValueError(f"model.rglru.a_init must be one of {A_INITS}, got {rc.a_init!r}")
         self.linear_y = nn.Linear(cfg.d_model, self.width)          # GeLU branch
         self.linear_x = nn.Linear(cfg.d_model, self.width)          # recurrence branch
         self.conv1d = CausalConv1d(self.width, rc.conv_width)

@@ -119,13 +119,13 @@ from ttt_lm.model.registry import option, register_mixer
 class TitansConfig:
     """``model.titans``: Titans neural memory (Behrouz et al. 2025), one section for the four
     kinds (their attention branches also read ``model.attention``)."""
-    memory: str = "linear"              # linear | mlp
+    memory: str = option("linear", choices=("linear", "mlp"))
     memory_expansion: int = option(2, ge=1)  # MLP memory hidden = expansion × head_dim
-    chunk_size: int = 16                # tokens whose gradients are taken at one memory state
+    chunk_size: int = option(16, ge=1)  # tokens whose gradients are taken at one memory state
     conv_width: int = 4
     window: int = option(256, ge=1)     # sliding window of the attention in titans_mag and titans_mal
-    segment_len: int = 64               # titans_mac: tokens per segment (attention within a segment)
-    persistent_tokens: int = 4          # titans_mac, titans_mal: learned persistent memory tokens
+    segment_len: int = option(64, ge=1)  # titans_mac: tokens per segment (attention within a segment)
+    persistent_tokens: int = option(4, ge=0)  # titans_mac, titans_mal: learned persistent memory tokens
 
 
 def _gelu_grad(h: torch.Tensor) -> torch.Tensor:
@@ -183,11 +183,7 @@ class TitansMemory(Mixer):
 
     def __init__(self, cfg, layer_idx: int):
         super().__init__()
-        c = cfg.titans
-        if c.memory not in ("linear", "mlp"):
-            raise ValueError(f"model.titans.memory must be linear or mlp, got {c.memory!r}")
-        if c.chunk_size < 1:
-            raise ValueError(f"model.titans.chunk_size must be ≥ 1, got {c.chunk_size}")
+        c = cfg.titans   # ranges checked by TitansConfig (ModelConfig.validate)
         self.d_model = cfg.d_model
         self.n_heads = H = cfg.n_heads
         self.hd = d = cfg.hd
@@ -542,8 +538,6 @@ class TitansMAL(Mixer):
         super().__init__()
         self.d_model = cfg.d_model
         self.n_persist = cfg.titans.persistent_tokens
-        if self.n_persist < 0:
-            raise ValueError(f"model.titans.persistent_tokens must be ≥ 0, got {self.n_persist}")
         acfg = dataclasses.replace(cfg, attention=dataclasses.replace(cfg.attention, window=cfg.titans.window))
         self.memory = TitansMemory(cfg, layer_idx)
         self.memory.o_proj._is_residual_out = False   # feeds the attention, not the residual stream
@@ -680,10 +674,6 @@ class TitansMAC(Mixer):
         c = cfg.titans
         self.d_model = cfg.d_model
         self.n_persist, self.segment_len = c.persistent_tokens, c.segment_len
-        if self.n_persist < 0:
-            raise ValueError(f"model.titans.persistent_tokens must be ≥ 0, got {self.n_persist}")
-        if self.segment_len < 1:
-            raise ValueError(f"model.titans.segment_len must be ≥ 1, got {self.segment_len}")
         self.attn = Attention(cfg, layer_idx)
         self.memory = TitansMemory(cfg, layer_idx)
         # the branches feed the gate's norms, not the residual stream: no depth-scaled init
