@@ -1,6 +1,8 @@
-"""Tensor (and sequence) parallelism of DeltaNet, Gated DeltaNet, RG-LRU, Mamba, the Titans variants and a hybrid of every TP-ready
-kind against the single-process model, with two real gloo processes on CPU (and one check of
-TP=2 × DP=2 on four).
+"""Tensor (and sequence) parallelism of every TP-ready layer kind of the registry, alone and all in
+one model, against the single-process model, with two real gloo processes on CPU (and one check
+of TP=2 × DP=2 on four). Both models read packed rows (several documents per row, their
+position_ids given as the trainer gives the loader's): the RG-LRU's segment positions, and with
+``model.reset_at_doc_boundaries`` every layer's restart at each document start.
 
 The workers are spawned once per module fixture, run every check and report, per check, None or
 the failure's traceback; each test asserts one check.
@@ -67,8 +69,9 @@ def _groups():
 
 
 def _lm_vs_single(cfg, sp, dp_rank=0, decode=True):
-    """TP model = single-process model (``tp_lm_vs_single``); ``dp_rank`` picks the data-parallel
-    replica's batch (each replica checks its own); ``decode=False`` leaves out decoding."""
+    """TP model = single-process model (``tp_lm_vs_single``) on packed rows (their position_ids given
+    to both); ``dp_rank`` picks the data-parallel replica's batch (each replica checks its own);
+    ``decode=False`` leaves out decoding."""
     # heads or channels (dim 1) split by p; attention's k/v cache is checked by the decode itself
     tp_lm_vs_single(cfg, _groups(), sp, close, data_seed=dp_rank, decode=decode,
                     state_split=lambda blk, k, v: v.dim() >= 2 and k.split(".")[-1] not in ("k", "v"))
@@ -103,22 +106,44 @@ def check_refusals():
     assert type(m) is LM and isinstance(m.layers[0].mixer.linear_x, torch.nn.Linear), "refusal must change nothing"
 
 
+def _resets(pattern, **kw):
+    """The config with ``model.reset_at_doc_boundaries``: every layer restarts at each document start
+    of the packed rows (the LM's per-document path, through the TP layers)."""
+    cfg = _cfg(pattern, **kw)
+    cfg.reset_at_doc_boundaries = True
+    return cfg
+
+
 def _checks():
+    """Per TP-ready kind of the registry (``tp_ready_kinds``): the packed rows' positions with and
+    without sequence parallelism, and with document resets (no sequence parallelism, which refuses
+    them); the Titans MLP memory; every kind in one model."""
     out = [("fused_shards", check_fused_shards), ("refusals", check_refusals)]
-    for kind in ("deltanet", "gated_deltanet", "rglru", "mamba", "titans", "titans_mag", "titans_mal",
-                 "titans_mac", "lact"):
+    for kind in KINDS:
         for sp in (False, True):
             out.append((f"{kind}{'_sp' if sp else ''}", lambda k=kind, s=sp: _lm_vs_single(_cfg([k], d_ff=24), s)))
+        # decoding has no document layout: checked above
+        out.append((f"{kind}_resets", lambda k=kind: _lm_vs_single(_resets([k], d_ff=24), False, decode=False)))
     out.append(("titans_mlp_memory_sp", lambda: _lm_vs_single(_cfg(["titans"], titans_memory="mlp"), True)))
     out.append(("titans_mac_mlp_memory_sp", lambda: _lm_vs_single(_cfg(["titans_mac"], titans_memory="mlp"), True)))
+    # the MLP memory's norm gains (_no_weight_decay) are head parameters: their slices keep the flag
+    out.append(("titans_mac_mlp_memory_resets",
+                lambda: _lm_vs_single(_resets(["titans_mac"], titans_memory="mlp"), False, decode=False)))
     out.append(("hybrid", lambda: _lm_vs_single(_cfg(HYBRID, d_ff=24), False)))
     out.append(("hybrid_sp", lambda: _lm_vs_single(_cfg(HYBRID, d_ff=24), True)))
+    out.append(("hybrid_resets", lambda: _lm_vs_single(_resets(HYBRID, d_ff=24), False, decode=False)))
     return out
 
 
+def _tp_ready_kinds():
+    from ttt_lm.parallel.tp_model import tp_ready_kinds
+    return list(tp_ready_kinds())
+
+
+#: every TP-ready kind of the registry (the built-in ones: all of them declare a plan)
+KINDS = _tp_ready_kinds()
 #: every TP-ready kind in one model
-HYBRID = ["deltanet", "gated_deltanet", "rglru", "mamba", "titans", "titans_mag", "titans_mal", "titans_mac", "attention",
-          "local_attention", "ttt_linear"]
+HYBRID = KINDS
 
 
 def check_hybrid_tp2_dp2():
