@@ -153,14 +153,63 @@ def check_hybrid_tp2_dp2():
     _lm_vs_single(_cfg(HYBRID, d_ff=24), True, dp_rank=dist.get_rank() // TP, decode=False)
 
 
-CHECKS = _checks() + [("hybrid_tp2_dp2", check_hybrid_tp2_dp2)]
+def check_cp2_tp2_positions():
+    """4 ranks as CP=2 × TP=2: the context-parallel LM with its layers TP-split, given packed rows'
+    position_ids (it slices them per CP rank; the RG-LRU resets on both halves), equals the
+    single-process LM: the loss (mean over the CP ranks) and every gradient (averaged over the CP
+    ranks, gathered over the TP ranks). The trainer hands it the loader's positions the same way."""
+    import torch.nn.functional as F
+    from tests.parallel.tp_common import packed_positions
+    from ttt_lm.model.lm import LM
+    from ttt_lm.parallel.context_parallel import allreduce_gradients
+    from ttt_lm.parallel.cp_model import ContextParallelLM
+    from ttt_lm.parallel.groups import build_groups
+    from ttt_lm.parallel.tp_model import gather_tp_tensor, parallelize_tp
+    assert dist.get_world_size() == 4
+    groups = build_groups(tp_size=TP, cp_size=2)
+    cfg = _cfg(["rglru", "attention", "deltanet", "ttt_linear"], d_ff=24)
+    torch.manual_seed(0)
+    ref = LM(cfg).double()
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(7)
+        for prm in ref.parameters():
+            prm.add_(0.05 * torch.randn(prm.shape, generator=gen, dtype=prm.dtype))
+    cpm = ContextParallelLM(cfg, groups.cp_group).double()
+    cpm.load_state_dict(ref.state_dict())
+    parallelize_tp(cpm, groups)
+    B, T = 2, 10
+    gen = torch.Generator().manual_seed(100)
+    ids = torch.randint(0, cfg.vocab_size, (B, T), generator=gen)
+    labels = torch.randint(0, cfg.vocab_size, (B, T), generator=gen)
+    labels[0, :2] = -100
+    pos = packed_positions(B, T)
+    assert bool((pos[:, 1:T // 2] == 0).any()) and bool((pos[:, T // 2:] == 0).any()), pos
+    want = F.cross_entropy(ref(ids, position_ids=pos).logits.view(-1, cfg.vocab_size), labels.view(-1),
+                           ignore_index=-100)
+    want.backward()
+    cpm.train()
+    loss = cpm(ids, labels=labels, position_ids=pos).loss
+    loss.backward()
+    allreduce_gradients(cpm, groups.cp_group)
+    mean = loss.detach().clone()
+    dist.all_reduce(mean, group=groups.cp_group)
+    close(mean / 2, want.detach(), "loss")
+    refp = dict(ref.named_parameters())
+    for name, prm in cpm.named_parameters():
+        gfull = gather_tp_tensor(prm.grad, getattr(prm, "partition_dim", None), groups.tp_group,
+                                 getattr(prm, "partition_stride", 1))
+        close(gfull, refp[name].grad, f"grad {name}")
+
+
+CHECKS = _checks() + [("hybrid_tp2_dp2", check_hybrid_tp2_dp2), ("cp2_tp2_positions", check_cp2_tp2_positions)]
 
 
 def _spawn(tmp_path_factory, world, names):
     return spawn_checks(world, __name__, tmp_path_factory.mktemp("tp_mixers"), names=names)
 
 
-TP2_CHECKS = [n for n, _ in CHECKS if n != "hybrid_tp2_dp2"]
+FOUR_RANK_CHECKS = ["hybrid_tp2_dp2", "cp2_tp2_positions"]
+TP2_CHECKS = [n for n, _ in CHECKS if n not in FOUR_RANK_CHECKS]
 
 
 @pytest.fixture(scope="module")
@@ -177,5 +226,12 @@ def test_tp_mixer(results, check):
     _assert_ok(results, check)
 
 
-def test_hybrid_tp2_dp2(tmp_path_factory):
-    _assert_ok(_spawn(tmp_path_factory, 2 * TP, ["hybrid_tp2_dp2"]), "hybrid_tp2_dp2")
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    return _spawn(tmp_path_factory, 2 * TP, FOUR_RANK_CHECKS)
+
+
+@pytest.mark.parametrize("check", FOUR_RANK_CHECKS)
+def test_four_ranks(four_ranks, check):
+    """TP=2 × DP=2, and CP=2 × TP=2 with packed rows' positions."""
+    _assert_ok(four_ranks, check)
