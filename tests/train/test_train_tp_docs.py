@@ -4,7 +4,7 @@ on CPU, fp32, on a prepared corpus of short documents (3–4 document starts in 
 rows starting inside a document), so the loader's ``position_ids`` matter: TP=2 against one
 process, 3 steps.
 
-Presets (a representative set: each comparison costs ~60–80 s on a loaded 2-core machine; the module-level
+Presets (a representative set: each comparison costs ~35–80 s on a 2-core machine; the module-level
 checks of ``tests/parallel/test_tp_mixers.py`` cover every registered kind with packed positions,
 with and without resets, and the weight-decay group of every parameter):
 
