@@ -164,7 +164,13 @@ class SharedParamsModule(nn.Module):
 
 
 def _shard_param(p: nn.Parameter, dim: int, ctx: TPContext, stride: int = 1) -> nn.Parameter:
-    return _mark(nn.Parameter(_shard(p, dim, ctx, stride), requires_grad=p.requires_grad), dim, stride)
+    """This rank's slice of ``p`` as a new parameter that keeps ``p``'s own flags (e.g.
+    ``_no_weight_decay``, which the optimizer's parameter groups read: a slice that lost it would be
+    decayed under TP and not in one process)."""
+    q = nn.Parameter(_shard(p, dim, ctx, stride), requires_grad=p.requires_grad)
+    for k, v in vars(p).items():
+        setattr(q, k, v)
+    return _mark(q, dim, stride)
 
 
 def _shard_conv(conv: nn.Conv1d, ctx: TPContext, stride: int = 1) -> nn.Conv1d:
