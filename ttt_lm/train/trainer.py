@@ -561,10 +561,9 @@ def _train(cfg, data_api, preempt, held, extra_callbacks=()) -> int:
     cfg_yaml = to_yaml(cfg)
 
     def fwd_kw(b):
-        # with tensor parallelism nothing reads position_ids (check_parallel refuses
-        # reset_at_doc_boundaries and the RG-LRU, their users, with it); the context-parallel one
-        # hands them to the RG-LRU as segment positions. They stay on the host (see _pos).
-        return {} if tp > 1 else {"position_ids": _pos(b)}
+        # the document layout, whatever the parallel layout (TP, CP and their LMs take it as the LM
+        # does); on the host (see _pos)
+        return {"position_ids": _pos(b)}
 
     from ttt_lm.train.callbacks import (CheckpointCallback, EvalCallback, MetricsCallback, NonFiniteLossCallback,
                                         PreemptionCallback)
