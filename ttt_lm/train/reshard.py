@@ -30,7 +30,7 @@ dimension its ``partition_dim`` says, as ``parallelize_tp`` cut the weights.
 
 Nothing is approximated: the values are copied, so a resumed run continues from bit-identical
 weights and optimizer state; only the reduction order of the gradients differs with the rank
-count (see ``docs/training.md``, "On another number of data-parallel ranks").
+count (see ``docs/training.md``, "On another layout").
 """
 from __future__ import annotations
 

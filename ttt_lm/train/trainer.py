@@ -19,19 +19,15 @@ NonFiniteLossError after ``train.max_nonfinite_steps`` of them in a row. No chec
 while the last step's loss was non-finite, so the newest checkpoint is always one saved after a
 finite loss; the error names it, and a rerun resumes from it.
 
-Startup, in order: the SIGTERM/SIGUSR1 handler (installed by ``ttt_lm.train.main`` before the heavy
-imports; a signal during startup ends the run with PREEMPTED_EXIT_CODE and nothing to save), the
-config check, the process group, the run directory's lock (``ttt_lm.train.lock``: one run per
-``train.run_dir``), removal of what killed saves left behind, the choice of checkpoint (the newest
-that verifies, ``ttt_lm.train.checkpoint.select``) and the resume checks. A resumed run takes its
-optimizer hyperparameters from its own config (``ttt_lm.train.optim.apply_hyperparameters``) and
-says which changed.
-
-A checkpoint written on another number of data-parallel ranks (tensor- and context-parallel
-sizes unchanged) is resumed, with the same or another global batch (micro-batch × grad_accum ×
-data-parallel ranks; another one is said in one line): ``ttt_lm.train.reshard`` rebuilds the ZeRO
-optimizer state for the new partition count, and the loader states of all old ranks are merged
-(``ttt_lm.data.merge_states``) so that the global sample order continues at the next sample
+Startup, in order (``_train``, one build step a line or a function): the SIGTERM/SIGUSR1 handler
+(installed by ``ttt_lm.train.main`` before the heavy imports; a signal during startup ends the run
+with PREEMPTED_EXIT_CODE and nothing to save), the config check (``_check_config``: every rule once,
+before any process group), the process group, the run directory's lock (``ttt_lm.train.lock``: one
+run per ``train.run_dir``), removal of what killed saves left behind, then the resume, which
+``ttt_lm.train.resume.CheckpointManager`` owns: select → verify → check → loader → load or reshard →
+loader state → RNG → optimizer overrides. A checkpoint written on another number of data-parallel
+ranks or another tensor-parallel size (the context-parallel size unchanged) is resumed, with the
+same or another global batch, and the global sample order continues at the next sample
 (docs/training.md "Resuming"). Before every step the shards it reads are verified (``_DataStop``);
 a bad one stops the run like a preemption, with a checkpoint, before the step that would read it.
 """
