@@ -277,9 +277,10 @@ class CheckpointManager:
             # RNG states are per rank: on another layout each rank starts a stream of its own, from
             # the seed, its rank and the step
             seed_all(self.cfg.train.seed + 1 + g.rank + 1_000_003 * state["step"])
-            self.say(f"{ckpt} was written by {layout(s['dp_world'], s.get('tensor_parallel', 1))}, this run has "
-                     f"{layout(g.dp_size, g.tp_size)}: optimizer state resharded, the data order continues "
-                     f"({getattr(loader, 'total_streams', '?')} streams)")
+            tp_old = s.get("tensor_parallel", 1)
+            now = g.dp_size if tp_old == g.tp_size else layout(g.dp_size, g.tp_size)
+            self.say(f"{ckpt} was written by {layout(s['dp_world'], tp_old)}, this run has {now}: optimizer state "
+                     f"resharded, the data order continues ({getattr(loader, 'total_streams', '?')} streams)")
         else:
             state, rs = ck.load(engine, ckpt, g.rank)  # restores this rank's RNG states too
             loader.load_state_dict(rs["loader"])
