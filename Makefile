@@ -23,18 +23,23 @@ $(VENV)/.installed: pyproject.toml Makefile
 
 setup: $(VENV)/.installed
 
+# Test processes: one per CPU core (pytest-xdist); the compile gate's cases stay in one of them
+# (xdist_group "aot"), which compiles two at a time. TEST_JOBS=0 runs everything in this process.
+TEST_JOBS ?= auto
+XDIST = $(if $(filter 0,$(TEST_JOBS)),-p no:xdist,-n $(TEST_JOBS) --dist loadgroup)
+
 # Every test tier this machine can run (unit, dist, aot; slurm where Slurm can be installed; gpu with CUDA).
 test: setup
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(XDIST) --durations=25 $(PYTEST_ARGS)
 
 # The unit tier: every test in one process on the CPU (no dist, slurm, gpu or aot marker).
 test-unit: setup
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m unit $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(XDIST) -m unit $(PYTEST_ARGS)
 
 # What to run before every commit: the unit tier without its slow tests (in-process training runs,
 # Triton kernels swept under the interpreter, spawned processes); a few minutes on a 2-core CPU.
 test-fast: setup
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "unit and not slow" $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(XDIST) -m "unit and not slow" $(PYTEST_ARGS)
 
 data: setup
 	$(PY) -m ttt_lm.data.default_corpus

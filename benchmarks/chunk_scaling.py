@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ttt_lm.model.config import ModelConfig  # noqa: E402
 from ttt_lm.model.layers import init_weights  # noqa: E402
-from ttt_lm.model.mixers import build_mixer  # noqa: E402
+from ttt_lm.model.mixers import build_mixer, mixer_class  # noqa: E402
 
 #: name → (layer kind, settings of its sub-config)
 MIXERS = {
@@ -48,8 +48,6 @@ MIXERS = {
     "rglru": ("rglru", {}),
     "lact_op": (None, {"chunk_size": 256}),
 }
-_SUB = {"ttt_linear": "ttt", "ttt_mlp": "ttt", "titans": "titans", "deltanet": "deltanet",
-        "gated_deltanet": "gated_deltanet", "mamba": "mamba", "rglru": "rglru"}
 
 
 class LaCTOp(torch.nn.Module):
@@ -82,7 +80,7 @@ def build(name: str, d_model: int, n_heads: int, seed: int = 0):
         return LaCTOp(d_model, n_heads, **sub)
     cfg = ModelConfig(vocab_size=64, d_model=d_model, n_layers=1, n_heads=n_heads, layer_pattern=[kind])
     for k, v in sub.items():
-        setattr(getattr(cfg, _SUB[kind]), k, v)
+        setattr(getattr(cfg, mixer_class(kind).config_section), k, v)
     cfg.validate()
     torch.manual_seed(seed)
     m = build_mixer(kind, cfg, 0)

@@ -77,7 +77,7 @@ def read_config(path: str):
     from omegaconf import DictConfig, OmegaConf
 
     from ttt_lm.config import ConfigError, load_config
-    from ttt_lm.model import ModelConfig
+    from ttt_lm.model.config import model_config_from_dict
     try:
         raw = OmegaConf.load(path)
     except Exception as e:  # yaml syntax errors
@@ -91,7 +91,7 @@ def read_config(path: str):
             raise ArtifactError(f"{path}: {e}") from e
         return cfg.model, cfg.data.path, cfg.data.seq_len
     try:
-        mc = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), raw))
+        mc = model_config_from_dict(OmegaConf.to_container(raw))
         return mc.validate(), None, None
     except Exception as e:  # noqa: BLE001 - omegaconf and validate errors alike name the key
         raise ArtifactError(f"{path}: not a model config: {e}") from e

@@ -12,9 +12,10 @@ from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
 
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from ttt_lm.data.config import DataConfig
+from ttt_lm.model import registry
 from ttt_lm.model.config import ModelConfig
 from ttt_lm.train.config import (CheckpointConfig, EvalConfig, LoggingConfig, OptimConfig,
                                  ParallelConfig, TrainConfig, check_training_config)
@@ -59,26 +60,51 @@ def _schema():
     return OmegaConf.structured(ExperimentConfig)
 
 
+def _mixer_modules(layers: Sequence[DictConfig], model_key: Optional[str] = "model") -> List[str]:
+    """``model.mixer_modules`` as the layers (YAML files, then overrides) set it, the last one
+    winning, read before the schema exists: the modules register the mixer sections the schema
+    is built from."""
+    out: List[str] = []
+    for layer in layers:
+        node = layer.get(model_key) if model_key and isinstance(layer, DictConfig) else layer
+        if isinstance(node, DictConfig) and "mixer_modules" in node:
+            mods = node.get("mixer_modules")
+            out = [] if mods is None else [str(mods)] if isinstance(mods, str) else [str(m) for m in mods]
+    return out
+
+
 def load_config(path: Optional[str] = None, overrides: Sequence[str] = (), schema=None) -> ExperimentConfig:
-    """Return the resolved config as an ExperimentConfig object (validated)."""
-    cfg = _schema() if schema is None else schema
+    """Return the resolved config as an ExperimentConfig object (validated). The modules named
+    in ``model.mixer_modules`` (by the YAML or an override) are imported first, so the mixers
+    they register have their config sections in the schema."""
     layers = _read_yaml(path) if path else []
-    for i, layer in enumerate(layers):
-        try:
-            cfg = OmegaConf.merge(cfg, layer)
-        except OmegaConfBaseException as e:
-            raise ConfigError(f"config {path}: {_explain(e)}") from e
+    dots = []
     for ov in overrides:
         if "=" not in ov:
             raise ConfigError(f"override {ov!r} is not of the form key=value")
         try:
-            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([ov]))
+            dots.append(OmegaConf.from_dotlist([ov]))
         except OmegaConfBaseException as e:
             raise ConfigError(f"override {ov!r}: {_explain(e)}") from e
     try:
+        registry.import_mixer_modules(_mixer_modules(layers + dots))
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    cfg = _schema() if schema is None else schema
+    for i, layer in enumerate(layers):
+        try:
+            cfg = OmegaConf.merge(cfg, layer)
+        except OmegaConfBaseException as e:
+            raise ConfigError(f"config {path}: {_explain(e, cfg)}") from e
+    for ov, dot in zip(overrides, dots):
+        try:
+            cfg = OmegaConf.merge(cfg, dot)
+        except OmegaConfBaseException as e:
+            raise ConfigError(f"override {ov!r}: {_explain(e, cfg)}") from e
+    try:
         obj = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as e:
-        raise ConfigError(_explain(e)) from e
+        raise ConfigError(_explain(e, cfg)) from e
     try:
         obj.model.validate()
         if isinstance(obj, ExperimentConfig):
@@ -88,12 +114,25 @@ def load_config(path: Optional[str] = None, overrides: Sequence[str] = (), schem
     return obj
 
 
-def _explain(e: OmegaConfBaseException) -> str:
+def _explain(e: OmegaConfBaseException, schema=None) -> str:
+    """One line naming the key; for a key the schema lacks, the closest keys beside it (a mixer's
+    section suggests its own fields: ``model.ttt.mini_batch_siz`` → 'mini_batch_size')."""
     key = getattr(e, "full_key", None)
     msg = str(e).splitlines()[0]
-    if key:
-        return f"key '{key}': {msg}"
-    return msg
+    if not key:
+        return msg
+    hint = ""
+    if isinstance(e, ConfigKeyError) and schema is not None and "did you mean" not in msg.lower():
+        *parent, last = str(key).split(".")
+        node = schema
+        try:
+            for p in parent:
+                node = node[p]
+        except Exception:  # noqa: BLE001 - no hint where the path itself is unknown
+            node = None
+        if isinstance(node, DictConfig):
+            hint = registry.did_you_mean(last, list(node.keys()))
+    return f"key '{key}': {msg}{hint}"
 
 
 def to_yaml(cfg) -> str:

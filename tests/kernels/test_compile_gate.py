@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.aot
+#: one xdist group: the session's compile report is made once, in the process that runs these
+pytestmark = [pytest.mark.aot, pytest.mark.xdist_group("aot")]
 
 ROOT = Path(__file__).resolve().parents[2]
 ARCHS = (90, 80)

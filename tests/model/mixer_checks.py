@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import torch
 
+from ttt_lm.model import registry
 from ttt_lm.model.config import ModelConfig
 from ttt_lm.model.mixers import build_mixer
 
 
 def tiny_cfg(kind: str, **kw) -> ModelConfig:
     base = dict(vocab_size=64, d_model=32, n_layers=1, n_heads=2, layer_pattern=[kind])
-    sub = {k: kw.pop(k) for k in list(kw) if k in ("ttt", "attention", "rglru", "titans", "deltanet", "gated_deltanet", "mamba", "lact")}
+    sub = {k: kw.pop(k) for k in list(kw) if k in registry.sections()}   # section name → its fields
     base.update(kw)
     cfg = ModelConfig(**base)
     for name, d in sub.items():

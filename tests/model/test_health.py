@@ -29,7 +29,7 @@ import torch
 
 from ttt_lm.config import load_config
 from ttt_lm.model.lm import build_model
-from ttt_lm.model.registry import layer_kinds
+from ttt_lm.model.registry import builtin_kinds
 from ttt_lm.train.optim import param_groups
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -69,7 +69,7 @@ def _cases() -> List[Case]:
     cases = [Case(p.name, str(p), ()) for _, p in sorted(smallest.values(), key=lambda sp: sp[1].name)]
     cases.append(Case("tiny.yaml", str(CONFIGS / "tiny.yaml"), ()))
     covered = {k for fam in smallest for k in fam}
-    for kind in layer_kinds():
+    for kind in builtin_kinds():
         if kind not in covered:
             cases.append(Case(f"{kind} on sizes/125m.yaml", str(CONFIGS / "sizes" / "125m.yaml"),
                               (f"model.layer_pattern=[{kind}]",)))
@@ -92,7 +92,7 @@ def test_every_layer_kind_is_covered():
     reached = set()
     for case in CASES:
         reached.update(load_config(case.path, list(case.overrides)).model.layer_pattern)
-    assert set(layer_kinds()) <= reached, sorted(set(layer_kinds()) - reached)
+    assert set(builtin_kinds()) <= reached, sorted(set(builtin_kinds()) - reached)
 
 
 def _assert_finite(model, out, what: str) -> None:

@@ -84,12 +84,16 @@ def test_packed_documents_start_from_the_initial_weights():
 
 
 def test_bad_config_names_the_key():
-    for kw, key in [(dict(num_heads=3), "model.lact.num_heads"), (dict(chunk_size=0), "model.lact.chunk_size"),
-                    (dict(window=-1), "model.lact.window"), (dict(muon_dtype="fp8"), "model.lact.muon_dtype"),
-                    (dict(low_rank=-2), "model.lact.low_rank"), (dict(base_lr=0.0), "model.lact.base_lr")]:
-        cfg = tiny_cfg("lact", lact=dict(BASE, **kw))
+    """Ranges of one field are checked with the config (LaCTConfig), what depends on the model's
+    widths when the layer is built."""
+    for kw, key in [(dict(chunk_size=0), "model.lact.chunk_size"), (dict(window=-1), "model.lact.window"),
+                    (dict(muon_dtype="fp8"), "model.lact.muon_dtype"), (dict(low_rank=-2), "model.lact.low_rank"),
+                    (dict(base_lr=0.0), "model.lact.base_lr")]:
         with pytest.raises(ValueError, match=key.replace(".", r"\.")):
-            build_mixer("lact", cfg, 0)
+            tiny_cfg("lact", lact=dict(BASE, **kw))
+    cfg = tiny_cfg("lact", lact=dict(BASE, num_heads=3))
+    with pytest.raises(ValueError, match=r"model\.lact\.num_heads"):
+        build_mixer("lact", cfg, 0)
 
 
 def test_no_triton_kernel_is_refused_loudly():

@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from ttt_lm.model import registry
-from ttt_lm.model.config import LAYER_KINDS, ModelConfig
+from ttt_lm.model.config import ModelConfig
 from ttt_lm.model.mixers import Mixer, build_mixer, mixer_class
 from ttt_lm.model.mixers.base import CP_FORMS, SUMMARY_OPS, check_contract
 
+LAYER_KINDS = registry.builtin_kinds()
 PARALLEL = pathlib.Path(__file__).resolve().parents[2] / "ttt_lm" / "parallel"
 
 
@@ -73,8 +74,7 @@ def test_inconsistent_declarations_are_refused():
 
 
 def test_parallel_names_no_mixer_class_and_no_private_mixer_method():
-    for kind in registry.BUILTIN_KINDS:
-        mixer_class(kind)
+    registry.load_builtin_mixers()
     names = {cls.__name__ for cls in registry.registered().values()}
     names |= {base.__name__ for cls in registry.registered().values() for base in cls.__mro__
               if base.__module__.startswith("ttt_lm.model.mixers.") and base is not Mixer}

@@ -22,13 +22,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ttt_lm.model import LM, ModelConfig
-from ttt_lm.model.config import LAYER_KINDS
+from ttt_lm.model.registry import layer_kinds
 from ttt_lm.parallel import context_parallel as cp
 from tests.distributed import assert_within, spawn_checks
 
 TOL = 1e-9
 LM_PATTERN = ["attention", "rglru", "ttt_linear", "deltanet", "local_attention", "ttt_mlp",
               "titans", "mamba", "titans_mag", "gated_deltanet"]
+#: every layer kind of the registry
+KINDS = list(layer_kinds())
 
 
 def _tiny_lm(pattern, **ttt) -> LM:
@@ -157,13 +159,14 @@ def _packed_positions(T):
 def check_mixer(kind, rank, world, T, segment_pos=None):
     """One mixer (inside a 1-layer LM, for its initialization) through ``cp_mixer``: the
     summary / gather form for attention, RG-LRU, DeltaNet, Mamba; state passing otherwise.
-    ``segment_pos``: the RG-LRU's packed-row positions, sliced per rank."""
+    ``segment_pos``: packed-row positions, sliced per rank, given as the LM gives them (to the
+    mixers that read them, ``takes_segment_pos``)."""
     mixer = _tiny_lm([kind]).layers[0].mixer
     g = torch.Generator().manual_seed(3)
     x = torch.randn(2, T, 16, generator=g, dtype=torch.float64)
     w = torch.randn(2, T, 16, generator=g, dtype=torch.float64)
     xf = _leaf(x)
-    kw = {} if segment_pos is None else {"segment_pos": segment_pos}
+    kw = {} if segment_pos is None or not mixer.takes_segment_pos else {"segment_pos": segment_pos}
     y, _ = mixer(xf, **kw)
     (y * w).sum().backward()
     ref_grads = {n: p.grad.clone() for n, p in mixer.named_parameters() if p.grad is not None}
@@ -252,11 +255,13 @@ def _checks(rank, world):
            "lm_reference": lambda: check_lm(rank, world, T, ["local_attention", "rglru", "deltanet", "mamba",
                                                               "gated_deltanet"],
                                             "reference"),
-           # the loader's positions through the whole LM: RG-LRU resets on several ranks
-           "lm_positions": lambda: check_lm(rank, world, T, LM_PATTERN, position_ids=_packed_positions(T)),
+           # the loader's positions through the whole LM, every kind of the registry: RG-LRU resets
+           # on several ranks
+           "lm_positions": lambda: check_lm(rank, world, T, KINDS, position_ids=_packed_positions(T)),
            "mixer_rglru_positions": lambda: check_mixer("rglru", rank, world, T, _packed_positions(T))}
-    for kind in LAYER_KINDS:
-        out["mixer_" + kind] = (lambda kk: lambda: check_mixer(kk, rank, world, T))(kind)
+    for kind in KINDS:
+        # packed rows, as the trainer runs them
+        out["mixer_" + kind] = (lambda kk: lambda: check_mixer(kk, rank, world, T, _packed_positions(T)))(kind)
     return out
 
 
@@ -295,9 +300,10 @@ def test_gated_delta_rule_summaries(results):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("kind", LAYER_KINDS)
+@pytest.mark.parametrize("kind", KINDS)
 def test_mixer(results, kind):
-    """Every mixer through cp_mixer: outputs, input and parameter gradients."""
+    """Every mixer of the registry through cp_mixer on packed rows (their positions given as the LM
+    gives them): outputs, input and parameter gradients."""
     _assert_check(results, "mixer_" + kind)
 
 
@@ -331,7 +337,8 @@ def test_rglru_segment_positions(results):
 
 @pytest.mark.dist
 def test_lm_position_ids(results):
-    """The whole LM given position_ids (they reach the RG-LRU) equals the single-process run."""
+    """The whole LM with every layer kind of the registry, given packed rows' position_ids (they
+    reach the RG-LRU), equals the single-process run."""
     _assert_check(results, "lm_positions")
 
 

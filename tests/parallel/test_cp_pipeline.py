@@ -21,12 +21,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ttt_lm.model.registry import builtin_kinds, mixer_class
 from ttt_lm.parallel import context_parallel as cp
 from tests.distributed import assert_within, spawn_checks
 from tests.parallel.test_context_parallel import _bounds, _leaf, _maxdiff, _sum_grads, _tiny_lm
 
 TOL = 1e-9
-STATE_PASSING_KINDS = ["ttt_linear", "ttt_mlp", "titans", "lact"]
+#: every built-in kind that runs split across ranks by handing its state on (the registry's cp_form)
+STATE_PASSING_KINDS = [k for k in builtin_kinds() if mixer_class(k).cp_form == "state_passing"]
 HYBRID = ["attention", "ttt_linear", "rglru", "ttt_mlp", "deltanet", "titans"]
 T_OF = {2: 11, 4: 9}
 

@@ -1,6 +1,8 @@
 """The "Adding a mixer" example of docs/adding_a_mixer.md, run as it stands: its code block is executed, a tiny LM
 with the new kind is built, and the model runs through 2-rank tensor parallelism and 2-rank
-context parallelism (real gloo processes on CPU), compared with one process.
+context parallelism (real gloo processes on CPU), compared with one process. Its config section
+(``model.gated_sum``) is read, checked and, through ``python train.py`` with
+``model.gated_sum.width=8`` on the command line, trained for 2 steps.
 
 Tolerance: float64 throughout. The parallel runs reorder sums only (row-parallel partial sums
 added by an all-reduce; chunk summaries combined across ranks), so they agree with one process
@@ -114,6 +116,64 @@ def test_a_plan_that_does_not_fit_is_refused_before_any_change(monkeypatch):
     with pytest.raises(ValueError, match=r"names attribute\(s\) the mixer does not have: \['q_proj'\]"):
         _check(model, 2, False)
     assert type(model.layers[0].mixer.a_proj) is torch.nn.Linear   # untouched
+
+
+def test_readme_mixer_section_is_read_from_its_config():
+    """``model.gated_sum`` comes from the example's own dataclass: its fields set the layer, a
+    misspelt field is named with the right one, a value out of range is refused."""
+    load_readme_mixer()
+    from ttt_lm.config import ConfigError, load_config
+    cfg = _cfg([KIND, "attention"])
+    assert cfg.gated_sum.width is None and _model(cfg).layers[0].mixer.width == 16
+    cfg.gated_sum.width, cfg.gated_sum.chunk_size = 6, 4
+    mx = _model(cfg).layers[0].mixer
+    assert (mx.width, mx.chunk_size, tuple(mx.a_proj.weight.shape)) == (6, 4, (6, 16))
+    base = ["model.layer_pattern=[gated_sum,attention]"]
+    with pytest.raises(ConfigError, match=r"model\.gated_sum\.widht.*'width'"):
+        load_config("configs/tiny.yaml", base + ["model.gated_sum.widht=8"])
+    with pytest.raises(ConfigError, match=r"model\.gated_sum\.chunk_size must be >= 1, got 0"):
+        load_config("configs/tiny.yaml", base + ["model.gated_sum.chunk_size=0"])
+
+
+@pytest.mark.slow
+def test_readme_mixer_trains_through_train_py_with_its_section_from_the_command_line(tmp_path):
+    """A user's run: the page's block saved as a module, named in ``model.mixer_modules``, and
+    ``python train.py`` with ``model.gated_sum.width=8`` for 2 steps; the checkpoint's model (built
+    again from the run's saved config) has 8 channels, and the saved config keeps the section."""
+    import os
+    import subprocess
+
+    from omegaconf import OmegaConf
+
+    from tests.data.corpus import SHARD_TOKENS, VOCAB, make_texts, write_corpus
+    from ttt_lm.data.prepare import prepare
+    load_readme_mixer()
+    root = pathlib.Path(__file__).resolve().parents[2]
+    plugin = tmp_path / "plugin"
+    plugin.mkdir()
+    (plugin / "readme_adding_a_mixer.py").write_text(readme_block())
+    data = str(tmp_path / "data")
+    prepare([write_corpus(str(tmp_path / "raw"), make_texts(12))], data, vocab_size=VOCAB,
+            shard_tokens=SHARD_TOKENS, val_fraction=0.1, workers=1, progress=False)
+    run_dir = tmp_path / "run"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(root), str(plugin)]))
+    r = subprocess.run([sys.executable, "train.py", "configs/tiny.yaml", f"data.path={data}",
+                        f"model.vocab_size={VOCAB + 20}", "model.d_model=32", "model.n_layers=2", "model.n_heads=2",
+                        "model.layer_pattern=[gated_sum,attention]", "model.mixer_modules=[readme_adding_a_mixer]",
+                        "model.gated_sum.width=8", "model.gated_sum.chunk_size=4", "data.seq_len=16",
+                        "train.micro_batch_size=2", "train.max_steps=2", "optim.warmup_steps=1", "eval.every=0",
+                        "logging.tensorboard=false", "logging.progress=false", "train.device=cpu",
+                        f"train.run_dir={run_dir}"],
+                       cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    saved = OmegaConf.load(run_dir / "config.yaml").model
+    assert (saved.gated_sum.width, saved.gated_sum.chunk_size, list(saved.mixer_modules)) == \
+        (8, 4, ["readme_adding_a_mixer"])
+    from ttt_lm.eval.checkpoint import load_checkpoint
+    model = load_checkpoint(str(run_dir)).model
+    mx = model.layers[0].mixer
+    assert type(mx).layer_kind == KIND and (mx.width, mx.chunk_size) == (8, 4)
+    assert tuple(mx.a_proj.weight.shape) == (8, 32) and tuple(mx.o_proj.weight.shape) == (32, 8)
 
 
 # ---- in 2 processes ------------------------------------------------------------------------------

@@ -1,6 +1,8 @@
-"""Tensor (and sequence) parallelism of DeltaNet, Gated DeltaNet, RG-LRU, Mamba, the Titans variants and a hybrid of every TP-ready
-kind against the single-process model, with two real gloo processes on CPU (and one check of
-TP=2 × DP=2 on four).
+"""Tensor (and sequence) parallelism of every TP-ready layer kind of the registry, alone and all in
+one model, against the single-process model, with two real gloo processes on CPU (and one check
+of TP=2 × DP=2 on four). Both models read packed rows (several documents per row, their
+position_ids given as the trainer gives the loader's): the RG-LRU's segment positions, and with
+``model.reset_at_doc_boundaries`` every layer's restart at each document start.
 
 The workers are spawned once per module fixture, run every check and report, per check, None or
 the failure's traceback; each test asserts one check.
@@ -67,8 +69,9 @@ def _groups():
 
 
 def _lm_vs_single(cfg, sp, dp_rank=0, decode=True):
-    """TP model = single-process model (``tp_lm_vs_single``); ``dp_rank`` picks the data-parallel
-    replica's batch (each replica checks its own); ``decode=False`` leaves out decoding."""
+    """TP model = single-process model (``tp_lm_vs_single``) on packed rows (their position_ids given
+    to both); ``dp_rank`` picks the data-parallel replica's batch (each replica checks its own);
+    ``decode=False`` leaves out decoding."""
     # heads or channels (dim 1) split by p; attention's k/v cache is checked by the decode itself
     tp_lm_vs_single(cfg, _groups(), sp, close, data_seed=dp_rank, decode=decode,
                     state_split=lambda blk, k, v: v.dim() >= 2 and k.split(".")[-1] not in ("k", "v"))
@@ -103,22 +106,44 @@ def check_refusals():
     assert type(m) is LM and isinstance(m.layers[0].mixer.linear_x, torch.nn.Linear), "refusal must change nothing"
 
 
+def _resets(pattern, **kw):
+    """The config with ``model.reset_at_doc_boundaries``: every layer restarts at each document start
+    of the packed rows (the LM's per-document path, through the TP layers)."""
+    cfg = _cfg(pattern, **kw)
+    cfg.reset_at_doc_boundaries = True
+    return cfg
+
+
 def _checks():
+    """Per TP-ready kind of the registry (``tp_ready_kinds``): the packed rows' positions with and
+    without sequence parallelism, and with document resets (no sequence parallelism, which refuses
+    them); the Titans MLP memory; every kind in one model."""
     out = [("fused_shards", check_fused_shards), ("refusals", check_refusals)]
-    for kind in ("deltanet", "gated_deltanet", "rglru", "mamba", "titans", "titans_mag", "titans_mal",
-                 "titans_mac", "lact"):
+    for kind in KINDS:
         for sp in (False, True):
             out.append((f"{kind}{'_sp' if sp else ''}", lambda k=kind, s=sp: _lm_vs_single(_cfg([k], d_ff=24), s)))
+        # decoding has no document layout: checked above
+        out.append((f"{kind}_resets", lambda k=kind: _lm_vs_single(_resets([k], d_ff=24), False, decode=False)))
     out.append(("titans_mlp_memory_sp", lambda: _lm_vs_single(_cfg(["titans"], titans_memory="mlp"), True)))
     out.append(("titans_mac_mlp_memory_sp", lambda: _lm_vs_single(_cfg(["titans_mac"], titans_memory="mlp"), True)))
+    # the MLP memory's norm gains (_no_weight_decay) are head parameters: their slices keep the flag
+    out.append(("titans_mac_mlp_memory_resets",
+                lambda: _lm_vs_single(_resets(["titans_mac"], titans_memory="mlp"), False, decode=False)))
     out.append(("hybrid", lambda: _lm_vs_single(_cfg(HYBRID, d_ff=24), False)))
     out.append(("hybrid_sp", lambda: _lm_vs_single(_cfg(HYBRID, d_ff=24), True)))
+    out.append(("hybrid_resets", lambda: _lm_vs_single(_resets(HYBRID, d_ff=24), False, decode=False)))
     return out
 
 
+def _tp_ready_kinds():
+    from ttt_lm.parallel.tp_model import tp_ready_kinds
+    return list(tp_ready_kinds())
+
+
+#: every TP-ready kind of the registry (the built-in ones: all of them declare a plan)
+KINDS = _tp_ready_kinds()
 #: every TP-ready kind in one model
-HYBRID = ["deltanet", "gated_deltanet", "rglru", "mamba", "titans", "titans_mag", "titans_mal", "titans_mac", "attention",
-          "local_attention", "ttt_linear"]
+HYBRID = KINDS
 
 
 def check_hybrid_tp2_dp2():
@@ -128,14 +153,63 @@ def check_hybrid_tp2_dp2():
     _lm_vs_single(_cfg(HYBRID, d_ff=24), True, dp_rank=dist.get_rank() // TP, decode=False)
 
 
-CHECKS = _checks() + [("hybrid_tp2_dp2", check_hybrid_tp2_dp2)]
+def check_cp2_tp2_positions():
+    """4 ranks as CP=2 × TP=2: the context-parallel LM with its layers TP-split, given packed rows'
+    position_ids (it slices them per CP rank; the RG-LRU resets on both halves), equals the
+    single-process LM: the loss (mean over the CP ranks) and every gradient (averaged over the CP
+    ranks, gathered over the TP ranks). The trainer hands it the loader's positions the same way."""
+    import torch.nn.functional as F
+    from tests.parallel.tp_common import packed_positions
+    from ttt_lm.model.lm import LM
+    from ttt_lm.parallel.context_parallel import allreduce_gradients
+    from ttt_lm.parallel.cp_model import ContextParallelLM
+    from ttt_lm.parallel.groups import build_groups
+    from ttt_lm.parallel.tp_model import gather_tp_tensor, parallelize_tp
+    assert dist.get_world_size() == 4
+    groups = build_groups(tp_size=TP, cp_size=2)
+    cfg = _cfg(["rglru", "attention", "deltanet", "ttt_linear"], d_ff=24)
+    torch.manual_seed(0)
+    ref = LM(cfg).double()
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(7)
+        for prm in ref.parameters():
+            prm.add_(0.05 * torch.randn(prm.shape, generator=gen, dtype=prm.dtype))
+    cpm = ContextParallelLM(cfg, groups.cp_group).double()
+    cpm.load_state_dict(ref.state_dict())
+    parallelize_tp(cpm, groups)
+    B, T = 2, 10
+    gen = torch.Generator().manual_seed(100)
+    ids = torch.randint(0, cfg.vocab_size, (B, T), generator=gen)
+    labels = torch.randint(0, cfg.vocab_size, (B, T), generator=gen)
+    labels[0, :2] = -100
+    pos = packed_positions(B, T)
+    assert bool((pos[:, 1:T // 2] == 0).any()) and bool((pos[:, T // 2:] == 0).any()), pos
+    want = F.cross_entropy(ref(ids, position_ids=pos).logits.view(-1, cfg.vocab_size), labels.view(-1),
+                           ignore_index=-100)
+    want.backward()
+    cpm.train()
+    loss = cpm(ids, labels=labels, position_ids=pos).loss
+    loss.backward()
+    allreduce_gradients(cpm, groups.cp_group)
+    mean = loss.detach().clone()
+    dist.all_reduce(mean, group=groups.cp_group)
+    close(mean / 2, want.detach(), "loss")
+    refp = dict(ref.named_parameters())
+    for name, prm in cpm.named_parameters():
+        gfull = gather_tp_tensor(prm.grad, getattr(prm, "partition_dim", None), groups.tp_group,
+                                 getattr(prm, "partition_stride", 1))
+        close(gfull, refp[name].grad, f"grad {name}")
+
+
+CHECKS = _checks() + [("hybrid_tp2_dp2", check_hybrid_tp2_dp2), ("cp2_tp2_positions", check_cp2_tp2_positions)]
 
 
 def _spawn(tmp_path_factory, world, names):
     return spawn_checks(world, __name__, tmp_path_factory.mktemp("tp_mixers"), names=names)
 
 
-TP2_CHECKS = [n for n, _ in CHECKS if n != "hybrid_tp2_dp2"]
+FOUR_RANK_CHECKS = ["hybrid_tp2_dp2", "cp2_tp2_positions"]
+TP2_CHECKS = [n for n, _ in CHECKS if n not in FOUR_RANK_CHECKS]
 
 
 @pytest.fixture(scope="module")
@@ -152,5 +226,12 @@ def test_tp_mixer(results, check):
     _assert_ok(results, check)
 
 
-def test_hybrid_tp2_dp2(tmp_path_factory):
-    _assert_ok(_spawn(tmp_path_factory, 2 * TP, ["hybrid_tp2_dp2"]), "hybrid_tp2_dp2")
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    return _spawn(tmp_path_factory, 2 * TP, FOUR_RANK_CHECKS)
+
+
+@pytest.mark.parametrize("check", FOUR_RANK_CHECKS)
+def test_four_ranks(four_ranks, check):
+    """TP=2 × DP=2, and CP=2 × TP=2 with packed rows' positions."""
+    _assert_ok(four_ranks, check)

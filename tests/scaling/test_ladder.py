@@ -63,6 +63,19 @@ def test_shape_rule():
         Lm.shape_for(fam, 10.0)
 
 
+def test_mixer_sections_scale_with_the_width():
+    """Sections whose sizes follow the width say how (their ``scaled``): GQA keeps its query heads
+    per KV head, an explicit RG-LRU width grows with d_model (to a multiple of the head width) and
+    its gate blocks follow the heads; a section without ``scaled`` is copied."""
+    from ttt_lm.model.config import ModelConfig
+    fam = ModelConfig(d_model=128, n_heads=4, n_layers=3, layer_pattern=["rglru", "rglru", "attention"])
+    fam.attention.num_kv_heads, fam.rglru.lru_width, fam.rglru.num_heads, fam.mamba.d_state = 2, 192, 4, 8
+    m = Lm.shaped(fam, 6, 64, 64)   # d_model 384, 6 heads of 64
+    assert (m.d_model, m.n_heads) == (384, 6)
+    assert m.attention.num_kv_heads == 3 and (m.rglru.lru_width, m.rglru.num_heads) == (576, 6)
+    assert m.mamba == fam.mamba and (fam.attention.num_kv_heads, fam.rglru.lru_width) == (2, 192)
+
+
 TINY = ["model.vocab_size=512", "data.seq_len=64", "train.micro_batch_size=4"]
 
 

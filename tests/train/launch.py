@@ -52,7 +52,12 @@ class Run:
 
 
 def spawn(run_dir: str, overrides: Sequence[str] = (), nprocs: int = 1, env: Optional[Dict[str, str]] = None,
-          tag: str = "run") -> Run:
+          tag: str = "run", preset: Optional[str] = None) -> Run:
+    """``nprocs`` ranks of the runner (synthetic data, the ``TINY`` model); with ``preset`` (a config
+    path relative to the repository) ranks of ``train.py <preset>`` instead, as a user starts it
+    (with torchrun's environment), without ``TINY``."""
+    head = [RUNNER] if preset is None else [os.path.join(REPO, "train.py"), preset]
+    tail = TINY if preset is None else []
     port = str(free_port())
     procs, logs = [], []
     os.makedirs(run_dir, exist_ok=True)
@@ -66,15 +71,15 @@ def spawn(run_dir: str, overrides: Sequence[str] = (), nprocs: int = 1, env: Opt
         e.update(env or {})
         log = os.path.join(os.path.dirname(run_dir.rstrip("/")), f"{os.path.basename(run_dir)}.{tag}.rank{r}.log")
         with open(log, "w") as f:
-            procs.append(subprocess.Popen([sys.executable, RUNNER, f"train.run_dir={run_dir}", *TINY, *overrides],
+            procs.append(subprocess.Popen([sys.executable, *head, f"train.run_dir={run_dir}", *tail, *overrides],
                                           stdout=f, stderr=subprocess.STDOUT, env=e, cwd=REPO))
         logs.append(log)
     return Run(procs, logs, run_dir)
 
 
 def run(run_dir: str, overrides: Sequence[str] = (), nprocs: int = 1, env=None, tag="run", timeout=180,
-        expect: Optional[int] = 0) -> Run:
-    r = spawn(run_dir, overrides, nprocs, env, tag)
+        expect: Optional[int] = 0, preset: Optional[str] = None) -> Run:
+    r = spawn(run_dir, overrides, nprocs, env, tag, preset)
     rcs = r.wait(timeout)
     if expect is not None:
         # rank 0's log, and that of every other rank that exited otherwise (a crash there, e.g. an

@@ -152,7 +152,10 @@ def test_tp_layout_refusals():
         check_parallel(cfg, world_size=2)
     cfg = _attn_cfg(tensor_parallel=2)
     cfg.model.reset_at_doc_boundaries = True
-    with pytest.raises(ParallelConfigError, match="reset_at_doc_boundaries"):
+    check_parallel(cfg, world_size=2)  # document resets run under TP (tests/parallel/test_tp_mixers.py)
+    cfg.parallel.sequence_parallel = True
+    with pytest.raises(ParallelConfigError, match="reset_at_doc_boundaries=true is not available with "
+                                                  "parallel.sequence_parallel=true"):
         check_parallel(cfg, world_size=2)
 
 

@@ -12,10 +12,7 @@ import torch
 
 from ttt_lm.env import detect_env, missing_rendezvous
 from ttt_lm.model import LM
-
-#: layer kinds whose cost and positional range grow with the context (no window)
-GLOBAL_ATTENTION = ("attention",)
-
+from ttt_lm.model.registry import kinds_with
 
 class EvalError(ValueError):
     """An eval input that cannot be used (checkpoint, data, tokenizer, context length); the message
@@ -27,7 +24,9 @@ def check_context(model: LM, length: int, what: str = "context") -> None:
     layers: it was built (RoPE range, memory plan) for at most that many positions. Recurrent and
     windowed layers have no such bound."""
     cfg = model.cfg
-    glob = [k for k in cfg.layer_kinds() if k in GLOBAL_ATTENTION]
+    # the layers whose mixer declares global_attention (its cost and positional range grow with
+    # the context: no window)
+    glob = kinds_with(lambda cls: cls.global_attention, cfg.layer_kinds())
     if glob and length > cfg.max_seq_len:
         raise EvalError(f"{what} length {length} exceeds model.max_seq_len={cfg.max_seq_len} of a model with "
                         f"global attention layers ({len(glob)} of {cfg.n_layers}: {sorted(set(cfg.layer_kinds()))}); "

@@ -50,7 +50,8 @@ from lm_eval.models.utils import Collator
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from ttt_lm.eval.checkpoint import load_checkpoint, missing_tokenizer
-from ttt_lm.eval.common import EvalError, GLOBAL_ATTENTION, check_vocab, dtype_of, pick_device, progress
+from ttt_lm.eval.common import EvalError, check_vocab, dtype_of, pick_device, progress
+from ttt_lm.model.registry import mixer_class
 from ttt_lm.model.lm import mask_vocab, sample_next
 
 #: a scoring item: the whole token sequence and how many of its last tokens are scored
@@ -119,7 +120,7 @@ class TTTLMHarness(HarnessLM):
         self.batch_size = _batch_size(batch_size)
         kinds = self.model.cfg.layer_kinds()
         #: tokens a model with global attention can see; None = unbounded (state carried)
-        self.max_length = self.model.cfg.max_seq_len if any(k in GLOBAL_ATTENTION for k in kinds) else None
+        self.max_length = self.model.cfg.max_seq_len if any(mixer_class(k).global_attention for k in kinds) else None
 
     # ---- tokens --------------------------------------------------------------------------------
     @property

@@ -24,12 +24,11 @@ _DERIVED = {"vocab_size": "vocab_size", "hidden_size": "d_model", "num_hidden_la
 def model_config_from_dict(d: Optional[dict]):
     """A validated :class:`ttt_lm.model.ModelConfig` from its dict (None: the defaults); an
     unknown key or a wrong type raises a ValueError naming it."""
-    from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    from ttt_lm.model.config import ModelConfig
+    from ttt_lm.model.config import model_config_from_dict as from_dict
     try:
-        mc = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), d or {}))
+        mc = from_dict(d)
     except OmegaConfBaseException as e:
         raise ValueError(f"config.json: the ttt_lm model config is not valid: {e}") from None
     return mc.validate()

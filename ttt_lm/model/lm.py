@@ -190,8 +190,7 @@ class LM(nn.Module):
         """Tell the layers with a training schedule of their own which optimizer step (1-based)
         comes next: TTT's inner base learning-rate warmup (``model.ttt.base_lr_init``)."""
         for b in self.layers:
-            if hasattr(b.mixer, "set_train_step"):
-                b.mixer.set_train_step(step)
+            b.mixer.set_train_step(step)
         return self
 
     def set_kernel_backend(self, backend: str) -> "LM":
@@ -220,7 +219,7 @@ class LM(nn.Module):
         for i, b in enumerate(self.layers):
             m = b.mixer
             if not m.uses_kernel_op:
-                out[b.kind] = f"attention:{getattr(m, 'backend', 'auto')}"
+                out[b.kind] = f"attention:{m.requested_backend()}"
                 continue
             try:
                 out[b.kind] = str(m.resolve_backend(device))

@@ -417,6 +417,8 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = ctx.rank * (num_embeddings // p)
         self.vocab_end = self.vocab_start + num_embeddings // p
         self.weight = _mark(nn.Parameter(torch.empty(num_embeddings // p, embedding_dim, device=device, dtype=dtype)), 0)
+        # not an nn.Embedding, which the optimizer's parameter groups leave undecayed: say so on the weight
+        self.weight._no_weight_decay = True
 
     @classmethod
     def from_embedding(cls, emb: nn.Embedding, ctx: TPContext) -> "VocabParallelEmbedding":

@@ -48,11 +48,12 @@ from typing import Dict, List, Optional
 import torch
 from torch import nn
 
-from ttt_lm.model.config import LAYER_KINDS, ModelConfig
+from ttt_lm.model.config import ModelConfig
 from ttt_lm.model.layers import GatedMLP, RMSNorm, acc
 from ttt_lm.model.lm import LM, LMOutput
 from ttt_lm.model.mixers import Mixer, mixer_class
 from ttt_lm.model.mixers.base import TPPlan
+from ttt_lm.model.registry import builtin_kinds
 from ttt_lm.parallel.groups import ParallelGroups
 from ttt_lm.parallel.tensor_parallel import (
     ColumnParallelLinear, RowParallelLinear, TPContext, VocabParallelEmbedding, _all_gather, _mark, _shard,
@@ -69,7 +70,7 @@ def tp_ready_kinds(cfg: Optional[ModelConfig] = None) -> tuple:
 
 
 #: the built-in TP-ready layer kinds
-TP_READY_KINDS = tuple(k for k in tp_ready_kinds() if k in LAYER_KINDS)
+TP_READY_KINDS = tuple(k for k in tp_ready_kinds() if k in builtin_kinds())
 
 
 class RegionEntryRMSNorm(RMSNorm):
@@ -163,7 +164,13 @@ class SharedParamsModule(nn.Module):
 
 
 def _shard_param(p: nn.Parameter, dim: int, ctx: TPContext, stride: int = 1) -> nn.Parameter:
-    return _mark(nn.Parameter(_shard(p, dim, ctx, stride), requires_grad=p.requires_grad), dim, stride)
+    """This rank's slice of ``p`` as a new parameter that keeps ``p``'s own flags (e.g.
+    ``_no_weight_decay``, which the optimizer's parameter groups read: a slice that lost it would be
+    decayed under TP and not in one process)."""
+    q = nn.Parameter(_shard(p, dim, ctx, stride), requires_grad=p.requires_grad)
+    for k, v in vars(p).items():
+        setattr(q, k, v)
+    return _mark(q, dim, stride)
 
 
 def _shard_conv(conv: nn.Conv1d, ctx: TPContext, stride: int = 1) -> nn.Conv1d:

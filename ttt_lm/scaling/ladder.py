@@ -130,14 +130,10 @@ def shaped(family_model, n_layers: int, head_dim: int, aspect: float):
     m.d_model, m.n_layers, m.n_heads, m.head_dim = d, n_layers, d // head_dim, None
     if family_model.d_ff not in (0,):
         m.d_ff = _round_up(family_model.ff * d / f_d, 16)
-    kv = family_model.attention.num_kv_heads
-    if kv is not None:
-        group = max(1, family_model.n_heads // kv)
-        m.attention.num_kv_heads = max(1, m.n_heads // group) if m.n_heads % max(1, m.n_heads // group) == 0 else 1
-    if family_model.rglru.lru_width is not None:
-        m.rglru.lru_width = _round_up(family_model.rglru.lru_width * d / f_d, head_dim)
-    if family_model.rglru.num_heads is not None:
-        m.rglru.num_heads = m.n_heads
+    # each mixer section that depends on the width says how it scales (``scaled``, in its file)
+    for name, section in family_model.sections().items():
+        if callable(getattr(section, "scaled", None)):
+            setattr(m, name, section.scaled(family_model, m))
     return m.validate()
 
 

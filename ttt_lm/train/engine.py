@@ -89,10 +89,11 @@ def check_parallel(cfg, world_size: Optional[int] = None) -> None:
             raise ParallelConfigError(
                 f"parallel.sequence_parallel splits each sequence across tensor_parallel={tp} ranks: "
                 f"data.seq_len={cfg.data.seq_len} must be a multiple of it")
-        if m.reset_at_doc_boundaries:
+        if m.reset_at_doc_boundaries and p.sequence_parallel:
             raise ParallelConfigError(
-                "model.reset_at_doc_boundaries=true is not available with parallel.tensor_parallel > 1 "
-                "(the tensor-parallel trainer does not pass position_ids); use tensor_parallel=1")
+                "model.reset_at_doc_boundaries=true is not available with parallel.sequence_parallel=true (each "
+                "document piece would be split across the tensor-parallel ranks); set parallel.sequence_parallel=false "
+                "(tensor parallelism itself runs with document resets)")
     if p.zero_stage not in (1, 2, 3):
         raise ParallelConfigError(f"parallel.zero_stage must be 1, 2 or 3, got {p.zero_stage}")
 

@@ -315,13 +315,10 @@ def _startup_lines(cfg, resume, step, world, device, dp_world, n_params, backend
         print(f"[train] {finished_note(resume, step, t.max_steps)}", flush=True)
 
 
-def _forward_kwargs(tp: int):
-    def fwd_kw(b):
-        # with tensor parallelism nothing reads position_ids (check_parallel refuses
-        # reset_at_doc_boundaries and the RG-LRU, their users, with it); the context-parallel one
-        # hands them to the RG-LRU as segment positions. They stay on the host (see _pos).
-        return {} if tp > 1 else {"position_ids": _pos(b)}
-    return fwd_kw
+def _forward_kwargs(b) -> dict:
+    # the document layout, whatever the parallel layout (TP, CP and their LMs take it as the LM
+    # does); on the host (see _pos)
+    return {"position_ids": _pos(b)}
 
 
 def _end_lines(cfg, ckpt_root: str) -> None:
@@ -400,7 +397,7 @@ def _train(cfg, data_api, preempt, held, extra_callbacks=()) -> int:
     ]
     trainer = Trainer(engine=engine, scheduler=sched, batches=iter(loader), device=dev, max_steps=t.max_steps,
                       grad_accum=t.grad_accum, rank=rank, world=world, dp_world=dp_world, callbacks=callbacks,
-                      signalled=lambda: preempt.requested or data_stop.check(), forward_kwargs=_forward_kwargs(tp),
+                      signalled=lambda: preempt.requested or data_stop.check(), forward_kwargs=_forward_kwargs,
                       after_backward=(lambda: (wait_pending(), model.release_parameters())) if cp > 1 else None,
                       stop_after=t.stop_after, step=at.step, tokens=at.tokens, skipped_total=at.skipped_total,
                       nonfinite_run=at.nonfinite_run,

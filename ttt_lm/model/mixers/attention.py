@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import torch
@@ -38,7 +38,38 @@ from torch import nn
 from ttt_lm.model.backend import Backend, flash_attn_func
 from ttt_lm.model.layers import acc, apply_rope, rope_cos_sin
 from ttt_lm.model.mixers.base import Mixer, MixerState, TPPlan
-from ttt_lm.model.registry import register_mixer
+from ttt_lm.model.registry import option, register_mixer
+
+
+#: model.attention.backend: SDPA, flex attention, flash-attn, or the explicit softmax; auto picks
+ATTENTION_BACKENDS = ("auto", "sdpa", "flex", "flash", "math")
+
+
+@dataclass
+class AttentionConfig:
+    """``model.attention``: global and local attention (one section for both kinds; the
+    attention branches of Titans MAG, MAL and MAC read num_kv_heads, rope_theta and backend)."""
+    num_kv_heads: Optional[int] = option(None, ge=1)  # grouped/multi-query attention; None = n_heads
+    window: int = option(1024, ge=1)    # sliding window of "local_attention" layers (keys t-window+1..t)
+    rope_theta: float = 10000.0
+    backend: str = "auto"               # auto | sdpa | flex | flash | math
+
+    def validate(self, model) -> None:
+        if self.backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"model.attention.backend must be auto, sdpa, flex, flash or math, got {self.backend!r}")
+        kv = self.num_kv_heads
+        if kv is not None and model.n_heads % kv != 0:
+            raise ValueError(f"model.attention.num_kv_heads={kv} must divide model.n_heads={model.n_heads}")
+
+    def scaled(self, family, model) -> "AttentionConfig":
+        """This section for ``model``, the family's model ``family`` at another width
+        (``ttt_lm.scaling.ladder``): the query heads per KV head kept where they divide."""
+        kv = self.num_kv_heads
+        if kv is None:
+            return self
+        group = max(1, family.n_heads // kv)
+        n = max(1, model.n_heads // group)
+        return replace(self, num_kv_heads=n if model.n_heads % n == 0 else 1)
 
 def _window_mask(tq: int, tk: int, window: Optional[int], device) -> torch.Tensor:
     """Boolean [tq, tk] mask, True where query i may see key j; the last query and the last key
@@ -86,9 +117,11 @@ def _flex_block_mask(T: int, window: Optional[int], device: str):
     return create_block_mask(mask_mod, None, None, T, T, device=device)
 
 
-@register_mixer("attention")
+@register_mixer("attention", config=AttentionConfig)
 class Attention(Mixer):
     window: Optional[int] = None
+    #: every earlier key: cost and RoPE range grow with the context (LocalAttention: False)
+    global_attention = True
     #: context parallelism gathers the keys and values of earlier ranks
     cp_form = "kv_exchange"
 
@@ -258,11 +291,12 @@ class Attention(Mixer):
         return 4.0 * cfg.n_heads * cfg.hd * (seq_len + 1) / 2.0
 
 
-@register_mixer("local_attention")
+@register_mixer("local_attention", config=AttentionConfig, section="attention")
 class LocalAttention(Attention):
     """Sliding-window attention: keys t − window + 1 … t (``attention.window``)."""
 
     backend_op = "local_attention"
+    global_attention = False
 
     def __init__(self, cfg, layer_idx: int):
         super().__init__(cfg, layer_idx)

@@ -47,6 +47,12 @@ sequence start) and the slice's global start position, without the recurrent par
 A mixer whose official code reads segment positions (the position of each token in its document,
 0 at a document's first token; the data loader's ``position_ids``) sets ``takes_segment_pos``;
 its three forms then accept ``segment_pos`` ([B, T] integers) and the block passes it through.
+
+Config. A mixer's settings are its own config section, a dataclass declared in its file and
+registered with its kind (``@register_mixer(kind, config=Section, section=name)``,
+``ttt_lm.model.registry``): ``model.<section>`` of every model config, read as ``cfg.<section>``.
+What other code needs to know about a kind is a class attribute read through the registry
+(``mixer_class(kind).global_attention``), never a list of kind names kept elsewhere.
 """
 from __future__ import annotations
 
@@ -240,6 +246,13 @@ class Mixer(nn.Module, metaclass=abc.ABCMeta):
     takes_segment_pos: bool = False
     #: set by ``@register_mixer``: the kind a layer pattern names this mixer by
     layer_kind: Optional[str] = None
+    #: set by ``@register_mixer``: the model config section this mixer reads (``model.<section>``)
+    #: and its schema dataclass; None for a mixer without a section of its own
+    config_section: Optional[str] = None
+    config_class: Optional[type] = None
+    #: attention over every earlier token (no window): its cost and positional range (RoPE, the
+    #: memory plan) grow with the context, so evals refuse contexts beyond ``model.max_seq_len``
+    global_attention: bool = False
     #: context-parallel form, one of CP_FORMS (see the module docstring)
     cp_form: str = "state_passing"
     #: "summary" form: the kernels/ op whose summaries combine across ranks, one of SUMMARY_OPS
@@ -279,6 +292,10 @@ class Mixer(nn.Module, metaclass=abc.ABCMeta):
 
     def reset_parameters(self) -> None:
         """Mixer-specific initialization, run after the model's generic init."""
+
+    def set_train_step(self, step: int) -> None:
+        """The optimizer step (1-based) that comes next, for a mixer with a training schedule
+        of its own (TTT's inner learning-rate warmup); the model calls it on every mixer."""
 
     @classmethod
     def tp_plan(cls, cfg) -> Optional[TPPlan]:

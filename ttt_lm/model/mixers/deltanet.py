@@ -48,7 +48,16 @@ from torch import nn
 from kernels import delta_rule as _dr
 from ttt_lm.model.layers import CausalConv1d, RMSNorm
 from ttt_lm.model.mixers.base import Mixer, MixerState, TPPlan
-from ttt_lm.model.registry import register_mixer
+from ttt_lm.model.registry import option, register_mixer
+
+
+@dataclass
+class DeltaNetConfig:
+    """``model.deltanet``: DeltaNet fast weights (Schlag et al. 2021; Yang et al. 2024)."""
+    feature_map: str = option("identity", choices=("identity", "dpfp"))  # identity (L2-normalized) | dpfp
+    dpfp_nu: int = 1
+    chunk_size: int = option(64, ge=1)
+    conv_width: int = option(4, ge=0)   # short causal conv on q/k/v (0 = none)
 
 
 def dpfp(x: torch.Tensor, nu: int = 1, eps: float = 1e-6) -> torch.Tensor:
@@ -72,7 +81,7 @@ class DeltaNetState(MixerState):
     conv: Optional[torch.Tensor] = None
 
 
-@register_mixer("deltanet")
+@register_mixer("deltanet", config=DeltaNetConfig)
 class DeltaNet(Mixer):
     #: the delta rule is affine in its state: context parallelism combines chunk summaries
     cp_form = "summary"
@@ -80,9 +89,7 @@ class DeltaNet(Mixer):
 
     def __init__(self, cfg, layer_idx: int):
         super().__init__()
-        c = cfg.deltanet
-        if c.feature_map not in ("identity", "dpfp"):
-            raise ValueError(f"model.deltanet.feature_map must be identity or dpfp, got {c.feature_map!r}")
+        c = cfg.deltanet   # ranges checked by DeltaNetConfig (ModelConfig.validate)
         if c.feature_map == "dpfp" and not 1 <= c.dpfp_nu <= 2 * cfg.hd - 1:
             raise ValueError(f"model.deltanet.dpfp_nu must be in [1, 2·head_dim − 1], got {c.dpfp_nu}")
         self.d_model = cfg.d_model

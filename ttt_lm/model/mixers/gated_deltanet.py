@@ -54,7 +54,19 @@ from torch import nn
 from kernels import gated_delta_rule as _gdr
 from ttt_lm.model.layers import CausalConv1d, RMSNorm, acc
 from ttt_lm.model.mixers.base import Mixer, MixerState, TPPlan
-from ttt_lm.model.registry import register_mixer
+from ttt_lm.model.registry import option, register_mixer
+
+
+@dataclass
+class GatedDeltaNetConfig:
+    """``model.gated_deltanet``: Gated DeltaNet (Yang, Kautz & Hatamizadeh 2025); shapes as its
+    official code builds them: key width expand_k·d_model, value width expand_v·d_model, split into
+    num_heads heads."""
+    num_heads: Optional[int] = None     # None = model.n_heads
+    expand_k: float = option(0.75, gt=0)  # q/k width = expand_k · d_model (official: 0.75)
+    expand_v: float = option(1.5, gt=0)   # v / gate / o_proj width = expand_v · d_model (official: 1.5)
+    conv_width: int = option(4, ge=0)   # short causal conv on q/k/v (0 = none)
+    chunk_size: int = option(64, ge=1)
 
 #: Δ₀ range and floor of the official init (the same as Mamba's dt init)
 DT_MIN, DT_MAX, DT_INIT_FLOOR = 0.001, 0.1, 1e-4
@@ -98,7 +110,7 @@ class GatedDeltaNetState(MixerState):
     conv_v: Optional[torch.Tensor] = None
 
 
-@register_mixer("gated_deltanet")
+@register_mixer("gated_deltanet", config=GatedDeltaNetConfig)
 class GatedDeltaNet(Mixer):
     #: the gated delta rule is affine in its state: context parallelism combines chunk summaries
     cp_form = "summary"
@@ -106,11 +118,7 @@ class GatedDeltaNet(Mixer):
 
     def __init__(self, cfg, layer_idx: int):
         super().__init__()
-        c = cfg.gated_deltanet
-        if c.conv_width < 0:
-            raise ValueError(f"model.gated_deltanet.conv_width must be >= 0, got {c.conv_width}")
-        if c.chunk_size < 1:
-            raise ValueError(f"model.gated_deltanet.chunk_size must be >= 1, got {c.chunk_size}")
+        c = cfg.gated_deltanet   # ranges checked by GatedDeltaNetConfig (ModelConfig.validate)
         self.d_model = cfg.d_model
         self.n_heads, self.dk, self.dv = head_dims(cfg)
         self.chunk_size = c.chunk_size

@@ -65,9 +65,29 @@ from kernels import lact as _lact
 from ttt_lm.model.backend import Backend, flash_attn_func, resolve
 from ttt_lm.model.layers import RMSNorm, acc, apply_rope, rope_cos_sin
 from ttt_lm.model.mixers.base import Mixer, MixerState, TPPlan
-from ttt_lm.model.registry import register_mixer
+from ttt_lm.model.registry import option, register_mixer
 
+#: model.lact.muon_dtype → the dtype of the Newton–Schulz steps (None: the state's)
 _MUON_DTYPES = {"bfloat16": torch.bfloat16, "state": None}
+
+
+@dataclass
+class LaCTConfig:
+    """``model.lact``: large-chunk test-time training with SwiGLU fast weights and sliding-window
+    attention in one layer (Zhang et al. 2025)."""
+    num_heads: int = 4                  # fast-weight heads (each d_model / num_heads wide)
+    chunk_size: int = option(2048, ge=1)  # tokens per fast-weight update
+    window: int = option(2048, ge=1)    # sliding window of the layer's attention (keys t-window+1..t)
+    inter_multi: float = 1.0            # fast-weight hidden width d_h = inter_multi × head width
+    low_rank: int = option(0, ge=0)     # > 0: initial w0, w2 = W_left W_right + 0.5·I of this rank; 0: full
+    fw_init_gain: float = 0.5           # gain of the low-rank factors' init
+    use_momentum: bool = True
+    use_muon: bool = False
+    # dtype of the Newton–Schulz steps: bfloat16 (official) | state
+    muon_dtype: str = option("bfloat16", choices=tuple(_MUON_DTYPES))
+    prenorm: bool = False               # the official prenorm variant of the weight normalisation
+    base_lr: float = option(0.001, gt=0)  # lr = softplus(W_lr x + softplus⁻¹(base_lr))
+    rope_theta: float = 10000.0
 
 
 def inv_softplus(y: float) -> float:
@@ -146,7 +166,7 @@ def _window_mask(tq: int, tk: int, window: int, device) -> torch.Tensor:
     return (kpos <= qpos) & (kpos > qpos - window)
 
 
-@register_mixer("lact")
+@register_mixer("lact", config=LaCTConfig)
 class LaCT(Mixer):
     #: the fast weights are a nonlinear recurrence over chunks: ranks hand the state on
     cp_form = "state_passing"
@@ -162,16 +182,7 @@ class LaCT(Mixer):
                 or inner % c.num_heads:
             raise ValueError(f"model.lact.num_heads={c.num_heads!r} must be a positive int dividing "
                              f"n_heads·head_dim = {inner}")
-        for key in ("chunk_size", "window"):
-            val = getattr(c, key)
-            if isinstance(val, bool) or not isinstance(val, int) or val <= 0:
-                raise ValueError(f"model.lact.{key} must be a positive int, got {val!r}")
-        if c.muon_dtype not in _MUON_DTYPES:
-            raise ValueError(f"model.lact.muon_dtype must be one of {list(_MUON_DTYPES)}, got {c.muon_dtype!r}")
-        if c.low_rank < 0:
-            raise ValueError(f"model.lact.low_rank must be ≥ 0 (0: full-rank initial weights), got {c.low_rank}")
-        if not c.base_lr > 0:
-            raise ValueError(f"model.lact.base_lr must be > 0, got {c.base_lr}")
+        # chunk_size, window, muon_dtype, low_rank and base_lr: checked by LaCTConfig (ModelConfig.validate)
         self.n_fw = c.num_heads
         self.fw_hd = inner // c.num_heads
         self.d_h = int(self.fw_hd * c.inter_multi)

@@ -35,7 +35,24 @@ from torch import nn
 from kernels.selective_scan import has_triton_backend, selective_scan
 from ttt_lm.model.layers import CausalConv1d, acc
 from ttt_lm.model.mixers.base import Mixer, MixerState, TPPlan
-from ttt_lm.model.registry import register_mixer
+from ttt_lm.model.registry import option, register_mixer
+
+
+@dataclass
+class MambaConfig:
+    """``model.mamba``: Mamba selective SSM (Gu & Dao 2023)."""
+    d_state: int = option(16, ge=1)
+    d_conv: int = option(4, ge=1)
+    expand: int = option(2, ge=1)
+    dt_rank: Optional[int] = option(None, ge=1)  # None = ceil(d_model / 16)
+    dt_min: float = 0.001
+    dt_max: float = 0.1
+    # tokens per chunk: the PyTorch form's vectorized unit, the Triton kernel's tile (at most 16)
+    chunk_size: int = option(16, ge=1)
+
+    def validate(self, model) -> None:
+        if not 0.0 < self.dt_min <= self.dt_max:
+            raise ValueError(f"model.mamba needs 0 < dt_min <= dt_max, got {self.dt_min}, {self.dt_max}")
 
 _DT_INIT_FLOOR = 1e-4
 
@@ -48,7 +65,7 @@ class MambaState(MixerState):
     ssm: Optional[torch.Tensor] = None
 
 
-@register_mixer("mamba")
+@register_mixer("mamba", config=MambaConfig)
 class Mamba(Mixer):
     #: a diagonal linear recurrence: context parallelism combines the scan's chunk summaries
     cp_form = "summary"
@@ -63,8 +80,6 @@ class Mamba(Mixer):
         self.dt_rank = mc.dt_rank or math.ceil(cfg.d_model / 16)
         self.dt_min, self.dt_max = mc.dt_min, mc.dt_max
         self.chunk_size = mc.chunk_size
-        if not 0.0 < mc.dt_min <= mc.dt_max:
-            raise ValueError(f"model.mamba needs 0 < dt_min <= dt_max, got {mc.dt_min}, {mc.dt_max}")
         self.in_proj = nn.Linear(cfg.d_model, 2 * self.d_inner, bias=False)
         self.conv1d = CausalConv1d(self.d_inner, mc.d_conv)
         self.x_proj = nn.Linear(self.d_inner, self.dt_rank + 2 * self.d_state, bias=False)

@@ -68,7 +68,42 @@ from torch import nn
 from kernels.linear_scan import has_triton_backend, linear_scan_reset
 from ttt_lm.model.layers import CausalConv1d, acc
 from ttt_lm.model.mixers.base import Mixer, MixerState, TPPlan
-from ttt_lm.model.registry import register_mixer
+from ttt_lm.model.registry import option, register_mixer
+
+#: model.rglru.a_init: how Λ is drawn (see the module docstring)
+A_INITS = ("official", "paper")
+
+
+@dataclass
+class RGLRUConfig:
+    """``model.rglru``: Griffin's recurrent block (De et al. 2024)."""
+    lru_width: Optional[int] = option(None, ge=1)  # width of the recurrence; None = d_model
+    num_heads: Optional[int] = option(None, ge=1)  # blocks of the block-diagonal gate weights; None = n_heads
+    c: float = 8.0
+    # Λ init: official (recurrentgemma: a ∈ [a_min, a_max] with a² uniform) | paper (the paper's
+    # text: a^c uniform on [a_min, a_max]); see the module docstring
+    a_init: str = option("official", choices=A_INITS)
+    a_min: float = 0.9
+    a_max: float = 0.999
+    conv_width: int = option(4, ge=1)
+    chunk_size: int = option(64, ge=1)  # tokens per chunk of the chunked linear scan
+
+    def scaled(self, family, model) -> "RGLRUConfig":
+        """This section for ``model``, the family's model ``family`` at another width
+        (``ttt_lm.scaling.ladder``): an explicit lru_width grows with d_model (rounded up to a
+        multiple of the head width), explicit gate blocks follow the head count."""
+        out = self
+        if self.lru_width is not None:
+            hd = model.hd
+            out = replace(out, lru_width=int(hd * math.ceil(self.lru_width * model.d_model / family.d_model / hd)))
+        if self.num_heads is not None:
+            out = replace(out, num_heads=model.n_heads)
+        return out
+
+    def validate(self, model) -> None:
+        if not 0.0 < self.a_min < self.a_max < 1.0:
+            raise ValueError(f"model.rglru needs 0 < a_min < a_max < 1, got {self.a_min}, {self.a_max}")
+
 
 #: bound on d√x/dx, as recurrentgemma's RG-LRU
 _MAX_SQRT_GRAD = 1000.0
@@ -88,7 +123,6 @@ class _SqrtBoundDerivative(torch.autograd.Function):
 
 #: recurrentgemma's rnn_param_init adds this to both ends of the a² range
 _RNN_INIT_EPS = 1e-8
-A_INITS = ("official", "paper")
 
 
 def lambda_init(width: int, c: float, a_min: float, a_max: float, mode: str = "official",
@@ -149,7 +183,7 @@ class RGLRUState(MixerState):
     h: Optional[torch.Tensor] = None
 
 
-@register_mixer("rglru")
+@register_mixer("rglru", config=RGLRUConfig)
 class RGLRUBlock(Mixer):
     takes_segment_pos = True
     #: a diagonal linear recurrence: context parallelism combines the scan's chunk summaries
@@ -165,10 +199,6 @@ class RGLRUBlock(Mixer):
         self.c, self.a_min, self.a_max = rc.c, rc.a_min, rc.a_max
         self.a_init = rc.a_init
         self.chunk_size = rc.chunk_size
-        if not 0.0 < rc.a_min < rc.a_max < 1.0:
-            raise ValueError(f"model.rglru needs 0 < a_min < a_max < 1, got {rc.a_min}, {rc.a_max}")
-        if rc.a_init not in A_INITS:
-            raise ValueError(f"model.rglru.a_init must be one of {A_INITS}, got {rc.a_init!r}")
         self.linear_y = nn.Linear(cfg.d_model, self.width)          # GeLU branch
         self.linear_x = nn.Linear(cfg.d_model, self.width)          # recurrence branch
         self.conv1d = CausalConv1d(self.width, rc.conv_width)

@@ -112,7 +112,20 @@ from ttt_lm.model.backend import Backend, resolve
 from ttt_lm.model.layers import CausalConv1d, RMSNorm, acc, apply_rope, rope_cos_sin
 from ttt_lm.model.mixers.attention import Attention, AttentionState, LocalAttention
 from ttt_lm.model.mixers.base import Mixer, MixerState, TPPlan
-from ttt_lm.model.registry import register_mixer
+from ttt_lm.model.registry import option, register_mixer
+
+
+@dataclass
+class TitansConfig:
+    """``model.titans``: Titans neural memory (Behrouz et al. 2025), one section for the four
+    kinds (their attention branches also read ``model.attention``)."""
+    memory: str = option("linear", choices=("linear", "mlp"))
+    memory_expansion: int = option(2, ge=1)  # MLP memory hidden = expansion × head_dim
+    chunk_size: int = option(16, ge=1)  # tokens whose gradients are taken at one memory state
+    conv_width: int = 4
+    window: int = option(256, ge=1)     # sliding window of the attention in titans_mag and titans_mal
+    segment_len: int = option(64, ge=1)  # titans_mac: tokens per segment (attention within a segment)
+    persistent_tokens: int = option(4, ge=0)  # titans_mac, titans_mal: learned persistent memory tokens
 
 
 def _gelu_grad(h: torch.Tensor) -> torch.Tensor:
@@ -161,7 +174,7 @@ class TitansMACState(MixerState):
     seg: Optional[torch.Tensor] = None
 
 
-@register_mixer("titans")
+@register_mixer("titans", config=TitansConfig)
 class TitansMemory(Mixer):
     """The long-term memory module (LMM) as a sequence layer."""
 
@@ -170,11 +183,7 @@ class TitansMemory(Mixer):
 
     def __init__(self, cfg, layer_idx: int):
         super().__init__()
-        c = cfg.titans
-        if c.memory not in ("linear", "mlp"):
-            raise ValueError(f"model.titans.memory must be linear or mlp, got {c.memory!r}")
-        if c.chunk_size < 1:
-            raise ValueError(f"model.titans.chunk_size must be ≥ 1, got {c.chunk_size}")
+        c = cfg.titans   # ranges checked by TitansConfig (ModelConfig.validate)
         self.d_model = cfg.d_model
         self.n_heads = H = cfg.n_heads
         self.hd = d = cfg.hd
@@ -412,7 +421,7 @@ class TitansMemory(Mixer):
         return float(cfg.n_heads * per_head)
 
 
-@register_mixer("titans_mag")
+@register_mixer("titans_mag", config=TitansConfig, section="titans")
 class TitansMAG(Mixer):
     r"""Memory as a gate (Titans §4.2, without persistent memory tokens):
 
@@ -508,7 +517,7 @@ class TitansMAG(Mixer):
         return LocalAttention.flops_per_token(acfg, seq_len) + TitansMemory.flops_per_token(cfg, seq_len)
 
 
-@register_mixer("titans_mal")
+@register_mixer("titans_mal", config=TitansConfig, section="titans")
 class TitansMAL(Mixer):
     r"""Memory as a layer (Titans §4.3, Eqs. 29–31):
 
@@ -529,8 +538,6 @@ class TitansMAL(Mixer):
         super().__init__()
         self.d_model = cfg.d_model
         self.n_persist = cfg.titans.persistent_tokens
-        if self.n_persist < 0:
-            raise ValueError(f"model.titans.persistent_tokens must be ≥ 0, got {self.n_persist}")
         acfg = dataclasses.replace(cfg, attention=dataclasses.replace(cfg.attention, window=cfg.titans.window))
         self.memory = TitansMemory(cfg, layer_idx)
         self.memory.o_proj._is_residual_out = False   # feeds the attention, not the residual stream
@@ -617,7 +624,7 @@ class TitansMAL(Mixer):
         return LocalAttention.flops_per_token(acfg, seq_len) + TitansMemory.flops_per_token(cfg, seq_len)
 
 
-@register_mixer("titans_mac")
+@register_mixer("titans_mac", config=TitansConfig, section="titans")
 class TitansMAC(Mixer):
     r"""Memory as a context (Titans §4.1, Eqs. 21–25), with causal masks for language modeling.
 
@@ -667,10 +674,6 @@ class TitansMAC(Mixer):
         c = cfg.titans
         self.d_model = cfg.d_model
         self.n_persist, self.segment_len = c.persistent_tokens, c.segment_len
-        if self.n_persist < 0:
-            raise ValueError(f"model.titans.persistent_tokens must be ≥ 0, got {self.n_persist}")
-        if self.segment_len < 1:
-            raise ValueError(f"model.titans.segment_len must be ≥ 1, got {self.segment_len}")
         self.attn = Attention(cfg, layer_idx)
         self.memory = TitansMemory(cfg, layer_idx)
         # the branches feed the gate's norms, not the residual stream: no depth-scaled init

@@ -89,7 +89,33 @@ from torch import nn
 from kernels.ttt import has_triton_backend, ttt_linear, ttt_mlp
 from ttt_lm.model.layers import acc, apply_rope, rope_cos_sin
 from ttt_lm.model.mixers.base import Mixer, MixerState, TPPlan
-from ttt_lm.model.registry import register_mixer
+from ttt_lm.model.registry import option, register_mixer
+
+
+@dataclass
+class TTTConfig:
+    """``model.ttt``: TTT-Linear and TTT-MLP (Sun et al. 2024), one section for both kinds."""
+    mini_batch_size: int = option(16, ge=1)       # b: tokens per TTT mini-batch
+    base_lr: Optional[float] = option(None, gt=0)  # η_base; None: 1.0 for TTT-Linear, 0.1 for TTT-MLP
+    mlp_expansion: int = option(4, ge=1)          # TTT-MLP inner hidden = expansion × head_dim
+    use_gate: bool = False             # GELU output gate (the "Mamba backbone" variant)
+    share_qk: bool = False             # one Q/K projection, separate causal convs for Q and K
+    pre_conv: bool = False             # causal conv before the mixer in the block
+    conv_width: int = option(4, ge=1)
+    rope_theta: float = 10000.0
+    # Warmup of η_base in training, as ttt-lm-jax's TTT-MLP runs: from base_lr_init to base_lr
+    # linearly over base_lr_warmup optimizer steps (None / 0: no warmup)
+    base_lr_init: Optional[float] = None
+    base_lr_warmup: int = 0
+
+    def validate(self, model) -> None:
+        if (self.base_lr_init is None) != (self.base_lr_warmup == 0):
+            raise ValueError("model.ttt.base_lr_init and model.ttt.base_lr_warmup go together: set both "
+                             f"(a warmup from base_lr_init over base_lr_warmup > 0 steps) or neither; got "
+                             f"{self.base_lr_init} and {self.base_lr_warmup}")
+        if self.base_lr_init is not None and (self.base_lr_init <= 0 or self.base_lr_warmup < 0):
+            raise ValueError(f"model.ttt.base_lr_init must be > 0 and base_lr_warmup > 0, got "
+                             f"{self.base_lr_init} and {self.base_lr_warmup}")
 
 #: N(0, 0.02) for W1, W2 and θ_η, as in the official code (independent of model.init_std)
 INNER_INIT_STD = 0.02
@@ -389,7 +415,7 @@ class _TTTBase(Mixer):
         return float(cfg.n_heads * per_head)
 
 
-@register_mixer("ttt_linear")
+@register_mixer("ttt_linear", config=TTTConfig, section="ttt")
 class TTTLinear(_TTTBase):
     """TTT-Linear: inner model f(k) = k W1 + b1 per head; η_base = 1.0 by default."""
     kind = "linear"
@@ -399,7 +425,7 @@ class TTTLinear(_TTTBase):
         return _TTTBase._inner_flops(cfg, None)
 
 
-@register_mixer("ttt_mlp")
+@register_mixer("ttt_mlp", config=TTTConfig, section="ttt")
 class TTTMLP(_TTTBase):
     """TTT-MLP: inner model f(k) = GELU_tanh(k W1 + b1) W2 + b2 per head, hidden width
     ``ttt.mlp_expansion`` × head_dim (4 in the paper); η_base = 0.1 by default."""
