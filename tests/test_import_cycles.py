@@ -50,7 +50,9 @@ def test_no_two_modules_import_each_other():
     assert pairs == [], pairs
 
 
-def test_the_graph_sees_imports_inside_functions():
-    g = graph()
-    assert "ttt_lm.train.reshard" in g["ttt_lm.train.trainer"]  # imported inside _train only
-    assert "ttt_lm.data.errors" in g["ttt_lm.data.remote"]
+def test_the_graph_sees_imports_inside_functions(tmp_path):
+    src = tmp_path / "m.py"
+    src.write_text("import os\n\ndef f():\n    from ttt_lm.train import reshard\n    import ttt_lm.data.errors\n")
+    got = _imports(str(src), _modules(), "ttt_lm.train.m")
+    assert got == {"ttt_lm.train", "ttt_lm.train.reshard", "ttt_lm.data.errors"}, got
+    assert "ttt_lm.data.errors" in graph()["ttt_lm.data.remote"]

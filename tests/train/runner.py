@@ -15,7 +15,8 @@ interface (so the tests need no prepared corpus), with fault injection from the 
     TTT_TEST_STOP_AT=k          that callback asks the run to stop after step k
     TTT_TEST_BATCH_LOG=path     with real data: append "<dp_rank> <sample:doc:pos> ..." (each row's
                                 global sample index, and its first token's document and position)
-                                per training batch
+                                per training batch, from the first rank of each data-parallel rank's
+                                tensor/context-parallel peers only (they read the same batches)
 
 Like train.py, it imports only ``ttt_lm.train`` before calling ``main`` (which installs the
 preemption handler first); torch and the model load afterwards, as in a real start.
@@ -85,7 +86,8 @@ class RealData:
         _install_faults()
         loader = ttt_lm.data.build_train_loader(data_cfg, micro_batch_size, dp_rank, dp_world, **kw)
         path = os.environ.get("TTT_TEST_BATCH_LOG")
-        if path:
+        peers = int(os.environ.get("WORLD_SIZE", "1")) // dp_world  # consecutive ranks read the same batches
+        if path and int(os.environ.get("RANK", "0")) % peers == 0:
             inner = type(loader).__iter__
 
             def logged(self):

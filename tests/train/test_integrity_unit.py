@@ -265,7 +265,7 @@ def test_wandb_without_the_package_fails_at_config_time(monkeypatch, tmp_path):
     cfg = load_config(None, ["logging.wandb=true", f"train.run_dir={tmp_path}", "train.device=cpu"])
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "wandb" else real(n, *a))
-    monkeypatch.setattr(trainer, "_device", lambda c: (_ for _ in ()).throw(AssertionError("got past the check")))
+    monkeypatch.setattr(trainer, "check_parallel", lambda *a: (_ for _ in ()).throw(AssertionError("got past the check")))
     with pytest.raises(ConfigError, match="logging.wandb=true needs the wandb package, which is not installed"):
         trainer.train(cfg)
 

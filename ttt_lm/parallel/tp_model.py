@@ -348,38 +348,41 @@ class TPLM(LM):
         return gather_from_tensor_parallel_region(logits, ctx.group)[:, 0], new_states
 
 
-def _check(model: LM, p: int, sequence_parallel: bool) -> None:
-    cfg = model.cfg
+def layout_errors(cfg: ModelConfig, p: int, sequence_parallel: bool = False) -> List[str]:
+    """The one place of the tensor-parallel rules on a model config at tensor_parallel = p: every
+    layer kind declares a plan, p divides the head counts, the MLP width and the vocabulary, and
+    sequence parallelism only with kinds whose plan allows it and without ``model.ttt.pre_conv``.
+    Each problem as a message naming the key; [] when the layout fits. ``check_parallel`` (before
+    any process group) and ``parallelize_tp`` (before any change to the model) both ask it."""
     kinds = cfg.layer_kinds()
-    bad = [(i, k) for i, k in enumerate(kinds) if mixer_class(k).tp_plan(cfg) is None]
-    if bad:
-        kinds = sorted({k for _, k in bad})
-        raise ValueError(
-            f"tensor parallelism does not support layer kind(s) {kinds} (layers {[i for i, _ in bad]}): their "
-            f"mixers declare no tensor-parallel plan; TP-ready kinds: {list(tp_ready_kinds(cfg))}. Run these "
-            "models with parallel.tensor_parallel=1")
+    layers = [i for i, k in enumerate(kinds) if mixer_class(k).tp_plan(cfg) is None]
+    if layers:
+        bad = sorted({kinds[i] for i in layers})
+        return [f"parallel.tensor_parallel={p}: layer kind(s) {bad} (layers {layers}) are not TP-ready; tensor "
+                f"parallelism supports {list(tp_ready_kinds(cfg))}. Use parallel.tensor_parallel=1 for this model "
+                "(data parallel + ZeRO-3 also shards the parameters)"]
     n_kv = cfg.attention.num_kv_heads or cfg.n_heads
-    errs = []
-    if cfg.n_heads % p:
-        errs.append(f"model.n_heads={cfg.n_heads}")
-    if n_kv % p:
-        errs.append(f"model.attention.num_kv_heads={n_kv}")
-    if cfg.ff % p:
-        errs.append(f"the MLP width d_ff={cfg.ff}")
-    if cfg.vocab_size % p:
-        errs.append(f"model.vocab_size={cfg.vocab_size}")
+    errs = [f"{name}={v}" for name, v in (("model.n_heads", cfg.n_heads), ("model.attention.num_kv_heads", n_kv),
+                                          ("the MLP width d_ff", cfg.ff), ("model.vocab_size", cfg.vocab_size))
+            if v % p]
+    out = [f"parallel.tensor_parallel={p} must divide {', '.join(errs)}"] if errs else []
+    if sequence_parallel and p > 1:
+        no_sp = sorted({k for k in kinds if not mixer_class(k).tp_plan(cfg).sequence_parallel})
+        if no_sp:
+            out.append(f"parallel.sequence_parallel is not available with layer kind(s) {no_sp} (their "
+                       "tensor-parallel plan refuses it); set parallel.sequence_parallel=false")
+        if any(mixer_class(k).block_pre_conv(cfg) is not None for k in kinds):
+            out.append("model.ttt.pre_conv is not available with parallel.sequence_parallel: the causal conv "
+                       "would miss the previous rank's last tokens; set parallel.sequence_parallel=false")
+    return out
+
+
+def _check(model: LM, p: int, sequence_parallel: bool) -> None:
+    errs = layout_errors(model.cfg, p, sequence_parallel)
     if errs:
-        raise ValueError(f"tensor_parallel={p} must divide {', '.join(errs)}")
+        raise ValueError("; ".join(errs))
     for i, block in enumerate(model.layers):
-        _check_plan(i, block.mixer, type(block.mixer).tp_plan(cfg), p)
-    no_sp = sorted({k for k in kinds if not mixer_class(k).tp_plan(cfg).sequence_parallel})
-    if sequence_parallel and p > 1 and no_sp:
-        raise ValueError(f"layer kind(s) {no_sp} cannot run with sequence parallelism (their tensor-parallel plan "
-                         "says so); set parallel.sequence_parallel=false")
-    if sequence_parallel and p > 1 and any(mixer_class(k).block_pre_conv(cfg) is not None for k in kinds):
-        raise ValueError("model.ttt.pre_conv (a causal conv over the residual stream) is not supported with "
-                         "sequence parallelism, which splits that stream along the sequence; set "
-                         "parallel.sequence_parallel=false or model.ttt.pre_conv=false")
+        _check_plan(i, block.mixer, type(block.mixer).tp_plan(model.cfg), p)
 
 
 def parallelize_tp(model: LM, groups, sequence_parallel: bool = False) -> TPLM:
@@ -469,6 +472,6 @@ def gather_full_state_dict(model: TPLM) -> Dict[str, torch.Tensor]:
     return out
 
 
-__all__ = ["parallelize_tp", "TPLM", "TP_READY_KINDS", "tp_ready_kinds", "split_errors", "RegionEntryRMSNorm", "GroupLayerNorm",
+__all__ = ["parallelize_tp", "layout_errors", "TPLM", "TP_READY_KINDS", "tp_ready_kinds", "split_errors", "RegionEntryRMSNorm", "GroupLayerNorm",
            "SharedAcrossHeads", "SharedParamsModule", "partition_dims", "split_spec", "join_shards",
            "gather_tp_tensor", "gather_full_state_dict"]

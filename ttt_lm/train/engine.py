@@ -20,6 +20,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
+from ttt_lm.parallel.tp_model import layout_errors, split_errors
 from ttt_lm.train.optim import adamw_kwargs, build_optimizer, lr_multiplier, param_device, param_groups
 
 #: keys of the DeepSpeed JSON that our config decides (a given file may not contradict them)
@@ -75,43 +76,19 @@ def check_parallel(cfg, world_size: Optional[int] = None) -> None:
             "parallel.sequence_parallel=true needs parallel.tensor_parallel > 1: it splits the sequence across "
             "the tensor-parallel group between its regions")
     if tp > 1:
-        from ttt_lm.model.mixers import mixer_class
-        from ttt_lm.parallel.tp_model import tp_ready_kinds
         m = cfg.model
-        kinds = m.layer_kinds()
-        layers = [i for i, k in enumerate(kinds) if mixer_class(k).tp_plan(m) is None]
-        bad = sorted({kinds[i] for i in layers})
-        if bad:
-            raise ParallelConfigError(
-                f"parallel.tensor_parallel={tp}: layer kind(s) {bad} (layers {layers}) are not TP-ready; "
-                f"tensor parallelism supports {list(tp_ready_kinds(m))}. Use parallel.tensor_parallel=1 for this model "
-                "(data parallel + ZeRO-3 also shards the parameters)")
         if world_size is not None and world_size % tp:
             raise ParallelConfigError(
                 f"parallel.tensor_parallel={tp} does not divide the world size {world_size}")
-        n_kv = m.attention.num_kv_heads or m.n_heads
-        errs = [f"{name}={v}" for name, v in (("model.n_heads", m.n_heads), ("model.attention.num_kv_heads", n_kv),
-                                               ("the MLP width d_ff", m.ff), ("model.vocab_size", m.vocab_size))
-                if v % tp]
-        if errs:
-            raise ParallelConfigError(f"parallel.tensor_parallel={tp} must divide {', '.join(errs)}")
-        from ttt_lm.parallel.tp_model import split_errors
-        errs = split_errors(m, tp)  # each kind's own split counts (RG-LRU gate blocks, Mamba's d_inner, …)
+        # the model's own rules (TP-ready kinds, head counts, …) live with the TP model; each
+        # kind's split counts (RG-LRU gate blocks, Mamba's d_inner, …) with its plan
+        errs = layout_errors(m, tp, p.sequence_parallel) or split_errors(m, tp)
         if errs:
             raise ParallelConfigError("; ".join(errs))
         if p.sequence_parallel and cfg.data.seq_len % tp:
             raise ParallelConfigError(
                 f"parallel.sequence_parallel splits each sequence across tensor_parallel={tp} ranks: "
                 f"data.seq_len={cfg.data.seq_len} must be a multiple of it")
-        no_sp = sorted({k for k in m.layer_kinds() if not mixer_class(k).tp_plan(m).sequence_parallel})
-        if p.sequence_parallel and no_sp:
-            raise ParallelConfigError(
-                f"parallel.sequence_parallel is not available with layer kind(s) {no_sp} (their tensor-parallel "
-                "plan refuses it); set parallel.sequence_parallel=false")
-        if p.sequence_parallel and any(mixer_class(k).block_pre_conv(m) is not None for k in m.layer_kinds()):
-            raise ParallelConfigError(
-                "model.ttt.pre_conv is not available with parallel.sequence_parallel: the causal conv "
-                "would miss the previous rank's last tokens; set parallel.sequence_parallel=false")
         if m.reset_at_doc_boundaries and p.sequence_parallel:
             raise ParallelConfigError(
                 "model.reset_at_doc_boundaries=true is not available with parallel.sequence_parallel=true (each "
@@ -119,8 +96,6 @@ def check_parallel(cfg, world_size: Optional[int] = None) -> None:
                 "(tensor parallelism itself runs with document resets)")
     if p.zero_stage not in (1, 2, 3):
         raise ParallelConfigError(f"parallel.zero_stage must be 1, 2 or 3, got {p.zero_stage}")
-    if cfg.train.precision not in ("fp32", "bf16"):
-        raise ParallelConfigError(f"train.precision must be fp32 or bf16, got {cfg.train.precision!r}")
 
 
 def resolve_grad_accum(t, dp_world: int) -> int:
@@ -216,10 +191,10 @@ def build_engine(model: torch.nn.Module, cfg, dp_world: int, mpu=None):
     the ranks that average gradients: world / tensor_parallel (= data parallel × context parallel);
     ``mpu`` (``ParallelGroups.mpu()``) is given when tensor_parallel or context_parallel > 1, so
     DeepSpeed reduces gradients and shards ZeRO state over that group only and counts TP-sharded
-    parameters once per shard in the clipping norm."""
+    parameters once per shard in the clipping norm. The layout was checked before any process
+    group existed (``check_parallel``, called by the trainer)."""
     import deepspeed
 
-    check_parallel(cfg)
     total = cfg.optim.total_steps or cfg.train.max_steps
     ds = deepspeed_config(cfg, dp_world)
     opt = torch.optim.AdamW(param_groups(model, cfg.optim.weight_decay), lr=cfg.optim.lr,

@@ -1,4 +1,5 @@
-"""Resume a DeepSpeed ZeRO checkpoint on another number of data-parallel ranks.
+"""Resume a DeepSpeed ZeRO checkpoint on another number of data-parallel ranks or another
+tensor-parallel size.
 
 DeepSpeed saves the optimizer as one file per ZeRO rank, each holding that rank's slice of the
 fp32 master weights and of AdamW's moments: ZeRO 1/2 cut each parameter group's flat buffer into
@@ -19,9 +20,17 @@ So the resharding is ours, in two steps:
   partition of each parameter under ZeRO-3), then the working (module) weights are refreshed
   from the fp32 masters, as after an optimizer step.
 
+A checkpoint of a tensor-parallel run (p > 1) holds p such sets of files, one per TP rank
+(``…mp_rank_0r…``), each for that rank's slice of the model. ``consolidate_all`` consolidates each
+and joins the slices along the dimension the checkpoint's ``partition_dims`` records for each
+parameter (``ttt_lm.parallel.tensor_parallel.join_shards``; replicated ones, the norms' gains, from
+TP rank 0): the single-rank model's full tensors, the AdamW moments joined alike (AdamW is
+elementwise). ``tp_slice`` cuts them again for a run of another TP size, each parameter along the
+dimension its ``partition_dim`` says, as ``parallelize_tp`` cut the weights.
+
 Nothing is approximated: the values are copied, so a resumed run continues from bit-identical
 weights and optimizer state; only the reduction order of the gradients differs with the rank
-count (see ``docs/training.md``, "On another number of data-parallel ranks").
+count (see ``docs/training.md``, "On another layout").
 """
 from __future__ import annotations
 
@@ -33,6 +42,8 @@ from typing import Any, Dict, List
 
 import torch
 
+from ttt_lm.parallel.tensor_parallel import join_shards
+from ttt_lm.parallel.tp_model import split_spec
 from ttt_lm.train.checkpoint import DS_TAG, CheckpointError, read_state
 
 OPTIM_KEYS = ("exp_avg", "exp_avg_sq")
@@ -138,6 +149,57 @@ def consolidate(ds_dir: str, mp_rank: int = 0) -> Dict[str, Any]:
             "zero_stage": stage, "dp_world": world, "buffers": buffers}
 
 
+def consolidate_all(ckpt: str) -> Dict[str, Any]:
+    """``consolidate`` of every tensor-parallel rank of ``ckpt``, joined into the single-rank
+    model's parameters (a checkpoint of tensor_parallel=1 is ``consolidate`` of its one rank)."""
+    state = read_state(ckpt)
+    tp = int(state.get("tensor_parallel", 1))
+    ds_dir = os.path.join(ckpt, DS_TAG)
+    if tp == 1:
+        return consolidate(ds_dir, 0)
+    dims = state.get("partition_dims")
+    if dims is None:
+        raise CheckpointError(f"{ckpt} was written with tensor_parallel={tp} but records no partition_dims: its "
+                              "slices cannot be joined")
+    parts = [consolidate(ds_dir, r) for r in range(tp)]
+    params = {}
+    for name, v in parts[0]["params"].items():
+        if any(name not in p["params"] for p in parts):
+            raise CheckpointError(f"{ckpt}: parameter {name} is missing from some tensor-parallel ranks' files")
+        d, stride = split_spec(dims.get(name))
+        params[name] = v if d is None else {
+            k: join_shards([p["params"][name][k] for p in parts], d, stride).contiguous() for k in v}
+    return dict(parts[0], params=params)
+
+
+def tp_slice(full: torch.Tensor, dim, rank: int, size: int, stride: int = 1) -> torch.Tensor:
+    """TP rank ``rank``'s slice of ``full`` (of ``size`` ranks) along ``dim`` (None: replicated),
+    as ``parallelize_tp`` cuts a weight: chunks rank, rank + size, … of size × stride."""
+    if dim is None or size == 1:
+        return full
+    n = full.shape[dim]
+    if n % (size * stride):
+        raise CheckpointError(f"dimension {dim} of size {n} is not divisible by tensor_parallel={size}"
+                              + (f" × {stride} fused parts" if stride > 1 else ""))
+    return torch.cat(full.chunk(size * stride, dim=dim)[rank::size], dim=dim).clone()
+
+
+def for_tp_rank(state: Dict[str, Any], module: torch.nn.Module, rank: int, size: int) -> Dict[str, Any]:
+    """``consolidate_all``'s output with each parameter cut to TP rank ``rank``'s slice, by the
+    ``partition_dim`` / ``partition_stride`` its parameter in ``module`` carries."""
+    if size == 1:
+        return state
+    params = {}
+    for name, p in module.named_parameters():
+        v = state["params"].get(name)
+        if v is None:
+            continue  # apply() names what is missing
+        d, stride = getattr(p, "partition_dim", None), getattr(p, "partition_stride", 1)
+        params[name] = {k: tp_slice(t, d, rank, size, stride) for k, t in v.items()}
+    extra = {k: v for k, v in state["params"].items() if k not in params}
+    return dict(state, params={**params, **extra})
+
+
 def _named(engine) -> Dict[str, torch.nn.Parameter]:
     return {n: p for n, p in engine.module.named_parameters() if p.requires_grad}
 
@@ -236,10 +298,15 @@ def _apply_stage3(opt, named: Dict[str, torch.nn.Parameter], state: Dict[str, An
             partitioned.data = q.data
 
 
-def load_resharded(engine, ckpt: str, mp_rank: int) -> Dict[str, Any]:
+def load_resharded(engine, ckpt: str, tp_rank: int, tp_size: int = 1) -> Dict[str, Any]:
     """Collective: restore the engine from a checkpoint written on another number of
-    data-parallel ranks and return the trainer state. RNG states are not restored (they are per
-    rank): the caller seeds them."""
+    data-parallel ranks or another tensor-parallel size, as TP rank ``tp_rank`` of ``tp_size``,
+    and return the trainer state. RNG states are not restored (they are per rank): the caller
+    seeds them."""
     state = read_state(ckpt)
-    apply(engine, consolidate(os.path.join(ckpt, DS_TAG), mp_rank), ckpt)
+    if int(state.get("tensor_parallel", 1)) == tp_size:  # the same slices: this rank's own files
+        full = consolidate(os.path.join(ckpt, DS_TAG), tp_rank)
+    else:
+        full = for_tp_rank(consolidate_all(ckpt), engine.module, tp_rank, tp_size)
+    apply(engine, full, ckpt)
     return state
