@@ -23,10 +23,10 @@ $(VENV)/.installed: pyproject.toml Makefile
 
 setup: $(VENV)/.installed
 
-# Test processes: one per CPU core (pytest-xdist); the compile gate's cases stay in one of them
-# (xdist_group "aot"), which compiles two at a time. TEST_JOBS=0 runs everything in this process.
+# Test processes: one per CPU core (pytest-xdist), each test file in one of them, so the compile
+# gate's session report (two compiles at a time) is made once. TEST_JOBS=0 runs everything here.
 TEST_JOBS ?= auto
-XDIST = $(if $(filter 0,$(TEST_JOBS)),-p no:xdist,-n $(TEST_JOBS) --dist loadgroup)
+XDIST = $(if $(filter 0,$(TEST_JOBS)),-p no:xdist,-n $(TEST_JOBS) --dist loadfile)
 
 # Every test tier this machine can run (unit, dist, aot; slurm where Slurm can be installed; gpu with CUDA).
 test: setup

@@ -20,8 +20,7 @@ from pathlib import Path
 
 import pytest
 
-#: one xdist group: the session's compile report is made once, in the process that runs these
-pytestmark = [pytest.mark.aot, pytest.mark.xdist_group("aot")]
+pytestmark = pytest.mark.aot
 
 ROOT = Path(__file__).resolve().parents[2]
 ARCHS = (90, 80)
