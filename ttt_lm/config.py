@@ -135,8 +135,38 @@ def _explain(e: OmegaConfBaseException, schema=None) -> str:
     return f"key '{key}': {msg}{hint}"
 
 
+def _unsaved_sections(model) -> List[str]:
+    """Sections of mixers registered outside the package in this process (a plugin imported by
+    other code) that this config neither uses nor names in ``model.mixer_modules``: saving them
+    would make the file unreadable by a process that does not import that plugin."""
+    import os
+    from ttt_lm.model import registry
+    named = set()
+    for m in getattr(model, "mixer_modules", None) or ():
+        named.add(m)
+        if m.endswith(".py") or os.sep in m:
+            named.add(os.path.splitext(os.path.basename(m))[0])
+    used = set(getattr(model, "layer_pattern", None) or ())
+    out = []
+    for name, (_, module) in list(registry._SECTIONS.items()):
+        if module.startswith(registry.MIXER_PACKAGE + ".") or module in named:
+            continue
+        kinds = {k for k, c in registry._REGISTERED.items() if c.__module__ == module}
+        if not kinds & used:
+            out.append(name)
+    return out
+
+
 def to_yaml(cfg) -> str:
-    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    node = OmegaConf.structured(cfg)
+    drop = _unsaved_sections(cfg.model if hasattr(cfg, "model") else cfg)
+    if drop:
+        container = OmegaConf.to_container(node)
+        sect = container.get("model", container) if "model" in container else container
+        for name in drop:
+            sect.pop(name, None)
+        return OmegaConf.to_yaml(container)
+    return OmegaConf.to_yaml(node)
 
 
 def save_config(cfg, path: str) -> None:

@@ -195,3 +195,24 @@ def test_mixer_modules_are_imported_before_the_config_is_read(scratch_registry, 
         sys.modules.pop("path_toy_mixer", None)
     with pytest.raises(ConfigError, match="model.mixer_modules: cannot import 'no_such_mixer_module'"):
         load_config("configs/tiny.yaml", ["model.mixer_modules=[no_such_mixer_module]"])
+
+
+def test_a_saved_config_leaves_out_plugin_sections_it_neither_uses_nor_imports(scratch_registry, tmp_path):
+    """A plugin registered by other code in this process (``_register_toy``) adds its section to
+    ModelConfig; a config that does not use it and does not name it in ``model.mixer_modules`` is
+    saved without it, so a process without the plugin can read the file back. A config that uses
+    the kind keeps the section."""
+    from ttt_lm.config import load_config, save_config
+    _register_toy()
+    cfg = load_config("configs/tiny.yaml")
+    assert hasattr(cfg.model, "toy")
+    save_config(cfg, str(tmp_path / "c.yaml"))
+    text = (tmp_path / "c.yaml").read_text()
+    assert "toy:" not in text and "ttt:" in text
+    registry._SECTIONS.pop("toy")
+    registry._REGISTERED.pop("toy")
+    assert load_config(str(tmp_path / "c.yaml")).model.layer_pattern == cfg.model.layer_pattern
+    _register_toy()
+    used = load_config("configs/tiny.yaml", ["model.layer_pattern=[toy]", "model.toy.width=8"])
+    save_config(used, str(tmp_path / "u.yaml"))
+    assert "toy:" in (tmp_path / "u.yaml").read_text()

@@ -26,13 +26,14 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 pytestmark = pytest.mark.slurm
 
-# a step takes ~10 ms here: enough steps after the first checkpoint to interrupt the run mid-way
-MAX_STEPS = 600
+# a step takes ~10-100 ms here (more when other tests share the CPU): enough steps after the first
+# checkpoint that the interrupt lands mid-run even when slurmctld is slow to deliver it
+MAX_STEPS = 1500
 CKPT_EVERY = 50
 TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.layer_pattern=[attention]",
         "data.seq_len=32", "train.micro_batch_size=2", "eval.every=0",
         "logging.progress=false", "logging.tensorboard=false", "logging.log_every=0", "checkpoint.keep_last=2"]
-TIMEOUT = 170  # seconds for all four submissions together
+TIMEOUT = 420  # seconds for all four submissions together
 
 
 def _submit(cluster, kind, args, tasks):
