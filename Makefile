@@ -24,9 +24,10 @@ $(VENV)/.installed: pyproject.toml Makefile
 setup: $(VENV)/.installed
 
 # Test processes: one per CPU core (pytest-xdist), each test file in one of them, so the compile
-# gate's session report (two compiles at a time) is made once. TEST_JOBS=0 runs everything here.
+# gate's session report (two compiles at a time) is made once; at most 4 with "auto" (a process
+# can hold several GB). TEST_JOBS=0 runs everything here.
 TEST_JOBS ?= auto
-XDIST = $(if $(filter 0,$(TEST_JOBS)),-p no:xdist,-n $(TEST_JOBS) --dist loadfile)
+XDIST = $(if $(filter 0,$(TEST_JOBS)),-p no:xdist,-n $(TEST_JOBS) --maxprocesses 4 --dist loadfile)
 
 # Every test tier this machine can run (unit, dist, aot; slurm where Slurm can be installed; gpu with CUDA).
 test: setup
