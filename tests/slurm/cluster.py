@@ -161,7 +161,9 @@ class LocalSlurm:
             "MpiDefault=none",
             "ReturnToService=2",
             "SlurmdParameters=config_overrides",
-            "KillWait=10",
+            # SIGTERM to SIGKILL: the ranks save a checkpoint in between, which takes more than 10 s
+            # when the other test processes share the 2 CPUs (Slurm's own default is 30 s)
+            "KillWait=60",
             "MinJobAge=600",
             "InactiveLimit=0",
             f"NodeName={self.node} NodeAddr=127.0.0.1 CPUs={CPUS} RealMemory=1000 State=UNKNOWN",
