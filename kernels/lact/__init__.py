@@ -35,8 +35,8 @@ def block_causal_lact_swiglu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              momentum: Optional[torch.Tensor] = None, prenorm: bool = False,
                              muon_dtype: Optional[torch.dtype] = torch.bfloat16,
                              initial_state: Optional[Dict[str, torch.Tensor]] = None,
-                             output_final_state: bool = False, backend: str = "torch"
-                             ) -> Tuple[torch.Tensor, Optional[Dict[str, torch.Tensor]]]:
+                             output_final_state: bool = False, backend: str = "torch",
+                             resets: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Optional[Dict[str, torch.Tensor]]]:
     """Block-causal LaCT with SwiGLU fast weights.
 
     q, k [B, H, T, d_k]; v [B, H, T, d_v]; lr0, lr1, lr2 and momentum (None: no momentum)
@@ -44,7 +44,11 @@ def block_causal_lact_swiglu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     (the weights at the start of the stream; ignored, and may be None, when ``initial_state`` is
     given). ``use_muon``: orthogonalise each update with five Newton–Schulz steps run in
     ``muon_dtype`` (bfloat16 as the official code; None: the state's dtype). ``prenorm``: the
-    official prenorm variant (the updates accumulate on un-normalised weights).
+    official prenorm variant (the updates accumulate on un-normalised weights). ``resets``
+    [B, ⌈T/chunk_size⌉] bool (packed documents, each starting at a chunk boundary; no
+    ``initial_state``): before chunk c of row b with resets[b, c] the row starts again from w0, w1,
+    w2 (zero momentum), so each document's outputs are those of the document alone; the write of
+    a document's last chunk is discarded by the next reset.
 
     The fast weights live in the weights' dtype (float32 for half-precision weights); the
     products run in that dtype (an autocast region the caller opens applies to them).
@@ -56,6 +60,15 @@ def block_causal_lact_swiglu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """
     B, H, T, dk, dv, dh = check_lact_inputs(q, k, v, lr0, lr1, lr2, w0, w1, w2, chunk_size, momentum,
                                             muon_dtype, initial_state, backend, BACKENDS)
+    if resets is not None:
+        n_chunks = -(-T // chunk_size)
+        if not isinstance(resets, torch.Tensor) or resets.dtype != torch.bool or tuple(resets.shape) != (B, n_chunks):
+            raise ValueError(f"block_causal_lact_swiglu: resets must be a bool tensor [B, ⌈T/chunk_size⌉] = "
+                             f"{[B, n_chunks]}, got {getattr(resets, 'dtype', type(resets).__name__)} "
+                             f"{tuple(getattr(resets, 'shape', ()))}")
+        if initial_state is not None:
+            raise ValueError("block_causal_lact_swiglu: resets restart from w0, w1, w2 and cannot be combined "
+                             "with an initial_state")
     if initial_state is not None:
         if ("w0_main" in initial_state) != bool(prenorm):
             raise ValueError(f"block_causal_lact_swiglu: initial_state was made with prenorm="
@@ -65,7 +78,7 @@ def block_causal_lact_swiglu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         sd = state_dtype(w0.dtype)
     W = start_state(w0, w1, w2, B, prenorm, momentum is not None, sd, initial_state)
     s, n0 = stream(q, k, v, lr0, lr1, lr2, momentum, sd, initial_state)
-    o, W = _SCHEDULES[backend](q.to(sd), s, W, n0, chunk_size, use_muon, prenorm, muon_dtype)
+    o, W = _SCHEDULES[backend](q.to(sd), s, W, n0, chunk_size, use_muon, prenorm, muon_dtype, resets)
     o = o.to(v.dtype)
     if not output_final_state:
         return o, None

@@ -17,7 +17,9 @@ then, optionally, momentum (m = mean of the chunk's momentum; dw ← dw + m·buf
 Muon (``newton_schulz5`` on each dw), then w ← w + dw and the weight normalisation
 w ← w / (‖w‖_row + 1e-5) · ‖w_init‖_row. With ``prenorm`` the sum runs on an un-normalised
 accumulator w_main ← w_main + dw and the weights read are w = w_main / (‖w_main‖_row + 1e-5) ·
-‖w_init‖_row. The last chunk of a stream is read and never written.
+‖w_init‖_row. The last chunk of a stream is read and never written. With ``resets`` (packed
+documents, each starting at a chunk boundary) a row's whole state (weights, accumulators,
+momentum buffers) goes back to the stream's start before each chunk that starts a document.
 
 This form loops over chunks and writes every sum as an einsum over the chunk's tokens with the
 formulas above; ``torch_chunk.py`` is the batched form used for training.
@@ -41,15 +43,20 @@ def _f(w0, w1, w2, x):
 
 def lact_schedule_reference(q: torch.Tensor, s: Dict[str, torch.Tensor], W: Dict[str, torch.Tensor],
                             n0: int, chunk_size: int, use_muon: bool, prenorm: bool,
-                            muon_dtype: Optional[torch.dtype]):
+                            muon_dtype: Optional[torch.dtype], resets: Optional[torch.Tensor] = None):
     """q [B, H, T, d_k] (stream positions n0 …); ``s`` the stream (k, v, lr0, lr1, lr2 and
     momentum, [B, H, L, ·]); ``W`` the starting weights, norm targets, accumulators and momentum
-    buffers (see ``shapes.start_state``). Returns (o [B, H, T, d_v], W after the last write)."""
+    buffers (see ``shapes.start_state``); ``resets`` [B, ⌈L/C⌉] bool or None: chunk c of row b
+    starts from ``W`` again. Returns (o [B, H, T, d_v], W after the last write)."""
+    W0 = dict(W)
     W = dict(W)
     L = s["k"].shape[2]
     outs: List[torch.Tensor] = []
     use_m = "momentum" in s
-    for st, en, written in chunk_bounds(L, chunk_size):
+    for c, (st, en, written) in enumerate(chunk_bounds(L, chunk_size)):
+        if resets is not None and c > 0:
+            r = resets[:, c, None, None, None]
+            W = {key: torch.where(r, W0[key], w) for key, w in W.items()}
         qa, qb = max(st, n0) - n0, en - n0
         if qb > qa:
             outs.append(_f(W["w0"], W["w1"], W["w2"], q[:, :, qa:qb]))

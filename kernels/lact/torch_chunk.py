@@ -11,7 +11,10 @@ stacked into one [N, 2·d_h, d_k] matrix W₀₂, so that a chunk costs a handfu
 
 (lr scales a token's row, the same as scaling k_t as the official code does). Momentum, Muon and
 the row normalisation follow per chunk; Muon runs on dw0, dw2 (and dw1 when it has their shape)
-as one batched Newton–Schulz. Autograd differentiates the whole schedule.
+as one batched Newton–Schulz. Autograd differentiates the whole schedule. ``resets`` [B, n_chunks]
+(packed documents, each starting at a chunk boundary): before chunk c of a row with
+resets[b, c], that row's weights, accumulators and momentum buffers go back to the stream's start
+(``torch.where``, a mask in the scan).
 
 Linear cost in T: the stream is split into chunks once before the loop (``split``) and the
 outputs concatenated once after it, so backward never materialises a full-length gradient per
@@ -43,7 +46,7 @@ def _normed(w: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 def lact_schedule_torch(q: torch.Tensor, s: Dict[str, torch.Tensor], W: Dict[str, torch.Tensor],
                         n0: int, chunk_size: int, use_muon: bool, prenorm: bool,
-                        muon_dtype: Optional[torch.dtype]):
+                        muon_dtype: Optional[torch.dtype], resets: Optional[torch.Tensor] = None):
     """Same arguments and result as ``reference.lact_schedule_reference``."""
     B, H, T, dk = q.shape
     N = B * H
@@ -72,9 +75,19 @@ def lact_schedule_torch(q: torch.Tensor, s: Dict[str, torch.Tensor], W: Dict[str
     if use_m:
         b02 = torch.cat([flat(W["m0"]), flat(W["m2"])], 1)
         b1 = flat(W["m1"])
+    if resets is not None:   # [B, n_chunks] → [n_chunks, N, 1, 1], and the state to go back to
+        rs = resets[:, None, :].expand(B, H, resets.shape[1]).reshape(N, -1).T[..., None, None]
+        start = (w02, w1, m02_main, m1_main) if prenorm else (w02, w1)
 
     outs: List[torch.Tensor] = []
     for c, (st, en, written) in enumerate(bounds):
+        if resets is not None and c > 0:
+            r = rs[c]
+            w02, w1 = torch.where(r, start[0], w02), torch.where(r, start[1], w1)
+            if prenorm:
+                m02_main, m1_main = torch.where(r, start[2], m02_main), torch.where(r, start[3], m1_main)
+            if use_m:
+                b02, b1 = torch.where(r, 0.0, b02), torch.where(r, 0.0, b1)
         qc = qs[c]
         tq = qc.shape[1]
         if not written:

@@ -164,3 +164,70 @@ def test_linear_scan_resets():
         torch.testing.assert_close(h[row:row + 1, a:e], ref, atol=1e-12, rtol=0)
         for gr, gp in zip(grads, torch.autograd.grad((ref * w[row:row + 1, a:e]).sum(), piece)):
             torch.testing.assert_close(gr[row:row + 1, a:e], gp, atol=1e-12, rtol=0)
+
+
+LACT_DOCS = [[5, 3, 9], [12, 1, 8]]   # C = 4: rows of 8 + 4 + 12 and 12 + 4 + 8 aligned tokens
+
+
+@pytest.mark.parametrize("backend", ["torch", "reference"])
+@pytest.mark.parametrize("opts", [dict(momentum=True), dict(momentum=True, use_muon=True, prenorm=True),
+                                  dict(momentum=False, prenorm=False)], ids=["momentum", "muon_prenorm", "plain"])
+def test_lact_chunk_resets(backend, opts):
+    """LaCT's schedule restarted from w0, w1, w2 (zero momentum) at chunks flagged in ``resets``:
+    rows of documents laid out at chunk boundaries (zeros after each document's end), against each
+    document alone; outputs and the gradients of every input and of w0, w1, w2 (padding's are 0:
+    a document's last chunk is written only into a state the next reset discards)."""
+    from kernels.lact import block_causal_lact_swiglu
+    C, Hh, dk, dv, dh = 4, 2, 3, 3, 5
+    T = 24
+    g = torch.Generator().manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)
+    q, k, v = r(2, Hh, T, dk), r(2, Hh, T, dk), r(2, Hh, T, dv)
+    lr0, lr1, lr2 = (torch.rand(2, Hh, T, generator=g, dtype=torch.float64) * 0.5 for _ in range(3))
+    mom = torch.rand(2, Hh, T, generator=g, dtype=torch.float64) if opts["momentum"] else None
+    w0, w2, w1 = r(Hh, dh, dk), r(Hh, dh, dk), r(Hh, dv, dh)
+    real = torch.zeros(2, T, dtype=torch.bool)
+    resets = torch.zeros(2, T // C, dtype=torch.bool)
+    spans = []
+    for row, lens in enumerate(LACT_DOCS):
+        a = 0
+        for n in lens:
+            real[row, a:a + n] = True
+            resets[row, a // C] = True
+            spans.append((row, a, a + n))
+            a += -(-n // C) * C
+    mask = real[:, None, :].to(torch.float64)
+    q, k, v = (t * mask[..., None] for t in (q, k, v))
+    lr0, lr1, lr2 = (t * mask for t in (lr0, lr1, lr2))
+    tensors = [q, k, v, lr0, lr1, lr2] + ([mom * mask] if mom is not None else []) + [w0, w1, w2]
+    tensors = [t.clone().requires_grad_() for t in tensors]
+    kw = dict(chunk_size=C, use_muon=opts.get("use_muon", False), prenorm=opts.get("prenorm", False),
+              muon_dtype=None, backend=backend)
+
+    def run(ts, resets):
+        q, k, v, l0, l1, l2 = ts[:6]
+        m = ts[6] if mom is not None else None
+        return block_causal_lact_swiglu(q, k, v, l0, l1, l2, *ts[-3:], momentum=m, resets=resets, **kw)[0]
+
+    w = r(2, Hh, T, dv)
+    out = run(tensors, resets)
+    grads = torch.autograd.grad((out * w).sum(), tensors)
+    ref_w = [torch.zeros_like(t) for t in tensors[-3:]]
+    n_tok = len(tensors) - 3
+    ref_tok = [torch.zeros_like(t) for t in tensors[:n_tok]]
+    for row, a, e in spans:
+        piece = [t[row:row + 1, :, a:e].detach().requires_grad_() for t in tensors[:n_tok]]
+        piece += [t.detach().requires_grad_() for t in tensors[n_tok:]]
+        o = run(piece, None)
+        torch.testing.assert_close(out[row:row + 1, :, a:e], o, atol=1e-10, rtol=0)
+        gs = torch.autograd.grad((o * w[row:row + 1, :, a:e]).sum(), piece, materialize_grads=True)
+        for rg, gp in zip(ref_tok, gs[:n_tok]):
+            rg[row:row + 1, :, a:e] = gp
+        for rg, gp in zip(ref_w, gs[n_tok:]):
+            rg += gp
+    for gr, rg in zip(grads, ref_tok + ref_w):
+        torch.testing.assert_close(gr, rg, atol=1e-10, rtol=0)
+    # resets change the result, and bad ones are refused
+    assert (run(tensors, None) - out).abs().max() > 1e-3
+    with pytest.raises(ValueError, match="resets must be a bool tensor"):
+        run(tensors, resets[:, :-1])

@@ -97,23 +97,27 @@ def _packed_equals_alone(m, tol):
     docs, ids, pos = packed_batch(ROW_LENS)
     packed = m(ids, position_ids=pos).logits
     packed.square().sum().backward()
-    g = {n: p.grad.clone() for n, p in m.named_parameters()}
-    m.zero_grad()
+    g = {n: None if p.grad is None else p.grad.clone() for n, p in m.named_parameters()}
+    m.zero_grad(set_to_none=True)
     alone = torch.cat([torch.cat([m(d).logits for d in row], 1) for row in docs])
     alone.square().sum().backward()
     assert rel(packed.detach(), alone.detach()) <= tol
     for n, p in m.named_parameters():
-        assert rel(g[n], p.grad) <= tol, n
+        # a parameter the outputs do not reach (LaCT's W_lr when no chunk is written) has none either way
+        assert (g[n] is None) == (p.grad is None), n
+        if p.grad is not None:
+            assert rel(g[n], p.grad) <= tol, n
 
 NATIVE = ["attention", "local_attention", "rglru", "ttt_linear", "ttt_mlp", "deltanet", "gated_deltanet", "mamba",
-          "titans", "titans_mag"]
+          "titans", "titans_mag", "lact"]
 
 
 @pytest.mark.parametrize("kind", NATIVE)
 def test_cpu_path_resets_inside_the_packed_rows(kind, monkeypatch):
     """On the PyTorch path these kinds never fall back to the padded view (one document per row):
     resets are masks in their scans (TTT and Titans: restarts at the chunks of the chunk-aligned
-    rows), attention a document mask."""
+    rows; LaCT: its documents longer than a chunk restart in the chunk-aligned rows), attention a
+    document mask."""
     from ttt_lm.model.mixers.base import Mixer
 
     def refuse(*a, **k):
@@ -134,6 +138,18 @@ def test_titans_mlp_memory_restarts(monkeypatch):
     monkeypatch.setattr(Mixer, "run_padded", staticmethod(lambda *a, **k: (_ for _ in ()).throw(AssertionError)))
     m = tiny("titans", kernel_backend="torch")
     m.cfg.titans.memory = "mlp"
+    m = LM(m.cfg)
+    _packed_equals_alone(m, 2e-4)
+
+
+@pytest.mark.parametrize("chunk", [2, 16])
+def test_lact_long_and_short_documents(chunk, monkeypatch):
+    """LaCT's packed rows with chunks of 2 (almost every document writes) and of 16 (no document
+    of ROW_LENS is longer than a chunk: f_{W_init} alone, no aligned view); gradients included."""
+    from ttt_lm.model.mixers.base import Mixer
+    monkeypatch.setattr(Mixer, "run_padded", staticmethod(lambda *a, **k: (_ for _ in ()).throw(AssertionError)))
+    m = tiny("lact", kernel_backend="torch")
+    m.cfg.lact.chunk_size = chunk
     m = LM(m.cfg)
     _packed_equals_alone(m, 2e-4)
 
@@ -161,7 +177,7 @@ def test_attention_document_mask_backends(kind, backend):
 
 def test_reference_forms_take_documents():
     """impl="reference" (the sequential forms) follows the same contract."""
-    for kind in ("attention", "local_attention", "rglru", "ttt_linear"):
+    for kind in ("attention", "local_attention", "rglru", "ttt_linear", "lact"):
         m = tiny(kind).set_impl("reference")
         docs, ids, pos = packed_batch(ROW_LENS)
         with torch.no_grad():
@@ -207,6 +223,14 @@ def test_aligned_view():
     assert torch.equal(al.unpad(p), x)
     assert al.offset[0, :6].tolist() == [0, 1, al.offset[0, 2].item(), al.offset[0, 3].item(), 0, 1]
     assert al.offset[0, 2] > 4
+    # only the documents longer than 2 tokens: row 0 keeps [3], row 1 [5]
+    lo = DocLayout.build(pos).aligned(4, longer_than=2)
+    assert lo.length == 8 and lo.resets.tolist() == [[True, False], [True, False]]
+    assert lo.kept.tolist() == [[False, False, True, True, True, False], [True] * 5 + [False]]
+    p = lo.pad(x)
+    assert p[:, :, 0].tolist() == [[3, 4, 5, 0, 0, 0, 0, 0], [7, 8, 9, 10, 11, 0, 0, 0]]
+    assert lo.unpad(p)[:, :, 0].tolist() == [[0, 0, 3, 4, 5, 0], [7, 8, 9, 10, 11, 0]]
+    assert DocLayout.build(pos).aligned(4, longer_than=5).length == 0
 
 
 def test_doc_conv_equals_conv_of_each_document():

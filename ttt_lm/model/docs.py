@@ -21,9 +21,11 @@ validity check in one transfer), two views of the same documents:
   end, L = the longest document) and ``unpad(y)`` back; both are one gather, differentiable.
 
 A mixer whose forms reset inside the scan (masks on the packed rows: attention's document mask,
-the RG-LRU's segment positions) reads ``starts``/``seg``/``position_ids``; the others run their
-chunked form once on the padded view, where each document is a row of its own from the initial
-state (TTT's mini-batches then start at each document's first token, as for the document alone).
+the RG-LRU's segment positions) reads ``starts``/``seg``/``position_ids``; the chunked ones (TTT,
+Titans, LaCT) use the chunk-aligned view ``aligned(C)`` (each document from a chunk boundary of
+its row, restarts at its first chunk inside the scan; ``longer_than`` leaves the short documents
+out); the others run their form once on the padded view, where each document is a row of its
+own from the initial state.
 """
 from __future__ import annotations
 
@@ -123,10 +125,12 @@ class DocLayout:
         end = torch.full((1,), B * T, dtype=begins.dtype, device=begins.device)
         return torch.cat([begins, end]).to(torch.int32)
 
-    def aligned(self, C: int) -> AlignedDocs:
+    def aligned(self, C: int, longer_than: int = 0) -> AlignedDocs:
         """The chunk-aligned view for chunk size C (``AlignedDocs``), built once per batch and C
-        (one host read: its length T′ ≤ T + (documents in a row) · (C − 1))."""
-        key = ("aligned", C)
+        (one host read: its length T′ ≤ T + (documents in a row) · (C − 1)). ``longer_than`` = n
+        > 0 keeps only the documents of more than n tokens (the others have no place in the view:
+        ``AlignedDocs.kept`` is False on their tokens, T′ may be 0)."""
+        key = ("aligned", C, longer_than)
         if key in self.cache:
             return self.cache[key]
         B, T = self.shape
@@ -134,19 +138,24 @@ class DocLayout:
         d = self.doc_index.flatten()
         off = self.offset.flatten()
         lens = torch.zeros(self.n_docs, dtype=torch.long, device=dev).scatter_reduce(0, d, off + 1, "amax")
-        plen = (lens + C - 1) // C * C
+        keep_doc = lens > longer_than
+        plen = torch.where(keep_doc, (lens + C - 1) // C * C, 0)
         begin = plen.cumsum(0) - plen                      # each document's start, rows laid end to end
         row_base = begin[self.doc_index[:, 0]]             # [B]
         row_len = begin[self.doc_index[:, -1]] + plen[self.doc_index[:, -1]] - row_base
         Tp = int(row_len.max())
         row = torch.arange(B, device=dev).repeat_interleave(T)
         doc_begin = begin[d] - row_base[row]               # in its row of the aligned view
-        dest = row * Tp + doc_begin + off
-        big = torch.iinfo(torch.long).max // 2
-        offset = torch.full((B * Tp,), big, dtype=torch.long, device=dev).index_copy(0, dest, off)
         n_mb = Tp // C
-        resets = torch.zeros(B * n_mb, dtype=torch.bool, device=dev).index_fill(0, row * n_mb + doc_begin // C, True)
-        out = AlignedDocs(dest, offset.view(B, Tp), resets.view(B, n_mb), Tp)
+        kept = keep_doc[d]
+        # a left-out document's tokens go to one scratch place after the view, dropped
+        dest = torch.where(kept, row * Tp + doc_begin + off, B * Tp)
+        big = torch.iinfo(torch.long).max // 2
+        offset = torch.full((B * Tp + 1,), big, dtype=torch.long, device=dev).index_copy(0, dest, off)[:-1]
+        first = torch.where(kept, row * n_mb + doc_begin // C, B * n_mb)
+        resets = torch.zeros(B * n_mb + 1, dtype=torch.bool, device=dev).index_fill(0, first, True)[:-1]
+        out = AlignedDocs(dest, offset.view(B, Tp), resets.view(B, n_mb), Tp,
+                          None if longer_than <= 0 else kept.view(B, T))
         self.cache[key] = out
         return out
 
@@ -198,22 +207,28 @@ class AlignedDocs:
     row and order, followed by zeros up to the next multiple (``DocLayout.aligned``): [B, T′]
     with T′ the longest such row. ``offset`` [B, T′]: a token's index in its document (a large
     value on padding, whose outputs are dropped); ``resets`` [B, T′/C] bool: chunk m starts a
-    document."""
-    dest: torch.Tensor     # [B·T]: each token's flat index in [B · T′]
+    document. ``kept`` [B, T] bool (None: every token): the tokens the view holds, when it
+    leaves out the short documents (``DocLayout.aligned(C, longer_than)``); ``unpad`` gives zeros
+    on the others."""
+    dest: torch.Tensor     # [B·T]: each token's flat index in [B · T′] (B · T′ for a token left out)
     offset: torch.Tensor   # [B, T′]
     resets: torch.Tensor   # [B, T′ / C]
     length: int            # T′
+    kept: Optional[torch.Tensor] = None   # [B, T] bool
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:
         B, T = x.shape[:2]
         flat = x.reshape(B * T, *x.shape[2:])
-        out = flat.new_zeros(B * self.length, *x.shape[2:]).index_copy(0, self.dest, flat)
-        return out.view(B, self.length, *x.shape[2:])
+        n = B * self.length + (self.kept is not None)          # the scratch place of left-out tokens
+        out = flat.new_zeros(n, *x.shape[2:]).index_copy(0, self.dest, flat)
+        return out[:B * self.length].view(B, self.length, *x.shape[2:])
 
     def unpad(self, y: torch.Tensor) -> torch.Tensor:
         B = y.shape[0]
-        flat = y.reshape(B * self.length, *y.shape[2:]).index_select(0, self.dest)
-        return flat.view(B, -1, *y.shape[2:])
+        flat = y.reshape(B * self.length, *y.shape[2:])
+        if self.kept is not None:
+            flat = torch.cat([flat, flat.new_zeros(1, *flat.shape[1:])])
+        return flat.index_select(0, self.dest).view(B, -1, *y.shape[2:])
 
 
 __all__ = ["AlignedDocs", "DocLayout", "check_positions", "doc_conv", "masked_conv"]

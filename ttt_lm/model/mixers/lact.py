@@ -37,12 +37,23 @@ bfloat16 (``lact.muon_dtype``); the weight normalisation's targets are the row n
 initial weights, not detached; the fast path's RoPE rotates its e-wide heads as H d-wide pieces.
 Two differences from the official code: it ignores document boundaries in the fast path (its
 note: "current implementation ignores cu_seqlens for ttt-layer"), while here a packed document
-starts from the initial weights (``model.reset_at_doc_boundaries``: the forms run once on the
-batch's padded view, one document per row, ``Mixer.run_padded``);
-and it rounds the learning rates and momentum to float32 whatever the model's dtype, while here
+starts from the initial weights (``model.reset_at_doc_boundaries``, below); and it rounds the learning rates and momentum to float32 whatever the model's dtype, while here
 they stay in the model's dtype (float32 under half precision, as there). The fast weights are
 kept in float32 under half-precision inputs (the official ``fp32_states``). The presets tie the
 LM head to the embedding (the official 760M config unties it; see configs/lact_760m.yaml).
+
+Packed documents (``docs``, one call for the batch). Alone, a document of L tokens has its
+chunks counted from its first token; chunk 0 reads the initial weights, and only a document of
+L > C tokens writes (the last chunk never does). The chunked form runs the packed rows as they
+are for everything but the writes: RoPE at each token's offset in its document, the window
+attention under a document mask (SDPA's boolean mask, flash-attn's varlen kernel with
+``cu_seqlens`` where installed), and f_{W_init}(q̃_t) for every query (chunk 0 of every
+document). The documents longer than C alone are laid out at chunk boundaries
+(``DocLayout.aligned(C, longer_than=C)``: each padded to a multiple of C in its row, the short
+ones left out) and run through the op once with ``resets`` at their first chunks (the weights,
+accumulators and momentum buffers restart inside the scan); their tokens take that result. With
+many documents shorter than a chunk the op's loop is then shorter than for the unpacked rows.
+The reference form runs on the padded view (one document per row, ``Mixer.run_padded``).
 
 Forms: ``reference`` runs the op's plain schedule and the explicit windowed softmax; ``chunked``
 the op's batched form and SDPA / flash-attn; ``step`` one token: the attention reads its KV cache
@@ -63,8 +74,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import lact as _lact
-from ttt_lm.model.backend import Backend, flash_attn_func, resolve
+from ttt_lm.model.backend import Backend, flash_attn_func, flash_attn_varlen_func, resolve
 from ttt_lm.model.layers import RMSNorm, acc, apply_rope, rope_cos_sin
+from ttt_lm.model.mixers.attention import _same_doc
 from ttt_lm.model.mixers.base import Mixer, MixerState, TPPlan
 from ttt_lm.model.registry import option, register_mixer
 
@@ -250,12 +262,16 @@ class LaCT(Mixer):
                       shared_modules=("ttt_norm",), fused=(("qkv", 3),), head_counts=("n_heads", "n_fw"))
 
     # ---- pieces ------------------------------------------------------------------------------
-    def _paths(self, x: torch.Tensor, pos0: int):
-        """Attention q, k, v [B, H, T, d] (RoPE applied) and the op's inputs."""
+    def _paths(self, x: torch.Tensor, pos0: int, positions: Optional[torch.Tensor] = None):
+        """Attention q, k, v [B, H, T, d] (RoPE applied at pos0 … pos0 + T − 1, or at
+        ``positions`` [B, T]: packed documents' in-document offsets) and the op's inputs."""
         B, T, _ = x.shape
         H, d, Fh, e = self.n_heads, self.hd, self.n_fw, self.fw_hd
         q, k, v = self.qkv(x).chunk(3, dim=-1)
-        cos, sin = rope_cos_sin(torch.arange(pos0, pos0 + T, device=x.device), d, self.rope_theta)
+        if positions is not None:
+            cos, sin = rope_cos_sin(positions[:, None], d, self.rope_theta)          # [B, 1, T, d]
+        else:
+            cos, sin = rope_cos_sin(torch.arange(pos0, pos0 + T, device=x.device), d, self.rope_theta)
         fq = q * self.qk_scale[:, 0] + self.qk_offset[:, 0]
         fk = k * self.qk_scale[:, 1] + self.qk_offset[:, 1]
 
@@ -291,6 +307,21 @@ class LaCT(Mixer):
             return o.transpose(1, 2)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=_window_mask(tq, tk, self.window, q.device))
 
+    def _attend_docs(self, q, k, v, docs) -> torch.Tensor:
+        """Windowed causal attention within each document of packed rows (q, k, v [B, H, T, d]):
+        flash-attn's varlen kernel over the batch flattened to [B·T] with ``docs.cu_seqlens``, or
+        SDPA with the window mask and'ed with "same document"."""
+        B, H, T, d = q.shape
+        if (resolve("local_attention", "auto", q.device, q.dtype) == Backend.FLASH
+                and flash_attn_varlen_func() is not None):
+            cu = docs.cu_seqlens
+            flat = lambda t: t.transpose(1, 2).reshape(B * T, H, d)
+            o = flash_attn_varlen_func()(flat(q), flat(k), flat(v), cu, cu, docs.max_len, docs.max_len,
+                                         causal=True, window_size=(self.window - 1, 0))
+            return o.view(B, T, H, d).transpose(1, 2)
+        mask = _window_mask(T, T, self.window, q.device) & _same_doc(docs)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
     def _fast_out(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """RMSNorm per head, times SiLU(W_s x) per head: [B, F, T, e] → [B, T, F·e]."""
         B, Fh, T, e = y.shape
@@ -323,15 +354,64 @@ class LaCT(Mixer):
         v_keep = v_all[:, :, max(0, v_all.shape[2] - keep):]
         return out, LaCTState.from_op(fst, k_keep, v_keep, pos0 + T)
 
+    def _op_kw(self, backend: str):
+        return dict(chunk_size=self.chunk_size, use_muon=self.use_muon, prenorm=self.prenorm,
+                    muon_dtype=self.muon_dtype, backend=backend)
+
+    def _fast_docs(self, inp, docs) -> torch.Tensor:
+        """The fast path over packed rows, each document from the initial weights with its chunks
+        counted from its first token, as alone: [B, F, T, e].
+
+        Chunk 0 of every document reads the initial weights: one application of f_{W_init} to all
+        queries of the rows (the op with one chunk as long as the rows, which it never writes).
+        The documents of more than C tokens (the only ones that write, and whose later chunks read
+        the writes) are laid out at chunk boundaries (``docs.aligned(C, longer_than=C)``; the
+        others left out) and run through the op once with ``resets`` at their first chunks; their
+        tokens take that result."""
+        w0, w1, w2 = self.fast_weights()
+        T = inp["q"].shape[2]
+        args = lambda d: (d["q"], d["k"], d["v"], d["lr0"], d["lr1"], d["lr2"], w0, w1, w2)
+        first, _ = _lact.block_causal_lact_swiglu(*args(inp), **dict(self._op_kw("torch"), chunk_size=T),
+                                                  momentum=inp["momentum"])
+        al = docs.aligned(self.chunk_size, longer_than=self.chunk_size)
+        if al.length == 0:
+            return first
+        # [B, F, T, ...] → the view [B, F, T′, ...]: tokens along dim 1 for AlignedDocs
+        to_view = lambda t: al.pad(t.transpose(1, 2)).transpose(1, 2)
+        view = {key: (None if t is None else to_view(t)) for key, t in inp.items()}
+        y, _ = _lact.block_causal_lact_swiglu(*args(view), **self._op_kw("torch"), momentum=view["momentum"],
+                                              resets=al.resets)
+        y = al.unpad(y.transpose(1, 2)).transpose(1, 2)
+        return torch.where(al.kept[:, None, :, None], y, first)
+
+    def _run_docs(self, x: torch.Tensor, docs):
+        """Packed documents in one call (PyTorch form): RoPE at the in-document offsets, the
+        window attention under a document mask on the packed rows, the fast path by
+        ``_fast_docs``."""
+        B, T, _ = x.shape
+        (q, k, v), inp = self._paths(x, 0, positions=docs.offset)
+        attn = self._attend_docs(q, k, v, docs).transpose(1, 2).reshape(B, T, self.n_heads * self.hd)
+        return self.o_proj(attn + self._fast_out(self._fast_docs(inp, docs), x)), None
+
     # ---- forms -------------------------------------------------------------------------------
-    def reference(self, x, state=None, output_state=False):
+    #: packed documents (``docs``): the chunked form runs the packed rows once (``_run_docs``:
+    #: a document mask, in-scan restarts of the long documents); the reference form runs on the
+    #: padded view (``Mixer.run_padded``, one document per row)
+    handles_docs = True
+
+    def reference(self, x, state=None, output_state=False, docs=None):
+        if docs is not None:
+            return self.run_padded(self.reference, x, docs)
         return self._run(x, state, output_state, Backend.REFERENCE)
 
     def triton_unavailable(self):
         return f"kernels.lact has only {list(_lact.BACKENDS)}"
 
-    def chunked(self, x, state=None, output_state=False):
-        return self._run(x, state, output_state, self._resolve_backend(x))
+    def chunked(self, x, state=None, output_state=False, docs=None):
+        backend = self._resolve_backend(x)
+        if docs is not None:
+            return self._run_docs(x, docs)
+        return self._run(x, state, output_state, backend)
 
     def step(self, x, state):
         return self._run(x, state, True, self._resolve_backend(x))
