@@ -16,7 +16,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from ttt_lm.data.config import DataConfig
 from ttt_lm.model import registry
-from ttt_lm.model.config import ModelConfig
+from ttt_lm.model.config import ModelConfig, model_config_class
 from ttt_lm.train.config import (CheckpointConfig, EvalConfig, LoggingConfig, OptimConfig,
                                  ParallelConfig, TrainConfig, check_training_config)
 
@@ -56,8 +56,17 @@ def _read_yaml(path: str, seen: tuple = ()) -> List[DictConfig]:
     return out
 
 
+_SCHEMAS: dict = {}
+
+
 def _schema():
-    return OmegaConf.structured(ExperimentConfig)
+    """The structured schema of ExperimentConfig, built once per set of registered mixer sections
+    (a registration rebuilds ModelConfig). Never modified: ``OmegaConf.merge`` copies its first
+    argument."""
+    key = model_config_class()
+    if key not in _SCHEMAS:
+        _SCHEMAS[key] = OmegaConf.structured(ExperimentConfig)
+    return _SCHEMAS[key]
 
 
 def _mixer_modules(layers: Sequence[DictConfig], model_key: Optional[str] = "model") -> List[str]:
@@ -90,17 +99,23 @@ def load_config(path: Optional[str] = None, overrides: Sequence[str] = (), schem
         registry.import_mixer_modules(_mixer_modules(layers + dots))
     except ValueError as e:
         raise ConfigError(str(e)) from e
-    cfg = _schema() if schema is None else schema
-    for i, layer in enumerate(layers):
-        try:
-            cfg = OmegaConf.merge(cfg, layer)
-        except OmegaConfBaseException as e:
-            raise ConfigError(f"config {path}: {_explain(e, cfg)}") from e
-    for ov, dot in zip(overrides, dots):
-        try:
-            cfg = OmegaConf.merge(cfg, dot)
-        except OmegaConfBaseException as e:
-            raise ConfigError(f"override {ov!r}: {_explain(e, cfg)}") from e
+    base = _schema() if schema is None else schema
+    try:
+        # one merge (one copy of the schema); on an error, again layer by layer to name the culprit
+        cfg = OmegaConf.merge(base, *layers, *dots)
+    except OmegaConfBaseException as combined:
+        cfg = base
+        for layer in layers:
+            try:
+                cfg = OmegaConf.merge(cfg, layer)
+            except OmegaConfBaseException as e:
+                raise ConfigError(f"config {path}: {_explain(e, cfg)}") from e
+        for ov, dot in zip(overrides, dots):
+            try:
+                cfg = OmegaConf.merge(cfg, dot)
+            except OmegaConfBaseException as e:
+                raise ConfigError(f"override {ov!r}: {_explain(e, cfg)}") from e
+        raise ConfigError(_explain(combined, cfg)) from combined   # each layer merged alone
     try:
         obj = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as e:
