@@ -274,6 +274,7 @@ def test_run_cmd_kills_the_whole_group_at_its_limit():
 
 
 # ---- the campaign as a whole ------------------------------------------------------------------------
+@pytest.mark.slow   # two campaign processes, each importing every op
 def test_no_cuda_device_is_one_line_and_exit_2():
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(ROOT))
     for command in ("run", "more"):

@@ -153,6 +153,7 @@ def records(tmp_path_factory):
     return ops, _record(ops, tmp_path_factory.mktemp("rec") / "launches.jsonl")
 
 
+@pytest.mark.slow   # records or compiles the launches of every op
 def test_record_mode_covers_every_interpreted_launch(records, tmp_path):
     """Every launch the benchmark code paths make under the interpreter — kernel, constexprs and
     pointer dtypes — is among the launches record mode collects from the same code paths when it
@@ -188,6 +189,7 @@ def test_record_mode_covers_every_interpreted_launch(records, tmp_path):
     assert kinds(gpu) == kinds(projected)
 
 
+@pytest.mark.slow   # records or compiles the launches of every op
 def test_compiled_record_is_found_by_the_launch(records, tmp_path):
     """The warm-up worker's compile of a record lands under the cache hash the launch looks up;
     a record changed after the fact is reported as another cache key."""
@@ -212,6 +214,7 @@ def test_compiled_record_is_found_by_the_launch(records, tmp_path):
     assert got["res"]["hash_ok"] is True and got["bad"] is False
 
 
+@pytest.mark.slow   # records or compiles the launches of every op
 def test_pinning_turns_autotuning_off_for_our_kernels(records, tmp_path):
     """linear_scan's kernels are autotuned; pinned, each records exactly one config."""
     _, recs = records
@@ -242,6 +245,7 @@ def test_warmup_walks_every_later_step(monkeypatch):
     assert len({tuple(c) for c in cmds}) == len(cmds)      # the profile's presets are recorded once
 
 
+@pytest.mark.slow   # records or compiles the launches of every op
 def test_warmup_step_records_compiles_and_reports(monkeypatch, tmp_path):
     """The warm-up step end to end on CPU: a record item (the stand-in driver in place of a GPU) and
     a record item that crashes; the recorded launches compiled by worker processes into the Triton

@@ -9,6 +9,9 @@ import torch.nn.functional as F
 import kernels.gated_delta_rule.chunk as gdr_chunk
 from kernels.gated_delta_rule import BACKENDS, gated_delta_rule, gated_delta_rule_reference, gated_delta_rule_triton
 
+# slow: Triton kernels swept under the interpreter on CPU (make test-fast leaves them out)
+pytestmark = pytest.mark.slow
+
 D64 = torch.float64
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 NAMES = ["o", "S_T", "dq", "dk", "dv", "dg", "dbeta", "dS0"]

@@ -289,6 +289,7 @@ def test_bad_input_names_the_argument():
         call(initial_state=st, chunk_size=8, prenorm=True)
 
 
+@pytest.mark.slow   # torch.compile of the whole schedule
 def test_torch_backend_compiles_in_one_graph():
     """torch.compile(fullgraph=True) traces the batched form with no graph break (no per-token
     Python, no host sync); the compiled output equals eager exactly (aot_eager: the same kernels) and
