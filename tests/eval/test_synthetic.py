@@ -111,6 +111,16 @@ def test_cli_takes_gated_deltanet(tmp_path):
     assert state_size(gdn, task, 64) == state_size(gdn, task, 32) > 0
 
 
+def test_tiny_models_take_each_sections_short_chunks():
+    """build_tiny_lm asks every mixer section with a ``short`` method for its short-sequence form:
+    16-token chunks, mini-batches and LaCT's window; the other fields keep their defaults."""
+    cfg = build_tiny_lm(["ttt_linear"], 64, d_model=32).cfg
+    assert cfg.ttt.mini_batch_size == 16 and cfg.titans.chunk_size == 16 and cfg.mamba.chunk_size == 16
+    assert cfg.deltanet.chunk_size == cfg.gated_deltanet.chunk_size == 16
+    assert (cfg.lact.chunk_size, cfg.lact.window) == (16, 16)
+    assert cfg.titans.window == type(cfg.titans)().window and cfg.rglru.chunk_size == type(cfg.rglru)().chunk_size
+
+
 def test_chance_is_one_over_the_possible_answers():
     assert make_task("induction", vocab_size=16).chance == pytest.approx(1 / 15)
     assert make_task("mqar", vocab_size=64).chance == pytest.approx(1 / 32)

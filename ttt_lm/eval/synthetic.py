@@ -174,13 +174,9 @@ def build_tiny_lm(pattern: Sequence[str], vocab_size: int, n_layers: int = 2, d_
         n_layers = len(pat) * max(1, round(n_layers / len(pat)))
     cfg = ModelConfig(vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, n_heads=n_heads,
                       layer_pattern=pat, max_seq_len=max_seq_len, tie_embeddings=True)
-    cfg.ttt.mini_batch_size = 16
-    cfg.titans.chunk_size = 16
-    cfg.deltanet.chunk_size = 16
-    cfg.lact.chunk_size = 16
-    cfg.lact.window = 16
-    cfg.gated_deltanet.chunk_size = 16
-    cfg.mamba.chunk_size = 16
+    for name, section in cfg.sections().items():   # each mixer section says what "short" means (``short``)
+        if callable(getattr(section, "short", None)):
+            setattr(cfg, name, section.short(16))
     return LM(apply_overrides(cfg, overrides))
 
 

@@ -60,6 +60,11 @@ class DeltaNetConfig:
     feature_map: str = option("identity", choices=("identity", "dpfp"))  # identity (L2-normalized) | dpfp
     dpfp_nu: int = 1
     chunk_size: int = option(64, ge=1)
+
+    def short(self, n: int) -> "DeltaNetConfig":
+        """This section for short sequences of a few chunks of ``n`` tokens (the synthetic tasks' tiny
+        models, ``ttt_lm.eval.synthetic.build_tiny_lm``)."""
+        return replace(self, chunk_size=n)
     conv_width: int = option(4, ge=0)   # short causal conv on q/k/v (0 = none)
 
 

@@ -71,6 +71,11 @@ class GatedDeltaNetConfig:
     conv_width: int = option(4, ge=0)   # short causal conv on q/k/v (0 = none)
     chunk_size: int = option(64, ge=1)
 
+    def short(self, n: int) -> "GatedDeltaNetConfig":
+        """This section for short sequences of a few chunks of ``n`` tokens (the synthetic tasks' tiny
+        models, ``ttt_lm.eval.synthetic.build_tiny_lm``)."""
+        return replace(self, chunk_size=n)
+
 #: Δ₀ range and floor of the official init (the same as Mamba's dt init)
 DT_MIN, DT_MAX, DT_INIT_FLOOR = 0.001, 0.1, 1e-4
 #: A = exp(A_log) ~ U(0, A_INIT_MAX) per head in the official init

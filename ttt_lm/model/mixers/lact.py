@@ -66,7 +66,7 @@ rank (``cp_form = "state_passing"``).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Dict, Optional
 
 import torch
@@ -91,6 +91,11 @@ class LaCTConfig:
     num_heads: int = 4                  # fast-weight heads (each d_model / num_heads wide)
     chunk_size: int = option(2048, ge=1)  # tokens per fast-weight update
     window: int = option(2048, ge=1)    # sliding window of the layer's attention (keys t-window+1..t)
+
+    def short(self, n: int) -> "LaCTConfig":
+        """This section for short sequences of a few chunks of ``n`` tokens (the synthetic tasks' tiny
+        models, ``ttt_lm.eval.synthetic.build_tiny_lm``)."""
+        return replace(self, chunk_size=n, window=n)
     inter_multi: float = 1.0            # fast-weight hidden width d_h = inter_multi × head width
     low_rank: int = option(0, ge=0)     # > 0: initial w0, w2 = W_left W_right + 0.5·I of this rank; 0: full
     fw_init_gain: float = 0.5           # gain of the low-rank factors' init

@@ -53,6 +53,11 @@ class MambaConfig:
     # tokens per chunk: the PyTorch form's vectorized unit, the Triton kernel's tile (at most 16)
     chunk_size: int = option(16, ge=1)
 
+    def short(self, n: int) -> "MambaConfig":
+        """This section for short sequences of a few chunks of ``n`` tokens (the synthetic tasks' tiny
+        models, ``ttt_lm.eval.synthetic.build_tiny_lm``)."""
+        return replace(self, chunk_size=n)
+
     def validate(self, model) -> None:
         if not 0.0 < self.dt_min <= self.dt_max:
             raise ValueError(f"model.mamba needs 0 < dt_min <= dt_max, got {self.dt_min}, {self.dt_max}")

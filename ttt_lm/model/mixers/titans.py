@@ -128,6 +128,11 @@ class TitansConfig:
     segment_len: int = option(64, ge=1)  # titans_mac: tokens per segment (attention within a segment)
     persistent_tokens: int = option(4, ge=0)  # titans_mac, titans_mal: learned persistent memory tokens
 
+    def short(self, n: int) -> "TitansConfig":
+        """This section for short sequences of a few chunks of ``n`` tokens (the synthetic tasks' tiny
+        models, ``ttt_lm.eval.synthetic.build_tiny_lm``)."""
+        return dataclasses.replace(self, chunk_size=n)
+
 
 def _gelu_grad(h: torch.Tensor) -> torch.Tensor:
     """d/dh GELU(h) = Φ(h) + h φ(h) (exact, erf form)."""

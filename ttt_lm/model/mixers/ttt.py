@@ -79,7 +79,7 @@ i.e. the interleaved rotation, so released weights need no reordering.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Dict, Optional
 
 import torch
@@ -109,6 +109,11 @@ class TTTConfig:
     # linearly over base_lr_warmup optimizer steps (None / 0: no warmup)
     base_lr_init: Optional[float] = None
     base_lr_warmup: int = 0
+
+    def short(self, n: int) -> "TTTConfig":
+        """This section for short sequences of a few chunks of ``n`` tokens (the synthetic tasks' tiny
+        models, ``ttt_lm.eval.synthetic.build_tiny_lm``)."""
+        return replace(self, mini_batch_size=n)
 
     def validate(self, model) -> None:
         if (self.base_lr_init is None) != (self.base_lr_warmup == 0):
