@@ -109,7 +109,7 @@ def _packed_equals_alone(m, tol):
             assert rel(g[n], p.grad) <= tol, n
 
 NATIVE = ["attention", "local_attention", "rglru", "ttt_linear", "ttt_mlp", "deltanet", "gated_deltanet", "mamba",
-          "titans", "titans_mag", "lact"]
+          "titans", "titans_mag", "lact", "titans_mal"]
 
 
 @pytest.mark.parametrize("kind", NATIVE)
@@ -131,12 +131,13 @@ def test_cpu_path_resets_inside_the_packed_rows(kind, monkeypatch):
     assert rel(packed, alone) <= 2e-4
 
 
-def test_titans_mlp_memory_restarts(monkeypatch):
-    """Titans' MLP memory (its chunk loop in the mixer) restarts at chunk-aligned documents too;
-    gradients included."""
+@pytest.mark.parametrize("kind", ["titans", "titans_mal"])
+def test_titans_mlp_memory_restarts(kind, monkeypatch):
+    """Titans' MLP memory (its chunk loop in the mixer) restarts at chunk-aligned documents too
+    (MAL: after the persistent tokens inserted before each document); gradients included."""
     from ttt_lm.model.mixers.base import Mixer
     monkeypatch.setattr(Mixer, "run_padded", staticmethod(lambda *a, **k: (_ for _ in ()).throw(AssertionError)))
-    m = tiny("titans", kernel_backend="torch")
+    m = tiny(kind, kernel_backend="torch")
     m.cfg.titans.memory = "mlp"
     m = LM(m.cfg)
     _packed_equals_alone(m, 2e-4)
@@ -177,7 +178,7 @@ def test_attention_document_mask_backends(kind, backend):
 
 def test_reference_forms_take_documents():
     """impl="reference" (the sequential forms) follows the same contract."""
-    for kind in ("attention", "local_attention", "rglru", "ttt_linear", "lact"):
+    for kind in ("attention", "local_attention", "rglru", "ttt_linear", "lact", "titans_mal"):
         m = tiny(kind).set_impl("reference")
         docs, ids, pos = packed_batch(ROW_LENS)
         with torch.no_grad():
@@ -186,10 +187,11 @@ def test_reference_forms_take_documents():
         assert rel(packed, alone) <= 2e-4, kind
 
 
-def test_row_starting_inside_a_document():
+@pytest.mark.parametrize("kind", ["gated_deltanet", "titans_mal"])
+def test_row_starting_inside_a_document(kind):
     """A row whose first position is not 0 (the loader cuts rows out of the packed stream) starts
     from a fresh state there: the same as the piece alone."""
-    m = tiny("gated_deltanet")
+    m = tiny(kind)
     _, ids, _ = packed_batch([[10, 14]])
     pos = torch.cat([torch.arange(7, 17), torch.arange(14)])[None]
     with torch.no_grad():
@@ -231,6 +233,22 @@ def test_aligned_view():
     assert p[:, :, 0].tolist() == [[3, 4, 5, 0, 0, 0, 0, 0], [7, 8, 9, 10, 11, 0, 0, 0]]
     assert lo.unpad(p)[:, :, 0].tolist() == [[0, 0, 3, 4, 5, 0], [7, 8, 9, 10, 11, 0]]
     assert DocLayout.build(pos).aligned(4, longer_than=5).length == 0
+
+
+def test_prefixed_view():
+    pos = torch.tensor([[3, 4, 0, 1, 2, 0], [0, 1, 2, 3, 4, 0]])
+    pre = DocLayout.build(pos).prefixed(2)
+    # row 0: [p p 2 | p p 3 | p p 1] → 12 slots; row 1: [p p 5 | p p 1] → 10, then 2 of padding
+    L = pre.layout
+    assert L.shape == (2, 12) and L.n_docs == 5 and L.max_len == 7
+    x = torch.arange(1.0, 13.0).view(2, 6, 1)
+    prefix = torch.tensor([[-1.0], [-2.0]])
+    p = pre.pad(x, prefix)
+    assert p[:, :, 0].tolist() == [[-1, -2, 1, 2, -1, -2, 3, 4, 5, -1, -2, 6],
+                                   [-1, -2, 7, 8, 9, 10, 11, -1, -2, 12, 0, 0]]
+    assert L.offset.tolist() == [[0, 1, 2, 3, 0, 1, 2, 3, 4, 0, 1, 2], [0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3, 4]]
+    assert torch.equal(pre.unpad(p), x)
+    assert DocLayout.build(pos).prefixed(0).layout.shape == (2, 6)
 
 
 def test_doc_conv_equals_conv_of_each_document():

@@ -159,6 +159,37 @@ class DocLayout:
         self.cache[key] = out
         return out
 
+    def prefixed(self, n: int) -> "PrefixedDocs":
+        """The rows with n slots inserted before every document (piece), for a mixer that runs
+        each document alone as [n prefix tokens ‖ the document] (Titans MAL's persistent tokens):
+        ``PrefixedDocs``, built once per batch and n. Its layout counts positions from each
+        document's first prefix slot; a row with fewer documents than the longest row ends in
+        padding that continues its last document (after it, so causal forms never read it). Two
+        host reads (the longest row, then ``DocLayout.build``'s)."""
+        key = ("prefixed", n)
+        if key in self.cache:
+            return self.cache[key]
+        B, T = self.shape
+        dev = self.starts.device
+        seg = self.seg
+        Tp = T + n * (int(seg[:, -1].max()) + 1)
+        dest = (torch.arange(T, device=dev) + n * (seg + 1)) + torch.arange(B, device=dev)[:, None] * Tp
+        dest = dest.flatten()
+        begins = torch.nonzero_static(self.starts.flatten(), size=self.n_docs)[:, 0]   # size known: no sync
+        first = dest[begins] - n                                   # each document's first prefix slot
+        slot = (first[:, None] + torch.arange(n, device=dev)).flatten()
+        # source of every slot of the [B·T′] view: a token (0 … B·T − 1), a prefix token
+        # (B·T + j), or zero (B·T + n: the padding at a row's end)
+        src = torch.full((B * Tp,), B * T + n, dtype=torch.long, device=dev)
+        src = src.index_copy(0, dest, torch.arange(B * T, device=dev))
+        src = src.index_copy(0, slot, (B * T + torch.arange(n, device=dev)).repeat(self.n_docs))
+        starts = torch.zeros(B * Tp, dtype=torch.bool, device=dev).index_fill(0, first, True).view(B, Tp)
+        idx = torch.arange(Tp, device=dev).expand(B, Tp)
+        offset = idx - torch.cummax(torch.where(starts, idx, torch.zeros_like(idx)), 1).values
+        out = PrefixedDocs(DocLayout.build(offset), dest, src, n)
+        self.cache[key] = out
+        return out
+
     def _dest(self) -> torch.Tensor:
         """[B·T]: each token's flat index in the padded [N · L] view."""
         return (self.doc_index * self.max_len + self.offset).flatten()
@@ -231,4 +262,27 @@ class AlignedDocs:
         return flat.index_select(0, self.dest).view(B, -1, *y.shape[2:])
 
 
-__all__ = ["AlignedDocs", "DocLayout", "check_positions", "doc_conv", "masked_conv"]
+@dataclass
+class PrefixedDocs:
+    """Packed rows [B, T] laid out as [B, T′] with ``n`` prefix slots before every document
+    (``DocLayout.prefixed``): ``layout`` is the ``DocLayout`` of the [B, T′] rows (each document
+    with its prefix one document); ``dest`` [B·T] each token's flat index there; ``src`` [B·T′]
+    the source of each slot (a token, a prefix token, or zero)."""
+    layout: DocLayout
+    dest: torch.Tensor
+    src: torch.Tensor
+    n: int
+
+    def pad(self, x: torch.Tensor, prefix: torch.Tensor) -> torch.Tensor:
+        """x [B, T, D] and the prefix tokens [n, D] → [B, T′, D] (one gather, differentiable)."""
+        B, T, D = x.shape
+        table = torch.cat([x.reshape(B * T, D), prefix.to(x.dtype), x.new_zeros(1, D)])
+        return table.index_select(0, self.src).view(B, -1, D)
+
+    def unpad(self, y: torch.Tensor) -> torch.Tensor:
+        """y [B, T′, ...] → [B, T, ...]: the tokens' slots (the prefix slots and padding dropped)."""
+        B = y.shape[0]
+        return y.reshape(-1, *y.shape[2:]).index_select(0, self.dest).view(B, -1, *y.shape[2:])
+
+
+__all__ = ["AlignedDocs", "DocLayout", "PrefixedDocs", "check_positions", "doc_conv", "masked_conv"]

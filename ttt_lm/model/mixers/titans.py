@@ -659,12 +659,34 @@ class TitansMAL(Mixer):
         o, fin = self.op(inp, None if state is None else (state.mem, state.attn), output_state, backend)
         return self.output(o, x), (dataclasses.replace(carry, mem=fin[0], attn=fin[1]) if output_state else None)
 
+    def _run_docs(self, x: torch.Tensor, docs) -> torch.Tensor:
+        """Packed documents (chunked form), one pass for the batch: the rows laid out with the
+        persistent tokens before every document (``DocLayout.prefixed``: [p ‖ document] is what
+        the document alone reads, positions from its first persistent token), then the LMM with
+        its own document restarts (chunk-aligned, in-scan) and the sliding-window attention with
+        its document mask on that layout; x's slots are taken back."""
+        pre = docs.prefixed(self.n_persist)
+        xt = pre.pad(x, self.persistent_shared(self.persistent))
+        self.attn.kernel_backend = self.memory.kernel_backend = self.kernel_backend
+        y, _ = self.memory.chunked(xt, docs=pre.layout)
+        o, _ = self.attn.chunked(y, docs=pre.layout)
+        return self.out_split(pre.unpad(o))
+
     # ---- forms -------------------------------------------------------------------------------
-    def reference(self, x, state=None, output_state=False):
+    #: packed documents: the chunked form runs once on the rows with the persistent tokens
+    #: inserted before every document (``_run_docs``: the LMM's chunk-aligned restarts, the
+    #: attention's document mask); the reference form runs on the padded view
+    handles_docs = True
+
+    def reference(self, x, state=None, output_state=False, docs=None):
+        if docs is not None:
+            return self.run_padded(self.reference, x, docs)
         return self._run(x, state, output_state, Backend.REFERENCE)
 
-    def chunked(self, x, state=None, output_state=False):
+    def chunked(self, x, state=None, output_state=False, docs=None):
         self.memory.kernel_backend = self.kernel_backend
+        if docs is not None:
+            return self._run_docs(x, docs), None
         return self._run(x, state, output_state, self.memory._resolve_backend(x))
 
     def step(self, x, state):
