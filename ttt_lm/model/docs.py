@@ -25,7 +25,8 @@ the RG-LRU's segment positions) reads ``starts``/``seg``/``position_ids``; the c
 Titans, LaCT) use the chunk-aligned view ``aligned(C)`` (each document from a chunk boundary of
 its row, restarts at its first chunk inside the scan; ``longer_than`` leaves the short documents
 out); the others run their form once on the padded view, where each document is a row of its
-own from the initial state.
+own from the initial state. Titans MAL's form uses ``prefixed(n)`` (n slots before every
+document, for the learned tokens it prepends to each document).
 """
 from __future__ import annotations
 

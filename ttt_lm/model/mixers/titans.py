@@ -592,7 +592,14 @@ class TitansMAL(Mixer):
     N(0, 1), the scale of the RMS-normalized block input they stand beside (the paper gives no
     init). All three forms run both sub-layers in the matching form; ``init_state`` has read
     the persistent tokens already. The reference and chunked forms are written with the public
-    stages: ``inputs`` (x̃), ``op`` (the LMM, then the attention) and ``output`` (x's positions)."""
+    stages: ``inputs`` (x̃), ``op`` (the LMM, then the attention) and ``output`` (x's positions).
+
+    Packed documents (``docs``): a document alone reads [p_1 … p_{N_p}] ‖ document, so the chunked
+    form inserts the persistent tokens before every document of the packed rows
+    (``DocLayout.prefixed``) and runs both sub-layers once on that layout with their own document
+    handling: the LMM chunk-aligned per document with in-scan restarts (its chunks counted from
+    each document's first persistent token, as alone), the attention with its document mask and
+    RoPE at each token's position in [p ‖ document]. The reference form runs on the padded view."""
 
     def __init__(self, cfg, layer_idx: int):
         super().__init__()
