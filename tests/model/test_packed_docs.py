@@ -109,7 +109,7 @@ def _packed_equals_alone(m, tol):
             assert rel(g[n], p.grad) <= tol, n
 
 NATIVE = ["attention", "local_attention", "rglru", "ttt_linear", "ttt_mlp", "deltanet", "gated_deltanet", "mamba",
-          "titans", "titans_mag", "lact", "titans_mal"]
+          "titans", "titans_mag", "lact", "titans_mal", "titans_mac"]
 
 
 @pytest.mark.parametrize("kind", NATIVE)
@@ -131,10 +131,11 @@ def test_cpu_path_resets_inside_the_packed_rows(kind, monkeypatch):
     assert rel(packed, alone) <= 2e-4
 
 
-@pytest.mark.parametrize("kind", ["titans", "titans_mal"])
+@pytest.mark.parametrize("kind", ["titans", "titans_mal", "titans_mac"])
 def test_titans_mlp_memory_restarts(kind, monkeypatch):
     """Titans' MLP memory (its chunk loop in the mixer) restarts at chunk-aligned documents too
-    (MAL: after the persistent tokens inserted before each document); gradients included."""
+    (MAL: after the persistent tokens inserted before each document; MAC: in its block scan);
+    gradients included."""
     from ttt_lm.model.mixers.base import Mixer
     monkeypatch.setattr(Mixer, "run_padded", staticmethod(lambda *a, **k: (_ for _ in ()).throw(AssertionError)))
     m = tiny(kind, kernel_backend="torch")
@@ -152,6 +153,27 @@ def test_lact_long_and_short_documents(chunk, monkeypatch):
     m = tiny("lact", kernel_backend="torch")
     m.cfg.lact.chunk_size = chunk
     m = LM(m.cfg)
+    _packed_equals_alone(m, 2e-4)
+
+
+@pytest.mark.parametrize("segment_len,chunk_size,backend,kv_heads", [
+    (8, 4, "sdpa", None),     # segments a multiple of the chunk: blocks of a chunk
+    (3, 4, "math", None),     # segments shorter than a chunk: blocks of one token
+    (6, 4, "sdpa", 1),        # blocks of gcd = 2, grouped-query attention
+])
+def test_titans_mac_block_scan(segment_len, chunk_size, backend, kv_heads, monkeypatch):
+    """titans_mac's packed scan (blocks of gcd(chunk, segment) tokens, per-row restarts of the
+    memory at document starts and of R at segment starts) equals each document alone, gradients
+    included, for segment lengths above, below and across the chunk size; documents of up to 12
+    tokens span up to 4 segments."""
+    from ttt_lm.model.mixers.base import Mixer
+    monkeypatch.setattr(Mixer, "run_padded", staticmethod(lambda *a, **k: (_ for _ in ()).throw(AssertionError)))
+    m = tiny("titans_mac", kernel_backend="torch")
+    m.cfg.titans.segment_len, m.cfg.titans.chunk_size = segment_len, chunk_size
+    m.cfg.attention.backend, m.cfg.attention.num_kv_heads = backend, kv_heads
+    torch.manual_seed(0)
+    m = LM(m.cfg)
+    assert m.layers[0].mixer.attention_backend(torch.device("cpu"), torch.float32) == backend
     _packed_equals_alone(m, 2e-4)
 
 

@@ -303,11 +303,12 @@ class TitansMemory(Mixer):
             y, M, S, Mh = self._mlp_chunked(q, k, v, theta, log_eta, log_keep, M, S, Mh, pos, resets)
         return y, ((tuple(M), tuple(S), tuple(Mh)) if output_final_state else None)
 
-    def output(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """o = W_O [RMSNorm(y) ⊙ SiLU(W_G x)], y [B, H, T, d] from the op."""
+    def output(self, y: torch.Tensor, x: torch.Tensor, gate: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """o = W_O [RMSNorm(y) ⊙ SiLU(W_G x)], y [B, H, T, d] from the op (``gate``: SiLU(W_G x)
+        when already computed)."""
         B, H, T, D = y.shape
         y = self.o_norm(y.to(x.dtype)).transpose(1, 2).reshape(B, T, H * D)
-        return self.o_proj(y * F.silu(self.g_proj(x)))
+        return self.o_proj(y * (F.silu(self.g_proj(x)) if gate is None else gate))
 
     def _run(self, x, state, output_state, backend: str):
         inp, carry = self.inputs(x, state, output_state)
@@ -798,14 +799,21 @@ class TitansMAC(Mixer):
         nn.init.normal_(self.persistent, std=1.0)
 
     # ---- pieces ------------------------------------------------------------------------------
-    def _retrieve(self, x: torch.Tensor, R) -> torch.Tensor:
-        """h = W_O^M [RMSNorm(M(q)) ⊙ SiLU(W_G^M x)] with the memory weights R, [B, n, D]."""
+    def _retrieval_query(self, x: torch.Tensor) -> torch.Tensor:
+        """The retrieval's query q = L2norm(SiLU(W_Q^M x)) [B, H, n, d]."""
         mem = self.memory
         B, n, _ = x.shape
         q = F.silu(mem.q_proj(x)).view(B, n, mem.n_heads, mem.hd).transpose(1, 2)
-        q = F.normalize(acc(q), p=2.0, dim=-1, eps=1e-6)
+        return F.normalize(acc(q), p=2.0, dim=-1, eps=1e-6)
+
+    def _retrieve(self, x: torch.Tensor, R, q: Optional[torch.Tensor] = None,
+                  gate: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """h = W_O^M [RMSNorm(M(q)) ⊙ SiLU(W_G^M x)] with the memory weights R, [B, n, D] (``q``,
+        ``gate``: the query and SiLU(W_G^M x) when already computed)."""
+        mem = self.memory
+        q = self._retrieval_query(x) if q is None else q
         y = q @ R[0].to(q.dtype) if mem.memory == "linear" else mem.mlp_read(q, R[0], R[1])
-        return mem.output(y, x)
+        return mem.output(y, x, gate)
 
     #: the segment mask (every persistent token, then h and S causally) is neither causal nor a
     #: sliding window: the attention backends that take only those cannot run it
@@ -911,11 +919,121 @@ class TitansMAC(Mixer):
             return self.output(ym, x), None
         return self.output(ym, x), dataclasses.replace(carry, mem=fin[0], R=fin[1], seg=fin[2])
 
+    def _run_docs(self, x: torch.Tensor, docs) -> torch.Tensor:
+        """Packed documents (chunked form), one pass over the batch. The documents are laid out at
+        multiples of the LMM's chunk size C (``DocLayout.aligned``) and scanned in blocks of
+        g = gcd(C, segment_len) tokens: a block lies in one chunk and one segment of one document
+        (documents start at multiples of C, segments at multiples of segment_len after them), and
+        its position mod C is the same in every row, so the LMM runs on each block for all rows
+        with one carried state. Per row, at a document start the LMM state (M, S, M̂, conv cache)
+        restarts from ``init_state``'s; at a segment start R = M (the memory after the segment
+        before, M_init at a document start). A block's queries attend to every persistent token
+        and to h, x of its own segment so far: the last segment_len keys of the row, masked to the
+        segment and causally; each key's RoPE position, N_p + its index in its segment, is fixed
+        per token. Padding after a document (zeros) runs on as garbage that the next document's
+        restart discards; its outputs are dropped."""
+        a, mem = self.attn, self.memory
+        C, L, Np = mem.chunk_size, self.segment_len, self.n_persist
+        g = math.gcd(C, L)
+        al = docs.aligned(C)
+        xa = al.pad(x)
+        B, Tp, D = xa.shape
+        dev, dt = x.device, x.dtype
+        backend = self.attention_backend(dev, dt)
+        mem.kernel_backend = a.kernel_backend = self.kernel_backend
+        mem_backend = mem._resolve_backend(xa)
+        # each slot's index in its document, padding continuing the document before it
+        idx = torch.arange(Tp, device=dev)
+        first = torch.zeros(B, Tp, dtype=torch.bool, device=dev)
+        first[:, ::C] = al.resets
+        off = idx - torch.cummax(torch.where(first, idx, torch.zeros_like(idx)), 1).values   # [B, T′]
+        j = off % L                                                 # index in its segment
+        # what depends on x alone, for every slot at once, then cut into blocks (one split, whose
+        # backward is one concatenation): x's queries and keys with RoPE at N_p + j, the
+        # retrieval's query and gate; the persistent tokens' keys at 0 … N_p − 1
+        cos, sin = rope_cos_sin(Np + j[:, None], a.hd, a.rope_theta)                # [B, 1, T′, hd]
+        qx = apply_rope(a.q_proj(xa).view(B, Tp, a.n_heads, a.hd).transpose(1, 2), cos, sin).split(g, 2)
+        kx = apply_rope(a.k_proj(xa).view(B, Tp, a.n_kv, a.hd).transpose(1, 2), cos, sin).split(g, 2)
+        vx = a.v_proj(xa).view(B, Tp, a.n_kv, a.hd).transpose(1, 2).split(g, 2)
+        rq = self._retrieval_query(xa).split(g, 2)
+        rgate = F.silu(mem.g_proj(xa)).split(g, 1)
+        xb = xa.split(g, 1)
+        cj = (Np + j[:, None]).split(g, 2)
+        p = self.context_shared(self.persistent.to(dt)[None]).expand(B, -1, -1)
+        cp, sp = rope_cos_sin(torch.arange(Np, device=dev), a.hd, a.rope_theta)
+        kp = apply_rope(a.k_proj(p).view(B, Np, a.n_kv, a.hd).transpose(1, 2), cp, sp)
+        vp = a.v_proj(p).view(B, Np, a.n_kv, a.hd).transpose(1, 2)
+        nb = L // g                                                # blocks in a segment's key window
+        zk = kp.new_zeros(B, a.n_kv, g, a.hd)
+        keys = {n: [zk] * (nb - 1) for n in ("kh", "vh", "kx", "vx")}
+        # the key window's mask: window key w is slot s + g − L + w, in the segment (w ≥ L − g − j0)
+        # and causal (w ≤ L − g + i)
+        w = torch.arange(L, device=dev)
+        causal = w[None, None, :] <= L - g + torch.arange(g, device=dev)[None, :, None]     # [1, g, L]
+        lo = (L - g - j[:, ::g]).T[:, :, None, None]                                    # [steps, B, 1, 1]
+        ones = torch.ones(B, g, Np, dtype=torch.bool, device=dev)
+        rep = a.n_heads // a.n_kv
+        # the LMM over y: its inputs see the w − 1 slots before each block (the conv's history,
+        # masked by the document offsets), its output stage runs once after the scan
+        hist = mem.conv.conv.kernel_size[0] - 1 if mem.conv is not None else 0
+        st0 = mem.init_state(B, dev, dt)
+        M, S, Mh = st0.M, st0.S, st0.Mh
+        R = st0.M
+        ys, ym = [], []
+        prev = xa.new_zeros(B, hist, D)
+        for n, s in enumerate(range(0, Tp, g)):
+            if s % C == 0:     # documents start at chunk boundaries only: restart those rows
+                r = al.resets[:, s // C, None, None, None]
+                M, S, Mh = ([torch.where(r, a0, b0) for a0, b0 in zip(t0, t)] for t0, t in
+                            ((st0.M, M), (st0.S, S), (st0.Mh, Mh)))
+            new_seg = (j[:, s] == 0)[:, None, None, None]
+            R = [torch.where(new_seg, m0, r0) for m0, r0 in zip(M, R)]
+            h = self.context_shared(self._retrieve(xb[n], R, rq[n], rgate[n]).to(dt))
+            ch, sh = rope_cos_sin(cj[n], a.hd, a.rope_theta)
+            keys["kh"].append(apply_rope(a.k_proj(h).view(B, g, a.n_kv, a.hd).transpose(1, 2), ch, sh))
+            keys["vh"].append(a.v_proj(h).view(B, g, a.n_kv, a.hd).transpose(1, 2))
+            keys["kx"].append(kx[n])
+            keys["vx"].append(vx[n])
+            for key in keys:
+                keys[key] = keys[key][-nb:]
+            k = torch.cat([kp, *keys["kh"], *keys["kx"]], 2)
+            v = torch.cat([vp, *keys["vh"], *keys["vx"]], 2)
+            seg_ok = causal & (w[None, None, :] >= lo[n])
+            mask = torch.cat([ones, seg_ok, seg_ok], 2)[:, None]
+            q = qx[n]
+            if backend in (Backend.REFERENCE, Backend.MATH):
+                kk, vv = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+                sc = (acc(q) @ acc(kk).transpose(-1, -2)) / math.sqrt(a.hd)
+                o = (sc.masked_fill(~mask, float("-inf")).softmax(-1) @ acc(vv)).to(q.dtype)
+            else:
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=rep > 1)
+            y = self.y_shared(a.o_proj(o.transpose(1, 2).reshape(B, g, a.n_heads * a.hd)))
+            yh = torch.cat([prev, y], 1)
+            oh = torch.cat([off[:, max(s - hist, 0):s].new_zeros(B, max(hist - s, 0)), off[:, max(s - hist, 0):s + g]], 1)
+            inp, _ = mem.inputs(yh, doc_offset=oh)
+            inp = {k_: (t[:, :, hist:] if torch.is_tensor(t) else t) for k_, t in inp.items()}
+            inp["offset"] = s
+            ymem, (M, S, Mh) = mem.op(inp, (M, S, Mh), True, mem_backend)
+            ys.append(y)
+            ym.append(ymem)
+            prev = yh[:, g:] if hist else prev
+        y = torch.cat(ys, 1)
+        m = mem.output(torch.cat(ym, 2), y)
+        return al.unpad(self.output((y, m), xa))
+
     # ---- forms -------------------------------------------------------------------------------
-    def reference(self, x, state=None, output_state=False):
+    #: packed documents: the chunked form scans the chunk-aligned documents in blocks with
+    #: per-row restarts (``_run_docs``); the reference form runs on the padded view
+    handles_docs = True
+
+    def reference(self, x, state=None, output_state=False, docs=None):
+        if docs is not None:
+            return self.run_padded(self.reference, x, docs)
         return self._run(x, state, output_state, sequential=True)
 
-    def chunked(self, x, state=None, output_state=False):
+    def chunked(self, x, state=None, output_state=False, docs=None):
+        if docs is not None:
+            return self._run_docs(x, docs), None
         return self._run(x, state, output_state, sequential=False)
 
     def step(self, x, state):
