@@ -257,6 +257,20 @@ def test_aligned_view():
     assert DocLayout.build(pos).aligned(4, longer_than=5).length == 0
 
 
+def test_balanced_view():
+    pos = torch.tensor([[3, 4, 0, 1, 2, 0], [0, 1, 2, 3, 4, 0]])
+    al = DocLayout.build(pos).balanced(4)
+    # documents of 2, 3, 1, 5, 1 tokens take 4, 4, 4, 8, 4 slots: 24 / 8 → 3 rows, the longest
+    # first, each into the emptiest row: [5] [2, 1] [3, 1]
+    assert (al.rows, al.length, al.packed_shape) == (3, 8, (2, 6))
+    assert al.resets.tolist() == [[True, False], [True, True], [True, True]]
+    x = torch.arange(1.0, 13.0).view(2, 6, 1)
+    p = al.pad(x)
+    assert p[:, :, 0].tolist() == [[7, 8, 9, 10, 11, 0, 0, 0], [1, 2, 0, 0, 6, 0, 0, 0], [3, 4, 5, 0, 12, 0, 0, 0]]
+    assert torch.equal(al.unpad(p), x)
+    assert al.offset[0, :5].tolist() == [0, 1, 2, 3, 4] and al.offset[0, 5] > 8
+
+
 def test_prefixed_view():
     pos = torch.tensor([[3, 4, 0, 1, 2, 0], [0, 1, 2, 3, 4, 0]])
     pre = DocLayout.build(pos).prefixed(2)

@@ -24,14 +24,17 @@ A mixer whose forms reset inside the scan (masks on the packed rows: attention's
 the RG-LRU's segment positions) reads ``starts``/``seg``/``position_ids``; the chunked ones (TTT,
 Titans, LaCT) use the chunk-aligned view ``aligned(C)`` (each document from a chunk boundary of
 its row, restarts at its first chunk inside the scan; ``longer_than`` leaves the short documents
-out); the others run their form once on the padded view, where each document is a row of its
-own from the initial state. Titans MAL's form uses ``prefixed(n)`` (n slots before every
-document, for the learned tokens it prepends to each document).
+out) or ``balanced(C)`` (the same in rows about as long as the longest document, for a scan that
+loops over steps in Python: the Titans memory, Titans MAC); the others run their form once on the
+padded view, where each document is a row of its own from the initial state. Titans MAL's form
+uses ``prefixed(n)`` (n slots before every document, for the learned tokens it prepends to each
+document).
 """
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -160,6 +163,40 @@ class DocLayout:
         self.cache[key] = out
         return out
 
+    def balanced(self, C: int) -> AlignedDocs:
+        """The documents laid out at multiples of C as in ``aligned(C)``, but in rows of their own
+        choosing (``AlignedDocs.rows``): as many rows as the longest padded document fits into the
+        total, filled longest document first, each into the row with the least so far (LPT
+        scheduling), so that a scan over the rows runs about as many steps as the longest document
+        needs. For a mixer whose scan takes one step per block of tokens over all rows at once
+        (Titans MAC). One host read (the document lengths)."""
+        key = ("balanced", C)
+        if key in self.cache:
+            return self.cache[key]
+        B, T = self.shape
+        dev = self.starts.device
+        d = self.doc_index.flatten()
+        off = self.offset.flatten()
+        lens = torch.zeros(self.n_docs, dtype=torch.long, device=dev).scatter_reduce(0, d, off + 1, "amax")
+        plen = [-(-n // C) * C for n in lens.tolist()]
+        rows = max(1, min(self.n_docs, -(-sum(plen) // max(plen))))
+        heap = [(0, r) for r in range(rows)]
+        begin = [0] * self.n_docs
+        for n in sorted(range(self.n_docs), key=lambda n: -plen[n]):
+            load, r = heapq.heappop(heap)
+            begin[n] = (r, load)
+            heapq.heappush(heap, (load + plen[n], r))
+        Tp = max(load for load, _ in heap)
+        flat = torch.tensor([r * Tp + b for r, b in begin], dtype=torch.long, device=dev)
+        dest = flat[d] + off
+        big = torch.iinfo(torch.long).max // 2
+        offset = torch.full((rows * Tp,), big, dtype=torch.long, device=dev).index_copy(0, dest, off)
+        resets = torch.zeros(rows * Tp // C, dtype=torch.bool, device=dev).index_fill(0, flat // C, True)
+        out = AlignedDocs(dest, offset.view(rows, Tp), resets.view(rows, Tp // C), Tp, rows=rows,
+                          packed_shape=(B, T))
+        self.cache[key] = out
+        return out
+
     def prefixed(self, n: int) -> "PrefixedDocs":
         """The rows with n slots inserted before every document (piece), for a mixer that runs
         each document alone as [n prefix tokens ‖ the document] (Titans MAL's persistent tokens):
@@ -241,26 +278,32 @@ class AlignedDocs:
     value on padding, whose outputs are dropped); ``resets`` [B, T′/C] bool: chunk m starts a
     document. ``kept`` [B, T] bool (None: every token): the tokens the view holds, when it
     leaves out the short documents (``DocLayout.aligned(C, longer_than)``); ``unpad`` gives zeros
-    on the others."""
+    on the others. ``DocLayout.balanced`` gives the same view in ``rows`` rows of its own choosing
+    (B above stands for them; ``unpad`` returns the packed [B, T] rows)."""
     dest: torch.Tensor     # [B·T]: each token's flat index in [B · T′] (B · T′ for a token left out)
     offset: torch.Tensor   # [B, T′]
     resets: torch.Tensor   # [B, T′ / C]
     length: int            # T′
     kept: Optional[torch.Tensor] = None   # [B, T] bool
+    #: ``DocLayout.balanced``: the rows of this view (else B, the packed rows') and the packed shape
+    rows: Optional[int] = None
+    packed_shape: Optional[Tuple[int, int]] = None
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:
         B, T = x.shape[:2]
+        rows = B if self.rows is None else self.rows
         flat = x.reshape(B * T, *x.shape[2:])
-        n = B * self.length + (self.kept is not None)          # the scratch place of left-out tokens
+        n = rows * self.length + (self.kept is not None)       # the scratch place of left-out tokens
         out = flat.new_zeros(n, *x.shape[2:]).index_copy(0, self.dest, flat)
-        return out[:B * self.length].view(B, self.length, *x.shape[2:])
+        return out[:rows * self.length].view(rows, self.length, *x.shape[2:])
 
     def unpad(self, y: torch.Tensor) -> torch.Tensor:
-        B = y.shape[0]
-        flat = y.reshape(B * self.length, *y.shape[2:])
+        rows = y.shape[0]
+        flat = y.reshape(rows * self.length, *y.shape[2:])
         if self.kept is not None:
             flat = torch.cat([flat, flat.new_zeros(1, *flat.shape[1:])])
-        return flat.index_select(0, self.dest).view(B, -1, *y.shape[2:])
+        flat = flat.index_select(0, self.dest)
+        return flat.view(rows if self.packed_shape is None else self.packed_shape[0], -1, *y.shape[2:])
 
 
 @dataclass

@@ -757,7 +757,15 @@ class TitansMAC(Mixer):
     (the segments: retrieval, attention, the LMM over y) and ``output`` (the gate). The state carries the LMM's
     state, the memory at the current segment's start (R1, R2 …: M^{(i)} for retrieval), the
     current segment's inputs so far (``seg``; their keys and values are recomputed, exactly)
-    and the position."""
+    and the position.
+
+    Packed documents (``docs``): a document alone has its segments from its first token and the
+    LMM's chunks from there, so the chunked form lays the documents out at multiples of the LMM's
+    chunk size (``DocLayout.balanced``) and scans all rows at once in blocks of
+    gcd(chunk_size, segment_len) tokens, each inside one chunk and one segment of one document:
+    per row, the LMM restarts from its initial state at a document start, R = M at a segment
+    start, and a block's queries attend to the persistent tokens and their own segment so far
+    (the segment mask above, per row); ``_run_docs``. The reference form runs on the padded view."""
 
     def __init__(self, cfg, layer_idx: int):
         super().__init__()
@@ -921,8 +929,9 @@ class TitansMAC(Mixer):
 
     def _run_docs(self, x: torch.Tensor, docs) -> torch.Tensor:
         """Packed documents (chunked form), one pass over the batch. The documents are laid out at
-        multiples of the LMM's chunk size C (``DocLayout.aligned``) and scanned in blocks of
-        g = gcd(C, segment_len) tokens: a block lies in one chunk and one segment of one document
+        multiples of the LMM's chunk size C, in rows about as long as the longest document
+        (``DocLayout.balanced``: the scan's steps are then about those of the longest document
+        alone, not of a packed row), and scanned in blocks of g = gcd(C, segment_len) tokens: a block lies in one chunk and one segment of one document
         (documents start at multiples of C, segments at multiples of segment_len after them), and
         its position mod C is the same in every row, so the LMM runs on each block for all rows
         with one carried state. Per row, at a document start the LMM state (M, S, M̂, conv cache)
@@ -935,7 +944,7 @@ class TitansMAC(Mixer):
         a, mem = self.attn, self.memory
         C, L, Np = mem.chunk_size, self.segment_len, self.n_persist
         g = math.gcd(C, L)
-        al = docs.aligned(C)
+        al = docs.balanced(C)
         xa = al.pad(x)
         B, Tp, D = xa.shape
         dev, dt = x.device, x.dtype
