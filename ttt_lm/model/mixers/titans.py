@@ -988,7 +988,7 @@ class TitansMAC(Mixer):
         st0 = mem.init_state(B, dev, dt)
         M, S, Mh = st0.M, st0.S, st0.Mh
         R = st0.M
-        ys, ym = [], []
+        ys, yshs, ym = [], [], []
         prev = xa.new_zeros(B, hist, D)
         for n, s in enumerate(range(0, Tp, g)):
             if s % C == 0:     # documents start at chunk boundaries only: restart those rows
@@ -1016,19 +1016,21 @@ class TitansMAC(Mixer):
                 o = (sc.masked_fill(~mask, float("-inf")).softmax(-1) @ acc(vv)).to(q.dtype)
             else:
                 o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=rep > 1)
-            y = self.y_shared(a.o_proj(o.transpose(1, 2).reshape(B, g, a.n_heads * a.hd)))
-            yh = torch.cat([prev, y], 1)
+            y = a.o_proj(o.transpose(1, 2).reshape(B, g, a.n_heads * a.hd))
+            ysh = self.y_shared(y)                       # what the LMM reads (every memory head)
+            yh = torch.cat([prev, ysh], 1)
             oh = torch.cat([off[:, max(s - hist, 0):s].new_zeros(B, max(hist - s, 0)), off[:, max(s - hist, 0):s + g]], 1)
             inp, _ = mem.inputs(yh, doc_offset=oh)
             inp = {k_: (t[:, :, hist:] if torch.is_tensor(t) else t) for k_, t in inp.items()}
             inp["offset"] = s
             ymem, (M, S, Mh) = mem.op(inp, (M, S, Mh), True, mem_backend)
             ys.append(y)
+            yshs.append(ysh)
             ym.append(ymem)
             prev = yh[:, g:] if hist else prev
         y = torch.cat(ys, 1)
-        m = mem.output(torch.cat(ym, 2), y)
-        return al.unpad(self.output((y, m), xa))
+        m = mem.output(torch.cat(ym, 2), torch.cat(yshs, 1))
+        return self.output((al.unpad(y), al.unpad(m)), x)    # the gate on the packed rows
 
     # ---- forms -------------------------------------------------------------------------------
     #: packed documents: the chunked form scans the chunk-aligned documents in blocks with
