@@ -400,10 +400,11 @@ class TitansMemory(Mixer):
         return y, M, S, Mh
 
     def _run_docs(self, x: torch.Tensor, docs) -> torch.Tensor:
-        """Packed documents (PyTorch form): the documents laid out at chunk boundaries
-        (``DocLayout.aligned``), the memory restarted from its initial state at each document's
-        first chunk inside the scan, the conv masked."""
-        al = docs.aligned(self.chunk_size)
+        """Packed documents (PyTorch form): the documents laid out at chunk boundaries, in rows
+        about as long as the longest document (``DocLayout.balanced``: the chunk loop then takes
+        about the longest document's steps, not a packed row's), the memory restarted from its
+        initial state at each document's first chunk inside the scan, the conv masked."""
+        al = docs.balanced(self.chunk_size)
         xa = al.pad(x)
         inp, _ = self.inputs(xa, doc_offset=al.offset)
         inp["resets"] = al.resets
