@@ -156,21 +156,22 @@ def test_lact_long_and_short_documents(chunk, monkeypatch):
     _packed_equals_alone(m, 2e-4)
 
 
-@pytest.mark.parametrize("segment_len,chunk_size,backend,kv_heads", [
-    (8, 4, "sdpa", None),     # segments a multiple of the chunk: blocks of a chunk
-    (3, 4, "math", None),     # segments shorter than a chunk: blocks of one token
-    (6, 4, "sdpa", 1),        # blocks of gcd = 2, grouped-query attention
+@pytest.mark.parametrize("segment_len,chunk_size,backend,kv_heads,conv", [
+    (8, 4, "sdpa", None, 4),     # segments a multiple of the chunk: blocks of a chunk
+    (3, 4, "math", None, 4),     # segments shorter than a chunk: blocks of one token
+    (6, 4, "sdpa", 1, 0),        # blocks of gcd = 2, grouped-query attention, no conv
 ])
-def test_titans_mac_block_scan(segment_len, chunk_size, backend, kv_heads, monkeypatch):
+def test_titans_mac_block_scan(segment_len, chunk_size, backend, kv_heads, conv, monkeypatch):
     """titans_mac's packed scan (blocks of gcd(chunk, segment) tokens, per-row restarts of the
-    memory at document starts and of R at segment starts) equals each document alone, gradients
-    included, for segment lengths above, below and across the chunk size; documents of up to 12
-    tokens span up to 4 segments."""
+    memory at document starts and of R at segment starts, the memory's conv reading the slots
+    before each block) equals each document alone, gradients included, for segment lengths above,
+    below and across the chunk size; documents of up to 12 tokens span up to 4 segments."""
     from ttt_lm.model.mixers.base import Mixer
     monkeypatch.setattr(Mixer, "run_padded", staticmethod(lambda *a, **k: (_ for _ in ()).throw(AssertionError)))
     m = tiny("titans_mac", kernel_backend="torch")
     m.cfg.titans.segment_len, m.cfg.titans.chunk_size = segment_len, chunk_size
     m.cfg.attention.backend, m.cfg.attention.num_kv_heads = backend, kv_heads
+    m.cfg.titans.conv_width = conv
     torch.manual_seed(0)
     m = LM(m.cfg)
     assert m.layers[0].mixer.attention_backend(torch.device("cpu"), torch.float32) == backend

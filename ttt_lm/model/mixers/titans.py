@@ -412,8 +412,8 @@ class TitansMemory(Mixer):
         return al.unpad(self.output(y, xa))
 
     # ---- forms -------------------------------------------------------------------------------
-    #: packed documents: the PyTorch form on chunk-aligned documents with in-scan restarts
-    #: (``_run_docs``); the reference and Triton forms run on the padded view
+    #: packed documents: the PyTorch form on chunk-aligned documents in balanced rows with
+    #: in-scan restarts (``_run_docs``); the reference and Triton forms run on the padded view
     handles_docs = True
 
     def reference(self, x, state=None, output_state=False, docs=None):
@@ -932,12 +932,13 @@ class TitansMAC(Mixer):
         """Packed documents (chunked form), one pass over the batch. The documents are laid out at
         multiples of the LMM's chunk size C, in rows about as long as the longest document
         (``DocLayout.balanced``: the scan's steps are then about those of the longest document
-        alone, not of a packed row), and scanned in blocks of g = gcd(C, segment_len) tokens: a block lies in one chunk and one segment of one document
-        (documents start at multiples of C, segments at multiples of segment_len after them), and
-        its position mod C is the same in every row, so the LMM runs on each block for all rows
-        with one carried state. Per row, at a document start the LMM state (M, S, M̂, conv cache)
-        restarts from ``init_state``'s; at a segment start R = M (the memory after the segment
-        before, M_init at a document start). A block's queries attend to every persistent token
+        alone, not of a packed row), and scanned in blocks of g = gcd(C, segment_len) tokens: a
+        block lies in one chunk and one segment of one document (documents start at multiples of
+        C, segments at multiples of segment_len after them), and its position mod C is the same in
+        every row, so the LMM runs on each block for all rows with one carried state. Per row, at
+        a document start the LMM state (M, S, M̂) restarts from ``init_state``'s (its conv reads
+        the w − 1 slots before the block, masked by the document offsets); at a segment start
+        R = M (the memory after the segment before, M_init at a document start). A block's queries attend to every persistent token
         and to h, x of its own segment so far: the last segment_len keys of the row, masked to the
         segment and causally; each key's RoPE position, N_p + its index in its segment, is fixed
         per token. Padding after a document (zeros) runs on as garbage that the next document's
@@ -991,6 +992,7 @@ class TitansMAC(Mixer):
         R = st0.M
         ys, yshs, ym = [], [], []
         prev = xa.new_zeros(B, hist, D)
+        off_h = F.pad(off, (hist, 0))                              # the offsets of [history ‖ slots]
         for n, s in enumerate(range(0, Tp, g)):
             if s % C == 0:     # documents start at chunk boundaries only: restart those rows
                 r = al.resets[:, s // C, None, None, None]
@@ -1020,8 +1022,7 @@ class TitansMAC(Mixer):
             y = a.o_proj(o.transpose(1, 2).reshape(B, g, a.n_heads * a.hd))
             ysh = self.y_shared(y)                       # what the LMM reads (every memory head)
             yh = torch.cat([prev, ysh], 1)
-            oh = torch.cat([off[:, max(s - hist, 0):s].new_zeros(B, max(hist - s, 0)), off[:, max(s - hist, 0):s + g]], 1)
-            inp, _ = mem.inputs(yh, doc_offset=oh)
+            inp, _ = mem.inputs(yh, doc_offset=off_h[:, s:s + hist + g])
             inp = {k_: (t[:, :, hist:] if torch.is_tensor(t) else t) for k_, t in inp.items()}
             inp["offset"] = s
             ymem, (M, S, Mh) = mem.op(inp, (M, S, Mh), True, mem_backend)
