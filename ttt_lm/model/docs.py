@@ -25,7 +25,7 @@ the RG-LRU's segment positions) reads ``starts``/``seg``/``position_ids``; the c
 Titans, LaCT) use the chunk-aligned view ``aligned(C)`` (each document from a chunk boundary of
 its row, restarts at its first chunk inside the scan; ``longer_than`` leaves the short documents
 out) or ``balanced(C)`` (the same in rows about as long as the longest document, for a scan that
-loops over steps in Python: the Titans memory, Titans MAC); the others run their form once on the
+loops over steps in Python: TTT's mini-batches, the Titans memory, Titans MAC); the others run their form once on the
 padded view, where each document is a row of its own from the initial state. Titans MAL's form
 uses ``prefixed(n)`` (n slots before every document, for the learned tokens it prepends to each
 document).

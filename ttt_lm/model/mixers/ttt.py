@@ -390,12 +390,14 @@ class _TTTBase(Mixer):
                                                           f"has no ttt_{self.kind}_triton")
 
     #: packed documents (``docs``): the PyTorch dual form lays the documents out at mini-batch
-    #: boundaries (``DocLayout.aligned``) and restarts W at each document's first mini-batch inside
-    #: its scan; the other backends run on the padded view (``Mixer.run_padded``)
+    #: boundaries in rows about as long as the longest document (``DocLayout.balanced``: fewer
+    #: steps of the mini-batch loop than the packed rows' own) and restarts W at each document's
+    #: first mini-batch inside its scan; the other backends run on the padded view
+    #: (``Mixer.run_padded``)
     handles_docs = True
 
     def _run_docs(self, x: torch.Tensor, docs, backend: str):
-        al = docs.aligned(self.mini_batch_size)
+        al = docs.balanced(self.mini_batch_size)
         xa = al.pad(x)
         inp, _ = self.inputs(xa, doc_offset=al.offset)
         inp["resets"] = al.resets
