@@ -12,6 +12,12 @@ if not _HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+# setuptools replaces the standard library's distutils when it is first imported, and asserts that
+# the replacement worked (_distutils_hack). torch.compile's C++ backend imports it late, from a
+# test process that may by then hold the standard library's distutils, which fails that assertion
+# (BackendCompilerFailed) depending on which tests ran before in the process: import it first.
+import setuptools  # noqa: E402,F401
+
 import pytest  # noqa: E402
 
 
