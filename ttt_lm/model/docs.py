@@ -169,7 +169,7 @@ class DocLayout:
         total, filled longest document first, each into the row with the least so far (LPT
         scheduling), so that a scan over the rows runs about as many steps as the longest document
         needs. For a mixer whose scan takes one step per block of tokens over all rows at once
-        (the Titans memory's chunk loop, Titans MAC's block scan). One host read (the document
+        (TTT's mini-batch loop, the Titans memory's chunk loop, Titans MAC's block scan). One host read (the document
         lengths)."""
         key = ("balanced", C)
         if key in self.cache:
