@@ -129,6 +129,16 @@ class DocLayout:
         end = torch.full((1,), B * T, dtype=begins.dtype, device=begins.device)
         return torch.cat([begins, end]).to(torch.int32)
 
+    def _doc_lengths(self):
+        """(each token's document [B·T], its offset in it [B·T], each document's length [N]),
+        computed once per batch for every view built from them."""
+        if "lengths" not in self.cache:
+            d = self.doc_index.flatten()
+            off = self.offset.flatten()
+            lens = torch.zeros(self.n_docs, dtype=torch.long, device=d.device).scatter_reduce(0, d, off + 1, "amax")
+            self.cache["lengths"] = (d, off, lens)
+        return self.cache["lengths"]
+
     def aligned(self, C: int, longer_than: int = 0) -> AlignedDocs:
         """The chunk-aligned view for chunk size C (``AlignedDocs``), built once per batch and C
         (one host read: its length T′ ≤ T + (documents in a row) · (C − 1)). ``longer_than`` = n
@@ -139,9 +149,7 @@ class DocLayout:
             return self.cache[key]
         B, T = self.shape
         dev = self.starts.device
-        d = self.doc_index.flatten()
-        off = self.offset.flatten()
-        lens = torch.zeros(self.n_docs, dtype=torch.long, device=dev).scatter_reduce(0, d, off + 1, "amax")
+        d, off, lens = self._doc_lengths()
         keep_doc = lens > longer_than
         plen = torch.where(keep_doc, (lens + C - 1) // C * C, 0)
         begin = plen.cumsum(0) - plen                      # each document's start, rows laid end to end
@@ -176,9 +184,7 @@ class DocLayout:
             return self.cache[key]
         B, T = self.shape
         dev = self.starts.device
-        d = self.doc_index.flatten()
-        off = self.offset.flatten()
-        lens = torch.zeros(self.n_docs, dtype=torch.long, device=dev).scatter_reduce(0, d, off + 1, "amax")
+        d, off, lens = self._doc_lengths()
         plen = [-(-n // C) * C for n in lens.tolist()]
         rows = max(1, min(self.n_docs, -(-sum(plen) // max(plen))))
         heap = [(0, r) for r in range(rows)]
