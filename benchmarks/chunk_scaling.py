@@ -10,8 +10,15 @@ well above 1. Goal: slope ≤ 1.15 for every mixer.
 
 ``lact_op`` times the LaCT op itself (``kernels.lact``, backend "torch": d_model / heads wide
 heads, momentum on, chunks of 256 so that the share of tokens in written chunks, all but the
-last chunk, stays within 7/8 … 31/32 over the lengths), not the mixer: the mixer's sliding-window
-attention runs on the CPU through SDPA with a dense T × T mask, whose cost is quadratic there.
+last chunk, stays within 7/8 … 31/32 over the lengths; ``--lact-chunk`` changes it), not the mixer:
+the mixer's sliding-window attention runs on the CPU through SDPA with a dense T × T mask, whose
+cost is quadratic there. The op's cost is affine in T (every chunk but the last is written), so
+its line is followed by the time per written chunk at each length, which is flat when the cost is
+linear, and by the slope the written chunks' count alone gives (1.07 for chunks of 256).
+
+The lengths are timed in interleaved rounds (each round times every length once, a different
+length first each round) and each figure is the median over the rounds: a change of the load
+during a run then moves every length alike.
 
     python benchmarks/chunk_scaling.py                       # every mixer, T = 2048 4096 8192
     python benchmarks/chunk_scaling.py --mixers mamba --seq-lens 1024 2048 --reps 1
@@ -27,6 +34,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import List
 
 import torch
 
@@ -73,9 +81,11 @@ class LaCTOp(torch.nn.Module):
         return o.transpose(1, 2).reshape(B, T, D), None
 
 
-def build(name: str, d_model: int, n_heads: int, seed: int = 0):
+def build(name: str, d_model: int, n_heads: int, seed: int = 0, lact_chunk: int = 0):
     kind, sub = MIXERS[name]
     if kind is None:
+        if lact_chunk:
+            sub = dict(sub, chunk_size=lact_chunk)
         torch.manual_seed(seed)
         return LaCTOp(d_model, n_heads, **sub)
     cfg = ModelConfig(vocab_size=64, d_model=d_model, n_layers=1, n_heads=n_heads, layer_pattern=[kind])
@@ -91,8 +101,8 @@ def build(name: str, d_model: int, n_heads: int, seed: int = 0):
     return m
 
 
-def time_fwd_bwd(m, T: int, d_model: int, reps: int) -> float:
-    """Median seconds of forward + backward of one [1, T, d_model] sequence (after one warm-up)."""
+def fwd_bwd(m, T: int, d_model: int):
+    """A function running forward + backward of one [1, T, d_model] sequence through ``m``."""
     x = torch.randn(1, T, d_model, requires_grad=True)
     w = torch.randn(1, T, d_model)
 
@@ -101,14 +111,25 @@ def time_fwd_bwd(m, T: int, d_model: int, reps: int) -> float:
         x.grad = None
         y, _ = m(x)
         (y * w).sum().backward()
+    return once
 
-    once()
-    out = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
+
+def time_lengths(m, lengths, d_model: int, reps: int) -> List[float]:
+    """Median seconds of forward + backward at each length, over ``reps`` rounds that each time
+    every length once (after one warm-up of each): interleaved rounds, so that a change of the
+    machine's load during the run moves every length alike instead of one length's figure."""
+    runs = [fwd_bwd(m, T, d_model) for T in lengths]
+    for once in runs:
         once()
-        out.append(time.perf_counter() - t0)
-    return statistics.median(out)
+    out = [[] for _ in lengths]
+    for r in range(reps):
+        order = list(range(len(lengths)))
+        order = order[r % len(order):] + order[:r % len(order)]   # each length leads some round
+        for i in order:
+            t0 = time.perf_counter()
+            runs[i]()
+            out[i].append(time.perf_counter() - t0)
+    return [statistics.median(o) for o in out]
 
 
 def loglog_slope(lengths, times) -> float:
@@ -127,22 +148,29 @@ def main(argv=None):
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--goal", type=float, default=1.15)
+    p.add_argument("--lact-chunk", type=int, default=MIXERS["lact_op"][1]["chunk_size"],
+                   help="the LaCT op's chunk size (lact_op)")
     a = p.parse_args(argv)
     if len(a.seq_lens) < 2:
         p.error("--seq-lens needs at least two lengths to fit a slope")
 
     print(f"# CPU, {torch.get_num_threads()} thread(s), float32, d_model {a.d_model}, heads {a.heads}, "
-          f"batch 1; forward+backward seconds (median of {a.reps} after one warm-up)")
+          f"batch 1; forward+backward seconds (median of {a.reps} interleaved rounds after one warm-up)")
     print("| mixer | " + " | ".join(f"T={t}" for t in a.seq_lens) + " | log-log slope | ≤ goal |")
     print("|---|" + "---|" * len(a.seq_lens) + "---|---|")
     worst = 0.0
     for name in a.mixers:
-        m = build(name, a.d_model, a.heads)
-        times = [time_fwd_bwd(m, T, a.d_model, a.reps) for T in a.seq_lens]
+        m = build(name, a.d_model, a.heads, lact_chunk=a.lact_chunk)
+        times = time_lengths(m, a.seq_lens, a.d_model, a.reps)
         s = loglog_slope(a.seq_lens, times)
         worst = max(worst, s)
         print(f"| {name} | " + " | ".join(f"{t:.3f}" for t in times) + f" | {s:.2f} | "
               f"{'yes' if s <= a.goal else 'no'} |", flush=True)
+        if name == "lact_op":   # every chunk but the last is written: the cost is affine in T
+            per = [t / max(1, math.ceil(T / a.lact_chunk) - 1) for t, T in zip(times, a.seq_lens)]
+            print(f"#   lact_op per written chunk of {a.lact_chunk}: " + ", ".join(f"{x * 1e3:.1f} ms" for x in per)
+                  + f" (slope of the written chunks' count alone: "
+                  f"{loglog_slope(a.seq_lens, [math.ceil(T / a.lact_chunk) - 1 for T in a.seq_lens]):.2f})")
     print(f"# largest slope {worst:.2f} (goal ≤ {a.goal})")
 
 

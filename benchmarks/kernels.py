@@ -7,7 +7,9 @@ form: forward time, forward+backward time (median of up to ``--reps`` CUDA-event
 form is timed fewer times, at least 3), the peak memory each allocates beyond its inputs, and a
 rate: for every form but the PyTorch one, the bandwidth implied by the bytes the op must move at
 least (reads of its inputs, writes of its outputs), with its share of the device's DRAM peak; for
-causal SDPA, TFLOP/s (4·B·H·T²·D/2 forward, 3.5 × that forward+backward).
+causal SDPA, TFLOP/s (4·B·H·T²·D/2 forward, 3.5 × that forward+backward); for an op whose work is
+large matrix products (LaCT), TFLOP/s of those products and their share of the device's dense bf16
+peak, for every form.
 
     python benchmarks/kernels.py                    # sdpa and every registered op, CUDA
     python benchmarks/kernels.py --ops sdpa linear_scan --seq-lens 2048 8192 --json rows.jsonl
@@ -49,6 +51,8 @@ if not torch.cuda.is_available():
 
 import torch.nn.functional as F  # noqa: E402
 
+from ttt_lm.train.metrics import peak_flops_for  # noqa: E402
+
 
 @dataclass
 class Bench:
@@ -59,6 +63,10 @@ class Bench:
     forms: Dict[str, Callable[[], Sequence[torch.Tensor]]]
     min_bytes_fwd: int = 0
     min_bytes_fwd_bwd: int = 0
+    #: FLOPs of the matrix products, for ops whose work is large products (rate in TFLOP/s and % of
+    #: the device's dense bf16 peak instead of GB/s)
+    flops_fwd: float = 0.0
+    flops_fwd_bwd: float = 0.0
     notes: Dict[str, str] = field(default_factory=dict)
 
 
@@ -252,25 +260,6 @@ def ttt_mlp_bench(B: int, T: int, H: int, D: int, dtype: torch.dtype, device: st
                  min_bytes_fwd=4 * n, min_bytes_fwd_bwd=11 * n)
 
 
-@register("lact")
-def lact_bench(B: int, T: int, H: int, D: int, dtype: torch.dtype, device: str) -> Bench:
-    """LaCT's SwiGLU fast weights (d_h = D), chunks of 2048, momentum, no Muon; the layer's inputs
-    (L2-normalised q, k; per-token lr ≈ 0.001 per matrix), float32 fast weights. PyTorch form only:
-    its work is large bmm's. Fast-weight FLOPs of forward+backward ≈ 3 · B·H·T·D²·(6 + 12·w),
-    w the share of tokens in written chunks (all but the last chunk)."""
-    from kernels.lact import block_causal_lact_swiglu
-
-    q, k, v = _qkv(B, H, T, D, dtype, device, normalize_k=True)
-    lrs = [(0.001 * torch.ones(B, H, T, device=device)).requires_grad_() for _ in range(3)]
-    mom = torch.sigmoid(torch.randn(B, H, T, device=device)).requires_grad_()
-    ws = [(torch.randn(H, D, D, device=device) / D ** 0.5).requires_grad_() for _ in range(3)]
-    n = B * H * T * D * torch.finfo(dtype).bits // 8
-    return Bench(inputs=[q, k, v, *lrs, mom, *ws],
-                 forms={"torch": lambda: block_causal_lact_swiglu(q, k, v, *lrs, *ws, chunk_size=2048,
-                                                                  momentum=mom)[:1]},
-                 min_bytes_fwd=4 * n, min_bytes_fwd_bwd=11 * n)
-
-
 @register("selective_scan")
 def selective_scan_bench(B: int, T: int, H: int, D: int, dtype: torch.dtype, device: str) -> Bench:
     """Mamba's selective scan at the width of a model with d_model = H·D: d_inner = 2·H·D channels,
@@ -314,20 +303,35 @@ def gated_delta_rule_bench(B: int, T: int, H: int, D: int, dtype: torch.dtype, d
     return Bench(inputs=inputs, forms=forms, min_bytes_fwd=4 * n, min_bytes_fwd_bwd=11 * n)
 
 
+def lact_flops(B: int, T: int, H: int, D: int, chunk: int) -> Tuple[float, float]:
+    """FLOPs (2 per multiply-add) of the LaCT op's matrix products with d_k = d_v = d_h = D: forward,
+    and forward+backward as 3 × forward. Per head and token, reading the weights costs 6·D² (q W₀₂ᵀ
+    4·D², then ·w1ᵀ 2·D²); a token of a written chunk (every chunk but the last) adds 12·D² (k W₀₂ᵀ
+    4·D², v w1 2·D², dw1 2·D², [dw0; dw2] 4·D²). The weight normalisation and the momentum are
+    O(D²) per chunk, not counted."""
+    written = T - ((T - 1) % chunk + 1)     # the last chunk, full or partial, is read and never written
+    fwd = 2 * B * H * D * D * (3 * T + 6 * written)
+    return fwd, 3 * fwd
+
+
 @register("lact", needs="kernels.lact")
 def lact_bench(B: int, T: int, H: int, D: int, dtype: torch.dtype, device: str) -> Bench:
-    """LaCT's block-causal SwiGLU fast weights (d_h = 2·D, chunks of 2048 tokens, no Muon)."""
+    """LaCT's block-causal SwiGLU fast weights as its presets run them: d_h = d_k = d_v = D, chunks
+    of 2048 tokens (of T where T is shorter: then nothing is written), momentum on, no Muon,
+    L2-normalised q, k, per-token lr ≈ 0.001 per matrix, float32 fast weights; every backend the op
+    module lists. Its rate is TFLOP/s of its matrix products (``lact_flops``) and their share of the
+    device's dense bf16 peak."""
     import kernels.lact as mod
 
+    C = min(2048, T)
     q, k, v = _qkv(B, H, T, D, dtype, device, normalize_k=True)
     lrs = [(1e-3 * torch.rand(B, H, T, device=device)).to(dtype).requires_grad_() for _ in range(3)]
-    dh = 2 * D
-    w0, w2 = ((torch.randn(H, dh, D, device=device) / D ** 0.5).requires_grad_() for _ in range(2))
-    w1 = (torch.randn(H, D, dh, device=device) / dh ** 0.5).requires_grad_()
-    n = B * H * T * D * torch.finfo(dtype).bits // 8
-    forms = {f: (lambda f=f: mod.block_causal_lact_swiglu(q, k, v, *lrs, w0, w1, w2, chunk_size=min(2048, T),
+    mom = torch.sigmoid(torch.randn(B, H, T, device=device)).to(dtype).requires_grad_()
+    ws = [(torch.randn(H, D, D, device=device) / D ** 0.5).requires_grad_() for _ in range(3)]
+    forms = {f: (lambda f=f: mod.block_causal_lact_swiglu(q, k, v, *lrs, *ws, chunk_size=C, momentum=mom,
                                                           backend=f)[:1]) for f in backend_forms(mod)}
-    return Bench(inputs=[q, k, v, *lrs, w0, w1, w2], forms=forms, min_bytes_fwd=4 * n, min_bytes_fwd_bwd=11 * n)
+    fl = lact_flops(B, T, H, D, C)
+    return Bench(inputs=[q, k, v, *lrs, mom, *ws], forms=forms, flops_fwd=fl[0], flops_fwd_bwd=fl[1])
 
 
 # ---- timing ------------------------------------------------------------------------------------
@@ -438,11 +442,12 @@ def sdpa_flops(B: int, T: int, H: int, D: int) -> Tuple[float, float]:
     return fwd, 3.5 * fwd
 
 
-def _rate(ms, nbytes=0, flops=0.0, peak_bw=None) -> str:
+def _rate(ms, nbytes=0, flops=0.0, peak_bw=None, peak_flops=None) -> str:
     if not isinstance(ms, float) or not (nbytes or flops):
         return "-"
     if flops:
-        return f"{flops / (ms * 1e-3) / 1e12:.0f} TFLOP/s"
+        tf = flops / (ms * 1e-3) / 1e12
+        return f"{tf:.0f} TFLOP/s" + (f" ({100 * tf * 1e12 / peak_flops:.0f}%)" if peak_flops else "")
     gbps = nbytes / (ms * 1e-3) / 1e9
     return f"{gbps:.0f} GB/s" + (f" ({100 * gbps / peak_bw:.0f}%)" if peak_bw else "")
 
@@ -501,6 +506,7 @@ def main(argv=None):
         return
 
     peak = peak_bandwidth_gbps(device)
+    peak_fl = peak_flops_for(torch.cuda.get_device_name()) if device == "cuda" else None
     dev_name = torch.cuda.get_device_name() if device == "cuda" else "CPU (Triton interpreter)"
     print(f"# device: {dev_name}; dtype {a.dtype}; H={a.heads}, D={a.head_dim}, B·T={a.tokens}; "
           f"median of up to {a.reps}" + (f"; peak DRAM bandwidth {peak:.0f} GB/s" if peak else ""))
@@ -530,9 +536,13 @@ def main(argv=None):
             bench = REGISTRY[op](B, T, a.heads, a.head_dim, dtype, device)
             for form, run in bench.forms.items():
                 r = _measure(run, bench.inputs, device, a.reps, a.warmup)
-                rates = ["-", "-"] if form == "torch" else [
-                    _rate(r["fwd_ms"], bench.min_bytes_fwd, peak_bw=peak),
-                    _rate(r["fwd_bwd_ms"], bench.min_bytes_fwd_bwd, peak_bw=peak)]
+                if bench.flops_fwd:
+                    rates = [_rate(r["fwd_ms"], flops=bench.flops_fwd, peak_flops=peak_fl),
+                             _rate(r["fwd_bwd_ms"], flops=bench.flops_fwd_bwd, peak_flops=peak_fl)]
+                else:
+                    rates = ["-", "-"] if form == "torch" else [
+                        _rate(r["fwd_ms"], bench.min_bytes_fwd, peak_bw=peak),
+                        _rate(r["fwd_bwd_ms"], bench.min_bytes_fwd_bwd, peak_bw=peak)]
                 emit(op, T, B, form, r, rates)
             del bench
             if device == "cuda":
