@@ -35,6 +35,12 @@ The short causal depthwise convolution (width ``deltanet.conv_width``, 0 = none)
 v. The state is S = Wᵀ ∈ R^{d_φ×d_v} per head (the layout of ``kernels.delta_rule``) plus the
 convolution cache. ``reference`` runs the token-by-token delta rule, ``chunked`` the WY/UT
 chunkwise form with ``deltanet.chunk_size`` tokens per chunk.
+
+Packed documents (``docs``): each document runs as if alone, from S = 0 and an empty conv cache.
+The conv's taps that would read the previous document are masked; the PyTorch chunked form then
+resets S at each document start inside its scan, the Triton form flattens the batch to one row and
+runs the kernel's variable-length path (``cu_seqlens``) in one call; the reference form runs on
+the padded view (one document per row).
 """
 from __future__ import annotations
 
@@ -79,6 +85,18 @@ def dpfp(x: torch.Tensor, nu: int = 1, eps: float = 1e-6) -> torch.Tensor:
     # the smallest normal number only matters for x = 0, where every term is 0
     denom = torch.maximum(phi.sum(-1, keepdim=True), floor).clamp_min(torch.finfo(phi.dtype).tiny)
     return phi / denom
+
+
+def varlen_heads(*ts: torch.Tensor):
+    """[B, H, T, ...] tensors → [1, H, B·T, ...]: the rows of the batch back to back in one row
+    (row-major, the order of ``DocLayout.cu_seqlens``), the layout of the ops' ``cu_seqlens`` path."""
+    return tuple(t.transpose(0, 1).reshape(1, t.shape[1], t.shape[0] * t.shape[2], *t.shape[3:]) for t in ts)
+
+
+def unflatten_heads(t: torch.Tensor, B: int) -> torch.Tensor:
+    """[1, H, B·T, ...] → [B, H, T, ...], the inverse of ``varlen_heads``."""
+    H, BT = t.shape[1], t.shape[2]
+    return t[0].view(H, B, BT // B, *t.shape[3:]).transpose(0, 1)
 
 
 @dataclass
@@ -148,7 +166,9 @@ class DeltaNet(Mixer):
     def inputs(self, x: torch.Tensor, state=None, output_state: bool = False, docs=None):
         """φ(q), φ(k), v as [B, H, T, ·] and β [B, H, T] (``delta_rule``'s arguments); the carry is
         the conv cache. ``docs`` (packed documents, no state): the conv restarts at each document
-        start and the op's ``resets`` are the starts."""
+        start; the op gets the documents as ``resets`` (the starts [B, T], for the PyTorch chunked
+        form) and ``cu_seqlens`` (int32 [N + 1] over the batch flattened to one row, for the Triton
+        kernel)."""
         B, T, _ = x.shape
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         cache = None
@@ -162,17 +182,27 @@ class DeltaNet(Mixer):
         carry = DeltaNetState(conv=cache, pos=pos0 + T) if output_state else None
         inp = {"q": self._phi(q), "k": self._phi(k), "v": F.silu(v), "beta": beta, "chunk_size": self.chunk_size}
         if docs is not None:
-            inp["resets"] = docs.starts
+            inp["resets"], inp["cu_seqlens"] = docs.starts, docs.cu_seqlens
         return inp, carry
 
     def op(self, inp, initial_state=None, output_final_state: bool = False, backend: str = "torch"):
-        """The delta rule, ``kernels.delta_rule``; with ``inp["resets"]`` (document starts) its
-        PyTorch chunked form with the resets inside the scan."""
+        """The delta rule, ``kernels.delta_rule``. With packed documents (``inp["resets"]`` and
+        ``inp["cu_seqlens"]``): the PyTorch chunked form with the resets inside the scan, or the
+        Triton kernel's variable-length path, one launch for the batch flattened to one row
+        (``varlen_heads``); either from the zero state, so neither takes an initial state."""
         if inp.get("resets") is not None:
-            if backend != Backend.TORCH:
-                raise ValueError(f"DeltaNet: document resets run in the PyTorch chunked form, not {backend!r}")
-            return delta_rule_chunk_torch(inp["q"], inp["k"], inp["v"], inp["beta"], initial_state,
-                                          output_final_state, inp["chunk_size"], inp["resets"])
+            if backend == Backend.TORCH:
+                return delta_rule_chunk_torch(inp["q"], inp["k"], inp["v"], inp["beta"], initial_state,
+                                              output_final_state, inp["chunk_size"], inp["resets"])
+            if backend != Backend.TRITON:
+                raise ValueError(f"DeltaNet: packed documents run in the PyTorch chunked form or the Triton "
+                                 f"kernel, not {backend!r}")
+            if initial_state is not None or output_final_state:
+                raise ValueError("DeltaNet: packed documents (cu_seqlens) start from the zero state; they take "
+                                 "no initial state and return no final state")
+            flat = varlen_heads(inp["q"], inp["k"], inp["v"], inp["beta"])
+            o, _ = _dr.delta_rule_triton(*flat, chunk_size=inp["chunk_size"], cu_seqlens=inp["cu_seqlens"])
+            return unflatten_heads(o, inp["q"].shape[0]), None
         return _dr.delta_rule(inp["q"], inp["k"], inp["v"], inp["beta"], initial_state=initial_state,
                               output_final_state=output_final_state, backend=backend, chunk_size=inp["chunk_size"])
 
@@ -187,8 +217,9 @@ class DeltaNet(Mixer):
         return self.output(y, x), (replace(carry, S=S) if output_state else None)
 
     # ---- forms -------------------------------------------------------------------------------
-    #: packed documents: the PyTorch chunked form resets inside its scan (``reset_masks``) and the
-    #: conv is masked; the reference and Triton forms run on the padded view
+    #: packed documents: the conv is masked at document starts; the PyTorch chunked form resets
+    #: inside its scan (``reset_masks``), the Triton form runs the kernel's ``cu_seqlens`` path once
+    #: for the whole batch (flattened to one row); the reference form runs on the padded view
     handles_docs = True
 
     def reference(self, x, state=None, output_state=False, docs=None):
@@ -200,10 +231,7 @@ class DeltaNet(Mixer):
         return None if "triton" in _dr.BACKENDS else f"kernels.delta_rule has only {list(_dr.BACKENDS)}"
 
     def chunked(self, x, state=None, output_state=False, docs=None):
-        backend = self._resolve_backend(x)
-        if docs is not None and backend != Backend.TORCH:
-            return self.run_padded(self.chunked, x, docs)
-        return self._run(x, state, output_state, backend, docs)
+        return self._run(x, state, output_state, self._resolve_backend(x), docs)
 
     def step(self, x, state):
         return self._run(x, state, True, "reference")
