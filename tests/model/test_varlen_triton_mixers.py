@@ -117,3 +117,11 @@ def test_deltanet_triton_docs_refuse_a_state():
         m.chunked(x, m.init_state(2, dtype=torch.float32), docs=docs)
     with pytest.raises(ValueError, match="no initial state"):
         m.chunked(x, None, True, docs=docs)
+
+
+def test_gated_deltanet_triton_docs_one_varlen_call(monkeypatch):
+    import kernels.gated_delta_rule as gdr
+    _refuse_padded(monkeypatch)
+    calls = _spy(monkeypatch, gdr, "gated_delta_rule_triton")
+    m, _ = make_mixer("gated_deltanet", dtype=torch.float32, gated_deltanet={"chunk_size": 4})
+    check_triton_docs(m, calls, time_dim=2)

@@ -38,6 +38,12 @@ Where the paper's text and the official code differ, this file follows the code:
 * The official init rescales only modules named ``out_proj`` / ``fc2``; with ``model.init=mamba``
   W_o (a residual output here) is divided by √(2·n_layers) as every residual output of this LM.
 
+Packed documents (``docs``): each document runs as if alone, from S = 0 and empty conv caches.
+The convs' taps that would read the previous document are masked; the PyTorch chunked form then
+resets S at each document start inside its scan, the Triton form flattens the batch to one row and
+runs the kernel's variable-length path (``cu_seqlens``) in one call; the reference form runs on
+the padded view (one document per row).
+
 Context parallelism: the recurrence is affine in S (S_out = P S_in + S^loc with
 P = Π_t α_t (I − β_t k_t k_tᵀ)), so ranks combine chunk summaries (``cp_form = "summary"``).
 """
@@ -57,6 +63,7 @@ from ttt_lm.model.backend import Backend
 from ttt_lm.model.docs import doc_conv
 from ttt_lm.model.layers import CausalConv1d, RMSNorm, acc
 from ttt_lm.model.mixers.base import Mixer, MixerState, TPPlan
+from ttt_lm.model.mixers.deltanet import unflatten_heads, varlen_heads
 from ttt_lm.model.registry import option, register_mixer
 
 
@@ -196,8 +203,9 @@ class GatedDeltaNet(Mixer):
     def inputs(self, x: torch.Tensor, state=None, output_state: bool = False, docs=None):
         """q (normalized, scaled by d_k^−1/2), k (normalized), v as [B, H, T, ·], g (log decay)
         and β [B, H, T]: ``gated_delta_rule``'s arguments; the carry is the conv caches. ``docs``
-        (packed documents, no state): the convs restart at each document start and the op's
-        ``resets`` are the starts."""
+        (packed documents, no state): the convs restart at each document start; the op gets the
+        documents as ``resets`` (the starts [B, T], for the PyTorch chunked form) and ``cu_seqlens``
+        (int32 [N + 1] over the batch flattened to one row, for the Triton kernel)."""
         B, T, _ = x.shape
         st = state if state is not None else GatedDeltaNetState()
         q, cq = self._conv(self.q_conv, self.q_proj(x), st.conv_q, docs)
@@ -214,18 +222,29 @@ class GatedDeltaNet(Mixer):
         inp = {"q": q, "k": k, "v": v, "g": g.transpose(1, 2), "beta": beta.transpose(1, 2),
                "chunk_size": self.chunk_size}
         if docs is not None:
-            inp["resets"] = docs.starts
+            inp["resets"], inp["cu_seqlens"] = docs.starts, docs.cu_seqlens
         return inp, carry
 
     def op(self, inp, initial_state=None, output_final_state: bool = False, backend: str = "torch"):
         """The gated delta rule, ``kernels.gated_delta_rule`` (g ≤ 0 and β ∈ (0, 1) hold by
-        construction, so their values are not re-checked); with ``inp["resets"]`` (document starts)
-        its PyTorch chunked form with the resets inside the scan."""
+        construction, so their values are not re-checked). With packed documents (``inp["resets"]``
+        and ``inp["cu_seqlens"]``): the PyTorch chunked form with the resets inside the scan, or
+        the Triton kernel's variable-length path, one launch for the batch flattened to one row
+        (``varlen_heads``); either from the zero state, so neither takes an initial state."""
         if inp.get("resets") is not None:
-            if backend != Backend.TORCH:
-                raise ValueError(f"Gated DeltaNet: document resets run in the PyTorch chunked form, not {backend!r}")
-            return gated_delta_rule_chunk_torch(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], initial_state,
-                                                output_final_state, inp["chunk_size"], inp["resets"])
+            if backend == Backend.TORCH:
+                return gated_delta_rule_chunk_torch(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"],
+                                                    initial_state, output_final_state, inp["chunk_size"],
+                                                    inp["resets"])
+            if backend != Backend.TRITON:
+                raise ValueError(f"Gated DeltaNet: packed documents run in the PyTorch chunked form or the Triton "
+                                 f"kernel, not {backend!r}")
+            if initial_state is not None or output_final_state:
+                raise ValueError("Gated DeltaNet: packed documents (cu_seqlens) start from the zero state; they "
+                                 "take no initial state and return no final state")
+            flat = varlen_heads(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"])
+            o, _ = _gdr.gated_delta_rule_triton(*flat, chunk_size=inp["chunk_size"], cu_seqlens=inp["cu_seqlens"])
+            return unflatten_heads(o, inp["q"].shape[0]), None
         return _gdr.gated_delta_rule_trusted(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"],
                                              initial_state=initial_state, output_final_state=output_final_state,
                                              backend=backend, chunk_size=inp["chunk_size"])
@@ -241,8 +260,9 @@ class GatedDeltaNet(Mixer):
         return self.output(y, x), (replace(carry, S=S) if output_state else None)
 
     # ---- forms -------------------------------------------------------------------------------
-    #: packed documents: the PyTorch chunked form resets inside its scan and the convs are
-    #: masked; the reference and Triton forms run on the padded view
+    #: packed documents: the convs are masked at document starts; the PyTorch chunked form resets
+    #: inside its scan, the Triton form runs the kernel's ``cu_seqlens`` path once for the whole
+    #: batch (flattened to one row); the reference form runs on the padded view
     handles_docs = True
 
     def reference(self, x, state=None, output_state=False, docs=None):
@@ -260,10 +280,7 @@ class GatedDeltaNet(Mixer):
         return None
 
     def chunked(self, x, state=None, output_state=False, docs=None):
-        backend = self._resolve_backend(x)
-        if docs is not None and backend != Backend.TORCH:
-            return self.run_padded(self.chunked, x, docs)
-        return self._run(x, state, output_state, backend, docs)
+        return self._run(x, state, output_state, self._resolve_backend(x), docs)
 
     def step(self, x, state):
         return self._run(x, state, True, "reference")
