@@ -6,9 +6,11 @@ each document alone in test_packed_docs.py): outputs, the input's gradient and e
 
 The kernels run under Triton's interpreter here (TRITON_INTERPRET=1, tests/conftest.py). float32:
 the two forms sum in different orders (kernel chunks of 16 from each document start against
-chunks of 4 in the packed rows, and a masked scan), so they agree to rounding: ~1e-6 of the
-largest value here; the bound, 1e-4 relative to the largest value of each tensor, leaves room for
-other BLAS builds and would still catch a document that reads its predecessor (errors of O(1)).
+chunks of 4 in the packed rows, and a masked scan), so they agree to rounding: at most 5.4e-6 of
+the largest value of a tensor here (Gated DeltaNet's parameter gradients; DeltaNet 4e-7, Mamba
+4e-7); the bound, 1e-4 relative to the largest value of each tensor, leaves room for other BLAS
+builds and still catches a document that reads its predecessor or a wrong flattening order
+(errors of O(1)). Each test takes 5-10 s under the interpreter on one core.
 """
 import pytest
 import torch
@@ -125,3 +127,21 @@ def test_gated_deltanet_triton_docs_one_varlen_call(monkeypatch):
     calls = _spy(monkeypatch, gdr, "gated_delta_rule_triton")
     m, _ = make_mixer("gated_deltanet", dtype=torch.float32, gated_deltanet={"chunk_size": 4})
     check_triton_docs(m, calls, time_dim=2)
+
+
+def test_mamba_triton_docs_one_varlen_call(monkeypatch):
+    import kernels.selective_scan.chunk as ssc
+    _refuse_padded(monkeypatch)
+    calls = _spy(monkeypatch, ssc, "selective_scan_triton")
+    # d_inner = 16, d_state = 4: the interpreter's time grows with the channels
+    m, _ = make_mixer("mamba", dtype=torch.float32, d_model=8, mamba={"chunk_size": 4, "d_state": 4})
+    check_triton_docs(m, calls, time_dim=1)
+
+
+def test_mamba_triton_docs_refuse_a_state():
+    m, _ = make_mixer("mamba", dtype=torch.float32, mamba={"chunk_size": 4})
+    m.kernel_backend = "triton"
+    docs = DocLayout.build(_positions())
+    x = torch.randn(*docs.shape, m.d_model)
+    with pytest.raises(ValueError, match="no initial state"):
+        m.chunked(x, m.init_state(2, dtype=torch.float32), docs=docs)

@@ -21,6 +21,12 @@ for W_in and W_x, and for W_out divided by √(n_residuals_per_layer · n_layers
 Forms: ``reference`` runs the scan token by token, ``chunked`` the chunked scan
 (kernels.selective_scan; Triton on CUDA when present), ``step`` one token with the cache
 {conv: last d_conv−1 inputs of the convolution, ssm: h_{t−1} ∈ R^{d_inner×N}}.
+
+Packed documents (``docs``): each document runs as if alone, from h = 0 and an empty conv cache.
+The conv's taps that would read the previous document are masked; the PyTorch chunked scan then
+sets Ā_t = 0 at each document start, the Triton form flattens the batch to one row and runs the
+kernel's variable-length path (``cu_seqlens``) in one call; the reference form runs on the padded
+view (one document per row).
 """
 from __future__ import annotations
 
@@ -138,8 +144,9 @@ class Mamba(Mixer):
     def inputs(self, u: torch.Tensor, state=None, output_state: bool = False, docs=None):
         """u → ``selective_scan``'s arguments: x, z, δ = W_Δ·(W_x x)_δ without bias (b_Δ enters
         inside the scan, before softplus), B_t, C_t, A = −exp(A_log), D; the carry is the conv
-        cache. ``docs`` (packed documents, no state): the conv restarts at each document start and
-        the scan's ``resets`` are the starts."""
+        cache. ``docs`` (packed documents, no state): the conv restarts at each document start; the
+        scan gets the documents as ``resets`` (the starts [B, T], for the PyTorch chunked form) and
+        ``cu_seqlens`` (int32 [N + 1] over the batch flattened to one row, for the Triton kernel)."""
         x, z = self.in_proj(u).chunk(2, dim=-1)
         if docs is not None:
             x, conv_cache = doc_conv(self.conv1d, x, docs), None
@@ -153,17 +160,31 @@ class Mamba(Mixer):
         inp = dict(x=x, delta=delta, A=A, B=B_t, C=C_t, D=self.D, z=z, delta_bias=self.dt_proj.bias,
                    delta_softplus=True, chunk_size=self.chunk_size)
         if docs is not None:
-            inp["resets"] = docs.starts
+            inp["resets"], inp["cu_seqlens"] = docs.starts, docs.cu_seqlens
         pos0 = 0 if state is None else int(state.pos)
         return inp, (MambaState(conv=conv_cache, pos=pos0 + u.shape[1]) if output_state else None)
 
     def op(self, inp, initial_state=None, output_final_state: bool = False, backend: str = "torch"):
-        """The selective scan, ``kernels.selective_scan``; with ``inp["resets"]`` (document starts)
-        its PyTorch chunked form with Ā_t = 0 at each start."""
+        """The selective scan, ``kernels.selective_scan``. With packed documents (``inp["resets"]``
+        and ``inp["cu_seqlens"]``): the PyTorch chunked form with Ā_t = 0 at each start, or the
+        Triton kernel's variable-length path, one launch for the batch flattened to one row
+        ([B, T, ·] → [1, B·T, ·]); the latter from the zero state only (no initial or final state)."""
         if inp.get("resets") is not None:
-            if backend != Backend.TORCH:
-                raise ValueError(f"Mamba: document resets run in the PyTorch chunked form, not {backend!r}")
-            return selective_scan_chunk(**inp, initial_state=initial_state, output_final_state=output_final_state)
+            inp = dict(inp)
+            cu = inp.pop("cu_seqlens")
+            if backend == Backend.TORCH:
+                return selective_scan_chunk(**inp, initial_state=initial_state, output_final_state=output_final_state)
+            if backend != Backend.TRITON:
+                raise ValueError(f"Mamba: packed documents run in the PyTorch chunked form or the Triton kernel, "
+                                 f"not {backend!r}")
+            if initial_state is not None or output_final_state:
+                raise ValueError("Mamba: packed documents (cu_seqlens) start from the zero state; they take no "
+                                 "initial state and return no final state")
+            Bt, T = inp.pop("resets").shape
+            for n in ("x", "delta", "B", "C", "z"):
+                inp[n] = inp[n].reshape(1, Bt * T, inp[n].shape[-1])
+            y, _ = selective_scan(**inp, backend=backend, cu_seqlens=cu)
+            return y.view(Bt, T, y.shape[-1]), None
         return selective_scan(**inp, initial_state=initial_state, output_final_state=output_final_state,
                               backend=backend)
 
@@ -175,8 +196,9 @@ class Mamba(Mixer):
         y, hT = self.op(inp, None if state is None else state.ssm, output_state, backend)
         return self.output(y, u), (replace(carry, ssm=hT) if output_state else None)
 
-    #: packed documents: the PyTorch chunked scan resets inside (Ā_t = 0 at a start) and the conv
-    #: is masked; the reference and Triton forms run on the padded view
+    #: packed documents: the conv is masked at document starts; the PyTorch chunked scan resets
+    #: inside (Ā_t = 0 at a start), the Triton form runs the kernel's ``cu_seqlens`` path once for
+    #: the whole batch (flattened to one row); the reference form runs on the padded view
     handles_docs = True
 
     def reference(self, x, state=None, output_state=False, docs=None):
@@ -188,10 +210,7 @@ class Mamba(Mixer):
         return None if has_triton_backend() else "kernels/selective_scan has no Triton kernel"
 
     def chunked(self, x, state=None, output_state=False, docs=None):
-        backend = self._resolve_backend(x)
-        if docs is not None and backend != Backend.TORCH:
-            return self.run_padded(self.chunked, x, docs)
-        return self._scan(x, state, output_state, backend, docs)
+        return self._scan(x, state, output_state, self._resolve_backend(x), docs)
 
     def step(self, u, state):
         inp, carry = self.inputs(u, state, True)
