@@ -4,13 +4,14 @@ their op once per layer forward with ``cu_seqlens`` (never the padded view, one 
 and equal the PyTorch chunked form with the same documents (resets inside its scan; tested against
 each document alone in test_packed_docs.py): outputs, the input's gradient and every parameter's.
 
-The kernels run under Triton's interpreter here (TRITON_INTERPRET=1, tests/conftest.py). float32:
-the two forms sum in different orders (kernel chunks of 16 from each document start against
-chunks of 4 in the packed rows, and a masked scan), so they agree to rounding: at most 5.4e-6 of
-the largest value of a tensor here (Gated DeltaNet's parameter gradients; DeltaNet 4e-7, Mamba
-4e-7); the bound, 1e-4 relative to the largest value of each tensor, leaves room for other BLAS
-builds and still catches a document that reads its predecessor or a wrong flattening order
-(errors of O(1)). Each test takes 5-10 s under the interpreter on one core.
+The kernels run under Triton's interpreter on the CPU (TRITON_INTERPRET=1, tests/conftest.py),
+compiled where CUDA is present (not run there yet). float32: the two forms sum in different orders
+(kernel chunks of 16 from each document start against chunks of 4 in the packed rows, and a masked
+scan), so they agree to rounding: at most 5.4e-6 of the largest value of a tensor here (Gated
+DeltaNet's parameter gradients; DeltaNet 4e-7, Mamba 4e-7); the bound, 1e-4 relative to the largest
+value of each tensor, leaves room for other BLAS builds and still catches a document that reads its
+predecessor or a wrong flattening order (errors of O(1)). Each test takes 5-10 s under the
+interpreter on one core.
 """
 import pytest
 import torch
@@ -27,6 +28,8 @@ from tests.model.mixer_checks import make_mixer
 ROW_LENS = [[5, 1, 18], [2, 17, 5]]
 FIRST_POS = [3, 0]
 TOL = 1e-4
+#: the compiled kernels where CUDA is present, else the interpreter on the CPU
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _positions():
@@ -35,7 +38,7 @@ def _positions():
         pos = torch.cat([torch.arange(n) for n in lens])
         pos[:lens[0]] += p0
         rows.append(pos)
-    return torch.stack(rows)
+    return torch.stack(rows).to(DEV)
 
 
 def rel(a, b):
@@ -80,8 +83,8 @@ def check_triton_docs(m, calls, time_dim):
     docs = DocLayout.build(pos)
     B, T = pos.shape
     g = torch.Generator().manual_seed(3)
-    x = torch.randn(B, T, m.d_model, generator=g).requires_grad_()
-    w = torch.randn(B, T, m.d_model, generator=g)
+    x = torch.randn(B, T, m.d_model, generator=g).to(DEV).requires_grad_()
+    w = torch.randn(B, T, m.d_model, generator=g).to(DEV)
     want = _run(m, Backend.TORCH, x, w, docs)
     assert not calls
     got = _run(m, Backend.TRITON, x, w, docs)
@@ -106,19 +109,7 @@ def test_deltanet_triton_docs_one_varlen_call(monkeypatch):
     _refuse_padded(monkeypatch)
     calls = _spy(monkeypatch, dr, "delta_rule_triton")
     m, _ = make_mixer("deltanet", dtype=torch.float32, deltanet={"chunk_size": 4})
-    check_triton_docs(m, calls, time_dim=2)
-
-
-def test_deltanet_triton_docs_refuse_a_state():
-    """The varlen path starts every document from S = 0: an initial or final state is refused."""
-    m, _ = make_mixer("deltanet", dtype=torch.float32, deltanet={"chunk_size": 4})
-    m.kernel_backend = "triton"
-    docs = DocLayout.build(_positions())
-    x = torch.randn(*docs.shape, m.d_model)
-    with pytest.raises(ValueError, match="no initial state"):
-        m.chunked(x, m.init_state(2, dtype=torch.float32), docs=docs)
-    with pytest.raises(ValueError, match="no initial state"):
-        m.chunked(x, None, True, docs=docs)
+    check_triton_docs(m.to(DEV), calls, time_dim=2)
 
 
 def test_gated_deltanet_triton_docs_one_varlen_call(monkeypatch):
@@ -126,7 +117,7 @@ def test_gated_deltanet_triton_docs_one_varlen_call(monkeypatch):
     _refuse_padded(monkeypatch)
     calls = _spy(monkeypatch, gdr, "gated_delta_rule_triton")
     m, _ = make_mixer("gated_deltanet", dtype=torch.float32, gated_deltanet={"chunk_size": 4})
-    check_triton_docs(m, calls, time_dim=2)
+    check_triton_docs(m.to(DEV), calls, time_dim=2)
 
 
 def test_mamba_triton_docs_one_varlen_call(monkeypatch):
@@ -135,13 +126,19 @@ def test_mamba_triton_docs_one_varlen_call(monkeypatch):
     calls = _spy(monkeypatch, ssc, "selective_scan_triton")
     # d_inner = 16, d_state = 4: the interpreter's time grows with the channels
     m, _ = make_mixer("mamba", dtype=torch.float32, d_model=8, mamba={"chunk_size": 4, "d_state": 4})
-    check_triton_docs(m, calls, time_dim=1)
+    check_triton_docs(m.to(DEV), calls, time_dim=1)
 
 
-def test_mamba_triton_docs_refuse_a_state():
-    m, _ = make_mixer("mamba", dtype=torch.float32, mamba={"chunk_size": 4})
+@pytest.mark.parametrize("kind", ["deltanet", "gated_deltanet", "mamba"])
+def test_triton_docs_refuse_a_state(kind):
+    """The varlen path starts every document from the zero state: an initial state, or asking for
+    the final one, is a clear error, not a silently wrong result."""
+    m, _ = make_mixer(kind, dtype=torch.float32, d_model=8)
+    m = m.to(DEV)
     m.kernel_backend = "triton"
     docs = DocLayout.build(_positions())
-    x = torch.randn(*docs.shape, m.d_model)
-    with pytest.raises(ValueError, match="no initial state"):
-        m.chunked(x, m.init_state(2, dtype=torch.float32), docs=docs)
+    x = torch.randn(*docs.shape, m.d_model, device=DEV)
+    with pytest.raises(ValueError, match="packed documents .* no initial state"):
+        m.chunked(x, m.init_state(2, device=DEV, dtype=torch.float32), docs=docs)
+    with pytest.raises(ValueError, match="packed documents .* no initial state"):
+        m.chunked(x, None, True, docs=docs)
