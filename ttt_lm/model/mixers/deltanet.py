@@ -200,6 +200,9 @@ class DeltaNet(Mixer):
             if initial_state is not None or output_final_state:
                 raise ValueError("DeltaNet: packed documents (cu_seqlens) start from the zero state; they take "
                                  "no initial state and return no final state")
+            if inp.get("cu_seqlens") is None:
+                raise ValueError("DeltaNet: the Triton form of packed documents needs inp['cu_seqlens'] (from "
+                                 "inputs(x, docs=...)) beside inp['resets']")
             flat = varlen_heads(inp["q"], inp["k"], inp["v"], inp["beta"])
             o, _ = _dr.delta_rule_triton(*flat, chunk_size=inp["chunk_size"], cu_seqlens=inp["cu_seqlens"])
             return unflatten_heads(o, inp["q"].shape[0]), None

@@ -171,7 +171,7 @@ class Mamba(Mixer):
         ([B, T, ·] → [1, B·T, ·]); the latter from the zero state only (no initial or final state)."""
         if inp.get("resets") is not None:
             inp = dict(inp)
-            cu = inp.pop("cu_seqlens")
+            cu = inp.pop("cu_seqlens", None)
             if backend == Backend.TORCH:
                 return selective_scan_chunk(**inp, initial_state=initial_state, output_final_state=output_final_state)
             if backend != Backend.TRITON:
@@ -180,6 +180,9 @@ class Mamba(Mixer):
             if initial_state is not None or output_final_state:
                 raise ValueError("Mamba: packed documents (cu_seqlens) start from the zero state; they take no "
                                  "initial state and return no final state")
+            if cu is None:
+                raise ValueError("Mamba: the Triton form of packed documents needs inp['cu_seqlens'] (from "
+                                 "inputs(x, docs=...)) beside inp['resets']")
             Bt, T = inp.pop("resets").shape
             for n in ("x", "delta", "B", "C", "z"):
                 inp[n] = inp[n].reshape(1, Bt * T, inp[n].shape[-1])
