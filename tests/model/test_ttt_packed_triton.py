@@ -29,9 +29,9 @@ PACKED = {"ttt_linear": (linear_chunk, "ttt_linear_triton_packed", "ttt_linear_t
           "ttt_mlp": (mlp_chunk, "ttt_mlp_triton_packed", "ttt_mlp_triton")}
 
 
-def tiny(kind, backbone: bool) -> LM:
+def tiny(kind, backbone: bool, heads: int = 1) -> LM:
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=V, d_model=16, n_heads=1, n_layers=1, layer_pattern=[kind],
+    cfg = ModelConfig(vocab_size=V, d_model=16 * heads, n_heads=heads, n_layers=1, layer_pattern=[kind],
                       reset_at_doc_boundaries=True)
     cfg.ttt.mini_batch_size = B_MB
     cfg.ttt.mlp_expansion = 1
@@ -71,14 +71,14 @@ def run(m: LM, ids, pos):
     return logits.detach(), {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("kind,backbone", [("ttt_linear", True), ("ttt_mlp", True), ("ttt_linear", False)])
-def test_triton_packed_equals_torch_with_docs_in_one_call(kind, backbone, monkeypatch):
+@pytest.mark.parametrize("kind,backbone,heads", [("ttt_linear", True, 1), ("ttt_mlp", True, 1), ("ttt_linear", False, 2)])
+def test_triton_packed_equals_torch_with_docs_in_one_call(kind, backbone, heads, monkeypatch):
     """One call of the packed op per layer forward, with the batch's cu_seqlens over [1, B·T];
     neither the padded view nor the per-row kernel is used; logits and every parameter's gradient
     (the embedding's: the gradient of the mixer's inputs) equal the PyTorch form with documents.
     ``backbone``: share_qk convs, the block's pre-conv and the output gate, all restarted at
-    document starts."""
-    m = tiny(kind, backbone)
+    document starts. ``heads`` = 2: the flattening keeps every head's tokens in document order."""
+    m = tiny(kind, backbone, heads)
     ids, pos = packed_batch()
     set_backend(m, "torch")
     want, g_want = run(m, ids, pos)
