@@ -7,7 +7,8 @@ tests/model/test_packed_docs.py holds equal to each document alone).
 The Triton kernels run under the interpreter on CPU (tests/conftest.py), where tl.dot needs
 16-wide blocks: head_dim 16 (the kernels pad a mini-batch's rows to 16 themselves, so b = 4 runs).
 float32; the tolerance, 2e-4 of each tensor's largest entry, covers the different summation order
-of the kernels and the dual form (the differences seen are ~1e-6)."""
+of the kernels and the dual form: measured ≤ 1.5e-6 on the logits and ≤ 6.3e-5 on the gradients,
+the largest learnable_token_idx's (a sum over every token that partly cancels)."""
 import warnings
 
 import pytest
