@@ -79,10 +79,9 @@ i.e. the interleaved rotation, so released weights need no reordering.
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, replace
 from typing import Dict, Optional
-
-import warnings
 
 import torch
 import torch.nn.functional as F
@@ -435,7 +434,7 @@ class _TTTBase(Mixer):
         inp["eta"] = inp["eta"].transpose(0, 1).reshape(1, H, B * T)
         inp["cu_seqlens"] = docs.cu_seqlens
         z, _ = self.op(inp, backend=Backend.TRITON)
-        return self.output(z.view(H, B, T, d).transpose(0, 1), x), None
+        return self.output(z.reshape(H, B, T, d).transpose(0, 1), x), None
 
     def _run_docs(self, x: torch.Tensor, docs, backend: str):
         al = docs.balanced(self.mini_batch_size)
