@@ -65,6 +65,18 @@ def has_triton_backend(kind: str = "linear") -> bool:
     return hasattr(mod, f"ttt_{kind}_triton")
 
 
+def triton_packed_limit(kind: str, H: int, T: int, d: int, N: int, mini_batch_size: int,
+                        inner: int) -> Optional[str]:
+    """Why the one-launch packed path (``cu_seqlens``, backend="triton") of ``ttt_<kind>`` cannot
+    take N sequences of T tokens in all (H heads of width d, inner width ``inner``, mini-batch b):
+    its kernels' int32 offsets; None when it can (the packed path raises this reason)."""
+    if kind == "linear":
+        from kernels.ttt.chunk import packed_launch_limit
+        return packed_launch_limit(H, T, d, N)
+    from kernels.ttt.mlp_chunk import packed_launch_limit
+    return packed_launch_limit(H, T, d, inner, mini_batch_size, N)
+
+
 # The Triton kernels form element offsets as int32 products of their program index (one program per
 # (batch row, head[, mini-batch])) with the row sizes; a launch whose buffers reach 2^31 elements
 # would wrap. Larger batches run in groups of batch rows, each its own launch.
@@ -301,4 +313,4 @@ def ttt_mlp(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: torch.Ten
 
 
 __all__ = ["ttt_linear", "ttt_mlp", "ttt_linear_ref", "ttt_mlp_ref", "ttt_linear_chunk", "ttt_mlp_chunk",
-           "ttt_linear_primal", "ttt_mlp_primal", "has_triton_backend"]
+           "ttt_linear_primal", "ttt_mlp_primal", "has_triton_backend", "triton_packed_limit"]

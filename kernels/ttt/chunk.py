@@ -1182,6 +1182,15 @@ def check_cu_seqlens(name: str, cu_seqlens: torch.Tensor, T: int, device) -> tor
     return cu
 
 
+def packed_launch_limit(H: int, T: int, d: int, N: int) -> Optional[str]:
+    """Why one packed launch cannot take N sequences of T tokens in all (H heads of width d),
+    or None when it can: it indexes (sequence, head) rows with int32 offsets."""
+    if N * H * T * d >= 2 ** 31:
+        return (f"a packed launch indexes (sequence, head) rows with int32 offsets: "
+                f"N·H·T·d = {N * H * T * d} must be < 2^31; split the batch")
+    return None
+
+
 def ttt_linear_triton_packed(XQ, XK, XV, eta, token_idx, ln_weight, ln_bias, W1, b1, mini_batch_size,
                              initial_state: Optional[dict], output_final_state: bool, cu_seqlens: torch.Tensor
                              ) -> Tuple[torch.Tensor, Optional[dict]]:
@@ -1197,9 +1206,9 @@ def ttt_linear_triton_packed(XQ, XK, XV, eta, token_idx, ln_weight, ln_bias, W1,
     _, H, T, d = XQ.shape
     cu = check_cu_seqlens("ttt_linear_triton", cu_seqlens, T, XQ.device)
     N = cu.numel() - 1
-    if N * H * T * d >= 2 ** 31:
-        raise ValueError(f"ttt_linear_triton: a packed launch indexes (sequence, head) rows with int32 offsets: "
-                         f"N·H·T·d = {N * H * T * d} must be < 2^31; split the batch")
+    why = packed_launch_limit(H, T, d, N)
+    if why is not None:
+        raise ValueError(f"ttt_linear_triton: {why}")
     if initial_state is not None:
         W0, b0 = initial_state["W1"], initial_state["b1"]
     else:
@@ -1212,4 +1221,4 @@ def ttt_linear_triton_packed(XQ, XK, XV, eta, token_idx, ln_weight, ln_bias, W1,
     return out, {"W1": Wf, "b1": bf, "grad_W1": gW, "grad_b1": gb, "pos": pos}
 
 
-__all__ = ["ttt_linear_triton", "ttt_linear_triton_packed"]
+__all__ = ["packed_launch_limit", "ttt_linear_triton", "ttt_linear_triton_packed"]

@@ -1470,6 +1470,18 @@ def ttt_mlp_triton(XQ, XK, XV, eta, token_idx, ln_weight, ln_bias, W1, b1, W2, b
     return out, (st if output_final_state else None)
 
 
+def packed_launch_limit(H: int, T: int, d: int, m: int, mini_batch_size: int, N: int) -> Optional[str]:
+    """Why one packed launch cannot take N sequences of T tokens in all (H heads of width d, inner
+    width m, mini-batch b), or None when it can: it indexes its slot-major rows and per-sequence
+    weights with int32 offsets."""
+    rows = (T // mini_batch_size + N) * mini_batch_size          # the slot-major copy's rows per head
+    if max(H * rows * max(d, m), N * H * d * m) >= 2 ** 31:
+        return (f"a packed launch indexes its slot-major rows and per-sequence weights with int32 offsets: "
+                f"H·(⌊T/b⌋ + N)·b·max(d, m) = {H * rows * max(d, m)} and N·H·d·m = {N * H * d * m} "
+                f"must be < 2^31; split the batch")
+    return None
+
+
 def ttt_mlp_triton_packed(XQ, XK, XV, eta, token_idx, ln_weight, ln_bias, W1, b1, W2, b2, mini_batch_size,
                           initial_state: Optional[dict], output_final_state: bool, cu_seqlens: torch.Tensor
                           ) -> Tuple[torch.Tensor, Optional[dict]]:
@@ -1488,11 +1500,9 @@ def ttt_mlp_triton_packed(XQ, XK, XV, eta, token_idx, ln_weight, ln_bias, W1, b1
     m = W1.shape[-1]
     cu = check_cu_seqlens("ttt_mlp_triton", cu_seqlens, T, XQ.device)
     N = cu.numel() - 1
-    rows = (T // mini_batch_size + N) * mini_batch_size          # the slot-major copy's rows per head
-    if max(H * rows * max(d, m), N * H * d * m) >= 2 ** 31:
-        raise ValueError(f"ttt_mlp_triton: a packed launch indexes its slot-major rows and per-sequence weights "
-                         f"with int32 offsets: H·(⌊T/b⌋ + N)·b·max(d, m) = {H * rows * max(d, m)} and N·H·d·m = "
-                         f"{N * H * d * m} must be < 2^31; split the batch")
+    why = packed_launch_limit(H, T, d, m, mini_batch_size, N)
+    if why is not None:
+        raise ValueError(f"ttt_mlp_triton: {why}")
     keys = ("W1", "b1", "W2", "b2")
     if initial_state is not None:
         w0 = [initial_state[k] for k in keys]
@@ -1514,4 +1524,4 @@ def ttt_mlp_triton_packed(XQ, XK, XV, eta, token_idx, ln_weight, ln_bias, W1, b1
     return out, st
 
 
-__all__ = ["ttt_mlp_triton", "ttt_mlp_triton_packed"]
+__all__ = ["packed_launch_limit", "ttt_mlp_triton", "ttt_mlp_triton_packed"]

@@ -79,6 +79,7 @@ i.e. the interleaved rotation, so released weights need no reordering.
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, replace
 from typing import Dict, Optional
 
@@ -86,7 +87,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.ttt import has_triton_backend, ttt_linear, ttt_mlp
+from kernels.ttt import has_triton_backend, triton_packed_limit, ttt_linear, ttt_mlp
 from ttt_lm.model.backend import Backend
 from ttt_lm.model.docs import masked_conv
 from ttt_lm.model.layers import acc, apply_rope, rope_cos_sin
@@ -312,8 +313,11 @@ class _TTTBase(Mixer):
         """The op's arguments: XQ, XK, XV [B, H, T, d] (RoPE at positions mod b), η, τ, the inner
         LayerNorm's γ, β, the inner weights (the initial state when none is carried) and b; the
         carry is the conv caches (share_qk). ``doc_offset`` [B, T] (each token's index in its
-        document, no state): the convolutions restart at document starts (``masked_conv``)."""
+        document, no state): the convolutions restart at document starts (``masked_conv``) and
+        RoPE takes each token's position in its document's mini-batches (offset mod b)."""
         B, T, _ = x.shape
+        if doc_offset is not None and state is not None:
+            raise ValueError("TTT inputs: doc_offset (document restarts) takes no carried state")
         conv_q = conv_k = None
         if self.share_qk and doc_offset is not None:
             xq = self.q_proj(x)
@@ -327,8 +331,13 @@ class _TTTBase(Mixer):
         XV = self.v_proj(x)
         XQ, XK, XV = (y.view(B, T, self.n_heads, self.hd).transpose(1, 2) for y in (XQ, XK, XV))
         pos0 = 0 if state is None else int(state.pos)
-        positions = (pos0 + torch.arange(T, device=x.device)) % self.mini_batch_size
-        cos, sin = rope_cos_sin(positions, self.hd, self.rope_theta, dtype=acc(XQ).dtype)
+        if doc_offset is not None:
+            # [B, 1, T, d]: every document's mini-batches counted from its own start
+            cos, sin = (c[:, None] for c in rope_cos_sin(doc_offset % self.mini_batch_size, self.hd,
+                                                          self.rope_theta, dtype=acc(XQ).dtype))
+        else:
+            positions = (pos0 + torch.arange(T, device=x.device)) % self.mini_batch_size
+            cos, sin = rope_cos_sin(positions, self.hd, self.rope_theta, dtype=acc(XQ).dtype)
         XQ = _unpermute(apply_rope(_permute(XQ), cos, sin))
         XK = _unpermute(apply_rope(_permute(XK), cos, sin))
         inp = {"q": XQ, "k": XK, "v": XV, "eta": self._eta(x), "tau": self._tau(),
@@ -338,9 +347,13 @@ class _TTTBase(Mixer):
 
     def op(self, inp, initial_state=None, output_final_state: bool = False, backend: str = "torch"):
         """Mini-batch TTT: ``kernels.ttt.ttt_linear`` / ``ttt_mlp`` (``inp["resets"]``: the
-        mini-batches that start a document, restarted from the initial weights in the scan)."""
+        mini-batches that start a document, restarted from the initial weights in the scan;
+        ``inp["cu_seqlens"]``: the documents packed back to back in one row, B = 1, each from the
+        initial weights)."""
         op = ttt_linear if self.kind == "linear" else ttt_mlp
         kw = {"mini_batch_resets": inp["resets"]} if inp.get("resets") is not None else {}
+        if inp.get("cu_seqlens") is not None:
+            kw["cu_seqlens"] = inp["cu_seqlens"]
         return op(inp["q"], inp["k"], inp["v"], inp["eta"], inp["tau"], inp["ln_weight"], inp["ln_bias"],
                   *inp["inner"], mini_batch_size=inp["mini_batch_size"], initial_state=initial_state,
                   output_final_state=output_final_state, backend=backend, **kw)
@@ -392,9 +405,36 @@ class _TTTBase(Mixer):
     #: packed documents (``docs``): the PyTorch dual form lays the documents out at mini-batch
     #: boundaries in rows about as long as the longest document (``DocLayout.balanced``: fewer
     #: steps of the mini-batch loop than the packed rows' own) and restarts W at each document's
-    #: first mini-batch inside its scan; the other backends run on the padded view
-    #: (``Mixer.run_padded``)
+    #: first mini-batch inside its scan; the Triton form flattens the packed rows to one row and
+    #: runs every document in one call of the op's packed kernels (``cu_seqlens``), falling back
+    #: to the padded view, with a warning, only where that launch would pass the kernels' int32
+    #: offsets (``_run_packed``); the reference form runs on the padded view (``Mixer.run_padded``)
     handles_docs = True
+
+    def _run_packed(self, x: torch.Tensor, docs):
+        """The Triton form over packed documents: the inputs of the packed rows [B, T] (convs and
+        RoPE restarted at document starts, ``inputs``' ``doc_offset``), flattened row-major to
+        [1, H, B·T, …] (the order of ``docs.cu_seqlens``), one call of the op with ``cu_seqlens``
+        (each document's mini-batches from its first token, from the initial weights, τ_p by its
+        own positions), the output put back in [B, T]. Where one packed launch would pass the
+        kernels' int32 offsets (``kernels.ttt.triton_packed_limit``) the batch runs on the padded
+        view instead (``Mixer.run_padded``: one document per row, launched in groups of rows),
+        with a warning naming the reason."""
+        B, T = docs.shape
+        H, d = self.n_heads, self.hd
+        inner = self.W1.shape[-1]
+        why = triton_packed_limit(self.kind, H, B * T, d, docs.n_docs, self.mini_batch_size, inner)
+        if why is not None:
+            warnings.warn(f"{type(self).__name__}: packed documents run on the padded view (one document "
+                          f"per row), not in one packed launch: {why}", stacklevel=2)
+            return self.run_padded(self.chunked, x, docs)
+        inp, _ = self.inputs(x, doc_offset=docs.offset)
+        for k in ("q", "k", "v"):
+            inp[k] = inp[k].transpose(0, 1).reshape(1, H, B * T, d)
+        inp["eta"] = inp["eta"].transpose(0, 1).reshape(1, H, B * T)
+        inp["cu_seqlens"] = docs.cu_seqlens
+        z, _ = self.op(inp, backend=Backend.TRITON)
+        return self.output(z.reshape(H, B, T, d).transpose(0, 1), x), None
 
     def _run_docs(self, x: torch.Tensor, docs, backend: str):
         al = docs.balanced(self.mini_batch_size)
@@ -409,6 +449,8 @@ class _TTTBase(Mixer):
         if docs is not None:
             if backend == Backend.TORCH:
                 return self._run_docs(x, docs, backend)
+            if backend == Backend.TRITON:
+                return self._run_packed(x, docs)
             return self.run_padded(self.chunked, x, docs)
         return self._run(x, state, output_state, backend)
 
