@@ -113,6 +113,7 @@ from ttt_lm.model.docs import masked_conv
 from ttt_lm.model.layers import CausalConv1d, RMSNorm, acc, apply_rope, rope_cos_sin
 from ttt_lm.model.mixers.attention import Attention, AttentionState, LocalAttention
 from ttt_lm.model.mixers.base import Mixer, MixerState, TPPlan
+from ttt_lm.model.mixers.deltanet import unflatten_heads, varlen_heads
 from ttt_lm.model.registry import option, register_mixer
 
 
@@ -182,7 +183,14 @@ class TitansMACState(MixerState):
 
 @register_mixer("titans", config=TitansConfig)
 class TitansMemory(Mixer):
-    """The long-term memory module (LMM) as a sequence layer."""
+    """The long-term memory module (LMM) as a sequence layer.
+
+    Packed documents (``docs``): each document runs as if alone, from M = M_init, S = 0, with its
+    chunks counted from its first token and its conv from zero history (taps into the previous
+    document masked). The PyTorch chunked form lays the documents out at chunk boundaries and
+    restarts inside its scan; the Triton form (linear memory) flattens the batch to one row and
+    runs the kernel's variable-length path (``cu_seqlens``) in one call; the reference form runs
+    on the padded view (one document per row)."""
 
     #: gate values at initialization: θ (inner step), η (momentum), α (forgetting)
     theta_init, eta_init, alpha_init = 0.1, 0.9, 0.01
@@ -278,7 +286,14 @@ class TitansMemory(Mixer):
         """The memory update and read over the sequence: ``kernels.titans.titans_linear`` for the
         linear memory, the MLP memory's token-by-token (backend "reference") or chunked form
         here. ``initial_state``: (M, S, M̂), each a tuple with one [B, H, d_in, d_out] per memory
-        layer (None: M = M̂ = M_init, S = 0); the final state is the same triple."""
+        layer (None: M = M̂ = M_init, S = 0); the final state is the same triple.
+
+        Packed documents: ``inp["resets"]`` [B, ⌈T/C⌉] (chunk-aligned rows, backend "torch") restarts
+        chunks inside the PyTorch scan; ``inp["cu_seqlens"]`` (int32 [N + 1] over the batch
+        flattened to one row, backend "triton", linear memory) runs the kernel's variable-length
+        path once for the whole batch (``_op_varlen``)."""
+        if inp.get("cu_seqlens") is not None:
+            return self._op_varlen(inp, initial_state, output_final_state, backend)
         q, k, v = inp["q"], inp["k"], inp["v"]
         theta, log_eta, log_keep, pos = inp["theta"], inp["log_eta"], inp["log_keep"], inp["offset"]
         if initial_state is None:
@@ -302,6 +317,30 @@ class TitansMemory(Mixer):
         else:
             y, M, S, Mh = self._mlp_chunked(q, k, v, theta, log_eta, log_keep, M, S, Mh, pos, resets)
         return y, ((tuple(M), tuple(S), tuple(Mh)) if output_final_state else None)
+
+    def _op_varlen(self, inp, initial_state, output_final_state: bool, backend) -> Tuple[torch.Tensor, None]:
+        """The linear memory over packed documents in one call of the Triton kernel's
+        variable-length path: q, k, v and the gates [B, H, T, ·] flattened to [1, H, B·T, ·]
+        (the rows back to back, the order of ``inp["cu_seqlens"]``), every document from
+        M = M_init, S = 0 with its chunks counted from its first token (the kernel's rows of the
+        initial state, one per document, all M_init), as the document alone; y back to
+        [B, H, T, d]. Documents always start from the initial memory, so neither an initial nor a
+        final state is taken; the MLP memory and backends other than "triton" are refused."""
+        if self.memory != "linear" or backend != Backend.TRITON:
+            raise ValueError(f"Titans: packed documents through cu_seqlens run the linear memory's Triton kernel, "
+                             f"not titans.memory={self.memory!r} on backend {str(backend)!r}")
+        if initial_state is not None or output_final_state:
+            raise ValueError("Titans: packed documents (cu_seqlens) start every document from the initial memory; "
+                             "they take no initial state and return no final state")
+        if inp["offset"] != 0:
+            raise ValueError(f"Titans: packed documents (cu_seqlens) start at position 0, got offset {inp['offset']}")
+        q, cu = inp["q"], inp["cu_seqlens"]
+        B, N = q.shape[0], cu.shape[0] - 1
+        M0 = self.M_init[0].to(device=q.device, dtype=q.dtype).unsqueeze(0).expand(N, *self.M_init[0].shape)
+        flat = varlen_heads(q, inp["k"], inp["v"], inp["theta"], inp["log_eta"], inp["log_keep"])
+        y, _ = _tk.titans_linear(*flat, (M0, torch.zeros_like(M0)), False, backend=backend,
+                                 chunk_size=inp["chunk_size"], offset=0, cu_seqlens=cu)
+        return unflatten_heads(y, B), None
 
     def output(self, y: torch.Tensor, x: torch.Tensor, gate: Optional[torch.Tensor] = None) -> torch.Tensor:
         """o = W_O [RMSNorm(y) ⊙ SiLU(W_G x)], y [B, H, T, d] from the op (``gate``: SiLU(W_G x)
@@ -399,11 +438,19 @@ class TitansMemory(Mixer):
         y = torch.cat(outs, 2) if outs else v.new_zeros(v.shape)
         return y, M, S, Mh
 
-    def _run_docs(self, x: torch.Tensor, docs) -> torch.Tensor:
-        """Packed documents (PyTorch form): the documents laid out at chunk boundaries, in rows
-        about as long as the longest document (``DocLayout.balanced``: the chunk loop then takes
-        about the longest document's steps, not a packed row's), the memory restarted from its
-        initial state at each document's first chunk inside the scan, the conv masked."""
+    def _run_docs(self, x: torch.Tensor, docs, backend=Backend.TORCH) -> torch.Tensor:
+        """Packed documents, one op call for the batch. PyTorch form: the documents laid out at
+        chunk boundaries, in rows about as long as the longest document (``DocLayout.balanced``:
+        the chunk loop then takes about the longest document's steps, not a packed row's), the
+        memory restarted from its initial state at each document's first chunk inside the scan,
+        the conv masked. Triton form: on the packed rows themselves, the conv masked at document
+        starts (``docs.offset``), then the kernel's ``cu_seqlens`` path over the batch flattened to
+        one row (``_op_varlen``)."""
+        if backend == Backend.TRITON:
+            inp, _ = self.inputs(x, doc_offset=docs.offset)
+            inp["cu_seqlens"] = docs.cu_seqlens
+            y, _ = self.op(inp, backend=backend)
+            return self.output(y, x)
         al = docs.balanced(self.chunk_size)
         xa = al.pad(x)
         inp, _ = self.inputs(xa, doc_offset=al.offset)
@@ -412,8 +459,10 @@ class TitansMemory(Mixer):
         return al.unpad(self.output(y, xa))
 
     # ---- forms -------------------------------------------------------------------------------
-    #: packed documents: the PyTorch form on chunk-aligned documents in balanced rows with
-    #: in-scan restarts (``_run_docs``); the reference and Triton forms run on the padded view
+    #: packed documents (``_run_docs``): the conv masked at document starts; the PyTorch chunked
+    #: form on chunk-aligned documents in balanced rows with in-scan restarts, the Triton form
+    #: (linear memory) the kernel's ``cu_seqlens`` path once for the batch flattened to one row;
+    #: the reference form runs on the padded view
     handles_docs = True
 
     def reference(self, x, state=None, output_state=False, docs=None):
@@ -432,9 +481,10 @@ class TitansMemory(Mixer):
     def chunked(self, x, state=None, output_state=False, docs=None):
         backend = self._resolve_backend(x)
         if docs is not None:
-            if backend != Backend.TORCH:
-                return self.run_padded(self.chunked, x, docs)
-            return self._run_docs(x, docs), None
+            if state is not None or output_state:
+                raise ValueError("Titans: packed documents start every document from the initial memory; "
+                                 "they take no state and return none")
+            return self._run_docs(x, docs, backend), None
         return self._run(x, state, output_state, backend)
 
     def step(self, x, state):

@@ -1,0 +1,148 @@
+"""Titans over packed documents on the Triton backend: the LMM's linear memory (kind "titans"),
+and the variants that run it over the packed rows (MAG, MAL), flatten the batch to one row and
+call the memory's Triton kernel once per layer forward with ``cu_seqlens`` (never the padded view,
+one document per row): every document from the initial memory M_init with zero surprise, its
+chunks counted from its own first token and its conv restarted at its start. Outputs, the input's
+gradient and every parameter's equal the PyTorch chunked form with the same documents (chunk-aligned
+rows with restarts inside the scan; tested against each document alone in test_packed_docs.py).
+
+The kernels run under Triton's interpreter on the CPU (TRITON_INTERPRET=1, tests/conftest.py),
+compiled where CUDA is present, where tl.dot needs 16-wide blocks: head_dim 16. float32; the
+kernel (chunks in tiles of 16 rows, TF32×3 products on a GPU) and the PyTorch chunked form sum in
+different orders, so they agree to rounding: TOL, 1e-4 of the largest value of each tensor, leaves
+room for other BLAS builds and still catches a document that reads its predecessor, a chunk
+counted from the row's start instead of the document's, or a wrong flattening order (errors of
+O(1)); the measured differences are in each test's docstring.
+"""
+import pytest
+import torch
+
+import kernels.titans.chunk as tchunk
+from ttt_lm.model.backend import Backend
+from ttt_lm.model.docs import DocLayout
+from ttt_lm.model.mixers.base import Mixer
+from tests.model.mixer_checks import make_mixer
+
+# two rows of 24 tokens, chunk_size 4, conv width 4: documents shorter than the conv and the chunk
+# (lengths 1, 2), others across several chunk boundaries (17, 18, 5); the first row starts in
+# mid-document (positions 3, 4, ... as the loader cuts rows out of the stream)
+ROW_LENS = [[5, 1, 18], [2, 17, 5]]
+FIRST_POS = [3, 0]
+CHUNK = 4
+TOL = 1e-4
+#: the compiled kernels where CUDA is present, else the interpreter on the CPU
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _positions():
+    rows = []
+    for lens, p0 in zip(ROW_LENS, FIRST_POS):
+        pos = torch.cat([torch.arange(n) for n in lens])
+        pos[:lens[0]] += p0
+        rows.append(pos)
+    return torch.stack(rows).to(DEV)
+
+
+def rel(a, b):
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
+
+
+def _mixer(kind, **titans):
+    """A float32 mixer of two heads of 16 with a non-zero initial memory (so that a document
+    starting from zero memory, or from its predecessor's, shows) and faster gates than at init."""
+    m, _ = make_mixer(kind, dtype=torch.float32, d_model=32, n_heads=2,
+                      titans={"chunk_size": CHUNK, "conv_width": 4, **titans})
+    mem = m if kind == "titans" else m.memory
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(5)
+        mem.M_init[0].copy_(0.3 * torch.randn(mem.M_init[0].shape, generator=g))
+        mem.theta_proj.bias.fill_(0.0)     # θ ≈ 0.5: large inner steps
+        mem.alpha_proj.bias.fill_(-2.0)    # α ≈ 0.12: visible forgetting
+    return m.to(DEV)
+
+
+def _run(m, backend, x, w, docs):
+    m.kernel_backend = backend
+    assert m.resolve_backend(x.device, x.dtype) == backend
+    m.zero_grad(set_to_none=True)
+    x.grad = None
+    y, st = m(x, docs=docs)
+    assert st is None
+    (y * w).sum().backward()
+    return y.detach(), x.grad.clone(), {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+
+
+def _spy_and_refuse_padded(monkeypatch):
+    """Record (q's shape, cu_seqlens) of each call of the memory's Triton op; the padded view (one
+    document per row) fails."""
+    real = tchunk.titans_linear_triton
+    calls = []
+
+    def spy(*args, **kw):
+        calls.append((tuple(args[0].shape), kw.get("cu_seqlens", args[10] if len(args) > 10 else None)))
+        return real(*args, **kw)
+
+    def refuse(*a, **k):
+        raise AssertionError("padded view used")
+    monkeypatch.setattr(tchunk, "titans_linear_triton", spy)
+    monkeypatch.setattr(Mixer, "run_padded", staticmethod(refuse))
+    monkeypatch.setattr(DocLayout, "pad", refuse)
+    return calls
+
+
+def check_triton_docs(m, calls, want_cu, want_T):
+    """The Triton form with documents against the PyTorch chunked form with them; the op called
+    once (a forward) on the batch flattened to one row of ``want_T`` tokens with ``want_cu``."""
+    pos = _positions()
+    docs = DocLayout.build(pos)
+    B, T = pos.shape
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(B, T, m.d_model, generator=g).to(DEV).requires_grad_()
+    w = torch.randn(B, T, m.d_model, generator=g).to(DEV)
+    want = _run(m, Backend.TORCH, x, w, docs)
+    assert not calls
+    got = _run(m, Backend.TRITON, x, w, docs)
+    assert len(calls) == 1, f"{len(calls)} calls of the Triton op for one layer forward"
+    shape, cu = calls[0]
+    assert shape == (1, 2, want_T, 16), shape
+    assert cu is not None and cu.dtype == torch.int32
+    assert cu.tolist() == want_cu
+    errs = {"output": rel(got[0], want[0]), "x": rel(got[1], want[1])}
+    assert got[2].keys() == want[2].keys()
+    errs.update({n: rel(got[2][n], want[2][n]) for n in want[2]})
+    bad = {n: f"{e:.2e}" for n, e in errs.items() if not e <= TOL}
+    assert not bad, f"rel err above {TOL}: {bad}"
+    # the documents matter: without them the later documents read the earlier ones
+    with torch.no_grad():
+        plain, _ = m(x)
+    assert (plain - got[0]).abs().max() > 1e-3
+    return errs
+
+
+def test_titans_memory_triton_docs_one_varlen_call(monkeypatch):
+    """The LMM alone: one varlen call over [1, H, B·T], cu_seqlens the packed documents'."""
+    calls = _spy_and_refuse_padded(monkeypatch)
+    m = _mixer("titans")
+    errs = check_triton_docs(m, calls, [0, 5, 6, 24, 26, 43, 48], 48)
+    assert "M_init.0" in errs     # the initial memory's gradient (summed over the documents) checked
+
+
+def test_titans_triton_docs_refuse_a_state():
+    """Every document starts from the initial memory: a carried state, or asking for the final one,
+    is a clear error, not a silently wrong result; so are cu_seqlens on another backend."""
+    m = _mixer("titans")
+    m.kernel_backend = "triton"
+    docs = DocLayout.build(_positions())
+    x = torch.randn(*docs.shape, m.d_model, device=DEV)
+    with pytest.raises(ValueError, match="packed documents .* no state"):
+        m.chunked(x, m.init_state(2, device=DEV, dtype=torch.float32), docs=docs)
+    with pytest.raises(ValueError, match="packed documents .* no state"):
+        m.chunked(x, None, True, docs=docs)
+    inp, _ = m.inputs(x, doc_offset=docs.offset)
+    inp["cu_seqlens"] = docs.cu_seqlens
+    st = m.init_state(2, device=DEV, dtype=torch.float32)
+    with pytest.raises(ValueError, match="no initial state"):
+        m.op(inp, (st.M, st.S, st.Mh), False, Backend.TRITON)
+    with pytest.raises(ValueError, match="linear memory's Triton kernel"):
+        m.op(inp, None, False, Backend.TORCH)
+
