@@ -146,3 +146,10 @@ def test_titans_triton_docs_refuse_a_state():
     with pytest.raises(ValueError, match="linear memory's Triton kernel"):
         m.op(inp, None, False, Backend.TORCH)
 
+
+def test_titans_mag_triton_docs_one_varlen_call(monkeypatch):
+    """MAG: the attention branch with its document mask (window 5), the memory branch through one
+    varlen call over the packed rows, the gate per token."""
+    calls = _spy_and_refuse_padded(monkeypatch)
+    m = _mixer("titans_mag", window=5)
+    check_triton_docs(m, calls, [0, 5, 6, 24, 26, 43, 48], 48)

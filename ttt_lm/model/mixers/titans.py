@@ -530,7 +530,12 @@ class TitansMAG(Mixer):
     the paper's y ⊗ M(x): both branches normalized with learnable weights, the memory branch
     through a sigmoid, so it gates the attention output per channel. The reference and chunked
     forms are written with the public stages: ``inputs`` (x), ``op`` (both branches, in the
-    form's own forms) and ``output`` (the gate); ``step`` runs the branches' steps and the gate."""
+    form's own forms) and ``output`` (the gate); ``step`` runs the branches' steps and the gate.
+
+    Packed documents (``docs``): the chunked form runs each branch once on the packed rows with
+    its own document handling (the attention's document mask; the LMM's chunk-aligned restarts
+    on PyTorch, its Triton kernel's ``cu_seqlens`` path on Triton), then the gate per token. The
+    reference form runs on the padded view."""
 
     def __init__(self, cfg, layer_idx: int):
         super().__init__()
@@ -590,8 +595,9 @@ class TitansMAG(Mixer):
         return self.output(ym, x), (dataclasses.replace(carry, attn=fin[0], mem=fin[1]) if output_state else None)
 
     # ---- forms -------------------------------------------------------------------------------
-    #: packed documents: each branch takes them (the attention's document mask, the LMM's
-    #: chunk-aligned restarts); the reference and Triton forms run on the padded view
+    #: packed documents: the chunked form hands them to each branch (the attention's document
+    #: mask; the LMM's chunk-aligned restarts in PyTorch, its kernel's ``cu_seqlens`` path once for
+    #: the batch on Triton); the reference form runs on the padded view
     handles_docs = True
 
     def reference(self, x, state=None, output_state=False, docs=None):
@@ -606,8 +612,6 @@ class TitansMAG(Mixer):
         self.memory.kernel_backend = self.kernel_backend
         backend = self.memory._resolve_backend(x)
         if docs is not None:
-            if backend != Backend.TORCH:
-                return self.run_padded(self.chunked, x, docs)
             self.attn.kernel_backend = self.kernel_backend
             y, _ = self.attn.chunked(x, docs=docs)
             m, _ = self.memory.chunked(x, docs=docs)
