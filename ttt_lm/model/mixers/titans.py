@@ -653,7 +653,8 @@ class TitansMAL(Mixer):
     Packed documents (``docs``): a document alone reads [p_1 … p_{N_p}] ‖ document, so the chunked
     form inserts the persistent tokens before every document of the packed rows
     (``DocLayout.prefixed``) and runs both sub-layers once on that layout with their own document
-    handling: the LMM chunk-aligned per document with in-scan restarts (its chunks counted from
+    handling: the LMM chunk-aligned per document with in-scan restarts on PyTorch, through its
+    Triton kernel's ``cu_seqlens`` path in one call on Triton (either way its chunks counted from
     each document's first persistent token, as alone), the attention with its document mask and
     RoPE at each token's position in [p ‖ document]. The reference form runs on the padded view."""
 
@@ -726,8 +727,9 @@ class TitansMAL(Mixer):
         """Packed documents (chunked form), one pass for the batch: the rows laid out with the
         persistent tokens before every document (``DocLayout.prefixed``: [p ‖ document] is what
         the document alone reads, positions from its first persistent token), then the LMM with
-        its own document restarts (chunk-aligned, in-scan) and the sliding-window attention with
-        its document mask on that layout; x's slots are taken back."""
+        its own document restarts (chunk-aligned and in-scan on PyTorch, the kernel's
+        ``cu_seqlens`` path on Triton) and the sliding-window attention with its document mask on
+        that layout; x's slots are taken back."""
         pre = docs.prefixed(self.n_persist)
         xt = pre.pad(x, self.persistent_shared(self.persistent))
         self.attn.kernel_backend = self.memory.kernel_backend = self.kernel_backend
@@ -737,14 +739,18 @@ class TitansMAL(Mixer):
 
     # ---- forms -------------------------------------------------------------------------------
     #: packed documents: the chunked form runs once on the rows with the persistent tokens
-    #: inserted before every document (``_run_docs``: the LMM's chunk-aligned restarts, the
-    #: attention's document mask); the reference form runs on the padded view
+    #: inserted before every document (``_run_docs``: the LMM's chunk-aligned restarts in PyTorch,
+    #: its kernel's ``cu_seqlens`` path on Triton; the attention's document mask); the reference
+    #: form runs on the padded view
     handles_docs = True
 
     def reference(self, x, state=None, output_state=False, docs=None):
         if docs is not None:
             return self.run_padded(self.reference, x, docs)
         return self._run(x, state, output_state, Backend.REFERENCE)
+
+    def triton_unavailable(self):
+        return self.memory.triton_unavailable()     # the attention half uses no kernels/ op
 
     def chunked(self, x, state=None, output_state=False, docs=None):
         self.memory.kernel_backend = self.kernel_backend
