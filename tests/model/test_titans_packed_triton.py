@@ -5,6 +5,8 @@ one document per row): every document from the initial memory M_init with zero s
 chunks counted from its own first token and its conv restarted at its start. Outputs, the input's
 gradient and every parameter's equal the PyTorch chunked form with the same documents (chunk-aligned
 rows with restarts inside the scan; tested against each document alone in test_packed_docs.py).
+MAC cannot hand the memory its documents in one call (each segment's memory input depends on
+the memory's retrieval): its block scan's Triton form is held equal to the PyTorch one.
 
 The kernels run under Triton's interpreter on the CPU (TRITON_INTERPRET=1, tests/conftest.py),
 compiled where CUDA is present, where tl.dot needs 16-wide blocks: head_dim 16. float32; the
@@ -12,9 +14,9 @@ kernel (chunks in tiles of 16 rows, TF32×3 products on a GPU) and the PyTorch c
 different orders, so they agree to rounding: TOL, 1e-4 of the largest value of each tensor, leaves
 room for other BLAS builds and still catches a document that reads its predecessor, a chunk
 counted from the row's start instead of the document's, or a wrong flattening order (errors of
-O(1)). Measured (interpreter, CPU): outputs ≤ 4.5e-7, the input's gradient ≤ 7.1e-7, parameter
-gradients ≤ 1.7e-6 (the gate projections'). Each packed test takes 5-9 s under the interpreter on
-one core. The interpreter may warn of overflow in a multiply: the kernel's spare chunk slots
+O(1)). Measured (interpreter, CPU) for LMM, MAG and MAL: outputs ≤ 4.5e-7, the input's gradient
+≤ 7.1e-7, parameter gradients ≤ 1.7e-6 (the gate projections'); MAC's in its test. Each packed
+test takes 5-11 s under the interpreter on one core. The interpreter may warn of overflow in a multiply: the kernel's spare chunk slots
 (past the last document's chunks) compute on unwritten buffers, and every store of theirs is
 masked, so no result reads them.
 """
@@ -169,7 +171,33 @@ def test_titans_mal_triton_docs_one_varlen_call(monkeypatch):
     assert "persistent" in errs
 
 
-@pytest.mark.parametrize("kind", ["titans", "titans_mag", "titans_mal"])
+def test_titans_mac_triton_docs_block_scan(monkeypatch):
+    """MAC: the block scan over the balanced rows (blocks of gcd(chunk 4, segment 6) = 2 tokens)
+    calls the memory's op once per block with its carried state, on Triton as on PyTorch (the
+    kernel where a block starts a chunk, the PyTorch chunk form inside one), never the padded
+    view nor ``cu_seqlens`` (each segment's memory input depends on the memory's retrieval, so the
+    memory cannot take the documents in one call); equal to the PyTorch form with documents.
+    Measured: output 7e-7, the input's gradient 4e-6, parameter gradients ≤ 1e-5."""
+    calls = _spy_and_refuse_padded(monkeypatch)
+    m = _mixer("titans_mac", segment_len=6, persistent_tokens=2)
+    pos = _positions()
+    docs = DocLayout.build(pos)
+    al = docs.balanced(CHUNK)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(*pos.shape, m.d_model, generator=g).to(DEV).requires_grad_()
+    w = torch.randn(*pos.shape, m.d_model, generator=g).to(DEV)
+    want = _run(m, Backend.TORCH, x, w, docs)
+    assert not calls
+    got = _run(m, Backend.TRITON, x, w, docs)
+    assert len(calls) == al.length // 2
+    assert all(shape == (al.rows, 2, 2, 16) and cu is None for shape, cu in calls)
+    errs = {"output": rel(got[0], want[0]), "x": rel(got[1], want[1])}
+    errs.update({n: rel(got[2][n], want[2][n]) for n in want[2]})
+    bad = {n: f"{e:.2e}" for n, e in errs.items() if not e <= TOL}
+    assert not bad, f"rel err above {TOL}: {bad}"
+
+
+@pytest.mark.parametrize("kind", ["titans", "titans_mag", "titans_mal", "titans_mac"])
 def test_triton_backend_follows_the_memory(kind):
     """The variants run the memory's kernel, so they resolve as the memory does: Triton on CUDA for
     the linear memory (``model.kernel_backend=triton`` accepted), and the MLP memory refused under

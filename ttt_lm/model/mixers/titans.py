@@ -826,7 +826,11 @@ class TitansMAC(Mixer):
     gcd(chunk_size, segment_len) tokens, each inside one chunk and one segment of one document:
     per row, the LMM restarts from its initial state at a document start, R = M at a segment
     start, and a block's queries attend to the persistent tokens and their own segment so far
-    (the segment mask above, per row); ``_run_docs``. The reference form runs on the padded view."""
+    (the segment mask above, per row); ``_run_docs``. The LMM runs once per block in its own
+    backend (on Triton: its kernel over the balanced rows, carrying the state, not the kernel's
+    ``cu_seqlens`` path: a segment's memory input y depends on the attention over the memory's own
+    retrieval, so the documents cannot go through the memory in one call). The reference form runs
+    on the padded view."""
 
     def __init__(self, cfg, layer_idx: int):
         super().__init__()
@@ -891,6 +895,9 @@ class TitansMAC(Mixer):
                        "not a causal or sliding-window mask, the only ones flash_attn_func takes",
         Backend.FLEX: "titans_mac builds no flex_attention block mask for its segment mask; use sdpa or math",
     }
+
+    def triton_unavailable(self):
+        return self.memory.triton_unavailable()     # the LMM's op; the segment attention uses no kernels/ op
 
     def attention_backend(self, device, dtype=None) -> Backend:
         """The segment attention's backend for ``attention.backend``, by the one resolver (op
@@ -1096,7 +1103,8 @@ class TitansMAC(Mixer):
 
     # ---- forms -------------------------------------------------------------------------------
     #: packed documents: the chunked form scans the chunk-aligned documents in blocks with
-    #: per-row restarts (``_run_docs``); the reference form runs on the padded view
+    #: per-row restarts (``_run_docs``; the LMM once per block, in its backend); the reference form
+    #: runs on the padded view
     handles_docs = True
 
     def reference(self, x, state=None, output_state=False, docs=None):
