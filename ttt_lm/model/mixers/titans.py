@@ -113,6 +113,7 @@ from ttt_lm.model.docs import masked_conv
 from ttt_lm.model.layers import CausalConv1d, RMSNorm, acc, apply_rope, rope_cos_sin
 from ttt_lm.model.mixers.attention import Attention, AttentionState, LocalAttention
 from ttt_lm.model.mixers.base import Mixer, MixerState, TPPlan
+from ttt_lm.model.mixers.deltanet import unflatten_heads, varlen_heads
 from ttt_lm.model.registry import option, register_mixer
 
 
@@ -182,7 +183,14 @@ class TitansMACState(MixerState):
 
 @register_mixer("titans", config=TitansConfig)
 class TitansMemory(Mixer):
-    """The long-term memory module (LMM) as a sequence layer."""
+    """The long-term memory module (LMM) as a sequence layer.
+
+    Packed documents (``docs``): each document runs as if alone, from M = M_init, S = 0, with its
+    chunks counted from its first token and its conv from zero history (taps into the previous
+    document masked). The PyTorch chunked form lays the documents out at chunk boundaries and
+    restarts inside its scan; the Triton form (linear memory) flattens the batch to one row and
+    runs the kernel's variable-length path (``cu_seqlens``) in one call; the reference form runs
+    on the padded view (one document per row)."""
 
     #: gate values at initialization: θ (inner step), η (momentum), α (forgetting)
     theta_init, eta_init, alpha_init = 0.1, 0.9, 0.01
@@ -278,7 +286,14 @@ class TitansMemory(Mixer):
         """The memory update and read over the sequence: ``kernels.titans.titans_linear`` for the
         linear memory, the MLP memory's token-by-token (backend "reference") or chunked form
         here. ``initial_state``: (M, S, M̂), each a tuple with one [B, H, d_in, d_out] per memory
-        layer (None: M = M̂ = M_init, S = 0); the final state is the same triple."""
+        layer (None: M = M̂ = M_init, S = 0); the final state is the same triple.
+
+        Packed documents: ``inp["resets"]`` [B, ⌈T/C⌉] (chunk-aligned rows, backend "torch") restarts
+        chunks inside the PyTorch scan; ``inp["cu_seqlens"]`` (int32 [N + 1] over the batch
+        flattened to one row, backend "triton", linear memory) runs the kernel's variable-length
+        path once for the whole batch (``_op_varlen``)."""
+        if inp.get("cu_seqlens") is not None:
+            return self._op_varlen(inp, initial_state, output_final_state, backend)
         q, k, v = inp["q"], inp["k"], inp["v"]
         theta, log_eta, log_keep, pos = inp["theta"], inp["log_eta"], inp["log_keep"], inp["offset"]
         if initial_state is None:
@@ -302,6 +317,30 @@ class TitansMemory(Mixer):
         else:
             y, M, S, Mh = self._mlp_chunked(q, k, v, theta, log_eta, log_keep, M, S, Mh, pos, resets)
         return y, ((tuple(M), tuple(S), tuple(Mh)) if output_final_state else None)
+
+    def _op_varlen(self, inp, initial_state, output_final_state: bool, backend) -> Tuple[torch.Tensor, None]:
+        """The linear memory over packed documents in one call of the Triton kernel's
+        variable-length path: q, k, v and the gates [B, H, T, ·] flattened to [1, H, B·T, ·]
+        (the rows back to back, the order of ``inp["cu_seqlens"]``), every document from
+        M = M_init, S = 0 with its chunks counted from its first token (the kernel's rows of the
+        initial state, one per document, all M_init), as the document alone; y back to
+        [B, H, T, d]. Documents always start from the initial memory, so neither an initial nor a
+        final state is taken; the MLP memory and backends other than "triton" are refused."""
+        if self.memory != "linear" or backend != Backend.TRITON:
+            raise ValueError(f"Titans: packed documents through cu_seqlens run the linear memory's Triton kernel, "
+                             f"not titans.memory={self.memory!r} on backend {str(backend)!r}")
+        if initial_state is not None or output_final_state:
+            raise ValueError("Titans: packed documents (cu_seqlens) start every document from the initial memory; "
+                             "they take no initial state and return no final state")
+        if inp["offset"] != 0:
+            raise ValueError(f"Titans: packed documents (cu_seqlens) start at position 0, got offset {inp['offset']}")
+        q, cu = inp["q"], inp["cu_seqlens"]
+        B, N = q.shape[0], cu.shape[0] - 1
+        M0 = self.M_init[0].to(device=q.device, dtype=q.dtype).unsqueeze(0).expand(N, *self.M_init[0].shape)
+        flat = varlen_heads(q, inp["k"], inp["v"], inp["theta"], inp["log_eta"], inp["log_keep"])
+        y, _ = _tk.titans_linear(*flat, (M0, torch.zeros_like(M0)), False, backend=backend,
+                                 chunk_size=inp["chunk_size"], offset=0, cu_seqlens=cu)
+        return unflatten_heads(y, B), None
 
     def output(self, y: torch.Tensor, x: torch.Tensor, gate: Optional[torch.Tensor] = None) -> torch.Tensor:
         """o = W_O [RMSNorm(y) ⊙ SiLU(W_G x)], y [B, H, T, d] from the op (``gate``: SiLU(W_G x)
@@ -399,11 +438,19 @@ class TitansMemory(Mixer):
         y = torch.cat(outs, 2) if outs else v.new_zeros(v.shape)
         return y, M, S, Mh
 
-    def _run_docs(self, x: torch.Tensor, docs) -> torch.Tensor:
-        """Packed documents (PyTorch form): the documents laid out at chunk boundaries, in rows
-        about as long as the longest document (``DocLayout.balanced``: the chunk loop then takes
-        about the longest document's steps, not a packed row's), the memory restarted from its
-        initial state at each document's first chunk inside the scan, the conv masked."""
+    def _run_docs(self, x: torch.Tensor, docs, backend=Backend.TORCH) -> torch.Tensor:
+        """Packed documents, one op call for the batch. PyTorch form: the documents laid out at
+        chunk boundaries, in rows about as long as the longest document (``DocLayout.balanced``:
+        the chunk loop then takes about the longest document's steps, not a packed row's), the
+        memory restarted from its initial state at each document's first chunk inside the scan,
+        the conv masked. Triton form: on the packed rows themselves, the conv masked at document
+        starts (``docs.offset``), then the kernel's ``cu_seqlens`` path over the batch flattened to
+        one row (``_op_varlen``)."""
+        if backend == Backend.TRITON:
+            inp, _ = self.inputs(x, doc_offset=docs.offset)
+            inp["cu_seqlens"] = docs.cu_seqlens
+            y, _ = self.op(inp, backend=backend)
+            return self.output(y, x)
         al = docs.balanced(self.chunk_size)
         xa = al.pad(x)
         inp, _ = self.inputs(xa, doc_offset=al.offset)
@@ -412,8 +459,10 @@ class TitansMemory(Mixer):
         return al.unpad(self.output(y, xa))
 
     # ---- forms -------------------------------------------------------------------------------
-    #: packed documents: the PyTorch form on chunk-aligned documents in balanced rows with
-    #: in-scan restarts (``_run_docs``); the reference and Triton forms run on the padded view
+    #: packed documents (``_run_docs``): the conv masked at document starts; the PyTorch chunked
+    #: form on chunk-aligned documents in balanced rows with in-scan restarts, the Triton form
+    #: (linear memory) the kernel's ``cu_seqlens`` path once for the batch flattened to one row;
+    #: the reference form runs on the padded view
     handles_docs = True
 
     def reference(self, x, state=None, output_state=False, docs=None):
@@ -432,9 +481,10 @@ class TitansMemory(Mixer):
     def chunked(self, x, state=None, output_state=False, docs=None):
         backend = self._resolve_backend(x)
         if docs is not None:
-            if backend != Backend.TORCH:
-                return self.run_padded(self.chunked, x, docs)
-            return self._run_docs(x, docs), None
+            if state is not None or output_state:
+                raise ValueError("Titans: packed documents start every document from the initial memory; "
+                                 "they take no state and return none")
+            return self._run_docs(x, docs, backend), None
         return self._run(x, state, output_state, backend)
 
     def step(self, x, state):
@@ -480,7 +530,12 @@ class TitansMAG(Mixer):
     the paper's y ⊗ M(x): both branches normalized with learnable weights, the memory branch
     through a sigmoid, so it gates the attention output per channel. The reference and chunked
     forms are written with the public stages: ``inputs`` (x), ``op`` (both branches, in the
-    form's own forms) and ``output`` (the gate); ``step`` runs the branches' steps and the gate."""
+    form's own forms) and ``output`` (the gate); ``step`` runs the branches' steps and the gate.
+
+    Packed documents (``docs``): the chunked form runs each branch once on the packed rows with
+    its own document handling (the attention's document mask; the LMM's chunk-aligned restarts
+    on PyTorch, its Triton kernel's ``cu_seqlens`` path on Triton), then the gate per token. The
+    reference form runs on the padded view."""
 
     def __init__(self, cfg, layer_idx: int):
         super().__init__()
@@ -540,8 +595,9 @@ class TitansMAG(Mixer):
         return self.output(ym, x), (dataclasses.replace(carry, attn=fin[0], mem=fin[1]) if output_state else None)
 
     # ---- forms -------------------------------------------------------------------------------
-    #: packed documents: each branch takes them (the attention's document mask, the LMM's
-    #: chunk-aligned restarts); the reference and Triton forms run on the padded view
+    #: packed documents: the chunked form hands them to each branch (the attention's document
+    #: mask; the LMM's chunk-aligned restarts in PyTorch, its kernel's ``cu_seqlens`` path once for
+    #: the batch on Triton); the reference form runs on the padded view
     handles_docs = True
 
     def reference(self, x, state=None, output_state=False, docs=None):
@@ -556,8 +612,6 @@ class TitansMAG(Mixer):
         self.memory.kernel_backend = self.kernel_backend
         backend = self.memory._resolve_backend(x)
         if docs is not None:
-            if backend != Backend.TORCH:
-                return self.run_padded(self.chunked, x, docs)
             self.attn.kernel_backend = self.kernel_backend
             y, _ = self.attn.chunked(x, docs=docs)
             m, _ = self.memory.chunked(x, docs=docs)
@@ -599,7 +653,8 @@ class TitansMAL(Mixer):
     Packed documents (``docs``): a document alone reads [p_1 … p_{N_p}] ‖ document, so the chunked
     form inserts the persistent tokens before every document of the packed rows
     (``DocLayout.prefixed``) and runs both sub-layers once on that layout with their own document
-    handling: the LMM chunk-aligned per document with in-scan restarts (its chunks counted from
+    handling: the LMM chunk-aligned per document with in-scan restarts on PyTorch, through its
+    Triton kernel's ``cu_seqlens`` path in one call on Triton (either way its chunks counted from
     each document's first persistent token, as alone), the attention with its document mask and
     RoPE at each token's position in [p ‖ document]. The reference form runs on the padded view."""
 
@@ -672,8 +727,9 @@ class TitansMAL(Mixer):
         """Packed documents (chunked form), one pass for the batch: the rows laid out with the
         persistent tokens before every document (``DocLayout.prefixed``: [p ‖ document] is what
         the document alone reads, positions from its first persistent token), then the LMM with
-        its own document restarts (chunk-aligned, in-scan) and the sliding-window attention with
-        its document mask on that layout; x's slots are taken back."""
+        its own document restarts (chunk-aligned and in-scan on PyTorch, the kernel's
+        ``cu_seqlens`` path on Triton) and the sliding-window attention with its document mask on
+        that layout; x's slots are taken back."""
         pre = docs.prefixed(self.n_persist)
         xt = pre.pad(x, self.persistent_shared(self.persistent))
         self.attn.kernel_backend = self.memory.kernel_backend = self.kernel_backend
@@ -683,14 +739,18 @@ class TitansMAL(Mixer):
 
     # ---- forms -------------------------------------------------------------------------------
     #: packed documents: the chunked form runs once on the rows with the persistent tokens
-    #: inserted before every document (``_run_docs``: the LMM's chunk-aligned restarts, the
-    #: attention's document mask); the reference form runs on the padded view
+    #: inserted before every document (``_run_docs``: the LMM's chunk-aligned restarts in PyTorch,
+    #: its kernel's ``cu_seqlens`` path on Triton; the attention's document mask); the reference
+    #: form runs on the padded view
     handles_docs = True
 
     def reference(self, x, state=None, output_state=False, docs=None):
         if docs is not None:
             return self.run_padded(self.reference, x, docs)
         return self._run(x, state, output_state, Backend.REFERENCE)
+
+    def triton_unavailable(self):
+        return self.memory.triton_unavailable()     # the attention half uses no kernels/ op
 
     def chunked(self, x, state=None, output_state=False, docs=None):
         self.memory.kernel_backend = self.kernel_backend
@@ -766,7 +826,11 @@ class TitansMAC(Mixer):
     gcd(chunk_size, segment_len) tokens, each inside one chunk and one segment of one document:
     per row, the LMM restarts from its initial state at a document start, R = M at a segment
     start, and a block's queries attend to the persistent tokens and their own segment so far
-    (the segment mask above, per row); ``_run_docs``. The reference form runs on the padded view."""
+    (the segment mask above, per row); ``_run_docs``. The LMM runs once per block in its own
+    backend (on Triton: its kernel over the balanced rows, carrying the state, not the kernel's
+    ``cu_seqlens`` path: a segment's memory input y depends on the attention over the memory's own
+    retrieval, so the documents cannot go through the memory in one call). The reference form runs
+    on the padded view."""
 
     def __init__(self, cfg, layer_idx: int):
         super().__init__()
@@ -831,6 +895,9 @@ class TitansMAC(Mixer):
                        "not a causal or sliding-window mask, the only ones flash_attn_func takes",
         Backend.FLEX: "titans_mac builds no flex_attention block mask for its segment mask; use sdpa or math",
     }
+
+    def triton_unavailable(self):
+        return self.memory.triton_unavailable()     # the LMM's op; the segment attention uses no kernels/ op
 
     def attention_backend(self, device, dtype=None) -> Backend:
         """The segment attention's backend for ``attention.backend``, by the one resolver (op
@@ -1036,7 +1103,8 @@ class TitansMAC(Mixer):
 
     # ---- forms -------------------------------------------------------------------------------
     #: packed documents: the chunked form scans the chunk-aligned documents in blocks with
-    #: per-row restarts (``_run_docs``); the reference form runs on the padded view
+    #: per-row restarts (``_run_docs``; the LMM once per block, in its backend); the reference form
+    #: runs on the padded view
     handles_docs = True
 
     def reference(self, x, state=None, output_state=False, docs=None):
