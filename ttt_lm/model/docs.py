@@ -336,4 +336,17 @@ class PrefixedDocs:
         return y.reshape(-1, *y.shape[2:]).index_select(0, self.dest).view(B, -1, *y.shape[2:])
 
 
-__all__ = ["AlignedDocs", "DocLayout", "PrefixedDocs", "check_positions", "doc_conv", "masked_conv"]
+def varlen_heads(*ts: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+    """[B, H, T, ...] tensors → [1, H, B·T, ...]: the rows of the batch back to back in one row
+    (row-major, the order of ``DocLayout.cu_seqlens``), the layout of the ops' ``cu_seqlens`` path."""
+    return tuple(t.transpose(0, 1).reshape(1, t.shape[1], t.shape[0] * t.shape[2], *t.shape[3:]) for t in ts)
+
+
+def unflatten_heads(t: torch.Tensor, B: int) -> torch.Tensor:
+    """[1, H, B·T, ...] → [B, H, T, ...], the inverse of ``varlen_heads``."""
+    H, BT = t.shape[1], t.shape[2]
+    return t[0].reshape(H, B, BT // B, *t.shape[3:]).transpose(0, 1)
+
+
+__all__ = ["AlignedDocs", "DocLayout", "PrefixedDocs", "check_positions", "doc_conv", "masked_conv",
+           "unflatten_heads", "varlen_heads"]

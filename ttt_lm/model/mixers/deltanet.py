@@ -54,7 +54,7 @@ from torch import nn
 from kernels import delta_rule as _dr
 from kernels.delta_rule.torch_chunk import delta_rule_chunk_torch
 from ttt_lm.model.backend import Backend
-from ttt_lm.model.docs import doc_conv
+from ttt_lm.model.docs import doc_conv, unflatten_heads, varlen_heads
 from ttt_lm.model.layers import CausalConv1d, RMSNorm
 from ttt_lm.model.mixers.base import Mixer, MixerState, TPPlan
 from ttt_lm.model.registry import option, register_mixer
@@ -85,18 +85,6 @@ def dpfp(x: torch.Tensor, nu: int = 1, eps: float = 1e-6) -> torch.Tensor:
     # the smallest normal number only matters for x = 0, where every term is 0
     denom = torch.maximum(phi.sum(-1, keepdim=True), floor).clamp_min(torch.finfo(phi.dtype).tiny)
     return phi / denom
-
-
-def varlen_heads(*ts: torch.Tensor):
-    """[B, H, T, ...] tensors → [1, H, B·T, ...]: the rows of the batch back to back in one row
-    (row-major, the order of ``DocLayout.cu_seqlens``), the layout of the ops' ``cu_seqlens`` path."""
-    return tuple(t.transpose(0, 1).reshape(1, t.shape[1], t.shape[0] * t.shape[2], *t.shape[3:]) for t in ts)
-
-
-def unflatten_heads(t: torch.Tensor, B: int) -> torch.Tensor:
-    """[1, H, B·T, ...] → [B, H, T, ...], the inverse of ``varlen_heads``."""
-    H, BT = t.shape[1], t.shape[2]
-    return t[0].view(H, B, BT // B, *t.shape[3:]).transpose(0, 1)
 
 
 @dataclass

@@ -60,10 +60,9 @@ from torch import nn
 from kernels import gated_delta_rule as _gdr
 from kernels.gated_delta_rule.torch_chunk import gated_delta_rule_chunk_torch
 from ttt_lm.model.backend import Backend
-from ttt_lm.model.docs import doc_conv
+from ttt_lm.model.docs import doc_conv, unflatten_heads, varlen_heads
 from ttt_lm.model.layers import CausalConv1d, RMSNorm, acc
 from ttt_lm.model.mixers.base import Mixer, MixerState, TPPlan
-from ttt_lm.model.mixers.deltanet import unflatten_heads, varlen_heads
 from ttt_lm.model.registry import option, register_mixer
 
 

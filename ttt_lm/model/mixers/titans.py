@@ -109,11 +109,10 @@ from torch import nn
 from kernels import titans as _tk
 from kernels.titans.torch_chunk import split_spans, titans_linear_chunk_torch
 from ttt_lm.model.backend import Backend, resolve
-from ttt_lm.model.docs import masked_conv
+from ttt_lm.model.docs import masked_conv, unflatten_heads, varlen_heads
 from ttt_lm.model.layers import CausalConv1d, RMSNorm, acc, apply_rope, rope_cos_sin
 from ttt_lm.model.mixers.attention import Attention, AttentionState, LocalAttention
 from ttt_lm.model.mixers.base import Mixer, MixerState, TPPlan
-from ttt_lm.model.mixers.deltanet import unflatten_heads, varlen_heads
 from ttt_lm.model.registry import option, register_mixer
 
 

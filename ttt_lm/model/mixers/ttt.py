@@ -89,7 +89,7 @@ from torch import nn
 
 from kernels.ttt import has_triton_backend, triton_packed_limit, ttt_linear, ttt_mlp
 from ttt_lm.model.backend import Backend
-from ttt_lm.model.docs import masked_conv
+from ttt_lm.model.docs import masked_conv, unflatten_heads, varlen_heads
 from ttt_lm.model.layers import acc, apply_rope, rope_cos_sin
 from ttt_lm.model.mixers.base import Mixer, MixerState, TPPlan
 from ttt_lm.model.registry import option, register_mixer
@@ -429,12 +429,10 @@ class _TTTBase(Mixer):
                           f"per row), not in one packed launch: {why}", stacklevel=2)
             return self.run_padded(self.chunked, x, docs)
         inp, _ = self.inputs(x, doc_offset=docs.offset)
-        for k in ("q", "k", "v"):
-            inp[k] = inp[k].transpose(0, 1).reshape(1, H, B * T, d)
-        inp["eta"] = inp["eta"].transpose(0, 1).reshape(1, H, B * T)
+        inp["q"], inp["k"], inp["v"], inp["eta"] = varlen_heads(inp["q"], inp["k"], inp["v"], inp["eta"])
         inp["cu_seqlens"] = docs.cu_seqlens
         z, _ = self.op(inp, backend=Backend.TRITON)
-        return self.output(z.reshape(H, B, T, d).transpose(0, 1), x), None
+        return self.output(unflatten_heads(z, B), x), None
 
     def _run_docs(self, x: torch.Tensor, docs, backend: str):
         al = docs.balanced(self.mini_batch_size)
