@@ -40,6 +40,9 @@ def tiny(pattern, kernel_backend="auto", **kw) -> LM:
     cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=len(pattern), n_heads=2, layer_pattern=list(pattern),
                       d_ff=64, kernel_backend=kernel_backend, **kw)
     cfg.ttt.mini_batch_size = 8
+    # TTT-MLP's inner hidden width = the head dim, 16: one hidden tile under the interpreter (the
+    # kernels' tiling is swept in tests/kernels/test_ttt_mlp_triton.py)
+    cfg.ttt.mlp_expansion = 1
     cfg.rglru.chunk_size = 16
     return LM(cfg)
 
@@ -130,8 +133,9 @@ def _ttt_inputs(g, mlp: bool):
         return scale * torch.randn(*shape, generator=g, dtype=torch.float64)
     ins = [r(B, H, T, d), r(B, H, T, d), r(B, H, T, d), 0.5 * torch.rand(B, H, T, generator=g, dtype=torch.float64),
            1.0 / torch.arange(1, bsz + 1, dtype=torch.float64), 1 + r(H, d, scale=0.1), r(H, d, scale=0.1)]
-    if mlp:
-        return ins + [r(H, d, 4 * d, scale=0.3), r(H, 1, 4 * d, scale=0.1), r(H, 4 * d, d, scale=0.3),
+    if mlp:     # hidden width m = 2d = 16 ≠ d: one hidden tile under the interpreter
+        m = 2 * d
+        return ins + [r(H, d, m, scale=0.3), r(H, 1, m, scale=0.1), r(H, m, d, scale=0.3),
                       r(H, 1, d, scale=0.1)]
     return ins + [r(H, d, d, scale=0.3), r(H, 1, d, scale=0.1)]
 
