@@ -2,8 +2,8 @@
 (kernels/ttt/reference.py): output, final state and the gradient of every input, including
 ``initial_state``. On CPU it runs under the Triton interpreter (tests/conftest.py), where tl.dot
 needs blocks ≥ 16: b = 16 and d ∈ {8 (padded), 16}, H = 2. The interpreter runs one program per
-(batch row, head) after another, so B = 2 only where the batch axis is swept (the float64 shapes,
-per-sequence weights) and B = 1 elsewhere."""
+(batch row, head) after another, so B = 2 only where the batch axis is swept (the float64 shapes
+at d = b = 16, per-sequence weights) and B = 1 elsewhere."""
 import pytest
 import torch
 
@@ -80,8 +80,9 @@ def _compare(got, ref, T, b, atol, rtol, pos0=0):
         close(g1, g0, "grad " + name)
 
 
-# (T, d, b, prefix), B = 2: T = 32 (kernel only), 21 (kernel + partial tail), 29 after a 5-token
-# prefix (head of 11 tokens, kernel over 16, tail of 2), 9 after a prefix (no full mini-batch);
+# (T, d, b, prefix), B = 2 at d = b = 16 (1 for the padded and multi-tile shapes): T = 32 (kernel
+# only), 21 (kernel + partial tail), 29 after a 5-token prefix (head of 11 tokens, kernel over 16,
+# tail of 2), 9 after a prefix (no full mini-batch);
 # d = 8 and b ∈ {4, 8} exercise the padding of the tiles to 16; the kernels keep W1 and dW1 in two
 # global slots, alternating per mini-batch: 1, 2 and 3 (13 tokens at b = 4) kernel mini-batches;
 # d = 32 and 24 (padded) walk two 16-column tiles of the weights (``_launch_cfg``'s BC under the
@@ -97,9 +98,10 @@ SHAPES = [(32, 16, 16, 0), (21, 16, 16, 0), (29, 16, 16, 5), (9, 16, 16, 5), (20
 def test_float64_matches_reference(T, d, b, prefix):
     """float64 throughout (the kernel computes in float64 for float64 inputs): only rounding
     differs from the autograd spec, so 1e-10 relative to each tensor's scale."""
-    args = _inputs(T, d, b)
+    batch = B if (d, b) == (16, 16) else 1
+    args = _inputs(T, d, b, batch=batch)
     st = _prefix_state(args, b, prefix) if prefix else None
-    w = torch.randn(B, H, T, d, dtype=torch.float64)
+    w = torch.randn(batch, H, T, d, dtype=torch.float64)
     ref = _run("reference", args, b, w, st)
     got = _run("triton", args, b, w, st)
     _compare(got, ref, T, b, atol=1e-10, rtol=1e-10, pos0=prefix)
@@ -322,8 +324,10 @@ def test_mixer_triton_equals_torch(ttt):
     # b = 16: 21 tokens (a full mini-batch, then 5), then 19 from pos 5 (a head of 11, then 8); b = 4:
     # 9 tokens (two full mini-batches, then 1), then 7 from pos 1 (a head of 3, a full one)
     T1, T2 = (21, 19) if ttt["mini_batch_size"] == 16 else (9, 7)
-    x1 = torch.randn(2, T1, 32, generator=g, dtype=torch.float64)
-    x2 = torch.randn(2, T2, 32, generator=g, dtype=torch.float64)
+    # one sequence: the mixer feeds both backends the same [B, H, T, d] inputs (the kernels' batch
+    # axis: the float64 shapes)
+    x1 = torch.randn(1, T1, 32, generator=g, dtype=torch.float64)
+    x2 = torch.randn(1, T2, 32, generator=g, dtype=torch.float64)
 
     def go(backend):
         m.kernel_backend = backend

@@ -126,8 +126,8 @@ def _titans_case(g):
     return fn, (q, k, v, theta, log_eta, log_keep, M, S, Mh)
 
 
-def _ttt_inputs(g, mlp: bool):
-    B, H, T, d, bsz = 1, 2, 20, 8, 8
+def _ttt_inputs(g, mlp: bool, T: int = 20):
+    B, H, d, bsz = 1, 2, 8, 8
 
     def r(*shape, scale=1.0):
         return scale * torch.randn(*shape, generator=g, dtype=torch.float64)
@@ -141,17 +141,17 @@ def _ttt_inputs(g, mlp: bool):
 
 
 def _ttt_linear_case(g):
-    def fn(*ins):   # T = 20: two full mini-batches in the kernel, a partial one in PyTorch
+    def fn(*ins):   # T = 12: a full mini-batch and a partial one
         out, st = ttt_linear(*ins, mini_batch_size=8, output_final_state=True, backend="triton")
         return out, st["W1"], st["b1"]
-    return fn, _ttt_inputs(g, False)
+    return fn, _ttt_inputs(g, False, T=12)
 
 
 def _ttt_mlp_case(g):
-    def fn(*ins):
+    def fn(*ins):   # T = 12: a full mini-batch and a partial one
         out, st = ttt_mlp(*ins, mini_batch_size=8, output_final_state=True, backend="triton")
         return out, st["W1"], st["b1"], st["W2"], st["b2"]
-    return fn, _ttt_inputs(g, True)
+    return fn, _ttt_inputs(g, True, T=12)
 
 
 def _selective_scan_case(g):
