@@ -160,9 +160,9 @@ def _no_torch_form(monkeypatch):
     monkeypatch.setattr(kernels.ttt, "ttt_mlp_chunk", refuse)
 
 
-@pytest.mark.parametrize("T", [24, 7])
+@pytest.mark.parametrize("T", [40, 7])
 def test_partial_last_mini_batch_runs_in_kernels(T, monkeypatch):
-    """T = 24 = a full mini-batch of 16 and 8 rows, T = 7 < b (B = 1): the trailing partial mini-batch
+    """T = 40 = 2 full mini-batches of 16 and 8 rows, T = 7 < b (B = 1): the trailing partial mini-batch
     runs in the kernels (rows ≥ 8 resp. 7 masked), with no PyTorch fallback. Its final state is
     its start weights, its gradient sums and pos = T mod b; output, state and the gradient of
     every input (the loss includes Σ‖state‖², so the state's W and grad_* both send gradients
