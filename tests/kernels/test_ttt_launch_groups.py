@@ -13,7 +13,7 @@ from kernels.ttt import mlp_chunk
 # slow: Triton kernels swept under the interpreter on CPU (make test-fast leaves them out)
 pytestmark = pytest.mark.slow
 
-B, H, T, d, b = 3, 2, 21, 16, 8
+B, H, T, d, b = 3, 2, 13, 16, 8     # from pos 3: a head of 5 tokens, then a full mini-batch
 
 
 def _inputs(kind, seed=0):

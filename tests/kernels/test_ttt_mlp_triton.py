@@ -2,7 +2,9 @@
 (kernels/ttt/reference.py): output, final state and the gradient of every input, including
 ``initial_state``. On CPU it runs under the Triton interpreter (tests/conftest.py), where tl.dot
 needs blocks ≥ 16; the hidden width is streamed in tiles of 16 there, so m = 4d ∈ {32, 64} runs 2-4
-tiles and m = 24 a padded second tile: b = 16 and d ∈ {8, 16}, B = H = 2, T ≤ 45."""
+tiles and m = 24 a padded second tile: b = 16 and d ∈ {8, 16}, H = 2, T ≤ 40. The interpreter runs
+one program per (batch row, head) after another, so B = 2 only where the batch axis is swept (the
+float64 shapes at d = b = 16, per-sequence weights) and B = 1 elsewhere."""
 import pytest
 import torch
 
@@ -17,7 +19,7 @@ B, H = 2, 2
 WEIGHTS = ["W1", "b1", "W2", "b2"]
 
 
-def _inputs(T, d, b, m=None, dtype=torch.float64, seed=0, device="cpu"):
+def _inputs(T, d, b, m=None, dtype=torch.float64, seed=0, device="cpu", batch=B):
     m = 4 * d if m is None else m
     g = torch.Generator().manual_seed(seed)
 
@@ -25,8 +27,8 @@ def _inputs(T, d, b, m=None, dtype=torch.float64, seed=0, device="cpu"):
         x = scale * torch.randn(*s, generator=g, dtype=torch.float64)
         return x.to(device=device, dtype=dtype).requires_grad_()
 
-    q, k, v = r(B, H, T, d), r(B, H, T, d), r(B, H, T, d)
-    eta = (0.5 * torch.rand(B, H, T, generator=g, dtype=torch.float64)).to(device=device, dtype=dtype).requires_grad_()
+    q, k, v = r(batch, H, T, d), r(batch, H, T, d), r(batch, H, T, d)
+    eta = (0.5 * torch.rand(batch, H, T, generator=g, dtype=torch.float64)).to(device=device, dtype=dtype).requires_grad_()
     tau = (1.0 / torch.arange(1, b + 1, dtype=torch.float64) + 0.1 * torch.randn(b, generator=g, dtype=torch.float64)
            ).to(device=device, dtype=dtype).requires_grad_()
     lw = (1 + 0.1 * torch.randn(H, d, generator=g, dtype=torch.float64)).to(device=device, dtype=dtype).requires_grad_()
@@ -40,7 +42,7 @@ def _inputs(T, d, b, m=None, dtype=torch.float64, seed=0, device="cpu"):
 def _prefix_state(args, b, n):
     """The state after n fresh tokens (pos = n, inside a mini-batch), as leaves that require grad."""
     d, m = args[0].shape[-1], args[7].shape[-1]
-    pre = _inputs(n, d, b, m, dtype=args[0].dtype, seed=1, device=args[0].device)[:4]
+    pre = _inputs(n, d, b, m, dtype=args[0].dtype, seed=1, device=args[0].device, batch=args[0].shape[0])[:4]
     fixed = [a.detach() for a in args[4:]]
     with torch.no_grad():
         _, st = ttt_mlp(*[a.detach() for a in pre], *fixed, mini_batch_size=b, output_final_state=True,
@@ -94,35 +96,38 @@ def _compare(got, ref, T, b, atol, rtol, pos0=0, state_names=()):
         close(g1, g0, "grad " + name)
 
 
-# (T, d, b, m, prefix): T = 32 (kernel only), 37 (kernel, a partial last mini-batch of 5 rows
-# included), 45 after a 5-token prefix (a head of 11 tokens, then 34: two full
-# mini-batches and a partial one of 2), 9 after a prefix (a head only); d = 8 pads the d-tiles to 16, m = 24 pads the hidden tiles to 32, b ∈ {4, 8}
-# pads the rows to 16
-SHAPES = [(32, 16, 16, None, 0), (37, 16, 16, None, 0), (45, 16, 16, None, 5), (9, 16, 16, None, 5),
-          (20, 8, 16, 24, 0), (11, 8, 4, None, 0), (19, 8, 8, None, 3)]
+# (T, d, b, m, prefix), B = 2 at d = b = 16 (1 for the padded shapes): T = 32 (kernel only, two
+# full mini-batches), 21 (kernel, a full mini-batch and a partial last one of 5 rows), 29 after a
+# 5-token prefix (a head of 11 tokens, then 18: a full mini-batch and a partial one of 2), 9 after a
+# prefix (a head only); d = 8 pads the d-tiles to 16, m = 24 pads the hidden tiles to 32, b ∈ {4, 8}
+# pads the rows to 16 (b = 4: 7 tokens, a full mini-batch and a partial one of 3)
+SHAPES = [(32, 16, 16, None, 0), (21, 16, 16, None, 0), (29, 16, 16, None, 5), (9, 16, 16, None, 5),
+          (20, 8, 16, 24, 0), (7, 8, 4, None, 0), (19, 8, 8, None, 3)]
 
 
 @pytest.mark.parametrize("T,d,b,m,prefix", SHAPES)
 def test_float64_matches_reference(T, d, b, m, prefix):
     """float64 throughout (the kernel computes in float64 for float64 inputs): only rounding
     differs from the autograd spec, so 1e-10 relative to each tensor's scale."""
-    args = _inputs(T, d, b, m)
+    batch = B if (d, b) == (16, 16) else 1
+    args = _inputs(T, d, b, m, batch=batch)
     st = _prefix_state(args, b, prefix) if prefix else None
-    w = torch.randn(B, H, T, d, dtype=torch.float64)
+    w = torch.randn(batch, H, T, d, dtype=torch.float64)
     ref = _run("reference", args, b, w, st)
     got = _run("triton", args, b, w, st)
     _compare(got, ref, T, b, atol=1e-10, rtol=1e-10, pos0=prefix, state_names=_state_names(st))
 
 
-@pytest.mark.parametrize("T,prefix", [(37, 0), (45, 5)])
+@pytest.mark.parametrize("T,prefix", [(21, 0), (29, 5)])
 def test_float32_matches_reference(T, prefix):
     """float32 inputs, float32 kernel vs float32 spec: different summation orders over d, m and
     b, LayerNorm's 1/σ amplification and two chained layers give ~1e-6 relative differences;
-    2e-4 leaves headroom while a wrong term (O(1) relative) still fails."""
+    2e-4 leaves headroom while a wrong term (O(1) relative) still fails. B = 1; T = 21: a full
+    mini-batch and a partial one of 5; 29 after a 5-token prefix: a head of 11, 16, then 2."""
     b, d = 16, 16
-    args = _inputs(T, d, b, dtype=torch.float32)
+    args = _inputs(T, d, b, dtype=torch.float32, batch=1)
     st = _prefix_state(args, b, prefix) if prefix else None
-    w = torch.randn(B, H, T, d)
+    w = torch.randn(1, H, T, d)
     ref = _run("reference", args, b, w, st)
     got = _run("triton", args, b, w, st)
     _compare(got, ref, T, b, atol=2e-4, rtol=2e-4, pos0=prefix, state_names=_state_names(st))
@@ -131,10 +136,11 @@ def test_float32_matches_reference(T, prefix):
 def test_bfloat16_matches_reference():
     """bfloat16 inputs, float32 inside both: the output and the input gradients are rounded to
     bfloat16 (8 mantissa bits, 2^-8 ≈ 4e-3 relative), and the backward consumes a bfloat16 output
-    gradient rounded differently on each side; 3e-2 of each tensor's scale covers that."""
-    b, d, T = 16, 16, 37
-    args = _inputs(T, d, b, dtype=torch.bfloat16)
-    w = torch.randn(B, H, T, d)
+    gradient rounded differently on each side; 3e-2 of each tensor's scale covers that. B = 1,
+    T = 21: a full mini-batch and a partial one of 5."""
+    b, d, T = 16, 16, 21
+    args = _inputs(T, d, b, dtype=torch.bfloat16, batch=1)
+    w = torch.randn(1, H, T, d)
     ref = _run("reference", args, b, w)
     got = _run("triton", args, b, w)
     assert got[0].dtype == torch.bfloat16 and all(got[1][k].dtype == torch.float32 for k in WEIGHTS)
@@ -156,14 +162,14 @@ def _no_torch_form(monkeypatch):
 
 @pytest.mark.parametrize("T", [40, 7])
 def test_partial_last_mini_batch_runs_in_kernels(T, monkeypatch):
-    """T = 40 = 2 full mini-batches of 16 and 8 rows, T = 7 < b: the trailing partial mini-batch
+    """T = 40 = 2 full mini-batches of 16 and 8 rows, T = 7 < b (B = 1): the trailing partial mini-batch
     runs in the kernels (rows ≥ 8 resp. 7 masked), with no PyTorch fallback. Its final state is
     its start weights, its gradient sums and pos = T mod b; output, state and the gradient of
     every input (the loss includes Σ‖state‖², so the state's W and grad_* both send gradients
     back) match the specification to 1e-10 (float64)."""
     b, d = 16, 16
-    args = _inputs(T, d, b)
-    w = torch.randn(B, H, T, d, dtype=torch.float64)
+    args = _inputs(T, d, b, batch=1)
+    w = torch.randn(1, H, T, d, dtype=torch.float64)
     ref = _run("reference", args, b, w)
     _no_torch_form(monkeypatch)
     got = _run("triton", args, b, w)
@@ -171,13 +177,14 @@ def test_partial_last_mini_batch_runs_in_kernels(T, monkeypatch):
     _compare(got, ref, T, b, atol=1e-10, rtol=1e-10)
 
 
-@pytest.mark.parametrize("T,grad_of", [(40, "grad_"), (40, "weights"), (7, "grad_")])
+@pytest.mark.parametrize("T,grad_of", [(24, "grad_"), (24, "weights"), (7, "grad_")])
 def test_partial_last_mini_batch_state_gradients(T, grad_of, monkeypatch):
     """The gradient from the final state alone, through either its gradient sums grad_* or its
     weights (the partial mini-batch's start weights), with no output gradient: the carry's two
-    paths for a partial last mini-batch, each on its own. float64: 1e-10 of each tensor's scale."""
+    paths for a partial last mini-batch, each on its own (T = 24: after a full mini-batch; B = 1).
+    float64: 1e-10 of each tensor's scale."""
     b, d = 16, 8
-    args = _inputs(T, d, b, m=24)
+    args = _inputs(T, d, b, m=24, batch=1)
     keys = [("grad_" if grad_of == "grad_" else "") + k for k in WEIGHTS]
 
     def grads(backend):
@@ -200,9 +207,9 @@ def test_partial_last_mini_batch_state_gradients(T, grad_of, monkeypatch):
 def test_partial_last_mini_batch_no_grad_windows(T, monkeypatch):
     """Without autograd the forward runs in windows of 2 mini-batches under the interpreter: at
     T = 40 (b = 16) the partial mini-batch is the last window's second; T = 7 is one partial
-    window. Output and final state equal the PyTorch dual form's. float64: 1e-12."""
+    window. Output and final state equal the PyTorch dual form's (B = 1). float64: 1e-12."""
     b, d = 16, 16
-    args = [a.detach() for a in _inputs(T, d, b)]
+    args = [a.detach() for a in _inputs(T, d, b, batch=1)]
     o_t, s_t = ttt_mlp(*args, mini_batch_size=b, output_final_state=True, backend="torch")
     _no_torch_form(monkeypatch)
     with torch.no_grad():
@@ -220,13 +227,13 @@ def test_partial_last_mini_batch_no_grad_windows(T, monkeypatch):
 def test_head_runs_in_the_kernels(p, T, monkeypatch):
     """A call from a state begun mid-mini-batch (pos = p > 0, carried sums G ≠ 0): the head runs
     in the kernels (the PyTorch dual form raises here), and the output, the final state and every
-    gradient, the eight tensors of ``initial_state`` included, equal the specification. float64:
-    1e-10 of each tensor's scale."""
+    gradient, the eight tensors of ``initial_state`` included, equal the specification (B = 1;
+    the head with B = 2: the float64 shapes with a prefix). float64: 1e-10 of each tensor's scale."""
     b, d = 16, 16
-    args = _inputs(T, d, b)
+    args = _inputs(T, d, b, batch=1)
     st = _prefix_state(args, b, p)
     assert st["pos"] == p and st["grad_W1"].abs().max() > 0 and st["grad_W2"].abs().max() > 0
-    w = torch.randn(B, H, T, d, dtype=torch.float64)
+    w = torch.randn(1, H, T, d, dtype=torch.float64)
     ref = _run("reference", args, b, w, st)
     _no_torch_form(monkeypatch)
     got = _run("triton", args, b, w, st)
@@ -236,11 +243,14 @@ def test_head_runs_in_the_kernels(p, T, monkeypatch):
 def test_decode_style_chaining_equals_one_call(monkeypatch):
     """A sequence cut at arbitrary points (inside mini-batches, on a boundary, one token long),
     each piece continued from the previous piece's final state, gives the output, final state and
-    input gradients of one call over the whole sequence, all in the kernels. float64: 1e-10."""
-    b, d, T, cuts = 16, 16, 36, (3, 7, 16, 17, 30)
+    input gradients of one call over the whole sequence, all in the kernels (B = 1). float64:
+    1e-10."""
+    # pieces: 3 fresh tokens, a head inside the mini-batch, a head completing it, one token from
+    # the boundary, a head of 15 crossing into the last mini-batch and 4 rows of it
+    b, d, T, cuts = 16, 16, 36, (3, 7, 16, 17)
     _no_torch_form(monkeypatch)
-    args = _inputs(T, d, b)
-    w = torch.randn(B, H, T, d, dtype=torch.float64)
+    args = _inputs(T, d, b, batch=1)
+    w = torch.randn(1, H, T, d, dtype=torch.float64)
     one = _run("triton", args, b, w)
     chained = run_chained(ttt_mlp, args, b, w, cuts)
     _compare(chained, one, T, b, atol=1e-10, rtol=1e-10)
@@ -275,9 +285,9 @@ def test_forward_column_blocks():
     interpreter): d = 24 runs two, the second padded, with b = 8 (padded rows) and m = 32 (two
     hidden tiles). Without autograd the forward runs in windows of 2 mini-batches there: T = 40
     is 5 mini-batches, three windows, the last one short. Output and final state equal the PyTorch
-    dual form. float64: 1e-12."""
+    dual form (B = 1). float64: 1e-12."""
     b, d, T = 8, 24, 40
-    args = [a.detach() for a in _inputs(T, d, b, m=32)]
+    args = [a.detach() for a in _inputs(T, d, b, m=32, batch=1)]
     with torch.no_grad():
         o_k, s_k = ttt_mlp(*args, mini_batch_size=b, output_final_state=True, backend="triton")
         o_t, s_t = ttt_mlp(*args, mini_batch_size=b, output_final_state=True, backend="torch")
@@ -290,9 +300,9 @@ def test_weights_and_state_left_untouched():
     """The kernels update the inner weights and accumulate their gradients in place, in buffers of
     their own: the weight arguments, an initial_state at a mini-batch boundary (handed to the kernel
     as is) and the incoming gradients of the final state are unchanged after forward and backward.
-    m = 24: two hidden tiles under the interpreter, the second padded."""
+    m = 24: two hidden tiles under the interpreter, the second padded; B = 1."""
     b, d, T = 16, 8, 32
-    args = _inputs(T, d, b, m=24)
+    args = _inputs(T, d, b, m=24, batch=1)
     st = {k: v.detach().clone().requires_grad_() for k, v in _prefix_state(args, b, b).items() if torch.is_tensor(v)}
     st["pos"] = 0
     before = [a.detach().clone() for a in args] + [v.detach().clone() for k, v in st.items() if k != "pos"]
@@ -381,14 +391,19 @@ def test_mixer_triton_equals_torch(ttt):
             p.add_(0.1 * torch.randn(p.shape, generator=g, dtype=p.dtype))
         m.W1.mul_(10.0)
         m.W2.mul_(10.0)
-    x1 = torch.randn(2, 21, 32, generator=g, dtype=torch.float64)
-    x2 = torch.randn(2, 19, 32, generator=g, dtype=torch.float64)
+    # b = 16: 21 tokens (a full mini-batch, then 5), then 19 from pos 5 (a head of 11, then 8); b = 4:
+    # 9 tokens (two full mini-batches, then 1), then 7 from pos 1 (a head of 3, a full one)
+    T1, T2 = (21, 19) if ttt["mini_batch_size"] == 16 else (9, 7)
+    # one sequence: the mixer feeds both backends the same [B, H, T, d] inputs (the kernels' batch
+    # axis: the float64 shapes)
+    x1 = torch.randn(1, T1, 32, generator=g, dtype=torch.float64)
+    x2 = torch.randn(1, T2, 32, generator=g, dtype=torch.float64)
 
     def go(backend):
         m.kernel_backend = backend
         m.zero_grad()
         y1, st = m.chunked(x1, None, output_state=True)
-        y2, _ = m.chunked(x2, st, output_state=False)  # starts at pos = 5 of a mini-batch
+        y2, _ = m.chunked(x2, st, output_state=False)  # starts inside a mini-batch
         ((y1 * y1).sum() + (y2 ** 3).sum()).backward()
         return torch.cat([y1, y2], 1).detach(), {n: p.grad.clone() for n, p in m.named_parameters()}
 

@@ -1,7 +1,9 @@
 """The Triton TTT-Linear kernel (kernels/ttt/chunk.py) against the specification
 (kernels/ttt/reference.py): output, final state and the gradient of every input, including
 ``initial_state``. On CPU it runs under the Triton interpreter (tests/conftest.py), where tl.dot
-needs blocks ≥ 16: b = 16 and d ∈ {8 (padded), 16}, B = H = 2, T ≤ 45."""
+needs blocks ≥ 16: b = 16 and d ∈ {8 (padded), 16}, H = 2. The interpreter runs one program per
+(batch row, head) after another, so B = 2 only where the batch axis is swept (the float64 shapes
+at d = b = 16, per-sequence weights) and B = 1 elsewhere."""
 import pytest
 import torch
 
@@ -15,15 +17,15 @@ pytestmark = pytest.mark.slow
 B, H = 2, 2
 
 
-def _inputs(T, d, b, dtype=torch.float64, seed=0, device="cpu"):
+def _inputs(T, d, b, dtype=torch.float64, seed=0, device="cpu", batch=B):
     g = torch.Generator().manual_seed(seed)
 
     def r(*s, scale=1.0):
         x = scale * torch.randn(*s, generator=g, dtype=torch.float64)
         return x.to(device=device, dtype=dtype).requires_grad_()
 
-    q, k, v = r(B, H, T, d), r(B, H, T, d), r(B, H, T, d)
-    eta = (0.5 * torch.rand(B, H, T, generator=g, dtype=torch.float64)).to(device=device, dtype=dtype).requires_grad_()
+    q, k, v = r(batch, H, T, d), r(batch, H, T, d), r(batch, H, T, d)
+    eta = (0.5 * torch.rand(batch, H, T, generator=g, dtype=torch.float64)).to(device=device, dtype=dtype).requires_grad_()
     tau = (1.0 / torch.arange(1, b + 1, dtype=torch.float64) + 0.1 * torch.randn(b, generator=g, dtype=torch.float64)
            ).to(device=device, dtype=dtype).requires_grad_()
     lw = (1 + 0.1 * torch.randn(H, d, generator=g, dtype=torch.float64)).to(device=device, dtype=dtype).requires_grad_()
@@ -34,7 +36,8 @@ def _inputs(T, d, b, dtype=torch.float64, seed=0, device="cpu"):
 
 def _prefix_state(args, b, n):
     """The state after n fresh tokens (pos = n, inside a mini-batch), as leaves that require grad."""
-    pre = _inputs(n, args[0].shape[-1], b, dtype=args[0].dtype, seed=1, device=args[0].device)[:4]
+    pre = _inputs(n, args[0].shape[-1], b, dtype=args[0].dtype, seed=1, device=args[0].device,
+                  batch=args[0].shape[0])[:4]
     fixed = [a.detach() for a in args[4:]]
     with torch.no_grad():
         _, st = ttt_linear(*[a.detach() for a in pre], *fixed, mini_batch_size=b, output_final_state=True,
@@ -77,35 +80,38 @@ def _compare(got, ref, T, b, atol, rtol, pos0=0):
         close(g1, g0, "grad " + name)
 
 
-# (T, d, b, prefix): T = 32 (kernel only), 37 (kernel + partial tail), 45 after a 5-token prefix
-# (torch head of 11 tokens, kernel over 32, tail of 2), 9 after a prefix (no full mini-batch);
+# (T, d, b, prefix), B = 2 at d = b = 16 (1 for the padded and multi-tile shapes): T = 32 (kernel
+# only), 21 (kernel + partial tail), 29 after a 5-token prefix (head of 11 tokens, kernel over 16,
+# tail of 2), 9 after a prefix (no full mini-batch);
 # d = 8 and b ∈ {4, 8} exercise the padding of the tiles to 16; the kernels keep W1 and dW1 in two
 # global slots, alternating per mini-batch: 1, 2 and 3 (13 tokens at b = 4) kernel mini-batches;
 # d = 32 and 24 (padded) walk two 16-column tiles of the weights (``_launch_cfg``'s BC under the
-# interpreter); b = 32, 24 (padded to 32) and 64 walk a mini-batch in row blocks of 16
-# (``_LINEAR_RB``), the second block of b = 24 half padding
-SHAPES = [(32, 16, 16, 0), (37, 16, 16, 0), (45, 16, 16, 5), (9, 16, 16, 5), (20, 8, 16, 0),
-          (11, 8, 4, 0), (19, 16, 8, 3), (13, 8, 4, 0), (32, 32, 16, 0), (35, 24, 8, 0),
-          (70, 16, 32, 0), (50, 8, 24, 0), (64, 32, 64, 0)]
+# interpreter; d = 24 with b = 8: two full mini-batches and 3 rows); b = 32, 24 (padded to 32) and
+# 64 walk a mini-batch in row blocks of 16 (``_LINEAR_RB``), the second block of b = 24 half
+# padding (b = 32, 24: a full mini-batch and a partial one of 6 resp. 2 rows)
+SHAPES = [(32, 16, 16, 0), (21, 16, 16, 0), (29, 16, 16, 5), (9, 16, 16, 5), (20, 8, 16, 0),
+          (11, 8, 4, 0), (19, 16, 8, 3), (13, 8, 4, 0), (32, 32, 16, 0), (19, 24, 8, 0),
+          (38, 16, 32, 0), (26, 8, 24, 0), (64, 32, 64, 0)]
 
 
 @pytest.mark.parametrize("T,d,b,prefix", SHAPES)
 def test_float64_matches_reference(T, d, b, prefix):
     """float64 throughout (the kernel computes in float64 for float64 inputs): only rounding
     differs from the autograd spec, so 1e-10 relative to each tensor's scale."""
-    args = _inputs(T, d, b)
+    batch = B if (d, b) == (16, 16) else 1
+    args = _inputs(T, d, b, batch=batch)
     st = _prefix_state(args, b, prefix) if prefix else None
-    w = torch.randn(B, H, T, d, dtype=torch.float64)
+    w = torch.randn(batch, H, T, d, dtype=torch.float64)
     ref = _run("reference", args, b, w, st)
     got = _run("triton", args, b, w, st)
     _compare(got, ref, T, b, atol=1e-10, rtol=1e-10, pos0=prefix)
 
 
-@pytest.mark.parametrize("T,d,b", [(37, 16, 16), (9, 16, 16), (50, 8, 24), (70, 16, 32)])
+@pytest.mark.parametrize("T,d,b", [(21, 16, 16), (9, 16, 16), (26, 8, 24), (38, 16, 32)])
 def test_partial_last_mini_batch_runs_in_the_kernel(T, d, b, monkeypatch):
-    """From a mini-batch boundary everything runs in the kernels, a trailing partial mini-batch
-    included (T = 37: 2 full + 5 rows; T = 9 < b: only a partial one; b = 24: 2 rows in its second
-    row block; b = 32: 6 rows): the PyTorch dual form is not called (it raises here), and the
+    """From a mini-batch boundary everything runs in the kernels (B = 1), a trailing partial
+    mini-batch included (T = 21: 1 full + 5 rows; T = 9 < b: only a partial one; b = 24: 1 full + 2
+    rows; b = 32: 1 full + 6 rows): the PyTorch dual form is not called (it raises here), and the
     output, the mid-mini-batch final state (start weights, Σ η ∇ℓ, pos) and every gradient, those
     through the final state's sums included, equal the specification. float64: 1e-10."""
     from kernels.ttt import torch_chunk
@@ -113,8 +119,8 @@ def test_partial_last_mini_batch_runs_in_the_kernel(T, d, b, monkeypatch):
     def no_torch(*a, **k):
         raise AssertionError("the PyTorch dual form ran")
 
-    args = _inputs(T, d, b)
-    w = torch.randn(B, H, T, d, dtype=torch.float64)
+    args = _inputs(T, d, b, batch=1)
+    w = torch.randn(1, H, T, d, dtype=torch.float64)
     ref = _run("reference", args, b, w)
     monkeypatch.setattr(torch_chunk, "scan_mini_batches", no_torch)
     got = _run("triton", args, b, w)
@@ -146,12 +152,12 @@ HEAD_SHAPES = [(b, d, p, T) for b, d in ((16, 16), (24, 8)) for p in (1, 5, b - 
 def test_head_runs_in_the_kernel(b, d, p, T, monkeypatch):
     """A call from a state begun mid-mini-batch (pos = p > 0, carried sums G ≠ 0): the head runs
     in the kernels (the PyTorch forms raise here), and the output, the final state and every
-    gradient, the four tensors of ``initial_state`` included, equal the specification. float64:
-    1e-10 of each tensor's scale."""
-    args = _inputs(T, d, b)
+    gradient, the four tensors of ``initial_state`` included, equal the specification (B = 1; the
+    head with B = 2: the float64 shapes with a prefix). float64: 1e-10 of each tensor's scale."""
+    args = _inputs(T, d, b, batch=1)
     st = _prefix_state(args, b, p)
     assert st["pos"] == p and st["grad_W1"].abs().max() > 0
-    w = torch.randn(B, H, T, d, dtype=torch.float64)
+    w = torch.randn(1, H, T, d, dtype=torch.float64)
     ref = _run("reference", args, b, w, st)
     _no_torch_form(monkeypatch)
     got = _run("triton", args, b, w, st)
@@ -162,10 +168,11 @@ def test_head_runs_in_the_kernel(b, d, p, T, monkeypatch):
 def test_decode_style_chaining_equals_one_call(b, d, T, cuts, monkeypatch):
     """A sequence cut at arbitrary points (inside mini-batches, on a boundary, one token long),
     each piece continued from the previous piece's final state, gives the output, final state and
-    input gradients of one call over the whole sequence, all in the kernels. float64: 1e-10."""
+    input gradients of one call over the whole sequence, all in the kernels (B = 1). float64:
+    1e-10."""
     _no_torch_form(monkeypatch)
-    args = _inputs(T, d, b)
-    w = torch.randn(B, H, T, d, dtype=torch.float64)
+    args = _inputs(T, d, b, batch=1)
+    w = torch.randn(1, H, T, d, dtype=torch.float64)
     one = _run("triton", args, b, w)
     chained = run_chained(ttt_linear, args, b, w, cuts)
     _compare(chained, one, T, b, atol=1e-10, rtol=1e-10)
@@ -174,9 +181,9 @@ def test_decode_style_chaining_equals_one_call(b, d, T, cuts, monkeypatch):
 def test_head_compiles_like_eager():
     """torch.compile (fullgraph, aot_eager) of a call from a state at pos 3 (a head launch, a full
     mini-batch, a partial tail: the custom op twice, the head's Z̄ offset and end state in
-    between): no graph break, and outputs and every gradient equal eager exactly."""
+    between): no graph break, and outputs and every gradient equal eager exactly (B = 1)."""
     b, d, T, p = 8, 16, 15, 3              # 5 head tokens, 8, then 2 (final pos 2)
-    args = [a.detach() for a in _inputs(T, d, b)]
+    args = [a.detach() for a in _inputs(T, d, b, batch=1)]
     st = {k: v.detach() for k, v in _prefix_state(args, b, p).items() if torch.is_tensor(v)}
     keys = sorted(st)
 
@@ -195,19 +202,20 @@ def test_head_compiles_like_eager():
     for a, c in zip(results[0][0] + results[0][1], results[1][0] + results[1][1]):
         assert (a is None and c is None) or torch.equal(a, c)
     outs, grads = results[0]
-    assert outs[0].shape == (B, H, T, d) and outs[1 + keys.index("grad_W1")].abs().max() > 0
+    assert outs[0].shape == (1, H, T, d) and outs[1 + keys.index("grad_W1")].abs().max() > 0
     assert grads[9 + keys.index("grad_W1")].abs().max() > 0     # ∂ of the carried sums reached
 
 
-@pytest.mark.parametrize("T,prefix", [(37, 0), (45, 5)])
+@pytest.mark.parametrize("T,prefix", [(21, 0), (29, 5)])
 def test_float32_matches_reference(T, prefix):
     """float32 inputs, float32 kernel vs float32 spec: different summation orders over d and b
     plus LayerNorm's 1/σ amplification give ~1e-6 relative differences; 1e-4 leaves headroom
-    while a wrong term (O(1) relative) still fails."""
+    while a wrong term (O(1) relative) still fails. B = 1; T = 21: a full mini-batch and a partial
+    one of 5; 29 after a 5-token prefix: a head of 11, 16, then 2."""
     b, d = 16, 16
-    args = _inputs(T, d, b, dtype=torch.float32)
+    args = _inputs(T, d, b, dtype=torch.float32, batch=1)
     st = _prefix_state(args, b, prefix) if prefix else None
-    w = torch.randn(B, H, T, d)
+    w = torch.randn(1, H, T, d)
     ref = _run("reference", args, b, w, st)
     got = _run("triton", args, b, w, st)
     _compare(got, ref, T, b, atol=1e-4, rtol=1e-4, pos0=prefix)
@@ -218,11 +226,12 @@ def test_bfloat16_matches_reference(prefix):
     """bfloat16 inputs, float32 inside both: the output and the input gradients are rounded to
     bfloat16 (8 mantissa bits, 2^-8 ≈ 4e-3 relative), and the backward consumes a bfloat16 output
     gradient rounded differently on each side; 3e-2 of each tensor's scale covers that. prefix = 5:
-    from a float32 state at pos 5 (the head in the kernels, its carried sums in float32)."""
-    b, d, T = 16, 16, 37
-    args = _inputs(T, d, b, dtype=torch.bfloat16)
+    from a float32 state at pos 5 (the head in the kernels, its carried sums in float32). B = 1,
+    T = 29: a full mini-batch and 13 rows, from pos 5 a head of 11, a full one and 2 rows."""
+    b, d, T = 16, 16, 29
+    args = _inputs(T, d, b, dtype=torch.bfloat16, batch=1)
     st = _prefix_state(args, b, prefix) if prefix else None
-    w = torch.randn(B, H, T, d)
+    w = torch.randn(1, H, T, d)
     ref = _run("reference", args, b, w, st)
     got = _run("triton", args, b, w, st)
     assert got[0].dtype == torch.bfloat16 and got[1]["W1"].dtype == torch.float32
@@ -312,14 +321,19 @@ def test_mixer_triton_equals_torch(ttt):
             p = getattr(m, n)
             p.add_(0.1 * torch.randn(p.shape, generator=g, dtype=p.dtype))
         m.W1.mul_(10.0)
-    x1 = torch.randn(2, 21, 32, generator=g, dtype=torch.float64)
-    x2 = torch.randn(2, 19, 32, generator=g, dtype=torch.float64)
+    # b = 16: 21 tokens (a full mini-batch, then 5), then 19 from pos 5 (a head of 11, then 8); b = 4:
+    # 9 tokens (two full mini-batches, then 1), then 7 from pos 1 (a head of 3, a full one)
+    T1, T2 = (21, 19) if ttt["mini_batch_size"] == 16 else (9, 7)
+    # one sequence: the mixer feeds both backends the same [B, H, T, d] inputs (the kernels' batch
+    # axis: the float64 shapes)
+    x1 = torch.randn(1, T1, 32, generator=g, dtype=torch.float64)
+    x2 = torch.randn(1, T2, 32, generator=g, dtype=torch.float64)
 
     def go(backend):
         m.kernel_backend = backend
         m.zero_grad()
         y1, st = m.chunked(x1, None, output_state=True)
-        y2, _ = m.chunked(x2, st, output_state=False)  # starts at pos = 5 of a mini-batch
+        y2, _ = m.chunked(x2, st, output_state=False)  # starts inside a mini-batch
         ((y1 * y1).sum() + (y2 ** 3).sum()).backward()
         return torch.cat([y1, y2], 1).detach(), {n: p.grad.clone() for n, p in m.named_parameters()}
 

@@ -122,9 +122,10 @@ def _ttt_run(fn, xs, state):
 
 TTT_CASES = [("linear", "torch", 8, 4, LENGTHS), ("mlp", "torch", 8, 4, LENGTHS),
              ("linear", "primal", 8, 4, LENGTHS),
-             # b = 16: the 17- and 33-token sequences run full mini-batches inside the kernel,
-             # the 5-token one and the tails fall back to PyTorch
-             ("linear", "triton", 16, 16, (17, 0, 5, 33)), ("mlp", "triton", 16, 16, (17, 0, 5, 33))]
+             # b = 16: the 17- and 18-token sequences run a full mini-batch and a partial one of 1
+             # resp. 2 rows, the 5-token one a partial one only (two full ones in a row: the
+             # one-launch tests at b = 8)
+             ("linear", "triton", 16, 16, (17, 0, 5, 18)), ("mlp", "triton", 16, 16, (17, 0, 5, 18))]
 
 
 @pytest.mark.parametrize("with_state", [False, True])
@@ -320,15 +321,15 @@ LINEAR_KERNELS = ("_ttt_linear_state_kernel", "_ttt_linear_out_kernel", "_ttt_li
 
 
 @pytest.mark.parametrize("with_state", [False, True])
-@pytest.mark.parametrize("b,lengths", [(16, (5, 0, 16, 37)), (8, (0, 3, 20, 8))])
+@pytest.mark.parametrize("b,lengths", [(16, (5, 0, 16, 21)), (8, (0, 3, 20, 8))])
 def test_ttt_linear_triton_varlen_is_one_launch_per_kernel(monkeypatch, b, lengths, with_state):
     """With cu_seqlens the Triton TTT-Linear backend launches each of its four kernels once for the
     whole packed batch — the serial kernels one program per (sequence, head), the per-mini-batch
     ones one per (head, mini-batch slot[, row block]) over ⌊T/b⌋ + N slots — and equals the same
     kernels run on each sequence alone (float64: output, final states with per-sequence "pos", and
     every gradient, initial states included). Lengths: an empty sequence, one shorter than b, a
-    whole number of mini-batches, several mini-batches and a partial tail; b = 8 pads the
-    mini-batch to 16 rows."""
+    whole number of mini-batches, mini-batches and a partial tail (b = 16: one and 5 rows, b = 8:
+    two and 4 rows); b = 8 pads the mini-batch to 16 rows."""
     import kernels.ttt.chunk as lchunk
 
     d = 16
@@ -417,15 +418,15 @@ def _assert_runs_close(got, want, tol):
 
 
 @pytest.mark.parametrize("with_state", [False, True])
-@pytest.mark.parametrize("b,lengths", [(16, (5, 0, 16, 37)), (8, (0, 3, 20, 8))])
+@pytest.mark.parametrize("b,lengths", [(16, (5, 0, 16, 21)), (8, (0, 3, 20, 8))])
 def test_ttt_mlp_triton_varlen_is_one_launch_per_kernel(monkeypatch, b, lengths, with_state):
     """With cu_seqlens the Triton TTT-MLP backend launches each of its four kernels once for the
     whole packed batch — the state pass and the backward carry one program per (sequence, head),
     the output and the per-mini-batch backward one per (head, mini-batch slot) over ⌊T/b⌋ + N
     slots — and equals the fixed-length kernels run on each sequence alone (float64: output,
     final states with per-sequence "pos", every gradient, initial states included). Lengths: an
-    empty sequence, one shorter than b, a whole number of mini-batches, several with a partial
-    tail; b = 8 pads the mini-batch to 16 rows; m = 32 runs two hidden tiles."""
+    empty sequence, one shorter than b, a whole number of mini-batches, full ones with a partial
+    tail (b = 16: one and 5 rows, b = 8: two and 4 rows); b = 8 pads the mini-batch to 16 rows; m = 32 runs two hidden tiles."""
     import kernels.ttt.mlp_chunk as mchunk
 
     d = 16
@@ -488,10 +489,10 @@ def test_ttt_triton_varlen_reads_no_unwritten_buffer_nor_outside_its_inputs(monk
     program reads memory before its inputs: with torch.empty, torch.empty_like and
     Tensor.new_empty handing out NaN-filled tensors, and XQ, XK, XV, η placed right after
     NaN-filled memory, output, final state and gradients still match the per-sequence reference.
-    The spare chunk slots (here one: 17, 0, 5, 33 tokens at b = 16) and the rows past a sequence's
+    The spare chunk slots (here one: 17, 0, 5, 18 tokens at b = 16) and the rows past a sequence's
     end must add nothing to ∂τ, ∂γ, ∂β, which are summed over every slot; a read of row −1 (the
     last valid row, clamped, of a slot with none) would make them NaN."""
-    lengths = (17, 0, 5, 33)
+    lengths = (17, 0, 5, 18)
     xs, _ = _ttt_inputs(kind, sum(lengths), 16, 16, len(lengths), False)
     want = _ttt_run(lambda x, s: _ttt_separate(kind, x, s, 16, lengths), xs, None)
     pad = 64 * 16

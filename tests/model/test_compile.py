@@ -40,6 +40,9 @@ def tiny(pattern, kernel_backend="auto", **kw) -> LM:
     cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=len(pattern), n_heads=2, layer_pattern=list(pattern),
                       d_ff=64, kernel_backend=kernel_backend, **kw)
     cfg.ttt.mini_batch_size = 8
+    # TTT-MLP's inner hidden width = the head dim, 16: one hidden tile under the interpreter (the
+    # kernels' tiling is swept in tests/kernels/test_ttt_mlp_triton.py)
+    cfg.ttt.mlp_expansion = 1
     cfg.rglru.chunk_size = 16
     return LM(cfg)
 
@@ -123,31 +126,32 @@ def _titans_case(g):
     return fn, (q, k, v, theta, log_eta, log_keep, M, S, Mh)
 
 
-def _ttt_inputs(g, mlp: bool):
-    B, H, T, d, bsz = 1, 2, 20, 8, 8
+def _ttt_inputs(g, mlp: bool, T: int = 20):
+    B, H, d, bsz = 1, 2, 8, 8
 
     def r(*shape, scale=1.0):
         return scale * torch.randn(*shape, generator=g, dtype=torch.float64)
     ins = [r(B, H, T, d), r(B, H, T, d), r(B, H, T, d), 0.5 * torch.rand(B, H, T, generator=g, dtype=torch.float64),
            1.0 / torch.arange(1, bsz + 1, dtype=torch.float64), 1 + r(H, d, scale=0.1), r(H, d, scale=0.1)]
-    if mlp:
-        return ins + [r(H, d, 4 * d, scale=0.3), r(H, 1, 4 * d, scale=0.1), r(H, 4 * d, d, scale=0.3),
+    if mlp:     # hidden width m = 2d = 16 ≠ d: one hidden tile under the interpreter
+        m = 2 * d
+        return ins + [r(H, d, m, scale=0.3), r(H, 1, m, scale=0.1), r(H, m, d, scale=0.3),
                       r(H, 1, d, scale=0.1)]
     return ins + [r(H, d, d, scale=0.3), r(H, 1, d, scale=0.1)]
 
 
 def _ttt_linear_case(g):
-    def fn(*ins):   # T = 20: two full mini-batches in the kernel, a partial one in PyTorch
+    def fn(*ins):   # T = 12: a full mini-batch and a partial one
         out, st = ttt_linear(*ins, mini_batch_size=8, output_final_state=True, backend="triton")
         return out, st["W1"], st["b1"]
-    return fn, _ttt_inputs(g, False)
+    return fn, _ttt_inputs(g, False, T=12)
 
 
 def _ttt_mlp_case(g):
-    def fn(*ins):
+    def fn(*ins):   # T = 12: a full mini-batch and a partial one
         out, st = ttt_mlp(*ins, mini_batch_size=8, output_final_state=True, backend="triton")
         return out, st["W1"], st["b1"], st["W2"], st["b2"]
-    return fn, _ttt_inputs(g, True)
+    return fn, _ttt_inputs(g, True, T=12)
 
 
 def _selective_scan_case(g):
