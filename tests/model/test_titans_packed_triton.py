@@ -153,6 +153,7 @@ def test_titans_triton_docs_refuse_a_state():
         m.op(inp, None, False, Backend.TORCH)
 
 
+@pytest.mark.slow
 def test_titans_mag_triton_docs_one_varlen_call(monkeypatch):
     """MAG: the attention branch with its document mask (window 5), the memory branch through one
     varlen call over the packed rows, the gate per token."""
@@ -161,6 +162,7 @@ def test_titans_mag_triton_docs_one_varlen_call(monkeypatch):
     check_triton_docs(m, calls, [0, 5, 6, 24, 26, 43, 48], 48)
 
 
+@pytest.mark.slow
 def test_titans_mal_triton_docs_one_varlen_call(monkeypatch):
     """MAL: the persistent tokens (2) before every document, then the memory through one varlen
     call over the rows so laid out (each document 2 tokens longer, its chunks counted from its
@@ -171,6 +173,7 @@ def test_titans_mal_triton_docs_one_varlen_call(monkeypatch):
     assert "persistent" in errs
 
 
+@pytest.mark.slow
 def test_titans_mac_triton_docs_block_scan(monkeypatch):
     """MAC: the block scan over the balanced rows (blocks of gcd(chunk 4, segment 6) = 2 tokens)
     calls the memory's op once per block with its carried state, on Triton as on PyTorch (the

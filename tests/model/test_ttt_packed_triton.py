@@ -72,6 +72,7 @@ def run(m: LM, ids, pos):
     return logits.detach(), {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,backbone,heads", [("ttt_linear", True, 1), ("ttt_mlp", True, 1), ("ttt_linear", False, 2)])
 def test_triton_packed_equals_torch_with_docs_in_one_call(kind, backbone, heads, monkeypatch):
     """One call of the packed op per layer forward, with the batch's cu_seqlens over [1, B·T];

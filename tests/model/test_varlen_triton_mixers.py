@@ -112,6 +112,7 @@ def test_deltanet_triton_docs_one_varlen_call(monkeypatch):
     check_triton_docs(m.to(DEV), calls, time_dim=2)
 
 
+@pytest.mark.slow
 def test_gated_deltanet_triton_docs_one_varlen_call(monkeypatch):
     import kernels.gated_delta_rule as gdr
     _refuse_padded(monkeypatch)
@@ -120,6 +121,7 @@ def test_gated_deltanet_triton_docs_one_varlen_call(monkeypatch):
     check_triton_docs(m.to(DEV), calls, time_dim=2)
 
 
+@pytest.mark.slow
 def test_mamba_triton_docs_one_varlen_call(monkeypatch):
     import kernels.selective_scan.chunk as ssc
     _refuse_padded(monkeypatch)
