@@ -38,6 +38,8 @@ from typing import Optional, Tuple
 
 import torch
 
+from ttt_lm.model.backend import Backend
+
 
 def check_positions(position_ids: torch.Tensor) -> Optional[str]:
     """None when ``position_ids`` [B, T] is a valid layout, else the message naming the first bad
@@ -336,6 +338,23 @@ class PrefixedDocs:
         return y.reshape(-1, *y.shape[2:]).index_select(0, self.dest).view(B, -1, *y.shape[2:])
 
 
+def check_packed_triton(name: str, backend, cu_seqlens, initial_state, output_final_state: bool) -> None:
+    """The refusals shared by the ops' packed-document branches: the PyTorch chunked form and the
+    Triton kernel run packed documents (``backend`` is the other one), and the Triton kernel's
+    ``cu_seqlens`` path starts every document from the zero state (no initial, no final state)."""
+    if backend == Backend.TORCH:
+        return
+    if backend != Backend.TRITON:
+        raise ValueError(f"{name}: packed documents run in the PyTorch chunked form or the Triton kernel, "
+                         f"not {backend!r}")
+    if initial_state is not None or output_final_state:
+        raise ValueError(f"{name}: packed documents (cu_seqlens) start from the zero state; they take no "
+                         "initial state and return no final state")
+    if cu_seqlens is None:
+        raise ValueError(f"{name}: the Triton form of packed documents needs inp['cu_seqlens'] (from "
+                         "inputs(x, docs=...)) beside inp['resets']")
+
+
 def varlen_heads(*ts: torch.Tensor) -> Tuple[torch.Tensor, ...]:
     """[B, H, T, ...] tensors → [1, H, B·T, ...]: the rows of the batch back to back in one row
     (row-major, the order of ``DocLayout.cu_seqlens``), the layout of the ops' ``cu_seqlens`` path."""
@@ -348,5 +367,6 @@ def unflatten_heads(t: torch.Tensor, B: int) -> torch.Tensor:
     return t[0].reshape(H, B, BT // B, *t.shape[3:]).transpose(0, 1)
 
 
-__all__ = ["AlignedDocs", "DocLayout", "PrefixedDocs", "check_positions", "doc_conv", "masked_conv",
+__all__ = ["AlignedDocs", "DocLayout", "PrefixedDocs", "check_packed_triton", "check_positions", "doc_conv",
+           "masked_conv",
            "unflatten_heads", "varlen_heads"]

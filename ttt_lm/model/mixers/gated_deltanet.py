@@ -60,7 +60,7 @@ from torch import nn
 from kernels import gated_delta_rule as _gdr
 from kernels.gated_delta_rule.torch_chunk import gated_delta_rule_chunk_torch
 from ttt_lm.model.backend import Backend
-from ttt_lm.model.docs import doc_conv, unflatten_heads, varlen_heads
+from ttt_lm.model.docs import check_packed_triton, doc_conv, unflatten_heads, varlen_heads
 from ttt_lm.model.layers import CausalConv1d, RMSNorm, acc
 from ttt_lm.model.mixers.base import Mixer, MixerState, TPPlan
 from ttt_lm.model.registry import option, register_mixer
@@ -231,19 +231,11 @@ class GatedDeltaNet(Mixer):
         the Triton kernel's variable-length path, one launch for the batch flattened to one row
         (``varlen_heads``); either from the zero state, so neither takes an initial state."""
         if inp.get("resets") is not None:
+            check_packed_triton("Gated DeltaNet", backend, inp.get("cu_seqlens"), initial_state, output_final_state)
             if backend == Backend.TORCH:
                 return gated_delta_rule_chunk_torch(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"],
                                                     initial_state, output_final_state, inp["chunk_size"],
                                                     inp["resets"])
-            if backend != Backend.TRITON:
-                raise ValueError(f"Gated DeltaNet: packed documents run in the PyTorch chunked form or the Triton "
-                                 f"kernel, not {backend!r}")
-            if initial_state is not None or output_final_state:
-                raise ValueError("Gated DeltaNet: packed documents (cu_seqlens) start from the zero state; they "
-                                 "take no initial state and return no final state")
-            if inp.get("cu_seqlens") is None:
-                raise ValueError("Gated DeltaNet: the Triton form of packed documents needs inp['cu_seqlens'] (from "
-                                 "inputs(x, docs=...)) beside inp['resets']")
             flat = varlen_heads(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"])
             o, _ = _gdr.gated_delta_rule_triton(*flat, chunk_size=inp["chunk_size"], cu_seqlens=inp["cu_seqlens"])
             return unflatten_heads(o, inp["q"].shape[0]), None

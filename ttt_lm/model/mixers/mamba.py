@@ -41,7 +41,7 @@ from torch import nn
 from kernels.selective_scan import has_triton_backend, selective_scan
 from kernels.selective_scan.torch_chunk import selective_scan_chunk
 from ttt_lm.model.backend import Backend
-from ttt_lm.model.docs import doc_conv
+from ttt_lm.model.docs import check_packed_triton, doc_conv
 from ttt_lm.model.layers import CausalConv1d, acc
 from ttt_lm.model.mixers.base import Mixer, MixerState, TPPlan
 from ttt_lm.model.registry import option, register_mixer
@@ -172,17 +172,9 @@ class Mamba(Mixer):
         if inp.get("resets") is not None:
             inp = dict(inp)
             cu = inp.pop("cu_seqlens", None)
+            check_packed_triton("Mamba", backend, cu, initial_state, output_final_state)
             if backend == Backend.TORCH:
                 return selective_scan_chunk(**inp, initial_state=initial_state, output_final_state=output_final_state)
-            if backend != Backend.TRITON:
-                raise ValueError(f"Mamba: packed documents run in the PyTorch chunked form or the Triton kernel, "
-                                 f"not {backend!r}")
-            if initial_state is not None or output_final_state:
-                raise ValueError("Mamba: packed documents (cu_seqlens) start from the zero state; they take no "
-                                 "initial state and return no final state")
-            if cu is None:
-                raise ValueError("Mamba: the Triton form of packed documents needs inp['cu_seqlens'] (from "
-                                 "inputs(x, docs=...)) beside inp['resets']")
             Bt, T = inp.pop("resets").shape
             for n in ("x", "delta", "B", "C", "z"):
                 inp[n] = inp[n].reshape(1, Bt * T, inp[n].shape[-1])
