@@ -26,31 +26,12 @@ import torch
 import kernels.titans.chunk as tchunk
 from ttt_lm.model.backend import Backend
 from ttt_lm.model.docs import DocLayout
-from ttt_lm.model.mixers.base import Mixer
 from tests.model.mixer_checks import make_mixer
+from tests.model.packed_triton_checks import (DEV, check_triton_docs, errors, inputs, positions, refuse_padded,
+                                             run_backend)
 
-# two rows of 24 tokens, chunk_size 4, conv width 4: documents shorter than the conv and the chunk
-# (lengths 1, 2), others across several chunk boundaries (17, 18, 5); the first row starts in
-# mid-document (positions 3, 4, ... as the loader cuts rows out of the stream)
-ROW_LENS = [[5, 1, 18], [2, 17, 5]]
-FIRST_POS = [3, 0]
 CHUNK = 4
 TOL = 1e-4
-#: the compiled kernels where CUDA is present, else the interpreter on the CPU
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _positions():
-    rows = []
-    for lens, p0 in zip(ROW_LENS, FIRST_POS):
-        pos = torch.cat([torch.arange(n) for n in lens])
-        pos[:lens[0]] += p0
-        rows.append(pos)
-    return torch.stack(rows).to(DEV)
-
-
-def rel(a, b):
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
 
 
 def _mixer(kind, **titans):
@@ -67,17 +48,6 @@ def _mixer(kind, **titans):
     return m.to(DEV)
 
 
-def _run(m, backend, x, w, docs):
-    m.kernel_backend = backend
-    assert m.resolve_backend(x.device, x.dtype) == backend
-    m.zero_grad(set_to_none=True)
-    x.grad = None
-    y, st = m(x, docs=docs)
-    assert st is None
-    (y * w).sum().backward()
-    return y.detach(), x.grad.clone(), {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
-
-
 def _spy_and_refuse_padded(monkeypatch):
     """Record (q's shape, cu_seqlens) of each call of the memory's Triton op; the padded view (one
     document per row) fails."""
@@ -87,41 +57,15 @@ def _spy_and_refuse_padded(monkeypatch):
     def spy(*args, **kw):
         calls.append((tuple(args[0].shape), kw.get("cu_seqlens", args[10] if len(args) > 10 else None)))
         return real(*args, **kw)
-
-    def refuse(*a, **k):
-        raise AssertionError("padded view used")
     monkeypatch.setattr(tchunk, "titans_linear_triton", spy)
-    monkeypatch.setattr(Mixer, "run_padded", staticmethod(refuse))
-    monkeypatch.setattr(DocLayout, "pad", refuse)
+    refuse_padded(monkeypatch)
     return calls
 
 
-def check_triton_docs(m, calls, want_cu, want_T):
-    """The Triton form with documents against the PyTorch chunked form with them; the op called
-    once (a forward) on the batch flattened to one row of ``want_T`` tokens with ``want_cu``."""
-    pos = _positions()
-    docs = DocLayout.build(pos)
-    B, T = pos.shape
-    g = torch.Generator().manual_seed(3)
-    x = torch.randn(B, T, m.d_model, generator=g).to(DEV).requires_grad_()
-    w = torch.randn(B, T, m.d_model, generator=g).to(DEV)
-    want = _run(m, Backend.TORCH, x, w, docs)
-    assert not calls
-    got = _run(m, Backend.TRITON, x, w, docs)
-    assert len(calls) == 1, f"{len(calls)} calls of the Triton op for one layer forward"
-    shape, cu = calls[0]
-    assert shape == (1, 2, want_T, 16), shape
-    assert cu is not None and cu.dtype == torch.int32
-    assert cu.tolist() == want_cu
-    errs = {"output": rel(got[0], want[0]), "x": rel(got[1], want[1])}
-    assert got[2].keys() == want[2].keys()
-    errs.update({n: rel(got[2][n], want[2][n]) for n in want[2]})
-    bad = {n: f"{e:.2e}" for n, e in errs.items() if not e <= TOL}
-    assert not bad, f"rel err above {TOL}: {bad}"
-    # the documents matter: without them the later documents read the earlier ones
-    with torch.no_grad():
-        plain, _ = m(x)
-    assert (plain - got[0]).abs().max() > 1e-3
+def _check(m, calls, want_cu, want_T):
+    """``check_triton_docs`` on the memory's op: [1, 2 heads, want_T, 16]."""
+    errs = check_triton_docs(m, calls, TOL, want_cu=want_cu, want_T=want_T)
+    assert calls[0][0] == (1, 2, want_T, 16), calls[0][0]
     return errs
 
 
@@ -129,7 +73,7 @@ def test_titans_memory_triton_docs_one_varlen_call(monkeypatch):
     """The LMM alone: one varlen call over [1, H, B·T], cu_seqlens the packed documents'."""
     calls = _spy_and_refuse_padded(monkeypatch)
     m = _mixer("titans")
-    errs = check_triton_docs(m, calls, [0, 5, 6, 24, 26, 43, 48], 48)
+    errs = _check(m, calls, [0, 5, 6, 24, 26, 43, 48], 48)
     assert "M_init.0" in errs     # the initial memory's gradient (summed over the documents) checked
 
 
@@ -138,7 +82,7 @@ def test_titans_triton_docs_refuse_a_state():
     is a clear error, not a silently wrong result; so are cu_seqlens on another backend."""
     m = _mixer("titans")
     m.kernel_backend = "triton"
-    docs = DocLayout.build(_positions())
+    docs = DocLayout.build(positions())
     x = torch.randn(*docs.shape, m.d_model, device=DEV)
     with pytest.raises(ValueError, match="packed documents .* no state"):
         m.chunked(x, m.init_state(2, device=DEV, dtype=torch.float32), docs=docs)
@@ -159,7 +103,7 @@ def test_titans_mag_triton_docs_one_varlen_call(monkeypatch):
     varlen call over the packed rows, the gate per token."""
     calls = _spy_and_refuse_padded(monkeypatch)
     m = _mixer("titans_mag", window=5)
-    check_triton_docs(m, calls, [0, 5, 6, 24, 26, 43, 48], 48)
+    _check(m, calls, [0, 5, 6, 24, 26, 43, 48], 48)
 
 
 @pytest.mark.slow
@@ -169,7 +113,7 @@ def test_titans_mal_triton_docs_one_varlen_call(monkeypatch):
     first persistent token) and the attention with its document mask (window 5)."""
     calls = _spy_and_refuse_padded(monkeypatch)
     m = _mixer("titans_mal", window=5, persistent_tokens=2)
-    errs = check_triton_docs(m, calls, [0, 7, 10, 30, 34, 53, 60], 60)
+    errs = _check(m, calls, [0, 7, 10, 30, 34, 53, 60], 60)
     assert "persistent" in errs
 
 
@@ -183,20 +127,14 @@ def test_titans_mac_triton_docs_block_scan(monkeypatch):
     Measured: output 7e-7, the input's gradient 4e-6, parameter gradients ≤ 1e-5."""
     calls = _spy_and_refuse_padded(monkeypatch)
     m = _mixer("titans_mac", segment_len=6, persistent_tokens=2)
-    pos = _positions()
-    docs = DocLayout.build(pos)
+    docs, x, w = inputs(m)
     al = docs.balanced(CHUNK)
-    g = torch.Generator().manual_seed(3)
-    x = torch.randn(*pos.shape, m.d_model, generator=g).to(DEV).requires_grad_()
-    w = torch.randn(*pos.shape, m.d_model, generator=g).to(DEV)
-    want = _run(m, Backend.TORCH, x, w, docs)
+    want = run_backend(m, Backend.TORCH, x, w, docs)
     assert not calls
-    got = _run(m, Backend.TRITON, x, w, docs)
+    got = run_backend(m, Backend.TRITON, x, w, docs)
     assert len(calls) == al.length // 2
     assert all(shape == (al.rows, 2, 2, 16) and cu is None for shape, cu in calls)
-    errs = {"output": rel(got[0], want[0]), "x": rel(got[1], want[1])}
-    errs.update({n: rel(got[2][n], want[2][n]) for n in want[2]})
-    bad = {n: f"{e:.2e}" for n, e in errs.items() if not e <= TOL}
+    bad = {n: f"{e:.2e}" for n, e in errors(got, want).items() if not e <= TOL}
     assert not bad, f"rel err above {TOL}: {bad}"
 
 
