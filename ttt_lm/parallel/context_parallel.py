@@ -68,6 +68,7 @@ import torch.nn.functional as F
 from kernels import delta_rule as _dr
 from kernels import gated_delta_rule as _gdr
 from kernels.linear_scan import linear_scan, linear_scan_reset
+from ttt_lm.model.docs import DocLayout
 from ttt_lm.model.layers import acc
 
 # ---------------------------------------------------------------------------------------------
@@ -318,7 +319,8 @@ def _cat_states(states: Sequence[Any]):
     return first
 
 
-def pass_state_forward(module, x_local: torch.Tensor, group=None, tag: int = 0, chunks: int = 1):
+def pass_state_forward(module, x_local: torch.Tensor, group=None, tag: int = 0, chunks: int = 1,
+                       docs: Optional[SliceDocs] = None):
     """Run ``module(x, state, output_state=True)`` (a Mixer or a Block) over a sequence split
     across the CP group: rank r starts from the final state of rank r − 1 (rank 0 from
     ``state=None``) and hands its final state to rank r + 1; gradients of the state go back
@@ -327,7 +329,10 @@ def pass_state_forward(module, x_local: torch.Tensor, group=None, tag: int = 0, 
     tag ``tag · chunks + i``). ``chunks`` = M splits the batch rows into M groups that are
     pipelined across the ranks (module docstring: bubble (c − 1)/(M + c − 1)); every rank of the
     group must pass the same M, and M ≤ the number of rows. Sends are asynchronous: call
-    ``wait_pending()`` (or ``allreduce_gradients``) after the backward pass."""
+    ``wait_pending()`` (or ``allreduce_gradients``) after the backward pass. ``docs``: packed
+    documents (``SliceDocs``)."""
+    if docs is not None:
+        raise NotImplementedError("pass_state_forward with packed documents")
     B = x_local.shape[0]
     if not isinstance(chunks, int) or chunks < 1:
         raise ValueError(f"context parallel: pipeline chunks must be an integer >= 1, got {chunks!r}")
@@ -342,6 +347,82 @@ def pass_state_forward(module, x_local: torch.Tensor, group=None, tag: int = 0, 
         ys.append(y)
         finals.append(final)
     return torch.cat(ys, 0), _cat_states(finals)
+
+
+# ---------------------------------------------------------------------------------------------
+# packed documents: this rank's slice of the whole rows' document layout
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class SliceDocs:
+    """The documents of packed rows as this rank's slice [start, start + T_r) sees them, taken from
+    the ``DocLayout`` of the whole rows (``model.reset_at_doc_boundaries``): every quantity is the
+    one-process value, so a document crossing a slice boundary continues on the next rank.
+
+    * ``starts`` [B, T_r] bool: a document (piece) starts here: position 0, or the row's first
+      token (on rank 0 only);
+    * ``offset`` [B, T_r] long: the token's index in its piece, counted from the piece's first
+      token wherever that lies (RoPE, conv masks, TTT's mini-batch phase);
+    * ``seg`` [B, T_r] long: the token's piece index in its row; ``seg_upto`` [B, start + T_r]:
+      the same for every token of the row up to this slice's end (attention's keys);
+    * ``head`` [B] long: the first local start (T_r if none); ``continues`` [B] bool: the row's
+      first local token continues a document of an earlier rank (False on rank 0): the tokens
+      before ``head`` of such a row read the state the earlier ranks hand on;
+    * ``local``: the ``DocLayout`` of the slice alone (its first token a piece start, else the
+      same pieces), for the forms that run the slice from a fresh state.
+    """
+    starts: torch.Tensor
+    offset: torch.Tensor
+    seg: torch.Tensor
+    seg_upto: torch.Tensor
+    head: torch.Tensor
+    continues: torch.Tensor
+    local: DocLayout
+
+    @classmethod
+    def of(cls, layout, start: int, end: int) -> "SliceDocs":
+        """The slice [start, end) of ``layout`` (the whole rows' ``DocLayout``)."""
+        starts = layout.starts[:, start:end]
+        offset = layout.offset[:, start:end]
+        seg_all = layout.seg
+        T = end - start
+        idx = torch.arange(T, device=starts.device).expand_as(starts)
+        head = torch.where(starts, idx, torch.full_like(idx, T)).min(1).values
+        continues = ~starts[:, 0]
+        return cls(starts, offset, seg_all[:, start:end], seg_all[:, :end], head, continues,
+                   DocLayout.build(offset))
+
+    def rows(self, index: torch.Tensor) -> "SliceDocs":
+        """These rows only (a pipeline group of the state-passing forms; ``seg_upto`` and the
+        local layout taken for them)."""
+        sel = lambda t: t.index_select(0, index.to(t.device))
+        off = sel(self.offset)
+        return SliceDocs(sel(self.starts), off, sel(self.seg), sel(self.seg_upto), sel(self.head),
+                         sel(self.continues), DocLayout.build(off))
+
+
+def gather_rows(t_local: torch.Tensor, lengths: Sequence[int], group=None) -> torch.Tensor:
+    """The whole rows [B, ΣT_r] of an integer tensor whose slices [B, T_r] the ranks hold
+    (not differentiable: positions)."""
+    _, world = _rank_world(group)
+    n_max = max(lengths)
+    x = F.pad(t_local, (0, n_max - t_local.shape[1])).contiguous()
+    out = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(out, x, group=group)
+    return torch.cat([o[:, :L] for o, L in zip(out, lengths)], 1)
+
+
+def slice_docs(position_ids_local: torch.Tensor, lengths: Sequence[int], group=None) -> Optional[SliceDocs]:
+    """This rank's ``SliceDocs`` from its slice of the loader's positions (the whole rows gathered
+    and checked once: a ValueError names the first bad row and position, as ``LM.forward``'s);
+    None when no document starts inside a row (one plain pass, as in ``LM.forward``)."""
+    rank, _ = _rank_world(group)
+    layout = DocLayout.build(gather_rows(position_ids_local.long(), lengths, group))
+    if not layout.inner_starts:
+        return None
+    start = sum(lengths[:rank])
+    return SliceDocs.of(layout, start, start + lengths[rank])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -476,19 +557,24 @@ def _context_state(mixer, x, lengths, group):
     return mixer.context_state(xh, valid, sum(lengths[:rank]))
 
 
-def cp_summary(mixer, x, lengths, group=None, **kw) -> torch.Tensor:
+def cp_summary(mixer, x, lengths, group=None, docs: Optional[SliceDocs] = None, **kw) -> torch.Tensor:
     """A mixer with ``cp_form="summary"``: its inputs stage (conv halo from earlier ranks), its
     op by chunk summaries combined across ranks (``SUMMARY_COMBINES[mixer.op_name]``), its
-    output stage. ``kw``: ``segment_pos`` for mixers that read it."""
+    output stage. ``kw``: ``segment_pos`` for mixers that read it. ``docs``: packed documents
+    (``SliceDocs``)."""
+    if docs is not None:
+        raise NotImplementedError("cp_summary with packed documents")
     inp, _ = mixer.inputs(x, _context_state(mixer, x, lengths, group), False, **kw)
     y = SUMMARY_COMBINES[mixer.op_name](mixer, inp, group, mixer.op_backend(x))
     return mixer.output(y, x)
 
 
-def cp_kv_exchange(mixer, x, lengths, group=None, **kw) -> torch.Tensor:
+def cp_kv_exchange(mixer, x, lengths, group=None, docs: Optional[SliceDocs] = None, **kw) -> torch.Tensor:
     """A mixer with ``cp_form="kv_exchange"`` (attention): queries at their global positions
     attend to the gathered keys and values of earlier ranks (a window keeps the last w − 1) and
     to their own."""
+    if docs is not None:
+        raise NotImplementedError("cp_kv_exchange with packed documents")
     rank, _ = _rank_world(group)
     inp, _ = mixer.inputs(x, _context_state(mixer, x, lengths, group), False, **kw)
     k, v = inp["k"], inp["v"]
@@ -517,17 +603,20 @@ def _parallel_form(mixer):
 
 
 def cp_mixer(mixer, x_local, lengths, group=None, tag: int = 0,
-             position_ids_local: Optional[torch.Tensor] = None, chunks: int = 1) -> torch.Tensor:
+             position_ids_local: Optional[torch.Tensor] = None, chunks: int = 1,
+             docs: Optional[SliceDocs] = None) -> torch.Tensor:
     """One mixer over a split sequence: its parallel form when it has one, else state passing
     (pipelined over ``chunks`` groups of rows, see ``pass_state_forward``).
-    ``position_ids_local`` reach the mixers that read segment positions (``takes_segment_pos``)."""
+    ``position_ids_local`` reach the mixers that read segment positions (``takes_segment_pos``).
+    ``docs`` (``SliceDocs``): packed documents, each read from a fresh state
+    (``model.reset_at_doc_boundaries``)."""
     form = _parallel_form(mixer)
     kw = {"segment_pos": position_ids_local} if position_ids_local is not None and mixer.takes_segment_pos else {}
     if form is not None:
-        return form(mixer, x_local, lengths, group, **kw)
+        return form(mixer, x_local, lengths, group, docs=docs, **kw)
     if kw:
         raise ValueError(f"context parallel: {type(mixer).__name__} reads segment positions but has no parallel form")
-    return pass_state_forward(mixer, x_local, group, tag, chunks)[0]
+    return pass_state_forward(mixer, x_local, group, tag, chunks, docs=docs)[0]
 
 
 def block_scheme(block) -> str:
@@ -559,13 +648,17 @@ def context_parallel_forward(model, input_ids_local: torch.Tensor, labels_local:
     lengths = gather_lengths(input_ids_local.shape[1], group)
     if min(lengths) < 1:
         raise ValueError(f"context parallel: every rank needs at least one token, got lengths {lengths}")
+    docs = None
+    if position_ids_local is not None and model.cfg.reset_at_doc_boundaries:
+        # the whole rows' layout, checked once; None when no document starts inside a row
+        docs = slice_docs(position_ids_local, lengths, group)
     x = model.embed(input_ids_local)
     for i, block in enumerate(model.layers):
         if block_scheme(block) == "state":
-            x, _ = pass_state_forward(block, x, group, tag=i, chunks=chunks)
+            x, _ = pass_state_forward(block, x, group, tag=i, chunks=chunks, docs=docs)
         else:
             x = x + cp_mixer(block.mixer, block.mixer_norm(x), lengths, group, tag=i,
-                             position_ids_local=position_ids_local)
+                             position_ids_local=position_ids_local, docs=docs)
             if block.mlp is not None:
                 x = x + block.mlp(block.mlp_norm(x))
     logits = model.lm_head(model.norm(x))
@@ -603,7 +696,7 @@ def allreduce_gradients(model, group=None) -> None:
         p.grad.div_(world)
 
 
-__all__ = ["split_lengths", "gather_lengths", "all_gather", "all_gather_varlen", "halo",
+__all__ = ["SliceDocs", "slice_docs", "gather_rows", "split_lengths", "gather_lengths", "all_gather", "all_gather_varlen", "halo",
            "pass_state_forward", "wait_pending", "cp_linear_scan", "cp_delta_rule", "cp_gated_delta_rule", "cp_summary",
            "cp_kv_exchange", "SUMMARY_COMBINES", "CP_FORMS", "cp_mixer", "block_scheme",
            "context_parallel_forward", "allreduce_gradients"]
