@@ -154,6 +154,19 @@ def check_lm(rank, world, chunks):
     return max([err] + [_maxdiff(p.grad, ref[n]) for n, p in model.named_parameters()])
 
 
+def check_bad_docs(rank, world):
+    """Rank 0 given the next rank's SliceDocs (rows continuing an earlier rank's document) raises
+    before any exchange, naming the problem."""
+    if rank != 0:
+        return 0.0
+    mixer = _tiny_lm(["ttt_linear"]).layers[0].mixer
+    docs, s, e = _slice_docs(1, world)
+    x = torch.zeros(B, e - s, 16, dtype=torch.float64)
+    with pytest.raises(ValueError, match="rank 0's rows cannot continue a document of an earlier rank"):
+        cp.pass_state_forward(mixer, x, tag=6, docs=docs)
+    return 0.0
+
+
 def _checks(rank, world):
     out = {f"mixer_{k}": (lambda kk: lambda: check_mixer(kk, rank, world))(k) for k in STATE_PASSING_KINDS}
     out["mixer_titans_linear"] = lambda: check_mixer("titans", rank, world, memory="linear")
@@ -165,6 +178,7 @@ def _checks(rank, world):
     out["block_chunks2"] = lambda: check_block(rank, world, chunks=2)
     out["handed_on"] = lambda: check_handed_on(rank, world)
     out["lm_chunks2"] = lambda: check_lm(rank, world, chunks=2)
+    out["bad_docs"] = lambda: check_bad_docs(rank, world)
     return out
 
 
@@ -239,6 +253,13 @@ def test_lm_docs_state_passing(results):
     """``context_parallel_forward`` with document resets on an LM of state-passing blocks,
     pipelined over 2 row groups: loss, logits, gradients."""
     assert_within(results, "lm_chunks2", TOL)
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_rank0_docs_checked(results):
+    """SliceDocs of a later rank on rank 0 is a ValueError."""
+    assert_within(results, "bad_docs", TOL)
 
 
 def test_docs_shape_checked():
