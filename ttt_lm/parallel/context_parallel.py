@@ -67,6 +67,8 @@ import torch.nn.functional as F
 
 from kernels import delta_rule as _dr
 from kernels import gated_delta_rule as _gdr
+from kernels.delta_rule.torch_chunk import delta_rule_chunk_torch
+from kernels.gated_delta_rule.torch_chunk import gated_delta_rule_chunk_torch
 from kernels.linear_scan import linear_scan, linear_scan_reset
 from ttt_lm.model.docs import DocLayout
 from ttt_lm.model.layers import acc
@@ -393,6 +395,12 @@ class SliceDocs:
         return cls(starts, offset, seg_all[:, start:end], seg_all[:, :end], head, continues,
                    DocLayout.build(offset))
 
+    @property
+    def cu_seqlens(self) -> torch.Tensor:
+        """The slice's own pieces (``local.cu_seqlens``: every row's first local token starts one),
+        over the slice flattened to one row [1, B·T_r]."""
+        return self.local.cu_seqlens
+
     def rows(self, index: torch.Tensor) -> "SliceDocs":
         """These rows only (a pipeline group of the state-passing forms; ``seg_upto`` and the
         local layout taken for them)."""
@@ -461,48 +469,80 @@ def cp_linear_scan(log_a: torch.Tensor, b: torch.Tensor, group=None, backend: st
     return h.to(b.dtype), h[:, -1]
 
 
-def cp_delta_rule(q, k, v, beta, group=None, backend: str = "torch", chunk_size: int = 64
-                  ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``kernels.delta_rule.delta_rule`` over a sequence split along T across the group (q, k
-    [B, H, T_r, d_k], v [B, H, T_r, d_v], β [B, H, T_r]; the sequence starts from S = 0).
-    Returns (o [B, H, T_r, d_v], the state after this rank's slice [B, H, d_k, d_v])."""
+def _resets_backend(name: str, backend) -> str:
+    """The backend that runs an op with resets inside a slice from a carried state: the PyTorch
+    chunked form (its ``resets`` take an initial state and give a final one; the sequential
+    reference ops have no resets, so ``impl="reference"`` runs it too). The Triton kernels'
+    ``cu_seqlens`` path starts every document from zero, so it is refused here."""
+    if backend in ("torch", "reference"):
+        return "torch"
+    raise ValueError(f"context parallel: packed documents (model.reset_at_doc_boundaries) with the {name} op on "
+                     f"backend {str(backend)!r} are not supported: the {name} summaries need an initial and a final "
+                     f"state per row with resets inside the slice, which only the PyTorch chunked form takes; use "
+                     f"model.kernel_backend=torch")
+
+
+def _affine_summary_scan(fin: torch.Tensor, dv: int, group) -> torch.Tensor:
+    """S_in(r) from every rank's [S^loc, P] (the exclusive scan S_in(r) = P_{r−1} S_in(r−1) +
+    S^loc(r−1), S_in(0) = 0)."""
     rank, _ = _rank_world(group)
-    B, H, T, dk = k.shape
-    dv = v.shape[-1]
-    sd = acc(v[:0]).dtype
-    # [v, 0] from [0, I]: the final state is [S^loc, P] with P = Π (I − β k kᵀ)
-    v_ext = torch.cat([v, v.new_zeros(B, H, T, dk)], -1)
-    eye = torch.eye(dk, dtype=sd, device=v.device).expand(B, H, dk, dk)
-    init = torch.cat([torch.zeros(B, H, dk, dv, dtype=sd, device=v.device), eye], -1)
-    _, fin = _dr.delta_rule(q, k, v_ext, beta, init, True, backend=backend, chunk_size=chunk_size)
     g = all_gather(fin, group)                                        # [world, B, H, dk, dv + dk]
     S_in = g[:0, ..., :dv].sum(0)   # zeros, connected to the gather (see module doc)
     for s in range(rank):
         S_in = g[s, ..., dv:] @ S_in + g[s, ..., :dv]
-    return _dr.delta_rule(q, k, v, beta, S_in, True, backend=backend, chunk_size=chunk_size)
+    return S_in
 
 
-def cp_gated_delta_rule(q, k, v, g, beta, group=None, backend: str = "torch", chunk_size: int = 64
-                        ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``kernels.gated_delta_rule.gated_delta_rule`` over a sequence split along T across the
-    group (q, k [B, H, T_r, d_k], v [B, H, T_r, d_v], g, β [B, H, T_r]; the sequence starts from
-    S = 0), by ``cp_delta_rule``'s summaries with P_r = Π α_t (I − β_t k_t k_tᵀ).
-    Returns (o [B, H, T_r, d_v], the state after this rank's slice [B, H, d_k, d_v])."""
-    rank, _ = _rank_world(group)
+def cp_delta_rule(q, k, v, beta, group=None, backend: str = "torch", chunk_size: int = 64,
+                  resets: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``kernels.delta_rule.delta_rule`` over a sequence split along T across the group (q, k
+    [B, H, T_r, d_k], v [B, H, T_r, d_v], β [B, H, T_r]; the sequence starts from S = 0).
+    Returns (o [B, H, T_r, d_v], the state after this rank's slice [B, H, d_k, d_v]).
+
+    ``resets`` [B, T_r] bool (packed documents, ``SliceDocs.starts``): S = 0 before the update at
+    each reset (a document starts from the zero state). The run of [v, 0] from [0, I] with the
+    same resets zeroes the I block too, so a row with a reset in the slice ends in [S^loc, 0]:
+    P_r = 0, the state from earlier ranks does not reach the slice's end, and the exclusive scan
+    is unchanged; the second run from S_in(r) lets S_in reach only the tokens before the row's
+    first reset. Runs the PyTorch chunked form (``_resets_backend``)."""
     B, H, T, dk = k.shape
     dv = v.shape[-1]
     sd = acc(v[:0]).dtype
-    op = _gdr.gated_delta_rule_trusted
+    if resets is not None:
+        backend = _resets_backend("delta rule", backend)
+        run = lambda vv, S0: delta_rule_chunk_torch(q, k, vv, beta, S0, True, chunk_size, resets)
+    else:
+        run = lambda vv, S0: _dr.delta_rule(q, k, vv, beta, S0, True, backend=backend, chunk_size=chunk_size)
+    # [v, 0] from [0, I]: the final state is [S^loc, P] with P = Π (I − β k kᵀ)
+    v_ext = torch.cat([v, v.new_zeros(B, H, T, dk)], -1)
+    eye = torch.eye(dk, dtype=sd, device=v.device).expand(B, H, dk, dk)
+    init = torch.cat([torch.zeros(B, H, dk, dv, dtype=sd, device=v.device), eye], -1)
+    _, fin = run(v_ext, init)
+    return run(v, _affine_summary_scan(fin, dv, group))
+
+
+def cp_gated_delta_rule(q, k, v, g, beta, group=None, backend: str = "torch", chunk_size: int = 64,
+                        resets: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``kernels.gated_delta_rule.gated_delta_rule`` over a sequence split along T across the
+    group (q, k [B, H, T_r, d_k], v [B, H, T_r, d_v], g, β [B, H, T_r]; the sequence starts from
+    S = 0), by ``cp_delta_rule``'s summaries with P_r = Π α_t (I − β_t k_t k_tᵀ).
+    Returns (o [B, H, T_r, d_v], the state after this rank's slice [B, H, d_k, d_v]).
+    ``resets`` [B, T_r] bool: as ``cp_delta_rule``'s (P_r = 0 on a row with a reset in the slice)."""
+    B, H, T, dk = k.shape
+    dv = v.shape[-1]
+    sd = acc(v[:0]).dtype
+    if resets is not None:
+        _resets_backend("gated delta rule", backend)
+        run = lambda vv, S0: gated_delta_rule_chunk_torch(q, k, vv, g, beta, S0, True, chunk_size, resets)
+    else:
+        run = lambda vv, S0: _gdr.gated_delta_rule_trusted(q, k, vv, g, beta, S0, True, backend=backend,
+                                                           chunk_size=chunk_size)
     # [v, 0] from [0, I]: the final state is [S^loc, P]
     v_ext = torch.cat([v, v.new_zeros(B, H, T, dk)], -1)
     eye = torch.eye(dk, dtype=sd, device=v.device).expand(B, H, dk, dk)
     init = torch.cat([torch.zeros(B, H, dk, dv, dtype=sd, device=v.device), eye], -1)
-    _, fin = op(q, k, v_ext, g, beta, init, True, backend=backend, chunk_size=chunk_size)
-    gath = all_gather(fin, group)                                     # [world, B, H, dk, dv + dk]
-    S_in = gath[:0, ..., :dv].sum(0)   # zeros, connected to the gather (see module doc)
-    for s in range(rank):
-        S_in = gath[s, ..., dv:] @ S_in + gath[s, ..., :dv]
-    return op(q, k, v, g, beta, S_in, True, backend=backend, chunk_size=chunk_size)
+    _, fin = run(v_ext, init)
+    return run(v, _affine_summary_scan(fin, dv, group))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -518,19 +558,29 @@ def _summary_linear_scan(mixer, inp, group, backend):
 
 
 def _summary_delta_rule(mixer, inp, group, backend):
-    y, _ = cp_delta_rule(inp["q"], inp["k"], inp["v"], inp["beta"], group, backend, inp["chunk_size"])
+    """``inp["resets"]`` (packed documents): ``cp_delta_rule``'s resets."""
+    y, _ = cp_delta_rule(inp["q"], inp["k"], inp["v"], inp["beta"], group, backend, inp["chunk_size"],
+                         inp.get("resets"))
     return y
 
 
 def _summary_gated_delta_rule(mixer, inp, group, backend):
+    """``inp["resets"]`` (packed documents): ``cp_gated_delta_rule``'s resets."""
     y, _ = cp_gated_delta_rule(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], group, backend,
-                               inp["chunk_size"])
+                               inp["chunk_size"], inp.get("resets"))
     return y
 
 
 def _summary_selective_scan(mixer, inp, group, backend):
     """The selective scan's summary is A_r = exp(Σ_t Δ_t A) and the final state from zero; a
-    second run of the op from the combined initial state gives the outputs."""
+    second run of the op from the combined initial state gives the outputs. With packed documents
+    (``inp["resets"]``: Ā_t = 0 at each start, inside the op's PyTorch chunked form) a row with a
+    start in the slice has A_r = 0 (log A_r = −∞, as ``cp_linear_scan``'s resets), so the state of
+    earlier ranks stops there, and the second run lets h_in reach only the tokens before the row's
+    first start."""
+    resets = inp.get("resets")
+    if resets is not None:
+        backend = _resets_backend("selective scan", backend)
     _, h_loc = mixer.op(inp, None, True, backend)
     Delta = acc(inp["delta"])
     if inp.get("delta_bias") is not None:
@@ -538,6 +588,8 @@ def _summary_selective_scan(mixer, inp, group, backend):
     if inp.get("delta_softplus"):
         Delta = F.softplus(Delta)
     log_A = Delta.sum(1)[..., None] * inp["A"]                        # [B, d_inner, N]
+    if resets is not None:
+        log_A = log_A.masked_fill(resets.any(1)[:, None, None], float("-inf"))
     h_in = _diag_initial_state(log_A, h_loc, group)
     y, _ = mixer.op(inp, h_in, False, backend)
     return y
@@ -557,13 +609,28 @@ def _context_state(mixer, x, lengths, group):
     return mixer.context_state(xh, valid, sum(lengths[:rank]))
 
 
+def _check_docs(docs, x) -> None:
+    if not isinstance(docs, SliceDocs):
+        raise TypeError(f"context parallel: docs must be this rank's SliceDocs (slice_docs), got {type(docs).__name__}")
+    if tuple(docs.offset.shape) != tuple(x.shape[:2]):
+        raise ValueError(f"context parallel: docs cover [B, T_r] = {tuple(docs.offset.shape)} but the slice x is "
+                         f"{tuple(x.shape[:2])}")
+
+
 def cp_summary(mixer, x, lengths, group=None, docs: Optional[SliceDocs] = None, **kw) -> torch.Tensor:
     """A mixer with ``cp_form="summary"``: its inputs stage (conv halo from earlier ranks), its
     op by chunk summaries combined across ranks (``SUMMARY_COMBINES[mixer.op_name]``), its
-    output stage. ``kw``: ``segment_pos`` for mixers that read it. ``docs``: packed documents
-    (``SliceDocs``)."""
+    output stage. ``kw``: ``segment_pos`` for mixers that read it.
+
+    ``docs`` (``SliceDocs``, packed documents): ``inputs(x, state, docs=docs)`` with the halo
+    state, so the convolutions mask their taps by the global ``offset`` (the halo's inputs of an
+    earlier document dropped, ``doc_conv``'s cache), and the op gets ``resets`` = ``docs.starts``
+    (a start on rank r > 0's first token only where its position is 0); the summary combines
+    handle the resets (``cp_delta_rule``, ``_summary_selective_scan``; the RG-LRU's resets come
+    from its segment positions, ``cp_linear_scan``)."""
     if docs is not None:
-        raise NotImplementedError("cp_summary with packed documents")
+        _check_docs(docs, x)
+        kw = {**kw, "docs": docs}
     inp, _ = mixer.inputs(x, _context_state(mixer, x, lengths, group), False, **kw)
     y = SUMMARY_COMBINES[mixer.op_name](mixer, inp, group, mixer.op_backend(x))
     return mixer.output(y, x)
@@ -572,18 +639,30 @@ def cp_summary(mixer, x, lengths, group=None, docs: Optional[SliceDocs] = None, 
 def cp_kv_exchange(mixer, x, lengths, group=None, docs: Optional[SliceDocs] = None, **kw) -> torch.Tensor:
     """A mixer with ``cp_form="kv_exchange"`` (attention): queries at their global positions
     attend to the gathered keys and values of earlier ranks (a window keeps the last w − 1) and
-    to their own."""
-    if docs is not None:
-        raise NotImplementedError("cp_kv_exchange with packed documents")
+    to their own.
+
+    ``docs`` (``SliceDocs``, packed documents): q and k are rotated at the global piece offsets
+    (``docs.offset``, as the one-process run rotates at ``DocLayout.offset``), and the op gets
+    ``doc_mask`` [B, 1, T_r, K]: query t (piece ``docs.seg``) sees gathered key s only in the
+    same piece (``docs.seg_upto``, trimmed as the keys are for a window), and'ed with the causal
+    (windowed) mask inside the op."""
     rank, _ = _rank_world(group)
+    if docs is not None:
+        _check_docs(docs, x)
+        kw = {**kw, "docs": docs}
     inp, _ = mixer.inputs(x, _context_state(mixer, x, lengths, group), False, **kw)
     k, v = inp["k"], inp["v"]
     parts = all_gather_varlen(torch.cat([k, v], 1), 2, lengths, group)
     kv = torch.cat([parts[0][:, :, :0]] + [parts[s] for s in range(rank)] + [torch.cat([k, v], 1)], 2)
+    first = 0                                                         # global index of the first key kept
     if mixer.window is not None:
-        kv = kv[:, :, max(0, kv.shape[2] - (mixer.window - 1) - x.shape[1]):]
+        first = max(0, kv.shape[2] - (mixer.window - 1) - x.shape[1])
+        kv = kv[:, :, first:]
     k_all, v_all = kv.split([k.shape[1], v.shape[1]], 1)
-    y, _ = mixer.op({**inp, "k": k_all, "v": v_all}, backend=mixer.op_backend(x))
+    op_inp = {**inp, "k": k_all, "v": v_all}
+    if docs is not None:
+        op_inp["doc_mask"] = (docs.seg[:, :, None] == docs.seg_upto[:, None, first:])[:, None]
+    y, _ = mixer.op(op_inp, backend=mixer.op_backend(x))
     return mixer.output(y, x)
 
 
@@ -611,6 +690,9 @@ def cp_mixer(mixer, x_local, lengths, group=None, tag: int = 0,
     ``docs`` (``SliceDocs``): packed documents, each read from a fresh state
     (``model.reset_at_doc_boundaries``)."""
     form = _parallel_form(mixer)
+    if docs is not None and position_ids_local is None and mixer.takes_segment_pos:
+        raise ValueError(f"context parallel: {type(mixer).__name__} reads the documents from its segment positions: "
+                         "docs need position_ids_local (the slice of the positions they were built from)")
     kw = {"segment_pos": position_ids_local} if position_ids_local is not None and mixer.takes_segment_pos else {}
     if form is not None:
         return form(mixer, x_local, lengths, group, docs=docs, **kw)
