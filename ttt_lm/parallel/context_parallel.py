@@ -35,10 +35,33 @@ Three schemes, each exact (outputs and gradients equal one pass over the whole s
 
 * **Key-value exchange** (attention) all-gathers the keys and values (after RoPE at their global
   positions); rank r attends from its queries (RoPE at start_r + t) to the keys of ranks < r and
-  its own, causally.
+  its own, causally. With packed documents see below.
 
 Short causal convolutions before an op need the last w − 1 inputs of the tokens
 before the slice: an all-gather of each rank's last w − 1 mixer inputs (the "halo").
+
+**Packed documents** (``model.reset_at_doc_boundaries`` with the loader's positions): every
+document piece of a row is read from a fresh state, as in the one-process
+``LM.forward(ids, position_ids=pos)``. The whole rows' ``DocLayout`` is built once (positions
+gathered) and each rank gets its slice of it, ``SliceDocs``: ``starts`` (a start on rank r > 0's
+first token only where the position is 0), the global piece ``offset``, ``seg`` / ``seg_upto``.
+
+* Summaries with documents. The convolutions mask their taps by the global offset, the halo
+  included: y_t = b + Σ_{j<w, j ≤ offset_t} W_j ⊙ x_{t−j}, x_{t−j} from the halo for t < j
+  (``doc_conv`` with the cache), so an earlier document's inputs in the halo are dropped. The ops
+  run with resets at ``starts`` (the state set to zero before a start's update), which keeps the
+  combination affine: on a row with a start in slice r the state entering the slice does not reach
+  its end, so its transition is zero — P_r = 0 for the delta rules (the run of [v, 0] from
+  [0, I] with the same resets ends in [S^loc(r), 0]), A_r = 0 (log A_r = −∞) for the diagonal
+  scans — while S^loc(r) / h^loc(r) is the state of the row's last piece from its start. The
+  exclusive scan over ranks is unchanged, and the second run from S_in(r) (or h_t = h^loc_t +
+  (Π_{τ≤t} a_τ) h_in(r), Π = 0 from the first start on) lets the carried state reach exactly the
+  tokens before the row's first local start. The RG-LRU reads the documents from its segment
+  positions (resets where the position is 0, its conv masked by them) as the one-process run does.
+* Key-value exchange with documents: q and k are rotated at the global piece offsets, and query
+  t of slice r sees gathered key s only if s ≤ start_r + t (and s > start_r + t − w for a window)
+  and both lie in the same piece: seg_t = seg_upto_s, a boolean mask [B, 1, T_r, K] over the
+  gathered keys (SDPA / the explicit softmax; see ``Attention._attend_masked``).
 
 Gradients flow through collectives wrapped in autograd Functions: all-gather's backward sums
 every rank's gradient for the gathered tensor (all-reduce) and keeps the slice of this rank;
