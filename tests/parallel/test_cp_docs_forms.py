@@ -46,10 +46,14 @@ POSITIONS = torch.tensor([
 FORM_KINDS = ["attention", "local_attention", "rglru", "deltanet", "gated_deltanet", "mamba"]
 
 
-def check_mixer_docs(kind, rank, world, impl="chunked"):
+def check_mixer_docs(kind, rank, world, impl="chunked", backend=None):
     """One mixer (inside a 1-layer LM, for its initialization) through ``cp_mixer`` with this
-    rank's ``SliceDocs``, against the one-process packed-documents run."""
+    rank's ``SliceDocs``, against the one-process packed-documents run (``backend``: the mixer's
+    ``kernel_backend``, which both runs use)."""
     mixer = _tiny_lm([kind]).set_impl(impl).layers[0].mixer
+    if backend is not None:
+        mixer.kernel_backend = backend
+        assert mixer.resolve_backend(torch.device("cpu"), torch.float64) == backend
     pos = POSITIONS
     B = pos.shape[0]
     g = torch.Generator().manual_seed(11)
@@ -124,7 +128,7 @@ def check_delta_rule_resets(rank, world, gated):
     docs = cp.slice_docs(pos[:, s:e], cp.split_lengths(T, world))
     loc = [_leaf(t[:, :, s:e]) for t in ins]
     fn = cp.cp_gated_delta_rule if gated else cp.cp_delta_rule
-    o_r, S_r = fn(*loc, backend="torch", chunk_size=2, resets=docs.starts)
+    o_r, S_r = fn(*loc, backend="torch", chunk_size=2, docs=docs)
     (o_r * w[:, :, s:e]).sum().backward()
     err = max(_maxdiff(o_r, o[:, :, s:e]), _maxdiff(S_r, S_here.detach()))
     for a, f in zip(loc, full):
@@ -133,13 +137,11 @@ def check_delta_rule_resets(rank, world, gated):
 
 
 def check_refusals(rank, world):
-    """The Triton backend of the delta rules and the selective scan under context parallelism with
-    documents is refused with a message naming the combination and the workaround; docs that do
-    not match the slice are refused."""
-    for name in ("delta rule", "gated delta rule", "selective scan"):
-        with pytest.raises(ValueError, match=r"kernel_backend=torch"):
-            cp._resets_backend(name, "triton")
-    assert cp._resets_backend("delta rule", "reference") == "torch"
+    """A backend that cannot run the ops with documents from carried states is refused, naming it;
+    docs that do not match the slice are refused; the RG-LRU without its positions is refused."""
+    with pytest.raises(ValueError, match=r"selective scan op run on backend torch or triton, not 'sdpa'"):
+        cp._docs_backend("selective scan", "sdpa")
+    assert cp._docs_backend("delta rule", "reference") == "torch"
     mixer = _tiny_lm(["deltanet"]).layers[0].mixer
     s, e = _bounds(T, world, rank)
     lengths = cp.split_lengths(T, world)
@@ -159,6 +161,18 @@ def _checks(rank, world):
         out["mixer_" + kind] = (lambda kk: lambda: check_mixer_docs(kk, rank, world))(kind)
         out["reference_" + kind] = (lambda kk: lambda: check_mixer_docs(kk, rank, world, "reference"))(kind)
     return out
+
+
+#: the summary kinds on their Triton kernels through cp_mixer (one per summary combine: Gated
+#: DeltaNet shares DeltaNet's, ``_summary_runs``, and its route is tested op by op below; the
+#: RG-LRU's linear scan takes its resets through ``linear_scan_reset``, tested with the kernel
+#: elsewhere); ~35-45 s each under the interpreter
+TRITON_KINDS = ["deltanet", "mamba"]
+
+
+def _triton_checks(rank, world):
+    return {kind: (lambda kk: lambda: check_mixer_docs(kk, rank, world, backend="triton"))(kind)
+            for kind in TRITON_KINDS}
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["world2", "world4"])
@@ -203,3 +217,88 @@ def test_refusals(results):
     world, res, err = results
     for r, rr in enumerate(res):
         assert "refusals" in rr and rr["refusals"] is None, f"rank {r} of {world}: {rr.get('refusals')} ({err})"
+
+
+# ---- the Triton route (one process, the interpreter on CPU) ---------------------------------
+
+def _slice_docs(start, end):
+    return cp.SliceDocs.of(DocLayout.build(POSITIONS), start, end)
+
+
+#: slices of POSITIONS: [4, 10) (row 0 continues a document into a one-token piece, row 1 has a
+#: 2-token piece at its end, row 2 no start) and [7, 13) (a start on the first token of row 0)
+TRITON_SLICES = [(4, 10), (7, 13)]
+
+
+def _grads(outs, ins, seed):
+    g = torch.Generator().manual_seed(seed)
+    loss = sum((o * torch.randn(o.shape, generator=g, dtype=o.dtype)).sum() for o in outs)
+    return torch.autograd.grad(loss, ins)
+
+
+def _compare_backends(fn, ins, seed):
+    """fn(backend, *ins) → (y, final per row) on "torch" and "triton": the largest relative
+    difference of the outputs, the final states and every input's gradient."""
+    leaves = {b: [_leaf(t) if t is not None else None for t in ins] for b in ("torch", "triton")}
+    res = {}
+    for b, ls in leaves.items():
+        outs = fn(b, *ls)
+        res[b] = (outs, _grads(outs, [t for t in ls if t is not None], seed))
+    (o_t, g_t), (o_x, g_x) = res["torch"], res["triton"]
+    return max([_maxdiff(a, b) for a, b in zip(o_x, o_t)] + [_maxdiff(a, b) for a, b in zip(g_x, g_t)])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("gated", [False, True], ids=["delta_rule", "gated_delta_rule"])
+def test_delta_rule_docs_triton_route(gated):
+    """delta_rule_docs on the Triton kernel's cu_seqlens path (each row's state routed to its first
+    piece, its final state its last piece's) equals the PyTorch chunked form with resets: outputs,
+    final states, gradients of q, k, v, (g,) β and the initial states. Float64 under the
+    interpreter (the two forms differ by summation order only, ~1e-15)."""
+    torch.manual_seed(0)
+    for start, end in TRITON_SLICES:
+        docs = _slice_docs(start, end)
+        B, T, H, dk, dv = 3, end - start, 2, 4, 3
+        q = torch.randn(B, H, T, dk, dtype=torch.float64)
+        k = F.normalize(torch.randn(B, H, T, dk, dtype=torch.float64), dim=-1)
+        v = torch.randn(B, H, T, dv, dtype=torch.float64)
+        beta = torch.sigmoid(torch.randn(B, H, T, dtype=torch.float64))
+        g = -0.3 * torch.rand(B, H, T, dtype=torch.float64) if gated else None
+        S0 = torch.randn(B, H, dk, dv, dtype=torch.float64)
+        fn = lambda b, q, k, v, beta, S0, g: cp.delta_rule_docs(q, k, v, beta, S0, docs, b, 16, g)
+        err = _compare_backends(fn, [q, k, v, beta, S0, g], seed=start)
+        assert err < TOL, f"slice [{start}, {end}): {err:.3e}"
+
+
+@pytest.mark.slow
+def test_selective_scan_docs_triton_route():
+    """selective_scan_docs on the Triton kernel's cu_seqlens path equals the PyTorch chunked form
+    with resets: outputs, final states and the gradients of every input and the initial states."""
+    torch.manual_seed(1)
+    Di, N = 5, 4
+    A = -torch.rand(Di, N, dtype=torch.float64) - 0.5
+    D = torch.randn(Di, dtype=torch.float64)
+    bias = torch.randn(Di, dtype=torch.float64) * 0.1
+    for start, end in TRITON_SLICES:
+        docs = _slice_docs(start, end)
+        B, T = 3, end - start
+        x, z, delta = (torch.randn(B, T, Di, dtype=torch.float64) for _ in range(3))
+        Bm, Cm = torch.randn(B, T, N, dtype=torch.float64), torch.randn(B, T, N, dtype=torch.float64)
+        h0 = torch.randn(B, Di, N, dtype=torch.float64)
+
+        def fn(b, x, delta, A, Bm, Cm, D, z, bias, h0):
+            inp = dict(x=x, delta=delta, A=A, B=Bm, C=Cm, D=D, z=z, delta_bias=bias, delta_softplus=True,
+                       chunk_size=4, resets=docs.starts)
+            return cp.selective_scan_docs(inp, h0, docs, b)
+        err = _compare_backends(fn, [x, delta, A, Bm, Cm, D, z, bias, h0], seed=start)
+        assert err < TOL, f"slice [{start}, {end}): {err:.3e}"
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_mixer_docs_triton(tmp_path):
+    """DeltaNet and Mamba on their Triton kernels (the interpreter on CPU) through cp_mixer with
+    SliceDocs, 2 ranks: equal to the one-process packed run on the same kernels."""
+    res = spawn_checks(2, __name__, tmp_path, "_triton_checks", stop_on_failure=True, timeout_s=120)
+    for kind in TRITON_KINDS:
+        assert_within((2,) + tuple(res), kind, TOL)
