@@ -81,6 +81,34 @@ def check_mixer_docs(kind, rank, world, impl="chunked", backend=None):
     return max([err] + [_maxdiff(p.grad, ref[n]) for n, p in mixer.named_parameters() if n in ref])
 
 
+def check_lm_docs(rank, world):
+    """A whole LM of every kind with a parallel form, ``model.reset_at_doc_boundaries`` on:
+    ``context_parallel_forward`` with the loader's positions (mean loss, logits, all-reduced
+    gradients) equals ``LM.forward(ids, position_ids=pos)``."""
+    import torch.distributed as dist
+    model = _tiny_lm(FORM_KINDS)
+    model.cfg.reset_at_doc_boundaries = True
+    pos = POSITIONS
+    g = torch.Generator().manual_seed(13)
+    ids = torch.randint(0, 61, tuple(pos.shape), generator=g)
+    labels = torch.randint(0, 61, tuple(pos.shape), generator=g)
+    labels[0, 2] = -100
+    logits = model(ids, position_ids=pos).logits
+    loss = F.cross_entropy(logits.reshape(-1, 61), labels.reshape(-1), ignore_index=-100)
+    loss.backward()
+    ref = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    s, e = _bounds(T, world, rank)
+    loss_r, logits_r = cp.context_parallel_forward(model, ids[:, s:e], labels[:, s:e], position_ids_local=pos[:, s:e])
+    loss_r.backward()
+    cp.allreduce_gradients(model)
+    mean_loss = loss_r.detach().clone()
+    dist.all_reduce(mean_loss)
+    mean_loss /= world
+    err = max(abs(float(mean_loss - loss.detach())) / float(loss.detach()), _maxdiff(logits_r, logits[:, s:e]))
+    return max([err] + [_maxdiff(p.grad, ref[n]) for n, p in model.named_parameters()])
+
+
 def _pieces(pos_row):
     """[(start, end)) of each document piece of one row."""
     starts = DocLayout.build(pos_row[None]).starts[0].nonzero()[:, 0].tolist()
@@ -156,7 +184,8 @@ def check_refusals(rank, world):
 def _checks(rank, world):
     out = {"delta_rule_resets": lambda: check_delta_rule_resets(rank, world, False),
            "gated_delta_rule_resets": lambda: check_delta_rule_resets(rank, world, True),
-           "refusals": lambda: check_refusals(rank, world)}
+           "refusals": lambda: check_refusals(rank, world),
+           "lm": lambda: check_lm_docs(rank, world)}
     for kind in FORM_KINDS:
         out["mixer_" + kind] = (lambda kk: lambda: check_mixer_docs(kk, rank, world))(kind)
         out["reference_" + kind] = (lambda kk: lambda: check_mixer_docs(kk, rank, world, "reference"))(kind)
@@ -210,6 +239,13 @@ def test_delta_rule_summaries_with_resets(results):
 def test_gated_delta_rule_summaries_with_resets(results):
     """The same for the gated delta rule."""
     assert_within(results, "gated_delta_rule_resets", TOL)
+
+
+@pytest.mark.dist
+def test_lm_docs(results):
+    """The whole LM (attention, local attention, RG-LRU, DeltaNet, Gated DeltaNet, Mamba) with
+    document resets under context parallelism equals the one-process run."""
+    assert_within(results, "lm", TOL)
 
 
 @pytest.mark.dist
