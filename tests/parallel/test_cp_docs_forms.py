@@ -15,9 +15,14 @@ boundaries; a document starting exactly at a rank's first token; one-token docum
 of 2 tokens (shorter than the convolutions' width 4) crossing a boundary with an earlier
 document's tokens in the halo; a row without an inner start (its state crosses every rank).
 
-The op-level checks run ``cp_delta_rule`` / ``cp_gated_delta_rule`` with ``resets`` against the
+The op-level checks run ``cp_delta_rule`` / ``cp_gated_delta_rule`` with ``docs`` against the
 sequential reference run on each document piece alone (a plain loop over the pieces), outputs,
-the state after each slice, and the gradients of every input.
+the state after each slice, and the gradients of every input. The whole LM of these kinds with
+``model.reset_at_doc_boundaries`` runs through ``context_parallel_forward``.
+
+The Triton route (marked slow, the interpreter on CPU): ``delta_rule_docs`` and
+``selective_scan_docs`` on the kernels' ``cu_seqlens`` path against their PyTorch chunked forms
+with resets, in one process; DeltaNet and Mamba on their kernels through ``cp_mixer`` on 2 ranks.
 """
 from __future__ import annotations
 

@@ -58,10 +58,15 @@ first token only where the position is 0), the global piece ``offset``, ``seg`` 
   (Π_{τ≤t} a_τ) h_in(r), Π = 0 from the first start on) lets the carried state reach exactly the
   tokens before the row's first local start. The RG-LRU reads the documents from its segment
   positions (resets where the position is 0, its conv masked by them) as the one-process run does.
+  The ops with documents run in their PyTorch chunked forms with ``resets`` (``impl="reference"``
+  too: the sequential reference ops take no resets) or on the Triton kernels' ``cu_seqlens`` path
+  over the slice's own pieces, each row's carried state routed to its first piece and its final
+  state taken from its last piece (``delta_rule_docs``, ``selective_scan_docs``).
 * Key-value exchange with documents: q and k are rotated at the global piece offsets, and query
   t of slice r sees gathered key s only if s ≤ start_r + t (and s > start_r + t − w for a window)
   and both lie in the same piece: seg_t = seg_upto_s, a boolean mask [B, 1, T_r, K] over the
-  gathered keys (SDPA / the explicit softmax; see ``Attention._attend_masked``).
+  gathered keys (SDPA or the explicit softmax: flash-attn and flex fall back to SDPA with this
+  mask, ``Attention._attend_masked``).
 
 Gradients flow through collectives wrapped in autograd Functions: all-gather's backward sums
 every rank's gradient for the gathered tensor (all-reduce) and keeps the slice of this rank;
