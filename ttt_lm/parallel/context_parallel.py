@@ -66,7 +66,7 @@ first token only where the position is 0), the global piece ``offset``, ``seg`` 
   t of slice r sees gathered key s only if s ≤ start_r + t (and s > start_r + t − w for a window)
   and both lie in the same piece: seg_t = seg_upto_s, a boolean mask [B, 1, T_r, K] over the
   gathered keys (SDPA or the explicit softmax: flash-attn and flex fall back to SDPA with this
-  mask, ``Attention._attend_masked``).
+  mask: the attention op's ``doc_mask``).
 
 Gradients flow through collectives wrapped in autograd Functions: all-gather's backward sums
 every rank's gradient for the gathered tensor (all-reduce) and keeps the slice of this rank;
