@@ -256,16 +256,31 @@ class DocLayout:
         return flat.index_select(0, self._dest()).view(B, T, *y.shape[2:])
 
 
-def masked_conv(conv: torch.nn.Conv1d, x: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+def masked_conv(conv: torch.nn.Conv1d, x: torch.Tensor, offset: torch.Tensor,
+                cache: Optional[torch.Tensor] = None) -> torch.Tensor:
     """A depthwise causal ``nn.Conv1d`` (weight [C, 1, w], y_t = b + Σ_j weight[:, j] x_{t−w+1+j})
     over x [B, T, C] restarted at each document start, from zero history: y_t = b + Σ_{j<w,
     j ≤ offset_t} W_j ⊙ x_{t−j}, ``offset`` [B, T] the token's index in its document (the taps
     that would read the previous document are masked, not sliced): the convolution of each
-    document alone."""
+    document alone.
+
+    ``cache`` [B, C, w − 1] (None: zeros): the w − 1 inputs just before x (x_{−w+1} … x_{−1}), for
+    a slice of longer rows (context parallelism's halo); ``offset`` then counts from each piece's
+    first token wherever it lies, so a tap reaches into the cache only for a document that began
+    before the slice, and the same mask drops the cached inputs of an earlier document."""
     w = conv.kernel_size[0]
     weight = conv.weight[:, 0, :]                       # [C, w]; tap j (x_{t−j}) is weight[:, w−1−j]
     y = conv.bias.to(x.dtype).expand_as(x) if conv.bias is not None else torch.zeros_like(x)
     T = x.shape[1]
+    if cache is not None:
+        if cache.shape != (x.shape[0], x.shape[2], w - 1):
+            raise ValueError(f"masked_conv: cache must be [B, C, w − 1] = {(x.shape[0], x.shape[2], w - 1)}, "
+                             f"got {tuple(cache.shape)}")
+        xp = torch.cat([cache.to(x.dtype).transpose(1, 2), x], 1)   # [B, w − 1 + T, C]
+        for j in range(w):
+            keep = (offset >= j).unsqueeze(-1).to(x.dtype)
+            y = y + weight[:, w - 1 - j].to(x.dtype) * xp[:, w - 1 - j:w - 1 - j + T] * keep
+        return y
     for j in range(min(w, T)):
         xs = x if j == 0 else torch.nn.functional.pad(x[:, :T - j], (0, 0, j, 0))
         keep = (offset >= j).unsqueeze(-1).to(x.dtype)
@@ -273,10 +288,11 @@ def masked_conv(conv: torch.nn.Conv1d, x: torch.Tensor, offset: torch.Tensor) ->
     return y
 
 
-def doc_conv(conv, x: torch.Tensor, docs: DocLayout) -> torch.Tensor:
+def doc_conv(conv, x: torch.Tensor, docs, cache: Optional[torch.Tensor] = None) -> torch.Tensor:
     """A ``CausalConv1d`` over the packed rows x [B, T, C], restarted at each document start
-    (``masked_conv``)."""
-    return masked_conv(conv.conv, x, docs.offset)
+    (``masked_conv`` at ``docs.offset``). ``cache`` [B, C, w − 1]: the inputs before x (a slice
+    of longer rows: ``docs`` then a ``SliceDocs``, its offsets counted over the whole rows)."""
+    return masked_conv(conv.conv, x, docs.offset, cache)
 
 
 @dataclass

@@ -59,10 +59,38 @@ Three schemes, each exact (outputs and gradients equal one pass over the whole s
 
 * **Key-value exchange** (attention) all-gathers the keys and values (after RoPE at their global
   positions); rank r attends from its queries (RoPE at start_r + t) to the keys of ranks < r and
-  its own, causally.
+  its own, causally. With packed documents see below.
 
 Short causal convolutions before an op need the last w − 1 inputs of the tokens
 before the slice: an all-gather of each rank's last w − 1 mixer inputs (the "halo").
+
+**Packed documents** (``model.reset_at_doc_boundaries`` with the loader's positions): every
+document piece of a row is read from a fresh state, as in the one-process
+``LM.forward(ids, position_ids=pos)``. The whole rows' ``DocLayout`` is built once (positions
+gathered) and each rank gets its slice of it, ``SliceDocs``: ``starts`` (a start on rank r > 0's
+first token only where the position is 0), the global piece ``offset``, ``seg`` / ``seg_upto``.
+
+* Summaries with documents. The convolutions mask their taps by the global offset, the halo
+  included: y_t = b + Σ_{j<w, j ≤ offset_t} W_j ⊙ x_{t−j}, x_{t−j} from the halo for t < j
+  (``doc_conv`` with the cache), so an earlier document's inputs in the halo are dropped. The ops
+  run with resets at ``starts`` (the state set to zero before a start's update), which keeps the
+  combination affine: on a row with a start in slice r the state entering the slice does not reach
+  its end, so its transition is zero — P_r = 0 for the delta rules (the run of [v, 0] from
+  [0, I] with the same resets ends in [S^loc(r), 0]), A_r = 0 (log A_r = −∞) for the diagonal
+  scans — while S^loc(r) / h^loc(r) is the state of the row's last piece from its start. The
+  exclusive scan over ranks is unchanged, and the second run from S_in(r) (or h_t = h^loc_t +
+  (Π_{τ≤t} a_τ) h_in(r), Π = 0 from the first start on) lets the carried state reach exactly the
+  tokens before the row's first local start. The RG-LRU reads the documents from its segment
+  positions (resets where the position is 0, its conv masked by them) as the one-process run does.
+  The ops with documents run in their PyTorch chunked forms with ``resets`` (``impl="reference"``
+  too: the sequential reference ops take no resets) or on the Triton kernels' ``cu_seqlens`` path
+  over the slice's own pieces, each row's carried state routed to its first piece and its final
+  state taken from its last piece (``delta_rule_docs``, ``selective_scan_docs``).
+* Key-value exchange with documents: q and k are rotated at the global piece offsets, and query
+  t of slice r sees gathered key s only if s ≤ start_r + t (and s > start_r + t − w for a window)
+  and both lie in the same piece: seg_t = seg_upto_s, a boolean mask [B, 1, T_r, K] over the
+  gathered keys (SDPA or the explicit softmax: flash-attn and flex fall back to SDPA with this
+  mask: the attention op's ``doc_mask``).
 
 Gradients flow through collectives wrapped in autograd Functions: all-gather's backward sums
 every rank's gradient for the gathered tensor (all-reduce) and keeps the slice of this rank;
@@ -91,8 +119,12 @@ import torch.nn.functional as F
 
 from kernels import delta_rule as _dr
 from kernels import gated_delta_rule as _gdr
+from kernels.delta_rule.torch_chunk import delta_rule_chunk_torch
+from kernels.gated_delta_rule.torch_chunk import gated_delta_rule_chunk_torch
 from kernels.linear_scan import linear_scan, linear_scan_reset
-from ttt_lm.model.docs import DocLayout
+from kernels.selective_scan import selective_scan
+from kernels.selective_scan.torch_chunk import selective_scan_chunk
+from ttt_lm.model.docs import DocLayout, unflatten_heads, varlen_heads
 from ttt_lm.model.layers import acc
 
 # ---------------------------------------------------------------------------------------------
@@ -508,6 +540,12 @@ class SliceDocs:
         return cls(starts, offset, seg_all[:, start:end], seg_all[:, :end], head, continues,
                    DocLayout.build(offset))
 
+    @property
+    def cu_seqlens(self) -> torch.Tensor:
+        """The slice's own pieces (``local.cu_seqlens``: every row's first local token starts one),
+        over the slice flattened to one row [1, B·T_r]."""
+        return self.local.cu_seqlens
+
     def rows(self, index: torch.Tensor) -> "SliceDocs":
         """These rows only (a pipeline group of the state-passing forms; ``seg_upto`` and the
         local layout taken for them)."""
@@ -576,48 +614,112 @@ def cp_linear_scan(log_a: torch.Tensor, b: torch.Tensor, group=None, backend: st
     return h.to(b.dtype), h[:, -1]
 
 
-def cp_delta_rule(q, k, v, beta, group=None, backend: str = "torch", chunk_size: int = 64
-                  ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``kernels.delta_rule.delta_rule`` over a sequence split along T across the group (q, k
-    [B, H, T_r, d_k], v [B, H, T_r, d_v], β [B, H, T_r]; the sequence starts from S = 0).
-    Returns (o [B, H, T_r, d_v], the state after this rank's slice [B, H, d_k, d_v])."""
+def _docs_backend(name: str, backend) -> str:
+    """The backend that runs an op over a slice with document starts from per-row carried states:
+    "torch", the PyTorch chunked form with ``resets`` (which takes an initial and gives a final
+    state; the sequential reference ops have no resets, so ``impl="reference"`` runs it too), or
+    "triton", the kernel's ``cu_seqlens`` path over the slice's own pieces (``_route_rows``)."""
+    if backend in ("torch", "reference"):
+        return "torch"
+    if backend == "triton":
+        return "triton"
+    raise ValueError(f"context parallel: packed documents with the {name} op run on backend torch or triton, "
+                     f"not {str(backend)!r}")
+
+
+def _route_rows(docs: SliceDocs, S0: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """Per-row initial states S0 [B, ...] → the initial states [N, ...] of the slice's own pieces
+    (``docs.local``, N pieces over the slice flattened to one row, the order of ``docs.cu_seqlens``):
+    a row's first piece starts from its row's state where the row continues a document of an
+    earlier rank (``docs.continues``; a start on the row's first token drops it, as a reset does),
+    every other piece from zero. Differentiable in S0."""
+    if S0 is None:
+        return None
+    keep = docs.continues.to(S0.dtype).view(-1, *[1] * (S0.dim() - 1))
+    first = docs.local.doc_index[:, 0]
+    return S0.new_zeros(docs.local.n_docs, *S0.shape[1:]).index_copy(0, first, S0 * keep)
+
+
+def _rows_final(docs: SliceDocs, fin: torch.Tensor) -> torch.Tensor:
+    """The final states [N, ...] of the slice's pieces → each row's [B, ...]: its last piece's."""
+    return fin.index_select(0, docs.local.doc_index[:, -1])
+
+
+def delta_rule_docs(q, k, v, beta, S0, docs: SliceDocs, backend: str = "torch", chunk_size: int = 64,
+                    g: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The delta rule (the gated one when ``g`` is given) over a slice of packed rows (q, k
+    [B, H, T_r, d_k], v [B, H, T_r, d_v], β (g) [B, H, T_r]) from the per-row states S0
+    [B, H, d_k, d_v], S = 0 before the update at each ``docs.starts``. Returns (o, each row's
+    state after the slice). "torch" (``_docs_backend``): the PyTorch chunked form with
+    ``resets``; "triton": the kernel's ``cu_seqlens`` path over the batch flattened to one row,
+    S0 routed to each row's first piece, each row's final state its last piece's
+    (``_route_rows``, ``_rows_final``)."""
+    backend = _docs_backend("gated delta rule" if g is not None else "delta rule", backend)
+    if backend == "torch":
+        if g is None:
+            return delta_rule_chunk_torch(q, k, v, beta, S0, True, chunk_size, docs.starts)
+        return gated_delta_rule_chunk_torch(q, k, v, g, beta, S0, True, chunk_size, docs.starts)
+    flat = varlen_heads(q, k, v, beta) if g is None else varlen_heads(q, k, v, g, beta)
+    op = _dr.delta_rule_triton if g is None else _gdr.gated_delta_rule_triton
+    if op is None:
+        raise ValueError("context parallel: backend triton for the delta rules needs triton installed")
+    o, fin = op(*flat, _route_rows(docs, S0), True, chunk_size, docs.cu_seqlens)
+    return unflatten_heads(o, q.shape[0]), _rows_final(docs, fin)
+
+
+def _affine_summary_scan(fin: torch.Tensor, dv: int, group) -> torch.Tensor:
+    """S_in(r) from every rank's [S^loc, P] (the exclusive scan S_in(r) = P_{r−1} S_in(r−1) +
+    S^loc(r−1), S_in(0) = 0)."""
     rank, _ = _rank_world(group)
-    B, H, T, dk = k.shape
-    dv = v.shape[-1]
-    sd = acc(v[:0]).dtype
-    # [v, 0] from [0, I]: the final state is [S^loc, P] with P = Π (I − β k kᵀ)
-    v_ext = torch.cat([v, v.new_zeros(B, H, T, dk)], -1)
-    eye = torch.eye(dk, dtype=sd, device=v.device).expand(B, H, dk, dk)
-    init = torch.cat([torch.zeros(B, H, dk, dv, dtype=sd, device=v.device), eye], -1)
-    _, fin = _dr.delta_rule(q, k, v_ext, beta, init, True, backend=backend, chunk_size=chunk_size)
     g = all_gather(fin, group)                                        # [world, B, H, dk, dv + dk]
     S_in = g[:0, ..., :dv].sum(0)   # zeros, connected to the gather (see module doc)
     for s in range(rank):
         S_in = g[s, ..., dv:] @ S_in + g[s, ..., :dv]
-    return _dr.delta_rule(q, k, v, beta, S_in, True, backend=backend, chunk_size=chunk_size)
+    return S_in
 
 
-def cp_gated_delta_rule(q, k, v, g, beta, group=None, backend: str = "torch", chunk_size: int = 64
-                        ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``kernels.gated_delta_rule.gated_delta_rule`` over a sequence split along T across the
-    group (q, k [B, H, T_r, d_k], v [B, H, T_r, d_v], g, β [B, H, T_r]; the sequence starts from
-    S = 0), by ``cp_delta_rule``'s summaries with P_r = Π α_t (I − β_t k_t k_tᵀ).
-    Returns (o [B, H, T_r, d_v], the state after this rank's slice [B, H, d_k, d_v])."""
-    rank, _ = _rank_world(group)
+def _summary_runs(q, k, v, beta, g, group, backend, chunk_size, docs):
+    """``cp_delta_rule`` / ``cp_gated_delta_rule`` (g None or the log decays)."""
     B, H, T, dk = k.shape
     dv = v.shape[-1]
     sd = acc(v[:0]).dtype
-    op = _gdr.gated_delta_rule_trusted
-    # [v, 0] from [0, I]: the final state is [S^loc, P]
+    if docs is not None:
+        run = lambda vv, S0: delta_rule_docs(q, k, vv, beta, S0, docs, backend, chunk_size, g)
+    elif g is None:
+        run = lambda vv, S0: _dr.delta_rule(q, k, vv, beta, S0, True, backend=backend, chunk_size=chunk_size)
+    else:
+        run = lambda vv, S0: _gdr.gated_delta_rule_trusted(q, k, vv, g, beta, S0, True, backend=backend,
+                                                           chunk_size=chunk_size)
+    # [v, 0] from [0, I]: the final state is [S^loc, P] with P = Π (α) (I − β k kᵀ)
     v_ext = torch.cat([v, v.new_zeros(B, H, T, dk)], -1)
     eye = torch.eye(dk, dtype=sd, device=v.device).expand(B, H, dk, dk)
     init = torch.cat([torch.zeros(B, H, dk, dv, dtype=sd, device=v.device), eye], -1)
-    _, fin = op(q, k, v_ext, g, beta, init, True, backend=backend, chunk_size=chunk_size)
-    gath = all_gather(fin, group)                                     # [world, B, H, dk, dv + dk]
-    S_in = gath[:0, ..., :dv].sum(0)   # zeros, connected to the gather (see module doc)
-    for s in range(rank):
-        S_in = gath[s, ..., dv:] @ S_in + gath[s, ..., :dv]
-    return op(q, k, v, g, beta, S_in, True, backend=backend, chunk_size=chunk_size)
+    _, fin = run(v_ext, init)
+    return run(v, _affine_summary_scan(fin, dv, group))
+
+
+def cp_delta_rule(q, k, v, beta, group=None, backend: str = "torch", chunk_size: int = 64,
+                  docs: Optional[SliceDocs] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``kernels.delta_rule.delta_rule`` over a sequence split along T across the group (q, k
+    [B, H, T_r, d_k], v [B, H, T_r, d_v], β [B, H, T_r]; the sequence starts from S = 0).
+    Returns (o [B, H, T_r, d_v], the state after this rank's slice [B, H, d_k, d_v]).
+
+    ``docs`` (``SliceDocs``, packed documents): S = 0 before the update at each ``docs.starts``
+    (``delta_rule_docs``). The run of [v, 0] from [0, I] with the same starts zeroes the I block
+    too, so a row with a start in the slice ends in [S^loc, 0]: P_r = 0, the state from earlier
+    ranks does not reach the slice's end, and the exclusive scan is unchanged; the second run from
+    S_in(r) lets S_in reach only the tokens before the row's first start."""
+    return _summary_runs(q, k, v, beta, None, group, backend, chunk_size, docs)
+
+
+def cp_gated_delta_rule(q, k, v, g, beta, group=None, backend: str = "torch", chunk_size: int = 64,
+                        docs: Optional[SliceDocs] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``kernels.gated_delta_rule.gated_delta_rule`` over a sequence split along T across the
+    group (q, k [B, H, T_r, d_k], v [B, H, T_r, d_v], g, β [B, H, T_r]; the sequence starts from
+    S = 0), by ``cp_delta_rule``'s summaries with P_r = Π α_t (I − β_t k_t k_tᵀ).
+    Returns (o [B, H, T_r, d_v], the state after this rank's slice [B, H, d_k, d_v]).
+    ``docs``: as ``cp_delta_rule``'s (P_r = 0 on a row with a start in the slice)."""
+    return _summary_runs(q, k, v, beta, g, group, backend, chunk_size, docs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -625,34 +727,66 @@ def cp_gated_delta_rule(q, k, v, g, beta, group=None, backend: str = "torch", ch
 # ---------------------------------------------------------------------------------------------
 
 
-def _summary_linear_scan(mixer, inp, group, backend):
+def _summary_linear_scan(mixer, inp, group, backend, docs=None):
+    """The RG-LRU's documents are its resets from segment positions (``inp["reset"]``), which
+    ``docs`` does not change."""
     reset = inp.get("reset")
     h, _ = cp_linear_scan(inp["log_a"], inp["b"], group, backend, inp["chunk_size"],
                           reset if reset is not None and bool(reset.any()) else None)
     return h
 
 
-def _summary_delta_rule(mixer, inp, group, backend):
-    y, _ = cp_delta_rule(inp["q"], inp["k"], inp["v"], inp["beta"], group, backend, inp["chunk_size"])
+def _summary_delta_rule(mixer, inp, group, backend, docs=None):
+    y, _ = cp_delta_rule(inp["q"], inp["k"], inp["v"], inp["beta"], group, backend, inp["chunk_size"], docs)
     return y
 
 
-def _summary_gated_delta_rule(mixer, inp, group, backend):
+def _summary_gated_delta_rule(mixer, inp, group, backend, docs=None):
     y, _ = cp_gated_delta_rule(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], group, backend,
-                               inp["chunk_size"])
+                               inp["chunk_size"], docs)
     return y
 
 
-def _summary_selective_scan(mixer, inp, group, backend):
+def selective_scan_docs(inp: dict, h0: Optional[torch.Tensor], docs: SliceDocs, backend: str = "torch"
+                        ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The selective scan (``inp``: ``kernels.selective_scan``'s arguments, [B, T_r, ·]) over a
+    slice of packed rows from the per-row states h0 [B, d_inner, N] (None: zero), Ā_t = 0 at each
+    ``docs.starts``. Returns (y, each row's state after the slice). "torch": the PyTorch chunked
+    form with ``resets``; "triton": the kernel's ``cu_seqlens`` path over the batch flattened to
+    one row, h0 routed to each row's first piece (``_route_rows``, ``_rows_final``)."""
+    backend = _docs_backend("selective scan", backend)
+    args = {n: t for n, t in inp.items() if n not in ("resets", "cu_seqlens")}
+    if backend == "torch":
+        return selective_scan_chunk(**args, initial_state=h0, output_final_state=True, resets=docs.starts)
+    B, T = docs.starts.shape
+    for n in ("x", "delta", "B", "C", "z"):
+        if args.get(n) is not None:
+            args[n] = args[n].reshape(1, B * T, args[n].shape[-1])
+    y, fin = selective_scan(**args, initial_state=_route_rows(docs, h0), output_final_state=True,
+                            backend="triton", cu_seqlens=docs.cu_seqlens)
+    return y.view(B, T, y.shape[-1]), _rows_final(docs, fin)
+
+
+def _summary_selective_scan(mixer, inp, group, backend, docs=None):
     """The selective scan's summary is A_r = exp(Σ_t Δ_t A) and the final state from zero; a
-    second run of the op from the combined initial state gives the outputs."""
-    _, h_loc = mixer.op(inp, None, True, backend)
+    second run of the op from the combined initial state gives the outputs. With packed documents
+    (``docs``: Ā_t = 0 at each start, ``selective_scan_docs``) a row with a start in the slice has
+    A_r = 0 (log A_r = −∞, as ``cp_linear_scan``'s resets), so the state of earlier ranks stops
+    there, and the second run lets h_in reach only the tokens before the row's first start."""
+    if docs is not None:
+        _, h_loc = selective_scan_docs(inp, None, docs, backend)
+    else:
+        _, h_loc = mixer.op(inp, None, True, backend)
     Delta = acc(inp["delta"])
     if inp.get("delta_bias") is not None:
         Delta = Delta + acc(inp["delta_bias"])
     if inp.get("delta_softplus"):
         Delta = F.softplus(Delta)
     log_A = Delta.sum(1)[..., None] * inp["A"]                        # [B, d_inner, N]
+    if docs is not None:
+        log_A = log_A.masked_fill(docs.starts.any(1)[:, None, None], float("-inf"))
+        y, _ = selective_scan_docs(inp, _diag_initial_state(log_A, h_loc, group), docs, backend)
+        return y
     h_in = _diag_initial_state(log_A, h_loc, group)
     y, _ = mixer.op(inp, h_in, False, backend)
     return y
@@ -672,33 +806,63 @@ def _context_state(mixer, x, lengths, group):
     return mixer.context_state(xh, valid, sum(lengths[:rank]))
 
 
+def _check_docs(docs, x) -> None:
+    if not isinstance(docs, SliceDocs):
+        raise TypeError(f"context parallel: docs must be this rank's SliceDocs (slice_docs), got {type(docs).__name__}")
+    if tuple(docs.offset.shape) != tuple(x.shape[:2]):
+        raise ValueError(f"context parallel: docs cover [B, T_r] = {tuple(docs.offset.shape)} but the slice x is "
+                         f"{tuple(x.shape[:2])}")
+
+
 def cp_summary(mixer, x, lengths, group=None, docs: Optional[SliceDocs] = None, **kw) -> torch.Tensor:
     """A mixer with ``cp_form="summary"``: its inputs stage (conv halo from earlier ranks), its
     op by chunk summaries combined across ranks (``SUMMARY_COMBINES[mixer.op_name]``), its
-    output stage. ``kw``: ``segment_pos`` for mixers that read it. ``docs``: packed documents
-    (``SliceDocs``)."""
+    output stage. ``kw``: ``segment_pos`` for mixers that read it.
+
+    ``docs`` (``SliceDocs``, packed documents): ``inputs(x, state, docs=docs)`` with the halo
+    state, so the convolutions mask their taps by the global ``offset`` (the halo's inputs of an
+    earlier document dropped, ``doc_conv``'s cache), and the op gets ``resets`` = ``docs.starts``
+    (a start on rank r > 0's first token only where its position is 0); the summary combines
+    handle the resets (``cp_delta_rule``, ``_summary_selective_scan``; the RG-LRU's resets come
+    from its segment positions, ``cp_linear_scan``). Backends with documents: the PyTorch chunked
+    forms (also for ``impl="reference"``: the sequential reference ops take no resets) and the
+    Triton kernels' ``cu_seqlens`` paths, each row's carried state routed to its first piece
+    (``delta_rule_docs``, ``selective_scan_docs``)."""
     if docs is not None:
-        raise NotImplementedError("cp_summary with packed documents")
+        _check_docs(docs, x)
+        kw = {**kw, "docs": docs}
     inp, _ = mixer.inputs(x, _context_state(mixer, x, lengths, group), False, **kw)
-    y = SUMMARY_COMBINES[mixer.op_name](mixer, inp, group, mixer.op_backend(x))
+    y = SUMMARY_COMBINES[mixer.op_name](mixer, inp, group, mixer.op_backend(x), docs)
     return mixer.output(y, x)
 
 
 def cp_kv_exchange(mixer, x, lengths, group=None, docs: Optional[SliceDocs] = None, **kw) -> torch.Tensor:
     """A mixer with ``cp_form="kv_exchange"`` (attention): queries at their global positions
     attend to the gathered keys and values of earlier ranks (a window keeps the last w − 1) and
-    to their own."""
-    if docs is not None:
-        raise NotImplementedError("cp_kv_exchange with packed documents")
+    to their own.
+
+    ``docs`` (``SliceDocs``, packed documents): q and k are rotated at the global piece offsets
+    (``docs.offset``, as the one-process run rotates at ``DocLayout.offset``), and the op gets
+    ``doc_mask`` [B, 1, T_r, K]: query t (piece ``docs.seg``) sees gathered key s only in the
+    same piece (``docs.seg_upto``, trimmed as the keys are for a window), and'ed with the causal
+    (windowed) mask inside the op."""
     rank, _ = _rank_world(group)
+    if docs is not None:
+        _check_docs(docs, x)
+        kw = {**kw, "docs": docs}
     inp, _ = mixer.inputs(x, _context_state(mixer, x, lengths, group), False, **kw)
     k, v = inp["k"], inp["v"]
     parts = all_gather_varlen(torch.cat([k, v], 1), 2, lengths, group)
     kv = torch.cat([parts[0][:, :, :0]] + [parts[s] for s in range(rank)] + [torch.cat([k, v], 1)], 2)
+    first = 0                                                         # global index of the first key kept
     if mixer.window is not None:
-        kv = kv[:, :, max(0, kv.shape[2] - (mixer.window - 1) - x.shape[1]):]
+        first = max(0, kv.shape[2] - (mixer.window - 1) - x.shape[1])
+        kv = kv[:, :, first:]
     k_all, v_all = kv.split([k.shape[1], v.shape[1]], 1)
-    y, _ = mixer.op({**inp, "k": k_all, "v": v_all}, backend=mixer.op_backend(x))
+    op_inp = {**inp, "k": k_all, "v": v_all}
+    if docs is not None:
+        op_inp["doc_mask"] = (docs.seg[:, :, None] == docs.seg_upto[:, None, first:])[:, None]
+    y, _ = mixer.op(op_inp, backend=mixer.op_backend(x))
     return mixer.output(y, x)
 
 
@@ -726,6 +890,9 @@ def cp_mixer(mixer, x_local, lengths, group=None, tag: int = 0,
     ``docs`` (``SliceDocs``): packed documents, each read from a fresh state
     (``model.reset_at_doc_boundaries``)."""
     form = _parallel_form(mixer)
+    if docs is not None and position_ids_local is None and mixer.takes_segment_pos:
+        raise ValueError(f"context parallel: {type(mixer).__name__} reads the documents from its segment positions: "
+                         "docs need position_ids_local (the slice of the positions they were built from)")
     kw = {"segment_pos": position_ids_local} if position_ids_local is not None and mixer.takes_segment_pos else {}
     if form is not None:
         return form(mixer, x_local, lengths, group, docs=docs, **kw)
@@ -813,5 +980,6 @@ def allreduce_gradients(model, group=None) -> None:
 
 __all__ = ["SliceDocs", "slice_docs", "gather_rows", "split_lengths", "gather_lengths", "all_gather", "all_gather_varlen", "halo",
            "pass_state_forward", "wait_pending", "cp_linear_scan", "cp_delta_rule", "cp_gated_delta_rule", "cp_summary",
+           "delta_rule_docs", "selective_scan_docs",
            "cp_kv_exchange", "SUMMARY_COMBINES", "CP_FORMS", "cp_mixer", "block_scheme",
            "context_parallel_forward", "allreduce_gradients"]

@@ -168,10 +168,14 @@ class Attention(Mixer):
 
     # ---- stages ------------------------------------------------------------------------------
     def inputs(self, x: torch.Tensor, state: Optional[AttentionState] = None, output_state: bool = False,
-               positions: Optional[torch.Tensor] = None):
+               positions: Optional[torch.Tensor] = None, docs=None):
         """q [B, H, T, d_h], k, v [B, H_kv, T, d_h] with RoPE at positions state.pos + t (or at
         ``positions`` [B, T]: packed documents, each at its own offsets); the carry is the next
-        position (the KV cache is built by the forms)."""
+        position (the KV cache is built by the forms). ``docs`` (packed documents: a ``DocLayout``,
+        or context parallelism's ``SliceDocs`` whose offsets count from each piece's first token
+        wherever it lies): positions = ``docs.offset``."""
+        if docs is not None:
+            positions = docs.offset
         B, T, _ = x.shape
         pos0 = int(state.pos) if state is not None else 0
         q = self.q_proj(x).view(B, T, self.n_heads, self.hd).transpose(1, 2)
@@ -188,10 +192,21 @@ class Attention(Mixer):
         """Causal (windowed) attention of q over k, v, where k and v may be longer than q (keys
         before the queries' own, the last query and key being the same position): the explicit
         softmax for backend "reference", else ``attention.backend``'s implementation. Attention
-        keeps no op state (the KV cache is the forms')."""
+        keeps no op state (the KV cache is the forms').
+
+        Packed documents: ``inp["docs"]`` (a ``DocLayout``, square q and k: the rows themselves)
+        or ``inp["doc_mask"]`` [B, 1, T_q, T_k] bool, True where query i and key j are in the same
+        document (context parallelism's queries of one slice over the keys gathered up to its end,
+        ``cp_kv_exchange``), and'ed with the causal (windowed) mask; see ``_attend_masked``."""
         if initial_state is not None or output_final_state:
             raise ValueError("attention's op keeps no state; the KV cache belongs to the forms")
-        q, k, v, docs = inp["q"], inp["k"], inp["v"], inp.get("docs")
+        q, k, v, docs, doc_mask = inp["q"], inp["k"], inp["v"], inp.get("docs"), inp.get("doc_mask")
+        if docs is not None and doc_mask is not None:
+            raise ValueError("attention's op takes packed documents as docs or as doc_mask, not both")
+        if doc_mask is not None and (doc_mask.dtype != torch.bool or doc_mask.dim() != 4 or doc_mask.shape[1] != 1
+                                     or tuple(doc_mask.shape[2:]) != (q.shape[2], k.shape[2])):
+            raise ValueError(f"attention: doc_mask must be bool [B, 1, T_q, T_k] = [B, 1, {q.shape[2]}, {k.shape[2]}], "
+                             f"got {doc_mask.dtype} {tuple(doc_mask.shape)}")
         if backend == Backend.REFERENCE:
             rep = self.n_heads // self.n_kv
             kk, vv = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
@@ -199,10 +214,14 @@ class Attention(Mixer):
             m = _window_mask(q.shape[2], kk.shape[2], self.window, q.device)
             if docs is not None:
                 m = m & _same_doc(docs)
+            if doc_mask is not None:
+                m = m & doc_mask
             s = s.masked_fill(~m, float("-inf"))
             return (s.softmax(-1) @ acc(vv)).to(q.dtype), None
         if docs is not None:
             return self._attend_docs(q, k, v, docs), None
+        if doc_mask is not None:
+            return self._attend_masked(q, k, v, doc_mask), None
         return self._attend(q, k, v), None
 
     def requested_backend(self) -> str:
@@ -343,6 +362,21 @@ class Attention(Mixer):
             s = (acc(q) @ acc(kk).transpose(-1, -2)) / math.sqrt(self.hd)
             return (s.masked_fill(~mask, float("-inf")).softmax(-1) @ acc(vv)).to(q.dtype)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+    def _attend_masked(self, q, k, v, doc_mask):
+        """Attention of q [B, H, T_q, d] over k, v [B, H_kv, T_k, d] (T_k ≥ T_q, the last query and
+        the last key the same position) under the causal (windowed) mask and'ed with ``doc_mask``
+        [B, 1, T_q, T_k] (same document). "math": the explicit masked softmax; every other backend
+        runs SDPA with the boolean mask (flash-attn's varlen path and flex's block mask take square
+        layouts with ``cu_seqlens`` / segment ids of the queries' own rows, so they fall back to
+        SDPA here, the same masked softmax)."""
+        mask = _window_mask(q.shape[2], k.shape[2], self.window, q.device) & doc_mask
+        if self.resolve_backend(q.device, q.dtype) == Backend.MATH:
+            rep = self.n_heads // self.n_kv
+            kk, vv = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+            s = (acc(q) @ acc(kk).transpose(-1, -2)) / math.sqrt(self.hd)
+            return (s.masked_fill(~mask, float("-inf")).softmax(-1) @ acc(vv)).to(q.dtype)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
 
     def _flex(self, q, k, v):
         from torch.nn.attention.flex_attention import flex_attention

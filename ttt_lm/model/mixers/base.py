@@ -44,6 +44,13 @@ convolution's width − 1), and ``context_state(x_before, valid, start)`` the st
 start built from them (the mixer inputs x_before [B, cp_halo, D], ``valid`` False before the
 sequence start) and the slice's global start position, without the recurrent part.
 
+With packed documents the parallel forms call ``inputs(x, context_state, docs=slice_docs)``:
+``docs`` is then context parallelism's ``SliceDocs`` (the slice of the whole rows' layout:
+``starts``, ``offset`` counted from each piece's first token wherever it lies, ``seg``), and the
+state's conv cache holds the halo, whose taps the mixer masks by ``docs.offset`` as it masks its
+own (``ttt_lm.model.docs.doc_conv`` with the cache); a "summary" mixer passes ``docs.starts`` as
+the op's ``resets``, a "kv_exchange" one rotates q and k at ``docs.offset``.
+
 A mixer whose official code reads segment positions (the position of each token in its document,
 0 at a document's first token; the data loader's ``position_ids``) sets ``takes_segment_pos``;
 its three forms then accept ``segment_pos`` ([B, T] integers) and the block passes it through.

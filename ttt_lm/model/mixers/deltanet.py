@@ -153,15 +153,15 @@ class DeltaNet(Mixer):
 
     def inputs(self, x: torch.Tensor, state=None, output_state: bool = False, docs=None):
         """φ(q), φ(k), v as [B, H, T, ·] and β [B, H, T] (``delta_rule``'s arguments); the carry is
-        the conv cache. ``docs`` (packed documents, no state): the conv restarts at each document
-        start; the op gets the documents as ``resets`` (the starts [B, T], for the PyTorch chunked
+        the conv cache. ``docs`` (packed documents): the conv restarts at each document start (the
+        state's conv cache, given only by context parallelism's slices, masked as the rest); the op gets the documents as ``resets`` (the starts [B, T], for the PyTorch chunked
         form) and ``cu_seqlens`` (int32 [N + 1] over the batch flattened to one row, for the Triton
         kernel)."""
         B, T, _ = x.shape
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         cache = None
         if self.conv is not None and docs is not None:
-            qkv = doc_conv(self.conv, qkv, docs)
+            qkv = doc_conv(self.conv, qkv, docs, None if state is None else state.conv)
         elif self.conv is not None:
             qkv, cache = self.conv(qkv, None if state is None else state.conv, output_cache=True)
         q, k, v = (t.view(B, T, self.n_heads, self.hd).transpose(1, 2) for t in qkv.chunk(3, dim=-1))

@@ -195,14 +195,15 @@ class GatedDeltaNet(Mixer):
         if conv is None:
             return F.silu(x), None
         if docs is not None:
-            return F.silu(doc_conv(conv, x, docs)), None
+            return F.silu(doc_conv(conv, x, docs, cache)), None
         y, new = conv(x, cache, output_cache=True)
         return F.silu(y), new
 
     def inputs(self, x: torch.Tensor, state=None, output_state: bool = False, docs=None):
         """q (normalized, scaled by d_k^−1/2), k (normalized), v as [B, H, T, ·], g (log decay)
         and β [B, H, T]: ``gated_delta_rule``'s arguments; the carry is the conv caches. ``docs``
-        (packed documents, no state): the convs restart at each document start; the op gets the
+        (packed documents): the convs restart at each document start (the state's conv caches,
+        given only by context parallelism's slices, masked as the rest); the op gets the
         documents as ``resets`` (the starts [B, T], for the PyTorch chunked form) and ``cu_seqlens``
         (int32 [N + 1] over the batch flattened to one row, for the Triton kernel)."""
         B, T, _ = x.shape

@@ -144,12 +144,13 @@ class Mamba(Mixer):
     def inputs(self, u: torch.Tensor, state=None, output_state: bool = False, docs=None):
         """u → ``selective_scan``'s arguments: x, z, δ = W_Δ·(W_x x)_δ without bias (b_Δ enters
         inside the scan, before softplus), B_t, C_t, A = −exp(A_log), D; the carry is the conv
-        cache. ``docs`` (packed documents, no state): the conv restarts at each document start; the
+        cache. ``docs`` (packed documents): the conv restarts at each document start (the state's
+        conv cache, given only by context parallelism's slices, masked as the rest); the
         scan gets the documents as ``resets`` (the starts [B, T], for the PyTorch chunked form) and
         ``cu_seqlens`` (int32 [N + 1] over the batch flattened to one row, for the Triton kernel)."""
         x, z = self.in_proj(u).chunk(2, dim=-1)
         if docs is not None:
-            x, conv_cache = doc_conv(self.conv1d, x, docs), None
+            x, conv_cache = doc_conv(self.conv1d, x, docs, None if state is None else state.conv), None
         else:
             x, conv_cache = self.conv1d(x, None if state is None else state.conv, output_state)
         x = F.silu(x)

@@ -266,10 +266,13 @@ class RGLRUBlock(Mixer):
             y = y + keep * ut[:, w - 1 - j:w - 1 - j + T] * weight[:, w - 1 - j]
         return y, new_cache
 
-    def inputs(self, x: torch.Tensor, state=None, output_state: bool = False, segment_pos=None):
+    def inputs(self, x: torch.Tensor, state=None, output_state: bool = False, segment_pos=None, docs=None):
         """The recurrence branch up to the scan: log a_t, b_t = √(1 − a_t²) ⊙ i_t ⊙ x_t (1 in place
         of the root where segment_pos_t = 0) and the resets, as ``linear_scan_reset``'s
-        arguments; the carry is the conv cache and the next position."""
+        arguments; the carry is the conv cache and the next position. ``docs`` (packed documents,
+        a ``DocLayout`` or context parallelism's ``SliceDocs``) adds nothing: the documents reach
+        the RG-LRU through ``segment_pos`` (resets where it is 0, the conv's taps masked by it,
+        the state's conv cache included), which the one-process run reads as well."""
         pos0 = 0 if state is None else int(state.pos)
         seg = segment_positions(segment_pos, x, pos0)
         reset = seg == 0
