@@ -18,7 +18,8 @@ document's tokens in the halo; a row without an inner start (its state crosses e
 The op-level checks run ``cp_delta_rule`` / ``cp_gated_delta_rule`` with ``docs`` against the
 sequential reference run on each document piece alone (a plain loop over the pieces), outputs,
 the state after each slice, and the gradients of every input. The whole LM of these kinds with
-``model.reset_at_doc_boundaries`` runs through ``context_parallel_forward``.
+``model.reset_at_doc_boundaries`` runs through ``context_parallel_forward``, with every other
+layer kind of the registry in it (the state-passing ones: ``test_cp_docs_state.py``).
 
 The Triton route (marked slow, the interpreter on CPU): ``delta_rule_docs`` and
 ``selective_scan_docs`` on the kernels' ``cu_seqlens`` path against their PyTorch chunked forms
@@ -33,7 +34,7 @@ import torch.nn.functional as F
 from ttt_lm.model.docs import DocLayout
 from ttt_lm.parallel import context_parallel as cp
 from tests.distributed import assert_within, spawn_checks
-from tests.parallel.test_context_parallel import TOL, _bounds, _leaf, _maxdiff, _sum_grads, _tiny_lm
+from tests.parallel.test_context_parallel import KINDS, TOL, _bounds, _leaf, _maxdiff, _sum_grads, _tiny_lm
 
 T = 13
 #: [B, T] packed positions (see the module docstring; global indices 0 … 12)
@@ -87,11 +88,12 @@ def check_mixer_docs(kind, rank, world, impl="chunked", backend=None):
 
 
 def check_lm_docs(rank, world):
-    """A whole LM of every kind with a parallel form, ``model.reset_at_doc_boundaries`` on:
+    """A whole LM of every layer kind of the registry (the parallel forms and state passing, the
+    TTT blocks with their pre-conv), ``model.reset_at_doc_boundaries`` on:
     ``context_parallel_forward`` with the loader's positions (mean loss, logits, all-reduced
     gradients) equals ``LM.forward(ids, position_ids=pos)``."""
     import torch.distributed as dist
-    model = _tiny_lm(FORM_KINDS)
+    model = _tiny_lm(KINDS, pre_conv=True)
     model.cfg.reset_at_doc_boundaries = True
     pos = POSITIONS
     g = torch.Generator().manual_seed(13)
@@ -248,8 +250,8 @@ def test_gated_delta_rule_summaries_with_resets(results):
 
 @pytest.mark.dist
 def test_lm_docs(results):
-    """The whole LM (attention, local attention, RG-LRU, DeltaNet, Gated DeltaNet, Mamba) with
-    document resets under context parallelism equals the one-process run."""
+    """The whole LM of every layer kind with document resets under context parallelism equals
+    the one-process run."""
     assert_within(results, "lm", TOL)
 
 

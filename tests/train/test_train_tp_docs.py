@@ -1,4 +1,4 @@
-"""Tensor parallelism with packed documents through ``train.py`` as a user runs it: ``python train.py
+"""Tensor and context parallelism with packed documents through ``train.py`` as a user runs it: ``python train.py
 configs/<preset>.yaml`` on each rank with torchrun's environment (RANK, WORLD_SIZE, MASTER_*), gloo
 on CPU, fp32, on a prepared corpus of short documents (3–4 document starts in every 64-token row,
 rows starting inside a document), so the loader's ``position_ids`` matter: TP=2 against one
@@ -14,7 +14,9 @@ with and without resets, and the weight-decay group of every parameter):
 * ``tiny_titans_mac``: the Titans MLP memory's norm gains and the embedding are not weight-decayed;
   their TP slices must not be either (a decayed slice agrees at step 1 and drifts from step 2 on).
 * ``tiny.yaml`` (TTT-Linear + local attention) with ``model.reset_at_doc_boundaries=true``: every
-  layer restarts at each document start, under TP through the same per-document path.
+  layer restarts at each document start, under TP through the same per-document path, and under
+  context parallelism (CP=2) through the slices' document layout (the module-level checks of
+  ``tests/parallel/test_cp_docs_forms.py`` and ``test_cp_docs_state.py`` cover every kind).
 
 Tolerance. The TP run is the one-process computation with matmuls split across ranks and their
 partial sums added by all-reduces, so the losses differ by fp32 summation order. optim.warmup_steps=1
@@ -82,6 +84,7 @@ def _tp2_vs_one(tmp_path, corpus, preset, extra=()):
         assert abs(a[s] - b[s]) <= LOSS_RTOL * abs(b[s]), (preset, s, a[s], b[s])
     # TP peers read the same batches: the tokens count the one data-parallel rank
     assert metrics(tp2)[-1]["tokens"] == metrics(one)[-1]["tokens"] == STEPS * 2 * SEQ_LEN
+    return one
 
 
 @pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.split("/")[-1][:-5])
@@ -89,5 +92,18 @@ def test_tp2_packed_documents_match_one_process(tmp_path, corpus, preset):
     _tp2_vs_one(tmp_path, corpus, preset)
 
 
-def test_tp2_document_resets_match_one_process(tmp_path, corpus):
-    _tp2_vs_one(tmp_path, corpus, RESETS, ["model.reset_at_doc_boundaries=true"])
+def test_tp2_and_cp2_document_resets_match_one_process(tmp_path, corpus):
+    """Document resets under TP=2, then under CP=2 (each row split in two halves of 32 tokens;
+    documents cross the split, so the TTT layer's state for a row's document travels to the
+    second rank, and the attention's keys of earlier ranks are masked by document), both against
+    the same one-process run."""
+    one = _tp2_vs_one(tmp_path, corpus, RESETS, ["model.reset_at_doc_boundaries=true"])
+    cp2 = str(tmp_path / "cp2")
+    run(cp2, [*_args(corpus), "model.reset_at_doc_boundaries=true", "parallel.context_parallel=2"], nprocs=2,
+        preset=RESETS)
+    a, b = losses_by_step(cp2), losses_by_step(one)
+    assert sorted(a) == sorted(b) == list(range(1, STEPS + 1))
+    for s in b:
+        assert abs(a[s] - b[s]) <= LOSS_RTOL * abs(b[s]), ("cp2", s, a[s], b[s])
+    # CP peers read the same rows: the tokens count the one data-parallel rank
+    assert metrics(cp2)[-1]["tokens"] == metrics(one)[-1]["tokens"] == STEPS * 2 * SEQ_LEN

@@ -102,7 +102,8 @@ class ContextParallelLM(LM):
     def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None, states=None,
                 output_states: bool = False, position_ids: Optional[torch.Tensor] = None) -> LMOutput:
         """input_ids, labels, position_ids: the full rows [B, T] (the same on every CP rank;
-        position_ids reach the RG-LRU as segment positions). Returns this rank's logits [B, T_r]
+        position_ids reach the RG-LRU as segment positions and, with
+        ``model.reset_at_doc_boundaries``, give the documents every layer restarts at). Returns this rank's logits [B, T_r]
         and its loss share (see the module docstring)."""
         if states is not None or output_states:
             raise ValueError("the context-parallel LM runs whole rows from the start: no states")

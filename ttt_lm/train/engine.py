@@ -61,11 +61,6 @@ def check_parallel(cfg, world_size: Optional[int] = None) -> None:
             raise ParallelConfigError(
                 f"parallel.context_parallel={cp} splits each row across {cp} ranks: data.seq_len={cfg.data.seq_len} "
                 "must be at least that (every rank needs a token)")
-        if cfg.model.reset_at_doc_boundaries:
-            raise ParallelConfigError(
-                "model.reset_at_doc_boundaries=true is not available with parallel.context_parallel > 1 (the "
-                "context-parallel forward passes states across ranks without document resets); use "
-                "context_parallel=1")
         if cfg.train.activation_checkpointing:
             raise ParallelConfigError(
                 "train.activation_checkpointing=true is not available with parallel.context_parallel > 1 (the "
