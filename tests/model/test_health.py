@@ -10,13 +10,13 @@ learning rate and gradient clipping, with 2 layers (or one repeat of a longer la
 * at initialization: logits, loss and every gradient are finite;
 * causality: changing the last quarter of the tokens leaves the logits of the first three
   quarters unchanged (and does change the logits of the last quarter);
-* after 3 AdamW steps at the preset's peak learning rate (no warmup, the preset's betas, weight
+* after 2 AdamW steps at the preset's peak learning rate (no warmup, the preset's betas, weight
   decay and gradient clipping): logits, loss and every gradient are still finite.
 
 Long (marker ``slow``): every case runs its preset's full sequence (2048 tokens for the 125M
-presets) five times: four forward and backward passes, and the forward of the perturbed tokens;
-the longest cases (LaCT at 4,096 tokens, the Titans presets) take one to one and a half minutes
-each on the 2-core CPU.
+presets) four times: three forward and backward passes, and the forward of the perturbed tokens;
+the longest cases (LaCT at 4,096 tokens, the Titans presets) take about a minute each on the
+2-core CPU.
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ from ttt_lm.train.optim import param_groups
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 VOCAB = 512
-STEPS = 3
+STEPS = 2
 #: the sequence length is the preset's own up to this many tokens: LaCT's presets train on rows of
 #: 32,768 tokens, which a CPU cannot run six times in a test (8,192 took over 10 minutes); at 4,096
 #: their 2,048-token chunks are still written once and read twice

@@ -23,7 +23,7 @@ layer kind of the registry in it (the state-passing ones: ``test_cp_docs_state.p
 
 The Triton route (marked slow, the interpreter on CPU): ``delta_rule_docs`` and
 ``selective_scan_docs`` on the kernels' ``cu_seqlens`` path against their PyTorch chunked forms
-with resets, in one process; DeltaNet and Mamba on their kernels through ``cp_mixer`` on 2 ranks.
+with resets, in one process; DeltaNet on its kernel through ``cp_mixer`` on 2 ranks.
 """
 from __future__ import annotations
 
@@ -199,11 +199,12 @@ def _checks(rank, world):
     return out
 
 
-#: the summary kinds on their Triton kernels through cp_mixer (one per summary combine: Gated
-#: DeltaNet shares DeltaNet's, ``_summary_runs``, and its route is tested op by op below; the
+#: the summary kinds on their Triton kernels through cp_mixer: DeltaNet (~35-45 s under the
+#: interpreter). Gated DeltaNet shares its combine (``_summary_runs``) and Mamba's selective scan
+#: its row routing (``_route_rows``, ``_rows_final``); both routes are tested op by op below; the
 #: RG-LRU's linear scan takes its resets through ``linear_scan_reset``, tested with the kernel
-#: elsewhere); ~35-45 s each under the interpreter
-TRITON_KINDS = ["deltanet", "mamba"]
+#: elsewhere
+TRITON_KINDS = ["deltanet"]
 
 
 def _triton_checks(rank, world):
@@ -340,7 +341,7 @@ def test_selective_scan_docs_triton_route():
 @pytest.mark.slow
 @pytest.mark.dist
 def test_mixer_docs_triton(tmp_path):
-    """DeltaNet and Mamba on their Triton kernels (the interpreter on CPU) through cp_mixer with
+    """DeltaNet on its Triton kernel (the interpreter on CPU) through cp_mixer with
     SliceDocs, 2 ranks: equal to the one-process packed run on the same kernels."""
     res = spawn_checks(2, __name__, tmp_path, "_triton_checks", stop_on_failure=True, timeout_s=120)
     for kind in TRITON_KINDS:
