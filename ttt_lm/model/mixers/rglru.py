@@ -66,6 +66,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.linear_scan import has_triton_backend, linear_scan_reset
+from ttt_lm.model.docs import DocLayout
 from ttt_lm.model.layers import CausalConv1d, acc
 from ttt_lm.model.mixers.base import Mixer, MixerState, TPPlan
 from ttt_lm.model.registry import option, register_mixer
@@ -241,14 +242,19 @@ class RGLRUBlock(Mixer):
     def context_state(self, x_before, valid, start: int) -> RGLRUState:
         return RGLRUState(conv=self.conv1d.cache_from(self.linear_x(x_before), valid), h=None, pos=start)
 
-    def _conv(self, u: torch.Tensor, cache, output_state: bool, seg: torch.Tensor, pos0_known: Optional[int]):
+    def _conv(self, u: torch.Tensor, cache, output_state: bool, seg: torch.Tensor, pos0_known: Optional[int],
+              starts_inside: bool = False):
         """Conv1D_w within each document: y_t = b + Σ_{j<w, j ≤ seg_t} W_j ⊙ u_{t−j} (u before
         the call from ``cache``). The masked sum runs only where a mask can drop a non-zero input;
-        ``pos0_known`` is the stream position when ``seg`` is the stream's own (no host sync)."""
+        ``pos0_known`` is the stream position when ``seg`` is the stream's own, ``starts_inside``
+        says that documents start inside the rows (the LM's ``DocLayout``, known on the host): no
+        host sync in either case; else one read of whether any tap is masked."""
         w = self.conv1d.width
         y, new_cache = self.conv1d(u, cache, output_state)
         T = u.shape[1]
-        if pos0_known is not None:
+        if starts_inside:
+            need = w > 1            # a start at t >= 1 has seg_t = 0 < min(t, w − 1)
+        elif pos0_known is not None:
             need = cache is not None and pos0_known < w - 1
         else:
             reach = torch.arange(T, device=u.device).clamp(max=w - 1) if cache is None else torch.full(
@@ -272,12 +278,14 @@ class RGLRUBlock(Mixer):
         arguments; the carry is the conv cache and the next position. ``docs`` (packed documents,
         a ``DocLayout`` or context parallelism's ``SliceDocs``) adds nothing: the documents reach
         the RG-LRU through ``segment_pos`` (resets where it is 0, the conv's taps masked by it,
-        the state's conv cache included), which the one-process run reads as well."""
+        the state's conv cache included), which the one-process run reads as well; the LM's
+        ``DocLayout`` only tells the conv, on the host, that its masks are needed."""
         pos0 = 0 if state is None else int(state.pos)
         seg = segment_positions(segment_pos, x, pos0)
         reset = seg == 0
         xb, conv_cache = self._conv(self.linear_x(x), None if state is None else state.conv, output_state, seg,
-                                    pos0 if segment_pos is None else None)
+                                    pos0 if segment_pos is None else None,
+                                    isinstance(docs, DocLayout) and docs.inner_starts)
         r_t = torch.sigmoid(acc(self.gate_a(xb)))
         i_t = torch.sigmoid(acc(self.gate_x(xb)))
         log_a_t = -self.c * r_t * F.softplus(-acc(self.Lambda))
@@ -296,8 +304,8 @@ class RGLRUBlock(Mixer):
         """y = W_out(GeLU(W_y x) ⊙ h)."""
         return self.linear_out(h.to(x.dtype) * F.gelu(self.linear_y(x), approximate="tanh"))
 
-    def _scan(self, x, state, output_state, backend, segment_pos=None):
-        inp, carry = self.inputs(x, state, output_state, segment_pos)
+    def _scan(self, x, state, output_state, backend, segment_pos=None, docs=None):
+        inp, carry = self.inputs(x, state, output_state, segment_pos, docs)
         h, hT = self.op(inp, None if state is None else state.h, output_state, backend)
         return self.output(h, x), (replace(carry, h=hT) if output_state else None)
 
@@ -310,10 +318,10 @@ class RGLRUBlock(Mixer):
     handles_docs = True
 
     def reference(self, x, state=None, output_state=False, segment_pos=None, docs=None):
-        return self._scan(x, state, output_state, "reference", segment_pos)
+        return self._scan(x, state, output_state, "reference", segment_pos, docs)
 
     def chunked(self, x, state=None, output_state=False, segment_pos=None, docs=None):
-        return self._scan(x, state, output_state, self._resolve_backend(x), segment_pos)
+        return self._scan(x, state, output_state, self._resolve_backend(x), segment_pos, docs)
 
     def step(self, x, state, segment_pos=None):
         inp, carry = self.inputs(x, state, True, segment_pos)
