@@ -53,7 +53,8 @@ with a causal depthwise convolution of width ``conv_width``. Forms: ``reference`
 recurrence token by token (kernels.linear_scan reference), ``chunked`` the chunked scan
 (kernels.linear_scan, Triton on CUDA when present), ``step`` one token with the cache
 {conv: last conv_width−1 inputs, h: h_{t−1}, pos}. Resets inside a row run the scan as packed
-sequences (``cu_seqlens``), one per document piece.
+sequences (``cu_seqlens``), one per document piece (on the Triton backend with the LM's
+``DocLayout``, the layout's ``cu_seqlens``: no host read).
 """
 from __future__ import annotations
 
@@ -65,7 +66,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.linear_scan import has_triton_backend, linear_scan_reset
+from kernels.linear_scan import has_triton_backend, linear_scan, linear_scan_reset
 from ttt_lm.model.docs import DocLayout
 from ttt_lm.model.layers import CausalConv1d, acc
 from ttt_lm.model.mixers.base import Mixer, MixerState, TPPlan
@@ -293,10 +294,26 @@ class RGLRUBlock(Mixer):
         norm = torch.where(reset[..., None], torch.ones_like(norm), norm)   # recurrentgemma's reset
         b_t = norm * i_t * acc(xb)
         carry = RGLRUState(conv=conv_cache, pos=pos0 + x.shape[1]) if output_state else None
-        return {"log_a": log_a_t, "b": b_t, "reset": reset, "chunk_size": self.chunk_size}, carry
+        out = {"log_a": log_a_t, "b": b_t, "reset": reset, "chunk_size": self.chunk_size}
+        if isinstance(docs, DocLayout) and docs.inner_starts:
+            out["cu_seqlens"] = docs.cu_seqlens     # the same pieces as the resets, with no host read
+        return out, carry
 
     def op(self, inp, initial_state=None, output_final_state: bool = False, backend: str = "torch"):
-        """h_t = a_t ⊙ h_{t−1} + b_t (h_t = b_t at a reset): ``kernels.linear_scan``."""
+        """h_t = a_t ⊙ h_{t−1} + b_t (h_t = b_t at a reset): ``kernels.linear_scan``. With the LM's
+        document layout (``inp["cu_seqlens"]``) the Triton form scans the rows flattened to one,
+        each document piece from the zero state (h_t = b_t at its first token, as a reset
+        gives), with the layout's offsets: no host read of the resets (``linear_scan_reset``
+        reads them for the other cases)."""
+        cu = inp.get("cu_seqlens")
+        if cu is not None and backend == "triton":
+            if initial_state is not None or output_final_state:
+                raise ValueError("RG-LRU: packed documents (cu_seqlens) start from the zero state; they take no "
+                                 "initial state and return no final state")
+            B, T, D = inp["b"].shape
+            h, _ = linear_scan(inp["log_a"].reshape(1, B * T, D), inp["b"].reshape(1, B * T, D), None, False,
+                               backend=backend, chunk_size=inp["chunk_size"], cu_seqlens=cu)
+            return h.reshape(B, T, D), None
         return linear_scan_reset(inp["log_a"], inp["b"], initial_state, inp["reset"], output_final_state, backend,
                                  inp["chunk_size"])
 
