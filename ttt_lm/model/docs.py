@@ -19,8 +19,10 @@ Where the host read happens: the loader's ``position_ids`` are CPU tensors, so `
 builds the layout on the host (every read above is of a CPU tensor) and then moves its [B, T]
 tensors to the model's device (``DocLayout.to``, non-blocking copies). The views below compute
 their index tensors on the device and their sizes from the host copies, so no view reads a
-device tensor back: with host positions the layout costs no device→host synchronization, and a
-compiled block sees no graph break at the views. A layout built from positions on a device
+device tensor back: with host positions the layout costs no device→host synchronization. (Under
+``torch.compile`` the views whose sizes depend on the documents, ``aligned``, ``balanced`` and
+``prefixed``, still break a block's graph where it first builds them: dynamo does not trace their
+host computation.) A layout built from positions on a device
 (``DocLayout.build`` of a CUDA tensor, as context parallelism's gathered rows) reads its three
 numbers at ``build`` and its ``host_lengths`` once, at the first view that needs a size (or at
 ``to``).
@@ -73,6 +75,15 @@ def _bad_and_sizes(pos: torch.Tensor):
     offset = idx - begin
     vals = torch.stack([first_bad, starts.sum(), offset.max() + 1]).tolist()
     return vals, starts.view(B, T), offset.view(B, T)
+
+
+def host_to_device(t: torch.Tensor, device, non_blocking: bool = True) -> torch.Tensor:
+    """``t`` on ``device``; from the host to a CUDA device through pinned memory, so that the
+    non-blocking copy never waits for the stream (a pageable source may make the driver do so)."""
+    device = torch.device(device)
+    if non_blocking and device.type == "cuda" and t.device.type == "cpu" and not t.is_pinned():
+        t = t.pin_memory()
+    return t.to(device, non_blocking=non_blocking)
 
 
 def _starts(pos: torch.Tensor) -> torch.Tensor:
@@ -133,10 +144,9 @@ class DocLayout:
         lengths = self._host()[0]
         if position_ids is None or position_ids.device != torch.device(device) \
                 or tuple(position_ids.shape) != self.shape:
-            position_ids = self.position_ids.to(device, non_blocking=non_blocking)
-        return DocLayout(position_ids.long(), self.starts.to(device, non_blocking=non_blocking),
-                         self.offset.to(device, non_blocking=non_blocking), self.n_docs, self.max_len,
-                         lengths)
+            position_ids = host_to_device(self.position_ids, device, non_blocking)
+        return DocLayout(position_ids.long(), host_to_device(self.starts, device, non_blocking),
+                         host_to_device(self.offset, device, non_blocking), self.n_docs, self.max_len, lengths)
 
     def _host(self):
         """(lengths [N], row of each piece [N], pieces per row [B]) as CPU long tensors: the
@@ -246,7 +256,7 @@ class DocLayout:
             begin[n] = (r, load)
             heapq.heappush(heap, (load + plen[n], r))
         Tp = max(load for load, _ in heap)
-        flat = torch.tensor([r * Tp + b for r, b in begin], dtype=torch.long).to(dev, non_blocking=True)
+        flat = host_to_device(torch.tensor([r * Tp + b for r, b in begin], dtype=torch.long), dev)
         dest = flat[d] + off
         big = torch.iinfo(torch.long).max // 2
         offset = torch.full((rows * Tp,), big, dtype=torch.long, device=dev).index_copy(0, dest, off)
@@ -441,5 +451,5 @@ def unflatten_heads(t: torch.Tensor, B: int) -> torch.Tensor:
 
 
 __all__ = ["AlignedDocs", "DocLayout", "PrefixedDocs", "check_packed_triton", "check_positions", "doc_conv",
-           "masked_conv",
+           "host_to_device", "masked_conv",
            "unflatten_heads", "varlen_heads"]

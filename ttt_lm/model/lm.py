@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from ttt_lm.model.config import ModelConfig
-from ttt_lm.model.docs import DocLayout, doc_conv
+from ttt_lm.model.docs import DocLayout, host_to_device, doc_conv
 from ttt_lm.model.layers import CausalConv1d, GatedMLP, RMSNorm, init_weights
 from ttt_lm.model.loss import linear_cross_entropy, plain_cross_entropy
 from ttt_lm.model.mixers import build_mixer, mixer_class
@@ -228,7 +228,7 @@ class LM(nn.Module):
             # checked (and the layout built) on the host, once per batch
             host = position_ids if position_ids.device.type == "cpu" else position_ids.cpu()
             layout = DocLayout.build(host)
-            position_ids = position_ids.to(input_ids.device, non_blocking=True)
+            position_ids = host_to_device(position_ids, input_ids.device)
             if not (self.cfg.reset_at_doc_boundaries and layout.inner_starts):
                 pass  # no document starts inside a row, or no resets: one plain batched pass
             elif states is not None or output_states:
