@@ -206,6 +206,50 @@ def test_segment_pos_triton_equals_torch():
         torch.testing.assert_close(a, r, atol=1e-9, rtol=1e-9)
 
 
+def test_documents_triton_take_the_layout_offsets(monkeypatch):
+    """With the LM's ``DocLayout`` (packed documents) the Triton form scans with the layout's
+    ``cu_seqlens`` (one call, no host read of the resets: ``linear_scan_reset`` is not called)
+    and equals the PyTorch form with the same documents (resets inside its scan): outputs and
+    every gradient (float64, as above)."""
+    import ttt_lm.model.mixers.rglru as rg
+    from ttt_lm.model.docs import DocLayout
+    m, _ = make_mixer("rglru", d_model=16, n_heads=2, rglru={"chunk_size": 4})
+    torch.manual_seed(9)
+    T = len(PACKED)
+    x = torch.randn(2, T, 16, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(2, T, 16, dtype=torch.float64)
+    seg = torch.tensor([PACKED, list(range(2, 2 + T))])
+    docs = DocLayout.build(seg)
+    calls = []
+    real_scan, real_reset = rg.linear_scan, rg.linear_scan_reset
+
+    def scan(*a, **k):
+        calls.append(k.get("cu_seqlens"))
+        return real_scan(*a, **k)
+
+    def reset(*a, **k):
+        assert a[5] == "torch", "the Triton form read the resets instead of the layout's offsets"
+        return real_reset(*a, **k)
+    monkeypatch.setattr(rg, "linear_scan", scan)
+    monkeypatch.setattr(rg, "linear_scan_reset", reset)
+    res = []
+    for backend in ("torch", "triton"):
+        m.kernel_backend = backend
+        m.zero_grad()
+        x.grad = None
+        y, st = m(x, docs=docs, segment_pos=seg)
+        assert st is None
+        (y * w).sum().backward()
+        res.append([y.detach(), x.grad.clone()] + [p.grad.clone() for p in m.parameters()])
+    assert len(calls) == 1 and torch.equal(calls[0], docs.cu_seqlens)
+    for a, r in zip(res[1], res[0]):
+        torch.testing.assert_close(a, r, atol=1e-9, rtol=1e-9)
+    # the documents matter: without the resets the later pieces read the earlier ones
+    monkeypatch.undo()
+    with torch.no_grad():
+        assert (m(x)[0] - res[1][0]).abs().max() > 1e-3
+
+
 def test_segment_pos_decode_and_segments_match_one_pass():
     """step() token by token and two segments with a carried state, both given the segment
     positions, equal one pass over the packed rows (a reset right after the cut included)."""

@@ -5,15 +5,29 @@ offset in its document (0 at a document's first token, +1 at every later one). A
 token starts a document piece whatever its position (the loader cuts rows out of the packed
 stream, so a row usually starts inside a document: that piece is read from a fresh state).
 
-``DocLayout.build(position_ids)`` checks the positions and derives, on the device:
+``DocLayout.build(position_ids)`` checks the positions and derives, on their own device:
 
 * ``starts`` [B, T] bool: a document (piece) starts here (position 0, or the row's first token);
 * ``seg`` [B, T] long: which document of its row a token belongs to (0, 1, ...);
 * ``offset`` [B, T] long: the token's index inside its piece (``position_ids`` where the piece
-  starts at 0; a row's first piece counts from 0 as well).
+  starts at 0; a row's first piece counts from 0 as well);
+* on the host: ``n_docs`` (N) and ``max_len`` (the longest piece), read with the validity check
+  in one transfer, and ``host_lengths`` [N] (each piece's length, row-major), from which every
+  view takes its sizes.
 
-and, from the one host synchronization of the batch (``n_docs`` and ``max_len``, read with the
-validity check in one transfer), two views of the same documents:
+Where the host read happens: the loader's ``position_ids`` are CPU tensors, so ``LM.forward``
+builds the layout on the host (every read above is of a CPU tensor) and then moves its [B, T]
+tensors to the model's device (``DocLayout.to``, non-blocking copies). The views below compute
+their index tensors on the device and their sizes from the host copies, so no view reads a
+device tensor back: with host positions the layout costs no device→host synchronization. (Under
+``torch.compile`` the views whose sizes depend on the documents, ``aligned``, ``balanced`` and
+``prefixed``, still break a block's graph where it first builds them: dynamo does not trace their
+host computation.) A layout built from positions on a device
+(``DocLayout.build`` of a CUDA tensor, as context parallelism's gathered rows) reads its three
+numbers at ``build`` and its ``host_lengths`` once, at the first view that needs a size (or at
+``to``).
+
+Two views of the same documents:
 
 * ``cu_seqlens`` [N + 1] int32: the batch flattened to [1, B·T], cumulative document lengths as
   flash-attn's varlen API and the ``kernels/`` ops' ``cu_seqlens`` take them;
@@ -63,6 +77,15 @@ def _bad_and_sizes(pos: torch.Tensor):
     return vals, starts.view(B, T), offset.view(B, T)
 
 
+def host_to_device(t: torch.Tensor, device, non_blocking: bool = True) -> torch.Tensor:
+    """``t`` on ``device``; from the host to a CUDA device through pinned memory, so that the
+    non-blocking copy never waits for the stream (a pageable source may make the driver do so)."""
+    device = torch.device(device)
+    if non_blocking and device.type == "cuda" and t.device.type == "cpu" and not t.is_pinned():
+        t = t.pin_memory()
+    return t.to(device, non_blocking=non_blocking)
+
+
 def _starts(pos: torch.Tensor) -> torch.Tensor:
     s = pos == 0
     s[:, 0] = True
@@ -89,20 +112,54 @@ class DocLayout:
     offset: torch.Tensor         # [B, T] long: index inside the document piece
     n_docs: int                  # document pieces in the batch (>= B)
     max_len: int                 # the longest piece
+    #: [N] long on the host: each piece's length, row-major (None until first needed on a layout
+    #: built on a device: ``_host`` reads it then)
+    host_lengths: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
     #: per-batch objects the layers share (attention's flex block mask), keyed by their maker
     cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def build(cls, position_ids: torch.Tensor) -> "DocLayout":
         """Check ``position_ids`` (a ValueError names the first bad row and position) and build the
-        layout; one host synchronization."""
+        layout on their device. Positions on the host: no device is touched (``to`` moves the
+        layout to the model's device). Positions on a device: one device→host read here (3
+        numbers), and one more, of the N lengths, at the first view that needs a size."""
         pos = position_ids.long()
         info = _bad_and_sizes(pos)
         msg = _message(pos, info)
         if msg is not None:
             raise ValueError(msg)
         (_, n_docs, max_len), starts, offset = info
-        return cls(pos, starts, offset, int(n_docs), int(max_len))
+        out = cls(pos, starts, offset, int(n_docs), int(max_len))
+        if pos.device.type == "cpu":
+            out._host()
+        return out
+
+    def to(self, device, non_blocking: bool = True,
+           position_ids: Optional[torch.Tensor] = None) -> "DocLayout":
+        """The layout with its [B, T] tensors on ``device`` (non-blocking copies from the host:
+        no synchronization) and its host sizes kept, so its views read nothing back.
+        ``position_ids``: the same positions already on ``device`` (reused instead of a second
+        copy). A layout built on a device reads its ``host_lengths`` first (once)."""
+        lengths = self._host()[0]
+        if position_ids is None or position_ids.device != torch.device(device) \
+                or tuple(position_ids.shape) != self.shape:
+            position_ids = host_to_device(self.position_ids, device, non_blocking)
+        return DocLayout(position_ids.long(), host_to_device(self.starts, device, non_blocking),
+                         host_to_device(self.offset, device, non_blocking), self.n_docs, self.max_len, lengths)
+
+    def _host(self):
+        """(lengths [N], row of each piece [N], pieces per row [B]) as CPU long tensors: the
+        sizes of the views, computed once per batch from ``host_lengths`` (read from the device
+        here, once, when the layout was built on one)."""
+        if "host" not in self.cache:
+            if self.host_lengths is None:
+                self.host_lengths = self._doc_lengths()[2].cpu()
+            B, T = self.shape
+            lens = self.host_lengths
+            row = (lens.cumsum(0) - 1) // T              # rows are T tokens, pieces laid end to end
+            self.cache["host"] = (lens, row, torch.bincount(row, minlength=B))
+        return self.cache["host"]
 
     @property
     def shape(self):
@@ -143,7 +200,8 @@ class DocLayout:
 
     def aligned(self, C: int, longer_than: int = 0) -> AlignedDocs:
         """The chunk-aligned view for chunk size C (``AlignedDocs``), built once per batch and C
-        (one host read: its length T′ ≤ T + (documents in a row) · (C − 1)). ``longer_than`` = n
+        (its length T′ ≤ T + (documents in a row) · (C − 1) from the host lengths: T′ = max over
+        rows of Σ_{its documents kept} ⌈len/C⌉·C). ``longer_than`` = n
         > 0 keeps only the documents of more than n tokens (the others have no place in the view:
         ``AlignedDocs.kept`` is False on their tokens, T′ may be 0)."""
         key = ("aligned", C, longer_than)
@@ -156,8 +214,9 @@ class DocLayout:
         plen = torch.where(keep_doc, (lens + C - 1) // C * C, 0)
         begin = plen.cumsum(0) - plen                      # each document's start, rows laid end to end
         row_base = begin[self.doc_index[:, 0]]             # [B]
-        row_len = begin[self.doc_index[:, -1]] + plen[self.doc_index[:, -1]] - row_base
-        Tp = int(row_len.max())
+        hl, hrow, _ = self._host()
+        hplen = torch.where(hl > longer_than, (hl + C - 1) // C * C, 0)
+        Tp = int(torch.zeros(B, dtype=torch.long).index_add_(0, hrow, hplen).max())   # host tensors
         row = torch.arange(B, device=dev).repeat_interleave(T)
         doc_begin = begin[d] - row_base[row]               # in its row of the aligned view
         n_mb = Tp // C
@@ -179,15 +238,16 @@ class DocLayout:
         total, filled longest document first, each into the row with the least so far (LPT
         scheduling), so that a scan over the rows runs about as many steps as the longest document
         needs. For a mixer whose scan takes one step per block of tokens over all rows at once
-        (TTT's mini-batch loop, the Titans memory's chunk loop, Titans MAC's block scan). One host read (the document
-        lengths)."""
+        (TTT's mini-batch loop, the Titans memory's chunk loop, Titans MAC's block scan). The
+        schedule is made on the host from ``host_lengths``; its [N] document places reach the
+        device in one non-blocking copy."""
         key = ("balanced", C)
         if key in self.cache:
             return self.cache[key]
         B, T = self.shape
         dev = self.starts.device
         d, off, lens = self._doc_lengths()
-        plen = [-(-n // C) * C for n in lens.tolist()]
+        plen = [-(-n // C) * C for n in self._host()[0].tolist()]
         rows = max(1, min(self.n_docs, -(-sum(plen) // max(plen))))
         heap = [(0, r) for r in range(rows)]
         begin = [0] * self.n_docs
@@ -196,7 +256,7 @@ class DocLayout:
             begin[n] = (r, load)
             heapq.heappush(heap, (load + plen[n], r))
         Tp = max(load for load, _ in heap)
-        flat = torch.tensor([r * Tp + b for r, b in begin], dtype=torch.long, device=dev)
+        flat = host_to_device(torch.tensor([r * Tp + b for r, b in begin], dtype=torch.long), dev)
         dest = flat[d] + off
         big = torch.iinfo(torch.long).max // 2
         offset = torch.full((rows * Tp,), big, dtype=torch.long, device=dev).index_copy(0, dest, off)
@@ -211,15 +271,17 @@ class DocLayout:
         each document alone as [n prefix tokens ‖ the document] (Titans MAL's persistent tokens):
         ``PrefixedDocs``, built once per batch and n. Its layout counts positions from each
         document's first prefix slot; a row with fewer documents than the longest row ends in
-        padding that continues its last document (after it, so causal forms never read it). Two
-        host reads (the longest row, then ``DocLayout.build``'s)."""
+        padding that continues its last document (after it, so causal forms never read it). Its
+        sizes come from the host lengths (T′ = T + n · the most pieces in a row; piece lengths
+        len + n, a row's last piece also its padding), so it reads nothing back."""
         key = ("prefixed", n)
         if key in self.cache:
             return self.cache[key]
         B, T = self.shape
         dev = self.starts.device
         seg = self.seg
-        Tp = T + n * (int(seg[:, -1].max()) + 1)
+        hl, hrow, count = self._host()
+        Tp = T + n * int(count.max())
         dest = (torch.arange(T, device=dev) + n * (seg + 1)) + torch.arange(B, device=dev)[:, None] * Tp
         dest = dest.flatten()
         begins = torch.nonzero_static(self.starts.flatten(), size=self.n_docs)[:, 0]   # size known: no sync
@@ -233,7 +295,12 @@ class DocLayout:
         starts = torch.zeros(B * Tp, dtype=torch.bool, device=dev).index_fill(0, first, True).view(B, Tp)
         idx = torch.arange(Tp, device=dev).expand(B, Tp)
         offset = idx - torch.cummax(torch.where(starts, idx, torch.zeros_like(idx)), 1).values
-        out = PrefixedDocs(DocLayout.build(offset), dest, src, n)
+        # the layout of the [B, T′] rows, as DocLayout.build(offset) gives it (offset is a valid
+        # layout by construction, its starts those above), its sizes from the host
+        plens = hl + n
+        plens.index_add_(0, count.cumsum(0) - 1, Tp - T - n * count)   # each row's padding: its last piece
+        layout = DocLayout(offset, starts, offset, self.n_docs, int(plens.max()), plens)
+        out = PrefixedDocs(layout, dest, src, n)
         self.cache[key] = out
         return out
 
@@ -384,5 +451,5 @@ def unflatten_heads(t: torch.Tensor, B: int) -> torch.Tensor:
 
 
 __all__ = ["AlignedDocs", "DocLayout", "PrefixedDocs", "check_packed_triton", "check_positions", "doc_conv",
-           "masked_conv",
+           "host_to_device", "masked_conv",
            "unflatten_heads", "varlen_heads"]

@@ -19,10 +19,12 @@ Packed rows: with ``model.reset_at_doc_boundaries`` and the data's ``position_id
 document's first token), every token-mixing part of a block (the mixer and the pre-conv) reads each
 document of a row from a fresh state, exactly as if each document were its own sequence, in one
 call per layer for the whole batch: ``forward`` checks the positions and builds the batch's
-``DocLayout`` once (``ttt_lm.model.docs``: one host read per batch) and every block passes it to
-its mixer (``Mixer.forward``'s ``docs``) and masks its pre-conv (``doc_conv``). Positions are
-checked whenever they are given: a first position below 0 or a jump inside a document is a
-ValueError naming the row and position.
+``DocLayout`` once (``ttt_lm.model.docs``), on the host, and moves it to the model's device, and
+every block passes it to its mixer (``Mixer.forward``'s ``docs``) and masks its pre-conv
+(``doc_conv``). With the loader's positions (CPU tensors) nothing is read back from the device
+for the layout or any of its views; positions given on a device are read back once per batch.
+Positions are checked whenever they are given: a first position below 0 or a jump inside a
+document is a ValueError naming the row and position.
 
 Segment positions: mixers whose official code reads them (``Mixer.takes_segment_pos``: Griffin's
 RG-LRU block) get ``position_ids`` as ``segment_pos`` whenever they are given, in training and in
@@ -38,7 +40,7 @@ import torch
 from torch import nn
 
 from ttt_lm.model.config import ModelConfig
-from ttt_lm.model.docs import DocLayout, doc_conv
+from ttt_lm.model.docs import DocLayout, host_to_device, doc_conv
 from ttt_lm.model.layers import CausalConv1d, GatedMLP, RMSNorm, init_weights
 from ttt_lm.model.loss import linear_cross_entropy, plain_cross_entropy
 from ttt_lm.model.mixers import build_mixer, mixer_class
@@ -213,19 +215,27 @@ class LM(nn.Module):
 
     def hidden(self, input_ids: torch.Tensor, states=None, output_states: bool = False,
                position_ids: Optional[torch.Tensor] = None):
+        """The blocks' output (final-normed) and the new states. ``position_ids`` [B, T]: checked and,
+        with resets, turned into the batch's ``DocLayout`` once, on the host: positions on the CPU
+        (the loader's) cost no device→host read at all (the layout's tensors reach the device in
+        non-blocking copies and its views take their sizes from its host copies); positions on a
+        device are read back once (one synchronization), then the same."""
         docs = None
         if position_ids is not None:
-            position_ids = position_ids.to(input_ids.device, non_blocking=True)
             if tuple(position_ids.shape) != tuple(input_ids.shape):
                 raise ValueError(f"position_ids must be [B, T] = {tuple(input_ids.shape)} like input_ids, "
                                  f"got {tuple(position_ids.shape)}")
-            # the positions are checked (and, with resets, the layout built) once per batch: one host sync
-            docs = DocLayout.build(position_ids)
-            if not (self.cfg.reset_at_doc_boundaries and docs.inner_starts):
-                docs = None  # no document starts inside a row, or no resets: one plain batched pass
+            # checked (and the layout built) on the host, once per batch
+            host = position_ids if position_ids.device.type == "cpu" else position_ids.cpu()
+            layout = DocLayout.build(host)
+            position_ids = host_to_device(position_ids, input_ids.device)
+            if not (self.cfg.reset_at_doc_boundaries and layout.inner_starts):
+                pass  # no document starts inside a row, or no resets: one plain batched pass
             elif states is not None or output_states:
                 raise ValueError("resetting at document boundaries (model.reset_at_doc_boundaries with "
                                  "position_ids) cannot be combined with carried states")
+            else:
+                docs = layout.to(input_ids.device, position_ids=position_ids)
         x = self.embed(input_ids)
         new_states = [] if output_states else None
         for i, block in enumerate(self.layers):

@@ -76,8 +76,9 @@ DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os
 def _pos(batch: dict):
     """Position of each token in its document (0 at a document's first token), which the model
     uses to reset its state at document boundaries when model.reset_at_doc_boundaries is set.
-    Kept where the loader made it; ``LM.forward`` moves it to the model's device and checks it and
-    builds the document layout there, with one host read per batch (``ttt_lm.model.docs``)."""
+    Kept where the loader made it (the host): ``LM.forward`` checks it and builds the document
+    layout there, then moves the layout to the model's device, with no read back from the device
+    (``ttt_lm.model.docs``)."""
     return batch.get("position_ids")
 
 

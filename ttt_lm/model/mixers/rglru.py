@@ -53,7 +53,8 @@ with a causal depthwise convolution of width ``conv_width``. Forms: ``reference`
 recurrence token by token (kernels.linear_scan reference), ``chunked`` the chunked scan
 (kernels.linear_scan, Triton on CUDA when present), ``step`` one token with the cache
 {conv: last conv_width−1 inputs, h: h_{t−1}, pos}. Resets inside a row run the scan as packed
-sequences (``cu_seqlens``), one per document piece.
+sequences (``cu_seqlens``), one per document piece (on the Triton backend with the LM's
+``DocLayout``, the layout's ``cu_seqlens``: no host read).
 """
 from __future__ import annotations
 
@@ -65,7 +66,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.linear_scan import has_triton_backend, linear_scan_reset
+from kernels.linear_scan import has_triton_backend, linear_scan, linear_scan_reset
+from ttt_lm.model.docs import DocLayout
 from ttt_lm.model.layers import CausalConv1d, acc
 from ttt_lm.model.mixers.base import Mixer, MixerState, TPPlan
 from ttt_lm.model.registry import option, register_mixer
@@ -241,14 +243,19 @@ class RGLRUBlock(Mixer):
     def context_state(self, x_before, valid, start: int) -> RGLRUState:
         return RGLRUState(conv=self.conv1d.cache_from(self.linear_x(x_before), valid), h=None, pos=start)
 
-    def _conv(self, u: torch.Tensor, cache, output_state: bool, seg: torch.Tensor, pos0_known: Optional[int]):
+    def _conv(self, u: torch.Tensor, cache, output_state: bool, seg: torch.Tensor, pos0_known: Optional[int],
+              starts_inside: bool = False):
         """Conv1D_w within each document: y_t = b + Σ_{j<w, j ≤ seg_t} W_j ⊙ u_{t−j} (u before
         the call from ``cache``). The masked sum runs only where a mask can drop a non-zero input;
-        ``pos0_known`` is the stream position when ``seg`` is the stream's own (no host sync)."""
+        ``pos0_known`` is the stream position when ``seg`` is the stream's own, ``starts_inside``
+        says that documents start inside the rows (the LM's ``DocLayout``, known on the host): no
+        host sync in either case; else one read of whether any tap is masked."""
         w = self.conv1d.width
         y, new_cache = self.conv1d(u, cache, output_state)
         T = u.shape[1]
-        if pos0_known is not None:
+        if starts_inside:
+            need = w > 1            # a start at t >= 1 has seg_t = 0 < min(t, w − 1)
+        elif pos0_known is not None:
             need = cache is not None and pos0_known < w - 1
         else:
             reach = torch.arange(T, device=u.device).clamp(max=w - 1) if cache is None else torch.full(
@@ -272,12 +279,14 @@ class RGLRUBlock(Mixer):
         arguments; the carry is the conv cache and the next position. ``docs`` (packed documents,
         a ``DocLayout`` or context parallelism's ``SliceDocs``) adds nothing: the documents reach
         the RG-LRU through ``segment_pos`` (resets where it is 0, the conv's taps masked by it,
-        the state's conv cache included), which the one-process run reads as well."""
+        the state's conv cache included), which the one-process run reads as well; the LM's
+        ``DocLayout`` only tells the conv, on the host, that its masks are needed."""
         pos0 = 0 if state is None else int(state.pos)
         seg = segment_positions(segment_pos, x, pos0)
         reset = seg == 0
         xb, conv_cache = self._conv(self.linear_x(x), None if state is None else state.conv, output_state, seg,
-                                    pos0 if segment_pos is None else None)
+                                    pos0 if segment_pos is None else None,
+                                    isinstance(docs, DocLayout) and docs.inner_starts)
         r_t = torch.sigmoid(acc(self.gate_a(xb)))
         i_t = torch.sigmoid(acc(self.gate_x(xb)))
         log_a_t = -self.c * r_t * F.softplus(-acc(self.Lambda))
@@ -285,10 +294,26 @@ class RGLRUBlock(Mixer):
         norm = torch.where(reset[..., None], torch.ones_like(norm), norm)   # recurrentgemma's reset
         b_t = norm * i_t * acc(xb)
         carry = RGLRUState(conv=conv_cache, pos=pos0 + x.shape[1]) if output_state else None
-        return {"log_a": log_a_t, "b": b_t, "reset": reset, "chunk_size": self.chunk_size}, carry
+        out = {"log_a": log_a_t, "b": b_t, "reset": reset, "chunk_size": self.chunk_size}
+        if isinstance(docs, DocLayout) and docs.inner_starts:
+            out["cu_seqlens"] = docs.cu_seqlens     # the same pieces as the resets, with no host read
+        return out, carry
 
     def op(self, inp, initial_state=None, output_final_state: bool = False, backend: str = "torch"):
-        """h_t = a_t ⊙ h_{t−1} + b_t (h_t = b_t at a reset): ``kernels.linear_scan``."""
+        """h_t = a_t ⊙ h_{t−1} + b_t (h_t = b_t at a reset): ``kernels.linear_scan``. With the LM's
+        document layout (``inp["cu_seqlens"]``) the Triton form scans the rows flattened to one,
+        each document piece from the zero state (h_t = b_t at its first token, as a reset
+        gives), with the layout's offsets: no host read of the resets (``linear_scan_reset``
+        reads them for the other cases)."""
+        cu = inp.get("cu_seqlens")
+        if cu is not None and backend == "triton":
+            if initial_state is not None or output_final_state:
+                raise ValueError("RG-LRU: packed documents (cu_seqlens) start from the zero state; they take no "
+                                 "initial state and return no final state")
+            B, T, D = inp["b"].shape
+            h, _ = linear_scan(inp["log_a"].reshape(1, B * T, D), inp["b"].reshape(1, B * T, D), None, False,
+                               backend=backend, chunk_size=inp["chunk_size"], cu_seqlens=cu)
+            return h.reshape(B, T, D), None
         return linear_scan_reset(inp["log_a"], inp["b"], initial_state, inp["reset"], output_final_state, backend,
                                  inp["chunk_size"])
 
@@ -296,8 +321,8 @@ class RGLRUBlock(Mixer):
         """y = W_out(GeLU(W_y x) ⊙ h)."""
         return self.linear_out(h.to(x.dtype) * F.gelu(self.linear_y(x), approximate="tanh"))
 
-    def _scan(self, x, state, output_state, backend, segment_pos=None):
-        inp, carry = self.inputs(x, state, output_state, segment_pos)
+    def _scan(self, x, state, output_state, backend, segment_pos=None, docs=None):
+        inp, carry = self.inputs(x, state, output_state, segment_pos, docs)
         h, hT = self.op(inp, None if state is None else state.h, output_state, backend)
         return self.output(h, x), (replace(carry, h=hT) if output_state else None)
 
@@ -310,10 +335,10 @@ class RGLRUBlock(Mixer):
     handles_docs = True
 
     def reference(self, x, state=None, output_state=False, segment_pos=None, docs=None):
-        return self._scan(x, state, output_state, "reference", segment_pos)
+        return self._scan(x, state, output_state, "reference", segment_pos, docs)
 
     def chunked(self, x, state=None, output_state=False, segment_pos=None, docs=None):
-        return self._scan(x, state, output_state, self._resolve_backend(x), segment_pos)
+        return self._scan(x, state, output_state, self._resolve_backend(x), segment_pos, docs)
 
     def step(self, x, state, segment_pos=None):
         inp, carry = self.inputs(x, state, True, segment_pos)
