@@ -122,7 +122,7 @@ def _ttt_run(fn, xs, state):
 
 # The Triton backend against the separate reference: without initial states in
 # test_ttt_triton_varlen_reads_no_unwritten_buffer_nor_outside_its_inputs (b = 16, 17, 0, 5, 18
-# tokens), with and without them in the one-launch tests below (b = 16 and 8)
+# tokens), with them (TTT-Linear: also without) in the one-launch tests below (b = 16 and 8)
 TTT_CASES = [("linear", "torch", 8, 4, LENGTHS), ("mlp", "torch", 8, 4, LENGTHS),
              ("linear", "primal", 8, 4, LENGTHS)]
 
