@@ -1,10 +1,11 @@
 """The Triton TTT-MLP kernels (kernels/ttt/mlp_chunk.py) against the specification
 (kernels/ttt/reference.py): output, final state and the gradient of every input, including
 ``initial_state``. On CPU it runs under the Triton interpreter (tests/conftest.py), where tl.dot
-needs blocks ≥ 16; the hidden width is streamed in tiles of 16 there, so m = 4d ∈ {32, 64} runs 2-4
-tiles and m = 24 a padded second tile: b = 16 and d ∈ {8, 16}, H = 2, T ≤ 40. The interpreter runs
-one program per (batch row, head) after another, so B = 2 only where the batch axis is swept (the
-float64 shapes at d = b = 16, per-sequence weights) and B = 1 elsewhere."""
+needs blocks ≥ 16; the hidden width is streamed in tiles of 16 there, so m = 32 (4d at d = 8, 2d at
+d = 16; the mixer test's hidden width likewise) runs 2 tiles and m = 24 a padded second tile: b = 16
+and d ∈ {8, 16}, H = 2, T ≤ 40. The interpreter's cost grows with the tiles, the mini-batches and
+the programs, one per (batch row, head) after another, so B = 2 only where the batch axis is swept
+(the float64 shapes at d = b = 16, per-sequence weights) and B = 1 elsewhere."""
 import pytest
 import torch
 
@@ -20,7 +21,9 @@ WEIGHTS = ["W1", "b1", "W2", "b2"]
 
 
 def _inputs(T, d, b, m=None, dtype=torch.float64, seed=0, device="cpu", batch=B):
-    m = 4 * d if m is None else m
+    """m = 32 unless given (two hidden tiles under the interpreter), 4d on CUDA."""
+    if m is None:
+        m = 4 * d if str(device).startswith("cuda") else 32
     g = torch.Generator().manual_seed(seed)
 
     def r(*s, scale=1.0):
@@ -97,23 +100,27 @@ def _compare(got, ref, T, b, atol, rtol, pos0=0, state_names=()):
 
 
 # (T, d, b, m, prefix), B = 2 at d = b = 16 (1 for the padded shapes): T = 32 (kernel only, two
-# full mini-batches), 21 (kernel, a full mini-batch and a partial last one of 5 rows), 29 after a
-# 5-token prefix (a head of 11 tokens, then 18: a full mini-batch and a partial one of 2), 9 after a
-# prefix (a head only); d = 8 pads the d-tiles to 16, m = 24 pads the hidden tiles to 32, b ∈ {4, 8}
-# pads the rows to 16 (b = 4: 7 tokens, a full mini-batch and a partial one of 3)
-SHAPES = [(32, 16, 16, None, 0), (21, 16, 16, None, 0), (29, 16, 16, None, 5), (9, 16, 16, None, 5),
+# full mini-batches, ending on a boundary), 29 after a 5-token prefix (a head of 11 tokens, then 18:
+# a full mini-batch and a partial one of 2: the head, full and partial launches with the batch
+# axis); d = 8 pads the d-tiles to 16, m = 24 pads the hidden tiles to 32, b ∈ {4, 8} pads the rows
+# to 16 (b = 4: 7 tokens, a full mini-batch and a partial one of 3). From a fresh state, a full
+# mini-batch and a partial one at d = b = 16: test_partial_last_mini_batch_runs_in_kernels (and
+# the float32 and bfloat16 tests); a head only: test_head_runs_in_the_kernels (B = 1)
+SHAPES = [(32, 16, 16, None, 0), (29, 16, 16, None, 5),
           (20, 8, 16, 24, 0), (7, 8, 4, None, 0), (19, 8, 8, None, 3)]
 
 
 @pytest.mark.parametrize("T,d,b,m,prefix", SHAPES)
-def test_float64_matches_reference(T, d, b, m, prefix):
+def test_float64_matches_reference(T, d, b, m, prefix, monkeypatch):
     """float64 throughout (the kernel computes in float64 for float64 inputs): only rounding
-    differs from the autograd spec, so 1e-10 relative to each tensor's scale."""
+    differs from the autograd spec, so 1e-10 relative to each tensor's scale. All in the kernels
+    (the PyTorch dual form raises)."""
     batch = B if (d, b) == (16, 16) else 1
     args = _inputs(T, d, b, m, batch=batch)
     st = _prefix_state(args, b, prefix) if prefix else None
     w = torch.randn(batch, H, T, d, dtype=torch.float64)
     ref = _run("reference", args, b, w, st)
+    _no_torch_form(monkeypatch)
     got = _run("triton", args, b, w, st)
     _compare(got, ref, T, b, atol=1e-10, rtol=1e-10, pos0=prefix, state_names=_state_names(st))
 
@@ -222,8 +229,9 @@ def test_partial_last_mini_batch_no_grad_windows(T, monkeypatch):
 
 
 # (p, T) at b = 16: a head only (T < b − p, and p = b − 1 with T = 1), a head completing its
-# mini-batch and one full one after it, a head + a full mini-batch + a partial tail
-@pytest.mark.parametrize("p,T", [(1, 4), (5, 27), (15, 1), (15, 20), (1, 34), (5, 30)])
+# mini-batch and one full one after it, a head + a full mini-batch + a partial tail, a head of 15
+# rows + a partial tail (a head of 11 + a full + a partial one, with B = 2: the float64 shapes)
+@pytest.mark.parametrize("p,T", [(1, 4), (5, 27), (15, 1), (15, 20), (1, 18)])
 def test_head_runs_in_the_kernels(p, T, monkeypatch):
     """A call from a state begun mid-mini-batch (pos = p > 0, carried sums G ≠ 0): the head runs
     in the kernels (the PyTorch dual form raises here), and the output, the final state and every
@@ -242,16 +250,17 @@ def test_head_runs_in_the_kernels(p, T, monkeypatch):
 
 def test_decode_style_chaining_equals_one_call(monkeypatch):
     """A sequence cut at arbitrary points (inside mini-batches, on a boundary, one token long),
-    each piece continued from the previous piece's final state, gives the output, final state and
-    input gradients of one call over the whole sequence, all in the kernels (B = 1). float64:
-    1e-10."""
+    each piece continued from the previous piece's final state in the kernels, gives the output,
+    final state and input gradients of one call over the whole sequence (B = 1): of the
+    specification's, which one call of the kernels equals (test_float64_matches_reference,
+    test_partial_last_mini_batch_runs_in_kernels). float64: 1e-10."""
     # pieces: 3 fresh tokens, a head inside the mini-batch, a head completing it, one token from
     # the boundary, a head of 15 crossing into the last mini-batch and 4 rows of it
     b, d, T, cuts = 16, 16, 36, (3, 7, 16, 17)
-    _no_torch_form(monkeypatch)
     args = _inputs(T, d, b, batch=1)
     w = torch.randn(1, H, T, d, dtype=torch.float64)
-    one = _run("triton", args, b, w)
+    one = _run("reference", args, b, w)
+    _no_torch_form(monkeypatch)
     chained = run_chained(ttt_mlp, args, b, w, cuts)
     _compare(chained, one, T, b, atol=1e-10, rtol=1e-10)
 
@@ -283,10 +292,10 @@ def test_no_grad_forward_and_weights_with_batch_axis():
 def test_forward_column_blocks():
     """The forward kernels sum their [b, d] products over column blocks (16 wide under the
     interpreter): d = 24 runs two, the second padded, with b = 8 (padded rows) and m = 32 (two
-    hidden tiles). Without autograd the forward runs in windows of 2 mini-batches there: T = 40
-    is 5 mini-batches, three windows, the last one short. Output and final state equal the PyTorch
+    hidden tiles). Without autograd the forward runs in windows of 2 mini-batches there: T = 24
+    is 3 mini-batches, two windows, the last one short. Output and final state equal the PyTorch
     dual form (B = 1). float64: 1e-12."""
-    b, d, T = 8, 24, 40
+    b, d, T = 8, 24, 24
     args = [a.detach() for a in _inputs(T, d, b, m=32, batch=1)]
     with torch.no_grad():
         o_k, s_k = ttt_mlp(*args, mini_batch_size=b, output_final_state=True, backend="triton")
@@ -379,11 +388,12 @@ def test_rejects_unsupported_mini_batch():
 @pytest.mark.parametrize("ttt", [{"mini_batch_size": 16},
                                  {"mini_batch_size": 4, "share_qk": True, "use_gate": True}])
 def test_mixer_triton_equals_torch(ttt):
-    """TTTMLP (head dim 16, hidden 64) with kernel_backend="triton" == "torch": output, every
-    parameter gradient and a continued segment (state stopping inside a mini-batch). float64
-    (the model's exactness dtype), so 1e-10."""
+    """TTTMLP (head dim 16, hidden 32: ``mlp_expansion`` 2, two hidden tiles under the
+    interpreter) with kernel_backend="triton" == "torch": output, every parameter gradient and a
+    continued segment (state stopping inside a mini-batch). float64 (the model's exactness
+    dtype), so 1e-10."""
     from tests.model.mixer_checks import make_mixer
-    m, _ = make_mixer("ttt_mlp", d_model=32, n_heads=2, ttt=dict(ttt))
+    m, _ = make_mixer("ttt_mlp", d_model=32, n_heads=2, ttt=dict(ttt, mlp_expansion=2))
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():  # move the symmetric init points so that every gradient path is used
         for n in ("learnable_token_idx", "ttt_norm_weight", "ttt_norm_bias", "b1", "b2", "learnable_ttt_lr_bias"):
