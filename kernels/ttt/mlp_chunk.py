@@ -891,7 +891,7 @@ def _ttt_mlp_bwd_kernel(XQ, XK, XV, ETA, TAU, LNW, LNB, W1S, B1S, W2S, G1S, G2S,
 def _mlp_launch_cfg(d: int, m: int, b: int, packed: bool = False):
     """Padded tile sizes (every tl.dot block dim ≥ 16), the hidden tile width BM and launch
     options for TTT-MLP, the same on every GPU family. Under the interpreter BM = 16 as well, so
-    that the tests' small m (32, 64 and a padded 24) run several hidden tiles.
+    that the tests' small m (32, and a padded 24) run several hidden tiles.
 
     Compiled for sm_90 and sm_80 (``python -m kernels.compile_report --op ttt -k _ttt_mlp_``):
     BM = 16 on 8 warps. Register pressure comes mostly from the [b, d] tiles that enter products
