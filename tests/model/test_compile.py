@@ -6,7 +6,8 @@ graph break or a decomposition reorders a float32 reduction, ~1e-7 measured); a 
 2.5e-6 is well below any real divergence (a wrong gradient moves the third step's loss by 1e-3 or
 more at lr 1e-2). aot_eager is the test backend because inductor's C++ codegen takes minutes for a
 hybrid on a 2-core CPU; inductor is the default (``model.compile_backend``) and is exercised on the
-attention block below.
+attention block below. Each Triton op is compiled once per test: the graphs come from a recording
+aot_eager backend (what torch._dynamo.explain would report, without a second trace and run).
 """
 import pytest
 import torch
@@ -43,16 +44,16 @@ def tiny(pattern, kernel_backend="auto", **kw) -> LM:
     # TTT-MLP's inner hidden width = the head dim, 16: one hidden tile under the interpreter (the
     # kernels' tiling is swept in tests/kernels/test_ttt_mlp_triton.py)
     cfg.ttt.mlp_expansion = 1
-    cfg.rglru.chunk_size = 16
+    cfg.rglru.chunk_size = 8
     return LM(cfg)
 
 
-def losses(model: LM, steps: int = 3, T: int = 32):
+def losses(model: LM, steps: int = 3, T: int = 16, B: int = 2):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(1)
     out = []
     for _ in range(steps):
-        ids = torch.randint(0, 64, (2, T + 1), generator=g)
+        ids = torch.randint(0, 64, (B, T + 1), generator=g)
         loss = model(ids[:, :-1], labels=ids[:, 1:]).loss
         loss.backward()
         opt.step()
@@ -70,7 +71,8 @@ def fresh_dynamo():
 
 
 def test_compiled_hybrid_trains_like_eager():
-    """Attention, TTT-Linear and RG-LRU blocks (their PyTorch forms, the CPU path)."""
+    """Attention, TTT-Linear and RG-LRU blocks (their PyTorch forms, the CPU path) over 16 tokens:
+    two TTT mini-batches and two RG-LRU scan chunks."""
     pattern = ["attention", "ttt_linear", "rglru"]
     eager = losses(tiny(pattern))
     model = tiny(pattern)
@@ -82,9 +84,9 @@ def test_compiled_hybrid_trains_like_eager():
     assert max(abs(a - b) for a, b in zip(eager, compiled)) < TOL, (eager, compiled)
 
 
-def _linear_scan_case(g):
-    la = -torch.rand(2, 20, 8, generator=g, dtype=torch.float64)
-    b = torch.randn(2, 20, 8, generator=g, dtype=torch.float64)
+def _linear_scan_case(g):   # T = 12: a full tile of 8 and a partial one
+    la = -torch.rand(2, 12, 8, generator=g, dtype=torch.float64)
+    b = torch.randn(2, 12, 8, generator=g, dtype=torch.float64)
     h0 = torch.randn(2, 8, generator=g, dtype=torch.float64)
     return (lambda la, b, h0: linear_scan(la, b, h0, True, backend="triton", chunk_size=8)), (la, b, h0)
 
@@ -111,15 +113,15 @@ def _gated_delta_rule_case(g):
 
 
 def _titans_case(g):
-    q, k = (torch.nn.functional.normalize(torch.randn(1, 2, 20, 16, generator=g, dtype=torch.float64), dim=-1)
+    q, k = (torch.nn.functional.normalize(torch.randn(1, 2, 12, 16, generator=g, dtype=torch.float64), dim=-1)
             for _ in range(2))
-    v = torch.randn(1, 2, 20, 16, generator=g, dtype=torch.float64)
-    theta = 0.5 * torch.rand(1, 2, 20, generator=g, dtype=torch.float64)
-    log_eta, log_keep = (torch.nn.functional.logsigmoid(torch.randn(1, 2, 20, generator=g, dtype=torch.float64) + 2)
+    v = torch.randn(1, 2, 12, 16, generator=g, dtype=torch.float64)
+    theta = 0.5 * torch.rand(1, 2, 12, generator=g, dtype=torch.float64)
+    log_eta, log_keep = (torch.nn.functional.logsigmoid(torch.randn(1, 2, 12, generator=g, dtype=torch.float64) + 2)
                          for _ in range(2))
     M, S, Mh = (0.3 * torch.randn(1, 2, 16, 16, generator=g, dtype=torch.float64) for _ in range(3))
 
-    def fn(q, k, v, theta, log_eta, log_keep, M, S, Mh):   # T = 20: a partial last chunk
+    def fn(q, k, v, theta, log_eta, log_keep, M, S, Mh):   # T = 12: a full chunk and a partial one
         y, fin = titans_linear(q, k, v, theta, log_eta, log_keep, (M, S, Mh), True, backend="triton",
                                chunk_size=8)
         return (y, *fin)
@@ -157,7 +159,8 @@ def _ttt_mlp_case(g):
 def _selective_scan_case(g):
     r = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64)   # noqa: E731
     A = -torch.rand(8, 4, generator=g, dtype=torch.float64) * 4 - 0.5
-    ins = (r(2, 20, 8), r(2, 20, 8), A, r(2, 20, 4), r(2, 20, 4), r(8), r(2, 20, 8), r(8), r(2, 8, 4))
+    # T = 12: a full tile of 8 and a partial one
+    ins = (r(2, 12, 8), r(2, 12, 8), A, r(2, 12, 4), r(2, 12, 4), r(8), r(2, 12, 8), r(8), r(2, 8, 4))
 
     def fn(x, delta, A, B, C, D, z, delta_bias, h0):
         return selective_scan(x, delta, A, B, C, D, z, delta_bias, True, h0, True, backend="triton",
@@ -177,25 +180,63 @@ CUSTOM_OPS = {
 }
 
 
+class _RecordKernelOps(TorchDispatchMode):
+    """The kernels:: op calls (forward and backward ops) with the arguments they were given."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace == "kernels":
+            self.calls.append((func, args, kwargs))
+        return func(*args, **kwargs)
+
+
+def _recording_aot_eager(graphs: list):
+    """The aot_eager backend, keeping every graph dynamo hands it (as torch._dynamo.explain does)."""
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+    return backend
+
+
+def _call_targets(graphs) -> list:
+    return [str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"]
+
+
 @pytest.mark.parametrize("node", sorted(CUSTOM_OPS))
-def test_triton_op_is_one_custom_op_node(node):
+def test_triton_op_is_one_custom_op_node_and_passes_opcheck(node):
     """With backend=triton (the Triton interpreter on CPU) dynamo captures the op as one opaque
-    custom-op node: no graph break, no traced Triton launch, and outputs and gradients equal eager."""
+    custom-op node: no graph break (fullgraph), no traced Triton launch, and outputs and gradients
+    equal eager. Then torch.library.opcheck on the forward and backward ops as the public entry
+    point called them in that eager run: schema, fake (shape) functions against the real outputs,
+    the registered autograd, and AOT dispatch."""
     fn, inputs = CUSTOM_OPS[node](torch.Generator().manual_seed(0))
-    ex = torch._dynamo.explain(fn)(*inputs)
-    assert ex.graph_break_count == 0, ex.break_reasons
-    targets = [str(n.target) for gm in ex.graphs for n in gm.graph.nodes if n.op == "call_function"]
-    assert targets.count(node) == 1, targets
-    torch._dynamo.reset()
     leaves = [x.clone().requires_grad_() for x in inputs]
-    eager = fn(*leaves)
-    eager_g = torch.autograd.grad(sum(o.sum() for o in eager if o is not None), leaves, allow_unused=True)
+    with _RecordKernelOps() as rec:
+        eager = fn(*leaves)
+        eager_g = torch.autograd.grad(sum(o.sum() for o in eager if o is not None), leaves, allow_unused=True)
+    op = node.removesuffix(".default").replace(".", "::")   # kernels::<op>_fwd
+    names = [f.name() for f, _, _ in rec.calls]
+    assert names == [op, op.replace("_fwd", "_bwd")], names
+
+    graphs = []
     leaves_c = [x.clone().requires_grad_() for x in inputs]
-    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)(*leaves_c)
+    compiled = torch.compile(fn, backend=_recording_aot_eager(graphs), fullgraph=True)(*leaves_c)
     compiled_g = torch.autograd.grad(sum(o.sum() for o in compiled if o is not None), leaves_c,
                                      allow_unused=True)
+    assert len(graphs) == 1, graphs   # fullgraph: one graph, no break
+    targets = _call_targets(graphs)
+    assert targets.count(node) == 1, targets
     for a, c in zip(list(eager) + list(eager_g), list(compiled) + list(compiled_g)):
         assert (a is None and c is None) or torch.equal(a, c), (a, c)
+
+    for func, args, kwargs in rec.calls:
+        if func.name().endswith("_bwd"):   # the backward op has no derivative of its own
+            args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
+        torch.library.opcheck(func, args, kwargs)
 
 
 # layer kind -> (its op's node, the break reasons the block may have besides: none at the op)
@@ -208,7 +249,7 @@ BLOCKS = {
     "ttt_mlp": ("kernels.ttt_mlp_fwd.default", None),
 }
 # (a Mamba block takes over a minute under the Triton interpreter here: its op is covered by
-# test_triton_op_is_one_custom_op_node only)
+# test_triton_op_is_one_custom_op_node_and_passes_opcheck only)
 
 
 def test_packed_sequences_compile_like_eager():
@@ -279,39 +320,6 @@ def test_packed_ttt_mlp_compiles_like_eager():
         assert torch.equal(a, c), (a - c).abs().max()
 
 
-class _RecordKernelOps(TorchDispatchMode):
-    """The kernels:: op calls (forward and backward ops) with the arguments they were given."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func.namespace == "kernels":
-            self.calls.append((func, args, kwargs))
-        return func(*args, **kwargs)
-
-
-@pytest.mark.parametrize("node", sorted(CUSTOM_OPS))
-def test_custom_op_registrations_pass_opcheck(node):
-    """torch.library.opcheck on the forward and backward ops as the public entry point calls
-    them: schema, fake (shape) functions against the real outputs, the registered autograd, and
-    AOT dispatch."""
-    fn, inputs = CUSTOM_OPS[node](torch.Generator().manual_seed(0))
-    leaves = [x.clone().requires_grad_() for x in inputs]
-    with _RecordKernelOps() as rec:
-        out = fn(*leaves)
-        torch.autograd.grad(sum(o.sum() for o in out), leaves, allow_unused=True)
-    op = node.removesuffix(".default").replace(".", "::")   # kernels::<op>_fwd
-    names = [f.name() for f, _, _ in rec.calls]
-    assert names == [op, op.replace("_fwd", "_bwd")], names
-    for func, args, kwargs in rec.calls:
-        if func.name().endswith("_bwd"):   # the backward op has no derivative of its own
-            args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
-        torch.library.opcheck(func, args, kwargs)
-
-
 def test_entry_points_are_not_compiler_disabled():
     """Every Triton entry point is traced (the op inside it is the custom-op node), none skipped."""
     for fn in (delta_rule_triton, gated_delta_rule_triton, linear_scan_triton, selective_scan_triton, titans_linear_triton,
@@ -322,20 +330,20 @@ def test_entry_points_are_not_compiler_disabled():
 @pytest.mark.parametrize("kind", sorted(BLOCKS))
 def test_triton_op_in_a_compiled_block(kind):
     """A block whose mixer runs a Triton op (kernel_backend=triton) trains under model.compile like
-    eager, the op captured as a custom-op node and no graph break at it."""
+    eager, the op captured as a custom-op node of the graphs the compiled training run hands its
+    backend and no graph break at it. One row of 16 tokens (interpreted): two TTT mini-batches,
+    two RG-LRU scan chunks."""
     node, other_breaks = BLOCKS[kind]
-    T = 32 if kind == "rglru" else 16   # two scan chunks of the RG-LRU, two TTT mini-batches (interpreted)
-    eager = losses(tiny([kind], "triton"), steps=2, T=T)
+    eager = losses(tiny([kind], "triton"), steps=2, B=1)
     model = tiny([kind], "triton")
     assert model.kernel_backends("cpu") == {kind: "triton"}
-    x = model.embed(torch.randint(0, 64, (2, T), generator=torch.Generator().manual_seed(1)))
-    ex = torch._dynamo.explain(model.layers[0])(x)
-    targets = [str(n.target) for gm in ex.graphs for n in gm.graph.nodes if n.op == "call_function"]
+    graphs = []
+    compiled = losses(model.compile_blocks(_recording_aot_eager(graphs)), steps=2, B=1)
+    targets = _call_targets(graphs)
     assert node in targets, targets
-    assert all(other_breaks and other_breaks in r.reason for r in ex.break_reasons), ex.break_reasons
-    torch._dynamo.reset()
-    compiled = losses(model.compile_blocks("aot_eager"), steps=2, T=T)
-    assert not any("disable" in k for k in counters["graph_break"]), dict(counters["graph_break"])
+    breaks = dict(counters["graph_break"])
+    assert all(other_breaks and other_breaks in reason for reason in breaks), breaks
+    assert not any("disable" in k for k in breaks), breaks
     assert max(abs(a - b) for a, b in zip(eager, compiled)) < TOL, (eager, compiled)
 
 
