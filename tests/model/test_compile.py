@@ -11,6 +11,7 @@ aot_eager backend (what torch._dynamo.explain would report, without a second tra
 """
 import pytest
 import torch
+import torch._inductor.config
 from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -36,10 +37,10 @@ pytestmark = pytest.mark.slow
 TOL = 1e-5
 
 
-def tiny(pattern, kernel_backend="auto", **kw) -> LM:
+def tiny(pattern, kernel_backend="auto", d_model: int = 32, n_heads: int = 2, **kw) -> LM:
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=len(pattern), n_heads=2, layer_pattern=list(pattern),
-                      d_ff=64, kernel_backend=kernel_backend, **kw)
+    cfg = ModelConfig(vocab_size=64, d_model=d_model, n_layers=len(pattern), n_heads=n_heads,
+                      layer_pattern=list(pattern), d_ff=2 * d_model, kernel_backend=kernel_backend, **kw)
     cfg.ttt.mini_batch_size = 8
     # TTT-MLP's inner hidden width = the head dim, 16: one hidden tile under the interpreter (the
     # kernels' tiling is swept in tests/kernels/test_ttt_mlp_triton.py)
@@ -128,8 +129,8 @@ def _titans_case(g):
     return fn, (q, k, v, theta, log_eta, log_keep, M, S, Mh)
 
 
-def _ttt_inputs(g, mlp: bool, T: int = 20):
-    B, H, d, bsz = 1, 2, 8, 8
+def _ttt_inputs(g, mlp: bool, T: int = 20, H: int = 2):
+    B, d, bsz = 1, 8, 8
 
     def r(*shape, scale=1.0):
         return scale * torch.randn(*shape, generator=g, dtype=torch.float64)
@@ -257,17 +258,19 @@ def test_packed_sequences_compile_like_eager():
     the delta rule's, Titans' and TTT-Linear's chunk slots as ⌊T / C⌋ + N); compiled outputs and
     gradients equal eager. delta_rule_triton, titans_linear_triton and TTT-Linear read back one flag,
     the check of the offsets (a graph break before their op; TTT-Linear's final "pos" list is read
-    back after it)."""
+    back after it). One head (B = H = 1, N = 2): a fake shape that took the number of sequences
+    from the batch or head axis would not match the real output (B ≠ H in the fake shapes is
+    checked by test_triton_op_is_one_custom_op_node_and_passes_opcheck)."""
     g = torch.Generator().manual_seed(0)
     cu = torch.tensor([0, 5, 20], dtype=torch.int32)
-    q, k = (torch.nn.functional.normalize(torch.randn(1, 2, 20, 16, generator=g, dtype=torch.float64), dim=-1)
+    q, k = (torch.nn.functional.normalize(torch.randn(1, 1, 20, 16, generator=g, dtype=torch.float64), dim=-1)
             for _ in range(2))
-    v = torch.randn(1, 2, 20, 16, generator=g, dtype=torch.float64)
-    beta = torch.rand(1, 2, 20, generator=g, dtype=torch.float64)
+    v = torch.randn(1, 1, 20, 16, generator=g, dtype=torch.float64)
+    beta = torch.rand(1, 1, 20, generator=g, dtype=torch.float64)
     la = -torch.rand(1, 20, 8, generator=g, dtype=torch.float64)
     b = torch.randn(1, 20, 8, generator=g, dtype=torch.float64)
-    theta = 0.5 * torch.rand(1, 2, 20, generator=g, dtype=torch.float64)
-    log_eta, log_keep = (torch.nn.functional.logsigmoid(torch.randn(1, 2, 20, generator=g, dtype=torch.float64) + 2)
+    theta = 0.5 * torch.rand(1, 1, 20, generator=g, dtype=torch.float64)
+    log_eta, log_keep = (torch.nn.functional.logsigmoid(torch.randn(1, 1, 20, generator=g, dtype=torch.float64) + 2)
                          for _ in range(2))
 
     def titans(q, k, v, theta, log_eta, log_keep):   # chunk 8: both sequences end in a partial chunk
@@ -279,7 +282,7 @@ def test_packed_sequences_compile_like_eager():
         return out, st["W1"], st["b1"], st["grad_W1"]
     cases = [(lambda q, k, v, beta: delta_rule_triton(q, k, v, beta, None, True, 16, cu_seqlens=cu), (q, k, v, beta)),
              (lambda la, b: linear_scan(la, b, None, True, backend="triton", chunk_size=8, cu_seqlens=cu), (la, b)),
-             (titans, (q, k, v, theta, log_eta, log_keep)), (ttt, _ttt_inputs(g, False)),
+             (titans, (q, k, v, theta, log_eta, log_keep)), (ttt, _ttt_inputs(g, False, H=1)),
              (lambda q, k, v, lg, beta: gated_delta_rule_triton(q, k, v, lg, beta, None, True, 16, cu_seqlens=cu),
               (q, k, v, -theta, beta))]
 
@@ -300,14 +303,14 @@ def test_packed_ttt_mlp_compiles_like_eager():
     """TTT-MLP with cu_seqlens (one launch of each kernel): the op's fake shapes take the number of
     sequences from the offsets' length and the mini-batch slots as ⌊T / b⌋ + N; compiled outputs,
     final states and gradients equal eager (the offsets' check and the final "pos" list are read
-    back around the op)."""
+    back around the op). One head, as in test_packed_sequences_compile_like_eager."""
     g = torch.Generator().manual_seed(0)
     cu = torch.tensor([0, 5, 20], dtype=torch.int32)
 
     def fn(*ins):                                    # mini-batch 8: both sequences end in a partial one
         out, st = ttt_mlp(*ins, mini_batch_size=8, output_final_state=True, backend="triton", cu_seqlens=cu)
         return out, st["W1"], st["b2"], st["grad_W2"]
-    inputs = _ttt_inputs(g, True)
+    inputs = _ttt_inputs(g, True, H=1)
 
     def run(f):
         leaves = [x.clone().requires_grad_() for x in inputs]
@@ -331,11 +334,12 @@ def test_entry_points_are_not_compiler_disabled():
 def test_triton_op_in_a_compiled_block(kind):
     """A block whose mixer runs a Triton op (kernel_backend=triton) trains under model.compile like
     eager, the op captured as a custom-op node of the graphs the compiled training run hands its
-    backend and no graph break at it. One row of 16 tokens (interpreted): two TTT mini-batches,
-    two RG-LRU scan chunks."""
+    backend and no graph break at it. One row of 16 tokens and one head of width 16 (interpreted):
+    two TTT mini-batches, two RG-LRU scan chunks; the op's fake shapes with B ≠ H are
+    test_triton_op_is_one_custom_op_node_and_passes_opcheck's."""
     node, other_breaks = BLOCKS[kind]
-    eager = losses(tiny([kind], "triton"), steps=2, B=1)
-    model = tiny([kind], "triton")
+    eager = losses(tiny([kind], "triton", d_model=16, n_heads=1), steps=2, B=1)
+    model = tiny([kind], "triton", d_model=16, n_heads=1)
     assert model.kernel_backends("cpu") == {kind: "triton"}
     graphs = []
     compiled = losses(model.compile_blocks(_recording_aot_eager(graphs)), steps=2, B=1)
@@ -353,7 +357,8 @@ def test_inductor_default_on_an_attention_block():
     fuses and reorders float32 reductions."""
     assert ModelConfig().compile_backend == "inductor"
     ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
+    # C++ compiled in this process: no pool of compile workers to start on a 2-core machine
+    with torch.no_grad(), torch._inductor.config.patch(compile_threads=1):
         eager = tiny(["attention"]).eval()(ids).logits
         compiled = tiny(["attention"]).compile_blocks().eval()(ids).logits
     assert counters["stats"]["unique_graphs"] >= 1
