@@ -37,7 +37,7 @@ pytestmark = pytest.mark.slow
 TOL = 1e-5
 
 
-def tiny(pattern, kernel_backend="auto", d_model: int = 32, n_heads: int = 2, **kw) -> LM:
+def tiny(pattern, kernel_backend="auto", d_model: int = 32, n_heads: int = 2, rglru_chunk: int = 8, **kw) -> LM:
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=64, d_model=d_model, n_layers=len(pattern), n_heads=n_heads,
                       layer_pattern=list(pattern), d_ff=2 * d_model, kernel_backend=kernel_backend, **kw)
@@ -45,7 +45,7 @@ def tiny(pattern, kernel_backend="auto", d_model: int = 32, n_heads: int = 2, **
     # TTT-MLP's inner hidden width = the head dim, 16: one hidden tile under the interpreter (the
     # kernels' tiling is swept in tests/kernels/test_ttt_mlp_triton.py)
     cfg.ttt.mlp_expansion = 1
-    cfg.rglru.chunk_size = 8
+    cfg.rglru.chunk_size = rglru_chunk
     return LM(cfg)
 
 
@@ -72,15 +72,14 @@ def fresh_dynamo():
 
 
 def test_compiled_hybrid_trains_like_eager():
-    """Attention, TTT-Linear and RG-LRU blocks (their PyTorch forms, the CPU path) over 16 tokens:
-    two TTT mini-batches and two RG-LRU scan chunks."""
+    """Attention, TTT-Linear and RG-LRU blocks (their PyTorch forms, the CPU path)."""
     pattern = ["attention", "ttt_linear", "rglru"]
-    eager = losses(tiny(pattern))
-    model = tiny(pattern)
+    eager = losses(tiny(pattern, rglru_chunk=16), T=32)
+    model = tiny(pattern, rglru_chunk=16)
     names = [n for n, _ in model.named_parameters()]
     model.compile_blocks("aot_eager")
     assert [n for n, _ in model.named_parameters()] == names  # checkpoints load either way
-    compiled = losses(model)
+    compiled = losses(model, T=32)
     assert counters["stats"]["unique_graphs"] >= len(pattern)  # graphs were captured, not skipped
     assert max(abs(a - b) for a, b in zip(eager, compiled)) < TOL, (eager, compiled)
 
@@ -334,15 +333,18 @@ def test_entry_points_are_not_compiler_disabled():
 def test_triton_op_in_a_compiled_block(kind):
     """A block whose mixer runs a Triton op (kernel_backend=triton) trains under model.compile like
     eager, the op captured as a custom-op node of the graphs the compiled training run hands its
-    backend and no graph break at it. One row of 16 tokens and one head of width 16 (interpreted):
-    two TTT mini-batches, two RG-LRU scan chunks; the op's fake shapes with B ≠ H are
-    test_triton_op_is_one_custom_op_node_and_passes_opcheck's."""
+    backend and no graph break at it. The kernel blocks run one row of 16 tokens and one head of
+    width 16 (interpreted): two TTT mini-batches; the op's fake shapes with B ≠ H are
+    test_triton_op_is_one_custom_op_node_and_passes_opcheck's. The RG-LRU block keeps two rows of
+    32 tokens at d_model 32 (two scan chunks of 16)."""
     node, other_breaks = BLOCKS[kind]
-    eager = losses(tiny([kind], "triton", d_model=16, n_heads=1), steps=2, B=1)
-    model = tiny([kind], "triton", d_model=16, n_heads=1)
+    shape = dict(d_model=32, n_heads=2, rglru_chunk=16) if kind == "rglru" else dict(d_model=16, n_heads=1)
+    B, T = (2, 32) if kind == "rglru" else (1, 16)
+    eager = losses(tiny([kind], "triton", **shape), steps=2, B=B, T=T)
+    model = tiny([kind], "triton", **shape)
     assert model.kernel_backends("cpu") == {kind: "triton"}
     graphs = []
-    compiled = losses(model.compile_blocks(_recording_aot_eager(graphs)), steps=2, B=1)
+    compiled = losses(model.compile_blocks(_recording_aot_eager(graphs)), steps=2, B=B, T=T)
     targets = _call_targets(graphs)
     assert node in targets, targets
     breaks = dict(counters["graph_break"])
