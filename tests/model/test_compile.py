@@ -37,7 +37,7 @@ pytestmark = pytest.mark.slow
 TOL = 1e-5
 
 
-def tiny(pattern, kernel_backend="auto", d_model: int = 32, n_heads: int = 2, rglru_chunk: int = 8, **kw) -> LM:
+def tiny(pattern, kernel_backend="auto", d_model: int = 32, n_heads: int = 2, **kw) -> LM:
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=64, d_model=d_model, n_layers=len(pattern), n_heads=n_heads,
                       layer_pattern=list(pattern), d_ff=2 * d_model, kernel_backend=kernel_backend, **kw)
@@ -45,7 +45,7 @@ def tiny(pattern, kernel_backend="auto", d_model: int = 32, n_heads: int = 2, rg
     # TTT-MLP's inner hidden width = the head dim, 16: one hidden tile under the interpreter (the
     # kernels' tiling is swept in tests/kernels/test_ttt_mlp_triton.py)
     cfg.ttt.mlp_expansion = 1
-    cfg.rglru.chunk_size = rglru_chunk
+    cfg.rglru.chunk_size = 16
     return LM(cfg)
 
 
@@ -74,8 +74,8 @@ def fresh_dynamo():
 def test_compiled_hybrid_trains_like_eager():
     """Attention, TTT-Linear and RG-LRU blocks (their PyTorch forms, the CPU path)."""
     pattern = ["attention", "ttt_linear", "rglru"]
-    eager = losses(tiny(pattern, rglru_chunk=16), T=32)
-    model = tiny(pattern, rglru_chunk=16)
+    eager = losses(tiny(pattern), T=32)
+    model = tiny(pattern)
     names = [n for n, _ in model.named_parameters()]
     model.compile_blocks("aot_eager")
     assert [n for n, _ in model.named_parameters()] == names  # checkpoints load either way
@@ -338,7 +338,7 @@ def test_triton_op_in_a_compiled_block(kind):
     test_triton_op_is_one_custom_op_node_and_passes_opcheck's. The RG-LRU block keeps two rows of
     32 tokens at d_model 32 (two scan chunks of 16)."""
     node, other_breaks = BLOCKS[kind]
-    shape = dict(d_model=32, n_heads=2, rglru_chunk=16) if kind == "rglru" else dict(d_model=16, n_heads=1)
+    shape = dict(d_model=32, n_heads=2) if kind == "rglru" else dict(d_model=16, n_heads=1)
     B, T = (2, 32) if kind == "rglru" else (1, 16)
     eager = losses(tiny([kind], "triton", **shape), steps=2, B=B, T=T)
     model = tiny([kind], "triton", **shape)
