@@ -6,10 +6,12 @@ graph break or a decomposition reorders a float32 reduction, ~1e-7 measured); a 
 2.5e-6 is well below any real divergence (a wrong gradient moves the third step's loss by 1e-3 or
 more at lr 1e-2). aot_eager is the test backend because inductor's C++ codegen takes minutes for a
 hybrid on a 2-core CPU; inductor is the default (``model.compile_backend``) and is exercised on the
-attention block below.
+attention block below. Each Triton op is compiled once per test: the graphs come from a recording
+aot_eager backend (what torch._dynamo.explain would report, without a second trace and run).
 """
 import pytest
 import torch
+import torch._inductor.config
 from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -35,10 +37,10 @@ pytestmark = pytest.mark.slow
 TOL = 1e-5
 
 
-def tiny(pattern, kernel_backend="auto", **kw) -> LM:
+def tiny(pattern, kernel_backend="auto", d_model: int = 32, n_heads: int = 2, **kw) -> LM:
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=len(pattern), n_heads=2, layer_pattern=list(pattern),
-                      d_ff=64, kernel_backend=kernel_backend, **kw)
+    cfg = ModelConfig(vocab_size=64, d_model=d_model, n_layers=len(pattern), n_heads=n_heads,
+                      layer_pattern=list(pattern), d_ff=2 * d_model, kernel_backend=kernel_backend, **kw)
     cfg.ttt.mini_batch_size = 8
     # TTT-MLP's inner hidden width = the head dim, 16: one hidden tile under the interpreter (the
     # kernels' tiling is swept in tests/kernels/test_ttt_mlp_triton.py)
@@ -47,12 +49,12 @@ def tiny(pattern, kernel_backend="auto", **kw) -> LM:
     return LM(cfg)
 
 
-def losses(model: LM, steps: int = 3, T: int = 32):
+def losses(model: LM, steps: int = 3, T: int = 16, B: int = 2):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(1)
     out = []
     for _ in range(steps):
-        ids = torch.randint(0, 64, (2, T + 1), generator=g)
+        ids = torch.randint(0, 64, (B, T + 1), generator=g)
         loss = model(ids[:, :-1], labels=ids[:, 1:]).loss
         loss.backward()
         opt.step()
@@ -72,19 +74,19 @@ def fresh_dynamo():
 def test_compiled_hybrid_trains_like_eager():
     """Attention, TTT-Linear and RG-LRU blocks (their PyTorch forms, the CPU path)."""
     pattern = ["attention", "ttt_linear", "rglru"]
-    eager = losses(tiny(pattern))
+    eager = losses(tiny(pattern), T=32)
     model = tiny(pattern)
     names = [n for n, _ in model.named_parameters()]
     model.compile_blocks("aot_eager")
     assert [n for n, _ in model.named_parameters()] == names  # checkpoints load either way
-    compiled = losses(model)
+    compiled = losses(model, T=32)
     assert counters["stats"]["unique_graphs"] >= len(pattern)  # graphs were captured, not skipped
     assert max(abs(a - b) for a, b in zip(eager, compiled)) < TOL, (eager, compiled)
 
 
-def _linear_scan_case(g):
-    la = -torch.rand(2, 20, 8, generator=g, dtype=torch.float64)
-    b = torch.randn(2, 20, 8, generator=g, dtype=torch.float64)
+def _linear_scan_case(g):   # T = 12: a full tile of 8 and a partial one
+    la = -torch.rand(2, 12, 8, generator=g, dtype=torch.float64)
+    b = torch.randn(2, 12, 8, generator=g, dtype=torch.float64)
     h0 = torch.randn(2, 8, generator=g, dtype=torch.float64)
     return (lambda la, b, h0: linear_scan(la, b, h0, True, backend="triton", chunk_size=8)), (la, b, h0)
 
@@ -111,23 +113,23 @@ def _gated_delta_rule_case(g):
 
 
 def _titans_case(g):
-    q, k = (torch.nn.functional.normalize(torch.randn(1, 2, 20, 16, generator=g, dtype=torch.float64), dim=-1)
+    q, k = (torch.nn.functional.normalize(torch.randn(1, 2, 12, 16, generator=g, dtype=torch.float64), dim=-1)
             for _ in range(2))
-    v = torch.randn(1, 2, 20, 16, generator=g, dtype=torch.float64)
-    theta = 0.5 * torch.rand(1, 2, 20, generator=g, dtype=torch.float64)
-    log_eta, log_keep = (torch.nn.functional.logsigmoid(torch.randn(1, 2, 20, generator=g, dtype=torch.float64) + 2)
+    v = torch.randn(1, 2, 12, 16, generator=g, dtype=torch.float64)
+    theta = 0.5 * torch.rand(1, 2, 12, generator=g, dtype=torch.float64)
+    log_eta, log_keep = (torch.nn.functional.logsigmoid(torch.randn(1, 2, 12, generator=g, dtype=torch.float64) + 2)
                          for _ in range(2))
     M, S, Mh = (0.3 * torch.randn(1, 2, 16, 16, generator=g, dtype=torch.float64) for _ in range(3))
 
-    def fn(q, k, v, theta, log_eta, log_keep, M, S, Mh):   # T = 20: a partial last chunk
+    def fn(q, k, v, theta, log_eta, log_keep, M, S, Mh):   # T = 12: a full chunk and a partial one
         y, fin = titans_linear(q, k, v, theta, log_eta, log_keep, (M, S, Mh), True, backend="triton",
                                chunk_size=8)
         return (y, *fin)
     return fn, (q, k, v, theta, log_eta, log_keep, M, S, Mh)
 
 
-def _ttt_inputs(g, mlp: bool, T: int = 20):
-    B, H, d, bsz = 1, 2, 8, 8
+def _ttt_inputs(g, mlp: bool, T: int = 20, H: int = 2):
+    B, d, bsz = 1, 8, 8
 
     def r(*shape, scale=1.0):
         return scale * torch.randn(*shape, generator=g, dtype=torch.float64)
@@ -157,7 +159,8 @@ def _ttt_mlp_case(g):
 def _selective_scan_case(g):
     r = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64)   # noqa: E731
     A = -torch.rand(8, 4, generator=g, dtype=torch.float64) * 4 - 0.5
-    ins = (r(2, 20, 8), r(2, 20, 8), A, r(2, 20, 4), r(2, 20, 4), r(8), r(2, 20, 8), r(8), r(2, 8, 4))
+    # T = 12: a full tile of 8 and a partial one
+    ins = (r(2, 12, 8), r(2, 12, 8), A, r(2, 12, 4), r(2, 12, 4), r(8), r(2, 12, 8), r(8), r(2, 8, 4))
 
     def fn(x, delta, A, B, C, D, z, delta_bias, h0):
         return selective_scan(x, delta, A, B, C, D, z, delta_bias, True, h0, True, backend="triton",
@@ -177,25 +180,63 @@ CUSTOM_OPS = {
 }
 
 
+class _RecordKernelOps(TorchDispatchMode):
+    """The kernels:: op calls (forward and backward ops) with the arguments they were given."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace == "kernels":
+            self.calls.append((func, args, kwargs))
+        return func(*args, **kwargs)
+
+
+def _recording_aot_eager(graphs: list):
+    """The aot_eager backend, keeping every graph dynamo hands it (as torch._dynamo.explain does)."""
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+    return backend
+
+
+def _call_targets(graphs) -> list:
+    return [str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"]
+
+
 @pytest.mark.parametrize("node", sorted(CUSTOM_OPS))
-def test_triton_op_is_one_custom_op_node(node):
+def test_triton_op_is_one_custom_op_node_and_passes_opcheck(node):
     """With backend=triton (the Triton interpreter on CPU) dynamo captures the op as one opaque
-    custom-op node: no graph break, no traced Triton launch, and outputs and gradients equal eager."""
+    custom-op node: no graph break (fullgraph), no traced Triton launch, and outputs and gradients
+    equal eager. Then torch.library.opcheck on the forward and backward ops as the public entry
+    point called them in that eager run: schema, fake (shape) functions against the real outputs,
+    the registered autograd, and AOT dispatch."""
     fn, inputs = CUSTOM_OPS[node](torch.Generator().manual_seed(0))
-    ex = torch._dynamo.explain(fn)(*inputs)
-    assert ex.graph_break_count == 0, ex.break_reasons
-    targets = [str(n.target) for gm in ex.graphs for n in gm.graph.nodes if n.op == "call_function"]
-    assert targets.count(node) == 1, targets
-    torch._dynamo.reset()
     leaves = [x.clone().requires_grad_() for x in inputs]
-    eager = fn(*leaves)
-    eager_g = torch.autograd.grad(sum(o.sum() for o in eager if o is not None), leaves, allow_unused=True)
+    with _RecordKernelOps() as rec:
+        eager = fn(*leaves)
+        eager_g = torch.autograd.grad(sum(o.sum() for o in eager if o is not None), leaves, allow_unused=True)
+    op = node.removesuffix(".default").replace(".", "::")   # kernels::<op>_fwd
+    names = [f.name() for f, _, _ in rec.calls]
+    assert names == [op, op.replace("_fwd", "_bwd")], names
+
+    graphs = []
     leaves_c = [x.clone().requires_grad_() for x in inputs]
-    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)(*leaves_c)
+    compiled = torch.compile(fn, backend=_recording_aot_eager(graphs), fullgraph=True)(*leaves_c)
     compiled_g = torch.autograd.grad(sum(o.sum() for o in compiled if o is not None), leaves_c,
                                      allow_unused=True)
+    assert len(graphs) == 1, graphs   # fullgraph: one graph, no break
+    targets = _call_targets(graphs)
+    assert targets.count(node) == 1, targets
     for a, c in zip(list(eager) + list(eager_g), list(compiled) + list(compiled_g)):
         assert (a is None and c is None) or torch.equal(a, c), (a, c)
+
+    for func, args, kwargs in rec.calls:
+        if func.name().endswith("_bwd"):   # the backward op has no derivative of its own
+            args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
+        torch.library.opcheck(func, args, kwargs)
 
 
 # layer kind -> (its op's node, the break reasons the block may have besides: none at the op)
@@ -208,7 +249,7 @@ BLOCKS = {
     "ttt_mlp": ("kernels.ttt_mlp_fwd.default", None),
 }
 # (a Mamba block takes over a minute under the Triton interpreter here: its op is covered by
-# test_triton_op_is_one_custom_op_node only)
+# test_triton_op_is_one_custom_op_node_and_passes_opcheck only)
 
 
 def test_packed_sequences_compile_like_eager():
@@ -216,17 +257,19 @@ def test_packed_sequences_compile_like_eager():
     the delta rule's, Titans' and TTT-Linear's chunk slots as ⌊T / C⌋ + N); compiled outputs and
     gradients equal eager. delta_rule_triton, titans_linear_triton and TTT-Linear read back one flag,
     the check of the offsets (a graph break before their op; TTT-Linear's final "pos" list is read
-    back after it)."""
+    back after it). One head (B = H = 1, N = 2): a fake shape that took the number of sequences
+    from the batch or head axis would not match the real output (B ≠ H in the fake shapes is
+    checked by test_triton_op_is_one_custom_op_node_and_passes_opcheck)."""
     g = torch.Generator().manual_seed(0)
     cu = torch.tensor([0, 5, 20], dtype=torch.int32)
-    q, k = (torch.nn.functional.normalize(torch.randn(1, 2, 20, 16, generator=g, dtype=torch.float64), dim=-1)
+    q, k = (torch.nn.functional.normalize(torch.randn(1, 1, 20, 16, generator=g, dtype=torch.float64), dim=-1)
             for _ in range(2))
-    v = torch.randn(1, 2, 20, 16, generator=g, dtype=torch.float64)
-    beta = torch.rand(1, 2, 20, generator=g, dtype=torch.float64)
+    v = torch.randn(1, 1, 20, 16, generator=g, dtype=torch.float64)
+    beta = torch.rand(1, 1, 20, generator=g, dtype=torch.float64)
     la = -torch.rand(1, 20, 8, generator=g, dtype=torch.float64)
     b = torch.randn(1, 20, 8, generator=g, dtype=torch.float64)
-    theta = 0.5 * torch.rand(1, 2, 20, generator=g, dtype=torch.float64)
-    log_eta, log_keep = (torch.nn.functional.logsigmoid(torch.randn(1, 2, 20, generator=g, dtype=torch.float64) + 2)
+    theta = 0.5 * torch.rand(1, 1, 20, generator=g, dtype=torch.float64)
+    log_eta, log_keep = (torch.nn.functional.logsigmoid(torch.randn(1, 1, 20, generator=g, dtype=torch.float64) + 2)
                          for _ in range(2))
 
     def titans(q, k, v, theta, log_eta, log_keep):   # chunk 8: both sequences end in a partial chunk
@@ -238,7 +281,7 @@ def test_packed_sequences_compile_like_eager():
         return out, st["W1"], st["b1"], st["grad_W1"]
     cases = [(lambda q, k, v, beta: delta_rule_triton(q, k, v, beta, None, True, 16, cu_seqlens=cu), (q, k, v, beta)),
              (lambda la, b: linear_scan(la, b, None, True, backend="triton", chunk_size=8, cu_seqlens=cu), (la, b)),
-             (titans, (q, k, v, theta, log_eta, log_keep)), (ttt, _ttt_inputs(g, False)),
+             (titans, (q, k, v, theta, log_eta, log_keep)), (ttt, _ttt_inputs(g, False, H=1)),
              (lambda q, k, v, lg, beta: gated_delta_rule_triton(q, k, v, lg, beta, None, True, 16, cu_seqlens=cu),
               (q, k, v, -theta, beta))]
 
@@ -259,14 +302,14 @@ def test_packed_ttt_mlp_compiles_like_eager():
     """TTT-MLP with cu_seqlens (one launch of each kernel): the op's fake shapes take the number of
     sequences from the offsets' length and the mini-batch slots as ⌊T / b⌋ + N; compiled outputs,
     final states and gradients equal eager (the offsets' check and the final "pos" list are read
-    back around the op)."""
+    back around the op). One head, as in test_packed_sequences_compile_like_eager."""
     g = torch.Generator().manual_seed(0)
     cu = torch.tensor([0, 5, 20], dtype=torch.int32)
 
     def fn(*ins):                                    # mini-batch 8: both sequences end in a partial one
         out, st = ttt_mlp(*ins, mini_batch_size=8, output_final_state=True, backend="triton", cu_seqlens=cu)
         return out, st["W1"], st["b2"], st["grad_W2"]
-    inputs = _ttt_inputs(g, True)
+    inputs = _ttt_inputs(g, True, H=1)
 
     def run(f):
         leaves = [x.clone().requires_grad_() for x in inputs]
@@ -279,39 +322,6 @@ def test_packed_ttt_mlp_compiles_like_eager():
         assert torch.equal(a, c), (a - c).abs().max()
 
 
-class _RecordKernelOps(TorchDispatchMode):
-    """The kernels:: op calls (forward and backward ops) with the arguments they were given."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func.namespace == "kernels":
-            self.calls.append((func, args, kwargs))
-        return func(*args, **kwargs)
-
-
-@pytest.mark.parametrize("node", sorted(CUSTOM_OPS))
-def test_custom_op_registrations_pass_opcheck(node):
-    """torch.library.opcheck on the forward and backward ops as the public entry point calls
-    them: schema, fake (shape) functions against the real outputs, the registered autograd, and
-    AOT dispatch."""
-    fn, inputs = CUSTOM_OPS[node](torch.Generator().manual_seed(0))
-    leaves = [x.clone().requires_grad_() for x in inputs]
-    with _RecordKernelOps() as rec:
-        out = fn(*leaves)
-        torch.autograd.grad(sum(o.sum() for o in out), leaves, allow_unused=True)
-    op = node.removesuffix(".default").replace(".", "::")   # kernels::<op>_fwd
-    names = [f.name() for f, _, _ in rec.calls]
-    assert names == [op, op.replace("_fwd", "_bwd")], names
-    for func, args, kwargs in rec.calls:
-        if func.name().endswith("_bwd"):   # the backward op has no derivative of its own
-            args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
-        torch.library.opcheck(func, args, kwargs)
-
-
 def test_entry_points_are_not_compiler_disabled():
     """Every Triton entry point is traced (the op inside it is the custom-op node), none skipped."""
     for fn in (delta_rule_triton, gated_delta_rule_triton, linear_scan_triton, selective_scan_triton, titans_linear_triton,
@@ -322,20 +332,24 @@ def test_entry_points_are_not_compiler_disabled():
 @pytest.mark.parametrize("kind", sorted(BLOCKS))
 def test_triton_op_in_a_compiled_block(kind):
     """A block whose mixer runs a Triton op (kernel_backend=triton) trains under model.compile like
-    eager, the op captured as a custom-op node and no graph break at it."""
+    eager, the op captured as a custom-op node of the graphs the compiled training run hands its
+    backend and no graph break at it. The kernel blocks run one row of 16 tokens and one head of
+    width 16 (interpreted): two TTT mini-batches; the op's fake shapes with B ≠ H are
+    test_triton_op_is_one_custom_op_node_and_passes_opcheck's. The RG-LRU block keeps two rows of
+    32 tokens at d_model 32 (two scan chunks of 16)."""
     node, other_breaks = BLOCKS[kind]
-    T = 32 if kind == "rglru" else 16   # two scan chunks of the RG-LRU, two TTT mini-batches (interpreted)
-    eager = losses(tiny([kind], "triton"), steps=2, T=T)
-    model = tiny([kind], "triton")
+    shape = dict(d_model=32, n_heads=2) if kind == "rglru" else dict(d_model=16, n_heads=1)
+    B, T = (2, 32) if kind == "rglru" else (1, 16)
+    eager = losses(tiny([kind], "triton", **shape), steps=2, B=B, T=T)
+    model = tiny([kind], "triton", **shape)
     assert model.kernel_backends("cpu") == {kind: "triton"}
-    x = model.embed(torch.randint(0, 64, (2, T), generator=torch.Generator().manual_seed(1)))
-    ex = torch._dynamo.explain(model.layers[0])(x)
-    targets = [str(n.target) for gm in ex.graphs for n in gm.graph.nodes if n.op == "call_function"]
+    graphs = []
+    compiled = losses(model.compile_blocks(_recording_aot_eager(graphs)), steps=2, B=B, T=T)
+    targets = _call_targets(graphs)
     assert node in targets, targets
-    assert all(other_breaks and other_breaks in r.reason for r in ex.break_reasons), ex.break_reasons
-    torch._dynamo.reset()
-    compiled = losses(model.compile_blocks("aot_eager"), steps=2, T=T)
-    assert not any("disable" in k for k in counters["graph_break"]), dict(counters["graph_break"])
+    breaks = dict(counters["graph_break"])
+    assert all(other_breaks and other_breaks in reason for reason in breaks), breaks
+    assert not any("disable" in k for k in breaks), breaks
     assert max(abs(a - b) for a, b in zip(eager, compiled)) < TOL, (eager, compiled)
 
 
@@ -345,7 +359,8 @@ def test_inductor_default_on_an_attention_block():
     fuses and reorders float32 reductions."""
     assert ModelConfig().compile_backend == "inductor"
     ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
+    # C++ compiled in this process: no pool of compile workers to start on a 2-core machine
+    with torch.no_grad(), torch._inductor.config.patch(compile_threads=1):
         eager = tiny(["attention"]).eval()(ids).logits
         compiled = tiny(["attention"]).compile_blocks().eval()(ids).logits
     assert counters["stats"]["unique_graphs"] >= 1
