@@ -9,6 +9,8 @@ hybrid on a 2-core CPU; inductor is the default (``model.compile_backend``) and 
 attention block below. Each Triton op is compiled once per test: the graphs come from a recording
 aot_eager backend (what torch._dynamo.explain would report, without a second trace and run).
 """
+import contextlib
+
 import pytest
 import torch
 import torch._inductor.config
@@ -254,10 +256,10 @@ BLOCKS = {
 
 def test_packed_sequences_compile_like_eager():
     """cu_seqlens: the op's fake shapes take the number of sequences from the offsets' length (and
-    the delta rule's, Titans' and TTT-Linear's chunk slots as ⌊T / C⌋ + N); compiled outputs and
-    gradients equal eager. delta_rule_triton, titans_linear_triton and TTT-Linear read back one flag,
-    the check of the offsets (a graph break before their op; TTT-Linear's final "pos" list is read
-    back after it). One head (B = H = 1, N = 2): a fake shape that took the number of sequences
+    the delta rule's, Titans' and TTT-Linear's chunk slots as ⌊T / C⌋ + N), checked on every output
+    of the forward op (``_run_packed``); compiled outputs and gradients equal eager.
+    delta_rule_triton, titans_linear_triton and TTT-Linear read back one flag, the check of the
+    offsets (a graph break before their op; TTT-Linear's final "pos" list is read back after it). One head (B = H = 1, N = 2): a fake shape that took the number of sequences
     from the batch or head axis would not match the real output (B ≠ H in the fake shapes is
     checked by test_triton_op_is_one_custom_op_node_and_passes_opcheck)."""
     g = torch.Generator().manual_seed(0)
@@ -285,24 +287,36 @@ def test_packed_sequences_compile_like_eager():
              (lambda q, k, v, lg, beta: gated_delta_rule_triton(q, k, v, lg, beta, None, True, 16, cu_seqlens=cu),
               (q, k, v, -theta, beta))]
 
-    def run(fn, inputs):
-        leaves = [x.clone().requires_grad_() for x in inputs]
-        out = fn(*leaves)
-        return list(out) + list(torch.autograd.grad(sum(o.sum() for o in out), leaves))
     for fn, inputs in cases:
         torch._dynamo.reset()
-        eager, compiled = run(fn, inputs), run(torch.compile(fn, backend="aot_eager"), inputs)
+        eager = _run_packed(fn, inputs, check_fake=True)
+        compiled = _run_packed(torch.compile(fn, backend="aot_eager"), inputs)
         assert eager[1].shape[0] == 2   # one final state per sequence
         for a, c in zip(eager, compiled):
             assert torch.equal(a, c), (a - c).abs().max()
     assert torch._dynamo.explain(cases[1][0])(la, b).graph_break_count == 0
 
 
+def _run_packed(fn, inputs, check_fake=False):
+    """Outputs and input gradients of ``fn``. With ``check_fake``, the forward op's fake function is
+    checked on the packed arguments it was called with: every output it returns (the saved chunk or
+    mini-batch buffers included, which aot_eager does not compare) has the real output's shape,
+    dtype and strides (``torch.library.opcheck``'s fake-tensor test)."""
+    leaves = [x.clone().requires_grad_() for x in inputs]
+    with _RecordKernelOps() if check_fake else contextlib.nullcontext() as rec:
+        out = fn(*leaves)
+    if check_fake:
+        fwd = [(f, a, k) for f, a, k in rec.calls if f.name().endswith("_fwd")]
+        assert len(fwd) == 1, [f.name() for f, _, _ in rec.calls]
+        torch.library.opcheck(fwd[0][0], fwd[0][1], fwd[0][2], test_utils="test_faketensor")
+    return list(out) + list(torch.autograd.grad(sum(o.sum() for o in out), leaves))
+
+
 def test_packed_ttt_mlp_compiles_like_eager():
     """TTT-MLP with cu_seqlens (one launch of each kernel): the op's fake shapes take the number of
-    sequences from the offsets' length and the mini-batch slots as ⌊T / b⌋ + N; compiled outputs,
-    final states and gradients equal eager (the offsets' check and the final "pos" list are read
-    back around the op). One head, as in test_packed_sequences_compile_like_eager."""
+    sequences from the offsets' length and the mini-batch slots as ⌊T / b⌋ + N, checked on every
+    output of the forward op (``_run_packed``); compiled outputs, final states and gradients equal
+    eager (the offsets' check and the final "pos" list are read back around the op). One head, as in test_packed_sequences_compile_like_eager."""
     g = torch.Generator().manual_seed(0)
     cu = torch.tensor([0, 5, 20], dtype=torch.int32)
 
@@ -310,13 +324,9 @@ def test_packed_ttt_mlp_compiles_like_eager():
         out, st = ttt_mlp(*ins, mini_batch_size=8, output_final_state=True, backend="triton", cu_seqlens=cu)
         return out, st["W1"], st["b2"], st["grad_W2"]
     inputs = _ttt_inputs(g, True, H=1)
-
-    def run(f):
-        leaves = [x.clone().requires_grad_() for x in inputs]
-        out = f(*leaves)
-        return list(out) + list(torch.autograd.grad(sum(o.sum() for o in out), leaves))
     torch._dynamo.reset()
-    eager, compiled = run(fn), run(torch.compile(fn, backend="aot_eager"))
+    eager = _run_packed(fn, inputs, check_fake=True)
+    compiled = _run_packed(torch.compile(fn, backend="aot_eager"), inputs)
     assert eager[1].shape[0] == 2   # one final state per sequence
     for a, c in zip(eager, compiled):
         assert torch.equal(a, c), (a - c).abs().max()
