@@ -25,10 +25,9 @@ setup: $(VENV)/.installed
 
 # Test processes: one per CPU core (pytest-xdist), each test file in one of them, so the compile
 # gate's session report (two compiles at a time) is made once; at most 4 with "auto" (a process
-# can hold several GB). Files are handed out in collection order, which tests/conftest.py sorts
-# longest first. TEST_JOBS=0 runs everything here.
+# can hold several GB). TEST_JOBS=0 runs everything here.
 TEST_JOBS ?= auto
-XDIST = $(if $(filter 0,$(TEST_JOBS)),-p no:xdist,-n $(TEST_JOBS) --maxprocesses 4 --dist loadfile --no-loadscope-reorder)
+XDIST = $(if $(filter 0,$(TEST_JOBS)),-p no:xdist,-n $(TEST_JOBS) --maxprocesses 4 --dist loadfile)
 
 # Every test tier this machine can run (unit, dist, aot; slurm where Slurm can be installed; gpu with CUDA).
 test: setup

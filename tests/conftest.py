@@ -23,8 +23,6 @@ import pytest  # noqa: E402
 
 #: the tiers other than unit; a test without any of these markers is in the unit tier
 OTHER_TIERS = ("dist", "slurm", "gpu", "aot")
-#: markers in increasing order of what a file holding them usually costs (see the sort below)
-_COST_ORDER = ("slow", "dist", "slurm", "aot")
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest's own -m selection reads the markers
@@ -34,16 +32,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.unit)
         if item.get_closest_marker("gpu") and not _HAS_CUDA:
             item.add_marker(pytest.mark.skip(reason="needs CUDA"))
-    # Longest files first. `make test` hands whole files to its processes in collection order
-    # (pytest-xdist --dist loadfile --no-loadscope-reorder): the expensive ones (the compile gate,
-    # Slurm and multi-process runs, slow tests) start first and the short unit files fill in at the
-    # end, so no process is left running one long file while the others wait. Within a file the
-    # order is kept.
-    rank = {}
-    for item in items:
-        r = max((i for i, m in enumerate(_COST_ORDER, 1) if item.get_closest_marker(m) is not None), default=0)
-        rank[item.path] = max(rank.get(item.path, 0), r)
-    items.sort(key=lambda item: -rank[item.path])
 
 
 _CONFIG = []
