@@ -19,6 +19,7 @@ import json
 import os
 import re
 import sys
+import threading
 import time
 
 import pytest
@@ -63,54 +64,73 @@ def runs(slurm_cluster, tiny_corpus, tmp_path_factory):
         vocab = json.load(f)["vocab_size"]
     common = [os.path.join(ROOT, "configs", "tiny.yaml"), *TINY, f"model.vocab_size={vocab}", f"data.path={tiny_corpus}"]
     jobs = {}
-    for name in ("requeued", "usr1"):
-        run_dir = str(tmp / name)
-        jid = _submit(c, "train", [*common, f"train.run_dir={run_dir}", f"train.max_steps={MAX_STEPS}",
-                                   f"checkpoint.every={CKPT_EVERY}"], tasks=2)
-        jobs[name] = {"id": jid, "run_dir": run_dir, "log": os.path.join(run_dir, f"slurm-{jid}.out")}
-    lst = tmp / "sweep.txt"
-    lst.write_text("# two small runs\n" + "".join(
-        " ".join([*common, f"train.run_dir={tmp}/sweep{i}", "train.max_steps=4"]) + "\n" for i in range(2)))
-    sid = _submit(c, "sweep", [str(lst), "--log-dir", str(tmp / "sweep_logs")], tasks=1)
-    jobs["sweep"] = {"id": sid, "run_dirs": [str(tmp / f"sweep{i}") for i in range(2)],
-                     "logs": [str(tmp / "sweep_logs" / f"slurm-{sid}_{i}.out") for i in range(2)]}
-    # an eval of the first sweep entry, queued behind the whole array (afterok)
-    eid = _submit(c, "eval", [*common, f"train.run_dir={tmp}/sweep0", "--task", "perplexity", "--after", sid,
-                              "--eval-args=--max-batches 2 --device cpu --no-progress"], tasks=1)
-    jobs["eval"] = {"id": eid, "run_dir": str(tmp / "sweep0"), "log": str(tmp / "sweep0" / f"slurm-eval-{eid}.out")}
+    # at its first complete checkpoint each training job is interrupted, by a thread that watches
+    # from its submission on: submitting the other jobs and querying their states take seconds
+    # each on a loaded machine, long enough for a whole run to finish unwatched
+    pending = {}    # job name -> the command that interrupts it
+    lock, stop, errors = threading.Lock(), threading.Event(), []
 
-    # at the first complete checkpoint: interrupt, then wait for every job to finish
-    actions = {"requeued": ["scontrol", "requeue", jobs["requeued"]["id"]],
-               "usr1": ["scancel", "--signal=USR1", "--batch", jobs["usr1"]["id"]]}
-    pending = dict(actions)
-    ids = [jobs["requeued"]["id"], jobs["usr1"]["id"], f"{sid}_0", f"{sid}_1", eid]
-    deadline = time.time() + TIMEOUT
-    last_poll = 0.0
     def fire():
-        for name in list(pending):
-            if os.path.exists(os.path.join(jobs[name]["run_dir"], "checkpoints", "latest")):
-                c.run(pending.pop(name))
+        with lock:
+            for name in list(pending):
+                if os.path.exists(os.path.join(jobs[name]["run_dir"], "checkpoints", "latest")):
+                    c.run(pending.pop(name))
 
-    while True:
-        fire()
-        time.sleep(0.05)
-        if time.time() - last_poll < 1.0:
-            continue
-        last_poll = time.time()
-        infos = {}
-        for j in ids:   # each query takes a while on a loaded machine: look for a checkpoint between them
-            infos[j] = c.job(j)
-            fire()
-        states = {j: i.get("JobState") for j, i in infos.items()}
-        if not pending and all(s == "COMPLETED" for s in states.values()):
-            break
-        bad = {j: s for j, s in states.items() if s in ("FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL")}
-        bad.update({jobs[n]["id"]: "COMPLETED before it could be interrupted" for n in pending
-                    if states[jobs[n]["id"]] == "COMPLETED"})
-        if bad or time.time() > deadline:
-            logs = {n: _read(j["log"]) for n, j in jobs.items() if "log" in j and os.path.exists(j["log"])}
-            pytest.fail(f"jobs {bad or states} (pending actions {list(pending)}); logs:\n" +
-                        "\n".join(f"--- {n}\n{t[-3000:]}" for n, t in logs.items()))
+    def watch():
+        while not stop.is_set():
+            try:
+                fire()
+            except Exception as e:  # noqa: BLE001 - re-raised by the fixture below
+                errors.append(e)
+                return
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        for name in ("requeued", "usr1"):
+            run_dir = str(tmp / name)
+            jid = _submit(c, "train", [*common, f"train.run_dir={run_dir}", f"train.max_steps={MAX_STEPS}",
+                                       f"checkpoint.every={CKPT_EVERY}"], tasks=2)
+            with lock:
+                jobs[name] = {"id": jid, "run_dir": run_dir, "log": os.path.join(run_dir, f"slurm-{jid}.out")}
+                pending[name] = (["scontrol", "requeue", jid] if name == "requeued"
+                                 else ["scancel", "--signal=USR1", "--batch", jid])
+        lst = tmp / "sweep.txt"
+        lst.write_text("# two small runs\n" + "".join(
+            " ".join([*common, f"train.run_dir={tmp}/sweep{i}", "train.max_steps=4"]) + "\n" for i in range(2)))
+        sid = _submit(c, "sweep", [str(lst), "--log-dir", str(tmp / "sweep_logs")], tasks=1)
+        jobs["sweep"] = {"id": sid, "run_dirs": [str(tmp / f"sweep{i}") for i in range(2)],
+                         "logs": [str(tmp / "sweep_logs" / f"slurm-{sid}_{i}.out") for i in range(2)]}
+        # an eval of the first sweep entry, queued behind the whole array (afterok)
+        eid = _submit(c, "eval", [*common, f"train.run_dir={tmp}/sweep0", "--task", "perplexity", "--after", sid,
+                                  "--eval-args=--max-batches 2 --device cpu --no-progress"], tasks=1)
+        jobs["eval"] = {"id": eid, "run_dir": str(tmp / "sweep0"),
+                        "log": str(tmp / "sweep0" / f"slurm-eval-{eid}.out")}
+
+        # then wait for every job to finish
+        ids = [jobs["requeued"]["id"], jobs["usr1"]["id"], f"{sid}_0", f"{sid}_1", eid]
+        deadline = time.time() + TIMEOUT
+        while True:
+            time.sleep(1.0)
+            if errors:
+                raise errors[0]
+            infos = {j: c.job(j) for j in ids}
+            states = {j: i.get("JobState") for j, i in infos.items()}
+            with lock:
+                left = list(pending)
+            if not left and all(s == "COMPLETED" for s in states.values()):
+                break
+            bad = {j: s for j, s in states.items() if s in ("FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL")}
+            bad.update({jobs[n]["id"]: "COMPLETED before it could be interrupted" for n in left
+                        if states[jobs[n]["id"]] == "COMPLETED"})
+            if bad or time.time() > deadline:
+                logs = {n: _read(j["log"]) for n, j in jobs.items() if "log" in j and os.path.exists(j["log"])}
+                pytest.fail(f"jobs {bad or states} (pending actions {left}); logs:\n" +
+                            "\n".join(f"--- {n}\n{t[-3000:]}" for n, t in logs.items()))
+    finally:
+        stop.set()
+        watcher.join(timeout=60)
     for name in ("requeued", "usr1", "eval"):
         jobs[name]["info"] = infos[jobs[name]["id"]]
     jobs["sweep"]["infos"] = [infos[f"{sid}_{i}"] for i in range(2)]
