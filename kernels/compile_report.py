@@ -34,7 +34,9 @@ does not finish within ``--timeout`` seconds has its worker killed (and replaced
 as a timeout. Results are cached under
 ``$TTT_LM_AOT_CACHE`` (default ``~/.cache/ttt-lm/compile_report``) keyed by the kernel's source
 (Triton's ``cache_key``, which covers the ``@triton.jit`` functions it calls), the case, the target
-and the Triton version: an unchanged kernel is not compiled again. Timeouts are not cached.
+and the Triton version: an unchanged kernel is not compiled again. Timeouts are not cached. Cases
+with the same key (the same compile, e.g. a head dim passed as a runtime argument) are compiled
+once per run and share the row.
 """
 from __future__ import annotations
 
@@ -371,14 +373,16 @@ def run(cases: Iterable[Case], archs: Sequence[int], jobs: int = 2, timeout: flo
     todo = [(c, a) for c in cases for a in archs if a in c.archs]
     cache = _cache_dir()
     rows: List[Optional[dict]] = [None] * len(todo)
-    pending = []
+    # cases that compile the same kernel source with the same arguments, constexprs, options and
+    # target (e.g. a head dim that is a runtime argument, not a constexpr) are compiled once
+    pending: Dict[str, List[int]] = {}
     for i, (c, a) in enumerate(todo):
         key = cache_key(c, a)
         f = cache / f"{key}.json"
         if use_cache and f.exists():
             rows[i] = {**json.loads(f.read_text()), "cached": True}
         else:
-            pending.append((i, key))
+            pending.setdefault(key, []).append(i)
     workers = queue.Queue()
     for _ in range(max(1, jobs)):
         workers.put(_Worker())
@@ -392,19 +396,22 @@ def run(cases: Iterable[Case], archs: Sequence[int], jobs: int = 2, timeout: flo
             workers.put(w)
 
     with cf.ThreadPoolExecutor(max_workers=max(1, jobs)) as ex:
-        futs = {ex.submit(one, i): (i, key) for i, key in pending}
+        futs = {ex.submit(one, same[0]): (same, key) for key, same in pending.items()}
         for fut in cf.as_completed(futs):
-            i, key = futs[fut]
+            same, key = futs[fut]
             r = fut.result()
             if r["status"] != "timeout":
                 cache.mkdir(parents=True, exist_ok=True)
                 tmp = cache / f"{key}.json.tmp{os.getpid()}"
                 tmp.write_text(json.dumps(r))
                 tmp.replace(cache / f"{key}.json")
-            rows[i] = {**r, "cached": False}
+            first = todo[same[0]][0].id
+            for i in same:
+                rows[i] = {**r, "cached": False} if i == same[0] else {**r, "cached": False, "same_as": first}
             if progress:
-                c, a = todo[i]
-                progress(f"sm_{a} {c.id}: {r['status']} ({r.get('compile_s', 0)} s)")
+                c, a = todo[same[0]]
+                also = f" (also {len(same) - 1} identical case{'s' * (len(same) > 2)})" if len(same) > 1 else ""
+                progress(f"sm_{a} {c.id}: {r['status']} ({r.get('compile_s', 0)} s){also}")
     while not workers.empty():
         workers.get().close()
     out = []
@@ -434,7 +441,7 @@ def format_table(rows: Sequence[dict]) -> str:
                       f"{r['spill_stores']}/{r['spill_loads']}" if ok else "-",
                       str(r["shared"]) if ok else "-",
                       str(r["wgmma"]) if ok else "-", str(r["mma"]) if ok else "-",
-                      f"{r.get('compile_s', 0):.1f}" + ("*" if r.get("cached") else ""),
+                      f"{r.get('compile_s', 0):.1f}" + ("*" if r.get("cached") else "=" if r.get("same_as") else ""),
                       "pass" if r["passed"] else ("FAIL: " + ", ".join(failed) +
                                                   (f" ({r['status']})" if not ok else ""))))
     widths = [max(len(h), *(len(l[i]) for l in lines)) if lines else len(h) for i, h in enumerate(hdr)]
@@ -483,7 +490,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"UNCOVERED: {m}.{n} is launched but no kernels/*/gate.py declares a case for it")
     npass = sum(r["passed"] for r in rows)
     print(f"{npass}/{len(rows)} pass; {len(missing)} kernels without cases; {wall:.0f} s "
-          f"(* = cached result)")
+          f"(* = cached result, = the result of an identical case above)")
     if a.json:
         Path(a.json).write_text(json.dumps({"archs": archs, "rows": rows, "uncovered": [list(k) for k in missing],
                                             "wall_s": round(wall, 1)}, indent=1))
