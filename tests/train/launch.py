@@ -1,6 +1,8 @@
 """Spawning real training processes for the tests: each rank is its own ``python
 tests/train/runner.py`` with RANK/WORLD_SIZE/LOCAL_RANK/MASTER_* in its environment (what torchrun
-or srun would set), gloo on CPU, OMP_NUM_THREADS=1."""
+or srun would set), gloo on CPU, OMP_NUM_THREADS=1. Ranks are forked from a server that has
+imported torch, deepspeed and the trainer once (``forkserver.py``; ``TTT_TEST_FORKSERVER=0``
+starts each with ``subprocess.Popen`` instead)."""
 from __future__ import annotations
 
 import json
@@ -12,6 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 from tests.distributed import free_port
+from tests.train import forkserver
 
 RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "runner.py")
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -51,11 +54,24 @@ class Run:
             return f.read()
 
 
+_SERVER_LOGS: List[str] = []
+
+
+def _server_logs() -> str:
+    """A folder for the fork servers' own logs (one per test process)."""
+    if not _SERVER_LOGS:
+        import tempfile
+        _SERVER_LOGS.append(tempfile.mkdtemp(prefix="ttt-lm-forkserver-"))
+    return _SERVER_LOGS[0]
+
+
 def spawn(run_dir: str, overrides: Sequence[str] = (), nprocs: int = 1, env: Optional[Dict[str, str]] = None,
-          tag: str = "run", preset: Optional[str] = None) -> Run:
+          tag: str = "run", preset: Optional[str] = None, fresh: bool = False) -> Run:
     """``nprocs`` ranks of the runner (synthetic data, the ``TINY`` model); with ``preset`` (a config
     path relative to the repository) ranks of ``train.py <preset>`` instead, as a user starts it
-    (with torchrun's environment), without ``TINY``."""
+    (with torchrun's environment), without ``TINY``. ``fresh`` starts each rank in a new interpreter
+    (``subprocess.Popen``), not forked from one that has imported torch already: for the tests of
+    what a rank does while it imports."""
     head = [RUNNER] if preset is None else [os.path.join(REPO, "train.py"), preset]
     tail = TINY if preset is None else []
     port = str(free_port())
@@ -70,16 +86,19 @@ def spawn(run_dir: str, overrides: Sequence[str] = (), nprocs: int = 1, env: Opt
                   "DS_ACCELERATOR": "cpu", "PYTHONPATH": REPO, "PYTHONFAULTHANDLER": "1"})
         e.update(env or {})
         log = os.path.join(os.path.dirname(run_dir.rstrip("/")), f"{os.path.basename(run_dir)}.{tag}.rank{r}.log")
-        with open(log, "w") as f:
-            procs.append(subprocess.Popen([sys.executable, *head, f"train.run_dir={run_dir}", *tail, *overrides],
-                                          stdout=f, stderr=subprocess.STDOUT, env=e, cwd=REPO))
+        argv = [*head, f"train.run_dir={run_dir}", *tail, *overrides]
+        p = forkserver.start(argv, e, REPO, log, _server_logs()) if forkserver.enabled() and not fresh else None
+        if p is None:
+            with open(log, "w") as f:
+                p = subprocess.Popen([sys.executable, *argv], stdout=f, stderr=subprocess.STDOUT, env=e, cwd=REPO)
+        procs.append(p)
         logs.append(log)
     return Run(procs, logs, run_dir)
 
 
 def run(run_dir: str, overrides: Sequence[str] = (), nprocs: int = 1, env=None, tag="run", timeout=180,
-        expect: Optional[int] = 0, preset: Optional[str] = None) -> Run:
-    r = spawn(run_dir, overrides, nprocs, env, tag, preset)
+        expect: Optional[int] = 0, preset: Optional[str] = None, fresh: bool = False) -> Run:
+    r = spawn(run_dir, overrides, nprocs, env, tag, preset, fresh)
     rcs = r.wait(timeout)
     if expect is not None:
         # rank 0's log, and that of every other rank that exited otherwise (a crash there, e.g. an

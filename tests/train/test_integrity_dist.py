@@ -127,7 +127,7 @@ def test_signal_during_startup_exits_for_requeue(tmp_path, sig):
     """The handler is in place before torch is imported, and a signal before the first step ends
     the run with PREEMPTED_EXIT_CODE (which the Slurm scripts requeue), not -15/-10."""
     d = str(tmp_path / "run")
-    r = spawn(d, ["train.max_steps=3"])
+    r = spawn(d, ["train.max_steps=3"], fresh=True)
     pid = r.procs[0].pid
     end = time.time() + 60
     while not _caught(pid, sig):
