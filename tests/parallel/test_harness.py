@@ -43,6 +43,24 @@ def test_stop_on_failure_and_per_rank_checks(tmp_path):
     assert all("ZeroDivisionError" in r["fails"] and "after" not in r for r in res)
 
 
+def _env_checks(rank, world):
+    import os
+    return {"env": lambda: (os.environ.get("TTT_HARNESS_PROBE"), os.environ.get("TTT_HARNESS_GONE"))}
+
+
+def test_ranks_get_the_callers_environment_at_the_call(tmp_path, monkeypatch):
+    """The fork server started earlier, with another environment: a rank still sees the one the
+    caller has when it calls spawn_checks (variables added and removed since)."""
+    monkeypatch.setenv("TTT_HARNESS_GONE", "1")
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    spawn_checks(2, __name__, tmp_path / "a", names=["after"])   # the server may start here
+    monkeypatch.delenv("TTT_HARNESS_GONE")
+    monkeypatch.setenv("TTT_HARNESS_PROBE", "seen")
+    res, err = spawn_checks(2, __name__, tmp_path / "b", "_env_checks")
+    assert err is None and res == [{"env": ("seen", None)}] * 2
+
+
 def test_names_select_checks(tmp_path):
     res, err = spawn_checks(2, __name__, tmp_path, names=["after"])
     assert err is None and res == [{"after": 2}, {"after": 2}]
