@@ -32,7 +32,8 @@ PRELOAD = ["torch", "torch.distributed", "pytest", "deepspeed", "ttt_lm.model.lm
            "ttt_lm.parallel.cp_model", "tests.distributed"]
 
 
-def _start_method() -> str:
+def start_method() -> str:
+    """"forkserver" (with PRELOAD), or "spawn" under TTT_TEST_FORKSERVER=0."""
     if os.environ.get("TTT_TEST_FORKSERVER", "1") == "0":
         return "spawn"
     import multiprocessing
@@ -98,7 +99,7 @@ def spawn_checks(world: int, module: str, out_dir, attr: str = "CHECKS", *, suit
         mp.start_processes(_run_checks, args=(world, free_port(), str(out_dir), module, attr, suite,
                                               None if names is None else list(names), setup, stop_on_failure,
                                               timeout_s, dict(os.environ)),
-                           nprocs=world, join=True, start_method=_start_method())
+                           nprocs=world, join=True, start_method=start_method())
     except Exception as e:  # noqa: BLE001
         err = e
     res = []

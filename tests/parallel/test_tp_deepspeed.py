@@ -17,7 +17,7 @@ import traceback
 import pytest
 import torch
 import torch.multiprocessing as mp
-from tests.distributed import free_port
+from tests.distributed import free_port, start_method
 
 pytestmark = pytest.mark.dist
 
@@ -98,7 +98,7 @@ def _worker(rank, world, port, out_dir):
 @pytest.fixture(scope="module")
 def zero_results(tmp_path_factory):
     d = tmp_path_factory.mktemp("tp_zero")
-    mp.spawn(_worker, args=(4, free_port(), str(d)), nprocs=4, join=True)
+    mp.start_processes(_worker, args=(4, free_port(), str(d)), nprocs=4, join=True, start_method=start_method())
     return [torch.load(os.path.join(d, f"rank{r}.pt")) for r in range(4)]
 
 
