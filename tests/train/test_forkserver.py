@@ -13,6 +13,8 @@ import pytest
 
 from tests.train import forkserver
 
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 pytestmark = pytest.mark.dist
 
 SCRIPT = """
@@ -20,7 +22,7 @@ import atexit, json, os, signal, sys, threading, time
 mode = sys.argv[1]
 print("started", flush=True)
 if mode == "describe":
-    keep = {k: v for k, v in os.environ.items() if k.startswith(("FS_", "RANK"))}
+    keep = {k: v for k, v in os.environ.items() if k.startswith(("TTT_TEST_FS", "RANK"))}
     print(json.dumps({"argv": sys.argv, "cwd": os.getcwd(), "path0": sys.path[0], "env": keep,
                       "main": __name__, "file": __file__, "pid": os.getpid(),
                       "sigint": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
@@ -53,7 +55,8 @@ def script(tmp_path):
 
 
 def _env(**extra):
-    e = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
+    """The environment launch.py gives a rank (so these tests share its server)."""
+    e = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=REPO, PYTHONFAULTHANDLER="1")
     e.update(extra)
     return e
 
@@ -66,7 +69,7 @@ def _fork(script, args, tmp_path, name, env=None):
 
 
 def test_a_forked_rank_sees_what_a_started_process_sees(script, tmp_path):
-    env = _env(FS_A="1", RANK="3")
+    env = _env(TTT_TEST_FS_A="1", RANK="3")
     p, log = _fork(script, ["describe", "x y"], tmp_path, "fork", env)
     assert p.wait(60) == 0
     with open(tmp_path / "popen.log", "w") as f:
@@ -77,7 +80,7 @@ def test_a_forked_rank_sees_what_a_started_process_sees(script, tmp_path):
     assert got["pid"] == p.pid and got["pid"] != os.getpid()
     for d in (got, want):
         del d["pid"]
-    assert got == want and got["env"] == {"FS_A": "1", "RANK": "3"} and got["sigint"] and got["sigterm"]
+    assert got == want and got["env"] == {"TTT_TEST_FS_A": "1", "RANK": "3"} and got["sigint"] and got["sigterm"]
 
 
 def test_exit_status_is_the_scripts(script, tmp_path):
