@@ -58,10 +58,13 @@ _SERVER_LOGS: List[str] = []
 
 
 def _server_logs() -> str:
-    """A folder for the fork servers' own logs (one per test process)."""
+    """A folder for the fork servers' own logs (one per test process, removed at its exit)."""
     if not _SERVER_LOGS:
+        import atexit
+        import shutil
         import tempfile
         _SERVER_LOGS.append(tempfile.mkdtemp(prefix="ttt-lm-forkserver-"))
+        atexit.register(shutil.rmtree, _SERVER_LOGS[0], True)
     return _SERVER_LOGS[0]
 
 
