@@ -23,6 +23,11 @@ and pytest's per-test variables, so a run whose environment differs in anything 
 server of its own. ``TTT_TEST_FORKSERVER=0`` starts every rank with ``subprocess.Popen`` instead.
 The server refuses to fork (and the caller falls back to Popen) if its imports started a thread:
 a fork would copy a lock that thread may hold.
+
+multiprocessing's own fork server (which ``tests/distributed.py`` uses for in-process checks)
+does not fit here: its children run a function and leave with ``os._exit``, so a script's atexit
+handlers and non-daemon threads, which the preemption and checkpoint tests depend on, would not
+run as they do in ``python script.py``.
 """
 from __future__ import annotations
 
@@ -222,19 +227,21 @@ class Proc:
 
 
 _SERVERS: Dict[tuple, Optional[_Server]] = {}
+_LOG_DIR: List[str] = []    # the servers' own logs, removed when this process exits
 
 
-def enabled() -> bool:
-    return os.environ.get("TTT_TEST_FORKSERVER", "1") != "0" and hasattr(os, "fork") and sys.platform == "linux"
-
-
-def start(argv: Sequence[str], env: Dict[str, str], cwd: str, log: str, server_log_dir: str):
-    """Rank process ``python argv…`` forked from a warm server for ``env``; None when no server
-    can fork for it (then the caller starts it with Popen)."""
+def start(argv: Sequence[str], env: Dict[str, str], cwd: str, log: str) -> Optional[Proc]:
+    """Rank process ``python argv…`` forked from a warm server for ``env``; None when forking is
+    off (``TTT_TEST_FORKSERVER=0``, or not Linux) or no server can fork for it: then the caller
+    starts it with Popen."""
+    if os.environ.get("TTT_TEST_FORKSERVER", "1") == "0" or sys.platform != "linux":
+        return None
     key = server_key(env)
     if key not in _SERVERS:
-        os.makedirs(server_log_dir, exist_ok=True)
-        srv = _Server(env, os.path.join(server_log_dir, f"forkserver.{os.getpid()}.{len(_SERVERS)}.log"))
+        if not _LOG_DIR:
+            import tempfile
+            _LOG_DIR.append(tempfile.mkdtemp(prefix="ttt-lm-forkserver-"))
+        srv = _Server(env, os.path.join(_LOG_DIR[0], f"server{len(_SERVERS)}.log"))
         if not srv.ready:
             sys.stderr.write(f"tests/train/forkserver.py: not forking ({srv.why}); ranks start with Popen\n")
             srv.sock.close()
@@ -252,6 +259,9 @@ def _shutdown() -> None:
                 srv.proc.wait(10)
             except subprocess.TimeoutExpired:
                 srv.proc.kill()
+    if _LOG_DIR:
+        import shutil
+        shutil.rmtree(_LOG_DIR[0], ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -54,20 +54,6 @@ class Run:
             return f.read()
 
 
-_SERVER_LOGS: List[str] = []
-
-
-def _server_logs() -> str:
-    """A folder for the fork servers' own logs (one per test process, removed at its exit)."""
-    if not _SERVER_LOGS:
-        import atexit
-        import shutil
-        import tempfile
-        _SERVER_LOGS.append(tempfile.mkdtemp(prefix="ttt-lm-forkserver-"))
-        atexit.register(shutil.rmtree, _SERVER_LOGS[0], True)
-    return _SERVER_LOGS[0]
-
-
 def spawn(run_dir: str, overrides: Sequence[str] = (), nprocs: int = 1, env: Optional[Dict[str, str]] = None,
           tag: str = "run", preset: Optional[str] = None, fresh: bool = False) -> Run:
     """``nprocs`` ranks of the runner (synthetic data, the ``TINY`` model); with ``preset`` (a config
@@ -90,7 +76,7 @@ def spawn(run_dir: str, overrides: Sequence[str] = (), nprocs: int = 1, env: Opt
         e.update(env or {})
         log = os.path.join(os.path.dirname(run_dir.rstrip("/")), f"{os.path.basename(run_dir)}.{tag}.rank{r}.log")
         argv = [*head, f"train.run_dir={run_dir}", *tail, *overrides]
-        p = forkserver.start(argv, e, REPO, log, _server_logs()) if forkserver.enabled() and not fresh else None
+        p = None if fresh else forkserver.start(argv, e, REPO, log)
         if p is None:
             with open(log, "w") as f:
                 p = subprocess.Popen([sys.executable, *argv], stdout=f, stderr=subprocess.STDOUT, env=e, cwd=REPO)

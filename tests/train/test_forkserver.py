@@ -63,7 +63,7 @@ def _env(**extra):
 
 def _fork(script, args, tmp_path, name, env=None):
     log = str(tmp_path / f"{name}.log")
-    p = forkserver.start([script, *args], env or _env(), str(tmp_path), log, str(tmp_path / "servers"))
+    p = forkserver.start([script, *args], env or _env(), str(tmp_path), log)
     assert p is not None, "the server could not fork"
     return p, log
 
