@@ -12,8 +12,11 @@ Implementations: ``reference`` is the explicit softmax above; ``chunked`` (the t
 runs the backend that the one resolver (``ttt_lm.model.backend.resolve``) picks for
 ``attention.backend``: under "auto" flash-attn's ``flash_attn_func`` when installed, on CUDA, in
 half precision; else ``flex_attention`` for a window on CUDA; else torch's
-``scaled_dot_product_attention`` (a boolean mask for a window; CPU training works through it). The decode state is the KV cache, holding at
-most w − 1 past keys for a local layer, so its memory is flat in the sequence length.
+``scaled_dot_product_attention``. A window runs through ``ttt_lm.model.window_attention`` (shared
+with every layer that has one): on SDPA, queries in blocks of about w attend to their block and
+the one before, so time and memory are O(T·w), never a T × T mask. The decode state is the KV
+cache, holding at most w − 1 past keys for a local layer, so its memory is flat in the sequence
+length.
 
 The cache lives in a preallocated buffer (``_KVBuffer``): a step writes its key and value in
 place after the cached ones and the state's "k" / "v" are views of the filled part, so decoding
@@ -26,7 +29,6 @@ before (in-place writes would alter tensors saved for the backward).
 """
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, field, replace
 from typing import Optional
@@ -39,6 +41,8 @@ from ttt_lm.model.backend import Backend, flash_attn_func, flash_attn_varlen_fun
 from ttt_lm.model.layers import acc, apply_rope, rope_cos_sin
 from ttt_lm.model.mixers.base import Mixer, MixerState, TPPlan
 from ttt_lm.model.registry import option, register_mixer
+from ttt_lm.model.window_attention import (flex_block_mask, flex_doc_block_mask, same_doc,
+                                          sliding_window_attention, window_mask)
 
 
 #: model.attention.backend: SDPA, flex attention, flash-attn, or the explicit softmax; auto picks
@@ -71,17 +75,6 @@ class AttentionConfig:
         n = max(1, model.n_heads // group)
         return replace(self, num_kv_heads=n if model.n_heads % n == 0 else 1)
 
-def _window_mask(tq: int, tk: int, window: Optional[int], device) -> torch.Tensor:
-    """Boolean [tq, tk] mask, True where query i may see key j; the last query and the last key
-    are the same position (the keys are a cache followed by the queries' own keys)."""
-    qpos = torch.arange(tq, device=device)[:, None] + (tk - tq)
-    kpos = torch.arange(tk, device=device)[None, :]
-    m = kpos <= qpos
-    if window is not None:
-        m = m & (kpos > qpos - window)
-    return m
-
-
 class _KVBuffer:
     """Keys and values [B, H_kv, capacity, d_h] and how far they are filled (``end``)."""
     __slots__ = ("k", "v", "end")
@@ -99,43 +92,6 @@ class AttentionState(MixerState):
     v: Optional[torch.Tensor] = None
     kv_buf: Optional[_KVBuffer] = field(default=None, repr=False, compare=False, metadata={"derived": True})
     kv_end: Optional[int] = field(default=None, repr=False, compare=False, metadata={"derived": True})
-
-
-@functools.lru_cache(maxsize=16)
-def _flex_block_mask(T: int, window: Optional[int], device: str):
-    """flex_attention's block mask for causal (windowed) attention over T tokens, built once per
-    (T, window, device) and shared by every layer: building it costs a pass over all T × T
-    blocks."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    def mask_mod(b, h, qi, ki):
-        ok = ki <= qi
-        if window is not None:
-            ok = ok & (ki > qi - window)
-        return ok
-
-    return create_block_mask(mask_mod, None, None, T, T, device=device)
-
-
-def _same_doc(docs) -> torch.Tensor:
-    """[B, 1, T, T] bool: query t and key s are in the same document of their packed row."""
-    seg = docs.seg
-    return (seg[:, :, None] == seg[:, None, :])[:, None]
-
-
-def _flex_doc_block_mask(seg: torch.Tensor, window: Optional[int], device: str):
-    """flex_attention's block mask for causal (windowed) attention within the documents of packed
-    rows (``seg`` [B, T]: each token's document in its row)."""
-    from torch.nn.attention.flex_attention import create_block_mask
-    B, T = seg.shape
-
-    def mask_mod(b, h, qi, ki):
-        ok = (ki <= qi) & (seg[b, qi] == seg[b, ki])
-        if window is not None:
-            ok = ok & (ki > qi - window)
-        return ok
-
-    return create_block_mask(mask_mod, B, None, T, T, device=device)
 
 
 @register_mixer("attention", config=AttentionConfig)
@@ -211,9 +167,9 @@ class Attention(Mixer):
             rep = self.n_heads // self.n_kv
             kk, vv = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
             s = (acc(q) @ acc(kk).transpose(-1, -2)) / math.sqrt(self.hd)
-            m = _window_mask(q.shape[2], kk.shape[2], self.window, q.device)
+            m = window_mask(q.shape[2], kk.shape[2], self.window, q.device)
             if docs is not None:
-                m = m & _same_doc(docs)
+                m = m & same_doc(docs.seg)
             if doc_mask is not None:
                 m = m & doc_mask
             s = s.masked_fill(~m, float("-inf"))
@@ -309,53 +265,54 @@ class Attention(Mixer):
         return self.chunked(x, state, output_state=True)
 
     def _attend(self, q, k, v):
-        """Attention by the backend that ``resolve_backend`` picks for q's device and dtype. The
-        flex block mask covers T × T: where keys outnumber queries (a KV cache) a "flex" layer
-        runs SDPA, the same masked softmax."""
+        """Attention by the backend that ``resolve_backend`` picks for q's device and dtype. A
+        window: ``sliding_window_attention`` (O(T·w) on every backend but "math"). Global: flash-attn,
+        the explicit softmax, flex (square layouts; where keys outnumber queries, a KV cache, SDPA
+        with the causal mask, the same softmax) or SDPA."""
         tq, tk = q.shape[2], k.shape[2]
         be = self.resolve_backend(q.device, q.dtype)
+        if self.window is not None:
+            return sliding_window_attention(q, k, v, self.window, be)
         if be == Backend.FLASH:
-            ws = (-1, -1) if self.window is None else (self.window - 1, 0)
-            o = flash_attn_func()(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                  causal=True, window_size=ws)
+            o = flash_attn_func()(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)
             return o.transpose(1, 2)
         if be == Backend.MATH:
             rep = self.n_heads // self.n_kv
             kk, vv = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
             s = (acc(q) @ acc(kk).transpose(-1, -2)) / math.sqrt(self.hd)
-            s = s.masked_fill(~_window_mask(tq, tk, self.window, q.device), float("-inf"))
+            s = s.masked_fill(~window_mask(tq, tk, None, q.device), float("-inf"))
             return (s.softmax(-1) @ acc(vv)).to(q.dtype)
         if be == Backend.FLEX and tq == tk:
             return self._flex(q, k, v)
         gqa = self.n_kv != self.n_heads
-        if self.window is None and tq == tk:
+        if tq == tk:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        mask = _window_mask(tq, tk, self.window, q.device)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=window_mask(tq, tk, None, q.device), enable_gqa=gqa)
 
     def _attend_docs(self, q, k, v, docs):
         """Attention within each document of packed rows (q, k, v [B, H, T, d], no cache): the
-        causal (windowed) mask of ``_attend`` and'ed with "same document" (``docs.seg``). flash-attn:
-        its varlen kernel over the batch flattened to [B·T] with ``docs.cu_seqlens``; flex: a
-        document ``mask_mod`` (its block mask built once per batch and shared by the layers); SDPA
-        and math: the block-diagonal boolean mask [B, 1, T, T]."""
+        causal (windowed) mask of ``_attend`` and'ed with "same document" (``docs.seg``). A window:
+        ``sliding_window_attention`` with the documents. Global: flash-attn's varlen kernel over
+        the batch flattened to [B·T] with ``docs.cu_seqlens``; flex: a document ``mask_mod`` (its
+        block mask built once per batch and shared by the layers); SDPA and math: the
+        block-diagonal boolean mask [B, 1, T, T]."""
         be = self.resolve_backend(q.device, q.dtype)
+        if self.window is not None:
+            return sliding_window_attention(q, k, v, self.window, be, docs=docs)
         B, H, T, hd = q.shape
         gqa = self.n_kv != self.n_heads
         if be == Backend.FLASH and flash_attn_varlen_func() is not None:
-            ws = (-1, -1) if self.window is None else (self.window - 1, 0)
             cu = docs.cu_seqlens
             flat = lambda t: t.transpose(1, 2).reshape(B * T, t.shape[1], hd)
-            o = flash_attn_varlen_func()(flat(q), flat(k), flat(v), cu, cu, docs.max_len, docs.max_len,
-                                         causal=True, window_size=ws)
+            o = flash_attn_varlen_func()(flat(q), flat(k), flat(v), cu, cu, docs.max_len, docs.max_len, causal=True)
             return o.view(B, T, H, hd).transpose(1, 2)
         if be == Backend.FLEX:
             from torch.nn.attention.flex_attention import flex_attention
-            key = ("flex_doc_mask", self.window, str(q.device))
+            key = ("flex_doc_mask", None, str(q.device))
             if key not in docs.cache:
-                docs.cache[key] = _flex_doc_block_mask(docs.seg, self.window, str(q.device))
+                docs.cache[key] = flex_doc_block_mask(docs.seg, None, str(q.device))
             return flex_attention(q, k, v, block_mask=docs.cache[key], enable_gqa=gqa)
-        mask = _window_mask(T, T, self.window, q.device) & _same_doc(docs)
+        mask = window_mask(T, T, None, q.device) & same_doc(docs.seg)
         if be == Backend.MATH:
             rep = self.n_heads // self.n_kv
             kk, vv = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
@@ -370,7 +327,7 @@ class Attention(Mixer):
         runs SDPA with the boolean mask (flash-attn's varlen path and flex's block mask take square
         layouts with ``cu_seqlens`` / segment ids of the queries' own rows, so they fall back to
         SDPA here, the same masked softmax)."""
-        mask = _window_mask(q.shape[2], k.shape[2], self.window, q.device) & doc_mask
+        mask = window_mask(q.shape[2], k.shape[2], self.window, q.device) & doc_mask
         if self.resolve_backend(q.device, q.dtype) == Backend.MATH:
             rep = self.n_heads // self.n_kv
             kk, vv = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
@@ -380,7 +337,7 @@ class Attention(Mixer):
 
     def _flex(self, q, k, v):
         from torch.nn.attention.flex_attention import flex_attention
-        bm = _flex_block_mask(q.shape[2], self.window, str(q.device))
+        bm = flex_block_mask(q.shape[2], self.window, str(q.device))
         return flex_attention(q, k, v, block_mask=bm, enable_gqa=self.n_kv != self.n_heads)
 
     @staticmethod

@@ -46,7 +46,8 @@ Packed documents (``docs``, one call for the batch). Alone, a document of L toke
 chunks counted from its first token; chunk 0 reads the initial weights, and only a document of
 L > C tokens writes (the last chunk never does). The chunked form runs the packed rows as they
 are for everything but the writes: RoPE at each token's offset in its document, the window
-attention under a document mask (SDPA's boolean mask, flash-attn's varlen kernel with
+attention under a document mask (``ttt_lm.model.window_attention``: blocked SDPA with a
+per-block document mask, flex's document block mask on CUDA, flash-attn's varlen kernel with
 ``cu_seqlens`` where installed), and f_{W_init}(q̃_t) for every query (chunk 0 of every
 document). The documents longer than C alone are laid out at chunk boundaries
 (``DocLayout.aligned(C, longer_than=C)``: each padded to a multiple of C in its row, the short
@@ -56,7 +57,7 @@ many documents shorter than a chunk the op's loop is then shorter than for the u
 The reference form runs on the padded view (one document per row, ``Mixer.run_padded``).
 
 Forms: ``reference`` runs the op's plain schedule and the explicit windowed softmax; ``chunked``
-the op's batched form and SDPA / flash-attn; ``step`` one token: the attention reads its KV cache
+the op's batched form and ``sliding_window_attention`` (O(T·w): blocked SDPA, flex, flash-attn); ``step`` one token: the attention reads its KV cache
 (the last w − 1 keys), the fast path applies the current weights and appends the token to the
 open chunk, which is written when it is full and the next token arrives. The state carries the
 fast weights, the norm targets, the momentum buffers, the open chunk and the KV cache, so two
@@ -74,11 +75,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import lact as _lact
-from ttt_lm.model.backend import Backend, flash_attn_func, flash_attn_varlen_func, resolve
+from ttt_lm.model.backend import Backend, resolve
 from ttt_lm.model.layers import RMSNorm, acc, apply_rope, rope_cos_sin
-from ttt_lm.model.mixers.attention import _same_doc
 from ttt_lm.model.mixers.base import Mixer, MixerState, TPPlan
 from ttt_lm.model.registry import option, register_mixer
+from ttt_lm.model.window_attention import sliding_window_attention, window_mask
 
 #: model.lact.muon_dtype → the dtype of the Newton–Schulz steps (None: the state's)
 _MUON_DTYPES = {"bfloat16": torch.bfloat16, "state": None}
@@ -176,12 +177,6 @@ class LowRankFastWeight(nn.Module):
         W = self.left @ self.right
         eye = torch.eye(W.shape[-2], W.shape[-1], device=W.device, dtype=W.dtype)
         return W + 0.5 * eye
-
-
-def _window_mask(tq: int, tk: int, window: int, device) -> torch.Tensor:
-    qpos = torch.arange(tq, device=device)[:, None] + (tk - tq)
-    kpos = torch.arange(tk, device=device)[None, :]
-    return (kpos <= qpos) & (kpos > qpos - window)
 
 
 @register_mixer("lact", config=LaCTConfig)
@@ -300,32 +295,22 @@ class LaCT(Mixer):
 
     def _attend(self, q, k, v, backend) -> torch.Tensor:
         """Windowed causal attention of q [B, H, tq, d] over k, v [B, H, tk, d] (a cache before the
-        queries' own keys)."""
-        tq, tk = q.shape[2], k.shape[2]
+        queries' own keys): the explicit softmax for the reference form, else
+        ``sliding_window_attention`` by the backend "local_attention" resolves to (flash-attn,
+        flex_attention on CUDA, blocked SDPA: O(T·w) everywhere)."""
         if backend == Backend.REFERENCE:
+            tq, tk = q.shape[2], k.shape[2]
             s = (acc(q) @ acc(k).transpose(-1, -2)) / math.sqrt(self.hd)
-            s = s.masked_fill(~_window_mask(tq, tk, self.window, q.device), float("-inf"))
+            s = s.masked_fill(~window_mask(tq, tk, self.window, q.device), float("-inf"))
             return (s.softmax(-1) @ acc(v)).to(q.dtype)
-        if resolve("local_attention", "auto", q.device, q.dtype) == Backend.FLASH:
-            o = flash_attn_func()(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True,
-                                  window_size=(self.window - 1, 0))
-            return o.transpose(1, 2)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=_window_mask(tq, tk, self.window, q.device))
+        return sliding_window_attention(q, k, v, self.window, resolve("local_attention", "auto", q.device, q.dtype))
 
     def _attend_docs(self, q, k, v, docs) -> torch.Tensor:
         """Windowed causal attention within each document of packed rows (q, k, v [B, H, T, d]):
-        flash-attn's varlen kernel over the batch flattened to [B·T] with ``docs.cu_seqlens``, or
-        SDPA with the window mask and'ed with "same document"."""
-        B, H, T, d = q.shape
-        if (resolve("local_attention", "auto", q.device, q.dtype) == Backend.FLASH
-                and flash_attn_varlen_func() is not None):
-            cu = docs.cu_seqlens
-            flat = lambda t: t.transpose(1, 2).reshape(B * T, H, d)
-            o = flash_attn_varlen_func()(flat(q), flat(k), flat(v), cu, cu, docs.max_len, docs.max_len,
-                                         causal=True, window_size=(self.window - 1, 0))
-            return o.view(B, T, H, d).transpose(1, 2)
-        mask = _window_mask(T, T, self.window, q.device) & _same_doc(docs)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        ``sliding_window_attention`` with the documents (flash-attn's varlen kernel, flex's document
+        block mask, or blocked SDPA under a per-block document mask)."""
+        return sliding_window_attention(q, k, v, self.window, resolve("local_attention", "auto", q.device, q.dtype),
+                                        docs=docs)
 
     def _fast_out(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """RMSNorm per head, times SiLU(W_s x) per head: [B, F, T, e] → [B, T, F·e]."""
