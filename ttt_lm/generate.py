@@ -1,7 +1,8 @@
 """Sample text from a trained model:
 
     python -m ttt_lm.generate --checkpoint out/tiny --prompt "ROMEO:" --max-new-tokens 100 \\
-        --temperature 0.8 --top-k 50 --top-p 0.95 --seed 0 [--num-samples 3] [--device cuda]
+        --temperature 0.8 --top-k 50 --top-p 0.95 --seed 0 [--num-samples 3] [--device cuda] \\
+        [--prefill-chunk 2048]
 
 ``--checkpoint`` is an export directory (``python -m ttt_lm.train.export``, which copies the
 tokenizer into it), a Hugging Face folder (``export --format hf``) or a run directory;
@@ -9,7 +10,10 @@ tokenizer into it), a Hugging Face folder (``export --format hf``) or a run dire
 prompt is encoded after the end-of-document id (2 for the SentencePiece tokenizers trained here,
 the tokenizer's own for a ``tokenizer.json``): every training document
 followed one, so the model reads the prompt as the start of a document. Generation uses
-:meth:`ttt_lm.model.LM.generate`: one forward pass over the prompt, then one decode step per token
+:meth:`ttt_lm.model.LM.generate`: the prompt is read ``--prefill-chunk`` tokens per forward pass
+(default 2048, ``ttt_lm.model.lm.PREFILL_CHUNK``), each piece from the states the previous one left,
+so a recurrent model reads a prompt of any length in the memory of one piece (the result equals one
+pass over the prompt); then one decode step per token
 with each layer's state (attention's KV cache, the recurrent layers' states), sampling with
 temperature, top-k and top-p (temperature 0 is greedy), and stops a sample at the end-of-document
 id or after ``--max-new-tokens``. A model whose vocabulary is padded beyond the tokenizer's never
@@ -27,13 +31,16 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from ttt_lm.model.lm import PREFILL_CHUNK
+
 
 def generate_text(ck, tok, prompt: str, max_new_tokens: int = 100, temperature: float = 1.0,
                   top_k: Optional[int] = None, top_p: Optional[float] = None, seed: int = 0,
-                  num_samples: int = 1) -> List[dict]:
+                  num_samples: int = 1, prefill_chunk: Optional[int] = PREFILL_CHUNK) -> List[dict]:
     """``num_samples`` continuations of ``prompt`` from the checkpoint ``ck`` (a
     :class:`ttt_lm.eval.checkpoint.Checkpoint`) with tokenizer ``tok``; each a dict with the
-    continuation's ``text`` and ``ids`` and why it ended (``eos`` or ``length``)."""
+    continuation's ``text`` and ``ids`` and why it ended (``eos`` or ``length``). ``prefill_chunk``:
+    prompt tokens per forward pass (``LM.generate``; None: one pass)."""
     from ttt_lm.eval.common import check_context, check_vocab
     model = ck.model
     check_vocab(model, tok.vocab_size, f"the tokenizer {tok.path}", allow_padding=True)
@@ -41,13 +48,16 @@ def generate_text(ck, tok, prompt: str, max_new_tokens: int = 100, temperature: 
         raise ValueError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     if num_samples < 1:
         raise ValueError(f"--num-samples must be >= 1, got {num_samples}")
+    if prefill_chunk is not None and prefill_chunk < 1:
+        raise ValueError(f"--prefill-chunk must be >= 1 (prompt tokens per forward pass), got {prefill_chunk}")
     ids = [tok.eos_id] + tok.encode(prompt)
     check_context(model, len(ids) + max_new_tokens, "prompt + --max-new-tokens")
     dev = model.embed.weight.device
     gen = torch.Generator(device=dev).manual_seed(seed)
     x = torch.tensor([ids] * num_samples, dtype=torch.long, device=dev)
     out = model.generate(x, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, generator=gen,
-                         eos_id=tok.eos_id, vocab_size=tok.vocab_size)[:, len(ids):].tolist()
+                         eos_id=tok.eos_id, vocab_size=tok.vocab_size,
+                         prefill_chunk=prefill_chunk)[:, len(ids):].tolist()
     samples = []
     for row in out:
         end = "length"
@@ -55,6 +65,18 @@ def generate_text(ck, tok, prompt: str, max_new_tokens: int = 100, temperature: 
             row, end = row[:row.index(tok.eos_id)], "eos"
         samples.append({"prompt": prompt, "text": tok.decode(row), "ids": row, "stop": end})
     return samples
+
+
+def _tokens_per_pass(v: str) -> int:
+    """--prefill-chunk's value: an integer >= 1 (refused by the parser, before any checkpoint is read)."""
+    try:
+        n = int(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1 (prompt tokens per forward pass), "
+                                         f"got {v!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1 (prompt tokens per forward pass), got {n}")
+    return n
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     ap.add_argument("--dtype", default="float32", help="float32 | bfloat16")
     ap.add_argument("--json", action="store_true", help="one JSON object per sample instead of text")
+    ap.add_argument("--prefill-chunk", type=_tokens_per_pass, default=PREFILL_CHUNK, metavar="N",
+                    help=f"read the prompt N tokens per forward pass, carrying every layer's state (default "
+                         f"{PREFILL_CHUNK}); memory is then that of N tokens for the recurrent layers")
     return ap
 
 
@@ -89,7 +114,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if path is None:
             raise EvalError(f"no tokenizer: {missing_tokenizer(ck)}")
         samples = generate_text(ck, load_tokenizer(path), a.prompt, a.max_new_tokens, a.temperature, a.top_k,
-                                a.top_p, a.seed, a.num_samples)
+                                a.top_p, a.seed, a.num_samples, a.prefill_chunk)
     except (EvalError, DataError, TokenizerError, ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -33,6 +33,7 @@ segment_pos = 0 and normalizes every other token, as recurrentgemma does.
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
@@ -46,6 +47,8 @@ from ttt_lm.model.loss import linear_cross_entropy, plain_cross_entropy
 from ttt_lm.model.mixers import build_mixer, mixer_class
 from ttt_lm.model.mixers.base import MixerState
 
+#: prompt tokens per forward pass when ``LM.generate`` reads a prompt (``LM.prefill``)
+PREFILL_CHUNK = 2048
 
 @dataclass
 class BlockState(MixerState):
@@ -283,24 +286,74 @@ class LM(nn.Module):
         return self.norm(x), new_states
 
     @torch.no_grad()
+    def prefill(self, prompt_ids: torch.Tensor, prefill_chunk: Optional[int] = PREFILL_CHUNK):
+        """Read the prompt prompt_ids [B, T0]: (the logits [B, V] of its last position, every layer's
+        state after it), what :meth:`generate` decodes from.
+
+        The prompt is read ``prefill_chunk`` tokens at a time (None: in one pass), each piece one
+        forward with the states the previous piece returned (attention's KV cache, the recurrent
+        and fast-weight states, the pre-conv caches): for pieces x_1 … x_n of the prompt,
+
+            S_0 = initial state,    (h_i, S_i) = blocks(x_i; S_{i−1}),    logits = head(h_n[:, −1])
+
+        which equals one pass over the prompt (every mixer's forward from a carried state continues
+        it exactly, at any piece length: pieces need not be multiples of a chunk, mini-batch or
+        segment size; ``tests/model/test_chunked_prefill.py`` holds every registered kind to this).
+        Only the last position's logits are formed, so the memory of the prefill is that of one
+        piece's activations plus the states: flat in the prompt length for the recurrent layers
+        (a global attention layer's KV cache still grows with it). A subclass with its own
+        ``forward`` (the tensor-parallel LM) runs that forward per piece and keeps its last logits.
+        Refused before any work (ValueError naming the value): a ``prefill_chunk`` below 1, a
+        prompt that is not [B, T0] integer ids in [0, ``model.vocab_size``) (:func:`check_prompt_ids`)."""
+        check_prefill_chunk(prefill_chunk)
+        check_prompt_ids(prompt_ids, self.cfg.vocab_size)
+        T0 = prompt_ids.shape[1]
+        n = T0 if prefill_chunk is None else prefill_chunk
+        own_forward = type(self).forward is not LM.forward
+        states, logits = None, None
+        for s in range(0, T0, n):
+            piece, last = prompt_ids[:, s:s + n], s + n >= T0
+            if own_forward:
+                out = self(piece, states=states, output_states=True)
+                states, logits = out.states, (out.logits[:, -1] if last else None)
+                del out
+            else:
+                h, states = self.hidden(piece, states, output_states=True)
+                if last:
+                    logits = self.lm_head(h[:, -1:])[:, 0]
+                del h
+        return logits, states
+
+    @torch.no_grad()
     def generate(self, prompt_ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
                  top_k: Optional[int] = None, generator: Optional[torch.Generator] = None,
                  top_p: Optional[float] = None, eos_id: Optional[int] = None,
-                 vocab_size: Optional[int] = None) -> torch.Tensor:
+                 vocab_size: Optional[int] = None, prefill_chunk: Optional[int] = PREFILL_CHUNK) -> torch.Tensor:
         """Sample continuations of prompt_ids [B, T0]; returns [B, T0 + n], n <= max_new_tokens.
 
-        The prompt is read in one forward pass that returns every layer's state; each new token is
-        then one :meth:`step` with those states (the mixers' decode forms: KV caches for attention,
-        the recurrent or fast-weight state for the others), so a token costs the same at any
-        position for the recurrent layers. Sampling: :func:`sample_next` (temperature, then top-k,
-        then top-p; temperature 0 is greedy). With ``eos_id`` a row that emits it is finished: its
-        later positions hold ``eos_id``, and generation ends when every row is finished (n can then
-        be below max_new_tokens). With ``vocab_size`` (the tokenizer's, when the model's vocabulary
-        is padded beyond it) only ids below it are drawn (:func:`mask_vocab`)."""
+        The prompt is read by :meth:`prefill`, ``prefill_chunk`` tokens per forward pass with every
+        layer's state carried from piece to piece (None: one pass); each new token is then one
+        :meth:`step` with those states (the mixers' decode forms: KV caches for attention, the
+        recurrent or fast-weight state for the others), so a token costs the same at any position
+        for the recurrent layers, and a recurrent model reads a prompt of any length in the memory
+        of one piece. The default, ``PREFILL_CHUNK`` = 2048 tokens, is the training length of every
+        preset but LaCT's (32,768): a piece costs what a training-length forward costs, without its
+        [B, T, V] logits, and prompts up to that length are read in one pass as before. It is also
+        a multiple of every preset's chunk, mini-batch and segment size (16, 64, 512, 2048), so
+        every piece but the last is whole chunks; exactness does not need that (:meth:`prefill`).
+
+        Sampling: :func:`sample_next` (temperature, then top-k, then top-p; temperature 0 is
+        greedy). With ``eos_id`` a row that emits it is finished: its later positions hold
+        ``eos_id``, and generation ends when every row is finished (n can then be below
+        max_new_tokens). With
+        ``vocab_size`` (the tokenizer's, when the model's vocabulary is padded beyond it) only ids
+        below it are drawn (:func:`mask_vocab`); the prompt may hold any id the model embeds.
+        Refused with a ValueError naming the value, before any work: a ``prefill_chunk`` below 1,
+        a prompt id below 0 or at or above ``model.vocab_size``, sampling settings that mean
+        nothing."""
         check_sampling(temperature, top_k, top_p)
         check_vocab_limit(vocab_size, self.cfg.vocab_size)
-        out = self(prompt_ids, output_states=True)
-        logits, states = out.logits[:, -1], out.states
+        logits, states = self.prefill(prompt_ids, prefill_chunk)
         toks = [prompt_ids]
         done = torch.zeros(prompt_ids.shape[0], dtype=torch.bool, device=prompt_ids.device)
         for i in range(max_new_tokens):
@@ -314,6 +367,33 @@ class LM(nn.Module):
             else:
                 break
         return torch.cat(toks, dim=1)
+
+
+def check_prefill_chunk(prefill_chunk: Optional[int]) -> None:
+    """Refuse a prefill piece length that is not a whole number of tokens >= 1 (None: one pass)."""
+    if prefill_chunk is None:
+        return
+    if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, numbers.Integral) or prefill_chunk < 1:
+        raise ValueError(f"prefill_chunk (prompt tokens per forward pass) must be an integer >= 1, or None for "
+                         f"one pass, got {prefill_chunk!r}")
+
+
+def check_prompt_ids(prompt_ids: torch.Tensor, model_vocab: int) -> None:
+    """Refuse a prompt that is not [B, T0] integer token ids (B, T0 >= 1) in [0, model_vocab) (the
+    embedding's rows; an id beyond them would index out of range, on a GPU with no clear error).
+    The message names the first offending id, its row and position, and the limit. Ids of a
+    vocabulary padded beyond the tokenizer's are accepted: ``generate``'s ``vocab_size`` limits
+    only the ids it draws."""
+    if not isinstance(prompt_ids, torch.Tensor) or prompt_ids.dim() != 2 or 0 in prompt_ids.shape:
+        shape = tuple(prompt_ids.shape) if isinstance(prompt_ids, torch.Tensor) else type(prompt_ids).__name__
+        raise ValueError(f"prompt_ids must be a [B, T0] tensor of token ids with B >= 1 and T0 >= 1, got {shape}")
+    if prompt_ids.dtype.is_floating_point or prompt_ids.dtype.is_complex or prompt_ids.dtype == torch.bool:
+        raise ValueError(f"prompt_ids must hold integer token ids, got dtype {prompt_ids.dtype}")
+    bad = (prompt_ids < 0) | (prompt_ids >= model_vocab)
+    if bool(bad.any()):
+        r, t = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"prompt token id {int(prompt_ids[r, t])} (row {r}, position {t}) is outside "
+                         f"[0, model.vocab_size={model_vocab})")
 
 
 def check_sampling(temperature: float = 1.0, top_k: Optional[int] = None, top_p: Optional[float] = None) -> None:
