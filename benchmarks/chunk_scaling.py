@@ -10,11 +10,21 @@ well above 1. Goal: slope ≤ 1.15 for every mixer.
 
 ``lact_op`` times the LaCT op itself (``kernels.lact``, backend "torch": d_model / heads wide
 heads, momentum on, chunks of 256 so that the share of tokens in written chunks, all but the
-last chunk, stays within 7/8 … 31/32 over the lengths; ``--lact-chunk`` changes it), not the mixer:
-the mixer's sliding-window attention runs on the CPU through SDPA with a dense T × T mask, whose
-cost is quadratic there. The op's cost is affine in T (every chunk but the last is written), so
+last chunk, stays within 7/8 … 31/32 over the lengths; ``--lact-chunk`` changes it), not the mixer
+(whose sliding-window attention, ``ttt_lm.model.window_attention``, is its own O(T·w) path). The op's cost is affine in T (every chunk but the last is written), so
 its line is followed by the time per written chunk at each length, which is flat when the cost is
-linear, and by the slope the written chunks' count alone gives (1.07 for chunks of 256).
+linear, and by the slope the written chunks' count alone gives (1.07 for chunks of 256), then by
+the minor page faults of a run at each length (median over the rounds): when glibc's malloc hands
+the freed activations back to the OS between runs, the next run faults them in again and its
+time grows by the kernel's work, not the op's (the op allocates the same elements per written
+chunk at every length: ``tests/kernels/test_lact_op.py``), and by the CPU time of the timing
+thread (user and system, ``getrusage``) with its slope: unlike the wall time it does not count
+the time the thread waits while other processes hold the cores of a shared machine. The faults
+are glibc's: the longest length needs more memory than the others, and malloc returns it to the
+OS (heap trim, munmap) after each of its runs. So the benchmark runs itself again with
+``MALLOC_TRIM_THRESHOLD_=17179869184 MALLOC_MMAP_THRESHOLD_=33554432`` in its environment, which
+keeps the heap between runs as a caching allocator (CUDA's, in training) does, and measures the
+op rather than the kernel's page faults; ``--system-malloc`` measures with glibc's defaults.
 
 The lengths are timed in interleaved rounds (each round times every length once, a different
 length first each round) and each figure is the median over the rounds: a change of the load
@@ -30,19 +40,24 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import statistics
 import sys
 import time
 from pathlib import Path
-from typing import List
+from typing import List, Optional
 
 import torch
 
+try:
+    import resource   # POSIX: the page faults of a run
+except ImportError:   # pragma: no cover
+    resource = None
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ttt_lm.model.config import ModelConfig  # noqa: E402
-from ttt_lm.model.layers import init_weights  # noqa: E402
-from ttt_lm.model.mixers import build_mixer, mixer_class  # noqa: E402
+#: glibc malloc settings that keep freed memory in the heap between runs (module docstring)
+KEEP_HEAP = {"MALLOC_TRIM_THRESHOLD_": "17179869184", "MALLOC_MMAP_THRESHOLD_": "33554432"}
 
 #: name → (layer kind, settings of its sub-config)
 MIXERS = {
@@ -88,6 +103,9 @@ def build(name: str, d_model: int, n_heads: int, seed: int = 0, lact_chunk: int 
             sub = dict(sub, chunk_size=lact_chunk)
         torch.manual_seed(seed)
         return LaCTOp(d_model, n_heads, **sub)
+    from ttt_lm.model.config import ModelConfig   # the mixers only (lact_op needs kernels/ alone)
+    from ttt_lm.model.layers import init_weights
+    from ttt_lm.model.mixers import build_mixer, mixer_class
     cfg = ModelConfig(vocab_size=64, d_model=d_model, n_layers=1, n_heads=n_heads, layer_pattern=[kind])
     for k, v in sub.items():
         setattr(getattr(cfg, mixer_class(kind).config_section), k, v)
@@ -114,21 +132,39 @@ def fwd_bwd(m, T: int, d_model: int):
     return once
 
 
-def time_lengths(m, lengths, d_model: int, reps: int) -> List[float]:
+def _usage():
+    """(CPU seconds of this thread, user + system; minor page faults of the process) or None."""
+    if resource is None:
+        return None
+    who = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
+    t, p = resource.getrusage(who), resource.getrusage(resource.RUSAGE_SELF)
+    return t.ru_utime + t.ru_stime, p.ru_minflt
+
+
+def time_lengths(m, lengths, d_model: int, reps: int, usage: Optional[dict] = None) -> List[float]:
     """Median seconds of forward + backward at each length, over ``reps`` rounds that each time
     every length once (after one warm-up of each): interleaved rounds, so that a change of the
-    machine's load during the run moves every length alike instead of one length's figure."""
+    machine's load during the run moves every length alike instead of one length's figure.
+    ``usage``, if given, receives per length the median CPU seconds ("cpu") and minor page faults
+    ("faults") of a run."""
     runs = [fwd_bwd(m, T, d_model) for T in lengths]
     for once in runs:
         once()
     out = [[] for _ in lengths]
+    use = [[] for _ in lengths]
     for r in range(reps):
         order = list(range(len(lengths)))
         order = order[r % len(order):] + order[:r % len(order)]   # each length leads some round
         for i in order:
-            t0 = time.perf_counter()
+            u0, t0 = _usage(), time.perf_counter()
             runs[i]()
             out[i].append(time.perf_counter() - t0)
+            u1 = _usage()
+            if u0 is not None:
+                use[i].append((u1[0] - u0[0], u1[1] - u0[1]))
+    if usage is not None and all(use):
+        usage["cpu"] = [statistics.median(c for c, _ in u) for u in use]
+        usage["faults"] = [statistics.median(f for _, f in u) for u in use]
     return [statistics.median(o) for o in out]
 
 
@@ -150,18 +186,26 @@ def main(argv=None):
     p.add_argument("--goal", type=float, default=1.15)
     p.add_argument("--lact-chunk", type=int, default=MIXERS["lact_op"][1]["chunk_size"],
                    help="the LaCT op's chunk size (lact_op)")
+    p.add_argument("--system-malloc", action="store_true",
+                   help="keep glibc's malloc defaults (default: run again with the heap kept between runs)")
     a = p.parse_args(argv)
     if len(a.seq_lens) < 2:
         p.error("--seq-lens needs at least two lengths to fit a slope")
+    if argv is None and not a.system_malloc and any(os.environ.get(k) != v for k, v in KEEP_HEAP.items()):
+        # from the command line only: an in-process caller keeps its own process
+        os.execve(sys.executable, [sys.executable, os.path.abspath(__file__)] + sys.argv[1:],
+                  dict(os.environ, **KEEP_HEAP))
+    heap = "glibc defaults" if not all(os.environ.get(k) == v for k, v in KEEP_HEAP.items()) else "heap kept"
 
     print(f"# CPU, {torch.get_num_threads()} thread(s), float32, d_model {a.d_model}, heads {a.heads}, "
-          f"batch 1; forward+backward seconds (median of {a.reps} interleaved rounds after one warm-up)")
+          f"batch 1; forward+backward seconds (median of {a.reps} interleaved rounds after one warm-up); malloc: {heap}")
     print("| mixer | " + " | ".join(f"T={t}" for t in a.seq_lens) + " | log-log slope | ≤ goal |")
     print("|---|" + "---|" * len(a.seq_lens) + "---|---|")
     worst = 0.0
     for name in a.mixers:
         m = build(name, a.d_model, a.heads, lact_chunk=a.lact_chunk)
-        times = time_lengths(m, a.seq_lens, a.d_model, a.reps)
+        usage: dict = {}
+        times = time_lengths(m, a.seq_lens, a.d_model, a.reps, usage)
         s = loglog_slope(a.seq_lens, times)
         worst = max(worst, s)
         print(f"| {name} | " + " | ".join(f"{t:.3f}" for t in times) + f" | {s:.2f} | "
@@ -171,6 +215,10 @@ def main(argv=None):
             print(f"#   lact_op per written chunk of {a.lact_chunk}: " + ", ".join(f"{x * 1e3:.1f} ms" for x in per)
                   + f" (slope of the written chunks' count alone: "
                   f"{loglog_slope(a.seq_lens, [math.ceil(T / a.lact_chunk) - 1 for T in a.seq_lens]):.2f})")
+            if usage:
+                print("#   lact_op minor page faults per run: " + ", ".join(f"{f:.0f}" for f in usage["faults"]))
+                print("#   lact_op CPU seconds of the timing thread: " + ", ".join(f"{c:.3f}" for c in usage["cpu"])
+                      + f" (slope {loglog_slope(a.seq_lens, usage['cpu']):.2f})")
     print(f"# largest slope {worst:.2f} (goal ≤ {a.goal})")
 
 

@@ -18,7 +18,13 @@ resets[b, c], that row's weights, accumulators and momentum buffers go back to t
 
 Linear cost in T: the stream is split into chunks once before the loop (``split``) and the
 outputs concatenated once after it, so backward never materialises a full-length gradient per
-chunk. The Python loop runs over chunks only: the ops dispatched grow with T / chunk_size.
+chunk. The Python loop runs over chunks only: the ops dispatched and the elements allocated, in
+forward and in backward, grow with T / chunk_size (tests/kernels/test_lact_op.py counts both).
+Within a chunk the same rule holds one level down: [G | H] of the queries and the keys is cut
+into its four blocks with ``split`` (so are the lr's, and Muon's stacked result), whose backward
+is one ``cat`` of the blocks' gradients; indexing it four times (``gh[:, :tq, :dh]``, ...) made
+the backward of each block write a zero tensor of [G | H]'s full size and sum the four: a fifth
+to a quarter of the elements the backward allocated per chunk (4 heads of 64, chunks of 64 to 256).
 """
 from __future__ import annotations
 
@@ -35,8 +41,8 @@ def _muon(dw02: torch.Tensor, dw1: torch.Tensor, dtype: Optional[torch.dtype]):
     dh = two_dh // 2
     parts = dw02.reshape(2 * N, dh, dk)
     if dw1.shape[-2:] == (dh, dk):   # square heads: one batched call for all three
-        X = newton_schulz5(torch.cat([parts, dw1], 0), dtype)
-        return X[: 2 * N].reshape(N, two_dh, dk), X[2 * N:]
+        x02, x1 = newton_schulz5(torch.cat([parts, dw1], 0), dtype).split([2 * N, N], 0)
+        return x02.reshape(N, two_dh, dk), x1
     return newton_schulz5(parts, dtype).reshape(N, two_dh, dk), newton_schulz5(dw1, dtype)
 
 
@@ -62,7 +68,7 @@ def lact_schedule_torch(q: torch.Tensor, s: Dict[str, torch.Tensor], W: Dict[str
     qs = flat(q).split([max(0, en - max(st, n0)) for st, en, _ in bounds], dim=1)
     ks = flat(s["k"]).split(C, dim=1)
     vs = flat(s["v"]).split(C, dim=1)
-    lrs = torch.stack([flat(s["lr0"]), flat(s["lr1"]), flat(s["lr2"])], -1).split(C, dim=1)
+    lr0s, lr1s, lr2s = (flat(s[n])[..., None].split(C, dim=1) for n in ("lr0", "lr1", "lr2"))   # [N, C, 1]
     ms = flat(s["momentum"]).split(C, dim=1) if use_m else None
 
     w02 = torch.cat([flat(W["w0"]), flat(W["w2"])], 1)          # [N, 2dh, dk]
@@ -92,20 +98,22 @@ def lact_schedule_torch(q: torch.Tensor, s: Dict[str, torch.Tensor], W: Dict[str
         tq = qc.shape[1]
         if not written:
             if tq:
-                gh = torch.bmm(qc, w02.transpose(1, 2))
-                outs.append(torch.bmm(F.silu(gh[..., :dh]) * gh[..., dh:], w1.transpose(1, 2)))
+                gq, hq = torch.bmm(qc, w02.transpose(1, 2)).split(dh, -1)
+                outs.append(torch.bmm(F.silu(gq) * hq, w1.transpose(1, 2)))
             continue
-        kc, vc, lr = ks[c], vs[c], lrs[c]
+        kc, vc = ks[c], vs[c]
         gh = torch.bmm(torch.cat([qc, kc], 1) if tq else kc, w02.transpose(1, 2))
-        if tq:
-            outs.append(torch.bmm(F.silu(gh[:, :tq, :dh]) * gh[:, :tq, dh:], w1.transpose(1, 2)))
-        g, h = gh[:, tq:, :dh], gh[:, tq:, dh:]
+        if tq:   # the blocks by split, not indexing: see the module docstring
+            ghq, gh = gh.split([tq, kc.shape[1]], 1)
+            gq, hq = ghq.split(dh, -1)
+            outs.append(torch.bmm(F.silu(gq) * hq, w1.transpose(1, 2)))
+        g, h = gh.split(dh, -1)                                  # G_k, H_k [N, C, dh]
         a = torch.bmm(vc, w1)                                    # [N, C, dh]
         sg = torch.sigmoid(g)
         sil = g * sg
-        dw1 = torch.bmm((vc * lr[..., 1:2]).transpose(1, 2), sil * h)
-        d0 = a * h * sg * (1 + g * (1 - sg)) * lr[..., 0:1]
-        d2 = a * sil * lr[..., 2:3]
+        dw1 = torch.bmm((vc * lr1s[c]).transpose(1, 2), sil * h)
+        d0 = a * h * sg * (1 + g * (1 - sg)) * lr0s[c]
+        d2 = a * sil * lr2s[c]
         dw02 = torch.bmm(torch.cat([d0, d2], -1).transpose(1, 2), kc)
         if use_m:
             m = ms[c].mean(dim=1)[:, None, None]

@@ -256,6 +256,63 @@ def test_ops_dispatched_grow_with_chunks_not_tokens():
     assert counts[(128, 16)] > counts[(64, 16)]
 
 
+class _Alloc(TorchDispatchMode):
+    """Sums the elements of every tensor an op returns in fresh memory (views and in-place results
+    excluded) and counts the ops that build a gradient by padding with zeros (the backward of
+    indexing: ``x[:, a:b]`` backpropagates a zero tensor of x's full size holding the slice's grad)."""
+    PAD = {"slice_backward", "select_backward", "as_strided_backward", "zeros", "zeros_like", "new_zeros",
+           "zero_", "fill_"}
+
+    def __init__(self):
+        super().__init__()
+        self.elements = 0
+        self.pads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        self.pads += name in self.PAD
+        if not any(r.alias_info is not None for r in func._schema.returns):
+            outs = out if isinstance(out, (tuple, list)) else (out,)
+            self.elements += sum(t.numel() for t in outs if isinstance(t, torch.Tensor))
+        return out
+
+
+# every switch of the chunk loop: momentum + Muon on square heads (the batched Newton–Schulz of
+# all three updates), prenorm, packed documents (resets every other chunk)
+ALLOC_SETTINGS = [dict(use_muon=True, muon_dtype=None, dims=(6, 6, 6)), dict(prenorm=True, use_momentum=False),
+                  dict(resets=True)]
+
+
+@pytest.mark.parametrize("setting", range(len(ALLOC_SETTINGS)))
+def test_memory_allocated_grows_linearly_with_chunks(setting):
+    """Forward and backward each allocate the same number of elements per written chunk at 2, 4
+    and 8 chunks (chunk 8, T = 16, 32, 64: E(n) = a + b·n exactly, so E(8) − E(4) = 2 (E(4) − E(2))),
+    and the backward pads no gradient with zeros per chunk. A chunk loop that indexes a full-length
+    tensor (``k[:, :, c*C:(c+1)*C]``) or a chunk's [G | H] product allocates in backward a zero
+    tensor of the indexed tensor's full size per chunk: the first check fails for the former
+    (its elements grow as T²), the second for both."""
+    kw = dict(ALLOC_SETTINGS[setting])
+    dk, dv, dh = kw.pop("dims", (6, 5, 7))
+    use_resets = kw.pop("resets", False)
+    C = 8
+    fwd, bwd, pads = {}, {}, {}
+    for n in (2, 4, 8):
+        d = {k: t.requires_grad_(True) for k, t in _rand(T=n * C, dk=dk, dv=dv, dh=dh, dtype=torch.float32).items()}
+        if use_resets:
+            kw["resets"] = (torch.arange(n) % 2 == 1).expand(2, n).contiguous()
+        with _Alloc() as f:
+            o, _ = _call(d, chunk_size=C, **kw)
+            loss = o.sum()
+        with _Alloc() as b:
+            loss.backward()
+        fwd[n], bwd[n], pads[n] = f.elements, b.elements, b.pads
+    assert fwd[2] < fwd[4] < fwd[8] and bwd[2] < bwd[4] < bwd[8]   # the counts see the chunks at all
+    assert fwd[8] - fwd[4] == 2 * (fwd[4] - fwd[2]), fwd
+    assert bwd[8] - bwd[4] == 2 * (bwd[4] - bwd[2]), bwd
+    assert pads[2] == pads[4] == pads[8], pads
+
+
 # ---- bad input -----------------------------------------------------------------------------------
 
 def test_bad_input_names_the_argument():
