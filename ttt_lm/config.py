@@ -189,8 +189,3 @@ def save_config(cfg, path: str) -> None:
     with open(tmp, "w") as f:
         f.write(to_yaml(cfg))
     os.replace(tmp, path)
-
-
-def load_model_config(path: str, overrides: Sequence[str] = ()) -> ModelConfig:
-    """The model section of an experiment YAML (or of a saved run config)."""
-    return load_config(path, overrides).model

@@ -230,12 +230,5 @@ def did_you_mean(word: str, candidates) -> str:
     return " (did you mean " + " or ".join(repr(c) for c in close) + "?)"
 
 
-def __getattr__(name: str):
-    # BUILTIN_KINDS, kept for callers of the former kind → module table: derived from the package
-    if name == "BUILTIN_KINDS":
-        return {k: _REGISTERED[k].__module__ for k in builtin_kinds()}
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 __all__ = ["register_mixer", "option", "check_section", "load_builtin_mixers", "builtin_kinds", "layer_kinds",
            "mixer_class", "registered", "sections", "kinds_with", "import_mixer_modules", "did_you_mean"]
