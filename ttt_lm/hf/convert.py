@@ -13,7 +13,8 @@ A Hugging Face export folder::
 
 The weights are written and read by transformers (``save_pretrained`` / ``from_pretrained``),
 so they are bit-identical both ways; :func:`load_hf` refuses a folder whose tensors do not
-match its config (missing, unexpected or misshapen), naming them.
+match its config (missing, unexpected or misshapen), naming them; the loaded tensors get memory of their own
+(``TTTLMForCausalLM.from_pretrained``), so that the LM computes bit-identically to the one saved.
 """
 from __future__ import annotations
 
@@ -139,7 +140,8 @@ def read_hf_config(path: str) -> TTTLMConfig:
 
 def load_hf(path: str):
     """The :class:`ttt_lm.model.LM` of a Hugging Face folder written by :func:`save_hf`, on CPU,
-    in eval mode, in the dtype its weights were saved in."""
+    in eval mode, in the dtype its weights were saved in, its tensors in memory of their own
+    (``TTTLMForCausalLM.from_pretrained``: bit-identical to the LM that was saved)."""
     config = read_hf_config(path)
     try:
         hf, info = TTTLMForCausalLM.from_pretrained(path, config=config, output_loading_info=True,

@@ -108,6 +108,23 @@ class TTTLMForCausalLM(TTTLMPreTrainedModel, GenerationMixin):
         self.model = LM(config.model_config())
         self.post_init()
 
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        """transformers' ``from_pretrained``, then every parameter and buffer copied into memory
+        of its own. Loaded from ``model.safetensors`` each CPU tensor is a view into the file's
+        memory map, where the format aligns a tensor's data to 8 bytes only; MKL's CPU matrix
+        products round differently by the operands' alignment (without ``MKL_CBWR``), e.g. TTT's
+        η = σ(θ_η·x) when θ_η sits 8 bytes off a 16-byte boundary, so the loaded model would not
+        compute bit-identically to the one saved for every input. The copies (PyTorch's allocator
+        aligns them to 64 bytes, as it did the saved model's) also detach the model from the
+        file; a tied weight is one Parameter, copied once."""
+        out = super().from_pretrained(*args, **kwargs)
+        model = out[0] if isinstance(out, tuple) else out
+        with torch.no_grad():
+            for t in list(model.parameters()) + list(model.buffers()):
+                t.data = t.data.clone(memory_format=torch.contiguous_format)
+        return out
+
     def get_input_embeddings(self):
         return self.model.embed
 
