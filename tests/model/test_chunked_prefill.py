@@ -87,6 +87,10 @@ def check_chunked_equals_one_pass(model: LM, T: int, pieces) -> None:
         assert lengths == [n] * (T // n) + [T % n], lengths
         assert head == [(B, 1, model.cfg.d_model)], head
         assert len(states) == model.cfg.n_layers and all(s.pos is not None for s in states)
+        for st in states:   # the decode state keeps nothing of the pieces' activations alive
+            for t in st.tensors():
+                assert t.untyped_storage().nbytes() <= 2 * t.nbytes + 4096, \
+                    f"a state tensor {tuple(t.shape)} keeps a {t.untyped_storage().nbytes()}-byte storage alive"
         torch.testing.assert_close(got, full, atol=tol, rtol=0, msg=lambda s: f"prefill_chunk={n}: {s}")
         gen = model.generate(ids, NEW_TOKENS, temperature=0, prefill_chunk=n)
         assert torch.equal(gen, want), \
@@ -161,18 +165,22 @@ def test_refuses_a_prompt_id_outside_the_model_vocabulary(bad, row, pos):
         m.prefill(ids, 2)
 
 
-def test_the_model_vocabulary_limits_the_prompt_and_vocab_size_only_what_is_drawn():
-    """``vocab_size`` (a tokenizer's, below a padded model vocabulary) limits the drawn ids; the
-    prompt may hold any id the model embeds, and one beyond it is refused naming model.vocab_size."""
+def test_vocab_size_limits_the_prompt_and_what_is_drawn():
+    """``vocab_size`` (a tokenizer's, below a padded model vocabulary) limits the drawn ids and the
+    prompt: an id of the padding range is refused naming vocab_size, one beyond the embedding
+    naming model.vocab_size."""
     m = kind_model(KINDS[0])
     ids = torch.full((1, 4), 3)
-    ids[0, 2] = 55                      # in the padding range [50, 61)
     out = m.generate(ids, 4, temperature=1.0, vocab_size=50, generator=torch.Generator().manual_seed(0))
     assert out.shape == (1, 8) and int(out[0, 4:].max()) < 50
+    ids[0, 2] = 55                      # in the padding range [50, 61)
+    m.generate(ids, 2, temperature=0)   # the model embeds it
+    with pytest.raises(ValueError, match=r"prompt token id 55 \(row 0, position 2\) is outside \[0, vocab_size=50\)"):
+        m.generate(ids, 2, temperature=0, vocab_size=50)
     ids[0, 2] = V
     msg = rf"prompt token id {V} \(row 0, position 2\) is outside \[0, model.vocab_size={V}\)"
     with pytest.raises(ValueError, match=msg):
-        m.generate(ids, 2, temperature=0, vocab_size=50)
+        m.generate(ids, 2, temperature=0)
 
 
 @pytest.mark.parametrize("ids,match", [(torch.zeros(5, dtype=torch.long), r"\[B, T0\] .* got \(5,\)"),

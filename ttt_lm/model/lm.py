@@ -299,8 +299,10 @@ class LM(nn.Module):
         which equals one pass over the prompt (every mixer's forward from a carried state continues
         it exactly, at any piece length: pieces need not be multiples of a chunk, mini-batch or
         segment size; ``tests/model/test_chunked_prefill.py`` holds every registered kind to this).
-        Only the last position's logits are formed, so the memory of the prefill is that of one
-        piece's activations plus the states: flat in the prompt length for the recurrent layers
+        Only the last position's logits are formed, and a state tensor that is a view into a
+        larger one (a short convolution's cache sliced from a piece's activations, the last w − 1
+        keys of a piece's) is copied out of it (:func:`_own_storage`), so the memory of the prefill
+        is that of one piece's activations plus the states, and the decode state holds no more: flat in the prompt length for the recurrent layers
         (a global attention layer's KV cache still grows with it). A subclass with its own
         ``forward`` (the tensor-parallel LM) runs that forward per piece and keeps its last logits.
         Refused before any work (ValueError naming the value): a ``prefill_chunk`` below 1, a
@@ -322,7 +324,7 @@ class LM(nn.Module):
                 if last:
                     logits = self.lm_head(h[:, -1:])[:, 0]
                 del h
-        return logits, states
+        return logits, [st.map(_own_storage) for st in states]
 
     @torch.no_grad()
     def generate(self, prompt_ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
@@ -347,12 +349,14 @@ class LM(nn.Module):
         ``eos_id``, and generation ends when every row is finished (n can then be below
         max_new_tokens). With
         ``vocab_size`` (the tokenizer's, when the model's vocabulary is padded beyond it) only ids
-        below it are drawn (:func:`mask_vocab`); the prompt may hold any id the model embeds.
+        below it are drawn (:func:`mask_vocab`), and a prompt id at or above it is refused.
         Refused with a ValueError naming the value, before any work: a ``prefill_chunk`` below 1,
-        a prompt id below 0 or at or above ``model.vocab_size``, sampling settings that mean
-        nothing."""
+        a prompt id below 0 or at or above ``vocab_size`` (or ``model.vocab_size``), sampling
+        settings that mean nothing."""
         check_sampling(temperature, top_k, top_p)
         check_vocab_limit(vocab_size, self.cfg.vocab_size)
+        if vocab_size is not None:
+            check_prompt_ids(prompt_ids, vocab_size, "vocab_size")
         logits, states = self.prefill(prompt_ids, prefill_chunk)
         toks = [prompt_ids]
         done = torch.zeros(prompt_ids.shape[0], dtype=torch.bool, device=prompt_ids.device)
@@ -369,6 +373,13 @@ class LM(nn.Module):
         return torch.cat(toks, dim=1)
 
 
+def _own_storage(t: torch.Tensor) -> torch.Tensor:
+    """``t``, copied when it is a view that keeps alive a storage more than twice its size (and
+    4 KiB) larger: what a state keeps after the prefill is then its own size. Attention's KV
+    buffer (at most twice the keys it holds, so that decode steps append in place) stays."""
+    return t.clone() if t.untyped_storage().nbytes() > 2 * t.numel() * t.element_size() + 4096 else t
+
+
 def check_prefill_chunk(prefill_chunk: Optional[int]) -> None:
     """Refuse a prefill piece length that is not a whole number of tokens >= 1 (None: one pass)."""
     if prefill_chunk is None:
@@ -378,12 +389,11 @@ def check_prefill_chunk(prefill_chunk: Optional[int]) -> None:
                          f"one pass, got {prefill_chunk!r}")
 
 
-def check_prompt_ids(prompt_ids: torch.Tensor, model_vocab: int) -> None:
+def check_prompt_ids(prompt_ids: torch.Tensor, model_vocab: int, limit: str = "model.vocab_size") -> None:
     """Refuse a prompt that is not [B, T0] integer token ids (B, T0 >= 1) in [0, model_vocab) (the
-    embedding's rows; an id beyond them would index out of range, on a GPU with no clear error).
-    The message names the first offending id, its row and position, and the limit. Ids of a
-    vocabulary padded beyond the tokenizer's are accepted: ``generate``'s ``vocab_size`` limits
-    only the ids it draws."""
+    embedding's rows, an id beyond them would index out of range, on a GPU with no clear error; or
+    the tokenizer's ``vocab_size`` that ``generate`` is given, ``limit`` naming which). The message
+    names the first offending id, its row and position, and the limit."""
     if not isinstance(prompt_ids, torch.Tensor) or prompt_ids.dim() != 2 or 0 in prompt_ids.shape:
         shape = tuple(prompt_ids.shape) if isinstance(prompt_ids, torch.Tensor) else type(prompt_ids).__name__
         raise ValueError(f"prompt_ids must be a [B, T0] tensor of token ids with B >= 1 and T0 >= 1, got {shape}")
@@ -393,7 +403,7 @@ def check_prompt_ids(prompt_ids: torch.Tensor, model_vocab: int) -> None:
     if bool(bad.any()):
         r, t = (int(i) for i in bad.nonzero()[0])
         raise ValueError(f"prompt token id {int(prompt_ids[r, t])} (row {r}, position {t}) is outside "
-                         f"[0, model.vocab_size={model_vocab})")
+                         f"[0, {limit}={model_vocab})")
 
 
 def check_sampling(temperature: float = 1.0, top_k: Optional[int] = None, top_p: Optional[float] = None) -> None:
