@@ -204,9 +204,13 @@ def gate_modules() -> List[str]:
 
 
 def discover() -> List[Case]:
+    """Every gate's cases, each under the op whose ``gate.py`` declares it (``--op`` selects by it):
+    ops that share kernels (the delta-rule family's ``kernels/delta_rule/core.py``) each declare
+    their own launches of them."""
     cases: List[Case] = []
     for mod in gate_modules():
-        cases.extend(importlib.import_module(mod).compile_cases())
+        op = mod.split(".")[1]
+        cases.extend(dataclasses.replace(c, op=op) for c in importlib.import_module(mod).compile_cases())
     seen = set()
     for c in cases:
         if (c.module, c.id) in seen:

@@ -25,6 +25,9 @@ forward+backward would grow as T²/C.
 
 A per-channel β ([B, H, T, d_v]) runs as d_v scalar-β delta rules of value width 1
 (``shapes.fold_channel_beta``).
+
+The chunk scan itself (``wy_chunk_scan``) is the delta-rule family's, shared with
+``kernels.gated_delta_rule.torch_chunk`` (the same form with the decay folded in, g given).
 """
 from __future__ import annotations
 
@@ -59,6 +62,74 @@ def reset_masks(resets: torch.Tensor, T: int, C: int, dtype):
     return same, carry, last, keep
 
 
+def wy_chunk_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, g: Optional[torch.Tensor],
+                  S: torch.Tensor, chunk_size: int, resets: Optional[torch.Tensor] = None
+                  ) -> Tuple[torch.Tensor, torch.Tensor]:
+    r"""The chunked WY/UT form of the delta-rule family, shared by the delta rule (g None) and the
+    gated delta rule (g the log decay), on tensors already in the accumulation dtype: q, k
+    [B, H, T, d_k], v [B, H, T, d_v], beta and g [B, H, T] (T ≥ 1), S the initial state
+    [B, H, d_k, d_v]; resets [B, T] bool (``reset_masks``). Returns (o [B, H, T, d_v], final S).
+
+    With g, per chunk γ_i = Σ_{s≤i} g_s and Γ_ij = exp(γ_i − γ_j) (i ≥ j; masked to −∞ above the
+    diagonal before the exponential, so that no inf·0 reaches autograd):
+
+        A = I + tril(diag(β) (K Kᵀ ∘ Γ), −1),   U = A⁻¹ diag(β) V,   W = A⁻¹ diag(β e^{γ}) K
+        Ṽ = U − W S,   O = diag(e^{γ}) Q S + (Q Kᵀ ∘ Γ) Ṽ,   S_end = e^{γ_C} S + (diag(e^{γ_C − γ}) K)ᵀ Ṽ
+
+    Without g every decay factor is 1 and is not formed (Γ = tril(1), a mask)."""
+    B, H, T, dk = k.shape
+    dv = v.shape[-1]
+    C = max(1, min(chunk_size, T))
+    pad = (-T) % C
+    if pad:
+        q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+        beta = F.pad(beta, (0, pad))
+        g = None if g is None else F.pad(g, (0, pad))
+    N = (T + pad) // C
+    q, k, v = (t.reshape(B, H, N, C, -1) for t in (q, k, v))
+    beta = beta.reshape(B, H, N, C, 1)
+    lower = torch.ones(C, C, dtype=torch.bool, device=k.device).tril()
+    strict = lower.tril(-1)
+    # the decay factors, None where they are 1: Γ, e^{γ_i}, e^{γ_C − γ_i}, e^{γ_C}
+    Gam = eg = decay_end = chunk_decay = None
+    if g is not None:
+        gam = g.reshape(B, H, N, C).cumsum(-1)                                          # γ_i
+        Gam = (gam[..., :, None] - gam[..., None, :]).masked_fill(~lower, float("-inf")).exp()
+        eg = gam.exp()[..., None]
+        decay_end = (gam[..., -1:] - gam).exp()[..., None]
+        chunk_decay = gam[..., -1].exp()[..., None, None]
+    if resets is not None:
+        # A and QK block-diagonal by sequence (A's inverse then is too); S reaches only the
+        # chunk's first sequence (carry), and the next chunk only from its last one (last, keep)
+        same, carry, last, keep = reset_masks(resets, T, C, k.dtype)
+        Gam = same if Gam is None else Gam * same
+        eg = carry if eg is None else eg * carry
+        decay_end = last if decay_end is None else decay_end * last
+        chunk_decay = keep if chunk_decay is None else chunk_decay * keep
+
+    # UT transform of every chunk at once
+    KK = beta * (k @ k.transpose(-1, -2))
+    A = (KK if Gam is None else KK * Gam).masked_fill(~strict, 0.0)
+    A = A + torch.eye(C, dtype=k.dtype, device=k.device)
+    U = torch.linalg.solve_triangular(A, beta * v, upper=False, unitriangular=True)
+    W = torch.linalg.solve_triangular(A, beta * k if eg is None else beta * eg * k, upper=False,
+                                      unitriangular=True)
+    QK = (q @ k.transpose(-1, -2)).masked_fill(~lower, 0.0)
+    QK = QK if Gam is None else QK * Gam
+    Qg = q if eg is None else q * eg
+    Kd = k if decay_end is None else k * decay_end
+
+    outs = []
+    # split once: slicing chunk n inside the loop would cost a full-size gradient per chunk
+    per_chunk = [t.unbind(2) for t in (Qg, Kd, U, W, QK)]
+    decays = chunk_decay.unbind(2) if chunk_decay is not None else [None] * N
+    for Qg_n, Kd_n, U_n, W_n, QK_n, a_n in zip(*per_chunk, decays):
+        v_new = U_n - W_n @ S
+        outs.append(Qg_n @ S + QK_n @ v_new)
+        S = (S if a_n is None else a_n * S) + Kd_n.transpose(-1, -2) @ v_new
+    return torch.stack(outs, dim=2).reshape(B, H, N * C, dv)[:, :, :T], S
+
+
 def delta_rule_chunk_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
                            initial_state: Optional[torch.Tensor] = None, output_final_state: bool = False,
                            chunk_size: int = 64, resets: Optional[torch.Tensor] = None
@@ -80,44 +151,7 @@ def delta_rule_chunk_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, be
             torch.zeros(B, H, dk, dv, dtype=k.dtype, device=k.device) if initial_state is None
             else _acc(initial_state).to(k.dtype))
         return v.new_zeros(B, H, 0, dv).to(out_dtype), S
-    C = max(1, min(chunk_size, T))
-    pad = (-T) % C
-    if pad:
-        q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
-        beta = F.pad(beta, (0, pad))
-    N = (T + pad) // C
-    q, k, v = (t.reshape(B, H, N, C, -1) for t in (q, k, v))
-    beta = beta.reshape(B, H, N, C, 1)
-
-    # UT transform for every chunk at once
-    strict = torch.ones(C, C, dtype=torch.bool, device=k.device).tril(-1)
-    A = (beta * (k @ k.transpose(-1, -2))).masked_fill(~strict, 0.0)
-    QK = (q @ k.transpose(-1, -2)).masked_fill(~strict.logical_or(torch.eye(C, dtype=torch.bool, device=k.device)), 0.0)
-    if resets is not None:
-        # A and QK block-diagonal by sequence (A's inverse then is too); S reaches only the
-        # chunk's first sequence (carry), and the next chunk only from its last one (last, keep)
-        same, carry, last, keep = reset_masks(resets, T, C, k.dtype)
-        A, QK = A * same, QK * same
-    A = A + torch.eye(C, dtype=k.dtype, device=k.device)
-    U = torch.linalg.solve_triangular(A, beta * v, upper=False, unitriangular=True)
-    W = torch.linalg.solve_triangular(A, beta * (k if resets is None else k * carry), upper=False,
-                                      unitriangular=True)
-
     S = (torch.zeros(B, H, dk, dv, dtype=k.dtype, device=k.device) if initial_state is None
          else _acc(initial_state).to(k.dtype))
-    outs = []
-    if resets is not None:
-        q, k = q * carry, k * last
-        for q_n, k_n, U_n, W_n, QK_n, a_n in zip(*(t.unbind(2) for t in (q, k, U, W, QK, keep))):
-            v_new = U_n - W_n @ S
-            outs.append(q_n @ S + QK_n @ v_new)
-            S = a_n * S + k_n.transpose(-1, -2) @ v_new
-        o = torch.stack(outs, dim=2).reshape(B, H, N * C, dv)[:, :, :T]
-        return o.to(out_dtype), (S if output_final_state else None)
-    # split once: slicing chunk n inside the loop would cost a full-size gradient per chunk
-    for q_n, k_n, U_n, W_n, QK_n in zip(*(t.unbind(2) for t in (q, k, U, W, QK))):
-        v_new = U_n - W_n @ S
-        outs.append(q_n @ S + QK_n @ v_new)
-        S = S + k_n.transpose(-1, -2) @ v_new
-    o = torch.stack(outs, dim=2).reshape(B, H, N * C, dv)[:, :, :T]
+    o, S = wy_chunk_scan(q, k, v, beta, None, S, chunk_size, resets)
     return o.to(out_dtype), (S if output_final_state else None)

@@ -20,17 +20,17 @@ inside a chunk), so nothing overflows; Γ's upper triangle is masked before the 
 that no inf·0 reaches the backward pass. A ragged tail is padded with g = 0, β = 0, k = 0, which
 leaves the state unchanged. Gradients come from autograd through these operations.
 
-Linear cost in T: the per-chunk tensors are split once (``unbind``) before the chunk loop and the
-outputs stacked once after it (see ``kernels/delta_rule/torch_chunk.py``).
+The scan is the delta-rule family's ``kernels.delta_rule.torch_chunk.wy_chunk_scan`` with g given
+(the delta rule runs it without): linear cost in T, the per-chunk tensors split once (``unbind``)
+before the chunk loop and the outputs stacked once after it.
 """
 from __future__ import annotations
 
 from typing import Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 
-from kernels.delta_rule.torch_chunk import reset_masks
+from kernels.delta_rule.torch_chunk import wy_chunk_scan
 from kernels.gated_delta_rule.shapes import check_gated_delta_rule_inputs
 
 
@@ -57,42 +57,5 @@ def gated_delta_rule_chunk_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
          else _acc(initial_state).to(k.dtype))
     if T == 0:
         return v.new_zeros(B, H, 0, dv).to(out_dtype), (S if output_final_state else None)
-    C = max(1, min(chunk_size, T))
-    pad = (-T) % C
-    if pad:
-        q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
-        g, beta = F.pad(g, (0, pad)), F.pad(beta, (0, pad))
-    N = (T + pad) // C
-    q, k, v = (t.reshape(B, H, N, C, -1) for t in (q, k, v))
-    beta = beta.reshape(B, H, N, C, 1)
-    gam = g.reshape(B, H, N, C).cumsum(-1)                               # γ_i
-    lower = torch.ones(C, C, dtype=torch.bool, device=k.device).tril()
-    Gam = (gam[..., :, None] - gam[..., None, :]).masked_fill(~lower, float("-inf")).exp()   # Γ
-    eg = gam.exp()[..., None]                                             # e^{γ_i}
-    decay_end = (gam[..., -1:] - gam).exp()[..., None]                   # e^{γ_C − γ_i}
-    chunk_decay = gam[..., -1].exp()[..., None, None]                    # e^{γ_C}
-    if resets is not None:
-        # Γ (so the UT transform and QK) block-diagonal by sequence; the entering state reaches
-        # only the chunk's first sequence, the leaving one only the last; a start drops S
-        same, carry, last, keep = reset_masks(resets, T, C, k.dtype)
-        Gam = Gam * same
-        eg, decay_end, chunk_decay = eg * carry, decay_end * last, chunk_decay * keep
-
-    # UT transform of every chunk at once
-    strict = torch.ones(C, C, dtype=torch.bool, device=k.device).tril(-1)
-    A = (beta * (k @ k.transpose(-1, -2)) * Gam).masked_fill(~strict, 0.0)
-    A = A + torch.eye(C, dtype=k.dtype, device=k.device)
-    U = torch.linalg.solve_triangular(A, beta * v, upper=False, unitriangular=True)
-    W = torch.linalg.solve_triangular(A, beta * eg * k, upper=False, unitriangular=True)
-    QK = (q @ k.transpose(-1, -2)) * Gam
-    Qg = q * eg
-    Kd = k * decay_end
-
-    outs = []
-    # split once: slicing chunk n inside the loop would cost a full-size gradient per chunk
-    for Qg_n, Kd_n, U_n, W_n, QK_n, a_n in zip(*(t.unbind(2) for t in (Qg, Kd, U, W, QK, chunk_decay))):
-        v_new = U_n - W_n @ S
-        outs.append(Qg_n @ S + QK_n @ v_new)
-        S = a_n * S + Kd_n.transpose(-1, -2) @ v_new
-    o = torch.stack(outs, dim=2).reshape(B, H, N * C, dv)[:, :, :T]
+    o, S = wy_chunk_scan(q, k, v, beta, g, S, chunk_size, resets)
     return o.to(out_dtype), (S if output_final_state else None)

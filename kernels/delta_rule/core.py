@@ -1,0 +1,971 @@
+r"""The delta-rule family's chunked Triton kernels, forward and backward: one set of kernels for
+the delta rule (``kernels.delta_rule``) and the gated delta rule (``kernels.gated_delta_rule``),
+the same recurrence with no decay or a scalar one (the model is flash-linear-attention's
+``ops/common/chunk_delta_h.py``, one state kernel serving its delta-rule ops). Each op's
+``chunk.py`` is a thin entry over this module: its input checks, its launch configuration
+(``launch_meta``) and its custom op, built here by :func:`make_op`.
+
+Recurrence (per sequence and head, state S ∈ R^{d_k×d_v}, the layout of the ops' ``reference.py``):
+
+    S_t = α_t (I − β_t k_t k_tᵀ) S_{t−1} + β_t k_t v_tᵀ,     o_t = S_tᵀ q_t,     α_t = exp(g_t)
+
+Compile-time switches (``tl.constexpr``) of every kernel:
+
+* ``USE_G``: a scalar log decay g [B, H, T] per head and token (Gated DeltaNet). When False the
+  g pointers (g, and the backward's dg_part and dg) are ``None`` and unused, every decay factor
+  below is 1 and the kernels are the delta rule's (Yang et al. 2024).
+* (not yet) ``USE_GK``: a per-channel decay g [B, H, T, d_k] (KDA), which would turn the scalar
+  factors e^{γ_i} below into diagonal matrices over d_k. Its place: ``_gamma``/``_decay`` for the
+  factors, and the d_k-blocked loops that already hold [C, BK] tiles of K and Q.
+* ``IS_VARLEN`` (packed batches), ``USE_H0`` / ``STORE_HT`` / ``USE_DHT`` / ``STORE_DH0``
+  (initial and final states), the tiles, the chunk C and the precisions.
+
+Per chunk of C tokens (K, Q ∈ R^{C×d_k}, V ∈ R^{C×d_v}, β, g ∈ R^C, chunk-start state S_n), with
+γ = cumsum(g) inside the chunk, Γ_ij = exp(γ_i − γ_j) (i ≥ j; every exponent ≤ 0) and γ_C its
+last entry (without USE_G: γ = 0, Γ = 1):
+
+    L  = tril(diag(β) (K Kᵀ ∘ Γ), −1),   T = (I + L)⁻¹            (unit lower triangular)
+    W  = T diag(β e^{γ}) K,               U = T diag(β) V,          Ṽ = U − W S_n
+    O  = diag(e^{γ}) Q S_n + (M ∘ Γ ∘ Q Kᵀ) Ṽ                       (M = tril(1), diagonal included)
+    S_{n+1} = e^{γ_C} S_n + K_dᵀ Ṽ,       K_d = diag(e^{γ_C − γ}) K
+
+Kernels, forward (γ is recomputed from g wherever it is needed, a cumulative sum over the chunk's
+C entries, so no γ tensor is stored):
+  ``_wy_inv``     grid (chunks, H): T by blocked forward substitution — the 16 × 16 diagonal
+                  blocks by 15-step substitution, the blocks below from them (``_wy_inv``'s
+                  docstring); stored for the backward.
+  ``_wy_fwd``     grid (chunks, H, column blocks of d_k and d_v): W and U.
+  ``_fwd_state``  grid (d_v blocks, sequences·H): the sequential sweep over chunks, only
+                  Ṽ = U − W S_n and S_{n+1} = e^{γ_C} S_n + K_dᵀ Ṽ; stores every S_n, Ṽ and the
+                  final state.
+  ``_fwd_o``      grid (chunks, H, d_v blocks), chunk-parallel: O from the stored S_n and Ṽ
+                  (flash-linear-attention's split of ``chunk_gated_delta_rule_fwd_h`` and
+                  ``chunk_fwd_o``).
+Backward, with dS the gradient of the state at the end of the chunk being processed:
+  ``_bwd_dv_local`` grid (chunks, H, d_v blocks), chunk-parallel: the chunk-local part of dṼ,
+                  (M ∘ Γ ∘ Q Kᵀ)ᵀ dO (fla's ``chunk_bwd_dv_local``), stored in dṼ's buffer.
+  ``_bwd_state``  grid (d_v blocks, sequences·H), chunks in reverse, adds the state's part:
+                  dṼ = (M ∘ Γ ∘ Q Kᵀ)ᵀ dO + K_d dS;  dS ← e^{γ_C} dS + (diag(e^{γ}) Q)ᵀ dO − Wᵀ dṼ
+  ``_bwd_dqk``, ``_bwd_wy``  grid (chunks, H), everything else, chunk-local, split in two so
+                  that each keeps fewer tiles live (the first ends at dQ, dW and the dK terms
+                  through the state; the second goes through W, U and T):
+                  dP = M ∘ Γ ∘ dO Ṽᵀ,  dQ = diag(e^{γ}) dO S_nᵀ + dP K,
+                  dK ∋ dPᵀ Q + diag(e^{γ_C − γ}) Ṽ dSᵀ,  dW = −dṼ S_nᵀ,  dU = dṼ;
+                  through W, U:  dT = dW (β e^{γ} K)ᵀ + dU (βV)ᵀ;
+                  through T = (I + L)⁻¹:  dL = −tril(Tᵀ dT Tᵀ, −1),  dG = diag(β) dL ∘ Γ (G = K Kᵀ),
+                  dK ∋ (dG + dGᵀ) K,  dβ ∋ rowsum(dL ∘ G ∘ Γ).
+                  With USE_G, the gradient of γ collects (``_bwd_dqk``, then ``_bwd_wy``):
+                  e^{γ_i} q_i·(S_n dO_i); rowsum − colsum of dP ∘ Q Kᵀ; −e^{γ_C−γ_i} k_i·(dS Ṽ_i)
+                  and, on the chunk's last row, e^{γ_C} ⟨S_n, dS⟩ + Σ_i e^{γ_C−γ_i} k_i·(dS Ṽ_i);
+                  rowsum − colsum of diag(β) dL ∘ K Kᵀ ∘ Γ; β_i e^{γ_i} k_i·(Tᵀ dW)_i; then
+                  dg = the reverse cumulative sum of dγ over the chunk (γ_i = Σ_{s≤i} g_s).
+
+Variable-length batches: with ``cu_seqlens`` (int32 [N+1]) the input is one packed row
+(B = 1, T = cu_seqlens[-1]) and the state restarts at every sequence start (from
+``initial_state[i]`` for sequence i when given); chunks never straddle two sequences. Every
+kernel is launched once for the whole batch. The chunk-gridded ones (``_wy_inv``, ``_wy_fwd``,
+``_fwd_o``, ``_bwd_dv_local``, ``_bwd_dqk``, ``_bwd_wy``) take one program per chunk slot, whose
+(sequence, chunk) they read from a table built on the device (``_layout``: ⌊T / C⌋ + N slots
+bound the Σ ⌈T_i / C⌉ chunks; the spare ones, sequence −1, get length 0 and every load and store
+of theirs that touches a token row is masked), and the chunk states Hs / dHs have a row per slot.
+The state passes (``_fwd_state``, ``_bwd_state``, one program per d_v block and sequence·head)
+read only their sequence's first slot. So the launches need nothing from the host; the entry
+reads back one flag, the check that the offsets rise from 0 to T. An empty sequence passes its
+initial state through.
+
+Precision (``_mm``): accumulation in float32 (float64 for float64 inputs); every product runs
+on tensor cores. Products of two inputs (Q Kᵀ, K Kᵀ) take the inputs' own type (bf16/fp16);
+products with a float32 intermediate (the states S and dS, Ṽ, W, T and their gradients) take
+TF32 operands for half inputs — rounding those to bf16 instead made outputs and dk miss the
+bf16 tolerances of the tests — and TF32×3 (about float32 accuracy) for float32 inputs. Under
+the interpreter bf16 operands are emulated (``_mm``). The kernel chunk is a power of two in
+[16, 64] (``tl.dot`` needs tiles of at least 16), capped per dtype, head dim and GPU family by
+the op's ``launch_meta`` (chosen so that ptxas spills nothing): the result does not depend on
+it, only the speed does.
+"""
+from __future__ import annotations
+
+from typing import Callable, List, Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._triton_utils import is_interpreting, packed_chunk_tables
+
+
+def _pow2(n: int, lo: int = 16) -> int:
+    return max(lo, triton.next_power_of_2(max(int(n), 1)))
+
+
+# ---- helpers the kernels share ------------------------------------------------------------------
+
+@triton.jit
+def _seq_info(cu_seqlens, chunk_offsets, n, h, T, H, C: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """First packed row of sequence n / head h, its length, and its first global chunk."""
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + n).to(tl.int64)
+        eos = tl.load(cu_seqlens + n + 1).to(tl.int64)
+        Tn = eos - bos
+        row0 = h.to(tl.int64) * T + bos
+        coff = tl.load(chunk_offsets + n).to(tl.int64)
+    else:
+        Tn = T
+        row0 = (n.to(tl.int64) * H + h) * T
+        coff = n.to(tl.int64) * tl.cdiv(T, C)
+    return row0, Tn, coff
+
+
+@triton.jit
+def _mm(a, b, PREC: tl.constexpr, EMU: tl.constexpr):
+    """a @ b accumulated in float32 (float64 for PREC = "fp64").
+
+    PREC: "bf16" / "fp16" — both operands rounded to that type (the inputs' own type), tensor
+    cores, float32 accumulation; "tf32x3" — float32 operands split into three TF32 products on
+    tensor cores (about float32 accuracy); "tf32" — one TF32 product; "fp64" — IEEE float64.
+    EMU (the Triton interpreter): its ``tl.dot`` multiplies the bit patterns of bf16 operands,
+    so there the operands are rounded to bf16/fp16 and multiplied in float32 instead — the
+    same rounding as on the GPU."""
+    if PREC == "fp64":
+        return tl.dot(a.to(tl.float64), b.to(tl.float64), input_precision="ieee", out_dtype=tl.float64)
+    elif PREC == "bf16":
+        if EMU:
+            return tl.dot(a.to(tl.bfloat16).to(tl.float32), b.to(tl.bfloat16).to(tl.float32),
+                          input_precision="ieee")
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), out_dtype=tl.float32)
+    elif PREC == "fp16":
+        if EMU:
+            return tl.dot(a.to(tl.float16).to(tl.float32), b.to(tl.float16).to(tl.float32),
+                          input_precision="ieee")
+        return tl.dot(a.to(tl.float16), b.to(tl.float16), out_dtype=tl.float32)
+    else:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PREC)
+
+
+@triton.jit
+def _unit_lower_inverse16(L):
+    """(I + L)⁻¹ for strictly lower triangular L [16, 16] by forward substitution on rows:
+    X_i = −L_i − Σ_{j<i} L_ij X_j for the off-diagonal part, rows j < i already final
+    (15 steps on a 16 × 16 tile)."""
+    o = tl.arange(0, 16)
+    X = -L
+    for i in tl.static_range(1, 16):
+        row = tl.sum(tl.where(o[:, None] == i, X, 0.0), 0)
+        row = row + tl.sum(row[:, None] * X, 0)
+        X = tl.where(o[:, None] == i, row[None, :], X)
+    return X + tl.where(o[:, None] == o[None, :], 1.0, 0.0).to(X.dtype)
+
+
+@triton.jit
+def _chunk_info(cu_seqlens, chunk_offsets, chunk_indices, i_c, h, T, H, C: tl.constexpr,
+                IS_VARLEN: tl.constexpr):
+    """Chunk slot i_c at head h: the chunk's index c inside its sequence, the sequence's first
+    packed row, its length and its first global chunk. Packed slots read (sequence, chunk) from
+    ``chunk_indices``; a spare slot (sequence −1, chunk 0) gets length 0, so every load and store
+    masked by the token rows is off, and its state loads (masked by columns only) read the first
+    sequence's first slot, in bounds."""
+    if IS_VARLEN:
+        n = tl.load(chunk_indices + 2 * i_c)
+        c = tl.load(chunk_indices + 2 * i_c + 1)
+        row0, Tn, coff = _seq_info(cu_seqlens, chunk_offsets, tl.maximum(n, 0), h, T, H, C, IS_VARLEN)
+        Tn = tl.where(n >= 0, Tn, 0)
+    else:
+        NT = tl.cdiv(T, C)
+        c = i_c % NT
+        row0, Tn, coff = _seq_info(cu_seqlens, chunk_offsets, i_c // NT, h, T, H, C, IS_VARLEN)
+    return c, row0, Tn, coff
+
+
+@triton.jit
+def _decay(ga, gb):
+    """exp(γ_a[i] − γ_b[j]) where that is ≤ 0 (row after column in a chunk), 1 elsewhere (the
+    entries the caller masks)."""
+    return tl.exp(tl.minimum(ga[:, None] - gb[None, :], 0.0))
+
+
+@triton.jit
+def _gamma(g, rows, m_t, ACC: tl.constexpr):
+    """γ = cumsum(g) over the chunk's rows (0 past the sequence end) and γ_C, its last entry."""
+    b_g = tl.load(g + rows, mask=m_t, other=0.0).to(ACC)
+    gam = tl.cumsum(b_g, 0)
+    return gam, tl.sum(b_g, 0)
+
+
+@triton.jit
+def _kblock(k, beta, g, row0, Tn, c, i: tl.constexpr, C: tl.constexpr, DK: tl.constexpr, BK: tl.constexpr,
+            ACC: tl.constexpr, USE_G: tl.constexpr):
+    """Rows 16i … 16i+15 of chunk c: k [16, BK] (input dtype), β [16] (masked past the sequence)
+    and, with USE_G, γ [16] (the sums over the chunk's g up to each row; zeros without)."""
+    o_t = c * C + i * 16 + tl.arange(0, 16)
+    m_t = o_t < Tn
+    o_k = tl.arange(0, BK)
+    b_k = tl.load(k + (row0 + o_t)[:, None] * DK + o_k[None, :], mask=m_t[:, None] & (o_k[None, :] < DK), other=0.0)
+    b_b = tl.load(beta + row0 + o_t, mask=m_t, other=0.0).to(ACC)
+    gam = tl.zeros([16], dtype=ACC)
+    if USE_G:
+        o_c = tl.arange(0, C)
+        o_ct = c * C + o_c
+        b_g = tl.load(g + row0 + o_ct, mask=o_ct < Tn, other=0.0).to(ACC)
+        r = i * 16 + tl.arange(0, 16)
+        gam = tl.sum(tl.where(o_c[None, :] <= r[:, None], b_g[None, :], 0.0), 1)
+    return b_k, b_b, gam
+
+
+@triton.jit
+def _lblock(k_i, b_i, g_i, k_j, g_j, PK: tl.constexpr, EMU: tl.constexpr, USE_G: tl.constexpr):
+    """Block (i, j) of diag(β) (K Kᵀ ∘ Γ), unmasked (every entry of a block i > j is below the
+    diagonal)."""
+    x = b_i[:, None] * _mm(k_i, tl.trans(k_j), PK, EMU)
+    if USE_G:
+        x = x * _decay(g_i, g_j)
+    return x
+
+
+@triton.jit
+def _store_block(Tm, X, row0, Tn, c, i: tl.constexpr, j: tl.constexpr, C: tl.constexpr):
+    o_t = c * C + i * 16 + tl.arange(0, 16)
+    o_j = j * 16 + tl.arange(0, 16)
+    tl.store(Tm + (row0 + o_t)[:, None] * C + o_j[None, :], X.to(Tm.dtype.element_ty), mask=(o_t < Tn)[:, None])
+
+
+# ---- forward --------------------------------------------------------------------------------------
+
+@triton.jit
+def _wy_inv(k, beta, g, Tm, cu_seqlens, chunk_offsets, chunk_indices, T, H,
+            DK: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr,
+            ACC: tl.constexpr, PK: tl.constexpr, PS: tl.constexpr, EMU: tl.constexpr, USE_G: tl.constexpr):
+    """T = (I + L)⁻¹ of one chunk by blocked forward substitution on 16 × 16 blocks: the
+    diagonal blocks by 15-step substitution, then, block row by block row,
+
+        T_ii = (I + L_ii)⁻¹,      T_ij = −T_ii Σ_{m=j}^{i−1} L_im T_mj     (i > j),
+
+    (from (I + L) T = I), at most 4 × 4 blocks (C = 64), L's blocks carrying their Γ with USE_G.
+    Blocks above the diagonal are stored as zeros. PK: precision of K Kᵀ (the inputs' type);
+    PS: of the products of the float32 blocks of L and T."""
+    i_c, h = tl.program_id(0), tl.program_id(1)
+    c, row0, Tn, coff = _chunk_info(cu_seqlens, chunk_offsets, chunk_indices, i_c, h, T, H, C, IS_VARLEN)
+    o = tl.arange(0, 16)
+    low = o[:, None] > o[None, :]
+    zero = tl.zeros([16, 16], dtype=ACC)
+    k0, b0, g0 = _kblock(k, beta, g, row0, Tn, c, 0, C, DK, BK, ACC, USE_G)
+    T00 = _unit_lower_inverse16(tl.where(low, _lblock(k0, b0, g0, k0, g0, PK, EMU, USE_G), 0.0))
+    _store_block(Tm, T00, row0, Tn, c, 0, 0, C)
+    if C > 16:
+        k1, b1, g1 = _kblock(k, beta, g, row0, Tn, c, 1, C, DK, BK, ACC, USE_G)
+        T11 = _unit_lower_inverse16(tl.where(low, _lblock(k1, b1, g1, k1, g1, PK, EMU, USE_G), 0.0))
+        L10 = _lblock(k1, b1, g1, k0, g0, PK, EMU, USE_G)
+        T10 = -_mm(T11, _mm(L10, T00, PS, EMU), PS, EMU)
+        _store_block(Tm, T10, row0, Tn, c, 1, 0, C)
+        _store_block(Tm, T11, row0, Tn, c, 1, 1, C)
+        _store_block(Tm, zero, row0, Tn, c, 0, 1, C)
+        if C > 32:
+            k2, b2, g2 = _kblock(k, beta, g, row0, Tn, c, 2, C, DK, BK, ACC, USE_G)
+            k3, b3, g3 = _kblock(k, beta, g, row0, Tn, c, 3, C, DK, BK, ACC, USE_G)
+            T22 = _unit_lower_inverse16(tl.where(low, _lblock(k2, b2, g2, k2, g2, PK, EMU, USE_G), 0.0))
+            T33 = _unit_lower_inverse16(tl.where(low, _lblock(k3, b3, g3, k3, g3, PK, EMU, USE_G), 0.0))
+            L20 = _lblock(k2, b2, g2, k0, g0, PK, EMU, USE_G)
+            L21 = _lblock(k2, b2, g2, k1, g1, PK, EMU, USE_G)
+            T21 = -_mm(T22, _mm(L21, T11, PS, EMU), PS, EMU)
+            T20 = -_mm(T22, _mm(L20, T00, PS, EMU) + _mm(L21, T10, PS, EMU), PS, EMU)
+            L30 = _lblock(k3, b3, g3, k0, g0, PK, EMU, USE_G)
+            L31 = _lblock(k3, b3, g3, k1, g1, PK, EMU, USE_G)
+            L32 = _lblock(k3, b3, g3, k2, g2, PK, EMU, USE_G)
+            T32 = -_mm(T33, _mm(L32, T22, PS, EMU), PS, EMU)
+            T31 = -_mm(T33, _mm(L31, T11, PS, EMU) + _mm(L32, T21, PS, EMU), PS, EMU)
+            T30 = -_mm(T33, _mm(L30, T00, PS, EMU) + _mm(L31, T10, PS, EMU) + _mm(L32, T20, PS, EMU), PS, EMU)
+            _store_block(Tm, T20, row0, Tn, c, 2, 0, C)
+            _store_block(Tm, T21, row0, Tn, c, 2, 1, C)
+            _store_block(Tm, T22, row0, Tn, c, 2, 2, C)
+            _store_block(Tm, T30, row0, Tn, c, 3, 0, C)
+            _store_block(Tm, T31, row0, Tn, c, 3, 1, C)
+            _store_block(Tm, T32, row0, Tn, c, 3, 2, C)
+            _store_block(Tm, T33, row0, Tn, c, 3, 3, C)
+            for i in tl.static_range(2):
+                _store_block(Tm, zero, row0, Tn, c, i, 2, C)
+                _store_block(Tm, zero, row0, Tn, c, i, 3, C)
+            _store_block(Tm, zero, row0, Tn, c, 2, 3, C)
+
+
+@triton.jit
+def _wy_fwd(k, v, beta, g, Tm, W, U, cu_seqlens, chunk_offsets, chunk_indices, T, H,
+            DK: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+            IS_VARLEN: tl.constexpr, ACC: tl.constexpr, PS: tl.constexpr, EMU: tl.constexpr,
+            USE_G: tl.constexpr):
+    """W = T (β e^{γ} K) and U = T (βV) for one chunk and one block of BK key / BV value columns
+    (grid: chunks, H, column blocks of d_k then of d_v)."""
+    i_c, h, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    c, row0, Tn, coff = _chunk_info(cu_seqlens, chunk_offsets, chunk_indices, i_c, h, T, H, C, IS_VARLEN)
+    o_t = c * C + tl.arange(0, C)
+    m_t = o_t < Tn
+    rows = row0 + o_t
+    o_c = tl.arange(0, C)
+    b_b = tl.load(beta + rows, mask=m_t, other=0.0).to(ACC)
+    X = tl.load(Tm + rows[:, None] * C + o_c[None, :], mask=m_t[:, None], other=0.0)
+    NK = tl.cdiv(DK, BK)
+    if i_b < NK:
+        b_bw = b_b
+        if USE_G:
+            gam, gC = _gamma(g, rows, m_t, ACC)
+            b_bw = b_b * tl.exp(gam)
+        o_k = i_b * BK + tl.arange(0, BK)
+        m_k = m_t[:, None] & (o_k[None, :] < DK)
+        b_k = tl.load(k + rows[:, None] * DK + o_k[None, :], mask=m_k, other=0.0).to(ACC)
+        b_w = _mm(X, b_bw[:, None] * b_k, PS, EMU)
+        tl.store(W + rows[:, None] * DK + o_k[None, :], b_w.to(W.dtype.element_ty), mask=m_k)
+    else:
+        o_v = (i_b - NK) * BV + tl.arange(0, BV)
+        m_v = m_t[:, None] & (o_v[None, :] < DV)
+        b_v = tl.load(v + rows[:, None] * DV + o_v[None, :], mask=m_v, other=0.0).to(ACC)
+        b_u = _mm(X, b_b[:, None] * b_v, PS, EMU)
+        tl.store(U + rows[:, None] * DV + o_v[None, :], b_u.to(U.dtype.element_ty), mask=m_v)
+
+
+@triton.jit
+def _fwd_state(k, g, W, U, Hs, VN, h0, ht, cu_seqlens, chunk_offsets, T, H,
+               DK: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+               USE_H0: tl.constexpr, STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr,
+               ACC: tl.constexpr, PS: tl.constexpr, EMU: tl.constexpr, USE_G: tl.constexpr):
+    """The chunk recurrence for one block of d_v columns of one (sequence, head): per chunk
+    Ṽ = U − W S and S ← e^{γ_C} S + K_dᵀ Ṽ, writing each chunk's starting S to Hs and Ṽ to VN (the
+    outputs are ``_fwd_o``'s, chunk-parallel). The state is not carried in registers: each chunk
+    reads its S back from Hs (written by this program, cache-resident) in blocks of BK rows, once
+    to sum W S over d_k and once to write the next chunk's S, so no [C, d_k] operand or [d_k, BV]
+    tile is held whole."""
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    n = i_nh // H
+    h = i_nh % H
+    row0, Tn, coff = _seq_info(cu_seqlens, chunk_offsets, n, h, T, H, C, IS_VARLEN)
+    o_v = i_v * BV + tl.arange(0, BV)
+    o_c = tl.arange(0, C)
+    m_v = o_v < DV
+    NT = tl.cdiv(Tn, C)
+    h0_base = i_nh.to(tl.int64) * DK * DV
+    for k0 in range(0, DK, BK):
+        o_k = k0 + tl.arange(0, BK)
+        m_kv = (o_k[:, None] < DK) & m_v[None, :]
+        kv_off = o_k[:, None] * DV + o_v[None, :]
+        S0 = tl.zeros([BK, BV], dtype=ACC)
+        if USE_H0:
+            S0 += tl.load(h0 + h0_base + kv_off, mask=m_kv, other=0.0).to(ACC)
+        if NT > 0:
+            tl.store(Hs + (coff * H + h) * DK * DV + kv_off, S0.to(Hs.dtype.element_ty), mask=m_kv)
+        elif STORE_HT:
+            tl.store(ht + h0_base + kv_off, S0.to(ht.dtype.element_ty), mask=m_kv)
+    tl.debug_barrier()  # Hs is read back by other threads of this program
+    for c in range(NT):
+        hs_c = Hs + ((coff + c) * H + h) * DK * DV
+        o_t = c * C + o_c
+        m_t = o_t < Tn
+        rows = row0 + o_t
+        m_tv = m_t[:, None] & m_v[None, :]
+        if USE_G:
+            gam, gC = _gamma(g, rows, m_t, ACC)
+            dec_end = tl.exp(gC - gam)
+        WS = tl.zeros([C, BV], dtype=ACC)
+        for k0 in range(0, DK, BK):
+            o_k = k0 + tl.arange(0, BK)
+            m_tk = m_t[:, None] & (o_k[None, :] < DK)
+            m_kv = (o_k[:, None] < DK) & m_v[None, :]
+            S = tl.load(hs_c + o_k[:, None] * DV + o_v[None, :], mask=m_kv, other=0.0).to(ACC)
+            b_w = tl.load(W + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0).to(ACC)
+            WS += _mm(b_w, S, PS, EMU)
+        b_u = tl.load(U + rows[:, None] * DV + o_v[None, :], mask=m_tv, other=0.0).to(ACC)
+        b_vn = b_u - WS
+        tl.store(VN + rows[:, None] * DV + o_v[None, :], b_vn.to(VN.dtype.element_ty), mask=m_tv)
+        for k0 in range(0, DK, BK):
+            o_k = k0 + tl.arange(0, BK)
+            m_tk = m_t[:, None] & (o_k[None, :] < DK)
+            m_kv = (o_k[:, None] < DK) & m_v[None, :]
+            kv_off = o_k[:, None] * DV + o_v[None, :]
+            b_k = tl.load(k + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0)
+            S = tl.load(hs_c + kv_off, mask=m_kv, other=0.0).to(ACC)
+            if USE_G:
+                b_k = b_k.to(ACC) * dec_end[:, None]
+                S = tl.exp(gC) * S
+            S = S + _mm(tl.trans(b_k), b_vn, PS, EMU)
+            if c + 1 < NT:
+                tl.store(hs_c + H * DK * DV + kv_off, S.to(Hs.dtype.element_ty), mask=m_kv)
+            elif STORE_HT:
+                tl.store(ht + h0_base + kv_off, S.to(ht.dtype.element_ty), mask=m_kv)
+        tl.debug_barrier()
+
+
+@triton.jit
+def _fwd_o(q, k, g, VN, Hs, o, cu_seqlens, chunk_offsets, chunk_indices, T, H,
+           DK: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+           IS_VARLEN: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr, PS: tl.constexpr,
+           EMU: tl.constexpr, USE_G: tl.constexpr):
+    """O = diag(e^{γ}) Q S_n + (M ∘ Γ ∘ Q Kᵀ) Ṽ for one chunk, one head and one block of BV value
+    columns (grid: chunks, H, d_v blocks), from the chunk-start state S_n (Hs) and the
+    pseudo-values Ṽ (VN) that ``_fwd_state`` stored; Q S_n and Q Kᵀ are summed over d_k in blocks
+    of BK."""
+    i_c, h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    c, row0, Tn, coff = _chunk_info(cu_seqlens, chunk_offsets, chunk_indices, i_c, h, T, H, C, IS_VARLEN)
+    hs_c = Hs + ((coff + c) * H + h) * DK * DV
+    o_v = i_v * BV + tl.arange(0, BV)
+    o_c = tl.arange(0, C)
+    m_v = o_v < DV
+    o_t = c * C + o_c
+    m_t = o_t < Tn
+    rows = row0 + o_t
+    m_tv = m_t[:, None] & m_v[None, :]
+    QS = tl.zeros([C, BV], dtype=ACC)
+    QK = tl.zeros([C, C], dtype=ACC)
+    for k0 in range(0, DK, BK):
+        o_k = k0 + tl.arange(0, BK)
+        m_tk = m_t[:, None] & (o_k[None, :] < DK)
+        m_kv = (o_k[:, None] < DK) & m_v[None, :]
+        S = tl.load(hs_c + o_k[:, None] * DV + o_v[None, :], mask=m_kv, other=0.0).to(ACC)
+        b_q = tl.load(q + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0)
+        b_k = tl.load(k + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0)
+        QS += _mm(b_q, S, PS, EMU)
+        QK += _mm(b_q, tl.trans(b_k), PREC, EMU)
+    if USE_G:
+        gam, gC = _gamma(g, rows, m_t, ACC)
+        QK = QK * _decay(gam, gam)
+        QS = QS * tl.exp(gam)[:, None]
+    b_vn = tl.load(VN + rows[:, None] * DV + o_v[None, :], mask=m_tv, other=0.0).to(ACC)
+    P = tl.where(o_c[:, None] >= o_c[None, :], QK, 0.0)
+    b_o = QS + _mm(P, b_vn, PS, EMU)
+    tl.store(o + rows[:, None] * DV + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
+
+
+# ---- backward -------------------------------------------------------------------------------------
+
+@triton.jit
+def _bwd_dv_local(q, k, g, do, dVN, cu_seqlens, chunk_offsets, chunk_indices, T, H,
+                  DK: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                  IS_VARLEN: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr, PS: tl.constexpr,
+                  EMU: tl.constexpr, USE_G: tl.constexpr):
+    """The chunk-local part of dṼ, (M ∘ Γ ∘ Q Kᵀ)ᵀ dO, for one chunk, one head and one block of BV
+    value columns (grid: chunks, H, d_v blocks), written to dVN for ``_bwd_state`` to add K_d dS
+    to; Q Kᵀ is summed over d_k in blocks of BK."""
+    i_c, h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    c, row0, Tn, coff = _chunk_info(cu_seqlens, chunk_offsets, chunk_indices, i_c, h, T, H, C, IS_VARLEN)
+    o_v = i_v * BV + tl.arange(0, BV)
+    o_c = tl.arange(0, C)
+    m_v = o_v < DV
+    o_t = c * C + o_c
+    m_t = o_t < Tn
+    rows = row0 + o_t
+    m_tv = m_t[:, None] & m_v[None, :]
+    QK = tl.zeros([C, C], dtype=ACC)
+    for k0 in range(0, DK, BK):
+        o_k = k0 + tl.arange(0, BK)
+        m_tk = m_t[:, None] & (o_k[None, :] < DK)
+        b_q = tl.load(q + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0)
+        b_k = tl.load(k + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0)
+        QK += _mm(b_q, tl.trans(b_k), PREC, EMU)
+    if USE_G:
+        gam, gC = _gamma(g, rows, m_t, ACC)
+    b_do = tl.load(do + rows[:, None] * DV + o_v[None, :], mask=m_tv, other=0.0)
+    if USE_G:
+        QK = QK * _decay(gam, gam)
+    P = tl.where(o_c[:, None] >= o_c[None, :], QK, 0.0)
+    b_dvn = _mm(tl.trans(P), b_do, PS, EMU)
+    tl.store(dVN + rows[:, None] * DV + o_v[None, :], b_dvn.to(dVN.dtype.element_ty), mask=m_tv)
+
+
+@triton.jit
+def _bwd_state(q, k, g, W, do, dht, dHs, dVN, dh0, cu_seqlens, chunk_offsets, T, H,
+               DK: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+               USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, IS_VARLEN: tl.constexpr,
+               ACC: tl.constexpr, PS: tl.constexpr, EMU: tl.constexpr, USE_G: tl.constexpr):
+    """The reverse recurrence of the state gradient for one block of d_v columns: per chunk, from
+    the gradient dS at its end, dṼ = dṼ_local + K_d dS (dṼ_local = (M ∘ Γ ∘ Q Kᵀ)ᵀ dO, read from
+    dVN where ``_bwd_dv_local`` stored it, overwritten with the full dṼ) and
+    dS ← e^{γ_C} dS + (diag(e^{γ}) Q)ᵀ dO − Wᵀ dṼ, writing each chunk's end gradient to dHs. Like
+    ``_fwd_state``, dS is read back from dHs in blocks of BK rows instead of being carried in
+    registers."""
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    n = i_nh // H
+    h = i_nh % H
+    row0, Tn, coff = _seq_info(cu_seqlens, chunk_offsets, n, h, T, H, C, IS_VARLEN)
+    o_v = i_v * BV + tl.arange(0, BV)
+    o_c = tl.arange(0, C)
+    m_v = o_v < DV
+    NT = tl.cdiv(Tn, C)
+    s_base = i_nh.to(tl.int64) * DK * DV
+    for k0 in range(0, DK, BK):
+        o_k = k0 + tl.arange(0, BK)
+        m_kv = (o_k[:, None] < DK) & m_v[None, :]
+        kv_off = o_k[:, None] * DV + o_v[None, :]
+        dS0 = tl.zeros([BK, BV], dtype=ACC)
+        if USE_DHT:
+            dS0 += tl.load(dht + s_base + kv_off, mask=m_kv, other=0.0).to(ACC)
+        if NT > 0:
+            tl.store(dHs + ((coff + NT - 1) * H + h) * DK * DV + kv_off, dS0.to(dHs.dtype.element_ty), mask=m_kv)
+        elif STORE_DH0:
+            tl.store(dh0 + s_base + kv_off, dS0.to(dh0.dtype.element_ty), mask=m_kv)
+    tl.debug_barrier()  # dHs is read back by other threads of this program
+    for ci in range(NT):
+        c = NT - 1 - ci
+        # dHs[c] holds the gradient of the state at the end of chunk c
+        dhs_c = dHs + ((coff + c) * H + h) * DK * DV
+        o_t = c * C + o_c
+        m_t = o_t < Tn
+        rows = row0 + o_t
+        m_tv = m_t[:, None] & m_v[None, :]
+        if USE_G:
+            gam, gC = _gamma(g, rows, m_t, ACC)
+            dec_end = tl.exp(gC - gam)
+        b_dvn = tl.load(dVN + rows[:, None] * DV + o_v[None, :], mask=m_tv, other=0.0).to(ACC)
+        for k0 in range(0, DK, BK):
+            o_k = k0 + tl.arange(0, BK)
+            m_tk = m_t[:, None] & (o_k[None, :] < DK)
+            m_kv = (o_k[:, None] < DK) & m_v[None, :]
+            dS = tl.load(dhs_c + o_k[:, None] * DV + o_v[None, :], mask=m_kv, other=0.0).to(ACC)
+            b_k = tl.load(k + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0)
+            if USE_G:
+                b_k = b_k.to(ACC) * dec_end[:, None]
+            b_dvn += _mm(b_k, dS, PS, EMU)
+        b_do = tl.load(do + rows[:, None] * DV + o_v[None, :], mask=m_tv, other=0.0)
+        tl.store(dVN + rows[:, None] * DV + o_v[None, :], b_dvn.to(dVN.dtype.element_ty), mask=m_tv)
+        for k0 in range(0, DK, BK):
+            o_k = k0 + tl.arange(0, BK)
+            m_tk = m_t[:, None] & (o_k[None, :] < DK)
+            m_kv = (o_k[:, None] < DK) & m_v[None, :]
+            kv_off = o_k[:, None] * DV + o_v[None, :]
+            b_q = tl.load(q + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0)
+            b_w = tl.load(W + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0).to(ACC)
+            dS = tl.load(dhs_c + kv_off, mask=m_kv, other=0.0).to(ACC)
+            if USE_G:
+                b_q = b_q.to(ACC) * tl.exp(gam)[:, None]
+                dS = tl.exp(gC) * dS
+            dS = dS + _mm(tl.trans(b_q), b_do, PS, EMU) - _mm(tl.trans(b_w), b_dvn, PS, EMU)
+            if c > 0:
+                tl.store(dhs_c - H * DK * DV + kv_off, dS.to(dHs.dtype.element_ty), mask=m_kv)
+            elif STORE_DH0:
+                tl.store(dh0 + s_base + kv_off, dS.to(dh0.dtype.element_ty), mask=m_kv)
+        tl.debug_barrier()
+
+
+@triton.jit
+def _bwd_dqk(q, k, g, VN, do, dVN, Hs, dHs, dq, dk_part, dw, dg_part,
+             cu_seqlens, chunk_offsets, chunk_indices, T, H,
+             DK: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+             IS_VARLEN: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr, PS: tl.constexpr,
+             EMU: tl.constexpr, USE_G: tl.constexpr):
+    """Chunk-local gradients through the state and the intra-chunk attention, summed over d_v
+    blocks: dP = M ∘ Γ ∘ dO Ṽᵀ, dQ = diag(e^{γ}) dO S_nᵀ + dP K, dK ∋ dPᵀ Q + K_d's terms (stored as
+    dk_part), dW = −dṼ S_nᵀ (stored for ``_bwd_wy``) and, with USE_G, the gradient of γ from these
+    terms (dg_part; module docstring)."""
+    i_c, h = tl.program_id(0), tl.program_id(1)
+    c, row0, Tn, coff = _chunk_info(cu_seqlens, chunk_offsets, chunk_indices, i_c, h, T, H, C, IS_VARLEN)
+    hs_off = ((coff + c) * H + h) * DK * DV
+    o_t = c * C + tl.arange(0, C)
+    m_t = o_t < Tn
+    rows = row0 + o_t
+    o_k = tl.arange(0, BK)
+    o_c = tl.arange(0, C)
+    m_tk = m_t[:, None] & (o_k[None, :] < DK)
+    b_dq = tl.zeros([C, BK], dtype=ACC)
+    b_dk = tl.zeros([C, BK], dtype=ACC)
+    b_dw = tl.zeros([C, BK], dtype=ACC)
+    dP = tl.zeros([C, C], dtype=ACC)
+    sdS = tl.zeros([BK], dtype=ACC)
+    for i_v in range(tl.cdiv(DV, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_tv = m_t[:, None] & (o_v[None, :] < DV)
+        m_kv = (o_k[:, None] < DK) & (o_v[None, :] < DV)
+        kv_off = o_k[:, None] * DV + o_v[None, :]
+        S = tl.load(Hs + hs_off + kv_off, mask=m_kv, other=0.0)
+        dS = tl.load(dHs + hs_off + kv_off, mask=m_kv, other=0.0)
+        b_vn = tl.load(VN + rows[:, None] * DV + o_v[None, :], mask=m_tv, other=0.0)
+        b_do = tl.load(do + rows[:, None] * DV + o_v[None, :], mask=m_tv, other=0.0)
+        b_du = tl.load(dVN + rows[:, None] * DV + o_v[None, :], mask=m_tv, other=0.0)
+        b_dq += _mm(b_do, tl.trans(S), PS, EMU)
+        dP += _mm(b_do, tl.trans(b_vn), PS, EMU)
+        b_dk += _mm(b_vn, tl.trans(dS), PS, EMU)
+        b_dw -= _mm(b_du, tl.trans(S), PS, EMU)
+        if USE_G:
+            sdS += tl.sum(S.to(ACC) * dS.to(ACC), 1)
+    tl.store(dw + rows[:, None] * DK + o_k[None, :], b_dw.to(dw.dtype.element_ty), mask=m_tk)
+    # the two branches keep their own order of loads and products: merged into one order, ptxas
+    # gave the USE_G kernel up to 16 more registers and 4 KB more shared memory in some configs
+    if USE_G:
+        gam, gC = _gamma(g, rows, m_t, ACC)
+        eg = tl.exp(gam)
+        dec_end = tl.exp(gC - gam)
+        b_q = tl.load(q + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0)
+        b_k = tl.load(k + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0)
+        # O ∋ diag(e^γ) Q S_n
+        dgam = eg * tl.sum(b_q.to(ACC) * b_dq, 1)
+        b_dq = b_dq * eg[:, None]
+        # O ∋ (M ∘ Γ ∘ Q Kᵀ) Ṽ
+        dP = tl.where(o_c[:, None] >= o_c[None, :], dP * _decay(gam, gam), 0.0)
+        A = dP * _mm(b_q, tl.trans(b_k), PREC, EMU)
+        dgam += tl.sum(A, 1) - tl.sum(A, 0)
+    else:
+        dP = tl.where(o_c[:, None] >= o_c[None, :], dP, 0.0)
+        b_k = tl.load(k + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0)
+    b_dq += _mm(dP, b_k, PS, EMU)
+    tl.store(dq + rows[:, None] * DK + o_k[None, :], b_dq.to(dq.dtype.element_ty), mask=m_tk)
+    if USE_G:
+        # S_{n+1} ∋ e^{γ_C} S_n + K_dᵀ Ṽ
+        kd = tl.sum(b_dk * b_k.to(ACC), 1) * dec_end
+        dgam -= kd
+        dgC = tl.exp(gC) * tl.sum(sdS, 0) + tl.sum(kd, 0)
+        last = tl.minimum(Tn - c * C, C) - 1
+        dgam += tl.where(o_c == last, dgC, 0.0)
+        b_dk = b_dk * dec_end[:, None] + _mm(tl.trans(dP), b_q, PS, EMU)
+    else:
+        b_q = tl.load(q + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0)
+        b_dk += _mm(tl.trans(dP), b_q, PS, EMU)
+    tl.store(dk_part + rows[:, None] * DK + o_k[None, :], b_dk.to(dk_part.dtype.element_ty), mask=m_tk)
+    if USE_G:
+        tl.store(dg_part + rows, dgam.to(dg_part.dtype.element_ty), mask=m_t)
+
+
+@triton.jit
+def _bwd_wy(k, v, beta, g, Tm, dVN, dk_part, dw, dg_part, dk, dv, dbeta, dg,
+            cu_seqlens, chunk_offsets, chunk_indices, T, H,
+            DK: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+            IS_VARLEN: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr, PS: tl.constexpr,
+            EMU: tl.constexpr, USE_G: tl.constexpr):
+    """Gradients through U = T (βV), W = T (β e^{γ} K) and T = (I + L)⁻¹ (module docstring), given
+    dU = dṼ and dW from ``_bwd_dqk``: writes dv, dβ, dk = dk_part + β e^{γ} Tᵀ dW + (dG + dGᵀ) K
+    and, with USE_G, dg = the reverse cumulative sum of dγ (dg_part plus the terms here)."""
+    i_c, h = tl.program_id(0), tl.program_id(1)
+    c, row0, Tn, coff = _chunk_info(cu_seqlens, chunk_offsets, chunk_indices, i_c, h, T, H, C, IS_VARLEN)
+    o_t = c * C + tl.arange(0, C)
+    m_t = o_t < Tn
+    rows = row0 + o_t
+    o_c = tl.arange(0, C)
+    b_b = tl.load(beta + rows, mask=m_t, other=0.0).to(ACC)
+    b_bw = b_b   # W's row scale, β e^{γ}
+    if USE_G:
+        gam, gC = _gamma(g, rows, m_t, ACC)
+        eg = tl.exp(gam)
+        b_bw = b_b * eg
+    X = tl.load(Tm + rows[:, None] * C + o_c[None, :], mask=m_t[:, None], other=0.0)
+    dX = tl.zeros([C, C], dtype=ACC)
+    b_db = tl.zeros([C], dtype=ACC)
+    if USE_G:
+        dgam = tl.load(dg_part + rows, mask=m_t, other=0.0).to(ACC)
+    for i_v in range(tl.cdiv(DV, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_tv = m_t[:, None] & (o_v[None, :] < DV)
+        b_v = tl.load(v + rows[:, None] * DV + o_v[None, :], mask=m_tv, other=0.0).to(ACC)
+        b_du = tl.load(dVN + rows[:, None] * DV + o_v[None, :], mask=m_tv, other=0.0)
+        # U = T (βV)
+        dX += _mm(b_du, tl.trans(b_b[:, None] * b_v), PS, EMU)
+        b_dvb = _mm(tl.trans(X), b_du, PS, EMU)
+        tl.store(dv + rows[:, None] * DV + o_v[None, :], (b_b[:, None] * b_dvb).to(dv.dtype.element_ty), mask=m_tv)
+        b_db += tl.sum(b_dvb * b_v, 1)
+    # W = T (β e^{γ} K) and G = K Kᵀ: products over d_k, summed over blocks of BK columns of K
+    G = tl.zeros([C, C], dtype=ACC)
+    for k0 in range(0, DK, BK):
+        o_k = k0 + tl.arange(0, BK)
+        m_tk = m_t[:, None] & (o_k[None, :] < DK)
+        b_k = tl.load(k + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0)
+        b_dw = tl.load(dw + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0)
+        dX += _mm(b_dw, tl.trans(b_bw[:, None] * b_k.to(ACC)), PS, EMU)
+        r = tl.sum(_mm(tl.trans(X), b_dw, PS, EMU) * b_k.to(ACC), 1)
+        if USE_G:
+            r = r * eg
+            dgam += b_b * r
+        b_db += r
+        G += _mm(b_k, tl.trans(b_k), PREC, EMU)
+    # T = (I + L)⁻¹  ⇒  dL = −Tᵀ dT Tᵀ, kept on the strictly lower part where L lives
+    dL = _mm(_mm(tl.trans(X), dX, PS, EMU), tl.trans(X), PS, EMU)
+    dL = tl.where(o_c[:, None] > o_c[None, :], -dL, 0.0)
+    if USE_G:
+        Gam = _decay(gam, gam)
+        G = G * Gam
+    b_db += tl.sum(dL * G, 1)
+    dG = b_b[:, None] * dL
+    if USE_G:
+        Bm = dG * G
+        dgam += tl.sum(Bm, 1) - tl.sum(Bm, 0)
+        dG = dG * Gam
+    for k0 in range(0, DK, BK):
+        o_k = k0 + tl.arange(0, BK)
+        m_tk = m_t[:, None] & (o_k[None, :] < DK)
+        b_k = tl.load(k + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0)
+        b_dw = tl.load(dw + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0)
+        b_dk = (b_bw[:, None] * _mm(tl.trans(X), b_dw, PS, EMU)
+                + _mm(dG, b_k, PS, EMU) + _mm(tl.trans(dG), b_k, PS, EMU))
+        b_dk += tl.load(dk_part + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0)
+        tl.store(dk + rows[:, None] * DK + o_k[None, :], b_dk.to(dk.dtype.element_ty), mask=m_tk)
+    tl.store(dbeta + rows, b_db.to(dbeta.dtype.element_ty), mask=m_t)
+    if USE_G:
+        # γ_i = Σ_{s≤i} g_s  ⇒  dg_s = Σ_{i≥s} dγ_i
+        b_dg = tl.sum(dgam, 0) - tl.cumsum(dgam, 0) + dgam
+        tl.store(dg + rows, b_dg.to(dg.dtype.element_ty), mask=m_t)
+
+
+# ---- host side: layout, precisions, launches -------------------------------------------------------
+
+def _layout(B: int, T: int, C: int, cu_seqlens: Optional[torch.Tensor]):
+    """(sequences N, chunk slots NC, per-sequence first chunk slot, (sequence, chunk) per slot).
+
+    Without ``cu_seqlens``: B sequences of ⌈T / C⌉ chunks each, NC = B·⌈T / C⌉, no tables. With
+    it the tables are built on the device, with no copy to the host: NC = ⌊T / C⌋ + N slots bound
+    the Σ ⌈T_i / C⌉ chunks of the packed sequences (Σ ⌊T_i / C⌋ ≤ ⌊T / C⌋, plus at most one
+    partial chunk each); the spare slots past the last chunk are marked sequence −1 (chunk 0) and
+    the chunk-gridded kernels give them length 0, so every load and store of theirs is masked."""
+    if cu_seqlens is None:
+        return B, B * triton.cdiv(T, C), None, None
+    return packed_chunk_tables(T, C, cu_seqlens)
+
+
+def _check_cu_seqlens(name: str, cu_seqlens: torch.Tensor, T: int, device) -> torch.Tensor:
+    """The packed batch's offsets as int32 on ``device``, checked there: one flag read back (the
+    only copy to the host of a packed launch)."""
+    cu = cu_seqlens.to(device=device, dtype=torch.int32).contiguous()
+    if bool((cu[0] != 0) | (cu[-1] != T) | (cu[1:] < cu[:-1]).any()):
+        raise ValueError(f"{name}: cu_seqlens must rise from 0 to T = {T} without decreasing, "
+                         f"got {cu_seqlens.tolist()}")
+    return cu
+
+
+def _acc_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+_TL = {torch.float32: tl.float32, torch.float64: tl.float64}
+_IN_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+#: tl.dot operand precision by input dtype (see ``_mm``): half inputs go to the tensor cores as
+#: they are, float32 as three TF32 products, float64 stays IEEE
+_PREC = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "tf32x3", torch.float64: "fp64"}
+#: precision of the products between float32 intermediates (blocks of L and T = (I + L)⁻¹):
+#: TF32 for half inputs, whose own rounding (2^-9) is coarser than TF32's (2^-11)
+_PREC_SOLVE = {torch.bfloat16: "tf32", torch.float16: "tf32", torch.float32: "tf32x3", torch.float64: "fp64"}
+
+
+def chunk_fwd(mt: dict, q, k, v, g, beta, initial_state, cu_seqlens, C: int, output_final_state: bool):
+    """The forward launches for launch config ``mt`` (an op's ``launch_meta``); g None is the
+    delta rule (USE_G = False). Returns o, final state ([0] when not asked for), and what the
+    backward reads: Tm, W, VN, Hs."""
+    B, H, T, DK = k.shape
+    DV = v.shape[-1]
+    q, k, v, beta = (t.contiguous() for t in (q, k, v, beta))
+    g = None if g is None else g.contiguous()
+    acc = _acc_dtype(k)
+    N, NC, chunk_offsets, chunk_indices = _layout(B, T, C, cu_seqlens)
+    BK, BV = mt["BK"], mt["BV"]
+    NV = triton.cdiv(DV, BV)
+    common = dict(C=C, IS_VARLEN=cu_seqlens is not None, ACC=_TL[acc], EMU=is_interpreting(),
+                  USE_G=g is not None, num_stages=mt["stages"])
+    Tm = torch.empty(B, H, T, C, dtype=acc, device=k.device)
+    W = torch.empty(B, H, T, DK, dtype=acc, device=k.device)
+    U = torch.empty(B, H, T, DV, dtype=acc, device=k.device)
+    VN = torch.empty_like(U)
+    Hs = torch.empty(max(NC, 1), H, DK, DV, dtype=acc, device=k.device)
+    o = torch.empty(B, H, T, DV, dtype=v.dtype, device=v.device)
+    h0 = None if initial_state is None else initial_state.to(acc).contiguous()
+    ht = torch.empty(N, H, DK, DV, dtype=acc, device=k.device) if output_final_state else None
+    cu = cu_seqlens
+    if B * T > 0:   # some chunk holds tokens
+        _wy_inv[(NC, H)](k, beta, g, Tm, cu, chunk_offsets, chunk_indices, T, H, DK=DK, BK=BK,
+                         PK=mt["PREC"], PS=mt["PS"], num_warps=mt["warps_inv"], **common)
+        BKW, BVW = mt["BKW"], mt["BVW"]
+        _wy_fwd[(NC, H, triton.cdiv(DK, BKW) + triton.cdiv(DV, BVW))](
+            k, v, beta, g, Tm, W, U, cu, chunk_offsets, chunk_indices, T, H, DK=DK, DV=DV, BK=BKW, BV=BVW,
+            PS=mt["PS"], num_warps=mt["warps_wy"], **common)
+    _fwd_state[(NV, N * H)](k, g, W, U, Hs, VN, h0, ht, cu, chunk_offsets, T, H,
+                            DK=DK, DV=DV, BK=mt["BKS"], BV=BV, USE_H0=h0 is not None, STORE_HT=ht is not None,
+                            PS=mt["PS"], num_warps=mt["warps_state"], **common)
+    if B * T > 0:   # some chunk holds tokens
+        _fwd_o[(NC, H, NV)](q, k, g, VN, Hs, o, cu, chunk_offsets, chunk_indices, T, H, DK=DK, DV=DV,
+                            BK=mt["BKS"], BV=BV, PREC=mt["PREC"], PS=mt["PS"], num_warps=mt["warps_o"], **common)
+    if ht is None:
+        ht = o.new_empty(0, dtype=acc)
+    return o, ht, Tm, W, VN, Hs
+
+
+def chunk_bwd(mt: dict, q, k, v, g, beta, Tm, W, VN, Hs, do, dht, cu_seqlens, C: int, h0_dtype):
+    """The backward launches: dq, dk, dv, dg ([0] without g), dbeta, d initial_state ([0] when
+    there is none); each input's gradient in that input's memory layout (strides), as the fake
+    implementation and autograd expect."""
+    cu = cu_seqlens
+    given = (q, k, v, g, beta)
+    q, k, v, beta = (t.contiguous() for t in (q, k, v, beta))
+    use_g = g is not None
+    g = g.contiguous() if use_g else None
+    BK, BV = mt["BK"], mt["BV"]
+    B, H, T, DK = k.shape
+    DV = v.shape[-1]
+    N, NC, chunk_offsets, chunk_indices = _layout(B, T, C, cu)
+    NV = triton.cdiv(DV, BV)
+    has_h0 = h0_dtype is not None
+    common = dict(C=C, IS_VARLEN=cu is not None, ACC=_TL[Hs.dtype], EMU=is_interpreting(), USE_G=use_g,
+                  num_stages=mt["stages"])
+    do = do.contiguous()
+    dht = None if dht is None else dht.contiguous()
+    dHs = torch.empty_like(Hs)
+    dVN = torch.empty_like(VN)
+    dh0 = torch.empty(N, H, DK, DV, dtype=Hs.dtype, device=k.device) if has_h0 else None
+    if B * T > 0:   # some chunk holds tokens
+        _bwd_dv_local[(NC, H, NV)](q, k, g, do, dVN, cu, chunk_offsets, chunk_indices, T, H, DK=DK, DV=DV,
+                                   BK=mt["BKS"], BV=BV, PREC=mt["PREC"], PS=mt["PS"],
+                                   num_warps=mt["warps_o"], **common)
+    _bwd_state[(NV, N * H)](q, k, g, W, do, dht, dHs, dVN, dh0, cu, chunk_offsets, T, H,
+                            DK=DK, DV=DV, BK=mt["BKS"], BV=BV, USE_DHT=dht is not None, STORE_DH0=has_h0,
+                            PS=mt["PS"], num_warps=mt["warps_state"], **common)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dg = torch.empty_like(g) if use_g else q.new_empty(0)
+    dbeta = torch.empty_like(beta)
+    if B * T > 0:   # some chunk holds tokens
+        acc = Hs.dtype
+        dk_part = torch.empty(B, H, T, DK, dtype=acc, device=k.device)
+        dw = torch.empty_like(dk_part)
+        dg_part = torch.empty(B, H, T, dtype=acc, device=k.device) if use_g else None
+        _bwd_dqk[(NC, H)](q, k, g, VN, do, dVN, Hs, dHs, dq, dk_part, dw, dg_part, cu, chunk_offsets,
+                          chunk_indices, T, H, DK=DK, DV=DV, BK=BK, BV=BV, PREC=mt["PREC"], PS=mt["PS"],
+                          num_warps=mt["warps_chunk"], **common)
+        _bwd_wy[(NC, H)](k, v, beta, g, Tm, dVN, dk_part, dw, dg_part, dk, dv, dbeta, dg if use_g else None,
+                         cu, chunk_offsets, chunk_indices, T, H, DK=DK, DV=DV, BK=mt["BKS"], BV=mt["BV_bwd_wy"],
+                         PREC=mt["PREC"], PS=mt["PS"], num_warps=mt["warps_bwd_wy"], **common)
+    dh0 = dh0.to(h0_dtype) if dh0 is not None else q.new_empty(0)
+    grads = [dq, dk, dv, dg, dbeta]
+    for i, (x, d) in enumerate(zip(given, grads)):
+        if x is not None and not x.is_contiguous():
+            grads[i] = torch.empty_like(x).copy_(d)
+    return (*grads, dh0)
+
+
+def make_op(name: str, launch_meta: Callable[[int, int, torch.dtype, int], dict]):
+    """The PyTorch custom op ``kernels::<name>_fwd`` (with its backward ``kernels::<name>_bwd``
+    registered as its autograd): torch.compile (model.compile) captures it as one opaque node of
+    the block's graph, with shapes from the fake implementations, instead of tracing the Triton
+    launches or breaking the graph. Its arguments are (q, k, v, g or None, beta, initial_state,
+    cu_seqlens, C, arch, output_final_state); the launch config is recomputed inside from
+    ``launch_meta(d_k, d_v, dtype, arch)`` (called at each launch, so the op's module attribute
+    is what counts), the varlen chunk tables from cu_seqlens, on the device (``_layout``), their
+    size ⌊T / C⌋ + N known without reading the offsets."""
+
+    @torch.library.custom_op(f"kernels::{name}_fwd", mutates_args=())
+    def fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor], beta: torch.Tensor,
+               initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], C: int, arch: int,
+               output_final_state: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                  torch.Tensor, torch.Tensor]:
+        mt = launch_meta(k.shape[-1], v.shape[-1], q.dtype, arch)
+        return chunk_fwd(mt, q, k, v, g, beta, initial_state, cu_seqlens, C, output_final_state)
+
+    @fwd_op.register_fake
+    def _(q, k, v, g, beta, initial_state, cu_seqlens, C, arch, output_final_state):
+        B, H, T, DK = k.shape
+        DV = v.shape[-1]
+        acc = _acc_dtype(k)
+        N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+        NC = B * triton.cdiv(T, C) if cu_seqlens is None else T // C + N   # chunk slots, as ``_layout``
+        Tm = k.new_empty(B, H, T, C, dtype=acc)
+        W = k.new_empty(B, H, T, DK, dtype=acc)
+        U = k.new_empty(B, H, T, DV, dtype=acc)
+        Hs = k.new_empty(torch.sym_max(NC, 1), H, DK, DV, dtype=acc)
+        ht = k.new_empty(N, H, DK, DV, dtype=acc) if output_final_state else k.new_empty(0, dtype=acc)
+        return v.new_empty(B, H, T, DV), ht, Tm, W, U, Hs   # contiguous, as the real o
+
+    @torch.library.custom_op(f"kernels::{name}_bwd", mutates_args=())
+    def bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor], beta: torch.Tensor,
+               Tm: torch.Tensor, W: torch.Tensor, VN: torch.Tensor, Hs: torch.Tensor, do: torch.Tensor,
+               dht: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], C: int, arch: int,
+               h0_dtype: Optional[torch.dtype]
+               ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        mt = launch_meta(k.shape[-1], v.shape[-1], q.dtype, arch)
+        return chunk_bwd(mt, q, k, v, g, beta, Tm, W, VN, Hs, do, dht, cu_seqlens, C, h0_dtype)
+
+    @bwd_op.register_fake
+    def _(q, k, v, g, beta, Tm, W, VN, Hs, do, dht, cu_seqlens, C, arch, h0_dtype):
+        B, H, T, DK = k.shape
+        N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+        dh0 = k.new_empty(N, H, DK, v.shape[-1], dtype=h0_dtype) if h0_dtype is not None else q.new_empty(0)
+        dg = torch.empty_like(g) if g is not None else q.new_empty(0)
+        return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dg, torch.empty_like(beta), dh0)
+
+    def setup_context(ctx, inputs, output):
+        q, k, v, g, beta, h0, cu_seqlens, C, arch, output_final_state = inputs
+        _, _, Tm, W, VN, Hs = output
+        ctx.save_for_backward(q, k, v, g, beta, Tm, W, VN, Hs, cu_seqlens)
+        ctx.mark_non_differentiable(Tm, W, VN, Hs)
+        ctx.meta = (C, arch, output_final_state, None if h0 is None else h0.dtype)
+
+    def backward(ctx, do, dht, *_):
+        q, k, v, g, beta, Tm, W, VN, Hs, cu_seqlens = ctx.saved_tensors
+        C, arch, output_final_state, h0_dtype = ctx.meta
+        dht = dht if output_final_state else None
+        dq, dk, dv, dg, dbeta, dh0 = bwd_op(q, k, v, g, beta, Tm, W, VN, Hs, do, dht, cu_seqlens, C, arch, h0_dtype)
+        return (dq, dk, dv, (dg if g is not None else None), dbeta, (dh0 if h0_dtype is not None else None),
+                None, None, None, None)
+
+    fwd_op.register_autograd(backward, setup_context=setup_context)
+    return fwd_op
+
+
+def run(name: str, fwd_op, launch_meta, arch: int, q, k, v, g, beta, initial_state, output_final_state: bool,
+        chunk_size: int, cu_seqlens: Optional[torch.Tensor]):
+    """An op entry's launch, after its input checks: the offsets checked on the device, the kernel
+    chunk ``min(launch_meta(...)["C"], chunk_size rounded up to a power of two)``, g read in the
+    accumulation dtype (made contiguous inside the op, so its gradient keeps g's layout).
+    Returns (o, final state or None)."""
+    T = k.shape[2]
+    if cu_seqlens is not None:
+        cu_seqlens = _check_cu_seqlens(name, cu_seqlens, T, k.device)
+    C = min(launch_meta(k.shape[-1], v.shape[-1], q.dtype, arch)["C"], _pow2(chunk_size))
+    if g is not None:
+        g = g.to(_acc_dtype(k))
+    o, ht = fwd_op(q, k, v, g, beta, initial_state, cu_seqlens, C, arch, output_final_state)[:2]
+    return o, (ht if output_final_state else None)
+
+
+# ---- the compile gate ------------------------------------------------------------------------------
+
+def gate_launches(mt: dict, arch: int, dt: str, dk: int, dv: int, C: int, varlen: bool, use_g: bool) -> List[dict]:
+    """The eight kernels' launches at launch config ``mt`` (an op's ``launch_meta``) for an op's
+    ``gate.py``: input dtype ``dt`` ("bf16", "fp32"), head dims, kernel chunk C, fixed-length or
+    packed (``cu_seqlens``, configs named "varlen"), with an initial and a final state; with
+    ``use_g`` the decay's pointers are float32 and the configs are named "USE_G", without they are
+    constexpr None. One dict per launch, in the form ``kernels.compile_report.cases_from_launches``
+    takes."""
+    io = lambda *names: {n: "*" + dt for n in names}     # noqa: E731
+    acc = lambda *names: {n: "*fp32" for n in names}      # noqa: E731
+    ints = {"T": "i32", "H": "i32"}
+    gs = ("g", "dg_part", "dg")
+    gsig = acc(*gs) if use_g else {}
+    base = dict(C=C, IS_VARLEN=False, ACC=tl.float32, EMU=False, USE_G=use_g, cu_seqlens=None, chunk_offsets=None)
+    entries = [
+        (_wy_inv, {**io("k", "beta"), **acc("Tm"), **ints},
+         dict(base, chunk_indices=None, DK=dk, BK=mt["BK"], PK=mt["PREC"], PS=mt["PS"]), mt["warps_inv"]),
+        (_wy_fwd, {**io("k", "v", "beta"), **acc("Tm", "W", "U"), **ints},
+         dict(base, chunk_indices=None, DK=dk, DV=dv, BK=mt["BKW"], BV=mt["BVW"], PS=mt["PS"]), mt["warps_wy"]),
+        (_fwd_state, {**io("k"), **acc("W", "U", "Hs", "VN", "h0", "ht"), **ints},
+         dict(base, DK=dk, DV=dv, BK=mt["BKS"], BV=mt["BV"], USE_H0=True, STORE_HT=True, PS=mt["PS"]),
+         mt["warps_state"]),
+        (_fwd_o, {**io("q", "k"), **acc("VN", "Hs"), **io("o"), **ints},
+         dict(base, chunk_indices=None, DK=dk, DV=dv, BK=mt["BKS"], BV=mt["BV"], PREC=mt["PREC"],
+              PS=mt["PS"]), mt["warps_o"]),
+        (_bwd_dv_local, {**io("q", "k", "do"), **acc("dVN"), **ints},
+         dict(base, chunk_indices=None, DK=dk, DV=dv, BK=mt["BKS"], BV=mt["BV"], PREC=mt["PREC"],
+              PS=mt["PS"]), mt["warps_o"]),
+        (_bwd_state, {**io("q", "k", "do"), **acc("W", "dht", "dHs", "dVN", "dh0"), **ints},
+         dict(base, DK=dk, DV=dv, BK=mt["BKS"], BV=mt["BV"], USE_DHT=True, STORE_DH0=True, PS=mt["PS"]),
+         mt["warps_state"]),
+        (_bwd_dqk, {**io("q", "k", "do", "dq"), **acc("VN", "dVN", "Hs", "dHs", "dk_part", "dw"), **ints},
+         dict(base, chunk_indices=None, DK=dk, DV=dv, BK=mt["BK"], BV=mt["BV"], PREC=mt["PREC"],
+              PS=mt["PS"]), mt["warps_chunk"]),
+        (_bwd_wy, {**io("k", "v", "beta", "dk", "dv", "dbeta"), **acc("Tm", "dVN", "dk_part", "dw"), **ints},
+         dict(base, chunk_indices=None, DK=dk, DV=dv, BK=mt["BKS"], BV=mt["BV_bwd_wy"], PREC=mt["PREC"],
+              PS=mt["PS"]), mt["warps_bwd_wy"]),
+    ]
+    from kernels.compile_report import arg_names
+
+    out = []
+    for fn, sig, cex, warps in entries:
+        names = arg_names(fn)
+        present = [n for n in gs if n in names]
+        if use_g:
+            sig = {**sig, **{n: gsig[n] for n in present}}
+        else:
+            cex = {**cex, **{n: None for n in present}}
+        if varlen:   # packed batches pass the offsets and chunk tables (int32) that are None above
+            tables = [n for n in ("cu_seqlens", "chunk_offsets", "chunk_indices") if n in cex]
+            sig = {**sig, **{n: "*i32" for n in tables}}
+            cex = {n: v for n, v in cex.items() if n not in tables} | {"IS_VARLEN": True}
+        # every argument in the kernel's order (the report maps names, but a reader compares them)
+        sig = {n: sig[n] for n in names if n in sig}
+        cfg = f"{'USE_G ' if use_g else ''}{dt} dk={dk} dv={dv} C={C}{' varlen' if varlen else ''} sm_{arch}"
+        out.append(dict(name=f"{fn.__name__}[{cfg}]", kernel=fn, config=cfg, signature=sig,
+                        constexprs=cex, num_warps=warps, num_stages=mt["stages"], archs=(arch,)))
+    return out
