@@ -32,14 +32,17 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
                      initial_state: Optional[torch.Tensor] = None, output_final_state: bool = False,
                      backend: str = "torch", chunk_size: int = 64
                      ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """q, k [B, H, T, d_k]; v [B, H, T, d_v]; g [B, H, T] the log decay (≤ 0); beta [B, H, T] in
-    [0, 1]; initial_state [B, H, d_k, d_v] or None.
+    """q, k [B, H, T, d_k]; v [B, H, T, d_v]; g [B, H, T] the log decay (≤ 0), or [B, H, T, d_k]
+    one per key channel (KDA's recurrence, ``kernels.kda``: reference and torch backends); beta
+    [B, H, T] in [0, 1]; initial_state [B, H, d_k, d_v] or None.
 
     Returns (o [B, H, T, d_v] in v's dtype, final state [B, H, d_k, d_v] in the accumulation
     dtype — float32 for half inputs — or None unless ``output_final_state``). ``backend``: "torch"
     (chunked, ``chunk_size`` tokens per chunk; the result does not depend on it), "triton"
     (``chunk.py``; d_k ≤ 128, d_v ≤ 256; kernel chunk a power of two in [16, 64] capped per dtype
     and GPU as the delta rule's) or "reference" (sequential)."""
+    if isinstance(g, torch.Tensor) and g.dim() == 4:
+        return _per_channel(q, k, v, g, beta, initial_state, output_final_state, backend, chunk_size)
     check_gated_delta_rule_inputs("gated_delta_rule", q, k, v, g, beta, initial_state, chunk_size)
     if backend not in BACKENDS:
         raise ValueError(f"gated_delta_rule: unknown backend {backend!r}; available: {list(BACKENDS)}")
@@ -59,6 +62,16 @@ def gated_delta_rule_trusted(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     if backend not in BACKENDS:
         raise ValueError(f"gated_delta_rule: unknown backend {backend!r}; available: {list(BACKENDS)}")
     return _dispatch(q, k, v, g, beta, initial_state, output_final_state, backend, chunk_size)
+
+
+def _per_channel(q, k, v, g, beta, initial_state, output_final_state, backend, chunk_size):
+    """A per-channel log decay g [B, H, T, d_k]: KDA's recurrence (``kernels.kda``), which is this
+    rule with Diag(exp(g_t)) for exp(g_t); its backends are reference and torch."""
+    from kernels.kda import kda
+    if backend == "triton":
+        raise ValueError("gated_delta_rule: a per-channel g [B, H, T, d_k] has no Triton backend yet "
+                         "(kernels.kda's forms: reference, torch)")
+    return kda(q, k, v, g, beta, initial_state, output_final_state, backend, chunk_size)
 
 
 def _dispatch(q, k, v, g, beta, initial_state, output_final_state, backend, chunk_size):

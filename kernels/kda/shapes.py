@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 
 from kernels.delta_rule.shapes import check_delta_rule_inputs
+from kernels.gated_delta_rule.shapes import check_gate_values
 
 
 def check_kda_inputs(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -36,16 +37,9 @@ def check_kda_inputs(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 
 
 def check_kda_gate_values(name: str, g: torch.Tensor, beta: torch.Tensor) -> None:
-    """g ≤ 0 and 0 ≤ β ≤ 1 (NaN fails both): one flag read back to the host."""
-    if g.numel() == 0:
-        return
-    flags = torch.stack([~(g <= 0).all(), ~((beta >= 0) & (beta <= 1)).all()]).tolist()
-    if flags[0]:
-        raise ValueError(f"{name}: g is the per-channel log decay and must be <= 0 (α = exp(g) in (0, 1]); "
-                         f"got max {g.max().item():.4g}" + (" or NaN" if bool(torch.isnan(g).any()) else ""))
-    if flags[1]:
-        raise ValueError(f"{name}: beta must lie in [0, 1]; got values in [{beta.min().item():.4g}, "
-                         f"{beta.max().item():.4g}]" + (" or NaN" if bool(torch.isnan(beta).any()) else ""))
+    """g ≤ 0 and 0 ≤ β ≤ 1 (NaN fails both): the gated delta rule's check, which reads any shape
+    of g (one flag read back to the host)."""
+    check_gate_values(name, g, beta)
 
 
 __all__ = ["check_kda_inputs", "check_kda_gate_values"]

@@ -138,7 +138,7 @@ def test_refuses_bad_input():
     q, k, v, g, beta, h0 = (t.detach() for t in inputs(T=10))
     with pytest.raises(ValueError, match=r"g \(the per-channel log decay\) must be \[B, H, T, d_k\]"):
         kda(q, k, v, g[..., 0], beta)
-    with pytest.raises(ValueError, match="g is the per-channel log decay and must be <= 0"):
+    with pytest.raises(ValueError, match="g is the log decay and must be <= 0"):
         kda(q, k, v, g.abs() + 0.1, beta)
     with pytest.raises(ValueError, match=r"beta must lie in \[0, 1\]"):
         kda(q, k, v, g, beta + 1.5)
@@ -151,3 +151,15 @@ def test_refuses_bad_input():
         kda(q1, k1, v1, g1, b1, cu_seqlens=torch.tensor([0, 4, 9]))
     with pytest.raises(ValueError, match="chunk_size must be a positive int"):
         kda(q, k, v, g, beta, chunk_size=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gated_delta_rule_takes_a_per_channel_decay(backend):
+    """``gated_delta_rule`` with g [B, H, T, d_k] runs KDA's recurrence; its Triton backend refuses it."""
+    q, k, v, g, beta, h0 = (t.detach() for t in inputs(T=40))
+    o, s = gated_delta_rule(q, k, v, g, beta, h0, True, backend=backend)
+    o2, s2 = kda_reference(q, k, v, g, beta, h0, True)
+    torch.testing.assert_close(o, o2, atol=1e-10, rtol=0)
+    torch.testing.assert_close(s, s2, atol=1e-10, rtol=0)
+    with pytest.raises(ValueError, match=r"per-channel g \[B, H, T, d_k\] has no Triton backend yet"):
+        gated_delta_rule(q, k, v, g, beta, backend="triton")
