@@ -303,6 +303,27 @@ def gated_delta_rule_bench(B: int, T: int, H: int, D: int, dtype: torch.dtype, d
     return Bench(inputs=inputs, forms=forms, min_bytes_fwd=4 * n, min_bytes_fwd_bwd=11 * n)
 
 
+@register("kda", needs="kernels.kda")
+def kda_bench(B: int, T: int, H: int, D: int, dtype: torch.dtype, device: str) -> Bench:
+    """KDA's S_t = (I − β_t k_t k_tᵀ) Diag(exp(g_t)) S_{t−1} + β_t k_t v_tᵀ with a per-channel log
+    decay g [B, H, T, D] (a gate near Kimi Linear's initial range); L2-normalized q, k; every
+    backend the op module lists, and flash-linear-attention's chunk_kda (query scale 1)."""
+    import kernels.kda as mod
+
+    q, k, v = _qkv(B, H, T, D, dtype, device, normalize_k=True)
+    g = F.logsigmoid(torch.randn(B, H, T, D, device=device) + 4).to(dtype).requires_grad_()
+    beta = torch.rand(B, H, T, device=device).to(dtype).requires_grad_()
+    n = B * H * T * D * torch.finfo(dtype).bits // 8
+    forms = {f: (lambda f=f: mod.kda(q, k, v, g, beta, backend=f)[:1]) for f in backend_forms(mod)}
+    inputs = [q, k, v, g, beta]
+    fla = _fla_op("kda", "chunk_kda", device)
+    if fla is not None:
+        fq, fk, fv, fg, fbeta = _bthd_leaves(q, k, v, g, beta)
+        forms["fla chunk_kda"] = lambda: fla(fq, fk, fv, fg, fbeta, scale=1.0)[:1]
+        inputs += [fq, fk, fv, fg, fbeta]
+    return Bench(inputs=inputs, forms=forms, min_bytes_fwd=5 * n, min_bytes_fwd_bwd=13 * n)
+
+
 def lact_flops(B: int, T: int, H: int, D: int, chunk: int) -> Tuple[float, float]:
     """FLOPs (2 per multiply-add) of the LaCT op's matrix products with d_k = d_v = d_h = D: forward,
     and forward+backward as 3 × forward. Per head and token, reading the weights costs 6·D² (q W₀₂ᵀ
