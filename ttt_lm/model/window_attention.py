@@ -16,15 +16,17 @@ first) and window w:
   blocks of b ≥ w − 1 tokens; the queries of block j attend to the keys of blocks j − 1 and j
   (2b keys), which hold every key of their windows, under one boolean mask [b, 2b] (block 0's
   left half masked; with documents and'ed with "same document" per block). One SDPA call over
-  [B, H, n_blocks, b, ·]: scores and masks are B·H·T·2b, never T × T. Where the keys are few
-  (T_k ≤ 2b) it is plain SDPA with the dense mask, the same cost;
+  the blocks folded into the batch, [B·n_blocks, H, b, ·] (4-D, so that SDPA runs its fused
+  kernels: on the CPU its flash kernel, which never holds the scores): work and masks are
+  B·H·T·2b, never T × T. Where that is not fewer scores than one call over T_q × T_k (T_k ≤ 2b, or
+  a KV cache whose queries fill few blocks) it is plain SDPA with the dense mask;
 * ``math``: the explicit masked softmax over T_q × T_k (a reference, not a fast path).
 
 A KV cache (T_k > T_q): only the last T_q + w − 1 keys can be seen, so the rest are dropped; the
 queries are then padded on the left to the keys' length (the padding's outputs are discarded).
 Padded positions on the right see themselves (their own key), so no softmax row is empty and no
-NaN reaches a gradient. GQA: k, v may have fewer heads (H_kv dividing H); the blocked path repeats
-them per query head (a copy of the keys, 2·T·H·d, not of the scores).
+NaN reaches a gradient. GQA: k, v may have fewer heads (H_kv dividing H), passed to SDPA as they
+are (``enable_gqa``).
 """
 from __future__ import annotations
 
@@ -77,26 +79,26 @@ def _explicit(q, k, v, mask) -> torch.Tensor:
 
 
 def _blocks_with_previous(t: torch.Tensor, n: int, b: int) -> torch.Tensor:
-    """[B, H, n·b, d] → [B, H, n, 2b, d]: each block preceded by the block before it (zeros before
-    block 0)."""
+    """[B, H, n·b, d] → [B·n, H, 2b, d]: each block preceded by the block before it (zeros before
+    block 0), the blocks folded into the batch."""
     B, H, _, d = t.shape
     tb = t.view(B, H, n, b, d)
     prev = torch.cat([tb.new_zeros(B, H, 1, b, d), tb[:, :, :-1]], dim=2)
-    return torch.cat([prev, tb], dim=3)
+    return torch.cat([prev, tb], dim=3).transpose(1, 2).reshape(B * n, H, 2 * b, d)
 
 
 def _blocked(q, k, v, window: int, seg: Optional[torch.Tensor], block: int) -> torch.Tensor:
-    """The blocked SDPA path for square q, k, v [B, H(_kv), L, d] (module docstring)."""
+    """The blocked SDPA path for square q, k, v [B, H(_kv), L, d] (module docstring). The blocks
+    are folded into the batch, so that SDPA sees 4-D inputs and runs its fused kernels (on the CPU
+    its flash kernel, which never holds the scores: a 5-D call falls back to the explicit form)."""
     B, H, L, d = q.shape
     b = block
     n = -(-L // b)
     pad = n * b - L
     if pad:
         q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
-    rep = H // k.shape[1]
-    if rep > 1:
-        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     kk, vv = _blocks_with_previous(k, n, b), _blocks_with_previous(v, n, b)
+    qq = q.view(B, H, n, b, d).transpose(1, 2).reshape(B * n, H, b, d)
     r = torch.arange(b, device=q.device)[:, None]
     c = torch.arange(2 * b, device=q.device)[None, :]
     rel = c - b - r                                        # key position − query position
@@ -107,9 +109,12 @@ def _blocked(q, k, v, window: int, seg: Optional[torch.Tensor], block: int) -> t
         s = F.pad(seg, (0, pad), value=-1) if pad else seg          # padding: a document of its own
         sq = s.view(B, n, b)
         sk = torch.cat([torch.cat([sq.new_full((B, 1, b), -2), sq[:, :-1]], dim=1), sq], dim=2)
-        mask = (mask[None] & (sq[:, :, :, None] == sk[:, :, None, :]))[:, None]  # [B, 1, n, b, 2b]
-    o = F.scaled_dot_product_attention(q.view(B, H, n, b, d), kk, vv, attn_mask=mask)
-    return o.reshape(B, H, n * b, d)[:, :, :L]
+        mask = mask[None] & (sq[:, :, :, None] == sk[:, :, None, :])            # [B, n, b, 2b]
+    else:
+        mask = mask[None].expand(B, n, b, 2 * b)
+    mask = mask.reshape(B * n, 1, b, 2 * b)
+    o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, enable_gqa=kk.shape[1] != H)
+    return o.view(B, n, H, b, d).transpose(1, 2).reshape(B, H, n * b, d)[:, :, :L]
 
 
 @functools.lru_cache(maxsize=16)
@@ -196,7 +201,8 @@ def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     if tk > tq + window - 1:                  # keys no query can see
         k, v = k[:, :, tk - tq - window + 1:], v[:, :, tk - tq - window + 1:]
         tk = k.shape[2]
-    if tk <= 2 * b:
+    n = -(-tk // b)
+    if tk <= 2 * b or tq * tk <= n * b * 2 * b:      # one or two blocks, or fewer scores as one call
         mask = window_mask(tq, tk, window, q.device)
         if seg is not None:
             mask = mask & same_doc(seg)
