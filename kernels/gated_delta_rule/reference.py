@@ -9,8 +9,9 @@ state layout of ``kernels.delta_rule``):
     o_t = S_tᵀ q_t
 
 i.e. the state first decays by α_t, then the value stored under k_t is moved a fraction β_t of
-the way to v_t. α ≡ 1 is the delta rule. Inputs are used as given: feature maps, normalization
-and any query scale are the caller's.
+the way to v_t. α ≡ 1 is the delta rule. It is KDA's recurrence (``kernels/kda/reference.py``)
+with one decay for every key channel, and runs as that. Inputs are used as given: feature maps,
+normalization and any query scale are the caller's.
 """
 from __future__ import annotations
 
@@ -19,10 +20,7 @@ from typing import Optional, Tuple
 import torch
 
 from kernels.gated_delta_rule.shapes import check_gated_delta_rule_inputs
-
-
-def _acc(x: torch.Tensor) -> torch.Tensor:
-    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+from kernels.kda.reference import kda_reference
 
 
 def gated_delta_rule_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -32,20 +30,5 @@ def gated_delta_rule_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     """q, k [B, H, T, d_k]; v [B, H, T, d_v]; g, beta [B, H, T]; initial_state [B, H, d_k, d_v].
     Returns o [B, H, T, d_v] in v's dtype and the final state (accumulation dtype) if asked."""
     check_gated_delta_rule_inputs("gated_delta_rule_reference", q, k, v, g, beta, initial_state)
-    B, H, T, dk = k.shape
-    dv = v.shape[-1]
-    out_dtype = v.dtype
-    q, k, v = _acc(q), _acc(k), _acc(v)
-    g, beta = g.to(k.dtype), beta.to(k.dtype)
-    S = (torch.zeros(B, H, dk, dv, dtype=k.dtype, device=k.device) if initial_state is None
-         else _acc(initial_state).to(k.dtype))
-    a = g.exp()
-    outs = []
-    for t in range(T):
-        k_t, v_t, q_t = k[:, :, t], v[:, :, t], q[:, :, t]
-        S = a[:, :, t, None, None] * S
-        v_old = torch.einsum("bhk,bhkv->bhv", k_t, S)
-        S = S + torch.einsum("bhk,bhv->bhkv", k_t, beta[:, :, t, None] * (v_t - v_old))
-        outs.append(torch.einsum("bhk,bhkv->bhv", q_t, S))
-    o = torch.stack(outs, dim=2) if T > 0 else v.new_zeros(B, H, 0, dv)
-    return o.to(out_dtype), (S if output_final_state else None)
+    # Diag(α_t) with every channel's decay equal: KDA's recurrence with g broadcast over d_k
+    return kda_reference(q, k, v, g[..., None].expand(k.shape), beta, initial_state, output_final_state)
