@@ -57,11 +57,9 @@ def segsum(a: torch.Tensor) -> torch.Tensor:
     return s.masked_fill(~strict.logical_or(torch.eye(Q, dtype=torch.bool, device=a.device)), float("-inf"))
 
 
-def _pick(t: torch.Tensor, chunk: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
-    """t [..., Nc, Q, R] → [..., K, R]: row ``row[k]`` of chunk ``chunk[k]``."""
-    t = t.index_select(-3, chunk)
-    idx = row.view(-1, 1, 1).expand(*t.shape[:-2], 1, t.shape[-1])
-    return t.gather(-2, idx).squeeze(-2)
+#: elements of the [Q, Q] tensors of one piece of chunks (4 MiB in float32): the chunks' own tokens
+#: are computed a few chunks at a time so that these tensors stay in cache, forward and backward
+PIECE = 1 << 20
 
 
 def ssd_chunk_torch(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
@@ -93,21 +91,25 @@ def ssd_chunk_torch(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch
     Bc = F.pad(B.to(dtype), (0, 0, 0, 0, 0, pad)).view(b, Nc, Q, g, n)
     Cc = F.pad(C.to(dtype), (0, 0, 0, 0, 0, pad)).view(b, Nc, Q, g, n)
     a = F.pad(delta * A.to(dtype), (0, 0, 0, pad)).view(b, Nc, Q, g, hg).permute(0, 3, 4, 1, 2)  # α [b, g, hg, Nc, Q]
+    to_bcl = (0, 3, 4, 1, 2)                                                # [b, g, hg, Nc, Q] → [b, Nc, Q, g, hg]
 
-    sig = segsum(a)                                                         # σ [b, g, hg, Nc, Q, Q]
+
+    same = None
     if cu is not None:
         lens = torch.tensor([e - s for s, e in zip(cu, cu[1:])], device=dev)
         ids = torch.repeat_interleave(torch.arange(N, device=dev), lens)   # the sequence of each token
         ids = torch.cat([ids, ids[-1:].expand(pad)]).view(Nc, Q)          # the tail pads the last one
         enter = torch.cat([ids.new_full((1,), -1), ids[:-1, -1]])         # the sequence entering chunk c
-        sig = sig.masked_fill(ids[:, :, None] != ids[:, None, :], float("-inf"))
-    L = sig.exp()
-    gam = a.cumsum(-1)                                                      # γ [b, g, hg, Nc, Q]
-    to_bcl = (0, 3, 4, 1, 2)                                                # [b, g, hg, Nc, Q] → [b, Nc, Q, g, hg]
+        same = ids[:, :, None] == ids[:, None, :]                          # [Nc, Q, Q]
 
-    CB = torch.einsum("bclgn,bcsgn->bgcls", Cc, Bc)
-    Y = torch.einsum("bgjcls,bcsgjp->bclgjp", CB[:, :, None] * L, Xd)       # Y_diag
-    S_loc = torch.einsum("bcsgjp,bcsgn->bcgjpn", Xd * L[..., -1, :].permute(to_bcl)[..., None], Bc)
+    # the chunks' own tokens, a few chunks at a time (PIECE): Y_diag [b, Nc, Q, g, hg, p], S_loc
+    step = max(1, PIECE // (b * h * Q * Q))
+    parts = [_intra(*args) for args in zip(a.split(step, -2), Xd.split(step, 1), Bc.split(step, 1),
+                                            Cc.split(step, 1), (same.split(step, 0) if same is not None
+                                                                else [None] * -(-Nc // step)))]
+    Y = torch.cat([y_ for y_, _ in parts], 1) if len(parts) > 1 else parts[0][0]
+    S_loc = torch.cat([s_ for _, s_ in parts], 1) if len(parts) > 1 else parts[0][1]
+    gam = a.cumsum(-1)                                                      # γ [b, g, hg, Nc, Q]
     chunk_decay = gam[..., -1].exp()                                        # e^{γ_{Q−1}} [b, g, hg, Nc]
     read = gam.exp()                                                        # e^{γ_l}
     if cu is None:
@@ -124,8 +126,8 @@ def ssd_chunk_torch(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch
         ca, la, ce, le = a_pos // Q, a_pos % Q, e_pos // Q, e_pos % Q
         if h0 is not None:
             h0k = h0.index_select(0, nz).view(-1, g, hg, p, n)
-            # e^{σ(l, a) + α_a} for the tokens l of each sequence's first chunk: [b, g, hg, K, Q]
-            col = _pick(sig.transpose(-1, -2), ca, la) + _pick(a[..., None], ca, la)
+            # σ(l, a) + α_a over the tokens l of each sequence's first chunk: [b, g, hg, K, Q]
+            col = _decay_from(a, ids, ca, la) + a.index_select(-2, ca).gather(-1, _idx(la, a))
             u = col.exp().permute(to_bcl)                                   # [1, K, Q, g, hg]
             Z = torch.einsum("klgn,kgjpn->klgjp", Cc[0].index_select(0, ca), h0k) * u[0][..., None]
             Y = Y.index_add(1, ca, Z[None])
@@ -145,16 +147,57 @@ def ssd_chunk_torch(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch
         return y, S.reshape(b, h, p, n)
 
     # the state after each sequence's last token e (chunk ce): [K, g, hg, p, n]
-    w = _pick(L, ce, le)[0].permute(2, 3, 0, 1)                              # e^{σ(e, s)} [K, Q, g, hg]
+    w = _decay_to(a, ids, ce, le).exp()[0].permute(2, 3, 0, 1)              # e^{σ(e, s)} [K, Q, g, hg]
     fin = torch.einsum("ksgjp,ksgn->kgjpn", Xd[0].index_select(0, ce) * w[..., None], Bc[0].index_select(0, ce))
-    reach = _pick(read[..., None], ce, le)[0, ..., 0].permute(2, 0, 1)       # carry · e^{γ_e} [K, g, hg]
+    reach = read.index_select(-2, ce).gather(-1, _idx(le, a))[0, ..., 0].permute(2, 0, 1)  # carry · e^{γ_e}
     fin = fin + reach[..., None, None] * Sent[0].index_select(0, ce)
     base = h0 if h0 is not None else xs.new_zeros(N, h, p, n)
-    if h0 is not None:
-        e_in = _pick(sig, ce, le).gather(-1, la.view(1, 1, 1, -1, 1).expand(1, g, hg, -1, 1))[..., 0]
-        e_in = torch.where(ca == ce, (e_in + _pick(a[..., None], ca, la)[..., 0]).exp(), 0.0)
+    if h0 is not None:                                                      # begun in the chunk where it ends
+        e_in = torch.where(ca == ce, col.gather(-1, _idx(le, a))[..., 0].exp(), 0.0)
         fin = fin + e_in[0].permute(2, 0, 1)[..., None, None] * h0k
     return y, base.index_copy(0, nz, fin.reshape(-1, h, p, n))
+
+
+def _intra(a, Xd, Bc, Cc, same):
+    """Y_diag and S_loc of some chunks (module docstring): a [b, g, hg, c, Q], Xd [b, c, Q, g, hg, p],
+    Bc, Cc [b, c, Q, g, n], same [c, Q, Q] (tokens of one sequence) or None."""
+    sig = segsum(a)                                                         # σ [b, g, hg, c, Q, Q]
+    if same is not None:
+        sig = sig.masked_fill(~same, float("-inf"))
+    L = sig.exp()
+    CB = torch.einsum("bclgn,bcsgn->bgcls", Cc, Bc)
+    Y = torch.einsum("bgjcls,bcsgjp->bclgjp", CB[:, :, None] * L, Xd)
+    S_loc = torch.einsum("bcsgjp,bcsgn->bcgjpn", Xd * L[..., -1, :].permute(0, 3, 4, 1, 2)[..., None], Bc)
+    return Y, S_loc
+
+
+def _idx(pos: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """pos [K] as a gather index over the last dim of [b, g, hg, K, Q] tensors: [b, g, hg, K, 1]."""
+    return pos.view(1, 1, 1, -1, 1).expand(*a.shape[:3], -1, 1)
+
+
+def _decay_from(a: torch.Tensor, ids: torch.Tensor, chunk: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """σ(l, s_k) = Σ_{s_k < r ≤ l} α_r over the tokens l of chunk c_k (−∞ before s_k or in another
+    sequence): a [b, g, hg, Nc, Q], ids [Nc, Q] → [b, g, hg, K, Q], a sum of its own terms."""
+    Q = a.shape[-1]
+    r = torch.arange(Q, device=a.device)
+    ak = a.index_select(-2, chunk).masked_fill(r <= pos[:, None], 0.0)
+    ik = ids.index_select(0, chunk)
+    valid = (r >= pos[:, None]) & (ik == ik.gather(1, pos[:, None]))
+    return ak.cumsum(-1).masked_fill(~valid, float("-inf"))
+
+
+def _decay_to(a: torch.Tensor, ids: torch.Tensor, chunk: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """σ(e_k, s) = Σ_{s < r ≤ e_k} α_r over the tokens s of chunk c_k (−∞ after e_k or in another
+    sequence): [b, g, hg, K, Q], a sum of its own terms."""
+    Q = a.shape[-1]
+    r = torch.arange(Q, device=a.device)
+    ak = a.index_select(-2, chunk).masked_fill(r > pos[:, None], 0.0)
+    tail = ak.flip(-1).cumsum(-1).flip(-1)                                  # Σ_{s ≤ r ≤ e}
+    tail = torch.cat([tail[..., 1:], torch.zeros_like(tail[..., :1])], -1)  # Σ_{s < r ≤ e}
+    ik = ids.index_select(0, chunk)
+    valid = (r <= pos[:, None]) & (ik == ik.gather(1, pos[:, None]))
+    return tail.masked_fill(~valid, float("-inf"))
 
 
 __all__ = ["ssd_chunk_torch", "segsum"]

@@ -98,6 +98,22 @@ def test_torch_equals_reference_float64(T, chunk, g, state, D):
     compare(*got, *ref, 1e-10)
 
 
+@pytest.mark.parametrize("piece", [1, 3 * 4 * 16 * 16])
+def test_chunks_in_pieces(monkeypatch, piece):
+    """The chunks' own tokens computed one chunk at a time, or 3 chunks at a time with a short last
+    piece (T = 150 in chunks of 16: 10 chunks), packed or not: the same forward and gradients."""
+    import kernels.ssd.torch_chunk as tc
+
+    monkeypatch.setattr(tc, "PIECE", piece)
+    args = inputs(b=1, T=150, seed=12)
+    compare(*run(ssd_chunk_torch, args, chunk_size=16), *run(ssd_reference, args), 1e-10)
+    cu = torch.tensor([0, 20, 21, 90, 150])
+    h0 = torch.randn(4, 4, 8, 6, dtype=torch.float64, requires_grad=True)
+    args = args[:8] + [h0]
+    compare(*run(ssd_chunk_torch, args, chunk_size=16, cu_seqlens=cu),
+            *run(ssd_reference, args, cu_seqlens=cu), 1e-10)
+
+
 def test_without_softplus_bias_or_gate():
     """Δ = dt as given (dt ≥ 0 here), no dt_bias, no z: the bare recurrence."""
     args = inputs(T=40, z=False, bias=False, dA=-0.7)
