@@ -52,9 +52,10 @@ def segsum(a: torch.Tensor) -> torch.Tensor:
     """σ [..., Q, Q] of log decays a [..., Q]: σ(l, s) = Σ_{s < r ≤ l} a_r for s ≤ l and −∞ above
     the diagonal, each entry a sum of its own terms (module docstring)."""
     Q = a.shape[-1]
-    strict = torch.ones(Q, Q, dtype=torch.bool, device=a.device).tril(-1)
-    s = a[..., :, None].expand(*a.shape, Q).masked_fill(~strict, 0.0).cumsum(-2)
-    return s.masked_fill(~strict.logical_or(torch.eye(Q, dtype=torch.bool, device=a.device)), float("-inf"))
+    later = torch.ones(Q, Q, dtype=torch.bool, device=a.device).triu(1)     # [s, r]: r > s
+    # t[s, l] = Σ_{r ≤ l, r > s} a_r, summed along the last (contiguous) dim, 2-3x faster on a CPU
+    t = a[..., None, :].expand(*a.shape, Q).masked_fill(~later, 0.0).cumsum(-1)
+    return t.transpose(-1, -2).masked_fill(later, float("-inf"))
 
 
 #: elements of the [Q, Q] tensors of one piece of chunks (4 MiB in float32): the chunks' own tokens
