@@ -107,6 +107,8 @@ def check_ssd_values(name: str, dt: torch.Tensor, A: torch.Tensor, dt_bias: Opti
     if flags[0]:
         raise ValueError(f"{name}: A must be <= 0 (the decay exp(dt * A) in (0, 1]); got max "
                          f"{A.max().item():.4g}" + (" or NaN" if bool(torch.isnan(A).any()) else ""))
+    if flags[1] and dt_softplus:
+        raise ValueError(f"{name}: dt" + (" and dt_bias" if dt_bias is not None else "") + " must not be NaN")
     if flags[1]:
         what = "dt" + (" + dt_bias" if dt_bias is not None else "")
         raise ValueError(f"{name}: the step {what} must be >= 0 (or pass dt_softplus=True); got min "

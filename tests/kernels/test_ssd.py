@@ -353,6 +353,8 @@ def test_refuses_bad_input():
             ssd(x1, dt1, A, B1, C1, cu_seqlens=torch.tensor([0, 6, 4, 10]), backend=backend)
     with pytest.raises(ValueError, match=r"initial_state must be \[N sequences, h, p, n\] = \(3, 4, 8, 6\)"):
         ssd(x1, dt1, A, B1, C1, initial_state=h0[:1], cu_seqlens=torch.tensor([0, 3, 6, 10]))
+    with pytest.raises(ValueError, match=r"dt and dt_bias must not be NaN"):
+        ssd(x, dt * float("nan"), A, B, C, dt_bias=db, dt_softplus=True)
     # softplus makes any dt a valid step; only the sign of A and NaN are checked then
     y, _ = ssd(x, dt - 5.0, A, B, C, dt_bias=db, dt_softplus=True)
     assert torch.isfinite(y).all()
