@@ -17,7 +17,10 @@ products per chunk:
 and y = Y_diag + Y_off. The entering states come from a loop over the chunks (T / Q steps of
 [b, h, p, n] tensors, each chunk's tensors split once before it and stacked once after, so that the
 backward of the loop writes no full-length gradient per chunk); mamba_ssm's minimal form computes
-them instead with one more segment-sum matrix over the chunks, quadratic in their count.
+them instead with one more segment-sum matrix over the chunks, quadratic in their count. Y_diag
+and S_loc, whose [Q, Q] tensors are the bulk of the memory traffic, are computed a few chunks at a
+time (``PIECE`` elements of those tensors per piece) so that they stay in cache forward and
+backward; on a CPU that keeps the cost linear in T past the cache size.
 
 Stability. Every exponential is of a segment sum σ(l, s) ≤ 0 or a prefix sum γ_l ≤ 0 of the log
 decays, so nothing overflows whatever the decay: at Δ A = −70 per token a chunk of 256 sums to
@@ -34,7 +37,8 @@ c at position a contributes its initial state h₀ through the same segment sums
 e^{σ(l, a) + α_a} C_l h₀ to its tokens l of the chunk and e^{σ(Q−1, a) + α_a} h₀ to the state
 leaving it (zero unless the sequence outlasts the chunk); the final state of a sequence ending at
 position e of chunk c is e^{γ_e} S_c (if it began before c) + Σ_s e^{σ(e, s)} Δ_s x_s B_sᵀ (+ its
-initial state's term when it began in c), one product per sequence. A ragged tail is padded with
+initial state's term when it began in c), one product per sequence; the segment sums these
+terms need are summed per sequence from the log decays of its first and last chunk. A ragged tail is padded with
 Δ = 0 (decay 1, no input), which leaves the state unchanged. Gradients come from autograd.
 """
 from __future__ import annotations
