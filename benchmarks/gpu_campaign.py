@@ -336,6 +336,21 @@ def _summary(rec: dict) -> str:
     return f"{rec['name']} w{rec.get('num_warps')} s{rec.get('num_stages')}" + (f" [{','.join(cx[:6])}]" if cx else "")
 
 
+#: put first on PYTHONPATH of a record process: its sitecustomize installs the launch recorder at start-up
+RECORD_SITE = ROOT / "benchmarks" / "launch_recording"
+
+
+def record_env(rec_file: Path, pin: bool = True) -> Dict[str, str]:
+    """The environment (added to os.environ) of a command whose Triton launches are recorded to
+    ``rec_file`` instead of compiled and run: the recorder is installed at start-up by
+    ``benchmarks/launch_recording/sitecustomize.py`` in the process and in the Python processes it
+    starts; importing a kernel alone never records. The interpreter is off: what is recorded is a
+    GPU's compile (and Triton is imported at start-up, before the program could switch it)."""
+    path = [str(RECORD_SITE), str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return {"TTT_LM_RECORD_LAUNCHES": str(rec_file), "TTT_LM_PIN_LAUNCH_CONFIGS": "1" if pin else "0",
+            "PYTHONPATH": os.pathsep.join(path), "TRITON_INTERPRET": "0"}
+
+
 def step_warmup(step: Step, a, record_items: List[Tuple[str, List[str]]], log) -> None:
     """Record the later steps' launches (``record_items``: (label, command) run with
     TTT_LM_RECORD_LAUNCHES) and compile each distinct one as soon as it is recorded."""
@@ -344,7 +359,7 @@ def step_warmup(step: Step, a, record_items: List[Tuple[str, List[str]]], log) -
     rec_file = a.out / "launches.jsonl"
     if rec_file.exists():
         rec_file.unlink()
-    env = {"TTT_LM_RECORD_LAUNCHES": str(rec_file), "TTT_LM_PIN_LAUNCH_CONFIGS": "1"}
+    env = record_env(rec_file)
     jobs = a.jobs or max(2, (os.cpu_count() or 4) - 2)
     ctx = multiprocessing.get_context("spawn")
     pool = cf.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=_launch_cache.worker_init)
