@@ -848,8 +848,10 @@ def run_campaign(a, command: str) -> int:
 
 def record(src: Path, results_md: Path = RESULTS_MD, dest_root: Optional[Path] = None) -> Path:
     """Copy ``src``'s campaign.md / campaign.json (and warmup.json, logs.txt) to
-    benchmarks/gpu_results/<date>-<command>/ and insert the Markdown into RESULTS.md under the
-    GPU campaign heading, newest first. Returns the folder written."""
+    benchmarks/gpu_results/<date>-<command>/ and put the Markdown into RESULTS.md under the GPU
+    campaign heading, in place of the earlier campaign of the same command (RESULTS.md keeps the
+    latest of each; older ones stay in git history and their folders), the latest command first.
+    Refuses a campaign already there or older than the one there. Returns the folder written."""
     src = Path(src)
     cj = src / "campaign.json"
     if not cj.exists():
@@ -873,11 +875,18 @@ def record(src: Path, results_md: Path = RESULTS_MD, dest_root: Optional[Path] =
     text = results_md.read_text() if results_md.exists() else "# Benchmark results\n"
     if RESULTS_MARKER not in text:
         text = text.rstrip("\n") + "\n\n" + RESULTS_MARKER + "\n"
-    i = text.index(RESULTS_MARKER) + len(RESULTS_MARKER)
     stamp = f"<!-- campaign {res['date']} {res['command']} {res['commit']} -->"
     if stamp in text:
         sys.exit(f"gpu_campaign record: this campaign ({res['date']}, {res['command']}, {res['commit']}) is already "
                  f"in {results_md}")
+    for m in re.finditer(rf"^<!-- campaign (\S+) {re.escape(res['command'])} .* -->\n", text, flags=re.M):
+        if m.group(1) > res["date"]:
+            sys.exit(f"gpu_campaign record: {results_md} holds a later `{res['command']}` campaign ({m.group(1)}) "
+                     f"than this one ({res['date']}); it keeps the latest of each")
+        end = re.compile(r"^(?:<!-- campaign |## |### (?!GPU campaign))", re.M).search(text, m.end())
+        text = text[:m.start()].rstrip("\n") + "\n" + (text[end.start():] if end else "")
+        break
+    i = text.index(RESULTS_MARKER) + len(RESULTS_MARKER)
     results_md.write_text(text[:i] + "\n" + stamp + "\n" + body + text[i:])
     print(f"gpu_campaign record: {res['command']} of {res['date']} (commit {res['commit']}) into {results_md}; "
           f"files in {dest}")
