@@ -54,7 +54,6 @@ UNCONVERTED = {
     "tests/model/test_lm.py",
     "tests/model/test_loss.py",
     "tests/model/test_mixer_state.py",
-    "tests/model/test_packed_docs.py",
     "tests/model/test_registry.py",
     "tests/model/test_varlen_triton_mixers.py",
     "tests/parallel/test_context_parallel.py",

@@ -19,6 +19,29 @@ def tiny_cfg(kind: str, **kw) -> ModelConfig:
     return cfg.validate()
 
 
+def short_sections(cfg: ModelConfig, n: int) -> ModelConfig:
+    """``cfg`` with every section that has ``tiny(n)`` (else ``short(n)``) replaced by it: the
+    shared tests' sizes for every registered kind (chunks, mini-batches, windows and segments of
+    a few tokens), declared by each section in its own file."""
+    for name, section in cfg.sections().items():
+        fn = getattr(section, "tiny", None) or getattr(section, "short", None)
+        if callable(fn):
+            setattr(cfg, name, fn(n))
+    return cfg
+
+
+def short_config(pattern, n: int = 4, **kw) -> ModelConfig:
+    """A tiny ModelConfig of the layer kinds ``pattern`` (a kind or a sequence of kinds; None: the
+    config's default pattern) with :func:`short_sections`; ``kw``: ModelConfig fields (d_model 16,
+    2 heads, vocabulary 53, as many layers as the pattern has kinds unless given)."""
+    base = dict(vocab_size=53, d_model=16, n_heads=2)
+    if pattern is not None:
+        pat = [pattern] if isinstance(pattern, str) else list(pattern)
+        base.update(layer_pattern=pat, n_layers=len(pat))
+    base.update(kw)
+    return short_sections(ModelConfig(**base), n).validate()
+
+
 def make_mixer(kind: str, dtype=torch.float64, seed: int = 0, **kw):
     torch.manual_seed(seed)
     cfg = tiny_cfg(kind, **kw)

@@ -133,6 +133,12 @@ class TitansConfig:
         models, ``ttt_lm.eval.synthetic.build_tiny_lm``)."""
         return dataclasses.replace(self, chunk_size=n)
 
+    def tiny(self, n: int) -> "TitansConfig":
+        """This section for the tests' tiny models (``tests/model/mixer_checks.short_config``):
+        ``short(n)`` and MAC's segments of 1.5 chunks (6 tokens for n = 4), so that sequences of
+        a few chunks hold several segments and segments and chunks do not line up."""
+        return dataclasses.replace(self.short(n), segment_len=n + n // 2)
+
 
 def _gelu_grad(h: torch.Tensor) -> torch.Tensor:
     """d/dh GELU(h) = Φ(h) + h φ(h) (exact, erf form)."""
