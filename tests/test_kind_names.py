@@ -55,7 +55,6 @@ UNCONVERTED = {
     "tests/model/test_loss.py",
     "tests/model/test_mixer_state.py",
     "tests/model/test_registry.py",
-    "tests/model/test_varlen_triton_mixers.py",
     "tests/parallel/test_context_parallel.py",
     "tests/parallel/test_cp_docs_forms.py",
     "tests/parallel/test_cp_docs_state.py",

@@ -284,6 +284,10 @@ class Mixer(nn.Module, metaclass=abc.ABCMeta):
     #: starts inside the packed rows themselves (masks in the scan / attention); False: ``forward``
     #: runs the form once on the layout's padded view (one document per row)
     handles_docs: bool = False
+    #: the Triton entry (``"module:function"``) that the chunked form with ``docs`` on the Triton
+    #: backend calls once per forward, on the batch flattened to one row with the layout's
+    #: ``cu_seqlens`` (``ttt_lm.model.docs.check_packed_triton``'s refusals apply); None: no such path
+    varlen_triton_op: Optional[str] = None
 
     def forward(self, x: torch.Tensor, state: Optional[State] = None,
                 output_state: bool = False, docs=None, **kw) -> Tuple[torch.Tensor, Optional[State]]:
