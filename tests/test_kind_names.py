@@ -32,7 +32,6 @@ EXCLUDED_DIRS = (os.path.join("tests", "train"),)
 
 #: shared files not yet reading the registry (relative to the repository root); only shrinks
 UNCONVERTED = {
-    "benchmarks/chunk_scaling.py",
     "benchmarks/gpu_campaign.py",
     "benchmarks/kernels.py",
     "tests/benchmarks/test_gpu_campaign.py",

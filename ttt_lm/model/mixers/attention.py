@@ -106,6 +106,8 @@ class Attention(Mixer):
     window: Optional[int] = None
     #: every earlier key: cost and RoPE range grow with the context (LocalAttention: False)
     global_attention = True
+    #: attends over earlier tokens (LocalAttention too, within its window)
+    attends = True
     #: context parallelism gathers the keys and values of earlier ranks
     cp_form = "kv_exchange"
 

@@ -268,6 +268,12 @@ class Mixer(nn.Module, metaclass=abc.ABCMeta):
     #: attention over every earlier token (no window): its cost and positional range (RoPE, the
     #: memory plan) grow with the context, so evals refuse contexts beyond ``model.max_seq_len``
     global_attention: bool = False
+    #: attends over earlier tokens (attention, a sliding window, an attention branch); False: a
+    #: pure recurrence, whose cost per token is flat in the sequence length
+    attends: bool = False
+    #: named variants of the section's settings that benchmarks time as rows of their own
+    #: (``benchmarks/chunk_scaling.py``: ``<kind>_<name>``); empty: the kind as configured
+    variants: Dict[str, Dict[str, object]] = {}
     #: context-parallel form, one of CP_FORMS (see the module docstring)
     cp_form: str = "state_passing"
     #: "summary" form: the kernels/ op whose summaries combine across ranks, one of SUMMARY_OPS

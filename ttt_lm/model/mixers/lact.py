@@ -189,6 +189,9 @@ class LaCT(Mixer):
     #: the fast weights are a nonlinear recurrence over chunks: ranks hand the state on
     cp_form = "state_passing"
 
+    #: its sliding-window attention attends over earlier tokens: not a pure recurrence
+    attends = True
+
     def __init__(self, cfg, layer_idx: int):
         super().__init__()
         c = cfg.lact

@@ -200,6 +200,9 @@ class TitansMemory(Mixer):
     #: gate values at initialization: θ (inner step), η (momentum), α (forgetting)
     theta_init, eta_init, alpha_init = 0.1, 0.9, 0.01
 
+    #: the two memories as benchmark rows (titans_linear, titans_mlp)
+    variants = {"linear": {"memory": "linear"}, "mlp": {"memory": "mlp"}}
+
     def __init__(self, cfg, layer_idx: int):
         super().__init__()
         c = cfg.titans   # ranges checked by TitansConfig (ModelConfig.validate)
@@ -542,6 +545,9 @@ class TitansMAG(Mixer):
     on PyTorch, its Triton kernel's ``cu_seqlens`` path on Triton), then the gate per token. The
     reference form runs on the padded view."""
 
+    #: attends over earlier tokens (an attention branch, a window): not a pure recurrence
+    attends = True
+
     def __init__(self, cfg, layer_idx: int):
         super().__init__()
         self.d_model = cfg.d_model
@@ -662,6 +668,9 @@ class TitansMAL(Mixer):
     Triton kernel's ``cu_seqlens`` path in one call on Triton (either way its chunks counted from
     each document's first persistent token, as alone), the attention with its document mask and
     RoPE at each token's position in [p ‖ document]. The reference form runs on the padded view."""
+
+    #: attends over earlier tokens (an attention branch, a window): not a pure recurrence
+    attends = True
 
     def __init__(self, cfg, layer_idx: int):
         super().__init__()
@@ -836,6 +845,9 @@ class TitansMAC(Mixer):
     ``cu_seqlens`` path: a segment's memory input y depends on the attention over the memory's own
     retrieval, so the documents cannot go through the memory in one call). The reference form runs
     on the padded view."""
+
+    #: attends over earlier tokens (an attention branch, a window): not a pure recurrence
+    attends = True
 
     def __init__(self, cfg, layer_idx: int):
         super().__init__()
