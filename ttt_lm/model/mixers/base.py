@@ -271,8 +271,9 @@ class Mixer(nn.Module, metaclass=abc.ABCMeta):
     #: attends over earlier tokens (attention, a sliding window, an attention branch); False: a
     #: pure recurrence, whose cost per token is flat in the sequence length
     attends: bool = False
-    #: named variants of the section's settings that benchmarks time as rows of their own
-    #: (``benchmarks/chunk_scaling.py``: ``<kind>_<name>``); empty: the kind as configured
+    #: named variants of the section's settings that the shared tests run as cases of their own
+    #: and benchmarks time as rows of their own (``benchmarks/chunk_scaling.py``: ``<kind>_<name>``);
+    #: empty: the kind as configured
     variants: Dict[str, Dict[str, object]] = {}
     #: context-parallel form, one of CP_FORMS (see the module docstring)
     cp_form: str = "state_passing"
