@@ -52,7 +52,6 @@ UNCONVERTED = {
     "tests/model/test_kernel_backend.py",
     "tests/model/test_lm.py",
     "tests/model/test_loss.py",
-    "tests/model/test_registry.py",
     "tests/parallel/test_cp_docs_state.py",
     "tests/parallel/test_tensor_parallel.py",
     "tests/parallel/test_tp_mixers.py",
