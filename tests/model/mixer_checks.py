@@ -217,3 +217,18 @@ def check_map_to_detach(m) -> None:
         torch.testing.assert_close(a, b * 2, atol=0, rtol=0)
     # batch-first: every tensor's first dimension is the batch
     assert all(t.shape[0] == 2 for t in st.tensors())
+
+
+def preset_config(name: str = "tiny", n: int = 4, **kw) -> ModelConfig:
+    """The model of the preset ``configs/<name>.yaml`` (its layer pattern: a shared test that
+    needs one concrete hybrid takes it from here rather than naming kinds) with the ModelConfig
+    fields ``kw`` replaced and every section at its tiny sizes (:func:`short_sections`)."""
+    import dataclasses
+    import os
+    from ttt_lm.config import load_config
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    path = os.path.join(root, "configs", f"{name}.yaml")
+    if not os.path.isfile(path):
+        raise ValueError(f"preset_config: no preset {name!r} ({path})")
+    cfg = dataclasses.replace(load_config(path, []).model, **kw)
+    return short_sections(cfg, n).validate()
