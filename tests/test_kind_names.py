@@ -55,7 +55,6 @@ UNCONVERTED = {
     "tests/parallel/test_tp_mixers.py",
     "tests/parallel/test_tp_ttt.py",
     "tests/scaling/test_ladder.py",
-    "tests/test_config.py",
     "tests/test_convert.py",
 }
 
