@@ -39,7 +39,6 @@ UNCONVERTED = {
     "tests/benchmarks/test_launch_warmup.py",
     "tests/eval/test_checkpoint.py",
     "tests/eval/test_export_generate.py",
-    "tests/eval/test_lm_eval.py",
     "tests/eval/test_lm_eval_cli.py",
     "tests/eval/test_long_context.py",
     "tests/eval/test_passkey.py",
