@@ -74,6 +74,23 @@ def test_readme_is_a_front_page():
     assert not hashes, f"README.md carries what look like commit hashes: {hashes}"
 
 
+BARE_PY = re.compile(r"^\s*(?:python3?|torchrun)\s", re.M)
+ACTIVATE = re.compile(r"(?:source|\.)\s+\.venv/bin/activate")
+
+
+def test_readme_commands_say_which_python():
+    """`make run` installs into .venv, so a bare `python` has no torch: before the README's first
+    command that runs one, its code says to activate the environment."""
+    text = (ROOT / "README.md").read_text()
+    blocks = [m.group(0) for m in FENCE.finditer(text)]
+    first = next((i for i, b in enumerate(blocks) if BARE_PY.search(b)), None)
+    assert first is not None, "README.md has no python command in a code block (the parser found none)"
+    before = "\n".join(blocks[:first]) + blocks[first][:BARE_PY.search(blocks[first]).start()]
+    assert ACTIVATE.search(before), (
+        "README.md runs a bare python before saying `source .venv/bin/activate`: "
+        f"{BARE_PY.search(blocks[first]).group(0).strip()!r} in block {first + 1}")
+
+
 @pytest.mark.parametrize("page", PAGES, ids=rel)
 def test_relative_links_exist(page):
     missing = []
