@@ -91,6 +91,18 @@ def test_readme_commands_say_which_python():
         f"{BARE_PY.search(blocks[first]).group(0).strip()!r} in block {first + 1}")
 
 
+def test_readme_says_what_make_test_costs():
+    """`make test` runs for about half an hour on 2 cores and, as root, installs Slurm and munge with
+    apt-get (tests/slurm/cluster.py): the README's paragraph on it says both."""
+    text = (ROOT / "README.md").read_text()
+    start = text.index("`make test` is what CI runs")
+    para = text[start:text.find("\n\n", start)]
+    assert re.search(r"\d+\s*(?:–|-|to)\s*\d+ minutes", para), f"README.md does not say how long make test takes: {para!r}"
+    from tests.slurm.cluster import PACKAGES
+    missing = [w for w in ["apt-get", "root", *PACKAGES] if w not in para]
+    assert not missing, f"README.md's paragraph on make test does not name {missing}: {para!r}"
+
+
 @pytest.mark.parametrize("page", PAGES, ids=rel)
 def test_relative_links_exist(page):
     missing = []
