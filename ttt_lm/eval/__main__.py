@@ -75,6 +75,14 @@ def _progress(args) -> bool:
     return not args.no_progress and args.dist.is_main
 
 
+def _say_padding(args, model, tokenizer_vocab: int, source: str) -> None:
+    """Rank 0 says once that the model's vocabulary is padded beyond its data's tokenizer."""
+    from ttt_lm.eval.common import vocab_padding_note
+    note = vocab_padding_note(model.cfg.vocab_size, tokenizer_vocab, source)
+    if note and args.dist.is_main:
+        print(note, file=sys.stderr, flush=True)
+
+
 def _data_path(args, ck) -> str:
     p = args.data or ck.data_path
     if not p:
@@ -94,13 +102,15 @@ def cmd_perplexity(args) -> dict:
         tok = _tokenizer(args.tokenizer, ck, "--text")
         from ttt_lm.eval.common import check_vocab as check_tok_vocab
         check_tok_vocab(model, tok.vocab_size, f"the tokenizer {tok.path}", allow_padding=True)
+        _say_padding(args, model, tok.vocab_size, f"the tokenizer {tok.path}")
         with open(args.text, encoding="utf-8") as f:
             ids = torch.tensor(tok.encode(f.read()), dtype=torch.long)
         batches, total, source = text_batches(ids, seq_len, args.batch_size), None, args.text
     else:
         path = _data_path(args, ck)
         man = load_manifest(path)
-        check_vocab(man, model.cfg.vocab_size)
+        check_vocab(man, model.cfg.vocab_size, allow_padding=True)
+        _say_padding(args, model, int(man["vocab_size"]), f"the data in {path}")
         from ttt_lm.data import load_tokenizer
         tok = load_tokenizer(path)
         if args.split == "val":
@@ -146,7 +156,9 @@ def cmd_long_context(args) -> dict:
         ck = _load(args, path)
         name = names[i] if i < len(names) else ck.name
         data = _data_path(args, ck)
-        check_vocab(load_manifest(data), ck.model.cfg.vocab_size)
+        man = load_manifest(data)
+        check_vocab(man, ck.model.cfg.vocab_size, allow_padding=True)
+        _say_padding(args, ck.model, int(man["vocab_size"]), f"the data in {data}")
         docs = iter_documents(data, args.split)
         if args.windows:
             docs = windows(docs, args.max_len + 1)
@@ -176,6 +188,7 @@ def cmd_passkey(args) -> dict:
     from ttt_lm.eval.passkey import passkey_grid, plot_heatmap
     ck = _load(args, args.checkpoint)
     tok = _tokenizer(args.tokenizer, ck, "passkey")
+    _say_padding(args, ck.model, tok.vocab_size, f"the tokenizer {tok.path}")
     res = passkey_grid(ck.model, tok, args.lengths, args.depths, args.trials, args.seed, args.chunk_len,
                        show_progress=_progress(args), dist=args.dist)
     if not args.dist.is_main:
