@@ -322,6 +322,33 @@ def test_evals_read_the_hf_folder(exported):
     assert ck.tokenizer_path == os.path.join(out, "tokenizer.json")
 
 
+@pytest.mark.parametrize("cut", ["half", "header"])
+def test_a_truncated_safetensors_file_is_named(exported, tmp_path, capsys, cut):
+    """A model.safetensors cut short (an interrupted copy) is refused naming the file, by load_hf and
+    by what reads it through load_checkpoint: generate and the evals (exit 2, one line, no
+    traceback), as a truncated model.pt is."""
+    import shutil
+
+    from ttt_lm.eval.__main__ import main as eval_main
+    from ttt_lm.generate import main as generate_main
+    _, out = exported
+    d = tmp_path / "cut"
+    shutil.copytree(out, d)
+    f = d / "model.safetensors"
+    n = f.stat().st_size
+    with open(f, "r+b") as fh:
+        fh.truncate(n // 2 if cut == "half" else 4)
+    with pytest.raises(HFError, match=f"{f} is not a readable safetensors file"):
+        load_hf(str(d))
+    assert generate_main(["--checkpoint", str(d), "--prompt", "the", "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert f"{f} is not a readable safetensors file" in err and "Traceback" not in err, err
+    assert eval_main(["perplexity", "--checkpoint", str(d), "--text", str(f), "--out", str(tmp_path),
+                      "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert f"{f} is not a readable safetensors file" in err and "Traceback" not in err, err
+
+
 def test_autotokenizer_reads_the_folder(exported):
     _, out = exported
     tok = AutoTokenizer.from_pretrained(out)
