@@ -96,7 +96,9 @@ def test_cli_writes_json(attn_export, tmp_path, capsys):
     assert r["tokens"] > 0 and r["seq_len"] == 64 and 0 < r["bits_per_byte"] < 20
     # an untrained model is close to uniform over the vocabulary
     assert abs(r["loss"] - math.log(VOCAB)) < 0.2
-    assert "perplexity" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "perplexity" in printed
+    assert printed.endswith(f"wrote {tmp_path / 'perplexity.json'}\n"), printed
 
 
 def test_the_window_defaults_to_the_training_context(prepared, tmp_path, capsys):

@@ -47,14 +47,24 @@ def _commit() -> Optional[str]:
 
 
 def _meta(args, device) -> dict:
-    d = {k: v for k, v in vars(args).items() if k not in ("func", "dist", "dev")}
+    d = {k: v for k, v in vars(args).items() if k not in ("func", "dist", "dev", "written")}
     return {"args": d, "device": str(device), "world_size": args.dist.world_size, "torch": torch.__version__,
             "commit": _commit(), "date": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
 def _out(args, name: str) -> str:
+    """``<out>/<name>``, recorded: ``main`` prints the ones that were written when the task ends."""
     os.makedirs(args.out, exist_ok=True)
-    return os.path.join(args.out, name)
+    path = os.path.join(args.out, name)
+    args.written.append(path)
+    return path
+
+
+def _say_written(args) -> None:
+    """One line naming every file (or folder) the task wrote, on rank 0."""
+    seen = [p for i, p in enumerate(args.written) if p not in args.written[:i] and os.path.exists(p)]
+    if seen and args.dist.is_main:
+        print("wrote " + ", ".join(seen), flush=True)
 
 
 def _tokenizer(path: Optional[str], ck, what: str):
@@ -172,8 +182,10 @@ def cmd_long_context(args) -> dict:
         del ck
         at = summ["mean_loss_at_length"]
         if args.dist.is_main:
-            print(f"long_context {name}: " + "  ".join(f"L={k}: {v['loss']:.4f}" for k, v in at.items())
-                  + f"  ({summ['documents']} documents)")
+            what = "window" if args.windows else "document"
+            print(f"long_context {name}: mean loss over the first L tokens of each {what}: "
+                  + "  ".join(f"L={k}: {v['loss']:.4f}" for k, v in at.items())
+                  + f"  ({summ['documents']} {what}s)")
     if not args.dist.is_main:
         return dict(task="long_context", result=curves)
     png = _out(args, "long_context.png")
@@ -230,7 +242,7 @@ def cmd_passkey_train(args) -> dict:
     cfg.data.seq_len = max(args.lengths)  # the longest practice prompt: the passkey plot marks it as "train"
     save_export(ck.model, cfg, args.out, tokenizer=tok_path)
     out = dict(task="passkey_train", checkpoint=ck.path, result=res, **_meta(args, ck.model.embed.weight.device))
-    write_json(os.path.join(args.out, "passkey_train.json"), out)
+    write_json(_out(args, "passkey_train.json"), out)
     b, a = res["before"], res["after"]
     print(f"passkey_train {ck.name} -> {args.out}: {args.steps} steps at lengths {args.lengths}; held-out answer "
           f"loss {b['answer_loss']:.3f} -> {a['answer_loss']:.3f}, answers fully right "
@@ -745,6 +757,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from ttt_lm.data import DataError
     from ttt_lm.data.tokenizer import TokenizerError
     args.dist = SINGLE
+    args.written = []
     try:
         world = detect_env().world_size
         if world > 1 and args.task not in DISTRIBUTED_TASKS:
@@ -752,6 +765,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                             f"(tasks that run distributed: {', '.join(DISTRIBUTED_TASKS)})")
         args.dist, args.dev = init_distributed(args.device)
         args.func(args)
+        _say_written(args)
     except (EvalError, DataError, TokenizerError, ConfigError) as e:
         print(f"error{f' (rank {args.dist.rank})' if args.dist.distributed else ''}: {e}", file=sys.stderr)
         return 2
