@@ -42,7 +42,7 @@ def _read_yaml(path: str, seen: tuple = ()) -> List[DictConfig]:
     if path in seen:
         raise ConfigError(f"config {path}: _base_ cycle")
     if not os.path.exists(path):
-        raise ConfigError(f"config file not found: {path}")
+        raise ConfigError(f"config file not found: {path}{_similar_files(path)}")
     try:
         raw = OmegaConf.load(path)
     except Exception as e:  # yaml syntax errors
@@ -54,6 +54,30 @@ def _read_yaml(path: str, seen: tuple = ()) -> List[DictConfig]:
             out += _read_yaml(os.path.join(os.path.dirname(path), b), seen + (path,))
     out.append(raw)
     return out
+
+
+def _similar_files(path: str) -> str:
+    """`` (did you mean '<dir>/x.yaml'?)`` for the YAML files beside a missing ``path`` whose names
+    are closest to its name; where its folder does not exist either, the presets under
+    ``configs/`` of the working directory and of the repository are the candidates."""
+    folder, name = os.path.split(path)
+    here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+    dirs = [folder] if os.path.isdir(folder) else [os.path.abspath("configs"), here]
+    by_name: dict = {}
+    for d in dirs:
+        try:
+            names = sorted(os.listdir(d))
+        except OSError:
+            continue
+        for n in names:
+            if n.endswith((".yaml", ".yml")) and os.path.isfile(os.path.join(d, n)):
+                by_name.setdefault(n, os.path.relpath(os.path.join(d, n)))
+    import difflib
+    stem = name if name.endswith((".yaml", ".yml")) else name + ".yaml"
+    close = difflib.get_close_matches(stem, list(by_name), n=3, cutoff=0.6)
+    if not close:
+        return ""
+    return " (did you mean " + " or ".join(repr(by_name[c]) for c in close) + "?)"
 
 
 _SCHEMAS: dict = {}
