@@ -356,6 +356,24 @@ def test_autotokenizer_reads_the_folder(exported):
     assert tok.decode(tok("the lazy dog")["input_ids"]) == "the lazy dog"
 
 
+def test_autotokenizer_reads_an_exported_sentencepiece_model(tmp_path):
+    """A folder exported with the project's SentencePiece tokenizer holds its tokenizer.model as it
+    is; transformers' AutoTokenizer reads it (converted to a fast tokenizer) and encodes and decodes
+    as our tokenizer does: byte fallback, no dummy prefix, spaces and newlines kept."""
+    from tests.data.corpus import make_texts
+    from ttt_lm.data.tokenizer import train_tokenizer
+    ours = train_tokenizer(make_texts(60), str(tmp_path / "sp"), vocab_size=V)
+    sp = str(tmp_path / "sp.model")
+    out = save_hf(tiny_lm(), str(tmp_path / "model"), tokenizer=sp)
+    assert os.path.isfile(os.path.join(out, "tokenizer.model"))
+    tok = AutoTokenizer.from_pretrained(out, trust_remote_code=True)
+    assert tok.eos_token_id == ours.eos_id and len(tok) == ours.vocab_size
+    for s in ["the lazy dog", " a leading space", "two\n\nlines  and  gaps ", "héllo 日本 ☃", "ROMEO:"]:
+        ids = ours.encode(s)
+        assert tok(s, add_special_tokens=False)["input_ids"] == ids, s
+        assert tok.decode(ids) == s == ours.decode(ids)
+
+
 PADDED_PATTERNS = [(k,) for k in LAYER_KINDS] + [("ttt_linear", "attention", "rglru", "mamba")]
 
 

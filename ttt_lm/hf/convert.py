@@ -9,7 +9,7 @@ A Hugging Face export folder::
     modeling_ttt_lm.py
     tokenizer.json + tokenizer_config.json   a Hugging Face tokenizer, copied as it is, with its
                               eos/bos tokens (AutoTokenizer reads the pair), or
-    tokenizer.model           a SentencePiece model, copied as it is (AutoTokenizer does not read it)
+    tokenizer.model           a SentencePiece model, copied as it is (AutoTokenizer reads it too)
 
 The weights are written and read by transformers (``save_pretrained`` / ``from_pretrained``),
 so they are bit-identical both ways; :func:`load_hf` refuses a weight file it cannot read
