@@ -103,6 +103,16 @@ def test_readme_says_what_make_test_costs():
     assert not missing, f"README.md's paragraph on make test does not name {missing}: {para!r}"
 
 
+def test_evaluation_page_says_each_thing_once():
+    """docs/evaluation.md gives the harness's CLI command and its Python entry once each (in its
+    lm-evaluation-harness section), not again in the task list."""
+    text = (ROOT / "docs" / "evaluation.md").read_text()
+    for needle in ("python -m ttt_lm.eval.lm_eval_cli --model ttt_lm", "lm_eval.simple_evaluate(",
+                   "a dataset that cannot be loaded"):
+        n = text.lower().count(needle.lower())
+        assert n == 1, f"docs/evaluation.md says {needle!r} {n} times; say it once and link to it"
+
+
 @pytest.mark.parametrize("page", PAGES, ids=rel)
 def test_relative_links_exist(page):
     missing = []
