@@ -113,6 +113,17 @@ def test_evaluation_page_says_each_thing_once():
         assert n == 1, f"docs/evaluation.md says {needle!r} {n} times; say it once and link to it"
 
 
+def test_limitations_do_not_contradict_the_tested_resume():
+    """A run resumes on another tensor-parallel size (tests/train/test_resume_tp.py; docs/training.md
+    says so): docs/limitations.md does not list it as something that cannot change."""
+    assert (ROOT / "tests" / "train" / "test_resume_tp.py").is_file()
+    text = (ROOT / "docs" / "limitations.md").read_text()
+    for item in re.split(r"\n- ", text):
+        said = " ".join(item.split())
+        for m in re.finditer(r"[^.;()]*cannot change[^.;()]*", said):
+            assert "tensor" not in m.group(0), f"docs/limitations.md: {m.group(0).strip()!r}"
+
+
 @pytest.mark.parametrize("page", PAGES, ids=rel)
 def test_relative_links_exist(page):
     missing = []
