@@ -174,6 +174,39 @@ def _explain(e: OmegaConfBaseException, schema=None) -> str:
     return f"key '{key}': {msg}{hint}"
 
 
+def describe_config(section: Optional[str] = None) -> str:
+    """The config's keys with their types and defaults, one per line (``optim.lr: float = 0.0003``),
+    as ``python train.py --help`` lists them: every section with the mixers' sub-sections of
+    ``model`` folded into one line each, or all of one section (``optim``, ``model.ttt``).
+    A section that does not exist raises ConfigError with the closest names."""
+    import dataclasses
+    obj, prefix = ExperimentConfig(), ""
+    if section:
+        for part in section.split("."):
+            subs = [f.name for f in dataclasses.fields(obj) if dataclasses.is_dataclass(getattr(obj, f.name))]
+            if part not in subs:
+                raise ConfigError(f"no config section {prefix + part!r}{registry.did_you_mean(part, subs)}; "
+                                  f"the sections{' of ' + prefix[:-1] if prefix else ''}: {', '.join(subs)}")
+            obj, prefix = getattr(obj, part), prefix + part + "."
+    lines: List[str] = []
+
+    def walk(o, pre: str, fold: bool) -> None:
+        for f in dataclasses.fields(o):
+            v = getattr(o, f.name)
+            if dataclasses.is_dataclass(v):
+                if fold:
+                    n = len(dataclasses.fields(v))
+                    lines.append(f"{pre}{f.name}.*  ({n} keys: python train.py --help {pre}{f.name})")
+                else:
+                    walk(v, f"{pre}{f.name}.", fold=not section)
+                continue
+            t = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+            lines.append(f"{pre}{f.name}: {t} = {v!r}")
+
+    walk(obj, prefix, fold=False)
+    return "\n".join(lines)
+
+
 def _unsaved_sections(model) -> List[str]:
     """Sections of mixers registered outside the package in this process (a plugin imported by
     other code) that this config neither uses nor names in ``model.mixer_modules``: saving them
