@@ -164,7 +164,7 @@ def test_export_without_the_data_writes_no_tokenizer_and_says_so(trained_run, mo
               os.path.join(moved_export, "tokenizer.model")])
     assert r.returncode == 0 and (tmp_path / "f" / "tokenizer.model").exists()
     r = _run(["-m", "ttt_lm.train.export", run, str(tmp_path / "g"), "--tokenizer", str(tmp_path / "nope")])
-    assert r.returncode == 1 and "does not exist" in r.stderr
+    assert r.returncode == 2 and "does not exist" in r.stderr
 
 
 @pytest.mark.slow
@@ -185,7 +185,7 @@ def test_export_takes_only_the_tokenizer_the_run_trained_with(trained_run, moved
         assert "is not the one this checkpoint was trained with" in r.stderr
         assert not (tmp_path / "e" / "tokenizer.model").exists()
         r = _run(["-m", "ttt_lm.train.export", run, str(tmp_path / "f"), "--tokenizer", data])
-        assert r.returncode == 1 and "is not the one this checkpoint was trained with" in r.stderr
+        assert r.returncode == 2 and "is not the one this checkpoint was trained with" in r.stderr
     finally:
         shutil.rmtree(data)
 

@@ -252,12 +252,9 @@ def main(argv=None) -> int:
     from ttt_lm.train.checkpoint import CheckpointError
     try:
         out = export(a.ckpt, a.out_dir, a.tokenizer, a.format)
-    except (CheckpointError, DataError, TokenizerError) as e:  # the message names the file
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except ValueError as e:  # HFError and the like, naming the folder
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    except (CheckpointError, DataError, TokenizerError, ValueError) as e:  # the message names the file
+        print(f"error: {e}", file=sys.stderr)  # (HFError and the like name the folder)
+        return 2  # refused input: the commands' one convention (README, "Exit status")
     main_files = [WEIGHTS, CONFIG] if a.format == "pt" else ["model.safetensors", "config.json"]
     files = main_files + [t for t in (TOKENIZER, HF_TOKENIZER) if os.path.isfile(os.path.join(out, t))]
     print(f"exported {a.ckpt} -> {os.path.abspath(out)} ({', '.join(files)})")
