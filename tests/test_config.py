@@ -64,6 +64,23 @@ def test_semantic_errors(override, match):
         load_config(os.path.join(CONFIGS, "tiny.yaml"), [override])
 
 
+def test_a_missing_config_file_suggests_the_closest_presets(tmp_path, monkeypatch):
+    """As an unknown key does: a misspelt preset names the files it may have meant."""
+    with pytest.raises(ConfigError, match=r"not found: .*hybrid125m\.yaml \(did you mean '[^']*configs/hybrid_125m\.yaml'"):
+        load_config(os.path.join(CONFIGS, "hybrid125m.yaml"))
+    with pytest.raises(ConfigError, match=r"\(did you mean '[^']*configs/tiny\.yaml'"):
+        load_config(os.path.join(CONFIGS, "tiny"))  # the suffix left off
+    # a folder that does not exist: the presets under configs/ are the candidates
+    with pytest.raises(ConfigError, match=r"\(did you mean '[^']*configs/tiny_mamba\.yaml'"):
+        load_config("config/tiny_mambo.yaml")
+    (tmp_path / "mine.yaml").write_text("optim:\n  lr: 1e-3\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=r"not found: \S*mien\.yaml \(did you mean 'mine\.yaml'\?\)"):
+        load_config("mien.yaml")
+    with pytest.raises(ConfigError, match=r"not found: \S*zzzz\.yaml$"):
+        load_config("zzzz.yaml")  # nothing close: no hint
+
+
 def test_missing_file_and_bad_override():
     with pytest.raises(ConfigError, match="not found"):
         load_config("configs/does_not_exist.yaml")

@@ -3,7 +3,11 @@
 Over README.md, docs/**/*.md, kernels/*/README.md, slurm/README.md and experiments/README.md:
 
 - every relative link or image (``[text](path)``, ``![alt](path)``) names a file or directory that
-  exists, resolved from the page's own folder (the ``#anchor`` is not checked);
+  exists, resolved from the page's own folder;
+- every ``#anchor`` of a link to a Markdown page (``file.md#anchor``, or ``#anchor`` on the page
+  itself) is the slug of a heading of that page by GitHub's rules (lower case; punctuation other
+  than ``-`` and ``_`` dropped; each space a ``-``; a repeated slug takes ``-1``, ``-2``, ...), or an
+  ``id``/``name`` of an HTML element on it;
 - every ``python -m <module>`` names an importable module and every ``python <script>.py`` a script
   in the repository, and each answers ``--help`` with exit status 0 (run once per distinct module
   or script); where a command names a subcommand (``python -m ttt_lm.eval perplexity``) and the
@@ -70,6 +74,56 @@ def test_readme_is_a_front_page():
     assert not hashes, f"README.md carries what look like commit hashes: {hashes}"
 
 
+BARE_PY = re.compile(r"^\s*(?:python3?|torchrun)\s", re.M)
+ACTIVATE = re.compile(r"(?:source|\.)\s+\.venv/bin/activate")
+
+
+def test_readme_commands_say_which_python():
+    """`make run` installs into .venv, so a bare `python` has no torch: before the README's first
+    command that runs one, its code says to activate the environment."""
+    text = (ROOT / "README.md").read_text()
+    blocks = [m.group(0) for m in FENCE.finditer(text)]
+    first = next((i for i, b in enumerate(blocks) if BARE_PY.search(b)), None)
+    assert first is not None, "README.md has no python command in a code block (the parser found none)"
+    before = "\n".join(blocks[:first]) + blocks[first][:BARE_PY.search(blocks[first]).start()]
+    assert ACTIVATE.search(before), (
+        "README.md runs a bare python before saying `source .venv/bin/activate`: "
+        f"{BARE_PY.search(blocks[first]).group(0).strip()!r} in block {first + 1}")
+
+
+def test_readme_says_what_make_test_costs():
+    """`make test` runs for about half an hour on 2 cores and, as root, installs Slurm and munge with
+    apt-get (tests/slurm/cluster.py): the README's paragraph on it says both."""
+    text = (ROOT / "README.md").read_text()
+    start = text.index("`make test` is what CI runs")
+    para = text[start:text.find("\n\n", start)]
+    assert re.search(r"\d+\s*(?:–|-|to)\s*\d+ minutes", para), f"README.md does not say how long make test takes: {para!r}"
+    from tests.slurm.cluster import PACKAGES
+    missing = [w for w in ["apt-get", "root", *PACKAGES] if w not in para]
+    assert not missing, f"README.md's paragraph on make test does not name {missing}: {para!r}"
+
+
+def test_evaluation_page_says_each_thing_once():
+    """docs/evaluation.md gives the harness's CLI command and its Python entry once each (in its
+    lm-evaluation-harness section), not again in the task list."""
+    text = (ROOT / "docs" / "evaluation.md").read_text()
+    for needle in ("python -m ttt_lm.eval.lm_eval_cli --model ttt_lm", "lm_eval.simple_evaluate(",
+                   "a dataset that cannot be loaded"):
+        n = text.lower().count(needle.lower())
+        assert n == 1, f"docs/evaluation.md says {needle!r} {n} times; say it once and link to it"
+
+
+def test_limitations_do_not_contradict_the_tested_resume():
+    """A run resumes on another tensor-parallel size (tests/train/test_resume_tp.py; docs/training.md
+    says so): docs/limitations.md does not list it as something that cannot change."""
+    assert (ROOT / "tests" / "train" / "test_resume_tp.py").is_file()
+    text = (ROOT / "docs" / "limitations.md").read_text()
+    for item in re.split(r"\n- ", text):
+        said = " ".join(item.split())
+        for m in re.finditer(r"[^.;()]*cannot change[^.;()]*", said):
+            assert "tensor" not in m.group(0), f"docs/limitations.md: {m.group(0).strip()!r}"
+
+
 @pytest.mark.parametrize("page", PAGES, ids=rel)
 def test_relative_links_exist(page):
     missing = []
@@ -80,6 +134,61 @@ def test_relative_links_exist(page):
         if not (page.parent / path).exists():
             missing.append(target)
     assert not missing, f"{rel(page)} links to paths that do not exist: {missing}"
+
+
+HEADING = re.compile(r"^ {0,3}(#{1,6})[ \t]+(.+?)[ \t]*#*[ \t]*$", re.M)
+HTML_ID = re.compile(r"<[a-z][^>]*\b(?:id|name)\s*=\s*[\"']([^\"']+)[\"']", re.I)
+
+
+def github_slug(heading: str) -> str:
+    """The anchor GitHub gives a heading's text (before de-duplication)."""
+    text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", heading)  # a link or image: its text
+    text = re.sub(r"<[^>]+>", "", text)  # inline HTML tags
+    text = text.strip().lower()
+    text = re.sub(r"[^\w\- ]", "", text)  # \w is Unicode: letters, digits, underscore
+    return text.replace(" ", "-")
+
+
+def anchors_of(page: pathlib.Path) -> set:
+    """Every anchor a page has: its headings' slugs (outside fenced code) and HTML ids."""
+    text = page.read_text()
+    found, seen = set(), {}
+    for m in HEADING.finditer(FENCE.sub("", text)):
+        slug = github_slug(m.group(2))
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        found.add(slug if n == 0 else f"{slug}-{n}")
+    found.update(HTML_ID.findall(text))
+    return found
+
+
+def test_github_slug():
+    assert github_slug("On another layout: data-parallel ranks, tensor-parallel size") == \
+        "on-another-layout-data-parallel-ranks-tensor-parallel-size"
+    assert github_slug("Verifying checksums (`data.verify_checksums`)") == "verifying-checksums-dataverify_checksums"
+    assert github_slug("Compile gate (no GPU needed)") == "compile-gate-no-gpu-needed"
+    assert github_slug("[LaCT](x.md) & Muon") == "lact--muon"
+
+
+def test_anchors_of_counts_repeats_and_skips_code(tmp_path):
+    page = tmp_path / "p.md"
+    page.write_text("# Top\n## Usage\n```bash\n# not a heading\n```\n### Usage\n<a id=\"here\"></a>\n")
+    assert anchors_of(page) == {"top", "usage", "usage-1", "here"}
+
+
+@pytest.mark.parametrize("page", PAGES, ids=rel)
+def test_anchors_resolve(page):
+    broken = []
+    for target in LINK.findall(prose_of(page.read_text())):
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target, re.I) or "#" not in target:
+            continue
+        path, anchor = target.split("#", 1)
+        dest = (page.parent / path.split("?", 1)[0]) if path else page
+        if dest.suffix != ".md" or not dest.is_file():
+            continue  # a missing file is test_relative_links_exist's; other files have no headings
+        if anchor not in anchors_of(dest):
+            broken.append(f"{target} (no heading of {rel(dest.resolve())} has the anchor #{anchor})")
+    assert not broken, f"{rel(page)} links to anchors that do not exist: {broken}"
 
 
 def commands():

@@ -42,7 +42,7 @@ def _read_yaml(path: str, seen: tuple = ()) -> List[DictConfig]:
     if path in seen:
         raise ConfigError(f"config {path}: _base_ cycle")
     if not os.path.exists(path):
-        raise ConfigError(f"config file not found: {path}")
+        raise ConfigError(f"config file not found: {path}{_similar_files(path)}")
     try:
         raw = OmegaConf.load(path)
     except Exception as e:  # yaml syntax errors
@@ -54,6 +54,30 @@ def _read_yaml(path: str, seen: tuple = ()) -> List[DictConfig]:
             out += _read_yaml(os.path.join(os.path.dirname(path), b), seen + (path,))
     out.append(raw)
     return out
+
+
+def _similar_files(path: str) -> str:
+    """`` (did you mean '<dir>/x.yaml'?)`` for the YAML files beside a missing ``path`` whose names
+    are closest to its name; where its folder does not exist either, the presets under
+    ``configs/`` of the working directory and of the repository are the candidates."""
+    folder, name = os.path.split(path)
+    here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+    dirs = [folder] if os.path.isdir(folder) else [os.path.abspath("configs"), here]
+    by_name: dict = {}
+    for d in dirs:
+        try:
+            names = sorted(os.listdir(d))
+        except OSError:
+            continue
+        for n in names:
+            if n.endswith((".yaml", ".yml")) and os.path.isfile(os.path.join(d, n)):
+                by_name.setdefault(n, os.path.relpath(os.path.join(d, n)))
+    import difflib
+    stem = name if name.endswith((".yaml", ".yml")) else name + ".yaml"
+    close = difflib.get_close_matches(stem, list(by_name), n=3, cutoff=0.6)
+    if not close:
+        return ""
+    return " (did you mean " + " or ".join(repr(by_name[c]) for c in close) + "?)"
 
 
 _SCHEMAS: dict = {}
@@ -148,6 +172,39 @@ def _explain(e: OmegaConfBaseException, schema=None) -> str:
         if isinstance(node, DictConfig):
             hint = registry.did_you_mean(last, list(node.keys()))
     return f"key '{key}': {msg}{hint}"
+
+
+def describe_config(section: Optional[str] = None) -> str:
+    """The config's keys with their types and defaults, one per line (``optim.lr: float = 0.0003``),
+    as ``python train.py --help`` lists them: every section with the mixers' sub-sections of
+    ``model`` folded into one line each, or all of one section (``optim``, ``model.ttt``).
+    A section that does not exist raises ConfigError with the closest names."""
+    import dataclasses
+    obj, prefix = ExperimentConfig(), ""
+    if section:
+        for part in section.split("."):
+            subs = [f.name for f in dataclasses.fields(obj) if dataclasses.is_dataclass(getattr(obj, f.name))]
+            if part not in subs:
+                raise ConfigError(f"no config section {prefix + part!r}{registry.did_you_mean(part, subs)}; "
+                                  f"the sections{' of ' + prefix[:-1] if prefix else ''}: {', '.join(subs)}")
+            obj, prefix = getattr(obj, part), prefix + part + "."
+    lines: List[str] = []
+
+    def walk(o, pre: str, fold: bool) -> None:
+        for f in dataclasses.fields(o):
+            v = getattr(o, f.name)
+            if dataclasses.is_dataclass(v):
+                if fold:
+                    n = len(dataclasses.fields(v))
+                    lines.append(f"{pre}{f.name}.*  ({n} keys: python train.py --help {pre}{f.name})")
+                else:
+                    walk(v, f"{pre}{f.name}.", fold=not section)
+                continue
+            t = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+            lines.append(f"{pre}{f.name}: {t} = {v!r}")
+
+    walk(obj, prefix, fold=False)
+    return "\n".join(lines)
 
 
 def _unsaved_sections(model) -> List[str]:

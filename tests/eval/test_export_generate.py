@@ -39,6 +39,16 @@ def trained_run(prepared, tmp_path_factory):
     return base, data, run
 
 
+#: DeepSpeed's lines on every consolidation of a checkpoint, which the exporter silences
+DS_NOISE = ("Setting accelerator to CPU", "Processing zero checkpoint", "Parsing checkpoint created by",
+            "Reconstructed fp32 state dict", "Loading checkpoint shards")
+
+
+def assert_no_deepspeed_noise(out: str) -> None:
+    said = [n for n in DS_NOISE if n in out]
+    assert not said, f"DeepSpeed's lines came through: {said}\n{out}"
+
+
 @pytest.fixture(scope="module")
 def moved_export(trained_run):
     base, data, run = trained_run
@@ -46,6 +56,7 @@ def moved_export(trained_run):
     r = _run(["-m", "ttt_lm.train.export", run, out])
     assert r.returncode == 0, r.stdout + r.stderr
     assert "tokenizer.model" in r.stdout
+    assert_no_deepspeed_noise(r.stdout + r.stderr)
     from ttt_lm.data.tokenizer import sha256_file
     with open(os.path.join(data, "manifest.json")) as f:
         assert sha256_file(os.path.join(out, "tokenizer.model")) == json.load(f)["tokenizer_sha256"]
@@ -55,6 +66,42 @@ def moved_export(trained_run):
     shutil.move(out, moved)
     os.rename(data, data + ".gone")
     return moved
+
+
+@pytest.mark.slow
+def test_an_eval_of_a_run_directory_prints_no_deepspeed_lines(trained_run, tmp_path):
+    """An eval given the run itself exports it on the fly through DeepSpeed's zero_to_fp32: its
+    accelerator and 'Processing zero checkpoint' lines stay out of the eval's output."""
+    _, data, run = trained_run
+    r = _run(["-m", "ttt_lm.eval", "perplexity", "--checkpoint", run, "--data", data, "--max-batches", "1",
+              "--out", str(tmp_path / "ev"), "--no-progress"])
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "perplexity run on" in r.stdout
+    assert_no_deepspeed_noise(r.stdout + r.stderr)
+
+
+def test_the_exporter_keeps_deepspeeds_real_warnings(capfd):
+    """Only the accelerator line and zero_to_fp32's progress output are dropped: another DeepSpeed
+    warning, and Python warnings, come through."""
+    import logging
+    import warnings
+
+    from ttt_lm.train.export import _quiet_deepspeed
+    with _quiet_deepspeed() as z2f:
+        logging.getLogger("DeepSpeed").warning("Setting accelerator to CPU. If you have GPU ...")
+        logging.getLogger("DeepSpeed").warning("a real problem: checkpoint tag mismatch")
+        print("Processing zero checkpoint 'x'")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            warnings.warn("a real deprecation", FutureWarning)
+        assert [str(w.message) for w in caught] == ["a real deprecation"]
+        assert list(z2f.tqdm([1, 2])) == [1, 2]
+    out, err = capfd.readouterr()
+    assert "a real problem: checkpoint tag mismatch" in out + err
+    assert "Setting accelerator" not in out + err and "Processing zero checkpoint" not in out + err
+    print("Processing zero checkpoint 'y'")  # outside, everything as it was
+    assert "Processing zero checkpoint 'y'" in capfd.readouterr().out
+    assert not logging.getLogger("DeepSpeed").filters
 
 
 @pytest.mark.slow
@@ -117,7 +164,7 @@ def test_export_without_the_data_writes_no_tokenizer_and_says_so(trained_run, mo
               os.path.join(moved_export, "tokenizer.model")])
     assert r.returncode == 0 and (tmp_path / "f" / "tokenizer.model").exists()
     r = _run(["-m", "ttt_lm.train.export", run, str(tmp_path / "g"), "--tokenizer", str(tmp_path / "nope")])
-    assert r.returncode == 1 and "does not exist" in r.stderr
+    assert r.returncode == 2 and "does not exist" in r.stderr
 
 
 @pytest.mark.slow
@@ -138,7 +185,7 @@ def test_export_takes_only_the_tokenizer_the_run_trained_with(trained_run, moved
         assert "is not the one this checkpoint was trained with" in r.stderr
         assert not (tmp_path / "e" / "tokenizer.model").exists()
         r = _run(["-m", "ttt_lm.train.export", run, str(tmp_path / "f"), "--tokenizer", data])
-        assert r.returncode == 1 and "is not the one this checkpoint was trained with" in r.stderr
+        assert r.returncode == 2 and "is not the one this checkpoint was trained with" in r.stderr
     finally:
         shutil.rmtree(data)
 

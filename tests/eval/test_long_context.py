@@ -59,7 +59,7 @@ def test_buckets_partition_the_positions_and_lengths_average_prefixes():
     assert first["start"] == 1 and first["loss"] == pytest.approx(1.0)
 
 
-def test_cli_plots_several_checkpoints(prepared, attn_export, tmp_path):
+def test_cli_plots_several_checkpoints(prepared, attn_export, tmp_path, capsys):
     other = export_model(tiny_model(("deltanet", "local_attention"), seed=1), str(tmp_path / "dn"), prepared)
     rc = main(["long_context", "--checkpoint", attn_export, "--checkpoint", other, "--names", "attn,deltanet",
                "--max-len", "256", "--lengths", "64,256", "--chunk-len", "128", "--max-docs", "2",
@@ -71,6 +71,10 @@ def test_cli_plots_several_checkpoints(prepared, attn_export, tmp_path):
         assert r["documents"] == 2 and set(r["mean_loss_at_length"]) == {"64", "256"}
     png = (tmp_path / "long_context.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    # the console says what L is and where the files went
+    printed = capsys.readouterr().out
+    assert "long_context attn: mean loss over the first L tokens of each document: L=64: " in printed, printed
+    assert f"wrote {tmp_path / 'long_context.png'}, {tmp_path / 'long_context.json'}\n" in printed, printed
 
 
 def test_windows_cut_documents_into_consecutive_pieces():

@@ -95,12 +95,14 @@ def test_answer_loss_is_the_teacher_forced_loss_of_the_answer_per_cell(tokenizer
     assert res["answer_loss"][0][0] != res["answer_loss"][0][1]
 
 
-def test_cli_heatmap(attn_export, tmp_path):
+def test_cli_heatmap(attn_export, tmp_path, capsys):
     assert main(["passkey", "--checkpoint", attn_export, "--lengths", "300,400", "--depths", "0,1",
                  "--trials", "1", "--out", str(tmp_path), "--no-progress"]) == 0
     r = json.loads((tmp_path / "passkey.json").read_text())["result"]
     assert len(r["accuracy"]) == 2 and all(len(row) == 2 for row in r["accuracy"])
     assert (tmp_path / "passkey.png").read_bytes()[:4] == b"\x89PNG"
+    printed = capsys.readouterr().out
+    assert printed.endswith(f"wrote {tmp_path / 'passkey.png'}, {tmp_path / 'passkey.json'}\n"), printed
 
 
 def test_heatmap_has_a_labelled_colorbar_and_contrasting_percentages():

@@ -59,10 +59,33 @@ def test_bad_inputs(prepared, tmp_path, capsys):
         evaluate_perplexity(small, text_batches(ids, 32, 2), show_progress=False)
     with pytest.raises(EvalError, match="exceeds model.max_seq_len=256"):
         evaluate_perplexity(tiny_model(), text_batches(ids, 512, 1), show_progress=False)
-    # the CLI checks the manifest before reading anything
-    d = export_model(tiny_model(vocab_size=320), str(tmp_path / "v320"), prepared)
+    # the CLI checks the manifest before reading anything: a table smaller than the tokenizer's
+    d = export_model(tiny_model(vocab_size=256), str(tmp_path / "v256"), prepared)
     assert main(["perplexity", "--checkpoint", d, "--out", str(tmp_path), "--no-progress"]) == 2
-    assert "vocabulary mismatch: the model has vocab_size=320" in capsys.readouterr().err
+    assert "vocabulary mismatch: the model has vocab_size=256" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("task", ["perplexity", "long_context"])
+def test_a_padded_vocabulary_is_evaluated_as_it_trains_and_generates(task, prepared, tmp_path, capsys):
+    """A model.vocab_size above the tokenizer's (a table padded to a multiple of 64) is accepted, as
+    the trainer, the exporter and generate accept it, with one line saying so; the padding ids are
+    never targets, and the loss is the model's own, as evaluate_perplexity gives it directly."""
+    m = tiny_model(vocab_size=320)
+    d = export_model(m, str(tmp_path / "v320"), prepared)
+    extra = ["--seq-len", "64"] if task == "perplexity" else ["--max-len", "64", "--windows"]
+    assert main([task, "--checkpoint", d, "--out", str(tmp_path), "--no-progress", *extra]) == 0
+    err = capsys.readouterr().err
+    assert f"model.vocab_size=320 is larger than the vocab_size={VOCAB} of the data in {prepared}" in err, err
+    assert err.count("model.vocab_size=320") == 1, err
+    out = json.loads((tmp_path / f"{task}.json").read_text())["result"]
+    if task == "perplexity":
+        loader = build_val_loader(DataConfig(path=prepared, seq_len=64, shuffle=False), 8)
+        direct = evaluate_perplexity(m, loader, show_progress=False)
+        assert out["tokens"] == direct["tokens"] > 0
+        assert out["loss"] == pytest.approx(direct["loss"], rel=1e-6)
+    else:
+        curve = next(iter(out.values()))
+        assert curve["documents"] > 0 and math.isfinite(curve["mean_loss_at_length"]["64"]["loss"])
 
 
 def test_cli_writes_json(attn_export, tmp_path, capsys):
@@ -73,7 +96,9 @@ def test_cli_writes_json(attn_export, tmp_path, capsys):
     assert r["tokens"] > 0 and r["seq_len"] == 64 and 0 < r["bits_per_byte"] < 20
     # an untrained model is close to uniform over the vocabulary
     assert abs(r["loss"] - math.log(VOCAB)) < 0.2
-    assert "perplexity" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "perplexity" in printed
+    assert printed.endswith(f"wrote {tmp_path / 'perplexity.json'}\n"), printed
 
 
 def test_the_window_defaults_to_the_training_context(prepared, tmp_path, capsys):

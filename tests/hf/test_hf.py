@@ -322,11 +322,56 @@ def test_evals_read_the_hf_folder(exported):
     assert ck.tokenizer_path == os.path.join(out, "tokenizer.json")
 
 
+@pytest.mark.parametrize("cut", ["half", "header"])
+def test_a_truncated_safetensors_file_is_named(exported, tmp_path, capsys, cut):
+    """A model.safetensors cut short (an interrupted copy) is refused naming the file, by load_hf and
+    by what reads it through load_checkpoint: generate and the evals (exit 2, one line, no
+    traceback), as a truncated model.pt is."""
+    import shutil
+
+    from ttt_lm.eval.__main__ import main as eval_main
+    from ttt_lm.generate import main as generate_main
+    _, out = exported
+    d = tmp_path / "cut"
+    shutil.copytree(out, d)
+    f = d / "model.safetensors"
+    n = f.stat().st_size
+    with open(f, "r+b") as fh:
+        fh.truncate(n // 2 if cut == "half" else 4)
+    with pytest.raises(HFError, match=f"{f} is not a readable safetensors file"):
+        load_hf(str(d))
+    assert generate_main(["--checkpoint", str(d), "--prompt", "the", "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert f"{f} is not a readable safetensors file" in err and "Traceback" not in err, err
+    assert eval_main(["perplexity", "--checkpoint", str(d), "--text", str(f), "--out", str(tmp_path),
+                      "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert f"{f} is not a readable safetensors file" in err and "Traceback" not in err, err
+
+
 def test_autotokenizer_reads_the_folder(exported):
     _, out = exported
     tok = AutoTokenizer.from_pretrained(out)
     assert tok.eos_token == "<|endoftext|>" and tok.eos_token_id == 0
     assert tok.decode(tok("the lazy dog")["input_ids"]) == "the lazy dog"
+
+
+def test_autotokenizer_reads_an_exported_sentencepiece_model(tmp_path):
+    """A folder exported with the project's SentencePiece tokenizer holds its tokenizer.model as it
+    is; transformers' AutoTokenizer reads it (converted to a fast tokenizer) and encodes and decodes
+    as our tokenizer does: byte fallback, no dummy prefix, spaces and newlines kept."""
+    from tests.data.corpus import make_texts
+    from ttt_lm.data.tokenizer import train_tokenizer
+    ours = train_tokenizer(make_texts(60), str(tmp_path / "sp"), vocab_size=V)
+    sp = str(tmp_path / "sp.model")
+    out = save_hf(tiny_lm(), str(tmp_path / "model"), tokenizer=sp)
+    assert os.path.isfile(os.path.join(out, "tokenizer.model"))
+    tok = AutoTokenizer.from_pretrained(out, trust_remote_code=True)
+    assert tok.eos_token_id == ours.eos_id and len(tok) == ours.vocab_size
+    for s in ["the lazy dog", " a leading space", "two\n\nlines  and  gaps ", "héllo 日本 ☃", "ROMEO:"]:
+        ids = ours.encode(s)
+        assert tok(s, add_special_tokens=False)["input_ids"] == ids, s
+        assert tok.decode(ids) == s == ours.decode(ids)
 
 
 PADDED_PATTERNS = [(k,) for k in LAYER_KINDS] + [("ttt_linear", "attention", "rglru", "mamba")]

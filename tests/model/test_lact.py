@@ -145,6 +145,48 @@ def test_flops_count_the_fast_weight_products():
     assert lact.w1._flops_not_per_token
 
 
+def test_rope_tables_are_built_in_the_accumulation_dtype(monkeypatch):
+    """A float64 layer is float64 throughout: its RoPE tables too (float32 tables moved a float64
+    layer with Muon by ~1e-6 relative in its gradients, Newton-Schulz amplifying their rounding).
+    The oracle is the same layer with every table forced to float64: equal to 1e-13 in output and
+    gradients (only the order of float64 operations may differ). bfloat16 inputs keep float32
+    tables (their accumulation dtype)."""
+    import ttt_lm.model.mixers.lact as lact_mod
+    real, seen = lact_mod.rope_cos_sin, []
+
+    def recording(*a, **k):
+        cos, sin = real(*a, **k)
+        seen.append(cos.dtype)
+        return cos, sin
+
+    def float64_tables(*a, **k):
+        return real(*a, **dict(k, dtype=torch.float64))
+
+    m, _ = make_mixer("lact", lact=dict(BASE, low_rank=3, use_muon=True))
+    torch.manual_seed(3)
+    x = torch.randn(2, 13, m.d_model, dtype=torch.float64)
+    R = torch.randn(2, 13, m.d_model, dtype=torch.float64)
+
+    def run():
+        xx = x.clone().requires_grad_(True)
+        y, _ = m(xx)
+        return [y] + list(torch.autograd.grad((y * R).sum(), [xx] + list(m.parameters())))
+
+    monkeypatch.setattr(lact_mod, "rope_cos_sin", recording)
+    got = run()
+    assert seen and set(seen) == {torch.float64}, seen
+    monkeypatch.setattr(lact_mod, "rope_cos_sin", float64_tables)
+    want = run()
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert _rel(a, b) <= 1e-13, (i, _rel(a, b))
+    seen.clear()
+    monkeypatch.setattr(lact_mod, "rope_cos_sin", recording)
+    with torch.no_grad():
+        m16 = m.to(torch.bfloat16)
+        y16, _ = m16(x.to(torch.bfloat16))
+    assert seen and set(seen) == {torch.float32} and torch.isfinite(y16).all(), seen
+
+
 # ---- the official layer's numbers -----------------------------------------------------------------
 
 LAYER_GOLDEN = __import__("pathlib").Path(__file__).parent / "data" / "lact_layer_golden.pt"
@@ -173,7 +215,7 @@ def test_matches_the_official_layer(impl):
 
     Tolerances: the official layer rounds the learning rates and the momentum to float32 whatever
     the model's dtype (``.float()``), this mixer keeps float64: 1e-6 relative (measured ≤ 3e-7),
-    3e-5 with Muon, whose Newton–Schulz steps amplify that rounding (measured 7.7e-6).
+    3e-5 with Muon, whose Newton–Schulz steps amplify that rounding (measured 7.9e-6).
     Newton–Schulz in bfloat16: the output to 5e-2 (measured 1.4e-4); its gradients are not
     compared: Muon's output does not depend on the update's scale, so the learning rates'
     gradients through it are rounding noise of bfloat16 (they differ by tens of percent)."""

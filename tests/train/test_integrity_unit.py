@@ -109,10 +109,10 @@ def test_export_and_eval_of_missing_or_damaged_checkpoints_end_in_a_message(tmp_
     root = str(tmp_path / "run" / "checkpoints")
     c = _save(root, 1)
     _flip(os.path.join(c, OPTIM))
-    assert export_main([c, str(tmp_path / "out")]) == 1
+    assert export_main([c, str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: checkpoint") and "optim_states.pt: sha256 differs" in err and "Traceback" not in err
-    assert export_main([str(tmp_path / "nowhere"), str(tmp_path / "out")]) == 1
+    assert export_main([str(tmp_path / "nowhere"), str(tmp_path / "out")]) == 2
     assert "error: no complete checkpoint at" in capsys.readouterr().err
     with pytest.raises(EvalError, match="no checkpoint under .* verifies: .*sha256 differs"):
         load_checkpoint(str(tmp_path / "run"))

@@ -47,14 +47,24 @@ def _commit() -> Optional[str]:
 
 
 def _meta(args, device) -> dict:
-    d = {k: v for k, v in vars(args).items() if k not in ("func", "dist", "dev")}
+    d = {k: v for k, v in vars(args).items() if k not in ("func", "dist", "dev", "written")}
     return {"args": d, "device": str(device), "world_size": args.dist.world_size, "torch": torch.__version__,
             "commit": _commit(), "date": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
 def _out(args, name: str) -> str:
+    """``<out>/<name>``, recorded: ``main`` prints the ones that were written when the task ends."""
     os.makedirs(args.out, exist_ok=True)
-    return os.path.join(args.out, name)
+    path = os.path.join(args.out, name)
+    args.written.append(path)
+    return path
+
+
+def _say_written(args) -> None:
+    """One line naming every file (or folder) the task wrote, on rank 0."""
+    seen = [p for i, p in enumerate(args.written) if p not in args.written[:i] and os.path.exists(p)]
+    if seen and args.dist.is_main:
+        print("wrote " + ", ".join(seen), flush=True)
 
 
 def _tokenizer(path: Optional[str], ck, what: str):
@@ -73,6 +83,14 @@ def _load(args, path: str):
 
 def _progress(args) -> bool:
     return not args.no_progress and args.dist.is_main
+
+
+def _say_padding(args, model, tokenizer_vocab: int, source: str) -> None:
+    """Rank 0 says once that the model's vocabulary is padded beyond its data's tokenizer."""
+    from ttt_lm.eval.common import vocab_padding_note
+    note = vocab_padding_note(model.cfg.vocab_size, tokenizer_vocab, source)
+    if note and args.dist.is_main:
+        print(note, file=sys.stderr, flush=True)
 
 
 def _data_path(args, ck) -> str:
@@ -94,13 +112,15 @@ def cmd_perplexity(args) -> dict:
         tok = _tokenizer(args.tokenizer, ck, "--text")
         from ttt_lm.eval.common import check_vocab as check_tok_vocab
         check_tok_vocab(model, tok.vocab_size, f"the tokenizer {tok.path}", allow_padding=True)
+        _say_padding(args, model, tok.vocab_size, f"the tokenizer {tok.path}")
         with open(args.text, encoding="utf-8") as f:
             ids = torch.tensor(tok.encode(f.read()), dtype=torch.long)
         batches, total, source = text_batches(ids, seq_len, args.batch_size), None, args.text
     else:
         path = _data_path(args, ck)
         man = load_manifest(path)
-        check_vocab(man, model.cfg.vocab_size)
+        check_vocab(man, model.cfg.vocab_size, allow_padding=True)
+        _say_padding(args, model, int(man["vocab_size"]), f"the data in {path}")
         from ttt_lm.data import load_tokenizer
         tok = load_tokenizer(path)
         if args.split == "val":
@@ -146,7 +166,9 @@ def cmd_long_context(args) -> dict:
         ck = _load(args, path)
         name = names[i] if i < len(names) else ck.name
         data = _data_path(args, ck)
-        check_vocab(load_manifest(data), ck.model.cfg.vocab_size)
+        man = load_manifest(data)
+        check_vocab(man, ck.model.cfg.vocab_size, allow_padding=True)
+        _say_padding(args, ck.model, int(man["vocab_size"]), f"the data in {data}")
         docs = iter_documents(data, args.split)
         if args.windows:
             docs = windows(docs, args.max_len + 1)
@@ -160,8 +182,10 @@ def cmd_long_context(args) -> dict:
         del ck
         at = summ["mean_loss_at_length"]
         if args.dist.is_main:
-            print(f"long_context {name}: " + "  ".join(f"L={k}: {v['loss']:.4f}" for k, v in at.items())
-                  + f"  ({summ['documents']} documents)")
+            what = "window" if args.windows else "document"
+            print(f"long_context {name}: mean loss over the first L tokens of each {what}: "
+                  + "  ".join(f"L={k}: {v['loss']:.4f}" for k, v in at.items())
+                  + f"  ({summ['documents']} {what}s)")
     if not args.dist.is_main:
         return dict(task="long_context", result=curves)
     png = _out(args, "long_context.png")
@@ -176,6 +200,7 @@ def cmd_passkey(args) -> dict:
     from ttt_lm.eval.passkey import passkey_grid, plot_heatmap
     ck = _load(args, args.checkpoint)
     tok = _tokenizer(args.tokenizer, ck, "passkey")
+    _say_padding(args, ck.model, tok.vocab_size, f"the tokenizer {tok.path}")
     res = passkey_grid(ck.model, tok, args.lengths, args.depths, args.trials, args.seed, args.chunk_len,
                        show_progress=_progress(args), dist=args.dist)
     if not args.dist.is_main:
@@ -217,7 +242,7 @@ def cmd_passkey_train(args) -> dict:
     cfg.data.seq_len = max(args.lengths)  # the longest practice prompt: the passkey plot marks it as "train"
     save_export(ck.model, cfg, args.out, tokenizer=tok_path)
     out = dict(task="passkey_train", checkpoint=ck.path, result=res, **_meta(args, ck.model.embed.weight.device))
-    write_json(os.path.join(args.out, "passkey_train.json"), out)
+    write_json(_out(args, "passkey_train.json"), out)
     b, a = res["before"], res["after"]
     print(f"passkey_train {ck.name} -> {args.out}: {args.steps} steps at lengths {args.lengths}; held-out answer "
           f"loss {b['answer_loss']:.3f} -> {a['answer_loss']:.3f}, answers fully right "
@@ -732,6 +757,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from ttt_lm.data import DataError
     from ttt_lm.data.tokenizer import TokenizerError
     args.dist = SINGLE
+    args.written = []
     try:
         world = detect_env().world_size
         if world > 1 and args.task not in DISTRIBUTED_TASKS:
@@ -739,6 +765,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                             f"(tasks that run distributed: {', '.join(DISTRIBUTED_TASKS)})")
         args.dist, args.dev = init_distributed(args.device)
         args.func(args)
+        _say_written(args)
     except (EvalError, DataError, TokenizerError, ConfigError) as e:
         print(f"error{f' (rank {args.dist.rank})' if args.dist.distributed else ''}: {e}", file=sys.stderr)
         return 2

@@ -35,13 +35,29 @@ def check_context(model: LM, length: int, what: str = "context") -> None:
 
 def check_vocab(model: LM, vocab_size: int, source: str, allow_padding: bool = False) -> None:
     """The model's embedding must have the tokenizer's vocabulary; with ``allow_padding`` a larger
-    table (padded to a multiple of 64/128 for speed) is accepted, never a smaller one."""
+    table (padded to a multiple of 64/128 for speed) is accepted, never a smaller one.
+
+    The policy for a padded model, the same in every eval, ``generate`` and the trainer: its ids at
+    or above the tokenizer's vocab_size are never produced (argmax and sampling mask them) and never
+    scored (no data holds them, so none is a target); losses are the model's own softmax over its
+    whole table, as in training. Every eval and ``generate`` accept such a model; ``python -m
+    ttt_lm.eval`` says so once (:func:`vocab_padding_note`)."""
     from ttt_lm.data.manifest import vocab_fits
     mv = model.cfg.vocab_size
     if vocab_fits(mv, vocab_size, allow_padding):
         return
     raise EvalError(f"vocabulary mismatch: the model has vocab_size={mv} but {source} uses a "
                     f"{vocab_size}-token tokenizer; evaluate with data tokenized by the model's own tokenizer")
+
+
+def vocab_padding_note(model_vocab: int, tokenizer_vocab: int, source: str) -> Optional[str]:
+    """The line an eval prints (on stderr) for a model whose vocabulary is padded beyond its
+    tokenizer's; None when the sizes are equal."""
+    if model_vocab <= tokenizer_vocab:
+        return None
+    return (f"note: model.vocab_size={model_vocab} is larger than the vocab_size={tokenizer_vocab} of {source}: "
+            f"ids {tokenizer_vocab}..{model_vocab - 1} are padding that no data holds; they are never produced "
+            f"or scored")
 
 
 def token_byte_lengths(tok, vocab_size: Optional[int] = None) -> torch.Tensor:

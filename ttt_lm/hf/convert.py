@@ -9,11 +9,12 @@ A Hugging Face export folder::
     modeling_ttt_lm.py
     tokenizer.json + tokenizer_config.json   a Hugging Face tokenizer, copied as it is, with its
                               eos/bos tokens (AutoTokenizer reads the pair), or
-    tokenizer.model           a SentencePiece model, copied as it is (AutoTokenizer does not read it)
+    tokenizer.model           a SentencePiece model, copied as it is (AutoTokenizer reads it too)
 
 The weights are written and read by transformers (``save_pretrained`` / ``from_pretrained``),
-so they are bit-identical both ways; :func:`load_hf` refuses a folder whose tensors do not
-match its config (missing, unexpected or misshapen), naming them; the loaded tensors get memory of their own
+so they are bit-identical both ways; :func:`load_hf` refuses a weight file it cannot read
+(truncated, say) and a folder whose tensors do not match its config (missing, unexpected or
+misshapen), naming them; the loaded tensors get memory of their own
 (``TTTLMForCausalLM.from_pretrained``), so that the LM computes bit-identically to the one saved.
 """
 from __future__ import annotations
@@ -138,16 +139,46 @@ def read_hf_config(path: str) -> TTTLMConfig:
         raise HFError(f"{cfg}: {e}") from e
 
 
+_WEIGHT_FILE = re.compile(r"^model(?:-\d+-of-\d+)?\.safetensors$")
+
+
+def check_weight_files(path: str) -> None:
+    """Open the header of every ``model*.safetensors`` in ``path``: safetensors checks there that
+    its tensors cover the file exactly, so a truncated (or extended) file is refused here, naming
+    it, rather than deep inside transformers' loader with safetensors' own message."""
+    from safetensors import SafetensorError, safe_open
+    for name in sorted(os.listdir(path)):
+        if not _WEIGHT_FILE.match(name):
+            continue
+        f = os.path.join(path, name)
+        try:
+            with safe_open(f, framework="pt") as st:
+                st.keys()
+        except (SafetensorError, OSError) as e:
+            raise HFError(f"{f} is not a readable safetensors file ({size_of(f)} bytes; {e}): the copy is "
+                          f"truncated or damaged; copy or export the folder again") from None
+
+
+def size_of(f: str) -> str:
+    try:
+        return f"{os.path.getsize(f):,}"
+    except OSError:
+        return "?"
+
+
 def load_hf(path: str):
     """The :class:`ttt_lm.model.LM` of a Hugging Face folder written by :func:`save_hf`, on CPU,
     in eval mode, in the dtype its weights were saved in, its tensors in memory of their own
-    (``TTTLMForCausalLM.from_pretrained``: bit-identical to the LM that was saved)."""
+    (``TTTLMForCausalLM.from_pretrained``: bit-identical to the LM that was saved). A weight file
+    that cannot be read (truncated, say) is refused naming it."""
     config = read_hf_config(path)
+    check_weight_files(path)
+    from safetensors import SafetensorError
     try:
         hf, info = TTTLMForCausalLM.from_pretrained(path, config=config, output_loading_info=True,
                                                     dtype=getattr(config, "dtype", None) or torch.float32)
-    except (OSError, ValueError, RuntimeError) as e:
-        raise HFError(f"cannot read the weights in {path}: {e}") from e
+    except (OSError, ValueError, RuntimeError, SafetensorError) as e:
+        raise HFError(f"cannot read the weights in {path}: {type(e).__name__}: {e}") from e
     tied = {"model.lm_head.weight"} if config.tie_word_embeddings else set()
     missing = sorted(set(info.get("missing_keys", ())) - tied)
     problems = []

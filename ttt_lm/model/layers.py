@@ -32,7 +32,10 @@ class RMSNorm(nn.Module):
 
 def rope_cos_sin(positions: torch.Tensor, dim: int, theta: float = 10000.0, dtype=torch.float32):
     """Rotary embedding tables (Su et al. 2021) for integer `positions` (any shape), half-split
-    layout: cos/sin have shape positions.shape + (dim,), frequencies θ^(-2i/dim) for i < dim/2."""
+    layout: cos/sin have shape positions.shape + (dim,), frequencies θ^(-2i/dim) for i < dim/2.
+    Computed in float64 and returned in ``dtype``: pass the accumulation dtype of the tensors they
+    rotate (``acc(x).dtype``: float32 for bf16/fp16, float64 in a float64 run), which
+    :func:`apply_rope` computes in."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, device=positions.device, dtype=torch.float64) / dim))
     ang = positions.to(torch.float64)[..., None] * inv_freq
     ang = torch.cat([ang, ang], dim=-1)

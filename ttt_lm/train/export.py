@@ -30,7 +30,10 @@ directory is an error naming the file.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
+import logging
 import os
 import sys
 import tempfile
@@ -45,11 +48,43 @@ from ttt_lm.config import load_config
 FORMATS = ("pt", "hf")
 
 
-def _zero_fp32(ckpt_dir: str) -> dict:
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+#: what DeepSpeed says, on every export, that is no news: the accelerator it settles on when it
+#: finds no GPU (its auto-detection; consolidating a checkpoint runs on the CPU anyway)
+_DS_NOISE = ("Setting accelerator to CPU",)
 
+
+class _DropDeepSpeedNoise(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(n in record.getMessage() for n in _DS_NOISE)
+
+
+@contextlib.contextmanager
+def _quiet_deepspeed():
+    """Around DeepSpeed's checkpoint reader: its accelerator line (a filter on its logger that drops
+    that one message), zero_to_fp32's progress prints on stdout ("Processing zero checkpoint",
+    "Parsing checkpoint created by", "Reconstructed fp32 state dict", ...) and its "Loading
+    checkpoint shards" progress bar. Its other log records, Python warnings and exceptions pass
+    as they are."""
+    ds_logger = logging.getLogger("DeepSpeed")  # deepspeed.utils.logger: one logger by that name
+    quiet = _DropDeepSpeedNoise()
+    ds_logger.addFilter(quiet)
+    try:
+        import deepspeed.utils.zero_to_fp32 as z2f
+        bar = z2f.tqdm
+        z2f.tqdm = lambda it, *a, **k: it
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):
+                yield z2f
+        finally:
+            z2f.tqdm = bar
+    finally:
+        ds_logger.removeFilter(quiet)
+
+
+def _zero_fp32(ckpt_dir: str) -> dict:
     from ttt_lm.train.checkpoint import DS_TAG
-    sd = get_fp32_state_dict_from_zero_checkpoint(ckpt_dir, tag=DS_TAG)
+    with _quiet_deepspeed() as z2f:
+        sd = z2f.get_fp32_state_dict_from_zero_checkpoint(ckpt_dir, tag=DS_TAG)
     return {k: v.detach().clone().contiguous() for k, v in sd.items()}
 
 
@@ -217,12 +252,9 @@ def main(argv=None) -> int:
     from ttt_lm.train.checkpoint import CheckpointError
     try:
         out = export(a.ckpt, a.out_dir, a.tokenizer, a.format)
-    except (CheckpointError, DataError, TokenizerError) as e:  # the message names the file
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except ValueError as e:  # HFError and the like, naming the folder
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    except (CheckpointError, DataError, TokenizerError, ValueError) as e:  # the message names the file
+        print(f"error: {e}", file=sys.stderr)  # (HFError and the like name the folder)
+        return 2  # refused input: the commands' one convention (README, "Exit status")
     main_files = [WEIGHTS, CONFIG] if a.format == "pt" else ["model.safetensors", "config.json"]
     files = main_files + [t for t in (TOKENIZER, HF_TOKENIZER) if os.path.isfile(os.path.join(out, t))]
     print(f"exported {a.ckpt} -> {os.path.abspath(out)} ({', '.join(files)})")

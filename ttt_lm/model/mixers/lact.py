@@ -276,10 +276,11 @@ class LaCT(Mixer):
         B, T, _ = x.shape
         H, d, Fh, e = self.n_heads, self.hd, self.n_fw, self.fw_hd
         q, k, v = self.qkv(x).chunk(3, dim=-1)
+        rd = acc(x).dtype  # the tables in the accumulation dtype: float64 in a float64 run
         if positions is not None:
-            cos, sin = rope_cos_sin(positions[:, None], d, self.rope_theta)          # [B, 1, T, d]
+            cos, sin = rope_cos_sin(positions[:, None], d, self.rope_theta, dtype=rd)          # [B, 1, T, d]
         else:
-            cos, sin = rope_cos_sin(torch.arange(pos0, pos0 + T, device=x.device), d, self.rope_theta)
+            cos, sin = rope_cos_sin(torch.arange(pos0, pos0 + T, device=x.device), d, self.rope_theta, dtype=rd)
         fq = q * self.qk_scale[:, 0] + self.qk_offset[:, 0]
         fk = k * self.qk_scale[:, 1] + self.qk_offset[:, 1]
 
