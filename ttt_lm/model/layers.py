@@ -16,6 +16,11 @@ def acc(x: torch.Tensor) -> torch.Tensor:
     return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
 
 
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The accumulation dtype of ``dtype`` (what :func:`acc` converts to), without a tensor."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
 class RMSNorm(nn.Module):
     """RMSNorm (Zhang & Sennrich 2019): y = x / sqrt(mean(x²) + ε) · g, computed in float32."""
 

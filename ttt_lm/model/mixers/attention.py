@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ttt_lm.model.backend import Backend, flash_attn_func, flash_attn_varlen_func
-from ttt_lm.model.layers import acc, apply_rope, rope_cos_sin
+from ttt_lm.model.layers import acc, acc_dtype, apply_rope, rope_cos_sin
 from ttt_lm.model.mixers.base import Mixer, MixerState, TPPlan
 from ttt_lm.model.registry import option, register_mixer
 from ttt_lm.model.window_attention import (flex_block_mask, flex_doc_block_mask, same_doc,
@@ -147,9 +147,10 @@ class Attention(Mixer):
         k = self.k_proj(x).view(B, T, self.n_kv, self.hd).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.n_kv, self.hd).transpose(1, 2)
         if positions is not None:
-            cos, sin = rope_cos_sin(positions[:, None], self.hd, self.rope_theta)   # [B, 1, T, d_h]
+            cos, sin = rope_cos_sin(positions[:, None], self.hd, self.rope_theta, dtype=acc_dtype(q.dtype))   # [B, 1, T, d_h]
             return {"q": apply_rope(q, cos, sin), "k": apply_rope(k, cos, sin), "v": v}, None
-        cos, sin = rope_cos_sin(torch.arange(pos0, pos0 + T, device=x.device), self.hd, self.rope_theta)
+        cos, sin = rope_cos_sin(torch.arange(pos0, pos0 + T, device=x.device), self.hd, self.rope_theta,
+                                dtype=acc_dtype(q.dtype))
         return {"q": apply_rope(q, cos, sin), "k": apply_rope(k, cos, sin), "v": v}, \
             (AttentionState(pos=pos0 + T) if output_state else None)
 

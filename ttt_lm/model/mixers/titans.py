@@ -110,7 +110,7 @@ from kernels import titans as _tk
 from kernels.titans.torch_chunk import split_spans, titans_linear_chunk_torch
 from ttt_lm.model.backend import Backend, resolve
 from ttt_lm.model.docs import masked_conv, unflatten_heads, varlen_heads
-from ttt_lm.model.layers import CausalConv1d, RMSNorm, acc, apply_rope, rope_cos_sin
+from ttt_lm.model.layers import CausalConv1d, RMSNorm, acc, acc_dtype, apply_rope, rope_cos_sin
 from ttt_lm.model.mixers.attention import Attention, AttentionState, LocalAttention
 from ttt_lm.model.mixers.base import Mixer, MixerState, TPPlan
 from ttt_lm.model.registry import option, register_mixer
@@ -941,8 +941,8 @@ class TitansMAC(Mixer):
         v = a.v_proj(ext).view(B, -1, a.n_kv, a.hd).transpose(1, 2)
         seg_pos = Np + torch.arange(L, device=full.device)
         k_pos = torch.cat([torch.arange(Np, device=full.device), seg_pos, seg_pos])
-        cq, sq = rope_cos_sin(seg_pos[n_old:], a.hd, a.rope_theta)
-        ck, sk = rope_cos_sin(k_pos, a.hd, a.rope_theta)
+        cq, sq = rope_cos_sin(seg_pos[n_old:], a.hd, a.rope_theta, dtype=acc_dtype(q.dtype))
+        ck, sk = rope_cos_sin(k_pos, a.hd, a.rope_theta, dtype=acc_dtype(k.dtype))
         q, k = apply_rope(q, cq, sq), apply_rope(k, ck, sk)
         j = torch.arange(n_old, L, device=full.device)[:, None]
         jk = torch.arange(L, device=full.device)[None, :]
@@ -1047,7 +1047,7 @@ class TitansMAC(Mixer):
         # what depends on x alone, for every slot at once, then cut into blocks (one split, whose
         # backward is one concatenation): x's queries and keys with RoPE at N_p + j, the
         # retrieval's query and gate; the persistent tokens' keys at 0 … N_p − 1
-        cos, sin = rope_cos_sin(Np + j[:, None], a.hd, a.rope_theta)                # [B, 1, T′, hd]
+        cos, sin = rope_cos_sin(Np + j[:, None], a.hd, a.rope_theta, dtype=acc_dtype(xa.dtype))   # [B, 1, T′, hd]
         qx = apply_rope(a.q_proj(xa).view(B, Tp, a.n_heads, a.hd).transpose(1, 2), cos, sin).split(g, 2)
         kx = apply_rope(a.k_proj(xa).view(B, Tp, a.n_kv, a.hd).transpose(1, 2), cos, sin).split(g, 2)
         vx = a.v_proj(xa).view(B, Tp, a.n_kv, a.hd).transpose(1, 2).split(g, 2)
@@ -1056,7 +1056,7 @@ class TitansMAC(Mixer):
         xb = xa.split(g, 1)
         cj = (Np + j[:, None]).split(g, 2)
         p = self.context_shared(self.persistent.to(dt)[None]).expand(B, -1, -1)
-        cp, sp = rope_cos_sin(torch.arange(Np, device=dev), a.hd, a.rope_theta)
+        cp, sp = rope_cos_sin(torch.arange(Np, device=dev), a.hd, a.rope_theta, dtype=acc_dtype(p.dtype))
         kp = apply_rope(a.k_proj(p).view(B, Np, a.n_kv, a.hd).transpose(1, 2), cp, sp)
         vp = a.v_proj(p).view(B, Np, a.n_kv, a.hd).transpose(1, 2)
         nb = L // g                                                # blocks in a segment's key window
@@ -1086,7 +1086,7 @@ class TitansMAC(Mixer):
             new_seg = (j[:, s] == 0)[:, None, None, None]
             R = [torch.where(new_seg, m0, r0) for m0, r0 in zip(M, R)]
             h = self.context_shared(self._retrieve(xb[n], R, rq[n], rgate[n]).to(dt))
-            ch, sh = rope_cos_sin(cj[n], a.hd, a.rope_theta)
+            ch, sh = rope_cos_sin(cj[n], a.hd, a.rope_theta, dtype=acc_dtype(h.dtype))
             keys["kh"].append(apply_rope(a.k_proj(h).view(B, g, a.n_kv, a.hd).transpose(1, 2), ch, sh))
             keys["vh"].append(a.v_proj(h).view(B, g, a.n_kv, a.hd).transpose(1, 2))
             keys["kx"].append(kx[n])
