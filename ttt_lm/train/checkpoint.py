@@ -191,14 +191,15 @@ def _step_dir(path: str) -> bool:
 
 
 def select(path: str, accept: Optional[Callable[[str], Optional[str]]] = None,
-           note: Callable[[str], None] = _note) -> Tuple[str, List[Tuple[str, str]]]:
+           note: Callable[[str], None] = _note, say_used: bool = True) -> Tuple[str, List[Tuple[str, str]]]:
     """The checkpoint to load from ``path`` (a step_… directory, a checkpoints/ root or a run
     directory) and the newer ones passed over, as ``(checkpoint, [(path, why), ...])``.
 
     A step directory must verify, or CheckpointError names the file at fault. From a root, the
     newest checkpoint that verifies (and that ``accept`` does not reject: it returns a reason or
     None) is taken; each newer one passed over is reported through ``note``. Collective when a
-    process group exists."""
+    process group exists. ``say_used=False``: the caller names the checkpoint taken itself (only
+    the ones passed over are noted here)."""
     if _step_dir(path):
         problems = verify(path)
         if problems:
@@ -217,7 +218,7 @@ def select(path: str, accept: Optional[Callable[[str], Optional[str]]] = None,
             problems = verify(c)
             why = "; ".join(problems[:3]) if problems else (accept(c) if accept else None)
             if not why:
-                if passed:
+                if passed and say_used:
                     note(f"using {c}, the newest checkpoint that verifies")
                 return c, passed
             note(f"passing over {c}: {why}")
@@ -236,10 +237,13 @@ def after_nonfinite_losses(ckpt: str) -> Optional[str]:
 def resolve(path: str, say: Optional[Callable[[str], Any]] = None) -> str:
     """A verified checkpoint dir from a checkpoint dir, a checkpoints/ root or a run dir, chosen
     as a resumed run chooses (``select`` with ``after_nonfinite_losses``). From a root or run
-    directory ``say`` (default: stderr) is told which checkpoint and step were taken."""
-    ckpt, _ = select(path, accept=after_nonfinite_losses)
+    directory ``say`` (default: stderr) is told which checkpoint and step were taken, in one line
+    (after one line for each newer one passed over)."""
+    say = say or _note
+    ckpt, passed = select(path, accept=after_nonfinite_losses, note=say, say_used=False)
     if not _step_dir(path):
-        (say or _note)(f"using {ckpt} (step {read_state(ckpt).get('step')})")
+        say(f"using {ckpt} (step {read_state(ckpt).get('step')})"
+                       + (", the newest checkpoint that verifies" if passed else ""))
     return ckpt
 
 
