@@ -104,6 +104,8 @@ class Trainer:
         self.record: Dict[str, Any] = {}
         self.preempted = False
         self.stop_requested = False
+        #: the run ended at ``stop_after``, before ``max_steps``
+        self.stopped_after = False
         self.exit_code = 0
         #: step of the newest checkpoint this run wrote or resumed from (-1: none), kept by the checkpoint callback
         self.last_saved = -1
@@ -137,6 +139,7 @@ class Trainer:
                 self._call("pre_step", self.callbacks)
                 self.train_step()
                 if self.stop_after is not None and self.step >= self.stop_after:
+                    self.stopped_after = self.step < self.max_steps
                     self.request_stop()
                 if self._read_due():
                     self.read_metrics()

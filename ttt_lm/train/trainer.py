@@ -178,11 +178,32 @@ def train(cfg, data_api=None, preempt: Optional[PreemptionFlag] = None, callback
     """Run ``cfg``; the run directory's lock (taken inside) is released however the run ends.
     ``callbacks`` (``ttt_lm.train.loop.Callback``) run after the built-in ones, on every rank."""
     held = []
+    run_dir = cfg.train.run_dir
+    created = not os.path.exists(run_dir)   # by this run: removed again if the run leaves it empty
     try:
         return _train(cfg, data_api, preempt, held, list(callbacks))
     finally:
         for lock in held:
             lock.release()
+        if created and int(os.environ.get("RANK", "0")) == 0:
+            _remove_if_empty(run_dir)
+
+
+def _remove_if_empty(run_dir: str) -> None:
+    """A run refused at startup (a data path that does not exist, a bad layout) wrote nothing but
+    its lock: the run directory it created is removed, empty folders inside it included."""
+    if not os.path.isdir(run_dir):
+        return
+    for d, dirs, files in os.walk(run_dir, topdown=False):
+        if files:
+            return
+        for sub in dirs:
+            if os.path.exists(os.path.join(d, sub)):
+                return
+        try:
+            os.rmdir(d)
+        except OSError:
+            return
 
 
 
@@ -321,8 +342,12 @@ def _forward_kwargs(b) -> dict:
     return {"position_ids": _pos(b)}
 
 
-def _end_lines(cfg, ckpt_root: str) -> None:
-    run_dir, latest = cfg.train.run_dir, ck.find_latest(ckpt_root)
+def _end_lines(cfg, ckpt_root: str, trainer: Trainer) -> None:
+    run_dir, latest, t = cfg.train.run_dir, ck.find_latest(ckpt_root), cfg.train
+    if trainer.stopped_after and trainer.exit_code == 0:
+        saved = "checkpoint saved" if trainer.last_saved == trainer.step else "no checkpoint (non-finite loss)"
+        print(f"[train] stopped after step {trainer.step} of {t.max_steps} (train.stop_after={t.stop_after}): "
+              f"{saved}; run the same command without train.stop_after (or with a larger one) to go on", flush=True)
     print(f"[train] run directory: {os.path.abspath(run_dir)}\n"
           f"[train]   metrics:     {os.path.abspath(os.path.join(run_dir, 'metrics.jsonl'))}\n"
           + (f"[train]   tensorboard: {os.path.abspath(os.path.join(run_dir, 'tb'))}\n"
@@ -409,7 +434,7 @@ def _train(cfg, data_api, preempt, held, extra_callbacks=()) -> int:
     finally:
         data_stop.close()
     if rank == 0:
-        _end_lines(cfg, ckpt_root)
+        _end_lines(cfg, ckpt_root, trainer)
     preempt.uninstall()
     tdist.barrier()
     tdist.destroy_process_group()
