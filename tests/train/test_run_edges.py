@@ -39,3 +39,40 @@ def test_a_run_refused_at_startup_leaves_no_run_directory(tmp_path):
             env={"TTT_TEST_REAL_DATA": "1"}, expect=None)
     assert r.wait() != [0]
     assert os.listdir(d) == ["notes.txt"]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    from tests.data.corpus import SHARD_TOKENS, VOCAB, make_texts, write_corpus
+    from ttt_lm.data.prepare import prepare
+    base = tmp_path_factory.mktemp("edgescorpus")
+    raw = write_corpus(str(base / "raw"), make_texts(40))
+    prepare([raw], str(base / "data"), vocab_size=VOCAB, shard_tokens=SHARD_TOKENS, val_fraction=0.05, workers=1,
+            progress=False, overwrite=True)
+    return str(base / "data")
+
+
+def _real(corpus, steps, *extra):
+    from tests.data.corpus import VOCAB
+    return [f"data.path={corpus}", f"model.vocab_size={VOCAB + 20}", f"train.max_steps={steps}", *extra]
+
+
+def _rows(d, nprocs, args):
+    from test_resume_dp import global_rows
+    r = run(d, args, nprocs=nprocs, env={"TTT_TEST_REAL_DATA": "1", "TTT_TEST_BATCH_LOG": d + ".batches"})
+    return r, global_rows(d)
+
+
+def test_the_data_order_does_not_depend_on_the_number_of_ranks(tmp_path, corpus):
+    """data.streams unset: the same seed reads the same samples on 1 and on 2 ranks (global batch 8
+    on both), and a run started on 2 ranks resumed on 1 reads what the 1-rank run read."""
+    _, one = _rows(str(tmp_path / "one"), 1, _real(corpus, 4, "train.micro_batch_size=8"))
+    r, two = _rows(str(tmp_path / "two"), 2, _real(corpus, 4, "train.micro_batch_size=4", "checkpoint.every=2"))
+    assert sorted(one) == sorted(two) == list(range(4 * 8))
+    assert all(two[i] == one[i] for i in one)
+    assert "a stream is shared" not in r.output()
+    ckpt = os.path.join(str(tmp_path / "two"), "checkpoints", "step_00000002")
+    _, back = _rows(str(tmp_path / "back"), 1, _real(corpus, 4, "train.micro_batch_size=8",
+                                                     f"train.resume_from={ckpt}"))
+    assert sorted(back) == list(range(2 * 8, 4 * 8))
+    assert all(back[i] == one[i] for i in back)
