@@ -76,3 +76,35 @@ def test_the_data_order_does_not_depend_on_the_number_of_ranks(tmp_path, corpus)
                                                      f"train.resume_from={ckpt}"))
     assert sorted(back) == list(range(2 * 8, 4 * 8))
     assert all(back[i] == one[i] for i in back)
+
+
+def test_a_resumed_run_keeps_its_global_batch_on_another_number_of_ranks(tmp_path, corpus):
+    """Started on 1 rank with the global batch unset (micro-batch 4 × 1 rank), resumed with the same
+    command on 2 ranks: 4 sequences a step still (the micro-batch adapts, said in one line), the
+    1-rank run's samples; train.global_batch_size given instead works the same; a global batch the
+    ranks cannot split is refused in one line naming an override that works."""
+    from launch import metrics
+    args = _real(corpus, 4, "train.micro_batch_size=4", "checkpoint.every=2")
+    _, one = _rows(str(tmp_path / "one"), 1, args)
+    ckpt = os.path.join(str(tmp_path / "one"), "checkpoints", "step_00000002")
+    r, two = _rows(str(tmp_path / "two"), 2, [*args, f"train.resume_from={ckpt}"])
+    out = r.output()
+    assert out.count("keeping the run's global batch of 4 sequences on 2 data-parallel rank(s): "
+                     "train.micro_batch_size 4 -> 2, grad_accum 1") == 1
+    assert "global batch changes" not in out
+    assert [m["tokens"] - p["tokens"] for p, m in zip(metrics(str(tmp_path / "one")), metrics(str(tmp_path / "one"))[1:])] \
+        == [4 * 16] * 3
+    assert [m["tokens"] for m in metrics(str(tmp_path / "two"))] == [3 * 4 * 16, 4 * 4 * 16]
+    assert sorted(two) == list(range(2 * 4, 4 * 4)) and all(two[i] == one[i] for i in two)
+    # the advice of slurm/README.md: the global batch named on the command line
+    r, given = _rows(str(tmp_path / "given"), 2, [*args, "train.global_batch_size=4", f"train.resume_from={ckpt}"])
+    assert given == two and "global batch changes" not in r.output()
+    # 3 sequences a step cannot be split over 2 ranks: one line, no traceback
+    odd = _real(corpus, 4, "train.micro_batch_size=3", "checkpoint.every=2")
+    run(str(tmp_path / "odd"), odd)
+    r = run(str(tmp_path / "odd"), odd, nprocs=2, expect=2, tag="again")
+    err = [ln for ln in r.output().splitlines() if ln.startswith("error:")]
+    assert err == ["error: the run's global batch of 3 sequences cannot be split over 2 data-parallel rank(s) (3 is "
+                   "not a multiple of 2): run it on a number of ranks that divides 3, or set "
+                   "train.global_batch_size=2 to change it"], r.output()
+    assert "Traceback" not in r.output() and "Traceback" not in r.output(1)

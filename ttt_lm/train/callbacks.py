@@ -229,7 +229,9 @@ class CheckpointCallback(Callback):
                  "zero_stage": s["zero_stage"], "tensor_parallel": s["tensor_parallel"],
                  "context_parallel": s["context_parallel"],
                  # parameter name → dimension sliced across TP ranks (export concatenates along it)
-                 "partition_dims": s["partition_dims"], "time": time.time()}
+                 "partition_dims": s["partition_dims"],
+                 # the global batch and the command's batch settings: a resume keeps the former (resume.py)
+                 **({"batch": s["batch"]} if "batch" in s else {}), "time": time.time()}
         path = ck.save(self.engine, self.root, trainer.step, state, {"loader": self.loader.state_dict()},
                        self.config_yaml, self.rank, self.keep_last, need_bytes=self.last_bytes)
         self.last_bytes = ck.checkpoint_bytes(path)

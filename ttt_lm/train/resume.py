@@ -44,8 +44,12 @@ from ttt_lm.data.remote import is_remote
 from ttt_lm.model.config import ModelConfig
 from ttt_lm.train import checkpoint as ck
 from ttt_lm.train.checkpoint import CheckpointError
+from ttt_lm.train.engine import keep_global_batch, resolve_grad_accum
 from ttt_lm.train.optim import apply_hyperparameters, changed_hyperparameters
 from ttt_lm.train.reshard import load_resharded
+
+#: the batch settings of a command (``CheckpointManager.requested``)
+BATCH_KEYS = ("micro_batch_size", "grad_accum", "global_batch_size")
 
 #: model-config keys that may differ on resume: they choose kernels, not the model's shape
 RUNTIME_MODEL_KEYS = ("kernel_backend", "attention.backend", "compile", "compile_backend", "loss_chunk_size")
@@ -182,6 +186,9 @@ class CheckpointManager:
 
     def __init__(self, cfg, ckpt_root: str, groups, say: Callable[[str], None] = lambda m: None):
         self.cfg, self.root, self.g, self.say = cfg, ckpt_root, groups, say
+        #: the batch settings as the command gave them (before any is derived): a resumed run whose
+        #: command gives the same keeps the checkpoint's global batch (``select``)
+        self.requested = {k: getattr(cfg.train, k) for k in BATCH_KEYS}
         self.ckpt: Optional[str] = None
         self.state: dict = {}
         self._data_api, self._saved_loaders = None, None
@@ -200,6 +207,13 @@ class CheckpointManager:
             self._check_layout(ckpt, state)
         except CheckpointError as e:
             raise alike(e)  # every rank read the same checkpoint and config
+        t, G = self.cfg.train, self._global_batch(ckpt, state)
+        if G is not None:
+            adapted = keep_global_batch(t, self.g.dp_size, G)
+            if adapted:
+                self.say(adapted)
+        else:
+            t.grad_accum = resolve_grad_accum(t, self.g.dp_size)
         note = global_batch_note(ckpt, self.cfg, state["dp_world"], self.g.dp_size)
         if note:
             self.say(note)
@@ -209,6 +223,20 @@ class CheckpointManager:
             tdist.barrier()
         self.ckpt, self.state = ckpt, state
         return ckpt
+
+    def _global_batch(self, ckpt: str, state: dict) -> Optional[int]:
+        """The global batch the resumed run keeps: ``train.global_batch_size`` when given, else the
+        checkpoint's when the command's batch settings are those the checkpointed run was started
+        with (the same command on another number of ranks); None when the command changes
+        micro_batch_size or grad_accum (the global batch is then theirs × the ranks)."""
+        t = self.cfg.train
+        if t.global_batch_size is not None:
+            return t.global_batch_size
+        saved, old = state.get("batch") or {}, _saved_config(ckpt)["train"]
+        requested = saved.get("requested") or {k: old.get(k) for k in BATCH_KEYS}
+        if requested != self.requested:
+            return None
+        return saved.get("global") or old["micro_batch_size"] * old["grad_accum"] * state["dp_world"]
 
     def _check_layout(self, ckpt: str, state: dict) -> None:
         tp_old = state.get("tensor_parallel", 1)

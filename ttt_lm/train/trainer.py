@@ -367,7 +367,6 @@ def _train(cfg, data_api, preempt, held, extra_callbacks=()) -> int:
     # TP peers (consecutive ranks), then CP peers, see the same batches: the data is split dp ways
     groups = build_groups(tp_size=tp, cp_size=cp)
     dp_rank, dp_world = groups.dp_rank, groups.dp_size
-    t.grad_accum = resolve_grad_accum(t, dp_world)  # saved with the config: the value used
     if device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", world)))))
     dev = torch.device("cuda", env.local_rank) if device == "cuda" else torch.device("cpu")
@@ -381,7 +380,9 @@ def _train(cfg, data_api, preempt, held, extra_callbacks=()) -> int:
         ck.clean_stale(ckpt_root, say=print)
     inv = invariants(cfg, _manifest(cfg, data_api, say))
     ckpts = CheckpointManager(cfg, ckpt_root, groups, say)
-    resume = ckpts.select(inv)
+    resume = ckpts.select(inv)   # a resumed run's batch: its global batch kept, grad_accum derived
+    if resume is None:
+        t.grad_accum = resolve_grad_accum(t, dp_world)  # saved with the config: the value used
 
     model, n_params, backends, pdims = _build_model(cfg, groups, dev, init_weights=resume is None)
     group_wd = [g["weight_decay"] for g in param_groups(model, cfg.optim.weight_decay)]  # as build_engine's
@@ -415,7 +416,9 @@ def _train(cfg, data_api, preempt, held, extra_callbacks=()) -> int:
         PreemptionCallback(why=data_stop.reason),
         CheckpointCallback(engine, ckpt_root, loader, to_yaml(cfg),
                            {"dp_world": dp_world, "invariants": inv, "zero_stage": par.zero_stage,
-                            "tensor_parallel": tp, "context_parallel": cp, "partition_dims": pdims},
+                            "tensor_parallel": tp, "context_parallel": cp, "partition_dims": pdims,
+                            "batch": {"requested": ckpts.requested,
+                                      "global": t.micro_batch_size * t.grad_accum * dp_world}},
                            rank, cfg.checkpoint.every, cfg.checkpoint.at_end, cfg.checkpoint.keep_last,
                            lock=held[0] if held else None, last_bytes=at.last_bytes),
         *extra_callbacks,
