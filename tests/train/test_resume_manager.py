@@ -87,6 +87,13 @@ def _save(root, step, cfg, dp=1, tp=1, cp=1, ranks=1, nonfinite=0, pdims=None):
     return path
 
 
+def _trainer(loader):
+    """A Trainer with nothing to train: what its load_state_dict puts back into ``loader`` and the RNGs."""
+    from ttt_lm.train.loop import Trainer
+    return Trainer(engine=None, scheduler=None, loader=loader, device="cpu", max_steps=10, grad_accum=1, rank=0,
+                   world=1, dp_world=1)
+
+
 def _said():
     lines = []
     return lines, lines.append
@@ -116,7 +123,9 @@ def test_same_layout_loads_this_ranks_state_and_rng(tmp_path):
     assert loader.kw == {"total_streams": 2}  # the run's streams, fixed when it started
     eng = Engine()
     at = m.restore(eng, loader, None, [])
-    assert eng.loaded == path and loader.state["samples"] == 24 and loader.merged is None
+    assert eng.loaded == path and loader.state is None   # the trainer puts the rest back
+    _trainer(loader).load_state_dict(at.state)
+    assert loader.state["samples"] == 24 and loader.merged is None
     assert [random.random() for _ in range(3)] == expected
     assert (at.step, at.tokens, at.skipped_total, at.nonfinite_run, at.changes) == (3, 300, 1, 0, [])
     assert at.last_bytes == ck.checkpoint_bytes(path) and lines == []
@@ -194,7 +203,11 @@ def test_another_layout_reshards_merges_the_loaders_and_reseeds(tmp_path, monkey
     assert loader.args[2:] == (0, 1) and loader.kw == {"total_streams": 2}
     at = m.restore(Engine(), loader, None, [])
     assert calls == [(path, 1, 2)] and at.step == 5
+    trainer = _trainer(loader)
+    trainer.load_state_dict(at.state)
+    assert trainer.step == 5 and trainer.tokens == 500 and trainer.skipped_total == 1
     assert [s["dp_rank"] for s in data.merged_from] == [0, 1] and loader.merged == {"merged": 2}
+    assert loader.state is None
     draw = random.random()
     resume.seed_all(cfg.train.seed + 1 + 1 + 1_000_003 * 5)
     assert random.random() == draw

@@ -207,13 +207,14 @@ class PreemptionCallback(Callback):
 class CheckpointCallback(Callback):
     """Saves a checkpoint (``ttt_lm.train.checkpoint.save``) every ``every`` steps, after a step
     that requested a stop (preemption, train.stop_after), and at the end when ``at_end`` — never
-    after a step whose loss was non-finite. ``state`` holds what every checkpoint's state records
-    besides the counters (dp_world, invariants, parallel sizes); ``lock`` is the run directory's
-    lock on rank 0 (None elsewhere): a lost lock stops the run without saving."""
+    after a step whose loss was non-finite. What it saves is the engine and ``trainer.state_dict()``
+    (counters, loader position, RNG, callbacks' states); ``state`` is the run's record beside it
+    (dp_world, invariants, parallel sizes, partition dims, the batch); ``lock`` is the run
+    directory's lock on rank 0 (None elsewhere): a lost lock stops the run without saving."""
 
-    def __init__(self, engine, root: str, loader, config_yaml: str, state: dict, rank: int, every: int,
+    def __init__(self, engine, root: str, config_yaml: str, state: dict, rank: int, every: int,
                  at_end: bool, keep_last: int, lock=None, last_bytes: Optional[int] = None):
-        self.engine, self.root, self.loader, self.config_yaml = engine, root, loader, config_yaml
+        self.engine, self.root, self.config_yaml = engine, root, config_yaml
         self.state, self.rank, self.every, self.at_end, self.keep_last = state, rank, every, at_end, keep_last
         self.lock, self.last_bytes = lock, last_bytes
 
@@ -223,16 +224,12 @@ class CheckpointCallback(Callback):
         lost = ck.gather(self.lock.lost if self.lock is not None else None)[0]
         if lost:
             raise RunDirInUse(f"{lost}: stopping without saving")
-        s = self.state
-        state = {"step": trainer.step, "tokens": trainer.tokens, "skipped_steps": trainer.skipped_total,
-                 "nonfinite_in_a_row": trainer.nonfinite_run, "dp_world": s["dp_world"], "invariants": s["invariants"],
-                 "zero_stage": s["zero_stage"], "tensor_parallel": s["tensor_parallel"],
-                 "context_parallel": s["context_parallel"],
-                 # parameter name → dimension sliced across TP ranks (export concatenates along it)
-                 "partition_dims": s["partition_dims"],
-                 # the global batch and the command's batch settings: a resume keeps the former (resume.py)
-                 **({"batch": s["batch"]} if "batch" in s else {}), "time": time.time()}
-        path = ck.save(self.engine, self.root, trainer.step, state, {"loader": self.loader.state_dict()},
+        # the trainer's whole resumable state: its per-rank entries go to this rank's file, the rest
+        # (the same on every rank) to trainer_state.json beside the run's record (``self.state``)
+        sd = trainer.state_dict()
+        per_rank = {k: sd.pop(k) for k in trainer.RANK_KEYS if k in sd}
+        state = {**sd, **self.state, "time": time.time()}
+        path = ck.save(self.engine, self.root, trainer.step, state, per_rank,
                        self.config_yaml, self.rank, self.keep_last, need_bytes=self.last_bytes)
         self.last_bytes = ck.checkpoint_bytes(path)
         trainer.last_saved = trainer.step

@@ -9,7 +9,8 @@ Layout of ``<run_dir>/checkpoints``::
         ds/                 DeepSpeed's engine.save_checkpoint (module, ZeRO optimizer shards, lr schedule)
         trainer_state.json  step, tokens seen, skipped steps, world size, what must not change, and
                             ``files``: the size and sha256 of every other file of the checkpoint
-        rank_00000.pt       per-rank RNG states (Python, numpy, torch[, CUDA]) and data-loader state
+        rank_00000.pt       the trainer state's per-rank entries (``Trainer.RANK_KEYS``): RNG states
+                            (Python, numpy, torch[, CUDA]) and data-loader state
         config.yaml         the resolved experiment config
 
 Every rank writes into ``.tmp-step_…``; after a barrier the ranks hash the files (each rank a
@@ -390,7 +391,7 @@ def save(engine, root: str, step: int, state: Dict[str, Any], rank_state: Dict[s
             os.makedirs(tmp)
         _barrier()
         engine.save_checkpoint(tmp, tag=DS_TAG, save_latest=False)
-        torch.save({**rank_state, "rng": rng_state()}, os.path.join(tmp, rank_file(rank)))
+        torch.save({"rng": rng_state(), **rank_state}, os.path.join(tmp, rank_file(rank)))
         if rank == 0:
             with open(os.path.join(tmp, "config.yaml"), "w") as f:
                 f.write(config_yaml)
@@ -471,7 +472,8 @@ def rank_states(ckpt: str) -> List[Dict[str, Any]]:
 
 def load(engine, ckpt: str, rank: int) -> Tuple[Dict[str, Any], Dict[str, Any]]:
     """Collective: restore the engine (module, optimizer, schedule) and return
-    (trainer_state, this rank's state); RNG states are restored here too. ``ckpt`` should have
+    (trainer_state, this rank's state: its loader state and RNG states, which the trainer's
+    ``load_state_dict`` puts back). ``ckpt`` should have
     passed ``verify``; whatever still goes wrong is a CheckpointError naming the checkpoint."""
     state = read_state(ckpt)
     try:
@@ -486,5 +488,4 @@ def load(engine, ckpt: str, rank: int) -> Tuple[Dict[str, Any], Dict[str, Any]]:
         rs = torch.load(rf, map_location="cpu", weights_only=False)
     except Exception as e:  # noqa: BLE001
         raise CheckpointError(f"cannot read {rf}: {type(e).__name__}: {e}") from e
-    set_rng_state(rs["rng"])
     return state, rs

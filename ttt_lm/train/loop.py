@@ -62,6 +62,18 @@ class Callback:
     def on_error(self, trainer: "Trainer", exc: BaseException) -> None:
         pass
 
+    def state_dict(self) -> Optional[Dict[str, Any]]:
+        """This callback's resumable state (JSON-serializable, the same on every rank), saved in the
+        trainer's ``state_dict`` under the callback's ``state_key``; None: it has none."""
+        return None
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        pass
+
+    @property
+    def state_key(self) -> str:
+        return type(self).__name__
+
 
 @dataclass
 class _Queued:
@@ -85,8 +97,9 @@ class Trainer:
     state sends there). ``preempted`` reads whether this rank was signalled (``PreemptionFlag``);
     the step's collective turns it into ``trainer.preempted`` (any rank signalled)."""
 
-    def __init__(self, *, engine, scheduler, batches: Iterator[dict], device, max_steps: int, grad_accum: int,
-                 rank: int, world: int, dp_world: int, callbacks: Sequence[Callback] = (),
+    def __init__(self, *, engine, scheduler, batches: Optional[Iterator[dict]] = None, device, max_steps: int,
+                 grad_accum: int, rank: int, world: int, dp_world: int, callbacks: Sequence[Callback] = (),
+                 loader=None,
                  signalled: Callable[[], bool] = lambda: False,
                  forward_kwargs: Callable[[dict], dict] = lambda b: {},
                  after_backward: Optional[Callable[[], None]] = None, stop_after: Optional[int] = None,
@@ -94,7 +107,11 @@ class Trainer:
                  write: Callable[[str], None] = lambda line: print(line, flush=True), read_every: int = 1):
         if read_every < 1:
             raise ValueError(f"read_every must be >= 1 step, got {read_every}")
-        self.engine, self.scheduler, self.batches, self.device = engine, scheduler, batches, device
+        #: the train loader whose position is part of ``state_dict`` (anything with state_dict /
+        #: load_state_dict; None: the batches carry no state); ``batches`` default to iterating it
+        self.loader = loader
+        self._batches = batches
+        self.engine, self.scheduler, self.device = engine, scheduler, device
         self.max_steps, self.grad_accum, self.stop_after = max_steps, grad_accum, stop_after
         self.rank, self.world, self.dp_world = rank, world, dp_world
         self.callbacks: List[Callback] = list(callbacks)
@@ -114,10 +131,67 @@ class Trainer:
         self.read_every = read_every
         self._queue: List[_Queued] = []
         self._t_read = time.perf_counter()   # start of the steps the next read covers
+        self._callback_states: Dict[str, Any] = {}   # loaded for callbacks added later
+
+    @classmethod
+    def from_config(cls, cfg, data_api=None, preempt=None, callbacks: Sequence[Callback] = (),
+                    held: Optional[list] = None) -> Optional["Trainer"]:
+        """The run of a resolved ExperimentConfig, built (process group, model, engine, loader,
+        callbacks) and, for a resumed run, with the checkpoint's state loaded: ``fit()`` trains it.
+        None when the run was signalled during startup. ``held`` receives the run directory's lock
+        (``ttt_lm.train.train`` releases it). ``callbacks`` run after the built-in ones."""
+        from ttt_lm.train.trainer import build
+        return build(cfg, data_api, preempt, callbacks, held, cls)
+
+    @property
+    def batches(self) -> Iterator[dict]:
+        if self._batches is None:
+            self._batches = iter(self.loader)   # after load_state_dict: from the restored position
+        return self._batches
 
     def add_callback(self, cb: Callback) -> "Trainer":
         self.callbacks.append(cb)
+        if cb.state_key in self._callback_states:
+            cb.load_state_dict(self._callback_states[cb.state_key])
         return self
+
+    # -- resumable state ----------------------------------------------------------------------------
+    #: the entries of ``state_dict`` that differ between ranks (a checkpoint keeps them per rank)
+    RANK_KEYS = ("loader", "rng")
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Every piece of this run's resumable state but the engine's (weights, optimizer, lr
+        schedule: DeepSpeed's files): the counters, the loader's position, this rank's RNG states
+        and the callbacks' own states. The entries of ``RANK_KEYS`` are this rank's; the rest are
+        the same on every rank. Adding a piece of resumable state is one entry here and its line in
+        ``load_state_dict``."""
+        from ttt_lm.train.checkpoint import rng_state
+        cbs = {cb.state_key: st for cb in self.callbacks if (st := cb.state_dict()) is not None}
+        return {"step": self.step, "tokens": self.tokens, "skipped_steps": self.skipped_total,
+                "nonfinite_in_a_row": self.nonfinite_run, **({"callbacks": cbs} if cbs else {}),
+                "loader": self.loader.state_dict() if self.loader is not None else None, "rng": rng_state()}
+
+    def load_state_dict(self, sd: Dict[str, Any]) -> None:
+        """Put back what ``state_dict`` returned (a resumed run's, from ``ttt_lm.train.resume``).
+        On another layout the checkpointer hands over ``loader_merged`` (every old rank's loader
+        state merged, ``load_merged_state``) instead of ``loader``, and ``rng_seed`` (a seed of this
+        rank's own) instead of ``rng``. Call it before the first batch is read."""
+        from ttt_lm.train.checkpoint import set_rng_state
+        from ttt_lm.train.resume import seed_all
+        self.step, self.tokens = int(sd["step"]), int(sd["tokens"])
+        self.skipped_total, self.nonfinite_run = int(sd["skipped_steps"]), int(sd.get("nonfinite_in_a_row", 0))
+        if self.loader is not None and sd.get("loader_merged") is not None:
+            self.loader.load_merged_state(sd["loader_merged"])
+        elif self.loader is not None and sd.get("loader") is not None:
+            self.loader.load_state_dict(sd["loader"])
+        if sd.get("rng") is not None:
+            set_rng_state(sd["rng"])
+        elif sd.get("rng_seed") is not None:
+            seed_all(int(sd["rng_seed"]))
+        self._callback_states = dict(sd.get("callbacks") or {})
+        for cb in self.callbacks:
+            if cb.state_key in self._callback_states:
+                cb.load_state_dict(self._callback_states[cb.state_key])
 
     def request_stop(self, exit_code: Optional[int] = None) -> None:
         """End the run after the current step (callbacks later in the list still see this step);

@@ -13,12 +13,12 @@
 4. **load** the engine, or **reshard** it when the checkpoint was written on another layout
    (another number of data-parallel ranks or another tensor-parallel size:
    ``ttt_lm.train.reshard``): weights, AdamW moments and step, lr schedule, engine counters;
-5. the **loader state**: this rank's own (same layout), or every old rank's merged into the
-   global position (``ttt_lm.data.merge_states``) so that the global sample order continues at the
-   next sample;
-6. the **RNG** states: this rank's own (same layout), else seeded from the seed, the rank and the
-   step;
-7. **optimizer overrides**: lr, betas, eps or weight decay that the running config changes are put
+5. the **trainer state** for ``Trainer.load_state_dict`` (``Restored.state``): the counters, the
+   loader state (this rank's own on the same layout, or every old rank's merged into the global
+   position, ``ttt_lm.data.merge_states``, so that the global sample order continues at the next
+   sample) and the RNG states (this rank's own on the same layout, else a seed from the seed, the
+   rank and the step);
+6. **optimizer overrides**: lr, betas, eps or weight decay that the running config changes are put
    in force from the next step (``ttt_lm.train.optim.apply_hyperparameters``) and said.
 
 What can be resumed on what (docs/training.md, "Resuming"): the same or another number of data-
@@ -168,14 +168,31 @@ def layout(dp: int, tp: int = 1, cp: int = 1) -> str:
 
 @dataclass
 class Restored:
-    """Where the run goes on: the counters of the checkpoint (zeros for a new run), the optimizer
-    settings the running config changed, and the checkpoint's size (the next save's space check)."""
-    step: int = 0
-    tokens: int = 0
-    skipped_total: int = 0
-    nonfinite_run: int = 0
+    """Where the run goes on: ``state``, the trainer state to put back (``Trainer.load_state_dict``;
+    None for a new run), the optimizer settings the running config changed, and the checkpoint's
+    size (the next save's space check). ``step`` … ``nonfinite_run`` read ``state``."""
+    state: Optional[dict] = None
     changes: List[str] = field(default_factory=list)
     last_bytes: Optional[int] = None
+
+    def _get(self, key: str) -> int:
+        return int((self.state or {}).get(key, 0))
+
+    @property
+    def step(self) -> int:
+        return self._get("step")
+
+    @property
+    def tokens(self) -> int:
+        return self._get("tokens")
+
+    @property
+    def skipped_total(self) -> int:
+        return self._get("skipped_steps")
+
+    @property
+    def nonfinite_run(self) -> int:
+        return self._get("nonfinite_in_a_row")
 
 
 class CheckpointManager:
@@ -291,29 +308,30 @@ class CheckpointManager:
                                         "unset"))
         return data_api.build_train_loader(*args, total_streams=V)
 
-    # -- 4-7: engine, loader state, RNG, optimizer overrides -----------------------------------------
+    # -- 4-7: engine, the trainer state (loader position, RNG), optimizer overrides ----------------
     def restore(self, engine, loader, sched, group_weight_decay: List[float]) -> Restored:
-        """Put the checkpoint back into ``engine``, ``loader`` and the RNGs, and the running
-        config's optimizer settings into ``sched`` (nothing for a new run)."""
+        """Put the checkpoint back into ``engine`` and the running config's optimizer settings into
+        ``sched``; return the trainer state (``Restored.state``) for ``Trainer.load_state_dict``,
+        which puts back the counters, ``loader``'s position and the RNGs (nothing for a new run)."""
         ckpt, g = self.ckpt, self.g
         if ckpt is None:
             return Restored()
         if self.resharded:
             s = self.state
             state = load_resharded(engine, ckpt, g.tp_rank, g.tp_size)
-            loader.load_merged_state(self._data_api.merge_states([r["loader"] for r in self._saved_loaders]))
+            merged = self._data_api.merge_states([r["loader"] for r in self._saved_loaders])
             # RNG states are per rank: on another layout each rank starts a stream of its own, from
             # the seed, its rank and the step
-            seed_all(self.cfg.train.seed + 1 + g.rank + 1_000_003 * state["step"])
+            trainer_state = {**state, "loader": None, "loader_merged": merged, "rng": None,
+                             "rng_seed": self.cfg.train.seed + 1 + g.rank + 1_000_003 * state["step"]}
             tp_old = s.get("tensor_parallel", 1)
             now = g.dp_size if tp_old == g.tp_size else layout(g.dp_size, g.tp_size)
             self.say(f"{ckpt} was written by {layout(s['dp_world'], tp_old)}, this run has {now}: optimizer state "
                      f"resharded, the data order continues ({getattr(loader, 'total_streams', '?')} streams)")
         else:
-            state, rs = ck.load(engine, ckpt, g.rank)  # restores this rank's RNG states too
-            loader.load_state_dict(rs["loader"])
-        out = Restored(state["step"], state["tokens"], state["skipped_steps"], state.get("nonfinite_in_a_row", 0),
-                       optim_changes(ckpt, self.cfg), ck.checkpoint_bytes(ckpt))
+            state, rs = ck.load(engine, ckpt, g.rank)
+            trainer_state = {**state, **rs}   # this rank's own entries (loader, rng) beside the shared ones
+        out = Restored(trainer_state, optim_changes(ckpt, self.cfg), ck.checkpoint_bytes(ckpt))
         if out.changes:
             # the checkpoint restored the old rates into the optimizer and the schedule
             apply_hyperparameters(sched, self.cfg.optim, group_weight_decay)

@@ -61,7 +61,7 @@ from ttt_lm.train.config import check_training_config
 from ttt_lm.train.dist import detect_env, init_distributed
 from ttt_lm.train.engine import ParallelConfigError, build_engine, check_parallel, resolve_grad_accum
 from ttt_lm.train.lock import RunDirInUse, RunDirLock
-from ttt_lm.train.loop import Trainer
+from ttt_lm.train.loop import Callback, Trainer
 from ttt_lm.train.metrics import MetricsWriter, git_commit, resolve_peak_flops
 from ttt_lm.train.optim import param_groups
 from ttt_lm.train.preempt import PREEMPTED_EXIT_CODE, PreemptionFlag
@@ -356,7 +356,41 @@ def _end_lines(cfg, ckpt_root: str, trainer: Trainer) -> None:
 
 
 def _train(cfg, data_api, preempt, held, extra_callbacks=()) -> int:
-    """The run's build steps, in order; ``Trainer.fit`` runs the steps."""
+    """``Trainer.from_config`` builds the run, ``Trainer.fit`` runs its steps (its first callback,
+    ``_RunEnd``, ends the run: end lines, the process group)."""
+    trainer = Trainer.from_config(cfg, data_api=data_api, preempt=preempt, callbacks=extra_callbacks, held=held)
+    if trainer is None:
+        return PREEMPTED_EXIT_CODE
+    return trainer.fit()
+
+
+class _RunEnd(Callback):
+    """First in the list, so its ``post_train`` runs last: stops the verifier of the shards ahead,
+    prints the run's end lines, puts the signal handlers back and ends the process group."""
+
+    def __init__(self, cfg, ckpt_root: str, data_stop, preempt):
+        self.cfg, self.ckpt_root, self.data_stop, self.preempt = cfg, ckpt_root, data_stop, preempt
+
+    def post_train(self, trainer: Trainer) -> None:
+        self.data_stop.close()
+        if trainer.rank == 0:
+            _end_lines(self.cfg, self.ckpt_root, trainer)
+        self.preempt.uninstall()
+        tdist.barrier()
+        tdist.destroy_process_group()
+
+    def on_error(self, trainer: Trainer, exc: BaseException) -> None:
+        self.data_stop.close()
+
+
+def build(cfg, data_api=None, preempt: Optional[PreemptionFlag] = None, callbacks: Sequence = (),
+          held: Optional[list] = None, cls=Trainer) -> Optional[Trainer]:
+    """The run's build steps, in order (``Trainer.from_config``): a Trainer whose state is the
+    checkpoint's for a resumed run, ready to ``fit``; None when the run was signalled during startup
+    (nothing to save: the process group is ended). ``held`` receives the run directory's lock (the
+    caller releases it)."""
+    held = held if held is not None else []
+    extra_callbacks = list(callbacks)
     device = _check_config(cfg)
     data_api = data_api if data_api is not None else ttt_lm.data
     preempt = preempt if preempt is not None else PreemptionFlag().install()
@@ -375,7 +409,7 @@ def _train(cfg, data_api, preempt, held, extra_callbacks=()) -> int:
 
     _lock_run_dir(t.run_dir, ckpt_root, rank, held)
     if _startup_preempted(preempt, rank):
-        return PREEMPTED_EXIT_CODE
+        return None
     if rank == 0:
         ck.clean_stale(ckpt_root, say=print)
     inv = invariants(cfg, _manifest(cfg, data_api, say))
@@ -392,8 +426,18 @@ def _train(cfg, data_api, preempt, held, extra_callbacks=()) -> int:
     loader = ckpts.build_loader(data_api)
     _streams_note(loader, cfg, dp_world, say)
     at = ckpts.restore(engine, loader, sched, group_wd)
+    trainer = cls(engine=engine, scheduler=sched, loader=loader, device=dev, max_steps=t.max_steps,
+                  grad_accum=t.grad_accum, rank=rank, world=world, dp_world=dp_world,
+                  signalled=lambda: preempt.requested or data_stop.check(), forward_kwargs=_forward_kwargs,
+                  after_backward=(lambda: (wait_pending(), model.release_parameters())) if cp > 1 else None,
+                  stop_after=t.stop_after,
+                  # the step's metrics stay on the device until a console line needs them
+                  read_every=max(1, cfg.logging.log_every))
+    if at.state is not None:
+        trainer.load_state_dict(at.state)   # counters, the loader's position, the RNGs
+        trainer.last_saved = trainer.step
     if _startup_preempted(preempt, rank):
-        return PREEMPTED_EXIT_CODE
+        return None
 
     data_stop = _verify_ahead(loader if getattr(cfg.data, "verify_ahead", True) else None,
                               t.micro_batch_size * t.grad_accum, rank, max(1, cfg.logging.log_every))
@@ -402,19 +446,20 @@ def _train(cfg, data_api, preempt, held, extra_callbacks=()) -> int:
                 "n_params": n_params, "world_size": world,
                 "device": torch.cuda.get_device_name(dev) if device == "cuda" else "cpu",
                 "peak_flops": peak or 0.0, "peak_flops_from": peak_from}
-    log = MetricsWriter(t.run_dir, cfg, enabled=rank == 0, start_step=at.step,
+    log = MetricsWriter(t.run_dir, cfg, enabled=rank == 0, start_step=trainer.step,
                         restart={"checkpoint": resume, "changed": at.changes} if resume else None, run_info=run_info)
     if rank == 0:
-        _startup_lines(cfg, resume, at.step, world, device, dp_world, n_params, backends, run_info)
+        _startup_lines(cfg, resume, trainer.step, world, device, dp_world, n_params, backends, run_info)
 
-    callbacks = [
+    for cb in [
+        _RunEnd(cfg, ckpt_root, data_stop, preempt),
         MetricsCallback(log, device, flops_per_token(cfg.model, cfg.data.seq_len)["train"], peak,
                         cfg.logging.log_every, cfg.logging.progress),
         NonFiniteLossCallback(t.max_nonfinite_steps, lambda: ck.find_latest(ckpt_root)),
         EvalCallback(lambda: data_api.build_val_loader(cfg.data, t.micro_batch_size, dp_rank, dp_world),
                      cfg.eval.every, cfg.eval.batches, log),
         PreemptionCallback(why=data_stop.reason),
-        CheckpointCallback(engine, ckpt_root, loader, to_yaml(cfg),
+        CheckpointCallback(engine, ckpt_root, to_yaml(cfg),
                            {"dp_world": dp_world, "invariants": inv, "zero_stage": par.zero_stage,
                             "tensor_parallel": tp, "context_parallel": cp, "partition_dims": pdims,
                             "batch": {"requested": ckpts.requested,
@@ -422,23 +467,6 @@ def _train(cfg, data_api, preempt, held, extra_callbacks=()) -> int:
                            rank, cfg.checkpoint.every, cfg.checkpoint.at_end, cfg.checkpoint.keep_last,
                            lock=held[0] if held else None, last_bytes=at.last_bytes),
         *extra_callbacks,
-    ]
-    trainer = Trainer(engine=engine, scheduler=sched, batches=iter(loader), device=dev, max_steps=t.max_steps,
-                      grad_accum=t.grad_accum, rank=rank, world=world, dp_world=dp_world, callbacks=callbacks,
-                      signalled=lambda: preempt.requested or data_stop.check(), forward_kwargs=_forward_kwargs,
-                      after_backward=(lambda: (wait_pending(), model.release_parameters())) if cp > 1 else None,
-                      stop_after=t.stop_after, step=at.step, tokens=at.tokens, skipped_total=at.skipped_total,
-                      nonfinite_run=at.nonfinite_run,
-                      # the step's metrics stay on the device until a console line needs them
-                      read_every=max(1, cfg.logging.log_every))
-    trainer.last_saved = at.step if resume is not None else -1
-    try:
-        exit_code = trainer.fit()
-    finally:
-        data_stop.close()
-    if rank == 0:
-        _end_lines(cfg, ckpt_root, trainer)
-    preempt.uninstall()
-    tdist.barrier()
-    tdist.destroy_process_group()
-    return exit_code
+    ]:
+        trainer.add_callback(cb)
+    return trainer
