@@ -17,7 +17,7 @@ import torch
 from launch import losses_by_step, run
 from tests.data.corpus import SHARD_TOKENS, VOCAB, make_texts, write_corpus
 from ttt_lm.data.prepare import prepare
-from ttt_lm.train.reshard import consolidate
+from ttt_lm.train.checkpoint.reshard import consolidate
 
 pytestmark = pytest.mark.dist
 

@@ -1,4 +1,4 @@
-"""The CheckpointManager (``ttt_lm.train.resume``) in one process, without DeepSpeed: checkpoints
+"""The CheckpointManager (``ttt_lm.train.checkpoint.resume``) in one process, without DeepSpeed: checkpoints
 written by ``ttt_lm.train.checkpoint.save`` with a stand-in engine, a stand-in loader that records
 what it is given. Each step of the resume — select, verify, check, set aside, loader, load or
 reshard, loader state, RNG, optimizer overrides — is asserted on its own; the real engines and
@@ -15,8 +15,8 @@ import torch
 
 from ttt_lm.config import ExperimentConfig, save_config, to_yaml
 from ttt_lm.train import checkpoint as ck
-from ttt_lm.train import reshard, resume
-from ttt_lm.train.resume import CheckpointManager, invariants
+from ttt_lm.train.checkpoint import reshard, resume
+from ttt_lm.train.checkpoint.resume import CheckpointManager, invariants
 
 MAN = {"vocab_size": 4096, "tokenizer": "tok.model", "checksum": "abc"}
 
@@ -89,7 +89,7 @@ def _save(root, step, cfg, dp=1, tp=1, cp=1, ranks=1, nonfinite=0, pdims=None):
 
 def _trainer(loader):
     """A Trainer with nothing to train: what its load_state_dict puts back into ``loader`` and the RNGs."""
-    from ttt_lm.train.loop import Trainer
+    from ttt_lm.train.trainer import Trainer
     return Trainer(engine=None, scheduler=None, loader=loader, device="cpu", max_steps=10, grad_accum=1, rank=0,
                    world=1, dp_world=1)
 

@@ -12,7 +12,7 @@
 3. build the train **loader** with the run's number of data streams (fixed when it started);
 4. **load** the engine, or **reshard** it when the checkpoint was written on another layout
    (another number of data-parallel ranks or another tensor-parallel size:
-   ``ttt_lm.train.reshard``): weights, AdamW moments and step, lr schedule, engine counters;
+   ``ttt_lm.train.checkpoint.reshard``): weights, AdamW moments and step, lr schedule, engine counters;
 5. the **trainer state** for ``Trainer.load_state_dict`` (``Restored.state``): the counters, the
    loader state (this rank's own on the same layout, or every old rank's merged into the global
    position, ``ttt_lm.data.merge_states``, so that the global sample order continues at the next
@@ -46,7 +46,7 @@ from ttt_lm.train import checkpoint as ck
 from ttt_lm.train.checkpoint import CheckpointError
 from ttt_lm.train.engine import keep_global_batch, resolve_grad_accum
 from ttt_lm.train.optim import apply_hyperparameters, changed_hyperparameters
-from ttt_lm.train.reshard import load_resharded
+from ttt_lm.train.checkpoint.reshard import load_resharded
 
 #: the batch settings of a command (``CheckpointManager.requested``)
 BATCH_KEYS = ("micro_batch_size", "grad_accum", "global_batch_size")

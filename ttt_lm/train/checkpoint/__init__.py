@@ -1,5 +1,7 @@
 """Checkpoints that a killed run can never leave half-written, that are verified before use, and
-that never fill a disk silently.
+that never fill a disk silently: the file format (this module), the run's one ``Checkpointer``
+(``checkpointer``: a dict of states with the engine), the resume selection and checks
+(``resume.CheckpointManager``) and the resharding onto another layout (``reshard``).
 
 Layout of ``<run_dir>/checkpoints``::
 
