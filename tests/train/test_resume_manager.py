@@ -301,3 +301,54 @@ def test_the_trainer_setup_fits_on_a_screen():
     from ttt_lm.train import trainer
     lines = inspect.getsource(trainer._train).splitlines()
     assert len(lines) <= 100, f"_train is {len(lines)} lines: move a build step into a function of its own"
+
+
+def test_the_trainer_state_round_trips_through_the_checkpointer(tmp_path):
+    """Trainer.state_dict is the run's whole resumable state: the counters, the loader's position,
+    the RNGs and a callback's own state come back through one Checkpointer save and load."""
+    from ttt_lm.train.checkpoint.checkpointer import TRAIN_STATE, Checkpointer
+    from ttt_lm.train.loop import Callback
+
+    class Counting(Callback):
+        def __init__(self):
+            self.n = 0
+
+        def state_dict(self):
+            return {"n": self.n}
+
+        def load_state_dict(self, state):
+            self.n = state["n"]
+
+    class StatefulLoader(Loader):
+        def state_dict(self):
+            return {"total_streams": 2, "samples": 40}
+
+    cfg = _cfg()
+    root = str(tmp_path / "checkpoints")
+    counting = Counting()
+    counting.n = 3
+    trainer = _trainer(StatefulLoader())
+    trainer.add_callback(counting)
+    trainer.step, trainer.tokens, trainer.skipped_total, trainer.nonfinite_run = 5, 500, 2, 0
+    record = {"dp_world": 1, "invariants": invariants(cfg, MAN), "tensor_parallel": 1, "context_parallel": 1,
+              "partition_dims": {}}
+    random.seed(5)
+    path = Checkpointer(Engine(), root, to_yaml(cfg), record, rank=0, keep_last=0).save(5, {TRAIN_STATE: trainer})
+    expected = [random.random() for _ in range(2)]
+    saved = ck.read_state(path)
+    assert (saved["step"], saved["tokens"], saved["skipped_steps"], saved["nonfinite_in_a_row"]) == (5, 500, 2, 0)
+    assert saved["callbacks"] == {"Counting": {"n": 3}} and saved["dp_world"] == 1
+    assert "rng" not in saved and "loader" not in saved   # per rank: in rank_00000.pt
+    assert torch.load(os.path.join(path, ck.rank_file(0)), weights_only=False)["loader"]["samples"] == 40
+
+    random.seed(99)
+    m = CheckpointManager(cfg, root, _groups())
+    assert m.select(invariants(cfg, MAN)) == path
+    loader = m.build_loader(Data())
+    again, back = Counting(), _trainer(loader)
+    back.add_callback(again)
+    at = Checkpointer(Engine(), root, to_yaml(cfg), record, rank=0, keep_last=0, manager=m).load(
+        {TRAIN_STATE: back}, loader, None, [])
+    assert at.step == 5 and (back.step, back.tokens, back.skipped_total, back.nonfinite_run) == (5, 500, 2, 0)
+    assert again.n == 3 and loader.state == {"total_streams": 2, "samples": 40}
+    assert [random.random() for _ in range(2)] == expected
