@@ -20,13 +20,14 @@ NonFiniteLossError after ``train.max_nonfinite_steps`` of them in a row. No chec
 while the last step's loss was non-finite, so the newest checkpoint is always one saved after a
 finite loss; the error names it, and a rerun resumes from it.
 
-Startup, in order (``_train``, one build step a line or a function): the SIGTERM/SIGUSR1 handler
+Startup, in order (``build``, one build step a line or a function): the SIGTERM/SIGUSR1 handler
 (installed by ``ttt_lm.train.main`` before the heavy imports; a signal during startup ends the run
 with PREEMPTED_EXIT_CODE and nothing to save), the config check (``_check_config``: every rule once,
 before any process group), the process group, the run directory's lock (``ttt_lm.train.lock``: one
 run per ``train.run_dir``), removal of what killed saves left behind, then the resume, which
-``ttt_lm.train.checkpoint.resume.CheckpointManager`` owns: select → verify → check → loader → load or reshard →
-loader state → RNG → optimizer overrides. A checkpoint written on another number of data-parallel
+``ttt_lm.train.checkpoint.resume.CheckpointManager`` owns (through the run's ``Checkpointer``):
+select → verify → check → loader → load or reshard → the trainer's state (counters, loader
+position, RNG: ``Trainer.load_state_dict``) → optimizer overrides. A checkpoint written on another number of data-parallel
 ranks or another tensor-parallel size (the context-parallel size unchanged) is resumed, with the
 same or another global batch, and the global sample order continues at the next sample
 (docs/training.md "Resuming"). Before every step the shards it reads are verified (``_DataStop``);
@@ -415,7 +416,9 @@ def train(cfg, data_api=None, preempt: Optional[PreemptionFlag] = None, callback
     run_dir = cfg.train.run_dir
     created = not os.path.exists(run_dir)   # by this run: removed again if the run leaves it empty
     try:
-        return _train(cfg, data_api, preempt, held, list(callbacks))
+        # built, with a resumed run's state loaded; None: signalled during startup, nothing to save
+        trainer = Trainer.from_config(cfg, data_api=data_api, preempt=preempt, callbacks=callbacks, held=held)
+        return PREEMPTED_EXIT_CODE if trainer is None else trainer.fit()
     finally:
         for lock in held:
             lock.release()
@@ -587,15 +590,6 @@ def _end_lines(cfg, ckpt_root: str, trainer: Trainer) -> None:
           + (f"[train]   tensorboard: {os.path.abspath(os.path.join(run_dir, 'tb'))}\n"
              if cfg.logging.tensorboard else "")
           + f"[train]   checkpoint:  {os.path.abspath(latest) if latest else '(none)'}", flush=True)
-
-
-def _train(cfg, data_api, preempt, held, extra_callbacks=()) -> int:
-    """``Trainer.from_config`` builds the run, ``Trainer.fit`` runs its steps (its first callback,
-    ``_RunEnd``, ends the run: end lines, the process group)."""
-    trainer = Trainer.from_config(cfg, data_api=data_api, preempt=preempt, callbacks=extra_callbacks, held=held)
-    if trainer is None:
-        return PREEMPTED_EXIT_CODE
-    return trainer.fit()
 
 
 class _RunEnd(Callback):
