@@ -256,10 +256,12 @@ def test_manifest_without_train_shards_or_with_missing_files(copy):
         load_manifest(path)
 
 
-def test_fewer_shards_than_ranks_times_workers(prepared):
+def test_fewer_shards_than_streams(prepared):
     n = len(prepared[1]["splits"]["train"]["shards"])
     with pytest.raises(DataError, match=rf"has {n} train shard\(s\), fewer than the 32 data streams"):
-        build_train_loader(data_cfg(prepared[0], num_workers=8), B, 0, 4)
+        build_train_loader(data_cfg(prepared[0], num_workers=8, streams=32), B, 0, 4)
+    # the default never asks for more streams than there are shards, on any number of ranks × workers
+    assert build_train_loader(data_cfg(prepared[0], num_workers=8), B, 0, 4).total_streams == min(8, n)
 
 
 def test_sequences_longer_than_any_shard(prepared):

@@ -137,20 +137,20 @@ def test_epochs_reshuffle(prepared):
 
 def test_no_shuffle_is_manifest_order(prepared):
     out, _ = prepared
-    plan = build_train_loader(data_cfg(out, shuffle=False), B).plan
+    plan = build_train_loader(data_cfg(out, shuffle=False, streams=1), B).plan
     assert plan.stream_shards(0, 0) == plan.stream_shards(5, 0) == list(range(len(plan.shards)))
 
 
 def test_resume_refuses_other_settings(prepared):
     out, _ = prepared
-    loader = build_train_loader(data_cfg(out, num_workers=0), B)
+    loader = build_train_loader(data_cfg(out, streams=1), B)
     take(loader, 2)
     sd = loader.state_dict()
-    other = build_train_loader(data_cfg(out, num_workers=2), B)
+    other = build_train_loader(data_cfg(out, streams=2), B)
     with pytest.raises(DataError, match="total_streams: saved 1, now 2"):
         other.load_state_dict(sd)
     with pytest.raises(DataError, match="seed: saved 1234, now 3"):
-        build_train_loader(data_cfg(out, seed=3), B).load_state_dict(sd)
+        build_train_loader(data_cfg(out, seed=3, streams=1), B).load_state_dict(sd)
     with pytest.raises(DataError, match="rank 0 of 2 cannot be loaded by rank 1 of 2"):
         build_train_loader(data_cfg(out), B, 1, 2).load_state_dict(build_train_loader(data_cfg(out), B, 0, 2).state_dict())
     with pytest.raises(DataError, match="loader state version 1, expected 2"):
@@ -252,7 +252,7 @@ def test_merge_refuses_what_cannot_continue_exactly(prepared):
     take(one, 3)
     merged = merge_states([one.state_dict()])
     with pytest.raises(DataError, match="total_streams: saved 2, now 1"):
-        build_train_loader(cfg, B, 0, 1).load_state_dict(merged)
+        build_train_loader(data_cfg(out, streams=1), B, 0, 1).load_state_dict(merged)
     with pytest.raises(DataError, match="fewer than the 1000 data streams"):
         build_train_loader(cfg, B, 0, 1, total_streams=1000)
     r0 = build_train_loader(cfg, B, 0, 2)

@@ -10,7 +10,8 @@ import torch.distributed as tdist
 
 from ttt_lm.train import PREEMPTED_EXIT_CODE
 from ttt_lm.train.callbacks import EvalCallback, NonFiniteLossCallback, NonFiniteLossError, PreemptionCallback
-from ttt_lm.train.loop import Callback, Trainer
+from ttt_lm.train.loop import Callback
+from ttt_lm.train.trainer import Trainer
 
 V, T, B = 16, 8, 2
 

@@ -16,6 +16,9 @@ from ttt_lm.data.prepare import prepare
 pytestmark = pytest.mark.dist
 
 MICRO, STEPS = 4, 10
+#: one data stream: its shards are read one after another, so some are first read late in the run
+#: (with the default 8 streams every stream opens a shard in the first steps)
+STREAMS = 1
 #: the metrics (and with them the stop signal) are read every READ steps; each read verifies the
 #: shards of the next READ steps, so the run stops at the last read before the bad shard's step
 READ = 2
@@ -32,7 +35,7 @@ def corpus(tmp_path_factory):
 
 def _first_read_at(corpus, step_min):
     """A train shard that the run reads for the first time at some step >= step_min, and that step."""
-    ld = build_train_loader(data_cfg(corpus), MICRO, 0, 1)
+    ld = build_train_loader(data_cfg(corpus, streams=STREAMS), MICRO, 0, 1)
     seen, it = set(), iter(ld)
     for step in range(1, STEPS + 1):
         now = ld.shards_ahead(MICRO)
@@ -54,7 +57,8 @@ def _flip(path):
 
 def test_a_corrupt_shard_costs_no_step(tmp_path, corpus, capsys):
     args = lambda d: [f"data.path={d}", f"model.vocab_size={VOCAB + 20}", f"train.max_steps={STEPS}",
-                      f"train.micro_batch_size={MICRO}", "checkpoint.every=100", f"logging.log_every={READ}"]
+                      f"train.micro_batch_size={MICRO}", "checkpoint.every=100", f"logging.log_every={READ}",
+                      f"data.streams={STREAMS}"]
     ref = str(tmp_path / "ref")
     run(ref, args(corpus), env={"TTT_TEST_REAL_DATA": "1"})
 

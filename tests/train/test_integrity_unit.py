@@ -87,6 +87,25 @@ def test_digests_are_recorded_and_a_flipped_bit_or_missing_file_is_named(tmp_pat
     assert any("config.yaml is 10 bytes, 5 were written" in p for p in ck.verify(os.path.join(root, "step_00000003")))
 
 
+def test_fallback_names_the_checkpoint_used_once(tmp_path, capsys):
+    """export/eval of a run directory whose newest checkpoint fails verification: one line per
+    checkpoint passed over, then one line naming the one used and its step."""
+    root = str(tmp_path / "checkpoints")
+    for s in (1, 2):
+        _save(root, s)
+    _flip(os.path.join(root, "step_00000002", OPTIM))
+    capsys.readouterr()
+    got = ck.resolve(str(tmp_path))
+    lines = capsys.readouterr().err.splitlines()
+    assert got.endswith("step_00000001")
+    assert [ln for ln in lines if "using" in ln] == [f"[checkpoint] using {got} (step 1), the newest checkpoint "
+                                                     "that verifies"]
+    assert len(lines) == 2 and "passing over" in lines[0]
+    notes = []  # a caller's own console gets both lines
+    ck.resolve(str(tmp_path), say=notes.append)
+    assert len(notes) == 2 and notes[1].startswith("using") and capsys.readouterr().err == ""
+
+
 def test_damaged_state_file_and_old_checkpoints(tmp_path):
     root = str(tmp_path / "checkpoints")
     c = _save(root, 1)

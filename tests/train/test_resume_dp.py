@@ -17,7 +17,7 @@ import torch
 from launch import losses_by_step, run
 from tests.data.corpus import SHARD_TOKENS, VOCAB, make_texts, write_corpus
 from ttt_lm.data.prepare import prepare
-from ttt_lm.train.reshard import consolidate
+from ttt_lm.train.checkpoint.reshard import consolidate
 
 pytestmark = pytest.mark.dist
 
@@ -152,12 +152,12 @@ def test_both_rank_counts_read_the_same_steps(runs):
 
 
 def test_changed_global_batch_goes_on_from_the_sample_position(runs, tmp_path):
-    """Another global batch is resumed, said in one line, and reads on from the checkpoint's
-    sample; data.streams other than the run's is refused."""
+    """Another global batch (train.global_batch_size given: the same command keeps the run's) is
+    resumed, said in one line, and reads on from the checkpoint's sample; data.streams other than the run's is refused."""
     ckpt = runs.ckpt("full", 2, 1, N)
     d = str(tmp_path / "one")
     r = run(d, [f"data.path={runs.corpus}", f"model.vocab_size={VOCAB + 20}", f"train.max_steps={N + 2}",
-                f"train.resume_from={ckpt}"], nprocs=1,
+                "train.global_batch_size=2", f"train.resume_from={ckpt}"], nprocs=1,
             env={"TTT_TEST_REAL_DATA": "1", "TTT_TEST_BATCH_LOG": d + ".batches"})
     assert r.output().count("the global batch changes from 4 to 2 sequences") == 1
     full = global_rows(runs.get("full", 2, 1)[0])

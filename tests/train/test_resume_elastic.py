@@ -1,5 +1,5 @@
-"""Elastic resume on a real prepared corpus (gloo, CPU, fp32): a 1-rank run with the default data
-streams (one) and micro-batch 8 is resumed after 6 steps on 2 ranks with micro-batch 4 (the same
+"""Elastic resume on a real prepared corpus (gloo, CPU, fp32): a 1-rank run with one data stream
+(data.streams=1, so that 2 ranks share it) and micro-batch 8 is resumed after 6 steps on 2 ranks with micro-batch 4 (the same
 global batch of 8), and after 9 steps back on 1 rank. Every step reads the samples the
 uninterrupted 1-rank run read at that step (counted by global sample index: none twice, none
 skipped), and the losses agree within 1e-4 relative: the same sequences, with the gradient summed
@@ -31,7 +31,7 @@ def corpus(tmp_path_factory):
 
 def _args(corpus, steps, micro):
     return [f"data.path={corpus}", f"model.vocab_size={VOCAB + 20}", f"train.max_steps={steps}",
-            f"train.micro_batch_size={micro}", "checkpoint.every=3"]
+            f"train.micro_batch_size={micro}", "checkpoint.every=3", "data.streams=1"]
 
 
 def _run(d, args, nprocs):

@@ -1,4 +1,4 @@
-"""The CheckpointManager (``ttt_lm.train.resume``) in one process, without DeepSpeed: checkpoints
+"""The CheckpointManager (``ttt_lm.train.checkpoint.resume``) in one process, without DeepSpeed: checkpoints
 written by ``ttt_lm.train.checkpoint.save`` with a stand-in engine, a stand-in loader that records
 what it is given. Each step of the resume — select, verify, check, set aside, loader, load or
 reshard, loader state, RNG, optimizer overrides — is asserted on its own; the real engines and
@@ -15,8 +15,8 @@ import torch
 
 from ttt_lm.config import ExperimentConfig, save_config, to_yaml
 from ttt_lm.train import checkpoint as ck
-from ttt_lm.train import reshard, resume
-from ttt_lm.train.resume import CheckpointManager, invariants
+from ttt_lm.train.checkpoint import reshard, resume
+from ttt_lm.train.checkpoint.resume import CheckpointManager, invariants
 
 MAN = {"vocab_size": 4096, "tokenizer": "tok.model", "checksum": "abc"}
 
@@ -87,6 +87,13 @@ def _save(root, step, cfg, dp=1, tp=1, cp=1, ranks=1, nonfinite=0, pdims=None):
     return path
 
 
+def _trainer(loader):
+    """A Trainer with nothing to train: what its load_state_dict puts back into ``loader`` and the RNGs."""
+    from ttt_lm.train.trainer import Trainer
+    return Trainer(engine=None, scheduler=None, loader=loader, device="cpu", max_steps=10, grad_accum=1, rank=0,
+                   world=1, dp_world=1)
+
+
 def _said():
     lines = []
     return lines, lines.append
@@ -116,7 +123,9 @@ def test_same_layout_loads_this_ranks_state_and_rng(tmp_path):
     assert loader.kw == {"total_streams": 2}  # the run's streams, fixed when it started
     eng = Engine()
     at = m.restore(eng, loader, None, [])
-    assert eng.loaded == path and loader.state["samples"] == 24 and loader.merged is None
+    assert eng.loaded == path and loader.state is None   # the trainer puts the rest back
+    _trainer(loader).load_state_dict(at.state)
+    assert loader.state["samples"] == 24 and loader.merged is None
     assert [random.random() for _ in range(3)] == expected
     assert (at.step, at.tokens, at.skipped_total, at.nonfinite_run, at.changes) == (3, 300, 1, 0, [])
     assert at.last_bytes == ck.checkpoint_bytes(path) and lines == []
@@ -194,7 +203,11 @@ def test_another_layout_reshards_merges_the_loaders_and_reseeds(tmp_path, monkey
     assert loader.args[2:] == (0, 1) and loader.kw == {"total_streams": 2}
     at = m.restore(Engine(), loader, None, [])
     assert calls == [(path, 1, 2)] and at.step == 5
+    trainer = _trainer(loader)
+    trainer.load_state_dict(at.state)
+    assert trainer.step == 5 and trainer.tokens == 500 and trainer.skipped_total == 1
     assert [s["dp_rank"] for s in data.merged_from] == [0, 1] and loader.merged == {"merged": 2}
+    assert loader.state is None
     draw = random.random()
     resume.seed_all(cfg.train.seed + 1 + 1 + 1_000_003 * 5)
     assert random.random() == draw
@@ -286,5 +299,56 @@ def test_consolidate_all_joins_tp_slices_by_partition_dims(tmp_path, monkeypatch
 
 def test_the_trainer_setup_fits_on_a_screen():
     from ttt_lm.train import trainer
-    lines = inspect.getsource(trainer._train).splitlines()
-    assert len(lines) <= 100, f"_train is {len(lines)} lines: move a build step into a function of its own"
+    lines = inspect.getsource(trainer.build).splitlines()   # what Trainer.from_config runs
+    assert len(lines) <= 100, f"build is {len(lines)} lines: move a build step into a function of its own"
+
+
+def test_the_trainer_state_round_trips_through_the_checkpointer(tmp_path):
+    """Trainer.state_dict is the run's whole resumable state: the counters, the loader's position,
+    the RNGs and a callback's own state come back through one Checkpointer save and load."""
+    from ttt_lm.train.checkpoint.checkpointer import TRAIN_STATE, Checkpointer
+    from ttt_lm.train.loop import Callback
+
+    class Counting(Callback):
+        def __init__(self):
+            self.n = 0
+
+        def state_dict(self):
+            return {"n": self.n}
+
+        def load_state_dict(self, state):
+            self.n = state["n"]
+
+    class StatefulLoader(Loader):
+        def state_dict(self):
+            return {"total_streams": 2, "samples": 40}
+
+    cfg = _cfg()
+    root = str(tmp_path / "checkpoints")
+    counting = Counting()
+    counting.n = 3
+    trainer = _trainer(StatefulLoader())
+    trainer.add_callback(counting)
+    trainer.step, trainer.tokens, trainer.skipped_total, trainer.nonfinite_run = 5, 500, 2, 0
+    record = {"dp_world": 1, "invariants": invariants(cfg, MAN), "tensor_parallel": 1, "context_parallel": 1,
+              "partition_dims": {}}
+    random.seed(5)
+    path = Checkpointer(Engine(), root, to_yaml(cfg), record, rank=0, keep_last=0).save(5, {TRAIN_STATE: trainer})
+    expected = [random.random() for _ in range(2)]
+    saved = ck.read_state(path)
+    assert (saved["step"], saved["tokens"], saved["skipped_steps"], saved["nonfinite_in_a_row"]) == (5, 500, 2, 0)
+    assert saved["callbacks"] == {"Counting": {"n": 3}} and saved["dp_world"] == 1
+    assert "rng" not in saved and "loader" not in saved   # per rank: in rank_00000.pt
+    assert torch.load(os.path.join(path, ck.rank_file(0)), weights_only=False)["loader"]["samples"] == 40
+
+    random.seed(99)
+    m = CheckpointManager(cfg, root, _groups())
+    assert m.select(invariants(cfg, MAN)) == path
+    loader = m.build_loader(Data())
+    again, back = Counting(), _trainer(loader)
+    back.add_callback(again)
+    at = Checkpointer(Engine(), root, to_yaml(cfg), record, rank=0, keep_last=0, manager=m).load(
+        {TRAIN_STATE: back}, loader, None, [])
+    assert at.step == 5 and (back.step, back.tokens, back.skipped_total, back.nonfinite_run) == (5, 500, 2, 0)
+    assert again.n == 3 and loader.state == {"total_streams": 2, "samples": 40}
+    assert [random.random() for _ in range(2)] == expected

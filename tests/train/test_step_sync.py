@@ -41,7 +41,7 @@ def test_no_host_read_of_ttt_lm_inside_a_deepspeed_step(ds_one_rank):
     from ttt_lm.config import ExperimentConfig
     from ttt_lm.model import LM, ModelConfig
     from ttt_lm.train.engine import build_engine
-    from ttt_lm.train.loop import Trainer
+    from ttt_lm.train.trainer import Trainer
 
     cfg = ExperimentConfig()
     cfg.model = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, layer_pattern=["attention", "ttt_linear"],
@@ -79,5 +79,5 @@ def test_no_host_read_of_ttt_lm_inside_a_deepspeed_step(ds_one_rank):
     # gradient norm's finiteness
     assert n_step and all("deepspeed/" in s[1] for s in seen[:n_step])
     # the recorder does see reads: the read of the queued metrics is one, in the loop
-    assert [s for s in seen[n_step:] if "ttt_lm/train/loop.py" in s[1]]
+    assert [s for s in seen[n_step:] if "ttt_lm/train/trainer.py" in s[1]]
     assert [r["step"] for r in recs] == [1, 2, 3] and all(r["loss"] > 0 and not r["skipped"] for r in recs)

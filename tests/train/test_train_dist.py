@@ -70,8 +70,8 @@ def test_resume_on_other_world_size_needs_a_convertible_loader(full_runs, tmp_pa
     """Resuming on another number of ranks merges the loader states (tests/train/test_resume_dp.py
     and test_resume_elastic.py resume real data); the synthetic loader here has no stream
     positions to merge, which is said once, after the one-line note on the changed global batch."""
-    r = run(str(tmp_path / "one"), [f"train.max_steps={2 * N}", f"train.resume_from={full_runs[1]}"], nprocs=1,
-            expect=1)
+    r = run(str(tmp_path / "one"), [f"train.max_steps={2 * N}", "train.global_batch_size=2",
+                                    f"train.resume_from={full_runs[1]}"], nprocs=1, expect=1)
     assert r.output().count("the global batch changes from 4 to 2 sequences") == 1
     assert r.output().count("this data pipeline cannot convert its loader state") == 1
     r = run(str(tmp_path / "ga"), [f"train.max_steps={2 * N}", "train.grad_accum=2",

@@ -168,7 +168,7 @@ def test_context_parallel_with_tensor_parallel_but_not_sequence_parallel():
 
 def test_resume_accepts_another_tensor_parallel_size():
     """The weights and optimizer state are joined and cut again for the new size
-    (``ttt_lm.train.reshard``); the model's shape must still match."""
+    (``ttt_lm.train.checkpoint.reshard``); the model's shape must still match."""
     man = {"vocab_size": 64, "tokenizer": "t"}
     cfg = _attn_cfg(tensor_parallel=2)
     saved = {"invariants": invariants(cfg, man), "dp_world": 1}

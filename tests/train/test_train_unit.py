@@ -308,7 +308,7 @@ def test_preemption_signals_set_the_flag():
 
 
 def test_reshard_names_missing_zero_files(tmp_path):
-    from ttt_lm.train.reshard import consolidate, optim_files
+    from ttt_lm.train.checkpoint.reshard import consolidate, optim_files
     with pytest.raises(ck.CheckpointError, match="holds no ZeRO optimizer file for tensor-parallel rank 0"):
         optim_files(str(tmp_path))
     for r in (0, 2):

@@ -10,9 +10,10 @@ class DataConfig:
     path: str = "data/shakespeare"      # a prepared directory (manifest.json + shards + tokenizer)
     seq_len: int = 256                  # tokens per training sequence
     num_workers: int = 0                # DataLoader worker processes per rank (0: read in the main process)
-    # streams the global data order interleaves (sample i from stream i mod streams); None: ranks ×
-    # max(1, num_workers) at the run's start. Fixed for the run; any rank count resumes it, and each
-    # rank reads only its own streams when ranks × workers divides it (ttt_lm.data.loader)
+    # streams the global data order interleaves (sample i from stream i mod streams); None: 8, or the
+    # train shards when fewer (ttt_lm.data.loader.DEFAULT_STREAMS; never the rank count, so the order
+    # is the same on any layout). Fixed for the run; any rank count resumes it, and each rank reads
+    # only its own streams when ranks × workers divides it
     streams: Optional[int] = None
     seed: int = 1234                    # shard and sample order; part of the loader state
     shuffle: bool = True                # False: shards and sequences in manifest order (debugging)

@@ -1,8 +1,9 @@
 """Streaming readers: the resumable training loader, the fixed validation loader, whole documents.
 
-Streams. The run reads ``V`` streams in all (``data.streams``; by default ``dp_world ×
-max(1, num_workers)`` when the run starts, then fixed: a resumed run takes it from its
-checkpoint). For epoch ``e`` the train shards are permuted with a generator seeded by
+Streams. The run reads ``V`` streams in all (``data.streams``; by default ``DEFAULT_STREAMS`` = 8,
+or the train split's shard count when it has fewer: never the number of ranks or workers, so a
+seed reads the same samples on any layout; fixed when the run starts, and a resumed run takes it
+from its checkpoint). For epoch ``e`` the train shards are permuted with a generator seeded by
 ``(seed, e)`` and stream ``v`` takes every ``V``-th shard of that order starting at ``v``, so
 within an epoch the streams read disjoint shards whose union is the whole train split.
 
@@ -446,27 +447,34 @@ def _check_args(cfg: DataConfig, micro_batch_size: int, dp_rank: int, dp_world: 
         raise ValueError(f"dp_rank {dp_rank} is not in [0, dp_world={dp_world})")
 
 
-def default_total_streams(cfg: DataConfig, dp_world: int) -> int:
-    """``V`` for a run that starts now: ``data.streams``, or ``dp_world × max(1, num_workers)``."""
-    return cfg.streams if cfg.streams is not None else dp_world * max(1, cfg.num_workers)
+#: ``data.streams`` when unset: this many streams, or the train split's shard count when it has
+#: fewer. A fact of the data, never of the layout, so the same seed reads the same samples on any
+#: number of ranks (and workers); each rank reads only its own streams on 1, 2, 4 or 8 ranks × workers
+DEFAULT_STREAMS = 8
+
+
+def default_total_streams(cfg: DataConfig, n_train_shards: int) -> int:
+    """``V`` for a run that starts now: ``data.streams``, or ``min(DEFAULT_STREAMS, train shards)``
+    (never the number of ranks or workers: the data order is the same on any layout)."""
+    return cfg.streams if cfg.streams is not None else max(1, min(DEFAULT_STREAMS, n_train_shards))
 
 
 def build_train_loader(cfg: DataConfig, micro_batch_size: int, dp_rank: int = 0, dp_world: int = 1,
                        total_streams: Optional[int] = None) -> TrainLoader:
     """The loader of data-parallel rank ``dp_rank``. ``total_streams`` (``V``): a resumed run's
-    (from its checkpoint); by default ``data.streams`` or ``dp_world × max(1, num_workers)``."""
+    (from its checkpoint); by default ``data.streams`` or ``default_total_streams``."""
     _check_args(cfg, micro_batch_size, dp_rank, dp_world)
-    V = total_streams if total_streams is not None else default_total_streams(cfg, dp_world)
-    if V < 1:
-        raise DataError(f"data.streams must be >= 1, got {V}")
+    if total_streams is not None and total_streams < 1 or cfg.streams is not None and cfg.streams < 1:
+        raise DataError(f"data.streams must be >= 1, got {total_streams if total_streams is not None else cfg.streams}")
     man = load_manifest(cfg.path)
     if cfg.verify_checksums:
         verify_checksums(man)
     shards = man["splits"]["train"]["shards"]
+    V = total_streams if total_streams is not None else default_total_streams(cfg, len(shards))
     if len(shards) < V:
-        raise DataError(f"{cfg.path} has {len(shards)} train shard(s), fewer than the {V} data streams (data.streams, "
-                        "by default data-parallel ranks × max(1, num_workers) when a run starts): every stream needs "
-                        "a shard in every epoch; prepare with a smaller --shard-tokens or use fewer streams")
+        raise DataError(f"{cfg.path} has {len(shards)} train shard(s), fewer than the {V} data streams "
+                        "(data.streams): every stream needs a shard in every epoch; prepare with a smaller "
+                        "--shard-tokens or use fewer streams")
     longest = max(s["tokens"] for s in shards)
     if longest < cfg.seq_len + 1:
         raise DataError(f"{cfg.path}: the largest train shard holds {longest} tokens, fewer than "

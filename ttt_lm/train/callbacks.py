@@ -1,5 +1,5 @@
 """The training loop's callbacks: metrics, the non-finite-loss stop, evaluation, preemption and
-checkpoints (``ttt_lm.train.loop.Trainer`` calls their hooks).
+checkpoints (``ttt_lm.train.trainer.Trainer`` calls their hooks).
 
 ``ttt_lm.train.trainer`` registers them in this order, which is the order of their ``post_step``
 (``post_train`` runs in reverse)::
@@ -21,10 +21,9 @@ from __future__ import annotations
 
 import math
 import sys
-import time
 from typing import Callable, List, Optional
 
-from ttt_lm.train.loop import Callback, Trainer
+from ttt_lm.train.loop import Callback
 from ttt_lm.train.preempt import PREEMPTED_EXIT_CODE
 
 #: the exit status of a run stopped by a bad shard found ahead of the reader (after its checkpoint)
@@ -46,14 +45,14 @@ class MetricsCallback(Callback):
         self.log_every, self.progress = log_every, progress
         self.bar = None
 
-    def pre_train(self, trainer: Trainer) -> None:
+    def pre_train(self, trainer: "Trainer") -> None:
         if trainer.rank == 0 and self.progress:
             from tqdm import tqdm
             self.bar = tqdm(total=trainer.max_steps, initial=trainer.step, desc="train", unit="step",
                             dynamic_ncols=True, leave=True)
             trainer.write = self.bar.write
 
-    def on_metrics(self, trainer: Trainer, records: List[dict]) -> None:
+    def on_metrics(self, trainer: "Trainer", records: List[dict]) -> None:
         """The records of the steps read at once (``Trainer.read_metrics``): each to the writer,
         the bar moved by their count, a console line for each step that is a multiple of
         ``log_every``."""
@@ -75,7 +74,7 @@ class MetricsCallback(Callback):
             self.bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tps:.0f}",
                                  **({"mfu": f"{rec['mfu']:.1%}"} if rec["mfu"] is not None else {}))
 
-    def post_train(self, trainer: Trainer) -> None:
+    def post_train(self, trainer: "Trainer") -> None:
         if self.bar is not None:
             self.bar.close()
         self.writer.close()
@@ -88,7 +87,7 @@ class NonFiniteLossCallback(Callback):
     def __init__(self, max_in_a_row: int, latest_checkpoint: Callable[[], Optional[str]]):
         self.max_in_a_row, self.latest_checkpoint = max_in_a_row, latest_checkpoint
 
-    def on_metrics(self, trainer: Trainer, records: List[dict]) -> None:
+    def on_metrics(self, trainer: "Trainer", records: List[dict]) -> None:
         """Checked when the steps' losses are read (``Trainer.read_metrics``: every
         ``logging.log_every`` steps in a run), so the run stops at that read, up to log_every − 1
         steps after the limit was reached; the error names the steps whose losses were non-finite."""
@@ -117,7 +116,7 @@ class EvalCallback(Callback):
         self.batches: Optional[List[dict]] = None
         self.tokens = 0  # label tokens of the last evaluation
 
-    def _val_batches(self, trainer: Trainer) -> List[dict]:
+    def _val_batches(self, trainer: "Trainer") -> List[dict]:
         if self.batches is None:
             import torch
             import torch.distributed as tdist
@@ -133,7 +132,7 @@ class EvalCallback(Callback):
             self.batches = batches[: int(n)]
         return self.batches
 
-    def evaluate(self, trainer: Trainer) -> float:
+    def evaluate(self, trainer: "Trainer") -> float:
         """The mean validation loss; ``self.tokens`` is then how many label tokens it covered."""
         import torch
         import torch.distributed as tdist
@@ -158,11 +157,11 @@ class EvalCallback(Callback):
         self.tokens = int(round(c)) * trainer.dp_world // trainer.world
         return s / c if c > 0 else float("nan")
 
-    def wants_metrics(self, trainer: Trainer) -> bool:
+    def wants_metrics(self, trainer: "Trainer") -> bool:
         # the evaluation reads from the device anyway; the train records are written before its own
         return bool(self.every and trainer.step % self.every == 0)
 
-    def post_step(self, trainer: Trainer) -> None:
+    def post_step(self, trainer: "Trainer") -> None:
         step = trainer.step
         if not self.every or not (step % self.every == 0 or step == trainer.max_steps):
             return
@@ -186,11 +185,11 @@ class PreemptionCallback(Callback):
         #: reader), or None; with one the run exits with DATA_ERROR_EXIT_CODE and says it
         self.why = why
 
-    def post_step(self, trainer: Trainer) -> None:
+    def post_step(self, trainer: "Trainer") -> None:
         if trainer.preempted:
             trainer.request_stop(PREEMPTED_EXIT_CODE)
 
-    def post_train(self, trainer: Trainer) -> None:
+    def post_train(self, trainer: "Trainer") -> None:
         reason = self.why() if trainer.preempted and self.why is not None else None
         if reason:
             trainer.exit_code = DATA_ERROR_EXIT_CODE
@@ -205,41 +204,24 @@ class PreemptionCallback(Callback):
 
 
 class CheckpointCallback(Callback):
-    """Saves a checkpoint (``ttt_lm.train.checkpoint.save``) every ``every`` steps, after a step
-    that requested a stop (preemption, train.stop_after), and at the end when ``at_end`` — never
-    after a step whose loss was non-finite. ``state`` holds what every checkpoint's state records
-    besides the counters (dp_world, invariants, parallel sizes); ``lock`` is the run directory's
-    lock on rank 0 (None elsewhere): a lost lock stops the run without saving."""
+    """Saves a checkpoint through ``checkpointer`` (``ttt_lm.train.checkpoint.checkpointer.Checkpointer``:
+    the engine and ``{"train_state": trainer}``, the trainer's whole resumable state) every
+    ``every`` steps, after a step that requested a stop (preemption, train.stop_after), and at the
+    end when ``at_end`` — never after a step whose loss was non-finite."""
 
-    def __init__(self, engine, root: str, loader, config_yaml: str, state: dict, rank: int, every: int,
-                 at_end: bool, keep_last: int, lock=None, last_bytes: Optional[int] = None):
-        self.engine, self.root, self.loader, self.config_yaml = engine, root, loader, config_yaml
-        self.state, self.rank, self.every, self.at_end, self.keep_last = state, rank, every, at_end, keep_last
-        self.lock, self.last_bytes = lock, last_bytes
+    def __init__(self, checkpointer, rank: int, every: int, at_end: bool):
+        self.checkpointer, self.rank, self.every, self.at_end = checkpointer, rank, every, at_end
 
-    def save(self, trainer: Trainer) -> str:
-        from ttt_lm.train import checkpoint as ck
-        from ttt_lm.train.lock import RunDirInUse
-        lost = ck.gather(self.lock.lost if self.lock is not None else None)[0]
-        if lost:
-            raise RunDirInUse(f"{lost}: stopping without saving")
-        s = self.state
-        state = {"step": trainer.step, "tokens": trainer.tokens, "skipped_steps": trainer.skipped_total,
-                 "nonfinite_in_a_row": trainer.nonfinite_run, "dp_world": s["dp_world"], "invariants": s["invariants"],
-                 "zero_stage": s["zero_stage"], "tensor_parallel": s["tensor_parallel"],
-                 "context_parallel": s["context_parallel"],
-                 # parameter name → dimension sliced across TP ranks (export concatenates along it)
-                 "partition_dims": s["partition_dims"], "time": time.time()}
-        path = ck.save(self.engine, self.root, trainer.step, state, {"loader": self.loader.state_dict()},
-                       self.config_yaml, self.rank, self.keep_last, need_bytes=self.last_bytes)
-        self.last_bytes = ck.checkpoint_bytes(path)
+    def save(self, trainer: "Trainer") -> str:
+        from ttt_lm.train.checkpoint.checkpointer import TRAIN_STATE
+        path = self.checkpointer.save(trainer.step, {TRAIN_STATE: trainer})
         trainer.last_saved = trainer.step
         return path
 
-    def wants_metrics(self, trainer: Trainer) -> bool:
+    def wants_metrics(self, trainer: "Trainer") -> bool:
         return bool(self.every and trainer.step % self.every == 0)   # whether the step's loss was finite
 
-    def post_step(self, trainer: Trainer) -> None:
+    def post_step(self, trainer: "Trainer") -> None:
         step = trainer.step
         if (self.every and step % self.every == 0) or trainer.stop_requested:
             trainer.read_metrics()   # a stop asked at a step that was not read: read it before deciding
@@ -249,7 +231,7 @@ class CheckpointCallback(Callback):
                 print(f"[train] no checkpoint at step {step}: its loss was non-finite "
                       f"({trainer.nonfinite_run} in a row); the newest checkpoint stays the last good one", flush=True)
 
-    def post_train(self, trainer: Trainer) -> None:
+    def post_train(self, trainer: "Trainer") -> None:
         trainer.read_metrics()   # nothing left after fit()'s own read; a no-op then
         if (trainer.exit_code == 0 and self.at_end and trainer.last_saved != trainer.step
                 and trainer.nonfinite_run == 0):

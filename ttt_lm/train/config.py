@@ -33,7 +33,8 @@ class TrainConfig:
     grad_accum: int = 1                 # micro-steps per optimizer step
     # sequences per optimizer step over all data-parallel ranks; when set, grad_accum is derived
     # from it (global / (micro_batch_size × data-parallel ranks)), so a recipe's batch does not
-    # depend on how many GPUs run it
+    # depend on how many GPUs run it. A resumed run keeps the global batch it started with unless
+    # this (or micro_batch_size / grad_accum) changes it (ttt_lm.train.checkpoint.resume)
     global_batch_size: Optional[int] = None
     precision: str = "fp32"             # fp32 | bf16
     seed: int = 0

@@ -93,6 +93,14 @@ def check_parallel(cfg, world_size: Optional[int] = None) -> None:
         raise ParallelConfigError(f"parallel.zero_stage must be 1, 2 or 3, got {p.zero_stage}")
 
 
+def _micro_batches_that_fit(G: int, dp_world: int) -> list:
+    """The micro-batch sizes with which ``dp_world`` ranks make a global batch of ``G``, largest first."""
+    if G < 1 or G % dp_world:
+        return []
+    per_rank = G // dp_world
+    return [m for m in range(per_rank, 0, -1) if per_rank % m == 0]
+
+
 def resolve_grad_accum(t, dp_world: int) -> int:
     """``train.grad_accum``, or, with ``train.global_batch_size`` = G set, G / (micro × dp_world),
     which must be a whole number (a given grad_accum other than 1 must equal it)."""
@@ -100,15 +108,44 @@ def resolve_grad_accum(t, dp_world: int) -> int:
         return t.grad_accum
     G, per_step = t.global_batch_size, t.micro_batch_size * dp_world
     if G < 1 or G % per_step:
+        fits = [m for m in _micro_batches_that_fit(G, dp_world) if m <= t.micro_batch_size][:1]
         raise ParallelConfigError(
             f"train.global_batch_size={G} is not a multiple of train.micro_batch_size={t.micro_batch_size} x "
-            f"{dp_world} data-parallel rank(s) = {per_step}; change the micro-batch size or the number of GPUs")
+            f"{dp_world} data-parallel rank(s) = {per_step}; "
+            + (f"train.micro_batch_size={fits[0]} works (grad_accum {G // dp_world // fits[0]}), or change the "
+               "number of GPUs" if fits else
+               f"set train.global_batch_size to a multiple of {dp_world} (the data-parallel ranks), or change the "
+               "number of GPUs"))
     if t.grad_accum not in (1, G // per_step):
         raise ParallelConfigError(
             f"train.grad_accum={t.grad_accum} contradicts train.global_batch_size={G} (which needs grad_accum "
             f"{G // per_step} with micro_batch_size {t.micro_batch_size} on {dp_world} data-parallel rank(s)); "
             "set one of them")
     return G // per_step
+
+
+def keep_global_batch(t, dp_world: int, G: int) -> Optional[str]:
+    """A resumed run keeps its global batch ``G`` on ``dp_world`` data-parallel ranks (Megatron's
+    global batch): ``train.grad_accum`` becomes G / (micro × dp_world), and where the micro-batch
+    does not divide G / dp_world, the micro-batch shrinks to the largest size that does. Sets
+    ``t.global_batch_size``, ``t.micro_batch_size`` and ``t.grad_accum`` (saved with the config: the
+    values used); returns the line that says a changed micro-batch, else None. ParallelConfigError
+    (one line, naming an override that works) where ``dp_world`` does not divide G."""
+    fits = _micro_batches_that_fit(G, dp_world)
+    if not fits:
+        near = max(dp_world, G // dp_world * dp_world)
+        raise ParallelConfigError(
+            f"the run's global batch of {G} sequences cannot be split over {dp_world} data-parallel rank(s) "
+            f"({G} is not a multiple of {dp_world}): run it on a number of ranks that divides {G}, or set "
+            f"train.global_batch_size={near} to change it")
+    micro = next(m for m in fits if m <= t.micro_batch_size)
+    note = None
+    if micro != t.micro_batch_size:
+        note = (f"keeping the run's global batch of {G} sequences on {dp_world} data-parallel rank(s): "
+                f"train.micro_batch_size {t.micro_batch_size} -> {micro}, grad_accum {G // dp_world // micro} "
+                "(set train.global_batch_size to change the global batch)")
+    t.global_batch_size, t.micro_batch_size, t.grad_accum = G, micro, G // dp_world // micro
+    return note
 
 
 def deepspeed_config(cfg, dp_world: int) -> Dict[str, Any]:

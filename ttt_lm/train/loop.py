@@ -1,4 +1,5 @@
-"""The training loop: a ``Trainer`` whose ``fit()`` runs steps and hands everything else to callbacks.
+"""The training loop's shape: ``ttt_lm.train.trainer.Trainer.fit()`` runs steps and hands everything
+else to callbacks, whose base class (``Callback``) is here.
 
 One step = ``train.grad_accum`` micro-batches per rank, then one optimizer update. The step reads
 nothing back from the device (no ``.item()``, ``.tolist()``, ``float(tensor)``): its loss stays a
@@ -30,10 +31,7 @@ Checkpointing, evaluation, metrics, preemption and the non-finite-loss stop are 
 """
 from __future__ import annotations
 
-import math
-import time
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Dict, List, Optional
 
 
 class Callback:
@@ -62,168 +60,14 @@ class Callback:
     def on_error(self, trainer: "Trainer", exc: BaseException) -> None:
         pass
 
+    def state_dict(self) -> Optional[Dict[str, Any]]:
+        """This callback's resumable state (JSON-serializable, the same on every rank), saved in the
+        trainer's ``state_dict`` under the callback's ``state_key``; None: it has none."""
+        return None
 
-@dataclass
-class _Queued:
-    """A step whose metrics are not read yet: its loss on the device, the rest from the host."""
-    step: int
-    loss: Any                 # 0-dim float64 tensor on the training device: this rank's mean loss
-    lr: float
-    applied: bool             # DeepSpeed applied the update (False: skipped for a non-finite gradient)
-    grad_norm: Any            # as DeepSpeed returns it: a tensor, a float or None
-    local_tokens: int
-    tokens: int               # the run's tokens after this step
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        pass
 
-
-class Trainer:
-    """Runs ``max_steps`` optimizer steps of ``engine`` (a DeepSpeed engine) on ``batches``.
-
-    ``step``/``tokens``/``skipped_total``/``nonfinite_run`` continue from a resumed checkpoint's.
-    ``record`` holds the newest step's metrics that were read (the ``kind: train`` record of
-    metrics.jsonl); ``read_every`` steps are read at once (module docstring). ``forward_kwargs(batch)`` gives the model's extra keyword arguments for a
-    batch; ``after_backward`` runs after each backward pass (context parallelism waits for its
-    state sends there). ``preempted`` reads whether this rank was signalled (``PreemptionFlag``);
-    the step's collective turns it into ``trainer.preempted`` (any rank signalled)."""
-
-    def __init__(self, *, engine, scheduler, batches: Iterator[dict], device, max_steps: int, grad_accum: int,
-                 rank: int, world: int, dp_world: int, callbacks: Sequence[Callback] = (),
-                 signalled: Callable[[], bool] = lambda: False,
-                 forward_kwargs: Callable[[dict], dict] = lambda b: {},
-                 after_backward: Optional[Callable[[], None]] = None, stop_after: Optional[int] = None,
-                 step: int = 0, tokens: int = 0, skipped_total: int = 0, nonfinite_run: int = 0,
-                 write: Callable[[str], None] = lambda line: print(line, flush=True), read_every: int = 1):
-        if read_every < 1:
-            raise ValueError(f"read_every must be >= 1 step, got {read_every}")
-        self.engine, self.scheduler, self.batches, self.device = engine, scheduler, batches, device
-        self.max_steps, self.grad_accum, self.stop_after = max_steps, grad_accum, stop_after
-        self.rank, self.world, self.dp_world = rank, world, dp_world
-        self.callbacks: List[Callback] = list(callbacks)
-        self.signalled, self.forward_kwargs, self.after_backward = signalled, forward_kwargs, after_backward
-        self.step, self.tokens, self.skipped_total, self.nonfinite_run = step, tokens, skipped_total, nonfinite_run
-        #: the step's metrics (set before post_step); the collective's verdict on preemption
-        self.record: Dict[str, Any] = {}
-        self.preempted = False
-        self.stop_requested = False
-        self.exit_code = 0
-        #: step of the newest checkpoint this run wrote or resumed from (-1: none), kept by the checkpoint callback
-        self.last_saved = -1
-        #: a console line (rank 0 prints; a progress bar, when shown, replaces this to keep its line intact)
-        self.write = write
-        self.read_every = read_every
-        self._queue: List[_Queued] = []
-        self._t_read = time.perf_counter()   # start of the steps the next read covers
-
-    def add_callback(self, cb: Callback) -> "Trainer":
-        self.callbacks.append(cb)
-        return self
-
-    def request_stop(self, exit_code: Optional[int] = None) -> None:
-        """End the run after the current step (callbacks later in the list still see this step);
-        ``exit_code`` becomes ``fit()``'s return value."""
-        self.stop_requested = True
-        if exit_code is not None:
-            self.exit_code = exit_code
-
-    def _call(self, hook: str, order: Sequence[Callback]) -> None:
-        for cb in order:
-            getattr(cb, hook)(self)
-
-    def fit(self) -> int:
-        """Run until ``max_steps`` or a stop request; returns the exit status (0 unless a callback set one)."""
-        try:
-            self._call("pre_train", self.callbacks)
-            self.engine.train()
-            while self.step < self.max_steps:
-                self._call("pre_step", self.callbacks)
-                self.train_step()
-                if self.stop_after is not None and self.step >= self.stop_after:
-                    self.request_stop()
-                if self._read_due():
-                    self.read_metrics()
-                self._call("post_step", self.callbacks)
-                if self.stop_requested:
-                    break
-            self.read_metrics()   # steps after the last read (a stop requested at a step not read)
-            self._call("post_train", list(reversed(self.callbacks)))
-        except BaseException as e:
-            for cb in self.callbacks:
-                cb.on_error(self, e)
-            raise
-        return self.exit_code
-
-    def _read_due(self) -> bool:
-        return (self.step % self.read_every == 0 or self.step >= self.max_steps or self.stop_requested
-                or any(cb.wants_metrics(self) for cb in self.callbacks))
-
-    def train_step(self) -> None:
-        """One optimizer step, queued for the next read: nothing is read from the device."""
-        import torch
-        engine, dev = self.engine, self.device
-        if not self._queue:
-            self._t_read = time.perf_counter()
-        lr = self.scheduler.get_last_lr()[0]
-        # summed on the device
-        loss_sum = torch.zeros((), dtype=torch.float64, device=dev)
-        local_tokens = 0
-        engine.module.set_train_step(self.step + 1)   # schedules inside the model (TTT's η_base warmup)
-        for _ in range(self.grad_accum):
-            b = next(self.batches)
-            ids = b["input_ids"].to(dev, non_blocking=True)
-            out = engine(ids, labels=b["labels"].to(dev, non_blocking=True), **self.forward_kwargs(b))
-            engine.backward(out.loss)
-            if self.after_backward is not None:
-                self.after_backward()
-            engine.step()
-            loss_sum += out.loss.detach().to(torch.float64)
-            local_tokens += ids.numel()
-        self.step += 1
-        self.tokens += local_tokens * self.dp_world
-        self._queue.append(_Queued(self.step, loss_sum / self.grad_accum, lr, bool(engine.was_step_applied()),
-                                   engine.get_global_grad_norm(), local_tokens, self.tokens))
-
-    def read_metrics(self) -> List[Dict[str, Any]]:
-        """Read the queued steps' metrics: one collective (the losses' sum over ranks and whether
-        any rank was signalled) and one device-to-host read; sets ``record``, ``skipped_total``,
-        ``nonfinite_run`` and ``preempted``, calls every callback's ``on_metrics`` and returns the
-        records (none when nothing is queued). A collective: every rank calls it at the same step.
-        Tokens/s and step time are the means over the steps read: the host runs ahead of the
-        device between reads, so a single step's wall time would measure only its launch."""
-        import torch
-        import torch.distributed as tdist
-        if not self._queue:
-            return []
-        q, self._queue = self._queue, []
-        dev = self.device
-        # one collective: TP peers hold the same (full, vocab-parallel) loss of the same batch and
-        # CP peers loss shares whose mean is that loss, so the mean over the world is the mean
-        # over the data-parallel replicas. On the training device (NCCL reduces CUDA tensors only).
-        agg = torch.stack([e.loss for e in q] + [torch.full((), float(self.signalled()), dtype=torch.float64,
-                                                              device=dev)])
-        tdist.all_reduce(agg)
-        norms = [i for i, e in enumerate(q) if torch.is_tensor(e.grad_norm)]
-        dev_vals = agg if not norms else torch.cat(
-            [agg, torch.stack([q[i].grad_norm.detach().reshape(()).to(device=dev, dtype=torch.float64)
-                               for i in norms])])
-        host = dev_vals.tolist()   # the read: one device-to-host copy for all the queued steps
-        dt = time.perf_counter() - self._t_read
-        gn = {i: host[len(q) + 1 + k] for k, i in enumerate(norms)}
-        self.preempted = host[len(q)] > 0
-        tps = sum(e.local_tokens for e in q) * self.dp_world / dt
-        records = []
-        for i, e in enumerate(q):
-            loss = host[i] / self.world
-            skipped = not math.isfinite(loss) or not e.applied
-            if skipped:
-                self.skipped_total += 1
-                self.nonfinite_run += 1
-            else:
-                self.nonfinite_run = 0
-            g = gn.get(i, e.grad_norm)
-            records.append({"kind": "train", "step": e.step, "loss": loss, "lr": e.lr,
-                            "grad_norm": float(g) if g is not None and not skipped else None, "tokens": e.tokens,
-                            "tokens_per_s": tps, "step_time_s": dt / len(q), "skipped": skipped,
-                            "skipped_total": self.skipped_total, "nonfinite_run": self.nonfinite_run})
-        self.record = records[-1]
-        for cb in self.callbacks:
-            cb.on_metrics(self, records)
-        return records
+    @property
+    def state_key(self) -> str:
+        return type(self).__name__

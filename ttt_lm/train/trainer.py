@@ -3,9 +3,10 @@
 ``main(argv)`` is what ``train.py`` runs; ``train(cfg)`` runs a resolved ExperimentConfig and
 returns the process exit status (0, or PREEMPTED_EXIT_CODE after a preemption checkpoint).
 
-``_train`` builds the pieces (process groups, model, engine, loaders, resume) and hands them to
-``ttt_lm.train.loop.Trainer``, whose ``fit()`` runs the steps; metrics, evaluation, the
-non-finite-loss stop, preemption and checkpoints are its callbacks (``ttt_lm.train.callbacks``).
+``Trainer.from_config(cfg)`` builds the pieces (process groups, model, engine, loaders, resume)
+into a ``Trainer``, whose ``fit()`` runs the steps (the loop's hooks: ``ttt_lm.train.loop``) and
+whose ``state_dict()`` is the run's whole resumable state but the engine's; metrics, evaluation,
+the non-finite-loss stop, preemption and checkpoints are its callbacks (``ttt_lm.train.callbacks``).
 One step = ``train.grad_accum`` micro-batches per rank, then one optimizer update. With
 ``parallel.tensor_parallel`` = p > 1 the model is built whole from the same seed on every rank,
 then ``parallelize_tp`` keeps this rank's slice; the p ranks of a TP group read the same batches
@@ -19,13 +20,14 @@ NonFiniteLossError after ``train.max_nonfinite_steps`` of them in a row. No chec
 while the last step's loss was non-finite, so the newest checkpoint is always one saved after a
 finite loss; the error names it, and a rerun resumes from it.
 
-Startup, in order (``_train``, one build step a line or a function): the SIGTERM/SIGUSR1 handler
+Startup, in order (``build``, one build step a line or a function): the SIGTERM/SIGUSR1 handler
 (installed by ``ttt_lm.train.main`` before the heavy imports; a signal during startup ends the run
 with PREEMPTED_EXIT_CODE and nothing to save), the config check (``_check_config``: every rule once,
 before any process group), the process group, the run directory's lock (``ttt_lm.train.lock``: one
 run per ``train.run_dir``), removal of what killed saves left behind, then the resume, which
-``ttt_lm.train.resume.CheckpointManager`` owns: select → verify → check → loader → load or reshard →
-loader state → RNG → optimizer overrides. A checkpoint written on another number of data-parallel
+``ttt_lm.train.checkpoint.resume.CheckpointManager`` owns (through the run's ``Checkpointer``):
+select → verify → check → loader → load or reshard → the trainer's state (counters, loader
+position, RNG: ``Trainer.load_state_dict``) → optimizer overrides. A checkpoint written on another number of data-parallel
 ranks or another tensor-parallel size (the context-parallel size unchanged) is resumed, with the
 same or another global batch, and the global sample order continues at the next sample
 (docs/training.md "Resuming"). Before every step the shards it reads are verified (``_DataStop``);
@@ -35,9 +37,12 @@ from __future__ import annotations
 
 import errno
 import importlib.util
+import math
 import os
 import sys
-from typing import Optional, Sequence
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
 import torch.distributed as tdist
@@ -57,16 +62,17 @@ from ttt_lm.train import checkpoint as ck
 from ttt_lm.train.callbacks import (CheckpointCallback, EvalCallback, MetricsCallback, NonFiniteLossCallback,
                                     NonFiniteLossError, PreemptionCallback)
 from ttt_lm.train.checkpoint import CheckpointError
+from ttt_lm.train.checkpoint.checkpointer import TRAIN_STATE, Checkpointer
 from ttt_lm.train.config import check_training_config
 from ttt_lm.train.dist import detect_env, init_distributed
 from ttt_lm.train.engine import ParallelConfigError, build_engine, check_parallel, resolve_grad_accum
 from ttt_lm.train.lock import RunDirInUse, RunDirLock
-from ttt_lm.train.loop import Trainer
+from ttt_lm.train.loop import Callback
 from ttt_lm.train.metrics import MetricsWriter, git_commit, resolve_peak_flops
 from ttt_lm.train.optim import param_groups
 from ttt_lm.train.preempt import PREEMPTED_EXIT_CODE, PreemptionFlag
 # the resume checks, importable from here as before
-from ttt_lm.train.resume import (RUNTIME_MODEL_KEYS, CheckpointManager, check_resume,  # noqa: F401
+from ttt_lm.train.checkpoint.resume import (RUNTIME_MODEL_KEYS, CheckpointManager, check_resume,  # noqa: F401
                                  global_batch_note, invariants, seed_all)
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
@@ -127,6 +133,235 @@ def finished_note(ckpt: str, step: int, max_steps: int) -> str:
             f"schedule, unless optim.total_steps fixes its length, stretches to the new total")
 
 
+# ---- the loop ----------------------------------------------------------------------------------
+
+@dataclass
+class _Queued:
+    """A step whose metrics are not read yet: its loss on the device, the rest from the host."""
+    step: int
+    loss: Any                 # 0-dim float64 tensor on the training device: this rank's mean loss
+    lr: float
+    applied: bool             # DeepSpeed applied the update (False: skipped for a non-finite gradient)
+    grad_norm: Any            # as DeepSpeed returns it: a tensor, a float or None
+    local_tokens: int
+    tokens: int               # the run's tokens after this step
+
+
+class Trainer:
+    """Runs ``max_steps`` optimizer steps of ``engine`` (a DeepSpeed engine) on ``batches``.
+
+    ``step``/``tokens``/``skipped_total``/``nonfinite_run`` continue from a resumed checkpoint's.
+    ``record`` holds the newest step's metrics that were read (the ``kind: train`` record of
+    metrics.jsonl); ``read_every`` steps are read at once (module docstring). ``forward_kwargs(batch)`` gives the model's extra keyword arguments for a
+    batch; ``after_backward`` runs after each backward pass (context parallelism waits for its
+    state sends there). ``preempted`` reads whether this rank was signalled (``PreemptionFlag``);
+    the step's collective turns it into ``trainer.preempted`` (any rank signalled)."""
+
+    def __init__(self, *, engine, scheduler, batches: Optional[Iterator[dict]] = None, device, max_steps: int,
+                 grad_accum: int, rank: int, world: int, dp_world: int, callbacks: Sequence[Callback] = (),
+                 loader=None,
+                 signalled: Callable[[], bool] = lambda: False,
+                 forward_kwargs: Callable[[dict], dict] = lambda b: {},
+                 after_backward: Optional[Callable[[], None]] = None, stop_after: Optional[int] = None,
+                 step: int = 0, tokens: int = 0, skipped_total: int = 0, nonfinite_run: int = 0,
+                 write: Callable[[str], None] = lambda line: print(line, flush=True), read_every: int = 1):
+        if read_every < 1:
+            raise ValueError(f"read_every must be >= 1 step, got {read_every}")
+        #: the train loader whose position is part of ``state_dict`` (anything with state_dict /
+        #: load_state_dict; None: the batches carry no state); ``batches`` default to iterating it
+        self.loader = loader
+        self._batches = batches
+        self.engine, self.scheduler, self.device = engine, scheduler, device
+        self.max_steps, self.grad_accum, self.stop_after = max_steps, grad_accum, stop_after
+        self.rank, self.world, self.dp_world = rank, world, dp_world
+        self.callbacks: List[Callback] = list(callbacks)
+        self.signalled, self.forward_kwargs, self.after_backward = signalled, forward_kwargs, after_backward
+        self.step, self.tokens, self.skipped_total, self.nonfinite_run = step, tokens, skipped_total, nonfinite_run
+        #: the step's metrics (set before post_step); the collective's verdict on preemption
+        self.record: Dict[str, Any] = {}
+        self.preempted = False
+        self.stop_requested = False
+        #: the run ended at ``stop_after``, before ``max_steps``
+        self.stopped_after = False
+        self.exit_code = 0
+        #: step of the newest checkpoint this run wrote or resumed from (-1: none), kept by the checkpoint callback
+        self.last_saved = -1
+        #: a console line (rank 0 prints; a progress bar, when shown, replaces this to keep its line intact)
+        self.write = write
+        self.read_every = read_every
+        self._queue: List[_Queued] = []
+        self._t_read = time.perf_counter()   # start of the steps the next read covers
+        self._callback_states: Dict[str, Any] = {}   # loaded for callbacks added later
+
+    @classmethod
+    def from_config(cls, cfg, data_api=None, preempt=None, callbacks: Sequence[Callback] = (),
+                    held: Optional[list] = None) -> Optional["Trainer"]:
+        """The run of a resolved ExperimentConfig, built (process group, model, engine, loader,
+        callbacks) and, for a resumed run, with the checkpoint's state loaded: ``fit()`` trains it.
+        None when the run was signalled during startup. ``held`` receives the run directory's lock
+        (``ttt_lm.train.train`` releases it). ``callbacks`` run after the built-in ones."""
+        return build(cfg, data_api, preempt, callbacks, held, cls)
+
+    @property
+    def batches(self) -> Iterator[dict]:
+        if self._batches is None:
+            self._batches = iter(self.loader)   # after load_state_dict: from the restored position
+        return self._batches
+
+    def add_callback(self, cb: Callback) -> "Trainer":
+        self.callbacks.append(cb)
+        if cb.state_key in self._callback_states:
+            cb.load_state_dict(self._callback_states[cb.state_key])
+        return self
+
+    # -- resumable state ----------------------------------------------------------------------------
+    #: the entries of ``state_dict`` that differ between ranks (a checkpoint keeps them per rank)
+    RANK_KEYS = ("loader", "rng")
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Every piece of this run's resumable state but the engine's (weights, optimizer, lr
+        schedule: DeepSpeed's files): the counters, the loader's position, this rank's RNG states
+        and the callbacks' own states. The entries of ``RANK_KEYS`` are this rank's; the rest are
+        the same on every rank. Adding a piece of resumable state is one entry here and its line in
+        ``load_state_dict``."""
+        cbs = {cb.state_key: st for cb in self.callbacks if (st := cb.state_dict()) is not None}
+        return {"step": self.step, "tokens": self.tokens, "skipped_steps": self.skipped_total,
+                "nonfinite_in_a_row": self.nonfinite_run, **({"callbacks": cbs} if cbs else {}),
+                "loader": self.loader.state_dict() if self.loader is not None else None, "rng": ck.rng_state()}
+
+    def load_state_dict(self, sd: Dict[str, Any]) -> None:
+        """Put back what ``state_dict`` returned (a resumed run's, from ``ttt_lm.train.checkpoint.resume``).
+        On another layout the checkpointer hands over ``loader_merged`` (every old rank's loader
+        state merged, ``load_merged_state``) instead of ``loader``, and ``rng_seed`` (a seed of this
+        rank's own) instead of ``rng``. Call it before the first batch is read."""
+        self.step, self.tokens = int(sd["step"]), int(sd["tokens"])
+        self.skipped_total, self.nonfinite_run = int(sd["skipped_steps"]), int(sd.get("nonfinite_in_a_row", 0))
+        if self.loader is not None and sd.get("loader_merged") is not None:
+            self.loader.load_merged_state(sd["loader_merged"])
+        elif self.loader is not None and sd.get("loader") is not None:
+            self.loader.load_state_dict(sd["loader"])
+        if sd.get("rng") is not None:
+            ck.set_rng_state(sd["rng"])
+        elif sd.get("rng_seed") is not None:
+            seed_all(int(sd["rng_seed"]))
+        self._callback_states = dict(sd.get("callbacks") or {})
+        for cb in self.callbacks:
+            if cb.state_key in self._callback_states:
+                cb.load_state_dict(self._callback_states[cb.state_key])
+
+    def request_stop(self, exit_code: Optional[int] = None) -> None:
+        """End the run after the current step (callbacks later in the list still see this step);
+        ``exit_code`` becomes ``fit()``'s return value."""
+        self.stop_requested = True
+        if exit_code is not None:
+            self.exit_code = exit_code
+
+    def _call(self, hook: str, order: Sequence[Callback]) -> None:
+        for cb in order:
+            getattr(cb, hook)(self)
+
+    def fit(self) -> int:
+        """Run until ``max_steps`` or a stop request; returns the exit status (0 unless a callback set one)."""
+        try:
+            self._call("pre_train", self.callbacks)
+            self.engine.train()
+            while self.step < self.max_steps:
+                self._call("pre_step", self.callbacks)
+                self.train_step()
+                if self.stop_after is not None and self.step >= self.stop_after:
+                    self.stopped_after = self.step < self.max_steps
+                    self.request_stop()
+                if self._read_due():
+                    self.read_metrics()
+                self._call("post_step", self.callbacks)
+                if self.stop_requested:
+                    break
+            self.read_metrics()   # steps after the last read (a stop requested at a step not read)
+            self._call("post_train", list(reversed(self.callbacks)))
+        except BaseException as e:
+            for cb in self.callbacks:
+                cb.on_error(self, e)
+            raise
+        return self.exit_code
+
+    def _read_due(self) -> bool:
+        return (self.step % self.read_every == 0 or self.step >= self.max_steps or self.stop_requested
+                or any(cb.wants_metrics(self) for cb in self.callbacks))
+
+    def train_step(self) -> None:
+        """One optimizer step, queued for the next read: nothing is read from the device."""
+        import torch
+        engine, dev = self.engine, self.device
+        if not self._queue:
+            self._t_read = time.perf_counter()
+        lr = self.scheduler.get_last_lr()[0]
+        # summed on the device
+        loss_sum = torch.zeros((), dtype=torch.float64, device=dev)
+        local_tokens = 0
+        engine.module.set_train_step(self.step + 1)   # schedules inside the model (TTT's η_base warmup)
+        for _ in range(self.grad_accum):
+            b = next(self.batches)
+            ids = b["input_ids"].to(dev, non_blocking=True)
+            out = engine(ids, labels=b["labels"].to(dev, non_blocking=True), **self.forward_kwargs(b))
+            engine.backward(out.loss)
+            if self.after_backward is not None:
+                self.after_backward()
+            engine.step()
+            loss_sum += out.loss.detach().to(torch.float64)
+            local_tokens += ids.numel()
+        self.step += 1
+        self.tokens += local_tokens * self.dp_world
+        self._queue.append(_Queued(self.step, loss_sum / self.grad_accum, lr, bool(engine.was_step_applied()),
+                                   engine.get_global_grad_norm(), local_tokens, self.tokens))
+
+    def read_metrics(self) -> List[Dict[str, Any]]:
+        """Read the queued steps' metrics: one collective (the losses' sum over ranks and whether
+        any rank was signalled) and one device-to-host read; sets ``record``, ``skipped_total``,
+        ``nonfinite_run`` and ``preempted``, calls every callback's ``on_metrics`` and returns the
+        records (none when nothing is queued). A collective: every rank calls it at the same step.
+        Tokens/s and step time are the means over the steps read: the host runs ahead of the
+        device between reads, so a single step's wall time would measure only its launch."""
+        import torch
+        import torch.distributed as tdist
+        if not self._queue:
+            return []
+        q, self._queue = self._queue, []
+        dev = self.device
+        # one collective: TP peers hold the same (full, vocab-parallel) loss of the same batch and
+        # CP peers loss shares whose mean is that loss, so the mean over the world is the mean
+        # over the data-parallel replicas. On the training device (NCCL reduces CUDA tensors only).
+        agg = torch.stack([e.loss for e in q] + [torch.full((), float(self.signalled()), dtype=torch.float64,
+                                                              device=dev)])
+        tdist.all_reduce(agg)
+        norms = [i for i, e in enumerate(q) if torch.is_tensor(e.grad_norm)]
+        dev_vals = agg if not norms else torch.cat(
+            [agg, torch.stack([q[i].grad_norm.detach().reshape(()).to(device=dev, dtype=torch.float64)
+                               for i in norms])])
+        host = dev_vals.tolist()   # the read: one device-to-host copy for all the queued steps
+        dt = time.perf_counter() - self._t_read
+        gn = {i: host[len(q) + 1 + k] for k, i in enumerate(norms)}
+        self.preempted = host[len(q)] > 0
+        tps = sum(e.local_tokens for e in q) * self.dp_world / dt
+        records = []
+        for i, e in enumerate(q):
+            loss = host[i] / self.world
+            skipped = not math.isfinite(loss) or not e.applied
+            if skipped:
+                self.skipped_total += 1
+                self.nonfinite_run += 1
+            else:
+                self.nonfinite_run = 0
+            g = gn.get(i, e.grad_norm)
+            records.append({"kind": "train", "step": e.step, "loss": loss, "lr": e.lr,
+                            "grad_norm": float(g) if g is not None and not skipped else None, "tokens": e.tokens,
+                            "tokens_per_s": tps, "step_time_s": dt / len(q), "skipped": skipped,
+                            "skipped_total": self.skipped_total, "nonfinite_run": self.nonfinite_run})
+        self.record = records[-1]
+        for cb in self.callbacks:
+            cb.on_metrics(self, records)
+        return records
+
+
 # ---- the run ---------------------------------------------------------------------------------
 
 class _DataStop:
@@ -178,11 +413,34 @@ def train(cfg, data_api=None, preempt: Optional[PreemptionFlag] = None, callback
     """Run ``cfg``; the run directory's lock (taken inside) is released however the run ends.
     ``callbacks`` (``ttt_lm.train.loop.Callback``) run after the built-in ones, on every rank."""
     held = []
+    run_dir = cfg.train.run_dir
+    created = not os.path.exists(run_dir)   # by this run: removed again if the run leaves it empty
     try:
-        return _train(cfg, data_api, preempt, held, list(callbacks))
+        # built, with a resumed run's state loaded; None: signalled during startup, nothing to save
+        trainer = Trainer.from_config(cfg, data_api=data_api, preempt=preempt, callbacks=callbacks, held=held)
+        return PREEMPTED_EXIT_CODE if trainer is None else trainer.fit()
     finally:
         for lock in held:
             lock.release()
+        if created and int(os.environ.get("RANK", "0")) == 0:
+            _remove_if_empty(run_dir)
+
+
+def _remove_if_empty(run_dir: str) -> None:
+    """A run refused at startup (a data path that does not exist, a bad layout) wrote nothing but
+    its lock: the run directory it created is removed, empty folders inside it included."""
+    if not os.path.isdir(run_dir):
+        return
+    for d, dirs, files in os.walk(run_dir, topdown=False):
+        if files:
+            return
+        for sub in dirs:
+            if os.path.exists(os.path.join(d, sub)):
+                return
+        try:
+            os.rmdir(d)
+        except OSError:
+            return
 
 
 
@@ -321,8 +579,12 @@ def _forward_kwargs(b) -> dict:
     return {"position_ids": _pos(b)}
 
 
-def _end_lines(cfg, ckpt_root: str) -> None:
-    run_dir, latest = cfg.train.run_dir, ck.find_latest(ckpt_root)
+def _end_lines(cfg, ckpt_root: str, trainer: Trainer) -> None:
+    run_dir, latest, t = cfg.train.run_dir, ck.find_latest(ckpt_root), cfg.train
+    if trainer.stopped_after and trainer.exit_code == 0:
+        saved = "checkpoint saved" if trainer.last_saved == trainer.step else "no checkpoint (non-finite loss)"
+        print(f"[train] stopped after step {trainer.step} of {t.max_steps} (train.stop_after={t.stop_after}): "
+              f"{saved}; run the same command without train.stop_after (or with a larger one) to go on", flush=True)
     print(f"[train] run directory: {os.path.abspath(run_dir)}\n"
           f"[train]   metrics:     {os.path.abspath(os.path.join(run_dir, 'metrics.jsonl'))}\n"
           + (f"[train]   tensorboard: {os.path.abspath(os.path.join(run_dir, 'tb'))}\n"
@@ -330,8 +592,33 @@ def _end_lines(cfg, ckpt_root: str) -> None:
           + f"[train]   checkpoint:  {os.path.abspath(latest) if latest else '(none)'}", flush=True)
 
 
-def _train(cfg, data_api, preempt, held, extra_callbacks=()) -> int:
-    """The run's build steps, in order; ``Trainer.fit`` runs the steps."""
+class _RunEnd(Callback):
+    """First in the list, so its ``post_train`` runs last: stops the verifier of the shards ahead,
+    prints the run's end lines, puts the signal handlers back and ends the process group."""
+
+    def __init__(self, cfg, ckpt_root: str, data_stop, preempt):
+        self.cfg, self.ckpt_root, self.data_stop, self.preempt = cfg, ckpt_root, data_stop, preempt
+
+    def post_train(self, trainer: Trainer) -> None:
+        self.data_stop.close()
+        if trainer.rank == 0:
+            _end_lines(self.cfg, self.ckpt_root, trainer)
+        self.preempt.uninstall()
+        tdist.barrier()
+        tdist.destroy_process_group()
+
+    def on_error(self, trainer: Trainer, exc: BaseException) -> None:
+        self.data_stop.close()
+
+
+def build(cfg, data_api=None, preempt: Optional[PreemptionFlag] = None, callbacks: Sequence = (),
+          held: Optional[list] = None, cls=Trainer) -> Optional[Trainer]:
+    """The run's build steps, in order (``Trainer.from_config``): a Trainer whose state is the
+    checkpoint's for a resumed run, ready to ``fit``; None when the run was signalled during startup
+    (nothing to save: the process group is ended). ``held`` receives the run directory's lock (the
+    caller releases it)."""
+    held = held if held is not None else []
+    extra_callbacks = list(callbacks)
     device = _check_config(cfg)
     data_api = data_api if data_api is not None else ttt_lm.data
     preempt = preempt if preempt is not None else PreemptionFlag().install()
@@ -342,7 +629,6 @@ def _train(cfg, data_api, preempt, held, extra_callbacks=()) -> int:
     # TP peers (consecutive ranks), then CP peers, see the same batches: the data is split dp ways
     groups = build_groups(tp_size=tp, cp_size=cp)
     dp_rank, dp_world = groups.dp_rank, groups.dp_size
-    t.grad_accum = resolve_grad_accum(t, dp_world)  # saved with the config: the value used
     if device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", world)))))
     dev = torch.device("cuda", env.local_rank) if device == "cuda" else torch.device("cpu")
@@ -351,12 +637,14 @@ def _train(cfg, data_api, preempt, held, extra_callbacks=()) -> int:
 
     _lock_run_dir(t.run_dir, ckpt_root, rank, held)
     if _startup_preempted(preempt, rank):
-        return PREEMPTED_EXIT_CODE
+        return None
     if rank == 0:
         ck.clean_stale(ckpt_root, say=print)
     inv = invariants(cfg, _manifest(cfg, data_api, say))
     ckpts = CheckpointManager(cfg, ckpt_root, groups, say)
-    resume = ckpts.select(inv)
+    resume = ckpts.select(inv)   # a resumed run's batch: its global batch kept, grad_accum derived
+    if resume is None:
+        t.grad_accum = resolve_grad_accum(t, dp_world)  # saved with the config: the value used
 
     model, n_params, backends, pdims = _build_model(cfg, groups, dev, init_weights=resume is None)
     group_wd = [g["weight_decay"] for g in param_groups(model, cfg.optim.weight_decay)]  # as build_engine's
@@ -365,9 +653,29 @@ def _train(cfg, data_api, preempt, held, extra_callbacks=()) -> int:
     seed_all(t.seed + 1 + rank)  # per-rank streams for anything random in the loop
     loader = ckpts.build_loader(data_api)
     _streams_note(loader, cfg, dp_world, say)
-    at = ckpts.restore(engine, loader, sched, group_wd)
+    checkpointer = Checkpointer(engine, ckpt_root, to_yaml(cfg), {}, rank, cfg.checkpoint.keep_last, manager=ckpts,
+                                lock=held[0] if held else None)
+    # what every checkpoint records beside the states: the layout, what must not change, the batch
+    checkpointer.record.update({
+        "dp_world": dp_world, "invariants": inv, "zero_stage": par.zero_stage, "tensor_parallel": tp,
+        "context_parallel": cp,
+        # parameter name → dimension sliced across TP ranks (export concatenates along it)
+        "partition_dims": pdims,
+        # the global batch and the command's batch settings: a resume keeps the former (resume.py)
+        "batch": {"requested": ckpts.requested, "global": t.micro_batch_size * t.grad_accum * dp_world}})
+    trainer = cls(engine=engine, scheduler=sched, loader=loader, device=dev, max_steps=t.max_steps,
+                  grad_accum=t.grad_accum, rank=rank, world=world, dp_world=dp_world,
+                  signalled=lambda: preempt.requested or data_stop.check(), forward_kwargs=_forward_kwargs,
+                  after_backward=(lambda: (wait_pending(), model.release_parameters())) if cp > 1 else None,
+                  stop_after=t.stop_after,
+                  # the step's metrics stay on the device until a console line needs them
+                  read_every=max(1, cfg.logging.log_every))
+    # the engine, and the trainer's counters, loader position and RNGs
+    at = checkpointer.load({TRAIN_STATE: trainer}, loader, sched, group_wd)
+    if at.state is not None:
+        trainer.last_saved = trainer.step
     if _startup_preempted(preempt, rank):
-        return PREEMPTED_EXIT_CODE
+        return None
 
     data_stop = _verify_ahead(loader if getattr(cfg.data, "verify_ahead", True) else None,
                               t.micro_batch_size * t.grad_accum, rank, max(1, cfg.logging.log_every))
@@ -376,41 +684,21 @@ def _train(cfg, data_api, preempt, held, extra_callbacks=()) -> int:
                 "n_params": n_params, "world_size": world,
                 "device": torch.cuda.get_device_name(dev) if device == "cuda" else "cpu",
                 "peak_flops": peak or 0.0, "peak_flops_from": peak_from}
-    log = MetricsWriter(t.run_dir, cfg, enabled=rank == 0, start_step=at.step,
+    log = MetricsWriter(t.run_dir, cfg, enabled=rank == 0, start_step=trainer.step,
                         restart={"checkpoint": resume, "changed": at.changes} if resume else None, run_info=run_info)
     if rank == 0:
-        _startup_lines(cfg, resume, at.step, world, device, dp_world, n_params, backends, run_info)
+        _startup_lines(cfg, resume, trainer.step, world, device, dp_world, n_params, backends, run_info)
 
-    callbacks = [
+    for cb in [
+        _RunEnd(cfg, ckpt_root, data_stop, preempt),
         MetricsCallback(log, device, flops_per_token(cfg.model, cfg.data.seq_len)["train"], peak,
                         cfg.logging.log_every, cfg.logging.progress),
         NonFiniteLossCallback(t.max_nonfinite_steps, lambda: ck.find_latest(ckpt_root)),
         EvalCallback(lambda: data_api.build_val_loader(cfg.data, t.micro_batch_size, dp_rank, dp_world),
                      cfg.eval.every, cfg.eval.batches, log),
         PreemptionCallback(why=data_stop.reason),
-        CheckpointCallback(engine, ckpt_root, loader, to_yaml(cfg),
-                           {"dp_world": dp_world, "invariants": inv, "zero_stage": par.zero_stage,
-                            "tensor_parallel": tp, "context_parallel": cp, "partition_dims": pdims},
-                           rank, cfg.checkpoint.every, cfg.checkpoint.at_end, cfg.checkpoint.keep_last,
-                           lock=held[0] if held else None, last_bytes=at.last_bytes),
+        CheckpointCallback(checkpointer, rank, cfg.checkpoint.every, cfg.checkpoint.at_end),
         *extra_callbacks,
-    ]
-    trainer = Trainer(engine=engine, scheduler=sched, batches=iter(loader), device=dev, max_steps=t.max_steps,
-                      grad_accum=t.grad_accum, rank=rank, world=world, dp_world=dp_world, callbacks=callbacks,
-                      signalled=lambda: preempt.requested or data_stop.check(), forward_kwargs=_forward_kwargs,
-                      after_backward=(lambda: (wait_pending(), model.release_parameters())) if cp > 1 else None,
-                      stop_after=t.stop_after, step=at.step, tokens=at.tokens, skipped_total=at.skipped_total,
-                      nonfinite_run=at.nonfinite_run,
-                      # the step's metrics stay on the device until a console line needs them
-                      read_every=max(1, cfg.logging.log_every))
-    trainer.last_saved = at.step if resume is not None else -1
-    try:
-        exit_code = trainer.fit()
-    finally:
-        data_stop.close()
-    if rank == 0:
-        _end_lines(cfg, ckpt_root)
-    preempt.uninstall()
-    tdist.barrier()
-    tdist.destroy_process_group()
-    return exit_code
+    ]:
+        trainer.add_callback(cb)
+    return trainer

@@ -12,13 +12,13 @@
 3. build the train **loader** with the run's number of data streams (fixed when it started);
 4. **load** the engine, or **reshard** it when the checkpoint was written on another layout
    (another number of data-parallel ranks or another tensor-parallel size:
-   ``ttt_lm.train.reshard``): weights, AdamW moments and step, lr schedule, engine counters;
-5. the **loader state**: this rank's own (same layout), or every old rank's merged into the
-   global position (``ttt_lm.data.merge_states``) so that the global sample order continues at the
-   next sample;
-6. the **RNG** states: this rank's own (same layout), else seeded from the seed, the rank and the
-   step;
-7. **optimizer overrides**: lr, betas, eps or weight decay that the running config changes are put
+   ``ttt_lm.train.checkpoint.reshard``): weights, AdamW moments and step, lr schedule, engine counters;
+5. the **trainer state** for ``Trainer.load_state_dict`` (``Restored.state``): the counters, the
+   loader state (this rank's own on the same layout, or every old rank's merged into the global
+   position, ``ttt_lm.data.merge_states``, so that the global sample order continues at the next
+   sample) and the RNG states (this rank's own on the same layout, else a seed from the seed, the
+   rank and the step);
+6. **optimizer overrides**: lr, betas, eps or weight decay that the running config changes are put
    in force from the next step (``ttt_lm.train.optim.apply_hyperparameters``) and said.
 
 What can be resumed on what (docs/training.md, "Resuming"): the same or another number of data-
@@ -44,8 +44,12 @@ from ttt_lm.data.remote import is_remote
 from ttt_lm.model.config import ModelConfig
 from ttt_lm.train import checkpoint as ck
 from ttt_lm.train.checkpoint import CheckpointError
+from ttt_lm.train.engine import keep_global_batch, resolve_grad_accum
 from ttt_lm.train.optim import apply_hyperparameters, changed_hyperparameters
-from ttt_lm.train.reshard import load_resharded
+from ttt_lm.train.checkpoint.reshard import load_resharded
+
+#: the batch settings of a command (``CheckpointManager.requested``)
+BATCH_KEYS = ("micro_batch_size", "grad_accum", "global_batch_size")
 
 #: model-config keys that may differ on resume: they choose kernels, not the model's shape
 RUNTIME_MODEL_KEYS = ("kernel_backend", "attention.backend", "compile", "compile_backend", "loss_chunk_size")
@@ -164,14 +168,31 @@ def layout(dp: int, tp: int = 1, cp: int = 1) -> str:
 
 @dataclass
 class Restored:
-    """Where the run goes on: the counters of the checkpoint (zeros for a new run), the optimizer
-    settings the running config changed, and the checkpoint's size (the next save's space check)."""
-    step: int = 0
-    tokens: int = 0
-    skipped_total: int = 0
-    nonfinite_run: int = 0
+    """Where the run goes on: ``state``, the trainer state to put back (``Trainer.load_state_dict``;
+    None for a new run), the optimizer settings the running config changed, and the checkpoint's
+    size (the next save's space check). ``step`` … ``nonfinite_run`` read ``state``."""
+    state: Optional[dict] = None
     changes: List[str] = field(default_factory=list)
     last_bytes: Optional[int] = None
+
+    def _get(self, key: str) -> int:
+        return int((self.state or {}).get(key, 0))
+
+    @property
+    def step(self) -> int:
+        return self._get("step")
+
+    @property
+    def tokens(self) -> int:
+        return self._get("tokens")
+
+    @property
+    def skipped_total(self) -> int:
+        return self._get("skipped_steps")
+
+    @property
+    def nonfinite_run(self) -> int:
+        return self._get("nonfinite_in_a_row")
 
 
 class CheckpointManager:
@@ -182,6 +203,9 @@ class CheckpointManager:
 
     def __init__(self, cfg, ckpt_root: str, groups, say: Callable[[str], None] = lambda m: None):
         self.cfg, self.root, self.g, self.say = cfg, ckpt_root, groups, say
+        #: the batch settings as the command gave them (before any is derived): a resumed run whose
+        #: command gives the same keeps the checkpoint's global batch (``select``)
+        self.requested = {k: getattr(cfg.train, k) for k in BATCH_KEYS}
         self.ckpt: Optional[str] = None
         self.state: dict = {}
         self._data_api, self._saved_loaders = None, None
@@ -200,6 +224,13 @@ class CheckpointManager:
             self._check_layout(ckpt, state)
         except CheckpointError as e:
             raise alike(e)  # every rank read the same checkpoint and config
+        t, G = self.cfg.train, self._global_batch(ckpt, state)
+        if G is not None:
+            adapted = keep_global_batch(t, self.g.dp_size, G)
+            if adapted:
+                self.say(adapted)
+        else:
+            t.grad_accum = resolve_grad_accum(t, self.g.dp_size)
         note = global_batch_note(ckpt, self.cfg, state["dp_world"], self.g.dp_size)
         if note:
             self.say(note)
@@ -209,6 +240,20 @@ class CheckpointManager:
             tdist.barrier()
         self.ckpt, self.state = ckpt, state
         return ckpt
+
+    def _global_batch(self, ckpt: str, state: dict) -> Optional[int]:
+        """The global batch the resumed run keeps: ``train.global_batch_size`` when given, else the
+        checkpoint's when the command's batch settings are those the checkpointed run was started
+        with (the same command on another number of ranks); None when the command changes
+        micro_batch_size or grad_accum (the global batch is then theirs × the ranks)."""
+        t = self.cfg.train
+        if t.global_batch_size is not None:
+            return t.global_batch_size
+        saved, old = state.get("batch") or {}, _saved_config(ckpt)["train"]
+        requested = saved.get("requested") or {k: old.get(k) for k in BATCH_KEYS}
+        if requested != self.requested:
+            return None
+        return saved.get("global") or old["micro_batch_size"] * old["grad_accum"] * state["dp_world"]
 
     def _check_layout(self, ckpt: str, state: dict) -> None:
         tp_old = state.get("tensor_parallel", 1)
@@ -263,29 +308,30 @@ class CheckpointManager:
                                         "unset"))
         return data_api.build_train_loader(*args, total_streams=V)
 
-    # -- 4-7: engine, loader state, RNG, optimizer overrides -----------------------------------------
+    # -- 4-7: engine, the trainer state (loader position, RNG), optimizer overrides ----------------
     def restore(self, engine, loader, sched, group_weight_decay: List[float]) -> Restored:
-        """Put the checkpoint back into ``engine``, ``loader`` and the RNGs, and the running
-        config's optimizer settings into ``sched`` (nothing for a new run)."""
+        """Put the checkpoint back into ``engine`` and the running config's optimizer settings into
+        ``sched``; return the trainer state (``Restored.state``) for ``Trainer.load_state_dict``,
+        which puts back the counters, ``loader``'s position and the RNGs (nothing for a new run)."""
         ckpt, g = self.ckpt, self.g
         if ckpt is None:
             return Restored()
         if self.resharded:
             s = self.state
             state = load_resharded(engine, ckpt, g.tp_rank, g.tp_size)
-            loader.load_merged_state(self._data_api.merge_states([r["loader"] for r in self._saved_loaders]))
+            merged = self._data_api.merge_states([r["loader"] for r in self._saved_loaders])
             # RNG states are per rank: on another layout each rank starts a stream of its own, from
             # the seed, its rank and the step
-            seed_all(self.cfg.train.seed + 1 + g.rank + 1_000_003 * state["step"])
+            trainer_state = {**state, "loader": None, "loader_merged": merged, "rng": None,
+                             "rng_seed": self.cfg.train.seed + 1 + g.rank + 1_000_003 * state["step"]}
             tp_old = s.get("tensor_parallel", 1)
             now = g.dp_size if tp_old == g.tp_size else layout(g.dp_size, g.tp_size)
             self.say(f"{ckpt} was written by {layout(s['dp_world'], tp_old)}, this run has {now}: optimizer state "
                      f"resharded, the data order continues ({getattr(loader, 'total_streams', '?')} streams)")
         else:
-            state, rs = ck.load(engine, ckpt, g.rank)  # restores this rank's RNG states too
-            loader.load_state_dict(rs["loader"])
-        out = Restored(state["step"], state["tokens"], state["skipped_steps"], state.get("nonfinite_in_a_row", 0),
-                       optim_changes(ckpt, self.cfg), ck.checkpoint_bytes(ckpt))
+            state, rs = ck.load(engine, ckpt, g.rank)
+            trainer_state = {**state, **rs}   # this rank's own entries (loader, rng) beside the shared ones
+        out = Restored(trainer_state, optim_changes(ckpt, self.cfg), ck.checkpoint_bytes(ckpt))
         if out.changes:
             # the checkpoint restored the old rates into the optimizer and the schedule
             apply_hyperparameters(sched, self.cfg.optim, group_weight_decay)

@@ -1,5 +1,7 @@
 """Checkpoints that a killed run can never leave half-written, that are verified before use, and
-that never fill a disk silently.
+that never fill a disk silently: the file format (this module), the run's one ``Checkpointer``
+(``checkpointer``: a dict of states with the engine), the resume selection and checks
+(``resume.CheckpointManager``) and the resharding onto another layout (``reshard``).
 
 Layout of ``<run_dir>/checkpoints``::
 
@@ -9,7 +11,8 @@ Layout of ``<run_dir>/checkpoints``::
         ds/                 DeepSpeed's engine.save_checkpoint (module, ZeRO optimizer shards, lr schedule)
         trainer_state.json  step, tokens seen, skipped steps, world size, what must not change, and
                             ``files``: the size and sha256 of every other file of the checkpoint
-        rank_00000.pt       per-rank RNG states (Python, numpy, torch[, CUDA]) and data-loader state
+        rank_00000.pt       the trainer state's per-rank entries (``Trainer.RANK_KEYS``): RNG states
+                            (Python, numpy, torch[, CUDA]) and data-loader state
         config.yaml         the resolved experiment config
 
 Every rank writes into ``.tmp-step_…``; after a barrier the ranks hash the files (each rank a
@@ -191,14 +194,15 @@ def _step_dir(path: str) -> bool:
 
 
 def select(path: str, accept: Optional[Callable[[str], Optional[str]]] = None,
-           note: Callable[[str], None] = _note) -> Tuple[str, List[Tuple[str, str]]]:
+           note: Callable[[str], None] = _note, say_used: bool = True) -> Tuple[str, List[Tuple[str, str]]]:
     """The checkpoint to load from ``path`` (a step_… directory, a checkpoints/ root or a run
     directory) and the newer ones passed over, as ``(checkpoint, [(path, why), ...])``.
 
     A step directory must verify, or CheckpointError names the file at fault. From a root, the
     newest checkpoint that verifies (and that ``accept`` does not reject: it returns a reason or
     None) is taken; each newer one passed over is reported through ``note``. Collective when a
-    process group exists."""
+    process group exists. ``say_used=False``: the caller names the checkpoint taken itself (only
+    the ones passed over are noted here)."""
     if _step_dir(path):
         problems = verify(path)
         if problems:
@@ -217,7 +221,7 @@ def select(path: str, accept: Optional[Callable[[str], Optional[str]]] = None,
             problems = verify(c)
             why = "; ".join(problems[:3]) if problems else (accept(c) if accept else None)
             if not why:
-                if passed:
+                if passed and say_used:
                     note(f"using {c}, the newest checkpoint that verifies")
                 return c, passed
             note(f"passing over {c}: {why}")
@@ -236,10 +240,13 @@ def after_nonfinite_losses(ckpt: str) -> Optional[str]:
 def resolve(path: str, say: Optional[Callable[[str], Any]] = None) -> str:
     """A verified checkpoint dir from a checkpoint dir, a checkpoints/ root or a run dir, chosen
     as a resumed run chooses (``select`` with ``after_nonfinite_losses``). From a root or run
-    directory ``say`` (default: stderr) is told which checkpoint and step were taken."""
-    ckpt, _ = select(path, accept=after_nonfinite_losses)
+    directory ``say`` (default: stderr) is told which checkpoint and step were taken, in one line
+    (after one line for each newer one passed over)."""
+    say = say or _note
+    ckpt, passed = select(path, accept=after_nonfinite_losses, note=say, say_used=False)
     if not _step_dir(path):
-        (say or _note)(f"using {ckpt} (step {read_state(ckpt).get('step')})")
+        say(f"using {ckpt} (step {read_state(ckpt).get('step')})"
+                       + (", the newest checkpoint that verifies" if passed else ""))
     return ckpt
 
 
@@ -386,7 +393,7 @@ def save(engine, root: str, step: int, state: Dict[str, Any], rank_state: Dict[s
             os.makedirs(tmp)
         _barrier()
         engine.save_checkpoint(tmp, tag=DS_TAG, save_latest=False)
-        torch.save({**rank_state, "rng": rng_state()}, os.path.join(tmp, rank_file(rank)))
+        torch.save({"rng": rng_state(), **rank_state}, os.path.join(tmp, rank_file(rank)))
         if rank == 0:
             with open(os.path.join(tmp, "config.yaml"), "w") as f:
                 f.write(config_yaml)
@@ -467,7 +474,8 @@ def rank_states(ckpt: str) -> List[Dict[str, Any]]:
 
 def load(engine, ckpt: str, rank: int) -> Tuple[Dict[str, Any], Dict[str, Any]]:
     """Collective: restore the engine (module, optimizer, schedule) and return
-    (trainer_state, this rank's state); RNG states are restored here too. ``ckpt`` should have
+    (trainer_state, this rank's state: its loader state and RNG states, which the trainer's
+    ``load_state_dict`` puts back). ``ckpt`` should have
     passed ``verify``; whatever still goes wrong is a CheckpointError naming the checkpoint."""
     state = read_state(ckpt)
     try:
@@ -482,5 +490,4 @@ def load(engine, ckpt: str, rank: int) -> Tuple[Dict[str, Any], Dict[str, Any]]:
         rs = torch.load(rf, map_location="cpu", weights_only=False)
     except Exception as e:  # noqa: BLE001
         raise CheckpointError(f"cannot read {rf}: {type(e).__name__}: {e}") from e
-    set_rng_state(rs["rng"])
     return state, rs
