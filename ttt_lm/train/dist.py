@@ -4,7 +4,21 @@ from __future__ import annotations
 
 from ttt_lm.env import DistEnv, detect_env, export_env
 
-__all__ = ["DistEnv", "detect_env", "export_env", "init_distributed"]
+__all__ = ["DistEnv", "detect_env", "export_env", "init_distributed", "quiet_deprecated_collectives"]
+
+#: torch's FutureWarnings for the collectives DeepSpeed's ZeRO optimizer calls (inside DeepSpeed,
+#: not in this code; torch names their successors): printed on every rank with a stray line of
+#: its wrapper's source, and nothing a user of this project can act on
+DEPRECATED_COLLECTIVES = (r"`torch\.distributed\.all_gather_into_tensor` is deprecated",
+                          r"`torch\.distributed\.reduce_scatter_tensor` is deprecated")
+
+
+def quiet_deprecated_collectives() -> None:
+    """Ignore exactly the FutureWarnings of ``DEPRECATED_COLLECTIVES``; every other warning stays."""
+    import warnings
+
+    for msg in DEPRECATED_COLLECTIVES:
+        warnings.filterwarnings("ignore", message=msg, category=FutureWarning)
 
 
 def init_distributed(device: str) -> DistEnv:
@@ -19,6 +33,7 @@ def init_distributed(device: str) -> DistEnv:
         # that only its inference_all_reduce uses; training collectives go through gloo anyway.
         import deepspeed.ops
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    quiet_deprecated_collectives()
     env = detect_env()
     export_env(env)
     if device == "cuda":
