@@ -27,6 +27,7 @@ signature.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import inspect
@@ -171,6 +172,7 @@ def install_recorder(path: str) -> None:
     JITFunction._do_compile = _do_compile
     autotuner.Autotuner._bench = _bench
     if hasattr(autotuner.Autotuner, "check_disk_cache"):
+        _installed.setdefault("check_disk_cache", autotuner.Autotuner.check_disk_cache)
         autotuner.Autotuner.check_disk_cache = check_disk_cache
     _installed["record"] = path
 
@@ -210,6 +212,112 @@ def install_from_env() -> None:
         install_recorder(os.environ[RECORD_ENV])
     if os.environ.get(PIN_ENV, "0") not in ("", "0"):
         install_pinning()
+
+
+# ---- capturing without a GPU ---------------------------------------------------------------------
+#: SMs of the GPU a capture stands in for, per launch family (H100 SXM, A100): the grids sized to
+#: fill the GPU (``num_sms``) are those of these parts
+CAPTURE_SMS = {90: 132, 80: 108}
+_capture: Dict[str, Any] = {"arch": None}
+
+
+def capture_arch() -> Optional[int]:
+    """The launch family (90 or 80) a capture stands in for, or None outside :func:`capture`."""
+    return _capture["arch"]
+
+
+class _StandInDriver:
+    """What ``JITFunction.run`` asks of a driver before it compiles: a device (the arch number, so
+    that each family gets its own binder and kernel cache), a stream and the target."""
+
+    def __init__(self, arch: int):
+        self.arch = arch
+
+    def get_current_device(self):
+        return self.arch
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        from triton.backends.compiler import GPUTarget
+        return GPUTarget("cuda", self.arch, 32)
+
+    def is_active(self):
+        return True
+
+
+@contextlib.contextmanager
+def capture(path: str, arch: int):
+    """Within the block, every ``@triton.jit`` launch is recorded to ``path`` (as in record mode)
+    as the launch would compile on a GPU of family ``arch`` (90: sm_90, 80: sm_80), and run
+    nowhere: a stand-in driver answers for the GPU, the kernels of ``kernels/`` take tensors on
+    the ``meta`` device (``triton_available``), their launch configs are the family's
+    (``device_arch``), and ``num_sms`` is that of the family's part (``CAPTURE_SMS``). A program
+    whose tensors are all on ``meta`` then walks every code path of a real step, computing
+    nothing: the compile gate's captured cases (``ttt_lm/launch_capture.py``). Pointer alignment is
+    a meta tensor's byte offset into its storage, as on a GPU, whose allocations are aligned."""
+    if arch not in CAPTURE_SMS:
+        raise ValueError(f"capture: arch must be one of {sorted(CAPTURE_SMS)}, got {arch!r}")
+    if _capture["arch"] is not None:
+        raise RuntimeError("capture: already capturing")
+    from triton.runtime.driver import driver
+
+    prev_driver, prev_record = driver._active, _installed.get("record")
+    ops = _our_custom_ops()
+    fakes = {n: d._abstract_fn for n, d in ops.items()}
+    install_recorder(path)
+    driver.set_active(_StandInDriver(arch))
+    _capture["arch"] = arch
+    for d in ops.values():      # on meta tensors a custom op runs its fake; run the real one
+        d._abstract_fn = d._init_fn
+    try:
+        yield
+    finally:
+        for n, d in ops.items():
+            d._abstract_fn = fakes[n]
+        _capture["arch"] = None
+        driver._active = prev_driver
+        if prev_record is None:
+            uninstall_recorder()
+        else:
+            install_recorder(prev_record)
+
+
+def _our_custom_ops() -> Dict[str, Any]:
+    """The ``torch.library.custom_op`` definitions of ``kernels/`` ("kernels::…"), every op module
+    imported first. Their real function runs on meta tensors during a capture in place of the fake
+    (shape-only) one, so that the Triton launches inside are made (and recorded)."""
+    import pkgutil
+
+    import kernels
+    from torch._library import custom_ops
+
+    for m in pkgutil.walk_packages(kernels.__path__, "kernels."):
+        if not m.name.rsplit(".", 1)[-1].startswith("_") and not m.name.endswith(("gate", "compile_report")):
+            importlib.import_module(m.name)
+    defs = getattr(custom_ops, "OPDEFS", None)
+    if defs is None:
+        raise RuntimeError("capture: this torch has no torch._library.custom_ops.OPDEFS (checked with 2.13)")
+    ours = {n: d for n, d in defs.items() if n.startswith("kernels::")}
+    for n, d in ours.items():
+        if not (hasattr(d, "_abstract_fn") and hasattr(d, "_init_fn")):
+            raise RuntimeError(f"capture: custom op {n} has no _abstract_fn/_init_fn in this torch")
+    return ours
+
+
+def uninstall_recorder() -> None:
+    """Undo :func:`install_recorder`: launches compile and run again."""
+    if _installed.get("record") is None:
+        return
+    from triton.runtime import autotuner
+    from triton.runtime.jit import JITFunction
+
+    JITFunction._do_compile = _installed["do_compile"]
+    autotuner.Autotuner._bench = _installed["bench"]
+    if "check_disk_cache" in _installed:
+        autotuner.Autotuner.check_disk_cache = _installed["check_disk_cache"]
+    _installed["record"] = None
 
 
 # ---- compiling a record ------------------------------------------------------------------------

@@ -84,9 +84,16 @@ def flash_attn_varlen_func() -> Optional[Callable]:
     return _flash_attn_varlen_func
 
 
+def _capturing() -> bool:
+    from kernels._launch_cache import capture_arch
+    return capture_arch() is not None
+
+
 def _triton(device, dtype) -> Optional[str]:
     if not HAS_TRITON:
         return "the triton package is not installed"
+    if _device_type(device) == "meta" and _capturing():
+        return None     # kernels._launch_cache.capture: launches are recorded for a stand-in GPU
     if _device_type(device) != "cuda" and not TRITON_INTERPRET:
         return f"Triton kernels run on CUDA tensors (or on CPU under TRITON_INTERPRET=1), not on {_device_type(device)}"
     return None
