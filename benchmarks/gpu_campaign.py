@@ -336,6 +336,21 @@ def _summary(rec: dict) -> str:
     return f"{rec['name']} w{rec.get('num_warps')} s{rec.get('num_stages')}" + (f" [{','.join(cx[:6])}]" if cx else "")
 
 
+#: put first on PYTHONPATH of a record process: its sitecustomize installs the launch recorder at start-up
+RECORD_SITE = ROOT / "benchmarks" / "launch_recording"
+
+
+def record_env(rec_file: Path, pin: bool = True) -> Dict[str, str]:
+    """The environment (added to os.environ) of a command whose Triton launches are recorded to
+    ``rec_file`` instead of compiled and run: the recorder is installed at start-up by
+    ``benchmarks/launch_recording/sitecustomize.py`` in the process and in the Python processes it
+    starts; importing a kernel alone never records. The interpreter is off: what is recorded is a
+    GPU's compile (and Triton is imported at start-up, before the program could switch it)."""
+    path = [str(RECORD_SITE), str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return {"TTT_LM_RECORD_LAUNCHES": str(rec_file), "TTT_LM_PIN_LAUNCH_CONFIGS": "1" if pin else "0",
+            "PYTHONPATH": os.pathsep.join(path), "TRITON_INTERPRET": "0"}
+
+
 def step_warmup(step: Step, a, record_items: List[Tuple[str, List[str]]], log) -> None:
     """Record the later steps' launches (``record_items``: (label, command) run with
     TTT_LM_RECORD_LAUNCHES) and compile each distinct one as soon as it is recorded."""
@@ -344,7 +359,7 @@ def step_warmup(step: Step, a, record_items: List[Tuple[str, List[str]]], log) -
     rec_file = a.out / "launches.jsonl"
     if rec_file.exists():
         rec_file.unlink()
-    env = {"TTT_LM_RECORD_LAUNCHES": str(rec_file), "TTT_LM_PIN_LAUNCH_CONFIGS": "1"}
+    env = record_env(rec_file)
     jobs = a.jobs or max(2, (os.cpu_count() or 4) - 2)
     ctx = multiprocessing.get_context("spawn")
     pool = cf.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=_launch_cache.worker_init)
@@ -833,8 +848,10 @@ def run_campaign(a, command: str) -> int:
 
 def record(src: Path, results_md: Path = RESULTS_MD, dest_root: Optional[Path] = None) -> Path:
     """Copy ``src``'s campaign.md / campaign.json (and warmup.json, logs.txt) to
-    benchmarks/gpu_results/<date>-<command>/ and insert the Markdown into RESULTS.md under the
-    GPU campaign heading, newest first. Returns the folder written."""
+    benchmarks/gpu_results/<date>-<command>/ and put the Markdown into RESULTS.md under the GPU
+    campaign heading, in place of the earlier campaign of the same command (RESULTS.md keeps the
+    latest of each; older ones stay in git history and their folders), the latest command first.
+    Refuses a campaign already there or older than the one there. Returns the folder written."""
     src = Path(src)
     cj = src / "campaign.json"
     if not cj.exists():
@@ -858,11 +875,18 @@ def record(src: Path, results_md: Path = RESULTS_MD, dest_root: Optional[Path] =
     text = results_md.read_text() if results_md.exists() else "# Benchmark results\n"
     if RESULTS_MARKER not in text:
         text = text.rstrip("\n") + "\n\n" + RESULTS_MARKER + "\n"
-    i = text.index(RESULTS_MARKER) + len(RESULTS_MARKER)
     stamp = f"<!-- campaign {res['date']} {res['command']} {res['commit']} -->"
     if stamp in text:
         sys.exit(f"gpu_campaign record: this campaign ({res['date']}, {res['command']}, {res['commit']}) is already "
                  f"in {results_md}")
+    for m in re.finditer(rf"^<!-- campaign (\S+) {re.escape(res['command'])} .* -->\n", text, flags=re.M):
+        if m.group(1) > res["date"]:
+            sys.exit(f"gpu_campaign record: {results_md} holds a later `{res['command']}` campaign ({m.group(1)}) "
+                     f"than this one ({res['date']}); it keeps the latest of each")
+        end = re.compile(r"^(?:<!-- campaign |## |### (?!GPU campaign))", re.M).search(text, m.end())
+        text = text[:m.start()].rstrip("\n") + "\n" + (text[end.start():] if end else "")
+        break
+    i = text.index(RESULTS_MARKER) + len(RESULTS_MARKER)
     results_md.write_text(text[:i] + "\n" + stamp + "\n" + body + text[i:])
     print(f"gpu_campaign record: {res['command']} of {res['date']} (commit {res['commit']}) into {results_md}; "
           f"files in {dest}")

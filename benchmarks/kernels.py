@@ -324,6 +324,45 @@ def kda_bench(B: int, T: int, H: int, D: int, dtype: torch.dtype, device: str) -
     return Bench(inputs=inputs, forms=forms, min_bytes_fwd=5 * n, min_bytes_fwd_bwd=13 * n)
 
 
+@register("ssd", needs="kernels.ssd")
+def ssd_bench(B: int, T: int, H: int, D: int, dtype: torch.dtype, device: str) -> Bench:
+    """Mamba-2's SSD, S_t = exp(Δ_t A) S_{t−1} + Δ_t x_t B_tᵀ, y_t = S_t C_t, as Mamba-2 runs it: H heads
+    of p = D channels, one group of B, C with state size n = 128, Δ = softplus(dt + dt_bias), A in
+    [−16, −1], chunks of 256; every backend the op module lists, and mamba_ssm's
+    mamba_chunk_scan_combined (same layout) where it imports on a GPU."""
+    import kernels.ssd as mod
+
+    n = 128
+    x = torch.randn(B, T, H, D, device=device).to(dtype).requires_grad_()
+    dt = torch.randn(B, T, H, device=device).to(dtype).requires_grad_()
+    Bm, Cm = (torch.randn(B, T, 1, n, device=device).to(dtype).requires_grad_() for _ in range(2))
+    A = (-torch.linspace(1.0, 16.0, H, device=device)).requires_grad_()
+    bias = torch.full((H,), -3.0, device=device, requires_grad=True)      # Δ ≈ softplus(dt − 3)
+    forms = {f: (lambda f=f: mod.ssd(x, dt, A, Bm, Cm, dt_bias=bias, dt_softplus=True, backend=f,
+                                     chunk_size=256)[:1]) for f in backend_forms(mod)}
+    fn = _mamba_chunk_scan(device)
+    if fn is not None:
+        forms["mamba_ssm mamba_chunk_scan_combined"] = lambda: (fn(x, dt, A, Bm, Cm, 256, dt_bias=bias,
+                                                                   dt_softplus=True),)
+    bits = torch.finfo(dtype).bits // 8
+    nx, nbc, ndt = B * T * H * D * bits, 2 * B * T * n * bits, B * T * H * bits
+    # forward: read x, dt, B, C, write y; backward: read x, dt, B, C, dy, write dx, ddt, dB, dC
+    return Bench(inputs=[x, dt, Bm, Cm, A, bias], forms=forms, min_bytes_fwd=2 * nx + nbc + ndt,
+                 min_bytes_fwd_bwd=5 * nx + 3 * nbc + 3 * ndt)
+
+
+def _mamba_chunk_scan(device: str):
+    """mamba_ssm's ``mamba_chunk_scan_combined`` for the side-by-side, or None where the package is
+    not installed or there is no GPU (its kernels need CUDA)."""
+    if device != "cuda":
+        return None
+    try:
+        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+    except Exception:  # not installed, or it does not import with this torch/triton
+        return None
+    return mamba_chunk_scan_combined
+
+
 def lact_flops(B: int, T: int, H: int, D: int, chunk: int) -> Tuple[float, float]:
     """FLOPs (2 per multiply-add) of the LaCT op's matrix products with d_k = d_v = d_h = D: forward,
     and forward+backward as 3 × forward. Per head and token, reading the weights costs 6·D² (q W₀₂ᵀ

@@ -2,7 +2,7 @@
 
     python benchmarks/loss_memory.py                                  # 125M head, 1024 and 2048 tokens, fp32
     python benchmarks/loss_memory.py --tokens 4096 16384 --dtype bfloat16 --chunk 1024
-    python benchmarks/loss_memory.py --record                         # append the table to benchmarks/RESULTS.md
+    python benchmarks/loss_memory.py --record                         # its section of benchmarks/RESULTS.md becomes this run
 
 The head of the 125M presets (D = 768, V = 50280) on hidden states [N, D] with random targets:
 forward and backward of
@@ -83,7 +83,7 @@ def main(argv=None) -> int:
     ap.add_argument("--chunk", type=int, default=1024, help="tokens per chunk of the chunked loss")
     ap.add_argument("--d-model", type=int, default=D_125M)
     ap.add_argument("--vocab", type=int, default=V_125M)
-    ap.add_argument("--record", action="store_true", help="append a section to benchmarks/RESULTS.md")
+    ap.add_argument("--record", action="store_true", help="replace its section of benchmarks/RESULTS.md with this run")
     ap.add_argument("--worker", nargs=2, metavar=("VARIANT", "N"), help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.worker:
@@ -113,15 +113,16 @@ def main(argv=None) -> int:
     if a.record:
         cmd = "OMP_NUM_THREADS=%s python benchmarks/loss_memory.py %s" % (
             os.environ.get("OMP_NUM_THREADS", "(unset)"), " ".join(argv if argv is not None else sys.argv[1:]))
-        sec = (f"\n## LM head + cross-entropy memory (`benchmarks/loss_memory.py`)\n\n"
-               f"- Date: {datetime.date.today().isoformat()}\n- Device: {device}\n"
-               f"- Commit: {_commit()}\n- Command: `{cmd}`\n"
-               f"- Head of the 125M presets: D = {a.d_model}, V = {a.vocab}, {a.dtype} h and W; forward + backward; "
-               "the rise of the process's peak resident memory (ru_maxrss) over what it held before the loss, "
-               "one fresh process per row. The wall times come from a CPU shared with other jobs: not a speed "
-               "figure.\n\n" + table + "\n")
-        with open(os.path.join(ROOT, "benchmarks", "RESULTS.md"), "a") as f:
-            f.write(sec)
+        body = (f"- Date: {datetime.date.today().isoformat()}\n- Device: {device}\n"
+                f"- Commit: {_commit()}\n- Command: `{cmd}`\n"
+                f"- Head of the 125M presets: D = {a.d_model}, V = {a.vocab}, {a.dtype} h and W; forward + backward; "
+                "the rise of the process's peak resident memory (ru_maxrss) over what it held before the loss, "
+                "one fresh process per row. The wall times come from a CPU shared with other jobs: not a speed "
+                "figure.\n\n" + table + "\n")
+        sys.path.insert(0, ROOT)
+        from benchmarks.results_md import record_section
+
+        record_section("## LM head + cross-entropy memory (`benchmarks/loss_memory.py`)", body)
     return 0
 
 

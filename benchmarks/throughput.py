@@ -2,7 +2,7 @@
 
     python benchmarks/throughput.py                         # configs/tiny.yaml on this machine
     python benchmarks/throughput.py configs/a.yaml configs/b.yaml --steps 20 --set train.micro_batch_size=4
-    python benchmarks/throughput.py --record                # append the figures to benchmarks/RESULTS.md
+    python benchmarks/throughput.py --record                # its section of benchmarks/RESULTS.md becomes this run
 
 Each preset runs forward + backward + AdamW on random tokens of [micro_batch_size, seq_len] in
 one process (no DeepSpeed: this measures the model), after warm-up steps. MFU divides the
@@ -122,7 +122,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--peak-flops", type=float, default=None, help="per-device peak FLOP/s for MFU")
     ap.add_argument("--device", default=None)
-    ap.add_argument("--record", action="store_true", help="append a section to benchmarks/RESULTS.md")
+    ap.add_argument("--record", action="store_true", help="replace its section of benchmarks/RESULTS.md with this run")
     ap.add_argument("--json", default=None, help="write the rows (and the profile) to this JSON file")
     ap.add_argument("--profile-top", type=int, default=0,
                     help="after the timed steps, profile one more step and report its N slowest CUDA kernels")
@@ -149,11 +149,11 @@ def main(argv=None) -> int:
     if a.record:
         cmd = "OMP_NUM_THREADS=%s python benchmarks/throughput.py %s" % (
             os.environ.get("OMP_NUM_THREADS", "(unset)"), " ".join(argv if argv is not None else sys.argv[1:]))
-        sec = (f"\n## Training throughput (`benchmarks/throughput.py`)\n\n"
-               f"- Date: {datetime.date.today().isoformat()}\n- Device: {rows[0]['device']}, {platform.machine()}\n"
-               f"- Commit: {_commit()}\n- Command: `{cmd}`\n\n{table}\n")
-        with open(os.path.join(ROOT, "benchmarks", "RESULTS.md"), "a") as f:
-            f.write(sec)
+        from benchmarks.results_md import record_section
+
+        record_section("## Training throughput (`benchmarks/throughput.py`)",
+                       f"- Date: {datetime.date.today().isoformat()}\n- Device: {rows[0]['device']}, {platform.machine()}\n"
+                       f"- Commit: {_commit()}\n- Command: `{cmd}`\n\n{table}\n")
     return 0
 
 

@@ -1,10 +1,14 @@
 r"""Compile every Triton kernel a program will launch before it runs, in parallel, into one
 Triton cache: the GPU campaign's warm-up (``benchmarks/gpu_campaign.py``).
 
-Two switches, read from the environment when ``kernels._triton_utils`` is imported (every kernel
-module imports it, so they hold in any process that launches a kernel of ``kernels/``):
+Two switches. Importing a kernel never records: the recorder is installed only by a process that
+asks for it, with :func:`install_recorder` (or :func:`install_recorder_from_env`, which the GPU
+campaign's record processes run at start-up through ``benchmarks/launch_recording/``), and
+:func:`remove_recorder` takes it out again. Pinning is read from the environment when
+``kernels._triton_utils`` is imported (every kernel module imports it).
 
-``TTT_LM_RECORD_LAUNCHES=<file>`` — record, do not run. Every ``@triton.jit`` launch (ours and any
+Recording (``TTT_LM_RECORD_LAUNCHES=<file>`` for the campaign's processes) — record, do not run.
+Every ``@triton.jit`` launch (ours and any
 other package's, e.g. flash-linear-attention's) that would compile appends one JSON line to
 ``<file>`` — the kernel (module and name), its signature, constexprs, specialization attributes
 (pointer alignment, integer divisibility), compile options and target, and the hash of the Triton
@@ -44,8 +48,10 @@ _DO_COMPILE_ARGS = ["self", "key", "signature", "device", "constexprs", "options
 _installed: Dict[str, Any] = {}
 
 
-def recording() -> bool:
-    return bool(os.environ.get(RECORD_ENV))
+def recorder_path() -> Optional[str]:
+    """The file this process records its launches to, or None when the recorder is not installed
+    (launches compile and run)."""
+    return _installed.get("record")
 
 
 # ---- exact JSON for the values a compile takes -------------------------------------------------
@@ -170,11 +176,35 @@ def install_recorder(path: str) -> None:
 
     _installed.setdefault("bench", autotuner.Autotuner._bench)
     JITFunction._do_compile = _do_compile
-    autotuner.Autotuner._bench = _bench
+    autotuner.Autotuner._bench = _installed["record_bench"] = _bench
     if hasattr(autotuner.Autotuner, "check_disk_cache"):
         _installed.setdefault("check_disk_cache", autotuner.Autotuner.check_disk_cache)
         autotuner.Autotuner.check_disk_cache = check_disk_cache
     _installed["record"] = path
+
+
+def remove_recorder() -> None:
+    """Undo :func:`install_recorder`: launches compile and run again (no-op when not installed)."""
+    if "record" not in _installed:
+        return
+    from triton.runtime import autotuner
+    from triton.runtime.jit import JITFunction
+
+    if autotuner.Autotuner._bench is not _installed["record_bench"]:
+        raise RuntimeError("kernels._launch_cache: the autotuner's benchmark was replaced after the recorder "
+                           "was installed (install_pinning?); the recorder cannot be removed from this process")
+    JITFunction._do_compile = _installed.pop("do_compile")
+    autotuner.Autotuner._bench = _installed.pop("bench")
+    if "check_disk_cache" in _installed:
+        autotuner.Autotuner.check_disk_cache = _installed.pop("check_disk_cache")
+    del _installed["record"], _installed["record_bench"]
+
+
+def install_recorder_from_env() -> None:
+    """Install the recorder for ``$TTT_LM_RECORD_LAUNCHES`` (a no-op when it is unset): the
+    start-up of the GPU campaign's record processes (``benchmarks/launch_recording/``)."""
+    if os.environ.get(RECORD_ENV):
+        install_recorder(os.environ[RECORD_ENV])
 
 
 def _ours(tuner) -> bool:
@@ -206,10 +236,8 @@ def install_pinning() -> None:
     _installed["pin"] = True
 
 
-def install_from_env() -> None:
-    """Apply ``TTT_LM_RECORD_LAUNCHES`` and ``TTT_LM_PIN_LAUNCH_CONFIGS`` (no-op when unset)."""
-    if os.environ.get(RECORD_ENV):
-        install_recorder(os.environ[RECORD_ENV])
+def install_pinning_from_env() -> None:
+    """Apply ``TTT_LM_PIN_LAUNCH_CONFIGS`` (no-op when unset or 0)."""
     if os.environ.get(PIN_ENV, "0") not in ("", "0"):
         install_pinning()
 

@@ -14,9 +14,11 @@
 * ``num_sms(device)`` — streaming multiprocessors, to size grids that must fill the GPU.
 * ``device_arch(device)`` — the launch-config family (90: Hopper and newer, 80: Ampere/Ada) whose
   tiles and warps an op's ``launch_meta`` picks; the compile gate checks each family's choice.
-* On import, ``kernels._launch_cache.install_from_env()``: with ``TTT_LM_RECORD_LAUNCHES`` set,
-  launches are recorded and not run (any device's tensors are then accepted); with
-  ``TTT_LM_PIN_LAUNCH_CONFIGS=1`` our autotuned kernels run their pruner's first config.
+* On import, ``kernels._launch_cache.install_pinning_from_env()``: with
+  ``TTT_LM_PIN_LAUNCH_CONFIGS=1`` our autotuned kernels run their pruner's first config. Importing
+  a kernel never installs the launch recorder: only a process that asks for it does (the GPU
+  campaign's record processes, through ``benchmarks/launch_recording/``); while it is installed,
+  ``triton_available`` answers True for any device, since launches are then recorded, not run.
 
 Whether the interpreter is on is decided when ``@triton.jit`` runs, i.e. when a ``chunk.py`` is
 imported: set ``TRITON_INTERPRET`` before that (``tests/conftest.py`` does).
@@ -31,6 +33,8 @@ import os
 from typing import Iterable, List, Mapping, Optional, Sequence
 
 import torch
+
+from kernels import _launch_cache
 
 
 def is_interpreting() -> bool:
@@ -53,10 +57,10 @@ def triton_available(device: Optional[torch.device | str] = None) -> bool:
     """Can a Triton kernel run on tensors of ``device`` (default: wherever it would run here)?"""
     if not has_triton():
         return False
-    if os.environ.get("TTT_LM_RECORD_LAUNCHES"):
-        return True     # a record pass (kernels._launch_cache): launches are recorded, never run
     if _capture_arch() is not None:
         return device is None or torch.device(device).type == "meta"   # kernels._launch_cache.capture
+    if _launch_cache.recorder_path() is not None:
+        return True     # this process records launches (kernels._launch_cache): none runs
     if device is None:
         return is_interpreting() or torch.cuda.is_available()
     dev = torch.device(device)
@@ -192,6 +196,4 @@ def packed_chunk_tables(T: int, C: int, cu_seqlens: torch.Tensor):
 
 
 if has_triton():
-    from kernels._launch_cache import install_from_env as _install_from_env
-
-    _install_from_env()
+    _launch_cache.install_pinning_from_env()

@@ -1,6 +1,6 @@
 """The documentation points at things that exist.
 
-Over README.md, docs/**/*.md, kernels/*/README.md and slurm/README.md:
+Over README.md, docs/**/*.md, kernels/*/README.md, slurm/README.md and experiments/README.md:
 
 - every relative link or image (``[text](path)``, ``![alt](path)``) names a file or directory that
   exists, resolved from the page's own folder (the ``#anchor`` is not checked);
@@ -26,7 +26,7 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-PAGES = sorted({ROOT / "README.md", ROOT / "slurm" / "README.md",
+PAGES = sorted({ROOT / "README.md", ROOT / "slurm" / "README.md", ROOT / "experiments" / "README.md",
                 *ROOT.glob("docs/**/*.md"), *ROOT.glob("kernels/*/README.md")})
 
 FENCE = re.compile(r"^ *(```|~~~).*?^ *\1", re.S | re.M)
@@ -167,3 +167,19 @@ def test_documented_commands_answer_help():
             if words and SUBCOMMAND.match(words[0]) and words[0] not in choices:
                 problems.append(f"{shown} {words[0]} (in {page}): not a subcommand; it has {sorted(choices)}")
     assert not problems, "\n".join(problems)
+
+
+def test_docs_hold_pages_and_figures_only():
+    """Run outputs and experiment scripts live under experiments/, not docs/."""
+    other = sorted(rel(p) for p in (ROOT / "docs").rglob("*") if p.is_file() and p.suffix not in (".md", ".png"))
+    assert not other, f"docs/ holds files that are neither pages nor figures (move them to experiments/): {other}"
+    figures = sorted(rel(p) for p in (ROOT / "docs").rglob("*.png") if p.parent != ROOT / "docs" / "results" / "figures")
+    assert not figures, f"figures outside docs/results/figures/: {figures}"
+
+
+def test_results_pages_carry_no_dates():
+    """A results page gives the latest table with its setup and command; its runs' dates and history
+    are in git and in the raw reports under experiments/."""
+    dated = {rel(p): re.findall(r"\b20\d\d-\d\d-\d\d\b", p.read_text()) for p in (ROOT / "docs" / "results").glob("*.md")}
+    dated = {k: v for k, v in dated.items() if v}
+    assert not dated, f"results pages carry dates: {dated}"

@@ -18,6 +18,14 @@ hide a cycle). An edge A → M means that importing A may need M to be initialis
   ``ttt_lm/train/__init__.py``'s ``main`` imports the trainer when called).
 
 Cycles are the strongly connected components of more than one module (Tarjan's algorithm).
+
+A second graph holds what runs when a module is imported, and only that: its module-level
+imports (not those inside functions), each with the packages above the imported module that are
+not above the importer (Python runs their ``__init__`` first). A cycle there fails at import
+time, depending on which module is imported first: ``kernels/kda/shapes.py`` once took a check
+from ``kernels.gated_delta_rule.shapes``, which ran ``kernels/gated_delta_rule/__init__.py``, whose
+reference imported ``kernels.kda.reference`` while it was half-initialised (``import kernels.kda``
+failed; importing ``kernels.gated_delta_rule`` first worked).
 """
 from __future__ import annotations
 
@@ -43,12 +51,25 @@ def modules(root: str = ROOT, packages: Iterable[str] = PACKAGES) -> Dict[str, s
     return out
 
 
-def imported_names(path: str, this: str) -> List[tuple]:
-    """Every import in the file, anywhere in it, as (absolute module, names taken from it or None
-    for a plain ``import``); relative imports resolved against ``this`` (the file's module)."""
+def _module_level(tree):
+    """The nodes that run when the module is imported: everything but the bodies of functions
+    (class bodies and module-level if/try blocks run)."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        yield node
+        todo.extend(c for c in ast.iter_child_nodes(node)
+                    if not isinstance(c, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
+
+
+def imported_names(path: str, this: str, eager: bool = False) -> List[tuple]:
+    """Every import in the file, anywhere in it (``eager``: at module level only), as (absolute
+    module, names taken from it or None for a plain ``import``); relative imports resolved
+    against ``this`` (the file's module)."""
     pkg = this if os.path.basename(path) == "__init__.py" else this.rpartition(".")[0]
     out = []
-    for node in ast.walk(ast.parse(open(path).read(), path)):
+    tree = ast.parse(open(path).read(), path)
+    for node in (_module_level(tree) if eager else ast.walk(tree)):
         if isinstance(node, ast.Import):
             out += [(a.name, None) for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -62,10 +83,11 @@ def imported_names(path: str, this: str) -> List[tuple]:
     return out
 
 
-def imports(path: str, mods: Dict[str, str], this: str) -> Set[str]:
-    """The modules of ``mods`` that the file ``path`` (module ``this``) depends on."""
+def imports(path: str, mods: Dict[str, str], this: str, eager: bool = False) -> Set[str]:
+    """The modules of ``mods`` that the file ``path`` (module ``this``) depends on (``eager``:
+    what importing it runs: module-level imports and the packages above them)."""
     got: Set[str] = set()
-    for base, names in imported_names(path, this):
+    for base, names in imported_names(path, this, eager):
         if names is None:
             # `import a.b.c`: the deepest of a.b.c, a.b, a that is one of ours
             parts = base.split(".")
@@ -76,14 +98,18 @@ def imports(path: str, mods: Dict[str, str], this: str) -> Set[str]:
                 got.add(f"{base}.{n}")            # a submodule
             elif base in mods:
                 got.add(base)                     # a name bound by `base` (its own package included)
-    got.discard(this)
     got.discard(None)
+    if eager:   # the packages above each imported module, but for those above this one
+        mine = {".".join(this.split(".")[:i]) for i in range(1, this.count(".") + 2)}
+        got |= {a for m in list(got) for a in (".".join(m.split(".")[:i]) for i in range(1, m.count(".") + 1))
+                if a in mods and a not in mine}
+    got.discard(this)
     return got
 
 
-def graph(root: str = ROOT, packages: Iterable[str] = PACKAGES) -> Dict[str, Set[str]]:
+def graph(root: str = ROOT, packages: Iterable[str] = PACKAGES, eager: bool = False) -> Dict[str, Set[str]]:
     mods = modules(root, packages)
-    return {m: imports(p, mods, m) for m, p in mods.items()}
+    return {m: imports(p, mods, m, eager) for m, p in mods.items()}
 
 
 def strongly_connected(g: Dict[str, Set[str]]) -> List[List[str]]:
@@ -159,6 +185,41 @@ def test_no_import_cycles_in_ttt_lm_and_kernels():
     assert any(m.startswith("kernels.") for m in g) and any(m.startswith("ttt_lm.") for m in g)
     found = cycles(g)
     assert found == [], "import cycles:\n" + "\n".join(" -> ".join(c) for c in found)
+
+
+def test_no_import_time_cycles_through_packages():
+    g = graph(eager=True)
+    assert "kernels.gated_delta_rule" in g["kernels.kda.reference"] or \
+        "kernels.delta_rule" in g["kernels.kda.shapes"]      # the package edges are there
+    found = cycles(g)
+    assert found == [], "import-time cycles:\n" + "\n".join(" -> ".join(c) for c in found)
+
+
+def test_the_import_time_graph_sees_a_cycle_through_a_package_init(tmp_path):
+    """The shape kda had: a.shapes takes a check from b.shapes, which runs b/__init__, whose
+    reference imports a.reference while a is half-initialised. Lazy imports inside functions are
+    not part of this graph, and a module's own packages are not edges."""
+    _write(tmp_path, {
+        "top/__init__.py": "",
+        "top/a/__init__.py": "from top.a.reference import ref\n",
+        "top/a/reference.py": "from top.a.shapes import check\n\ndef ref():\n    pass\n",
+        "top/a/shapes.py": "from top.b.shapes import check\n",
+        "top/b/__init__.py": "from top.b.reference import ref_b\n",
+        "top/b/reference.py": "from top.a.reference import ref\n\ndef ref_b():\n    pass\n",
+        "top/b/shapes.py": "def check():\n    pass\n",
+        "top/c/__init__.py": "def main():\n    from top.c.run import go\n",
+        "top/c/run.py": "from top.d import x\n\ndef go():\n    pass\n",
+        "top/d.py": "from top.c.conf import y\n\nx = 1\n",
+        "top/c/conf.py": "y = 1\n",
+    })
+    lazy_free = graph(str(tmp_path), ("top",), eager=True)
+    assert lazy_free["top.a.shapes"] == {"top.b.shapes", "top.b"}
+    assert lazy_free["top.c"] == set() and lazy_free["top.d"] == {"top.c.conf", "top.c"}
+    comps = [c for c in strongly_connected(lazy_free) if len(c) > 1]
+    assert comps == [["top.a", "top.a.reference", "top.a.shapes", "top.b", "top.b.reference"]], comps
+    # without the package edge (b.shapes moved under a), no cycle
+    (tmp_path / "top/a/shapes.py").write_text("def check():\n    pass\n")
+    assert [c for c in strongly_connected(graph(str(tmp_path), ("top",), eager=True)) if len(c) > 1] == []
 
 
 def test_kernels_never_import_ttt_lm():

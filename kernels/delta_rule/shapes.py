@@ -116,4 +116,19 @@ def unfold_channel_beta(o: torch.Tensor, final_state: Optional[torch.Tensor], H:
     return o, final_state
 
 
-__all__ = ["check_delta_rule_inputs", "fold_channel_beta", "unfold_channel_beta"]
+def check_gate_values(name: str, g: torch.Tensor, beta: torch.Tensor) -> None:
+    """g ≤ 0 and 0 ≤ β ≤ 1 (NaN fails both): one flag read back to the host."""
+    if g.numel() == 0:
+        return
+    bad_g = ~(g <= 0).all()
+    bad_b = ~((beta >= 0) & (beta <= 1)).all()
+    flags = torch.stack([bad_g, bad_b]).tolist()
+    if flags[0]:
+        raise ValueError(f"{name}: g is the log decay and must be <= 0 (α = exp(g) in (0, 1]); got max "
+                         f"{g.max().item():.4g}" + (" or NaN" if bool(torch.isnan(g).any()) else ""))
+    if flags[1]:
+        raise ValueError(f"{name}: beta must lie in [0, 1]; got values in [{beta.min().item():.4g}, "
+                         f"{beta.max().item():.4g}]" + (" or NaN" if bool(torch.isnan(beta).any()) else ""))
+
+
+__all__ = ["check_delta_rule_inputs", "fold_channel_beta", "unfold_channel_beta", "check_gate_values"]

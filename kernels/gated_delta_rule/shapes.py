@@ -15,7 +15,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from kernels.delta_rule.shapes import check_delta_rule_inputs
+from kernels.delta_rule.shapes import check_delta_rule_inputs, check_gate_values
 
 
 def _shape(t: torch.Tensor) -> Tuple[int, ...]:
@@ -39,21 +39,6 @@ def check_gated_delta_rule_inputs(name: str, q: torch.Tensor, k: torch.Tensor, v
         raise ValueError(f"{name}: g (the log decay) must be [B, H, T] = {tuple(k.shape[:3])}, got {_shape(g)}")
     if g.device != k.device:
         raise ValueError(f"{name}: g is on {g.device}, the other inputs on {k.device}")
-
-
-def check_gate_values(name: str, g: torch.Tensor, beta: torch.Tensor) -> None:
-    """g ≤ 0 and 0 ≤ β ≤ 1 (NaN fails both): one flag read back to the host."""
-    if g.numel() == 0:
-        return
-    bad_g = ~(g <= 0).all()
-    bad_b = ~((beta >= 0) & (beta <= 1)).all()
-    flags = torch.stack([bad_g, bad_b]).tolist()
-    if flags[0]:
-        raise ValueError(f"{name}: g is the log decay and must be <= 0 (α = exp(g) in (0, 1]); got max "
-                         f"{g.max().item():.4g}" + (" or NaN" if bool(torch.isnan(g).any()) else ""))
-    if flags[1]:
-        raise ValueError(f"{name}: beta must lie in [0, 1]; got values in [{beta.min().item():.4g}, "
-                         f"{beta.max().item():.4g}]" + (" or NaN" if bool(torch.isnan(beta).any()) else ""))
 
 
 __all__ = ["check_gated_delta_rule_inputs", "check_gate_values"]

@@ -14,8 +14,7 @@ from typing import Optional
 
 import torch
 
-from kernels.delta_rule.shapes import check_delta_rule_inputs
-from kernels.gated_delta_rule.shapes import check_gate_values
+from kernels.delta_rule.shapes import check_delta_rule_inputs, check_gate_values
 
 
 def check_kda_inputs(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,

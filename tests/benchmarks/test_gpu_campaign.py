@@ -361,23 +361,33 @@ def _campaign_dir(tmp_path, date="2026-12-01", command="run", commit="0123abc", 
     return src
 
 
-def test_record_inserts_newest_first_and_keeps_the_files(tmp_path):
+def test_record_keeps_the_latest_campaign_of_each_command_and_the_files(tmp_path):
     res = tmp_path / "RESULTS.md"
-    res.write_text("# Benchmark results\n\n## Training throughput\n\nold\n")
+    tail = "\n## LM head memory\n\nkept\n"
+    res.write_text("# Benchmark results\n\n## Training throughput\n\nold\n\n" + gc.RESULTS_MARKER
+                   + "\n### `gpu` test tier\n\nan earlier format\n" + tail)
     dest_root = tmp_path / "gpu_results"
     with pytest.raises(SystemExit, match="no campaign.json"):
         gc.record(tmp_path, res, dest_root)
     d1 = gc.record(_campaign_dir(tmp_path), res, dest_root)
     assert sorted(p.name for p in d1.iterdir()) == ["campaign.json", "campaign.md", "logs.txt"]
-    gc.record(_campaign_dir(tmp_path, date="2026-12-02", commit="4567def"), res, dest_root)
     text = res.read_text()
-    assert text.count(gc.RESULTS_MARKER) == 1 and text.startswith("# Benchmark results\n\n## Training throughput")
-    first, second = text.index("2026-12-02"), text.index("2026-12-01")
-    assert text.index(gc.RESULTS_MARKER) < first < second                       # newest first
     assert "### GPU campaign `run`, 2026-12-01" in text and "#### Training" in text
     assert "- Commit: 0123abc" in text and "- Device: NVIDIA H100" in text and "- Command: `python" in text
     with pytest.raises(SystemExit, match="already"):
         gc.record(_campaign_dir(tmp_path, copy="-again"), res, dest_root)
+    gc.record(_campaign_dir(tmp_path, date="2026-12-01", command="more", commit="0123abc"), res, dest_root)
+    gc.record(_campaign_dir(tmp_path, date="2026-12-02", commit="4567def"), res, dest_root)
+    text = res.read_text()
+    assert text.count(gc.RESULTS_MARKER) == 1 and text.startswith("# Benchmark results\n\n## Training throughput")
+    assert "`run`, 2026-12-01" not in text and text.count("### GPU campaign `run`") == 1     # replaced
+    m, new, more = (text.index(gc.RESULTS_MARKER), text.index("### GPU campaign `run`, 2026-12-02"),
+                    text.index("### GPU campaign `more`, 2026-12-01"))
+    assert m < new < more < text.index("### `gpu` test tier")                 # the latest command first
+    assert text.endswith(tail) and "an earlier format" in text              # other sections untouched
+    assert (dest_root / "2026-12-01-run" / "campaign.md").exists()           # the older files stay
+    with pytest.raises(SystemExit, match="later"):
+        gc.record(_campaign_dir(tmp_path, date="2026-11-30", copy="-old"), res, dest_root)
 
 
 @pytest.mark.slow

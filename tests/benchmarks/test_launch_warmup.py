@@ -105,7 +105,7 @@ for op in {ops}:
 
 
 def _run_script(code: str, env: dict, timeout: float = 900) -> subprocess.CompletedProcess:
-    full = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **env)
+    full = dict(os.environ, OMP_NUM_THREADS="1", **dict({"PYTHONPATH": str(ROOT)}, **env))
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=full, capture_output=True, text=True, timeout=timeout)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
     return p
@@ -116,7 +116,7 @@ def _record(ops, path: Path, pin: bool = True, interpreter_choices: bool = False
 
     code = (_FAKE_DRIVER.format(root=str(ROOT)) + (_INTERPRETER_CHOICES if interpreter_choices else "")
             + _BENCH_PATHS.format(root=str(ROOT), size=SIZE, ops=list(ops)))
-    _run_script(code, {"TTT_LM_RECORD_LAUNCHES": str(path), "TTT_LM_PIN_LAUNCH_CONFIGS": "1" if pin else "0"})
+    _run_script(code, gc.record_env(path, pin=pin))
     return _launch_cache.read_records(str(path))
 
 
@@ -299,13 +299,13 @@ def test_record_mode_leaves_no_autotune_results_on_disk(tmp_path):
     """))
     code = _FAKE_DRIVER.format(root=str(ROOT)) + textwrap.dedent(f"""
         sys.path.insert(0, {str(tmp_path)!r})
-        import kernels._triton_utils   # installs record mode, as every kernel module does
+        import kernels._triton_utils
         import torch, tuned_mod
         x = torch.randn(100)
         tuned_mod.scale[(4,)](x, torch.empty_like(x), 100)
     """)
     cache = tmp_path / "cache"
-    _run_script(code, {"TTT_LM_RECORD_LAUNCHES": str(tmp_path / "rec.jsonl"), "TRITON_CACHE_DIR": str(cache)})
+    _run_script(code, dict(gc.record_env(tmp_path / "rec.jsonl"), TRITON_CACHE_DIR=str(cache)))
     from kernels import _launch_cache
 
     recs = _launch_cache.read_records(str(tmp_path / "rec.jsonl"))

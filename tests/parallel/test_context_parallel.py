@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from ttt_lm.model import LM, ModelConfig
 from ttt_lm.model.registry import layer_kinds
-from ttt_lm.parallel import context_parallel as cp
+from ttt_lm.parallel import cp
 from tests.distributed import assert_within, spawn_checks
 
 TOL = 1e-9

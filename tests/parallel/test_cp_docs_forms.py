@@ -32,7 +32,8 @@ import torch
 import torch.nn.functional as F
 
 from ttt_lm.model.docs import DocLayout
-from ttt_lm.parallel import context_parallel as cp
+from ttt_lm.parallel import cp
+from ttt_lm.parallel.cp.summary import _docs_backend
 from tests.distributed import assert_within, spawn_checks
 from tests.parallel.test_context_parallel import KINDS, TOL, _bounds, _leaf, _maxdiff, _sum_grads, _tiny_lm
 
@@ -175,8 +176,8 @@ def check_refusals(rank, world):
     """A backend that cannot run the ops with documents from carried states is refused, naming it;
     docs that do not match the slice are refused; the RG-LRU without its positions is refused."""
     with pytest.raises(ValueError, match=r"selective scan op run on backend torch or triton, not 'sdpa'"):
-        cp._docs_backend("selective scan", "sdpa")
-    assert cp._docs_backend("delta rule", "reference") == "torch"
+        _docs_backend("selective scan", "sdpa")
+    assert _docs_backend("delta rule", "reference") == "torch"
     mixer = _tiny_lm(["deltanet"]).layers[0].mixer
     s, e = _bounds(T, world, rank)
     lengths = cp.split_lengths(T, world)

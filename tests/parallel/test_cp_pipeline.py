@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ttt_lm.model.registry import builtin_kinds, mixer_class
-from ttt_lm.parallel import context_parallel as cp
+from ttt_lm.parallel import cp
 from tests.distributed import assert_within, spawn_checks
 from tests.parallel.test_context_parallel import _bounds, _leaf, _maxdiff, _sum_grads, _tiny_lm
 

@@ -215,7 +215,7 @@ def check_tp_position_ids():
 
 def check_cp():
     """CP=2: each rank's slice, loss mean and averaged gradients equal one process."""
-    from ttt_lm.parallel import context_parallel as cp
+    from ttt_lm.parallel import cp
     ids, labels = _batch(11)
     rank = dist.get_rank()
     lengths = cp.split_lengths(ids.shape[1], WORLD)

@@ -161,7 +161,7 @@ def check_cp2_tp2_positions():
     import torch.nn.functional as F
     from tests.parallel.tp_common import packed_positions
     from ttt_lm.model.lm import LM
-    from ttt_lm.parallel.context_parallel import allreduce_gradients
+    from ttt_lm.parallel.cp import allreduce_gradients
     from ttt_lm.parallel.cp_model import ContextParallelLM
     from ttt_lm.parallel.groups import build_groups
     from ttt_lm.parallel.tp_model import gather_tp_tensor, parallelize_tp

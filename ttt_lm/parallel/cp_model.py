@@ -1,7 +1,7 @@
 """The LM as the trainer runs it with ``parallel.context_parallel`` = c > 1: every rank of a
 context-parallel (CP) group is given the same full rows and computes only its contiguous slice of
 them (``split_lengths``: rank r holds tokens [start_r, start_r + T_r)) with
-``ttt_lm.parallel.context_parallel.context_parallel_forward``.
+``ttt_lm.parallel.cp.context_parallel_forward``.
 
 It is an ``LM`` (same parameters, names and initialization from the same seed), so DeepSpeed's
 engine calls it as it calls the LM — ZeRO's hooks and the checkpoints' state dicts are unchanged
@@ -48,7 +48,7 @@ import torch.distributed as dist
 
 from ttt_lm.model.config import ModelConfig
 from ttt_lm.model.lm import LM, LMOutput
-from ttt_lm.parallel.context_parallel import context_parallel_forward, split_lengths
+from ttt_lm.parallel.cp import context_parallel_forward, split_lengths
 
 
 class _Gate(torch.autograd.Function):

@@ -49,7 +49,7 @@ from ttt_lm.data import DataError
 from ttt_lm.data.manifest import vocab_fits
 from ttt_lm.model import LM
 from ttt_lm.model.flops import flops_per_token
-from ttt_lm.parallel.context_parallel import wait_pending
+from ttt_lm.parallel.cp import wait_pending
 from ttt_lm.parallel.cp_model import ContextParallelLM
 from ttt_lm.parallel.groups import build_groups
 from ttt_lm.parallel.tp_model import parallelize_tp, partition_dims

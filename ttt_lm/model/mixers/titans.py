@@ -805,9 +805,10 @@ class TitansMAC(Mixer):
     through a sigmoid) and no projection after it: W_O^attn is the one projection between the
     heads and the residual stream. (MAG keeps a W_O after its gate.) With a second trained
     projection after the gate, W_O [RMSNorm(y) ⊙ σ(…)], MAC stayed at chance on the induction task
-    where this form solves it (``docs/eval/titans_mac_ablations.py``; README, "Induction heads").
-    MAG learns with that projection, but only with its gate reading x: with σ(RMSNorm(M(y))), or
-    with no gate, it stays at chance too (``docs/eval/titans_mag_ablations.py``).
+    where this form solves it (``docs/results/titans_mac.md``, from
+    ``experiments/titans_ablations/titans_mac_ablations.py``). MAG learns with that projection, but
+    only with its gate reading x: with σ(RMSNorm(M(y))), or with no gate, it stays at chance too
+    (``experiments/titans_ablations/titans_mag_ablations.py``).
 
     Forms: ``reference`` (explicit softmax, the LMM's sequential form), ``chunked`` (the
     attention backend that the one resolver picks for ``attention.backend``, ``attention_backend``:

@@ -1,6 +1,6 @@
 """Titans MAC on induction with parts of it taken away, to find what keeps it from learning the task.
 
-    PYTHONPATH=. OMP_NUM_THREADS=1 python docs/eval/titans_mac_ablations.py VARIANTS SEED LR STEPS
+    PYTHONPATH=. OMP_NUM_THREADS=1 python experiments/titans_ablations/titans_mac_ablations.py VARIANTS SEED LR STEPS
 
 Trains ``titans_mac`` exactly as ``python -m ttt_lm.eval synthetic --task induction --mixers titans_mac
 --train-len 64 --test-lens 64,256 --stop-at 0.98`` does (``run_synthetic``: same tiny model, data,
@@ -27,8 +27,8 @@ variants act on that form; each new row records the commit it ran at.
   this form since 6aa8fd0's successor: a no-op there)
 - ``full``: MAC unchanged
 
-Results of 2026-11-23/24 are in ``titans_mac_ablations.jsonl`` beside this file;
-``docs/results/induction.md`` reads them.
+The results are in ``titans_mac_ablations.jsonl`` beside this file (one line per run, appended by
+hand); ``docs/results/titans_mac.md`` tabulates them.
 """
 import json
 import math

@@ -1,6 +1,6 @@
 """Titans MAG on induction with its memory gate taken away: a control for the MAC ablations.
 
-    PYTHONPATH=. OMP_NUM_THREADS=1 python docs/eval/titans_mag_ablations.py VARIANT SEED LR STEPS
+    PYTHONPATH=. OMP_NUM_THREADS=1 python experiments/titans_ablations/titans_mag_ablations.py VARIANT SEED LR STEPS
 
 MAG's output, W_O [RMSNorm(W_O^attn SWA(x)) ⊙ σ(RMSNorm(M(x)))], has the two trained projections in
 series that kept MAC as it was at commit 6aa8fd0 at chance (``titans_mac_ablations.py``). This trains
