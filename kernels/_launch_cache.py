@@ -307,7 +307,7 @@ def capture(path: str, arch: int):
         _capture["arch"] = None
         driver._active = prev_driver
         if prev_record is None:
-            uninstall_recorder()
+            remove_recorder()
         else:
             install_recorder(prev_record)
 
@@ -332,20 +332,6 @@ def _our_custom_ops() -> Dict[str, Any]:
         if not (hasattr(d, "_abstract_fn") and hasattr(d, "_init_fn")):
             raise RuntimeError(f"capture: custom op {n} has no _abstract_fn/_init_fn in this torch")
     return ours
-
-
-def uninstall_recorder() -> None:
-    """Undo :func:`install_recorder`: launches compile and run again."""
-    if _installed.get("record") is None:
-        return
-    from triton.runtime import autotuner
-    from triton.runtime.jit import JITFunction
-
-    JITFunction._do_compile = _installed["do_compile"]
-    autotuner.Autotuner._bench = _installed["bench"]
-    if "check_disk_cache" in _installed:
-        autotuner.Autotuner.check_disk_cache = _installed["check_disk_cache"]
-    _installed["record"] = None
 
 
 # ---- compiling a record ------------------------------------------------------------------------

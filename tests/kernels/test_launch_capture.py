@@ -98,6 +98,8 @@ from kernels import _launch_cache as lc
 from kernels._triton_utils import triton_available, device_arch, num_sms
 from torch._library import custom_ops
 import tempfile
+from triton.runtime.jit import JITFunction
+do_compile = JITFunction._do_compile
 ops = lc._our_custom_ops()
 fakes = {n: d._abstract_fn for n, d in ops.items()}
 assert ops and all(f is not None for f in fakes.values())
@@ -113,9 +115,7 @@ with tempfile.TemporaryDirectory() as d:
             pass
 assert not triton_available("meta") and device_arch("meta") == 90 and num_sms("meta") == 1
 assert all(ops[n]._abstract_fn is fakes[n] for n in ops)
-assert lc._installed.get("record") is None
-from triton.runtime.jit import JITFunction
-assert JITFunction._do_compile is lc._installed["do_compile"]
+assert lc.recorder_path() is None and JITFunction._do_compile is do_compile
 try:
     with lc.capture("x", 75):
         pass
