@@ -10,7 +10,10 @@ Each op declares the launch configurations it really uses in its own folder: a m
 :func:`case` (one kernel, its argument types, its constexprs, ``num_warps``/``num_stages``) or
 :func:`autotune_cases` (every config of an ``@triton.autotune`` kernel that its pruner can keep).
 The report imports every such module; it never names a kernel itself, so a kernel is added or
-fixed without touching this file. It also scans the sources for ``@triton.jit`` kernels that are
+fixed without touching this file. Beside these sweeps, every launch the presets' training and
+decode steps make (``kernels/captured_launches.json``, written by ``python -m
+ttt_lm.launch_capture`` without a GPU) is a case of its own, compiled exactly as the launch
+specializes it (:func:`captured_cases`). It also scans the sources for ``@triton.jit`` kernels that are
 launched (``kernel[grid](...)``) and lists each one no ``gate.py`` covers as a failure.
 
 Every case is compiled with ``triton.compile`` for ``GPUTarget("cuda", arch, 32)`` — the same
@@ -31,7 +34,9 @@ kernel declared ``matmul=True`` (one that calls ``tl.dot``).
 
 Compiles run in parallel (``--jobs``, default 2) in long-lived worker subprocesses; a case that
 does not finish within ``--timeout`` seconds has its worker killed (and replaced) and is reported
-as a timeout. Results are cached under
+as a timeout. Results kept in the repository (``kernels/compile_gate_results.json``, written with
+``--save-results``) are read first, by the same key, so a checkout whose kernels are unchanged
+compiles nothing. Results are also cached under
 ``$TTT_LM_AOT_CACHE`` (default ``~/.cache/ttt-lm/compile_report``) keyed by the kernel's source
 (Triton's ``cache_key``, which covers the ``@triton.jit`` functions it calls), the case, the target
 and the Triton version: an unchanged kernel is not compiled again. Timeouts are not cached. Cases
