@@ -1,7 +1,8 @@
 """How the cost of each recurrent mixer's PyTorch form grows with the sequence length.
 
-For every recurrent mixer (TTT-Linear, TTT-MLP, Titans with linear and with MLP memory, DeltaNet,
-Gated DeltaNet, Mamba, RG-LRU), built at d_model 256 with 4 heads and its config's chunk size, forward+backward of
+For every recurrent mixer of the registry (the kinds that do not attend, ``Mixer.attends``: TTT-Linear,
+TTT-MLP, Titans with linear and with MLP memory, DeltaNet, Gated DeltaNet, Mamba, RG-LRU; a kind's
+``variants`` are rows of their own, ``titans_linear`` and ``titans_mlp``), built at d_model 256 with 4 heads and its config's chunk size, forward+backward of
 one sequence of T tokens through the mixer's chunked PyTorch form (``kernel_backend="torch"``) is
 timed at T = 2k, 4k, 8k on the CPU, and the slope of log(time) against log(T) is fitted by least
 squares. A form whose cost is linear in T has slope 1; a chunk loop whose backward allocates a
@@ -59,18 +60,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 #: glibc malloc settings that keep freed memory in the heap between runs (module docstring)
 KEEP_HEAP = {"MALLOC_TRIM_THRESHOLD_": "17179869184", "MALLOC_MMAP_THRESHOLD_": "33554432"}
 
-#: name → (layer kind, settings of its sub-config)
-MIXERS = {
-    "ttt_linear": ("ttt_linear", {}),
-    "ttt_mlp": ("ttt_mlp", {}),
-    "titans_linear": ("titans", {"memory": "linear"}),
-    "titans_mlp": ("titans", {"memory": "mlp"}),
-    "deltanet": ("deltanet", {}),
-    "gated_deltanet": ("gated_deltanet", {}),
-    "mamba": ("mamba", {}),
-    "rglru": ("rglru", {}),
-    "lact_op": (None, {"chunk_size": 256}),
-}
+#: the LaCT op's row: no layer kind, the op's settings
+LACT_OP = {"chunk_size": 256}
+
+
+def mixers() -> dict:
+    """Row name → (layer kind, settings of its config section): every built-in kind that does not
+    attend (``Mixer.attends``), one row per entry of its ``variants`` (``<kind>_<variant>``) or one
+    for the kind as configured; then ``lact_op`` (the LaCT op alone, no kind)."""
+    from ttt_lm.model.registry import builtin_kinds, mixer_class
+    out = {}
+    for kind in builtin_kinds():
+        cls = mixer_class(kind)
+        if cls.attends:
+            continue
+        for name, sub in (cls.variants.items() if cls.variants else [(None, {})]):
+            out[kind if name is None else f"{kind}_{name}"] = (kind, dict(sub))
+    out["lact_op"] = (None, dict(LACT_OP))
+    return out
 
 
 class LaCTOp(torch.nn.Module):
@@ -97,7 +104,13 @@ class LaCTOp(torch.nn.Module):
 
 
 def build(name: str, d_model: int, n_heads: int, seed: int = 0, lact_chunk: int = 0):
-    kind, sub = MIXERS[name]
+    if name == "lact_op":
+        kind, sub = None, dict(LACT_OP)
+    else:
+        table = mixers()
+        if name not in table:
+            raise ValueError(f"chunk_scaling: unknown mixer row {name!r}; known: {list(table)}")
+        kind, sub = table[name]
     if kind is None:
         if lact_chunk:
             sub = dict(sub, chunk_size=lact_chunk)
@@ -178,13 +191,14 @@ def loglog_slope(lengths, times) -> float:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--mixers", nargs="*", default=list(MIXERS), choices=list(MIXERS))
+    rows = list(mixers())
+    p.add_argument("--mixers", nargs="*", default=rows, choices=rows)
     p.add_argument("--seq-lens", nargs="*", type=int, default=[2048, 4096, 8192])
     p.add_argument("--d-model", type=int, default=256)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--goal", type=float, default=1.15)
-    p.add_argument("--lact-chunk", type=int, default=MIXERS["lact_op"][1]["chunk_size"],
+    p.add_argument("--lact-chunk", type=int, default=LACT_OP["chunk_size"],
                    help="the LaCT op's chunk size (lact_op)")
     p.add_argument("--system-malloc", action="store_true",
                    help="keep glibc's malloc defaults (default: run again with the heap kept between runs)")

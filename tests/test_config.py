@@ -10,16 +10,23 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(ROOT, "configs")
 
 
+def _yaml_pattern(path):
+    """The ``model.layer_pattern`` a YAML file writes itself (not through the config loader)."""
+    import yaml
+    with open(path) as f:
+        return yaml.safe_load(f)["model"]["layer_pattern"]
+
+
 def test_defaults_and_overrides():
     cfg = load_config(os.path.join(CONFIGS, "tiny.yaml"), ["optim.lr=1e-4", "model.ttt.mini_batch_size=8"])
     assert cfg.optim.lr == 1e-4 and cfg.model.ttt.mini_batch_size == 8
-    assert cfg.model.layer_pattern == ["ttt_linear", "local_attention"]
+    assert cfg.model.layer_pattern == _yaml_pattern(os.path.join(CONFIGS, "tiny.yaml"))
 
 
 def test_base_composition():
     cfg = load_config(os.path.join(CONFIGS, "hybrid_350m.yaml"))
     assert cfg.model.d_model == 1024 and cfg.model.n_layers == 24          # from sizes/350m.yaml
-    assert cfg.model.layer_pattern[-1] == "attention"                      # from arch/hybrid.yaml
+    assert cfg.model.layer_pattern == _yaml_pattern(os.path.join(CONFIGS, "arch", "hybrid.yaml"))
     assert cfg.train.run_dir == "runs/hybrid_350m"                         # from the preset itself
 
 
@@ -40,8 +47,15 @@ def test_bad_yaml_key_names_key(tmp_path):
         load_config(str(p))
 
 
+def _misspelt_pattern():
+    """A layer pattern of two built-in kinds, the second misspelt (a letter dropped)."""
+    from ttt_lm.model.registry import builtin_kinds
+    a, b = builtin_kinds()[-1], max(builtin_kinds(), key=len)
+    return f"model.layer_pattern=[{a},{b[:-1]}]", re.escape(f"'{b[:-1]}'")
+
+
 @pytest.mark.parametrize("override,match", [
-    ("model.layer_pattern=[ttt_linear,atention]", "atention"),
+    _misspelt_pattern(),
     ("model.n_layers=3", "multiple"),
     ("model.attention.num_kv_heads=3", "num_kv_heads"),
 ])

@@ -9,7 +9,9 @@ from ttt_lm.eval import EvalError, load_checkpoint, load_model
 
 
 def test_export_round_trip_gives_the_same_logits(tmp_path):
-    m = tiny_model(("attention", "local_attention"))
+    from ttt_lm.model.registry import builtin_kinds
+    kinds = builtin_kinds()   # one layer of every built-in kind
+    m = tiny_model(kinds, n_layers=len(kinds))
     d = export_model(m, str(tmp_path / "e"), data_path="some/data")
     ck = load_checkpoint(d)
     assert ck.data_path == "some/data" and ck.name == "e"

@@ -35,7 +35,10 @@ def _evaluate(d, batch_size):
 
 @pytest.fixture(scope="module")
 def harness_export(prepared, tmp_path_factory):
-    m = tiny_model(("mamba", "attention"), max_seq_len=64)
+    # a recurrence (its state carried across a batch's rows of different lengths) and global attention
+    from ttt_lm.model.registry import kinds_with
+    pattern = (kinds_with(lambda c: not c.attends)[0], kinds_with(lambda c: c.global_attention)[0])
+    m = tiny_model(pattern, max_seq_len=64)
     return export_model(m, str(tmp_path_factory.mktemp("harness")), prepared), m
 
 

@@ -29,6 +29,7 @@ import torch
 from ttt_lm.config import load_config
 from ttt_lm.model import LM, ModelConfig, registry
 from ttt_lm.model.lm import PREFILL_CHUNK
+from tests.model.mixer_checks import preset_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 PRESETS = sorted(p.name for p in CONFIGS.glob("tiny*.yaml"))
@@ -211,10 +212,7 @@ def export_dir(tmp_path_factory):
                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                                show_progress=False))
     tk.save(str(d / "tokenizer.json"))
-    cfg = ModelConfig(vocab_size=vocab, d_model=32, n_heads=2, n_layers=2,
-                      layer_pattern=["ttt_linear", "local_attention"])
-    cfg.ttt.mini_batch_size = 4
-    cfg.attention.window = 4
+    cfg = preset_config("tiny", 4, vocab_size=vocab, d_model=32, n_heads=2, n_layers=2)   # its hybrid, tiny
     torch.manual_seed(0)
     model = LM(cfg.validate()).eval()
     return save_export(model, ExperimentConfig(model=cfg), str(d / "export"), str(d / "tokenizer.json"))

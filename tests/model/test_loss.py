@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 from ttt_lm.model import LM, ModelConfig
 from ttt_lm.model.loss import linear_cross_entropy, plain_cross_entropy
+from tests.model.mixer_checks import preset_config
 
 V, D = 97, 24
 
@@ -107,9 +108,9 @@ def test_batched_shapes_and_bad_input():
 
 def lm(chunk, tie=True, dtype=torch.float64):
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=61, d_model=32, n_heads=2, n_layers=2, layer_pattern=["attention", "ttt_linear"],
-                      tie_embeddings=tie, loss_chunk_size=chunk)
-    cfg.ttt.mini_batch_size = 4
+    # the default preset's hybrid at tiny sizes
+    cfg = preset_config("tiny", 4, vocab_size=61, d_model=32, n_heads=2, n_layers=2, tie_embeddings=tie,
+                        loss_chunk_size=chunk)
     return LM(cfg).to(dtype)
 
 

@@ -1,47 +1,21 @@
-"""Packed documents: with ``model.reset_at_doc_boundaries`` every layer kind runs a batch of packed
-rows in one mixer call per layer, and each document's outputs and gradients equal those of the
-document run alone. fp32; the tolerance (2e-4 relative to the largest value) covers the different
-summation order of a batch of padded documents or a masked scan against a lone document."""
+"""Packed documents: with ``model.reset_at_doc_boundaries`` every layer kind of the registry runs a
+batch of packed rows in one mixer call per layer, and each document's outputs and gradients equal
+those of the document run alone. fp32; the tolerance (2e-4 relative to the largest value) covers
+the different summation order of a batch of padded documents or a masked scan against a lone
+document. Each kind's own checks of its packed form (its variants, its backends) are in its own
+test file; these run over ``builtin_kinds()`` with the tiny sizes every section declares
+(``tests/model/packed_checks.tiny``)."""
 import pytest
 import torch
 
-from ttt_lm.model import LM, ModelConfig
 from ttt_lm.model.docs import DocLayout, doc_conv
 from ttt_lm.model.layers import CausalConv1d
-from ttt_lm.model.registry import layer_kinds
+from ttt_lm.model.registry import builtin_kinds, kinds_with
+from tests.model.packed_checks import ROW_LENS, V, packed_batch, refuse_padded_view, rel, tiny
 
-KINDS = list(layer_kinds())
-V = 53
-# two rows of 24 tokens: documents shorter than a conv width (4) and a TTT mini-batch (4) included
-ROW_LENS = [[5, 1, 9, 2, 7], [3, 12, 4, 1, 4]]
-
-
-def tiny(kind, **kw) -> LM:
-    torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=V, d_model=16, n_heads=2, n_layers=2, layer_pattern=[kind],
-                      reset_at_doc_boundaries=True, **kw)
-    cfg.attention.window = 5
-    cfg.ttt.mini_batch_size = 4
-    cfg.titans.chunk_size = 4
-    cfg.titans.segment_len = 6
-    cfg.deltanet.chunk_size = 4
-    cfg.gated_deltanet.chunk_size = 4
-    cfg.lact.chunk_size, cfg.lact.window, cfg.lact.num_heads = 4, 5, 2
-    cfg.mamba.chunk_size = 4
-    cfg.rglru.chunk_size = 4
-    return LM(cfg)
-
-
-def packed_batch(row_lens, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    docs = [[torch.randint(0, V, (1, n), generator=g) for n in lens] for lens in row_lens]
-    ids = torch.cat([torch.cat(r, 1) for r in docs])
-    pos = torch.cat([torch.cat([torch.arange(n) for n in lens])[None] for lens in row_lens])
-    return docs, ids, pos
-
-
-def rel(a, b):
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
+KINDS = list(builtin_kinds())
+#: the kinds whose forms restart inside the packed rows themselves (``handles_docs``)
+NATIVE = list(kinds_with(lambda c: c.handles_docs, KINDS))
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -74,55 +48,13 @@ def test_packed_equals_each_document_alone(kind):
     assert (plain[:, 5:] - alone[:, 5:]).abs().max() > 1e-5
 
 
-@pytest.mark.parametrize("kind", ["ttt_linear", "ttt_mlp"])
-def test_ttt_mamba_backbone_restarts(kind):
-    """TTT's block pre-conv and its shared-QK convolutions (the Mamba backbone) restart at
-    document starts too, in the mini-batch-aligned PyTorch form; gradients included. float64: some
-    gradients here (learnable_token_idx) are sums that cancel to ~1e-6, below fp32's resolution
-    of a relative check, so exactness is checked at 1e-9 in double precision."""
-    torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=V, d_model=16, n_heads=2, n_layers=1, layer_pattern=[kind],
-                      reset_at_doc_boundaries=True)
-    cfg.ttt.mini_batch_size = 4
-    cfg.ttt.pre_conv = cfg.ttt.share_qk = cfg.ttt.use_gate = True
-    m = LM(cfg).double()
-    assert m.layers[0].pre_conv is not None and m.layers[0].mixer.share_qk
-    _packed_equals_alone(m, 1e-9)
-
-
-
-def _packed_equals_alone(m, tol):
-    """The packed rows' logits and every parameter's gradient (of Σ logits²) equal those of each
-    document run alone, within ``tol`` relative."""
-    docs, ids, pos = packed_batch(ROW_LENS)
-    packed = m(ids, position_ids=pos).logits
-    packed.square().sum().backward()
-    g = {n: None if p.grad is None else p.grad.clone() for n, p in m.named_parameters()}
-    m.zero_grad(set_to_none=True)
-    alone = torch.cat([torch.cat([m(d).logits for d in row], 1) for row in docs])
-    alone.square().sum().backward()
-    assert rel(packed.detach(), alone.detach()) <= tol
-    for n, p in m.named_parameters():
-        # a parameter the outputs do not reach (LaCT's W_lr when no chunk is written) has none either way
-        assert (g[n] is None) == (p.grad is None), n
-        if p.grad is not None:
-            assert rel(g[n], p.grad) <= tol, n
-
-NATIVE = ["attention", "local_attention", "rglru", "ttt_linear", "ttt_mlp", "deltanet", "gated_deltanet", "mamba",
-          "titans", "titans_mag", "lact", "titans_mal", "titans_mac"]
-
-
 @pytest.mark.parametrize("kind", NATIVE)
 def test_cpu_path_resets_inside_the_packed_rows(kind, monkeypatch):
     """On the PyTorch path these kinds never fall back to the padded view (one document per row):
     resets are masks in their scans (TTT and Titans: restarts at the chunks of the chunk-aligned
     rows; LaCT: its documents longer than a chunk restart in the chunk-aligned rows), attention a
     document mask."""
-    from ttt_lm.model.mixers.base import Mixer
-
-    def refuse(*a, **k):
-        raise AssertionError("padded view used")
-    monkeypatch.setattr(Mixer, "run_padded", staticmethod(refuse))
+    refuse_padded_view(monkeypatch)
     m = tiny(kind, kernel_backend="torch")
     docs, ids, pos = packed_batch(ROW_LENS)
     with torch.no_grad():
@@ -131,86 +63,18 @@ def test_cpu_path_resets_inside_the_packed_rows(kind, monkeypatch):
     assert rel(packed, alone) <= 2e-4
 
 
-@pytest.mark.parametrize("kind", ["titans", "titans_mal", "titans_mac"])
-def test_titans_mlp_memory_restarts(kind, monkeypatch):
-    """Titans' MLP memory (its chunk loop in the mixer) restarts at chunk-aligned documents too
-    (MAL: after the persistent tokens inserted before each document; MAC: in its block scan);
-    gradients included."""
-    from ttt_lm.model.mixers.base import Mixer
-    monkeypatch.setattr(Mixer, "run_padded", staticmethod(lambda *a, **k: (_ for _ in ()).throw(AssertionError)))
-    m = tiny(kind, kernel_backend="torch")
-    m.cfg.titans.memory = "mlp"
-    m = LM(m.cfg)
-    _packed_equals_alone(m, 2e-4)
-
-
-@pytest.mark.parametrize("chunk", [2, 16])
-def test_lact_long_and_short_documents(chunk, monkeypatch):
-    """LaCT's packed rows with chunks of 2 (almost every document writes) and of 16 (no document
-    of ROW_LENS is longer than a chunk: f_{W_init} alone, no aligned view); gradients included."""
-    from ttt_lm.model.mixers.base import Mixer
-    monkeypatch.setattr(Mixer, "run_padded", staticmethod(lambda *a, **k: (_ for _ in ()).throw(AssertionError)))
-    m = tiny("lact", kernel_backend="torch")
-    m.cfg.lact.chunk_size = chunk
-    m = LM(m.cfg)
-    _packed_equals_alone(m, 2e-4)
-
-
-@pytest.mark.parametrize("segment_len,chunk_size,backend,kv_heads,conv", [
-    (8, 4, "sdpa", None, 4),     # segments a multiple of the chunk: blocks of a chunk
-    (3, 4, "math", None, 4),     # segments shorter than a chunk: blocks of one token
-    (6, 4, "sdpa", 1, 0),        # blocks of gcd = 2, grouped-query attention, no conv
-])
-def test_titans_mac_block_scan(segment_len, chunk_size, backend, kv_heads, conv, monkeypatch):
-    """titans_mac's packed scan (blocks of gcd(chunk, segment) tokens, per-row restarts of the
-    memory at document starts and of R at segment starts, the memory's conv reading the slots
-    before each block) equals each document alone, gradients included, for segment lengths above,
-    below and across the chunk size; documents of up to 12 tokens span up to 4 segments."""
-    from ttt_lm.model.mixers.base import Mixer
-    monkeypatch.setattr(Mixer, "run_padded", staticmethod(lambda *a, **k: (_ for _ in ()).throw(AssertionError)))
-    m = tiny("titans_mac", kernel_backend="torch")
-    m.cfg.titans.segment_len, m.cfg.titans.chunk_size = segment_len, chunk_size
-    m.cfg.attention.backend, m.cfg.attention.num_kv_heads = backend, kv_heads
-    m.cfg.titans.conv_width = conv
-    torch.manual_seed(0)
-    m = LM(m.cfg)
-    assert m.layers[0].mixer.attention_backend(torch.device("cpu"), torch.float32) == backend
-    _packed_equals_alone(m, 2e-4)
-
-
-@pytest.mark.parametrize("backend", ["sdpa", "math", pytest.param("flex", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("kind", ["attention", "local_attention"])
-def test_attention_document_mask_backends(kind, backend):
-    # flex on CPU runs its unfused path, tens of seconds per case here: the slow tier
-    """Each attention backend's document mask (SDPA's and math's boolean mask, flex's mask_mod)
-    gives each document's own attention; window 5 with documents of up to 12 tokens."""
-    m = tiny(kind)
-    mix = m.layers[0].mixer
-    mix.backend = backend
-    assert mix.resolve_backend(torch.device("cpu"), torch.float32) == backend
-    _, _, pos = packed_batch(ROW_LENS)
-    x = torch.randn(2, pos.shape[1], 16, generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        packed = mix(x, docs=DocLayout.build(pos))[0]
-        alone = []
-        for b, lens in enumerate(ROW_LENS):
-            starts = [0] + torch.tensor(lens).cumsum(0)[:-1].tolist()
-            alone.append(torch.cat([mix(x[b:b + 1, a:a + n])[0] for a, n in zip(starts, lens)], 1))
-    assert rel(packed, torch.cat(alone)) <= 2e-4
-
-
-def test_reference_forms_take_documents():
+@pytest.mark.parametrize("kind", KINDS)
+def test_reference_forms_take_documents(kind):
     """impl="reference" (the sequential forms) follows the same contract."""
-    for kind in ("attention", "local_attention", "rglru", "ttt_linear", "lact", "titans_mal"):
-        m = tiny(kind).set_impl("reference")
-        docs, ids, pos = packed_batch(ROW_LENS)
-        with torch.no_grad():
-            packed = m(ids, position_ids=pos).logits
-            alone = torch.cat([torch.cat([m(d).logits for d in row], 1) for row in docs])
-        assert rel(packed, alone) <= 2e-4, kind
+    m = tiny(kind).set_impl("reference")
+    docs, ids, pos = packed_batch(ROW_LENS)
+    with torch.no_grad():
+        packed = m(ids, position_ids=pos).logits
+        alone = torch.cat([torch.cat([m(d).logits for d in row], 1) for row in docs])
+    assert rel(packed, alone) <= 2e-4, kind
 
 
-@pytest.mark.parametrize("kind", ["gated_deltanet", "titans_mal"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_row_starting_inside_a_document(kind):
     """A row whose first position is not 0 (the loader cuts rows out of the packed stream) starts
     from a fresh state there: the same as the piece alone."""
@@ -305,7 +169,7 @@ def test_doc_conv_equals_conv_of_each_document():
     ([[0, 1, 2, 5, 6], [0, 1, 2, 3, 4]], "row 0, position 3"),
 ])
 def test_bad_positions_name_row_and_position(pos, where):
-    m = tiny("rglru")
+    m = tiny()   # the LM checks the positions before any layer: the default pattern
     ids = torch.zeros(2, 5, dtype=torch.long)
     with pytest.raises(ValueError, match=where):
         m(ids, position_ids=torch.tensor(pos))
@@ -315,13 +179,13 @@ def test_bad_positions_name_row_and_position(pos, where):
 
 
 def test_position_shape_must_match():
-    m = tiny("attention")
+    m = tiny()
     with pytest.raises(ValueError, match=r"position_ids must be \[B, T\]"):
         m(torch.zeros(2, 5, dtype=torch.long), position_ids=torch.arange(5)[None])
 
 
 def test_carried_states_refused_with_resets():
-    m = tiny("mamba")
+    m = tiny()
     ids = torch.zeros(1, 6, dtype=torch.long)
     with pytest.raises(ValueError, match="carried states"):
         m(ids, position_ids=torch.tensor([[0, 1, 2, 0, 1, 2]]), output_states=True)

@@ -1,8 +1,9 @@
-"""Packed documents through the Triton kernels' variable-length path: DeltaNet, Gated DeltaNet and
-Mamba with ``kernel_backend="triton"`` and a ``DocLayout`` flatten the batch to one row and call
-their op once per layer forward with ``cu_seqlens`` (never the padded view, one document per row),
-and equal the PyTorch chunked form with the same documents (resets inside its scan; tested against
-each document alone in test_packed_docs.py): outputs, the input's gradient and every parameter's.
+"""Packed documents through the Triton kernels' variable-length path: every kind that declares
+``varlen_triton_op`` (its Triton entry) with ``kernel_backend="triton"`` and a ``DocLayout``
+flattens the batch to one row and calls that entry once per layer forward with ``cu_seqlens``
+(never the padded view, one document per row), and equals the PyTorch chunked form with the same
+documents (resets inside its scan; tested against each document alone in test_packed_docs.py):
+outputs, the input's gradient and every parameter's.
 
 The kernels run under Triton's interpreter on the CPU (TRITON_INTERPRET=1, tests/conftest.py),
 compiled where CUDA is present (not run there yet). float32: the two forms sum in different orders
@@ -11,15 +12,24 @@ scan), so they agree to rounding: at most 5.4e-6 of the largest value of a tenso
 DeltaNet's parameter gradients; DeltaNet 4e-7, Mamba 4e-7); the bound, 1e-4 relative to the largest
 value of each tensor, leaves room for other BLAS builds and still catches a document that reads its
 predecessor or a wrong flattening order (errors of O(1)). Each test takes 5-10 s under the
-interpreter on one core.
+interpreter on one core: the first such kind runs in the unit tier, the others in the slow one.
+Sizes: each section's tiny ones (``short_config``, chunks of 4) at d_model 8 (the interpreter's
+time grows with the channels; Mamba's d_inner is then 16).
 """
+import importlib
+
 import pytest
 import torch
 
 from ttt_lm.model.docs import DocLayout
-from tests.model.mixer_checks import make_mixer
+from ttt_lm.model.registry import builtin_kinds, mixer_class, kinds_with
+from tests.model.mixer_checks import make_mixer, short_config
 from tests.model.packed_triton_checks import DEV, check_triton_docs, positions, refuse_padded
 
+#: the kinds with a variable-length Triton path for packed documents
+VARLEN = list(kinds_with(lambda c: c.varlen_triton_op is not None, builtin_kinds()))
+#: the first in the unit tier, the others (5-10 s each under the interpreter) in the slow one
+CASES = [pytest.param(k, marks=() if i == 0 else pytest.mark.slow) for i, k in enumerate(VARLEN)]
 TOL = 1e-4
 
 
@@ -36,39 +46,31 @@ def _spy(monkeypatch, module, name):
     return calls
 
 
-def test_deltanet_triton_docs_one_varlen_call(monkeypatch):
-    import kernels.delta_rule as dr
+def _mixer(kind):
+    """The kind's mixer at the tiny sizes its section declares (``short_config``), d_model 8."""
+    cfg = short_config(kind, 4, vocab_size=64, d_model=8)
+    sections = {n: vars(sec) for n, sec in cfg.sections().items()}
+    m, _ = make_mixer(kind, dtype=torch.float32, d_model=8, **sections)
+    return m.to(DEV)
+
+
+@pytest.mark.parametrize("kind", CASES)
+def test_triton_docs_one_varlen_call(kind, monkeypatch):
+    module, name = mixer_class(kind).varlen_triton_op.split(":")
     refuse_padded(monkeypatch)
-    calls = _spy(monkeypatch, dr, "delta_rule_triton")
-    m, _ = make_mixer("deltanet", dtype=torch.float32, deltanet={"chunk_size": 4})
-    check_triton_docs(m.to(DEV), calls, TOL, time_dim=2)
+    calls = _spy(monkeypatch, importlib.import_module(module), name)
+    check_triton_docs(_mixer(kind), calls, TOL, time_dim=None)
 
 
-@pytest.mark.slow
-def test_gated_deltanet_triton_docs_one_varlen_call(monkeypatch):
-    import kernels.gated_delta_rule as gdr
-    refuse_padded(monkeypatch)
-    calls = _spy(monkeypatch, gdr, "gated_delta_rule_triton")
-    m, _ = make_mixer("gated_deltanet", dtype=torch.float32, gated_deltanet={"chunk_size": 4})
-    check_triton_docs(m.to(DEV), calls, TOL, time_dim=2)
+def test_varlen_kinds_found():
+    assert VARLEN, "no registered kind declares varlen_triton_op"
 
 
-@pytest.mark.slow
-def test_mamba_triton_docs_one_varlen_call(monkeypatch):
-    import kernels.selective_scan.chunk as ssc
-    refuse_padded(monkeypatch)
-    calls = _spy(monkeypatch, ssc, "selective_scan_triton")
-    # d_inner = 16, d_state = 4: the interpreter's time grows with the channels
-    m, _ = make_mixer("mamba", dtype=torch.float32, d_model=8, mamba={"chunk_size": 4, "d_state": 4})
-    check_triton_docs(m.to(DEV), calls, TOL, time_dim=1)
-
-
-@pytest.mark.parametrize("kind", ["deltanet", "gated_deltanet", "mamba"])
+@pytest.mark.parametrize("kind", VARLEN)
 def test_triton_docs_refuse_a_state(kind):
     """The varlen path starts every document from the zero state: an initial state, or asking for
     the final one, is a clear error, not a silently wrong result."""
-    m, _ = make_mixer(kind, dtype=torch.float32, d_model=8)
-    m = m.to(DEV)
+    m = _mixer(kind)
     m.kernel_backend = "triton"
     docs = DocLayout.build(positions())
     x = torch.randn(*docs.shape, m.d_model, device=DEV)

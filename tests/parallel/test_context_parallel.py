@@ -22,15 +22,19 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ttt_lm.model import LM, ModelConfig
-from ttt_lm.model.registry import layer_kinds
+from ttt_lm.model.registry import kinds_with, layer_kinds
 from ttt_lm.parallel import cp
 from tests.distributed import assert_within, spawn_checks
 
 TOL = 1e-9
-LM_PATTERN = ["attention", "rglru", "ttt_linear", "deltanet", "local_attention", "ttt_mlp",
-              "titans", "mamba", "titans_mag", "gated_deltanet"]
 #: every layer kind of the registry
 KINDS = list(layer_kinds())
+#: the whole LM's layers: every kind
+LM_PATTERN = KINDS
+#: the kinds with a parallel form (summary combine or KV exchange), not state passing
+PARALLEL_FORM_KINDS = list(kinds_with(lambda c: c.cp_form != "state_passing", KINDS))
+#: the kinds whose forms read the loader's segment positions
+SEGMENT_POS_KINDS = list(kinds_with(lambda c: c.takes_segment_pos, KINDS))
 
 
 def _tiny_lm(pattern, **ttt) -> LM:
@@ -252,13 +256,12 @@ def _checks(rank, world):
            "block_state_passing": lambda: check_state_passing_block(rank, world, T),
            "lm": lambda: check_lm(rank, world, T),
            # the sequential forms (impl="reference") of the mixers with a parallel form
-           "lm_reference": lambda: check_lm(rank, world, T, ["local_attention", "rglru", "deltanet", "mamba",
-                                                              "gated_deltanet"],
-                                            "reference"),
-           # the loader's positions through the whole LM, every kind of the registry: RG-LRU resets
-           # on several ranks
-           "lm_positions": lambda: check_lm(rank, world, T, KINDS, position_ids=_packed_positions(T)),
-           "mixer_rglru_positions": lambda: check_mixer("rglru", rank, world, T, _packed_positions(T))}
+           "lm_reference": lambda: check_lm(rank, world, T, PARALLEL_FORM_KINDS, "reference"),
+           # the loader's positions through the whole LM, every kind of the registry: the kinds
+           # that read them (the RG-LRU) reset on several ranks
+           "lm_positions": lambda: check_lm(rank, world, T, KINDS, position_ids=_packed_positions(T))}
+    for kind in SEGMENT_POS_KINDS:
+        out["positions_" + kind] = (lambda kk: lambda: check_mixer(kk, rank, world, T, _packed_positions(T)))(kind)
     for kind in KINDS:
         # packed rows, as the trainer runs them
         out["mixer_" + kind] = (lambda kk: lambda: check_mixer(kk, rank, world, T, _packed_positions(T)))(kind)
@@ -316,7 +319,7 @@ def test_block_state_passing(results):
 
 @pytest.mark.dist
 def test_lm(results):
-    """The whole LM (every layer kind, TTT pre-convs, untied head, ignored labels): mean of the
+    """The whole LM (every layer kind of the registry, TTT pre-convs, untied head, ignored labels): mean of the
     local losses, logits and all-reduced gradients equal the full-sequence run."""
     _assert_check(results, "lm")
 
@@ -328,11 +331,12 @@ def test_split_lengths():
 
 
 @pytest.mark.dist
-def test_rglru_segment_positions(results):
-    """RG-LRU with packed-row segment positions (a row starting inside a document, resets on
-    several ranks): the summaries cut at resets, the conv halo masked by position; outputs and
-    gradients equal the single-process run."""
-    _assert_check(results, "mixer_rglru_positions")
+@pytest.mark.parametrize("kind", SEGMENT_POS_KINDS)
+def test_segment_positions(results, kind):
+    """A kind that reads segment positions (the RG-LRU), given packed rows' positions (a row
+    starting inside a document, resets on several ranks): the summaries cut at resets, the conv
+    halo masked by position; outputs and gradients equal the single-process run."""
+    _assert_check(results, "positions_" + kind)
 
 
 @pytest.mark.dist
@@ -344,5 +348,5 @@ def test_lm_position_ids(results):
 
 @pytest.mark.dist
 def test_lm_reference_forms(results):
-    """The same with every mixer in its sequential reference form (impl="reference")."""
+    """The kinds with a parallel form, each in its sequential reference form (impl="reference")."""
     _assert_check(results, "lm_reference")

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from ttt_lm.model.docs import DocLayout
+from ttt_lm.model.registry import mixer_class
 from ttt_lm.parallel import cp
 from ttt_lm.parallel.cp.summary import _docs_backend
 from tests.distributed import assert_within, spawn_checks
@@ -49,8 +50,11 @@ POSITIONS = torch.tensor([
     # one document over the whole row (from position 2): its state crosses every rank
     [2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14],
 ])
-#: every kind with a parallel form, by form: kv_exchange, then summary (op)
-FORM_KINDS = ["attention", "local_attention", "rglru", "deltanet", "gated_deltanet", "mamba"]
+#: every kind with a parallel form (summary combine or KV exchange)
+FORM_KINDS = [k for k in KINDS if mixer_class(k).cp_form != "state_passing"]
+#: a summary kind that reads segment positions, and one that does not
+POS_SUMMARY = next(k for k in FORM_KINDS if mixer_class(k).cp_form == "summary" and mixer_class(k).takes_segment_pos)
+PLAIN_SUMMARY = next(k for k in FORM_KINDS if mixer_class(k).cp_form == "summary" and not mixer_class(k).takes_segment_pos)
 
 
 def check_mixer_docs(kind, rank, world, impl="chunked", backend=None):
@@ -174,17 +178,18 @@ def check_delta_rule_resets(rank, world, gated):
 
 def check_refusals(rank, world):
     """A backend that cannot run the ops with documents from carried states is refused, naming it;
-    docs that do not match the slice are refused; the RG-LRU without its positions is refused."""
+    docs that do not match the slice are refused; a mixer that reads segment positions (the RG-LRU)
+    without them is refused."""
     with pytest.raises(ValueError, match=r"selective scan op run on backend torch or triton, not 'sdpa'"):
         _docs_backend("selective scan", "sdpa")
     assert _docs_backend("delta rule", "reference") == "torch"
-    mixer = _tiny_lm(["deltanet"]).layers[0].mixer
+    mixer = _tiny_lm([PLAIN_SUMMARY]).layers[0].mixer
     s, e = _bounds(T, world, rank)
     lengths = cp.split_lengths(T, world)
     docs = cp.slice_docs(POSITIONS[:, s:e], lengths)
     with pytest.raises(ValueError, match=r"docs cover"):
         cp.cp_mixer(mixer, torch.zeros(2, e - s, 16, dtype=torch.float64), lengths, docs=docs)
-    rg = _tiny_lm(["rglru"]).layers[0].mixer
+    rg = _tiny_lm([POS_SUMMARY]).layers[0].mixer
     with pytest.raises(ValueError, match=r"position_ids_local"):
         cp.cp_mixer(rg, torch.zeros(3, e - s, 16, dtype=torch.float64), lengths, docs=docs)
 

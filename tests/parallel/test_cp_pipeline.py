@@ -29,7 +29,8 @@ from tests.parallel.test_context_parallel import _bounds, _leaf, _maxdiff, _sum_
 TOL = 1e-9
 #: every built-in kind that runs split across ranks by handing its state on (the registry's cp_form)
 STATE_PASSING_KINDS = [k for k in builtin_kinds() if mixer_class(k).cp_form == "state_passing"]
-HYBRID = ["attention", "ttt_linear", "rglru", "ttt_mlp", "deltanet", "titans"]
+#: the hybrid LM's layers: every built-in kind (the parallel forms and the pipelined ones)
+HYBRID = list(builtin_kinds())
 T_OF = {2: 11, 4: 9}
 
 
@@ -82,7 +83,7 @@ def check_block(rank, world, T, chunks):
 
 
 def check_lm(rank, world, T, B, chunks):
-    """A hybrid LM (attention, RG-LRU and DeltaNet in parallel; TTT and Titans pipelined)."""
+    """A hybrid LM of every built-in kind (the parallel forms split, the state-passing ones pipelined)."""
     model = _tiny_lm(HYBRID, pre_conv=True)
     g = torch.Generator().manual_seed(5)
     ids = torch.randint(0, 61, (B, T), generator=g)
@@ -231,8 +232,7 @@ def test_pipelined_block(results):
 
 @pytest.mark.dist
 def test_pipelined_hybrid_lm(results):
-    """A hybrid LM (attention, RG-LRU, DeltaNet, TTT-Linear, TTT-MLP, Titans) with its
-    state-passing blocks pipelined (3 rows in 2 groups, 4 rows in 4): loss, logits, gradients."""
+    """A hybrid LM of every built-in kind with its state-passing blocks pipelined (3 rows in 2 groups, 4 rows in 4): loss, logits, gradients."""
     _assert_check(results, "lm")
 
 

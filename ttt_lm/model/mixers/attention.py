@@ -58,6 +58,13 @@ class AttentionConfig:
     rope_theta: float = 10000.0
     backend: str = "auto"               # auto | sdpa | flex | flash | math
 
+    def tiny(self, n: int) -> "AttentionConfig":
+        """This section for the tests' tiny models (``tests/model/mixer_checks.short_config``):
+        local attention's window one token longer than their chunks of ``n``, so that documents and
+        sequences of a few chunks cross it and windows and chunks do not line up. (It has no
+        ``short``: the synthetic tasks keep the window.)"""
+        return replace(self, window=n + 1)
+
     def validate(self, model) -> None:
         if self.backend not in ATTENTION_BACKENDS:
             raise ValueError(f"model.attention.backend must be auto, sdpa, flex, flash or math, got {self.backend!r}")
@@ -99,6 +106,8 @@ class Attention(Mixer):
     window: Optional[int] = None
     #: every earlier key: cost and RoPE range grow with the context (LocalAttention: False)
     global_attention = True
+    #: attends over earlier tokens (LocalAttention too, within its window)
+    attends = True
     #: context parallelism gathers the keys and values of earlier ranks
     cp_form = "kv_exchange"
 

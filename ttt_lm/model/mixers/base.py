@@ -268,6 +268,13 @@ class Mixer(nn.Module, metaclass=abc.ABCMeta):
     #: attention over every earlier token (no window): its cost and positional range (RoPE, the
     #: memory plan) grow with the context, so evals refuse contexts beyond ``model.max_seq_len``
     global_attention: bool = False
+    #: attends over earlier tokens (attention, a sliding window, an attention branch); False: a
+    #: pure recurrence, whose cost per token is flat in the sequence length
+    attends: bool = False
+    #: named variants of the section's settings that the shared tests run as cases of their own
+    #: and benchmarks time as rows of their own (``benchmarks/chunk_scaling.py``: ``<kind>_<name>``);
+    #: empty: the kind as configured
+    variants: Dict[str, Dict[str, object]] = {}
     #: context-parallel form, one of CP_FORMS (see the module docstring)
     cp_form: str = "state_passing"
     #: "summary" form: the kernels/ op whose summaries combine across ranks, one of SUMMARY_OPS
@@ -284,6 +291,10 @@ class Mixer(nn.Module, metaclass=abc.ABCMeta):
     #: starts inside the packed rows themselves (masks in the scan / attention); False: ``forward``
     #: runs the form once on the layout's padded view (one document per row)
     handles_docs: bool = False
+    #: the Triton entry (``"module:function"``) that the chunked form with ``docs`` on the Triton
+    #: backend calls once per forward, on the batch flattened to one row with the layout's
+    #: ``cu_seqlens`` (``ttt_lm.model.docs.check_packed_triton``'s refusals apply); None: no such path
+    varlen_triton_op: Optional[str] = None
 
     def forward(self, x: torch.Tensor, state: Optional[State] = None,
                 output_state: bool = False, docs=None, **kw) -> Tuple[torch.Tensor, Optional[State]]:

@@ -204,6 +204,7 @@ class DeltaNet(Mixer):
     #: inside its scan (``reset_masks``), the Triton form runs the kernel's ``cu_seqlens`` path once
     #: for the whole batch (flattened to one row); the reference form runs on the padded view
     handles_docs = True
+    varlen_triton_op = "kernels.delta_rule:delta_rule_triton"
 
     def reference(self, x, state=None, output_state=False, docs=None):
         if docs is not None:

@@ -97,6 +97,11 @@ class LaCTConfig:
         """This section for short sequences of a few chunks of ``n`` tokens (the synthetic tasks' tiny
         models, ``ttt_lm.eval.synthetic.build_tiny_lm``)."""
         return replace(self, chunk_size=n, window=n)
+
+    def tiny(self, n: int) -> "LaCTConfig":
+        """This section for the tests' tiny models (``tests/model/mixer_checks.short_config``):
+        ``short(n)`` with the attention's window one token longer than a chunk."""
+        return replace(self, chunk_size=n, window=n + 1)
     inter_multi: float = 1.0            # fast-weight hidden width d_h = inter_multi × head width
     low_rank: int = option(0, ge=0)     # > 0: initial w0, w2 = W_left W_right + 0.5·I of this rank; 0: full
     fw_init_gain: float = 0.5           # gain of the low-rank factors' init
@@ -183,6 +188,9 @@ class LowRankFastWeight(nn.Module):
 class LaCT(Mixer):
     #: the fast weights are a nonlinear recurrence over chunks: ranks hand the state on
     cp_form = "state_passing"
+
+    #: its sliding-window attention attends over earlier tokens: not a pure recurrence
+    attends = True
 
     def __init__(self, cfg, layer_idx: int):
         super().__init__()

@@ -196,6 +196,7 @@ class Mamba(Mixer):
     #: inside (Ā_t = 0 at a start), the Triton form runs the kernel's ``cu_seqlens`` path once for
     #: the whole batch (flattened to one row); the reference form runs on the padded view
     handles_docs = True
+    varlen_triton_op = "kernels.selective_scan.chunk:selective_scan_triton"
 
     def reference(self, x, state=None, output_state=False, docs=None):
         if docs is not None:

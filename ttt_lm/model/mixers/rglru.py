@@ -90,6 +90,12 @@ class RGLRUConfig:
     conv_width: int = option(4, ge=1)
     chunk_size: int = option(64, ge=1)  # tokens per chunk of the chunked linear scan
 
+    def tiny(self, n: int) -> "RGLRUConfig":
+        """This section for the tests' tiny models (``tests/model/mixer_checks.short_config``): the
+        scan in chunks of ``n``. (It has no ``short``: the chunk size changes no value of the
+        recurrence, and the synthetic tasks keep it.)"""
+        return replace(self, chunk_size=n)
+
     def scaled(self, family, model) -> "RGLRUConfig":
         """This section for ``model``, the family's model ``family`` at another width
         (``ttt_lm.scaling.ladder``): an explicit lru_width grows with d_model (rounded up to a

@@ -133,6 +133,12 @@ class TitansConfig:
         models, ``ttt_lm.eval.synthetic.build_tiny_lm``)."""
         return dataclasses.replace(self, chunk_size=n)
 
+    def tiny(self, n: int) -> "TitansConfig":
+        """This section for the tests' tiny models (``tests/model/mixer_checks.short_config``):
+        ``short(n)`` and MAC's segments of 1.5 chunks (6 tokens for n = 4), so that sequences of
+        a few chunks hold several segments and segments and chunks do not line up."""
+        return dataclasses.replace(self.short(n), segment_len=n + n // 2)
+
 
 def _gelu_grad(h: torch.Tensor) -> torch.Tensor:
     """d/dh GELU(h) = Φ(h) + h φ(h) (exact, erf form)."""
@@ -193,6 +199,9 @@ class TitansMemory(Mixer):
 
     #: gate values at initialization: θ (inner step), η (momentum), α (forgetting)
     theta_init, eta_init, alpha_init = 0.1, 0.9, 0.01
+
+    #: the two memories as benchmark rows (titans_linear, titans_mlp)
+    variants = {"linear": {"memory": "linear"}, "mlp": {"memory": "mlp"}}
 
     def __init__(self, cfg, layer_idx: int):
         super().__init__()
@@ -536,6 +545,9 @@ class TitansMAG(Mixer):
     on PyTorch, its Triton kernel's ``cu_seqlens`` path on Triton), then the gate per token. The
     reference form runs on the padded view."""
 
+    #: attends over earlier tokens (an attention branch, a window): not a pure recurrence
+    attends = True
+
     def __init__(self, cfg, layer_idx: int):
         super().__init__()
         self.d_model = cfg.d_model
@@ -656,6 +668,9 @@ class TitansMAL(Mixer):
     Triton kernel's ``cu_seqlens`` path in one call on Triton (either way its chunks counted from
     each document's first persistent token, as alone), the attention with its document mask and
     RoPE at each token's position in [p ‖ document]. The reference form runs on the padded view."""
+
+    #: attends over earlier tokens (an attention branch, a window): not a pure recurrence
+    attends = True
 
     def __init__(self, cfg, layer_idx: int):
         super().__init__()
@@ -831,6 +846,9 @@ class TitansMAC(Mixer):
     ``cu_seqlens`` path: a segment's memory input y depends on the attention over the memory's own
     retrieval, so the documents cannot go through the memory in one call). The reference form runs
     on the padded view."""
+
+    #: attends over earlier tokens (an attention branch, a window): not a pure recurrence
+    attends = True
 
     def __init__(self, cfg, layer_idx: int):
         super().__init__()
