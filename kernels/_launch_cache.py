@@ -294,6 +294,12 @@ def capture(path: str, arch: int):
     prev_driver, prev_record = driver._active, _installed.get("record")
     ops = _our_custom_ops()
     fakes = {n: d._abstract_fn for n, d in ops.items()}
+    # an autotuner that chose a config in this process launches only that one: start each capture
+    # from empty choices, so that it records every config a GPU could pick whatever ran before
+    tuners = _our_autotuners()
+    choices = {id(t): t.cache for t in tuners}
+    for t in tuners:
+        t.cache = {}
     install_recorder(path)
     driver.set_active(_StandInDriver(arch))
     _capture["arch"] = arch
@@ -302,6 +308,8 @@ def capture(path: str, arch: int):
     try:
         yield
     finally:
+        for t in tuners:
+            t.cache = choices[id(t)]
         for n, d in ops.items():
             d._abstract_fn = fakes[n]
         _capture["arch"] = None
@@ -310,6 +318,26 @@ def capture(path: str, arch: int):
             remove_recorder()
         else:
             install_recorder(prev_record)
+
+
+def _our_autotuners() -> list:
+    """The ``@triton.autotune`` kernels of the imported ``kernels/`` modules."""
+    import sys
+
+    from triton.runtime.autotuner import Autotuner
+
+    seen, out = set(), []
+    for name, mod in list(sys.modules.items()):
+        if name.startswith("kernels.") and mod is not None:
+            for v in vars(mod).values():
+                for _ in range(4):      # Heuristics over an Autotuner over a JITFunction, …
+                    if isinstance(v, Autotuner) or inspect.isfunction(v) or not hasattr(v, "fn"):
+                        break
+                    v = v.fn
+                if isinstance(v, Autotuner) and id(v) not in seen and hasattr(v, "cache"):
+                    seen.add(id(v))
+                    out.append(v)
+    return out
 
 
 def _our_custom_ops() -> Dict[str, Any]:

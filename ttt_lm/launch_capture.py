@@ -10,6 +10,9 @@ Per preset (``configs/*.yaml``) and GPU family (sm_90, sm_80), inside
 ``kernels._launch_cache.capture`` (a stand-in driver; launches recorded, nothing run), with the
 model on the ``meta`` device (shapes, dtypes, strides and storage offsets, no data):
 
+The model has one period of the preset's layer pattern (``model.n_layers`` = its length): every
+deeper layer repeats one of those, with the same launches.
+
 * **train**: the step a run makes: the preset's model in bfloat16 (as DeepSpeed's bf16 mode casts
   it), ``model.kernel_backend=triton``, training mode, a [``train.micro_batch_size``,
   ``data.seq_len``] batch, the blocks' forward and the backward from a loss on their output (the
@@ -68,13 +71,18 @@ def _key(rec: dict) -> str:
     return json.dumps([rec[f] for f in COMPILE_FIELDS], sort_keys=True)
 
 
-def _step(preset: str, step: str):
+def _step(preset: str, step: str, full_depth: bool = False):
     import torch
 
     from ttt_lm.config import load_config
     from ttt_lm.model.lm import PREFILL_CHUNK, build_model
 
     cfg = load_config(str(ROOT / "configs" / f"{preset}.yaml"), ["model.kernel_backend=triton"])
+    if not full_depth:
+        # one period of the layer pattern: the layers repeat it, each like the one a period
+        # before (the same mixer, config and shapes), so a deeper stack launches nothing new
+        # (tests/kernels/test_launch_capture.py holds a preset's full stack to this)
+        cfg.model.n_layers = len(cfg.model.layer_pattern)
     B, T = int(cfg.train.micro_batch_size), int(cfg.data.seq_len)
     with torch.device("meta"):
         model = build_model(cfg.model).to(torch.bfloat16)
@@ -95,7 +103,8 @@ def _step(preset: str, step: str):
         model.step(ids[:, -1], states)
 
 
-def capture_preset(preset: str, archs: Sequence[int] = ARCHS, steps: Sequence[str] = STEPS) -> List[dict]:
+def capture_preset(preset: str, archs: Sequence[int] = ARCHS, steps: Sequence[str] = STEPS,
+                   full_depth: bool = False) -> List[dict]:
     """The distinct launch records of ``preset``'s steps at each of ``archs``, each with
     ``where``: the "preset:step" names that launch it. Run in a process that compiles (no
     ``TRITON_INTERPRET``): the kernels must be real ``@triton.jit`` functions."""
@@ -110,7 +119,7 @@ def capture_preset(preset: str, archs: Sequence[int] = ARCHS, steps: Sequence[st
             with tempfile.TemporaryDirectory() as d:
                 path = os.path.join(d, "rec.jsonl")
                 with lc.capture(path, arch):
-                    _step(preset, step)
+                    _step(preset, step, full_depth)
                 recs = []
                 if os.path.exists(path):
                     with open(path) as f:

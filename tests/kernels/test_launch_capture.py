@@ -51,6 +51,22 @@ def gdn():
     return json.loads(p.stdout)
 
 
+def test_a_full_stack_launches_what_one_period_of_its_pattern_does():
+    code = """
+import os
+os.environ["TRITON_INTERPRET"] = "0"
+from ttt_lm import launch_capture as lc
+for preset in ("gdn_hybrid_125m", "tiny_griffin"):
+    full = lc.capture_preset(preset, archs=(90,), full_depth=True)
+    one = lc.capture_preset(preset, archs=(90,))
+    assert full and sorted(map(lc._key, full)) == sorted(map(lc._key, one)), preset
+print("ok")
+"""
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                       timeout=1200)
+    assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stdout[-2000:] + p.stderr[-3000:]
+
+
 def _constexprs(rec):
     from kernels._launch_cache import decode
 
