@@ -14,7 +14,8 @@ The model has one period of the preset's layer pattern (``model.n_layers`` = its
 deeper layer repeats one of those, with the same launches.
 
 * **train**: the step a run makes: the preset's model in bfloat16 (as DeepSpeed's bf16 mode casts
-  it), ``model.kernel_backend=triton``, training mode, a [``train.micro_batch_size``,
+  it), its backends chosen as on a GPU (``kernel_backend`` "auto" takes Triton wherever an op has
+  it; attention takes SDPA, as without flash-attn), training mode, a [``train.micro_batch_size``,
   ``data.seq_len``] batch, the blocks' forward and the backward from a loss on their output (the
   LM head's chunked loss launches no Triton kernel);
 * **decode**: what ``LM.generate`` runs: a ``data.seq_len``-token prompt read through
@@ -27,13 +28,18 @@ Each launch that would compile is one record: the kernel, its signature (argumen
 pointer element types), constexprs (including a None pointer), the specialization attributes a
 launch derives (pointer alignment to 16 bytes, integers divisible by 16 or equal to 1), compile
 options (warps, stages) and target. The file holds every distinct record with the presets and
-steps that launch it; ``--check`` (and ``tests/kernels/test_launch_capture.py``) fails when a
-preset launches one the file lacks, so the gate cannot fall behind what runs.
+steps that launch it, and per preset a digest of its resolved config and of the sources a
+capture runs (``source_digest``: the model, the config schema, the kernels and their wrappers,
+torch's and Triton's versions). ``--check`` (``tests/kernels/test_launch_capture.py``) captures
+again the presets whose digest differs from the file's (``--all``: every preset) and fails when
+one launches a specialization the file lacks, so the gate cannot fall behind what runs; with the
+sources the file was made from, it captures nothing.
 """
 from __future__ import annotations
 
 import argparse
 import glob
+import hashlib
 import json
 import os
 import sys
@@ -77,7 +83,7 @@ def _step(preset: str, step: str, full_depth: bool = False):
     from ttt_lm.config import load_config
     from ttt_lm.model.lm import PREFILL_CHUNK, build_model
 
-    cfg = load_config(str(ROOT / "configs" / f"{preset}.yaml"), ["model.kernel_backend=triton"])
+    cfg = load_config(str(ROOT / "configs" / f"{preset}.yaml"))
     if not full_depth:
         # one period of the layer pattern: the layers repeat it, each like the one a period
         # before (the same mixer, config and shapes), so a deeper stack launches nothing new
@@ -150,10 +156,47 @@ def capture_all(names: Sequence[str], progress=None) -> List[dict]:
     return sorted(merged.values(), key=lambda r: (r["name"], r["arch"], _key(r)))
 
 
+#: the sources a preset's launches depend on: the model, the configs' schema, the kernels and
+#: their wrappers (not the gate's own files, nor the data files beside them), and this module
+_SOURCES = ("ttt_lm/model/**/*.py", "ttt_lm/config.py", "ttt_lm/launch_capture.py", "kernels/**/*.py")
+_NOT_SOURCES = ("gate.py", "compile_report.py")
+
+
+def source_digest(root: Path = ROOT) -> str:
+    """A digest of every source file a capture runs (``_SOURCES``) and of the torch and Triton
+    versions: a capture made from other sources may launch other specializations."""
+    import torch
+    import triton
+
+    h = hashlib.sha256(f"{torch.__version__} {triton.__version__}".encode())
+    files = sorted({p for pat in _SOURCES for p in root.glob(pat) if p.name not in _NOT_SOURCES})
+    for p in files:
+        h.update(str(p.relative_to(root)).encode() + b"\0" + p.read_bytes() + b"\0")
+    return h.hexdigest()[:32]
+
+
+def preset_digest(preset: str, sources: str) -> str:
+    """``sources`` (:func:`source_digest`) with the preset's resolved config."""
+    from omegaconf import OmegaConf
+
+    from ttt_lm.config import load_config
+
+    cfg = load_config(str(ROOT / "configs" / f"{preset}.yaml"))
+    text = OmegaConf.to_yaml(OmegaConf.structured(cfg)) if not isinstance(cfg, dict) else json.dumps(cfg)
+    return hashlib.sha256((sources + text).encode()).hexdigest()[:32]
+
+
 def read(path: Path = CAPTURE_FILE) -> List[dict]:
     if not path.exists():
         return []
     return json.loads(path.read_text())["launches"]
+
+
+def read_digests(path: Path = CAPTURE_FILE) -> Dict[str, str]:
+    """preset → the digest its launches in the file were captured under."""
+    if not path.exists():
+        return {}
+    return json.loads(path.read_text()).get("digests", {})
 
 
 def missing(recs: Sequence[dict], have: Sequence[dict]) -> List[dict]:
@@ -165,32 +208,48 @@ def missing(recs: Sequence[dict], have: Sequence[dict]) -> List[dict]:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m ttt_lm.launch_capture", description=__doc__.split("\n\n")[0])
     ap.add_argument("--presets", nargs="*", help="preset names (default: every configs/*.yaml)")
-    ap.add_argument("--check", action="store_true", help="compare with the file instead of writing it")
+    ap.add_argument("--check", action="store_true",
+                    help="compare with the file instead of writing it: the presets whose digest (their "
+                         "config and the sources a capture runs) differs from the file's are captured again")
+    ap.add_argument("--all", action="store_true", help="with --check: capture every preset, whatever its digest")
     ap.add_argument("--print", action="store_true", help="print the records, write nothing")
     ap.add_argument("--out", default=str(CAPTURE_FILE))
     a = ap.parse_args(argv)
+    out = Path(a.out)
     names = a.presets or presets()
     unknown = sorted(set(names) - set(presets()))
     if unknown:
         print(f"launch_capture: no preset {unknown} under configs/", file=sys.stderr)
         return 2
+    sources = source_digest()
+    digests = {p: preset_digest(p, sources) for p in names}
+    if a.check:
+        kept = read_digests(out)
+        todo = names if a.all else [p for p in names if kept.get(p) != digests[p]]
+        recs = capture_all(todo, progress=lambda s: print(s, file=sys.stderr))
+        gone = missing(recs, read(out))
+        for r in gone:
+            print(f"NOT IN {out}: sm_{r['arch']} {r['name']} ({', '.join(r['where'])})")
+        print(f"{len(names) - len(todo)} of {len(names)} presets current (digest unchanged); {len(todo)} captured: "
+              f"{len(recs) - len(gone)}/{len(recs)} of their launches are in {out}")
+        if gone:
+            print("run `python -m ttt_lm.launch_capture` and `python -m kernels.compile_report --save-results`, "
+                  "and commit kernels/captured_launches.json and kernels/compile_gate_results.json")
+        return 1 if gone else 0
     recs = capture_all(names, progress=lambda s: print(s, file=sys.stderr))
     if a.print:
         print(json.dumps(recs, indent=1))
         return 0
-    if a.check:
-        gone = missing(recs, read(Path(a.out)))
-        for r in gone:
-            print(f"NOT IN {a.out}: sm_{r['arch']} {r['name']} ({', '.join(r['where'])})")
-        print(f"{len(recs) - len(gone)}/{len(recs)} launches of {len(names)} presets are in {a.out}")
-        return 1 if gone else 0
+    kept_digests = {}
     if a.presets:       # a subset: merge into what the file holds for the other presets
-        keep = [r for r in read(Path(a.out)) if not all(w.split(":")[0] in names for w in r["where"])]
+        keep = [r for r in read(out) if not all(w.split(":")[0] in names for w in r["where"])]
         for r in keep:
             r["where"] = [w for w in r["where"] if w.split(":")[0] not in names]
         recs = sorted(_merge(keep, recs), key=lambda r: (r["name"], r["arch"], _key(r)))
-    Path(a.out).write_text(json.dumps({"launches": recs}, indent=1, sort_keys=True) + "\n")
-    print(f"{len(recs)} distinct launches of {len(names)} presets written to {a.out}", file=sys.stderr)
+        kept_digests = {p: d for p, d in read_digests(out).items() if p not in names}
+    body = {"launches": recs, "digests": dict(sorted({**kept_digests, **digests}.items()))}
+    out.write_text(json.dumps(body, indent=1, sort_keys=True) + "\n")
+    print(f"{len(recs)} distinct launches of {len(names)} presets written to {out}", file=sys.stderr)
     return 0
 
 

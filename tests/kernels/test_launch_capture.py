@@ -4,7 +4,9 @@ compiled by ``tests/kernels/test_compile_gate.py``).
 
 * every preset's training and decode step launches only specializations the file holds: a
   kernel change that launches a new one (a new constexpr, dtype, None-ness, alignment) fails here
-  until ``python -m ttt_lm.launch_capture`` is run again and the gate compiles it;
+  until ``python -m ttt_lm.launch_capture`` is run again and the gate compiles it (the presets
+  whose config and sources are those the file was captured from are not captured again: their
+  digest says so);
 * a capture records what a launch on a GPU would compile: the preset's head dims, fp32 gates
   where the mixer computes them in fp32, the training step's state-less variant next to the
   decode path's state-carrying one, the launch family's config (sm_90 and sm_80 differ), and
@@ -36,12 +38,49 @@ def _run(*args, timeout=1200):
                           capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.slow
 @pytest.mark.aot
 def test_every_preset_launch_is_a_gate_case():
+    """The presets whose digest (config, the sources a capture runs, torch and Triton versions)
+    differs from the file's are captured again; every launch they make must be in the file."""
     p = _run("--check")
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
-    assert "launches of" in p.stdout
+    assert "presets current" in p.stdout
+
+
+def test_the_file_holds_every_preset_and_its_digest():
+    from ttt_lm import launch_capture as lc
+
+    digests = lc.read_digests()
+    assert set(digests) == set(lc.presets())
+    where = {w.split(":")[0] for r in lc.read() for w in r["where"]}
+    # every preset with a Triton kernel in its layers launches something; the attention-only ones
+    # (and LaCT, whose op has no Triton kernel) none
+    assert {"gated_deltanet_125m", "ttt_linear_125m", "ttt_mlp_125m", "mamba_130m", "hawk_125m",
+            "titans_lmm_125m", "deltanet_125m"} <= where
+    assert "transformer_125m" not in where
+
+
+def test_the_digest_follows_the_sources_a_capture_runs(tmp_path):
+    from ttt_lm import launch_capture as lc
+
+    files = {"ttt_lm/model/lm.py": "x = 1\n", "ttt_lm/config.py": "", "kernels/op/chunk.py": "k = 1\n",
+             "kernels/op/gate.py": "g = 1\n", "kernels/compile_report.py": "", "ttt_lm/train/loop.py": "t = 1\n",
+             "kernels/captured_launches.json": "{}"}
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    d0 = lc.source_digest(tmp_path)
+    for rel in ("kernels/op/gate.py", "kernels/compile_report.py", "ttt_lm/train/loop.py",
+                "kernels/captured_launches.json"):
+        (tmp_path / rel).write_text("changed\n")
+        assert lc.source_digest(tmp_path) == d0, rel       # not what a launch is made of
+    for rel in ("kernels/op/chunk.py", "ttt_lm/model/lm.py", "ttt_lm/config.py"):
+        (tmp_path / rel).write_text("changed\n")
+        d1 = lc.source_digest(tmp_path)
+        assert d1 != d0, rel
+        d0 = d1
+    (tmp_path / "kernels/op/new.py").write_text("")
+    assert lc.source_digest(tmp_path) != d0               # a new source file counts
 
 
 @pytest.fixture(scope="module")

@@ -134,6 +134,8 @@ def op_backends(op: str) -> Tuple[Backend, ...]:
 def auto_order(op: str, device) -> Tuple[Backend, ...]:
     """The backends "auto" tries for ``op`` on ``device``, in order (the last always runs)."""
     where = "cuda" if _device_type(device) == "cuda" else "other"
+    if op not in ATTENTION_AUTO and _device_type(device) == "meta" and HAS_TRITON and _capturing():
+        where = "cuda"      # a launch capture stands in for a GPU: its kernels/ ops choose as there
     return (ATTENTION_AUTO[op] if op in ATTENTION_AUTO else KERNEL_AUTO)[where]
 
 
