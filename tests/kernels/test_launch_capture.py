@@ -53,11 +53,11 @@ def test_the_file_holds_every_preset_and_its_digest():
     digests = lc.read_digests()
     assert set(digests) == set(lc.presets())
     where = {w.split(":")[0] for r in lc.read() for w in r["where"]}
-    # every preset with a Triton kernel in its layers launches something; the attention-only ones
-    # (and LaCT, whose op has no Triton kernel) none
+    # every preset with a Triton kernel in its layers launches something; the attention-only ones,
+    # LaCT (its op has no Triton kernel) and the Titans presets (their MLP memory has none) nothing
     assert {"gated_deltanet_125m", "ttt_linear_125m", "ttt_mlp_125m", "mamba_130m", "hawk_125m",
-            "titans_lmm_125m", "deltanet_125m"} <= where
-    assert "transformer_125m" not in where
+            "deltanet_125m", "griffin_125m", "hybrid_125m"} <= where
+    assert not where & {"transformer_125m", "lact_125m", "titans_lmm_125m", "titans_mac_170m"}
 
 
 def test_the_digest_follows_the_sources_a_capture_runs(tmp_path):
