@@ -31,6 +31,7 @@ signature.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import inspect
@@ -239,6 +240,126 @@ def install_pinning_from_env() -> None:
     """Apply ``TTT_LM_PIN_LAUNCH_CONFIGS`` (no-op when unset or 0)."""
     if os.environ.get(PIN_ENV, "0") not in ("", "0"):
         install_pinning()
+
+
+# ---- capturing without a GPU ---------------------------------------------------------------------
+#: SMs of the GPU a capture stands in for, per launch family (H100 SXM, A100): the grids sized to
+#: fill the GPU (``num_sms``) are those of these parts
+CAPTURE_SMS = {90: 132, 80: 108}
+_capture: Dict[str, Any] = {"arch": None}
+
+
+def capture_arch() -> Optional[int]:
+    """The launch family (90 or 80) a capture stands in for, or None outside :func:`capture`."""
+    return _capture["arch"]
+
+
+class _StandInDriver:
+    """What ``JITFunction.run`` asks of a driver before it compiles: a device (the arch number, so
+    that each family gets its own binder and kernel cache), a stream and the target."""
+
+    def __init__(self, arch: int):
+        self.arch = arch
+
+    def get_current_device(self):
+        return self.arch
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        from triton.backends.compiler import GPUTarget
+        return GPUTarget("cuda", self.arch, 32)
+
+    def is_active(self):
+        return True
+
+
+@contextlib.contextmanager
+def capture(path: str, arch: int):
+    """Within the block, every ``@triton.jit`` launch is recorded to ``path`` (as in record mode)
+    as the launch would compile on a GPU of family ``arch`` (90: sm_90, 80: sm_80), and run
+    nowhere: a stand-in driver answers for the GPU, the kernels of ``kernels/`` take tensors on
+    the ``meta`` device (``triton_available``), their launch configs are the family's
+    (``device_arch``), and ``num_sms`` is that of the family's part (``CAPTURE_SMS``). A program
+    whose tensors are all on ``meta`` then walks every code path of a real step, computing
+    nothing: the compile gate's captured cases (``ttt_lm/launch_capture.py``). Pointer alignment is
+    a meta tensor's byte offset into its storage, as on a GPU, whose allocations are aligned."""
+    if arch not in CAPTURE_SMS:
+        raise ValueError(f"capture: arch must be one of {sorted(CAPTURE_SMS)}, got {arch!r}")
+    if _capture["arch"] is not None:
+        raise RuntimeError("capture: already capturing")
+    from triton.runtime.driver import driver
+
+    prev_driver, prev_record = driver._active, _installed.get("record")
+    ops = _our_custom_ops()
+    fakes = {n: d._abstract_fn for n, d in ops.items()}
+    # an autotuner that chose a config in this process launches only that one: start each capture
+    # from empty choices, so that it records every config a GPU could pick whatever ran before
+    tuners = _our_autotuners()
+    choices = {id(t): t.cache for t in tuners}
+    for t in tuners:
+        t.cache = {}
+    install_recorder(path)
+    driver.set_active(_StandInDriver(arch))
+    _capture["arch"] = arch
+    for d in ops.values():      # on meta tensors a custom op runs its fake; run the real one
+        d._abstract_fn = d._init_fn
+    try:
+        yield
+    finally:
+        for t in tuners:
+            t.cache = choices[id(t)]
+        for n, d in ops.items():
+            d._abstract_fn = fakes[n]
+        _capture["arch"] = None
+        driver._active = prev_driver
+        if prev_record is None:
+            remove_recorder()
+        else:
+            install_recorder(prev_record)
+
+
+def _our_autotuners() -> list:
+    """The ``@triton.autotune`` kernels of the imported ``kernels/`` modules."""
+    import sys
+
+    from triton.runtime.autotuner import Autotuner
+
+    seen, out = set(), []
+    for name, mod in list(sys.modules.items()):
+        if name.startswith("kernels.") and mod is not None:
+            for v in vars(mod).values():
+                for _ in range(4):      # Heuristics over an Autotuner over a JITFunction, …
+                    if isinstance(v, Autotuner) or inspect.isfunction(v) or not hasattr(v, "fn"):
+                        break
+                    v = v.fn
+                if isinstance(v, Autotuner) and id(v) not in seen and hasattr(v, "cache"):
+                    seen.add(id(v))
+                    out.append(v)
+    return out
+
+
+def _our_custom_ops() -> Dict[str, Any]:
+    """The ``torch.library.custom_op`` definitions of ``kernels/`` ("kernels::…"), every op module
+    imported first. Their real function runs on meta tensors during a capture in place of the fake
+    (shape-only) one, so that the Triton launches inside are made (and recorded)."""
+    import pkgutil
+
+    import kernels
+    from torch._library import custom_ops
+
+    for m in pkgutil.walk_packages(kernels.__path__, "kernels."):
+        if not m.name.rsplit(".", 1)[-1].startswith("_") and not m.name.endswith(("gate", "compile_report")):
+            importlib.import_module(m.name)
+    defs = getattr(custom_ops, "OPDEFS", None)
+    if defs is None:
+        raise RuntimeError("capture: this torch has no torch._library.custom_ops.OPDEFS (checked with 2.13)")
+    ours = {n: d for n, d in defs.items() if n.startswith("kernels::")}
+    for n, d in ours.items():
+        if not (hasattr(d, "_abstract_fn") and hasattr(d, "_init_fn")):
+            raise RuntimeError(f"capture: custom op {n} has no _abstract_fn/_init_fn in this torch")
+    return ours
 
 
 # ---- compiling a record ------------------------------------------------------------------------

@@ -41,6 +41,14 @@ def is_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def _capture_arch():
+    """The family a launch capture stands in for (``kernels._launch_cache.capture``), else None."""
+    if not has_triton():
+        return None
+    from kernels._launch_cache import capture_arch
+    return capture_arch()
+
+
 def has_triton() -> bool:
     return importlib.util.find_spec("triton") is not None
 
@@ -49,6 +57,8 @@ def triton_available(device: Optional[torch.device | str] = None) -> bool:
     """Can a Triton kernel run on tensors of ``device`` (default: wherever it would run here)?"""
     if not has_triton():
         return False
+    if _capture_arch() is not None:
+        return device is None or torch.device(device).type == "meta"   # kernels._launch_cache.capture
     if _launch_cache.recorder_path() is not None:
         return True     # this process records launches (kernels._launch_cache): none runs
     if device is None:
@@ -124,6 +134,9 @@ def _num_sms(index: int) -> int:
 
 def num_sms(device: Optional[torch.device | str] = None) -> int:
     """SMs of a CUDA device; 1 elsewhere (the interpreter runs programs one after another)."""
+    if _capture_arch() is not None:
+        from kernels._launch_cache import CAPTURE_SMS
+        return CAPTURE_SMS[_capture_arch()]
     dev = torch.device(device) if device is not None else None
     if dev is None or dev.type != "cuda" or not torch.cuda.is_available():
         return 1
@@ -138,7 +151,10 @@ def device_arch(device: Optional[torch.device | str] = None) -> int:
     """90 for a CUDA device of compute capability 9.0 or newer, 80 for an older one (Ampere, Ada:
     the same 64K registers per SM, whose configs the gate checks at sm_80); ``INTERPRET_ARCH`` for
     anything else (the interpreter runs on CPU tensors). Read with
-    ``torch.cuda.get_device_capability`` at each launch (cached per device index)."""
+    ``torch.cuda.get_device_capability`` at each launch (cached per device index). Within
+    ``kernels._launch_cache.capture``, the family captured."""
+    if _capture_arch() is not None:
+        return _capture_arch()
     dev = torch.device(device) if device is not None else None
     if dev is None or dev.type != "cuda" or not torch.cuda.is_available():
         return INTERPRET_ARCH

@@ -10,7 +10,10 @@ Each op declares the launch configurations it really uses in its own folder: a m
 :func:`case` (one kernel, its argument types, its constexprs, ``num_warps``/``num_stages``) or
 :func:`autotune_cases` (every config of an ``@triton.autotune`` kernel that its pruner can keep).
 The report imports every such module; it never names a kernel itself, so a kernel is added or
-fixed without touching this file. It also scans the sources for ``@triton.jit`` kernels that are
+fixed without touching this file. Beside these sweeps, every launch the presets' training and
+decode steps make (``kernels/captured_launches.json``, written by ``python -m
+ttt_lm.launch_capture`` without a GPU) is a case of its own, compiled exactly as the launch
+specializes it (:func:`captured_cases`). It also scans the sources for ``@triton.jit`` kernels that are
 launched (``kernel[grid](...)``) and lists each one no ``gate.py`` covers as a failure.
 
 Every case is compiled with ``triton.compile`` for ``GPUTarget("cuda", arch, 32)`` — the same
@@ -31,7 +34,9 @@ kernel declared ``matmul=True`` (one that calls ``tl.dot``).
 
 Compiles run in parallel (``--jobs``, default 2) in long-lived worker subprocesses; a case that
 does not finish within ``--timeout`` seconds has its worker killed (and replaced) and is reported
-as a timeout. Results are cached under
+as a timeout. Results kept in the repository (``kernels/compile_gate_results.json``, written with
+``--save-results``) are read first, by the same key, so a checkout whose kernels are unchanged
+compiles nothing. Results are also cached under
 ``$TTT_LM_AOT_CACHE`` (default ``~/.cache/ttt-lm/compile_report``) keyed by the kernel's source
 (Triton's ``cache_key``, which covers the ``@triton.jit`` functions it calls), the case, the target
 and the Triton version: an unchanged kernel is not compiled again. Timeouts are not cached. Cases
@@ -84,6 +89,9 @@ class Case:
     num_stages: int
     matmul: bool
     archs: Sequence[int] = ARCHS
+    #: a captured launch (``kernels/captured_launches.json``): compiled exactly as recorded, with
+    #: its specialization attributes and options, for its one arch
+    record: Optional[dict] = None
 
     @property
     def id(self) -> str:
@@ -93,6 +101,8 @@ class Case:
         d = dataclasses.asdict(self)
         d["archs"] = list(self.archs)
         d["constexprs"] = {k: _encode(v) for k, v in self.constexprs.items()}
+        if self.record is not None:
+            d["constexprs"] = {}      # the record holds them (encoded as a launch records them)
         return d
 
     @classmethod
@@ -101,6 +111,57 @@ class Case:
         d["archs"] = tuple(d["archs"])
         d["constexprs"] = {k: _decode(v) for k, v in d["constexprs"].items()}
         return cls(**d)
+
+
+#: the launches the presets' steps make, captured without a GPU (``python -m ttt_lm.launch_capture``)
+CAPTURE_FILE = KERNELS_DIR / "captured_launches.json"
+
+
+def _calls_dot(fn, seen=None) -> bool:
+    """Whether the kernel ``fn`` (a Python function) or a ``@triton.jit`` function it calls says
+    ``tl.dot``."""
+    seen = set() if seen is None else seen
+    if fn in seen:
+        return False
+    seen.add(fn)
+    src = inspect.getsource(fn)
+    if "tl.dot(" in src:
+        return True
+    for node in ast.walk(ast.parse(inspect.cleandoc("\n" + src) if src.startswith((" ", "\t")) else src)):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            g = fn.__globals__.get(node.func.id)
+            if g is not None and hasattr(g, "fn"):
+                try:
+                    if _calls_dot(_pyfunc(g), seen):
+                        return True
+                except TypeError:
+                    continue
+    return False
+
+
+def captured_cases(path: Path = CAPTURE_FILE, matmul: Optional[Mapping[tuple, bool]] = None) -> List[Case]:
+    """One case per captured launch of ``path``: its kernel, for the arch it was captured at,
+    compiled with the recorded signature, constexprs, specialization attributes (alignment,
+    divisibility) and options. Named "captured <first preset:step> <digest>". ``matmul``:
+    (module, kernel) → whether the kernel calls ``tl.dot``, as its op's ``gate.py`` declares it
+    (else: whether its source says ``tl.dot``)."""
+    if not path.exists():
+        return []
+    from kernels._launch_cache import decode
+
+    out = []
+    for r in json.loads(path.read_text())["launches"]:
+        module, qual = r["kernel"].split(":", 1)
+        sig = decode(r["signature"])
+        digest = hashlib.sha256(json.dumps([r[f] for f in ("signature", "constexprs", "attrs", "options")],
+                                           sort_keys=True).encode()).hexdigest()[:8]
+        op = module.split(".")[1] if module.startswith("kernels.") else module
+        mm = (matmul or {}).get((module, qual))
+        if mm is None:
+            mm = _calls_dot(_pyfunc(getattr(importlib.import_module(module), qual)))
+        out.append(Case(op, module, qual, f"captured {r['where'][0]} {digest}", dict(sig), {},
+                        int(r["num_warps"]), int(r["num_stages"]), mm, (int(r["arch"]),), record=r))
+    return out
 
 
 def _encode(v):
@@ -211,6 +272,7 @@ def discover() -> List[Case]:
     for mod in gate_modules():
         op = mod.split(".")[1]
         cases.extend(dataclasses.replace(c, op=op) for c in importlib.import_module(mod).compile_cases())
+    cases.extend(captured_cases(matmul={(c.module, c.kernel): c.matmul for c in cases}))
     seen = set()
     for c in cases:
         if (c.module, c.id) in seen:
@@ -259,6 +321,10 @@ def _kernel_object(c: Case):
 def cache_key(c: Case, arch: int) -> str:
     import triton
     fn = _kernel_object(c)
+    if c.record is not None:
+        blob = json.dumps([fn.cache_key, [c.record[f] for f in ("signature", "constexprs", "attrs", "options",
+                                                              "target")], arch, triton.__version__], sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:32]
     blob = json.dumps([fn.cache_key, c.signature, {k: repr(v) for k, v in c.constexprs.items()},
                        c.num_warps, c.num_stages, arch, triton.__version__], sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
@@ -273,8 +339,18 @@ def compile_one(c: Case, arch: int) -> dict:
 
     fn = _kernel_object(c)
     names = list(fn.arg_names)
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if c.signature[n].startswith("*")}
-    src = ASTSource(fn, dict(c.signature), {n: c.constexprs[n] for n in names if n in c.constexprs}, attrs)
+    options = {"num_warps": c.num_warps, "num_stages": c.num_stages}
+    if c.record is not None:
+        from kernels._launch_cache import decode
+        r = c.record
+        src = ASTSource(fn, decode(r["signature"]), {tuple(k): decode(v) for k, v in r["constexprs"]},
+                        {tuple(k): decode(v) for k, v in r["attrs"]})
+        options = decode(r["options"])
+        if decode(r["target"])["arch"] != arch:
+            raise ValueError(f"compile_report: {c.id} was captured for sm_{decode(r['target'])['arch']}, not sm_{arch}")
+    else:
+        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if c.signature[n].startswith("*")}
+        src = ASTSource(fn, dict(c.signature), {n: c.constexprs[n] for n in names if n in c.constexprs}, attrs)
     knobs.nvidia.dump_ptxas_log = True
     knobs.compilation.always_compile = True       # the ptxas log below exists only on a real compile
     log = io.StringIO()
@@ -282,8 +358,7 @@ def compile_one(c: Case, arch: int) -> dict:
     row = {"status": "ok", "error": None}
     try:
         with contextlib.redirect_stdout(log):
-            k = triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                               options={"num_warps": c.num_warps, "num_stages": c.num_stages})
+            k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
     except Exception as e:  # a compile error is a result of the gate, reported per case
         row.update(status="error", error=f"{type(e).__name__}: {str(e).strip()[:2000]}")
         row["compile_s"] = round(time.perf_counter() - t0, 2)
@@ -376,14 +451,19 @@ def run(cases: Iterable[Case], archs: Sequence[int], jobs: int = 2, timeout: flo
     timeouts = dict(timeouts or {})
     todo = [(c, a) for c in cases for a in archs if a in c.archs]
     cache = _cache_dir()
+    kept = read_results() if use_cache else {}
     rows: List[Optional[dict]] = [None] * len(todo)
+    keys: List[str] = []
     # cases that compile the same kernel source with the same arguments, constexprs, options and
     # target (e.g. a head dim that is a runtime argument, not a constexpr) are compiled once
     pending: Dict[str, List[int]] = {}
     for i, (c, a) in enumerate(todo):
         key = cache_key(c, a)
+        keys.append(key)
         f = cache / f"{key}.json"
-        if use_cache and f.exists():
+        if key in kept:
+            rows[i] = {**kept[key], "cached": True}
+        elif use_cache and f.exists():
             rows[i] = {**json.loads(f.read_text()), "cached": True}
         else:
             pending.setdefault(key, []).append(i)
@@ -419,13 +499,47 @@ def run(cases: Iterable[Case], archs: Sequence[int], jobs: int = 2, timeout: flo
     while not workers.empty():
         workers.get().close()
     out = []
-    for (c, a), r in zip(todo, rows):
+    for (c, a), r, key in zip(todo, rows, keys):
         row = {"op": c.op, "kernel": c.kernel, "config": c.config, "arch": a, "num_warps": c.num_warps,
-               "num_stages": c.num_stages, "matmul": c.matmul, **r}
+               "num_stages": c.num_stages, "matmul": c.matmul, **r, "key": key}
         row["checks"] = checks(c, a, r)
         row["passed"] = all(v is not False for v in row["checks"].values())
         out.append(row)
     return out
+
+
+#: the gate's results kept in the repository, by content key (``cache_key``: the kernel's source
+#: with the functions it calls, the case, the target, the Triton version): a checkout whose
+#: kernels are unchanged compiles nothing; a case whose key is not here is compiled (and checked)
+RESULTS_FILE = KERNELS_DIR / "compile_gate_results.json"
+#: the row fields kept (what the checks and the table read)
+_KEPT = ("status", "error", "compile_s", "registers", "stack", "spill_stores", "spill_loads", "shared",
+         "wgmma", "mma")
+
+
+def read_results(path: Optional[Path] = None) -> Dict[str, dict]:
+    """key → result row of the kept results (empty when the file is absent or unreadable: then
+    everything compiles)."""
+    path = RESULTS_FILE if path is None else path
+    try:
+        return json.loads(path.read_text())["results"]
+    except (OSError, ValueError, KeyError):
+        return {}
+
+
+def save_results(rows: Sequence[dict], path: Optional[Path] = None, prune: bool = True) -> int:
+    """Keep the compiled results of ``rows`` in ``path`` (timeouts are not results); ``prune``:
+    drop the keys of cases that no longer exist (a full run), else merge. Returns the count."""
+    import triton
+
+    path = RESULTS_FILE if path is None else path
+    old = {} if prune else read_results(path)
+    new = {r["key"]: {k: r[k] for k in _KEPT if k in r} for r in rows if r.get("status") != "timeout"}
+    res = dict(sorted({**old, **new}.items()))
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps({"triton": triton.__version__, "results": res}, indent=0, sort_keys=True) + "\n")
+    tmp.replace(path)
+    return len(res)
 
 
 def uncovered(cases: Sequence[Case]) -> List[tuple]:
@@ -465,6 +579,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("-k", dest="match", help="only cases whose 'kernel[config]' contains this text")
     ap.add_argument("--op", action="append", help="only the cases of this op folder (repeatable)")
     ap.add_argument("--list", action="store_true", help="print the cases as JSON and compile nothing")
+    ap.add_argument("--save-results", action="store_true",
+                    help=f"keep the results in {RESULTS_FILE.relative_to(KERNELS_DIR.parent)} (pruned of "
+                         f"cases that are gone when every case ran)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.worker:
@@ -495,6 +612,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     npass = sum(r["passed"] for r in rows)
     print(f"{npass}/{len(rows)} pass; {len(missing)} kernels without cases; {wall:.0f} s "
           f"(* = cached result, = the result of an identical case above)")
+    if a.save_results:
+        n = save_results(rows, prune=not (a.match or a.op or a.arch))
+        print(f"{n} results kept in {RESULTS_FILE}")
     if a.json:
         Path(a.json).write_text(json.dumps({"archs": archs, "rows": rows, "uncovered": [list(k) for k in missing],
                                             "wall_s": round(wall, 1)}, indent=1))

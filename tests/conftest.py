@@ -41,10 +41,53 @@ def pytest_configure(config):
     _CONFIG.append(config)
 
 
+#: seconds of test time (setup + call + teardown, summed over the processes) per tier and per
+#: layer kind, printed at the end of the run (``pytest_terminal_summary``)
+_TIMES = {"tier": {}, "kind": {}}
+
+
+def _kinds_in(nodeid: str, kinds) -> list:
+    """The layer kinds a test id names (its file, its parameters), each the longest name at its
+    place: ``test_gated_deltanet.py`` is gated_deltanet's, not deltanet's."""
+    spans = []
+    for k in kinds:
+        start = nodeid.find(k)
+        while start >= 0:
+            spans.append((start, start + len(k), k))
+            start = nodeid.find(k, start + 1)
+    return sorted({k for a, b, k in spans if not any(a2 <= a and b <= b2 and (b2 - a2) > (b - a)
+                                                     for a2, b2, _ in spans)})
+
+
+def _tally(report) -> None:
+    tier = next((t for t in OTHER_TIERS if t in report.keywords), "unit")
+    _TIMES["tier"][tier] = _TIMES["tier"].get(tier, 0.0) + report.duration
+    if "kinds" not in _TIMES:
+        try:
+            from ttt_lm.model.registry import builtin_kinds
+            _TIMES["kinds"] = builtin_kinds()
+        except Exception:  # pragma: no cover - the registry itself failed to import: its tests say why
+            _TIMES["kinds"] = ()
+    names = _kinds_in(report.nodeid, _TIMES["kinds"]) or ["(no kind named)"]
+    for k in names:     # a test that names several kinds counts its time to each, in shares
+        _TIMES["kind"][k] = _TIMES["kind"].get(k, 0.0) + report.duration / len(names)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The run's test time per tier and per layer kind (the per-kind budget of docs/testing.md)."""
+    if not _TIMES["tier"]:
+        return
+    tr = terminalreporter
+    tr.section("test time per tier and per layer kind (s, summed over processes)")
+    tr.write_line("tier: " + ", ".join(f"{t} {v:.0f}" for t, v in sorted(_TIMES["tier"].items(), key=lambda x: -x[1])))
+    tr.write_line("kind: " + ", ".join(f"{k} {v:.0f}" for k, v in sorted(_TIMES["kind"].items(), key=lambda x: -x[1])))
+
+
 def pytest_runtest_logreport(report):
-    """With TTT_LM_INSTANT_FAILURES=1 (set by ``benchmarks/gpu_campaign.py``), a failing test's
+    """Counts the test's time to its tier and kinds; and with TTT_LM_INSTANT_FAILURES=1 (set by ``benchmarks/gpu_campaign.py``), a failing test's
     error line is printed as soon as it fails, as ``E   <test id>: <error>``, not only in the summary
     at the end: a file stopped at its time limit still says why its earlier tests failed."""
+    _tally(report)
     if not (report.failed and os.environ.get("TTT_LM_INSTANT_FAILURES") == "1" and _CONFIG):
         return
     text = str(report.longrepr).splitlines()

@@ -20,3 +20,30 @@ def test_unit_and_not_slow_selects_the_fast_unit_tests_only():
     slow = ("test_a_callback_given_to_main_sees_the_steps_and_stops_the_run",
             "test_a_run_validates_at_its_last_step_and_a_rerun_says_it_is_complete")
     assert not any(i.endswith(s) for i in ids for s in slow)
+
+
+def test_the_run_ends_with_its_time_per_tier_and_per_kind():
+    # two tiers in one run (a unit file and an aot test), under two pytest-xdist processes, as make test runs
+    files = ["tests/test_tiers.py::test_unit_and_not_slow_selects_the_fast_unit_tests_only",
+             "tests/kernels/test_compile_gate.py::test_known_failures_name_real_cases"]
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", *files], cwd=ROOT,
+                       capture_output=True, text=True, timeout=900,
+                       env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    lines = r.stdout.splitlines()
+    i = next(i for i, ln in enumerate(lines) if "test time per tier and per layer kind" in ln)
+    tiers = dict(x.strip().rsplit(" ", 1) for x in lines[i + 1].removeprefix("tier: ").split(","))
+    assert set(tiers) == {"unit", "aot"} and all(float(v) >= 0 for v in tiers.values())
+    assert lines[i + 2].startswith("kind: ")
+
+
+def test_a_test_counts_to_the_longest_kind_its_id_names():
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from conftest import _kinds_in
+
+    kinds = ("deltanet", "gated_deltanet", "ttt_linear", "ttt_mlp", "attention", "local_attention")
+    assert _kinds_in("tests/kernels/test_gated_deltanet.py::test_x", kinds) == ["gated_deltanet"]
+    assert _kinds_in("tests/model/test_x.py::test_y[deltanet-ttt_mlp]", kinds) == ["deltanet", "ttt_mlp"]
+    assert _kinds_in("tests/model/test_window.py::test_local_attention_and_attention", kinds) == \
+        ["attention", "local_attention"]
+    assert _kinds_in("tests/test_config.py::test_z", kinds) == []

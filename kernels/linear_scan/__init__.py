@@ -52,12 +52,15 @@ def linear_scan(log_a: torch.Tensor, b: torch.Tensor, initial_state: Optional[to
 
 
 def linear_scan_reset(log_a: torch.Tensor, b: torch.Tensor, initial_state: Optional[torch.Tensor],
-                      reset: torch.Tensor, output_final_state: bool, backend: str, chunk_size: int):
+                      reset: torch.Tensor, output_final_state: bool, backend: str, chunk_size: int,
+                      inner_resets: bool = True):
     """``linear_scan`` with h_t = b_t where ``reset`` [B, T] (bool) is set: a reset at a row's
     first token drops ``initial_state``. backend "torch": a_t = 0 at each reset inside the one
     scan; the others split the rows at resets inside them into packed sequences (``cu_seqlens``,
-    one sequence per document piece; their offsets are read on the host). Returns (h, the final
-    state or None)."""
+    one sequence per document piece; their offsets are read on the host). ``inner_resets=False``:
+    the caller knows that ``reset`` is set at most at a row's first token (no documents), so the
+    host read is skipped (on a GPU it would wait for every kernel before it). Returns (h, the
+    final state or None)."""
     B, T, D = b.shape
     if backend == "torch":
         # the PyTorch form resets inside its one scan (a_t = 0 at a reset): no host read, one call
@@ -65,6 +68,8 @@ def linear_scan_reset(log_a: torch.Tensor, b: torch.Tensor, initial_state: Optio
     h0 = initial_state
     if h0 is not None and T > 0:
         h0 = torch.where(reset[:, 0, None], torch.zeros_like(h0), h0)   # a reset drops the carried state
+    if not inner_resets:
+        return linear_scan(log_a, b, h0, output_final_state, backend=backend, chunk_size=chunk_size)
     inner = reset[:, 1:].nonzero()
     if inner.numel() == 0:
         return linear_scan(log_a, b, h0, output_final_state, backend=backend, chunk_size=chunk_size)

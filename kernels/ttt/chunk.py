@@ -246,7 +246,10 @@ def _packed_slot(CU, CI, slot, h, NC, MB: tl.constexpr):
     return bos.to(tl.int64), c, NMB, LAST, ms
 
 
-@triton.jit
+# LAST (the valid rows of the last mini-batch) is a runtime value: a launch whose LAST is 1 (a
+# prompt piece one token past a mini-batch) must not make it a constexpr, which turns
+# ``LAST < MB`` into a Python bool (the compile fails: the gate's captured decode launches)
+@triton.jit(do_not_specialize=["LAST"])
 def _ttt_linear_state_kernel(XK, XV, ETA, TAU, LNW, LNB, W0, B0, WS, BS, GS, WF, BF, GWF, GBF, WT, SCR,
                              CU, CS, CI, T, NMB, LAST, H, NC, eps,
                              D: tl.constexpr, BD: tl.constexpr, MB: tl.constexpr, BT: tl.constexpr,

@@ -19,6 +19,7 @@ def _stub(monkeypatch, tmp_path):
         return dict(ROW, shared=ROW["shared"] * (1 + c.constexprs["X"]))
 
     monkeypatch.setenv("TTT_LM_AOT_CACHE", str(tmp_path))
+    monkeypatch.setattr(cr, "RESULTS_FILE", tmp_path / "kept.json")     # none of the repository's
     # the key stands in for Triton's: here a case's compile is decided by X and the target alone
     monkeypatch.setattr(cr, "cache_key", lambda c, arch: f"{c.kernel}:{c.constexprs['X']}:{arch}")
     monkeypatch.setattr(cr._Worker, "compile", compile)

@@ -84,9 +84,16 @@ def flash_attn_varlen_func() -> Optional[Callable]:
     return _flash_attn_varlen_func
 
 
+def _capturing() -> bool:
+    from kernels._launch_cache import capture_arch
+    return capture_arch() is not None
+
+
 def _triton(device, dtype) -> Optional[str]:
     if not HAS_TRITON:
         return "the triton package is not installed"
+    if _device_type(device) == "meta" and _capturing():
+        return None     # kernels._launch_cache.capture: launches are recorded for a stand-in GPU
     if _device_type(device) != "cuda" and not TRITON_INTERPRET:
         return f"Triton kernels run on CUDA tensors (or on CPU under TRITON_INTERPRET=1), not on {_device_type(device)}"
     return None
@@ -127,6 +134,8 @@ def op_backends(op: str) -> Tuple[Backend, ...]:
 def auto_order(op: str, device) -> Tuple[Backend, ...]:
     """The backends "auto" tries for ``op`` on ``device``, in order (the last always runs)."""
     where = "cuda" if _device_type(device) == "cuda" else "other"
+    if op not in ATTENTION_AUTO and _device_type(device) == "meta" and HAS_TRITON and _capturing():
+        where = "cuda"      # a launch capture stands in for a GPU: its kernels/ ops choose as there
     return (ATTENTION_AUTO[op] if op in ATTENTION_AUTO else KERNEL_AUTO)[where]
 
 

@@ -300,7 +300,10 @@ class RGLRUBlock(Mixer):
         norm = torch.where(reset[..., None], torch.ones_like(norm), norm)   # recurrentgemma's reset
         b_t = norm * i_t * acc(xb)
         carry = RGLRUState(conv=conv_cache, pos=pos0 + x.shape[1]) if output_state else None
-        out = {"log_a": log_a_t, "b": b_t, "reset": reset, "chunk_size": self.chunk_size}
+        # resets inside the rows come only from segment positions, and the LM's document layout
+        # says on the host whether its rows have any: then the scan need not read them back
+        inner = segment_pos is not None and not (isinstance(docs, DocLayout) and not docs.inner_starts)
+        out = {"log_a": log_a_t, "b": b_t, "reset": reset, "chunk_size": self.chunk_size, "inner_resets": inner}
         if isinstance(docs, DocLayout) and docs.inner_starts:
             out["cu_seqlens"] = docs.cu_seqlens     # the same pieces as the resets, with no host read
         return out, carry
@@ -321,7 +324,7 @@ class RGLRUBlock(Mixer):
                                backend=backend, chunk_size=inp["chunk_size"], cu_seqlens=cu)
             return h.reshape(B, T, D), None
         return linear_scan_reset(inp["log_a"], inp["b"], initial_state, inp["reset"], output_final_state, backend,
-                                 inp["chunk_size"])
+                                 inp["chunk_size"], inp.get("inner_resets", True))
 
     def output(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """y = W_out(GeLU(W_y x) ⊙ h)."""
