@@ -45,7 +45,6 @@ UNCONVERTED = {
     "tests/hf/test_hf.py",
     "tests/model/test_backend.py",
     "tests/model/test_compile.py",
-    "tests/model/test_kernel_backend.py",
     "tests/model/test_lm.py",
     "tests/parallel/test_cp_docs_state.py",
     "tests/parallel/test_tensor_parallel.py",
