@@ -401,3 +401,13 @@ def test_titans_triton_kernel_covers_the_linear_memory_only():
         m.kernel_backends("cuda")
     with pytest.raises(ValueError, match="linear memory"):
         m(torch.zeros(1, 8, dtype=torch.long))
+
+
+def test_kernel_mixer_errors_name_the_config_key_and_the_reason():
+    m, _ = make_mixer("titans", titans={"memory": "mlp"})
+    m.kernel_backend = "triton"
+    with pytest.raises(ValueError, match=r"model.kernel_backend=triton: TitansMemory has no Triton kernel: "
+                                         r"titans: backend 'triton' was requested but is unavailable: .*linear memory"):
+        m.resolve_backend("cuda")
+    m.kernel_backend = "auto"
+    assert m.resolve_backend("cuda") is Backend.TORCH
