@@ -42,7 +42,6 @@ UNCONVERTED = {
     "tests/eval/test_long_context.py",
     "tests/eval/test_passkey.py",
     "tests/eval/test_synthetic.py",
-    "tests/hf/test_hf.py",
     "tests/model/test_compile.py",
     "tests/model/test_lm.py",
     "tests/parallel/test_cp_docs_state.py",
