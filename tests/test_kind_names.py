@@ -45,7 +45,6 @@ UNCONVERTED = {
     "tests/model/test_compile.py",
     "tests/model/test_lm.py",
     "tests/parallel/test_cp_docs_state.py",
-    "tests/parallel/test_tensor_parallel.py",
     "tests/parallel/test_tp_mixers.py",
     "tests/parallel/test_tp_ttt.py",
     "tests/scaling/test_ladder.py",
