@@ -43,7 +43,6 @@ UNCONVERTED = {
     "tests/eval/test_passkey.py",
     "tests/eval/test_synthetic.py",
     "tests/model/test_compile.py",
-    "tests/model/test_lm.py",
     "tests/parallel/test_cp_docs_state.py",
     "tests/parallel/test_tp_mixers.py",
     "tests/parallel/test_tp_ttt.py",
