@@ -44,7 +44,6 @@ UNCONVERTED = {
     "tests/eval/test_synthetic.py",
     "tests/model/test_compile.py",
     "tests/parallel/test_cp_docs_state.py",
-    "tests/parallel/test_tp_ttt.py",
     "tests/scaling/test_ladder.py",
     "tests/test_convert.py",
 }
