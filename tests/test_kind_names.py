@@ -43,7 +43,6 @@ UNCONVERTED = {
     "tests/eval/test_passkey.py",
     "tests/eval/test_synthetic.py",
     "tests/model/test_compile.py",
-    "tests/parallel/test_cp_docs_state.py",
     "tests/scaling/test_ladder.py",
     "tests/test_convert.py",
 }
