@@ -44,7 +44,6 @@ UNCONVERTED = {
     "tests/eval/test_synthetic.py",
     "tests/model/test_compile.py",
     "tests/scaling/test_ladder.py",
-    "tests/test_convert.py",
 }
 
 
