@@ -43,7 +43,6 @@ UNCONVERTED = {
     "tests/eval/test_passkey.py",
     "tests/eval/test_synthetic.py",
     "tests/model/test_compile.py",
-    "tests/scaling/test_ladder.py",
 }
 
 
