@@ -37,7 +37,6 @@ UNCONVERTED = {
     "tests/benchmarks/test_gpu_campaign.py",
     "tests/benchmarks/test_inference_bench.py",
     "tests/benchmarks/test_launch_warmup.py",
-    "tests/eval/test_passkey.py",
     "tests/eval/test_synthetic.py",
     "tests/model/test_compile.py",
 }
