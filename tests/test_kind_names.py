@@ -35,7 +35,6 @@ UNCONVERTED = {
     "benchmarks/gpu_campaign.py",
     "benchmarks/kernels.py",
     "tests/benchmarks/test_gpu_campaign.py",
-    "tests/benchmarks/test_inference_bench.py",
     "tests/benchmarks/test_launch_warmup.py",
     "tests/eval/test_synthetic.py",
     "tests/model/test_compile.py",
