@@ -34,7 +34,6 @@ EXCLUDED_DIRS = (os.path.join("tests", "train"),)
 UNCONVERTED = {
     "benchmarks/kernels.py",
     "tests/benchmarks/test_gpu_campaign.py",
-    "tests/benchmarks/test_launch_warmup.py",
     "tests/eval/test_synthetic.py",
     "tests/model/test_compile.py",
 }
