@@ -7,13 +7,18 @@ the state dict is built from our model by the inverse renaming, with a config.js
 through unchanged (float32 → float32), so any difference is a wrong tensor."""
 import json
 import os
+import re
 
 import pytest
 import torch
 
 from ttt_lm import convert
 from ttt_lm.model import LM, ModelConfig
+from ttt_lm.model.registry import builtin_kinds, kinds_with, mixer_class
 from ttt_lm.train.export import load_pretrained
+
+#: the converter's kinds, TTT's (the kinds of its config section), by their inner model ("linear", "mlp")
+TTT_KINDS = {mixer_class(k).kind: k for k in kinds_with(lambda c: c.config_section == "ttt", builtin_kinds())}
 
 
 def official_keys(n_layers, kind, share_qk, use_gate, pre_conv, tied):
@@ -69,7 +74,7 @@ VARIANTS = {
 def _model(v) -> LM:
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=97, d_model=32, n_heads=4, n_layers=2, d_ff=48, max_seq_len=64,
-                      layer_pattern=["ttt_linear" if v["kind"] == "linear" else "ttt_mlp"],
+                      layer_pattern=[TTT_KINDS[v["kind"]]],
                       tie_embeddings=v["tied"], norm_eps=1e-5, init="ttt")
     cfg.ttt.mini_batch_size = 4
     cfg.ttt.base_lr = 0.5
@@ -190,10 +195,13 @@ def test_to_ttt_refuses_models_it_cannot_express(tmp_path):
     from ttt_lm.train.export import CONFIG, WEIGHTS
     from ttt_lm.config import ExperimentConfig, save_config
     cfg = ExperimentConfig()
-    cfg.model = ModelConfig(vocab_size=64, d_model=32, n_heads=2, n_layers=2, layer_pattern=["ttt_linear", "attention"])
+    other = kinds_with(lambda c: c.config_section != "ttt", builtin_kinds())[0]   # a kind ttt-lm-pytorch lacks
+    pattern = [TTT_KINDS["linear"], other]
+    cfg.model = ModelConfig(vocab_size=64, d_model=32, n_heads=2, n_layers=2, layer_pattern=pattern)
     d = tmp_path / "ours"
     d.mkdir()
     torch.save(LM(cfg.model).state_dict(), d / WEIGHTS)
     save_config(cfg, str(d / CONFIG))
-    with pytest.raises(convert.ConversionError, match=r"every layer to be ttt_linear .* got \['attention', 'ttt_linear'\]"):
+    with pytest.raises(convert.ConversionError,
+                       match=rf"every layer to be {TTT_KINDS['linear']} .* got {re.escape(str(sorted(pattern)))}"):
         convert.to_ttt(str(d), str(tmp_path / "hf"))

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from ttt_lm.config import load_config
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "inference.py"
 PRESETS = ["tiny_gated_deltanet", "tiny_transformer"]   # recurrent; global attention
@@ -50,7 +52,9 @@ def test_a_row_per_preset_and_every_cell_filled(run):
     assert written.startswith(head) and _table(written) == _table(stdout)
     hdr, rows = _table(stdout)
     assert list(rows) == PRESETS
-    assert rows["tiny_transformer"]["kinds"] == "attention"
+    for name in PRESETS:   # the kinds of the preset's pattern, each once, in order
+        pattern = load_config(str(ROOT / "configs" / f"{name}.yaml")).model.layer_pattern
+        assert rows[name]["kinds"] == "/".join(dict.fromkeys(pattern)), (name, rows[name]["kinds"])
     for c in CONTEXTS:
         assert f"decode ms/tok {c}" in hdr and f"state KiB {c}" in hdr
     for col in ("prefill long/short", "decode large/small", "train long/short"):
@@ -94,14 +98,16 @@ def test_a_length_over_the_memory_limit_is_skipped_with_its_estimate(monkeypatch
         if kind == "memory":
             return {"peak_bytes": spec["length"] ** 2, "upper_bound": False, "seconds": 1e-3}
         per = lambda Ls, v: {str(L): v for L in Ls}  # noqa: E731
-        return {"kinds": ["ttt_linear"], "params": 1.25e8, "prefill": per(spec["prefill_lens"], 1e-5),
+        return {"kinds": kinds_125m, "params": 1.25e8, "prefill": per(spec["prefill_lens"], 1e-5),
                 "decode": per(spec["decode_contexts"], 1e-3), "state": per(spec["decode_contexts"], 4096),
                 "kept": per(spec["decode_contexts"], 4096), "train": per(spec["train_lens"], 3e-5), "errors": {}}
 
     monkeypatch.setattr(ib, "run_worker", fake)
     a = ib.options(["--prefill-lens", "1024", "2048", "4096", "--decode-contexts", "1024", "4096",
                     "--train-lens", "1024", "--device", "cpu"])
-    r = ib.measure_preset(str(ROOT / "configs" / "ttt_linear_125m.yaml"), a, mem_limit=8 * 2 ** 20)
+    preset = ROOT / "configs" / "ttt_linear_125m.yaml"
+    kinds_125m = list(dict.fromkeys(load_config(str(preset)).model.layer_pattern))
+    r = ib.measure_preset(str(preset), a, mem_limit=8 * 2 ** 20)
     assert [c[1] for c in calls if c[0] == "memory"] == [1024, 2048]
     assert [c[2:] for c in calls if c[0] == "timing"] == [([1024, 2048], [1024])]
     hdr, rows = ib.table([r], a)

@@ -147,6 +147,16 @@ def _project_record(rec: dict, declared: set, tuned: set) -> tuple:
     return rec["kernel"], tuple(sorted(cx.items())), tuple(sorted(ptr.items()))
 
 
+def _folders_with_triton_kernels() -> set:
+    """The kernels/ op folders whose modules define Triton kernels (``@triton.jit``)."""
+    out = set()
+    for d in sorted((ROOT / "kernels").iterdir()):
+        if d.is_dir() and any("@triton.jit" in f.read_text() for f in d.rglob("*.py")):
+            out.add(d.name)
+    assert out, "no kernels/ folder defines a Triton kernel"
+    return out
+
+
 @pytest.fixture(scope="module")
 def records(tmp_path_factory):
     ops = sorted(gc.discover_ops()[0])
@@ -161,7 +171,7 @@ def test_record_mode_covers_every_interpreted_launch(records, tmp_path):
     the same kernels with the same pointer dtypes."""
     ops, gpu_recs = records
     recs = _record(ops, tmp_path / "interpreter_choices.jsonl", interpreter_choices=True)
-    assert {r["kernel"].split(".")[1] for r in recs} >= {"linear_scan", "delta_rule", "titans", "ttt", "selective_scan"}
+    assert {r["kernel"].split(".")[1] for r in recs} >= _folders_with_triton_kernels()
     out = tmp_path / "interpreted.json"
     code = (_INTERPRETER_HOOK.format(root=str(ROOT)) + _BENCH_PATHS.format(root=str(ROOT), size=SIZE, ops=ops)
             + f"\nopen({str(out)!r}, 'w').write(json.dumps(launches))\n")

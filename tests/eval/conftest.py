@@ -27,6 +27,32 @@ def tiny_model(pattern=("attention",), vocab_size=VOCAB, max_seq_len=256, seed=0
     return LM(cfg).eval()
 
 
+def global_kind() -> str:
+    """The built-in kind with attention over every earlier token (evals refuse contexts beyond
+    model.max_seq_len for it)."""
+    from ttt_lm.model.registry import builtin_kinds, kinds_with
+    return kinds_with(lambda c: c.global_attention, builtin_kinds())[0]
+
+
+def windowed_kind() -> str:
+    """The first built-in attention kind with a sliding window (KV exchange, not global)."""
+    from ttt_lm.model.registry import builtin_kinds, kinds_with
+    return kinds_with(lambda c: c.cp_form == "kv_exchange" and not c.global_attention, builtin_kinds())[0]
+
+
+def recurrent_kind() -> str:
+    """The first built-in kind that does not attend (a pure recurrence)."""
+    from ttt_lm.model.registry import builtin_kinds, kinds_with
+    return kinds_with(lambda c: not c.attends, builtin_kinds())[0]
+
+
+def preset_pattern() -> tuple:
+    """The default preset's layer pattern (configs/tiny.yaml): the one concrete hybrid of a test
+    that needs one."""
+    from tests.model.mixer_checks import preset_config
+    return tuple(preset_config().layer_pattern)
+
+
 def export_model(model: LM, out_dir: str, data_path=None) -> str:
     e = ExperimentConfig(model=model.cfg)
     if data_path:

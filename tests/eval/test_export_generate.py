@@ -243,8 +243,8 @@ def test_bad_sampling_settings_are_refused():
 
 
 def test_generate_stops_every_row_at_eos():
-    from tests.eval.conftest import tiny_model
-    m = tiny_model(("ttt_linear", "mamba"), vocab_size=16)
+    from tests.eval.conftest import preset_pattern, tiny_model
+    m = tiny_model(preset_pattern(), vocab_size=16)
     p = torch.randint(3, 16, (3, 5), generator=torch.Generator().manual_seed(0))
     free = m.generate(p, 8, temperature=0)
     eos = int(free[1, 6])  # row 1's second generated token: make it the end of document
@@ -271,8 +271,8 @@ class _PaddingFavoured(torch.nn.Module):
 
 
 def _padded_model(tok_vocab=300, model_vocab=320):
-    from tests.eval.conftest import tiny_model
-    m = tiny_model(("ttt_linear", "attention"), vocab_size=model_vocab)
+    from tests.eval.conftest import preset_pattern, tiny_model
+    m = tiny_model(preset_pattern(), vocab_size=model_vocab)
     m.lm_head = _PaddingFavoured(m.lm_head, tok_vocab)
     return m
 

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.eval.conftest import export_model, tiny_model
+from tests.eval.conftest import export_model, preset_pattern, tiny_model
 
 # slow: each test runs lm_eval's command line in a new process
 pytestmark = pytest.mark.slow
@@ -27,7 +27,7 @@ def _harness(args, cwd=ROOT):
 
 @pytest.fixture(scope="module")
 def export_dir(prepared, tokenizer, tmp_path_factory):
-    d = export_model(tiny_model(("ttt_linear", "local_attention")), str(tmp_path_factory.mktemp("cli")))
+    d = export_model(tiny_model(preset_pattern()), str(tmp_path_factory.mktemp("cli")))
     shutil.copyfile(tokenizer.path, os.path.join(d, "tokenizer.model"))  # as python -m ttt_lm.train.export does
     return d
 

@@ -5,18 +5,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.eval.conftest import export_model, tiny_model
+from tests.eval.conftest import export_model, global_kind, recurrent_kind, tiny_model, windowed_kind
 from ttt_lm.eval import EvalError, loss_by_position, summarize
 from ttt_lm.eval.__main__ import main
 from ttt_lm.eval.long_context import log_buckets, plot_loss_by_position, windows
-from ttt_lm.model.config import LAYER_KINDS
+from ttt_lm.model.registry import builtin_kinds, kinds_with
 
 
-@pytest.mark.parametrize("kind", LAYER_KINDS)
+@pytest.mark.parametrize("kind", builtin_kinds())
 def test_chunked_with_carried_state_equals_one_pass(kind):
     """Per-position losses from 16-token chunks with states carried equal those of one forward over
     the whole document (float32; 1e-4 absolute on losses ~5.7 covers reassociated sums)."""
-    m = tiny_model((kind, "attention"), max_seq_len=64)
+    m = tiny_model((kind, global_kind()), max_seq_len=64)
     g = torch.Generator().manual_seed(0)
     docs = [torch.randint(3, 300, (n,), generator=g) for n in (49, 60, 49)]
     st = loss_by_position(m, docs, max_len=48, chunk_len=16, batch_size=2, show_progress=False)
@@ -40,8 +40,10 @@ def test_short_documents_are_skipped_or_counted_where_they_reach():
 def test_context_beyond_max_seq_len_is_refused_for_global_attention_only():
     docs = [torch.randint(3, 300, (80,))]
     with pytest.raises(EvalError, match="exceeds model.max_seq_len=64 .*global attention"):
-        loss_by_position(tiny_model(("attention",), max_seq_len=64), docs, 72, show_progress=False)
-    st = loss_by_position(tiny_model(("mamba", "local_attention"), max_seq_len=64), docs, 72, chunk_len=32,
+        loss_by_position(tiny_model((global_kind(),), max_seq_len=64), docs, 72, show_progress=False)
+    # every kind without global attention, in one model, reads past max_seq_len
+    local = kinds_with(lambda c: not c.global_attention, builtin_kinds())
+    st = loss_by_position(tiny_model(local, max_seq_len=64, n_layers=len(local)), docs, 72, chunk_len=32,
                           show_progress=False)
     assert st["count"].sum() == 72
 
@@ -60,13 +62,13 @@ def test_buckets_partition_the_positions_and_lengths_average_prefixes():
 
 
 def test_cli_plots_several_checkpoints(prepared, attn_export, tmp_path, capsys):
-    other = export_model(tiny_model(("deltanet", "local_attention"), seed=1), str(tmp_path / "dn"), prepared)
-    rc = main(["long_context", "--checkpoint", attn_export, "--checkpoint", other, "--names", "attn,deltanet",
+    other = export_model(tiny_model((recurrent_kind(), windowed_kind()), seed=1), str(tmp_path / "other"), prepared)
+    rc = main(["long_context", "--checkpoint", attn_export, "--checkpoint", other, "--names", "attn,other",
                "--max-len", "256", "--lengths", "64,256", "--chunk-len", "128", "--max-docs", "2",
                "--out", str(tmp_path), "--no-progress"])
     assert rc == 0
     out = json.loads((tmp_path / "long_context.json").read_text())
-    assert set(out["result"]) == {"attn", "deltanet"}
+    assert set(out["result"]) == {"attn", "other"}
     for r in out["result"].values():
         assert r["documents"] == 2 and set(r["mean_loss_at_length"]) == {"64", "256"}
     png = (tmp_path / "long_context.png").read_bytes()

@@ -5,7 +5,7 @@ import re
 import pytest
 import torch
 
-from tests.eval.conftest import tiny_model
+from tests.eval.conftest import global_kind, recurrent_kind, tiny_model, windowed_kind
 from ttt_lm.eval import EvalError, build_prompt, passkey_grid
 from ttt_lm.eval.__main__ import main
 from ttt_lm.eval.passkey import (FILLER, FILLER_SENTENCES, INTRO, NEEDLE, QUESTION, answer_nll, greedy_continue,
@@ -53,7 +53,7 @@ def test_every_depth_is_its_own_placement_in_the_shortest_prompt(tokenizer):
 
 
 def test_scoring_counts_exactly_the_correct_retrievals(tokenizer):
-    m = tiny_model(("mamba", "local_attention"), max_seq_len=64)
+    m = tiny_model((recurrent_kind(), windowed_kind()), max_seq_len=64)
 
     def oracle(ids, n):  # reads the key out of the prompt, as a perfect model would
         return tokenizer.encode(" " + re.search(r"pass key is (\d+)", tokenizer.decode(ids)).group(1))[:n]
@@ -68,18 +68,18 @@ def test_scoring_counts_exactly_the_correct_retrievals(tokenizer):
     bad = passkey_grid(m, tokenizer, [400], [0.5], trials=3, generate=wrong, show_progress=False)
     assert bad["accuracy"] == [[0.0]]
     with pytest.raises(EvalError, match="exceeds model.max_seq_len"):
-        passkey_grid(tiny_model(("attention",), max_seq_len=64), tokenizer, [400], [0.5], show_progress=False)
+        passkey_grid(tiny_model((global_kind(),), max_seq_len=64), tokenizer, [400], [0.5], show_progress=False)
 
 
 def test_chunked_greedy_decoding_matches_generate():
-    m = tiny_model(("rglru", "attention"), max_seq_len=64)
+    m = tiny_model((recurrent_kind(), global_kind()), max_seq_len=64)
     ids = torch.randint(3, 300, (37,))
     want = m.generate(ids[None], 6, temperature=0)[0, 37:].tolist()
     assert greedy_continue(m, ids.tolist(), 6, chunk_len=8) == want
 
 
 def test_answer_loss_is_the_teacher_forced_loss_of_the_answer_per_cell(tokenizer):
-    m = tiny_model(("rglru", "attention"), max_seq_len=512)
+    m = tiny_model((recurrent_kind(), global_kind()), max_seq_len=512)
     ids, ans, _ = build_prompt(tokenizer, 300, 0.5, "48213")
     with torch.no_grad():
         logits = m(torch.tensor([ids + ans[:-1]])).logits[0, len(ids) - 1:]
@@ -225,7 +225,7 @@ def test_practice_batch_labels_exactly_the_answer_tokens(tokenizer):
 
 @pytest.mark.slow
 def test_practice_finetune_lowers_the_answer_loss(tokenizer):
-    m = tiny_model(("attention",), max_seq_len=512)
+    m = tiny_model((global_kind(),), max_seq_len=512)
     res = practice_finetune(m, tokenizer, [300, 400], steps=25, batch_size=8, lr=3e-3, warmup=5,
                             exclude=grid_keys(10), held_out=16)
     assert res["after"]["answer_loss"] < res["before"]["answer_loss"] - 1.0

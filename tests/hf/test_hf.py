@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from tests.model.mixer_checks import short_sections
 from ttt_lm.config import ExperimentConfig
 from ttt_lm.convert import ConversionError
 from ttt_lm.convert import main as convert_main
@@ -22,25 +23,21 @@ from ttt_lm.eval.checkpoint import load_checkpoint
 from ttt_lm.hf import HFError, TTTLMForCausalLM, hf_config, load_hf, save_hf
 from ttt_lm.hf.modeling_ttt_lm import CACHE_NAME
 from ttt_lm.model import LM, ModelConfig
-from ttt_lm.model.config import LAYER_KINDS
 from ttt_lm.model.lm import mask_vocab
+from ttt_lm.model.registry import builtin_kinds
 from ttt_lm.train.export import load_pretrained, save_export
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 V = 320
 
 
-def tiny_cfg(pattern=LAYER_KINDS, **kw) -> ModelConfig:
+def tiny_cfg(pattern=None, **kw) -> ModelConfig:
+    """The model of ``pattern`` (default: one layer of every built-in kind) with every section at
+    its tiny sizes for n = 4 (``short_sections``: chunks and mini-batches of 4, windows of 5)."""
+    pattern = builtin_kinds() if pattern is None else pattern
     cfg = ModelConfig(vocab_size=V, d_model=32, n_heads=2, n_layers=len(pattern), layer_pattern=list(pattern),
                       max_seq_len=64, **kw)
-    cfg.attention.window = 5
-    cfg.ttt.mini_batch_size = 4
-    cfg.titans.chunk_size = 4
-    cfg.deltanet.chunk_size = 4
-    cfg.lact.chunk_size, cfg.lact.window, cfg.lact.num_heads = 4, 5, 2
-    cfg.gated_deltanet.chunk_size = 4
-    cfg.mamba.chunk_size = 4
-    return cfg
+    return short_sections(cfg, 4)
 
 
 def tiny_lm(**kw) -> LM:
@@ -78,7 +75,7 @@ def test_folder_layout(exported):
         cfg = json.load(f)
     assert cfg["model_type"] == "ttt_lm" and cfg["auto_map"] == {
         "AutoConfig": "configuration_ttt_lm.TTTLMConfig", "AutoModelForCausalLM": "modeling_ttt_lm.TTTLMForCausalLM"}
-    assert cfg["ttt_lm"]["layer_pattern"] == list(LAYER_KINDS) and cfg["vocab_size"] == V
+    assert cfg["ttt_lm"]["layer_pattern"] == list(builtin_kinds()) and cfg["vocab_size"] == V
     assert cfg["eos_token_id"] == 0  # <|endoftext|>, the tokenizer's first special token
     assert "model.lm_head.weight" not in load_file(os.path.join(out, "model.safetensors"))  # tied
 
@@ -374,7 +371,8 @@ def test_autotokenizer_reads_an_exported_sentencepiece_model(tmp_path):
         assert tok.decode(ids) == s == ours.decode(ids)
 
 
-PADDED_PATTERNS = [(k,) for k in LAYER_KINDS] + [("ttt_linear", "attention", "rglru", "mamba")]
+#: each built-in kind alone, then the stack of every kind
+PADDED_PATTERNS = [(k,) for k in builtin_kinds()] + [builtin_kinds()]
 
 
 def _context_model(pattern) -> TTTLMForCausalLM:
@@ -395,7 +393,7 @@ def _padded_batch(lengths, pad):
     return ids, mask, prompts
 
 
-@pytest.mark.parametrize("pattern", PADDED_PATTERNS, ids=lambda p: "+".join(p))
+@pytest.mark.parametrize("pattern", PADDED_PATTERNS, ids=lambda p: p[0] if len(p) == 1 else "every_kind")
 def test_left_padded_batch_generates_each_row_as_alone(pattern):
     """Greedy generate on a left-padded batch gives every row the tokens it gets alone, for every
     mixer kind and a hybrid, laid out as transformers lays out a padded batch; reading the

@@ -77,3 +77,24 @@ def test_decode_cache_is_preallocated_and_branch_safe():
     assert st_a2.k.data_ptr() == st_a.k.data_ptr()
     assert st_b.kv_buf is not st_a.kv_buf
     torch.testing.assert_close(st_a.k[:, :, -1:], st_a2.k[:, :, 5:6], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["sdpa", "math", "flex"])
+def test_attention_mixer_runs_through_the_resolver(name):
+    """Every attention.backend string gives the reference's outputs on CPU, and the mixer's
+    resolver names its op; a bad string fails at the config."""
+    m, _ = make_mixer("local_attention", attention={"window": 3, "backend": name})
+    assert m.resolve_backend("cpu") == name
+    x = torch.randn(2, 9, m.d_model, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    with torch.no_grad():   # flex_attention has no backward on CPU
+        y, _ = m.chunked(x)
+        y_ref, _ = m.reference(x)
+    torch.testing.assert_close(y, y_ref, rtol=0, atol=1e-9)   # float64: summation order only
+    m.backend = "flash"
+    with pytest.raises(ValueError, match="local_attention: backend 'flash' was requested but is unavailable"):
+        m.chunked(x)
+
+
+def test_bad_attention_backend_fails_at_the_config():
+    with pytest.raises(ValueError, match="model.attention.backend must be auto, sdpa, flex, flash or math, got 'cudnn'"):
+        make_mixer("attention", attention={"backend": "cudnn"})

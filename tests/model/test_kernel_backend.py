@@ -1,69 +1,72 @@
 """Which implementation each layer kind runs (``LM.kernel_backends``), asked for device "cuda"
 on a CPU machine: the decision needs no GPU. No silent fallback: ``kernel_backend=triton`` where
-no kernel covers a layer raises, naming the layer kind."""
+no kernel covers a layer raises, naming the layer kind. Every built-in kind (and variant) at the
+tests' tiny sizes; whether a Triton kernel covers a layer as configured is the mixer's own answer
+(``triton_unavailable``: None, or the reason)."""
+import dataclasses
+
 import pytest
+import torch
 
-from kernels.selective_scan import has_triton_backend as mamba_has_triton
-from ttt_lm.config import load_config
+from tests.model.mixer_checks import short_cases
 from ttt_lm.model import LM
+from ttt_lm.model.registry import builtin_kinds, mixer_class
+
+CASES = short_cases()
+IDS = [kind if name is None else f"{kind}-{name}" for kind, name, _ in CASES]
 
 
-def _model(preset, *overrides):
-    return LM(load_config(f"configs/{preset}.yaml", ["model.n_layers=" + ("3" if "griffin" in preset else "4"), *overrides]).model)
+def _model(cfg, backend="auto") -> LM:
+    return LM(dataclasses.replace(cfg, kernel_backend=backend))
 
 
-def test_auto_picks_triton_on_cuda_and_torch_on_cpu():
-    m = _model("tiny_hybrid")                           # ttt_linear ×3, then attention
-    cuda = m.kernel_backends("cuda")
-    assert cuda["ttt_linear"] == "triton"
-    assert cuda["attention"].startswith("attention:")  # attention does not use kernels/
-    assert m.kernel_backends("cpu")["ttt_linear"] == "torch"
+@pytest.mark.parametrize("kind,variant,cfg", CASES, ids=IDS)
+def test_auto_picks_triton_on_cuda_where_a_kernel_covers_the_layer_and_torch_on_cpu(kind, variant, cfg):
+    m = _model(cfg)
+    mixer = m.layers[0].mixer
+    cuda, cpu = m.kernel_backends("cuda"), m.kernel_backends("cpu")
+    assert set(cuda) == set(cpu) == {kind}
+    if not mixer.uses_kernel_op:                         # attention: its own backend setting
+        assert cuda[kind] == cpu[kind] == "attention:auto"
+        return
+    assert cuda[kind] == ("triton" if mixer.triton_unavailable() is None else "torch")
+    assert cpu[kind] == "torch"
 
 
-@pytest.mark.parametrize("preset,kind", [("tiny_ttt_mlp", "ttt_mlp"), ("tiny_deltanet", "deltanet"),
-                                         ("tiny_griffin", "rglru")])
-def test_kernels_that_exist_are_used_on_cuda(preset, kind):
-    assert _model(preset).kernel_backends("cuda")[kind] == "triton"
-    assert _model(preset, "model.kernel_backend=triton").kernel_backends("cuda")[kind] == "triton"
+def test_kernels_that_exist_are_used_on_cuda():
+    """Every kind that declares a packed-document Triton entry (``varlen_triton_op``) runs its
+    Triton kernel on CUDA under auto and under kernel_backend=triton."""
+    kinds = [k for k in builtin_kinds() if mixer_class(k).varlen_triton_op]
+    assert kinds
+    cfgs = {kind: cfg for kind, name, cfg in CASES if kind in kinds}
+    for kind in kinds:
+        assert _model(cfgs[kind]).kernel_backends("cuda")[kind] == "triton"
+        assert _model(cfgs[kind], "triton").kernel_backends("cuda")[kind] == "triton"
 
 
-def test_torch_forces_the_pytorch_form():
-    assert set(_model("tiny_hybrid", "model.kernel_backend=torch").kernel_backends("cuda").values()) == {
-        "torch", "attention:auto"}
+@pytest.mark.parametrize("kind,variant,cfg", CASES, ids=IDS)
+def test_torch_forces_the_pytorch_form(kind, variant, cfg):
+    m = _model(cfg, "torch")
+    want = "torch" if m.layers[0].mixer.uses_kernel_op else "attention:auto"
+    assert m.kernel_backends("cuda") == {kind: want}
 
 
-def test_titans_mlp_memory_runs_torch_under_auto_and_fails_loudly_under_triton():
-    """The Titans kernel covers the linear memory only; the presets use the MLP memory."""
-    assert _model("tiny_titans_lmm").kernel_backends("cuda")["titans"] == "torch"
-    assert _model("tiny_titans_lmm", "model.titans.memory=linear").kernel_backends("cuda")["titans"] == "triton"
-    m = _model("tiny_titans_lmm", "model.kernel_backend=triton")
-    with pytest.raises(ValueError, match=r"layer kind 'titans' \(layer 0\).*linear memory"):
+@pytest.mark.parametrize("kind,variant,cfg", CASES, ids=IDS)
+def test_triton_where_no_kernel_covers_the_layer_fails_loudly(kind, variant, cfg):
+    """kernel_backend=triton: the kernel where one covers the layer; otherwise an error naming the
+    layer kind, its layer and the mixer's reason, from kernel_backends and from the chunked form
+    itself on any device (the CPU here)."""
+    m = _model(cfg, "triton")
+    mixer = m.layers[0].mixer
+    if not mixer.uses_kernel_op:
+        assert m.kernel_backends("cuda") == {kind: "attention:auto"}
+        return
+    reason = mixer.triton_unavailable()
+    if reason is None:
+        assert m.kernel_backends("cuda") == {kind: "triton"}
+        return
+    import re
+    with pytest.raises(ValueError, match=rf"layer kind '{kind}' \(layer 0\).*{re.escape(reason)}"):
         m.kernel_backends("cuda")
-    # the chunked form itself refuses too, on any device
-    import torch
-    with pytest.raises(ValueError, match="linear memory"):
+    with pytest.raises(ValueError, match=re.escape(reason)):
         m(torch.zeros(1, 8, dtype=torch.long))
-
-
-def test_mamba_without_a_triton_scan_fails_loudly_under_triton():
-    m = _model("tiny_mamba", "model.kernel_backend=triton")
-    if mamba_has_triton():
-        assert m.kernel_backends("cuda")["mamba"] == "triton"
-    else:
-        assert _model("tiny_mamba").kernel_backends("cuda")["mamba"] == "torch"
-        with pytest.raises(ValueError, match=r"layer kind 'mamba'.*selective_scan has no Triton kernel"):
-            m.kernel_backends("cuda")
-
-
-def test_gated_deltanet_backend_follows_the_op():
-    """Gated DeltaNet runs kernels.gated_delta_rule: Triton on CUDA under auto when the op lists a
-    Triton backend, PyTorch otherwise; kernel_backend=triton without one fails naming the layer."""
-    import kernels.gated_delta_rule as gdr
-    m = _model("tiny_gated_deltanet")
-    if "triton" in gdr.BACKENDS:
-        assert m.kernel_backends("cuda")["gated_deltanet"] == "triton"
-    else:
-        assert m.kernel_backends("cuda")["gated_deltanet"] == "torch"
-        with pytest.raises(ValueError, match=r"layer kind 'gated_deltanet'.*gated_delta_rule has only"):
-            _model("tiny_gated_deltanet", "model.kernel_backend=triton").kernel_backends("cuda")
-    assert m.kernel_backends("cpu")["gated_deltanet"] == "torch"

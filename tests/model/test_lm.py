@@ -5,32 +5,34 @@ import re
 import pytest
 import torch
 
+from tests.model.mixer_checks import preset_config, short_sections
 from ttt_lm.config import load_config
 from ttt_lm.info import param_counts
 from ttt_lm.model import LM, ModelConfig
-from ttt_lm.model.config import LAYER_KINDS
+from ttt_lm.model.registry import builtin_kinds, kinds_with
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+KINDS = builtin_kinds()
+#: the kind with attention over every earlier token, and the first one with a sliding window
+#: (KV exchange, not global): the layers each kind is stacked with
+GLOBAL = kinds_with(lambda c: c.global_attention, KINDS)[0]
+WINDOWED = kinds_with(lambda c: c.cp_form == "kv_exchange" and not c.global_attention, KINDS)[0]
 
 
 def tiny_lm(pattern, n_layers=None, dtype=torch.float64, **kw) -> LM:
+    """The LM of ``pattern`` with every section at its tiny sizes for n = 4 (``short_sections``:
+    chunks and mini-batches of 4, windows of 5)."""
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=61, d_model=32, n_heads=2, n_layers=n_layers or len(pattern),
                       layer_pattern=list(pattern), **kw)
-    cfg.attention.window = 5
-    cfg.ttt.mini_batch_size = 4
-    cfg.titans.chunk_size = 4
-    cfg.deltanet.chunk_size = 4
-    cfg.lact.chunk_size, cfg.lact.window, cfg.lact.num_heads = 4, 5, 2
-    cfg.mamba.chunk_size = 4
-    return LM(cfg).to(dtype)
+    return LM(short_sections(cfg, 4)).to(dtype)
 
 
-@pytest.mark.parametrize("kind", LAYER_KINDS)
+@pytest.mark.parametrize("kind", KINDS)
 def test_decode_matches_forward(kind):
     """Token-by-token decoding with caches gives the logits of one full forward pass, for a
-    stack of this mixer and attention (float64; rounding-level 1e-8)."""
-    m = tiny_lm([kind, "attention"]).eval()
+    stack of this mixer and global attention (float64; rounding-level 1e-8)."""
+    m = tiny_lm([kind, GLOBAL]).eval()
     ids = torch.randint(0, 61, (2, 13))
     with torch.no_grad():
         full = m(ids).logits
@@ -42,9 +44,9 @@ def test_decode_matches_forward(kind):
     torch.testing.assert_close(torch.stack(steps, 1), full, atol=1e-8, rtol=0)
 
 
-@pytest.mark.parametrize("kind", LAYER_KINDS)
+@pytest.mark.parametrize("kind", KINDS)
 def test_lm_causal_and_reference(kind):
-    m = tiny_lm([kind, "local_attention"]).eval()
+    m = tiny_lm([kind, WINDOWED]).eval()
     ids = torch.randint(0, 61, (1, 14))
     ids2 = ids.clone()
     ids2[:, 9:] = (ids2[:, 9:] + 1) % 61
@@ -57,7 +59,7 @@ def test_lm_causal_and_reference(kind):
 
 
 def test_generate_is_deterministic_and_greedy_matches_argmax():
-    m = tiny_lm(["attention", "local_attention"]).eval()
+    m = tiny_lm([GLOBAL, WINDOWED]).eval()
     p = torch.randint(0, 61, (2, 4))
     g = m.generate(p, 6, temperature=0)
     assert g.shape == (2, 10) and torch.equal(g[:, :4], p)
@@ -73,7 +75,7 @@ def test_generate_is_deterministic_and_greedy_matches_argmax():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("pattern", [["attention"], ["ttt_linear", "local_attention"]])
+@pytest.mark.parametrize("pattern", [[GLOBAL], list(preset_config().layer_pattern)], ids=["global", "preset"])
 def test_tiny_model_overfits_short_sequence(pattern):
     """A 2-layer model memorizes one 48-token sequence: loss falls from ≈ ln(61) ≈ 4.1 to < 0.3."""
     torch.manual_seed(0)
@@ -89,12 +91,16 @@ def test_tiny_model_overfits_short_sequence(pattern):
 
 
 def test_tied_embeddings_and_depth_scaled_init():
-    m = tiny_lm(["attention"], n_layers=8, dtype=torch.float32)
+    """Tied head; the mixer's projections N(0, 0.02), those into the residual stream
+    (``_is_residual_out``) N(0, 0.02/√(2·8)) (over 1k weights each: ±20% is ~10 standard errors)."""
+    m = tiny_lm([GLOBAL], n_layers=8, dtype=torch.float32)
     assert m.lm_head.weight is m.embed.weight
-    o = m.layers[0].mixer.o_proj.weight.std().item()
-    q = m.layers[0].mixer.q_proj.weight.std().item()
-    assert abs(q - 0.02) < 0.004 and abs(o - 0.02 / 4.0) < 0.001   # std / sqrt(2 * 8)
-    untied = LM(ModelConfig(vocab_size=61, d_model=32, n_heads=2, n_layers=1, layer_pattern=["attention"],
+    lin = [x for x in m.layers[0].mixer.modules() if isinstance(x, torch.nn.Linear) and x.weight.numel() >= 1024]
+    outs = [x.weight.std().item() for x in lin if getattr(x, "_is_residual_out", False)]
+    ins = [x.weight.std().item() for x in lin if not getattr(x, "_is_residual_out", False)]
+    assert outs and ins
+    assert all(abs(q - 0.02) < 0.004 for q in ins) and all(abs(o - 0.02 / 4.0) < 0.001 for o in outs), (ins, outs)
+    untied = LM(ModelConfig(vocab_size=61, d_model=32, n_heads=2, n_layers=1, layer_pattern=[GLOBAL],
                             tie_embeddings=False))
     assert untied.lm_head.weight is not untied.embed.weight
     assert untied.num_params() - untied.num_params(exclude_embeddings=True) == 2 * 61 * 32
@@ -112,11 +118,11 @@ def test_preset_parameter_count_within_5_percent(path):
     assert abs(n - nominal) / nominal < 0.05, f"{os.path.basename(path)}: {n / 1e6:.1f}M vs nominal {nominal / 1e6:.0f}M"
 
 
-@pytest.mark.parametrize("kind", LAYER_KINDS)
+@pytest.mark.parametrize("kind", KINDS)
 def test_reset_at_doc_boundaries_equals_separate_documents(kind):
     """With resets, a row packing documents [a | b | c] gives, on each document, the logits of that
     document run alone; without resets, later documents see earlier ones."""
-    m = tiny_lm([kind, "attention"], reset_at_doc_boundaries=True).eval()
+    m = tiny_lm([kind, GLOBAL], reset_at_doc_boundaries=True).eval()
     lens = [5, 7, 3]
     docs = [torch.randint(0, 61, (1, n)) for n in lens]
     ids = torch.cat(docs, 1)
@@ -130,7 +136,7 @@ def test_reset_at_doc_boundaries_equals_separate_documents(kind):
 
 
 def test_reset_needs_the_flag_and_refuses_states():
-    m = tiny_lm(["attention"]).eval()
+    m = tiny_lm([GLOBAL]).eval()
     ids = torch.randint(0, 61, (1, 8))
     pos = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]])
     with torch.no_grad():

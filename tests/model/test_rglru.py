@@ -378,3 +378,13 @@ def test_griffin_lm_position_ids_reach_the_rglru():
     torch.testing.assert_close(torch.stack(steps, 1), logits, atol=1e-10, rtol=0)
     torch.testing.assert_close(logits[1], plain[1], atol=1e-12, rtol=0)     # positions 0..T−1: no change
     assert (logits[0] - plain[0]).abs().max() > 1e-4                        # packed row: resets
+
+
+def test_rglru_runs_the_linear_scan_triton_kernel_on_cuda():
+    """kernels/linear_scan has a Triton kernel: auto and triton pick it on CUDA, CPU runs torch."""
+    from tests.model.mixer_checks import short_config
+    from ttt_lm.model.lm import LM
+    for backend in ("auto", "triton"):
+        m = LM(dataclasses.replace(short_config("rglru"), kernel_backend=backend))
+        assert m.kernel_backends("cuda") == {"rglru": "triton"}
+    assert LM(short_config("rglru")).kernel_backends("cpu") == {"rglru": "torch"}

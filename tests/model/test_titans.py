@@ -384,3 +384,30 @@ def test_mlp_memory_read_is_bounded_and_w2_step_orthogonal():
     assert step2.abs().max() > 1e-6
     inner = (step2 * M0[1]).sum(dim=(-1, -2))
     assert inner.abs().max() < 1e-10 * (step2.norm() * M0[1].norm())
+
+
+def test_titans_triton_kernel_covers_the_linear_memory_only():
+    """The Titans kernel covers the linear memory; the MLP memory runs torch under auto and
+    fails loudly under triton, from kernel_backends and from the chunked form on any device."""
+    from tests.model.mixer_checks import short_config
+    lin = short_config("titans")
+    lin.titans.memory = "linear"
+    assert LM(lin).kernel_backends("cuda") == {"titans": "triton"}
+    mlp = dataclasses.replace(short_config("titans"))
+    mlp.titans.memory = "mlp"
+    assert LM(mlp).kernel_backends("cuda") == {"titans": "torch"}
+    m = LM(dataclasses.replace(mlp, kernel_backend="triton"))
+    with pytest.raises(ValueError, match=r"layer kind 'titans' \(layer 0\).*linear memory"):
+        m.kernel_backends("cuda")
+    with pytest.raises(ValueError, match="linear memory"):
+        m(torch.zeros(1, 8, dtype=torch.long))
+
+
+def test_kernel_mixer_errors_name_the_config_key_and_the_reason():
+    m, _ = make_mixer("titans", titans={"memory": "mlp"})
+    m.kernel_backend = "triton"
+    with pytest.raises(ValueError, match=r"model.kernel_backend=triton: TitansMemory has no Triton kernel: "
+                                         r"titans: backend 'triton' was requested but is unavailable: .*linear memory"):
+        m.resolve_backend("cuda")
+    m.kernel_backend = "auto"
+    assert m.resolve_backend("cuda") is Backend.TORCH

@@ -179,3 +179,13 @@ def test_in_language_model_with_pre_conv():
     torch.testing.assert_close(a, b, atol=1e-9, rtol=0)  # float64 rounding
     torch.testing.assert_close(logits, a[:, 5], atol=1e-9, rtol=0)
     torch.testing.assert_close(logits2, a[:, 6], atol=1e-9, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["ttt_linear", "ttt_mlp"])
+def test_both_ttt_kinds_run_their_triton_kernel_on_cuda(kind):
+    """kernels/ttt has a Triton kernel for each inner model: auto and triton pick it on CUDA."""
+    from tests.model.mixer_checks import short_config
+    cfg = short_config(kind)
+    for backend in ("auto", "triton"):
+        cfg.kernel_backend = backend
+        assert LM(cfg).kernel_backends("cuda") == {kind: "triton"}

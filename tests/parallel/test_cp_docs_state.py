@@ -18,8 +18,8 @@ one-token documents (at a slice's last token: the state handed on is that of a o
 piece) and documents starting at the first token of a slice (6 with 2 ranks; 3, 6, 9 with 4);
 row 2 continues a document into the next slice and starts another inside it (with 4 ranks the
 state rank 1 hands on is its last piece's from a fresh state, not a continuation of the state it
-received); row 3 is one document. TTT's mini-batch and the Titans chunk are 4, so document and
-slice boundaries fall inside them. Only 4 ranks have a rank after a rank > 0 (the state
+received); row 3 is one document. The chunks and mini-batches of the state-passing kinds are 3
+and 4 (test_context_parallel's tiny model), so document and slice boundaries fall inside them. Only 4 ranks have a rank after a rank > 0 (the state
 such a rank hands on, after receiving one, is checked there).
 
 Each spawn takes ~25 s (2 ranks) and ~40 s (4 ranks) on 2 cores: the tests are marked slow.
@@ -45,6 +45,12 @@ POS = torch.tensor([[5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 8],
 B = POS.shape[0]
 #: every built-in kind that runs split across ranks by handing its state on (the registry's cp_form)
 STATE_PASSING_KINDS = [k for k in builtin_kinds() if mixer_class(k).cp_form == "state_passing"]
+#: (case name, kind, section settings): each state-passing kind, one case per entry of its class's
+#: ``variants`` (Titans' linear and MLP memories)
+MIXER_CASES = [(k if not v else f"{k}_{v}", k, dict(sub))
+               for k in STATE_PASSING_KINDS for v, sub in (mixer_class(k).variants.items() or [(None, {})])]
+#: the kind the pipelined, handed-on, block and refusal checks run: the last state-passing kind
+LAST = STATE_PASSING_KINDS[-1]
 
 
 #: every row restarts at every slice's first token (3, 6, 9): no row of a rank > 0 reads the state
@@ -83,12 +89,14 @@ def _compare(module, run_split, rank, world, seed, pos=POS):
     return max([err] + [_maxdiff(p.grad, ref[n]) for n, p in module.named_parameters() if n in ref])
 
 
-def check_mixer(kind, rank, world, chunks=1, pos=POS, **titans):
-    """One state-passing mixer (of a 1-layer LM, for its initialization) through ``cp_mixer``."""
+def check_mixer(kind, rank, world, chunks=1, pos=POS, **section):
+    """One state-passing mixer (of a 1-layer LM, for its initialization) through ``cp_mixer``;
+    ``section``: settings of the kind's config section (a variant)."""
     model = _tiny_lm([kind])
-    if titans:   # the same config with these Titans settings, the same seed on every rank
-        for k, v in titans.items():
-            setattr(model.cfg.titans, k, v)
+    if section:   # the same config with these settings, the same seed on every rank
+        sec = getattr(model.cfg, mixer_class(kind).config_section)
+        for k, v in section.items():
+            setattr(sec, k, v)
         torch.manual_seed(0)
         model = type(model)(model.cfg).to(torch.float64)
     mixer = model.layers[0].mixer
@@ -97,18 +105,18 @@ def check_mixer(kind, rank, world, chunks=1, pos=POS, **titans):
                     rank, world, seed=10, pos=pos)
 
 
-def check_block(rank, world, chunks=1):
-    """A TTT-Linear block with its pre-conv (a nested state: conv cache and TTT state) through
-    ``pass_state_forward``."""
-    block = _tiny_lm(["ttt_linear"], pre_conv=True).layers[0]
+def check_block(rank, world, chunks=1, model=None):
+    """A block (its state nested: the mixer's inside the block's) through ``pass_state_forward``;
+    ``model``: the 1-layer LM whose block it is (default: LAST's)."""
+    block = (model if model is not None else _tiny_lm([LAST])).layers[0]
     return _compare(block, lambda xr, docs: cp.pass_state_forward(block, xr, tag=4, chunks=chunks, docs=docs)[0],
                     rank, world, seed=11)
 
 
 def check_handed_on(rank, world):
     """The states a rank hands on (one per row) are those of the one-process run after its
-    slice: each row's last piece read alone (TTT-MLP: W1, W2 and the mini-batch phase)."""
-    mixer = _tiny_lm(["ttt_mlp"]).layers[0].mixer
+    slice: each row's last piece read alone (every tensor of the state, and its position)."""
+    mixer = _tiny_lm([LAST]).layers[0].mixer
     x = torch.randn(B, T, 16, generator=torch.Generator().manual_seed(12), dtype=torch.float64)
     docs, s, e = _slice_docs(rank, world)
     with torch.no_grad():
@@ -122,17 +130,20 @@ def check_handed_on(rank, world):
         begin = int(torch.nonzero(layout.starts[b, :e])[-1])     # the start of the piece holding e − 1
         with torch.no_grad():
             _, st = mixer(x[b:b + 1, begin:e], None, True)
-        err = max(err, _maxdiff(finals[b].W1, st.W1), _maxdiff(finals[b].W2, st.W2))
+        got, want = finals[b].named_tensors(), st.named_tensors()
+        if not want or [n for n, _ in got] != [n for n, _ in want]:
+            return float("inf")
+        err = max([err] + [_maxdiff(a, w) for (_, a), (_, w) in zip(got, want)])
         if finals[b].pos != st.pos:
             err = float("inf")
     return err
 
 
-def check_lm(rank, world, chunks):
-    """``context_parallel_forward`` of an LM whose blocks all pass their state (TTT with
-    pre-convs, Titans), with ``model.reset_at_doc_boundaries`` and the loader's positions, against
-    ``LM.forward(ids, position_ids=POS)``: loss, logits, every gradient."""
-    model = _tiny_lm(["ttt_mlp", "titans", "ttt_linear"], pre_conv=True)
+def check_lm(rank, world, chunks, model=None):
+    """``context_parallel_forward`` of an LM whose blocks all pass their state (default: one layer
+    of every state-passing kind), with ``model.reset_at_doc_boundaries`` and the loader's
+    positions, against ``LM.forward(ids, position_ids=POS)``: loss, logits, every gradient."""
+    model = model if model is not None else _tiny_lm(STATE_PASSING_KINDS)
     model.cfg.reset_at_doc_boundaries = True
     g = torch.Generator().manual_seed(13)
     ids = torch.randint(0, 61, (B, T), generator=g)
@@ -159,7 +170,7 @@ def check_bad_docs(rank, world):
     before any exchange, naming the problem."""
     if rank != 0:
         return 0.0
-    mixer = _tiny_lm(["ttt_linear"]).layers[0].mixer
+    mixer = _tiny_lm([LAST]).layers[0].mixer
     docs, s, e = _slice_docs(1, world)
     x = torch.zeros(B, e - s, 16, dtype=torch.float64)
     with pytest.raises(ValueError, match="rank 0's rows cannot continue a document of an earlier rank"):
@@ -168,12 +179,12 @@ def check_bad_docs(rank, world):
 
 
 def _checks(rank, world):
-    out = {f"mixer_{k}": (lambda kk: lambda: check_mixer(kk, rank, world))(k) for k in STATE_PASSING_KINDS}
-    out["mixer_titans_linear"] = lambda: check_mixer("titans", rank, world, memory="linear")
+    out = {f"mixer_{name}": (lambda kk, sub: lambda: check_mixer(kk, rank, world, **sub))(k, sub)
+           for name, k, sub in MIXER_CASES}
     # the row-group pipeline: 2 groups of 2 rows, each with its own SliceDocs
-    out["mixer_ttt_linear_chunks2"] = lambda: check_mixer("ttt_linear", rank, world, chunks=2)
-    out["mixer_ttt_mlp_at_slices"] = lambda: max(check_mixer("ttt_mlp", rank, world, pos=POS_AT_SLICES),
-                                                 check_mixer("ttt_mlp", rank, world, chunks=2, pos=POS_AT_SLICES))
+    out["mixer_pipelined_chunks2"] = lambda: check_mixer(LAST, rank, world, chunks=2)
+    out["mixer_at_slices"] = lambda: max(check_mixer(LAST, rank, world, pos=POS_AT_SLICES),
+                                         check_mixer(LAST, rank, world, chunks=2, pos=POS_AT_SLICES))
     out["block"] = lambda: check_block(rank, world)
     out["block_chunks2"] = lambda: check_block(rank, world, chunks=2)
     out["handed_on"] = lambda: check_handed_on(rank, world)
@@ -207,18 +218,19 @@ def test_positions_cover_the_cases():
 
 @pytest.mark.dist
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", STATE_PASSING_KINDS + ["titans_linear"])
-def test_state_passing_mixer_docs(results, kind):
-    """Every state-passing kind (and Titans with its linear memory) through ``cp_mixer`` with
-    packed documents: outputs, input and parameter gradients equal the one-process run."""
-    assert_within(results, "mixer_" + kind, TOL)
+@pytest.mark.parametrize("case", [name for name, _, _ in MIXER_CASES])
+def test_state_passing_mixer_docs(results, case):
+    """Every state-passing kind (each variant: Titans' linear and MLP memories) through
+    ``cp_mixer`` with packed documents: outputs, input and parameter gradients equal the
+    one-process run."""
+    assert_within(results, "mixer_" + case, TOL)
 
 
 @pytest.mark.dist
 @pytest.mark.slow
 def test_pipelined_mixer_docs(results):
-    """TTT-Linear pipelined over 2 row groups, each with its own rows' SliceDocs."""
-    assert_within(results, "mixer_ttt_linear_chunks2", TOL)
+    """The last state-passing kind pipelined over 2 row groups, each with its own rows' SliceDocs."""
+    assert_within(results, "mixer_pipelined_chunks2", TOL)
 
 
 @pytest.mark.dist
@@ -227,15 +239,15 @@ def test_no_row_continues(results):
     """Every row restarts at every slice's first token: no rank reads the state handed to it,
     and the zero gradient of that state still goes back to the rank that sent it (else that rank
     waits for it forever); one row group and two."""
-    assert_within(results, "mixer_ttt_mlp_at_slices", TOL)
+    assert_within(results, "mixer_at_slices", TOL)
 
 
 @pytest.mark.dist
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["block", "block_chunks2"])
 def test_block_docs(results, name):
-    """A TTT-Linear block with a pre-conv (its conv cache and TTT state handed on per row), in
-    one row group and in 2."""
+    """A block of the last state-passing kind (its state nested in the block's, handed on per
+    row), in one row group and in 2; TTT's block with its pre-conv: test_ttt_cp_docs.py."""
     assert_within(results, name, TOL)
 
 
@@ -250,7 +262,7 @@ def test_states_handed_on(results):
 @pytest.mark.dist
 @pytest.mark.slow
 def test_lm_docs_state_passing(results):
-    """``context_parallel_forward`` with document resets on an LM of state-passing blocks,
+    """``context_parallel_forward`` with document resets on an LM of every state-passing kind,
     pipelined over 2 row groups: loss, logits, gradients."""
     assert_within(results, "lm_chunks2", TOL)
 
@@ -264,6 +276,6 @@ def test_rank0_docs_checked(results):
 
 def test_docs_shape_checked():
     docs = cp.SliceDocs.of(DocLayout.build(POS), 0, T)
-    block = _tiny_lm(["ttt_linear"]).layers[0]
+    block = _tiny_lm([LAST]).layers[0]
     with pytest.raises(ValueError, match=r"docs \(SliceDocs\) cover \[B, T_r\] = \[4, 12\]"):
         cp.pass_state_forward(block, torch.zeros(B, T - 1, 16, dtype=torch.float64), docs=docs)

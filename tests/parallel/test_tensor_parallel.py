@@ -181,53 +181,52 @@ def check_sequence_collectives():
     close(rs, (x * sum(range(1, p + 1))).chunk(p, 1)[r], "reduce-scatter")
 
 
-def _tiny_cfg(pattern, d_ff, tie=True, kv=2, n_layers=2):
-    from ttt_lm.model.config import AttentionConfig, ModelConfig
-    return ModelConfig(vocab_size=32, d_model=16, n_layers=n_layers, n_heads=4, layer_pattern=list(pattern),
-                       d_ff=d_ff, tie_embeddings=tie, max_seq_len=64,
-                       attention=AttentionConfig(num_kv_heads=kv, window=3))
+def _tiny_cfg(d_ff, tie=True, n_layers=2):
+    """The default preset's hybrid (configs/tiny.yaml's pattern) at the tests' tiny sizes (n = 2:
+    windows of 3): the LM's own parallel pieces (embedding, tied or untied head, MLP, sequence
+    regions) are what is checked here; each kind's TP is test_tp_mixers.py's."""
+    from tests.model.mixer_checks import preset_config
+    return preset_config("tiny", 2, vocab_size=32, d_model=16, n_layers=n_layers, n_heads=4, d_ff=d_ff,
+                         tie_embeddings=tie, max_seq_len=64)
 
 
 def _lm_vs_single(cfg, sp, tp, data_seed=0, checkpointing=False):
-    # the structured init as it is: tied/untied heads and GQA are what is checked here
+    # the structured init as it is: tied/untied heads are what is checked here
     tp_lm_vs_single(cfg, _tp_group(tp), sp, close, T=8, n_masked=3, data_seed=data_seed, perturb=False,
                     checkpointing=checkpointing, nonzero_grads=False)
 
 
-def check_lm_attention(sp):
+def check_lm_no_mlp(sp):
     tie = not sp  # cover untied heads in one of the two runs
-    _lm_vs_single(_tiny_cfg(["attention", "local_attention"], d_ff=0, tie=tie), sp, dist.get_world_size())
+    _lm_vs_single(_tiny_cfg(d_ff=0, tie=tie), sp, dist.get_world_size())
 
 
 def check_lm_hybrid(sp):
-    _lm_vs_single(_tiny_cfg(["local_attention", "attention"], d_ff=24, kv=4), sp, dist.get_world_size(),
-                  checkpointing=sp)
+    _lm_vs_single(_tiny_cfg(d_ff=24), sp, dist.get_world_size(), checkpointing=sp)
 
 
 def check_refuses_other_mixers():
+    """A layer whose kind has no plan (the last built-in kind with its plan removed: every
+    built-in kind declares one) is refused, naming the kind and the TP-ready ones, and the model
+    is left as it was."""
+    from unittest import mock
+    from tests.model.mixer_checks import short_config
     from ttt_lm.model.lm import LM
+    from ttt_lm.model.registry import builtin_kinds, mixer_class
     from ttt_lm.parallel.tp_model import parallelize_tp
     groups = _tp_group(dist.get_world_size())
-    from unittest import mock
-    from ttt_lm.model.mixers import mixer_class
-    cfg = _tiny_cfg(["attention", "titans_mac"], d_ff=0)
-    m = LM(cfg)
-    # every built-in kind declares a plan: a mixer without one is titans_mac with its plan removed
+    first, last = builtin_kinds()[0], builtin_kinds()[-1]
+    m = LM(short_config([first, last], 2, vocab_size=32, n_heads=4, d_ff=0))
+    before = [(n, type(x)) for n, x in m.named_modules()]
     try:
-        with mock.patch.object(mixer_class("titans_mac"), "tp_plan", classmethod(lambda cls, cfg: None)):
+        with mock.patch.object(mixer_class(last), "tp_plan", classmethod(lambda cls, cfg: None)):
             parallelize_tp(m, groups)
     except ValueError as e:
-        assert "titans_mac" in str(e) and "attention" in str(e), str(e)
+        assert f"[{last!r}]" in str(e) and repr(first) in str(e), str(e)
     else:
-        raise AssertionError("a titans_mac layer must be refused")
-    assert type(m) is LM and isinstance(m.layers[0].mixer.q_proj, nn.Linear), "refusal must leave the model as it was"
-    bad = _tiny_cfg(["attention"], d_ff=0, kv=1)  # 1 KV head cannot be split over 2 ranks
-    try:
-        parallelize_tp(LM(bad), groups)
-    except ValueError as e:
-        assert "num_kv_heads=1" in str(e), str(e)
-    else:
-        raise AssertionError("num_kv_heads=1 with tensor_parallel=2 must be refused")
+        raise AssertionError(f"a {last} layer without a plan must be refused")
+    assert type(m) is LM and [(n, type(x)) for n, x in m.named_modules()] == before, \
+        "refusal must leave the model as it was"
 
 
 def check_groups_world4():
@@ -251,7 +250,7 @@ def check_groups_world4():
 def check_lm_tp2_dp2():
     """Two TP=2 replicas on 4 ranks, each with its own data: every replica equals its own single-rank run."""
     dp_rank = dist.get_rank() // 2
-    _lm_vs_single(_tiny_cfg(["attention"], d_ff=24), True, 2, data_seed=dp_rank)
+    _lm_vs_single(_tiny_cfg(d_ff=24), True, 2, data_seed=dp_rank)
 
 
 SUITES = {
@@ -260,7 +259,7 @@ SUITES = {
         ("row", check_row), ("row_sp", lambda: check_row(True)),
         ("embedding", check_embedding), ("embedding_sp", lambda: check_embedding(True)),
         ("cross_entropy", check_cross_entropy), ("sequence_collectives", check_sequence_collectives),
-        ("lm_attention", lambda: check_lm_attention(False)), ("lm_attention_sp", lambda: check_lm_attention(True)),
+        ("lm_no_mlp", lambda: check_lm_no_mlp(False)), ("lm_no_mlp_sp", lambda: check_lm_no_mlp(True)),
         ("lm_hybrid", lambda: check_lm_hybrid(False)), ("lm_hybrid_sp", lambda: check_lm_hybrid(True)),
         ("refuses", check_refuses_other_mixers),
     ],

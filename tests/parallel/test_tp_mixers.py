@@ -18,6 +18,7 @@ way moves channels between heads).
 """
 from __future__ import annotations
 
+import dataclasses
 
 import pytest
 import torch
@@ -35,27 +36,23 @@ def close(a, b, msg=""):
     torch.testing.assert_close(a, b, **TOL, msg=lambda m: f"{msg}: {m}")
 
 
-def _cfg(pattern, d_ff=0, titans_memory="linear"):
-    from ttt_lm.model.config import AttentionConfig, ModelConfig
-    cfg = ModelConfig(vocab_size=32, d_model=16, n_layers=len(pattern), n_heads=4, layer_pattern=list(pattern),
-                      d_ff=d_ff, tie_embeddings=True, max_seq_len=64,
-                      attention=AttentionConfig(num_kv_heads=2, window=3))
-    # chunks of 4 over 6 tokens: one full and one partial chunk in every chunked form
-    cfg.ttt.mini_batch_size = 4
-    cfg.deltanet.chunk_size = 4
-    # chunks of 2 over 6 tokens: two writes, so the momentum (zero before the first) reaches the output
-    cfg.lact.chunk_size, cfg.lact.window, cfg.lact.num_heads, cfg.lact.low_rank = 2, 3, 2, 2
-    cfg.lact.muon_dtype = "state"
-    cfg.gated_deltanet.chunk_size = 4
-    cfg.rglru.chunk_size = 4
-    cfg.mamba.chunk_size = 4
-    cfg.mamba.d_state = 4
-    cfg.titans.chunk_size = 4
-    cfg.titans.memory = titans_memory
-    cfg.titans.window = 3
-    cfg.titans.segment_len = 4  # titans_mac: one full and one partial segment over 6 tokens
-    cfg.titans.persistent_tokens = 2
-    return cfg
+#: the sections' tiny sizes (see _cfg), and those of the document-reset checks (see _checks)
+N = 4
+RESET_N = 2
+
+
+def _cfg(pattern, d_ff=0, n=N):
+    """The LM of ``pattern`` with every section at its tiny sizes for ``n`` = 4 (short_config:
+    chunks and mini-batches of 4, windows of 5, MAC segments of 6): over T = 10 tokens (even, for
+    sequence parallelism's two slices) every chunked form has full chunks and a partial one, MAC
+    a full segment and a partial one, and LaCT two writes, so the momentum (zero before the
+    first) reaches the output."""
+    from tests.model.mixer_checks import short_config
+    return short_config(pattern, n, vocab_size=32, n_heads=4, d_ff=d_ff, tie_embeddings=True, max_seq_len=64)
+
+
+#: tokens per row of the checks (see _cfg)
+T = 10
 
 
 _GROUPS = {}
@@ -73,7 +70,7 @@ def _lm_vs_single(cfg, sp, dp_rank=0, decode=True):
     to both); ``dp_rank`` picks the data-parallel replica's batch (each replica checks its own);
     ``decode=False`` leaves out decoding."""
     # heads or channels (dim 1) split by p; attention's k/v cache is checked by the decode itself
-    tp_lm_vs_single(cfg, _groups(), sp, close, data_seed=dp_rank, decode=decode,
+    tp_lm_vs_single(cfg, _groups(), sp, close, T=T, data_seed=dp_rank, decode=decode,
                     state_split=lambda blk, k, v: v.dim() >= 2 and k.split(".")[-1] not in ("k", "v"))
 
 
@@ -90,48 +87,34 @@ def check_fused_shards():
     assert not torch.equal(torch.cat(shards), w), "a plain concatenation would be wrong: the check needs it to be"
 
 
-def check_refusals():
-    """A head count the TP size does not divide is refused before any change."""
-    from ttt_lm.model.lm import LM
-    from ttt_lm.parallel.tp_model import parallelize_tp
-    bad = _cfg(["rglru"])
-    bad.rglru.num_heads = 1
-    m = LM(bad)
-    try:
-        parallelize_tp(m, _groups())
-    except ValueError as e:
-        assert "num_heads=1" in str(e), str(e)
-    else:
-        raise AssertionError("1 RG-LRU head block cannot be split over 2 ranks")
-    assert type(m) is LM and isinstance(m.layers[0].mixer.linear_x, torch.nn.Linear), "refusal must change nothing"
-
-
-def _resets(pattern, **kw):
-    """The config with ``model.reset_at_doc_boundaries``: every layer restarts at each document start
+def _resets(cfg):
+    """``cfg`` with ``model.reset_at_doc_boundaries``: every layer restarts at each document start
     of the packed rows (the LM's per-document path, through the TP layers)."""
-    cfg = _cfg(pattern, **kw)
-    cfg.reset_at_doc_boundaries = True
-    return cfg
+    return dataclasses.replace(cfg, reset_at_doc_boundaries=True)
 
 
 def _checks():
-    """Per TP-ready kind of the registry (``tp_ready_kinds``): the packed rows' positions with and
-    without sequence parallelism, and with document resets (no sequence parallelism, which refuses
-    them); the Titans MLP memory; every kind in one model."""
-    out = [("fused_shards", check_fused_shards), ("refusals", check_refusals)]
-    for kind in KINDS:
+    """Per TP-ready kind of the registry (``tp_ready_kinds``), one case per entry of its class's
+    ``variants`` (Titans' linear and MLP memories): the packed rows' positions with and without
+    sequence parallelism, and with document resets (no sequence parallelism, which refuses them);
+    every kind in one model. With resets the documents are 1 to 5 tokens long, so those checks
+    take the sizes for n = 2 (RESET_N): chunks of 2, and a 5-token document gives LaCT the two
+    writes that reach its momentum. Each kind's own settings are checked in test_<kind>_tp.py."""
+    from tests.model.mixer_checks import short_cases
+    kw = dict(vocab_size=32, n_heads=4, d_ff=24, tie_embeddings=True, max_seq_len=64)
+    out = [("fused_shards", check_fused_shards)]
+    for (kind, variant, cfg), (_, _, short) in zip(short_cases(N, **kw), short_cases(RESET_N, **kw)):
+        if kind not in KINDS:
+            continue
+        name = kind if variant is None else f"{kind}_{variant}"
         for sp in (False, True):
-            out.append((f"{kind}{'_sp' if sp else ''}", lambda k=kind, s=sp: _lm_vs_single(_cfg([k], d_ff=24), s)))
+            out.append((f"{name}{'_sp' if sp else ''}", lambda c=cfg, s=sp: _lm_vs_single(c, s)))
         # decoding has no document layout: checked above
-        out.append((f"{kind}_resets", lambda k=kind: _lm_vs_single(_resets([k], d_ff=24), False, decode=False)))
-    out.append(("titans_mlp_memory_sp", lambda: _lm_vs_single(_cfg(["titans"], titans_memory="mlp"), True)))
-    out.append(("titans_mac_mlp_memory_sp", lambda: _lm_vs_single(_cfg(["titans_mac"], titans_memory="mlp"), True)))
-    # the MLP memory's norm gains (_no_weight_decay) are head parameters: their slices keep the flag
-    out.append(("titans_mac_mlp_memory_resets",
-                lambda: _lm_vs_single(_resets(["titans_mac"], titans_memory="mlp"), False, decode=False)))
+        out.append((f"{name}_resets", lambda c=short: _lm_vs_single(_resets(c), False, decode=False)))
     out.append(("hybrid", lambda: _lm_vs_single(_cfg(HYBRID, d_ff=24), False)))
     out.append(("hybrid_sp", lambda: _lm_vs_single(_cfg(HYBRID, d_ff=24), True)))
-    out.append(("hybrid_resets", lambda: _lm_vs_single(_resets(HYBRID, d_ff=24), False, decode=False)))
+    out.append(("hybrid_resets",
+                lambda: _lm_vs_single(_resets(_cfg(HYBRID, d_ff=24, n=RESET_N)), False, decode=False)))
     return out
 
 
@@ -144,6 +127,21 @@ def _tp_ready_kinds():
 KINDS = _tp_ready_kinds()
 #: every TP-ready kind in one model
 HYBRID = KINDS
+
+
+def _cp_pattern():
+    """The first TP-ready kind of each context-parallel form, then those that read segment
+    positions: one model holding every way the CP ranks pass state."""
+    from ttt_lm.model.registry import kinds_with, mixer_class
+    first = {}
+    for k in KINDS:
+        first.setdefault(mixer_class(k).cp_form, k)
+    return list(first.values()) + [k for k in kinds_with(lambda c: c.takes_segment_pos, KINDS)
+                                   if k not in first.values()]
+
+
+#: the CP=2 × TP=2 model
+CP_PATTERN = _cp_pattern()
 
 
 def check_hybrid_tp2_dp2():
@@ -167,7 +165,7 @@ def check_cp2_tp2_positions():
     from ttt_lm.parallel.tp_model import gather_tp_tensor, parallelize_tp
     assert dist.get_world_size() == 4
     groups = build_groups(tp_size=TP, cp_size=2)
-    cfg = _cfg(["rglru", "attention", "deltanet", "ttt_linear"], d_ff=24)
+    cfg = _cfg(CP_PATTERN, d_ff=24)
     torch.manual_seed(0)
     ref = LM(cfg).double()
     with torch.no_grad():

@@ -68,10 +68,9 @@ def check_layer_norm():
 
 
 def _cfg(pattern, d_ff=0, **ttt):
-    from ttt_lm.model.config import AttentionConfig, ModelConfig
+    from ttt_lm.model.config import ModelConfig
     cfg = ModelConfig(vocab_size=32, d_model=16, n_layers=2, n_heads=4, layer_pattern=list(pattern),
-                      d_ff=d_ff, tie_embeddings=True, max_seq_len=64,
-                      attention=AttentionConfig(num_kv_heads=2, window=3))
+                      d_ff=d_ff, tie_embeddings=True, max_seq_len=64)
     cfg.ttt.mini_batch_size = 4
     for k, v in ttt.items():
         setattr(cfg.ttt, k, v)
@@ -85,6 +84,18 @@ def _lm_vs_single(cfg, sp):
     from ttt_lm.model.mixers.ttt import _TTTBase
     # the TTT mixers' state: heads (dim 1) or conv channels (dim 1) split by p
     tp_lm_vs_single(cfg, _groups(), sp, close, state_split=lambda blk, k, v: isinstance(blk.mixer, _TTTBase))
+
+
+def _other_kind():
+    """The last built-in kind outside TTT's section."""
+    from ttt_lm.model.registry import builtin_kinds, mixer_class
+    return next(k for k in reversed(builtin_kinds()) if mixer_class(k).config_section != "ttt")
+
+
+def _global_attention():
+    """The built-in kind with attention over every earlier token."""
+    from ttt_lm.model.registry import builtin_kinds, kinds_with
+    return kinds_with(lambda c: c.global_attention, builtin_kinds())[0]
 
 
 def check_refusals():
@@ -101,20 +112,21 @@ def check_refusals():
     assert type(m) is LM, "refusal must leave the model as it was"
     from unittest import mock
     from ttt_lm.model.mixers import mixer_class
-    m = LM(_cfg(["ttt_mlp", "titans_mac"]))
-    try:  # every built-in kind declares a plan: titans_mac with its plan removed stands for one without
-        with mock.patch.object(mixer_class("titans_mac"), "tp_plan", classmethod(lambda cls, cfg: None)):
+    other = _other_kind()
+    m = LM(_cfg(["ttt_mlp", other]))
+    try:  # every built-in kind declares a plan: another kind with its plan removed stands for one without
+        with mock.patch.object(mixer_class(other), "tp_plan", classmethod(lambda cls, cfg: None)):
             parallelize_tp(m, groups)
     except ValueError as e:
-        assert "titans_mac" in str(e) and "ttt_mlp" in str(e), str(e)
+        assert f"[{other!r}]" in str(e) and "ttt_mlp" in str(e), str(e)
     else:
-        raise AssertionError("a titans_mac layer must be refused")
+        raise AssertionError(f"a {other} layer without a plan must be refused")
 
 
 CHECKS = [
     ("layer_norm", check_layer_norm),
-    ("linear_attention", lambda: _lm_vs_single(_cfg(["ttt_linear", "attention"], d_ff=24), False)),
-    ("linear_attention_sp", lambda: _lm_vs_single(_cfg(["ttt_linear", "attention"], d_ff=24), True)),
+    ("linear_attention", lambda: _lm_vs_single(_cfg(["ttt_linear", _global_attention()], d_ff=24), False)),
+    ("linear_attention_sp", lambda: _lm_vs_single(_cfg(["ttt_linear", _global_attention()], d_ff=24), True)),
     ("mlp_gate_shareqk", lambda: _lm_vs_single(_cfg(["ttt_mlp"], use_gate=True, share_qk=True), False)),
     ("mlp_gate_shareqk_sp", lambda: _lm_vs_single(_cfg(["ttt_mlp"], use_gate=True, share_qk=True), True)),
     ("mlp_plain_sp", lambda: _lm_vs_single(_cfg(["ttt_mlp"]), True)),

@@ -10,6 +10,7 @@ import pytest
 from ttt_lm.config import load_config
 from ttt_lm.info import param_counts
 from ttt_lm.model.flops import flops_per_token
+from ttt_lm.model.registry import builtin_kinds
 from ttt_lm.scaling import ladder as Lm
 from ttt_lm.train.config import TrainConfig
 from ttt_lm.train.engine import ParallelConfigError, resolve_grad_accum
@@ -27,16 +28,21 @@ def test_peak_lr_rule():
     assert 1.5e-3 > Lm.peak_lr(500e6) > 1.25e-3
 
 
-@pytest.mark.parametrize("overrides", [
-    ["model.d_model=96", "model.n_layers=12", "model.n_heads=3"],
-    ["model.layer_pattern=[ttt_linear,ttt_linear,ttt_linear,attention]", "model.d_model=64", "model.n_layers=12",
-     "model.n_heads=2"],
-    ["model.layer_pattern=[rglru,rglru,local_attention]", "model.d_model=64", "model.n_layers=9", "model.n_heads=2",
-     "model.attention.num_kv_heads=1"],
-])
+#: (preset, overrides): the default tiny model deeper and wider, the hybrid and Griffin presets
+#: (their own patterns: TTT-Linear ×3 + attention; RG-LRU ×2 + local MQA), and each built-in kind alone
+COUNT_CASES = [
+    ("tiny", ["model.d_model=96", "model.n_layers=12", "model.n_heads=3"]),
+    ("tiny_hybrid", ["model.d_model=64", "model.n_layers=12", "model.n_heads=2"]),
+    ("tiny_griffin", ["model.d_model=64", "model.n_layers=9", "model.n_heads=2"]),
+] + [("tiny", [f"model.layer_pattern=[{k}]", "model.d_model=64", "model.n_layers=4", "model.n_heads=2"])
+     for k in builtin_kinds()]
+
+
+@pytest.mark.parametrize("preset,overrides", COUNT_CASES,
+                         ids=["tiny", "tiny_hybrid", "tiny_griffin"] + list(builtin_kinds()))
 @pytest.mark.slow
-def test_counts_from_two_shallow_models_are_exact(overrides):
-    m = load_config(os.path.join(CONFIGS, "tiny.yaml"), overrides).model
+def test_counts_from_two_shallow_models_are_exact(preset, overrides):
+    m = load_config(os.path.join(CONFIGS, f"{preset}.yaml"), overrides).model
     assert Lm.counts(m) == param_counts(m)
     assert Lm.train_flops_per_token(m, 256) == pytest.approx(flops_per_token(m, 256)["train"], rel=1e-12)
 
@@ -63,17 +69,20 @@ def test_shape_rule():
         Lm.shape_for(fam, 10.0)
 
 
-def test_mixer_sections_scale_with_the_width():
-    """Sections whose sizes follow the width say how (their ``scaled``): GQA keeps its query heads
-    per KV head, an explicit RG-LRU width grows with d_model (to a multiple of the head width) and
-    its gate blocks follow the heads; a section without ``scaled`` is copied."""
+def test_sections_without_scaled_are_copied():
+    """A section whose sizes do not follow the width (no ``scaled``) is copied into the widened
+    model as the family has it (here every section at its tiny sizes, away from its defaults);
+    those with ``scaled`` are checked in their kinds' files (test_attention_scaled.py,
+    test_rglru_scaled.py)."""
+    from tests.model.mixer_checks import short_sections
     from ttt_lm.model.config import ModelConfig
-    fam = ModelConfig(d_model=128, n_heads=4, n_layers=3, layer_pattern=["rglru", "rglru", "attention"])
-    fam.attention.num_kv_heads, fam.rglru.lru_width, fam.rglru.num_heads, fam.mamba.d_state = 2, 192, 4, 8
+    fam = short_sections(ModelConfig(d_model=128, n_heads=4, n_layers=3, layer_pattern=[builtin_kinds()[0]]), 3)
     m = Lm.shaped(fam, 6, 64, 64)   # d_model 384, 6 heads of 64
     assert (m.d_model, m.n_heads) == (384, 6)
-    assert m.attention.num_kv_heads == 3 and (m.rglru.lru_width, m.rglru.num_heads) == (576, 6)
-    assert m.mamba == fam.mamba and (fam.attention.num_kv_heads, fam.rglru.lru_width) == (2, 192)
+    copied = [n for n, sec in fam.sections().items() if not callable(getattr(sec, "scaled", None))]
+    assert copied and len(copied) < len(fam.sections())
+    for n in copied:
+        assert getattr(m, n) == getattr(fam, n), n
 
 
 TINY = ["model.vocab_size=512", "data.seq_len=64", "train.micro_batch_size=4"]
