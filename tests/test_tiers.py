@@ -41,9 +41,8 @@ def test_a_test_counts_to_the_longest_kind_its_id_names():
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     from conftest import _kinds_in
 
-    kinds = ("deltanet", "gated_deltanet", "ttt_linear", "ttt_mlp", "attention", "local_attention")
-    assert _kinds_in("tests/kernels/test_gated_deltanet.py::test_x", kinds) == ["gated_deltanet"]
-    assert _kinds_in("tests/model/test_x.py::test_y[deltanet-ttt_mlp]", kinds) == ["deltanet", "ttt_mlp"]
-    assert _kinds_in("tests/model/test_window.py::test_local_attention_and_attention", kinds) == \
-        ["attention", "local_attention"]
+    kinds = ("rnn", "gated_rnn", "memory_a", "memory_b", "attn", "local_attn")     # any names
+    assert _kinds_in("tests/kernels/test_gated_rnn.py::test_x", kinds) == ["gated_rnn"]
+    assert _kinds_in("tests/model/test_x.py::test_y[rnn-memory_b]", kinds) == ["memory_b", "rnn"]
+    assert _kinds_in("tests/model/test_window.py::test_local_attn_and_attn", kinds) == ["attn", "local_attn"]
     assert _kinds_in("tests/test_config.py::test_z", kinds) == []
