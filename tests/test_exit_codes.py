@@ -55,6 +55,11 @@ def _submit(argv):
     return _script_main("slurm/submit.py", "submit_script").main(argv)
 
 
+def _prepare(argv):
+    from ttt_lm.data.prepare import main
+    return main(argv)
+
+
 def _scaling(argv):
     from ttt_lm.scaling.__main__ import main
     return main(argv)
@@ -72,6 +77,7 @@ CASES = [
     ("python train.py", _train, ["{m}.yaml"], "not found"),
     ("python slurm/submit.py", _submit, ["train", "{m}.yaml", "--dry-run"], "not found"),
     ("python -m ttt_lm.scaling", _scaling, ["fit", "{m}.csv"], "{m}.csv"),
+    ("python -m ttt_lm.data.prepare", _prepare, ["--input", "{m}.txt", "--output", "{m}_out"], "{m}.txt"),
 ]
 
 
@@ -93,3 +99,19 @@ def test_usage_errors_are_2_too(main, capsys):
         main(["--no-such-option"])
     assert e.value.code == 2
     assert "usage:" in capsys.readouterr().err
+
+
+def test_train_refusing_a_checkpoint_exits_2_and_a_data_error_1(monkeypatch, capsys):
+    """A checkpoint the resume refuses is refused input (2); a data error may arise mid-run,
+    while working (1, the one exception docs/limitations.md names)."""
+    import ttt_lm.train.trainer as tr
+    from ttt_lm.data.errors import DataError
+
+    for exc, code in ((tr.CheckpointError("checkpoint runs/x/step_4 fails its digest"), 2),
+                      (DataError("shard data/x/train-00001.bin is cut short"), 1)):
+        def refuse(cfg, *a, _e=exc, **kw):
+            raise _e
+        monkeypatch.setattr(tr, "train", refuse)
+        assert tr.main([str(ROOT / "configs" / "tiny.yaml")]) == code
+        err = capsys.readouterr().err
+        assert [ln for ln in err.splitlines() if ln.strip()] == [f"error: {exc}"], err

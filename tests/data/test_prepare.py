@@ -99,7 +99,7 @@ def test_cli(tmp_path):
     man = load_manifest(out)
     assert man["tokenizer_type"] == "unigram" and man["vocab_size"] == 300
     assert man["splits"]["val"]["documents"] == 2
-    assert main(args) == 1  # refuses to overwrite prepared data
+    assert main(args) == 2  # refuses to overwrite prepared data (refused input: 2)
     assert main(args + ["--overwrite"]) == 0
 
 
@@ -142,7 +142,7 @@ def test_prepare_never_deletes_what_it_did_not_write(tmp_path):
                                             r"notes.txt, old.tar"):
             prepare([raw], str(out), vocab_size=300, shard_tokens=500, workers=1, progress=False,
                     overwrite=bool(extra))
-        assert main(args + extra) == 1
+        assert main(args + extra) == 2
     assert sorted(os.listdir(out)) == ["notes.txt", "old.tar"]
     # into a prepared directory (with --overwrite) it replaces its own files and keeps the others
     out2 = tmp_path / "out2"

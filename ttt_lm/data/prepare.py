@@ -277,9 +277,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 val_fraction=args.val_fraction, workers=args.workers,
                 tokenizer_train_bytes=args.tokenizer_train_bytes, character_coverage=args.character_coverage,
                 overwrite=args.overwrite, progress=not args.no_progress)
-    except (DataError, ValueError) as e:
+    except (DataError, ValueError) as e:   # refused input: exit status 2 (README, "Exit status")
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return 2
     return 0
 
 
