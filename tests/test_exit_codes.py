@@ -101,17 +101,18 @@ def test_usage_errors_are_2_too(main, capsys):
     assert "usage:" in capsys.readouterr().err
 
 
-def test_train_refusing_a_checkpoint_exits_2_and_a_data_error_1(monkeypatch, capsys):
-    """A checkpoint the resume refuses is refused input (2); a data error may arise mid-run,
-    while working (1, the one exception docs/limitations.md names)."""
+def test_train_exits_1_on_a_checkpoint_or_data_error(monkeypatch, capsys):
+    """train.py's one exception to the convention (docs/limitations.md): a checkpoint or data
+    error may arise while working (a full disk at a save, a shard cut short mid-run) as well as
+    at startup, and exits 1 with one line either way."""
     import ttt_lm.train.trainer as tr
     from ttt_lm.data.errors import DataError
 
-    for exc, code in ((tr.CheckpointError("checkpoint runs/x/step_4 fails its digest"), 2),
-                      (DataError("shard data/x/train-00001.bin is cut short"), 1)):
-        def refuse(cfg, *a, _e=exc, **kw):
+    for exc in (tr.CheckpointError("no space left on the device for checkpoint runs/x/step_4"),
+                DataError("shard data/x/train-00001.bin is cut short")):
+        def fail(cfg, *a, _e=exc, **kw):
             raise _e
-        monkeypatch.setattr(tr, "train", refuse)
-        assert tr.main([str(ROOT / "configs" / "tiny.yaml")]) == code
+        monkeypatch.setattr(tr, "train", fail)
+        assert tr.main([str(ROOT / "configs" / "tiny.yaml")]) == 1
         err = capsys.readouterr().err
         assert [ln for ln in err.splitlines() if ln.strip()] == [f"error: {exc}"], err

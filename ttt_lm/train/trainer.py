@@ -114,9 +114,10 @@ def main(argv: Optional[Sequence[str]] = None, data_api=None, preempt: Optional[
             # on a line of its own: a run that fails mid-way has a progress bar on the last line
             print(f"{chr(10) if isinstance(e, (DataError, NonFiniteLossError)) else ''}error: {e}", file=sys.stderr,
                   flush=True)
-        # refused input (a config, a checkpoint the resume refuses): 2; a data error or a
-        # non-finite loss may arise mid-run, while working: 1 (README, "Exit status")
-        return 2 if isinstance(e, (ConfigError, ParallelConfigError, CheckpointError)) else 1
+        # refused input (a config): 2; a checkpoint or data error may arise while working (a full
+        # disk at a save, a shard cut short mid-run), and so may a non-finite loss: 1 (README,
+        # "Exit status"; docs/limitations.md)
+        return 2 if isinstance(e, (ConfigError, ParallelConfigError)) else 1
 
 
 def vocab_padding_note(model_vocab: int, tokenizer_vocab: int, data_path: str) -> str:
