@@ -33,6 +33,13 @@ def _env():
     return env
 
 
+def _run_code(code: str, timeout: float = 600) -> None:
+    """Run ``code`` in a process that compiles (no interpreter); it must print "ok" last."""
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                       timeout=timeout)
+    assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stdout[-2000:] + p.stderr[-3000:]
+
+
 def _run(*args, timeout=1200):
     return subprocess.run([sys.executable, "-m", "ttt_lm.launch_capture", *args], cwd=ROOT, env=_env(),
                           capture_output=True, text=True, timeout=timeout)
@@ -101,9 +108,7 @@ for preset in ("gdn_hybrid_125m", "tiny_griffin"):
     assert full and sorted(map(lc._key, full)) == sorted(map(lc._key, one)), preset
 print("ok")
 """
-    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(), capture_output=True, text=True,
-                       timeout=1200)
-    assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stdout[-2000:] + p.stderr[-3000:]
+    _run_code(code, timeout=1200)
 
 
 def _constexprs(rec):
@@ -179,9 +184,7 @@ except ValueError as e:
     assert "75" in str(e)
 print("ok")
 """
-    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(), capture_output=True, text=True,
-                       timeout=600)
-    assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stdout[-2000:] + p.stderr[-3000:]
+    _run_code(code, timeout=600)
 
 
 def test_the_gate_compiles_a_captured_case_as_recorded(gdn, tmp_path):
@@ -211,9 +214,7 @@ except ValueError as e:
     assert "captured for" in str(e)
 print("ok")
 """
-    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(), capture_output=True, text=True,
-                       timeout=600)
-    assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stdout[-2000:] + p.stderr[-3000:]
+    _run_code(code, timeout=600)
 
 
 ROW = {"status": "ok", "error": None, "compile_s": 1.0, "registers": 40, "stack": 0, "spill_stores": 0,
