@@ -1076,36 +1076,6 @@ _linear_fwd_op.register_autograd(_linear_backward_rule, setup_context=_linear_se
 
 
 # ---- public -------------------------------------------------------------------------------------
-def run_head_full_tail(XQ, XK, XV, eta, st: dict, bsz: int, keys, torch_part, kernel_part):
-    """One TTT call split at mini-batch boundaries (shared by TTT-Linear and TTT-MLP): the head
-    (completing a mini-batch begun in the state, pos > 0) and a trailing partial mini-batch through
-    ``torch_part(t0, t1, st) -> (out, st)``, the full mini-batches between them through
-    ``kernel_part([XQ, XK, XV, η] of those tokens, st) -> (out, final weights in the order of keys)``.
-    The kernel starts at a boundary, where the carried gradient sums are zero by construction.
-    Returns (out [B, H, T, d], final state)."""
-    T = XQ.shape[2]
-    outs, t = [], 0
-    if st["pos"] > 0 and T > 0:
-        t = min(bsz - st["pos"], T)
-        o, st = torch_part(0, t, st)
-        outs.append(o)
-    n_full = (T - t) // bsz * bsz
-    if n_full > 0:
-        sl = slice(t, t + n_full)
-        o, ws = kernel_part([x[:, :, sl].contiguous() for x in (XQ, XK, XV, eta)], st)
-        outs.append(o)
-        st = {}
-        for name, w in zip(keys, ws):
-            st[name], st["grad_" + name] = w, torch.zeros_like(w)
-        st["pos"] = 0
-        t += n_full
-    if t < T:
-        o, st = torch_part(t, T, st)
-        outs.append(o)
-    out = torch.cat(outs, dim=2) if len(outs) > 1 else (outs[0] if outs else XQ.clone())
-    return out, st
-
-
 def _linear_head(XQ, XK, XV, eta, token_idx, ln_weight, ln_bias, bsz: int, st: dict, n: int):
     """The head in the kernels: the first n = min(b − p, T) tokens, completing the mini-batch begun
     in the state ``st`` at pos = p > 0 with start weights θ_0 = (W1, b1) and carried sums
