@@ -288,7 +288,7 @@ def _mark(p: nn.Parameter, dim: int, stride: int = 1) -> nn.Parameter:
 def fused_parts(n: int, stride) -> list:
     """The sizes of the parts a fused dimension of size ``n`` concatenates: ``stride`` equal ones
     (an int, Megatron's partition_stride), or the sizes themselves (a sequence, for parts of
-    unequal sizes such as Mamba-2's [z | x | B | C | dt]; they must sum to n)."""
+    unequal sizes such as an SSM's fused [z | x | B | C | dt]; they must sum to n)."""
     if isinstance(stride, int):
         return [n // stride] * stride
     sizes = [int(k) for k in stride]

@@ -79,7 +79,8 @@ class Mamba2Config:
     d_state: int = option(128, ge=1)
     d_conv: int = option(4, ge=1)
     expand: int = option(2, ge=1)
-    headdim: int = option(64, ge=1)
+    # channels per head; None: mamba_ssm's 64, or d_ssm where that is narrower (the tests' tiny models)
+    headdim: Optional[int] = option(None, ge=1)
     ngroups: int = option(1, ge=1)
     d_ssm: Optional[int] = option(None, ge=1)   # channels of SSM (None = d_inner); the rest a gated MLP
     # tokens per chunk of the chunked (SSD) form: a power of two (the op's kernels tile by it)
@@ -111,10 +112,11 @@ class Mamba2Config:
         d_ssm = d_inner if self.d_ssm is None else self.d_ssm
         if d_ssm > d_inner:
             raise ValueError(f"model.mamba2.d_ssm={self.d_ssm} is more than d_inner = expand·d_model = {d_inner}")
-        if d_ssm % self.headdim:
+        p = head_width(self, d_ssm)
+        if d_ssm % p:
             raise ValueError(f"model.mamba2.headdim={self.headdim} must divide the SSM width d_ssm = {d_ssm} "
                              f"({'expand·d_model' if self.d_ssm is None else 'model.mamba2.d_ssm'})")
-        nheads = d_ssm // self.headdim
+        nheads = d_ssm // p
         if nheads % self.ngroups:
             raise ValueError(f"model.mamba2.ngroups={self.ngroups} must divide the number of heads "
                              f"d_ssm / headdim = {nheads}")
@@ -131,12 +133,22 @@ class Mamba2Config:
             raise ValueError(f"model.mamba2.dt_limit={lim} must be [lo, hi] with 0 <= lo < hi")
 
 
+#: mamba_ssm's ``headdim``
+DEFAULT_HEADDIM = 64
+
+
+def head_width(c: Mamba2Config, d_ssm: int) -> int:
+    """The channels per head p: ``headdim``, or when unset mamba_ssm's 64 (d_ssm if narrower)."""
+    return min(DEFAULT_HEADDIM, d_ssm) if c.headdim is None else c.headdim
+
+
 def dims(cfg):
-    """(d_inner, d_ssm, nheads, conv_dim) of ``cfg.mamba2`` for the ModelConfig ``cfg``."""
+    """(d_inner, d_ssm, nheads, conv_dim, headdim) of ``cfg.mamba2`` for the ModelConfig ``cfg``."""
     c = cfg.mamba2
     d_inner = c.expand * cfg.d_model
     d_ssm = d_inner if c.d_ssm is None else c.d_ssm
-    return d_inner, d_ssm, d_ssm // c.headdim, d_ssm + 2 * c.ngroups * c.d_state
+    p = head_width(c, d_ssm)
+    return d_inner, d_ssm, d_ssm // p, d_ssm + 2 * c.ngroups * c.d_state, p
 
 
 class GatedRMSNorm(nn.Module):
@@ -185,9 +197,9 @@ class Mamba2(Mixer):
         super().__init__()
         c = cfg.mamba2
         self.d_model = cfg.d_model
-        self.d_inner, self.d_ssm, self.nheads, self.conv_dim = dims(cfg)
+        self.d_inner, self.d_ssm, self.nheads, self.conv_dim, self.headdim = dims(cfg)
         self.d_mlp = self.d_inner - self.d_ssm
-        self.headdim, self.d_state, self.ngroups, self.d_conv = c.headdim, c.d_state, c.ngroups, c.d_conv
+        self.d_state, self.ngroups, self.d_conv = c.d_state, c.ngroups, c.d_conv
         self.chunk_size = c.chunk_size
         self.A_init_range, self.dt_limit = tuple(c.A_init_range), tuple(float(v) for v in c.dt_limit)
         self.dt_min, self.dt_max, self.dt_init_floor = c.dt_min, c.dt_max, c.dt_init_floor
@@ -229,7 +241,7 @@ class Mamba2(Mixer):
         group lies within one rank's heads when the TP size divides ngroups); out_proj by rows.
         None (no tensor parallelism) with an MLP branch (d_ssm < d_inner): out_proj's input
         [SiLU(z₀) x₀ | y] would need a split part by part on a row-parallel layer."""
-        d_inner, d_ssm, h, _ = dims(cfg)
+        d_inner, d_ssm, h, _, _ = dims(cfg)
         if d_ssm != d_inner:
             return None
         gn = cfg.mamba2.ngroups * cfg.mamba2.d_state
@@ -400,6 +412,6 @@ class Mamba2(Mixer):
         to its chunk's state and the entering state it reads (2pn each, per head). The decays'
         elementwise work, the conv, the norm and the gates are left out by convention."""
         c = cfg.mamba2
-        _, _, h, _ = dims(cfg)
+        _, _, h, _, p = dims(cfg)
         Q = min(c.chunk_size, max(seq_len, 1))
-        return float(c.ngroups * 2 * Q * c.d_state + h * (2 * Q * c.headdim + 4 * c.headdim * c.d_state))
+        return float(c.ngroups * 2 * Q * c.d_state + h * (2 * Q * p + 4 * p * c.d_state))
