@@ -42,10 +42,12 @@ Where mamba_ssm's code and the paper's text differ, this file follows the code:
   the layer: out_proj's input is not split by heads).
 
 Packed documents (``docs``): each document runs as if alone, from S = 0 and an empty conv cache.
-The conv's taps that would read the previous document are masked (``doc_conv``), and the op runs
-on the batch flattened to one row with the documents' ``cu_seqlens`` (both of its backends restart
-the scan inside, one call per layer); the reference form runs on the padded view (one document per
-row).
+The conv's taps that would read the previous document are masked (``masked_conv``), and the op runs
+on the batch flattened to one row with the documents' ``cu_seqlens`` (its backends restart the scan
+inside, one call per layer). The op's PyTorch form plans the sequences on the host (``cu_seqlens``
+from the layout's host lengths) but sizes a per-token index from lengths on the device, a read
+back off the CPU; there the chunked form runs on the padded view instead (one document per row,
+one call), as the reference form does everywhere.
 
 Context parallelism: S is affine in its initial state (a scalar transition exp(Σ_t Δ_t A) per head
 on each rank's slice), so the ranks combine chunk summaries (``cp_form = "summary"``, op ``ssd``);
@@ -308,7 +310,9 @@ class Mamba2(Mixer):
                    z=None if self.rmsnorm else heads(z), chunk_size=self.chunk_size, **self._delta_args(dt),
                    norm_z=z if self.rmsnorm else None, mlp=(z0, x0) if self.d_mlp else None)
         if docs is not None:
-            inp["cu_seqlens"] = docs.cu_seqlens
+            # on the device for a kernel; on the host for the PyTorch forms, which plan the pieces
+            # there (built from the layout's host lengths: no read back from the device)
+            inp["cu_seqlens"], inp["host_cu_seqlens"] = docs.cu_seqlens, docs.host_cu_seqlens
         pos0 = 0 if state is None else int(state.pos)
         return inp, (Mamba2State(conv=conv_cache, pos=pos0 + T) if output_state else None)
 
@@ -327,6 +331,8 @@ class Mamba2(Mixer):
             for k in ("x", "dt", "B", "C", "z"):
                 if args[k] is not None:
                     args[k] = args[k].reshape(1, Bt * T, *args[k].shape[2:])
+        if backend in (Backend.TORCH, Backend.REFERENCE):
+            cu = inp.get("host_cu_seqlens", cu)
         if backend == Backend.TORCH:
             y, fin = ssd_chunk_torch(**args, initial_state=initial_state, output_final_state=output_final_state,
                                      cu_seqlens=cu)
@@ -364,7 +370,12 @@ class Mamba2(Mixer):
         return self._run(x, state, output_state, Backend.REFERENCE)
 
     def chunked(self, x, state=None, output_state=False, docs=None):
-        return self._run(x, state, output_state, self._resolve_backend(x), docs)
+        backend = self._resolve_backend(x)
+        if docs is not None and backend == Backend.TORCH and x.device.type != "cpu":
+            # the op's PyTorch form sizes its per-token sequence index from the lengths on the
+            # device (a read back to the host): off the CPU the padded view, which reads nothing
+            return self.run_padded(self.chunked, x, docs)
+        return self._run(x, state, output_state, backend, docs)
 
     def triton_unavailable(self):
         if "triton" not in _ssd.BACKENDS:
