@@ -37,6 +37,8 @@ Where mamba_ssm's code and the paper's text differ, this file follows the code:
   d_ssm / ngroups channels, as here. ``rmsnorm=False`` gates after D inside the op, y ∘ SiLU(z),
   with no norm; ``norm_before_gate=True`` normalizes first, RMSNorm(y) ∘ SiLU(z).
 * D is one scalar per head in the paper; the code allows one per channel (``D_has_hdim``).
+* ``dt_limit``: mamba_ssm clamps Δ in its chunked kernels but not in ``step``; here every form
+  clamps, so that decoding equals the forward.
 * The paper's block has no MLP branch; the code's ``d_ssm`` < d_inner splits one off in_proj
   ([z₀ | x₀], SiLU(z₀) ∘ x₀ concatenated before out_proj), as here (tensor parallelism then refuses
   the layer: out_proj's input is not split by heads).
