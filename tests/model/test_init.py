@@ -66,7 +66,8 @@ def test_unknown_init_is_refused():
 PRESET_INIT = {"ttt_linear_": "ttt", "ttt_mlp_": "ttt", "tiny_ttt_": "ttt", "griffin_": "griffin",
                "hawk_": "griffin", "tiny_griffin": "griffin", "tiny_hawk": "griffin", "mamba_": "mamba",
                "tiny_mamba": "mamba", "lact_": "ttt", "tiny_lact": "ttt", "gated_deltanet_": "mamba",
-               "tiny_gated_deltanet": "mamba", "gdn_hybrid_": "mamba", "tiny_gdn_hybrid": "mamba"}
+               "tiny_gated_deltanet": "mamba", "gdn_hybrid_": "mamba", "tiny_gdn_hybrid": "mamba",
+               "mamba2_": "mamba"}
 
 
 @pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml"))),

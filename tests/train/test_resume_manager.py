@@ -268,6 +268,26 @@ def test_tp_slices_join_back_to_the_full_tensor(stride):
         reshard.tp_slice(full, 0, 0, 3)
 
 
+def test_tp_slices_of_unequal_fused_parts_join_back():
+    """A fused dimension of parts of unequal sizes (stride given as the sizes, ``fused_parts``):
+    rank r keeps its chunk of each part; the parallel model's ``_shard`` cuts the same slices and
+    ``join_shards`` inverts both; a part that the TP size does not divide is refused."""
+    from types import SimpleNamespace
+    from ttt_lm.parallel.tensor_parallel import _shard, join_shards
+    full = torch.arange(12 * 2, dtype=torch.float32).view(12, 2)
+    sizes = (4, 2, 6)
+    parts = [reshard.tp_slice(full, 0, r, 2, sizes) for r in range(2)]
+    assert parts[0][:, 0].tolist() == full[[0, 1, 4, 6, 7, 8], 0].tolist()
+    assert parts[1][:, 0].tolist() == full[[2, 3, 5, 9, 10, 11], 0].tolist()
+    assert torch.equal(join_shards(parts, 0, sizes), full)
+    assert not torch.equal(torch.cat(parts), full)
+    for r in range(2):
+        ctx = SimpleNamespace(rank=r, world_size=2)           # what _shard reads of a TPContext
+        assert torch.equal(_shard(full, 0, ctx, sizes), parts[r])
+    with pytest.raises(ck.CheckpointError, match=r"fused parts \[4, 2, 6\] is not divisible by tensor_parallel=4"):
+        reshard.tp_slice(full, 0, 0, 4, sizes)
+
+
 def test_consolidate_all_joins_tp_slices_by_partition_dims(tmp_path, monkeypatch):
     """Two TP ranks' consolidated states → the single-rank parameters (moments joined alike,
     replicated ones from rank 0) → cut again for another TP size, by the new model's marks."""

@@ -188,6 +188,13 @@ class DocLayout:
         end = torch.full((1,), B * T, dtype=begins.dtype, device=begins.device)
         return torch.cat([begins, end]).to(torch.int32)
 
+    @property
+    def host_cu_seqlens(self) -> torch.Tensor:
+        """``cu_seqlens`` as a CPU int32 tensor, from the host copy of the lengths (no device read
+        once the layout has them): for an op's PyTorch form that plans its pieces on the host."""
+        lens = self._host()[0]
+        return torch.cat([lens.new_zeros(1), lens.cumsum(0)]).to(torch.int32)
+
     def _doc_lengths(self):
         """(each token's document [B·T], its offset in it [B·T], each document's length [N]),
         computed once per batch for every view built from them."""

@@ -285,11 +285,32 @@ def _mark(p: nn.Parameter, dim: int, stride: int = 1) -> nn.Parameter:
     return p
 
 
-def _shard(w: torch.Tensor, dim: int, ctx: TPContext, stride: int = 1) -> torch.Tensor:
+def fused_parts(n: int, stride) -> list:
+    """The sizes of the parts a fused dimension of size ``n`` concatenates: ``stride`` equal ones
+    (an int, Megatron's partition_stride), or the sizes themselves (a sequence, for parts of
+    unequal sizes such as an SSM's fused [z | x | B | C | dt]; they must sum to n)."""
+    if isinstance(stride, int):
+        return [n // stride] * stride
+    sizes = [int(k) for k in stride]
+    if sum(sizes) != n:
+        raise ValueError(f"fused parts {sizes} sum to {sum(sizes)}, not to the dimension's size {n}")
+    return sizes
+
+
+def _shard(w: torch.Tensor, dim: int, ctx: TPContext, stride=1) -> torch.Tensor:
     """This rank's slice of ``w`` along ``dim``. With ``stride`` s > 1 the dimension is the
     concatenation of s equal parts (a fused [q | k | v] or [x | z]) and each part is split by
-    heads: the rank keeps chunks r, r + p, … of s·p (Megatron's partition_stride)."""
+    heads: the rank keeps chunks r, r + p, … of s·p (Megatron's partition_stride). ``stride`` may
+    also be the parts' sizes (``fused_parts``): each part is split in p, the rank keeps its chunk
+    of each."""
     n, p = w.shape[dim], ctx.world_size
+    if not isinstance(stride, int):
+        parts = fused_parts(n, stride)
+        if any(k % p for k in parts):
+            raise ValueError(f"dimension {dim} of fused parts {parts} is not divisible by tensor_parallel={p} "
+                             "part by part")
+        return torch.cat([t.chunk(p, dim=dim)[ctx.rank] for t in w.detach().split(parts, dim=dim)],
+                         dim=dim).clone()
     if n % (p * stride) != 0:
         raise ValueError(f"dimension {dim} of size {n} is not divisible by tensor_parallel={p}"
                          + (f" × {stride} fused parts" if stride > 1 else ""))
@@ -297,9 +318,13 @@ def _shard(w: torch.Tensor, dim: int, ctx: TPContext, stride: int = 1) -> torch.
     return torch.cat(chunks[ctx.rank::p], dim=dim).clone()
 
 
-def join_shards(shards, dim: int, stride: int = 1) -> torch.Tensor:
+def join_shards(shards, dim: int, stride=1) -> torch.Tensor:
     """The full tensor from every rank's ``_shard`` (in rank order): the inverse of ``_shard``."""
     p = len(shards)
+    if not isinstance(stride, int):
+        local = [k // p for k in fused_parts(sum(s.shape[dim] for s in shards), stride)]
+        parts = [s.split(local, dim=dim) for s in shards]
+        return torch.cat([parts[r][j] for j in range(len(local)) for r in range(p)], dim=dim)
     if stride == 1:
         return torch.cat(shards, dim=dim)
     parts = [s.chunk(stride, dim=dim) for s in shards]           # rank r: its chunk of each part
@@ -325,8 +350,9 @@ class ColumnParallelLinear(nn.Module):
         self.bias = _mark(nn.Parameter(torch.zeros(out_features // p, device=device, dtype=dtype)), 0) if bias else None
 
     @classmethod
-    def from_linear(cls, lin: nn.Linear, ctx: TPContext, stride: int = 1, **kw) -> "ColumnParallelLinear":
-        """``stride``: the output features concatenate that many parts, each split by heads."""
+    def from_linear(cls, lin: nn.Linear, ctx: TPContext, stride=1, **kw) -> "ColumnParallelLinear":
+        """``stride``: the output features concatenate that many parts (or parts of these sizes),
+        each split by heads."""
         m = cls(lin.in_features, lin.out_features, ctx, bias=lin.bias is not None,
                 device=lin.weight.device, dtype=lin.weight.dtype, **kw)
         with torch.no_grad():

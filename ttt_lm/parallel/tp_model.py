@@ -261,14 +261,27 @@ def _check_plan(i: int, mx: Mixer, plan: TPPlan, p: int) -> None:
     if missing:
         raise ValueError(f"{where} names attribute(s) the mixer does not have: {missing}")
     splittable = set(plan.column) | set(plan.channel_convs) | set(plan.head_params)
-    bad = [n for n, k in plan.fused if n not in splittable or not isinstance(k, int) or k < 1]
+    bad = [n for n, k in plan.fused if n not in splittable or not _part_spec_ok(k)]
     if bad:
         raise ValueError(f"{where}: fused names {bad}, which must be column, channel_convs or head_params "
-                         "entries with a positive part count")
+                         "entries with a positive part count or a tuple of positive part sizes")
+    for name, k in plan.fused:
+        if not isinstance(k, int):
+            bad_parts = [s for s in k if s % p]
+            if bad_parts:
+                raise ValueError(f"tensor_parallel={p} must divide every fused part {tuple(k)} of {name} "
+                                 f"of {where.split(':')[0]}")
     for name in plan.head_counts:
         n = _get(mx, name)
         if not isinstance(n, int) or n % p:
             raise ValueError(f"tensor_parallel={p} must divide {name}={n} of {where.split(':')[0]}")
+
+
+def _part_spec_ok(k) -> bool:
+    """A ``TPPlan.fused`` entry's parts: a positive count, or a tuple of positive sizes."""
+    if isinstance(k, int):
+        return k >= 1
+    return isinstance(k, (tuple, list)) and len(k) >= 1 and all(isinstance(s, int) and s >= 1 for s in k)
 
 
 def split_errors(cfg: ModelConfig, p: int) -> List[str]:
@@ -433,16 +446,17 @@ def partition_dims(model: nn.Module) -> Dict[str, Optional[object]]:
     out = {}
     for n, p in model.named_parameters(remove_duplicate=False):
         d, s = getattr(p, "partition_dim", None), getattr(p, "partition_stride", 1)
-        out[n] = d if d is None or s == 1 else [d, s]
+        out[n] = d if d is None or (isinstance(s, int) and s == 1) else [d, s if isinstance(s, int) else list(s)]
     return out
 
 
 def split_spec(spec) -> tuple:
-    """(dim, stride) of a ``partition_dims`` entry (an int or [dim, stride]); (None, 1) for None."""
+    """(dim, stride) of a ``partition_dims`` entry (an int or [dim, stride]; the stride an int or
+    the fused parts' sizes, ``fused_parts``); (None, 1) for None."""
     if spec is None or isinstance(spec, int):
         return spec, 1
     d, s = spec
-    return int(d), int(s)
+    return int(d), (int(s) if isinstance(s, int) else tuple(int(k) for k in s))
 
 
 def gather_tp_tensor(t: torch.Tensor, dim, group, stride: int = 1) -> torch.Tensor:
@@ -452,7 +466,7 @@ def gather_tp_tensor(t: torch.Tensor, dim, group, stride: int = 1) -> torch.Tens
         dim, stride = split_spec(dim)
     if dim is None:
         return t
-    if stride == 1:
+    if isinstance(stride, int) and stride == 1:
         return _all_gather(t.detach(), dim, group)
     w = torch.distributed.get_world_size(group)
     parts = [torch.empty_like(t.detach().contiguous()) for _ in range(w)]

@@ -168,7 +168,7 @@ State = MixerState
 #: how a mixer runs over a sequence split across context-parallel ranks (``Mixer.cp_form``)
 CP_FORMS = ("state_passing", "summary", "kv_exchange")
 #: the ``kernels/`` ops whose chunk summaries the context-parallel code can combine
-SUMMARY_OPS = ("linear_scan", "delta_rule", "gated_delta_rule", "selective_scan")
+SUMMARY_OPS = ("linear_scan", "delta_rule", "gated_delta_rule", "selective_scan", "ssd")
 #: the public stages a mixer with a parallel context-parallel form defines
 STAGES = ("inputs", "op", "output", "context_state")
 
@@ -197,7 +197,8 @@ class TPPlan:
       every head uses: replicated, their gradients summed across ranks.
     * ``fused``: (name, n) pairs for entries of ``column``, ``channel_convs`` or ``head_params``
       whose split dimension concatenates n equal parts (a fused [q | k | v] conv, Mamba's
-      [x | z] in_proj), each split by heads (Megatron's partition_stride).
+      [x | z] in_proj), each split by heads (Megatron's partition_stride); n may also be a tuple of
+      the parts' sizes, for parts of unequal sizes (Mamba-2's [z | x | B | C | dt] in_proj).
 
     * ``sequence_region``: replicated modules that run after the mixer's row-parallel outputs
       are summed (a combination of two branches, as Titans MAG's gate and W_O): every rank holds

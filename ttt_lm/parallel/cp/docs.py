@@ -67,6 +67,11 @@ class SliceDocs:
         over the slice flattened to one row [1, B·T_r]."""
         return self.local.cu_seqlens
 
+    @property
+    def host_cu_seqlens(self) -> torch.Tensor:
+        """``cu_seqlens`` as a CPU tensor (``DocLayout.host_cu_seqlens`` of the slice's pieces)."""
+        return self.local.host_cu_seqlens
+
     def rows(self, index: torch.Tensor) -> "SliceDocs":
         """These rows only (a pipeline group of the state-passing forms; ``seg_upto`` and the
         local layout taken for them)."""

@@ -18,6 +18,9 @@ combined initial state gives the outputs (``cp_summary``, ``SUMMARY_COMBINES``).
   S_t = α_t (I − β_t k_t k_tᵀ) S_{t−1} + β_t k_t v_tᵀ combines the same way, with
   P_r = Π_t α_t (I − β_t k_t k_tᵀ).
 
+  Mamba-2's SSD S_t = exp(Δ_t A) S_{t−1} + Δ_t x_t B_tᵀ has a scalar transition per head,
+  A_r = exp(A Σ_t Δ_t), and combines as the diagonal scans do (``_summary_ssd``).
+
 * Summaries with documents. The convolutions mask their taps by the global offset, the halo
   included: y_t = b + Σ_{j<w, j ≤ offset_t} W_j ⊙ x_{t−j}, x_{t−j} from the halo for t < j
   (``doc_conv`` with the cache), so an earlier document's inputs in the halo are dropped. The ops
@@ -268,9 +271,31 @@ def _summary_selective_scan(mixer, inp, group, backend, docs=None):
     return y
 
 
+def _summary_ssd(mixer, inp, group, backend, docs=None):
+    """Mamba-2's SSD (``kernels.ssd``: S_t = exp(Δ_t A) S_{t−1} + Δ_t x_t B_tᵀ per head): the
+    summary of a slice is its scalar transition per head, exp(A Σ_t Δ_t), and its final state from
+    zero; the exclusive scan over ranks is the diagonal one (``_diag_initial_state``) with the
+    transition broadcast over the state [p, n]; a second run of the op from the combined state gives
+    the outputs. With packed documents the op runs on the slice's own pieces (``inp["cu_seqlens"]``,
+    states per piece): the carried state is routed to each row's first piece and each row's final
+    state taken from its last (``_route_rows``, ``_rows_final``); a row with a start in the slice has
+    transition 0 (log −∞), so the state of earlier ranks stops at its first start."""
+    from kernels.ssd.reference import discretize
+    _, fin = mixer.op(inp, None, True, backend)
+    S_loc = fin if docs is None else _rows_final(docs, fin)
+    delta = discretize(inp["dt"], inp.get("dt_bias"), inp.get("dt_softplus", False), S_loc.dtype)
+    log_A = delta.sum(1) * inp["A"].to(S_loc.dtype)                   # [B, h]
+    if docs is not None:
+        log_A = log_A.masked_fill(docs.starts.any(1)[:, None], float("-inf"))
+    S_in = _diag_initial_state(log_A[..., None, None].expand_as(S_loc), S_loc, group)
+    y, _ = mixer.op(inp, S_in if docs is None else _route_rows(docs, S_in), False, backend)
+    return y
+
+
 #: ``Mixer.op_name`` → how the ranks combine that op's chunk summaries
 SUMMARY_COMBINES = {"linear_scan": _summary_linear_scan, "delta_rule": _summary_delta_rule,
-                    "gated_delta_rule": _summary_gated_delta_rule, "selective_scan": _summary_selective_scan}
+                    "gated_delta_rule": _summary_gated_delta_rule, "selective_scan": _summary_selective_scan,
+                    "ssd": _summary_ssd}
 
 
 def cp_summary(mixer, x, lengths, group=None, docs: Optional[SliceDocs] = None, **kw) -> torch.Tensor:

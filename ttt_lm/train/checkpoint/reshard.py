@@ -178,6 +178,13 @@ def tp_slice(full: torch.Tensor, dim, rank: int, size: int, stride: int = 1) -> 
     if dim is None or size == 1:
         return full
     n = full.shape[dim]
+    if not isinstance(stride, int):     # fused parts of these sizes: each split in size chunks
+        from ttt_lm.parallel.tensor_parallel import fused_parts
+        parts = fused_parts(n, stride)
+        if any(k % size for k in parts):
+            raise CheckpointError(f"dimension {dim} of fused parts {parts} is not divisible by "
+                                  f"tensor_parallel={size} part by part")
+        return torch.cat([t.chunk(size, dim=dim)[rank] for t in full.split(parts, dim=dim)], dim=dim).clone()
     if n % (size * stride):
         raise CheckpointError(f"dimension {dim} of size {n} is not divisible by tensor_parallel={size}"
                               + (f" × {stride} fused parts" if stride > 1 else ""))
