@@ -263,3 +263,34 @@ def test_packed_documents_equal_each_document_alone():
             for a, e in zip(starts, starts[1:]):
                 want[b, a:e] = m(x[b:b + 1, a:e])[0][0]
     torch.testing.assert_close(y, want, atol=1e-10, rtol=0)
+
+
+def test_state_is_affine_with_the_chunk_transition_of_the_summary_run():
+    """What the context-parallel summary rests on: run from [0, I] on the values [v, 0], KDA ends
+    in [S^loc, P] with P the slice's transition Π (I − β k kᵀ) Diag(α) [d_k, d_k], and from any S_in
+    the final state is P S_in + S^loc, the outputs those of the run from S_in (float64, 1e-12;
+    strong per-channel decay included)."""
+    from kernels.kda.torch_chunk import kda_chunk_torch
+    g = torch.Generator().manual_seed(3)
+    B, H, T, dk, dv = 2, 2, 11, 4, 3
+    q, k = (F.normalize(torch.randn(B, H, T, dk, generator=g, dtype=torch.float64), dim=-1) for _ in range(2))
+    v = torch.randn(B, H, T, dv, generator=g, dtype=torch.float64)
+    gate = -5 * torch.rand(B, H, T, dk, generator=g, dtype=torch.float64)
+    beta = torch.rand(B, H, T, generator=g, dtype=torch.float64)
+    S_in = torch.randn(B, H, dk, dv, generator=g, dtype=torch.float64)
+    eye = torch.eye(dk, dtype=torch.float64).expand(B, H, dk, dk)
+    init = torch.cat([torch.zeros(B, H, dk, dv, dtype=torch.float64), eye], -1)
+    _, fin = kda_chunk_torch(q, k, torch.cat([v, torch.zeros(B, H, T, dk, dtype=torch.float64)], -1), gate, beta,
+                             init, True, 4)
+    S_loc, P = fin[..., :dv], fin[..., dv:]
+    P_want = eye.clone()
+    for t in range(T):   # S_t = (I − β k kᵀ) Diag(α) S_{t−1}: the transition multiplies on the left
+        kt = k[:, :, t]
+        M = (torch.eye(dk, dtype=torch.float64) - beta[:, :, t, None, None] * kt[..., :, None] * kt[..., None, :])
+        P_want = M @ (gate[:, :, t].exp()[..., :, None] * P_want)
+    torch.testing.assert_close(P, P_want, atol=1e-12, rtol=0)
+    o, S_out = kda_chunk_torch(q, k, v, gate, beta, S_in, True, 4)
+    o_ref, S_ref = kda_reference(q, k, v, gate, beta, S_in, True)
+    torch.testing.assert_close(S_out, P @ S_in + S_loc, atol=1e-12, rtol=0)
+    torch.testing.assert_close(S_ref, S_out, atol=1e-12, rtol=0)
+    torch.testing.assert_close(o, o_ref, atol=1e-12, rtol=0)
