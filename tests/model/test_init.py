@@ -67,16 +67,16 @@ PRESET_INIT = {"ttt_linear_": "ttt", "ttt_mlp_": "ttt", "tiny_ttt_": "ttt", "gri
                "hawk_": "griffin", "tiny_griffin": "griffin", "tiny_hawk": "griffin", "mamba_": "mamba",
                "tiny_mamba": "mamba", "lact_": "ttt", "tiny_lact": "ttt", "gated_deltanet_": "mamba",
                "tiny_gated_deltanet": "mamba", "gdn_hybrid_": "mamba", "tiny_gdn_hybrid": "mamba",
-               "mamba2_": "mamba"}
+               "mamba2_": "mamba", "kda_": "ttt", "tiny_kda": "ttt"}
 
 
 @pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml"))),
                          ids=lambda p: os.path.basename(p))
 def test_presets_choose_their_official_init(path):
     """The paper presets use their architecture's official init (LaCT's official code: N(0, 0.02)
-    everywhere, the ``ttt`` scheme; Gated DeltaNet's hybrids too: the official hybrid code inits
-    every layer as mamba_ssm does); the others (TTT hybrids, the
-    Transformer, Titans, DeltaNet, the default tiny.yaml) keep gpt2."""
+    everywhere, the ``ttt`` scheme, as flash-linear-attention's KDA model and its 3:1 hybrids;
+    Gated DeltaNet's hybrids too: the official hybrid code inits every layer as mamba_ssm does);
+    the others (TTT hybrids, the Transformer, Titans, DeltaNet, the default tiny.yaml) keep gpt2."""
     name = os.path.basename(path)
     cfg = load_config(path)
     expected = next((v for k, v in PRESET_INIT.items() if name.startswith(k)), "gpt2")

@@ -168,7 +168,7 @@ State = MixerState
 #: how a mixer runs over a sequence split across context-parallel ranks (``Mixer.cp_form``)
 CP_FORMS = ("state_passing", "summary", "kv_exchange")
 #: the ``kernels/`` ops whose chunk summaries the context-parallel code can combine
-SUMMARY_OPS = ("linear_scan", "delta_rule", "gated_delta_rule", "selective_scan", "ssd")
+SUMMARY_OPS = ("linear_scan", "delta_rule", "gated_delta_rule", "kda", "selective_scan", "ssd")
 #: the public stages a mixer with a parallel context-parallel form defines
 STAGES = ("inputs", "op", "output", "context_state")
 

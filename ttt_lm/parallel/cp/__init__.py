@@ -21,11 +21,11 @@ from ttt_lm.parallel.cp.docs import SliceDocs, slice_docs
 from ttt_lm.parallel.cp.kv import cp_kv_exchange
 from ttt_lm.parallel.cp.lm import CP_FORMS, allreduce_gradients, block_scheme, context_parallel_forward, cp_mixer
 from ttt_lm.parallel.cp.pipeline import pass_state_forward
-from ttt_lm.parallel.cp.summary import (SUMMARY_COMBINES, cp_delta_rule, cp_gated_delta_rule, cp_linear_scan,
-                                        cp_summary, delta_rule_docs, selective_scan_docs)
+from ttt_lm.parallel.cp.summary import (SUMMARY_COMBINES, cp_delta_rule, cp_gated_delta_rule, cp_kda, cp_linear_scan,
+                                        cp_summary, delta_rule_docs, kda_docs, selective_scan_docs)
 
 __all__ = ["SliceDocs", "slice_docs", "gather_rows", "split_lengths", "gather_lengths", "all_gather", "all_gather_varlen", "halo",
-           "pass_state_forward", "wait_pending", "cp_linear_scan", "cp_delta_rule", "cp_gated_delta_rule", "cp_summary",
-           "delta_rule_docs", "selective_scan_docs",
+           "pass_state_forward", "wait_pending", "cp_linear_scan", "cp_delta_rule", "cp_gated_delta_rule", "cp_kda", "cp_summary",
+           "delta_rule_docs", "kda_docs", "selective_scan_docs",
            "cp_kv_exchange", "SUMMARY_COMBINES", "CP_FORMS", "cp_mixer", "block_scheme",
            "context_parallel_forward", "allreduce_gradients"]

@@ -16,7 +16,9 @@ combined initial state gives the outputs (``cp_summary``, ``SUMMARY_COMBINES``).
   exclusive scan S_in(r) = P_{r−1} S_in(r−1) + S^loc(r−1) runs over the gathered summaries; a
   second run from S_in(r) gives the outputs. The gated delta rule
   S_t = α_t (I − β_t k_t k_tᵀ) S_{t−1} + β_t k_t v_tᵀ combines the same way, with
-  P_r = Π_t α_t (I − β_t k_t k_tᵀ).
+  P_r = Π_t α_t (I − β_t k_t k_tᵀ), and KDA S_t = (I − β_t k_t k_tᵀ) Diag(α_t) S_{t−1} + β_t k_t v_tᵀ
+  (a decay per key channel) with P_r = Π_t (I − β_t k_t k_tᵀ) Diag(α_t), still a [d_k, d_k] matrix:
+  the same runs of [v, 0] from [0, I] and the same exclusive scan (``cp_kda``).
 
   Mamba-2's SSD S_t = exp(Δ_t A) S_{t−1} + Δ_t x_t B_tᵀ has a scalar transition per head,
   A_r = exp(A Σ_t Δ_t), and combines as the diagonal scans do (``_summary_ssd``).
@@ -47,8 +49,11 @@ import torch.nn.functional as F
 
 from kernels import delta_rule as _dr
 from kernels import gated_delta_rule as _gdr
+from kernels import kda as _kda
 from kernels.delta_rule.torch_chunk import delta_rule_chunk_torch
 from kernels.gated_delta_rule.torch_chunk import gated_delta_rule_chunk_torch
+from kernels.kda.reference import kda_reference
+from kernels.kda.torch_chunk import kda_chunk_torch
 from kernels.linear_scan import linear_scan, linear_scan_reset
 from kernels.selective_scan import selective_scan
 from kernels.selective_scan.torch_chunk import selective_scan_chunk
@@ -157,12 +162,39 @@ def _affine_summary_scan(fin: torch.Tensor, dv: int, group) -> torch.Tensor:
     return S_in
 
 
-def _summary_runs(q, k, v, beta, g, group, backend, chunk_size, docs):
-    """``cp_delta_rule`` / ``cp_gated_delta_rule`` (g None or the log decays)."""
+def kda_docs(q, k, v, g, beta, S0, docs: SliceDocs, backend: str = "torch", chunk_size: int = 64
+             ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """KDA (g [B, H, T_r, d_k] the per-channel log decays) over a slice of packed rows from the
+    per-row states S0, as ``delta_rule_docs``: "torch", the PyTorch chunked form with ``resets``;
+    "triton", the public entry's ``cu_seqlens`` path over the slice's pieces (``_route_rows``,
+    ``_rows_final``)."""
+    if _docs_backend("KDA", backend) == "torch":
+        return kda_chunk_torch(q, k, v, g, beta, S0, True, chunk_size, docs.starts)
+    o, fin = _kda.kda(*varlen_heads(q, k, v, g, beta), _route_rows(docs, S0), True, backend="triton",
+                      chunk_size=chunk_size, cu_seqlens=docs.cu_seqlens)
+    return unflatten_heads(o, q.shape[0]), _rows_final(docs, fin)
+
+
+def _kda_run(q, k, v, g, beta, S0, backend, chunk_size):
+    """KDA from S0 with its final state: the reference and PyTorch forms directly (the mixer's
+    gates hold their ranges by construction), another backend through the public entry."""
+    if backend == "reference":
+        return kda_reference(q, k, v, g, beta, S0, True)
+    if backend == "torch":
+        return kda_chunk_torch(q, k, v, g, beta, S0, True, chunk_size)
+    return _kda.kda(q, k, v, g, beta, S0, True, backend=str(backend), chunk_size=chunk_size)
+
+
+def _summary_runs(q, k, v, beta, g, group, backend, chunk_size, docs, per_channel: bool = False):
+    """``cp_delta_rule`` / ``cp_gated_delta_rule`` / ``cp_kda`` (g None, the log decays [B, H, T]
+    or, ``per_channel``, [B, H, T, d_k])."""
     B, H, T, dk = k.shape
     dv = v.shape[-1]
     sd = acc(v[:0]).dtype
-    if docs is not None:
+    if per_channel:
+        run = ((lambda vv, S0: kda_docs(q, k, vv, g, beta, S0, docs, backend, chunk_size)) if docs is not None
+               else (lambda vv, S0: _kda_run(q, k, vv, g, beta, S0, backend, chunk_size)))
+    elif docs is not None:
         run = lambda vv, S0: delta_rule_docs(q, k, vv, beta, S0, docs, backend, chunk_size, g)
     elif g is None:
         run = lambda vv, S0: _dr.delta_rule(q, k, vv, beta, S0, True, backend=backend, chunk_size=chunk_size)
@@ -201,6 +233,15 @@ def cp_gated_delta_rule(q, k, v, g, beta, group=None, backend: str = "torch", ch
     return _summary_runs(q, k, v, beta, g, group, backend, chunk_size, docs)
 
 
+def cp_kda(q, k, v, g, beta, group=None, backend: str = "torch", chunk_size: int = 64,
+           docs: Optional[SliceDocs] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``kernels.kda.kda`` over a sequence split along T across the group (q, k, g [B, H, T_r, d_k],
+    v [B, H, T_r, d_v], β [B, H, T_r]; the sequence starts from S = 0), by ``cp_delta_rule``'s
+    summaries with P_r = Π_t (I − β_t k_t k_tᵀ) Diag(α_t). Returns (o [B, H, T_r, d_v], the state
+    after this rank's slice [B, H, d_k, d_v]). ``docs``: as ``cp_delta_rule``'s (``kda_docs``)."""
+    return _summary_runs(q, k, v, beta, g, group, backend, chunk_size, docs, per_channel=True)
+
+
 # ---------------------------------------------------------------------------------------------
 # the mixer contract's parallel forms (ttt_lm.model.mixers.base: cp_form, the public stages)
 # ---------------------------------------------------------------------------------------------
@@ -223,6 +264,11 @@ def _summary_delta_rule(mixer, inp, group, backend, docs=None):
 def _summary_gated_delta_rule(mixer, inp, group, backend, docs=None):
     y, _ = cp_gated_delta_rule(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], group, backend,
                                inp["chunk_size"], docs)
+    return y
+
+
+def _summary_kda(mixer, inp, group, backend, docs=None):
+    y, _ = cp_kda(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], group, backend, inp["chunk_size"], docs)
     return y
 
 
@@ -294,8 +340,8 @@ def _summary_ssd(mixer, inp, group, backend, docs=None):
 
 #: ``Mixer.op_name`` → how the ranks combine that op's chunk summaries
 SUMMARY_COMBINES = {"linear_scan": _summary_linear_scan, "delta_rule": _summary_delta_rule,
-                    "gated_delta_rule": _summary_gated_delta_rule, "selective_scan": _summary_selective_scan,
-                    "ssd": _summary_ssd}
+                    "gated_delta_rule": _summary_gated_delta_rule, "kda": _summary_kda,
+                    "selective_scan": _summary_selective_scan, "ssd": _summary_ssd}
 
 
 def cp_summary(mixer, x, lengths, group=None, docs: Optional[SliceDocs] = None, **kw) -> torch.Tensor:
@@ -320,5 +366,5 @@ def cp_summary(mixer, x, lengths, group=None, docs: Optional[SliceDocs] = None, 
     return mixer.output(y, x)
 
 
-__all__ = ["cp_linear_scan", "cp_delta_rule", "cp_gated_delta_rule", "delta_rule_docs", "selective_scan_docs",
-           "SUMMARY_COMBINES", "cp_summary"]
+__all__ = ["cp_linear_scan", "cp_delta_rule", "cp_gated_delta_rule", "cp_kda", "delta_rule_docs", "kda_docs",
+           "selective_scan_docs", "SUMMARY_COMBINES", "cp_summary"]
