@@ -112,6 +112,21 @@ class Mamba2Config:
         return replace(self.short(n), headdim=8, d_state=8, ngroups=2)
 
     def validate(self, model) -> None:
+        if "mamba2" in model.layer_pattern:   # the widths are checked where the kind is used
+            self._validate_widths(model)
+        c = self.chunk_size
+        if c & (c - 1):
+            raise ValueError(f"model.mamba2.chunk_size={c} must be a power of two (the SSD kernels tile by it)")
+        r = list(self.A_init_range)
+        if len(r) != 2 or not 0 < r[0] <= r[1]:
+            raise ValueError(f"model.mamba2.A_init_range={r} must be [lo, hi] with 0 < lo <= hi")
+        if not self.dt_min <= self.dt_max:
+            raise ValueError(f"model.mamba2.dt_min={self.dt_min} must be <= model.mamba2.dt_max={self.dt_max}")
+        lim = list(self.dt_limit)
+        if len(lim) != 2 or not 0 <= lim[0] < lim[1]:
+            raise ValueError(f"model.mamba2.dt_limit={lim} must be [lo, hi] with 0 <= lo < hi")
+
+    def _validate_widths(self, model) -> None:
         d_inner = self.expand * model.d_model
         d_ssm = d_inner if self.d_ssm is None else self.d_ssm
         if d_ssm > d_inner:
@@ -124,17 +139,6 @@ class Mamba2Config:
         if nheads % self.ngroups:
             raise ValueError(f"model.mamba2.ngroups={self.ngroups} must divide the number of heads "
                              f"d_ssm / headdim = {nheads}")
-        c = self.chunk_size
-        if c & (c - 1):
-            raise ValueError(f"model.mamba2.chunk_size={c} must be a power of two (the SSD kernels tile by it)")
-        r = list(self.A_init_range)
-        if len(r) != 2 or not 0 < r[0] <= r[1]:
-            raise ValueError(f"model.mamba2.A_init_range={r} must be [lo, hi] with 0 < lo <= hi")
-        if not self.dt_min <= self.dt_max:
-            raise ValueError(f"model.mamba2.dt_min={self.dt_min} must be <= model.mamba2.dt_max={self.dt_max}")
-        lim = list(self.dt_limit)
-        if len(lim) != 2 or not 0 <= lim[0] < lim[1]:
-            raise ValueError(f"model.mamba2.dt_limit={lim} must be [lo, hi] with 0 <= lo < hi")
 
 
 #: mamba_ssm's ``headdim``
