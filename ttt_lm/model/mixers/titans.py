@@ -202,6 +202,8 @@ class TitansMemory(Mixer):
 
     #: the two memories as benchmark rows (titans_linear, titans_mlp)
     variants = {"linear": {"memory": "linear"}, "mlp": {"memory": "mlp"}}
+    #: (the linear memory's; the MLP memory runs PyTorch)
+    triton_custom_op = "kernels::titans_linear_fwd"
 
     def __init__(self, cfg, layer_idx: int):
         super().__init__()
