@@ -262,12 +262,17 @@ KERNEL_KINDS = kinds_with(lambda c: c.triton_custom_op is not None, builtin_kind
 BLOCKS = [k for k in KERNEL_KINDS if mixer_class(k).triton_custom_op not in SLOW_BLOCKS]
 
 
-def test_declared_custom_ops_are_the_captured_ones():
-    """Every ``triton_custom_op`` a mixer declares is one of the ops the opcheck test captures
-    (an op declared but not captured, or misspelt, would go untested)."""
+def test_declared_custom_ops_are_registered_ops():
+    """Every ``triton_custom_op`` a mixer declares is a ``kernels::`` custom op that kernels/
+    registers (a misspelt one would make the block test look for a node that never exists), and
+    so is every op the opcheck test captures."""
+    from kernels._launch_cache import _our_custom_ops
     assert BLOCKS, "no registered kind declares triton_custom_op"
-    declared = {_node(mixer_class(k).triton_custom_op) for k in KERNEL_KINDS}
-    assert declared <= set(CUSTOM_OPS), sorted(declared - set(CUSTOM_OPS))
+    ops = set(_our_custom_ops())
+    declared = {mixer_class(k).triton_custom_op for k in KERNEL_KINDS}
+    assert declared <= ops, sorted(declared - ops)
+    captured = {n.removesuffix(".default").replace(".", "::") for n in CUSTOM_OPS}
+    assert captured <= ops, sorted(captured - ops)
 
 
 def test_packed_sequences_compile_like_eager():
