@@ -336,7 +336,7 @@ def kda_bench(B: int, T: int, H: int, D: int, dtype: torch.dtype, device: str) -
     n = B * H * T * D * torch.finfo(dtype).bits // 8
     forms = {f: (lambda f=f: mod.kda(q, k, v, g, beta, backend=f)[:1]) for f in backend_forms(mod)}
     inputs = [q, k, v, g, beta]
-    fla = _fla_op("kda", "chunk_kda", device)
+    fla = _fla_op(mod.__name__.rsplit(".", 1)[1], "chunk_kda", device)   # fla.ops.kda, as our folder
     if fla is not None:
         fq, fk, fv, fg, fbeta = _bthd_leaves(q, k, v, g, beta)
         forms["fla chunk_kda"] = lambda: fla(fq, fk, fv, fg, fbeta, scale=1.0)[:1]
