@@ -18,11 +18,13 @@ peak, for every form.
 
 The forms of an op are the backends its module lists in ``BACKENDS`` (but the sequential
 reference), plus flash-linear-attention's kernel where that package imports (CUDA only). An op is
-added by registering a function that builds its inputs and forms; ``folder`` names the kernels/
-folder it measures, ``needs`` a module without which it is not registered:
+added by registering a function that builds its inputs and forms, named after the op's public
+function with ``_bench`` after it; the kernels/ folder it measures is the one of that name, else the
+one whose ``__init__.py`` defines that function (``kernels/ttt`` for ``ttt_mlp``); ``needs`` is a
+module without which it is not registered:
 
-    @register("my_op", folder="my_op", needs="kernels.my_op")
-    def my_op(B, T, H, D, dtype, device) -> Bench: ...
+    @register(needs="kernels.my_op")
+    def my_op_bench(B, T, H, D, dtype, device) -> Bench: ...
 
 ``--record-pass`` runs each non-PyTorch form once, forward and backward, untimed: the GPU
 campaign runs it with ``TTT_LM_RECORD_LAUNCHES`` to learn which Triton kernels to compile first.
@@ -34,6 +36,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import statistics
 import sys
 import time
@@ -76,17 +79,34 @@ FOLDERS: Dict[str, str] = {}
 KERNELS_DIR = Path(__file__).resolve().parents[1] / "kernels"
 
 
-def register(name: str, folder: Optional[str] = None, needs: Optional[str] = None):
-    """Register a benchmark of the op in ``kernels/<folder>`` (default: ``name``). ``needs``: a
-    module the benchmark imports; where it does not exist (an op not in this checkout) the
-    benchmark is not registered."""
+def register(needs: Optional[str] = None):
+    """Register the decorated ``<op>_bench`` as the benchmark of the op ``<op>``, measuring the
+    kernels/ folder :func:`op_folder` finds for it. ``needs``: a module the benchmark imports;
+    where it does not exist (an op not in this checkout) the benchmark is not registered."""
     def deco(fn):
         if needs is not None and not _exists(needs):
             return fn
+        if not fn.__name__.endswith("_bench"):
+            raise ValueError(f"benchmarks/kernels.py: a benchmark is named <op>_bench, got {fn.__name__!r}")
+        name = fn.__name__[: -len("_bench")]
         REGISTRY[name] = fn
-        FOLDERS[name] = folder or name
+        FOLDERS[name] = op_folder(name)
         return fn
     return deco
+
+
+def op_folder(op: str) -> str:
+    """The kernels/ folder of the op ``op``: ``kernels/<op>`` where it exists, else the one folder
+    whose ``__init__.py`` defines the public function ``op`` (``ttt_mlp`` in ``kernels/ttt``)."""
+    if (KERNELS_DIR / op / "__init__.py").exists():
+        return op
+    pat = re.compile(rf"^def {re.escape(op)}\(", re.M)
+    found = sorted(p.parent.name for p in KERNELS_DIR.glob("*/__init__.py")
+                   if pat.search(p.read_text(encoding="utf-8")))
+    if len(found) != 1:
+        raise ValueError(f"benchmarks/kernels.py: op {op!r} is defined by {len(found)} kernels/ folders "
+                         f"({found}); a benchmark measures one")
+    return found[0]
 
 
 def _exists(module: str) -> bool:
@@ -110,7 +130,7 @@ def backend_forms(module) -> List[str]:
 
 # ---- ops ---------------------------------------------------------------------------------------
 
-@register("linear_scan")
+@register()
 def linear_scan_bench(B: int, T: int, H: int, D: int, dtype: torch.dtype, device: str) -> Bench:
     """h_t = exp(log_a_t) ⊙ h_{t−1} + b_t over C = H·D channels (RG-LRU's recurrence width)."""
     from kernels.linear_scan import linear_scan
@@ -155,7 +175,7 @@ def _bthd_leaves(*ts):
     return [t.detach().transpose(1, 2).contiguous().requires_grad_() for t in ts]
 
 
-@register("delta_rule")
+@register()
 def delta_rule_bench(B: int, T: int, H: int, D: int, dtype: torch.dtype, device: str) -> Bench:
     """DeltaNet's S_t = S_{t−1} + β_t k_t (v_t − S_{t−1}ᵀ k_t)ᵀ, o_t = S_tᵀ q_t; L2-normalized q, k."""
     from kernels.delta_rule import delta_rule
@@ -173,7 +193,7 @@ def delta_rule_bench(B: int, T: int, H: int, D: int, dtype: torch.dtype, device:
     return Bench(inputs=inputs, forms=forms, min_bytes_fwd=4 * n, min_bytes_fwd_bwd=11 * n)
 
 
-@register("gated_delta_rule")
+@register()
 def gated_delta_rule_bench(B: int, T: int, H: int, D: int, dtype: torch.dtype, device: str) -> Bench:
     """Gated DeltaNet's S_t = α_t (I − β_t k_t k_tᵀ) S_{t−1} + β_t k_t v_tᵀ, o_t = S_tᵀ q_t,
     α_t = exp(g_t); L2-normalized q, k; d_v = d_k = D here (flash-linear-attention's
@@ -195,7 +215,7 @@ def gated_delta_rule_bench(B: int, T: int, H: int, D: int, dtype: torch.dtype, d
     return Bench(inputs=inputs, forms=forms, min_bytes_fwd=4 * n, min_bytes_fwd_bwd=11 * n)
 
 
-@register("titans_linear", folder="titans")
+@register()
 def titans_linear_bench(B: int, T: int, H: int, D: int, dtype: torch.dtype, device: str) -> Bench:
     """Titans' linear memory with momentum and forgetting, chunks of 64 tokens."""
     from kernels.titans import titans_linear
@@ -228,7 +248,7 @@ def _ttt_inputs(B, H, T, D, dtype, device, mlp: bool):
     return [q, k, v, eta, token_idx, ln_w, ln_b, *inner], b
 
 
-@register("ttt_linear", folder="ttt")
+@register()
 def ttt_linear_bench(B: int, T: int, H: int, D: int, dtype: torch.dtype, device: str) -> Bench:
     """TTT-Linear's dual form over mini-batches of 16, inner LayerNorm fused, per-head per-token η."""
     from kernels.ttt import ttt_linear
@@ -248,7 +268,7 @@ def ttt_linear_bench(B: int, T: int, H: int, D: int, dtype: torch.dtype, device:
     return Bench(inputs=inputs, forms=forms, min_bytes_fwd=4 * n, min_bytes_fwd_bwd=11 * n)
 
 
-@register("ttt_mlp", folder="ttt")
+@register()
 def ttt_mlp_bench(B: int, T: int, H: int, D: int, dtype: torch.dtype, device: str) -> Bench:
     """TTT-MLP's dual form (inner MLP D → 4D → D), mini-batches of 16."""
     from kernels.ttt import has_triton_backend, ttt_mlp
@@ -260,7 +280,7 @@ def ttt_mlp_bench(B: int, T: int, H: int, D: int, dtype: torch.dtype, device: st
                  min_bytes_fwd=4 * n, min_bytes_fwd_bwd=11 * n)
 
 
-@register("selective_scan")
+@register()
 def selective_scan_bench(B: int, T: int, H: int, D: int, dtype: torch.dtype, device: str) -> Bench:
     """Mamba's selective scan at the width of a model with d_model = H·D: d_inner = 2·H·D channels,
     state size N = 16, Δ = softplus(δ + b_Δ), D skip and SiLU(z) gate, tiles of 16 steps."""
@@ -282,7 +302,7 @@ def selective_scan_bench(B: int, T: int, H: int, D: int, dtype: torch.dtype, dev
     )
 
 
-@register("gated_delta_rule", needs="kernels.gated_delta_rule")
+@register(needs="kernels.gated_delta_rule")
 def gated_delta_rule_bench(B: int, T: int, H: int, D: int, dtype: torch.dtype, device: str) -> Bench:
     """Gated DeltaNet's S_t = α_t S_{t−1} + β_t k_t (v_t − α_t S_{t−1}ᵀ k_t)ᵀ, α_t = exp(g_t), L2-normalized
     q, k; every backend the op module lists, and flash-linear-attention's chunk_gated_delta_rule."""
@@ -303,7 +323,7 @@ def gated_delta_rule_bench(B: int, T: int, H: int, D: int, dtype: torch.dtype, d
     return Bench(inputs=inputs, forms=forms, min_bytes_fwd=4 * n, min_bytes_fwd_bwd=11 * n)
 
 
-@register("kda", needs="kernels.kda")
+@register(needs="kernels.kda")
 def kda_bench(B: int, T: int, H: int, D: int, dtype: torch.dtype, device: str) -> Bench:
     """KDA's S_t = (I − β_t k_t k_tᵀ) Diag(exp(g_t)) S_{t−1} + β_t k_t v_tᵀ with a per-channel log
     decay g [B, H, T, D] (a gate near Kimi Linear's initial range); L2-normalized q, k; every
@@ -316,7 +336,7 @@ def kda_bench(B: int, T: int, H: int, D: int, dtype: torch.dtype, device: str) -
     n = B * H * T * D * torch.finfo(dtype).bits // 8
     forms = {f: (lambda f=f: mod.kda(q, k, v, g, beta, backend=f)[:1]) for f in backend_forms(mod)}
     inputs = [q, k, v, g, beta]
-    fla = _fla_op("kda", "chunk_kda", device)
+    fla = _fla_op(mod.__name__.rsplit(".", 1)[1], "chunk_kda", device)   # fla.ops.kda, as our folder
     if fla is not None:
         fq, fk, fv, fg, fbeta = _bthd_leaves(q, k, v, g, beta)
         forms["fla chunk_kda"] = lambda: fla(fq, fk, fv, fg, fbeta, scale=1.0)[:1]
@@ -324,7 +344,7 @@ def kda_bench(B: int, T: int, H: int, D: int, dtype: torch.dtype, device: str) -
     return Bench(inputs=inputs, forms=forms, min_bytes_fwd=5 * n, min_bytes_fwd_bwd=13 * n)
 
 
-@register("ssd", needs="kernels.ssd")
+@register(needs="kernels.ssd")
 def ssd_bench(B: int, T: int, H: int, D: int, dtype: torch.dtype, device: str) -> Bench:
     """Mamba-2's SSD, S_t = exp(Δ_t A) S_{t−1} + Δ_t x_t B_tᵀ, y_t = S_t C_t, as Mamba-2 runs it: H heads
     of p = D channels, one group of B, C with state size n = 128, Δ = softplus(dt + dt_bias), A in
@@ -374,7 +394,7 @@ def lact_flops(B: int, T: int, H: int, D: int, chunk: int) -> Tuple[float, float
     return fwd, 3 * fwd
 
 
-@register("lact", needs="kernels.lact")
+@register(needs="kernels.lact")
 def lact_bench(B: int, T: int, H: int, D: int, dtype: torch.dtype, device: str) -> Bench:
     """LaCT's block-causal SwiGLU fast weights as its presets run them: d_h = d_k = d_v = D, chunks
     of 2048 tokens (of T where T is shorter: then nothing is written), momentum on, no Muon,

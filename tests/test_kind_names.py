@@ -12,9 +12,8 @@ must number fewer than two: a shared test that needs one concrete model may name
 does better), one that runs over several kinds takes them from ``builtin_kinds()`` /
 ``kinds_with(...)``.
 
-``UNCONVERTED`` lists the shared files that still name several kinds; it only shrinks: a file
-on it that no longer names two kinds fails the test until it is taken off, so the list stays the
-exact set of files left to convert."""
+No shared file is exempt: a new kind adds its own files and edits no shared test (the scanner's
+own checks below plant files in a scratch tree: one naming two kinds, one a kind's own)."""
 from __future__ import annotations
 
 import io
@@ -29,14 +28,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCANNED = ("tests", "benchmarks")
 #: files that belong to another part of the house (the trainer's tests) are out of this scan
 EXCLUDED_DIRS = (os.path.join("tests", "train"),)
-
-#: shared files not yet reading the registry (relative to the repository root); only shrinks
-UNCONVERTED = {
-    "benchmarks/kernels.py",
-    "tests/benchmarks/test_gpu_campaign.py",
-    "tests/eval/test_synthetic.py",
-    "tests/model/test_compile.py",
-}
 
 
 def _word_pattern(names) -> "re.Pattern[str]":
@@ -80,11 +71,11 @@ def own_kinds(path: str, section: Dict[str, str]) -> Set[str]:
     return {k for k, s in section.items() if k in hits or s in hits}
 
 
-def scanned_files() -> List[str]:
+def scanned_files(root: str = ROOT) -> List[str]:
     out = []
     for top in SCANNED:
-        for d, dirs, files in os.walk(os.path.join(ROOT, top)):
-            rel = os.path.relpath(d, ROOT)
+        for d, dirs, files in os.walk(os.path.join(root, top)):
+            rel = os.path.relpath(d, root)
             if any(rel == e or rel.startswith(e + os.sep) for e in EXCLUDED_DIRS):
                 dirs[:] = []
                 continue
@@ -93,13 +84,14 @@ def scanned_files() -> List[str]:
     return out
 
 
-def offenders() -> Dict[str, List[str]]:
-    """Shared file → the kinds (not its own) it names, for files naming two or more."""
+def offenders(root: str = ROOT) -> Dict[str, List[str]]:
+    """Shared file (of the tree at ``root``) → the kinds (not its own) it names, for files naming
+    two or more."""
     kinds = builtin_kinds()
     section = {k: mixer_class(k).config_section for k in kinds}
     out = {}
-    for rel in scanned_files():
-        with open(os.path.join(ROOT, rel), encoding="utf-8") as f:
+    for rel in scanned_files(root):
+        with open(os.path.join(root, rel), encoding="utf-8") as f:
             named = kinds_named(f.read(), kinds) - own_kinds(rel, section)
         if len(named) >= 2:
             out[rel.replace(os.sep, "/")] = sorted(named)
@@ -130,16 +122,20 @@ def test_own_kinds_by_file_name():
     assert own_kinds("tests/model/test_delta_tp.py", FAKE) == {"delta"}
 
 
-def test_offenders_finds_the_unconverted_files():
-    found = offenders()
-    assert found, "the scan found no file naming two kinds, yet UNCONVERTED lists some"
-    assert all(len(k) >= 2 for k in found.values())
+def test_offenders_finds_a_shared_file_naming_two_kinds(tmp_path):
+    """A scratch tree: a shared test naming two real kinds is found (with both), one naming a
+    single kind is not, and neither is the first kind's own file naming both; tests/train is out
+    of the scan."""
+    a, b = builtin_kinds()[:2]
+    two = f"x = [{a!r}, {b!r}]\n"
+    for rel, text in [("tests/model/test_shared.py", two), ("benchmarks/bench.py", f"y = {a!r}\n"),
+                      (f"tests/model/test_{a}.py", two), ("tests/train/test_loop.py", two)]:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    assert offenders(str(tmp_path)) == {"tests/model/test_shared.py": sorted([a, b])}
 
 
 def test_no_shared_file_names_two_kinds():
     found = offenders()
-    new = {f: k for f, k in found.items() if f not in UNCONVERTED}
-    assert not new, ("shared files naming two or more layer kinds (read them from the registry: "
-                     f"builtin_kinds(), kinds_with(...), a preset): {new}")
-    done = sorted(f for f in UNCONVERTED if f not in found)
-    assert not done, f"these files no longer name two layer kinds: take them off UNCONVERTED: {done}"
+    assert not found, ("shared files naming two or more layer kinds (read them from the registry: "
+                       f"builtin_kinds(), kinds_with(...), a preset): {found}")

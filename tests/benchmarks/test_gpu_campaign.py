@@ -5,6 +5,7 @@ RESULTS.md. The warm-up's coverage is proved in test_launch_warmup.py."""
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,11 +13,18 @@ from types import SimpleNamespace
 
 import pytest
 
+from ttt_lm.model.registry import builtin_kinds, kinds_with, mixer_class
+
 ROOT = Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("gpu_campaign", ROOT / "benchmarks" / "gpu_campaign.py")
 gc = importlib.util.module_from_spec(spec)
 sys.modules["gpu_campaign"] = gc
 spec.loader.exec_module(gc)
+
+#: the 125M-class presets besides the transformer, as the campaign discovers them in configs/ (this
+#: file names none: they are its test subjects A, B, C, D in the order discovered)
+RECURRENT = [p for p in gc.discover_presets("125m") if p.recurrent]
+A, B, C, D = RECURRENT[:4]
 
 
 class FakeTime:
@@ -28,8 +36,9 @@ class FakeTime:
 
 
 def _args(tmp_path, **kw):
-    base = dict(out=tmp_path, reps=5, seq_len_kernels=8192, compile_archs=["transformer", "ttt_linear"],
-                profile_archs=["transformer", "ttt_linear", "hybrid"], record_jobs=2, test_workers=4,
+    # the profile's architectures given out of their discovered order (B before A)
+    base = dict(out=tmp_path, reps=5, seq_len_kernels=8192, compile_archs=["transformer", A.arch],
+                profile_archs=["transformer", B.arch, A.arch], record_jobs=2, test_workers=4,
                 test_timeout=60.0, jobs=2)
     base.update(kw)
     return SimpleNamespace(**base)
@@ -52,17 +61,21 @@ def test_presets_are_discovered_by_size_class(tmp_path):
     p125 = gc.discover_presets("125m")
     archs = [p.arch for p in p125]
     assert len(archs) == len(set(archs))                 # one preset per architecture and size class
-    assert {"transformer", "ttt_linear", "ttt_mlp", "hybrid", "griffin", "deltanet", "mamba", "titans_lmm",
-            "titans_mac", "titans_mag", "titans_mal"} <= set(archs)
+    assert {"transformer", "hybrid", "griffin", "titans_lmm"} <= set(archs)
+    # every preset file named <arch>_<size> of the 125M class (120M-179M: mamba_130m, titans_mac_170m)
+    # is discovered, as the arch its name gives
+    by_name = {f"configs/{f.name}": re.sub(r"_1[2-7]\dm$", "", f.stem)
+               for f in (ROOT / "configs").glob("*.yaml") if re.search(r"_1[2-7]\dm$", f.stem)}
+    assert len(by_name) >= 11 and {p.path: p.arch for p in p125} == by_name
     assert {p.path for p in p125} >= {"configs/mamba_130m.yaml", "configs/titans_mac_170m.yaml"}
     assert all(p.size == "125m" for p in p125) and not [p for p in p125 if "350m" in p.path]
     assert "configs/titans_mag_510m.yaml" in {p.path for p in gc.discover_presets("350m")}
     # a preset that lands later is picked up from the configs folder, with no list to edit
     (tmp_path / "configs").mkdir()
-    (tmp_path / "configs" / "lact_125m.yaml").write_text("_base_: [sizes/125m.yaml, arch/lact.yaml]\n")
-    (tmp_path / "configs" / "tiny_lact.yaml").write_text("model:\n  d_model: 64\n")
+    (tmp_path / "configs" / "newarch_125m.yaml").write_text("_base_: [sizes/125m.yaml, arch/newarch.yaml]\n")
+    (tmp_path / "configs" / "tiny_newarch.yaml").write_text("model:\n  d_model: 64\n")
     assert [(p.path, p.arch, p.recurrent) for p in gc.discover_presets("125m", tmp_path)] == \
-        [("configs/lact_125m.yaml", "lact", True)]
+        [("configs/newarch_125m.yaml", "newarch", True)]
 
 
 def test_training_order_puts_the_transformer_first(tmp_path):
@@ -70,15 +83,18 @@ def test_training_order_puts_the_transformer_first(tmp_path):
     items = gc.train_items("train", a)
     assert items[0][0].arch == "transformer" and not items[0][2]
     compiled = [p.arch for p, _, c in items if c]
-    assert compiled == ["transformer", "ttt_linear"]
-    assert {p.arch for p, T, _ in gc.train_items("train8k", a)} >= {"transformer", "mamba"}
+    assert compiled == ["transformer", A.arch]
+    assert {p.arch for p, T, _ in gc.train_items("train8k", a)} >= {"transformer", *(p.arch for p in RECURRENT)}
     assert all(T == 8192 for _, T, _ in gc.train_items("train8k", a))
-    assert [p.arch for p, _, _ in gc.train_items("profile", a)] == ["transformer", "hybrid", "ttt_linear"]
+    assert [p.arch for p, _, _ in gc.train_items("profile", a)] == ["transformer", A.arch, B.arch]
 
 
 def test_ops_and_uncovered_folders(monkeypatch, tmp_path):
     ops, uncovered = gc.discover_ops()
-    assert {"linear_scan", "delta_rule", "titans_linear", "ttt_linear", "ttt_mlp", "selective_scan"} <= set(ops)
+    # every op a mixer runs through Triton (its triton_custom_op, kernels::<op>_fwd) is benchmarked
+    triton_ops = {mixer_class(k).triton_custom_op.split("::")[1].removesuffix("_fwd")
+                  for k in kinds_with(lambda c: c.triton_custom_op is not None, builtin_kinds())}
+    assert len(triton_ops) >= 6 and triton_ops <= set(ops), sorted(triton_ops - set(ops))
     assert uncovered == []
     kb = gc._kernels_module()
     fake = tmp_path / "kernels"
@@ -121,11 +137,11 @@ def test_spent_budget_marks_every_item(monkeypatch, tmp_path):
     assert all(r[2] == "not run (step budget spent)" for r in s.rows)
     assert sum(r[1] == "yes" for r in s.rows) == 2      # the compiled variants are marked too
     s = _step("kernels", 3.0)
-    monkeypatch.setattr(gc, "discover_ops", lambda: (["delta_rule"], ["lact"]))
+    monkeypatch.setattr(gc, "discover_ops", lambda: (["delta_rule"], ["new_op"]))
     gc.step_kernels(s, _args(tmp_path), 12, 64, _log)
     assert [r[:2] for r in s.rows[:2]] == [["sdpa", "not run (step budget spent)"],
                                           ["delta_rule", "not run (step budget spent)"]]
-    assert s.rows[2][0] == "kernels/lact" and "no benchmark registered" in s.rows[2][3]
+    assert s.rows[2][0] == "kernels/new_op" and "no benchmark registered" in s.rows[2][3]
 
 
 def test_items_stop_when_the_step_runs_out(monkeypatch, tmp_path):
@@ -156,9 +172,9 @@ def test_train_rows_crashes_and_ratios(monkeypatch, tmp_path):
     def fake_run(cmd, timeout, env=None):
         assert env == {"TTT_LM_PIN_LAUNCH_CONFIGS": "1"}
         preset = cmd[2]
-        if "ttt_mlp" in preset:
+        if preset == C.path:      # crashes
             return gc.ItemResult(1, "Traceback...\ntorch.OutOfMemoryError: CUDA out of memory. Tried 3 GiB\n", 4.0)
-        if "mamba" in preset:
+        if preset == D.path:      # runs past its limit
             return gc.ItemResult(124, "step 1\n", 45.0)
         _train_json(cmd, 400000.0 if "transformer" in preset else 100000.0)
         return gc.ItemResult(0, "", 5.0)
@@ -168,11 +184,11 @@ def test_train_rows_crashes_and_ratios(monkeypatch, tmp_path):
     gc.step_train(s, _args(tmp_path), _log)
     rows = {(r[0], r[1]): r for r in s.rows}
     assert rows[("configs/transformer_125m.yaml", "no")][5] == "1.00"
-    assert rows[("configs/ttt_linear_125m.yaml", "no")][5] == "0.25"
-    assert rows[("configs/ttt_linear_125m.yaml", "yes")][4] == "100000"
-    assert "exit 1" in rows[("configs/ttt_mlp_125m.yaml", "no")][2]
-    assert "torch.OutOfMemoryError: CUDA out of memory" in rows[("configs/ttt_mlp_125m.yaml", "no")][2]
-    assert rows[("configs/mamba_130m.yaml", "no")][2].startswith("stopped at its time limit after 45 s")
+    assert rows[(A.path, "no")][5] == "0.25"
+    assert rows[(A.path, "yes")][4] == "100000"
+    assert "exit 1" in rows[(C.path, "no")][2]
+    assert "torch.OutOfMemoryError: CUDA out of memory" in rows[(C.path, "no")][2]
+    assert rows[(D.path, "no")][2].startswith("stopped at its time limit after 45 s")
     assert len(s.rows) == len(gc.train_items("train", _args(tmp_path)))   # every item is a row
 
 
@@ -183,15 +199,15 @@ def test_kernel_rows_keep_what_a_crashed_op_wrote(monkeypatch, tmp_path):
         row = {"op": op, "T": 8192, "B": 8, "form": "triton", "fwd_ms": "1.000", "fwd_bwd_ms": "2.000",
                "fwd_mib": "1", "fwd_bwd_mib": "2", "fwd_rate": "900 GB/s (27%)", "fwd_bwd_rate": "800 GB/s"}
         jf.write_text(json.dumps(row) + "\n")
-        if op == "ttt_mlp":
+        if op == "linear_scan":
             return gc.ItemResult(1, "RuntimeError: CUDA error: an illegal memory access was encountered\n", 3.0)
         return gc.ItemResult(0, "", 2.0)
 
     monkeypatch.setattr(gc, "run_cmd", fake_run)
-    monkeypatch.setattr(gc, "discover_ops", lambda: (["delta_rule", "ttt_mlp"], []))
+    monkeypatch.setattr(gc, "discover_ops", lambda: (["delta_rule", "linear_scan"], []))
     s = _step("kernels", 1e6)
     gc.step_kernels(s, _args(tmp_path), 12, 64, _log)
-    assert [r[0] for r in s.rows] == ["sdpa", "delta_rule", "ttt_mlp", "ttt_mlp"]
+    assert [r[0] for r in s.rows] == ["sdpa", "delta_rule", "linear_scan", "linear_scan"]
     assert s.rows[2][4] == "1.000"                     # the rows it printed before the crash stay
     assert "exit 1" in s.rows[3][3] and "illegal memory access" in s.rows[3][3]
 

@@ -7,23 +7,21 @@ import torch
 
 from ttt_lm.config import ExperimentConfig
 from ttt_lm.eval.checkpoint import save_export
-from ttt_lm.model import LM, ModelConfig
+from ttt_lm.model import LM
 
 WORDS = ("the quick brown fox jumps over a lazy dog and then the cat sat on my mat while seven old "
          "kings sang loud songs of war and peace").split()
 VOCAB = 300  # the smallest vocabulary the project's SentencePiece recipe accepts
 
 
-def tiny_model(pattern=("attention",), vocab_size=VOCAB, max_seq_len=256, seed=0, n_layers=2) -> LM:
+def tiny_model(pattern=None, vocab_size=VOCAB, max_seq_len=256, seed=0, n_layers=2) -> LM:
+    """An LM of the layer kinds ``pattern`` (default: global attention) at d_model 32, every
+    section at its tiny sizes of 8 tokens (``short_config``: chunks and mini-batches of 8, windows
+    of 9), in eval mode."""
+    from tests.model.mixer_checks import short_config
     torch.manual_seed(seed)
-    cfg = ModelConfig(vocab_size=vocab_size, d_model=32, n_layers=n_layers, n_heads=2,
-                      layer_pattern=list(pattern), max_seq_len=max_seq_len)
-    cfg.attention.window = 8
-    cfg.mamba.chunk_size = 8
-    cfg.deltanet.chunk_size = 8
-    cfg.lact.chunk_size, cfg.lact.window, cfg.lact.num_heads = 8, 8, 2
-    cfg.ttt.mini_batch_size = 8
-    cfg.titans.chunk_size = 8
+    cfg = short_config(list(pattern) if pattern is not None else [global_kind()], 8, vocab_size=vocab_size,
+                       d_model=32, n_layers=n_layers, n_heads=2, max_seq_len=max_seq_len)
     return LM(cfg).eval()
 
 
@@ -83,4 +81,4 @@ def tokenizer(prepared):
 
 @pytest.fixture(scope="session")
 def attn_export(tmp_path_factory, prepared):
-    return export_model(tiny_model(("attention",), max_seq_len=512), str(tmp_path_factory.mktemp("attn")), prepared)
+    return export_model(tiny_model((global_kind(),), max_seq_len=512), str(tmp_path_factory.mktemp("attn")), prepared)

@@ -11,6 +11,32 @@ from ttt_lm.eval.synthetic import (SyntheticResult, apply_impl, build_tiny_lm, e
                                    result_dict, result_from_dict, result_trials, results_table, run_synthetic,
                                    seeds_table, selective_copying, state_size, train_task,
                                    trial_accuracy, update_report)
+from ttt_lm.model.registry import builtin_kinds, kinds_with
+
+#: the kinds these tests train, read from the registry: global attention, and the recurrences (the
+#: kinds that do not attend), R0 and R1 the first two of them
+ATT = kinds_with(lambda c: c.global_attention, builtin_kinds())[0]
+REC = kinds_with(lambda c: not c.attends, builtin_kinds())
+R0, R1 = REC[:2]
+
+
+def _bounded_field(kind):
+    """(section, field) of the first int field of ``kind``'s section with a lower bound of 1
+    (``option(..., ge=1)``): 0 is a value its own checks refuse."""
+    import dataclasses
+    from ttt_lm.model.registry import mixer_class
+    cls = mixer_class(kind)
+    for f in dataclasses.fields(cls.config_class):
+        if f.type in (int, "int") and f.metadata.get("ge") == 1:
+            return cls.config_section, f.name
+    raise AssertionError(f"{kind}: no int field with ge=1 in its section")
+
+
+#: a recurrence's bounded int field (the delta rule's chunk size), for overrides of a section of
+#: the model that the layer pattern does not use, and for a value the section refuses
+SEC, FIELD = _bounded_field(R0)
+#: names of the rows of made-up results (the tables, plots and merges read them as labels only)
+X, Y, Z, W = "mixer_x", "mixer_y", "mixer_z", "mixer_w"
 
 
 def g(seed=0):
@@ -77,48 +103,61 @@ def test_two_layer_attention_learns_induction_heads():
     d_model=64 attention model (about 15 s on one CPU core; the bound is the step count, not the
     time); solved means >= 95% accuracy on 64 held-out sequences (chance is 1/7)."""
     task = make_task("induction", vocab_size=8)
-    m = build_tiny_lm(["attention"], 8, n_layers=2, d_model=64, max_seq_len=64, seed=0)
+    m = build_tiny_lm([ATT], 8, n_layers=2, d_model=64, max_seq_len=64, seed=0)
     _, solved_at = train_task(m, task, 16, 800, batch_size=32, lr=3e-3, warmup=20, stop_at=0.95, check_every=25)
     assert solved_at is not None, "no induction head within 800 steps"
     assert evaluate_task(m, task, 16, num_examples=128, seed=5) >= 0.9
 
 
 def test_cli_table(tmp_path):
-    rc = main(["synthetic", "--task", "mqar", "--mixers", "attention,deltanet+attention", "--train-len", "32",
+    rc = main(["synthetic", "--task", "mqar", "--mixers", f"{ATT},{R0}+{ATT}", "--train-len", "32",
                "--test-lens", "32,64", "--steps", "3", "--vocab-size", "32", "--num-kv-pairs", "4",
                "--d-model", "32", "--num-eval", "8", "--out", str(tmp_path), "--no-progress"])
     assert rc == 0
     md = (tmp_path / "mqar.md").read_text()
-    assert "| attention |" in md and "| deltanet+attention | deltanet,attention |" in md and "32*" in md
+    assert f"| {ATT} |" in md and f"| {R0}+{ATT} | {R0},{ATT} |" in md and "32*" in md
     res = json.loads((tmp_path / "mqar.json").read_text())["results"]
-    assert [r["mixer"] for r in res] == ["attention", "deltanet+attention"]
+    assert [r["mixer"] for r in res] == [ATT, f"{R0}+{ATT}"]
     assert all(0 <= a <= 1 for r in res for a in r["accuracy"].values())
     assert (tmp_path / "mqar.png").exists()
 
 
-def test_cli_takes_gated_deltanet(tmp_path):
-    """Gated DeltaNet runs in the synthetic suite like any kind: alone and in a hybrid, with a
-    state whose size does not grow with the length."""
-    rc = main(["synthetic", "--task", "mqar", "--mixers", "gated_deltanet,gated_deltanet+attention",
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=() if i == 0 else pytest.mark.slow)
+                                  for i, k in enumerate(REC)])
+def test_cli_takes_every_recurrence(tmp_path, kind):
+    """Every recurrence (a kind that does not attend) runs in the synthetic suite: alone and in a
+    hybrid with global attention, with a state whose size does not grow with the length. The
+    first in the unit tier, the others in the slow one."""
+    rc = main(["synthetic", "--task", "mqar", "--mixers", f"{kind},{kind}+{ATT}",
                "--train-len", "32", "--test-lens", "32", "--steps", "2", "--vocab-size", "32",
                "--num-kv-pairs", "4", "--d-model", "32", "--num-eval", "8", "--out", str(tmp_path),
                "--no-progress"])
     assert rc == 0
     res = json.loads((tmp_path / "mqar.json").read_text())["results"]
-    assert [r["mixer"] for r in res] == ["gated_deltanet", "gated_deltanet+attention"]
+    assert [r["mixer"] for r in res] == [kind, f"{kind}+{ATT}"]
     task = make_task("mqar", vocab_size=64, num_kv_pairs=4)
-    gdn = build_tiny_lm(["gated_deltanet"], 64, d_model=32, max_seq_len=128)
-    assert state_size(gdn, task, 64) == state_size(gdn, task, 32) > 0
+    m = build_tiny_lm([kind], 64, d_model=32, max_seq_len=128)
+    assert state_size(m, task, 64) == state_size(m, task, 32) > 0
 
 
 def test_tiny_models_take_each_sections_short_chunks():
-    """build_tiny_lm asks every mixer section with a ``short`` method for its short-sequence form:
-    16-token chunks, mini-batches and LaCT's window; the other fields keep their defaults."""
-    cfg = build_tiny_lm(["ttt_linear"], 64, d_model=32).cfg
-    assert cfg.ttt.mini_batch_size == 16 and cfg.titans.chunk_size == 16 and cfg.mamba.chunk_size == 16
-    assert cfg.deltanet.chunk_size == cfg.gated_deltanet.chunk_size == 16
-    assert (cfg.lact.chunk_size, cfg.lact.window) == (16, 16)
-    assert cfg.titans.window == type(cfg.titans)().window and cfg.rglru.chunk_size == type(cfg.rglru)().chunk_size
+    """build_tiny_lm asks every mixer section with a ``short`` method for its short-sequence form
+    (16-token chunks, mini-batches and windows); a section without one keeps its defaults, and so
+    does every field ``short`` leaves alone."""
+    import dataclasses
+    cfg = build_tiny_lm([R0], 64, d_model=32).cfg
+    with_short = 0
+    for name, section in cfg.sections().items():
+        default = type(section)()
+        short = getattr(default, "short", None)
+        want = short(16) if callable(short) else default
+        assert section == want, name
+        if callable(short):
+            with_short += 1
+            # what short(16) changes is set to 16 tokens
+            changed = [f.name for f in dataclasses.fields(want) if getattr(want, f.name) != getattr(default, f.name)]
+            assert all(getattr(want, f) == 16 for f in changed), (name, changed)
+    assert with_short >= 6
 
 
 def test_chance_is_one_over_the_possible_answers():
@@ -142,7 +181,7 @@ def test_lr_sweep_trains_one_model_per_lr_and_keeps_the_solver():
     """Induction at length 16 (vocabulary 8): lr 3e-3 solves it within 300 steps (see the test above
     at 800), lr 1e-5 cannot move a fresh model off chance in 300 steps; the sweep keeps 3e-3."""
     task = make_task("induction", vocab_size=8)
-    r = run_synthetic(task, "attention", 16, [16, 32], 300, lr=1.0, lrs=[1e-5, 3e-3], d_model=64,
+    r = run_synthetic(task, ATT, 16, [16, 32], 300, lr=1.0, lrs=[1e-5, 3e-3], d_model=64,
                       num_eval=64, stop_at=0.95, check_every=25)
     assert [t["lr"] for t in r.lr_trials] == [1e-5, 3e-3]
     slow, fast = r.lr_trials
@@ -156,12 +195,15 @@ def test_lr_sweep_trains_one_model_per_lr_and_keeps_the_solver():
 
 
 def test_state_size_grows_with_length_for_attention_only():
+    """Global attention's cache doubles with the length; every recurrence's state stays as it is."""
     task = make_task("mqar", vocab_size=64, num_kv_pairs=4)
-    att = build_tiny_lm(["attention"], 64, d_model=32, max_seq_len=128)
-    dn = build_tiny_lm(["deltanet"], 64, d_model=32, max_seq_len=128)
+    att = build_tiny_lm([ATT], 64, d_model=32, max_seq_len=128)
     assert state_size(att, task, 64) == 2 * state_size(att, task, 32) > 0
-    assert state_size(dn, task, 64) == state_size(dn, task, 32) > 0
-    wide = build_tiny_lm(["deltanet"], 64, d_model=64, max_seq_len=128)
+    for kind in REC:
+        m = build_tiny_lm([kind], 64, d_model=32, max_seq_len=128)
+        assert state_size(m, task, 64) == state_size(m, task, 32) > 0, kind
+    dn = build_tiny_lm([R0], 64, d_model=32, max_seq_len=128)
+    wide = build_tiny_lm([R0], 64, d_model=64, max_seq_len=128)
     assert state_size(wide, task, 32) > state_size(dn, task, 32)
 
 
@@ -172,13 +214,13 @@ def _fake(mixer, acc, d=32, state=100, lr=1e-3, solved=None):
 
 def test_accuracy_plot_has_chance_line_train_length_and_distinct_curves():
     import matplotlib.pyplot as plt
-    rs = [_fake(m, {64: 1 / 32, 128: 1 / 32, 256: 1 / 32}) for m in ("attention", "deltanet", "mamba")]
+    rs = [_fake(m, {64: 1 / 32, 128: 1 / 32, 256: 1 / 32}) for m in (X, Y, Z)]
     fig = plot_accuracy(rs, None, "t")
     ax = fig.axes[0]
     lines = {ln.get_label(): ln for ln in ax.get_lines()}
     assert "chance (0.031)" in lines and set(lines["chance (0.031)"].get_ydata()) == {1 / 32}
     assert "train length (64)" in lines and list(lines["train length (64)"].get_xdata()) == [64, 64]
-    curves = [lines[f"{m} (lr 0.001, not solved in 100)"] for m in ("attention", "deltanet", "mamba")]
+    curves = [lines[f"{m} (lr 0.001, not solved in 100)"] for m in (X, Y, Z)]
     assert len({c.get_marker() for c in curves}) == 3 and len({c.get_linestyle() for c in curves}) == 3
     xs = [tuple(c.get_xdata()) for c in curves]
     assert len(set(xs)) == 3 and all(abs(x[0] / 64 - 1) < 0.1 for x in xs)  # offset, but near the true length
@@ -186,17 +228,17 @@ def test_accuracy_plot_has_chance_line_train_length_and_distinct_curves():
     assert len(legend) == len(set(legend)) == 5
     plt.close(fig)
     # one mixer at several widths: the width names each curve
-    fig = plot_accuracy([_fake("attention", {64: 0.5}, d) for d in (16, 32)], None, "t")
+    fig = plot_accuracy([_fake(X, {64: 0.5}, d) for d in (16, 32)], None, "t")
     legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
-    assert {"attention d=16 (lr 0.001, not solved in 100)", "attention d=32 (lr 0.001, not solved in 100)"} <= set(legend)
-    fig2 = plot_accuracy([_fake("deltanet", {64: 1.0}, solved=40)], None, "t")
-    assert [t.get_text() for t in fig2.axes[0].get_legend().get_texts()][0] == "deltanet (lr 0.001, solved in 40)"
+    assert {f"{X} d=16 (lr 0.001, not solved in 100)", f"{X} d=32 (lr 0.001, not solved in 100)"} <= set(legend)
+    fig2 = plot_accuracy([_fake(Y, {64: 1.0}, solved=40)], None, "t")
+    assert [t.get_text() for t in fig2.axes[0].get_legend().get_texts()][0] == f"{Y} (lr 0.001, solved in 40)"
     plt.close(fig2)
     plt.close(fig)
 
 
 def test_results_round_trip_through_json():
-    r = _fake("deltanet", {64: 0.9, 128: 0.5}, solved=300)
+    r = _fake(Y, {64: 0.9, 128: 0.5}, solved=300)
     r.lr_trials = [{"lr": 1e-3, "steps_to_solve": 300, "train_acc": 0.9, "final_train_loss": 0.1}]
     back = result_from_dict(json.loads(json.dumps(result_dict(r))))
     assert back == r
@@ -204,13 +246,13 @@ def test_results_round_trip_through_json():
 
 def test_width_plot_puts_accuracy_against_width_and_state():
     import matplotlib.pyplot as plt
-    rs = [_fake("attention", {64: 0.5}, 32, 4096), _fake("attention", {64: 1.0}, 64, 8192),
-          _fake("deltanet", {64: 0.2}, 32, 1024), _fake("deltanet", {64: 0.6}, 64, 2048)]
+    rs = [_fake(X, {64: 0.5}, 32, 4096), _fake(X, {64: 1.0}, 64, 8192),
+          _fake(Y, {64: 0.2}, 32, 1024), _fake(Y, {64: 0.6}, 64, 2048)]
     fig = plot_accuracy_vs_width(rs, None, "t")
     left, right = fig.axes[:2]
-    att = [ln for ln in left.get_lines() if ln.get_label() == "attention"][0]
+    att = [ln for ln in left.get_lines() if ln.get_label() == X][0]
     assert list(att.get_ydata()) == [0.5, 1.0] and "width" in left.get_xlabel()
-    dn = [ln for ln in right.get_lines() if ln.get_label() == "deltanet"][0]
+    dn = [ln for ln in right.get_lines() if ln.get_label() == Y][0]
     assert [x / s for x, s in zip(dn.get_xdata(), (1024, 2048))] == pytest.approx([1.0, 1.0], abs=0.1)
     assert "state" in right.get_xlabel()
     assert any(ln.get_label().startswith("chance") for ln in right.get_lines())
@@ -221,7 +263,7 @@ def test_width_plot_puts_accuracy_against_width_and_state():
 
 
 def test_cli_width_sweep_and_bad_options(tmp_path):
-    rc = main(["synthetic", "--task", "mqar", "--mixers", "deltanet", "--train-len", "32", "--test-lens", "32",
+    rc = main(["synthetic", "--task", "mqar", "--mixers", R0, "--train-len", "32", "--test-lens", "32",
                "--steps", "2", "--vocab-size", "32", "--num-kv-pairs", "4", "--d-models", "16,32",
                "--lrs", "1e-3,3e-3", "--stop-at", "0.99", "--check-every", "1", "--num-eval", "8",
                "--out", str(tmp_path), "--no-progress"])
@@ -239,13 +281,13 @@ def test_cli_width_sweep_and_bad_options(tmp_path):
 
 
 def test_impl_per_layer_kind():
-    m = build_tiny_lm(["mamba", "attention"], 16, n_layers=2, d_model=32)
-    apply_impl(m, "mamba=reference")
+    m = build_tiny_lm([R0, ATT], 16, n_layers=2, d_model=32)
+    apply_impl(m, f"{R0}=reference")
     assert [b.mixer.impl for b in m.layers] == ["reference", "chunked"]
     apply_impl(m, "reference")
     assert [b.mixer.impl for b in m.layers] == ["reference", "reference"]
     with pytest.raises(ValueError, match="expected <layer kind>=chunked|reference"):
-        apply_impl(m, "mamba=fast")
+        apply_impl(m, f"{R0}=fast")
     with pytest.raises(ValueError, match="impl must be"):
         apply_impl(m, "fast")
 
@@ -255,17 +297,17 @@ def test_cli_keeps_finished_models_when_a_sweep_stops(tmp_path, monkeypatch):
     real = syn.run_synthetic
 
     def second_fails(task, mixer, *a, **k):
-        if mixer == "deltanet":
+        if mixer == R0:
             raise KeyboardInterrupt  # as when a long run is stopped by hand
         return real(task, mixer, *a, **k)
 
     monkeypatch.setattr(syn, "run_synthetic", second_fails)
     with pytest.raises(KeyboardInterrupt):
-        main(["synthetic", "--task", "mqar", "--mixers", "attention,deltanet", "--train-len", "32",
+        main(["synthetic", "--task", "mqar", "--mixers", f"{ATT},{R0}", "--train-len", "32",
               "--test-lens", "32", "--steps", "2", "--vocab-size", "32", "--num-kv-pairs", "4", "--d-model", "16",
               "--num-eval", "8", "--out", str(tmp_path), "--no-progress"])
     out = json.loads((tmp_path / "mqar.json").read_text())
-    assert out["partial"] is True and [r["mixer"] for r in out["results"]] == ["attention"]
+    assert out["partial"] is True and [r["mixer"] for r in out["results"]] == [ATT]
 
 
 def _trial(lr, solved, acc, loss=1.0):
@@ -274,13 +316,13 @@ def _trial(lr, solved, acc, loss=1.0):
 
 
 def test_merge_results_joins_one_run_per_lr_into_one_row():
-    slow = _fake("mamba", {64: 0.99, 256: 0.5}, lr=1e-3, solved=90)
+    slow = _fake(Z, {64: 0.99, 256: 0.5}, lr=1e-3, solved=90)
     slow.lr_trials = [_trial(1e-3, 90, 0.99)]
-    fast = _fake("mamba", {64: 0.98, 256: 0.7}, lr=3e-3, solved=40)
+    fast = _fake(Z, {64: 0.98, 256: 0.7}, lr=3e-3, solved=40)
     fast.lr_trials = [_trial(3e-3, 40, 0.98)]
-    other = _fake("attention", {64: 0.2, 256: 0.1})
+    other = _fake(X, {64: 0.2, 256: 0.1})
     merged = merge_results([slow, other, fast], ["a", "b", "c"])
-    assert [r.mixer for r in merged] == ["mamba", "attention"]
+    assert [r.mixer for r in merged] == [Z, X]
     m = merged[0]
     assert m.lr == 3e-3 and m.steps_to_solve == 40 and m.accuracy == {64: 0.98, 256: 0.7}
     assert [t["lr"] for t in m.lr_trials] == [1e-3, 3e-3] and m.train_seconds == 2.0
@@ -289,16 +331,16 @@ def test_merge_results_joins_one_run_per_lr_into_one_row():
     assert m.lr_trials[0]["accuracy"] == {"64": 0.99, "256": 0.5}
     assert trial_accuracy(m, m.lr_trials[0]) == {64: 0.99, 256: 0.5}
     assert trial_accuracy(m, m.lr_trials[1]) == {64: 0.98, 256: 0.7}
-    sweep = _fake("mamba", {64: 0.9, 256: 0.4}, lr=1e-3, solved=80)     # one --lrs sweep: the lr not kept
+    sweep = _fake(Z, {64: 0.9, 256: 0.4}, lr=1e-3, solved=80)     # one --lrs sweep: the lr not kept
     sweep.lr_trials = [_trial(1e-3, 80, 0.9), _trial(3e-4, None, 0.2)]  # was tested at the train length only
     assert trial_accuracy(sweep, sweep.lr_trials[1]) is None
     # and through a later join (an earlier report's row with a new lr) and a JSON round trip
-    newer = _fake("mamba", {64: 1.0, 256: 0.9}, lr=5e-4, solved=30)
+    newer = _fake(Z, {64: 1.0, 256: 0.9}, lr=5e-4, solved=30)
     newer.lr_trials = [_trial(5e-4, 30, 1.0)]
     again = result_from_dict(json.loads(json.dumps(result_dict(merge_results([m, newer])[0]))))
     assert again.lr == 5e-4 and [trial_accuracy(again, t)[256] for t in again.lr_trials] == [0.5, 0.7, 0.9]
     # neither solved: the more accurate one is kept
-    a, b = _fake("rglru", {64: 0.3}, lr=1e-3), _fake("rglru", {64: 0.6}, lr=3e-3)
+    a, b = _fake(W, {64: 0.3}, lr=1e-3), _fake(W, {64: 0.6}, lr=3e-3)
     a.lr_trials, b.lr_trials = [_trial(1e-3, None, 0.3)], [_trial(3e-3, None, 0.6)]
     assert merge_results([a, b])[0].lr == 3e-3
     # widths stay separate rows
@@ -312,8 +354,8 @@ def test_merge_results_joins_one_run_per_lr_into_one_row():
 
 
 def test_results_table_states_each_rows_budget_when_budgets_differ():
-    a = _fake("attention", {64: 0.99}, solved=1850)
-    b = _fake("deltanet", {64: 0.3})
+    a = _fake(X, {64: 0.99}, solved=1850)
+    b = _fake(Y, {64: 0.3})
     same = results_table([a, b])
     assert "budget" not in same.splitlines()[0] and "| 1850 |" in same and "not solved in 100" in same
     a.budget = 3000
@@ -323,7 +365,7 @@ def test_results_table_states_each_rows_budget_when_budgets_differ():
     assert [c.strip() for c in row_a.strip("|").split("|")][cols.index("budget")] == "3000"
     assert [c.strip() for c in row_b.strip("|").split("|")][cols.index("budget")] == "100"
     # one row whose lrs were tried at different budgets (joined runs) names the others' budgets
-    slow, fast = _fake("rglru", {64: 0.3}, lr=1e-3), _fake("rglru", {64: 0.6}, lr=3e-3)
+    slow, fast = _fake(W, {64: 0.3}, lr=1e-3), _fake(W, {64: 0.6}, lr=3e-3)
     slow.budget, fast.budget = 2000, 3000
     slow.lr_trials, fast.lr_trials = [_trial(1e-3, None, 0.3)], [_trial(3e-3, None, 0.6)]
     row = merge_results([slow, fast])[0]
@@ -332,19 +374,19 @@ def test_results_table_states_each_rows_budget_when_budgets_differ():
 
 
 def test_update_report_replaces_reruns_joins_new_lrs_and_refuses_a_partial_rerun():
-    old_t = _fake("titans", {64: 0.3}, lr=3e-3)
+    old_t = _fake(X, {64: 0.3}, lr=3e-3)
     old_t.lr_trials = [_trial(3e-3, None, 0.3)]
-    old_r = _fake("rglru", {64: 0.97}, lr=3e-3, solved=80)
+    old_r = _fake(Y, {64: 0.97}, lr=3e-3, solved=80)
     old_r.lr_trials = [_trial(3e-3, 80, 0.97)]
-    keep = _fake("attention", {64: 1.0}, lr=1e-3, solved=90)
-    new_t = _fake("titans", {64: 0.9}, lr=1e-3)
+    keep = _fake(Z, {64: 1.0}, lr=1e-3, solved=90)
+    new_t = _fake(X, {64: 0.9}, lr=1e-3)
     new_t.budget, new_t.lr_trials = 300, [dict(_trial(1e-3, None, 0.9), budget=300), dict(_trial(3e-3, None, 0.5),
                                                                                            budget=300)]
-    new_r = _fake("rglru", {64: 0.99}, lr=1e-3, solved=60)
+    new_r = _fake(Y, {64: 0.99}, lr=1e-3, solved=60)
     new_r.budget, new_r.lr_trials = 300, [dict(_trial(1e-3, 60, 0.99), budget=300)]
-    new_m = _fake("mamba", {64: 0.5})
+    new_m = _fake(W, {64: 0.5})
     rows, replaced = update_report([old_t, old_r, keep], [new_r, new_m, new_t])
-    assert [r.mixer for r in rows] == ["titans", "rglru", "attention", "mamba"]
+    assert [r.mixer for r in rows] == [X, Y, Z, W]
     assert rows[0] is new_t and replaced == [old_t]          # both lrs rerun at a larger budget
     r = rows[1]                                              # a new lr joins the old one as one sweep
     assert r.lr == 1e-3 and r.steps_to_solve == 60 and r.budget == 300 and replaced[0] is not r
@@ -353,9 +395,9 @@ def test_update_report_replaces_reruns_joins_new_lrs_and_refuses_a_partial_rerun
     # rows saved without lr_trials count as their one kept trial
     assert [t["lr"] for t in result_trials(keep)] == [1e-3] and result_trials(keep)[0]["steps_to_solve"] == 90
     # rerunning one lr of a two-lr row would keep half of the old sweep: refused
-    two = _fake("ttt_linear", {64: 0.6}, lr=1e-3)
+    two = _fake(X, {64: 0.6}, lr=1e-3)
     two.lr_trials = [_trial(1e-3, None, 0.6), _trial(3e-3, None, 0.1)]
-    one = _fake("ttt_linear", {64: 0.7}, lr=1e-3)
+    one = _fake(X, {64: 0.7}, lr=1e-3)
     one.lr_trials = [_trial(1e-3, None, 0.7)]
     with pytest.raises(ValueError, match="rerun lr 0.001 of old.json but not 0.003"):
         update_report([two], [one], "old.json")
@@ -368,27 +410,27 @@ def _tiny_run(out, mixer, *extra):
 
 
 def test_synthetic_report_merges_saved_runs_into_one_table_and_plot(tmp_path, capsys):
-    _tiny_run(tmp_path / "a", "attention")
-    _tiny_run(tmp_path / "b", "deltanet", "--steps", "3")
+    _tiny_run(tmp_path / "a", ATT)
+    _tiny_run(tmp_path / "b", R0, "--steps", "3")
     rc = main(["synthetic_report", "--from", f"{tmp_path / 'a'},{tmp_path / 'b' / 'mqar.json'}", "--task", "mqar",
                "--out", str(tmp_path / "merged"), "--title", "Shortened for the CPU."])
     assert rc == 0
     out = json.loads((tmp_path / "merged" / "mqar.json").read_text())
-    assert [r["mixer"] for r in out["results"]] == ["attention", "deltanet"]
+    assert [r["mixer"] for r in out["results"]] == [ATT, R0]
     assert [s["args"]["steps"] for s in out["sources"]] == [2, 3] and out["partial"] is False
     saved_b = json.loads((tmp_path / "b" / "mqar.json").read_text())["results"][0]
     assert out["results"][1]["accuracy"] == saved_b["accuracy"]   # copied, not recomputed
     md = (tmp_path / "merged" / "mqar.md").read_text()
     assert "Shortened for the CPU." in md and "Merged from 2 runs" in md
-    assert "| attention |" in md and "| deltanet |" in md and "not solved in 2" in md and "not solved in 3" in md
+    assert f"| {ATT} |" in md and f"| {R0} |" in md and "not solved in 2" in md and "not solved in 3" in md
     assert "## Every lr tried" in md and "32*" in md
-    assert re.search(r"\| attention \| 16 \| 0 \| 0\.001 \| 2 \| not solved in 2 \| [0-9.]+ \| 64: [0-9.]+ \|", md)
+    assert re.search(fr"\| {ATT} \| 16 \| 0 \| 0\.001 \| 2 \| not solved in 2 \| [0-9.]+ \| 64: [0-9.]+ \|", md)
     assert (tmp_path / "merged" / "mqar.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_synthetic_report_takes_an_earlier_report_and_updates_it_with_new_runs(tmp_path, capsys):
-    _tiny_run(tmp_path / "a", "attention")
-    _tiny_run(tmp_path / "b", "deltanet")
+    _tiny_run(tmp_path / "a", ATT)
+    _tiny_run(tmp_path / "b", R0)
     assert main(["synthetic_report", "--from", f"{tmp_path / 'a'},{tmp_path / 'b'}", "--task", "mqar",
                  "--out", str(tmp_path / "r1")]) == 0
     # a report written before sources carried mixers and seconds, and trials their budget
@@ -400,24 +442,24 @@ def test_synthetic_report_takes_an_earlier_report_and_updates_it_with_new_runs(t
             del t["budget"]
     del r1["replaced"]
     (tmp_path / "r1" / "mqar.json").write_text(json.dumps(r1))
-    _tiny_run(tmp_path / "c", "attention", "--steps", "3")                   # a rerun with a larger budget
-    _tiny_run(tmp_path / "d", "deltanet", "--steps", "3", "--lrs", "3e-3")   # a new lr for deltanet
-    _tiny_run(tmp_path / "e", "rglru")                                       # a new mixer
+    _tiny_run(tmp_path / "c", ATT, "--steps", "3")                   # a rerun with a larger budget
+    _tiny_run(tmp_path / "d", R0, "--steps", "3", "--lrs", "3e-3")   # a new lr for deltanet
+    _tiny_run(tmp_path / "e", R1)                                       # a new mixer
     assert main(["synthetic_report", "--from", ",".join(str(tmp_path / x) for x in ("r1", "c", "d", "e")),
                  "--task", "mqar", "--out", str(tmp_path / "r2")]) == 0
     out = json.loads((tmp_path / "r2" / "mqar.json").read_text())
-    assert [r["mixer"] for r in out["results"]] == ["attention", "deltanet", "rglru"]
+    assert [r["mixer"] for r in out["results"]] == [ATT, R0, R1]
     att, dn = out["results"][0], out["results"][1]
     assert att["budget"] == 3 and [t["lr"] for t in att["lr_trials"]] == [1e-3]
     assert [(t["lr"], t["budget"]) for t in dn["lr_trials"]] == [(1e-3, 2), (3e-3, 3)]
-    assert [r["mixer"] for r in out["replaced"]] == ["attention"] and out["replaced"][0]["budget"] == 2
+    assert [r["mixer"] for r in out["replaced"]] == [ATT] and out["replaced"][0]["budget"] == 2
     # the runs behind the old report stay listed, with their mixers and seconds
     assert [os.path.basename(os.path.dirname(s["path"])) for s in out["sources"]] == ["a", "b", "c", "d", "e"]
-    assert out["sources"][0]["mixers"] == ["attention"] and out["sources"][0]["train_seconds"] > 0
+    assert out["sources"][0]["mixers"] == [ATT] and out["sources"][0]["train_seconds"] > 0
     md = (tmp_path / "r2" / "mqar.md").read_text()
     assert "Merged from 5 runs" in md and "## Replaced by later runs" in md
-    assert md.count("| attention | 16 | 0 | 0.001 | 2 | not solved in 2 |") == 1   # only among the replaced
-    assert "| deltanet | 16 | 0 | 0.003 | 3 | not solved in 3 |" in md
+    assert md.count(f"| {ATT} | 16 | 0 | 0.001 | 2 | not solved in 2 |") == 1   # only among the replaced
+    assert f"| {R0} | 16 | 0 | 0.003 | 3 | not solved in 3 |" in md
     # the updated report is itself an input; a run already in it is refused
     assert main(["synthetic_report", "--from", f"{tmp_path / 'r2'},{tmp_path / 'e'}", "--task", "mqar",
                  "--out", str(tmp_path / "r3")]) == 2
@@ -425,8 +467,8 @@ def test_synthetic_report_takes_an_earlier_report_and_updates_it_with_new_runs(t
 
 
 def test_synthetic_report_refuses_what_cannot_share_a_table(tmp_path, capsys):
-    _tiny_run(tmp_path / "a", "attention")
-    _tiny_run(tmp_path / "c", "deltanet", "--train-len", "64", "--test-lens", "64")
+    _tiny_run(tmp_path / "a", ATT)
+    _tiny_run(tmp_path / "c", R0, "--train-len", "64", "--test-lens", "64")
     before = (tmp_path / "a" / "mqar.json").read_text()
     cases = [
         (["--from", str(tmp_path / "missing")], "no such file"),
@@ -453,40 +495,40 @@ def _seeded(mixer, seed, acc, solved=None, lr=1e-3):
 
 
 def test_seeds_are_separate_rows_summarized_across_seeds():
-    rs = [_seeded("attention", 0, {64: 1.0, 256: 0.5}, 40), _seeded("attention", 1, {64: 0.8, 256: 0.2}),
-          _seeded("deltanet", 0, {64: 0.99, 256: 0.9}, 30), _seeded("attention", 2, {64: 0.9, 256: 0.2}, 60)]
+    rs = [_seeded(X, 0, {64: 1.0, 256: 0.5}, 40), _seeded(X, 1, {64: 0.8, 256: 0.2}),
+          _seeded(Y, 0, {64: 0.99, 256: 0.9}, 30), _seeded(X, 2, {64: 0.9, 256: 0.2}, 60)]
     merged = merge_results(rs)                       # the same lr at another seed is another row, not a clash
-    assert [(r.mixer, r.seed) for r in merged] == [("attention", 0), ("attention", 1), ("deltanet", 0),
-                                                    ("attention", 2)]
+    assert [(r.mixer, r.seed) for r in merged] == [(X, 0), (X, 1), (Y, 0),
+                                                    (X, 2)]
     lines = seeds_table(merged).splitlines()
     assert lines[0] == "| mixer | seeds | lr | solved | steps to solve (per seed) | 64* | 256 |"
-    assert lines[2] == ("| attention | 0, 1, 2 | 0.001 | 2 of 3 | 40 · >100 · 60 | 0.90 (0.80–1.00) "
+    assert lines[2] == (f"| {X} | 0, 1, 2 | 0.001 | 2 of 3 | 40 · >100 · 60 | 0.90 (0.80–1.00) "
                         "| 0.30 (0.20–0.50) |")
-    assert lines[3] == "| deltanet | 0 | 0.001 | 1 of 1 | 30 | 0.99 | 0.90 |"
+    assert lines[3] == f"| {Y} | 0 | 0.001 | 1 of 1 | 30 | 0.99 | 0.90 |"
     head = [c.strip() for c in results_table(merged).splitlines()[0].strip("|").split("|")]
     assert head[:2] == ["mixer", "seed"]
     assert "seed" not in results_table(merged[:1])       # one seed: no seed column
     # a report's seed-0 rows stay; runs at other seeds join as rows of their own; a seed-0 rerun replaces
-    old = [_seeded("attention", 0, {64: 1.0, 256: 0.5}, 40)]
-    rows, replaced = update_report(old, [_seeded("attention", 1, {64: 0.8, 256: 0.2})])
+    old = [_seeded(X, 0, {64: 1.0, 256: 0.5}, 40)]
+    rows, replaced = update_report(old, [_seeded(X, 1, {64: 0.8, 256: 0.2})])
     assert [r.seed for r in rows] == [0, 1] and rows[0] is old[0] and replaced == []
-    rerun = _seeded("attention", 0, {64: 0.9, 256: 0.4}, 50)
+    rerun = _seeded(X, 0, {64: 0.9, 256: 0.4}, 50)
     rows, replaced = update_report(old, [rerun])
     assert rows == [rerun] and replaced == old
 
 
 def test_accuracy_plot_draws_the_mean_over_seeds_with_min_max_bars():
     import matplotlib.pyplot as plt
-    rs = [_seeded("attention", 0, {64: 1.0, 256: 0.5}, 40), _seeded("attention", 1, {64: 0.8, 256: 0.2}),
-          _seeded("deltanet", 0, {64: 0.6, 256: 0.4})]
+    rs = [_seeded(X, 0, {64: 1.0, 256: 0.5}, 40), _seeded(X, 1, {64: 0.8, 256: 0.2}),
+          _seeded(Y, 0, {64: 0.6, 256: 0.4})]
     fig = plot_accuracy(rs, None, "t")
     ax = fig.axes[0]
     curves = {c.get_label(): c for c in ax.containers}
-    att = curves["attention (lr 0.001, solved by 1 of 2 seeds)"]
+    att = curves[f"{X} (lr 0.001, solved by 1 of 2 seeds)"]
     assert list(att.lines[0].get_ydata()) == pytest.approx([0.9, 0.35])
-    assert list(curves["deltanet (lr 0.001, solved by 0 of 1 seeds)"].lines[0].get_ydata()) == pytest.approx([0.6, 0.4])
+    assert list(curves[f"{Y} (lr 0.001, solved by 0 of 1 seeds)"].lines[0].get_ydata()) == pytest.approx([0.6, 0.4])
     legend = [t.get_text() for t in ax.get_legend().get_texts()]
-    assert "attention (lr 0.001, solved by 1 of 2 seeds)" in legend and "chance (0.031)" in legend
+    assert f"{X} (lr 0.001, solved by 1 of 2 seeds)" in legend and "chance (0.031)" in legend
     segs = att.lines[2][0].get_segments()            # attention's bars span its seeds' min to max
     assert [(s[0][1], s[1][1]) for s in segs] == [pytest.approx((0.8, 1.0)), pytest.approx((0.2, 0.5))]
     assert "min–max" in ax.get_ylabel()
@@ -498,53 +540,53 @@ def test_accuracy_plot_draws_the_mean_over_seeds_with_min_max_bars():
 
 
 def test_cli_seeds_and_reports_of_runs_at_different_seeds(tmp_path, capsys):
-    _tiny_run(tmp_path / "s", "deltanet", "--seeds", "0,1")
+    _tiny_run(tmp_path / "s", R0, "--seeds", "0,1")
     out = json.loads((tmp_path / "s" / "mqar.json").read_text())
     assert [r["seed"] for r in out["results"]] == [0, 1]
     assert out["results"][0]["accuracy"] != out["results"][1]["accuracy"] or \
         out["results"][0]["final_train_loss"] != out["results"][1]["final_train_loss"]
     md = (tmp_path / "s" / "mqar.md").read_text()
-    assert "seeds 0, 1" in md and "Across seeds" in md and "| deltanet | 0, 1 | 0.001 | 0 of 2 | >2 · >2 |" in md
+    assert "seeds 0, 1" in md and "Across seeds" in md and f"| {R0} | 0, 1 | 0.001 | 0 of 2 | >2 · >2 |" in md
     # one run per seed, the older one saved before results carried their seed: the run's --seed is used
-    _tiny_run(tmp_path / "a", "attention")
-    _tiny_run(tmp_path / "b", "attention", "--seed", "3")
+    _tiny_run(tmp_path / "a", ATT)
+    _tiny_run(tmp_path / "b", ATT, "--seed", "3")
     saved = json.loads((tmp_path / "b" / "mqar.json").read_text())
     del saved["results"][0]["seed"]
     (tmp_path / "b" / "mqar.json").write_text(json.dumps(saved))
     assert main(["synthetic_report", "--task", "mqar", "--from", f"{tmp_path / 'a'},{tmp_path / 'b'}",
                  "--out", str(tmp_path / "m")]) == 0
     rep = json.loads((tmp_path / "m" / "mqar.json").read_text())
-    assert [(r["mixer"], r["seed"]) for r in rep["results"]] == [("attention", 0), ("attention", 3)]
-    assert "| attention | 0, 3 | 0.001 | 0 of 2 | >2 · >2 |" in (tmp_path / "m" / "mqar.md").read_text()
+    assert [(r["mixer"], r["seed"]) for r in rep["results"]] == [(ATT, 0), (ATT, 3)]
+    assert f"| {ATT} | 0, 3 | 0.001 | 0 of 2 | >2 · >2 |" in (tmp_path / "m" / "mqar.md").read_text()
     # the same run at the same seed twice is still one lr run twice: refused
-    _tiny_run(tmp_path / "c", "attention", "--seed", "3")
+    _tiny_run(tmp_path / "c", ATT, "--seed", "3")
     assert main(["synthetic_report", "--task", "mqar", "--from", f"{tmp_path / 'b'},{tmp_path / 'c'}",
                  "--out", str(tmp_path / "m2")]) == 2
     assert "seed 3: lr 0.001 was run in both" in capsys.readouterr().err
-    assert main(["synthetic", "--task", "mqar", "--mixers", "deltanet", "--seeds", "1,1", "--steps", "1",
+    assert main(["synthetic", "--task", "mqar", "--mixers", R0, "--seeds", "1,1", "--steps", "1",
                  "--out", str(tmp_path / "bad"), "--no-progress"]) == 2
     assert "--seeds needs distinct" in capsys.readouterr().err
 
 
 def test_synthetic_report_keeps_only_the_widths_asked_for_and_lists_the_rest(tmp_path, capsys):
-    _tiny_run(tmp_path / "a", "deltanet", "--d-models", "16,32")
-    _tiny_run(tmp_path / "b", "attention", "--d-models", "32")
+    _tiny_run(tmp_path / "a", R0, "--d-models", "16,32")
+    _tiny_run(tmp_path / "b", ATT, "--d-models", "32")
     assert main(["synthetic_report", "--task", "mqar", "--from", f"{tmp_path / 'a'},{tmp_path / 'b'}",
                  "--d-models", "32", "--out", str(tmp_path / "m")]) == 0
     out = json.loads((tmp_path / "m" / "mqar.json").read_text())
-    assert [(r["mixer"], r["d_model"]) for r in out["results"]] == [("deltanet", 32), ("attention", 32)]
-    assert [(r["mixer"], r["d_model"]) for r in out["left_out"]] == [("deltanet", 16)]
+    assert [(r["mixer"], r["d_model"]) for r in out["results"]] == [(R0, 32), (ATT, 32)]
+    assert [(r["mixer"], r["d_model"]) for r in out["left_out"]] == [(R0, 16)]
     md = (tmp_path / "m" / "mqar.md").read_text()
     table, rest = md.split("## Runs")
-    assert "| deltanet |" in table and "| 16 |" not in table and "d_model 32," in table
-    assert "## Other widths (left out by --d-models)" in rest and "| deltanet | 16 | 0 | 0.001 | 2 |" in rest
+    assert f"| {R0} |" in table and "| 16 |" not in table and "d_model 32," in table
+    assert "## Other widths (left out by --d-models)" in rest and f"| {R0} | 16 | 0 | 0.001 | 2 |" in rest
     assert "width_plot" not in out                                  # one width left: no width figure
     # the report as a source brings its left-out rows back
     assert main(["synthetic_report", "--task", "mqar", "--from", str(tmp_path / "m"),
                  "--out", str(tmp_path / "m2")]) == 0
     out2 = json.loads((tmp_path / "m2" / "mqar.json").read_text())
-    assert sorted((r["mixer"], r["d_model"]) for r in out2["results"]) == [("attention", 32), ("deltanet", 16),
-                                                                          ("deltanet", 32)]
+    assert sorted((r["mixer"], r["d_model"]) for r in out2["results"]) == [(ATT, 32), (R0, 16),
+                                                                          (R0, 32)]
     assert out2["left_out"] == [] and "width_plot" in out2
     assert main(["synthetic_report", "--task", "mqar", "--from", str(tmp_path / "a"), "--d-models", "8",
                  "--out", str(tmp_path / "m3")]) == 2
@@ -564,19 +606,19 @@ def test_model_overrides_change_the_tiny_model_and_refuse_bad_options():
     from ttt_lm.eval.synthetic import apply_overrides
     from ttt_lm.model import ModelConfig
 
-    m = build_tiny_lm(["ttt_linear"], 16, overrides={"ttt.pre_conv": "true", "titans.segment_len": "16"})
-    assert m.cfg.ttt.pre_conv is True and m.cfg.titans.segment_len == 16
+    m = build_tiny_lm(["ttt_linear"], 16, overrides={"ttt.pre_conv": "true", f"{SEC}.{FIELD}": "24"})
+    assert m.cfg.ttt.pre_conv is True and getattr(getattr(m.cfg, SEC), FIELD) == 24
     assert m.cfg.ttt.mini_batch_size == 16                      # the tiny model's own settings stay
     plain = build_tiny_lm(["ttt_linear"], 16)
     assert any("pre_conv" in n for n, _ in m.named_parameters())
     assert not any("pre_conv" in n for n, _ in plain.named_parameters())
-    base = ModelConfig(vocab_size=16, layer_pattern=["attention"])
+    base = ModelConfig(vocab_size=16, layer_pattern=[ATT])
     for bad, why in [({"ttt.bogus": "1"}, "bogus"), ({"ttt.pre_conv": "maybe"}, "maybe"),
-                     ({"titans.segment_len": "x"}, "segment_len")]:
+                     ({f"{SEC}.{FIELD}": "x"}, FIELD)]:
         with pytest.raises(ValueError, match=why):
             apply_overrides(base, bad)
-    with pytest.raises(ValueError, match="segment_len must be"):   # refused by the mixer itself
-        build_tiny_lm(["titans_mac"], 16, overrides={"titans.segment_len": "0"})
+    with pytest.raises(ValueError, match=f"{FIELD} must be"):   # refused by the section's own checks
+        build_tiny_lm([R0], 16, overrides={f"{SEC}.{FIELD}": "0"})
 
 
 def test_cli_set_names_the_rows_and_refuses_bad_options_before_training(tmp_path, capsys):
@@ -594,9 +636,9 @@ def test_cli_set_names_the_rows_and_refuses_bad_options_before_training(tmp_path
     plain = result_from_dict(json.loads((tmp_path / "plain" / "mqar.json").read_text())["results"][0])
     assert len(merge_results([back, plain])) == 2 and plain.overrides == {}
     capsys.readouterr()
-    for bad, why in [("ttt.pre_conv", "KEY=VALUE"), ("ttt.nope=1", "nope"), ("titans.segment_len=0", "segment_len")]:
+    for bad, why in [("ttt.pre_conv", "KEY=VALUE"), ("ttt.nope=1", "nope"), (f"{SEC}.{FIELD}=0", FIELD)]:
         out = tmp_path / bad.replace("=", "_")
-        assert main(args + ["--mixers", "titans_mac", "--set", bad, "--out", str(out)]) == 2
+        assert main(args + ["--mixers", R0, "--set", bad, "--out", str(out)]) == 2
         assert why in capsys.readouterr().err and not (out / "mqar.json").exists()
     # results saved before overrides existed still load
     old = {k: v for k, v in r.items() if k != "overrides"}
@@ -606,37 +648,37 @@ def test_cli_set_names_the_rows_and_refuses_bad_options_before_training(tmp_path
 def test_synthetic_report_drops_rows_of_an_earlier_report_by_name(tmp_path, capsys):
     """--drop NAME: the earlier report's rows of that name (and the runs behind them) leave the table,
     listed apart and kept in the JSON, also through a later merge; a new run of that name joins afresh."""
-    _tiny_run(tmp_path / "a", "attention")
-    _tiny_run(tmp_path / "b", "deltanet")
+    _tiny_run(tmp_path / "a", ATT)
+    _tiny_run(tmp_path / "b", R0)
     assert main(["synthetic_report", "--from", f"{tmp_path / 'a'},{tmp_path / 'b'}", "--task", "mqar",
                  "--out", str(tmp_path / "r1")]) == 0
-    _tiny_run(tmp_path / "c", "deltanet", "--steps", "3", "--lrs", "3e-3")   # the changed model, another lr
+    _tiny_run(tmp_path / "c", R0, "--steps", "3", "--lrs", "3e-3")   # the changed model, another lr
     assert main(["synthetic_report", "--from", f"{tmp_path / 'r1'},{tmp_path / 'c'}", "--task", "mqar",
-                 "--drop", "deltanet", "--out", str(tmp_path / "r2")]) == 0
+                 "--drop", R0, "--out", str(tmp_path / "r2")]) == 0
     out = json.loads((tmp_path / "r2" / "mqar.json").read_text())
-    assert [r["mixer"] for r in out["results"]] == ["attention", "deltanet"]
+    assert [r["mixer"] for r in out["results"]] == [ATT, R0]
     assert [t["lr"] for t in out["results"][1]["lr_trials"]] == [3e-3]      # not joined with the old 1e-3
-    assert [(r["mixer"], r["lr"]) for r in out["dropped"]] == [("deltanet", 1e-3)]
+    assert [(r["mixer"], r["lr"]) for r in out["dropped"]] == [(R0, 1e-3)]
     assert [os.path.basename(os.path.dirname(s["path"])) for s in out["sources"]] == ["a", "c"]
     assert [os.path.basename(os.path.dirname(s["path"])) for s in out["dropped_sources"]] == ["b"]
     md = (tmp_path / "r2" / "mqar.md").read_text()
     assert "Merged from 2 runs" in md and "## Dropped from the earlier reports (--drop)" in md
-    assert "| deltanet | 16 | 0 | 0.001 | 2 | not solved in 2 |" in md
+    assert f"| {R0} | 16 | 0 | 0.001 | 2 | not solved in 2 |" in md
     # carried through a later merge without --drop
-    _tiny_run(tmp_path / "d", "rglru")
+    _tiny_run(tmp_path / "d", R1)
     assert main(["synthetic_report", "--from", f"{tmp_path / 'r2'},{tmp_path / 'd'}", "--task", "mqar",
                  "--out", str(tmp_path / "r3")]) == 0
     out3 = json.loads((tmp_path / "r3" / "mqar.json").read_text())
-    assert [r["mixer"] for r in out3["dropped"]] == ["deltanet"] and len(out3["dropped_sources"]) == 1
-    assert [r["mixer"] for r in out3["results"]] == ["attention", "deltanet", "rglru"]
+    assert [r["mixer"] for r in out3["dropped"]] == [R0] and len(out3["dropped_sources"]) == 1
+    assert [r["mixer"] for r in out3["results"]] == [ATT, R0, R1]
     # a name no report has, and dropping everything, are refused
     capsys.readouterr()
-    assert main(["synthetic_report", "--from", str(tmp_path / "r1"), "--task", "mqar", "--drop", "deltanett",
+    assert main(["synthetic_report", "--from", str(tmp_path / "r1"), "--task", "mqar", "--drop", f"{R0}t",
                  "--out", str(tmp_path / "r4")]) == 2
-    assert "--drop deltanett: no row of the reports given has that name (they have: attention, deltanet)" in \
+    assert f"--drop {R0}t: no row of the reports given has that name (they have: {ATT}, {R0})" in \
         capsys.readouterr().err
-    assert main(["synthetic_report", "--from", str(tmp_path / "r1"), "--task", "mqar", "--drop", "deltanet",
-                 "--drop", "attention", "--out", str(tmp_path / "r4")]) == 2
+    assert main(["synthetic_report", "--from", str(tmp_path / "r1"), "--task", "mqar", "--drop", R0,
+                 "--drop", ATT, "--out", str(tmp_path / "r4")]) == 2
     assert "leaves no run to report" in capsys.readouterr().err
 
 
@@ -644,7 +686,7 @@ def test_a_run_without_a_criterion_is_labelled_so_not_unsolved(tmp_path, capsys)
     """Without --stop-at nothing is checked during training: the table, the seed summary, the plot, the
     printed line and a merged report say "no criterion", never "not solved"; results saved before the
     field existed take it from their run's stop_at."""
-    args = ["synthetic", "--task", "mqar", "--mixers", "deltanet", "--train-len", "32", "--test-lens", "32,64",
+    args = ["synthetic", "--task", "mqar", "--mixers", R0, "--train-len", "32", "--test-lens", "32,64",
             "--steps", "2", "--vocab-size", "32", "--num-kv-pairs", "4", "--d-model", "16", "--num-eval", "8",
             "--lrs", "1e-3", "--no-progress"]
     assert main(args + ["--seeds", "0,1", "--out", str(tmp_path / "free")]) == 0
@@ -656,18 +698,18 @@ def test_a_run_without_a_criterion_is_labelled_so_not_unsolved(tmp_path, capsys)
     assert "| no criterion | 2 (no criterion) · 2 (no criterion) |" in md and "no criterion (2 steps)" in md
     rs = [result_from_dict(d) for d in saved["results"]]
     import matplotlib.pyplot as plt
-    for group, label in [(rs, "deltanet (lr 0.001, no criterion, 2 seeds)"),
-                         (rs[:1], "deltanet (lr 0.001, 2 steps, no criterion)")]:
+    for group, label in [(rs, f"{R0} (lr 0.001, no criterion, 2 seeds)"),
+                         (rs[:1], f"{R0} (lr 0.001, 2 steps, no criterion)")]:
         fig = plot_accuracy(group, None, "t")
         legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
         assert label in legend and not any("solved" in x for x in legend)
         plt.close(fig)
     # a model with one seed trained to a criterion and one without: the count covers the checked seed only
-    mixed = [_fake("attention", {64: 0.2}), _fake("attention", {64: 0.3})]
+    mixed = [_fake(ATT, {64: 0.2}), _fake(ATT, {64: 0.3})]
     mixed[1].seed, mixed[1].criterion = 1, False
-    assert "| attention | 0, 1 | 0.001 | 0 of 1 (1 without a criterion) | >100 · 100 (no criterion) |" in \
+    assert f"| {ATT} | 0, 1 | 0.001 | 0 of 1 (1 without a criterion) | >100 · 100 (no criterion) |" in \
         seeds_table(mixed)
-    assert "| attention | 0 | attention | 1k | 0.1k | 0.001 | not solved in 100 |" in results_table(mixed)
+    assert f"| {ATT} | 0 | {ATT} | 1k | 0.1k | 0.001 | not solved in 100 |" in results_table(mixed)
     # merged through synthetic_report, also from a JSON saved before results carried the field
     for d in saved["results"]:
         del d["criterion"]
@@ -676,14 +718,14 @@ def test_a_run_without_a_criterion_is_labelled_so_not_unsolved(tmp_path, capsys)
     assert main(["synthetic_report", "--from", str(tmp_path / "old"), "--task", "mqar",
                  "--out", str(tmp_path / "rep")]) == 0
     rep = (tmp_path / "rep" / "mqar.md").read_text()
-    assert "not solved" not in rep and "| deltanet | 16 | 0 | 0.001 | 2 | no criterion |" in rep
+    assert "not solved" not in rep and f"| {R0} | 16 | 0 | 0.001 | 2 | no criterion |" in rep
     assert [r["criterion"] for r in json.loads((tmp_path / "rep" / "mqar.json").read_text())["results"]] == [False] * 2
     # a run with a criterion keeps "not solved in N", also when loaded from a JSON without the field
-    _tiny_run(tmp_path / "crit", "deltanet")
+    _tiny_run(tmp_path / "crit", R0)
     crit = json.loads((tmp_path / "crit" / "mqar.json").read_text())
     assert crit["results"][0]["criterion"] is True
     del crit["results"][0]["criterion"]
     (tmp_path / "crit" / "mqar.json").write_text(json.dumps(crit))
     assert main(["synthetic_report", "--from", str(tmp_path / "crit"), "--task", "mqar",
                  "--out", str(tmp_path / "rep2")]) == 0
-    assert "| deltanet | 16 | 0 | 0.001 | 2 | not solved in 2 |" in (tmp_path / "rep2" / "mqar.md").read_text()
+    assert f"| {R0} | 16 | 0 | 0.001 | 2 | not solved in 2 |" in (tmp_path / "rep2" / "mqar.md").read_text()

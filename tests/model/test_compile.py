@@ -30,8 +30,10 @@ from kernels.titans.chunk import titans_linear_triton
 from kernels.ttt import ttt_linear, ttt_mlp
 from kernels.ttt.chunk import ttt_linear_triton
 from kernels.ttt.mlp_chunk import ttt_mlp_triton
+from tests.model.mixer_checks import preset_config, short_config
 from ttt_lm.config import ConfigError, load_config
 from ttt_lm.model import LM, ModelConfig
+from ttt_lm.model.registry import builtin_kinds, kinds_with, mixer_class
 
 # slow: torch.compile of blocks and of the Triton ops run under the interpreter
 pytestmark = pytest.mark.slow
@@ -39,16 +41,20 @@ pytestmark = pytest.mark.slow
 TOL = 1e-5
 
 
-def tiny(pattern, kernel_backend="auto", d_model: int = 32, n_heads: int = 2, **kw) -> LM:
+#: the sections' tiny sizes (``short_config``): chunks, mini-batches and windows of 8 tokens
+N = 8
+
+
+def tiny(pattern, kernel_backend="auto", d_model: int = 32, n_heads: int = 2, preset=None) -> LM:
+    """The LM of the layer kinds ``pattern`` (or of the preset ``preset``) at d_model ``d_model``,
+    every section at its tiny sizes of ``N`` tokens."""
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=64, d_model=d_model, n_layers=len(pattern), n_heads=n_heads,
-                      layer_pattern=list(pattern), d_ff=2 * d_model, kernel_backend=kernel_backend, **kw)
-    cfg.ttt.mini_batch_size = 8
-    # TTT-MLP's inner hidden width = the head dim, 16: one hidden tile under the interpreter (the
-    # kernels' tiling is swept in tests/kernels/test_ttt_mlp_triton.py)
-    cfg.ttt.mlp_expansion = 1
-    cfg.rglru.chunk_size = 16
-    return LM(cfg)
+    kw = dict(vocab_size=64, d_model=d_model, n_heads=n_heads, d_ff=2 * d_model, kernel_backend=kernel_backend)
+    return LM(preset_config(preset, N, **kw) if preset is not None else short_config(pattern, N, **kw))
+
+
+#: the global-attention kind (the inductor test's block)
+GLOBAL = kinds_with(lambda c: c.global_attention, builtin_kinds())[0]
 
 
 def losses(model: LM, steps: int = 3, T: int = 16, B: int = 2):
@@ -73,16 +79,18 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
-def test_compiled_hybrid_trains_like_eager():
-    """Attention, TTT-Linear and RG-LRU blocks (their PyTorch forms, the CPU path)."""
-    pattern = ["attention", "ttt_linear", "rglru"]
-    eager = losses(tiny(pattern), T=32)
-    model = tiny(pattern)
+@pytest.mark.parametrize("preset", ["tiny_hybrid", "tiny_griffin"])
+def test_compiled_hybrid_trains_like_eager(preset):
+    """The blocks of two hybrid presets (their PyTorch forms, the CPU path): global attention with
+    TTT-Linear, and the RG-LRU with local attention."""
+    eager = losses(tiny(None, preset=preset), T=32)
+    model = tiny(None, preset=preset)
     names = [n for n, _ in model.named_parameters()]
     model.compile_blocks("aot_eager")
     assert [n for n, _ in model.named_parameters()] == names  # checkpoints load either way
     compiled = losses(model, T=32)
-    assert counters["stats"]["unique_graphs"] >= len(pattern)  # graphs were captured, not skipped
+    # graphs were captured, not skipped: at least one per kind of block
+    assert counters["stats"]["unique_graphs"] >= len(set(model.cfg.layer_kinds())), counters["stats"]
     assert max(abs(a - b) for a, b in zip(eager, compiled)) < TOL, (eager, compiled)
 
 
@@ -241,17 +249,30 @@ def test_triton_op_is_one_custom_op_node_and_passes_opcheck(node):
         torch.library.opcheck(func, args, kwargs)
 
 
-# layer kind -> (its op's node, the break reasons the block may have besides: none at the op)
-BLOCKS = {
-    "rglru": ("kernels.linear_scan_fwd.default", "aten.nonzero"),   # document resets read on the host
-    "deltanet": ("kernels.delta_rule_fwd.default", None),
-    "gated_deltanet": ("kernels.gated_delta_rule_fwd.default", None),
-    "titans": ("kernels.titans_linear_fwd.default", None),
-    "ttt_linear": ("kernels.ttt_linear_fwd.default", None),
-    "ttt_mlp": ("kernels.ttt_mlp_fwd.default", None),
-}
-# (a Mamba block takes over a minute under the Triton interpreter here: its op is covered by
-# test_triton_op_is_one_custom_op_node_and_passes_opcheck only)
+def _node(op: str) -> str:
+    """The graph node of the custom op ``kernels::<name>``: ``kernels.<name>.default``."""
+    return op.replace("::", ".") + ".default"
+
+
+#: ops whose block takes over a minute under the Triton interpreter here (the selective scan's):
+#: they are covered by test_triton_op_is_one_custom_op_node_and_passes_opcheck only
+SLOW_BLOCKS = {"kernels::selective_scan_fwd"}
+#: the kinds whose mixer runs a Triton op of its own (``triton_custom_op``), by the registry
+KERNEL_KINDS = kinds_with(lambda c: c.triton_custom_op is not None, builtin_kinds())
+BLOCKS = [k for k in KERNEL_KINDS if mixer_class(k).triton_custom_op not in SLOW_BLOCKS]
+
+
+def test_declared_custom_ops_are_registered_ops():
+    """Every ``triton_custom_op`` a mixer declares is a ``kernels::`` custom op that kernels/
+    registers (a misspelt one would make the block test look for a node that never exists), and
+    so is every op the opcheck test captures."""
+    from kernels._launch_cache import _our_custom_ops
+    assert BLOCKS, "no registered kind declares triton_custom_op"
+    ops = set(_our_custom_ops())
+    declared = {mixer_class(k).triton_custom_op for k in KERNEL_KINDS}
+    assert declared <= ops, sorted(declared - ops)
+    captured = {n.removesuffix(".default").replace(".", "::") for n in CUSTOM_OPS}
+    assert captured <= ops, sorted(captured - ops)
 
 
 def test_packed_sequences_compile_like_eager():
@@ -339,17 +360,19 @@ def test_entry_points_are_not_compiler_disabled():
         assert not getattr(fn, "_torchdynamo_disable", False), fn.__name__
 
 
-@pytest.mark.parametrize("kind", sorted(BLOCKS))
+@pytest.mark.parametrize("kind", BLOCKS)
 def test_triton_op_in_a_compiled_block(kind):
     """A block whose mixer runs a Triton op (kernel_backend=triton) trains under model.compile like
     eager, the op captured as a custom-op node of the graphs the compiled training run hands its
-    backend and no graph break at it. The kernel blocks run one row of 16 tokens and one head of
-    width 16 (interpreted): two TTT mini-batches; the op's fake shapes with B ≠ H are
-    test_triton_op_is_one_custom_op_node_and_passes_opcheck's. The RG-LRU block keeps two rows of
-    32 tokens at d_model 32 (two scan chunks of 16)."""
-    node, other_breaks = BLOCKS[kind]
-    shape = dict(d_model=32, n_heads=2) if kind == "rglru" else dict(d_model=16, n_heads=1)
-    B, T = (2, 32) if kind == "rglru" else (1, 16)
+    backend and no graph break at it; the op's fake shapes with B ≠ H are also
+    test_triton_op_is_one_custom_op_node_and_passes_opcheck's (with two rows for the linear scan).
+    Every block runs one row of 16 tokens and one head of width 16 (interpreted): two chunks (or
+    TTT mini-batches) of ``N`` = 8; TTT-MLP's inner hidden width is its section's (4 × 16). The
+    breaks allowed besides none at the op are the mixer's ``compile_graph_breaks``."""
+    cls = mixer_class(kind)
+    node, other_breaks = _node(cls.triton_custom_op), cls.compile_graph_breaks
+    shape = dict(d_model=16, n_heads=1)
+    B, T = 1, 16
     eager = losses(tiny([kind], "triton", **shape), steps=2, B=B, T=T)
     model = tiny([kind], "triton", **shape)
     assert model.kernel_backends("cpu") == {kind: "triton"}
@@ -371,8 +394,8 @@ def test_inductor_default_on_an_attention_block():
     ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
     # C++ compiled in this process: no pool of compile workers to start on a 2-core machine
     with torch.no_grad(), torch._inductor.config.patch(compile_threads=1):
-        eager = tiny(["attention"]).eval()(ids).logits
-        compiled = tiny(["attention"]).compile_blocks().eval()(ids).logits
+        eager = tiny([GLOBAL]).eval()(ids).logits
+        compiled = tiny([GLOBAL]).compile_blocks().eval()(ids).logits
     assert counters["stats"]["unique_graphs"] >= 1
     assert torch.allclose(eager, compiled, atol=TOL, rtol=0), (eager - compiled).abs().max()
 

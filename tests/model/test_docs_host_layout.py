@@ -13,7 +13,8 @@ import random
 import pytest
 import torch
 
-from ttt_lm.model import LM, ModelConfig
+from tests.model.mixer_checks import short_config
+from ttt_lm.model import LM
 from ttt_lm.model.docs import DocLayout
 from ttt_lm.model.registry import layer_kinds
 
@@ -113,20 +114,10 @@ def test_layout_built_on_a_device_reads_there():
 def hybrid() -> LM:
     """Two rows' worth of every layer kind, with chunk sizes small enough that the views have
     several chunks and documents shorter than a chunk."""
-    kinds = list(layer_kinds())
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=37, d_model=16, n_heads=2, n_layers=len(kinds), layer_pattern=kinds,
-                      reset_at_doc_boundaries=True)
-    cfg.attention.window = 5
-    cfg.ttt.mini_batch_size = 4
-    cfg.titans.chunk_size = 4
-    cfg.titans.segment_len = 6
-    cfg.deltanet.chunk_size = 4
-    cfg.gated_deltanet.chunk_size = 4
-    cfg.lact.chunk_size, cfg.lact.window, cfg.lact.num_heads = 4, 5, 2
-    cfg.mamba.chunk_size = 4
-    cfg.rglru.chunk_size = 4
-    return LM(cfg)
+    # every section at its tiny sizes of 4 tokens (windows of 5, Titans' segments of 6)
+    return LM(short_config(list(layer_kinds()), 4, vocab_size=37, d_model=16, n_heads=2,
+                           reset_at_doc_boundaries=True))
 
 
 def test_lm_with_every_kind_reads_nothing_back_on_meta():

@@ -9,24 +9,18 @@ import pytest
 import torch
 
 from ttt_lm.model import registry
-from ttt_lm.model.config import ModelConfig
 from ttt_lm.model.mixers import Mixer, build_mixer, mixer_class, register_mixer
 from ttt_lm.model.mixers.base import check_contract
+from tests.model.mixer_checks import short_config
 
 LAYER_KINDS = registry.builtin_kinds()
 PARALLEL = pathlib.Path(__file__).resolve().parents[2] / "ttt_lm" / "parallel"
 
 
 def _cfg(kind):
-    cfg = ModelConfig(d_model=16, n_heads=2, n_layers=1, layer_pattern=[kind], vocab_size=32)
-    cfg.attention.window = 4
-    cfg.ttt.mini_batch_size = 4
-    cfg.deltanet.chunk_size = 3
-    cfg.lact.chunk_size, cfg.lact.window, cfg.lact.num_heads = 3, 4, 2
-    cfg.gated_deltanet.chunk_size = 3
-    cfg.rglru.chunk_size = 3
-    cfg.mamba.chunk_size = 3
-    return cfg
+    """One layer of ``kind``, every section at its tiny sizes of 3 tokens (chunks and mini-batches
+    of 3, windows of 4: the 7-token input spans several)."""
+    return short_config(kind, 3, d_model=16, n_heads=2, vocab_size=32)
 
 
 @pytest.mark.parametrize("kind", [k for k in LAYER_KINDS if callable(getattr(mixer_class(k), "inputs", None))])

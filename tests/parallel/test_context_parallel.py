@@ -21,10 +21,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ttt_lm.model import LM, ModelConfig
-from ttt_lm.model.registry import kinds_with, layer_kinds
+from ttt_lm.model import LM
+from ttt_lm.model.registry import kinds_with, layer_kinds, mixer_class
 from ttt_lm.parallel import cp
 from tests.distributed import assert_within, spawn_checks
+from tests.model.mixer_checks import short_config
 
 TOL = 1e-9
 #: every layer kind of the registry
@@ -35,29 +36,29 @@ LM_PATTERN = KINDS
 PARALLEL_FORM_KINDS = list(kinds_with(lambda c: c.cp_form != "state_passing", KINDS))
 #: the kinds whose forms read the loader's segment positions
 SEGMENT_POS_KINDS = list(kinds_with(lambda c: c.takes_segment_pos, KINDS))
+#: (kind, variant) of every mixer check: each of a kind's ``variants`` (its section's settings
+#: changed by it: Titans' linear and MLP memories), or the kind as configured
+MIXER_CASES = [(k, v) for k in KINDS for v in (list(mixer_class(k).variants) or [None])]
 
 
-def _tiny_lm(pattern, **ttt) -> LM:
+def _case_id(kind, variant) -> str:
+    return kind if variant is None else f"{kind}-{variant}"
+
+
+def _tiny_lm(pattern, variants=(), **ttt) -> LM:
+    """The LM of ``pattern`` at d_model 16, every section at its tiny sizes of 3 tokens
+    (``short_config``: chunks and mini-batches of 3, windows of 4); ``variants``: (kind, variant)
+    whose settings (the kind's ``variants[variant]``) apply; ``ttt``: TTT's settings of the check
+    (its block pre-conv)."""
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=61, d_model=16, n_heads=2, n_layers=len(pattern), layer_pattern=list(pattern),
-                      tie_embeddings=False)
-    cfg.attention.window = 4
-    cfg.titans.window = 4
-    cfg.ttt.mini_batch_size = 4
-    cfg.ttt.mlp_expansion = 2
+    cfg = short_config(list(pattern), 3, vocab_size=61, d_model=16, n_heads=2, tie_embeddings=False)
+    for kind, variant in variants:
+        cls = mixer_class(kind)
+        for k, v in cls.variants[variant].items():
+            setattr(getattr(cfg, cls.config_section), k, v)
     for k, v in ttt.items():
         setattr(cfg.ttt, k, v)
-    cfg.titans.chunk_size = 4
-    cfg.titans.memory = "mlp"
-    cfg.deltanet.chunk_size = 3
-    cfg.lact.chunk_size, cfg.lact.window, cfg.lact.num_heads = 3, 4, 2
-    cfg.gated_deltanet.chunk_size = 3
-    cfg.rglru.chunk_size = 3
-    cfg.mamba.chunk_size = 3
-    cfg.mamba.d_state = 4
-    # larger steps Δ than the default, so that state carried across ranks matters in the outputs
-    cfg.mamba.dt_min, cfg.mamba.dt_max = 0.1, 0.5
-    return LM(cfg).to(torch.float64)
+    return LM(cfg.validate()).to(torch.float64)
 
 
 def _bounds(T, world, rank):
@@ -160,12 +161,12 @@ def _packed_positions(T):
     return torch.tensor([row0, row1])
 
 
-def check_mixer(kind, rank, world, T, segment_pos=None):
-    """One mixer (inside a 1-layer LM, for its initialization) through ``cp_mixer``: the
-    summary / gather form for attention, RG-LRU, DeltaNet, Mamba; state passing otherwise.
-    ``segment_pos``: packed-row positions, sliced per rank, given as the LM gives them (to the
-    mixers that read them, ``takes_segment_pos``)."""
-    mixer = _tiny_lm([kind]).layers[0].mixer
+def check_mixer(kind, rank, world, T, segment_pos=None, variant=None):
+    """One mixer (inside a 1-layer LM, for its initialization; ``variant``: one of its kind's
+    ``variants``) through ``cp_mixer``: its ``cp_form`` (summary combine, KV gather or state
+    passing). ``segment_pos``: packed-row positions, sliced per rank, given as the LM gives them
+    (to the mixers that read them, ``takes_segment_pos``)."""
+    mixer = _tiny_lm([kind], [(kind, variant)] if variant is not None else ()).layers[0].mixer
     g = torch.Generator().manual_seed(3)
     x = torch.randn(2, T, 16, generator=g, dtype=torch.float64)
     w = torch.randn(2, T, 16, generator=g, dtype=torch.float64)
@@ -217,8 +218,14 @@ def check_state_passing_block(rank, world, T):
     return err
 
 
+def _last_variants(pattern):
+    """(kind, its last variant) of the kinds of ``pattern`` with variants: Titans' MLP memory, the
+    nonlinear state passing (the mixer checks run every variant)."""
+    return [(k, list(mixer_class(k).variants)[-1]) for k in dict.fromkeys(pattern) if mixer_class(k).variants]
+
+
 def check_lm(rank, world, T, pattern=LM_PATTERN, impl="chunked", position_ids=None):
-    model = _tiny_lm(pattern, pre_conv=True).set_impl(impl)
+    model = _tiny_lm(pattern, _last_variants(pattern), pre_conv=True).set_impl(impl)
     g = torch.Generator().manual_seed(5)
     ids = torch.randint(0, 61, (2, T), generator=g)
     labels = torch.randint(0, 61, (2, T), generator=g)
@@ -262,9 +269,10 @@ def _checks(rank, world):
            "lm_positions": lambda: check_lm(rank, world, T, KINDS, position_ids=_packed_positions(T))}
     for kind in SEGMENT_POS_KINDS:
         out["positions_" + kind] = (lambda kk: lambda: check_mixer(kk, rank, world, T, _packed_positions(T)))(kind)
-    for kind in KINDS:
+    for kind, variant in MIXER_CASES:
         # packed rows, as the trainer runs them
-        out["mixer_" + kind] = (lambda kk: lambda: check_mixer(kk, rank, world, T, _packed_positions(T)))(kind)
+        out["mixer_" + _case_id(kind, variant)] = (lambda kk, vv: lambda: check_mixer(
+            kk, rank, world, T, _packed_positions(T), vv))(kind, variant)
     return out
 
 
@@ -303,11 +311,11 @@ def test_gated_delta_rule_summaries(results):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("kind", KINDS)
-def test_mixer(results, kind):
-    """Every mixer of the registry through cp_mixer on packed rows (their positions given as the LM
-    gives them): outputs, input and parameter gradients."""
-    _assert_check(results, "mixer_" + kind)
+@pytest.mark.parametrize("case", [_case_id(k, v) for k, v in MIXER_CASES])
+def test_mixer(results, case):
+    """Every mixer of the registry (each variant of its section) through cp_mixer on packed rows
+    (their positions given as the LM gives them): outputs, input and parameter gradients."""
+    _assert_check(results, "mixer_" + case)
 
 
 @pytest.mark.dist

@@ -282,6 +282,13 @@ class Mixer(nn.Module, metaclass=abc.ABCMeta):
     op_name: Optional[str] = None
     #: "kv_exchange" form: keys a query sees (None: every earlier key)
     window: Optional[int] = None
+    #: the ``kernels::`` custom op (``torch.library``) through which the chunked form's Triton
+    #: backend runs, by its forward's name (its backward is ``<name>_bwd``): a compiled block holds
+    #: it as one opaque node. None: the mixer calls no Triton op of its own
+    triton_custom_op: Optional[str] = None
+    #: the graph breaks a compiled block of this mixer may have (never at its op): a phrase of
+    #: dynamo's reason for each, e.g. "aten.nonzero" for a host read; None: the block breaks nowhere
+    compile_graph_breaks: Optional[str] = None
 
     @property
     def cp_halo(self) -> int:

@@ -100,6 +100,7 @@ class DeltaNet(Mixer):
     #: the delta rule is affine in its state: context parallelism combines chunk summaries
     cp_form = "summary"
     op_name = "delta_rule"
+    triton_custom_op = "kernels::delta_rule_fwd"
 
     def __init__(self, cfg, layer_idx: int):
         super().__init__()

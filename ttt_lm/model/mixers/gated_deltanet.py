@@ -129,6 +129,7 @@ class GatedDeltaNet(Mixer):
     #: the gated delta rule is affine in its state: context parallelism combines chunk summaries
     cp_form = "summary"
     op_name = "gated_delta_rule"
+    triton_custom_op = "kernels::gated_delta_rule_fwd"
 
     def __init__(self, cfg, layer_idx: int):
         super().__init__()

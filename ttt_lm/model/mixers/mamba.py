@@ -84,6 +84,7 @@ class Mamba(Mixer):
     #: a diagonal linear recurrence: context parallelism combines the scan's chunk summaries
     cp_form = "summary"
     op_name = "selective_scan"
+    triton_custom_op = "kernels::selective_scan_fwd"
 
     def __init__(self, cfg, layer_idx: int):
         super().__init__()

@@ -197,6 +197,9 @@ class RGLRUBlock(Mixer):
     #: a diagonal linear recurrence: context parallelism combines the scan's chunk summaries
     cp_form = "summary"
     op_name = "linear_scan"
+    triton_custom_op = "kernels::linear_scan_fwd"
+    #: document resets (segment_pos) are read on the host
+    compile_graph_breaks = "aten.nonzero"
 
     def __init__(self, cfg, layer_idx: int):
         super().__init__()

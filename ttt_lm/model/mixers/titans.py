@@ -136,8 +136,10 @@ class TitansConfig:
     def tiny(self, n: int) -> "TitansConfig":
         """This section for the tests' tiny models (``tests/model/mixer_checks.short_config``):
         ``short(n)`` and MAC's segments of 1.5 chunks (6 tokens for n = 4), so that sequences of
-        a few chunks hold several segments and segments and chunks do not line up."""
-        return dataclasses.replace(self.short(n), segment_len=n + n // 2)
+        a few chunks hold several segments and segments and chunks do not line up; MAG's and MAL's
+        sliding window one token longer than a chunk (as ``attention.tiny``), so that sequences
+        of a few chunks cross it."""
+        return dataclasses.replace(self.short(n), segment_len=n + n // 2, window=n + 1)
 
 
 def _gelu_grad(h: torch.Tensor) -> torch.Tensor:
@@ -202,6 +204,8 @@ class TitansMemory(Mixer):
 
     #: the two memories as benchmark rows (titans_linear, titans_mlp)
     variants = {"linear": {"memory": "linear"}, "mlp": {"memory": "mlp"}}
+    #: (the linear memory's; the MLP memory runs PyTorch)
+    triton_custom_op = "kernels::titans_linear_fwd"
 
     def __init__(self, cfg, layer_idx: int):
         super().__init__()

@@ -495,6 +495,7 @@ class _TTTBase(Mixer):
 class TTTLinear(_TTTBase):
     """TTT-Linear: inner model f(k) = k W1 + b1 per head; η_base = 1.0 by default."""
     kind = "linear"
+    triton_custom_op = "kernels::ttt_linear_fwd"
 
     @staticmethod
     def flops_per_token(cfg, seq_len: int) -> float:
@@ -506,6 +507,7 @@ class TTTMLP(_TTTBase):
     """TTT-MLP: inner model f(k) = GELU_tanh(k W1 + b1) W2 + b2 per head, hidden width
     ``ttt.mlp_expansion`` × head_dim (4 in the paper); η_base = 0.1 by default."""
     kind = "mlp"
+    triton_custom_op = "kernels::ttt_mlp_fwd"
 
     @staticmethod
     def flops_per_token(cfg, seq_len: int) -> float:
