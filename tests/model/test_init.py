@@ -13,7 +13,7 @@ import torch
 
 from ttt_lm.config import load_config
 from ttt_lm.model import LM, ModelConfig
-from ttt_lm.model.registry import builtin_kinds
+from ttt_lm.model.registry import builtin_kinds, mixer_class
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -63,23 +63,28 @@ def test_unknown_init_is_refused():
         _lm(builtin_kinds()[:1], "xavier")
 
 
-PRESET_INIT = {"ttt_linear_": "ttt", "ttt_mlp_": "ttt", "tiny_ttt_": "ttt", "griffin_": "griffin",
-               "hawk_": "griffin", "tiny_griffin": "griffin", "tiny_hawk": "griffin", "mamba_": "mamba",
-               "tiny_mamba": "mamba", "lact_": "ttt", "tiny_lact": "ttt", "gated_deltanet_": "mamba",
-               "tiny_gated_deltanet": "mamba", "gdn_hybrid_": "mamba", "tiny_gdn_hybrid": "mamba",
-               "mamba2_": "mamba", "kda_": "ttt", "tiny_kda": "ttt"}
+def official_init(pattern) -> str:
+    """The init a preset of ``pattern`` (its layer kinds) takes: the scheme of the official code of
+    its one kind with a scheme of its own (``Mixer.official_init``; ``official_hybrid_init`` when
+    the pattern mixes it with other kinds), else gpt2."""
+    kinds = set(pattern)
+    own = [k for k in kinds if mixer_class(k).official_init or mixer_class(k).official_hybrid_init]
+    if len(own) != 1:
+        return "gpt2"
+    cls = mixer_class(own[0])
+    return (cls.official_init if kinds == set(own) else cls.official_hybrid_init) or "gpt2"
 
 
 @pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml"))),
                          ids=lambda p: os.path.basename(p))
 def test_presets_choose_their_official_init(path):
-    """The paper presets use their architecture's official init (LaCT's official code: N(0, 0.02)
-    everywhere, the ``ttt`` scheme, as flash-linear-attention's KDA model and its 3:1 hybrids;
-    Gated DeltaNet's hybrids too: the official hybrid code inits every layer as mamba_ssm does);
-    the others (TTT hybrids, the Transformer, Titans, DeltaNet, the default tiny.yaml) keep gpt2."""
+    """The paper presets use their architecture's official init, which each mixer class declares
+    (``official_init``, ``official_hybrid_init``: LaCT's official code inits N(0, 0.02)
+    everywhere, the ``ttt`` scheme; Gated DeltaNet's hybrid code inits every layer as mamba_ssm
+    does); the others (TTT hybrids, the Transformer, Titans, DeltaNet, the default tiny.yaml),
+    whose kinds declare none, keep gpt2."""
     name = os.path.basename(path)
     cfg = load_config(path)
-    expected = next((v for k, v in PRESET_INIT.items() if name.startswith(k)), "gpt2")
-    assert cfg.model.init == expected
+    assert cfg.model.init == official_init(cfg.model.layer_pattern)
     if name.startswith("ttt_mlp_"):   # ttt-lm-jax's inner base-lr warmup, 10% of its steps
         assert cfg.model.ttt.base_lr_init == 0.01 and cfg.model.ttt.base_lr_warmup > 0

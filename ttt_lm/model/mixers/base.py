@@ -276,6 +276,12 @@ class Mixer(nn.Module, metaclass=abc.ABCMeta):
     #: and benchmarks time as rows of their own (``benchmarks/chunk_scaling.py``: ``<kind>_<name>``);
     #: empty: the kind as configured
     variants: Dict[str, Dict[str, object]] = {}
+    #: the init scheme (``model.init``) of this kind's official code, which the presets of the
+    #: kind alone take; None: no scheme of its own (the presets keep ``gpt2``)
+    official_init: Optional[str] = None
+    #: the scheme of the official code of its hybrids with attention layers (Gated DeltaNet's
+    #: hybrid code inits every layer as mamba_ssm does); None: the hybrids keep ``gpt2``
+    official_hybrid_init: Optional[str] = None
     #: context-parallel form, one of CP_FORMS (see the module docstring)
     cp_form: str = "state_passing"
     #: "summary" form: the kernels/ op whose summaries combine across ranks, one of SUMMARY_OPS

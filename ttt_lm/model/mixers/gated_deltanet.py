@@ -126,6 +126,7 @@ class GatedDeltaNetState(MixerState):
 
 @register_mixer("gated_deltanet", config=GatedDeltaNetConfig)
 class GatedDeltaNet(Mixer):
+    official_init = official_hybrid_init = "mamba"   # the official code and its hybrids init as mamba_ssm
     #: the gated delta rule is affine in its state: context parallelism combines chunk summaries
     cp_form = "summary"
     op_name = "gated_delta_rule"

@@ -170,6 +170,7 @@ class KDAState(MixerState):
 
 @register_mixer("kda", config=KDAConfig)
 class KimiDeltaAttention(Mixer):
+    official_init = official_hybrid_init = "ttt"   # FLA's KDA model and its 3:1 hybrids: N(0, 0.02)
     #: KDA is affine in its state (a chunk's transition is a [d_k, d_k] matrix per head): context
     #: parallelism combines chunk summaries
     cp_form = "summary"

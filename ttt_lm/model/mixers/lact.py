@@ -186,6 +186,7 @@ class LowRankFastWeight(nn.Module):
 
 @register_mixer("lact", config=LaCTConfig)
 class LaCT(Mixer):
+    official_init = "ttt"          # LaCT's official code: N(0, 0.02) everywhere
     #: the fast weights are a nonlinear recurrence over chunks: ranks hand the state on
     cp_form = "state_passing"
 

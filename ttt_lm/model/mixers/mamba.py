@@ -81,6 +81,7 @@ class MambaState(MixerState):
 
 @register_mixer("mamba", config=MambaConfig)
 class Mamba(Mixer):
+    official_init = "mamba"        # mamba_ssm's _init_weights
     #: a diagonal linear recurrence: context parallelism combines the scan's chunk summaries
     cp_form = "summary"
     op_name = "selective_scan"

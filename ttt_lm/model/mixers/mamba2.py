@@ -197,6 +197,7 @@ _SSD_ARGS = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "dt_softplus", "chun
 
 @register_mixer("mamba2", config=Mamba2Config)
 class Mamba2(Mixer):
+    official_init = official_hybrid_init = "mamba"   # mamba_ssm's _init_weights, its hybrids too
     #: the state is affine in its initial value (a scalar decay per head): chunk summaries combine
     cp_form = "summary"
     op_name = "ssd"

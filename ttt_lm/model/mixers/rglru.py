@@ -193,6 +193,7 @@ class RGLRUState(MixerState):
 
 @register_mixer("rglru", config=RGLRUConfig)
 class RGLRUBlock(Mixer):
+    official_init = official_hybrid_init = "griffin"   # Hawk alone, Griffin with local attention
     takes_segment_pos = True
     #: a diagonal linear recurrence: context parallelism combines the scan's chunk summaries
     cp_form = "summary"

@@ -199,6 +199,7 @@ class HeadsLayerNorm(nn.LayerNorm):
 
 
 class _TTTBase(Mixer):
+    official_init = "ttt"          # ttt-lm-pytorch / ttt-lm-jax: N(0, 0.02)
     #: "linear" (TTTLinear) or "mlp" (TTTMLP)
     kind: str = "linear"
 
