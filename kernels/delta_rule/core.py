@@ -1,6 +1,6 @@
 r"""The delta-rule family's chunked Triton kernels, forward and backward: one set of kernels for
-the delta rule (``kernels.delta_rule``) and the gated delta rule (``kernels.gated_delta_rule``),
-the same recurrence with no decay or a scalar one (the model is flash-linear-attention's
+the delta rule (``kernels.delta_rule``), the gated delta rule (``kernels.gated_delta_rule``) and
+KDA (``kernels.kda``), the same recurrence with no decay, a scalar one or one per key channel (the model is flash-linear-attention's
 ``ops/common/chunk_delta_h.py``, one state kernel serving its delta-rule ops). Each op's
 ``chunk.py`` is a thin entry over this module: its input checks, its launch configuration
 (``launch_meta``) and its custom op, built here by :func:`make_op`.
@@ -14,9 +14,9 @@ Compile-time switches (``tl.constexpr``) of every kernel:
 * ``USE_G``: a scalar log decay g [B, H, T] per head and token (Gated DeltaNet). When False the
   g pointers (g, and the backward's dg_part and dg) are ``None`` and unused, every decay factor
   below is 1 and the kernels are the delta rule's (Yang et al. 2024).
-* (not yet) ``USE_GK``: a per-channel decay g [B, H, T, d_k] (KDA), which would turn the scalar
-  factors e^{γ_i} below into diagonal matrices over d_k. Its place: ``_gamma``/``_decay`` for the
-  factors, and the d_k-blocked loops that already hold [C, BK] tiles of K and Q.
+* ``USE_GK``: a per-channel log decay g [B, H, T, d_k] (KDA), which turns the scalar factors
+  e^{γ_i} below into diagonal matrices over d_k (see "Per-channel decay" below). ``USE_G`` and
+  ``USE_GK`` are never both on; with USE_GK off its pointers are ``None`` too.
 * ``IS_VARLEN`` (packed batches), ``USE_H0`` / ``STORE_HT`` / ``USE_DHT`` / ``STORE_DH0``
   (initial and final states), the tiles, the chunk C and the precisions.
 
@@ -59,6 +59,24 @@ Backward, with dS the gradient of the state at the end of the chunk being proces
                   and, on the chunk's last row, e^{γ_C} ⟨S_n, dS⟩ + Σ_i e^{γ_C−γ_i} k_i·(dS Ṽ_i);
                   rowsum − colsum of diag(β) dL ∘ K Kᵀ ∘ Γ; β_i e^{γ_i} k_i·(Tᵀ dW)_i; then
                   dg = the reverse cumulative sum of dγ over the chunk (γ_i = Σ_{s≤i} g_s).
+
+Per-channel decay (``USE_GK``). γ = cumsum(g) is [C, d_k]; ``_gk_cumsum`` stores it and every
+kernel reads it where g was. The factors become W = T diag(β) (K ∘ e^{γ}), O ∋ (Q ∘ e^{γ}) S_n,
+S_{n+1} = Diag(e^{γ_C}) S_n + K_dᵀ Ṽ with K_d = K ∘ e^{γ_C − γ}, and Γ ∘ X Kᵀ becomes the decayed
+scores P(X)_ij = Σ_c x_ic k_jc e^{γ_ic − γ_jc} (j ≤ i). Written as (X ∘ e^{γ})(K ∘ e^{−γ})ᵀ they
+would need e^{−γ}, e^{+1280} for decays of −20 per token over 64; ``_gk_scores`` builds them in
+blocks of 16 rows instead: for block a against the columns of earlier blocks, one product
+(X_a ∘ e^{γ_a − γ_r})(K ∘ e^{γ_r − γ})ᵀ about the block's first row r (between every such i and j,
+so both factors ≤ 1), and the diagonal 16 × 16 block per pair, column by column (the split of
+flash-linear-attention's ``chunk_kda``). It stores Aqk = M ∘ P(Q) and Akk = tril(P(K), −1), which
+``_wy_inv`` (L = diag(β) Akk), ``_fwd_o`` and ``_bwd_dv_local`` read. Backward: ``_bwd_dqk`` keeps
+the state's terms (dq ∋ e^{γ} ∘ dO S_nᵀ, dK_d, per-channel dγ including the last row's
+e^{γ_C} ∘ rowsum(S_n ∘ dS)) and stores dP; ``_bwd_wy`` the terms through W and T, dβ from Akk,
+and stores dG = diag(β) dL; ``_gk_bwd_intra`` the gradients through the scores, for P(X, Y) with
+gradient D: dX = Σ_j D_ij y_j e^{γ_i − γ_j}, dY = Σ_i D_ij x_i e^{γ_i − γ_j}, dγ ∋ X ∘ dX − Y ∘ dY
+(blocked as the scores, the reference row between the two blocks), then dg, the reverse cumulative
+sum of dγ over the chunk, per channel. Every exponent is ≤ 0 (masked entries clamped at 0), so
+nothing overflows; the scores are recomputed in the backward rather than saved.
 
 Variable-length batches: with ``cu_seqlens`` (int32 [N+1]) the input is one packed row
 (B = 1, T = cu_seqlens[-1]) and the state restarts at every sequence start (from
@@ -358,13 +376,9 @@ def _gk_bwd_intra(q, k, g, dAqk, dAkk, dq_part, dk_part, dg_part, dq, dk, dg,
     o_k = i_k * BK + tl.arange(0, BK)
     o16 = tl.arange(0, 16)
     o_c = tl.arange(0, C)
-    q_all = _gk_rows(q, rb, Tc, 0, C, o_k, DK, ACC)
-    k_all = _gk_rows(k, rb, Tc, 0, C, o_k, DK, ACC)
-    g_all = _gk_rows(g, rb, Tc, 0, C, o_k, DK, ACC)
     carry = tl.zeros([BK], dtype=ACC)
-    NB = C // 16
-    for ai in tl.static_range(NB):
-        a = NB - 1 - ai
+    NB: tl.constexpr = C // 16
+    for a in tl.static_range(NB - 1, -1, -1):   # the last block first (dg's sum runs backwards)
         r_a = a * 16 + o16
         m_a = r_a < Tc
         q_a = _gk_rows(q, rb, Tc, a * 16, 16, o_k, DK, ACC)
@@ -376,7 +390,8 @@ def _gk_bwd_intra(q, k, g, dAqk, dAkk, dq_part, dk_part, dg_part, dq, dk, dg,
         dkr = tl.zeros([16, BK], dtype=ACC)    # Σ_i dG_ij k_i e^{γ_i − γ_j}
         if a > 0:   # columns of the earlier blocks, about r = 16a
             g_r = _gk_row(g, rb, Tc, a * 16, o_k, DK, ACC)
-            ks = k_all * tl.exp(tl.minimum(g_r[None, :] - g_all, 0.0))
+            ks = _gk_rows(k, rb, Tc, 0, C, o_k, DK, ACC) * \
+                tl.exp(tl.minimum(g_r[None, :] - _gk_rows(g, rb, Tc, 0, C, o_k, DK, ACC), 0.0))
             off = (rb + r_a)[:, None] * C + o_c[None, :]
             m_off = m_a[:, None] & (o_c[None, :] < a * 16)
             dP_a = tl.load(dAqk + off, mask=m_off, other=0.0).to(ACC)
@@ -387,14 +402,14 @@ def _gk_bwd_intra(q, k, g, dAqk, dAkk, dq_part, dk_part, dg_part, dq, dk, dg,
         if a < NB - 1:   # rows of the later blocks, about r = the block's last valid row
             rr = tl.minimum(a * 16 + 15, Tc - 1)
             g_r = _gk_row(g, rb, Tc, rr, o_k, DK, ACC)
-            e_all = tl.exp(tl.minimum(g_all - g_r[None, :], 0.0))
+            e_all = tl.exp(tl.minimum(_gk_rows(g, rb, Tc, 0, C, o_k, DK, ACC) - g_r[None, :], 0.0))
             offt = (rb + o_c)[None, :] * C + r_a[:, None]    # [16 (j), C (i)]: D_ij
             m_t = (r_a[:, None] >= 0) & (o_c[None, :] < Tc) & (o_c[None, :] >= a * 16 + 16)
             dPt = tl.load(dAqk + offt, mask=m_t, other=0.0).to(ACC)
             dGt = tl.load(dAkk + offt, mask=m_t, other=0.0).to(ACC)
             e_b = tl.exp(tl.minimum(g_r[None, :] - g_a, 0.0))
-            dkp += e_b * _mm(dPt, q_all * e_all, PS, EMU)
-            dkr += e_b * _mm(dGt, k_all * e_all, PS, EMU)
+            dkp += e_b * _mm(dPt, _gk_rows(q, rb, Tc, 0, C, o_k, DK, ACC) * e_all, PS, EMU)
+            dkr += e_b * _mm(dGt, _gk_rows(k, rb, Tc, 0, C, o_k, DK, ACC) * e_all, PS, EMU)
         for jj in tl.static_range(16):   # the diagonal block, per pair
             j = a * 16 + jj
             m_j = m_a & (j + tl.zeros_like(r_a) < Tc)
