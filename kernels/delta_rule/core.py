@@ -341,7 +341,7 @@ def _gk_scores(q, k, g, Aqk, Akk, cu_seqlens, chunk_offsets, chunk_indices, T, H
                 before = o_c[None, :] < a * 16
                 Pq += tl.where(before, _mm(q_a * e_a, tl.trans(ks), PREC, EMU), 0.0)
                 Pk += tl.where(before, _mm(k_a * e_a, tl.trans(ks), PREC, EMU), 0.0)
-            for jj in tl.static_range(16):
+            for jj in range(16):   # a loop, not unrolled: 16 steps per block made the compile slow
                 k_j = _gk_row(k, rb, Tc, a * 16 + jj, o_k, DK, ACC)
                 g_j = _gk_row(g, rb, Tc, a * 16 + jj, o_k, DK, ACC)
                 kje = k_j[None, :] * tl.exp(tl.minimum(g_a - g_j[None, :], 0.0))
@@ -410,7 +410,7 @@ def _gk_bwd_intra(q, k, g, dAqk, dAkk, dq_part, dk_part, dg_part, dq, dk, dg,
             e_b = tl.exp(tl.minimum(g_r[None, :] - g_a, 0.0))
             dkp += e_b * _mm(dPt, _gk_rows(q, rb, Tc, 0, C, o_k, DK, ACC) * e_all, PS, EMU)
             dkr += e_b * _mm(dGt, _gk_rows(k, rb, Tc, 0, C, o_k, DK, ACC) * e_all, PS, EMU)
-        for jj in tl.static_range(16):   # the diagonal block, per pair
+        for jj in range(16):   # the diagonal block, per pair (a loop: unrolled, it compiled for minutes)
             j = a * 16 + jj
             m_j = m_a & (j + tl.zeros_like(r_a) < Tc)
             k_j = _gk_row(k, rb, Tc, j, o_k, DK, ACC)
