@@ -1,6 +1,6 @@
 r"""The delta-rule family's chunked Triton kernels, forward and backward: one set of kernels for
-the delta rule (``kernels.delta_rule``) and the gated delta rule (``kernels.gated_delta_rule``),
-the same recurrence with no decay or a scalar one (the model is flash-linear-attention's
+the delta rule (``kernels.delta_rule``), the gated delta rule (``kernels.gated_delta_rule``) and
+KDA (``kernels.kda``), the same recurrence with no decay, a scalar one or one per key channel (the model is flash-linear-attention's
 ``ops/common/chunk_delta_h.py``, one state kernel serving its delta-rule ops). Each op's
 ``chunk.py`` is a thin entry over this module: its input checks, its launch configuration
 (``launch_meta``) and its custom op, built here by :func:`make_op`.
@@ -14,9 +14,9 @@ Compile-time switches (``tl.constexpr``) of every kernel:
 * ``USE_G``: a scalar log decay g [B, H, T] per head and token (Gated DeltaNet). When False the
   g pointers (g, and the backward's dg_part and dg) are ``None`` and unused, every decay factor
   below is 1 and the kernels are the delta rule's (Yang et al. 2024).
-* (not yet) ``USE_GK``: a per-channel decay g [B, H, T, d_k] (KDA), which would turn the scalar
-  factors e^{γ_i} below into diagonal matrices over d_k. Its place: ``_gamma``/``_decay`` for the
-  factors, and the d_k-blocked loops that already hold [C, BK] tiles of K and Q.
+* ``USE_GK``: a per-channel log decay g [B, H, T, d_k] (KDA), which turns the scalar factors
+  e^{γ_i} below into diagonal matrices over d_k (see "Per-channel decay" below). ``USE_G`` and
+  ``USE_GK`` are never both on; with USE_GK off its pointers are ``None`` too.
 * ``IS_VARLEN`` (packed batches), ``USE_H0`` / ``STORE_HT`` / ``USE_DHT`` / ``STORE_DH0``
   (initial and final states), the tiles, the chunk C and the precisions.
 
@@ -59,6 +59,24 @@ Backward, with dS the gradient of the state at the end of the chunk being proces
                   and, on the chunk's last row, e^{γ_C} ⟨S_n, dS⟩ + Σ_i e^{γ_C−γ_i} k_i·(dS Ṽ_i);
                   rowsum − colsum of diag(β) dL ∘ K Kᵀ ∘ Γ; β_i e^{γ_i} k_i·(Tᵀ dW)_i; then
                   dg = the reverse cumulative sum of dγ over the chunk (γ_i = Σ_{s≤i} g_s).
+
+Per-channel decay (``USE_GK``). γ = cumsum(g) is [C, d_k]; ``_gk_cumsum`` stores it and every
+kernel reads it where g was. The factors become W = T diag(β) (K ∘ e^{γ}), O ∋ (Q ∘ e^{γ}) S_n,
+S_{n+1} = Diag(e^{γ_C}) S_n + K_dᵀ Ṽ with K_d = K ∘ e^{γ_C − γ}, and Γ ∘ X Kᵀ becomes the decayed
+scores P(X)_ij = Σ_c x_ic k_jc e^{γ_ic − γ_jc} (j ≤ i). Written as (X ∘ e^{γ})(K ∘ e^{−γ})ᵀ they
+would need e^{−γ}, e^{+1280} for decays of −20 per token over 64; ``_gk_scores`` builds them in
+blocks of 16 rows instead: for block a against the columns of earlier blocks, one product
+(X_a ∘ e^{γ_a − γ_r})(K ∘ e^{γ_r − γ})ᵀ about the block's first row r (between every such i and j,
+so both factors ≤ 1), and the diagonal 16 × 16 block per pair, column by column (the split of
+flash-linear-attention's ``chunk_kda``). It stores Aqk = M ∘ P(Q) and Akk = tril(P(K), −1), which
+``_wy_inv`` (L = diag(β) Akk), ``_fwd_o`` and ``_bwd_dv_local`` read. Backward: ``_bwd_dqk`` keeps
+the state's terms (dq ∋ e^{γ} ∘ dO S_nᵀ, dK_d, per-channel dγ including the last row's
+e^{γ_C} ∘ rowsum(S_n ∘ dS)) and stores dP; ``_bwd_wy`` the terms through W and T, dβ from Akk,
+and stores dG = diag(β) dL; ``_gk_bwd_intra`` the gradients through the scores, for P(X, Y) with
+gradient D: dX = Σ_j D_ij y_j e^{γ_i − γ_j}, dY = Σ_i D_ij x_i e^{γ_i − γ_j}, dγ ∋ X ∘ dX − Y ∘ dY
+(blocked as the scores, the reference row between the two blocks), then dg, the reverse cumulative
+sum of dγ over the chunk, per channel. Every exponent is ≤ 0 (masked entries clamped at 0), so
+nothing overflows; the scores are recomputed in the backward rather than saved.
 
 Variable-length batches: with ``cu_seqlens`` (int32 [N+1]) the input is one packed row
 (B = 1, T = cu_seqlens[-1]) and the state restarts at every sequence start (from
@@ -222,24 +240,224 @@ def _lblock(k_i, b_i, g_i, k_j, g_j, PK: tl.constexpr, EMU: tl.constexpr, USE_G:
 
 
 @triton.jit
+def _lb(k_i, b_i, g_i, k_j, g_j, Akk, row0, Tn, c, i: tl.constexpr, j: tl.constexpr, C: tl.constexpr,
+        PK: tl.constexpr, EMU: tl.constexpr, USE_G: tl.constexpr, USE_GK: tl.constexpr):
+    """Block (i, j) of L's matrix diag(β) (K Kᵀ ∘ Γ): computed (``_lblock``), or with USE_GK read
+    from the per-channel decayed scores Akk (P(K), ``_gk_scores``) and scaled by β."""
+    if USE_GK:
+        o_t = c * C + i * 16 + tl.arange(0, 16)
+        o_j = j * 16 + tl.arange(0, 16)
+        x = tl.load(Akk + (row0 + o_t)[:, None] * C + o_j[None, :], mask=(o_t < Tn)[:, None], other=0.0)
+        x = b_i[:, None] * x.to(b_i.dtype)
+    else:
+        x = _lblock(k_i, b_i, g_i, k_j, g_j, PK, EMU, USE_G)
+    return x
+
+
+@triton.jit
 def _store_block(Tm, X, row0, Tn, c, i: tl.constexpr, j: tl.constexpr, C: tl.constexpr):
     o_t = c * C + i * 16 + tl.arange(0, 16)
     o_j = j * 16 + tl.arange(0, 16)
     tl.store(Tm + (row0 + o_t)[:, None] * C + o_j[None, :], X.to(Tm.dtype.element_ty), mask=(o_t < Tn)[:, None])
 
 
+# ---- per-channel decay (USE_GK): γ, the decayed scores and their gradients --------------------
+
+@triton.jit
+def _gk_last(g, row0, Tn, c, C: tl.constexpr, DK: tl.constexpr, o_k, ACC: tl.constexpr):
+    """γ_C [BK] with USE_GK: the row of the cumulative decay g ([.., d_k], ``_gk_cumsum``'s) at
+    the chunk's last token (zeros for a spare slot)."""
+    last = tl.minimum(Tn - c * C, C) - 1 + tl.zeros_like(o_k)
+    return tl.load(g + (row0 + c * C + last) * DK + o_k, mask=(o_k < DK) & (last >= 0), other=0.0).to(ACC)
+
+
+@triton.jit
+def _gk_rows(p, rb, Tc, r0, R: tl.constexpr, o_k, DK: tl.constexpr, ACC: tl.constexpr):
+    """Rows r0 … r0+R−1 of the chunk (first row rb, Tc valid rows) of a [.., DK] tensor, columns
+    o_k, as [R, BK] in ACC (zeros outside)."""
+    r = r0 + tl.arange(0, R)
+    m = (r < Tc)[:, None] & (o_k[None, :] < DK)
+    return tl.load(p + (rb + r)[:, None] * DK + o_k[None, :], mask=m, other=0.0).to(ACC)
+
+
+@triton.jit
+def _gk_row(p, rb, Tc, r, o_k, DK: tl.constexpr, ACC: tl.constexpr):
+    """Row r of the chunk of a [.., DK] tensor, columns o_k, as [BK] in ACC (zeros outside)."""
+    rr = r + tl.zeros_like(o_k)
+    m = (o_k < DK) & (rr >= 0) & (rr < Tc)
+    return tl.load(p + (rb + r) * DK + o_k, mask=m, other=0.0).to(ACC)
+
+
+@triton.jit
+def _gk_cumsum(g, gam, cu_seqlens, chunk_offsets, chunk_indices, T, H,
+               DK: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr,
+               ACC: tl.constexpr):
+    """USE_GK: γ = the cumulative sum of the per-channel log decay g [.., d_k] inside each chunk
+    (grid: chunks, H, d_k blocks), stored for the other kernels, which read γ where g was."""
+    i_c, h, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    c, row0, Tn, coff = _chunk_info(cu_seqlens, chunk_offsets, chunk_indices, i_c, h, T, H, C, IS_VARLEN)
+    o_k = i_k * BK + tl.arange(0, BK)
+    rb = row0 + c * C
+    b_g = _gk_rows(g, rb, Tn - c * C, 0, C, o_k, DK, ACC)
+    r = tl.arange(0, C)
+    m = (r < Tn - c * C)[:, None] & (o_k[None, :] < DK)
+    tl.store(gam + (rb + r)[:, None] * DK + o_k[None, :], tl.cumsum(b_g, 0).to(gam.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _gk_scores(q, k, g, Aqk, Akk, cu_seqlens, chunk_offsets, chunk_indices, T, H,
+               DK: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr,
+               ACC: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr):
+    """USE_GK: the decayed scores of one chunk (grid: chunks, H), with γ from ``_gk_cumsum`` (g),
+
+        P(X)_ij = Σ_c x_ic k_jc e^{γ_ic − γ_jc}   (j ≤ i),     Aqk = M ∘ P(Q),   Akk = tril(P(K), −1),
+
+    summed over d_k in blocks of BK, every exponent ≤ 0. Rows in blocks of 16: for block a and
+    the columns of the earlier blocks, with r = 16a (its first row, after every such column),
+    e^{γ_i − γ_j} = e^{γ_i − γ_r} e^{γ_r − γ_j}, so that part is one product
+    (X_a ∘ e^{γ_a − γ_r}) (K ∘ e^{γ_r − γ})ᵀ of factors ≤ 1; the diagonal 16 × 16 block takes
+    its exponents per pair, column by column (flash-linear-attention's ``chunk_kda`` splits its
+    intra-chunk scores the same way)."""
+    i_c, h = tl.program_id(0), tl.program_id(1)
+    c, row0, Tn, coff = _chunk_info(cu_seqlens, chunk_offsets, chunk_indices, i_c, h, T, H, C, IS_VARLEN)
+    rb = row0 + c * C
+    Tc = Tn - c * C
+    o16 = tl.arange(0, 16)
+    o_c = tl.arange(0, C)
+    for a in tl.static_range(C // 16):
+        r_a = a * 16 + o16
+        Pq = tl.zeros([16, C], dtype=ACC)
+        Pk = tl.zeros([16, C], dtype=ACC)
+        for k0 in range(0, DK, BK):
+            o_k = k0 + tl.arange(0, BK)
+            q_a = _gk_rows(q, rb, Tc, a * 16, 16, o_k, DK, ACC)
+            k_a = _gk_rows(k, rb, Tc, a * 16, 16, o_k, DK, ACC)
+            g_a = _gk_rows(g, rb, Tc, a * 16, 16, o_k, DK, ACC)
+            if a > 0:
+                g_r = _gk_row(g, rb, Tc, a * 16, o_k, DK, ACC)
+                e_a = tl.exp(tl.minimum(g_a - g_r[None, :], 0.0))
+                ks = _gk_rows(k, rb, Tc, 0, C, o_k, DK, ACC) * \
+                    tl.exp(tl.minimum(g_r[None, :] - _gk_rows(g, rb, Tc, 0, C, o_k, DK, ACC), 0.0))
+                before = o_c[None, :] < a * 16
+                Pq += tl.where(before, _mm(q_a * e_a, tl.trans(ks), PREC, EMU), 0.0)
+                Pk += tl.where(before, _mm(k_a * e_a, tl.trans(ks), PREC, EMU), 0.0)
+            for jj in range(16):   # a loop, not unrolled: 16 steps per block made the compile slow
+                k_j = _gk_row(k, rb, Tc, a * 16 + jj, o_k, DK, ACC)
+                g_j = _gk_row(g, rb, Tc, a * 16 + jj, o_k, DK, ACC)
+                kje = k_j[None, :] * tl.exp(tl.minimum(g_a - g_j[None, :], 0.0))
+                at_j = o_c[None, :] == a * 16 + jj
+                Pq += tl.where(at_j, tl.sum(q_a * kje, 1)[:, None], 0.0)
+                Pk += tl.where(at_j, tl.sum(k_a * kje, 1)[:, None], 0.0)
+        m_a = (r_a < Tc)[:, None]
+        off = (rb + r_a)[:, None] * C + o_c[None, :]
+        tl.store(Aqk + off, tl.where(o_c[None, :] <= r_a[:, None], Pq, 0.0).to(Aqk.dtype.element_ty), mask=m_a)
+        tl.store(Akk + off, tl.where(o_c[None, :] < r_a[:, None], Pk, 0.0).to(Akk.dtype.element_ty), mask=m_a)
+
+
+@triton.jit
+def _gk_bwd_intra(q, k, g, dAqk, dAkk, dq_part, dk_part, dg_part, dq, dk, dg,
+                  cu_seqlens, chunk_offsets, chunk_indices, T, H,
+                  DK: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr,
+                  ACC: tl.constexpr, PS: tl.constexpr, EMU: tl.constexpr):
+    """USE_GK: the gradients through the decayed scores, and the final dq, dk, dg of one chunk and
+    one block of BK key channels (grid: chunks, H, d_k blocks). For scores P(X, Y)_ij =
+    Σ_c x_ic y_jc e^{γ_ic − γ_jc} with gradient D (dAqk = dP for X = Q, Y = K; dAkk = dG for X = Y = K):
+
+        dx_ic = Σ_{j≤i} D_ij y_jc e^{γ_ic − γ_jc},   dy_jc = Σ_{i≥j} D_ij x_ic e^{γ_ic − γ_jc},
+        dγ ∋ X ∘ dX − Y ∘ dY,
+
+    in blocks of 16 rows as ``_gk_scores`` (a reference row between the blocks, the diagonal
+    block per pair). dq = dq_part + dQ, dk = dk_part + dK (both scores), and dg = the reverse
+    cumulative sum over the chunk of dγ = dg_part + these terms, walking the blocks from the last."""
+    i_c, h, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    c, row0, Tn, coff = _chunk_info(cu_seqlens, chunk_offsets, chunk_indices, i_c, h, T, H, C, IS_VARLEN)
+    rb = row0 + c * C
+    Tc = Tn - c * C
+    o_k = i_k * BK + tl.arange(0, BK)
+    o16 = tl.arange(0, 16)
+    o_c = tl.arange(0, C)
+    carry = tl.zeros([BK], dtype=ACC)
+    NB: tl.constexpr = C // 16
+    for a in tl.static_range(NB - 1, -1, -1):   # the last block first (dg's sum runs backwards)
+        r_a = a * 16 + o16
+        m_a = r_a < Tc
+        q_a = _gk_rows(q, rb, Tc, a * 16, 16, o_k, DK, ACC)
+        k_a = _gk_rows(k, rb, Tc, a * 16, 16, o_k, DK, ACC)
+        g_a = _gk_rows(g, rb, Tc, a * 16, 16, o_k, DK, ACC)
+        dqa = tl.zeros([16, BK], dtype=ACC)    # Σ_j dP_ij k_j e^{γ_i − γ_j}
+        dkl = tl.zeros([16, BK], dtype=ACC)    # Σ_j dG_ij k_j e^{γ_i − γ_j}
+        dkp = tl.zeros([16, BK], dtype=ACC)    # Σ_i dP_ij q_i e^{γ_i − γ_j}
+        dkr = tl.zeros([16, BK], dtype=ACC)    # Σ_i dG_ij k_i e^{γ_i − γ_j}
+        if a > 0:   # columns of the earlier blocks, about r = 16a
+            g_r = _gk_row(g, rb, Tc, a * 16, o_k, DK, ACC)
+            ks = _gk_rows(k, rb, Tc, 0, C, o_k, DK, ACC) * \
+                tl.exp(tl.minimum(g_r[None, :] - _gk_rows(g, rb, Tc, 0, C, o_k, DK, ACC), 0.0))
+            off = (rb + r_a)[:, None] * C + o_c[None, :]
+            m_off = m_a[:, None] & (o_c[None, :] < a * 16)
+            dP_a = tl.load(dAqk + off, mask=m_off, other=0.0).to(ACC)
+            dG_a = tl.load(dAkk + off, mask=m_off, other=0.0).to(ACC)
+            e_a = tl.exp(tl.minimum(g_a - g_r[None, :], 0.0))
+            dqa += e_a * _mm(dP_a, ks, PS, EMU)
+            dkl += e_a * _mm(dG_a, ks, PS, EMU)
+        if a < NB - 1:   # rows of the later blocks, about r = the block's last valid row
+            rr = tl.minimum(a * 16 + 15, Tc - 1)
+            g_r = _gk_row(g, rb, Tc, rr, o_k, DK, ACC)
+            e_all = tl.exp(tl.minimum(_gk_rows(g, rb, Tc, 0, C, o_k, DK, ACC) - g_r[None, :], 0.0))
+            offt = (rb + o_c)[None, :] * C + r_a[:, None]    # [16 (j), C (i)]: D_ij
+            m_t = (r_a[:, None] >= 0) & (o_c[None, :] < Tc) & (o_c[None, :] >= a * 16 + 16)
+            dPt = tl.load(dAqk + offt, mask=m_t, other=0.0).to(ACC)
+            dGt = tl.load(dAkk + offt, mask=m_t, other=0.0).to(ACC)
+            e_b = tl.exp(tl.minimum(g_r[None, :] - g_a, 0.0))
+            dkp += e_b * _mm(dPt, _gk_rows(q, rb, Tc, 0, C, o_k, DK, ACC) * e_all, PS, EMU)
+            dkr += e_b * _mm(dGt, _gk_rows(k, rb, Tc, 0, C, o_k, DK, ACC) * e_all, PS, EMU)
+        for jj in range(16):   # the diagonal block, per pair (a loop: unrolled, it compiled for minutes)
+            j = a * 16 + jj
+            m_j = m_a & (j + tl.zeros_like(r_a) < Tc)
+            k_j = _gk_row(k, rb, Tc, j, o_k, DK, ACC)
+            q_j = _gk_row(q, rb, Tc, j, o_k, DK, ACC)
+            g_j = _gk_row(g, rb, Tc, j, o_k, DK, ACC)
+            # column j of the block: D_ij for rows i of block a (i ≥ j)
+            dP_c = tl.load(dAqk + (rb + r_a) * C + j, mask=m_j, other=0.0).to(ACC)
+            dG_c = tl.load(dAkk + (rb + r_a) * C + j, mask=m_j, other=0.0).to(ACC)
+            e_c = tl.exp(tl.minimum(g_a - g_j[None, :], 0.0))      # e^{γ_i − γ_j}, i in block a
+            dqa += dP_c[:, None] * k_j[None, :] * e_c
+            dkl += dG_c[:, None] * k_j[None, :] * e_c
+            # row j of the block: D_jl for columns l of block a (l ≤ j)
+            dP_r = tl.load(dAqk + (rb + j) * C + r_a, mask=m_j, other=0.0).to(ACC)
+            dG_r = tl.load(dAkk + (rb + j) * C + r_a, mask=m_j, other=0.0).to(ACC)
+            e_r = tl.exp(tl.minimum(g_j[None, :] - g_a, 0.0))      # e^{γ_j − γ_l}, l in block a
+            dkp += dP_r[:, None] * q_j[None, :] * e_r
+            dkr += dG_r[:, None] * k_j[None, :] * e_r
+        m = m_a[:, None] & (o_k[None, :] < DK)
+        off_k = (rb + r_a)[:, None] * DK + o_k[None, :]
+        b_dq = tl.load(dq_part + off_k, mask=m, other=0.0).to(ACC) + dqa
+        b_dk = tl.load(dk_part + off_k, mask=m, other=0.0).to(ACC) + dkl + dkp + dkr
+        dgam = (tl.load(dg_part + off_k, mask=m, other=0.0).to(ACC)
+                + q_a * dqa + k_a * (dkl - dkp - dkr))
+        dgam = tl.where(m, dgam, 0.0)
+        # γ_i = Σ_{s≤i} g_s  ⇒  dg_s = Σ_{i≥s} dγ_i (the later blocks' sum in carry)
+        tot = tl.sum(dgam, 0)
+        b_dg = carry[None, :] + tot[None, :] - tl.cumsum(dgam, 0) + dgam
+        carry += tot
+        tl.store(dq + off_k, b_dq.to(dq.dtype.element_ty), mask=m)
+        tl.store(dk + off_k, b_dk.to(dk.dtype.element_ty), mask=m)
+        tl.store(dg + off_k, b_dg.to(dg.dtype.element_ty), mask=m)
+
+
 # ---- forward --------------------------------------------------------------------------------------
 
 @triton.jit
-def _wy_inv(k, beta, g, Tm, cu_seqlens, chunk_offsets, chunk_indices, T, H,
+def _wy_inv(k, beta, g, Tm, Akk, cu_seqlens, chunk_offsets, chunk_indices, T, H,
             DK: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr,
-            ACC: tl.constexpr, PK: tl.constexpr, PS: tl.constexpr, EMU: tl.constexpr, USE_G: tl.constexpr):
+            ACC: tl.constexpr, PK: tl.constexpr, PS: tl.constexpr, EMU: tl.constexpr, USE_G: tl.constexpr,
+            USE_GK: tl.constexpr):
     """T = (I + L)⁻¹ of one chunk by blocked forward substitution on 16 × 16 blocks: the
     diagonal blocks by 15-step substitution, then, block row by block row,
 
         T_ii = (I + L_ii)⁻¹,      T_ij = −T_ii Σ_{m=j}^{i−1} L_im T_mj     (i > j),
 
-    (from (I + L) T = I), at most 4 × 4 blocks (C = 64), L's blocks carrying their Γ with USE_G.
+    (from (I + L) T = I), at most 4 × 4 blocks (C = 64), L's blocks carrying their Γ with USE_G;
+    with USE_GK they are β_i times the decayed scores ``Akk`` that ``_gk_scores`` stored.
     Blocks above the diagonal are stored as zeros. PK: precision of K Kᵀ (the inputs' type);
     PS: of the products of the float32 blocks of L and T."""
     i_c, h = tl.program_id(0), tl.program_id(1)
@@ -248,12 +466,12 @@ def _wy_inv(k, beta, g, Tm, cu_seqlens, chunk_offsets, chunk_indices, T, H,
     low = o[:, None] > o[None, :]
     zero = tl.zeros([16, 16], dtype=ACC)
     k0, b0, g0 = _kblock(k, beta, g, row0, Tn, c, 0, C, DK, BK, ACC, USE_G)
-    T00 = _unit_lower_inverse16(tl.where(low, _lblock(k0, b0, g0, k0, g0, PK, EMU, USE_G), 0.0))
+    T00 = _unit_lower_inverse16(tl.where(low, _lb(k0, b0, g0, k0, g0, Akk, row0, Tn, c, 0, 0, C, PK, EMU, USE_G, USE_GK), 0.0))
     _store_block(Tm, T00, row0, Tn, c, 0, 0, C)
     if C > 16:
         k1, b1, g1 = _kblock(k, beta, g, row0, Tn, c, 1, C, DK, BK, ACC, USE_G)
-        T11 = _unit_lower_inverse16(tl.where(low, _lblock(k1, b1, g1, k1, g1, PK, EMU, USE_G), 0.0))
-        L10 = _lblock(k1, b1, g1, k0, g0, PK, EMU, USE_G)
+        T11 = _unit_lower_inverse16(tl.where(low, _lb(k1, b1, g1, k1, g1, Akk, row0, Tn, c, 1, 1, C, PK, EMU, USE_G, USE_GK), 0.0))
+        L10 = _lb(k1, b1, g1, k0, g0, Akk, row0, Tn, c, 1, 0, C, PK, EMU, USE_G, USE_GK)
         T10 = -_mm(T11, _mm(L10, T00, PS, EMU), PS, EMU)
         _store_block(Tm, T10, row0, Tn, c, 1, 0, C)
         _store_block(Tm, T11, row0, Tn, c, 1, 1, C)
@@ -261,15 +479,15 @@ def _wy_inv(k, beta, g, Tm, cu_seqlens, chunk_offsets, chunk_indices, T, H,
         if C > 32:
             k2, b2, g2 = _kblock(k, beta, g, row0, Tn, c, 2, C, DK, BK, ACC, USE_G)
             k3, b3, g3 = _kblock(k, beta, g, row0, Tn, c, 3, C, DK, BK, ACC, USE_G)
-            T22 = _unit_lower_inverse16(tl.where(low, _lblock(k2, b2, g2, k2, g2, PK, EMU, USE_G), 0.0))
-            T33 = _unit_lower_inverse16(tl.where(low, _lblock(k3, b3, g3, k3, g3, PK, EMU, USE_G), 0.0))
-            L20 = _lblock(k2, b2, g2, k0, g0, PK, EMU, USE_G)
-            L21 = _lblock(k2, b2, g2, k1, g1, PK, EMU, USE_G)
+            T22 = _unit_lower_inverse16(tl.where(low, _lb(k2, b2, g2, k2, g2, Akk, row0, Tn, c, 2, 2, C, PK, EMU, USE_G, USE_GK), 0.0))
+            T33 = _unit_lower_inverse16(tl.where(low, _lb(k3, b3, g3, k3, g3, Akk, row0, Tn, c, 3, 3, C, PK, EMU, USE_G, USE_GK), 0.0))
+            L20 = _lb(k2, b2, g2, k0, g0, Akk, row0, Tn, c, 2, 0, C, PK, EMU, USE_G, USE_GK)
+            L21 = _lb(k2, b2, g2, k1, g1, Akk, row0, Tn, c, 2, 1, C, PK, EMU, USE_G, USE_GK)
             T21 = -_mm(T22, _mm(L21, T11, PS, EMU), PS, EMU)
             T20 = -_mm(T22, _mm(L20, T00, PS, EMU) + _mm(L21, T10, PS, EMU), PS, EMU)
-            L30 = _lblock(k3, b3, g3, k0, g0, PK, EMU, USE_G)
-            L31 = _lblock(k3, b3, g3, k1, g1, PK, EMU, USE_G)
-            L32 = _lblock(k3, b3, g3, k2, g2, PK, EMU, USE_G)
+            L30 = _lb(k3, b3, g3, k0, g0, Akk, row0, Tn, c, 3, 0, C, PK, EMU, USE_G, USE_GK)
+            L31 = _lb(k3, b3, g3, k1, g1, Akk, row0, Tn, c, 3, 1, C, PK, EMU, USE_G, USE_GK)
+            L32 = _lb(k3, b3, g3, k2, g2, Akk, row0, Tn, c, 3, 2, C, PK, EMU, USE_G, USE_GK)
             T32 = -_mm(T33, _mm(L32, T22, PS, EMU), PS, EMU)
             T31 = -_mm(T33, _mm(L31, T11, PS, EMU) + _mm(L32, T21, PS, EMU), PS, EMU)
             T30 = -_mm(T33, _mm(L30, T00, PS, EMU) + _mm(L31, T10, PS, EMU) + _mm(L32, T20, PS, EMU), PS, EMU)
@@ -290,9 +508,10 @@ def _wy_inv(k, beta, g, Tm, cu_seqlens, chunk_offsets, chunk_indices, T, H,
 def _wy_fwd(k, v, beta, g, Tm, W, U, cu_seqlens, chunk_offsets, chunk_indices, T, H,
             DK: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
             IS_VARLEN: tl.constexpr, ACC: tl.constexpr, PS: tl.constexpr, EMU: tl.constexpr,
-            USE_G: tl.constexpr):
+            USE_G: tl.constexpr, USE_GK: tl.constexpr):
     """W = T (β e^{γ} K) and U = T (βV) for one chunk and one block of BK key / BV value columns
-    (grid: chunks, H, column blocks of d_k then of d_v)."""
+    (grid: chunks, H, column blocks of d_k then of d_v); with USE_GK, W = T diag(β) (K ∘ e^{γ}),
+    γ [C, d_k] read from g (the chunk-local cumulative decay ``_gk_cumsum`` stored)."""
     i_c, h, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     c, row0, Tn, coff = _chunk_info(cu_seqlens, chunk_offsets, chunk_indices, i_c, h, T, H, C, IS_VARLEN)
     o_t = c * C + tl.arange(0, C)
@@ -310,7 +529,11 @@ def _wy_fwd(k, v, beta, g, Tm, W, U, cu_seqlens, chunk_offsets, chunk_indices, T
         o_k = i_b * BK + tl.arange(0, BK)
         m_k = m_t[:, None] & (o_k[None, :] < DK)
         b_k = tl.load(k + rows[:, None] * DK + o_k[None, :], mask=m_k, other=0.0).to(ACC)
-        b_w = _mm(X, b_bw[:, None] * b_k, PS, EMU)
+        if USE_GK:
+            gam_k = tl.load(g + rows[:, None] * DK + o_k[None, :], mask=m_k, other=0.0).to(ACC)
+            b_w = _mm(X, b_bw[:, None] * tl.exp(gam_k) * b_k, PS, EMU)
+        else:
+            b_w = _mm(X, b_bw[:, None] * b_k, PS, EMU)
         tl.store(W + rows[:, None] * DK + o_k[None, :], b_w.to(W.dtype.element_ty), mask=m_k)
     else:
         o_v = (i_b - NK) * BV + tl.arange(0, BV)
@@ -324,9 +547,10 @@ def _wy_fwd(k, v, beta, g, Tm, W, U, cu_seqlens, chunk_offsets, chunk_indices, T
 def _fwd_state(k, g, W, U, Hs, VN, h0, ht, cu_seqlens, chunk_offsets, T, H,
                DK: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                USE_H0: tl.constexpr, STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr,
-               ACC: tl.constexpr, PS: tl.constexpr, EMU: tl.constexpr, USE_G: tl.constexpr):
+               ACC: tl.constexpr, PS: tl.constexpr, EMU: tl.constexpr, USE_G: tl.constexpr,
+               USE_GK: tl.constexpr):
     """The chunk recurrence for one block of d_v columns of one (sequence, head): per chunk
-    Ṽ = U − W S and S ← e^{γ_C} S + K_dᵀ Ṽ, writing each chunk's starting S to Hs and Ṽ to VN (the
+    Ṽ = U − W S and S ← e^{γ_C} S + K_dᵀ Ṽ (USE_GK: Diag(e^{γ_C}) S, K_d = K ∘ e^{γ_C − γ}), writing each chunk's starting S to Hs and Ṽ to VN (the
     outputs are ``_fwd_o``'s, chunk-parallel). The state is not carried in registers: each chunk
     reads its S back from Hs (written by this program, cache-resident) in blocks of BK rows, once
     to sum W S over d_k and once to write the next chunk's S, so no [C, d_k] operand or [d_k, BV]
@@ -382,6 +606,11 @@ def _fwd_state(k, g, W, U, Hs, VN, h0, ht, cu_seqlens, chunk_offsets, T, H,
             if USE_G:
                 b_k = b_k.to(ACC) * dec_end[:, None]
                 S = tl.exp(gC) * S
+            if USE_GK:
+                gam_k = tl.load(g + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0).to(ACC)
+                gC_k = _gk_last(g, row0, Tn, c, C, DK, o_k, ACC)
+                b_k = b_k.to(ACC) * tl.exp(tl.minimum(gC_k[None, :] - gam_k, 0.0))
+                S = tl.exp(gC_k)[:, None] * S
             S = S + _mm(tl.trans(b_k), b_vn, PS, EMU)
             if c + 1 < NT:
                 tl.store(hs_c + H * DK * DV + kv_off, S.to(Hs.dtype.element_ty), mask=m_kv)
@@ -391,14 +620,15 @@ def _fwd_state(k, g, W, U, Hs, VN, h0, ht, cu_seqlens, chunk_offsets, T, H,
 
 
 @triton.jit
-def _fwd_o(q, k, g, VN, Hs, o, cu_seqlens, chunk_offsets, chunk_indices, T, H,
+def _fwd_o(q, k, g, VN, Hs, o, Aqk, cu_seqlens, chunk_offsets, chunk_indices, T, H,
            DK: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
            IS_VARLEN: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr, PS: tl.constexpr,
-           EMU: tl.constexpr, USE_G: tl.constexpr):
+           EMU: tl.constexpr, USE_G: tl.constexpr, USE_GK: tl.constexpr):
     """O = diag(e^{γ}) Q S_n + (M ∘ Γ ∘ Q Kᵀ) Ṽ for one chunk, one head and one block of BV value
     columns (grid: chunks, H, d_v blocks), from the chunk-start state S_n (Hs) and the
     pseudo-values Ṽ (VN) that ``_fwd_state`` stored; Q S_n and Q Kᵀ are summed over d_k in blocks
-    of BK."""
+    of BK. With USE_GK: O = (Q ∘ e^{γ}) S_n + Aqk Ṽ, the decayed scores Aqk = M ∘ P(Q) read from
+    where ``_gk_scores`` stored them."""
     i_c, h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     c, row0, Tn, coff = _chunk_info(cu_seqlens, chunk_offsets, chunk_indices, i_c, h, T, H, C, IS_VARLEN)
     hs_c = Hs + ((coff + c) * H + h) * DK * DV
@@ -410,22 +640,33 @@ def _fwd_o(q, k, g, VN, Hs, o, cu_seqlens, chunk_offsets, chunk_indices, T, H,
     rows = row0 + o_t
     m_tv = m_t[:, None] & m_v[None, :]
     QS = tl.zeros([C, BV], dtype=ACC)
-    QK = tl.zeros([C, C], dtype=ACC)
-    for k0 in range(0, DK, BK):
-        o_k = k0 + tl.arange(0, BK)
-        m_tk = m_t[:, None] & (o_k[None, :] < DK)
-        m_kv = (o_k[:, None] < DK) & m_v[None, :]
-        S = tl.load(hs_c + o_k[:, None] * DV + o_v[None, :], mask=m_kv, other=0.0).to(ACC)
-        b_q = tl.load(q + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0)
-        b_k = tl.load(k + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0)
-        QS += _mm(b_q, S, PS, EMU)
-        QK += _mm(b_q, tl.trans(b_k), PREC, EMU)
-    if USE_G:
-        gam, gC = _gamma(g, rows, m_t, ACC)
-        QK = QK * _decay(gam, gam)
-        QS = QS * tl.exp(gam)[:, None]
+    if USE_GK:
+        for k0 in range(0, DK, BK):
+            o_k = k0 + tl.arange(0, BK)
+            m_tk = m_t[:, None] & (o_k[None, :] < DK)
+            m_kv = (o_k[:, None] < DK) & m_v[None, :]
+            S = tl.load(hs_c + o_k[:, None] * DV + o_v[None, :], mask=m_kv, other=0.0).to(ACC)
+            b_q = tl.load(q + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0).to(ACC)
+            gam_k = tl.load(g + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0).to(ACC)
+            QS += _mm(b_q * tl.exp(gam_k), S, PS, EMU)
+        P = tl.load(Aqk + rows[:, None] * C + o_c[None, :], mask=m_t[:, None], other=0.0).to(ACC)
+    else:
+        QK = tl.zeros([C, C], dtype=ACC)
+        for k0 in range(0, DK, BK):
+            o_k = k0 + tl.arange(0, BK)
+            m_tk = m_t[:, None] & (o_k[None, :] < DK)
+            m_kv = (o_k[:, None] < DK) & m_v[None, :]
+            S = tl.load(hs_c + o_k[:, None] * DV + o_v[None, :], mask=m_kv, other=0.0).to(ACC)
+            b_q = tl.load(q + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0)
+            b_k = tl.load(k + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0)
+            QS += _mm(b_q, S, PS, EMU)
+            QK += _mm(b_q, tl.trans(b_k), PREC, EMU)
+        if USE_G:
+            gam, gC = _gamma(g, rows, m_t, ACC)
+            QK = QK * _decay(gam, gam)
+            QS = QS * tl.exp(gam)[:, None]
+        P = tl.where(o_c[:, None] >= o_c[None, :], QK, 0.0)
     b_vn = tl.load(VN + rows[:, None] * DV + o_v[None, :], mask=m_tv, other=0.0).to(ACC)
-    P = tl.where(o_c[:, None] >= o_c[None, :], QK, 0.0)
     b_o = QS + _mm(P, b_vn, PS, EMU)
     tl.store(o + rows[:, None] * DV + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
 
@@ -433,13 +674,13 @@ def _fwd_o(q, k, g, VN, Hs, o, cu_seqlens, chunk_offsets, chunk_indices, T, H,
 # ---- backward -------------------------------------------------------------------------------------
 
 @triton.jit
-def _bwd_dv_local(q, k, g, do, dVN, cu_seqlens, chunk_offsets, chunk_indices, T, H,
+def _bwd_dv_local(q, k, g, do, dVN, Aqk, cu_seqlens, chunk_offsets, chunk_indices, T, H,
                   DK: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                   IS_VARLEN: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr, PS: tl.constexpr,
-                  EMU: tl.constexpr, USE_G: tl.constexpr):
+                  EMU: tl.constexpr, USE_G: tl.constexpr, USE_GK: tl.constexpr):
     """The chunk-local part of dṼ, (M ∘ Γ ∘ Q Kᵀ)ᵀ dO, for one chunk, one head and one block of BV
     value columns (grid: chunks, H, d_v blocks), written to dVN for ``_bwd_state`` to add K_d dS
-    to; Q Kᵀ is summed over d_k in blocks of BK."""
+    to; Q Kᵀ is summed over d_k in blocks of BK (USE_GK: the scores M ∘ P(Q) read from Aqk)."""
     i_c, h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     c, row0, Tn, coff = _chunk_info(cu_seqlens, chunk_offsets, chunk_indices, i_c, h, T, H, C, IS_VARLEN)
     o_v = i_v * BV + tl.arange(0, BV)
@@ -449,19 +690,23 @@ def _bwd_dv_local(q, k, g, do, dVN, cu_seqlens, chunk_offsets, chunk_indices, T,
     m_t = o_t < Tn
     rows = row0 + o_t
     m_tv = m_t[:, None] & m_v[None, :]
-    QK = tl.zeros([C, C], dtype=ACC)
-    for k0 in range(0, DK, BK):
-        o_k = k0 + tl.arange(0, BK)
-        m_tk = m_t[:, None] & (o_k[None, :] < DK)
-        b_q = tl.load(q + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0)
-        b_k = tl.load(k + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0)
-        QK += _mm(b_q, tl.trans(b_k), PREC, EMU)
-    if USE_G:
-        gam, gC = _gamma(g, rows, m_t, ACC)
-    b_do = tl.load(do + rows[:, None] * DV + o_v[None, :], mask=m_tv, other=0.0)
-    if USE_G:
-        QK = QK * _decay(gam, gam)
-    P = tl.where(o_c[:, None] >= o_c[None, :], QK, 0.0)
+    if USE_GK:
+        P = tl.load(Aqk + rows[:, None] * C + o_c[None, :], mask=m_t[:, None], other=0.0).to(ACC)
+        b_do = tl.load(do + rows[:, None] * DV + o_v[None, :], mask=m_tv, other=0.0)
+    else:
+        QK = tl.zeros([C, C], dtype=ACC)
+        for k0 in range(0, DK, BK):
+            o_k = k0 + tl.arange(0, BK)
+            m_tk = m_t[:, None] & (o_k[None, :] < DK)
+            b_q = tl.load(q + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0)
+            b_k = tl.load(k + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0)
+            QK += _mm(b_q, tl.trans(b_k), PREC, EMU)
+        if USE_G:
+            gam, gC = _gamma(g, rows, m_t, ACC)
+        b_do = tl.load(do + rows[:, None] * DV + o_v[None, :], mask=m_tv, other=0.0)
+        if USE_G:
+            QK = QK * _decay(gam, gam)
+        P = tl.where(o_c[:, None] >= o_c[None, :], QK, 0.0)
     b_dvn = _mm(tl.trans(P), b_do, PS, EMU)
     tl.store(dVN + rows[:, None] * DV + o_v[None, :], b_dvn.to(dVN.dtype.element_ty), mask=m_tv)
 
@@ -470,11 +715,13 @@ def _bwd_dv_local(q, k, g, do, dVN, cu_seqlens, chunk_offsets, chunk_indices, T,
 def _bwd_state(q, k, g, W, do, dht, dHs, dVN, dh0, cu_seqlens, chunk_offsets, T, H,
                DK: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, IS_VARLEN: tl.constexpr,
-               ACC: tl.constexpr, PS: tl.constexpr, EMU: tl.constexpr, USE_G: tl.constexpr):
+               ACC: tl.constexpr, PS: tl.constexpr, EMU: tl.constexpr, USE_G: tl.constexpr,
+               USE_GK: tl.constexpr):
     """The reverse recurrence of the state gradient for one block of d_v columns: per chunk, from
     the gradient dS at its end, dṼ = dṼ_local + K_d dS (dṼ_local = (M ∘ Γ ∘ Q Kᵀ)ᵀ dO, read from
     dVN where ``_bwd_dv_local`` stored it, overwritten with the full dṼ) and
-    dS ← e^{γ_C} dS + (diag(e^{γ}) Q)ᵀ dO − Wᵀ dṼ, writing each chunk's end gradient to dHs. Like
+    dS ← e^{γ_C} dS + (diag(e^{γ}) Q)ᵀ dO − Wᵀ dṼ (USE_GK: Diag(e^{γ_C}) dS, Q ∘ e^{γ} and
+    K_d = K ∘ e^{γ_C − γ}), writing each chunk's end gradient to dHs. Like
     ``_fwd_state``, dS is read back from dHs in blocks of BK rows instead of being carried in
     registers."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
@@ -518,6 +765,10 @@ def _bwd_state(q, k, g, W, do, dht, dHs, dVN, dh0, cu_seqlens, chunk_offsets, T,
             b_k = tl.load(k + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0)
             if USE_G:
                 b_k = b_k.to(ACC) * dec_end[:, None]
+            if USE_GK:
+                gam_k = tl.load(g + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0).to(ACC)
+                gC_k = _gk_last(g, row0, Tn, c, C, DK, o_k, ACC)
+                b_k = b_k.to(ACC) * tl.exp(tl.minimum(gC_k[None, :] - gam_k, 0.0))
             b_dvn += _mm(b_k, dS, PS, EMU)
         b_do = tl.load(do + rows[:, None] * DV + o_v[None, :], mask=m_tv, other=0.0)
         tl.store(dVN + rows[:, None] * DV + o_v[None, :], b_dvn.to(dVN.dtype.element_ty), mask=m_tv)
@@ -532,6 +783,11 @@ def _bwd_state(q, k, g, W, do, dht, dHs, dVN, dh0, cu_seqlens, chunk_offsets, T,
             if USE_G:
                 b_q = b_q.to(ACC) * tl.exp(gam)[:, None]
                 dS = tl.exp(gC) * dS
+            if USE_GK:
+                gam_k = tl.load(g + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0).to(ACC)
+                gC_k = _gk_last(g, row0, Tn, c, C, DK, o_k, ACC)
+                b_q = b_q.to(ACC) * tl.exp(gam_k)
+                dS = tl.exp(gC_k)[:, None] * dS
             dS = dS + _mm(tl.trans(b_q), b_do, PS, EMU) - _mm(tl.trans(b_w), b_dvn, PS, EMU)
             if c > 0:
                 tl.store(dhs_c - H * DK * DV + kv_off, dS.to(dHs.dtype.element_ty), mask=m_kv)
@@ -541,15 +797,17 @@ def _bwd_state(q, k, g, W, do, dht, dHs, dVN, dh0, cu_seqlens, chunk_offsets, T,
 
 
 @triton.jit
-def _bwd_dqk(q, k, g, VN, do, dVN, Hs, dHs, dq, dk_part, dw, dg_part,
+def _bwd_dqk(q, k, g, VN, do, dVN, Hs, dHs, dq, dk_part, dw, dg_part, dAqk,
              cu_seqlens, chunk_offsets, chunk_indices, T, H,
              DK: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
              IS_VARLEN: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr, PS: tl.constexpr,
-             EMU: tl.constexpr, USE_G: tl.constexpr):
+             EMU: tl.constexpr, USE_G: tl.constexpr, USE_GK: tl.constexpr):
     """Chunk-local gradients through the state and the intra-chunk attention, summed over d_v
     blocks: dP = M ∘ Γ ∘ dO Ṽᵀ, dQ = diag(e^{γ}) dO S_nᵀ + dP K, dK ∋ dPᵀ Q + K_d's terms (stored as
     dk_part), dW = −dṼ S_nᵀ (stored for ``_bwd_wy``) and, with USE_G, the gradient of γ from these
-    terms (dg_part; module docstring)."""
+    terms (dg_part; module docstring). With USE_GK the terms through the decayed scores are left
+    to ``_gk_bwd_intra``: dq gets the state's part (Q ∘ e^{γ}) only, dP is stored to dAqk, and
+    dg_part is the per-channel dγ [C, d_k] of the state terms."""
     i_c, h = tl.program_id(0), tl.program_id(1)
     c, row0, Tn, coff = _chunk_info(cu_seqlens, chunk_offsets, chunk_indices, i_c, h, T, H, C, IS_VARLEN)
     hs_off = ((coff + c) * H + h) * DK * DV
@@ -580,52 +838,79 @@ def _bwd_dqk(q, k, g, VN, do, dVN, Hs, dHs, dq, dk_part, dw, dg_part,
         b_dw -= _mm(b_du, tl.trans(S), PS, EMU)
         if USE_G:
             sdS += tl.sum(S.to(ACC) * dS.to(ACC), 1)
+        if USE_GK:
+            sdS += tl.sum(S.to(ACC) * dS.to(ACC), 1)
     tl.store(dw + rows[:, None] * DK + o_k[None, :], b_dw.to(dw.dtype.element_ty), mask=m_tk)
-    # the two branches keep their own order of loads and products: merged into one order, ptxas
-    # gave the USE_G kernel up to 16 more registers and 4 KB more shared memory in some configs
-    if USE_G:
-        gam, gC = _gamma(g, rows, m_t, ACC)
-        eg = tl.exp(gam)
-        dec_end = tl.exp(gC - gam)
-        b_q = tl.load(q + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0)
-        b_k = tl.load(k + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0)
-        # O ∋ diag(e^γ) Q S_n
-        dgam = eg * tl.sum(b_q.to(ACC) * b_dq, 1)
-        b_dq = b_dq * eg[:, None]
-        # O ∋ (M ∘ Γ ∘ Q Kᵀ) Ṽ
-        dP = tl.where(o_c[:, None] >= o_c[None, :], dP * _decay(gam, gam), 0.0)
-        A = dP * _mm(b_q, tl.trans(b_k), PREC, EMU)
-        dgam += tl.sum(A, 1) - tl.sum(A, 0)
-    else:
+    if USE_GK:
+        b_q = tl.load(q + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0).to(ACC)
+        b_k = tl.load(k + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0).to(ACC)
+        gam = tl.load(g + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0).to(ACC)
+        gC_k = _gk_last(g, row0, Tn, c, C, DK, o_k, ACC)
+        # O ∋ (Q ∘ e^{γ}) S_n
+        b_dq = b_dq * tl.exp(gam)
+        dgam = b_q * b_dq
+        tl.store(dq + rows[:, None] * DK + o_k[None, :], b_dq.to(dq.dtype.element_ty), mask=m_tk)
+        # O ∋ (M ∘ P(Q)) Ṽ: dP for ``_gk_bwd_intra``
         dP = tl.where(o_c[:, None] >= o_c[None, :], dP, 0.0)
-        b_k = tl.load(k + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0)
-    b_dq += _mm(dP, b_k, PS, EMU)
-    tl.store(dq + rows[:, None] * DK + o_k[None, :], b_dq.to(dq.dtype.element_ty), mask=m_tk)
-    if USE_G:
-        # S_{n+1} ∋ e^{γ_C} S_n + K_dᵀ Ṽ
-        kd = tl.sum(b_dk * b_k.to(ACC), 1) * dec_end
+        tl.store(dAqk + rows[:, None] * C + o_c[None, :], dP.to(dAqk.dtype.element_ty), mask=m_t[:, None])
+        # S_{n+1} ∋ Diag(e^{γ_C}) S_n + K_dᵀ Ṽ,  K_d = K ∘ e^{γ_C − γ}
+        b_dk = b_dk * tl.exp(tl.minimum(gC_k[None, :] - gam, 0.0))
+        kd = b_dk * b_k
         dgam -= kd
-        dgC = tl.exp(gC) * tl.sum(sdS, 0) + tl.sum(kd, 0)
+        dgC = tl.exp(gC_k) * sdS + tl.sum(kd, 0)
         last = tl.minimum(Tn - c * C, C) - 1
-        dgam += tl.where(o_c == last, dgC, 0.0)
-        b_dk = b_dk * dec_end[:, None] + _mm(tl.trans(dP), b_q, PS, EMU)
+        dgam += tl.where(o_c[:, None] == last, dgC[None, :], 0.0)
+        tl.store(dk_part + rows[:, None] * DK + o_k[None, :], b_dk.to(dk_part.dtype.element_ty), mask=m_tk)
+        tl.store(dg_part + rows[:, None] * DK + o_k[None, :], dgam.to(dg_part.dtype.element_ty), mask=m_tk)
     else:
-        b_q = tl.load(q + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0)
-        b_dk += _mm(tl.trans(dP), b_q, PS, EMU)
-    tl.store(dk_part + rows[:, None] * DK + o_k[None, :], b_dk.to(dk_part.dtype.element_ty), mask=m_tk)
-    if USE_G:
-        tl.store(dg_part + rows, dgam.to(dg_part.dtype.element_ty), mask=m_t)
+        # the two branches keep their own order of loads and products: merged into one order, ptxas
+        # gave the USE_G kernel up to 16 more registers and 4 KB more shared memory in some configs
+        if USE_G:
+            gam, gC = _gamma(g, rows, m_t, ACC)
+            eg = tl.exp(gam)
+            dec_end = tl.exp(gC - gam)
+            b_q = tl.load(q + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0)
+            b_k = tl.load(k + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0)
+            # O ∋ diag(e^γ) Q S_n
+            dgam = eg * tl.sum(b_q.to(ACC) * b_dq, 1)
+            b_dq = b_dq * eg[:, None]
+            # O ∋ (M ∘ Γ ∘ Q Kᵀ) Ṽ
+            dP = tl.where(o_c[:, None] >= o_c[None, :], dP * _decay(gam, gam), 0.0)
+            A = dP * _mm(b_q, tl.trans(b_k), PREC, EMU)
+            dgam += tl.sum(A, 1) - tl.sum(A, 0)
+        else:
+            dP = tl.where(o_c[:, None] >= o_c[None, :], dP, 0.0)
+            b_k = tl.load(k + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0)
+        b_dq += _mm(dP, b_k, PS, EMU)
+        tl.store(dq + rows[:, None] * DK + o_k[None, :], b_dq.to(dq.dtype.element_ty), mask=m_tk)
+        if USE_G:
+            # S_{n+1} ∋ e^{γ_C} S_n + K_dᵀ Ṽ
+            kd = tl.sum(b_dk * b_k.to(ACC), 1) * dec_end
+            dgam -= kd
+            dgC = tl.exp(gC) * tl.sum(sdS, 0) + tl.sum(kd, 0)
+            last = tl.minimum(Tn - c * C, C) - 1
+            dgam += tl.where(o_c == last, dgC, 0.0)
+            b_dk = b_dk * dec_end[:, None] + _mm(tl.trans(dP), b_q, PS, EMU)
+        else:
+            b_q = tl.load(q + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0)
+            b_dk += _mm(tl.trans(dP), b_q, PS, EMU)
+        tl.store(dk_part + rows[:, None] * DK + o_k[None, :], b_dk.to(dk_part.dtype.element_ty), mask=m_tk)
+        if USE_G:
+            tl.store(dg_part + rows, dgam.to(dg_part.dtype.element_ty), mask=m_t)
 
 
 @triton.jit
-def _bwd_wy(k, v, beta, g, Tm, dVN, dk_part, dw, dg_part, dk, dv, dbeta, dg,
+def _bwd_wy(k, v, beta, g, Tm, dVN, dk_part, dw, dg_part, dk, dv, dbeta, dg, Akk, dAkk,
             cu_seqlens, chunk_offsets, chunk_indices, T, H,
             DK: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
             IS_VARLEN: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr, PS: tl.constexpr,
-            EMU: tl.constexpr, USE_G: tl.constexpr):
+            EMU: tl.constexpr, USE_G: tl.constexpr, USE_GK: tl.constexpr):
     """Gradients through U = T (βV), W = T (β e^{γ} K) and T = (I + L)⁻¹ (module docstring), given
     dU = dṼ and dW from ``_bwd_dqk``: writes dv, dβ, dk = dk_part + β e^{γ} Tᵀ dW + (dG + dGᵀ) K
-    and, with USE_G, dg = the reverse cumulative sum of dγ (dg_part plus the terms here)."""
+    and, with USE_G, dg = the reverse cumulative sum of dγ (dg_part plus the terms here). With
+    USE_GK, W = T diag(β) (K ∘ e^{γ}), G = P(K) is read from Akk, dG = diag(β) dL is stored to dAkk,
+    and dk and dg (pointers to float32 [.., d_k] buffers) get the terms so far, dk_part +
+    β e^{γ} ∘ Tᵀ dW and dg_part + β k ∘ e^{γ} ∘ Tᵀ dW, for ``_gk_bwd_intra`` to finish."""
     i_c, h = tl.program_id(0), tl.program_id(1)
     c, row0, Tn, coff = _chunk_info(cu_seqlens, chunk_offsets, chunk_indices, i_c, h, T, H, C, IS_VARLEN)
     o_t = c * C + tl.arange(0, C)
@@ -660,16 +945,24 @@ def _bwd_wy(k, v, beta, g, Tm, dVN, dk_part, dw, dg_part, dk, dv, dbeta, dg,
         m_tk = m_t[:, None] & (o_k[None, :] < DK)
         b_k = tl.load(k + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0)
         b_dw = tl.load(dw + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0)
-        dX += _mm(b_dw, tl.trans(b_bw[:, None] * b_k.to(ACC)), PS, EMU)
-        r = tl.sum(_mm(tl.trans(X), b_dw, PS, EMU) * b_k.to(ACC), 1)
-        if USE_G:
-            r = r * eg
-            dgam += b_b * r
-        b_db += r
-        G += _mm(b_k, tl.trans(b_k), PREC, EMU)
+        if USE_GK:
+            gam_k = tl.load(g + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0).to(ACC)
+            ek = tl.exp(gam_k) * b_k.to(ACC)
+            dX += _mm(b_dw, tl.trans(b_b[:, None] * ek), PS, EMU)
+            b_db += tl.sum(_mm(tl.trans(X), b_dw, PS, EMU) * ek, 1)
+        else:
+            dX += _mm(b_dw, tl.trans(b_bw[:, None] * b_k.to(ACC)), PS, EMU)
+            r = tl.sum(_mm(tl.trans(X), b_dw, PS, EMU) * b_k.to(ACC), 1)
+            if USE_G:
+                r = r * eg
+                dgam += b_b * r
+            b_db += r
+            G += _mm(b_k, tl.trans(b_k), PREC, EMU)
     # T = (I + L)⁻¹  ⇒  dL = −Tᵀ dT Tᵀ, kept on the strictly lower part where L lives
     dL = _mm(_mm(tl.trans(X), dX, PS, EMU), tl.trans(X), PS, EMU)
     dL = tl.where(o_c[:, None] > o_c[None, :], -dL, 0.0)
+    if USE_GK:
+        G = tl.load(Akk + rows[:, None] * C + o_c[None, :], mask=m_t[:, None], other=0.0).to(ACC)
     if USE_G:
         Gam = _decay(gam, gam)
         G = G * Gam
@@ -679,14 +972,24 @@ def _bwd_wy(k, v, beta, g, Tm, dVN, dk_part, dw, dg_part, dk, dv, dbeta, dg,
         Bm = dG * G
         dgam += tl.sum(Bm, 1) - tl.sum(Bm, 0)
         dG = dG * Gam
+    if USE_GK:
+        tl.store(dAkk + rows[:, None] * C + o_c[None, :], dG.to(dAkk.dtype.element_ty), mask=m_t[:, None])
     for k0 in range(0, DK, BK):
         o_k = k0 + tl.arange(0, BK)
         m_tk = m_t[:, None] & (o_k[None, :] < DK)
         b_k = tl.load(k + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0)
         b_dw = tl.load(dw + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0)
-        b_dk = (b_bw[:, None] * _mm(tl.trans(X), b_dw, PS, EMU)
-                + _mm(dG, b_k, PS, EMU) + _mm(tl.trans(dG), b_k, PS, EMU))
-        b_dk += tl.load(dk_part + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0)
+        if USE_GK:
+            gam_k = tl.load(g + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0).to(ACC)
+            bw = b_b[:, None] * tl.exp(gam_k)
+            XdW = bw * _mm(tl.trans(X), b_dw, PS, EMU)
+            b_dk = XdW + tl.load(dk_part + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0)
+            b_dgk = XdW * b_k.to(ACC) + tl.load(dg_part + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0)
+            tl.store(dg + rows[:, None] * DK + o_k[None, :], b_dgk.to(dg.dtype.element_ty), mask=m_tk)
+        else:
+            b_dk = (b_bw[:, None] * _mm(tl.trans(X), b_dw, PS, EMU)
+                    + _mm(dG, b_k, PS, EMU) + _mm(tl.trans(dG), b_k, PS, EMU))
+            b_dk += tl.load(dk_part + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0)
         tl.store(dk + rows[:, None] * DK + o_k[None, :], b_dk.to(dk.dtype.element_ty), mask=m_tk)
     tl.store(dbeta + rows, b_db.to(dbeta.dtype.element_ty), mask=m_t)
     if USE_G:
@@ -734,9 +1037,26 @@ _PREC = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "tf32x3",
 _PREC_SOLVE = {torch.bfloat16: "tf32", torch.float16: "tf32", torch.float32: "tf32x3", torch.float64: "fp64"}
 
 
+def _gk_prep(mt: dict, q, k, g, cu, chunk_offsets, chunk_indices, NC: int, C: int, common: dict):
+    """USE_GK: γ (``_gk_cumsum``) and the decayed scores Aqk, Akk (``_gk_scores``) of every chunk."""
+    B, H, T, DK = k.shape
+    acc = g.dtype
+    gam = torch.empty_like(g)
+    Aqk = torch.empty(B, H, T, C, dtype=acc, device=k.device)
+    Akk = torch.empty_like(Aqk)
+    BKG = mt["BKG"]
+    cx = dict(C=C, IS_VARLEN=common["IS_VARLEN"], ACC=common["ACC"], num_stages=mt["stages"])
+    _gk_cumsum[(NC, H, triton.cdiv(DK, BKG))](g, gam, cu, chunk_offsets, chunk_indices, T, H, DK=DK, BK=BKG,
+                                              num_warps=mt["warps_gk"], **cx)
+    _gk_scores[(NC, H)](q, k, gam, Aqk, Akk, cu, chunk_offsets, chunk_indices, T, H, DK=DK, BK=BKG,
+                        PREC=mt["PREC"], EMU=common["EMU"], num_warps=mt["warps_gk"], **cx)
+    return gam, Aqk, Akk
+
+
 def chunk_fwd(mt: dict, q, k, v, g, beta, initial_state, cu_seqlens, C: int, output_final_state: bool):
     """The forward launches for launch config ``mt`` (an op's ``launch_meta``); g None is the
-    delta rule (USE_G = False). Returns o, final state ([0] when not asked for), and what the
+    delta rule (USE_G = False), g [B, H, T] the gated one (USE_G), g [B, H, T, d_k] KDA (USE_GK,
+    γ and the decayed scores from ``_gk_prep`` first). Returns o, final state ([0] when not asked for), and what the
     backward reads: Tm, W, VN, Hs."""
     B, H, T, DK = k.shape
     DV = v.shape[-1]
@@ -746,8 +1066,12 @@ def chunk_fwd(mt: dict, q, k, v, g, beta, initial_state, cu_seqlens, C: int, out
     N, NC, chunk_offsets, chunk_indices = _layout(B, T, C, cu_seqlens)
     BK, BV = mt["BK"], mt["BV"]
     NV = triton.cdiv(DV, BV)
+    use_gk = g is not None and g.dim() == 4
     common = dict(C=C, IS_VARLEN=cu_seqlens is not None, ACC=_TL[acc], EMU=is_interpreting(),
-                  USE_G=g is not None, num_stages=mt["stages"])
+                  USE_G=g is not None and not use_gk, USE_GK=use_gk, num_stages=mt["stages"])
+    Aqk = Akk = None
+    if use_gk and B * T > 0:   # g becomes γ, the chunk-local cumulative decay
+        g, Aqk, Akk = _gk_prep(mt, q, k, g, cu_seqlens, chunk_offsets, chunk_indices, NC, C, common)
     Tm = torch.empty(B, H, T, C, dtype=acc, device=k.device)
     W = torch.empty(B, H, T, DK, dtype=acc, device=k.device)
     U = torch.empty(B, H, T, DV, dtype=acc, device=k.device)
@@ -758,7 +1082,7 @@ def chunk_fwd(mt: dict, q, k, v, g, beta, initial_state, cu_seqlens, C: int, out
     ht = torch.empty(N, H, DK, DV, dtype=acc, device=k.device) if output_final_state else None
     cu = cu_seqlens
     if B * T > 0:   # some chunk holds tokens
-        _wy_inv[(NC, H)](k, beta, g, Tm, cu, chunk_offsets, chunk_indices, T, H, DK=DK, BK=BK,
+        _wy_inv[(NC, H)](k, beta, g, Tm, Akk, cu, chunk_offsets, chunk_indices, T, H, DK=DK, BK=BK,
                          PK=mt["PREC"], PS=mt["PS"], num_warps=mt["warps_inv"], **common)
         BKW, BVW = mt["BKW"], mt["BVW"]
         _wy_fwd[(NC, H, triton.cdiv(DK, BKW) + triton.cdiv(DV, BVW))](
@@ -768,7 +1092,7 @@ def chunk_fwd(mt: dict, q, k, v, g, beta, initial_state, cu_seqlens, C: int, out
                             DK=DK, DV=DV, BK=mt["BKS"], BV=BV, USE_H0=h0 is not None, STORE_HT=ht is not None,
                             PS=mt["PS"], num_warps=mt["warps_state"], **common)
     if B * T > 0:   # some chunk holds tokens
-        _fwd_o[(NC, H, NV)](q, k, g, VN, Hs, o, cu, chunk_offsets, chunk_indices, T, H, DK=DK, DV=DV,
+        _fwd_o[(NC, H, NV)](q, k, g, VN, Hs, o, Aqk, cu, chunk_offsets, chunk_indices, T, H, DK=DK, DV=DV,
                             BK=mt["BKS"], BV=BV, PREC=mt["PREC"], PS=mt["PS"], num_warps=mt["warps_o"], **common)
     if ht is None:
         ht = o.new_empty(0, dtype=acc)
@@ -784,24 +1108,28 @@ def chunk_bwd(mt: dict, q, k, v, g, beta, Tm, W, VN, Hs, do, dht, cu_seqlens, C:
     q, k, v, beta = (t.contiguous() for t in (q, k, v, beta))
     use_g = g is not None
     g = g.contiguous() if use_g else None
+    use_gk = use_g and g.dim() == 4
     BK, BV = mt["BK"], mt["BV"]
     B, H, T, DK = k.shape
     DV = v.shape[-1]
     N, NC, chunk_offsets, chunk_indices = _layout(B, T, C, cu)
     NV = triton.cdiv(DV, BV)
     has_h0 = h0_dtype is not None
-    common = dict(C=C, IS_VARLEN=cu is not None, ACC=_TL[Hs.dtype], EMU=is_interpreting(), USE_G=use_g,
-                  num_stages=mt["stages"])
+    common = dict(C=C, IS_VARLEN=cu is not None, ACC=_TL[Hs.dtype], EMU=is_interpreting(),
+                  USE_G=use_g and not use_gk, USE_GK=use_gk, num_stages=mt["stages"])
+    gam, Aqk, Akk = g, None, None
+    if use_gk and B * T > 0:   # recomputed, not saved: γ and the scores cost one chunk-parallel pass
+        gam, Aqk, Akk = _gk_prep(mt, q, k, g, cu, chunk_offsets, chunk_indices, NC, C, common)
     do = do.contiguous()
     dht = None if dht is None else dht.contiguous()
     dHs = torch.empty_like(Hs)
     dVN = torch.empty_like(VN)
     dh0 = torch.empty(N, H, DK, DV, dtype=Hs.dtype, device=k.device) if has_h0 else None
     if B * T > 0:   # some chunk holds tokens
-        _bwd_dv_local[(NC, H, NV)](q, k, g, do, dVN, cu, chunk_offsets, chunk_indices, T, H, DK=DK, DV=DV,
+        _bwd_dv_local[(NC, H, NV)](q, k, gam, do, dVN, Aqk, cu, chunk_offsets, chunk_indices, T, H, DK=DK, DV=DV,
                                    BK=mt["BKS"], BV=BV, PREC=mt["PREC"], PS=mt["PS"],
                                    num_warps=mt["warps_o"], **common)
-    _bwd_state[(NV, N * H)](q, k, g, W, do, dht, dHs, dVN, dh0, cu, chunk_offsets, T, H,
+    _bwd_state[(NV, N * H)](q, k, gam, W, do, dht, dHs, dVN, dh0, cu, chunk_offsets, T, H,
                             DK=DK, DV=DV, BK=mt["BKS"], BV=BV, USE_DHT=dht is not None, STORE_DH0=has_h0,
                             PS=mt["PS"], num_warps=mt["warps_state"], **common)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -811,13 +1139,25 @@ def chunk_bwd(mt: dict, q, k, v, g, beta, Tm, W, VN, Hs, do, dht, cu_seqlens, C:
         acc = Hs.dtype
         dk_part = torch.empty(B, H, T, DK, dtype=acc, device=k.device)
         dw = torch.empty_like(dk_part)
-        dg_part = torch.empty(B, H, T, dtype=acc, device=k.device) if use_g else None
-        _bwd_dqk[(NC, H)](q, k, g, VN, do, dVN, Hs, dHs, dq, dk_part, dw, dg_part, cu, chunk_offsets,
+        dg_part = torch.empty(g.shape, dtype=acc, device=k.device) if use_g else None
+        # USE_GK: _bwd_dqk and _bwd_wy leave dq, dk and dγ in float32 buffers, dP and dG in
+        # dAqk and dAkk, for _gk_bwd_intra to finish
+        dq1, dk1, dg1, dAqk, dAkk = dq, dk, (dg if use_g else None), None, None
+        if use_gk:
+            dq1, dk1, dg1 = (torch.empty_like(dk_part) for _ in range(3))
+            dAqk, dAkk = torch.empty_like(Aqk), torch.empty_like(Akk)
+        _bwd_dqk[(NC, H)](q, k, gam, VN, do, dVN, Hs, dHs, dq1, dk_part, dw, dg_part, dAqk, cu, chunk_offsets,
                           chunk_indices, T, H, DK=DK, DV=DV, BK=BK, BV=BV, PREC=mt["PREC"], PS=mt["PS"],
                           num_warps=mt["warps_chunk"], **common)
-        _bwd_wy[(NC, H)](k, v, beta, g, Tm, dVN, dk_part, dw, dg_part, dk, dv, dbeta, dg if use_g else None,
+        _bwd_wy[(NC, H)](k, v, beta, gam, Tm, dVN, dk_part, dw, dg_part, dk1, dv, dbeta, dg1, Akk, dAkk,
                          cu, chunk_offsets, chunk_indices, T, H, DK=DK, DV=DV, BK=mt["BKS"], BV=mt["BV_bwd_wy"],
                          PREC=mt["PREC"], PS=mt["PS"], num_warps=mt["warps_bwd_wy"], **common)
+        if use_gk:
+            BKG = mt["BKG"]
+            _gk_bwd_intra[(NC, H, triton.cdiv(DK, BKG))](
+                q, k, gam, dAqk, dAkk, dq1, dk1, dg1, dq, dk, dg, cu, chunk_offsets, chunk_indices, T, H,
+                DK=DK, C=C, BK=BKG, IS_VARLEN=common["IS_VARLEN"], ACC=common["ACC"], PS=mt["PS"],
+                EMU=common["EMU"], num_warps=mt["warps_gk"], num_stages=mt["stages"])
     dh0 = dh0.to(h0_dtype) if dh0 is not None else q.new_empty(0)
     grads = [dq, dk, dv, dg, dbeta]
     for i, (x, d) in enumerate(zip(given, grads)):
@@ -912,19 +1252,25 @@ def run(name: str, fwd_op, launch_meta, arch: int, q, k, v, g, beta, initial_sta
 
 # ---- the compile gate ------------------------------------------------------------------------------
 
-def gate_launches(mt: dict, arch: int, dt: str, dk: int, dv: int, C: int, varlen: bool, use_g: bool) -> List[dict]:
+def gate_launches(mt: dict, arch: int, dt: str, dk: int, dv: int, C: int, varlen: bool, use_g: bool,
+                  use_gk: bool = False) -> List[dict]:
     """The eight kernels' launches at launch config ``mt`` (an op's ``launch_meta``) for an op's
     ``gate.py``: input dtype ``dt`` ("bf16", "fp32"), head dims, kernel chunk C, fixed-length or
     packed (``cu_seqlens``, configs named "varlen"), with an initial and a final state; with
     ``use_g`` the decay's pointers are float32 and the configs are named "USE_G", without they are
-    constexpr None. One dict per launch, in the form ``kernels.compile_report.cases_from_launches``
-    takes."""
+    constexpr None; with ``use_gk`` (the per-channel decay, configs named "USE_GK") the decay's
+    and the scores' pointers are float32, as are the dq, dk and dg buffers the USE_GK backward
+    leaves to ``_gk_bwd_intra``, and the three USE_GK kernels are added. One dict per launch, in
+    the form ``kernels.compile_report.cases_from_launches`` takes."""
     io = lambda *names: {n: "*" + dt for n in names}     # noqa: E731
     acc = lambda *names: {n: "*fp32" for n in names}      # noqa: E731
     ints = {"T": "i32", "H": "i32"}
-    gs = ("g", "dg_part", "dg")
-    gsig = acc(*gs) if use_g else {}
-    base = dict(C=C, IS_VARLEN=False, ACC=tl.float32, EMU=False, USE_G=use_g, cu_seqlens=None, chunk_offsets=None)
+    # the decay's pointers, and the scores' of USE_GK: float32 when switched on, else constexpr None
+    ptr_on = {**{n: use_g or use_gk for n in ("g", "dg_part", "dg")},
+              **{n: use_gk for n in ("Aqk", "Akk", "dAqk", "dAkk")}}
+    base = dict(C=C, IS_VARLEN=False, ACC=tl.float32, EMU=False, USE_G=use_g, USE_GK=use_gk, cu_seqlens=None,
+                chunk_offsets=None)
+    io_gk = acc if use_gk else io   # dq of _bwd_dqk, dk of _bwd_wy
     entries = [
         (_wy_inv, {**io("k", "beta"), **acc("Tm"), **ints},
          dict(base, chunk_indices=None, DK=dk, BK=mt["BK"], PK=mt["PREC"], PS=mt["PS"]), mt["warps_inv"]),
@@ -942,30 +1288,40 @@ def gate_launches(mt: dict, arch: int, dt: str, dk: int, dv: int, C: int, varlen
         (_bwd_state, {**io("q", "k", "do"), **acc("W", "dht", "dHs", "dVN", "dh0"), **ints},
          dict(base, DK=dk, DV=dv, BK=mt["BKS"], BV=mt["BV"], USE_DHT=True, STORE_DH0=True, PS=mt["PS"]),
          mt["warps_state"]),
-        (_bwd_dqk, {**io("q", "k", "do", "dq"), **acc("VN", "dVN", "Hs", "dHs", "dk_part", "dw"), **ints},
+        (_bwd_dqk, {**io("q", "k", "do"), **io_gk("dq"), **acc("VN", "dVN", "Hs", "dHs", "dk_part", "dw"), **ints},
          dict(base, chunk_indices=None, DK=dk, DV=dv, BK=mt["BK"], BV=mt["BV"], PREC=mt["PREC"],
               PS=mt["PS"]), mt["warps_chunk"]),
-        (_bwd_wy, {**io("k", "v", "beta", "dk", "dv", "dbeta"), **acc("Tm", "dVN", "dk_part", "dw"), **ints},
+        (_bwd_wy, {**io("k", "v", "beta", "dv", "dbeta"), **io_gk("dk"), **acc("Tm", "dVN", "dk_part", "dw"),
+                   **ints},
          dict(base, chunk_indices=None, DK=dk, DV=dv, BK=mt["BKS"], BV=mt["BV_bwd_wy"], PREC=mt["PREC"],
               PS=mt["PS"]), mt["warps_bwd_wy"]),
     ]
+    if use_gk:
+        gk = dict(C=C, IS_VARLEN=False, ACC=tl.float32, cu_seqlens=None, chunk_offsets=None, chunk_indices=None,
+                  DK=dk, BK=mt["BKG"])
+        entries += [
+            (_gk_cumsum, {**acc("g", "gam"), **ints}, gk, mt["warps_gk"]),
+            (_gk_scores, {**io("q", "k"), **acc("g", "Aqk", "Akk"), **ints},
+             dict(gk, PREC=mt["PREC"], EMU=False), mt["warps_gk"]),
+            (_gk_bwd_intra, {**io("q", "k", "dq", "dk"), **acc("g", "dAqk", "dAkk", "dq_part", "dk_part",
+                                                               "dg_part", "dg"), **ints},
+             dict(gk, PS=mt["PS"], EMU=False), mt["warps_gk"]),
+        ]
     from kernels.compile_report import arg_names
 
     out = []
     for fn, sig, cex, warps in entries:
         names = arg_names(fn)
-        present = [n for n in gs if n in names]
-        if use_g:
-            sig = {**sig, **{n: gsig[n] for n in present}}
-        else:
-            cex = {**cex, **{n: None for n in present}}
+        present = [n for n in ptr_on if n in names and n not in sig]
+        sig = {**sig, **{n: "*fp32" for n in present if ptr_on[n]}}
+        cex = {**cex, **{n: None for n in present if not ptr_on[n]}}
         if varlen:   # packed batches pass the offsets and chunk tables (int32) that are None above
             tables = [n for n in ("cu_seqlens", "chunk_offsets", "chunk_indices") if n in cex]
             sig = {**sig, **{n: "*i32" for n in tables}}
             cex = {n: v for n, v in cex.items() if n not in tables} | {"IS_VARLEN": True}
         # every argument in the kernel's order (the report maps names, but a reader compares them)
         sig = {n: sig[n] for n in names if n in sig}
-        cfg = f"{'USE_G ' if use_g else ''}{dt} dk={dk} dv={dv} C={C}{' varlen' if varlen else ''} sm_{arch}"
+        cfg = f"{'USE_G ' if use_g else ''}{'USE_GK ' if use_gk else ''}{dt} dk={dk} dv={dv} C={C}{' varlen' if varlen else ''} sm_{arch}"
         out.append(dict(name=f"{fn.__name__}[{cfg}]", kernel=fn, config=cfg, signature=sig,
                         constexprs=cex, num_warps=warps, num_stages=mt["stages"], archs=(arch,)))
     return out

@@ -33,7 +33,7 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
                      backend: str = "torch", chunk_size: int = 64
                      ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """q, k [B, H, T, d_k]; v [B, H, T, d_v]; g [B, H, T] the log decay (≤ 0), or [B, H, T, d_k]
-    one per key channel (KDA's recurrence, ``kernels.kda``: reference and torch backends); beta
+    one per key channel (KDA's recurrence, run by ``kernels.kda`` on the same backend); beta
     [B, H, T] in [0, 1]; initial_state [B, H, d_k, d_v] or None.
 
     Returns (o [B, H, T, d_v] in v's dtype, final state [B, H, d_k, d_v] in the accumulation
@@ -66,11 +66,9 @@ def gated_delta_rule_trusted(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 
 def _per_channel(q, k, v, g, beta, initial_state, output_final_state, backend, chunk_size):
     """A per-channel log decay g [B, H, T, d_k]: KDA's recurrence (``kernels.kda``), which is this
-    rule with Diag(exp(g_t)) for exp(g_t); its backends are reference and torch."""
+    rule with Diag(exp(g_t)) for exp(g_t), on the same backend (triton: the family's kernels with
+    ``USE_GK``)."""
     from kernels.kda import kda
-    if backend == "triton":
-        raise ValueError("gated_delta_rule: a per-channel g [B, H, T, d_k] has no Triton backend yet "
-                         "(kernels.kda's forms: reference, torch)")
     return kda(q, k, v, g, beta, initial_state, output_final_state, backend, chunk_size)
 
 

@@ -5,11 +5,11 @@ Architecture"): the gated delta rule with a decay per key channel,
 
 ``reference.py`` is the sequential specification; ``torch_chunk.py`` the chunkwise WY/UT form,
 finite under any decay (its docstring says how, and how flash-linear-attention's ``chunk_kda``
-does it). Every backend checks shapes and dtypes at entry (``shapes.py``); the public function
-also checks g ≤ 0 and β ∈ [0, 1]. Design notes: ``kernels/kda/README.md``.
-
-Backends: "reference" and "torch". The Triton form is the delta-rule family's kernels with a
-per-channel decay, not yet written: ``backend="triton"`` is refused with that reason.
+does it); ``chunk.py`` the same form as Triton kernels, the delta-rule family's
+(``kernels/delta_rule/core.py``) with the per-channel decay switch ``USE_GK``, forward and
+backward, packed batches in one launch. Every backend checks shapes and dtypes at entry
+(``shapes.py``); the public function also checks g ≤ 0 and β ∈ [0, 1]. Design notes:
+``kernels/kda/README.md``.
 """
 from __future__ import annotations
 
@@ -21,8 +21,13 @@ from kernels.kda.reference import kda_reference
 from kernels.kda.shapes import check_kda_gate_values, check_kda_inputs
 from kernels.kda.torch_chunk import kda_chunk_torch
 
+try:
+    from kernels.kda.chunk import kda_triton
+except ImportError:  # no triton installed: the PyTorch forms still work
+    kda_triton = None
+
 #: implementations ``kda`` can dispatch to
-BACKENDS = ("torch", "reference")
+BACKENDS = ("torch", "reference") + (("triton",) if kda_triton is not None else ())
 
 
 def kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -35,18 +40,19 @@ def kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta
 
     Returns (o [B, H, T, d_v] in v's dtype, final state [N, H, d_k, d_v] in the accumulation dtype
     — float32 for half inputs — or None unless ``output_final_state``). ``backend``: "torch"
-    (chunked, ``chunk_size`` tokens per chunk; the result does not depend on it) or "reference"
-    (sequential). ``cu_seqlens`` [N + 1] (B = 1): a packed batch of N sequences, each from its own
-    initial state (or zero) with its own final state; without states the torch form runs them in
+    (chunked, ``chunk_size`` tokens per chunk; the result does not depend on it), "triton"
+    (``chunk.py``; d_k ≤ 128, d_v ≤ 256, contiguous inputs; kernel chunk a power of two in [16, 64]
+    capped per dtype and GPU) or "reference" (sequential). ``cu_seqlens`` [N + 1] (B = 1): a
+    packed batch of N sequences, each from its own initial state (or zero) with its own final
+    state; the Triton form runs them in one launch per kernel, the torch form without states in
     one call with resets inside the scan, with states one call per sequence."""
     check_kda_inputs("kda", q, k, v, g, beta, initial_state, chunk_size, cu_seqlens)
-    if backend == "triton":
-        raise ValueError("kda: no Triton backend yet (the delta-rule family's kernels with a per-channel decay "
-                         f"are not written); available: {list(BACKENDS)}")
     if backend not in BACKENDS:
         raise ValueError(f"kda: unknown backend {backend!r}; available: {list(BACKENDS)}")
     if not torch.compiler.is_compiling():
         check_kda_gate_values("kda", g, beta)
+    if backend == "triton":
+        return kda_triton(q, k, v, g, beta, initial_state, output_final_state, chunk_size, cu_seqlens)
     if cu_seqlens is None:
         return _dispatch(q, k, v, g, beta, initial_state, output_final_state, backend, chunk_size)
     T = k.shape[2]
@@ -72,4 +78,4 @@ def _dispatch(q, k, v, g, beta, initial_state, output_final_state, backend, chun
     return kda_reference(q, k, v, g, beta, initial_state, output_final_state)
 
 
-__all__ = ["kda", "kda_reference", "kda_chunk_torch", "BACKENDS"]
+__all__ = ["kda", "kda_reference", "kda_chunk_torch", "kda_triton", "BACKENDS"]

@@ -14,6 +14,10 @@ from kernels.gated_delta_rule import gated_delta_rule
 from kernels.kda import BACKENDS, kda, kda_chunk_torch, kda_reference
 from kernels.kda.torch_chunk import decayed_scores
 
+#: every backend; the Triton one runs under the interpreter on CPU, so it is in the slow tier
+#: (its own comparisons: test_kda_triton.py)
+ALL_BACKENDS = [pytest.param(b, marks=pytest.mark.slow) if b == "triton" else b for b in BACKENDS]
+
 
 def inputs(B=2, H=2, T=50, dk=16, dv=8, dtype=torch.float64, g_min=-2.0, seed=0, state=True):
     gen = torch.Generator().manual_seed(seed)
@@ -115,7 +119,7 @@ def test_state_carries_across_calls():
     torch.testing.assert_close(s2, s, atol=1e-10, rtol=0)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
 def test_packed_sequences(backend):
     """cu_seqlens: each sequence as alone, with its own initial and final state; without states
     the torch form's one call with resets (documents crossing chunk boundaries) does the same."""
@@ -143,8 +147,6 @@ def test_refuses_bad_input():
         kda(q, k, v, g.abs() + 0.1, beta)
     with pytest.raises(ValueError, match=r"beta must lie in \[0, 1\]"):
         kda(q, k, v, g, beta + 1.5)
-    with pytest.raises(ValueError, match="no Triton backend yet"):
-        kda(q, k, v, g, beta, backend="triton")
     with pytest.raises(ValueError, match="unknown backend 'cuda'"):
         kda(q, k, v, g, beta, backend="cuda")
     q1, k1, v1, g1, b1, _ = (t.detach() for t in inputs(B=1, T=10))
@@ -154,13 +156,11 @@ def test_refuses_bad_input():
         kda(q, k, v, g, beta, chunk_size=0)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
 def test_gated_delta_rule_takes_a_per_channel_decay(backend):
-    """``gated_delta_rule`` with g [B, H, T, d_k] runs KDA's recurrence; its Triton backend refuses it."""
+    """``gated_delta_rule`` with g [B, H, T, d_k] runs KDA's recurrence on the same backend."""
     q, k, v, g, beta, h0 = (t.detach() for t in inputs(T=40))
     o, s = gated_delta_rule(q, k, v, g, beta, h0, True, backend=backend)
     o2, s2 = kda_reference(q, k, v, g, beta, h0, True)
     torch.testing.assert_close(o, o2, atol=1e-10, rtol=0)
     torch.testing.assert_close(s, s2, atol=1e-10, rtol=0)
-    with pytest.raises(ValueError, match=r"per-channel g \[B, H, T, d_k\] has no Triton backend yet"):
-        gated_delta_rule(q, k, v, g, beta, backend="triton")
