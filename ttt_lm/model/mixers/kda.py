@@ -290,8 +290,9 @@ class KimiDeltaAttention(Mixer):
     def op(self, inp, initial_state=None, output_final_state: bool = False, backend: str = "torch"):
         """KDA, ``kernels.kda``: the reference and PyTorch chunked forms called directly (g ≤ 0
         and β ∈ (0, 1), or (0, 2) with ``allow_neg_eigval``, hold by construction, so the public
-        entry's value check and its read-back are skipped), any other backend through the public
-        entry ``kernels.kda.kda``. With packed documents (``inp["resets"]``, no state in or out):
+        entry's value check and its read-back are skipped), any other backend through
+        ``kernels.kda.kda_trusted`` (the entry without that check). With packed documents
+        (``inp["resets"]``, no state in or out):
         the PyTorch chunked form with the resets inside the scan, or the public entry's
         ``cu_seqlens`` path on the batch flattened to one row (``varlen_heads``)."""
         q, k, v, g, beta, C = (inp[n] for n in ("q", "k", "v", "g", "beta", "chunk_size"))
@@ -301,14 +302,17 @@ class KimiDeltaAttention(Mixer):
                                  "and return no final state")
             if backend in (Backend.TORCH, Backend.REFERENCE):
                 return kda_chunk_torch(q, k, v, g, beta, None, False, C, inp["resets"])
-            o, _ = _kda.kda(*varlen_heads(q, k, v, g, beta), backend=str(backend), chunk_size=C,
-                            cu_seqlens=inp["cu_seqlens"])
+            o, _ = _kda.kda_trusted(*(t.contiguous() for t in varlen_heads(q, k, v, g, beta)),
+                                    backend=str(backend), chunk_size=C, cu_seqlens=inp["cu_seqlens"])
             return unflatten_heads(o, q.shape[0]), None
         if backend == Backend.REFERENCE:
             return kda_reference(q, k, v, g, beta, initial_state, output_final_state)
         if backend == Backend.TORCH:
             return kda_chunk_torch(q, k, v, g, beta, initial_state, output_final_state, C)
-        return _kda.kda(q, k, v, g, beta, initial_state, output_final_state, backend=str(backend), chunk_size=C)
+        # the Triton kernels read rows of contiguous [B, H, T, ...] tensors (the head split above is a view)
+        q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
+        return _kda.kda_trusted(q, k, v, g, beta, initial_state, output_final_state, backend=str(backend),
+                                chunk_size=C)
 
     def output(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         B, H, T, D = y.shape
@@ -335,7 +339,7 @@ class KimiDeltaAttention(Mixer):
         if "triton" not in _kda.BACKENDS:
             return f"kernels.kda has only {list(_kda.BACKENDS)}"
         if self.allow_neg_eigval:
-            return "kda.allow_neg_eigval gives β ∈ (0, 2), which the entry kernels.kda.kda refuses (β ≤ 1)"
+            return "kda.allow_neg_eigval gives β ∈ (0, 2); the Triton kernels are tested for β ∈ [0, 1] only"
         return None
 
     def chunked(self, x, state=None, output_state=False, docs=None):
