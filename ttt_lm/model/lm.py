@@ -141,8 +141,22 @@ class LMHead(nn.Linear):
 
 
 class LM(nn.Module):
+    #: whether prefill / step / generate run (a model variant without carried states says False)
+    supports_decode = True
+
+    def __new__(cls, cfg: Optional[ModelConfig] = None, *args, **kwargs):
+        # LM(cfg) with model.ttt_e2e.enabled builds the TTT-E2E model (ttt_lm.model.e2e), so every
+        # caller of LM(cfg) (trainer, evals, export, tools) runs it unchanged
+        if cls is LM and getattr(getattr(cfg, "ttt_e2e", None), "enabled", False):
+            from ttt_lm.model.e2e import E2ELM
+            cls = E2ELM
+        return super().__new__(cls)
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        if getattr(getattr(cfg, "ttt_e2e", None), "enabled", False):
+            raise ValueError(f"{type(self).__name__} does not run TTT-E2E (model.ttt_e2e.enabled=true): "
+                             "build it with LM(cfg); its tensor- and context-parallel forms are not built yet")
         cfg.validate()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
