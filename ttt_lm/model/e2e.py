@@ -357,7 +357,7 @@ class E2ELM(LM):
                 h, c = blk.chunk(h, c, start, ws, self.e2e.suffix_attention)
                 new_caches.append(c)
             logits = self._logits(h)
-            lf = logits.float()
+            lf = acc(logits)                                   # fp32 CE (fp64 stays)
             m = targets != -100
             ce = F.cross_entropy(lf.transpose(1, 2), targets.masked_fill(~m, 0), reduction="none")
             mf = m.to(ce.dtype)
@@ -366,7 +366,9 @@ class E2ELM(LM):
             if update:
                 flatW = [w for ws in W for w in ws]
                 g = torch.autograd.grad(loss.sum(), flatW, create_graph=outer)
-                gnorm = torch.sqrt(sum(gi.pow(2).flatten(1).sum(1) for gi in g))     # [B]: one global norm
+                sq = sum(gi.pow(2).flatten(1).sum(1) for gi in g)                 # [B]: one global norm
+                # floored at the dtype's tiny: a chunk without targets (g = 0) gives a zero step, not NaN
+                gnorm = torch.sqrt(sq.clamp_min(torch.finfo(sq.dtype).tiny))
                 c = self.e2e.inner_clip
                 scale = torch.where(gnorm < c, torch.ones_like(gnorm), c / gnorm)
                 lr = self.e2e.inner_lr * rho
@@ -464,4 +466,4 @@ class E2ELM(LM):
 
 def plain_mean_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """The token-mean CE of logits [B, T, V] (fp32) over targets != −100."""
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
+    return F.cross_entropy(acc(logits).flatten(0, 1), targets.flatten(), ignore_index=-100)
