@@ -36,7 +36,8 @@ BOS mask m_t does):
    Each TTT block's attention reads a cache of the previous w tokens' k (after qk-norm, before
    RoPE) and v, concatenated with the chunk's: w + b keys at local positions 0 … w+b−1, queries
    at w … w+b−1, the mask (q ≥ k) ∧ (q < k + w) ∧ (k ≥ 0) in absolute indices; the new cache is the
-   last w. The cache crosses chunks and keeps its graph (the cached k, v of TTT blocks after the
+   last w. (Here the cache holds min(w, tokens so far) keys: the official code's keys before the
+   sequence start are zeros that the mask drops.) The cache crosses chunks and keeps its graph (the cached k, v of TTT blocks after the
    first came from earlier fast weights).
 
        ℓ_i = Σ_t m_t CE_t / max(Σ_t m_t, 1e-10)          (over the chunk, fp32)
@@ -179,29 +180,33 @@ class E2EAttention(nn.Module):
         q, k = rope_interleaved(q, pos, self.theta), rope_interleaved(k, pos, self.theta)
         if backend == "math":
             i = torch.arange(T, device=x.device)
-            mask = (i[:, None] >= i[None, :]) & (i[:, None] < i[None, :] + self.window)
+            mask = (i[:, None] >= i[None, :]) & (i[:, None] < i[None, :] + (self.window or T))
             return self.out(masked_softmax_attention(q, k, v, mask))
-        if self.window >= T:
+        if self.window is None or self.window >= T:
             return self.out(F.scaled_dot_product_attention(q, k, v, is_causal=True))
         return self.out(sliding_window_attention(q, k, v, self.window, backend=Backend.SDPA))
 
     def chunk(self, x: torch.Tensor, cache: Tuple[torch.Tensor, torch.Tensor], start: int,
               backend: str = "math"):
         """One chunk x [B, r, D] starting at absolute position ``start`` over ``cache`` = (k, v)
-        [B, H, w, d] of the w tokens before it (k before RoPE; zeros before the sequence start):
-        (output, the new cache: the last w of cache + chunk), as the official ``Attention.__call__``."""
+        [B, H, m, d] of the m = min(w, start) tokens before it (k before RoPE): (output, the new
+        cache: the last w of cache + chunk), as the official ``Attention.__call__``, whose cache
+        always holds w keys (zeros before the sequence start, masked): the keys it masks are left
+        out, and RoPE at local positions (keys 0 … m+r−1, queries m … m+r−1) gives the same scores."""
         r, w = x.shape[1], self.window
         q, k, v = self.qkv(x)
         k_all = torch.cat([cache[0], k], dim=2)
         v_all = torch.cat([cache[1], v], dim=2)
-        local = torch.arange(w + r, device=x.device)
-        q = rope_interleaved(q, local[w:], self.theta)
+        n = k_all.shape[2]
+        local = torch.arange(n, device=x.device)
+        q = rope_interleaved(q, local[n - r:], self.theta)
         kr = rope_interleaved(k_all, local, self.theta)
         qi = (start + torch.arange(r, device=x.device))[:, None]
-        ki = (start + r - (w + r) + local)[None, :]
-        mask = (qi >= ki) & (qi < ki + w) & (ki >= 0)
+        ki = (start + r - n + local)[None, :]
+        mask = (qi >= ki) & (qi < ki + w)
         o = masked_softmax_attention(q, kr, v_all, mask, backend)
-        return self.out(o), (k_all[:, :, r:], v_all[:, :, r:])
+        keep = max(0, n - w)
+        return self.out(o), (k_all[:, :, keep:], v_all[:, :, keep:])
 
 
 class PrimeMLP(nn.Module):
@@ -263,8 +268,20 @@ class E2ETrace:
 class E2ELM(LM):
     """TTT-E2E (module docstring): built by ``LM(cfg)`` when ``cfg.ttt_e2e.enabled``."""
 
+    #: the blocks are E2E blocks whatever model.layer_pattern names
+    reads_layer_pattern = False
+    #: plain PyTorch: no kernels/ op (ttt_lm.launch_capture captures nothing for its presets)
+    runs_kernel_ops = False
+
+    @classmethod
+    def min_layers(cls, cfg: ModelConfig) -> int:
+        """The TTT blocks and one prefix block."""
+        return cfg.ttt_e2e.suffix_len + 1
+
     #: no carried state yet: prefill, step and generate refuse (read by shared tests and tools)
     supports_decode = False
+    #: the official AdamW decays every parameter, norms and the embedding included (ttt_lm.train.optim)
+    weight_decay_every_parameter = True
 
     def __init__(self, cfg: ModelConfig):
         nn.Module.__init__(self)
@@ -408,7 +425,7 @@ class E2ELM(LM):
                             fast=[], logits=logits, loss=loss)
         S, b, w = e.suffix_len, e.inner_batch, e.window
         flat = [t for blk in self.layers[self.n_prefix:] for t in blk.prime.fast_weights(B)]
-        cache0 = h.new_zeros(B, self.cfg.n_heads, w, self.cfg.hd)
+        cache0 = h.new_zeros(B, self.cfg.n_heads, 0, self.cfg.hd)     # grows to w keys
         flat += [cache0] * (2 * S)
         rho = self.rho()
         losses, norms, logits, fast, weights = [], [], [], [], []

@@ -8,6 +8,7 @@ head, so it is a section of the model config that ``LM(cfg)`` reads (``enabled``
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from ttt_lm.model.registry import option
 
@@ -27,12 +28,12 @@ class TTTE2EConfig:
 
     suffix_len S: the last S of ``model.n_layers`` blocks are TTT blocks (0: the same architecture
     without them, the paper's baselines); inner_batch b: tokens per inner step; window w: every
-    attention layer's sliding window (keys t−w+1 … t); inner_lr η, inner_clip c: W ← W − η·ρ·clip_c(g);
+    attention layer's sliding window (keys t−w+1 … t; None: full attention, without TTT blocks); inner_lr η, inner_clip c: W ← W − η·ρ·clip_c(g);
     ρ warms up from ilr_init/η to 1 over ilr_warmup_steps optimizer steps (0: ρ = 1)."""
     enabled: bool = False
     suffix_len: int = option(0, ge=0)
     inner_batch: int = option(1024, ge=1)
-    window: int = option(8192, ge=1)
+    window: Optional[int] = option(8192, ge=1)     # None: full attention (no TTT blocks only)
     rope_theta: float = option(500000.0, gt=0)
     inner_lr: float = option(1.0, gt=0)
     inner_clip: float = option(1.0, gt=0)
@@ -59,6 +60,9 @@ class TTTE2EConfig:
         if self.suffix_len > model.n_layers:
             raise ValueError(f"model.ttt_e2e.suffix_len={self.suffix_len} exceeds model.n_layers={model.n_layers} "
                              "(the TTT blocks are the last suffix_len blocks)")
+        if self.window is None and self.suffix_len > 0:
+            raise ValueError(f"model.ttt_e2e.window=None (full attention) needs suffix_len=0; the TTT blocks read "
+                             f"a window cache, and suffix_len={self.suffix_len}")
         if self.ilr_init > self.inner_lr:
             raise ValueError(f"model.ttt_e2e.ilr_init={self.ilr_init} exceeds model.ttt_e2e.inner_lr={self.inner_lr} "
                              "(the warm-up rises from ilr_init to inner_lr)")
