@@ -304,3 +304,18 @@ def test_remat_keeps_the_outer_gradient():
     m.e2e.remat = False
     g0 = torch.autograd.grad(m(ids, labels=labels).loss, params)
     assert max(float((a - b).abs().max()) for a, b in zip(g0, g1)) < 1e-12
+
+
+def test_flops_per_token_counts_the_e2e_blocks_and_the_inner_step():
+    from ttt_lm.model.flops import flops_per_token, matmul_params
+    cfg = e2e_config(S=1, L=2, b=4, w=6)
+    T = 12
+    f = flops_per_token(cfg, T)
+    D, F_, V, H, hd = 16, 24, 37, 2, 8
+    seen = (6 * 7 / 2 + (T - 6) * 6) / T
+    attn = 4.0 * H * hd * seen
+    assert matmul_params(cfg) == (4 * D * D + 3 * D * F_) + (4 * D * D + 6 * D * F_) + V * D
+    assert f["forward"] == 2.0 * matmul_params(cfg) + 2 * attn
+    assert f["train"] == 3.0 * (f["forward"] + 2.0 * (2.0 * (4 * D * D + 6 * D * F_ + V * D) + attn))
+    cfg.ttt_e2e.suffix_len = 0
+    assert flops_per_token(cfg, T)["train"] == 3.0 * flops_per_token(cfg, T)["forward"]

@@ -315,6 +315,22 @@ class E2ELM(LM):
             elif isinstance(m, RMSNorm):
                 nn.init.ones_(m.weight)
 
+    @staticmethod
+    def flops_per_token(cfg: ModelConfig, seq_len: int) -> dict:
+        """FLOPs per token (``ttt_lm.model.flops``' conventions: 2 per weight applied, attention's
+        q·k and p·v over the keys a query sees). forward = 2·(blocks' matrices + head) + attention;
+        the inner step of each chunk is a backward of the TTT blocks and the head (≈ 2 × their
+        forward); train = 3 × (forward + inner), the outer backward taken as twice what it
+        differentiates (an estimate: a second-order backward costs more than that)."""
+        e, D, F_, L, S, V = cfg.ttt_e2e, cfg.d_model, cfg.ff, cfg.n_layers, cfg.ttt_e2e.suffix_len, cfg.vocab_size
+        w, T = e.window, seq_len
+        seen = (T + 1) / 2.0 if w is None or T <= w else (w * (w + 1) / 2.0 + (T - w) * w) / T
+        attn = 4.0 * cfg.n_heads * cfg.hd * seen
+        block, ttt = 4 * D * D + 3 * D * F_, 4 * D * D + 6 * D * F_
+        fwd = 2.0 * ((L - S) * block + S * ttt + V * D) + L * attn
+        inner = 2.0 * (2.0 * (S * ttt + V * D) + S * attn) if S else 0.0
+        return {"forward": fwd, "train": 3.0 * (fwd + inner)}
+
     # ---- switches (the LM's, for the blocks this model has) ----------------------------------
     def set_train_step(self, step: int) -> "E2ELM":
         """ρ at optimizer step ``step`` (1-based): the official ``get_ilr_multiplier`` at its
