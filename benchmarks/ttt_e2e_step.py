@@ -104,7 +104,7 @@ def main(argv=None) -> int:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
         body = (f"A training step (forward and the second-order backward, no optimizer) of TTT-E2E against its "
                 f"sliding-window baseline at the same size, each in a fresh process; {a.steps} timed steps after one "
-                f"warm-up.\n\n- Date: {time.strftime('%Y-%m-%d')}\n- Device: {a.device}\n- Commit: {commit}\n"
+                f"warm-up.\n\n- Date: {time.strftime('%Y-%m-%d')}\n- Device: {a.device} ({os.cpu_count()} CPU cores)\n- Commit: {commit}\n"
                 f"- Command: `OMP_NUM_THREADS=1 python benchmarks/ttt_e2e_step.py --pairs {a.pairs} --device {a.device} "
                 f"--batch {a.batch} --steps {a.steps} --record`\n\n" + table)
         record_section("## TTT-E2E training step (`benchmarks/ttt_e2e_step.py`)", body)
