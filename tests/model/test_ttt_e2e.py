@@ -319,3 +319,20 @@ def test_flops_per_token_counts_the_e2e_blocks_and_the_inner_step():
     assert f["train"] == 3.0 * (f["forward"] + 2.0 * (2.0 * (4 * D * D + 6 * D * F_ + V * D) + attn))
     cfg.ttt_e2e.suffix_len = 0
     assert flops_per_token(cfg, T)["train"] == 3.0 * flops_per_token(cfg, T)["forward"]
+
+
+def test_bfloat16_keeps_fast_weights_and_the_loss_in_float32():
+    """Under bf16 parameters (DeepSpeed's bf16 mode) the fast weights and the inner and outer losses
+    stay float32, as the official state_dtype; the loss is within 1e-3 of the float32 model's."""
+    cfg = e2e_config()
+    cfg.init_std = 0.02
+    m = build(cfg, torch.bfloat16)
+    ids, labels = batch(cfg)
+    tr = m.run(ids, labels, keep_fast=True)
+    tr.loss.backward()
+    assert tr.loss.dtype == torch.float32 and tr.fast[1][0][0].dtype == torch.float32
+    assert all(bool(torch.isfinite(p.grad).all()) for p in m.parameters())
+    ref = build(cfg, torch.float32)
+    ref.load_state_dict({k: v.float() for k, v in m.state_dict().items()})
+    with torch.no_grad():
+        assert abs(float(ref.run(ids, labels).loss) - float(tr.loss)) < 1e-3
