@@ -84,6 +84,9 @@ def _step(preset: str, step: str, full_depth: bool = False):
     from ttt_lm.model.lm import PREFILL_CHUNK, build_model
 
     cfg = load_config(str(ROOT / "configs" / f"{preset}.yaml"))
+    from ttt_lm.model.lm import model_class
+    if not model_class(cfg.model).runs_kernel_ops:
+        return   # a model variant in plain PyTorch (no kernels/ op) launches nothing to capture
     if not full_depth:
         # one period of the layer pattern: the layers repeat it, each like the one a period
         # before (the same mixer, config and shapes), so a deeper stack launches nothing new

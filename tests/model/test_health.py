@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from ttt_lm.config import load_config
-from ttt_lm.model.lm import build_model
+from ttt_lm.model.lm import build_model, model_class
 from ttt_lm.model.registry import builtin_kinds
 from ttt_lm.train.optim import param_groups
 
@@ -64,13 +64,16 @@ def _cases() -> List[Case]:
         if path.name.startswith("tiny"):
             continue
         m = load_config(str(path)).model
-        family = tuple(m.layer_pattern)
+        cls = model_class(m)
+        # a model variant with blocks of its own (reads_layer_pattern False) is a family by its class
+        family = tuple(m.layer_pattern) if cls.reads_layer_pattern else (cls.__name__,)
         size = m.d_model ** 2 * m.n_layers
         if family not in smallest or size < smallest[family][0]:
             smallest[family] = (size, path)
     cases = [Case(p.name, str(p), ()) for _, p in sorted(smallest.values(), key=lambda sp: sp[1].name)]
     cases.append(Case("tiny.yaml", str(CONFIGS / "tiny.yaml"), ()))
-    covered = {k for fam in smallest for k in fam}
+    covered = {k for fam, (_, p) in smallest.items() for k in fam
+               if model_class(load_config(str(p)).model).reads_layer_pattern}
     for kind in builtin_kinds():
         if kind not in covered:
             cases.append(Case(f"{kind} on sizes/125m.yaml", str(CONFIGS / "sizes" / "125m.yaml"),
@@ -83,7 +86,8 @@ CASES = _cases()
 
 def _config(case: Case):
     base = load_config(case.path, list(case.overrides))
-    over = [f"model.n_layers={_layers(base.model.layer_pattern)}", f"model.vocab_size={VOCAB}"]
+    layers = max(_layers(base.model.layer_pattern), model_class(base.model).min_layers(base.model))
+    over = [f"model.n_layers={layers}", f"model.vocab_size={VOCAB}"]
     if base.data.seq_len > MAX_LEN:
         over.append(f"data.seq_len={MAX_LEN}")
     return load_config(case.path, list(case.overrides) + over)
@@ -93,7 +97,9 @@ def test_every_layer_kind_is_covered():
     """The cases reach every registered layer kind (built-in or registered since)."""
     reached = set()
     for case in CASES:
-        reached.update(load_config(case.path, list(case.overrides)).model.layer_pattern)
+        m = load_config(case.path, list(case.overrides)).model
+        if model_class(m).reads_layer_pattern:
+            reached.update(m.layer_pattern)
     assert set(builtin_kinds()) <= reached, sorted(set(builtin_kinds()) - reached)
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from ttt_lm.model import registry
+from ttt_lm.model.e2e_config import TTTE2EConfig
 
 #: model.init: which official code the dense layers' initialization follows
 #: (ttt_lm.model.layers.init_weights)
@@ -59,6 +60,8 @@ class ModelConfig:
     # modules (dotted names importable from sys.path, or .py paths) that register mixers defined
     # outside the package; imported before the config is read, so their kinds and sections exist
     mixer_modules: List[str] = field(default_factory=list)
+    # TTT-E2E (a model variant, not a layer kind): model.ttt_e2e.enabled builds ttt_lm.model.e2e.E2ELM
+    ttt_e2e: TTTE2EConfig = field(default_factory=TTTE2EConfig)
     # one field per registered config section follows (model_config_class)
 
     def __new__(cls, *args, **kwargs):
@@ -122,6 +125,7 @@ class ModelConfig:
         # every section is checked, whether or not the pattern uses its kinds
         for name, section in self.sections().items():
             registry.check_section(name, section, self)
+        registry.check_section("ttt_e2e", self.ttt_e2e, self)
         return self
 
 

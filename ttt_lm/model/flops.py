@@ -42,7 +42,12 @@ def matmul_params(cfg: ModelConfig) -> int:
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> Dict[str, float]:
-    """{"forward": F, "train": 3F} FLOPs per token for sequences of seq_len tokens."""
+    """{"forward": F, "train": 3F} FLOPs per token for sequences of seq_len tokens (a model variant
+    with blocks of its own, ``reads_layer_pattern`` False, counts its own: TTT-E2E's)."""
+    from ttt_lm.model.lm import model_class
+    cls = model_class(cfg)
+    if not cls.reads_layer_pattern:
+        return cls.flops_per_token(cfg, seq_len)
     fwd = 2.0 * matmul_params(cfg)
     for kind in cfg.layer_kinds():
         fwd += float(mixer_class(kind).flops_per_token(cfg, seq_len))

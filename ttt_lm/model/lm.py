@@ -140,9 +140,37 @@ class LMHead(nn.Linear):
         return linear_cross_entropy(h, self.weight, labels, ignore_index=-100, chunk_size=self.chunk_size)
 
 
+def model_class(cfg: ModelConfig) -> type:
+    """The class ``LM(cfg)`` builds: ``LM``, or with ``model.ttt_e2e.enabled`` the TTT-E2E model
+    (``ttt_lm.model.e2e.E2ELM``, a subclass), so every caller of ``LM(cfg)`` (trainer, evals,
+    export, tools) runs it unchanged."""
+    if getattr(getattr(cfg, "ttt_e2e", None), "enabled", False):
+        from ttt_lm.model.e2e import E2ELM
+        return E2ELM
+    return LM
+
+
 class LM(nn.Module):
+    #: whether prefill / step / generate run (a model variant without carried states says False)
+    supports_decode = True
+    #: whether the blocks are built from model.layer_pattern (a model variant with blocks of its own says False)
+    reads_layer_pattern = True
+    #: whether the blocks may call kernels/ ops (a model variant in plain PyTorch says False)
+    runs_kernel_ops = True
+
+    def __new__(cls, cfg: Optional[ModelConfig] = None, *args, **kwargs):
+        return super().__new__(model_class(cfg) if cls is LM else cls)
+
+    @classmethod
+    def min_layers(cls, cfg: ModelConfig) -> int:
+        """The fewest ``model.n_layers`` that build this model with ``cfg``'s other settings."""
+        return 1
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        if getattr(getattr(cfg, "ttt_e2e", None), "enabled", False):
+            raise ValueError(f"{type(self).__name__} does not run TTT-E2E (model.ttt_e2e.enabled=true): "
+                             "build it with LM(cfg); its tensor- and context-parallel forms are not built yet")
         cfg.validate()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)

@@ -2,6 +2,7 @@
 logging."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -127,3 +128,8 @@ def check_training_config(cfg) -> None:
     for key, value, ok, want in rules:
         if not ok:
             raise ValueError(f"{key} must be {want}, got {value!r}")
+    # model settings that a training run must also satisfy (a section's validate_training)
+    for f in dataclasses.fields(cfg.model):
+        check = getattr(getattr(cfg.model, f.name), "validate_training", None)
+        if callable(check):
+            check(cfg)

@@ -57,7 +57,11 @@ def lr_multiplier(cfg: OptimConfig, total_steps: int) -> Callable[[int], float]:
 def param_groups(model: nn.Module, weight_decay: float) -> List[dict]:
     """Two groups: decayed matrices, and undecayed norms, biases, embeddings and any parameter
     marked ``_no_weight_decay`` (mixer decay rates, gates) — decaying those pulls them toward 0,
-    which is not the prior they were initialized with."""
+    which is not the prior they were initialized with. A model with ``weight_decay_every_parameter``
+    (TTT-E2E, whose official AdamW decays every parameter) gets one decayed group."""
+    if getattr(model, "weight_decay_every_parameter", False):   # a model whose official recipe decays all
+        params = [p for p in model.parameters() if p.requires_grad]
+        return [{"params": params, "weight_decay": weight_decay}] if params else []
     no_decay = set()
     for m in model.modules():
         if isinstance(m, nn.Embedding):

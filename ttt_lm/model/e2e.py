@@ -1,0 +1,502 @@
+r"""TTT-E2E: end-to-end test-time training (Tandon, Dalal, Li, Koceja, Rød, Buchanan, Wang, Leskovec,
+Koyejo, Hashimoto, Guestrin, McCaleb, Choi, Sun 2025, "End-to-End Test-Time Training for Long
+Context", arXiv 2512.23675), with the semantics of its official JAX code (github
+test-time-training/e2e, ``ttt/model/transformer.py``, ``attention.py``, ``loss.py``), which this
+module follows where the paper's prose differs (the prime and static MLPs run in series).
+
+Where it lives. The inner loss of a TTT block is the next-token loss through the final norm and the
+LM head, so the fast weights of every TTT block are trained by one loss over the whole suffix of the
+stack: it is not a per-layer mixer. It is a model variant: ``model.ttt_e2e.enabled`` makes
+``LM(cfg)`` build :class:`E2ELM` (a subclass of ``LM`` with the same ``forward(input_ids, labels,
+position_ids=...) -> LMOutput(logits, loss)``), so the trainer, the ZeRO engine, data, checkpoints
+and the evals that read the loss or the logits run it unchanged. ``model.layer_pattern`` and the
+mixer sections are not read; ``model.ttt_e2e`` holds its settings (``ttt_lm.model.e2e_config``).
+
+The model (L = ``n_layers`` blocks, S = ``ttt_e2e.suffix_len``, w = ``ttt_e2e.window``). A
+Llama-style decoder with tied embeddings, no biases, RMSNorm (ε = ``norm_eps``, 1e-6) before and
+after every branch:
+
+    h ← h + post_a(Attn(pre_a(h)))                    every block
+    h ← h + post_p(SwiGLU_W(pre_p(h)))                TTT blocks only: the prime MLP, fast weights W
+    h ← h + post_f(SwiGLU(pre_f(h)))                  every block (the static MLP)
+    logits = RMSNorm_f(h) · E^T                       E the token embedding
+
+Attention: q, k, v = x W_q, x W_k, x W_v (d_model × d_model), per-head qk-norm (an RMSNorm over the
+head dimension, one weight per layer shared by the heads), interleaved RoPE (pairs (x_{2i}, x_{2i+1})
+rotated by pos·θ^{−2i/d}, θ = ``ttt_e2e.rope_theta``), softmax(q·k/√d) over the keys j with
+t − w < j ≤ t. SwiGLU(x) = (silu(x W_1) ⊙ x W_3) W_2. Init: every linear and the embedding N(0,
+``init_std``) (plain normal, no depth scaling), norm weights 1.
+
+One sequence x_0 … x_{T−1} with targets y_t (the labels; −100 masks a target, as the official
+BOS mask m_t does):
+
+1. H = PrefixBlocks(E[x]): the first L − S blocks over all T tokens once, positions 0 … T−1.
+2. W^{(0)} = the prime MLPs' parameters (per TTT block W_1, W_2, W_3: the meta-learned init). For
+   chunk i of b = ``ttt_e2e.inner_batch`` tokens: the S TTT blocks run on H[chunk i] with W^{(i)}.
+   Each TTT block's attention reads a cache of the previous w tokens' k (after qk-norm, before
+   RoPE) and v, concatenated with the chunk's: w + b keys at local positions 0 … w+b−1, queries
+   at w … w+b−1, the mask (q ≥ k) ∧ (q < k + w) ∧ (k ≥ 0) in absolute indices; the new cache is the
+   last w. (Here the cache holds min(w, tokens so far) keys: the official code's keys before the
+   sequence start are zeros that the mask drops.) The cache crosses chunks and keeps its graph (the cached k, v of TTT blocks after the
+   first came from earlier fast weights).
+
+       ℓ_i = Σ_t m_t CE_t / max(Σ_t m_t, 1e-10)          (over the chunk, fp32)
+       g_i = ∂ℓ_i / ∂W^{(i)}                              (cache and H held fixed)
+       W^{(i+1)} = W^{(i)} − η ρ clip_c(g_i),  clip_c(g) = g if ‖g‖ < c else g·c/‖g‖
+
+   ‖g‖ is one global norm over W_1, W_2, W_3 of all TTT blocks; η = ``inner_lr``, c = ``inner_clip``;
+   ρ = (ilr_init + (η − ilr_init)·min(1, s/ilr_warmup_steps))/η at optimizer step s (1-based,
+   ``set_train_step``; the official (step+1) with its 0-based step), 1 without a warm-up and
+   outside training (the official eval sets the step past the warm-up).
+3. Sequence loss = the mean over chunks of ℓ_i(W^{(i)}) (each chunk's loss before its own update),
+   unweighted; batch loss = the mean over sequences, each with its own fast weights.
+4. The outer gradient goes through every inner step: g_i is taken with ``create_graph=True`` (full
+   second order: Hessian-vector products through the TTT blocks, their attention, the norms and the
+   head, through the clip's norm when it clips, the stale caches and into H).
+
+Partial chunk. The official code asserts T % b = 0; here a last chunk of r < b tokens runs with the
+current fast weights (token t is predicted with W^{(⌊t/b⌋)}), is not followed by an update, and its
+loss counts in the chunk mean with weight r/b (full chunks weigh 1, so for T % b = 0 this is the
+official mean). Within a chunk the fast weights are fixed, attention is causal and the MLPs act per
+token, and W^{(i+1)} reads only targets up to token (i+1)·b, so the logits of the first r tokens
+never depend on later tokens (tests/model/test_ttt_e2e.py). Training refuses a ``data.seq_len`` that
+b does not divide (``TTTE2EConfig.validate_training``), so training runs the official semantics.
+
+Without labels (``forward(input_ids)``: the logits, for the evals), the targets are the inputs
+shifted by one (the last position's is unknown and masked): what an evaluation of the sequence
+learns from.
+
+Second order and memory. The TTT blocks' attention is an explicit softmax (``suffix_attention``
+"math", or SDPA pinned to its math kernel, "sdpa_math"): flash and flex kernels have no double
+backward, so they are refused there, naming the value (``TTTE2EConfig.validate``). The prefix
+needs a first-order backward only and runs SDPA (its window through
+``ttt_lm.model.window_attention``). With ``ttt_e2e.remat`` (default) the prefix runs under
+``torch.utils.checkpoint`` (it saves only its input, as the official ``nothing_saveable`` policy)
+and so does each chunk's inner step (non-reentrant checkpoint, which recomputes the inner
+``autograd.grad(create_graph=True)`` in the backward): what a training step keeps is, per chunk, its
+inputs (H's chunk, W^{(i)}, the caches), not its activations. Fast weights are held in the
+accumulation dtype (fp32 under bf16, as the official ``state_dtype``) and cast to the activations'
+dtype for the matmuls.
+
+With S = 0 the model is the paper's baseline at the same architecture (sliding window, or full
+attention with w ≥ T), trained on the usual token-mean loss.
+
+Not built yet (refused, naming the model): carried states (prefill, decode, generate: the state
+will be (each TTT block's fast weights, every layer's window cache, the open chunk, the chunk
+counter)), tensor and context parallelism, ZeRO-3.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ttt_lm.model.backend import Backend
+from ttt_lm.model.config import ModelConfig
+from ttt_lm.model.layers import GatedMLP, RMSNorm, acc, acc_dtype
+from ttt_lm.model.lm import LM, LMHead, LMOutput
+from ttt_lm.model.window_attention import sliding_window_attention
+
+MODEL_NAME = "TTT-E2E"
+
+
+def not_built(what: str) -> NotImplementedError:
+    return NotImplementedError(f"{MODEL_NAME} (model.ttt_e2e.enabled): {what} is not built yet")
+
+
+# ---- pieces -------------------------------------------------------------------------------------
+def rope_interleaved(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """RoPE on pairs (x_{2i}, x_{2i+1}) of x [..., T, d] at ``positions`` [T]: rotated by
+    pos·θ^{−2i/d}, computed in the accumulation dtype (fp32 for half types)."""
+    d = x.shape[-1]
+    xf = acc(x)
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float64) / d))
+    ang = positions.to(torch.float64)[:, None] * inv                   # [T, d/2]
+    cos, sin = ang.cos().to(xf.dtype), ang.sin().to(xf.dtype)
+    x0, x1 = xf[..., 0::2], xf[..., 1::2]
+    out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
+    return out.to(x.dtype)
+
+
+def masked_softmax_attention(q, k, v, mask, backend: str = "math") -> torch.Tensor:
+    """softmax(q·kᵀ/√d + log mask)·v for q [B, H, n, d], k, v [B, H, m, d], mask [n, m] (True:
+    attend); the softmax in the accumulation dtype. Twice differentiable ("math": explicit;
+    "sdpa_math": SDPA restricted to its math kernel)."""
+    if backend == "sdpa_math":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        with sdpa_kernel(SDPBackend.MATH):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    s = torch.einsum("bhnd,bhmd->bhnm", acc(q), acc(k)) * scale
+    s = s.masked_fill(~mask, float("-inf"))
+    p = s.softmax(-1).to(v.dtype)
+    return torch.einsum("bhnm,bhmd->bhnd", p, v)
+
+
+def swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """(silu(x W_1) ⊙ x W_3) W_2 with per-sequence weights w1, w3 [B, F, D], w2 [B, D, F] (the
+    nn.Linear layout, y = x·Wᵀ), cast to x's dtype."""
+    z1 = torch.einsum("bnd,bfd->bnf", x, w1.to(x.dtype))
+    z3 = torch.einsum("bnd,bfd->bnf", x, w3.to(x.dtype))
+    return torch.einsum("bnf,bdf->bnd", F.silu(z1) * z3, w2.to(x.dtype))
+
+
+class E2EAttention(nn.Module):
+    """Multi-head attention with qk-norm and interleaved RoPE; a full pass (the prefix) or one chunk
+    over a window cache (the TTT blocks)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        D, e = cfg.d_model, cfg.ttt_e2e
+        self.n_heads, self.hd = cfg.n_heads, cfg.hd
+        self.window, self.theta = e.window, e.rope_theta
+        self.wq = nn.Linear(D, D, bias=False)
+        self.wk = nn.Linear(D, D, bias=False)
+        self.wv = nn.Linear(D, D, bias=False)
+        self.wo = nn.Linear(D, D, bias=False)
+        self.q_norm = RMSNorm(self.hd, cfg.norm_eps)
+        self.k_norm = RMSNorm(self.hd, cfg.norm_eps)
+
+    def qkv(self, x: torch.Tensor):
+        """q, k after qk-norm (before RoPE) and v, each [B, H, n, d]."""
+        B, n, _ = x.shape
+        sh = lambda t: t.view(B, n, self.n_heads, self.hd).transpose(1, 2)
+        return self.q_norm(sh(self.wq(x))), self.k_norm(sh(self.wk(x))), sh(self.wv(x))
+
+    def out(self, o: torch.Tensor) -> torch.Tensor:
+        B, H, n, d = o.shape
+        return self.wo(o.transpose(1, 2).reshape(B, n, H * d))
+
+    def forward(self, x: torch.Tensor, backend: str = "sdpa") -> torch.Tensor:
+        """All T tokens at positions 0 … T−1, keys t−w+1 … t (first-order backward only)."""
+        T = x.shape[1]
+        q, k, v = self.qkv(x)
+        pos = torch.arange(T, device=x.device)
+        q, k = rope_interleaved(q, pos, self.theta), rope_interleaved(k, pos, self.theta)
+        if backend == "math":
+            i = torch.arange(T, device=x.device)
+            mask = (i[:, None] >= i[None, :]) & (i[:, None] < i[None, :] + (self.window or T))
+            return self.out(masked_softmax_attention(q, k, v, mask))
+        if self.window is None or self.window >= T:
+            return self.out(F.scaled_dot_product_attention(q, k, v, is_causal=True))
+        return self.out(sliding_window_attention(q, k, v, self.window, backend=Backend.SDPA))
+
+    def chunk(self, x: torch.Tensor, cache: Tuple[torch.Tensor, torch.Tensor], start: int,
+              backend: str = "math"):
+        """One chunk x [B, r, D] starting at absolute position ``start`` over ``cache`` = (k, v)
+        [B, H, m, d] of the m = min(w, start) tokens before it (k before RoPE): (output, the new
+        cache: the last w of cache + chunk), as the official ``Attention.__call__``, whose cache
+        always holds w keys (zeros before the sequence start, masked): the keys it masks are left
+        out, and RoPE at local positions (keys 0 … m+r−1, queries m … m+r−1) gives the same scores."""
+        r, w = x.shape[1], self.window
+        q, k, v = self.qkv(x)
+        k_all = torch.cat([cache[0], k], dim=2)
+        v_all = torch.cat([cache[1], v], dim=2)
+        n = k_all.shape[2]
+        local = torch.arange(n, device=x.device)
+        q = rope_interleaved(q, local[n - r:], self.theta)
+        kr = rope_interleaved(k_all, local, self.theta)
+        qi = (start + torch.arange(r, device=x.device))[:, None]
+        ki = (start + r - n + local)[None, :]
+        mask = (qi >= ki) & (qi < ki + w)
+        o = masked_softmax_attention(q, kr, v_all, mask, backend)
+        keep = max(0, n - w)
+        return self.out(o), (k_all[:, :, keep:], v_all[:, :, keep:])
+
+
+class PrimeMLP(nn.Module):
+    """The TTT block's prime SwiGLU: its parameters are the fast weights' initial values W^{(0)}
+    (nn.Linear layout: w1, w3 [F, D], w2 [D, F])."""
+
+    def __init__(self, d_model: int, d_ff: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(d_ff, d_model))
+        self.w3 = nn.Parameter(torch.empty(d_ff, d_model))
+        self.w2 = nn.Parameter(torch.empty(d_model, d_ff))
+
+    def fast_weights(self, batch_size: int) -> List[torch.Tensor]:
+        """W^{(0)} per sequence: [w1, w3, w2], each [B, ...], in the accumulation dtype."""
+        return [acc(p).unsqueeze(0).expand(batch_size, *p.shape) for p in (self.w1, self.w3, self.w2)]
+
+
+class E2EBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig, ttt: bool):
+        super().__init__()
+        D, eps = cfg.d_model, cfg.norm_eps
+        self.ttt = ttt
+        self.seq_norm, self.seq_post_norm = RMSNorm(D, eps), RMSNorm(D, eps)
+        self.attn = E2EAttention(cfg)
+        if ttt:
+            self.prime_norm, self.prime_post_norm = RMSNorm(D, eps), RMSNorm(D, eps)
+            self.prime = PrimeMLP(D, cfg.ff)
+        self.ffn_norm, self.ffn_post_norm = RMSNorm(D, eps), RMSNorm(D, eps)
+        self.mlp = GatedMLP(D, cfg.ff, "silu")   # gate_proj W_1, up_proj W_3, down_proj W_2
+
+    def forward(self, h: torch.Tensor, backend: str = "sdpa") -> torch.Tensor:
+        """A prefix block over all tokens."""
+        h = h + self.seq_post_norm(self.attn(self.seq_norm(h), backend))
+        return h + self.ffn_post_norm(self.mlp(self.ffn_norm(h)))
+
+    def chunk(self, h, cache, start: int, W: List[torch.Tensor], backend: str = "math"):
+        """A TTT block on one chunk with fast weights W = [w1, w3, w2]: (h, the new cache)."""
+        a, cache = self.attn.chunk(self.seq_norm(h), cache, start, backend)
+        h = h + self.seq_post_norm(a)
+        h = h + self.prime_post_norm(swiglu(self.prime_norm(h), *W))
+        return h + self.ffn_post_norm(self.mlp(self.ffn_norm(h))), cache
+
+
+@dataclass
+class E2ETrace:
+    """What one forward did, per chunk i (for the tests and diagnostics): losses [n, B] (ℓ_i per
+    sequence), weights [n] (1, or r/b for a partial chunk), grad_norms [n−1, B] (‖g_i‖ before the
+    clip), fast [n][S][3] (W^{(i)}, the weights chunk i ran with), logits [B, T, V] (with
+    ``keep_logits``), loss (the batch loss)."""
+    losses: torch.Tensor
+    weights: List[float]
+    grad_norms: Optional[torch.Tensor]
+    fast: List[List[List[torch.Tensor]]]
+    logits: Optional[torch.Tensor]
+    loss: torch.Tensor
+
+
+# ---- the model ----------------------------------------------------------------------------------
+class E2ELM(LM):
+    """TTT-E2E (module docstring): built by ``LM(cfg)`` when ``cfg.ttt_e2e.enabled``."""
+
+    #: the blocks are E2E blocks whatever model.layer_pattern names
+    reads_layer_pattern = False
+    #: plain PyTorch: no kernels/ op (ttt_lm.launch_capture captures nothing for its presets)
+    runs_kernel_ops = False
+
+    @classmethod
+    def min_layers(cls, cfg: ModelConfig) -> int:
+        """The TTT blocks and one prefix block."""
+        return cfg.ttt_e2e.suffix_len + 1
+
+    #: no carried state yet: prefill, step and generate refuse (read by shared tests and tools)
+    supports_decode = False
+    #: the official AdamW decays every parameter, norms and the embedding included (ttt_lm.train.optim)
+    weight_decay_every_parameter = True
+
+    def __init__(self, cfg: ModelConfig):
+        nn.Module.__init__(self)
+        cfg.validate()
+        e = cfg.ttt_e2e
+        if not e.enabled:
+            raise ValueError("E2ELM needs model.ttt_e2e.enabled=true")
+        self.cfg, self.e2e = cfg, e
+        L, S = cfg.n_layers, e.suffix_len
+        self.n_prefix = L - S
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.layers = nn.ModuleList(E2EBlock(cfg, ttt=i >= self.n_prefix) for i in range(L))
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.lm_head = LMHead(cfg.d_model, cfg.vocab_size, cfg.loss_chunk_size)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.reset_parameters()
+        self.activation_checkpointing = False
+        #: ρ, the inner-lr multiplier (set_train_step); 1 until a step is set, and outside training
+        self.ilr_mult = 1.0
+
+    def reset_parameters(self) -> None:
+        """The official init: every linear, the embedding and the prime MLPs N(0, init_std), norms 1."""
+        std = self.cfg.init_std
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, 0.0, std)
+            elif isinstance(m, PrimeMLP):
+                for p in (m.w1, m.w2, m.w3):
+                    nn.init.normal_(p, 0.0, std)
+            elif isinstance(m, RMSNorm):
+                nn.init.ones_(m.weight)
+
+    @staticmethod
+    def flops_per_token(cfg: ModelConfig, seq_len: int) -> dict:
+        """FLOPs per token (``ttt_lm.model.flops``' conventions: 2 per weight applied, attention's
+        q·k and p·v over the keys a query sees). forward = 2·(blocks' matrices + head) + attention;
+        the inner step of each chunk is a backward of the TTT blocks and the head (≈ 2 × their
+        forward); train = 3 × (forward + inner), the outer backward taken as twice what it
+        differentiates (an estimate: a second-order backward costs more than that)."""
+        e, D, F_, L, S, V = cfg.ttt_e2e, cfg.d_model, cfg.ff, cfg.n_layers, cfg.ttt_e2e.suffix_len, cfg.vocab_size
+        w, T = e.window, seq_len
+        seen = (T + 1) / 2.0 if w is None or T <= w else (w * (w + 1) / 2.0 + (T - w) * w) / T
+        attn = 4.0 * cfg.n_heads * cfg.hd * seen
+        block, ttt = 4 * D * D + 3 * D * F_, 4 * D * D + 6 * D * F_
+        fwd = 2.0 * ((L - S) * block + S * ttt + V * D) + L * attn
+        inner = 2.0 * (2.0 * (S * ttt + V * D) + S * attn) if S else 0.0
+        return {"forward": fwd, "train": 3.0 * (fwd + inner)}
+
+    # ---- switches (the LM's, for the blocks this model has) ----------------------------------
+    def set_train_step(self, step: int) -> "E2ELM":
+        """ρ at optimizer step ``step`` (1-based): the official ``get_ilr_multiplier`` at its
+        0-based step − 1, i.e. progress min(1, step / ilr_warmup_steps)."""
+        e = self.e2e
+        if e.ilr_warmup_steps > 0:
+            prog = min(1.0, step / e.ilr_warmup_steps)
+            self.ilr_mult = (e.ilr_init + (e.inner_lr - e.ilr_init) * prog) / e.inner_lr
+        return self
+
+    def set_impl(self, impl: str) -> "E2ELM":
+        return self
+
+    def set_kernel_backend(self, backend: str) -> "E2ELM":
+        return self
+
+    def compile_blocks(self, backend: Optional[str] = None) -> "E2ELM":
+        raise not_built("torch.compile of the blocks")
+
+    def kernel_backends(self, device):
+        e = self.e2e
+        out = {"e2e_prefix": f"attention:{e.prefix_attention}"}
+        if e.suffix_len:
+            out["e2e_ttt_blocks"] = f"attention:{e.suffix_attention}"
+        return out
+
+    def fast_parameters(self) -> List[nn.Parameter]:
+        """W^{(0)} of every TTT block (w1, w3, w2 each)."""
+        return [p for b in self.layers[self.n_prefix:] for p in (b.prime.w1, b.prime.w3, b.prime.w2)]
+
+    # ---- forward ------------------------------------------------------------------------------
+    def rho(self) -> float:
+        return self.ilr_mult if self.training else 1.0
+
+    def _prefix(self, h: torch.Tensor) -> torch.Tensor:
+        for b in self.layers[:self.n_prefix]:
+            h = b(h, self.e2e.prefix_attention)
+        return h
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(h))
+
+    def _chunk_step(self, start: int, update: bool, keep_logits: bool, rho: float, outer: bool,
+                    h0: torch.Tensor, targets: torch.Tensor, *flat: torch.Tensor):
+        """The TTT blocks on one chunk: (ℓ_i [B], ‖g_i‖ [B] or empty, logits or empty, then
+        W^{(i+1)} (or W^{(i)} without ``update``) and the new caches, flattened). ``outer``: the
+        outer gradient is wanted (g_i keeps its graph)."""
+        S = self.e2e.suffix_len
+        W = [list(flat[3 * j:3 * j + 3]) for j in range(S)]
+        caches = [tuple(flat[3 * S + 2 * j:3 * S + 2 * j + 2]) for j in range(S)]
+        with torch.enable_grad():
+            if not outer:
+                W = [[w.detach().requires_grad_(update) for w in ws] for ws in W]
+            h = h0
+            new_caches = []
+            for blk, ws, c in zip(self.layers[self.n_prefix:], W, caches):
+                h, c = blk.chunk(h, c, start, ws, self.e2e.suffix_attention)
+                new_caches.append(c)
+            logits = self._logits(h)
+            lf = acc(logits)                                   # fp32 CE (fp64 stays)
+            m = targets != -100
+            ce = F.cross_entropy(lf.transpose(1, 2), targets.masked_fill(~m, 0), reduction="none")
+            mf = m.to(ce.dtype)
+            loss = (ce * mf).sum(1) / mf.sum(1).clamp_min(1e-10)
+            gnorm = loss.new_zeros(0)
+            if update:
+                flatW = [w for ws in W for w in ws]
+                g = torch.autograd.grad(loss.sum(), flatW, create_graph=outer)
+                sq = sum(gi.pow(2).flatten(1).sum(1) for gi in g)                 # [B]: one global norm
+                # floored at the dtype's tiny: a chunk without targets (g = 0) gives a zero step, not NaN
+                gnorm = torch.sqrt(sq.clamp_min(torch.finfo(sq.dtype).tiny))
+                c = self.e2e.inner_clip
+                scale = torch.where(gnorm < c, torch.ones_like(gnorm), c / gnorm)
+                lr = self.e2e.inner_lr * rho
+                newW = [w - lr * scale.view(-1, *([1] * (w.dim() - 1))).to(w.dtype) * gi for w, gi in zip(flatW, g)]
+            else:
+                newW = [w for ws in W for w in ws]
+        if not outer:
+            loss, gnorm, logits = loss.detach(), gnorm.detach(), logits.detach()
+            newW = [w.detach() for w in newW]
+            new_caches = [tuple(t.detach() for t in c) for c in new_caches]
+        out_logits = logits if keep_logits else loss.new_zeros(0)
+        return (loss, gnorm, out_logits, *newW, *[t for c in new_caches for t in c])
+
+    def run(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None, keep_logits: bool = False,
+            keep_fast: bool = False) -> E2ETrace:
+        """The forward of the module docstring, with what it did (:class:`E2ETrace`)."""
+        e = self.e2e
+        B, T = input_ids.shape
+        if labels is None:
+            targets = torch.cat([input_ids[:, 1:], input_ids.new_full((B, 1), -100)], dim=1)
+        else:
+            if tuple(labels.shape) != (B, T):
+                raise ValueError(f"labels must be [B, T] = {(B, T)} like input_ids, got {tuple(labels.shape)}")
+            targets = labels
+        outer = torch.is_grad_enabled()
+        remat = e.remat and outer and self.training
+        h = self.embed(input_ids)
+        if self.n_prefix:
+            h = checkpoint(self._prefix, h, use_reentrant=False) if remat else self._prefix(h)
+        if e.suffix_len == 0:
+            logits = self._logits(h) if (keep_logits or labels is None) else None
+            if labels is not None:
+                loss = self.lm_head(self.norm(h), labels)
+            else:
+                loss = plain_mean_loss(logits, targets)
+            return E2ETrace(losses=loss.detach()[None, None].expand(1, B), weights=[1.0], grad_norms=None,
+                            fast=[], logits=logits, loss=loss)
+        S, b, w = e.suffix_len, e.inner_batch, e.window
+        flat = [t for blk in self.layers[self.n_prefix:] for t in blk.prime.fast_weights(B)]
+        cache0 = h.new_zeros(B, self.cfg.n_heads, 0, self.cfg.hd)     # grows to w keys
+        flat += [cache0] * (2 * S)
+        rho = self.rho()
+        losses, norms, logits, fast, weights = [], [], [], [], []
+        starts = list(range(0, T, b))
+        for i, s in enumerate(starts):
+            en = min(s + b, T)
+            update = i + 1 < len(starts)
+            if keep_fast:
+                fast.append([[t.detach() for t in flat[3 * j:3 * j + 3]] for j in range(S)])
+            args = (s, update, keep_logits, rho, outer, h[:, s:en], targets[:, s:en], *flat)
+            res = checkpoint(self._chunk_step, *args, use_reentrant=False) if remat else self._chunk_step(*args)
+            loss_i, gn_i, lg_i = res[:3]
+            flat = list(res[3:])
+            losses.append(loss_i)
+            weights.append((en - s) / b)
+            if update:
+                norms.append(gn_i)
+            if keep_logits:
+                logits.append(lg_i)
+        wt = torch.tensor(weights, dtype=losses[0].dtype, device=losses[0].device)
+        L = torch.stack(losses)                                               # [n, B]
+        loss = ((L * wt[:, None]).sum(0) / wt.sum()).mean()
+        return E2ETrace(losses=L, weights=weights, grad_norms=torch.stack(norms) if norms else None, fast=fast,
+                        logits=torch.cat(logits, dim=1) if keep_logits else None, loss=loss)
+
+    def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None,
+                states=None, output_states: bool = False,
+                position_ids: Optional[torch.Tensor] = None) -> LMOutput:
+        """As ``LM.forward``: with ``labels`` the loss (and no logits), else the logits [B, T, V].
+        ``position_ids`` are accepted and not read (the official code reads packed rows whole)."""
+        if states is not None or output_states:
+            raise not_built("carrying states between calls (prefill, decode)")
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [B, T], got {tuple(input_ids.shape)}")
+        tr = self.run(input_ids, labels, keep_logits=labels is None)
+        if labels is not None:
+            return LMOutput(logits=None, loss=tr.loss)
+        return LMOutput(logits=tr.logits)
+
+    def hidden(self, input_ids, states=None, output_states: bool = False, position_ids=None):
+        raise not_built("the blocks' hidden states alone (the TTT blocks' inner loss reads the head)")
+
+    def init_states(self, batch_size: int, device=None, dtype=None):
+        raise not_built("decode states")
+
+    def step(self, token_ids, states, position_ids=None):
+        raise not_built("decoding (step)")
+
+    def prefill(self, prompt_ids, prefill_chunk=None):
+        raise not_built("prefill")
+
+    def generate(self, prompt_ids, max_new_tokens, *args, **kwargs):
+        raise not_built("generation")
+
+
+def plain_mean_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The token-mean CE of logits [B, T, V] (fp32) over targets != −100."""
+    return F.cross_entropy(acc(logits).flatten(0, 1), targets.flatten(), ignore_index=-100)
