@@ -20,7 +20,6 @@ from typing import Optional, Tuple
 import torch
 
 from kernels.gated_delta_rule.shapes import check_gated_delta_rule_inputs
-from kernels.kda.reference import kda_reference
 
 
 def gated_delta_rule_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -31,4 +30,6 @@ def gated_delta_rule_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     Returns o [B, H, T, d_v] in v's dtype and the final state (accumulation dtype) if asked."""
     check_gated_delta_rule_inputs("gated_delta_rule_reference", q, k, v, g, beta, initial_state)
     # Diag(α_t) with every channel's decay equal: KDA's recurrence with g broadcast over d_k
+    # imported here: kernels.kda imports this package (its Triton entry takes the launch configs of chunk.py)
+    from kernels.kda.reference import kda_reference
     return kda_reference(q, k, v, g[..., None].expand(k.shape), beta, initial_state, output_final_state)

@@ -9,6 +9,7 @@ from tests.model.mixer_checks import preset_config, short_sections
 from ttt_lm.config import load_config
 from ttt_lm.info import param_counts
 from ttt_lm.model import LM, ModelConfig
+from ttt_lm.model.lm import model_class
 from ttt_lm.model.registry import builtin_kinds, kinds_with
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -107,7 +108,8 @@ def test_tied_embeddings_and_depth_scaled_init():
 
 
 PRESETS = sorted(p for p in glob.glob(os.path.join(ROOT, "configs", "*.yaml"))
-                 if re.search(r"_(\d+m|\d+(\.\d+)?b)\.yaml$", p))
+                 if re.search(r"_(\d+m|\d+(\.\d+)?b)\.yaml$", p)
+                 and model_class(load_config(p).model).size_names_count_params)
 
 
 @pytest.mark.parametrize("path", PRESETS, ids=[os.path.basename(p) for p in PRESETS])

@@ -268,6 +268,16 @@ class E2ETrace:
 class E2ELM(LM):
     """TTT-E2E (module docstring): built by ``LM(cfg)`` when ``cfg.ttt_e2e.enabled``."""
 
+    #: the presets take the paper's size names: ``ttt_e2e_125m`` has 184M parameters, 98.5M of
+    #: them the Llama-3 vocabulary's embedding (its 1b, 1.47B)
+    size_names_count_params = False
+    # official_init stays None: the model inits its own weights as the official code does (every
+    # linear and the embedding N(0, 0.02)) and reads no model.init scheme
+
+    @classmethod
+    def builds(cls, cfg) -> bool:
+        return bool(getattr(getattr(cfg, "ttt_e2e", None), "enabled", False))
+
     #: the blocks are E2E blocks whatever model.layer_pattern names
     reads_layer_pattern = False
     #: plain PyTorch: no kernels/ op (ttt_lm.launch_capture captures nothing for its presets)

@@ -141,13 +141,11 @@ class LMHead(nn.Linear):
 
 
 def model_class(cfg: ModelConfig) -> type:
-    """The class ``LM(cfg)`` builds: ``LM``, or with ``model.ttt_e2e.enabled`` the TTT-E2E model
-    (``ttt_lm.model.e2e.E2ELM``, a subclass), so every caller of ``LM(cfg)`` (trainer, evals,
-    export, tools) runs it unchanged."""
-    if getattr(getattr(cfg, "ttt_e2e", None), "enabled", False):
-        from ttt_lm.model.e2e import E2ELM
-        return E2ELM
-    return LM
+    """The class ``LM(cfg)`` builds: ``LM``, or the model variant (a direct subclass) whose
+    ``builds(cfg)`` says it builds ``cfg`` — with ``model.ttt_e2e.enabled`` the TTT-E2E model
+    ``ttt_lm.model.e2e.E2ELM``, which the package ``ttt_lm.model`` imports — so every caller of
+    ``LM(cfg)`` (trainer, evals, export, tools) runs it unchanged."""
+    return next((c for c in LM.__subclasses__() if c.builds(cfg)), LM)
 
 
 class LM(nn.Module):
@@ -157,9 +155,20 @@ class LM(nn.Module):
     reads_layer_pattern = True
     #: whether the blocks may call kernels/ ops (a model variant in plain PyTorch says False)
     runs_kernel_ops = True
+    #: whether a preset's size in its name (``_125m``) is its parameter count; a variant whose
+    #: presets take a paper's size names for other counts says False
+    size_names_count_params = True
+    #: a model variant with blocks of its own: the ``model.init`` scheme its presets take (None:
+    #: gpt2, or no scheme read); the layer kinds' ``Mixer.official_init`` say it for the others
+    official_init: Optional[str] = None
 
     def __new__(cls, cfg: Optional[ModelConfig] = None, *args, **kwargs):
         return super().__new__(model_class(cfg) if cls is LM else cls)
+
+    @classmethod
+    def builds(cls, cfg: Optional[ModelConfig]) -> bool:
+        """Whether ``LM(cfg)`` builds this class (a model variant says so for its configs)."""
+        return False
 
     @classmethod
     def min_layers(cls, cfg: ModelConfig) -> int:
