@@ -81,6 +81,12 @@ dtype for the matmuls.
 With S = 0 the model is the paper's baseline at the same architecture (sliding window, or full
 attention with w ≥ T), trained on the usual token-mean loss.
 
+Official checkpoints. ``python -m ttt_lm.convert from-e2e`` reads the official code's parameter
+tree (a flat .npz/.safetensors export of its orbax ``model_weights``: the L blocks stacked in
+``language_model.model.h.blocks``, the prime MLPs and their norms stacked in ``h.prime_storage``,
+linears [in, out], transposed here) into this model's state dict, strictly (every tensor used, every
+parameter filled, shapes checked against the config; ``ttt_lm.convert``'s docstring has the table).
+
 Not built yet (refused, naming the model): carried states (prefill, decode, generate: the state
 will be (each TTT block's fast weights, every layer's window cache, the open chunk, the chunk
 counter)), tensor and context parallelism, ZeRO-3.
