@@ -44,7 +44,7 @@ def tiny(tied=True, seed=0, extra=()):
     return cfg, m.eval()
 
 
-def official_tree(m, tied=True):
+def official_tree(m, tied=True, s=S):
     """{path: array} of the official MetaModel.weights() for our model ``m``, from the official
     module layout (names of transformer.py / attention.py; NormalLinear weights [in, out])."""
     P = {k: v.detach().numpy() for k, v in m.state_dict().items()}
@@ -64,7 +64,9 @@ def official_tree(m, tied=True):
     for w, ours in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")):
         t[blocks + f"feed_forward.{w}.weight"] = stack(lambda i: lin(f"layers.{i}.mlp.{ours}.weight"), range(L))
     prime = "language_model.model.h.prime_storage."
-    suffix = range(L - S, L)
+    suffix = range(L - s, L)
+    if not s:          # the baselines (suffix_len 0, config.prime false): no prime_storage
+        return {k: np.ascontiguousarray(v) for k, v in t.items()}
     for w in ("w1", "w3", "w2"):
         t[prime + f"feed_forward_prime.{w}.weight"] = stack(lambda i: P[f"layers.{i}.prime.{w}"].T, suffix)
     t[prime + "ffn_prime_norm.weight"] = stack(lambda i: P[f"layers.{i}.prime_norm.weight"], suffix)
@@ -141,6 +143,22 @@ def test_official_tree_imports_with_the_official_forwards_logits(tied):
     k1, k3 = (f"language_model.model.h.prime_storage.feed_forward_prime.{w}.weight" for w in ("w1", "w3"))
     bad[k1], bad[k3] = t[k3], t[k1]
     assert np.abs(official_logits(bad, one.numpy(), tied=tied) - ref).max() > 1e-3
+
+
+def test_a_baseline_tree_without_prime_storage_imports():
+    """The official baselines (prime false, suffix_len 0) have no h.prime_storage: suffix_len 0 is read."""
+    cfg, m = tiny(extra=["model.ttt_e2e.suffix_len=0"])
+    t = official_tree(m, s=0)
+    got = load_config(None, [*SHAPE, "model.ttt_e2e.suffix_len=0"]).model
+    assert convert.e2e_shape_of(t)["suffix_len"] == 0
+    from ttt_lm.model import LM
+    lm = LM(got)
+    lm.load_state_dict(convert.state_dict_from_e2e(t, got), strict=True)
+    ids = torch.randint(0, V, (1, 16), generator=torch.Generator().manual_seed(3))
+    assert torch.equal(_logits(lm.eval(), ids), _logits(m, ids))
+    with pytest.raises(convert.ConversionError, match=r"model.ttt_e2e.suffix_len=2 \(the tensors: 0\)"):
+        convert.e2e_config(t, None, [f"model.ttt_e2e.window={W}", f"model.ttt_e2e.inner_batch={B}",
+                                     "data.seq_len=16", "model.ttt_e2e.suffix_len=2"])
 
 
 def test_the_cli_reads_npz_and_safetensors_and_infers_or_checks_the_config(tmp_path):

@@ -370,6 +370,7 @@ def _e2e_flat(tree: Dict[str, "object"]) -> Dict[str, torch.Tensor]:
 def e2e_shape_of(tree: Dict[str, torch.Tensor]) -> dict:
     """The model shape the official tensors carry: vocab_size, d_model, n_layers, n_heads, d_ff,
     suffix_len, tie_embeddings."""
+    tree = _e2e_flat(tree)
     need = [E2E_WTE, E2E_BLOCKS + "feed_forward.w1.weight", E2E_BLOCKS + "seq_modeling_block.q_norm.weight"]
     missing = [k for k in need if k not in tree]
     if missing:
