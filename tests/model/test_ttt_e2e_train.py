@@ -37,7 +37,8 @@ def test_a_tiny_e2e_model_trains_through_the_trainer(tmp_path):
 
 def test_zero3_trains_to_the_zero1_losses(tmp_path):
     """ZeRO-3 with every parameter partitioned between steps (persistence threshold 0): the model
-    gathers its parameters for each step (E2ELM.gathers_zero3_parameters) and gets ZeRO-1's losses."""
+    gathers its parameters for each step (E2ELM.gathers_zero3_parameters) and gets ZeRO-1's losses,
+    and its checkpoint exports to ZeRO-1's weights."""
     ds = tmp_path / "ds.json"
     ds.write_text('{"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}')
     short = [a for a in E2E if not a.startswith("train.max_steps")] + ["train.max_steps=4"]
@@ -47,3 +48,13 @@ def test_zero3_trains_to_the_zero1_losses(tmp_path):
     a, b = losses_by_step(one), losses_by_step(three)
     assert sorted(b) == [1, 2, 3, 4], b
     assert all(abs(a[s] - b[s]) < 1e-5 for s in a), (a, b)
+    # the partitioned ZeRO-3 checkpoint exports to ZeRO-1's weights (4 AdamW steps of lr 1e-2)
+    from ttt_lm.train.export import export, load_pretrained
+    sds = []
+    for d in (one, three):
+        out = d + "_export"
+        export(d, out, tokenizer=None)
+        sds.append(load_pretrained(out).state_dict())
+    assert sds[0].keys() == sds[1].keys()
+    for name, v in sds[0].items():
+        assert (sds[1][name] - v).abs().max() <= 1e-5, name
