@@ -231,3 +231,33 @@ def test_missing_extra_and_misshapen_tensors_are_refused_naming_the_path(tmp_pat
         convert.e2e_config(not_e2e)
     assert convert.main(["from-e2e", str(tmp_path / "none.npz"), str(tmp_path / "y")]) == 2
 
+
+
+#: the official configs/model/*.yaml and experiment/*/pretrain-*-e2e.yaml: (L, D, heads, F_E2E, S)
+OFFICIAL_SIZES = {"125m": (12, 768, 12, 1664, 3), "350m": (24, 1024, 16, 2304, 6),
+                  "760m": (24, 1536, 16, 3328, 6), "1b": (24, 2048, 32, 4352, 6)}
+
+
+@pytest.mark.parametrize("size", sorted(OFFICIAL_SIZES))
+def test_the_released_sizes_import_into_their_presets(size):
+    """A tree of the official shapes (meta tensors: shapes only) against configs/ttt_e2e_<size>.yaml."""
+    nl, d, nh, f, s = OFFICIAL_SIZES[size]
+    v, hd = 128256, d // nh
+    e = lambda *shape: torch.empty(shape, device="meta")
+    blk, pr = "language_model.model.h.blocks.", "language_model.model.h.prime_storage."
+    t = {"language_model.model.wte.weight": e(v, d), "language_model.model.ln_f.weight": e(d)}
+    t.update({blk + n + ".weight": e(nl, d) for n in ("seq_norm", "seq_post_norm", "ffn_norm", "ffn_post_norm")})
+    t.update({blk + f"seq_modeling_block.{w}.weight": e(nl, d, d) for w in ("wq", "wk", "wv", "wo")})
+    t.update({blk + f"seq_modeling_block.{n}.weight": e(nl, hd) for n in ("q_norm", "k_norm")})
+    t.update({blk + "feed_forward.w1.weight": e(nl, d, f), blk + "feed_forward.w3.weight": e(nl, d, f),
+              blk + "feed_forward.w2.weight": e(nl, f, d)})
+    t.update({pr + "feed_forward_prime.w1.weight": e(s, d, f), pr + "feed_forward_prime.w3.weight": e(s, d, f),
+              pr + "feed_forward_prime.w2.weight": e(s, f, d), pr + "ffn_prime_norm.weight": e(s, d),
+              pr + "ffn_prime_post_norm.weight": e(s, d)})
+    cfg = convert.e2e_config(t, f"configs/ttt_e2e_{size}.yaml")
+    assert (cfg.model.n_layers, cfg.model.d_model, cfg.model.n_heads, cfg.model.ff, cfg.model.ttt_e2e.suffix_len) \
+        == (nl, d, nh, f, s)
+    with torch.device("meta"):
+        sd = convert.state_dict_from_e2e(t, cfg.model)
+    assert sd["layers.0.attn.wq.weight"].shape == (d, d) and sd[f"layers.{nl - 1}.prime.w2"].shape == (d, f)
+    assert len(sd) == 3 + nl * 13 + s * 5       # embed, norm, tied head; 13 per block; 5 per TTT block

@@ -423,7 +423,8 @@ def state_dict_from_e2e(tree: Dict[str, "object"], cfg: ModelConfig) -> Dict[str
     from ttt_lm.model import LM
     flat = _e2e_flat(tree)
     L, S = cfg.n_layers, cfg.ttt_e2e.suffix_len
-    want = LM(cfg).state_dict()
+    with torch.device("meta"):        # the names and shapes only: no memory for a 1B model's weights
+        want = LM(cfg).state_dict()
     plan = []            # (official path, stack size or None, [(our name, transposed)])
     plan.append((E2E_WTE, None, [("embed.weight", False)]))
     plan.append((E2E_LN_F, None, [("norm.weight", False)]))
