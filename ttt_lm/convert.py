@@ -38,6 +38,51 @@ missing, unknown or misshapen tensors, naming them. The non-persistent buffers `
 ``rotary_emb.inv_freq`` are recomputed, so they are dropped if a file has them. ``to-ttt``
 needs a pure TTT-Linear or TTT-MLP model with their block (SwiGLU MLP, head_dim = d_model /
 n_heads, 4× inner MLP).
+
+TTT-E2E checkpoints of the official JAX code (github test-time-training/e2e; equinox modules saved
+by orbax, the released ones in gs://ttt-e2e-checkpoints) are read from a flat export of their
+``model_weights`` tree, since this project does not depend on JAX or orbax. In the official
+environment (``uv run python``), one line writes it:
+
+    import numpy as np, jax, orbax.checkpoint as ocp; np.savez("e2e.npz", **{jax.tree_util.keystr(k): np.asarray(v, np.float32) for k, v in jax.tree_util.tree_flatten_with_path(ocp.StandardCheckpointer().restore("CKPT/STEP/model_weights"))[0]})
+
+and then
+
+    python -m ttt_lm.convert from-e2e e2e.npz out/e2e_125m [--config configs/ttt_e2e_125m.yaml]
+        [--tokenizer tokenizer.json] [key=value ...]
+
+writes an export directory of :class:`ttt_lm.model.e2e.E2ELM` (``.safetensors`` files with the
+same names are read too). Names are the tree's paths, dots between attributes (``keystr``'s
+``.a.b``, orbax's nested dicts ``['a']['b']`` and ``a/b`` are read alike). The official tree
+stacks the L blocks on a leading axis (``h.blocks``, built by ``jax.vmap``, applied by
+``lax.scan``) and keeps the S prime MLPs and their norms in a separate stack (``h.prime_storage``,
+index j is block L − S + j); its linears are ``[in, out]`` (``y = x @ W``) and are transposed into
+``nn.Linear``'s ``[out, in]``; RMSNorm weights (``weight``, no bias), the qk-norms (one
+``[head_dim]`` weight per layer), the embedding ``[V, D]`` and the interleaved RoPE (computed, no
+tensor) go through as they are:
+
+    language_model.model.wte.weight                          embed.weight (and the tied head)
+    language_model.model.ln_f.weight                         norm.weight
+    language_model.lm_head.weight [D, V]                     lm_head.weight (ᵀ; untied only)
+    language_model.model.h.blocks.<p>[i]                     layers.i.<q>, for <p> → <q>:
+        seq_norm.weight, seq_post_norm.weight, ffn_norm.weight, ffn_post_norm.weight   (same)
+        seq_modeling_block.{wq,wk,wv,wo}.weight              attn.{wq,wk,wv,wo}.weight (ᵀ)
+        seq_modeling_block.{q_norm,k_norm}.weight            attn.{q_norm,k_norm}.weight
+        feed_forward.{w1,w3,w2}.weight                       mlp.{gate,up,down}_proj.weight (ᵀ)
+    language_model.model.h.prime_storage.<p>[j]              layers.(L−S+j).<q>:
+        feed_forward_prime.{w1,w3,w2}.weight                 prime.{w1,w3,w2} (ᵀ)
+        ffn_prime_norm.weight, ffn_prime_post_norm.weight    prime_norm.weight, prime_post_norm.weight
+
+The shape (V, D, L, heads = D / head_dim, F, S, tied or not) is read from the tensors. Without
+``--config`` the other settings are the released runs' (window 8192, inner batch 1024, θ 5e5,
+inner lr 1, clip 1, ε 1e-6, 8K context; ``key=value`` overrides change them, e.g.
+``model.max_seq_len=131072``); with ``--config`` a preset (its overrides applied) is checked against
+the tensors, every differing field named. The window and the choice of sliding-window or full
+attention (the official baselines) are not in the weights: pass the matching preset
+(``ttt_e2e_fa_*`` for a full-attention baseline). Every tensor of the tree must be used and every
+tensor of the model filled: a missing, unknown or misshapen path stops the conversion, naming the
+path (the initial values of the official state indices, ``step_index``, ``kv_cache_index`` and
+``chunk_index``, are not parameters and are dropped if an export has them).
 """
 from __future__ import annotations
 
@@ -46,7 +91,7 @@ import json
 import os
 import re
 import sys
-from typing import Dict, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
@@ -260,6 +305,200 @@ def to_ttt(src: str, out_dir: str, fmt: str = "safetensors") -> str:
     return out_dir
 
 
+# ---- TTT-E2E: the official JAX code's parameter tree ----------------------------------------
+
+E2E_TOP = "language_model."
+E2E_BLOCKS = "language_model.model.h.blocks."
+E2E_PRIME = "language_model.model.h.prime_storage."
+#: (official path under h.blocks., our name under layers.i., transposed)
+E2E_BLOCK_MAP = [
+    ("seq_norm.weight", "seq_norm.weight", False),
+    ("seq_post_norm.weight", "seq_post_norm.weight", False),
+    ("seq_modeling_block.wq.weight", "attn.wq.weight", True),
+    ("seq_modeling_block.wk.weight", "attn.wk.weight", True),
+    ("seq_modeling_block.wv.weight", "attn.wv.weight", True),
+    ("seq_modeling_block.wo.weight", "attn.wo.weight", True),
+    ("seq_modeling_block.q_norm.weight", "attn.q_norm.weight", False),
+    ("seq_modeling_block.k_norm.weight", "attn.k_norm.weight", False),
+    ("ffn_norm.weight", "ffn_norm.weight", False),
+    ("ffn_post_norm.weight", "ffn_post_norm.weight", False),
+    ("feed_forward.w1.weight", "mlp.gate_proj.weight", True),
+    ("feed_forward.w3.weight", "mlp.up_proj.weight", True),
+    ("feed_forward.w2.weight", "mlp.down_proj.weight", True),
+]
+#: (official path under h.prime_storage., our name under layers.(L−S+j)., transposed)
+E2E_PRIME_MAP = [
+    ("feed_forward_prime.w1.weight", "prime.w1", True),
+    ("feed_forward_prime.w3.weight", "prime.w3", True),
+    ("feed_forward_prime.w2.weight", "prime.w2", True),
+    ("ffn_prime_norm.weight", "prime_norm.weight", False),
+    ("ffn_prime_post_norm.weight", "prime_post_norm.weight", False),
+]
+E2E_WTE = "language_model.model.wte.weight"
+E2E_LN_F = "language_model.model.ln_f.weight"
+E2E_HEAD = "language_model.lm_head.weight"
+#: the official modules' state indices (nn.StateIndex initial values: caches, counters), not parameters
+_E2E_STATE = re.compile(r"(^|\.)(step_index|kv_cache_index|chunk_index)(\.|$)")
+#: the released runs' settings that the weights do not carry (configs/arch/ttt_e2e.yaml)
+E2E_RELEASED = ["model.ttt_e2e.window=8192", "model.ttt_e2e.inner_batch=1024", "model.ttt_e2e.rope_theta=500000.0",
+                "model.ttt_e2e.inner_lr=1.0", "model.ttt_e2e.inner_clip=1.0", "model.norm_eps=1e-6",
+                "model.max_seq_len=8192", "data.seq_len=8192"]
+
+
+def e2e_official_name(key: str) -> str:
+    """A path of the official tree in dotted form: ``.a.b`` (keystr of attributes), ``['a']['b']``
+    (nested dicts), ``a/b`` and ``a.b`` all give ``a.b``."""
+    k = re.sub(r"\['([^']*)'\]", r".\1", key)
+    k = re.sub(r"\[(\d+)\]", r".\1", k).replace("/", ".")
+    return k.strip(".")
+
+
+def _e2e_flat(tree: Dict[str, "object"]) -> Dict[str, torch.Tensor]:
+    """{dotted official path: tensor}, the state indices dropped; two spellings of one path refused."""
+    import numpy as np
+    out: Dict[str, torch.Tensor] = {}
+    for k, v in tree.items():
+        name = e2e_official_name(k)
+        if _E2E_STATE.search(name):
+            continue
+        if name in out:
+            raise ConversionError(f"official tensor {name!r} appears twice (as {k!r} and another spelling)")
+        out[name] = v if isinstance(v, torch.Tensor) else torch.from_numpy(np.asarray(v))
+    return out
+
+
+def e2e_shape_of(tree: Dict[str, torch.Tensor]) -> dict:
+    """The model shape the official tensors carry: vocab_size, d_model, n_layers, n_heads, d_ff,
+    suffix_len, tie_embeddings."""
+    tree = _e2e_flat(tree)
+    need = [E2E_WTE, E2E_BLOCKS + "feed_forward.w1.weight", E2E_BLOCKS + "seq_modeling_block.q_norm.weight"]
+    missing = [k for k in need if k not in tree]
+    if missing:
+        raise ConversionError(f"not a TTT-E2E parameter tree of the official code: missing {missing}")
+    wte, w1, qn = (tree[k] for k in need)
+    if wte.dim() != 2 or w1.dim() != 3 or qn.dim() != 2:
+        raise ConversionError(f"{E2E_WTE} must be [V, D], {need[1]} [L, D, F] and {need[2]} [L, head_dim]; got "
+                              f"{tuple(wte.shape)}, {tuple(w1.shape)}, {tuple(qn.shape)}")
+    V, D = wte.shape
+    L, _, F_ = w1.shape
+    hd = qn.shape[1]
+    if hd == 0 or D % hd:
+        raise ConversionError(f"{need[2]}: head_dim {hd} does not divide d_model {D} ({E2E_WTE} {tuple(wte.shape)})")
+    pw1 = E2E_PRIME + "feed_forward_prime.w1.weight"
+    S = int(tree[pw1].shape[0]) if pw1 in tree and tree[pw1].dim() >= 1 else 0
+    return {"vocab_size": int(V), "d_model": int(D), "n_layers": int(L), "n_heads": int(D // hd), "d_ff": int(F_),
+            "suffix_len": S, "tie_embeddings": E2E_HEAD not in tree}
+
+
+def e2e_config(tree: Dict[str, torch.Tensor], preset: Optional[str] = None, overrides: Sequence[str] = ()):
+    """The ExperimentConfig to import ``tree`` into: ``preset`` (a YAML) checked against the
+    tensors' shape, or the shape read from them with the released runs' other settings."""
+    from ttt_lm.config import ConfigError, load_config
+    tree = _e2e_flat(tree)
+    shape = e2e_shape_of(tree)
+    inferred = [f"model.{k}={str(v).lower() if isinstance(v, bool) else v}"
+                for k, v in shape.items() if k != "suffix_len"]
+    inferred += ["model.ttt_e2e.enabled=true", f"model.ttt_e2e.suffix_len={shape['suffix_len']}"]
+    try:
+        cfg = load_config(preset, list(overrides)) if preset else load_config(None, [*E2E_RELEASED, *inferred,
+                                                                                     *overrides])
+    except ConfigError as e:
+        raise ConversionError(str(e)) from e
+    m = cfg.model
+    if not m.ttt_e2e.enabled:
+        raise ConversionError(f"{preset or 'the config'}: model.ttt_e2e.enabled is false; the official tree is a "
+                              "TTT-E2E model (use a ttt_e2e preset)")
+    have = {"vocab_size": m.vocab_size, "d_model": m.d_model, "n_layers": m.n_layers, "n_heads": m.n_heads,
+            "d_ff": m.ff, "suffix_len": m.ttt_e2e.suffix_len, "tie_embeddings": m.tie_embeddings}
+    bad = [f"model.{'ttt_e2e.' if k == 'suffix_len' else ''}{k}={have[k]} (the tensors: {shape[k]})"
+           for k in shape if have[k] != shape[k]]
+    if bad:
+        raise ConversionError(f"{preset or 'the config'} does not match the official tensors: " + "; ".join(bad))
+    return cfg
+
+
+def state_dict_from_e2e(tree: Dict[str, "object"], cfg: ModelConfig) -> Dict[str, torch.Tensor]:
+    """E2ELM's state dict (for ``cfg``) from the official flat tree {path: array}: every official
+    tensor used, every model tensor filled, shapes checked; a problem names the official path."""
+    from ttt_lm.model import LM
+    flat = _e2e_flat(tree)
+    L, S = cfg.n_layers, cfg.ttt_e2e.suffix_len
+    with torch.device("meta"):        # the names and shapes only: no memory for a 1B model's weights
+        want = LM(cfg).state_dict()
+    plan = []            # (official path, stack size or None, [(our name, transposed)])
+    plan.append((E2E_WTE, None, [("embed.weight", False)]))
+    plan.append((E2E_LN_F, None, [("norm.weight", False)]))
+    if not cfg.tie_embeddings:
+        plan.append((E2E_HEAD, None, [("lm_head.weight", True)]))
+    for src, dst, t in E2E_BLOCK_MAP:
+        plan.append((E2E_BLOCKS + src, L, [(f"layers.{i}.{dst}", t) for i in range(L)]))
+    if S:
+        for src, dst, t in E2E_PRIME_MAP:
+            plan.append((E2E_PRIME + src, S, [(f"layers.{L - S + j}.{dst}", t) for j in range(S)]))
+    expected = {p for p, _, _ in plan}
+    unknown = sorted(set(flat) - expected)
+    missing = sorted(expected - set(flat))
+    if unknown or missing:
+        raise ConversionError(f"the official tree does not match the model (n_layers={L}, suffix_len={S}, "
+                              f"tie_embeddings={cfg.tie_embeddings}): missing {missing}, unexpected {unknown}")
+    out: Dict[str, torch.Tensor] = {}
+    bad = []
+    for path, n, targets in plan:
+        x = flat[path]
+        one = want[targets[0][0]].shape
+        exp = tuple(one)[::-1] if targets[0][1] else tuple(one)
+        exp = exp if n is None else (n, *exp)
+        if tuple(x.shape) != exp:
+            bad.append(f"{path}: {tuple(x.shape)} (expected {exp})")
+            continue
+        for j, (name, t) in enumerate(targets):
+            v = x if n is None else x[j]
+            out[name] = (v.t() if t else v).to(torch.float32).contiguous()
+    if bad:
+        raise ConversionError("official tensor shapes do not match the config: " + "; ".join(bad))
+    if cfg.tie_embeddings:
+        out["lm_head.weight"] = out["embed.weight"]
+    left = sorted(set(want) - set(out))
+    if left:   # the plan must cover the model: a model tensor it does not name is a converter bug
+        raise ConversionError(f"the model's tensors {left} have no official source")
+    return out
+
+
+def read_e2e_tree(src: str) -> Dict[str, torch.Tensor]:
+    """{official path: tensor} from a flat ``.npz`` or ``.safetensors`` export of the tree."""
+    if not os.path.isfile(src):
+        raise ConversionError(f"{src}: no such file (an .npz or .safetensors export of the official "
+                              "model_weights tree; see python -m ttt_lm.convert --help)")
+    if src.endswith(".safetensors"):
+        from safetensors.torch import load_file
+        return dict(load_file(src))
+    if src.endswith(".npz"):
+        import numpy as np
+        with np.load(src, allow_pickle=False) as z:
+            out = {}
+            for k in z.files:
+                a = z[k]
+                if a.dtype.kind != "f":
+                    raise ConversionError(f"{src}: {k!r} has dtype {a.dtype} (export float arrays: np.asarray(v, np.float32))")
+                out[k] = torch.from_numpy(np.ascontiguousarray(a))
+            return out
+    raise ConversionError(f"{src}: expected an .npz or .safetensors file")
+
+
+def from_e2e(src: str, out_dir: str, preset: Optional[str] = None, overrides: Sequence[str] = (),
+             tokenizer: Optional[str] = None) -> str:
+    """An official TTT-E2E tree (flat .npz / .safetensors export) → our export directory."""
+    tree = _e2e_flat(read_e2e_tree(src))
+    cfg = e2e_config(tree, preset, overrides)
+    sd = state_dict_from_e2e(tree, cfg.model)
+    from ttt_lm.model import LM
+    model = LM(cfg.model)
+    model.load_state_dict(sd, strict=True)
+    if tokenizer is not None and not os.path.isfile(tokenizer):
+        raise ConversionError(f"--tokenizer {tokenizer}: no such file")
+    return save_export(model, cfg, out_dir, tokenizer)
+
+
 def _tokenizer_in(d: str):
     """The tokenizer file a folder holds (Hugging Face ``tokenizer.json`` first), or None."""
     for name in ("tokenizer.json", "tokenizer.model"):
@@ -310,11 +549,20 @@ def main(argv=None) -> int:
     a4 = sub.add_parser("to-hf", help="export directory -> ttt-lm Hugging Face folder")
     a4.add_argument("src")
     a4.add_argument("out_dir")
+    a5 = sub.add_parser("from-e2e", help="official TTT-E2E parameter tree (flat .npz/.safetensors export) -> export directory")
+    a5.add_argument("src")
+    a5.add_argument("out_dir")
+    a5.add_argument("--config", default=None, help="a ttt_e2e preset to check the tensors against")
+    a5.add_argument("--tokenizer", default=None, help="a tokenizer file to copy into the export")
+    a5.add_argument("overrides", nargs="*", help="key=value config overrides")
     a = ap.parse_args(argv)
     try:
         if a.cmd in ("from-hf", "to-hf"):
             out = (from_hf if a.cmd == "from-hf" else to_hf)(a.src, a.out_dir)
             print(f"converted {a.src} -> {os.path.abspath(out)} ({', '.join(sorted(os.listdir(out)))})")
+        elif a.cmd == "from-e2e":
+            out = from_e2e(a.src, a.out_dir, a.config, a.overrides, a.tokenizer)
+            print(f"converted {a.src} -> {os.path.abspath(out)} ({WEIGHTS}, {CONFIG})")
         elif a.cmd == "from-ttt":
             out = from_ttt(a.src, a.out_dir)
             print(f"converted {a.src} -> {os.path.abspath(out)} ({WEIGHTS}, {CONFIG})")

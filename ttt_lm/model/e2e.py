@@ -81,9 +81,21 @@ dtype for the matmuls.
 With S = 0 the model is the paper's baseline at the same architecture (sliding window, or full
 attention with w ≥ T), trained on the usual token-mean loss.
 
+Official checkpoints. ``python -m ttt_lm.convert from-e2e`` reads the official code's parameter
+tree (a flat .npz/.safetensors export of its orbax ``model_weights``: the L blocks stacked in
+``language_model.model.h.blocks``, the prime MLPs and their norms stacked in ``h.prime_storage``,
+linears [in, out], transposed here) into this model's state dict, strictly (every tensor used, every
+parameter filled, shapes checked against the config; ``ttt_lm.convert``'s docstring has the table).
+
 Not built yet (refused, naming the model): carried states (prefill, decode, generate: the state
 will be (each TTT block's fast weights, every layer's window cache, the open chunk, the chunk
-counter)), tensor and context parallelism, ZeRO-3.
+counter)).
+
+Distributed. ZeRO 1–3 over data-parallel ranks (``tests/model/test_ttt_e2e_dist.py``); under ZeRO-3
+the model gathers its own parameters for each step (``gathers_zero3_parameters``, below). Tensor
+parallelism and context parallelism are refused with their reasons (``TTTE2EConfig.validate_training``):
+the inner loss runs through the vocab-sized head, which has no twice-differentiable TP form here, and
+the chunks' inner steps are sequential, so passing fast weights from rank to rank serialises them.
 """
 from __future__ import annotations
 
@@ -371,6 +383,35 @@ class E2ELM(LM):
         """W^{(0)} of every TTT block (w1, w3, w2 each)."""
         return [p for b in self.layers[self.n_prefix:] for p in (b.prime.w1, b.prime.w3, b.prime.w2)]
 
+    # ---- ZeRO-3 -------------------------------------------------------------------------------
+    #: ZeRO-3 gathers and releases each module's parameters by hooks around that module's forward
+    #: and backward; this model reads the prime MLPs' parameters outside any module's forward (as
+    #: W^{(0)}), differentiates the TTT blocks inside its forward (the inner step) and recomputes
+    #: that step in the backward, so parameters released by those hooks would be read empty. Under
+    #: ZeRO-3 the engine therefore removes the hooks (``ttt_lm.train.engine`` reads this attribute)
+    #: and the forward gathers every parameter itself, once, at its start, keeping them whole until
+    #: ``release_parameters`` after the backward (the trainer calls it): between steps and in the
+    #: checkpoints each rank holds its shard; during a step every rank holds all the parameters, as
+    #: under ZeRO-1/2 (the optimizer state and the gradients stay partitioned).
+    gathers_zero3_parameters = True
+
+    def _gather_zero3(self) -> bool:
+        """Under ZeRO-3 (parameters carrying DeepSpeed's ``ds_id``), gather them all unless already
+        held; True when this call gathered them."""
+        if getattr(self, "_zero3", None) is not None or not any(hasattr(p, "ds_id") for p in self.parameters()):
+            return False
+        import deepspeed
+        self._zero3 = deepspeed.zero.GatheredParameters(list(self.parameters()))
+        self._zero3.__enter__()
+        return True
+
+    def release_parameters(self) -> None:
+        """ZeRO-3: partition the parameters again (after the backward); nothing otherwise."""
+        z = getattr(self, "_zero3", None)
+        if z is not None:
+            self._zero3 = None
+            z.__exit__(None, None, None)
+
     # ---- forward ------------------------------------------------------------------------------
     def rho(self) -> float:
         return self.ilr_mult if self.training else 1.0
@@ -482,6 +523,11 @@ class E2ELM(LM):
                 position_ids: Optional[torch.Tensor] = None) -> LMOutput:
         """As ``LM.forward``: with ``labels`` the loss (and no logits), else the logits [B, T, V].
         ``position_ids`` are accepted and not read (the official code reads packed rows whole)."""
+        if self._gather_zero3() and not torch.is_grad_enabled():   # no backward follows: release now
+            try:
+                return self.forward(input_ids, labels, states, output_states, position_ids)
+            finally:
+                self.release_parameters()
         if states is not None or output_states:
             raise not_built("carrying states between calls (prefill, decode)")
         if input_ids.dim() != 2:

@@ -91,11 +91,18 @@ class TTTE2EConfig:
             raise ValueError(f"model.ttt_e2e.inner_batch={b} must divide data.seq_len={T} in training (every "
                              "training chunk is a full inner batch, as in the official code; the partial-chunk "
                              "rule serves evaluation)")
-        for key, n in (("parallel.tensor_parallel", cfg.parallel.tensor_parallel),
-                       ("parallel.context_parallel", cfg.parallel.context_parallel)):
-            if n > 1:
-                raise ValueError(f"model.ttt_e2e: {key}={n} is not built yet for TTT-E2E (set it to 1)")
-        if cfg.parallel.zero_stage == 3:
-            raise ValueError("model.ttt_e2e: parallel.zero_stage=3 is not built yet for TTT-E2E (ZeRO-3 gathers "
-                             "parameters around each module's forward; the inner step differentiates them "
-                             "inside it); use stage 1 or 2")
+        tp, cp = cfg.parallel.tensor_parallel, cfg.parallel.context_parallel
+        if tp > 1:
+            raise ValueError(f"model.ttt_e2e: parallel.tensor_parallel={tp} is not built yet for TTT-E2E (set it to 1; "
+                             "ZeRO 1-3 shard over data-parallel ranks). The inner loss runs through the final norm "
+                             "and the LM head, so under TP the inner step would differentiate twice through the "
+                             "vocab-parallel cross-entropy and embedding, and the prime MLPs' fast weights would be "
+                             "split by rows/columns with the inner clip's global norm summed over the TP ranks' "
+                             "shards; none of that has a TP form here yet")
+        if cp > 1:
+            raise ValueError(f"model.ttt_e2e: parallel.context_parallel={cp} is refused for TTT-E2E (set it to 1). "
+                             "The inner loop is sequential over chunks: chunk i runs with the fast weights W^(i), "
+                             "which every earlier chunk's gradient step produced, so passing the fast weights and "
+                             "the window caches from rank to rank serialises the ranks (rank r+1 waits for rank r's "
+                             "last chunk, and the second-order backward runs back through them in reverse); only "
+                             "the first-order prefix blocks would run in parallel")

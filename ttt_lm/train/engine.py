@@ -194,17 +194,25 @@ def deepspeed_config(cfg, dp_world: int) -> Dict[str, Any]:
     return ds
 
 
+def gathers_zero3_parameters(model) -> bool:
+    """Whether a model gathers its own parameters under ZeRO-3 (its class attribute
+    ``gathers_zero3_parameters``, with ``release_parameters`` called after each backward): TTT-E2E,
+    whose inner step reads and differentiates parameters outside their modules' forward."""
+    return bool(getattr(model, "gathers_zero3_parameters", False))
+
+
 def _explicit_zero3_gathering(engine) -> None:
     """ZeRO-3 with context parallelism: remove the engine's module hooks, which gather and release
     each module's parameters around its forward and backward (collectives that the CP ranks would
     reach at different times: a state-passing rank waits for its predecessor's state while that one
     waits in the gather). The context-parallel LM gathers every parameter itself, once per forward
     (``ContextParallelLM.forward``); gradients still reach ZeRO-3's reduce-scatter through its
-    gradient hooks, in the fixed order of the gated parameters."""
+    gradient hooks, in the fixed order of the gated parameters. The same for a model that gathers its
+    own parameters (``gathers_zero3_parameters``: TTT-E2E)."""
     offload = getattr(engine.optimizer, "parameter_offload", None)
     if offload is None:
         raise ParallelConfigError(
-            f"ZeRO-3 with context parallelism: the DeepSpeed optimizer {type(engine.optimizer).__name__} has no "
+            f"ZeRO-3 with context parallelism or TTT-E2E: the DeepSpeed optimizer {type(engine.optimizer).__name__} has no "
             "parameter_offload whose module hooks could be removed; use parallel.zero_stage 1 or 2")
     offload.destroy()
 
@@ -236,9 +244,9 @@ def build_engine(model: torch.nn.Module, cfg, dp_world: int, mpu=None):
     engine, _, _, sched = deepspeed.initialize(
         model=model, optimizer=opt, config=ds, mpu=mpu,
         lr_scheduler=lambda o: torch.optim.lr_scheduler.LambdaLR(o, mult))
-    if cfg.parallel.context_parallel > 1 and cfg.parallel.zero_stage == 3:
+    if cfg.parallel.zero_stage == 3 and (cfg.parallel.context_parallel > 1 or gathers_zero3_parameters(model)):
         _explicit_zero3_gathering(engine)
     return engine, sched
 
 
-__all__ = ["build_engine", "deepspeed_config", "check_parallel", "ParallelConfigError", "build_optimizer"]
+__all__ = ["build_engine", "deepspeed_config", "gathers_zero3_parameters", "check_parallel", "ParallelConfigError", "build_optimizer"]

@@ -65,7 +65,8 @@ from ttt_lm.train.checkpoint import CheckpointError
 from ttt_lm.train.checkpoint.checkpointer import TRAIN_STATE, Checkpointer
 from ttt_lm.train.config import check_training_config
 from ttt_lm.train.dist import detect_env, init_distributed
-from ttt_lm.train.engine import ParallelConfigError, build_engine, check_parallel, resolve_grad_accum
+from ttt_lm.train.engine import (ParallelConfigError, build_engine, check_parallel, gathers_zero3_parameters,
+                                  resolve_grad_accum)
 from ttt_lm.train.lock import RunDirInUse, RunDirLock
 from ttt_lm.train.loop import Callback
 from ttt_lm.train.metrics import MetricsWriter, git_commit, resolve_peak_flops
@@ -669,7 +670,9 @@ def build(cfg, data_api=None, preempt: Optional[PreemptionFlag] = None, callback
     trainer = cls(engine=engine, scheduler=sched, loader=loader, device=dev, max_steps=t.max_steps,
                   grad_accum=t.grad_accum, rank=rank, world=world, dp_world=dp_world,
                   signalled=lambda: preempt.requested or data_stop.check(), forward_kwargs=_forward_kwargs,
-                  after_backward=(lambda: (wait_pending(), model.release_parameters())) if cp > 1 else None,
+                  after_backward=((lambda: (wait_pending(), model.release_parameters())) if cp > 1 else
+                                  model.release_parameters if par.zero_stage == 3 and gathers_zero3_parameters(model)
+                                  else None),
                   stop_after=t.stop_after,
                   # the step's metrics stay on the device until a console line needs them
                   read_every=max(1, cfg.logging.log_every))
