@@ -1,7 +1,7 @@
 """The Hugging Face configuration of a ttt-lm language model.
 
 ``config.json`` carries the whole :class:`ttt_lm.model.ModelConfig` under ``ttt_lm`` (the one
-place the model's shape lives), plus the few keys that transformers and other tools read by
+place the model's shape lives; the sections of plugin mixers it neither uses nor imports left out), plus the few keys that transformers and other tools read by
 their usual names (vocab_size, hidden_size, num_hidden_layers, num_attention_heads,
 max_position_embeddings, tie_word_embeddings), which are derived from it and never read back.
 
@@ -38,7 +38,7 @@ class TTTLMConfig(PretrainedConfig):
     model_type = "ttt_lm"
 
     def __init__(self, ttt_lm: Optional[dict] = None, use_cache: bool = True, **kwargs):
-        from omegaconf import OmegaConf
+        from ttt_lm.model.config import model_config_dict
         mc = model_config_from_dict(ttt_lm)
         for key, ours in _DERIVED.items():
             given = kwargs.pop(key, None)
@@ -46,7 +46,7 @@ class TTTLMConfig(PretrainedConfig):
                 raise ValueError(f"config.json: {key}={given!r} disagrees with ttt_lm.{ours}={getattr(mc, ours)!r}")
         super().__init__(tie_word_embeddings=mc.tie_embeddings, **kwargs)
         # set after the base class, which may give its own fields their defaults
-        self.ttt_lm = OmegaConf.to_container(OmegaConf.structured(mc))
+        self.ttt_lm = model_config_dict(mc)
         self.vocab_size = mc.vocab_size
         self.hidden_size = mc.d_model
         self.num_hidden_layers = mc.n_layers

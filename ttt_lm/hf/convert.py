@@ -49,8 +49,8 @@ class HFError(ValueError):
 
 def hf_config(model_cfg, eos_id: Optional[int] = None, bos_id: Optional[int] = None) -> TTTLMConfig:
     """The :class:`TTTLMConfig` of a :class:`ttt_lm.model.ModelConfig`."""
-    from omegaconf import OmegaConf
-    return TTTLMConfig(ttt_lm=OmegaConf.to_container(OmegaConf.structured(model_cfg)), eos_token_id=eos_id,
+    from ttt_lm.model.config import model_config_dict
+    return TTTLMConfig(ttt_lm=model_config_dict(model_cfg), eos_token_id=eos_id,
                        bos_token_id=bos_id)
 
 

@@ -129,6 +129,24 @@ class ModelConfig:
         return self
 
 
+def model_config_dict(cfg: "ModelConfig") -> dict:
+    """``cfg`` as a plain dict, as saved beside a model (a Hugging Face ``config.json``). The
+    sections of plugin mixers that were registered in this process but that this model neither
+    uses (no layer of its pattern) nor imports (``model.mixer_modules``) are left out, so that
+    the dict loads in a process that never imported those plugins."""
+    import os
+
+    from omegaconf import OmegaConf
+    d = OmegaConf.to_container(OmegaConf.structured(cfg))
+    used = {mixer_class_section(k) for k in cfg.layer_pattern}
+    # a mixer_modules entry is a module name or a .py path, imported as the module of its file's name
+    imported = {os.path.splitext(os.path.basename(m))[0] if m.endswith(".py") else m for m in cfg.mixer_modules or ()}
+    for name, module in registry.plugin_sections().items():
+        if name not in used and module not in imported:
+            d.pop(name, None)
+    return d
+
+
 def mixer_class_section(kind: str) -> Optional[str]:
     """The config section the mixer of ``kind`` reads (None: none of its own)."""
     return registry.mixer_class(kind).config_section

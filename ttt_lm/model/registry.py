@@ -183,6 +183,12 @@ def sections() -> Dict[str, type]:
     return {n: _SECTIONS[n][0] for n in names}
 
 
+def plugin_sections() -> Dict[str, str]:
+    """Config section → the module of the mixer that declared it, for the sections declared by
+    mixers registered outside the package (plugins)."""
+    return {n: module for n, (_, module) in _SECTIONS.items() if not module.startswith(MIXER_PACKAGE + ".")}
+
+
 def kinds_with(predicate: Callable[[type], bool], kinds: Optional[Sequence[str]] = None) -> Tuple[str, ...]:
     """The kinds (of ``kinds``; default every registered one) whose mixer class satisfies
     ``predicate``: ``kinds_with(lambda c: c.global_attention, cfg.layer_kinds())``."""
