@@ -212,3 +212,78 @@ def test_bad_states_and_labels_with_states_are_refused():
     with pytest.raises(ValueError, match="prefill_chunk .* must be an integer >= 1.*got 0"):
         m.prefill(ids, 0)
     assert all(isinstance(s, E2EState) for s in st)
+
+
+# ---- the evals and the Hugging Face export run it -----------------------------------------------
+def tiny_preset():
+    from ttt_lm.config import load_config
+    cfg = load_config("configs/tiny_ttt_e2e.yaml")
+    torch.manual_seed(0)
+    return LM(cfg.model).eval(), cfg.data.seq_len
+
+
+def test_long_context_eval_runs_the_decode_form_up_to_four_times_the_training_length():
+    """loss_by_position reads each document in pieces with the states carried (the decode form:
+    memory flat in the length), here 1,024 = 4 × data.seq_len positions in pieces of 300 tokens
+    (not a multiple of b = 32): the per-position losses equal those of one forward over the
+    document (float32: 2e-4 absolute on losses ~8.3), and every position is counted."""
+    import numpy as np
+    import torch.nn.functional as F
+
+    from ttt_lm.eval import loss_by_position
+    m, T = tiny_preset()
+    n = 4 * T
+    g = torch.Generator().manual_seed(0)
+    docs = [torch.randint(3, m.cfg.vocab_size, (n + 1,), generator=g) for _ in range(2)]
+    calls = []
+    hook = m.embed.register_forward_hook(lambda mod, a, o: calls.append(a[0].shape[1]))
+    st = loss_by_position(m, docs, max_len=n, chunk_len=300, batch_size=2, show_progress=False)
+    hook.remove()
+    assert calls == [300, 300, 300, n - 900]          # pieces, states carried
+    with torch.no_grad():
+        want = sum(F.cross_entropy(m(d[None, :n]).logits[0], d[1:], reduction="none").double() for d in docs)
+    assert st["sum"].shape == (n,) and (st["count"] == 2).all()
+    np.testing.assert_allclose(st["sum"], want.numpy(), atol=2e-4, rtol=0)
+
+
+def test_perplexity_eval_runs_the_forward():
+    from ttt_lm.eval.perplexity import evaluate_perplexity, text_batches
+    m, T = tiny_preset()
+    ids = torch.randint(3, m.cfg.vocab_size, (2 * T + 1,), generator=torch.Generator().manual_seed(2))
+    got = evaluate_perplexity(m, text_batches(ids, T, 2), show_progress=False)
+    with torch.no_grad():
+        x = torch.stack([ids[:T], ids[T:2 * T]])
+        y = torch.stack([ids[1:T + 1], ids[T + 1:]])
+        want = float(m(x, labels=y).loss)         # every chunk whole: the chunk mean is the token mean
+    assert got["tokens"] == 2 * T and abs(got["loss"] - want) < 1e-5
+
+
+def test_hf_export_reloads_with_the_same_logits_and_generation(tmp_path):
+    """save_hf and AutoModelForCausalLM: the reloaded model is an E2ELM with the same weights; a
+    forward without the cache gives the plain forward's logits bit for bit, one with the cache
+    (transformers' default) the decode form's bit for bit (and the forward's within float32
+    rounding); greedy generate (prompt in one pass, then one LM.step per token) gives
+    LM.generate's tokens; load_hf gives the model back."""
+    from transformers import AutoModelForCausalLM
+
+    from ttt_lm.hf import load_hf, save_hf
+    from ttt_lm.model.e2e import E2ELM
+    m = model("two_ttt_w6_b4", torch.float32)
+    out = save_hf(m, str(tmp_path / "hf"))
+    hf = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert isinstance(hf.model, E2ELM)
+    ids = tokens(m, 13)
+    with torch.no_grad():
+        plain = m(ids).logits
+        assert torch.equal(hf(ids, use_cache=False).logits, plain)
+        assert torch.equal(hf(ids).logits, m(ids, output_states=True).logits)
+        close(hf(ids).logits, plain, 2e-5 * max(1.0, float(plain.abs().max())))
+    ours = m.generate(ids, 10, temperature=0)
+    gen = hf.generate(ids, max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=None)
+    assert torch.equal(gen, ours)
+    beams = hf.generate(ids, max_new_tokens=4, num_beams=3, do_sample=False, eos_token_id=None, pad_token_id=None)
+    assert beams.shape == (2, 17) and torch.equal(beams[:, :13], ids)
+    back = load_hf(out)
+    assert isinstance(back, E2ELM)
+    with torch.no_grad():
+        assert torch.equal(back(ids).logits, plain)
