@@ -81,9 +81,31 @@ dtype for the matmuls.
 With S = 0 the model is the paper's baseline at the same architecture (sliding window, or full
 attention with w ≥ T), trained on the usual token-mean loss.
 
-Not built yet (refused, naming the model): carried states (prefill, decode, generate: the state
-will be (each TTT block's fast weights, every layer's window cache, the open chunk, the chunk
-counter)), tensor and context parallelism, ZeRO-3.
+Decode (``init_states``, ``prefill``, ``step``, ``generate``, and ``forward`` with ``states`` or
+``output_states``; the official code has none, this follows its eval forward). The state is one
+:class:`E2EState` per block: every block's window cache (k before RoPE and v of the last w tokens;
+a TTT block's also of the open chunk's tokens, from w before the chunk's start), each TTT block's
+fast weights W^{(i)} (per sequence), the open chunk (its token ids and the TTT blocks' inputs for
+those tokens, the prefix's output, in the first TTT block's state) and the chunk counter i. Its
+size does not grow with the context: at most (w + b) keys per TTT block, w per prefix block, b
+open tokens. Token t is predicted with W^{(⌊t/b⌋)}, as in the forward. The loss of chunk i reads
+the targets up to token (i+1)·b, the first token of chunk i+1, so its inner step is taken when
+that token arrives (from the prompt or just sampled) and before it runs: the step that reads
+token n = (i+1)·b first recomputes the TTT blocks on chunk i from the stored inputs and the caches
+as they were at the chunk's start (the training forward's ``_chunk_step``), takes g_i, clips it
+and sets W^{(i+1)}, trims the caches to the last w keys before n, then runs token n with
+W^{(i+1)}. A prompt that ends on a chunk boundary leaves that step to the first generated token.
+ρ = 1 (the warm-up is a training schedule), and there is no outer graph: g_i is a first-order
+gradient w.r.t. the fast weights under ``torch.enable_grad()`` inside the no-grad decode. A piece
+of r tokens runs the embedding and the prefix blocks once on all r, then the TTT blocks segment by
+segment between chunk boundaries; the head runs on the last position only (and in each inner
+step, on the chunk: ``state_update_head_tokens``). Each chunk costs one recomputed TTT-block
+forward and backward, so a token costs the same at any context (amortised over b tokens: the step
+at a chunk boundary costs more). Token-by-token decode and chunked prefill (any piece length)
+equal the forward of the whole sequence in eval: float64 ~1e-14 (tests/model/test_ttt_e2e_decode.py).
+
+Not built yet (refused, naming the model): tensor and context parallelism, ZeRO-3; labels with
+carried states (the sequence loss is a mean over a whole sequence's chunks).
 """
 from __future__ import annotations
 
