@@ -635,6 +635,8 @@ class E2ELM(LM):
         the r tokens; the TTT blocks run segment by segment between chunk boundaries, and when
         token n = (i+1)·b arrives the inner step of chunk i is taken (its targets, tokens ib+1 …
         (i+1)b, are then known) before that token is run with W^{(i+1)}."""
+        if logits not in ("all", "last", None):
+            raise ValueError(f"logits must be 'all', 'last' or None, got {logits!r}")
         e = self.e2e
         B, r = ids.shape
         self._check_states(states, B)
