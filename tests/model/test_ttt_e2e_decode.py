@@ -289,3 +289,40 @@ def test_hf_export_reloads_with_the_same_logits_and_generation(tmp_path):
     assert isinstance(back, E2ELM)
     with torch.no_grad():
         assert torch.equal(back(ids).logits, plain)
+
+
+def test_generate_cli_decodes_an_e2e_export(tmp_path, capsys):
+    """python -m ttt_lm.generate on an export of the model: greedy text through LM.generate with
+    the E2E states, the same tokens as the model's own generate, at any --prefill-chunk."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from ttt_lm.artifacts import save_export
+    from ttt_lm.config import ExperimentConfig
+    from ttt_lm.generate import main
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    tk.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 20,
+                           trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
+                                               initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                               show_progress=False))
+    tk.save(str(tmp_path / "tokenizer.json"))
+    cfg = e2e_config(S=1, L=2, b=4, w=6)
+    cfg.vocab_size = 300
+    torch.manual_seed(0)
+    m = LM(cfg).eval()
+    out = save_export(m, ExperimentConfig(model=cfg), str(tmp_path / "export"), str(tmp_path / "tokenizer.json"))
+    prompt = "the quick brown fox jumps over the lazy dog " * 2
+    got = []
+    for n in ("3", "100"):
+        rc = main(["--checkpoint", out, "--prompt", prompt, "--max-new-tokens", "7", "--temperature", "0",
+                   "--device", "cpu", "--json", "--prefill-chunk", n])
+        res = capsys.readouterr()
+        assert rc == 0, res.err
+        got.append(json.loads(res.out))
+    ids = [0] + tk.encode(prompt).ids                       # after the end-of-document id, as the CLI does
+    want = m.generate(torch.tensor([ids]), 7, temperature=0, vocab_size=300, eos_id=0)[0, len(ids):].tolist()
+    want = want[:want.index(0)] if 0 in want else want
+    assert len(want) == 7 and got[0] == got[1] and got[0]["ids"] == want
