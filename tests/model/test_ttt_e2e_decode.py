@@ -248,6 +248,24 @@ def test_long_context_eval_runs_the_decode_form_up_to_four_times_the_training_le
     np.testing.assert_allclose(st["sum"], want.numpy(), atol=2e-4, rtol=0)
 
 
+def test_evals_hold_only_the_full_attention_variant_to_max_seq_len():
+    """The windowed model reads any context; without a window (the full-attention baseline) a
+    context beyond model.max_seq_len is refused as for global attention layers."""
+    from ttt_lm.eval import EvalError, loss_by_position
+    docs = [torch.randint(0, 37, (41,), generator=torch.Generator().manual_seed(3))]
+    for S, w in ((1, 6), (0, 6), (0, None)):
+        cfg = e2e_config(S=S, L=2, b=4, w=w)
+        cfg.max_seq_len = 16
+        torch.manual_seed(0)
+        m = LM(cfg).eval()
+        if w is None:
+            with pytest.raises(EvalError, match="context length 40 exceeds model.max_seq_len=16 .*2 of 2: E2ELM"):
+                loss_by_position(m, docs, max_len=40, chunk_len=7, show_progress=False)
+        else:
+            st = loss_by_position(m, docs, max_len=40, chunk_len=7, show_progress=False)
+            assert (st["count"] == 1).all()
+
+
 def test_perplexity_eval_runs_the_forward():
     from ttt_lm.eval.perplexity import evaluate_perplexity, text_batches
     m, T = tiny_preset()

@@ -585,6 +585,12 @@ class E2ELM(LM):
         raise not_built("the blocks' hidden states alone (the TTT blocks' inner loss reads the head)")
 
     # ---- decode -------------------------------------------------------------------------------
+    def global_attention_layers(self) -> int:
+        """How many blocks attend over the whole context: every one without a window (the
+        full-attention baseline), none with one (read by ``ttt_lm.eval.common.check_context``,
+        which holds the first to ``model.max_seq_len``)."""
+        return self.cfg.n_layers if self.e2e.window is None else 0
+
     @property
     def state_update_head_tokens(self) -> int:
         """How many tokens one update of the decode state runs through the LM head (the inner
