@@ -200,7 +200,9 @@ def worker_timing(spec: dict) -> dict:
     ac = lambda: torch.autocast(torch.device(dev).type, dtype=DTYPES[spec["dtype"]],  # noqa: E731
                                 enabled=spec["dtype"] != "float32")
     sync = torch.cuda.synchronize if dev.startswith("cuda") else (lambda: None)
-    out: dict = {"kinds": list(dict.fromkeys(model.cfg.layer_kinds())), "params": model.num_params(),
+    # a model variant with blocks of its own (reads_layer_pattern False) is named by its class
+    kinds = list(dict.fromkeys(model.cfg.layer_kinds())) if type(model).reads_layer_pattern else [type(model).__name__]
+    out: dict = {"kinds": kinds, "params": model.num_params(),
                  "prefill": {}, "decode": {}, "state": {}, "kept": {}, "train": {}, "errors": {}}
     items = []   # (key, run once → seconds per token)
 

@@ -14,7 +14,8 @@ followed one, so the model reads the prompt as the start of a document. Generati
 (default 2048, ``ttt_lm.model.lm.PREFILL_CHUNK``), each piece from the states the previous one left,
 so a recurrent model reads a prompt of any length in the memory of one piece (the result equals one
 pass over the prompt); then one decode step per token
-with each layer's state (attention's KV cache, the recurrent layers' states), sampling with
+with each layer's state (attention's KV cache, the recurrent layers' states; TTT-E2E's window
+caches, fast weights and open chunk, its inner step taken as each chunk's next token is read), sampling with
 temperature, top-k and top-p (temperature 0 is greedy), and stops a sample at the end-of-document
 id or after ``--max-new-tokens``. A model whose vocabulary is padded beyond the tokenizer's never
 produces the padding ids (their logits are masked). A model with global attention layers is refused a prompt plus

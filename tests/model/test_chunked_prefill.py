@@ -87,9 +87,13 @@ def check_chunked_equals_one_pass(model: LM, T: int, pieces) -> None:
         got, states = model.prefill(ids, n)
         for h in hooks:
             h.remove()
-        # read in pieces of n (the last one the remainder), and the head only at the last position
+        # read in pieces of n (the last one the remainder), and the head only at the last position,
+        # but for a model whose state update reads the head (``state_update_head_tokens``: TTT-E2E's
+        # inner loss over each whole chunk of that many tokens)
         assert lengths == [n] * (T // n) + [T % n], lengths
-        assert head == [(B, 1, model.cfg.d_model)], head
+        D, upd = model.cfg.d_model, getattr(model, "state_update_head_tokens", 0)
+        assert head[-1:] == [(B, 1, D)] and all(s == (B, upd, D) for s in head[:-1]), head
+        assert len(head) - 1 == (upd and (T - 1) // upd), head   # one per whole chunk followed by a token
         assert len(states) == model.cfg.n_layers and all(s.pos is not None for s in states)
         for st in states:   # the decode state keeps nothing of the pieces' activations alive
             for t in st.tensors():

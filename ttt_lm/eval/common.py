@@ -24,6 +24,14 @@ def check_context(model: LM, length: int, what: str = "context") -> None:
     layers: it was built (RoPE range, memory plan) for at most that many positions. Recurrent and
     windowed layers have no such bound."""
     cfg = model.cfg
+    if not getattr(type(model), "reads_layer_pattern", True):
+        # a model variant with blocks of its own (TTT-E2E) says how many of them attend globally
+        n = model.global_attention_layers() if hasattr(model, "global_attention_layers") else 0
+        if n and length > cfg.max_seq_len:
+            raise EvalError(f"{what} length {length} exceeds model.max_seq_len={cfg.max_seq_len} of a model with "
+                            f"global attention layers ({n} of {cfg.n_layers}: {type(model).__name__} without a "
+                            f"window); use a length <= {cfg.max_seq_len}")
+        return
     # the layers whose mixer declares global_attention (its cost and positional range grow with
     # the context: no window)
     glob = kinds_with(lambda cls: cls.global_attention, cfg.layer_kinds())

@@ -87,15 +87,37 @@ tree (a flat .npz/.safetensors export of its orbax ``model_weights``: the L bloc
 linears [in, out], transposed here) into this model's state dict, strictly (every tensor used, every
 parameter filled, shapes checked against the config; ``ttt_lm.convert``'s docstring has the table).
 
-Not built yet (refused, naming the model): carried states (prefill, decode, generate: the state
-will be (each TTT block's fast weights, every layer's window cache, the open chunk, the chunk
-counter)).
+Decode (``init_states``, ``prefill``, ``step``, ``generate``, and ``forward`` with ``states`` or
+``output_states``; the official code has none, this follows its eval forward). The state is one
+:class:`E2EState` per block: every block's window cache (k before RoPE and v of the last w tokens;
+a TTT block's also of the open chunk's tokens, from w before the chunk's start), each TTT block's
+fast weights W^{(i)} (per sequence), the open chunk (its token ids and the TTT blocks' inputs for
+those tokens, the prefix's output, in the first TTT block's state) and the chunk counter i. Its
+size does not grow with the context: at most (w + b) keys per TTT block, w per prefix block, b
+open tokens. Token t is predicted with W^{(⌊t/b⌋)}, as in the forward. The loss of chunk i reads
+the targets up to token (i+1)·b, the first token of chunk i+1, so its inner step is taken when
+that token arrives (from the prompt or just sampled) and before it runs: the step that reads
+token n = (i+1)·b first recomputes the TTT blocks on chunk i from the stored inputs and the caches
+as they were at the chunk's start (the training forward's ``_chunk_step``), takes g_i, clips it
+and sets W^{(i+1)}, trims the caches to the last w keys before n, then runs token n with
+W^{(i+1)}. A prompt that ends on a chunk boundary leaves that step to the first generated token.
+ρ = 1 (the warm-up is a training schedule), and there is no outer graph: g_i is a first-order
+gradient w.r.t. the fast weights under ``torch.enable_grad()`` inside the no-grad decode. A piece
+of r tokens runs the embedding and the prefix blocks once on all r, then the TTT blocks segment by
+segment between chunk boundaries; the head runs on the last position only (and in each inner
+step, on the chunk: ``state_update_head_tokens``). Each chunk costs one recomputed TTT-block
+forward and backward, so a token costs the same at any context (amortised over b tokens: the step
+at a chunk boundary costs more). Token-by-token decode and chunked prefill (any piece length)
+equal the forward of the whole sequence in eval: float64 ~1e-14 (tests/model/test_ttt_e2e_decode.py).
 
 Distributed. ZeRO 1–3 over data-parallel ranks (``tests/model/test_ttt_e2e_dist.py``); under ZeRO-3
 the model gathers its own parameters for each step (``gathers_zero3_parameters``, below). Tensor
 parallelism and context parallelism are refused with their reasons (``TTTE2EConfig.validate_training``):
 the inner loss runs through the vocab-sized head, which has no twice-differentiable TP form here, and
 the chunks' inner steps are sequential, so passing fast weights from rank to rank serialises them.
+
+Not built yet (refused, naming the model): labels with carried states (the sequence loss is a mean
+over a whole sequence's chunks).
 """
 from __future__ import annotations
 
@@ -111,7 +133,9 @@ from torch.utils.checkpoint import checkpoint
 from ttt_lm.model.backend import Backend
 from ttt_lm.model.config import ModelConfig
 from ttt_lm.model.layers import GatedMLP, RMSNorm, acc, acc_dtype
-from ttt_lm.model.lm import LM, LMHead, LMOutput
+from ttt_lm.model.lm import (LM, LMHead, LMOutput, PREFILL_CHUNK, _own_storage, check_prefill_chunk,
+                             check_prompt_ids)
+from ttt_lm.model.mixers.base import MixerState
 from ttt_lm.model.window_attention import sliding_window_attention
 
 MODEL_NAME = "TTT-E2E"
@@ -220,6 +244,31 @@ class E2EAttention(nn.Module):
         keep = max(0, n - w)
         return self.out(o), (k_all[:, :, keep:], v_all[:, :, keep:])
 
+    def extend(self, x: torch.Tensor, cache: Tuple[torch.Tensor, torch.Tensor], backend: str = "math"):
+        """The decode form: x [B, r, D], the r tokens that follow the m tokens of ``cache`` = (k, v)
+        [B, H, m, d] (k before RoPE, the tokens right before x's): (output, the concatenated cache
+        [B, H, m + r, d], not trimmed: the caller keeps what it needs). RoPE at local positions
+        (keys 0 … m+r−1, queries m … m+r−1) and the window mask (a query sees itself and the w − 1
+        keys before it; every key with w None) as :meth:`chunk`. ``backend`` "sdpa" (no second
+        order: the prefix blocks) is SDPA with the boolean mask, else :func:`masked_softmax_attention`."""
+        r = x.shape[1]
+        q, k, v = self.qkv(x)
+        k_all = torch.cat([cache[0], k], dim=2)
+        v_all = torch.cat([cache[1], v], dim=2)
+        n = k_all.shape[2]
+        local = torch.arange(n, device=x.device)
+        q = rope_interleaved(q, local[n - r:], self.theta)
+        kr = rope_interleaved(k_all, local, self.theta)
+        qi, ki = local[n - r:, None], local[None, :]
+        mask = qi >= ki
+        if self.window is not None:
+            mask = mask & (qi < ki + self.window)
+        if backend == "sdpa":
+            o = F.scaled_dot_product_attention(q, kr, v_all, attn_mask=mask)
+        else:
+            o = masked_softmax_attention(q, kr, v_all, mask, backend)
+        return self.out(o), (k_all, v_all)
+
 
 class PrimeMLP(nn.Module):
     """The TTT block's prime SwiGLU: its parameters are the fast weights' initial values W^{(0)}
@@ -261,6 +310,15 @@ class E2EBlock(nn.Module):
         h = h + self.prime_post_norm(swiglu(self.prime_norm(h), *W))
         return h + self.ffn_post_norm(self.mlp(self.ffn_norm(h))), cache
 
+    def extend(self, h, cache, W: Optional[List[torch.Tensor]] = None, backend: str = "math"):
+        """The decode form of a block (:meth:`E2EAttention.extend`): h [B, r, D] after ``cache``,
+        with fast weights W (a TTT block) or none (a prefix block): (h, the untrimmed cache)."""
+        a, cache = self.attn.extend(self.seq_norm(h), cache, backend)
+        h = h + self.seq_post_norm(a)
+        if W is not None:
+            h = h + self.prime_post_norm(swiglu(self.prime_norm(h), *W))
+        return h + self.ffn_post_norm(self.mlp(self.ffn_norm(h))), cache
+
 
 @dataclass
 class E2ETrace:
@@ -274,6 +332,25 @@ class E2ETrace:
     fast: List[List[List[torch.Tensor]]]
     logits: Optional[torch.Tensor]
     loss: torch.Tensor
+
+
+@dataclass
+class E2EState(MixerState):
+    """One block's decode state (:meth:`E2ELM.init_states`; the decode section of the module
+    docstring). k, v [B, H, m, d]: the window cache, k after qk-norm and before RoPE, of the m
+    tokens before the next one: a prefix block's m = min(w, pos); a TTT block's also keeps the
+    open chunk's tokens, m = min(w, c) + (pos − c) with c the open chunk's first position (the
+    chunk's inner step reads the cache as it was at c). TTT blocks only: fast = (w1, w3, w2)
+    [B, F, D], [B, F, D], [B, D, F], W^{(i)} in the accumulation dtype. The first TTT block only:
+    chunk_h [B, r, D], the open chunk's r tokens' inputs to the TTT blocks (the prefix's output),
+    chunk_ids [B, r] their token ids. steps: the chunk counter i, inner steps taken (W^{(i)});
+    pos: tokens read."""
+    k: Optional[torch.Tensor] = None
+    v: Optional[torch.Tensor] = None
+    fast: Optional[Tuple[torch.Tensor, ...]] = None
+    chunk_h: Optional[torch.Tensor] = None
+    chunk_ids: Optional[torch.Tensor] = None
+    steps: int = 0
 
 
 # ---- the model ----------------------------------------------------------------------------------
@@ -300,8 +377,8 @@ class E2ELM(LM):
         """The TTT blocks and one prefix block."""
         return cfg.ttt_e2e.suffix_len + 1
 
-    #: no carried state yet: prefill, step and generate refuse (read by shared tests and tools)
-    supports_decode = False
+    #: prefill, step and generate carry E2EState (the decode section of the module docstring)
+    supports_decode = True
     #: the official AdamW decays every parameter, norms and the embedding included (ttt_lm.train.optim)
     weight_decay_every_parameter = True
 
@@ -522,16 +599,29 @@ class E2ELM(LM):
                 states=None, output_states: bool = False,
                 position_ids: Optional[torch.Tensor] = None) -> LMOutput:
         """As ``LM.forward``: with ``labels`` the loss (and no logits), else the logits [B, T, V].
-        ``position_ids`` are accepted and not read (the official code reads packed rows whole)."""
+        ``position_ids`` are accepted and not read (the official code reads packed rows whole).
+
+        With ``states`` (what a previous call or :meth:`init_states` returned) or
+        ``output_states``, the tokens continue those states by the decode form (:meth:`advance`:
+        the logits [B, T, V] equal those of the forward of the whole sequence at these positions),
+        and ``output_states`` returns the new states; labels are then refused (the sequence
+        loss is a mean over the chunks of a whole sequence)."""
         if self._gather_zero3() and not torch.is_grad_enabled():   # no backward follows: release now
             try:
                 return self.forward(input_ids, labels, states, output_states, position_ids)
             finally:
                 self.release_parameters()
-        if states is not None or output_states:
-            raise not_built("carrying states between calls (prefill, decode)")
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, T], got {tuple(input_ids.shape)}")
+        if states is not None or output_states:
+            if labels is not None:
+                raise ValueError(f"{MODEL_NAME}: labels with carried states (states= or output_states=True) are not "
+                                 "supported: the sequence loss is the mean over the chunks of a whole sequence; "
+                                 "run the forward on the whole sequence, or take the loss from the logits")
+            if states is None:
+                states = self.init_states(input_ids.shape[0], input_ids.device)
+            logits, new = self.advance(input_ids, states, "all")
+            return LMOutput(logits=logits, states=new if output_states else None)
         tr = self.run(input_ids, labels, keep_logits=labels is None)
         if labels is not None:
             return LMOutput(logits=None, loss=tr.loss)
@@ -540,17 +630,156 @@ class E2ELM(LM):
     def hidden(self, input_ids, states=None, output_states: bool = False, position_ids=None):
         raise not_built("the blocks' hidden states alone (the TTT blocks' inner loss reads the head)")
 
-    def init_states(self, batch_size: int, device=None, dtype=None):
-        raise not_built("decode states")
+    # ---- decode -------------------------------------------------------------------------------
+    def global_attention_layers(self) -> int:
+        """How many blocks attend over the whole context: every one without a window (the
+        full-attention baseline), none with one (read by ``ttt_lm.eval.common.check_context``,
+        which holds the first to ``model.max_seq_len``)."""
+        return self.cfg.n_layers if self.e2e.window is None else 0
 
-    def step(self, token_ids, states, position_ids=None):
-        raise not_built("decoding (step)")
+    @property
+    def state_update_head_tokens(self) -> int:
+        """How many tokens one update of the decode state runs through the LM head (the inner
+        step's loss over a chunk: b; 0 without TTT blocks). Read by tests that count the head's
+        inputs during a prefill."""
+        return self.e2e.inner_batch if self.e2e.suffix_len else 0
 
-    def prefill(self, prompt_ids, prefill_chunk=None):
-        raise not_built("prefill")
+    def init_states(self, batch_size: int, device=None, dtype=None) -> List[E2EState]:
+        """The state before any token (:class:`E2EState` per block): empty caches, W^{(0)} (the
+        prime MLPs' parameters, shared by the rows until their first inner step), an empty open
+        chunk, chunk counter 0. ``dtype``: the caches' (default the embedding's); the fast
+        weights are in its accumulation dtype."""
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+        p = self.embed.weight
+        device = p.device if device is None else device
+        dtype = p.dtype if dtype is None else dtype
+        B, H, d, D = batch_size, self.cfg.n_heads, self.cfg.hd, self.cfg.d_model
+        empty = torch.zeros(B, H, 0, d, device=device, dtype=dtype)
+        out = []
+        for j, blk in enumerate(self.layers):
+            st = E2EState(pos=0, k=empty, v=empty)
+            if blk.ttt:
+                st.fast = tuple(w.detach().to(device=device, dtype=acc_dtype(dtype)) for w in blk.prime.fast_weights(B))
+                if j == self.n_prefix:
+                    st.chunk_h = torch.zeros(B, 0, D, device=device, dtype=dtype)
+                    st.chunk_ids = torch.zeros(B, 0, device=device, dtype=torch.long)
+            out.append(st)
+        return out
 
-    def generate(self, prompt_ids, max_new_tokens, *args, **kwargs):
-        raise not_built("generation")
+    def _check_states(self, states, B: int) -> None:
+        L = self.cfg.n_layers
+        if not isinstance(states, (list, tuple)) or len(states) != L or \
+                not all(isinstance(st, E2EState) for st in states):
+            raise ValueError(f"{MODEL_NAME}: states must be the list of {L} E2EState that init_states, prefill, step "
+                             f"or a forward with output_states returned, got {type(states).__name__}")
+        rows = {int(st.k.shape[0]) for st in states}
+        if rows != {B}:
+            raise ValueError(f"{MODEL_NAME}: the states hold {sorted(rows)} rows, the tokens {B}")
+        if len({st.pos for st in states}) != 1:
+            raise ValueError(f"{MODEL_NAME}: the layers' states have read different numbers of tokens "
+                             f"{[st.pos for st in states]}")
+
+    def advance(self, ids: torch.Tensor, states: List[E2EState], logits: Optional[str] = "last"):
+        """The decode form: the tokens ids [B, r] after ``states`` (module docstring, decode):
+        (logits, the new states). ``logits``: "all" [B, r, V], "last" [B, V] (the head on the
+        last position only) or None (no head but the inner steps'). The prefix blocks run once on
+        the r tokens; the TTT blocks run segment by segment between chunk boundaries, and when
+        token n = (i+1)·b arrives the inner step of chunk i is taken (its targets, tokens ib+1 …
+        (i+1)b, are then known) before that token is run with W^{(i+1)}."""
+        if logits not in ("all", "last", None):
+            raise ValueError(f"logits must be 'all', 'last' or None, got {logits!r}")
+        e = self.e2e
+        B, r = ids.shape
+        self._check_states(states, B)
+        n0 = states[0].pos
+        P, S, b, w = self.n_prefix, e.suffix_len, e.inner_batch, e.window
+        grow = lambda st, k, v, keep: E2EState(pos=n0 + r, k=k[:, :, k.shape[2] - keep:], v=v[:, :, v.shape[2] - keep:],
+                                               fast=st.fast, steps=st.steps)
+        h = self.embed(ids)
+        new: List[E2EState] = []
+        for blk, st in zip(self.layers[:P], states[:P]):
+            h, (k, v) = blk.extend(h, (st.k, st.v), backend=e.prefix_attention)
+            new.append(grow(st, k, v, k.shape[2] if w is None else min(w, k.shape[2])))
+        if S:
+            first = states[P]
+            W = [list(st.fast) for st in states[P:]]
+            kv = [(st.k, st.v) for st in states[P:]]
+            ch, cid, steps = first.chunk_h, first.chunk_ids, first.steps
+            outs = []
+            s = 0
+            while s < r:
+                n = n0 + s                              # tokens read before this segment
+                if n and n % b == 0:                    # chunk n/b − 1 is whole and its next token is here
+                    W, kv = self._inner_update(ch, torch.cat([cid[:, 1:], ids[:, s:s + 1]], 1), W, kv, n - b)
+                    ch, cid, steps = ch[:, :0], cid[:, :0], steps + 1
+                en = min(r, s + b - n % b)
+                x = h[:, s:en]
+                for j, blk in enumerate(self.layers[P:]):
+                    x, kv[j] = blk.extend(x, kv[j], W[j], e.suffix_attention)
+                outs.append(x)
+                ch, cid = torch.cat([ch, h[:, s:en]], 1), torch.cat([cid, ids[:, s:en]], 1)
+                s = en
+            h = torch.cat(outs, 1) if logits == "all" else outs[-1]
+            for j, st in enumerate(states[P:]):
+                k, v = kv[j]
+                ns = grow(st, k, v, k.shape[2])
+                ns.fast, ns.steps = tuple(W[j]), steps
+                if j == 0:
+                    ns.chunk_h, ns.chunk_ids = ch, cid
+                new.append(ns)
+        for st in new:
+            st.steps = new[-1].steps
+        new = [st.map(_own_storage) for st in new]
+        if logits is None:
+            return None, new
+        if logits == "all":
+            return self._logits(h), new
+        return self._logits(h[:, -1:])[:, 0], new
+
+    def _inner_update(self, chunk_h, targets, W, kv, start: int):
+        """The inner step of the whole chunk at ``start`` (b tokens; its inputs to the TTT blocks
+        ``chunk_h``, its next tokens ``targets``), from the caches as they were at ``start`` (the
+        first min(w, start) keys of each TTT block's ``kv``), with ρ = 1 and no outer graph (a
+        first-order gradient w.r.t. W^{(i)} under ``torch.enable_grad``, the training forward's
+        :meth:`_chunk_step`): (W^{(i+1)}, each TTT block's cache trimmed to the last
+        min(w, start + b) keys, the cache at the next chunk's start)."""
+        S, b, w = self.e2e.suffix_len, self.e2e.inner_batch, self.e2e.window
+        m0 = min(w, start)
+        flat = [t for ws in W for t in ws] + [t[:, :, :m0] for c in kv for t in c]
+        res = self._chunk_step(start, True, False, 1.0, False, chunk_h, targets, *flat)
+        newW = list(res[3:3 + 3 * S])
+        keep = min(w, start + b)
+        kv = [(k[:, :, k.shape[2] - keep:], v[:, :, v.shape[2] - keep:]) for k, v in kv]
+        return [newW[3 * j:3 * j + 3] for j in range(S)], kv
+
+    @torch.no_grad()
+    def step(self, token_ids: torch.Tensor, states: List[E2EState], position_ids: Optional[torch.Tensor] = None):
+        """One decode step: token_ids [B] → logits [B, V] and the new states (:meth:`advance`;
+        the step that reads token (i+1)·b also takes chunk i's inner step). ``position_ids`` are
+        accepted and not read, as in ``forward``."""
+        if token_ids.dim() != 1:
+            raise ValueError(f"token_ids must be [B], got {tuple(token_ids.shape)}")
+        return self.advance(token_ids[:, None], states, "last")
+
+    @torch.no_grad()
+    def prefill(self, prompt_ids: torch.Tensor, prefill_chunk: Optional[int] = PREFILL_CHUNK):
+        """Read the prompt prompt_ids [B, T0] ``prefill_chunk`` tokens per pass (None: one pass),
+        each piece by :meth:`advance` from the states the previous one left: (the logits [B, V]
+        of its last position, the states after it), what ``LM.generate`` decodes from. Only the
+        last piece's last position runs through the head (and the inner steps' chunks). Equal to
+        the forward of the prompt at any piece length (tests/model/test_ttt_e2e_decode.py). A
+        prompt that ends on a chunk boundary leaves that chunk's inner step to the next token.
+        Refused as ``LM.prefill`` refuses."""
+        check_prefill_chunk(prefill_chunk)
+        check_prompt_ids(prompt_ids, self.cfg.vocab_size)
+        T0 = prompt_ids.shape[1]
+        n = T0 if prefill_chunk is None else prefill_chunk
+        states = self.init_states(prompt_ids.shape[0], prompt_ids.device)
+        logits = None
+        for s in range(0, T0, n):
+            logits, states = self.advance(prompt_ids[:, s:s + n], states, "last" if s + n >= T0 else None)
+        return logits, states
 
 
 def plain_mean_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
