@@ -42,7 +42,7 @@ def pytest_configure(config):
 
 
 #: seconds of test time (setup + call + teardown, summed over the processes) per tier and per
-#: layer kind, printed at the end of the run (``pytest_terminal_summary``)
+#: layer kind (and model variant), printed at the end of the run (``pytest_terminal_summary``)
 _TIMES = {"tier": {}, "kind": {}}
 
 
@@ -59,13 +59,37 @@ def _kinds_in(nodeid: str, kinds) -> list:
                                                      for a2, b2, _ in spans)})
 
 
+def model_variants() -> tuple:
+    """Every model variant (a subclass of ``LM`` that ``LM(cfg)`` builds for some configs) by the
+    name of the config section that switches it on (``model.<name>.enabled``): TTT-E2E is a model,
+    not a layer kind, and is ``ttt_e2e``."""
+    import dataclasses
+
+    from ttt_lm.model.config import ModelConfig
+    from ttt_lm.model.lm import LM
+    names = []
+    for f in dataclasses.fields(ModelConfig):
+        cfg = ModelConfig()
+        section = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(section) and isinstance(getattr(section, "enabled", None), bool):
+            setattr(cfg, f.name, dataclasses.replace(section, enabled=True))
+            names += [f.name for c in LM.__subclasses__() if c.builds(cfg) and f.name not in names]
+    return tuple(names)
+
+
+def report_names() -> tuple:
+    """The names the time report counts by: every registered layer kind and every model variant."""
+    from ttt_lm.model.registry import builtin_kinds
+    kinds = tuple(builtin_kinds())
+    return kinds + tuple(v for v in model_variants() if v not in kinds)
+
+
 def _tally(report) -> None:
     tier = next((t for t in OTHER_TIERS if t in report.keywords), "unit")
     _TIMES["tier"][tier] = _TIMES["tier"].get(tier, 0.0) + report.duration
     if "kinds" not in _TIMES:
         try:
-            from ttt_lm.model.registry import builtin_kinds
-            _TIMES["kinds"] = builtin_kinds()
+            _TIMES["kinds"] = report_names()
         except Exception:  # pragma: no cover - the registry itself failed to import: its tests say why
             _TIMES["kinds"] = ()
     names = _kinds_in(report.nodeid, _TIMES["kinds"]) or ["(no kind named)"]

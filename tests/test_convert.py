@@ -76,6 +76,8 @@ def _model(v) -> LM:
     cfg = ModelConfig(vocab_size=97, d_model=32, n_heads=4, n_layers=2, d_ff=48, max_seq_len=64,
                       layer_pattern=[TTT_KINDS[v["kind"]]],
                       tie_embeddings=v["tied"], norm_eps=1e-5, init="ttt")
+    # the converter's subject is this section: each field below is a key of ttt-lm-pytorch's
+    # TTTConfig, set away from its default so that a converter that drops or swaps one fails
     cfg.ttt.mini_batch_size = 4
     cfg.ttt.base_lr = 0.5
     cfg.ttt.share_qk, cfg.ttt.use_gate, cfg.ttt.pre_conv = v["share_qk"], v["use_gate"], v["pre_conv"]

@@ -19,7 +19,6 @@ README.md itself must stay a front page: at most 15 KB, with no dates or commit 
 """
 from __future__ import annotations
 
-import concurrent.futures
 import importlib.util
 import os
 import pathlib
@@ -235,21 +234,72 @@ def test_make_targets_exist():
     assert not missing, f"make targets named in the docs but not in the Makefile: {missing}"
 
 
-def _help(kind: str, name: str):
-    cmd = [sys.executable, "-m", name, "--help"] if kind == "module" else [sys.executable, name, "--help"]
+#: answers ``--help`` for every CLI given (a JSON list of [kind, name]) in a process of its own
+#: each, forked from one that imported torch once (the start-up most of them share; nothing of the
+#: project is imported before the fork, so each CLI imports its own modules as a fresh process does),
+#: two at a time; prints {"kind name": [exit status, output]} as JSON
+_HELP_DRIVER = r"""
+import json, os, runpy, sys, tempfile, time
+import torch  # noqa: F401  (imported once, before the forks)
+todo, running, done = [tuple(x) for x in json.loads(sys.argv[1])], {}, {}
+def start(kind, name):
+    out = tempfile.TemporaryFile()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.dup2(out.fileno(), 1)
+            os.dup2(out.fileno(), 2)
+            sys.stdout = os.fdopen(1, "w", closefd=False)
+            sys.stderr = os.fdopen(2, "w", closefd=False)
+            sys.argv = [name, "--help"]
+            if kind == "module":
+                sys.path[0] = os.getcwd()
+                runpy.run_module(name, run_name="__main__", alter_sys=True)
+            else:
+                sys.path[0] = os.path.dirname(os.path.abspath(name))
+                runpy.run_path(name, run_name="__main__")
+            code = 0
+        except SystemExit as e:
+            code = 0 if e.code is None else e.code if isinstance(e.code, int) else (print(e.code, file=sys.stderr), 1)[1]
+        except BaseException:
+            import traceback
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush(); sys.stderr.flush()
+            os._exit(code)
+    running[pid] = (kind, name, out, time.monotonic())
+while todo or running:
+    while todo and len(running) < 2:
+        start(*todo.pop(0))
+    pid, status = os.waitpid(-1, 0)
+    kind, name, out, t0 = running.pop(pid)
+    out.seek(0)
+    done[kind + " " + name] = [os.waitstatus_to_exitcode(status), out.read().decode(errors="replace")]
+print(json.dumps(done))
+"""
+
+
+def _helps(todo):
+    """{(kind, name): (exit status or None, output)} of ``--help`` for every CLI in ``todo``."""
+    import json
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                OMP_NUM_THREADS="1", HF_DATASETS_OFFLINE="1")
     try:
-        r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        r = subprocess.run([sys.executable, "-c", _HELP_DRIVER, json.dumps(todo)], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=600)
     except subprocess.TimeoutExpired:
-        return None, "timed out after 300 s"
-    return r.returncode, r.stdout + r.stderr
+        return {kn: (None, "timed out after 600 s (all the --help runs together)") for kn in todo}
+    if r.returncode != 0:
+        return {kn: (None, f"the --help driver exited {r.returncode}: {r.stderr[-2000:]}") for kn in todo}
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    return {(kind, name): tuple(got[f"{kind} {name}"]) for kind, name in todo}
 
 
 @pytest.mark.slow
 def test_documented_commands_answer_help():
-    """About 15 distinct CLIs, two at a time; most start-ups import torch (2-3 min in all on a loaded
-    2-core machine)."""
+    """About 20 distinct CLIs, each in a process of its own forked from one that imported torch,
+    two at a time."""
     cmds = commands()
     problems, todo = [], []
     for (kind, name), uses in sorted(cmds.items()):
@@ -262,8 +312,7 @@ def test_documented_commands_answer_help():
             problems.append(f"python {name} (in {where}): no such script")
             continue
         todo.append((kind, name))
-    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-        results = dict(zip(todo, pool.map(lambda kn: _help(*kn), todo)))
+    results = _helps(todo)
     for (kind, name), (rc, out) in results.items():
         shown = f"python -m {name}" if kind == "module" else f"python {name}"
         if rc != 0:

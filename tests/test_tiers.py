@@ -49,3 +49,25 @@ def test_a_test_counts_to_the_longest_kind_its_id_names():
     assert _kinds_in("tests/model/test_x.py::test_y[rnn-memory_b]", kinds) == ["memory_b", "rnn"]
     assert _kinds_in("tests/model/test_window.py::test_local_attn_and_attn", kinds) == ["attn", "local_attn"]
     assert _kinds_in("tests/test_config.py::test_z", kinds) == []
+
+
+def test_the_report_counts_model_variants_by_their_own_name():
+    """A model variant (a subclass of LM, TTT-E2E's) is a name of the report beside the layer kinds,
+    named by the config section that switches it on, so its tests are not "(no kind named)"."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("tests_root_conftest", os.path.join(ROOT, "tests", "conftest.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    from ttt_lm.model.config import ModelConfig
+    from ttt_lm.model.lm import LM, model_class
+    from ttt_lm.model.registry import builtin_kinds
+
+    variants, names = mod.model_variants(), mod.report_names()
+    assert len(variants) == len(LM.__subclasses__()) >= 1, (variants, LM.__subclasses__())
+    for v in variants:       # the section names its variant: switched on, LM(cfg) is that class
+        cfg = ModelConfig()
+        getattr(cfg, v).enabled = True
+        assert model_class(cfg) in LM.__subclasses__(), v
+    assert set(builtin_kinds()) | set(variants) == set(names) and len(names) == len(set(names))
+    v = variants[0]
+    assert mod._kinds_in(f"tests/model/test_health.py::test_x[{v}_125m.yaml]", names) == [v]

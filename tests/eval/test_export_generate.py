@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 
+from tests.eval.conftest import VOCAB
 from ttt_lm.model.lm import filter_logits, sample_next
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -24,15 +25,14 @@ def _run(args, **kw):
 
 @pytest.fixture(scope="module")
 def trained_run(prepared, tmp_path_factory):
-    """train.py for 3 steps of a 2-layer TTT-Linear + local-attention model on a private copy of the
-    prepared corpus (the tests rename it away afterwards)."""
+    """train.py for 3 steps of configs/tiny.yaml as it stands (its vocabulary the prepared tokenizer's)
+    on a private copy of the prepared corpus (the tests rename it away afterwards)."""
     base = tmp_path_factory.mktemp("selfcontained")
     data = str(base / "data")
     shutil.copytree(prepared, data)
     run = str(base / "run")
-    r = _run(["train.py", "configs/tiny.yaml", f"data.path={data}", "model.vocab_size=300", "model.d_model=32",
-              "model.n_layers=2", "model.n_heads=2", "model.max_seq_len=256", "model.attention.window=16",
-              "model.ttt.mini_batch_size=8", "data.seq_len=64", "train.micro_batch_size=2", "train.max_steps=3",
+    r = _run(["train.py", "configs/tiny.yaml", f"data.path={data}", f"model.vocab_size={VOCAB}",
+              "data.seq_len=64", "train.micro_batch_size=2", "train.max_steps=3",
               "optim.warmup_steps=1", "eval.every=0", "logging.tensorboard=false", "logging.progress=false",
               "train.device=cpu", f"train.run_dir={run}"])
     assert r.returncode == 0, r.stdout + r.stderr
@@ -83,22 +83,31 @@ def test_an_eval_of_a_run_directory_prints_no_deepspeed_lines(trained_run, tmp_p
 def test_the_exporter_keeps_deepspeeds_real_warnings(capfd):
     """Only the accelerator line and zero_to_fp32's progress output are dropped: another DeepSpeed
     warning, and Python warnings, come through."""
+    import io
     import logging
     import warnings
 
     from ttt_lm.train.export import _quiet_deepspeed
-    with _quiet_deepspeed() as z2f:
-        logging.getLogger("DeepSpeed").warning("Setting accelerator to CPU. If you have GPU ...")
-        logging.getLogger("DeepSpeed").warning("a real problem: checkpoint tag mismatch")
-        print("Processing zero checkpoint 'x'")
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            warnings.warn("a real deprecation", FutureWarning)
-        assert [str(w.message) for w in caught] == ["a real deprecation"]
-        assert list(z2f.tqdm([1, 2])) == [1, 2]
+    # the records are read from a handler of this test's own: DeepSpeed's handler writes to the
+    # sys.stdout of wherever deepspeed was first imported (another test's capture, in some orders)
+    seen = logging.StreamHandler(io.StringIO())
+    logging.getLogger("DeepSpeed").addHandler(seen)
+    try:
+        with _quiet_deepspeed() as z2f:
+            logging.getLogger("DeepSpeed").warning("Setting accelerator to CPU. If you have GPU ...")
+            logging.getLogger("DeepSpeed").warning("a real problem: checkpoint tag mismatch")
+            print("Processing zero checkpoint 'x'")
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                warnings.warn("a real deprecation", FutureWarning)
+            assert [str(w.message) for w in caught] == ["a real deprecation"]
+            assert list(z2f.tqdm([1, 2])) == [1, 2]
+    finally:
+        logging.getLogger("DeepSpeed").removeHandler(seen)
     out, err = capfd.readouterr()
-    assert "a real problem: checkpoint tag mismatch" in out + err
-    assert "Setting accelerator" not in out + err and "Processing zero checkpoint" not in out + err
+    logged = seen.stream.getvalue()
+    assert "a real problem: checkpoint tag mismatch" in logged
+    assert "Setting accelerator" not in logged + out + err and "Processing zero checkpoint" not in out + err
     print("Processing zero checkpoint 'y'")  # outside, everything as it was
     assert "Processing zero checkpoint 'y'" in capfd.readouterr().out
     assert not logging.getLogger("DeepSpeed").filters

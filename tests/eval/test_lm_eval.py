@@ -171,3 +171,33 @@ def test_padding_ids_are_never_the_answer(tokenizer):
     other = (best + 1) % V
     (_, greedy), (_, not_greedy) = h._score_batch([(ctx + [best], 1), (ctx + [other], 1)])
     assert greedy and not not_greedy
+
+
+@pytest.mark.slow
+def test_the_cached_task_index_is_lm_evals_own(tmp_path, monkeypatch):
+    """The adapter keeps lm_eval's index of its own tasks in a file (lm_eval parses its ~14,000
+    task YAMLs at every TaskManager): built and written once, then read, and equal to lm_eval's own
+    index entry by entry; a folder beside it (--include_path) still overrides it."""
+    import inspect
+    import pathlib
+    import pickle
+
+    import ttt_lm.eval.lm_eval_adapter  # noqa: F401
+    import lm_eval.tasks as tasks
+    from lm_eval.tasks._index import TaskIndex
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    build = TaskIndex.build
+    assert getattr(build, "_ttt_lm_cached", False), "importing the adapter keeps lm_eval's index cached"
+    defaults, local = pathlib.Path(tasks.__file__).parent, pathlib.Path(HERE) / "lm_eval_tasks"
+    first = build([defaults, local])
+    (cached,) = (tmp_path / "ttt_lm").glob("lm_eval_task_index_*.pkl")
+    with open(cached, "rb") as f:
+        stored = pickle.load(f)
+    written = cached.stat().st_mtime_ns
+    second = build([defaults, local])                      # read from the file: not written again
+    assert cached.stat().st_mtime_ns == written and list((tmp_path / "ttt_lm").iterdir()) == [cached]
+    own = inspect.getclosurevars(build).nonlocals["build"]([defaults, local])   # lm_eval's TaskIndex.build
+    key = lambda e: (e.kind, e.yaml_path, e.tags, repr(e.cfg))  # noqa: E731
+    assert first.keys() == second.keys() == own.keys() and len(stored) > 1000
+    assert all(key(first[k]) == key(second[k]) == key(own[k]) for k in own)
+    assert "ttt_tiny_choice" in own and own["ttt_tiny_choice"].yaml_path.parent == local

@@ -50,11 +50,10 @@ def load_readme_mixer() -> dict:
 
 
 def _cfg(pattern, **kw):
-    from ttt_lm.model.config import ModelConfig
-    cfg = ModelConfig(vocab_size=32, d_model=16, n_heads=4, n_layers=len(pattern), layer_pattern=list(pattern),
-                      d_ff=24, tie_embeddings=False, **kw)
-    cfg.attention.window = 3
-    return cfg
+    """The shared tests' tiny config of ``pattern`` (every section at its ``short(2)``/``tiny(2)``),
+    at this file's width; the page's own section keeps the defaults its code block declares."""
+    from tests.model.mixer_checks import short_config
+    return short_config(list(pattern), 2, vocab_size=32, d_model=16, n_heads=4, d_ff=24, tie_embeddings=False, **kw)
 
 
 def _model(cfg):

@@ -342,3 +342,70 @@ def dataset_error(exc: BaseException) -> Optional[str]:
             f"downloaded once with network access (it is cached for offline runs with HF_DATASETS_OFFLINE=1); "
             f"a local one (dataset_path: json, data_files) names its files relative to the working directory. "
             f"A task that runs offline: --include_path ttt_lm/eval/tasks --tasks ttt_tiny, from the repository root")
+
+
+def cache_default_task_index() -> None:
+    """Keep lm_eval's index of its own tasks in a file. Every ``TaskManager`` (every start of
+    lm_eval's CLI, every ``run_tasks``) parses all of lm_eval's ~14,000 task YAML files again (16 s
+    of CPU here, most of a failed start's time); the folder is fixed for an installed lm_eval, so its
+    index is read from ``$XDG_CACHE_HOME/ttt_lm`` (``~/.cache/ttt_lm``), keyed by lm_eval's version,
+    the folder, its YAML files' count and their newest modification time, and written there when
+    missing. Other task folders (``--include_path``) are indexed as lm_eval does, merged after it."""
+    import hashlib
+    import logging
+    import os
+    import pickle
+    from pathlib import Path
+
+    try:
+        import lm_eval
+        import lm_eval.tasks as tasks
+        from lm_eval.tasks._index import TaskIndex
+    except ImportError:  # pragma: no cover - another lm_eval layout: its own indexing stays
+        return
+    build = TaskIndex.__dict__.get("build")
+    if not isinstance(build, staticmethod) or getattr(build.__func__, "_ttt_lm_cached", False):
+        return
+    build = build.__func__
+    defaults = Path(tasks.__file__).resolve().parent
+    log = logging.getLogger("lm_eval.tasks._index")
+
+    def defaults_index(resolve_includes: bool) -> dict:
+        files = list(TaskIndex._iter_yaml_files(defaults))
+        newest = max((f.stat().st_mtime_ns for f in files), default=0)
+        key = f"{getattr(lm_eval, '__version__', '?')} {defaults} {len(files)} {newest} {resolve_includes}"
+        cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ttt_lm"
+        path = cache / f"lm_eval_task_index_{hashlib.sha256(key.encode()).hexdigest()[:16]}.pkl"
+        try:
+            with open(path, "rb") as f:
+                return pickle.load(f)
+        except Exception:  # noqa: BLE001 - no cache file yet, or an unreadable one: index again
+            pass
+        index = build([defaults], resolve_includes=resolve_includes)
+        try:
+            cache.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            with open(tmp, "wb") as f:
+                pickle.dump(index, f)
+            os.replace(tmp, path)
+        except Exception:  # noqa: BLE001 - a read-only home: the next start indexes again
+            pass
+        return index
+
+    def cached_build(paths, *, resolve_includes=True):
+        index: dict = {}
+        for root in paths:
+            part = (defaults_index(resolve_includes) if Path(root).resolve() == defaults
+                    else build([root], resolve_includes=resolve_includes))
+            for name, entry in part.items():   # later paths override earlier, as lm_eval merges them
+                if name in index:
+                    log.warning("Task '%s' from %s overrides existing task from %s", name, entry.yaml_path,
+                                index[name].yaml_path)
+                index[name] = entry
+        return index
+
+    cached_build._ttt_lm_cached = True
+    TaskIndex.build = staticmethod(cached_build)
+
+
+cache_default_task_index()
