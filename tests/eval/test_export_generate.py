@@ -69,11 +69,13 @@ def moved_export(trained_run):
 
 
 @pytest.mark.slow
-def test_an_eval_of_a_run_directory_prints_no_deepspeed_lines(trained_run, tmp_path):
+def test_an_eval_of_a_run_directory_prints_no_deepspeed_lines(trained_run, prepared, tmp_path):
     """An eval given the run itself exports it on the fly through DeepSpeed's zero_to_fp32: its
-    accelerator and 'Processing zero checkpoint' lines stay out of the eval's output."""
-    _, data, run = trained_run
-    r = _run(["-m", "ttt_lm.eval", "perplexity", "--checkpoint", run, "--data", data, "--max-batches", "1",
+    accelerator and 'Processing zero checkpoint' lines stay out of the eval's output. It reads the
+    prepared corpus itself: the run's private copy is renamed away by ``moved_export``, which may
+    run first."""
+    _, _, run = trained_run
+    r = _run(["-m", "ttt_lm.eval", "perplexity", "--checkpoint", run, "--data", prepared, "--max-batches", "1",
               "--out", str(tmp_path / "ev"), "--no-progress"])
     assert r.returncode == 0, r.stdout + r.stderr
     assert "perplexity run on" in r.stdout
