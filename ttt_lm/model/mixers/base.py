@@ -73,7 +73,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, fields
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -384,15 +384,28 @@ class Mixer(nn.Module, metaclass=abc.ABCMeta):
     #: is ``attention.backend`` instead)
     uses_kernel_op: bool = True
 
-    def triton_unavailable(self) -> Optional[str]:
-        """Why no Triton kernel covers this layer as configured (None when one does). Mixers that
-        call a ``kernels/`` op override it."""
-        return "no Triton kernel for this layer kind"
+    #: the contract of the ``kernels/`` op the chunked form calls (``kernels.contract.OpContract``,
+    #: the op folder's ``CONTRACT``): what its Triton backend covers; None: no such op
+    op_contract: Optional[Any] = None
+    #: the config key each ``contract_args`` entry comes from, as a refusal names it
+    contract_labels: Dict[str, str] = {}
 
-    def backend_limits(self) -> Dict[Backend, Optional[str]]:
+    def contract_args(self) -> Dict[str, Any]:
+        """The arguments of this layer's op call that its contract reads (head sizes and options,
+        by the op's names for them)."""
+        return {}
+
+    def triton_unavailable(self, dtype=None) -> Optional[str]:
+        """Why no Triton kernel covers this layer as configured (None when one does): its op's
+        contract's answer for ``contract_args`` (and ``dtype`` where known)."""
+        if self.op_contract is None:
+            return "no Triton kernel for this layer kind"
+        return self.op_contract.triton_unavailable(dtype, labels=self.contract_labels, **self.contract_args())
+
+    def backend_limits(self, dtype=None) -> Dict[Backend, Optional[str]]:
         """Backend → why this layer as configured has no implementation on it (None: it has);
         passed to ``resolve`` as the op's own limits."""
-        return {Backend.TRITON: self.triton_unavailable()}
+        return {Backend.TRITON: self.triton_unavailable(dtype)}
 
     def requested_backend(self) -> str:
         """The config string naming the backend: ``kernel_backend`` for a ``kernels/`` op."""
@@ -411,7 +424,7 @@ class Mixer(nn.Module, metaclass=abc.ABCMeta):
             return Backend.TORCH
         op = self.backend_op or self.op_name or self.layer_kind or type(self).__name__
         try:
-            return resolve(op, requested, device, dtype, self.backend_limits())
+            return resolve(op, requested, device, dtype, self.backend_limits(dtype))
         except ValueError as e:
             if self.uses_kernel_op and requested == "triton":
                 raise ValueError(f"model.kernel_backend=triton: {type(self).__name__} has no Triton kernel: {e}; "

@@ -268,14 +268,10 @@ class GatedDeltaNet(Mixer):
             return self.run_padded(self.reference, x, docs)
         return self._run(x, state, output_state, "reference")
 
-    def triton_unavailable(self):
-        if "triton" not in _gdr.BACKENDS:
-            return f"kernels.gated_delta_rule has only {list(_gdr.BACKENDS)}"
-        from kernels.gated_delta_rule.chunk import MAX_DK, MAX_DV
-        if self.dk > MAX_DK or self.dv > MAX_DV:
-            return (f"its Triton kernel takes d_k ≤ {MAX_DK} and d_v ≤ {MAX_DV}; this layer has d_k = {self.dk}, "
-                    f"d_v = {self.dv}")
-        return None
+    op_contract = _gdr.CONTRACT
+
+    def contract_args(self):
+        return {"d_k": self.dk, "d_v": self.dv}
 
     def chunked(self, x, state=None, output_state=False, docs=None):
         return self._run(x, state, output_state, self._resolve_backend(x), docs)

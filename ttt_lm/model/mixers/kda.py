@@ -335,12 +335,11 @@ class KimiDeltaAttention(Mixer):
             return self.run_padded(self.reference, x, docs)
         return self._run(x, state, output_state, "reference")
 
-    def triton_unavailable(self):
-        if "triton" not in _kda.BACKENDS:
-            return f"kernels.kda has only {list(_kda.BACKENDS)}"
-        if self.allow_neg_eigval:
-            return "kda.allow_neg_eigval gives β ∈ (0, 2); the Triton kernels are tested for β ∈ [0, 1] only"
-        return None
+    op_contract = _kda.CONTRACT
+    contract_labels = {"beta_max": "kda.allow_neg_eigval"}
+
+    def contract_args(self):
+        return {"d_k": self.dk, "d_v": self.dv, "beta_max": 2.0 if self.allow_neg_eigval else 1.0}
 
     def chunked(self, x, state=None, output_state=False, docs=None):
         return self._run(x, state, output_state, self._resolve_backend(x), docs)
