@@ -33,7 +33,8 @@ in ``ttt_lm/parallel`` calls without knowing the mixer:
 and declares how the ranks combine (``cp_form``):
 
 * "summary": the op is a linear recurrence, affine in its initial state; ``op_name`` names it
-  (one of ``SUMMARY_OPS``) and the ranks combine chunk summaries of it.
+  (an op whose folder has a summary combine, ``kernels/<op>/cp.py``) and the ranks combine chunk
+  summaries of it.
 * "kv_exchange": attention; ``op_inputs`` holds q, k, v [B, H, T, d] and the ranks gather keys and
   values (``window``: the keys a query sees, None for all).
 * "state_passing" (the default): each rank runs the whole mixer from the state the previous rank
@@ -78,6 +79,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from kernels.cp import summary_combine, summary_ops
 from ttt_lm.model.backend import Backend, resolve
 
 
@@ -167,8 +169,6 @@ State = MixerState
 
 #: how a mixer runs over a sequence split across context-parallel ranks (``Mixer.cp_form``)
 CP_FORMS = ("state_passing", "summary", "kv_exchange")
-#: the ``kernels/`` ops whose chunk summaries the context-parallel code can combine
-SUMMARY_OPS = ("linear_scan", "delta_rule", "gated_delta_rule", "kda", "selective_scan", "ssd")
 #: the public stages a mixer with a parallel context-parallel form defines
 STAGES = ("inputs", "op", "output", "context_state")
 
@@ -284,7 +284,7 @@ class Mixer(nn.Module, metaclass=abc.ABCMeta):
     official_hybrid_init: Optional[str] = None
     #: context-parallel form, one of CP_FORMS (see the module docstring)
     cp_form: str = "state_passing"
-    #: "summary" form: the kernels/ op whose summaries combine across ranks, one of SUMMARY_OPS
+    #: "summary" form: the kernels/ op whose summaries combine across ranks (``kernels/<op>/cp.py``)
     op_name: Optional[str] = None
     #: "kv_exchange" form: keys a query sees (None: every earlier key)
     window: Optional[int] = None
@@ -450,6 +450,6 @@ def check_contract(cls: type) -> None:
     missing = [m for m in STAGES if not callable(getattr(cls, m, None))]
     if missing:
         raise TypeError(f"{name} declares cp_form={cls.cp_form!r} but does not define the public stage(s) {missing}")
-    if cls.cp_form == "summary" and cls.op_name not in SUMMARY_OPS:
-        raise ValueError(f"{name} declares cp_form='summary': op_name must be one of {SUMMARY_OPS}, "
-                         f"got {cls.op_name!r}")
+    if cls.cp_form == "summary" and (not isinstance(cls.op_name, str) or summary_combine(cls.op_name) is None):
+        raise ValueError(f"{name} declares cp_form='summary': op_name must be one of {summary_ops()} (the "
+                         f"kernels/ ops with a summary combine, kernels/<op>/cp.py), got {cls.op_name!r}")
