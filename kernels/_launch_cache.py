@@ -19,7 +19,7 @@ written to Triton's autotune cache on disk).
 
 ``TTT_LM_PIN_LAUNCH_CONFIGS=1`` — no autotuning for the kernels of ``kernels/``: an autotuned
 kernel runs the first config its pruner keeps for the GPU family (the configs the compile gate
-declares per family in ``kernels/<op>/gate.py``), without benchmarking; other packages' autotuners
+declares per family in ``kernels/<op>/compile_cases.py``), without benchmarking; other packages' autotuners
 are left alone.
 
 :func:`compile_record` compiles one recorded line with ``triton.compile`` for its target — the call

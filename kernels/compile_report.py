@@ -6,7 +6,7 @@ target without a GPU, and what ptxas says about it.
     python -m kernels.compile_report --list                           # the cases, no compiling
 
 Each op declares the launch configurations it really uses in its own folder: a module
-``kernels/<op>/gate.py`` with a function ``compile_cases() -> list[Case]`` built with
+``kernels/<op>/compile_cases.py`` with a function ``compile_cases() -> list[Case]`` built with
 :func:`case` (one kernel, its argument types, its constexprs, ``num_warps``/``num_stages``) or
 :func:`autotune_cases` (every config of an ``@triton.autotune`` kernel that its pruner can keep).
 The report imports every such module; it never names a kernel itself, so a kernel is added or
@@ -14,7 +14,7 @@ fixed without touching this file. Beside these sweeps, every launch the presets'
 decode steps make (``kernels/captured_launches.json``, written by ``python -m
 ttt_lm.launch_capture`` without a GPU) is a case of its own, compiled exactly as the launch
 specializes it (:func:`captured_cases`). It also scans the sources for ``@triton.jit`` kernels that are
-launched (``kernel[grid](...)``) and lists each one no ``gate.py`` covers as a failure.
+launched (``kernel[grid](...)``) and lists each one no ``compile_cases.py`` covers as a failure.
 
 Every case is compiled with ``triton.compile`` for ``GPUTarget("cuda", arch, 32)`` — the same
 pipeline a launch runs, down to the ptxas that ships in the triton wheel — with pointer arguments
@@ -143,7 +143,7 @@ def captured_cases(path: Path = CAPTURE_FILE, matmul: Optional[Mapping[tuple, bo
     """One case per captured launch of ``path``: its kernel, for the arch it was captured at,
     compiled with the recorded signature, constexprs, specialization attributes (alignment,
     divisibility) and options. Named "captured <first preset:step> <digest>". ``matmul``:
-    (module, kernel) → whether the kernel calls ``tl.dot``, as its op's ``gate.py`` declares it
+    (module, kernel) → whether the kernel calls ``tl.dot``, as its op's ``compile_cases.py`` declares it
     (else: whether its source says ``tl.dot``)."""
     if not path.exists():
         return []
@@ -259,13 +259,13 @@ def autotune_cases(kernel, config: str, *, constexprs: Mapping[str, Any], **kw) 
 
 # ---- discovery -----------------------------------------------------------------------------------
 def gate_modules() -> List[str]:
-    """``kernels.<op>.gate`` for every op folder that has one."""
-    return sorted(f"kernels.{m.name}.gate" for m in pkgutil.iter_modules([str(KERNELS_DIR)])
-                  if m.ispkg and (KERNELS_DIR / m.name / "gate.py").exists())
+    """``kernels.<op>.compile_cases`` for every op folder that has one."""
+    return sorted(f"kernels.{m.name}.compile_cases" for m in pkgutil.iter_modules([str(KERNELS_DIR)])
+                  if m.ispkg and (KERNELS_DIR / m.name / "compile_cases.py").exists())
 
 
 def discover() -> List[Case]:
-    """Every gate's cases, each under the op whose ``gate.py`` declares it (``--op`` selects by it):
+    """Every gate's cases, each under the op whose ``compile_cases.py`` declares it (``--op`` selects by it):
     ops that share kernels (the delta-rule family's ``kernels/delta_rule/core.py``) each declare
     their own launches of them."""
     cases: List[Case] = []
@@ -543,7 +543,7 @@ def save_results(rows: Sequence[dict], path: Optional[Path] = None, prune: bool 
 
 
 def uncovered(cases: Sequence[Case]) -> List[tuple]:
-    """Launched kernels that no ``gate.py`` declares a case for."""
+    """Launched kernels that no ``compile_cases.py`` declares a case for."""
     have = {(c.module, c.kernel) for c in cases}
     return [k for k in launched_kernels() if k not in have]
 
@@ -608,7 +608,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     wall = time.perf_counter() - t0
     print(format_table(rows))
     for m, n in missing:
-        print(f"UNCOVERED: {m}.{n} is launched but no kernels/*/gate.py declares a case for it")
+        print(f"UNCOVERED: {m}.{n} is launched but no kernels/*/compile_cases.py declares a case for it")
     npass = sum(r["passed"] for r in rows)
     print(f"{npass}/{len(rows)} pass; {len(missing)} kernels without cases; {wall:.0f} s "
           f"(* = cached result, = the result of an identical case above)")

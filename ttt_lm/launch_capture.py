@@ -1,6 +1,6 @@
 r"""The Triton launches each preset really makes, captured without a GPU: the compile gate's
 captured cases (``kernels/compile_report.py`` compiles every entry of ``kernels/captured_launches.json``
-for its target, next to the sweeps the op folders declare in ``gate.py``).
+for its target, next to the sweeps the op folders declare in ``compile_cases.py``).
 
     python -m ttt_lm.launch_capture                       # every preset, write the file
     python -m ttt_lm.launch_capture --check               # exit 1 if a launch is not in the file
@@ -162,7 +162,7 @@ def capture_all(names: Sequence[str], progress=None) -> List[dict]:
 #: the sources a preset's launches depend on: the model, the configs' schema, the kernels and
 #: their wrappers (not the gate's own files, nor the data files beside them), and this module
 _SOURCES = ("ttt_lm/model/**/*.py", "ttt_lm/config.py", "ttt_lm/launch_capture.py", "kernels/**/*.py")
-_NOT_SOURCES = ("gate.py", "compile_report.py")
+_NOT_SOURCES = ("compile_cases.py", "compile_report.py")
 
 
 def source_digest(root: Path = ROOT) -> str:

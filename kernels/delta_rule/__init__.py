@@ -10,10 +10,12 @@ Every backend checks its inputs at entry (``shapes.py``) and accepts a per-chann
 """
 from __future__ import annotations
 
+import sys
 from typing import Optional, Tuple
 
 import torch
 
+from kernels.contract import OpContract, backends_listed
 from kernels.delta_rule.reference import delta_rule_reference
 from kernels.delta_rule.shapes import check_delta_rule_inputs
 from kernels.delta_rule.torch_chunk import delta_rule_chunk_torch
@@ -25,6 +27,8 @@ except ImportError:  # no triton installed: the PyTorch forms still work
 
 #: implementations ``delta_rule`` can dispatch to
 BACKENDS = ("torch", "reference") + (("triton",) if delta_rule_triton is not None else ())
+#: what the Triton backend covers (``kernels.contract``): every head size, packed sequences, states
+CONTRACT = OpContract("kernels.delta_rule", backends_listed(sys.modules[__name__]))
 
 
 def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
@@ -48,4 +52,4 @@ def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Te
     raise ValueError(f"delta_rule: unknown backend {backend!r}; available: {list(BACKENDS)}")
 
 
-__all__ = ["delta_rule", "delta_rule_reference", "delta_rule_chunk_torch", "delta_rule_triton", "BACKENDS"]
+__all__ = ["CONTRACT", "delta_rule", "delta_rule_reference", "delta_rule_chunk_torch", "delta_rule_triton", "BACKENDS"]

@@ -47,7 +47,7 @@ BKS_MAX = 32
 def launch_meta(DK: int, DV: int, dtype: torch.dtype, arch: int = INTERPRET_ARCH):
     """Kernel chunk cap, tiles and warps of every kernel for head dims (DK, DV), input dtype and
     launch-config family ``arch`` (90 or 80, ``device_arch``): the one place the launches and
-    ``gate.py`` read them from. The kernel chunk is ``min(C, chunk_size rounded up)``.
+    ``compile_cases.py`` read them from. The kernel chunk is ``min(C, chunk_size rounded up)``.
 
     What ptxas reported (``python -m kernels.compile_report``, spilled bytes) chose them:
     half inputs keep C = 64 on sm_90 at d ≤ 64, where nothing spills; elsewhere their state and

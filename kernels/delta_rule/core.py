@@ -1255,7 +1255,7 @@ def run(name: str, fwd_op, launch_meta, arch: int, q, k, v, g, beta, initial_sta
 def gate_launches(mt: dict, arch: int, dt: str, dk: int, dv: int, C: int, varlen: bool, use_g: bool,
                   use_gk: bool = False) -> List[dict]:
     """The eight kernels' launches at launch config ``mt`` (an op's ``launch_meta``) for an op's
-    ``gate.py``: input dtype ``dt`` ("bf16", "fp32"), head dims, kernel chunk C, fixed-length or
+    ``compile_cases.py``: input dtype ``dt`` ("bf16", "fp32"), head dims, kernel chunk C, fixed-length or
     packed (``cu_seqlens``, configs named "varlen"), with an initial and a final state; with
     ``use_g`` the decay's pointers are float32 and the configs are named "USE_G", without they are
     constexpr None; with ``use_gk`` (the per-channel decay, configs named "USE_GK") the decay's

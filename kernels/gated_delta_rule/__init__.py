@@ -11,12 +11,14 @@ Design notes: ``kernels/gated_delta_rule/README.md``.
 """
 from __future__ import annotations
 
+import sys
 from typing import Optional, Tuple
 
 import torch
 
+from kernels.contract import OpContract, backends_listed
 from kernels.gated_delta_rule.reference import gated_delta_rule_reference
-from kernels.gated_delta_rule.shapes import check_gate_values, check_gated_delta_rule_inputs
+from kernels.gated_delta_rule.shapes import MAX_DK, MAX_DV, check_gate_values, check_gated_delta_rule_inputs
 from kernels.gated_delta_rule.torch_chunk import gated_delta_rule_chunk_torch
 
 try:
@@ -26,6 +28,9 @@ except ImportError:  # no triton installed: the PyTorch forms still work
 
 #: implementations ``gated_delta_rule`` can dispatch to
 BACKENDS = ("torch", "reference") + (("triton",) if gated_delta_rule_triton is not None else ())
+#: what the Triton backend covers (``kernels.contract``): d_k ≤ MAX_DK, d_v ≤ MAX_DV
+CONTRACT = OpContract("kernels.gated_delta_rule", backends_listed(sys.modules[__name__]),
+                      max_dims={"d_k": MAX_DK, "d_v": MAX_DV})
 
 
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -79,5 +84,5 @@ def _dispatch(q, k, v, g, beta, initial_state, output_final_state, backend, chun
         return gated_delta_rule_chunk_torch(q, k, v, g, beta, initial_state, output_final_state, chunk_size)
     return gated_delta_rule_reference(q, k, v, g, beta, initial_state, output_final_state)
 
-__all__ = ["gated_delta_rule", "gated_delta_rule_trusted", "gated_delta_rule_reference", "gated_delta_rule_chunk_torch",
+__all__ = ["CONTRACT", "gated_delta_rule", "gated_delta_rule_trusted", "gated_delta_rule_reference", "gated_delta_rule_chunk_torch",
            "gated_delta_rule_triton", "BACKENDS"]

@@ -32,12 +32,9 @@ from kernels._triton_utils import INTERPRET_ARCH, check_triton_device, device_ar
 from kernels.delta_rule import chunk as _dr_chunk
 from kernels.delta_rule import core
 from kernels.delta_rule.core import _IN_DTYPES
-from kernels.gated_delta_rule.shapes import check_gated_delta_rule_inputs
+from kernels.gated_delta_rule.shapes import MAX_DK, MAX_DV, check_gated_delta_rule_inputs
 
-#: head dims the kernels take (the state tile and the [C, d_k] operands are sized for these; the
-#: compile gate checks d_k = 64, 128 with d_v = d_k and 2·d_k)
-MAX_DK = 128
-MAX_DV = 256
+#: head dims the kernels take, MAX_DK and MAX_DV (``shapes.py``, which the op's contract reads)
 
 
 def launch_meta(DK: int, DV: int, dtype: torch.dtype, arch: int = INTERPRET_ARCH):

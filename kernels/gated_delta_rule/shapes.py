@@ -18,6 +18,12 @@ import torch
 from kernels.delta_rule.shapes import check_delta_rule_inputs, check_gate_values
 
 
+#: head dims the Triton kernels take (the state tile and the [C, d_k] operands are sized for these;
+#: the compile gate checks d_k = 64, 128 with d_v = d_k and 2·d_k)
+MAX_DK = 128
+MAX_DV = 256
+
+
 def _shape(t: torch.Tensor) -> Tuple[int, ...]:
     return tuple(t.shape)
 
@@ -41,4 +47,4 @@ def check_gated_delta_rule_inputs(name: str, q: torch.Tensor, k: torch.Tensor, v
         raise ValueError(f"{name}: g is on {g.device}, the other inputs on {k.device}")
 
 
-__all__ = ["check_gated_delta_rule_inputs", "check_gate_values"]
+__all__ = ["check_gated_delta_rule_inputs", "check_gate_values", "MAX_DK", "MAX_DV"]

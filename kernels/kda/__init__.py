@@ -13,10 +13,13 @@ backward, packed batches in one launch. Every backend checks shapes and dtypes a
 """
 from __future__ import annotations
 
+import sys
 from typing import Optional, Tuple
 
 import torch
 
+from kernels.contract import OpContract, Requirement, backends_listed
+from kernels.gated_delta_rule.shapes import MAX_DK, MAX_DV
 from kernels.kda.reference import kda_reference
 from kernels.kda.shapes import check_kda_gate_values, check_kda_inputs
 from kernels.kda.torch_chunk import kda_chunk_torch
@@ -28,6 +31,13 @@ except ImportError:  # no triton installed: the PyTorch forms still work
 
 #: implementations ``kda`` can dispatch to
 BACKENDS = ("torch", "reference") + (("triton",) if kda_triton is not None else ())
+#: what the Triton backend covers (``kernels.contract``): the gated delta rule's head sizes, and
+#: β ∈ [0, 1] (``beta_max``: the largest β a caller's gate can give)
+CONTRACT = OpContract("kernels.kda", backends_listed(sys.modules[__name__]),
+                      max_dims={"d_k": MAX_DK, "d_v": MAX_DV},
+                      requires=(Requirement("beta_max", lambda b: b <= 1,
+                                            "{name} gives β ∈ (0, {value:g}); the Triton kernels are tested "
+                                            "for β ∈ [0, 1] only"),))
 
 
 def kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -91,4 +101,4 @@ def _dispatch(q, k, v, g, beta, initial_state, output_final_state, backend, chun
     return kda_reference(q, k, v, g, beta, initial_state, output_final_state)
 
 
-__all__ = ["kda", "kda_trusted", "kda_reference", "kda_chunk_torch", "kda_triton", "BACKENDS"]
+__all__ = ["CONTRACT", "kda", "kda_trusted", "kda_reference", "kda_chunk_torch", "kda_triton", "BACKENDS"]

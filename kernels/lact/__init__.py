@@ -13,10 +13,12 @@ stream is never written. ``reference.py`` writes the schedule and its formulas o
 """
 from __future__ import annotations
 
+import sys
 from typing import Dict, Optional, Tuple
 
 import torch
 
+from kernels.contract import OpContract, backends_listed
 from kernels.lact.reference import lact_schedule_reference
 from kernels.lact.shapes import (NS_COEFFS, PENDING, check_lact_inputs, newton_schulz5, start_state,
                                  state_dtype, stream)
@@ -24,6 +26,8 @@ from kernels.lact.torch_chunk import lact_schedule_torch
 
 #: implementations ``block_causal_lact_swiglu`` can dispatch to
 BACKENDS = ("torch", "reference")
+#: no Triton backend (``kernels.contract``)
+CONTRACT = OpContract("kernels.lact", backends_listed(sys.modules[__name__]))
 
 _SCHEDULES = {"torch": lact_schedule_torch, "reference": lact_schedule_reference}
 
@@ -90,5 +94,5 @@ def block_causal_lact_swiglu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return o, final
 
 
-__all__ = ["block_causal_lact_swiglu", "lact_schedule_reference", "lact_schedule_torch", "newton_schulz5",
+__all__ = ["CONTRACT", "block_causal_lact_swiglu", "lact_schedule_reference", "lact_schedule_torch", "newton_schulz5",
            "NS_COEFFS", "BACKENDS"]

@@ -15,12 +15,17 @@ from typing import Optional, Tuple
 
 import torch
 
+from kernels.contract import OpContract
 from kernels.linear_scan.reference import acc_dtype, check_linear_scan_inputs, linear_scan_ref
 from kernels.linear_scan.torch_chunk import linear_scan_chunk
 
 
 def has_triton_backend() -> bool:
     return importlib.util.find_spec("kernels.linear_scan.chunk") is not None
+
+
+#: what the Triton backend covers (``kernels.contract``): every width, packed sequences, states
+CONTRACT = OpContract("kernels.linear_scan", lambda: None if has_triton_backend() else "kernels/linear_scan has no Triton kernel")
 
 
 def linear_scan(log_a: torch.Tensor, b: torch.Tensor, initial_state: Optional[torch.Tensor] = None,
@@ -88,4 +93,4 @@ def linear_scan_reset(log_a: torch.Tensor, b: torch.Tensor, initial_state: Optio
     return h.reshape(B, T, D), fin
 
 
-__all__ = ["linear_scan", "linear_scan_reset", "linear_scan_ref", "linear_scan_chunk", "has_triton_backend"]
+__all__ = ["CONTRACT", "linear_scan", "linear_scan_reset", "linear_scan_ref", "linear_scan_chunk", "has_triton_backend"]

@@ -57,7 +57,7 @@ _FWD_SPILLS = {90: {(64, 32, 8)}, 80: {(16, 128, 8)}}
 def prune_for_arch(configs, arch: int, meta, forward: bool):
     """The autotune configs a GPU of launch family ``arch`` (see ``device_arch``) may pick for a
     call with constexprs ``meta``: those at 8 elements per thread, less the ones that spill there.
-    The compile gate (``gate.py``) lists exactly these per arch."""
+    The compile gate (``compile_cases.py``) lists exactly these per arch."""
     kept = _BY_ELEMENTS(configs, None, **meta)
     if forward and len(kept) > 1:
         kept = [c for c in kept if (meta["BT"], c.kwargs["BLOCK_D"], c.num_warps) not in _FWD_SPILLS[arch]]

@@ -13,12 +13,17 @@ from typing import Optional, Tuple
 
 import torch
 
+from kernels.contract import OpContract
 from kernels.selective_scan.reference import check_inputs, selective_scan_ref
 from kernels.selective_scan.torch_chunk import selective_scan_chunk
 
 
 def has_triton_backend() -> bool:
     return importlib.util.find_spec("kernels.selective_scan.chunk") is not None
+
+
+#: what the Triton backend covers (``kernels.contract``): every width, packed sequences, states
+CONTRACT = OpContract("kernels.selective_scan", lambda: None if has_triton_backend() else "kernels/selective_scan has no Triton kernel")
 
 
 def selective_scan(x: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
@@ -65,4 +70,4 @@ def selective_scan(x: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: tor
     return selective_scan_ref(*args)
 
 
-__all__ = ["selective_scan", "selective_scan_ref", "selective_scan_chunk", "has_triton_backend"]
+__all__ = ["CONTRACT", "selective_scan", "selective_scan_ref", "selective_scan_chunk", "has_triton_backend"]

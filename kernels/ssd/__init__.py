@@ -13,16 +13,21 @@ not written yet: ``backend="triton"`` is refused with that reason.
 """
 from __future__ import annotations
 
+import sys
 from typing import Optional, Tuple
 
 import torch
 
+from kernels.contract import OpContract, backends_listed
 from kernels.ssd.reference import ssd_reference
 from kernels.ssd.shapes import check_ssd_inputs, check_ssd_values
 from kernels.ssd.torch_chunk import ssd_chunk_torch
 
 #: implementations ``ssd`` can dispatch to
 BACKENDS = ("torch", "reference")
+#: what the Triton backend covers (``kernels.contract``): not built yet, which the reason says.
+#: A caller passes the head sizes h, p, n and the groups g (``shapes.py``'s names) for limits here.
+CONTRACT = OpContract("kernels.ssd", backends_listed(sys.modules[__name__]))
 
 
 def ssd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
@@ -55,4 +60,4 @@ def ssd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: 
     return ssd_reference(x, dt, A, B, C, D, z, dt_bias, dt_softplus, initial_state, output_final_state, cu_seqlens)
 
 
-__all__ = ["ssd", "ssd_reference", "ssd_chunk_torch", "BACKENDS"]
+__all__ = ["CONTRACT", "ssd", "ssd_reference", "ssd_chunk_torch", "BACKENDS"]

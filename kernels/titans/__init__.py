@@ -16,16 +16,24 @@ device: ``chunk._layout``); "torch" and "reference" run once on each sequence.
 """
 from __future__ import annotations
 
+import sys
 from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from kernels.contract import OpContract, Requirement, backends_listed
 from kernels.titans.reference import _acc, _initial, check_titans_inputs, titans_linear_reference
 from kernels.titans.torch_chunk import (chunk_decays, chunk_memory_step, chunk_spans,
                                         titans_linear_chunk_torch)
 
 #: implementations ``titans_linear`` can dispatch to
 BACKENDS = ("torch", "reference", "triton")
+#: what the Triton backend covers (``kernels.contract``): the linear memory (``memory``), which
+#: this op is; a caller's MLP memory runs ``torch_chunk``'s chunk steps in PyTorch
+CONTRACT = OpContract("kernels.titans", backends_listed(sys.modules[__name__]),
+                      requires=(Requirement("memory", lambda m: m == "linear",
+                                            "kernels/titans has a Triton kernel only for the linear memory, "
+                                            "not {name}={value!r}"),))
 
 
 def titans_linear(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, theta: torch.Tensor,
@@ -119,5 +127,5 @@ def _titans_varlen(q, k, v, theta, log_eta, log_keep, initial_state, output_fina
     return o, tuple(torch.cat([f[i] for f in finals], 0) for i in range(3))
 
 
-__all__ = ["titans_linear", "titans_linear_reference", "titans_linear_chunk_torch", "chunk_decays",
+__all__ = ["CONTRACT", "titans_linear", "titans_linear_reference", "titans_linear_chunk_torch", "chunk_decays",
            "chunk_memory_step", "chunk_spans", "BACKENDS"]

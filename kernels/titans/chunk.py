@@ -557,7 +557,7 @@ BV_MAX = 32
 
 def launch_meta(dk: int, dv: int, dtype: torch.dtype, arch: int = INTERPRET_ARCH) -> dict:
     """Tiles and warps of the five kernels for head dims (d_k, d_v), input dtype and launch-config
-    family ``arch`` (90 or 80, ``device_arch``): the one place the launches and ``gate.py`` read
+    family ``arch`` (90 or 80, ``device_arch``): the one place the launches and ``compile_cases.py`` read
     them from. ``BK``/``BV`` are the d_k block and d_v block of the serial kernels
     (``_titans_fwd_state_kernel``, ``_titans_bwd_state_kernel``), ``BK_chunk``/``BV_chunk`` those
     of the chunk-parallel ones (``_titans_fwd_kernel``, ``_titans_bwd_kernel``); ``warps_*`` the

@@ -44,6 +44,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from kernels.contract import OpContract
 from kernels.ttt.reference import ttt_linear_ref, ttt_mlp_ref
 from kernels.ttt.torch_chunk import (acc_dtype, make_state, ttt_linear_chunk, ttt_linear_primal, ttt_mlp_chunk,
                                      ttt_mlp_primal)
@@ -63,6 +64,21 @@ def has_triton_backend(kind: str = "linear") -> bool:
     except ImportError:  # triton itself missing
         return False
     return hasattr(mod, f"ttt_{kind}_triton")
+
+
+def _built(kind: str):
+    def built() -> Optional[str]:
+        if has_triton_backend(kind):
+            return None
+        return f"kernels/ttt/{'chunk' if kind == 'linear' else 'mlp_chunk'}.py has no ttt_{kind}_triton"
+    return built
+
+
+#: what the Triton backends of ``ttt_linear`` and ``ttt_mlp`` cover (``kernels.contract``): every
+#: head size, packed sequences in one launch (``triton_packed_limit`` bounds one launch's size),
+#: states at any position inside a mini-batch
+TTT_LINEAR = OpContract("kernels.ttt.ttt_linear", _built("linear"))
+TTT_MLP = OpContract("kernels.ttt.ttt_mlp", _built("mlp"))
 
 
 def triton_packed_limit(kind: str, H: int, T: int, d: int, N: int, mini_batch_size: int,
@@ -312,5 +328,5 @@ def ttt_mlp(XQ: torch.Tensor, XK: torch.Tensor, XV: torch.Tensor, eta: torch.Ten
     raise ValueError(f"ttt_mlp: backend must be torch, primal, reference or triton, got {backend!r}")
 
 
-__all__ = ["ttt_linear", "ttt_mlp", "ttt_linear_ref", "ttt_mlp_ref", "ttt_linear_chunk", "ttt_mlp_chunk",
+__all__ = ["TTT_LINEAR", "TTT_MLP", "ttt_linear", "ttt_mlp", "ttt_linear_ref", "ttt_mlp_ref", "ttt_linear_chunk", "ttt_mlp_chunk",
            "ttt_linear_primal", "ttt_mlp_primal", "has_triton_backend", "triton_packed_limit"]

@@ -85,7 +85,7 @@ _INTERPRETER_CHOICES = """
 import importlib, pkgutil
 import kernels
 for m in pkgutil.walk_packages(kernels.__path__, "kernels."):
-    if not m.name.endswith(("compile_report", ".gate")):
+    if not m.name.endswith(("compile_report", ".compile_cases")):
         importlib.import_module(m.name)
 for name, mod in list(sys.modules.items()):
     if name.startswith("kernels.") and hasattr(mod, "is_interpreting"):

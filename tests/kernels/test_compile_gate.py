@@ -1,5 +1,5 @@
 """The ahead-of-time compile gate (``kernels/compile_report.py``): every Triton kernel under
-``kernels/``, at every launch configuration its op declares in ``kernels/<op>/gate.py``, compiled
+``kernels/``, at every launch configuration its op declares in ``kernels/<op>/compile_cases.py``, compiled
 for sm_90 (H100) and sm_80 (A100) with Triton's compiler and the ptxas in the triton wheel — no
 GPU needed. Per (kernel, config, arch) it asserts: it compiles (within the report's per-case
 timeout); ptxas spills 0 bytes; shared memory fits the device (232448 B on sm_90, 166912 B on
@@ -37,7 +37,7 @@ SLOW = "compiles: ptxas does not finish within the timeout"
 # (arch, kernel, config) -> the failing check(s). ``config`` "*" matches every config of the kernel.
 KNOWN_FAILURES = {
     # launches the presets really make (kernels/captured_launches.json) that the sweeps of
-    # gate.py did not compile: Gated DeltaNet's backward at tiny_gated_deltanet's d_k = 24 on
+    # compile_cases.py did not compile: Gated DeltaNet's backward at tiny_gated_deltanet's d_k = 24 on
     # sm_80; the RG-LRU scan's backward autotune candidates with 16 warps and BLOCK_D 64 (1 and 2
     # stages; 512 threads cap a thread at 128 registers) in training on sm_90, which a GPU
     # compiles and times when it tunes; TTT-MLP's forward at tiny_ttt_mlp's d = 32 on sm_80
@@ -116,9 +116,9 @@ def test_compiles_clean(report, arch, kernel, config):
 
 
 def test_every_launched_kernel_has_cases():
-    """A kernel launched somewhere under kernels/ (``k[grid](...)``) with no case in any gate.py
+    """A kernel launched somewhere under kernels/ (``k[grid](...)``) with no case in any compile_cases.py
     would escape the gate."""
-    assert LISTING["uncovered"] == [], f"kernels without a gate.py case: {LISTING['uncovered']}"
+    assert LISTING["uncovered"] == [], f"kernels without a compile_cases.py case: {LISTING['uncovered']}"
 
 
 def test_known_failures_name_real_cases():

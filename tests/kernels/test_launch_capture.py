@@ -71,13 +71,13 @@ def test_the_digest_follows_the_sources_a_capture_runs(tmp_path):
     from ttt_lm import launch_capture as lc
 
     files = {"ttt_lm/model/lm.py": "x = 1\n", "ttt_lm/config.py": "", "kernels/op/chunk.py": "k = 1\n",
-             "kernels/op/gate.py": "g = 1\n", "kernels/compile_report.py": "", "ttt_lm/train/loop.py": "t = 1\n",
+             "kernels/op/compile_cases.py": "g = 1\n", "kernels/compile_report.py": "", "ttt_lm/train/loop.py": "t = 1\n",
              "kernels/captured_launches.json": "{}"}
     for rel, text in files.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(text)
     d0 = lc.source_digest(tmp_path)
-    for rel in ("kernels/op/gate.py", "kernels/compile_report.py", "ttt_lm/train/loop.py",
+    for rel in ("kernels/op/compile_cases.py", "kernels/compile_report.py", "ttt_lm/train/loop.py",
                 "kernels/captured_launches.json"):
         (tmp_path / rel).write_text("changed\n")
         assert lc.source_digest(tmp_path) == d0, rel       # not what a launch is made of

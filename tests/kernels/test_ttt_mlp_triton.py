@@ -327,7 +327,7 @@ def test_weights_and_state_left_untouched():
 
 def test_launch_config_per_gpu_family(monkeypatch):
     """The TTT-MLP launch configs that the wrapper takes on a GPU are the ones the compile gate
-    compiles (kernels/ttt/gate.py): the per-mini-batch backward's column block per GPU family (16
+    compiles (kernels/ttt/compile_cases.py): the per-mini-batch backward's column block per GPU family (16
     only for 3×TF32 on sm_80) and its head variant's column block and warps, the other kernels'
     the same on both; packed batches ("varlen")
     have packed variants of the two serial kernels only (state pass and carry, column blocks of
@@ -335,7 +335,7 @@ def test_launch_config_per_gpu_family(monkeypatch):
     from kernels.ttt import chunk, gate, mlp_chunk
 
     monkeypatch.setattr(mlp_chunk, "is_interpreting", lambda: False)
-    monkeypatch.setattr(chunk, "is_interpreting", lambda: False)     # gate.py lists TTT-Linear too
+    monkeypatch.setattr(chunk, "is_interpreting", lambda: False)     # compile_cases.py lists TTT-Linear too
     assert mlp_chunk._mlp_col_block(128, "tf32x3", "bwd_mb", arch=80) == 16
     assert mlp_chunk._mlp_col_block(128, "tf32x3", "bwd_mb", arch=90) == 32
     assert mlp_chunk._mlp_col_block(128, "bf16", "bwd_mb", arch=80) == 32

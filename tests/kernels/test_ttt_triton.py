@@ -285,7 +285,7 @@ def test_no_grad_forward_and_weights_with_batch_axis(T):
 
 def test_launch_config_per_gpu_family(monkeypatch):
     """The TTT-Linear launch configs that the wrappers take on a GPU and the compile gate compiles
-    (kernels/ttt/gate.py): per GPU family and kernel, padded tiles, one stage; an unknown kernel
+    (kernels/ttt/compile_cases.py): per GPU family and kernel, padded tiles, one stage; an unknown kernel
     name is refused."""
     from kernels.ttt import chunk
 

@@ -1,8 +1,9 @@
 """Which implementation each layer kind runs (``LM.kernel_backends``), asked for device "cuda"
 on a CPU machine: the decision needs no GPU. No silent fallback: ``kernel_backend=triton`` where
 no kernel covers a layer raises, naming the layer kind. Every built-in kind (and variant) at the
-tests' tiny sizes; whether a Triton kernel covers a layer as configured is the mixer's own answer
-(``triton_unavailable``: None, or the reason)."""
+tests' tiny sizes; whether a Triton kernel covers a layer as configured is its op's contract's
+answer (``kernels.contract``, the op folder's ``CONTRACT``) for the arguments the mixer declares
+(``Mixer.triton_unavailable``: None, or the reason)."""
 import dataclasses
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 
 from tests.model.mixer_checks import short_cases
 from ttt_lm.model import LM
+from ttt_lm.model.mixers.base import Mixer
 from ttt_lm.model.registry import builtin_kinds, mixer_class
 
 CASES = short_cases()
@@ -70,3 +72,22 @@ def test_triton_where_no_kernel_covers_the_layer_fails_loudly(kind, variant, cfg
         m.kernel_backends("cuda")
     with pytest.raises(ValueError, match=re.escape(reason)):
         m(torch.zeros(1, 8, dtype=torch.long))
+
+
+@pytest.mark.parametrize("kind,variant,cfg", CASES, ids=IDS)
+def test_the_refusal_reason_is_the_op_contracts(kind, variant, cfg):
+    """No mixer decides Triton coverage itself: ``triton_unavailable`` is the base's, which asks
+    the declared op contract with the mixer's ``contract_args`` (every argument the contract
+    reads among them); a mixer that runs a Triton op of its own declares that op's contract."""
+    mixer = _model(cfg).layers[0].mixer
+    cls = type(mixer)
+    assert cls.triton_unavailable is Mixer.triton_unavailable, f"{cls.__name__} overrides triton_unavailable"
+    if cls.triton_custom_op is not None or cls.varlen_triton_op is not None:
+        assert cls.op_contract is not None, f"{cls.__name__} runs a Triton op but declares no op_contract"
+    if cls.op_contract is None:
+        assert mixer.triton_unavailable() == "no Triton kernel for this layer kind"
+        return
+    c, args = cls.op_contract, mixer.contract_args()
+    assert set(c.max_dims) | {r.arg for r in c.requires} <= set(args)
+    assert mixer.triton_unavailable() == c.triton_unavailable(labels=cls.contract_labels, **args)
+    assert mixer.triton_unavailable(torch.bfloat16) == mixer.triton_unavailable()

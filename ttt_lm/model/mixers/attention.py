@@ -193,7 +193,7 @@ class Attention(Mixer):
     def requested_backend(self) -> str:
         return self.backend
 
-    def backend_limits(self):
+    def backend_limits(self, dtype=None):
         return {}
 
     def op_backend(self, x: torch.Tensor) -> Backend:

@@ -33,7 +33,8 @@ in ``ttt_lm/parallel`` calls without knowing the mixer:
 and declares how the ranks combine (``cp_form``):
 
 * "summary": the op is a linear recurrence, affine in its initial state; ``op_name`` names it
-  (one of ``SUMMARY_OPS``) and the ranks combine chunk summaries of it.
+  (an op whose folder has a summary combine, ``kernels/<op>/cp.py``) and the ranks combine chunk
+  summaries of it.
 * "kv_exchange": attention; ``op_inputs`` holds q, k, v [B, H, T, d] and the ranks gather keys and
   values (``window``: the keys a query sees, None for all).
 * "state_passing" (the default): each rank runs the whole mixer from the state the previous rank
@@ -73,11 +74,12 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, fields
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 
+from kernels.cp import summary_combine, summary_ops
 from ttt_lm.model.backend import Backend, resolve
 
 
@@ -167,8 +169,6 @@ State = MixerState
 
 #: how a mixer runs over a sequence split across context-parallel ranks (``Mixer.cp_form``)
 CP_FORMS = ("state_passing", "summary", "kv_exchange")
-#: the ``kernels/`` ops whose chunk summaries the context-parallel code can combine
-SUMMARY_OPS = ("linear_scan", "delta_rule", "gated_delta_rule", "kda", "selective_scan", "ssd")
 #: the public stages a mixer with a parallel context-parallel form defines
 STAGES = ("inputs", "op", "output", "context_state")
 
@@ -284,7 +284,7 @@ class Mixer(nn.Module, metaclass=abc.ABCMeta):
     official_hybrid_init: Optional[str] = None
     #: context-parallel form, one of CP_FORMS (see the module docstring)
     cp_form: str = "state_passing"
-    #: "summary" form: the kernels/ op whose summaries combine across ranks, one of SUMMARY_OPS
+    #: "summary" form: the kernels/ op whose summaries combine across ranks (``kernels/<op>/cp.py``)
     op_name: Optional[str] = None
     #: "kv_exchange" form: keys a query sees (None: every earlier key)
     window: Optional[int] = None
@@ -384,15 +384,28 @@ class Mixer(nn.Module, metaclass=abc.ABCMeta):
     #: is ``attention.backend`` instead)
     uses_kernel_op: bool = True
 
-    def triton_unavailable(self) -> Optional[str]:
-        """Why no Triton kernel covers this layer as configured (None when one does). Mixers that
-        call a ``kernels/`` op override it."""
-        return "no Triton kernel for this layer kind"
+    #: the contract of the ``kernels/`` op the chunked form calls (``kernels.contract.OpContract``,
+    #: the op folder's ``CONTRACT``): what its Triton backend covers; None: no such op
+    op_contract: Optional[Any] = None
+    #: the config key each ``contract_args`` entry comes from, as a refusal names it
+    contract_labels: Dict[str, str] = {}
 
-    def backend_limits(self) -> Dict[Backend, Optional[str]]:
+    def contract_args(self) -> Dict[str, Any]:
+        """The arguments of this layer's op call that its contract reads (head sizes and options,
+        by the op's names for them)."""
+        return {}
+
+    def triton_unavailable(self, dtype=None) -> Optional[str]:
+        """Why no Triton kernel covers this layer as configured (None when one does): its op's
+        contract's answer for ``contract_args`` (and ``dtype`` where known)."""
+        if self.op_contract is None:
+            return "no Triton kernel for this layer kind"
+        return self.op_contract.triton_unavailable(dtype, labels=self.contract_labels, **self.contract_args())
+
+    def backend_limits(self, dtype=None) -> Dict[Backend, Optional[str]]:
         """Backend → why this layer as configured has no implementation on it (None: it has);
         passed to ``resolve`` as the op's own limits."""
-        return {Backend.TRITON: self.triton_unavailable()}
+        return {Backend.TRITON: self.triton_unavailable(dtype)}
 
     def requested_backend(self) -> str:
         """The config string naming the backend: ``kernel_backend`` for a ``kernels/`` op."""
@@ -411,7 +424,7 @@ class Mixer(nn.Module, metaclass=abc.ABCMeta):
             return Backend.TORCH
         op = self.backend_op or self.op_name or self.layer_kind or type(self).__name__
         try:
-            return resolve(op, requested, device, dtype, self.backend_limits())
+            return resolve(op, requested, device, dtype, self.backend_limits(dtype))
         except ValueError as e:
             if self.uses_kernel_op and requested == "triton":
                 raise ValueError(f"model.kernel_backend=triton: {type(self).__name__} has no Triton kernel: {e}; "
@@ -437,6 +450,6 @@ def check_contract(cls: type) -> None:
     missing = [m for m in STAGES if not callable(getattr(cls, m, None))]
     if missing:
         raise TypeError(f"{name} declares cp_form={cls.cp_form!r} but does not define the public stage(s) {missing}")
-    if cls.cp_form == "summary" and cls.op_name not in SUMMARY_OPS:
-        raise ValueError(f"{name} declares cp_form='summary': op_name must be one of {SUMMARY_OPS}, "
-                         f"got {cls.op_name!r}")
+    if cls.cp_form == "summary" and (not isinstance(cls.op_name, str) or summary_combine(cls.op_name) is None):
+        raise ValueError(f"{name} declares cp_form='summary': op_name must be one of {summary_ops()} (the "
+                         f"kernels/ ops with a summary combine, kernels/<op>/cp.py), got {cls.op_name!r}")

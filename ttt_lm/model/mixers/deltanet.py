@@ -212,8 +212,10 @@ class DeltaNet(Mixer):
             return self.run_padded(self.reference, x, docs)
         return self._run(x, state, output_state, "reference")
 
-    def triton_unavailable(self):
-        return None if "triton" in _dr.BACKENDS else f"kernels.delta_rule has only {list(_dr.BACKENDS)}"
+    op_contract = _dr.CONTRACT
+
+    def contract_args(self):
+        return {"d_k": self.d_phi, "d_v": self.hd}
 
     def chunked(self, x, state=None, output_state=False, docs=None):
         return self._run(x, state, output_state, self._resolve_backend(x), docs)

@@ -60,9 +60,10 @@ from torch import nn
 from kernels import gated_delta_rule as _gdr
 from kernels.gated_delta_rule.torch_chunk import gated_delta_rule_chunk_torch
 from ttt_lm.model.backend import Backend
-from ttt_lm.model.docs import check_packed_triton, doc_conv, unflatten_heads, varlen_heads
-from ttt_lm.model.layers import CausalConv1d, RMSNorm, acc
+from ttt_lm.model.docs import check_packed_triton, unflatten_heads, varlen_heads
+from ttt_lm.model.layers import RMSNorm, acc
 from ttt_lm.model.mixers.base import Mixer, MixerState, TPPlan
+from ttt_lm.model.mixers.short_conv import QKVShortConvs
 from ttt_lm.model.registry import option, register_mixer
 
 
@@ -125,12 +126,14 @@ class GatedDeltaNetState(MixerState):
 
 
 @register_mixer("gated_deltanet", config=GatedDeltaNetConfig)
-class GatedDeltaNet(Mixer):
+class GatedDeltaNet(QKVShortConvs, Mixer):
     official_init = official_hybrid_init = "mamba"   # the official code and its hybrids init as mamba_ssm
     #: the gated delta rule is affine in its state: context parallelism combines chunk summaries
     cp_form = "summary"
     op_name = "gated_delta_rule"
     triton_custom_op = "kernels::gated_delta_rule_fwd"
+    #: the state the short convs' stage (``QKVShortConvs``) builds
+    conv_state = GatedDeltaNetState
 
     def __init__(self, cfg, layer_idx: int):
         super().__init__()
@@ -150,9 +153,7 @@ class GatedDeltaNet(Mixer):
         self.A_log._no_weight_decay = True
         self.dt_bias._no_weight_decay = True
         w = c.conv_width
-        self.q_conv = CausalConv1d(key_dim, w, bias=False) if w > 0 else None
-        self.k_conv = CausalConv1d(key_dim, w, bias=False) if w > 0 else None
-        self.v_conv = CausalConv1d(value_dim, w, bias=False) if w > 0 else None
+        self.build_convs(key_dim, value_dim, w, bias=False)
         self.o_norm = RMSNorm(self.dv, cfg.norm_eps)
         self.o_proj = nn.Linear(value_dim, cfg.d_model, bias=False)
         self.o_proj._is_residual_out = True
@@ -182,25 +183,6 @@ class GatedDeltaNet(Mixer):
                       head_counts=("n_heads",))
 
     # ---- stages ------------------------------------------------------------------------------
-    @property
-    def cp_halo(self) -> int:
-        return 0 if self.q_conv is None else self.q_conv.width - 1
-
-    def context_state(self, x_before, valid, start: int) -> GatedDeltaNetState:
-        if self.q_conv is None:
-            return GatedDeltaNetState(pos=start)
-        return GatedDeltaNetState(conv_q=self.q_conv.cache_from(self.q_proj(x_before), valid),
-                                  conv_k=self.k_conv.cache_from(self.k_proj(x_before), valid),
-                                  conv_v=self.v_conv.cache_from(self.v_proj(x_before), valid), pos=start)
-
-    def _conv(self, conv, x, cache, docs=None):
-        if conv is None:
-            return F.silu(x), None
-        if docs is not None:
-            return F.silu(doc_conv(conv, x, docs, cache)), None
-        y, new = conv(x, cache, output_cache=True)
-        return F.silu(y), new
-
     def inputs(self, x: torch.Tensor, state=None, output_state: bool = False, docs=None):
         """q (normalized, scaled by d_k^−1/2), k (normalized), v as [B, H, T, ·], g (log decay)
         and β [B, H, T]: ``gated_delta_rule``'s arguments; the carry is the conv caches. ``docs``
@@ -210,9 +192,7 @@ class GatedDeltaNet(Mixer):
         (int32 [N + 1] over the batch flattened to one row, for the Triton kernel)."""
         B, T, _ = x.shape
         st = state if state is not None else GatedDeltaNetState()
-        q, cq = self._conv(self.q_conv, self.q_proj(x), st.conv_q, docs)
-        k, ck = self._conv(self.k_conv, self.k_proj(x), st.conv_k, docs)
-        v, cv = self._conv(self.v_conv, self.v_proj(x), st.conv_v, docs)
+        (q, k, v), caches = self.conv_qkv(x, st, docs)
         heads = lambda t, d: t.view(B, T, self.n_heads, d).transpose(1, 2)
         q = l2norm(heads(q, self.dk)) * self.dk ** -0.5
         k = l2norm(heads(k, self.dk))
@@ -220,7 +200,7 @@ class GatedDeltaNet(Mixer):
         g = -torch.exp(acc(self.A_log)) * F.softplus(acc(self.a_proj(x)) + acc(self.dt_bias))
         beta = torch.sigmoid(acc(self.b_proj(x)))
         pos0 = 0 if state is None else int(state.pos)
-        carry = GatedDeltaNetState(conv_q=cq, conv_k=ck, conv_v=cv, pos=pos0 + T) if output_state else None
+        carry = GatedDeltaNetState(**caches, pos=pos0 + T) if output_state else None
         inp = {"q": q, "k": k, "v": v, "g": g.transpose(1, 2), "beta": beta.transpose(1, 2),
                "chunk_size": self.chunk_size}
         if docs is not None:
@@ -268,14 +248,10 @@ class GatedDeltaNet(Mixer):
             return self.run_padded(self.reference, x, docs)
         return self._run(x, state, output_state, "reference")
 
-    def triton_unavailable(self):
-        if "triton" not in _gdr.BACKENDS:
-            return f"kernels.gated_delta_rule has only {list(_gdr.BACKENDS)}"
-        from kernels.gated_delta_rule.chunk import MAX_DK, MAX_DV
-        if self.dk > MAX_DK or self.dv > MAX_DV:
-            return (f"its Triton kernel takes d_k ≤ {MAX_DK} and d_v ≤ {MAX_DV}; this layer has d_k = {self.dk}, "
-                    f"d_v = {self.dv}")
-        return None
+    op_contract = _gdr.CONTRACT
+
+    def contract_args(self):
+        return {"d_k": self.dk, "d_v": self.dv}
 
     def chunked(self, x, state=None, output_state=False, docs=None):
         return self._run(x, state, output_state, self._resolve_backend(x), docs)
@@ -285,10 +261,8 @@ class GatedDeltaNet(Mixer):
 
     def init_state(self, batch_size: int, device=None, dtype=None) -> GatedDeltaNetState:
         sd = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-        caches = [None if c is None else c.init_cache(batch_size, device, dtype)
-                  for c in (self.q_conv, self.k_conv, self.v_conv)]
         return GatedDeltaNetState(S=torch.zeros(batch_size, self.n_heads, self.dk, self.dv, device=device, dtype=sd),
-                                  conv_q=caches[0], conv_k=caches[1], conv_v=caches[2])
+                                  **self.init_conv_caches(batch_size, device, dtype))
 
     @staticmethod
     def flops_per_token(cfg, seq_len: int) -> float:

@@ -71,10 +71,11 @@ from kernels import kda as _kda
 from kernels.kda.reference import kda_reference
 from kernels.kda.torch_chunk import kda_chunk_torch
 from ttt_lm.model.backend import Backend
-from ttt_lm.model.docs import doc_conv, unflatten_heads, varlen_heads
-from ttt_lm.model.layers import CausalConv1d, RMSNorm, acc
+from ttt_lm.model.docs import unflatten_heads, varlen_heads
+from ttt_lm.model.layers import RMSNorm, acc
 from ttt_lm.model.mixers.base import Mixer, MixerState, TPPlan
 from ttt_lm.model.mixers.gated_deltanet import DT_INIT_FLOOR, DT_MAX, DT_MIN, l2norm
+from ttt_lm.model.mixers.short_conv import QKVShortConvs
 from ttt_lm.model.registry import option, register_mixer
 
 
@@ -169,12 +170,14 @@ class KDAState(MixerState):
 
 
 @register_mixer("kda", config=KDAConfig)
-class KimiDeltaAttention(Mixer):
+class KimiDeltaAttention(QKVShortConvs, Mixer):
     official_init = official_hybrid_init = "ttt"   # FLA's KDA model and its 3:1 hybrids: N(0, 0.02)
     #: KDA is affine in its state (a chunk's transition is a [d_k, d_k] matrix per head): context
     #: parallelism combines chunk summaries
     cp_form = "summary"
     op_name = "kda"
+    #: the state the short convs' stage (``QKVShortConvs``) builds
+    conv_state = KDAState
 
     def __init__(self, cfg, layer_idx: int):
         super().__init__()
@@ -198,9 +201,7 @@ class KimiDeltaAttention(Mixer):
         self.A_log._no_weight_decay = True
         self.dt_bias._no_weight_decay = True
         w = c.conv_size if c.use_short_conv else 0
-        self.q_conv = CausalConv1d(key_dim, w, bias=c.conv_bias) if w else None
-        self.k_conv = CausalConv1d(key_dim, w, bias=c.conv_bias) if w else None
-        self.v_conv = CausalConv1d(value_dim, w, bias=c.conv_bias) if w else None
+        self.build_convs(key_dim, value_dim, w, bias=c.conv_bias)
         self.o_norm = RMSNorm(self.dv, cfg.norm_eps)
         self.o_proj = nn.Linear(value_dim, cfg.d_model, bias=False)
         self.o_proj._is_residual_out = True
@@ -235,25 +236,6 @@ class KimiDeltaAttention(Mixer):
                       shared_modules=("f_a_proj", "g_a_proj", "o_norm"), head_counts=("n_heads",))
 
     # ---- stages ------------------------------------------------------------------------------
-    @property
-    def cp_halo(self) -> int:
-        return 0 if self.q_conv is None else self.q_conv.width - 1
-
-    def context_state(self, x_before, valid, start: int) -> KDAState:
-        if self.q_conv is None:
-            return KDAState(pos=start)
-        return KDAState(conv_q=self.q_conv.cache_from(self.q_proj(x_before), valid),
-                        conv_k=self.k_conv.cache_from(self.k_proj(x_before), valid),
-                        conv_v=self.v_conv.cache_from(self.v_proj(x_before), valid), pos=start)
-
-    def _conv(self, conv, x, cache, docs=None):
-        if conv is None:
-            return F.silu(x), None
-        if docs is not None:
-            return F.silu(doc_conv(conv, x, docs, cache)), None
-        y, new = conv(x, cache, output_cache=True)
-        return F.silu(y), new
-
     def gate(self, x: torch.Tensor) -> torch.Tensor:
         """g = −exp(A_log)·softplus(W_f^↑ W_f^↓ x + dt_bias) [B, T, H, d_k] (accumulation dtype)."""
         B, T, _ = x.shape
@@ -269,9 +251,7 @@ class KimiDeltaAttention(Mixer):
         ``cu_seqlens`` (int32 [N + 1] over the batch flattened to one row)."""
         B, T, _ = x.shape
         st = state if state is not None else KDAState()
-        q, cq = self._conv(self.q_conv, self.q_proj(x), st.conv_q, docs)
-        k, ck = self._conv(self.k_conv, self.k_proj(x), st.conv_k, docs)
-        v, cv = self._conv(self.v_conv, self.v_proj(x), st.conv_v, docs)
+        (q, k, v), caches = self.conv_qkv(x, st, docs)
         heads = lambda t, d: t.view(B, T, self.n_heads, d).transpose(1, 2)
         q = l2norm(heads(q, self.dk)) * self.dk ** -0.5
         k = l2norm(heads(k, self.dk))
@@ -280,7 +260,7 @@ class KimiDeltaAttention(Mixer):
         if self.allow_neg_eigval:
             beta = 2 * beta
         pos0 = 0 if state is None else int(state.pos)
-        carry = KDAState(conv_q=cq, conv_k=ck, conv_v=cv, pos=pos0 + T) if output_state else None
+        carry = KDAState(**caches, pos=pos0 + T) if output_state else None
         inp = {"q": q, "k": k, "v": v, "g": self.gate(x).transpose(1, 2), "beta": beta.transpose(1, 2),
                "chunk_size": self.chunk_size}
         if docs is not None:
@@ -335,12 +315,11 @@ class KimiDeltaAttention(Mixer):
             return self.run_padded(self.reference, x, docs)
         return self._run(x, state, output_state, "reference")
 
-    def triton_unavailable(self):
-        if "triton" not in _kda.BACKENDS:
-            return f"kernels.kda has only {list(_kda.BACKENDS)}"
-        if self.allow_neg_eigval:
-            return "kda.allow_neg_eigval gives β ∈ (0, 2); the Triton kernels are tested for β ∈ [0, 1] only"
-        return None
+    op_contract = _kda.CONTRACT
+    contract_labels = {"beta_max": "kda.allow_neg_eigval"}
+
+    def contract_args(self):
+        return {"d_k": self.dk, "d_v": self.dv, "beta_max": 2.0 if self.allow_neg_eigval else 1.0}
 
     def chunked(self, x, state=None, output_state=False, docs=None):
         return self._run(x, state, output_state, self._resolve_backend(x), docs)
@@ -350,10 +329,8 @@ class KimiDeltaAttention(Mixer):
 
     def init_state(self, batch_size: int, device=None, dtype=None) -> KDAState:
         sd = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-        caches = [None if c is None else c.init_cache(batch_size, device, dtype)
-                  for c in (self.q_conv, self.k_conv, self.v_conv)]
         return KDAState(S=torch.zeros(batch_size, self.n_heads, self.dk, self.dv, device=device, dtype=sd),
-                        conv_q=caches[0], conv_k=caches[1], conv_v=caches[2])
+                        **self.init_conv_caches(batch_size, device, dtype))
 
     @staticmethod
     def flops_per_token(cfg, seq_len: int) -> float:

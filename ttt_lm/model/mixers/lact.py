@@ -404,8 +404,10 @@ class LaCT(Mixer):
             return self.run_padded(self.reference, x, docs)
         return self._run(x, state, output_state, Backend.REFERENCE)
 
-    def triton_unavailable(self):
-        return f"kernels.lact has only {list(_lact.BACKENDS)}"
+    op_contract = _lact.CONTRACT
+
+    def contract_args(self):
+        return {"d_k": self.fw_hd, "d_v": self.fw_hd}
 
     def chunked(self, x, state=None, output_state=False, docs=None):
         backend = self._resolve_backend(x)

@@ -38,7 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.selective_scan import has_triton_backend, selective_scan
+import kernels.selective_scan as _ss
+from kernels.selective_scan import selective_scan
 from kernels.selective_scan.torch_chunk import selective_scan_chunk
 from ttt_lm.model.backend import Backend
 from ttt_lm.model.docs import check_packed_triton, doc_conv
@@ -205,8 +206,10 @@ class Mamba(Mixer):
             return self.run_padded(self.reference, x, docs)
         return self._scan(x, state, output_state, "reference")
 
-    def triton_unavailable(self):
-        return None if has_triton_backend() else "kernels/selective_scan has no Triton kernel"
+    op_contract = _ss.CONTRACT
+
+    def contract_args(self):
+        return {"d_inner": self.d_inner, "d_state": self.d_state}
 
     def chunked(self, x, state=None, output_state=False, docs=None):
         return self._scan(x, state, output_state, self._resolve_backend(x), docs)

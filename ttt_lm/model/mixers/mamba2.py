@@ -384,10 +384,11 @@ class Mamba2(Mixer):
             return self.run_padded(self.chunked, x, docs)
         return self._run(x, state, output_state, backend, docs)
 
-    def triton_unavailable(self):
-        if "triton" not in _ssd.BACKENDS:
-            return f"kernels.ssd has only {list(_ssd.BACKENDS)}"
-        return None
+    op_contract = _ssd.CONTRACT
+
+    def contract_args(self):
+        """kernels.ssd's sizes (``shapes.py``: x [b, T, h, p], B [b, T, g, n])."""
+        return {"h": self.nheads, "p": self.headdim, "n": self.d_state, "g": self.ngroups}
 
     def step(self, u: torch.Tensor, state: Mamba2State):
         """One token, as mamba_ssm's ``Mamba2.step``: the conv cache rolled by one and the conv read

@@ -66,7 +66,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.linear_scan import has_triton_backend, linear_scan, linear_scan_reset
+import kernels.linear_scan as _ls
+from kernels.linear_scan import linear_scan, linear_scan_reset
 from ttt_lm.model.docs import DocLayout
 from ttt_lm.model.layers import CausalConv1d, acc
 from ttt_lm.model.mixers.base import Mixer, MixerState, TPPlan
@@ -339,8 +340,10 @@ class RGLRUBlock(Mixer):
         h, hT = self.op(inp, None if state is None else state.h, output_state, backend)
         return self.output(h, x), (replace(carry, h=hT) if output_state else None)
 
-    def triton_unavailable(self):
-        return None if has_triton_backend() else "kernels/linear_scan has no Triton kernel"
+    op_contract = _ls.CONTRACT
+
+    def contract_args(self):
+        return {"d": self.width}
 
     # ---- forms -------------------------------------------------------------------------------
     # documents restart inside packed rows through segment_pos (the LM passes position_ids with

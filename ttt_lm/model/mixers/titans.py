@@ -482,13 +482,12 @@ class TitansMemory(Mixer):
             return self.run_padded(self.reference, x, docs)
         return self._run(x, state, output_state, "reference")
 
-    def triton_unavailable(self):
-        # the Triton kernel (kernels/titans/chunk.py) covers the linear memory only
-        if "triton" not in _tk.BACKENDS:
-            return f"kernels.titans has only {list(_tk.BACKENDS)}"
-        if self.memory != "linear":
-            return f"kernels/titans has a Triton kernel only for the linear memory, not titans.memory={self.memory!r}"
-        return None
+    #: the Triton kernel (kernels/titans/chunk.py) covers the linear memory only
+    op_contract = _tk.CONTRACT
+    contract_labels = {"memory": "titans.memory"}
+
+    def contract_args(self):
+        return {"d_k": self.hd, "d_v": self.hd, "memory": self.memory}
 
     def chunked(self, x, state=None, output_state=False, docs=None):
         backend = self._resolve_backend(x)
@@ -620,8 +619,11 @@ class TitansMAG(Mixer):
             return self.run_padded(self.reference, x, docs)
         return self._run(x, state, output_state, Backend.REFERENCE)
 
-    def triton_unavailable(self):
-        return self.memory.triton_unavailable()     # the attention half uses no kernels/ op
+    #: the LMM's op (the attention half uses no kernels/ op)
+    op_contract, contract_labels = TitansMemory.op_contract, TitansMemory.contract_labels
+
+    def contract_args(self):
+        return self.memory.contract_args()
 
     def chunked(self, x, state=None, output_state=False, docs=None):
         self.memory.kernel_backend = self.kernel_backend
@@ -767,8 +769,11 @@ class TitansMAL(Mixer):
             return self.run_padded(self.reference, x, docs)
         return self._run(x, state, output_state, Backend.REFERENCE)
 
-    def triton_unavailable(self):
-        return self.memory.triton_unavailable()     # the attention half uses no kernels/ op
+    #: the LMM's op (the attention half uses no kernels/ op)
+    op_contract, contract_labels = TitansMemory.op_contract, TitansMemory.contract_labels
+
+    def contract_args(self):
+        return self.memory.contract_args()
 
     def chunked(self, x, state=None, output_state=False, docs=None):
         self.memory.kernel_backend = self.kernel_backend
@@ -918,8 +923,11 @@ class TitansMAC(Mixer):
         Backend.FLEX: "titans_mac builds no flex_attention block mask for its segment mask; use sdpa or math",
     }
 
-    def triton_unavailable(self):
-        return self.memory.triton_unavailable()     # the LMM's op; the segment attention uses no kernels/ op
+    #: the LMM's op (the segment attention uses no kernels/ op)
+    op_contract, contract_labels = TitansMemory.op_contract, TitansMemory.contract_labels
+
+    def contract_args(self):
+        return self.memory.contract_args()
 
     def attention_backend(self, device, dtype=None) -> Backend:
         """The segment attention's backend for ``attention.backend``, by the one resolver (op

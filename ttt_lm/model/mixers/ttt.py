@@ -87,7 +87,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.ttt import has_triton_backend, triton_packed_limit, ttt_linear, ttt_mlp
+import kernels.ttt as _ttt
+from kernels.ttt import triton_packed_limit, ttt_linear, ttt_mlp
 from ttt_lm.model.backend import Backend
 from ttt_lm.model.docs import masked_conv, unflatten_heads, varlen_heads
 from ttt_lm.model.layers import acc, apply_rope, rope_cos_sin
@@ -399,9 +400,8 @@ class _TTTBase(Mixer):
         return out, TTTState.from_op(new, conv_q=carry.conv_q, conv_k=carry.conv_k)
 
     # ---- forms -------------------------------------------------------------------------------
-    def triton_unavailable(self):
-        return None if has_triton_backend(self.kind) else (f"kernels/ttt/{'chunk' if self.kind == 'linear' else 'mlp_chunk'}.py "
-                                                          f"has no ttt_{self.kind}_triton")
+    def contract_args(self):
+        return {"d": self.hd}
 
     #: packed documents (``docs``): the PyTorch dual form lays the documents out at mini-batch
     #: boundaries in rows about as long as the longest document (``DocLayout.balanced``: fewer
@@ -497,6 +497,7 @@ class TTTLinear(_TTTBase):
     """TTT-Linear: inner model f(k) = k W1 + b1 per head; η_base = 1.0 by default."""
     kind = "linear"
     triton_custom_op = "kernels::ttt_linear_fwd"
+    op_contract = _ttt.TTT_LINEAR
 
     @staticmethod
     def flops_per_token(cfg, seq_len: int) -> float:
@@ -509,6 +510,7 @@ class TTTMLP(_TTTBase):
     ``ttt.mlp_expansion`` × head_dim (4 in the paper); η_base = 0.1 by default."""
     kind = "mlp"
     triton_custom_op = "kernels::ttt_mlp_fwd"
+    op_contract = _ttt.TTT_MLP
 
     @staticmethod
     def flops_per_token(cfg, seq_len: int) -> float:

@@ -23,7 +23,7 @@ from ttt_lm.parallel.cp.comm import _rank_world, gather_lengths, wait_pending
 from ttt_lm.parallel.cp.docs import SliceDocs, slice_docs
 from ttt_lm.parallel.cp.kv import cp_kv_exchange
 from ttt_lm.parallel.cp.pipeline import pass_state_forward
-from ttt_lm.parallel.cp.summary import SUMMARY_COMBINES, cp_summary
+from ttt_lm.parallel.cp.summary import cp_summary, op_combine
 
 #: ``Mixer.cp_form`` → the parallel form (None: the mixer passes its state from rank to rank)
 CP_FORMS = {"summary": cp_summary, "kv_exchange": cp_kv_exchange, "state_passing": None}
@@ -34,9 +34,8 @@ def _parallel_form(mixer):
     if mixer.cp_form not in CP_FORMS:
         raise ValueError(f"context parallel: {type(mixer).__name__}.cp_form={mixer.cp_form!r} is not one of "
                          f"{list(CP_FORMS)}")
-    if mixer.cp_form == "summary" and mixer.op_name not in SUMMARY_COMBINES:
-        raise ValueError(f"context parallel: {type(mixer).__name__}.op_name={mixer.op_name!r} has no summary "
-                         f"combine; known ops: {list(SUMMARY_COMBINES)}")
+    if mixer.cp_form == "summary":
+        op_combine(mixer)       # a ValueError naming the op where its folder has no combine
     return CP_FORMS[mixer.cp_form]
 
 

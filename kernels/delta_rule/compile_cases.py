@@ -6,7 +6,7 @@ the kernel chunk, tiles, precisions, warps and stages that
 ``delta_rule_triton`` takes from ``chunk.launch_meta`` for each GPU family (sm_90, sm_80): one
 case per arch, named with the kernel chunk and the arch. The kernels are the delta-rule family's
 (``core.py``) with ``USE_G = False`` (the decay's pointers constexpr None); the gated delta rule's
-``gate.py`` compiles the same kernels with ``USE_G = True``."""
+``compile_cases.py`` compiles the same kernels with ``USE_G = True``."""
 from __future__ import annotations
 
 from typing import List
