@@ -80,23 +80,6 @@ def test_hybrid_tp2_zero23_matches_single_process(ref, base, zero):
     _assert_matches_reference(d, ref)
 
 
-#: Titans MAC (segments of 8 over 16 tokens, persistent tokens, the memory read beside the segment)
-#: and MAL (persistent tokens dropped after the attention)
-TITANS = ["model.layer_pattern=[titans_mac,titans_mal]", "model.n_layers=2", "model.titans.segment_len=8",
-          "model.titans.persistent_tokens=2", "train.max_steps=2", "optim.lr=1e-3"]
-
-
-def test_titans_mac_mal_tp2_sequence_parallel_matches_single_process(base):
-    ref_dir, tp_dir = str(base / "titans_ref"), str(base / "titans_tp2_sp")
-    run(ref_dir, TITANS, nprocs=1)
-    run(tp_dir, [*TITANS, *TP2, "parallel.sequence_parallel=true"], nprocs=2)
-    a, b = losses_by_step(tp_dir), losses_by_step(ref_dir)
-    ga, gb = _by_step(tp_dir, "grad_norm"), _by_step(ref_dir, "grad_norm")
-    assert sorted(a) == sorted(b) == [1, 2]
-    assert abs(a[1] - b[1]) <= FIRST_RTOL * b[1] and abs(ga[1] - gb[1]) <= FIRST_RTOL * gb[1], (a[1], b[1], ga[1], gb[1])
-    assert abs(a[2] - b[2]) <= LOSS_ATOL and abs(ga[2] - gb[2]) <= NORM_RTOL * gb[2], (a, b, ga, gb)
-
-
 def test_hybrid_tp2_exact_resume(zero1, tmp_path):
     ckpt = os.path.join(zero1, "checkpoints", f"step_{N:08d}")
     resumed = str(tmp_path / "resumed")
@@ -134,34 +117,3 @@ def test_hybrid_export_consolidates_tp_slices(ref, zero1, tmp_path):
     assert sds["tp2"].keys() == sds["ref"].keys()
     for name, v in sds["ref"].items():
         torch.testing.assert_close(sds["tp2"][name], v, rtol=0, atol=atol, msg=lambda m: f"{name}: {m}")
-
-
-def test_split_counts_refused_before_any_work(monkeypatch):
-    """A kind's own split count that tensor_parallel does not divide (here RG-LRU's gate blocks)
-    stops the run in the config check, naming it and the layer; so does sequence parallelism with
-    a kind whose plan refuses it (no built-in kind does: titans_mal's plan with
-    ``sequence_parallel=False`` stands for one)."""
-    import dataclasses
-    from ttt_lm.model.mixers import mixer_class
-    from ttt_lm.config import ExperimentConfig
-    from ttt_lm.train.engine import ParallelConfigError, check_parallel
-    cfg = ExperimentConfig()
-    cfg.model.layer_pattern, cfg.model.n_layers = ["attention", "rglru", "mamba", "titans_mag"], 4
-    cfg.model.n_heads, cfg.model.vocab_size, cfg.model.d_model = 4, 64, 32
-    cfg.data.seq_len = 16
-    cfg.parallel.tensor_parallel = 4
-    cfg.model.rglru.num_heads = 2
-    with pytest.raises(ParallelConfigError, match=r"tensor_parallel=4 must divide num_heads=2 of layer 1 \(rglru\)"):
-        check_parallel(cfg, world_size=4)
-    cfg.model.rglru.num_heads = 4
-    check_parallel(cfg, world_size=4)  # everything divides
-    cfg.model.layer_pattern = ["attention", "titans_mal", "titans_mac", "titans_mag"]
-    cfg.parallel.sequence_parallel = True
-    check_parallel(cfg, world_size=4)  # every Titans variant takes sequence parallelism
-    mal = mixer_class("titans_mal")
-    plan = mal.tp_plan
-    monkeypatch.setattr(mal, "tp_plan", classmethod(lambda cls, c: dataclasses.replace(plan(c), sequence_parallel=False)))
-    with pytest.raises(ParallelConfigError, match=r"sequence_parallel is not available with layer kind\(s\) \['titans_mal'\]"):
-        check_parallel(cfg, world_size=4)
-    cfg.parallel.sequence_parallel = False
-    check_parallel(cfg, world_size=4)  # such a kind splits without sequence parallelism
