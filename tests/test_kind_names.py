@@ -26,8 +26,6 @@ from ttt_lm.model.registry import builtin_kinds, mixer_class
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCANNED = ("tests", "benchmarks")
-#: files that belong to another part of the house (the trainer's tests) are out of this scan
-EXCLUDED_DIRS = (os.path.join("tests", "train"),)
 
 
 def _word_pattern(names) -> "re.Pattern[str]":
@@ -76,9 +74,6 @@ def scanned_files(root: str = ROOT) -> List[str]:
     for top in SCANNED:
         for d, dirs, files in os.walk(os.path.join(root, top)):
             rel = os.path.relpath(d, root)
-            if any(rel == e or rel.startswith(e + os.sep) for e in EXCLUDED_DIRS):
-                dirs[:] = []
-                continue
             dirs[:] = sorted(x for x in dirs if x != "__pycache__")
             out.extend(os.path.join(rel, f) for f in sorted(files) if f.endswith(".py"))
     return out
@@ -123,16 +118,17 @@ def test_own_kinds_by_file_name():
 
 
 def test_offenders_finds_a_shared_file_naming_two_kinds(tmp_path):
-    """A scratch tree: a shared test naming two real kinds is found (with both), one naming a
-    single kind is not, and neither is the first kind's own file naming both; tests/train is out
-    of the scan."""
+    """A scratch tree: a shared test naming two real kinds is found (with both), in tests/train as
+    anywhere else; one naming a single kind is not, and neither is the first kind's own file naming
+    both."""
     a, b = builtin_kinds()[:2]
     two = f"x = [{a!r}, {b!r}]\n"
     for rel, text in [("tests/model/test_shared.py", two), ("benchmarks/bench.py", f"y = {a!r}\n"),
                       (f"tests/model/test_{a}.py", two), ("tests/train/test_loop.py", two)]:
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(text)
-    assert offenders(str(tmp_path)) == {"tests/model/test_shared.py": sorted([a, b])}
+    assert offenders(str(tmp_path)) == {"tests/model/test_shared.py": sorted([a, b]),
+                                        "tests/train/test_loop.py": sorted([a, b])}
 
 
 def test_no_shared_file_names_two_kinds():

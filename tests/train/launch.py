@@ -5,6 +5,7 @@ imported torch, deepspeed and the trainer once (``forkserver.py``; ``TTT_TEST_FO
 starts each with ``subprocess.Popen`` instead)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -24,6 +25,43 @@ TINY = ["model.vocab_size=64", "model.d_model=32", "model.n_layers=2", "model.n_
         "model.layer_pattern=[attention]", "data.seq_len=16", "train.micro_batch_size=2",
         "optim.warmup_steps=2", "optim.lr=1e-2", "logging.tensorboard=false", "logging.progress=false",
         "eval.every=0", "checkpoint.every=0", "train.device=cpu"]
+
+
+def model_overrides(pattern: Sequence[str], n: Optional[int] = None) -> List[str]:
+    """The overrides of a model of one layer of each kind of ``pattern`` (kinds read from the
+    registry or a preset, not named by the test) on ``TINY``'s sizes; with ``n``, also every field
+    that ``tests/model/mixer_checks.short_sections(cfg, n)`` changes in the sections these kinds use
+    (mini-batches, chunks, windows of ``n`` tokens)."""
+    from ttt_lm.model.config import ModelConfig
+    from ttt_lm.model.registry import mixer_class
+    pat = list(pattern)
+    if not pat:
+        raise ValueError("model_overrides: the layer pattern is empty")
+    out = [f"model.layer_pattern=[{','.join(pat)}]", f"model.n_layers={len(pat)}"]
+    if n is None:
+        return out
+    from tests.model.mixer_checks import short_sections
+    cfg = short_sections(ModelConfig(layer_pattern=pat, n_layers=len(pat)), n)
+    for name in dict.fromkeys(mixer_class(k).config_section for k in pat):
+        if name is None:
+            continue
+        section, default = getattr(cfg, name), type(getattr(cfg, name))()
+        for f in dataclasses.fields(section):
+            v = getattr(section, f.name)
+            if v != getattr(default, f.name):
+                text = "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
+                out.append(f"model.{name}.{f.name}={text}")
+    return out
+
+
+def attention_and_scan() -> List[str]:
+    """The registry's first global-attention kind (keys and values gathered across context-parallel
+    ranks) and its first chunk-summary scan that reads segment positions (its conv halo and resets
+    at a rank's first token): attention and the RG-LRU among the built-in kinds."""
+    from ttt_lm.model.registry import builtin_kinds, kinds_with
+    kinds = builtin_kinds()
+    return [kinds_with(lambda c: c.global_attention and c.cp_form == "kv_exchange", kinds)[0],
+            kinds_with(lambda c: c.cp_form == "summary" and c.takes_segment_pos, kinds)[0]]
 
 
 @dataclass

@@ -39,14 +39,15 @@ def _origin(stack) -> str:
 
 def test_no_host_read_of_ttt_lm_inside_a_deepspeed_step(ds_one_rank):
     from ttt_lm.config import ExperimentConfig
-    from ttt_lm.model import LM, ModelConfig
+    from ttt_lm.model import LM
     from ttt_lm.train.engine import build_engine
     from ttt_lm.train.trainer import Trainer
 
+    from tests.model.mixer_checks import preset_config
+
     cfg = ExperimentConfig()
-    cfg.model = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, layer_pattern=["attention", "ttt_linear"],
-                            loss_chunk_size=5)
-    cfg.model.ttt.mini_batch_size = 4
+    # the default preset's hybrid (a TTT layer and attention) at the shared tests' section sizes
+    cfg.model = preset_config("tiny", 4, vocab_size=64, d_model=32, n_layers=2, n_heads=2, loss_chunk_size=5)
     cfg.train.precision = "bf16"
     torch.manual_seed(0)
     engine, sched = build_engine(LM(cfg.model), cfg, dp_world=1)

@@ -27,13 +27,14 @@ from ttt_lm.train.engine import ParallelConfigError, check_parallel, deepspeed_c
 from ttt_lm.train.export import export, load_pretrained
 from ttt_lm.train.trainer import check_resume, invariants
 
-from launch import losses_by_step, metrics, run
+from launch import attention_and_scan, losses_by_step, metrics, model_overrides, run
 
 N = 2  # resume point; the runs are 2N steps
 COMMON = [f"train.max_steps={2 * N}", "optim.lr=1e-3"]
-MODELS = {"attn_rglru": ["model.layer_pattern=[attention,rglru]"],
-          "ttt": ["model.layer_pattern=[ttt_linear]", "model.n_layers=1", "model.ttt.mini_batch_size=6",
-                  f"eval.every={N}"]}
+#: the gather and chunk-summary schemes (attention_and_scan: two layers, their sections as
+#: configured), and TTT-Linear alone with its mini-batches of 6 tokens (short_sections(6))
+MODELS = {"attn_rglru": model_overrides(attention_and_scan()),
+          "ttt": [*model_overrides(["ttt_linear"], 6), f"eval.every={N}"]}
 CP2 = ["parallel.context_parallel=2"]
 LOSS_ATOL = 1e-4
 NORM_RTOL = 1e-4
@@ -168,7 +169,7 @@ def test_cp2_zero3_matches_single_process(runs, tmp_path, name):
 
 def _cfg(**parallel):
     cfg = ExperimentConfig()
-    cfg.model.layer_pattern = ["attention", "rglru"]
+    cfg.model.layer_pattern = attention_and_scan()
     cfg.model.vocab_size = 64
     cfg.data.seq_len = 16
     for k, v in parallel.items():
@@ -188,7 +189,7 @@ def test_cp_refusals():
     with pytest.raises(ParallelConfigError, match="context_parallel=2 does not divide the world size 3"):
         check_parallel(_cfg(context_parallel=2), world_size=3)
     cfg = _cfg(context_parallel=2, tensor_parallel=2)
-    cfg.model.layer_pattern = ["attention"]
+    cfg.model.layer_pattern = attention_and_scan()[:1]
     check_parallel(cfg, world_size=4)  # CP × TP
     with pytest.raises(ParallelConfigError, match=r"context_parallel=2 × parallel.tensor_parallel=2 does not divide "
                                                   "the world size 6"):

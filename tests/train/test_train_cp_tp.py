@@ -20,13 +20,26 @@ import os
 
 import pytest
 
-from launch import losses_by_step, metrics, run
+from launch import losses_by_step, metrics, model_overrides, run
 
 pytestmark = pytest.mark.dist
 
 N = 2  # resume point; the runs are 2N steps
-HYBRID = ["model.layer_pattern=[attention,deltanet,ttt_linear]", "model.n_layers=3", "model.ttt.mini_batch_size=6",
-          "model.deltanet.chunk_size=4", f"train.max_steps={2 * N}", "optim.lr=1e-3"]
+
+
+def _pattern():
+    """The registry's first global-attention kind (kv_exchange), its first chunk-summary kind without
+    segment positions (summary) and TTT-Linear (state passing), every one TP-ready."""
+    from ttt_lm.model.registry import builtin_kinds, kinds_with
+    from ttt_lm.parallel.tp_model import tp_ready_kinds
+    kinds = [k for k in builtin_kinds() if k in tp_ready_kinds()]
+    return [kinds_with(lambda c: c.global_attention and c.cp_form == "kv_exchange", kinds)[0],
+            kinds_with(lambda c: c.cp_form == "summary" and not c.takes_segment_pos, kinds)[0], "ttt_linear"]
+
+
+#: chunks and mini-batches of 6 tokens (short_sections(6)): the CP split at token 8 falls inside
+#: the second of each
+HYBRID = [*model_overrides(_pattern(), 6), f"train.max_steps={2 * N}", "optim.lr=1e-3"]
 CP2_TP2 = ["parallel.context_parallel=2", "parallel.tensor_parallel=2"]
 LOSS_ATOL, NORM_RTOL = 1e-4, 5e-4
 

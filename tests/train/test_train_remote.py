@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from launch import losses_by_step, metrics, run
+from launch import attention_and_scan, losses_by_step, metrics, model_overrides, run
 from tests.data.corpus import SHARD_TOKENS, VOCAB, make_texts, write_corpus
 from ttt_lm.data.prepare import prepare
 
@@ -52,7 +52,7 @@ def test_http_corpus_trains_and_resumes_exactly(corpus_url, tmp_path, monkeypatc
 
 
 def test_compile_trains_like_eager(tmp_path):
-    common = ["model.layer_pattern=[attention,rglru]", "train.max_steps=3"]
+    common = [*model_overrides(attention_and_scan()), "train.max_steps=3"]
     eager, compiled = str(tmp_path / "eager"), str(tmp_path / "compiled")
     run(eager, common)
     r = run(compiled, common + ["model.compile=true", "model.compile_backend=aot_eager"])

@@ -12,6 +12,7 @@ above that: 1e-4 relative on the norm.
 """
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -128,12 +129,14 @@ def test_tp_allowed_for_attention_models_with_any_zero_stage():
 
 
 def test_tp_refuses_layer_kinds_that_are_not_tp_ready(monkeypatch):
-    from ttt_lm.model.mixers import mixer_class
-    # every built-in kind declares a plan: titans_mac with its plan removed stands for one without
-    monkeypatch.setattr(mixer_class("titans_mac"), "tp_plan", classmethod(lambda cls, cfg: None))
+    from ttt_lm.model.registry import builtin_kinds, mixer_class
+    # every built-in kind declares a plan: the last built-in kind with its plan removed stands for
+    # one without, between layers of the first
+    first, stub = builtin_kinds()[0], builtin_kinds()[-1]
+    monkeypatch.setattr(mixer_class(stub), "tp_plan", classmethod(lambda cls, cfg: None))
     cfg = _attn_cfg(tensor_parallel=2)
-    cfg.model.layer_pattern = ["attention", "titans_mac", "attention", "titans_mac"]
-    with pytest.raises(ParallelConfigError, match=r"\['titans_mac'\] \(layers \[1, 3\]\) are not TP-ready"):
+    cfg.model.layer_pattern = [first, stub, first, stub]
+    with pytest.raises(ParallelConfigError, match=rf"\[{re.escape(repr(stub))}\] \(layers \[1, 3\]\) are not TP-ready"):
         check_parallel(cfg, world_size=2)
 
 
