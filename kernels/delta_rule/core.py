@@ -1,5 +1,6 @@
 r"""The delta-rule family's chunked Triton kernels, forward and backward: one set of kernels for
-the delta rule (``kernels.delta_rule``), the gated delta rule (``kernels.gated_delta_rule``) and
+the delta rule (``kernels.delta_rule``), the gated delta rule (``kernels.gated_delta_rule``),
+Mamba-2's SSD (``kernels.ssd``, the gated rule without the delta term: ``USE_DELTA`` off) and
 KDA (``kernels.kda``), the same recurrence with no decay, a scalar one or one per key channel (the model is flash-linear-attention's
 ``ops/common/chunk_delta_h.py``, one state kernel serving its delta-rule ops). Each op's
 ``chunk.py`` is a thin entry over this module: its input checks, its launch configuration
@@ -17,6 +18,14 @@ Compile-time switches (``tl.constexpr``) of every kernel:
 * ``USE_GK``: a per-channel log decay g [B, H, T, d_k] (KDA), which turns the scalar factors
   e^{γ_i} below into diagonal matrices over d_k (see "Per-channel decay" below). ``USE_G`` and
   ``USE_GK`` are never both on; with USE_GK off its pointers are ``None`` too.
+* ``USE_DELTA`` (default True; ``_fwd_state``, ``_bwd_state``, ``_bwd_dqk``): the delta term
+  −β_t k_t k_tᵀ. Off (Mamba-2's SSD, ``kernels.ssd``: S_t = e^{g_t} S_{t−1} + β_t k_t v_tᵀ) the
+  WY part drops out: T = I, W = 0, Ṽ = U = diag(β) V, which ``_fwd_state`` reads from v and β;
+  ``_wy_inv`` and ``_wy_fwd`` are not launched (Tm and W are empty), the backward has no terms
+  through W or T (``_bwd_state`` no −Wᵀ dṼ, ``_bwd_dqk`` no dW) and ``_bwd_beta`` replaces
+  ``_bwd_wy``: dv = diag(β) dṼ, dβ = rowsum(dṼ ∘ V), dk = dk_part, dg = the reverse cumulative
+  sum of dg_part. With it on, the pointers it adds (v, β of ``_fwd_state``) are ``None``; with it
+  off, W, U, Tm and dw are. Used with USE_G (or neither decay), never with USE_GK.
 * ``IS_VARLEN`` (packed batches), ``USE_H0`` / ``STORE_HT`` / ``USE_DHT`` / ``STORE_DH0``
   (initial and final states), the tiles, the chunk C and the precisions.
 
