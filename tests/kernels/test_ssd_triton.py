@@ -256,3 +256,22 @@ def test_gpu_bfloat16_inputs():
 @pytest.mark.gpu
 def test_gpu_varlen():
     _compare(1, 900, 4, 64, 2, 128, 256, torch.float32, True, rtol=2e-5, cu=[0, 100, 100, 517, 900])
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_custom_op_passes_opcheck(packed):
+    """``kernels::ssd_fwd`` (no delta term: empty Tm and W outputs) passes torch.library.opcheck:
+    its fake shapes, its schema and its autograd registration (the backward op through it)."""
+    ins, S0 = _inputs(1, 20, 2, 8, 1, 16, D64, with_state=True, n_states=2 if packed else 1)
+    q, k, v, g, beta, h0 = _core_args(ins, S0)
+    g, beta, h0 = g.double(), beta.double(), h0.double()
+    cu = torch.tensor([0, 5, 20], dtype=torch.int32, device=DEV) if packed else None
+    args = (q, k, v, g, beta, h0, cu, 16, 90, True)
+    out = ssd_chunk._fwd_op(*args)
+    assert out[2].numel() == 0 and out[3].numel() == 0     # Tm, W: not formed without the delta term
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v, g, beta, h0)]
+    # packed: the chunk-state buffer's spare slots (⌊T / C⌋ + N bound the chunks) are never written,
+    # so its values differ from run to run and the eager-vs-traced comparison is left out there
+    utils = ("test_schema", "test_autograd_registration", "test_faketensor") + (() if packed else
+                                                                               ("test_aot_dispatch_dynamic",))
+    torch.library.opcheck(ssd_chunk._fwd_op, (*leaves, cu, 16, 90, True), test_utils=utils)
