@@ -1,5 +1,6 @@
 r"""The delta-rule family's chunked Triton kernels, forward and backward: one set of kernels for
-the delta rule (``kernels.delta_rule``), the gated delta rule (``kernels.gated_delta_rule``) and
+the delta rule (``kernels.delta_rule``), the gated delta rule (``kernels.gated_delta_rule``),
+Mamba-2's SSD (``kernels.ssd``, the gated rule without the delta term: ``USE_DELTA`` off) and
 KDA (``kernels.kda``), the same recurrence with no decay, a scalar one or one per key channel (the model is flash-linear-attention's
 ``ops/common/chunk_delta_h.py``, one state kernel serving its delta-rule ops). Each op's
 ``chunk.py`` is a thin entry over this module: its input checks, its launch configuration
@@ -17,6 +18,14 @@ Compile-time switches (``tl.constexpr``) of every kernel:
 * ``USE_GK``: a per-channel log decay g [B, H, T, d_k] (KDA), which turns the scalar factors
   e^{γ_i} below into diagonal matrices over d_k (see "Per-channel decay" below). ``USE_G`` and
   ``USE_GK`` are never both on; with USE_GK off its pointers are ``None`` too.
+* ``USE_DELTA`` (default True; ``_fwd_state``, ``_bwd_state``, ``_bwd_dqk``): the delta term
+  −β_t k_t k_tᵀ. Off (Mamba-2's SSD, ``kernels.ssd``: S_t = e^{g_t} S_{t−1} + β_t k_t v_tᵀ) the
+  WY part drops out: T = I, W = 0, Ṽ = U = diag(β) V, which ``_fwd_state`` reads from v and β;
+  ``_wy_inv`` and ``_wy_fwd`` are not launched (Tm and W are empty), the backward has no terms
+  through W or T (``_bwd_state`` no −Wᵀ dṼ, ``_bwd_dqk`` no dW) and ``_bwd_beta`` replaces
+  ``_bwd_wy``: dv = diag(β) dṼ, dβ = rowsum(dṼ ∘ V), dk = dk_part, dg = the reverse cumulative
+  sum of dg_part. With it on, the pointers it adds (v, β of ``_fwd_state``) are ``None``; with it
+  off, W, U, Tm and dw are. Used with USE_G (or neither decay), never with USE_GK.
 * ``IS_VARLEN`` (packed batches), ``USE_H0`` / ``STORE_HT`` / ``USE_DHT`` / ``STORE_DH0``
   (initial and final states), the tiles, the chunk C and the precisions.
 
@@ -544,17 +553,18 @@ def _wy_fwd(k, v, beta, g, Tm, W, U, cu_seqlens, chunk_offsets, chunk_indices, T
 
 
 @triton.jit
-def _fwd_state(k, g, W, U, Hs, VN, h0, ht, cu_seqlens, chunk_offsets, T, H,
+def _fwd_state(k, v, beta, g, W, U, Hs, VN, h0, ht, cu_seqlens, chunk_offsets, T, H,
                DK: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                USE_H0: tl.constexpr, STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr,
                ACC: tl.constexpr, PS: tl.constexpr, EMU: tl.constexpr, USE_G: tl.constexpr,
-               USE_GK: tl.constexpr):
+               USE_GK: tl.constexpr, USE_DELTA: tl.constexpr):
     """The chunk recurrence for one block of d_v columns of one (sequence, head): per chunk
     Ṽ = U − W S and S ← e^{γ_C} S + K_dᵀ Ṽ (USE_GK: Diag(e^{γ_C}) S, K_d = K ∘ e^{γ_C − γ}), writing each chunk's starting S to Hs and Ṽ to VN (the
     outputs are ``_fwd_o``'s, chunk-parallel). The state is not carried in registers: each chunk
     reads its S back from Hs (written by this program, cache-resident) in blocks of BK rows, once
     to sum W S over d_k and once to write the next chunk's S, so no [C, d_k] operand or [d_k, BV]
-    tile is held whole."""
+    tile is held whole. Without USE_DELTA, Ṽ = diag(β) V is read from v and beta (W and U are None;
+    with USE_DELTA, v and beta are)."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     n = i_nh // H
     h = i_nh % H
@@ -585,16 +595,20 @@ def _fwd_state(k, g, W, U, Hs, VN, h0, ht, cu_seqlens, chunk_offsets, T, H,
         if USE_G:
             gam, gC = _gamma(g, rows, m_t, ACC)
             dec_end = tl.exp(gC - gam)
-        WS = tl.zeros([C, BV], dtype=ACC)
-        for k0 in range(0, DK, BK):
-            o_k = k0 + tl.arange(0, BK)
-            m_tk = m_t[:, None] & (o_k[None, :] < DK)
-            m_kv = (o_k[:, None] < DK) & m_v[None, :]
-            S = tl.load(hs_c + o_k[:, None] * DV + o_v[None, :], mask=m_kv, other=0.0).to(ACC)
-            b_w = tl.load(W + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0).to(ACC)
-            WS += _mm(b_w, S, PS, EMU)
-        b_u = tl.load(U + rows[:, None] * DV + o_v[None, :], mask=m_tv, other=0.0).to(ACC)
-        b_vn = b_u - WS
+        if USE_DELTA:
+            WS = tl.zeros([C, BV], dtype=ACC)
+            for k0 in range(0, DK, BK):
+                o_k = k0 + tl.arange(0, BK)
+                m_tk = m_t[:, None] & (o_k[None, :] < DK)
+                m_kv = (o_k[:, None] < DK) & m_v[None, :]
+                S = tl.load(hs_c + o_k[:, None] * DV + o_v[None, :], mask=m_kv, other=0.0).to(ACC)
+                b_w = tl.load(W + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0).to(ACC)
+                WS += _mm(b_w, S, PS, EMU)
+            b_u = tl.load(U + rows[:, None] * DV + o_v[None, :], mask=m_tv, other=0.0).to(ACC)
+            b_vn = b_u - WS
+        else:   # T = I, W = 0: Ṽ = U = diag(β) V
+            b_b = tl.load(beta + rows, mask=m_t, other=0.0).to(ACC)
+            b_vn = b_b[:, None] * tl.load(v + rows[:, None] * DV + o_v[None, :], mask=m_tv, other=0.0).to(ACC)
         tl.store(VN + rows[:, None] * DV + o_v[None, :], b_vn.to(VN.dtype.element_ty), mask=m_tv)
         for k0 in range(0, DK, BK):
             o_k = k0 + tl.arange(0, BK)
@@ -716,14 +730,14 @@ def _bwd_state(q, k, g, W, do, dht, dHs, dVN, dh0, cu_seqlens, chunk_offsets, T,
                DK: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, IS_VARLEN: tl.constexpr,
                ACC: tl.constexpr, PS: tl.constexpr, EMU: tl.constexpr, USE_G: tl.constexpr,
-               USE_GK: tl.constexpr):
+               USE_GK: tl.constexpr, USE_DELTA: tl.constexpr):
     """The reverse recurrence of the state gradient for one block of d_v columns: per chunk, from
     the gradient dS at its end, dṼ = dṼ_local + K_d dS (dṼ_local = (M ∘ Γ ∘ Q Kᵀ)ᵀ dO, read from
     dVN where ``_bwd_dv_local`` stored it, overwritten with the full dṼ) and
     dS ← e^{γ_C} dS + (diag(e^{γ}) Q)ᵀ dO − Wᵀ dṼ (USE_GK: Diag(e^{γ_C}) dS, Q ∘ e^{γ} and
     K_d = K ∘ e^{γ_C − γ}), writing each chunk's end gradient to dHs. Like
     ``_fwd_state``, dS is read back from dHs in blocks of BK rows instead of being carried in
-    registers."""
+    registers. Without USE_DELTA there is no −Wᵀ dṼ term (W is None)."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     n = i_nh // H
     h = i_nh % H
@@ -778,7 +792,8 @@ def _bwd_state(q, k, g, W, do, dht, dHs, dVN, dh0, cu_seqlens, chunk_offsets, T,
             m_kv = (o_k[:, None] < DK) & m_v[None, :]
             kv_off = o_k[:, None] * DV + o_v[None, :]
             b_q = tl.load(q + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0)
-            b_w = tl.load(W + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0).to(ACC)
+            if USE_DELTA:
+                b_w = tl.load(W + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0).to(ACC)
             dS = tl.load(dhs_c + kv_off, mask=m_kv, other=0.0).to(ACC)
             if USE_G:
                 b_q = b_q.to(ACC) * tl.exp(gam)[:, None]
@@ -788,7 +803,10 @@ def _bwd_state(q, k, g, W, do, dht, dHs, dVN, dh0, cu_seqlens, chunk_offsets, T,
                 gC_k = _gk_last(g, row0, Tn, c, C, DK, o_k, ACC)
                 b_q = b_q.to(ACC) * tl.exp(gam_k)
                 dS = tl.exp(gC_k)[:, None] * dS
-            dS = dS + _mm(tl.trans(b_q), b_do, PS, EMU) - _mm(tl.trans(b_w), b_dvn, PS, EMU)
+            if USE_DELTA:
+                dS = dS + _mm(tl.trans(b_q), b_do, PS, EMU) - _mm(tl.trans(b_w), b_dvn, PS, EMU)
+            else:
+                dS = dS + _mm(tl.trans(b_q), b_do, PS, EMU)
             if c > 0:
                 tl.store(dhs_c - H * DK * DV + kv_off, dS.to(dHs.dtype.element_ty), mask=m_kv)
             elif STORE_DH0:
@@ -801,13 +819,14 @@ def _bwd_dqk(q, k, g, VN, do, dVN, Hs, dHs, dq, dk_part, dw, dg_part, dAqk,
              cu_seqlens, chunk_offsets, chunk_indices, T, H,
              DK: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
              IS_VARLEN: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr, PS: tl.constexpr,
-             EMU: tl.constexpr, USE_G: tl.constexpr, USE_GK: tl.constexpr):
+             EMU: tl.constexpr, USE_G: tl.constexpr, USE_GK: tl.constexpr, USE_DELTA: tl.constexpr):
     """Chunk-local gradients through the state and the intra-chunk attention, summed over d_v
     blocks: dP = M ∘ Γ ∘ dO Ṽᵀ, dQ = diag(e^{γ}) dO S_nᵀ + dP K, dK ∋ dPᵀ Q + K_d's terms (stored as
     dk_part), dW = −dṼ S_nᵀ (stored for ``_bwd_wy``) and, with USE_G, the gradient of γ from these
     terms (dg_part; module docstring). With USE_GK the terms through the decayed scores are left
     to ``_gk_bwd_intra``: dq gets the state's part (Q ∘ e^{γ}) only, dP is stored to dAqk, and
-    dg_part is the per-channel dγ [C, d_k] of the state terms."""
+    dg_part is the per-channel dγ [C, d_k] of the state terms. Without USE_DELTA there is no W
+    (dw is None and dW is not formed)."""
     i_c, h = tl.program_id(0), tl.program_id(1)
     c, row0, Tn, coff = _chunk_info(cu_seqlens, chunk_offsets, chunk_indices, i_c, h, T, H, C, IS_VARLEN)
     hs_off = ((coff + c) * H + h) * DK * DV
@@ -835,12 +854,14 @@ def _bwd_dqk(q, k, g, VN, do, dVN, Hs, dHs, dq, dk_part, dw, dg_part, dAqk,
         b_dq += _mm(b_do, tl.trans(S), PS, EMU)
         dP += _mm(b_do, tl.trans(b_vn), PS, EMU)
         b_dk += _mm(b_vn, tl.trans(dS), PS, EMU)
-        b_dw -= _mm(b_du, tl.trans(S), PS, EMU)
+        if USE_DELTA:
+            b_dw -= _mm(b_du, tl.trans(S), PS, EMU)
         if USE_G:
             sdS += tl.sum(S.to(ACC) * dS.to(ACC), 1)
         if USE_GK:
             sdS += tl.sum(S.to(ACC) * dS.to(ACC), 1)
-    tl.store(dw + rows[:, None] * DK + o_k[None, :], b_dw.to(dw.dtype.element_ty), mask=m_tk)
+    if USE_DELTA:
+        tl.store(dw + rows[:, None] * DK + o_k[None, :], b_dw.to(dw.dtype.element_ty), mask=m_tk)
     if USE_GK:
         b_q = tl.load(q + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0).to(ACC)
         b_k = tl.load(k + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0).to(ACC)
@@ -998,6 +1019,39 @@ def _bwd_wy(k, v, beta, g, Tm, dVN, dk_part, dw, dg_part, dk, dv, dbeta, dg, Akk
         tl.store(dg + rows, b_dg.to(dg.dtype.element_ty), mask=m_t)
 
 
+@triton.jit
+def _bwd_beta(v, beta, dVN, dk_part, dg_part, dk, dv, dbeta, dg, cu_seqlens, chunk_offsets, chunk_indices, T, H,
+              DK: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+              IS_VARLEN: tl.constexpr, ACC: tl.constexpr, USE_G: tl.constexpr):
+    """``_bwd_wy`` without USE_DELTA (T = I, W = 0, Ṽ = diag(β) V): for one chunk (grid: chunks,
+    H), dv = diag(β) dṼ, dβ = rowsum(dṼ ∘ V), dk = dk_part (``_bwd_dqk``'s terms are all of it)
+    and, with USE_G, dg = the reverse cumulative sum of dg_part over the chunk. No products."""
+    i_c, h = tl.program_id(0), tl.program_id(1)
+    c, row0, Tn, coff = _chunk_info(cu_seqlens, chunk_offsets, chunk_indices, i_c, h, T, H, C, IS_VARLEN)
+    o_t = c * C + tl.arange(0, C)
+    m_t = o_t < Tn
+    rows = row0 + o_t
+    b_b = tl.load(beta + rows, mask=m_t, other=0.0).to(ACC)
+    b_db = tl.zeros([C], dtype=ACC)
+    for v0 in range(0, DV, BV):
+        o_v = v0 + tl.arange(0, BV)
+        m_tv = m_t[:, None] & (o_v[None, :] < DV)
+        b_v = tl.load(v + rows[:, None] * DV + o_v[None, :], mask=m_tv, other=0.0).to(ACC)
+        b_du = tl.load(dVN + rows[:, None] * DV + o_v[None, :], mask=m_tv, other=0.0).to(ACC)
+        tl.store(dv + rows[:, None] * DV + o_v[None, :], (b_b[:, None] * b_du).to(dv.dtype.element_ty), mask=m_tv)
+        b_db += tl.sum(b_du * b_v, 1)
+    tl.store(dbeta + rows, b_db.to(dbeta.dtype.element_ty), mask=m_t)
+    for k0 in range(0, DK, BK):
+        o_k = k0 + tl.arange(0, BK)
+        m_tk = m_t[:, None] & (o_k[None, :] < DK)
+        b_dk = tl.load(dk_part + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0)
+        tl.store(dk + rows[:, None] * DK + o_k[None, :], b_dk.to(dk.dtype.element_ty), mask=m_tk)
+    if USE_G:
+        dgam = tl.load(dg_part + rows, mask=m_t, other=0.0).to(ACC)
+        b_dg = tl.sum(dgam, 0) - tl.cumsum(dgam, 0) + dgam
+        tl.store(dg + rows, b_dg.to(dg.dtype.element_ty), mask=m_t)
+
+
 # ---- host side: layout, precisions, launches -------------------------------------------------------
 
 def _layout(B: int, T: int, C: int, cu_seqlens: Optional[torch.Tensor]):
@@ -1053,11 +1107,13 @@ def _gk_prep(mt: dict, q, k, g, cu, chunk_offsets, chunk_indices, NC: int, C: in
     return gam, Aqk, Akk
 
 
-def chunk_fwd(mt: dict, q, k, v, g, beta, initial_state, cu_seqlens, C: int, output_final_state: bool):
+def chunk_fwd(mt: dict, q, k, v, g, beta, initial_state, cu_seqlens, C: int, output_final_state: bool,
+              use_delta: bool = True):
     """The forward launches for launch config ``mt`` (an op's ``launch_meta``); g None is the
     delta rule (USE_G = False), g [B, H, T] the gated one (USE_G), g [B, H, T, d_k] KDA (USE_GK,
     γ and the decayed scores from ``_gk_prep`` first). Returns o, final state ([0] when not asked for), and what the
-    backward reads: Tm, W, VN, Hs."""
+    backward reads: Tm, W, VN, Hs. ``use_delta`` False (USE_DELTA off, the SSD): no ``_wy_inv`` or
+    ``_wy_fwd``, Tm and W are empty ([0])."""
     B, H, T, DK = k.shape
     DV = v.shape[-1]
     q, k, v, beta = (t.contiguous() for t in (q, k, v, beta))
@@ -1072,25 +1128,30 @@ def chunk_fwd(mt: dict, q, k, v, g, beta, initial_state, cu_seqlens, C: int, out
     Aqk = Akk = None
     if use_gk and B * T > 0:   # g becomes γ, the chunk-local cumulative decay
         g, Aqk, Akk = _gk_prep(mt, q, k, g, cu_seqlens, chunk_offsets, chunk_indices, NC, C, common)
-    Tm = torch.empty(B, H, T, C, dtype=acc, device=k.device)
-    W = torch.empty(B, H, T, DK, dtype=acc, device=k.device)
-    U = torch.empty(B, H, T, DV, dtype=acc, device=k.device)
-    VN = torch.empty_like(U)
+    if use_delta:
+        Tm = torch.empty(B, H, T, C, dtype=acc, device=k.device)
+        W = torch.empty(B, H, T, DK, dtype=acc, device=k.device)
+        U = torch.empty(B, H, T, DV, dtype=acc, device=k.device)
+    else:
+        Tm, W, U = (k.new_empty(0, dtype=acc) for _ in range(3))
+    VN = torch.empty(B, H, T, DV, dtype=acc, device=k.device)
     Hs = torch.empty(max(NC, 1), H, DK, DV, dtype=acc, device=k.device)
     o = torch.empty(B, H, T, DV, dtype=v.dtype, device=v.device)
     h0 = None if initial_state is None else initial_state.to(acc).contiguous()
     ht = torch.empty(N, H, DK, DV, dtype=acc, device=k.device) if output_final_state else None
     cu = cu_seqlens
-    if B * T > 0:   # some chunk holds tokens
+    if B * T > 0 and use_delta:   # some chunk holds tokens
         _wy_inv[(NC, H)](k, beta, g, Tm, Akk, cu, chunk_offsets, chunk_indices, T, H, DK=DK, BK=BK,
                          PK=mt["PREC"], PS=mt["PS"], num_warps=mt["warps_inv"], **common)
         BKW, BVW = mt["BKW"], mt["BVW"]
         _wy_fwd[(NC, H, triton.cdiv(DK, BKW) + triton.cdiv(DV, BVW))](
             k, v, beta, g, Tm, W, U, cu, chunk_offsets, chunk_indices, T, H, DK=DK, DV=DV, BK=BKW, BV=BVW,
             PS=mt["PS"], num_warps=mt["warps_wy"], **common)
-    _fwd_state[(NV, N * H)](k, g, W, U, Hs, VN, h0, ht, cu, chunk_offsets, T, H,
+    vb = (None, None) if use_delta else (v, beta)
+    WU = (W, U) if use_delta else (None, None)
+    _fwd_state[(NV, N * H)](k, *vb, g, *WU, Hs, VN, h0, ht, cu, chunk_offsets, T, H,
                             DK=DK, DV=DV, BK=mt["BKS"], BV=BV, USE_H0=h0 is not None, STORE_HT=ht is not None,
-                            PS=mt["PS"], num_warps=mt["warps_state"], **common)
+                            PS=mt["PS"], USE_DELTA=use_delta, num_warps=mt["warps_state"], **common)
     if B * T > 0:   # some chunk holds tokens
         _fwd_o[(NC, H, NV)](q, k, g, VN, Hs, o, Aqk, cu, chunk_offsets, chunk_indices, T, H, DK=DK, DV=DV,
                             BK=mt["BKS"], BV=BV, PREC=mt["PREC"], PS=mt["PS"], num_warps=mt["warps_o"], **common)
@@ -1099,10 +1160,12 @@ def chunk_fwd(mt: dict, q, k, v, g, beta, initial_state, cu_seqlens, C: int, out
     return o, ht, Tm, W, VN, Hs
 
 
-def chunk_bwd(mt: dict, q, k, v, g, beta, Tm, W, VN, Hs, do, dht, cu_seqlens, C: int, h0_dtype):
+def chunk_bwd(mt: dict, q, k, v, g, beta, Tm, W, VN, Hs, do, dht, cu_seqlens, C: int, h0_dtype,
+              use_delta: bool = True):
     """The backward launches: dq, dk, dv, dg ([0] without g), dbeta, d initial_state ([0] when
     there is none); each input's gradient in that input's memory layout (strides), as the fake
-    implementation and autograd expect."""
+    implementation and autograd expect. ``use_delta`` False: ``_bwd_beta`` instead of ``_bwd_wy``
+    (Tm and W are unused)."""
     cu = cu_seqlens
     given = (q, k, v, g, beta)
     q, k, v, beta = (t.contiguous() for t in (q, k, v, beta))
@@ -1129,16 +1192,16 @@ def chunk_bwd(mt: dict, q, k, v, g, beta, Tm, W, VN, Hs, do, dht, cu_seqlens, C:
         _bwd_dv_local[(NC, H, NV)](q, k, gam, do, dVN, Aqk, cu, chunk_offsets, chunk_indices, T, H, DK=DK, DV=DV,
                                    BK=mt["BKS"], BV=BV, PREC=mt["PREC"], PS=mt["PS"],
                                    num_warps=mt["warps_o"], **common)
-    _bwd_state[(NV, N * H)](q, k, gam, W, do, dht, dHs, dVN, dh0, cu, chunk_offsets, T, H,
+    _bwd_state[(NV, N * H)](q, k, gam, W if use_delta else None, do, dht, dHs, dVN, dh0, cu, chunk_offsets, T, H,
                             DK=DK, DV=DV, BK=mt["BKS"], BV=BV, USE_DHT=dht is not None, STORE_DH0=has_h0,
-                            PS=mt["PS"], num_warps=mt["warps_state"], **common)
+                            PS=mt["PS"], USE_DELTA=use_delta, num_warps=mt["warps_state"], **common)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dg = torch.empty_like(g) if use_g else q.new_empty(0)
     dbeta = torch.empty_like(beta)
     if B * T > 0:   # some chunk holds tokens
         acc = Hs.dtype
         dk_part = torch.empty(B, H, T, DK, dtype=acc, device=k.device)
-        dw = torch.empty_like(dk_part)
+        dw = torch.empty_like(dk_part) if use_delta else None
         dg_part = torch.empty(g.shape, dtype=acc, device=k.device) if use_g else None
         # USE_GK: _bwd_dqk and _bwd_wy leave dq, dk and dγ in float32 buffers, dP and dG in
         # dAqk and dAkk, for _gk_bwd_intra to finish
@@ -1148,10 +1211,16 @@ def chunk_bwd(mt: dict, q, k, v, g, beta, Tm, W, VN, Hs, do, dht, cu_seqlens, C:
             dAqk, dAkk = torch.empty_like(Aqk), torch.empty_like(Akk)
         _bwd_dqk[(NC, H)](q, k, gam, VN, do, dVN, Hs, dHs, dq1, dk_part, dw, dg_part, dAqk, cu, chunk_offsets,
                           chunk_indices, T, H, DK=DK, DV=DV, BK=BK, BV=BV, PREC=mt["PREC"], PS=mt["PS"],
-                          num_warps=mt["warps_chunk"], **common)
-        _bwd_wy[(NC, H)](k, v, beta, gam, Tm, dVN, dk_part, dw, dg_part, dk1, dv, dbeta, dg1, Akk, dAkk,
-                         cu, chunk_offsets, chunk_indices, T, H, DK=DK, DV=DV, BK=mt["BKS"], BV=mt["BV_bwd_wy"],
-                         PREC=mt["PREC"], PS=mt["PS"], num_warps=mt["warps_bwd_wy"], **common)
+                          USE_DELTA=use_delta, num_warps=mt["warps_chunk"], **common)
+        if not use_delta:
+            _bwd_beta[(NC, H)](v, beta, dVN, dk_part, dg_part, dk, dv, dbeta, dg if use_g else None, cu,
+                               chunk_offsets, chunk_indices, T, H, DK=DK, DV=DV, BK=mt["BKS"], BV=BV, C=C,
+                               IS_VARLEN=common["IS_VARLEN"], ACC=common["ACC"], USE_G=common["USE_G"],
+                               num_warps=mt["warps_beta"], num_stages=mt["stages"])
+        else:
+            _bwd_wy[(NC, H)](k, v, beta, gam, Tm, dVN, dk_part, dw, dg_part, dk1, dv, dbeta, dg1, Akk, dAkk,
+                             cu, chunk_offsets, chunk_indices, T, H, DK=DK, DV=DV, BK=mt["BKS"], BV=mt["BV_bwd_wy"],
+                             PREC=mt["PREC"], PS=mt["PS"], num_warps=mt["warps_bwd_wy"], **common)
         if use_gk:
             BKG = mt["BKG"]
             _gk_bwd_intra[(NC, H, triton.cdiv(DK, BKG))](
@@ -1166,7 +1235,7 @@ def chunk_bwd(mt: dict, q, k, v, g, beta, Tm, W, VN, Hs, do, dht, cu_seqlens, C:
     return (*grads, dh0)
 
 
-def make_op(name: str, launch_meta: Callable[[int, int, torch.dtype, int], dict]):
+def make_op(name: str, launch_meta: Callable[[int, int, torch.dtype, int], dict], use_delta: bool = True):
     """The PyTorch custom op ``kernels::<name>_fwd`` (with its backward ``kernels::<name>_bwd``
     registered as its autograd): torch.compile (model.compile) captures it as one opaque node of
     the block's graph, with shapes from the fake implementations, instead of tracing the Triton
@@ -1174,7 +1243,8 @@ def make_op(name: str, launch_meta: Callable[[int, int, torch.dtype, int], dict]
     cu_seqlens, C, arch, output_final_state); the launch config is recomputed inside from
     ``launch_meta(d_k, d_v, dtype, arch)`` (called at each launch, so the op's module attribute
     is what counts), the varlen chunk tables from cu_seqlens, on the device (``_layout``), their
-    size ⌊T / C⌋ + N known without reading the offsets."""
+    size ⌊T / C⌋ + N known without reading the offsets. ``use_delta`` False: the kernels with
+    USE_DELTA off (no delta term: T = I, W = 0; the SSD's), whose Tm and W outputs are empty."""
 
     @torch.library.custom_op(f"kernels::{name}_fwd", mutates_args=())
     def fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor], beta: torch.Tensor,
@@ -1182,7 +1252,7 @@ def make_op(name: str, launch_meta: Callable[[int, int, torch.dtype, int], dict]
                output_final_state: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                                   torch.Tensor, torch.Tensor]:
         mt = launch_meta(k.shape[-1], v.shape[-1], q.dtype, arch)
-        return chunk_fwd(mt, q, k, v, g, beta, initial_state, cu_seqlens, C, output_final_state)
+        return chunk_fwd(mt, q, k, v, g, beta, initial_state, cu_seqlens, C, output_final_state, use_delta)
 
     @fwd_op.register_fake
     def _(q, k, v, g, beta, initial_state, cu_seqlens, C, arch, output_final_state):
@@ -1191,8 +1261,8 @@ def make_op(name: str, launch_meta: Callable[[int, int, torch.dtype, int], dict]
         acc = _acc_dtype(k)
         N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
         NC = B * triton.cdiv(T, C) if cu_seqlens is None else T // C + N   # chunk slots, as ``_layout``
-        Tm = k.new_empty(B, H, T, C, dtype=acc)
-        W = k.new_empty(B, H, T, DK, dtype=acc)
+        Tm = k.new_empty(B, H, T, C, dtype=acc) if use_delta else k.new_empty(0, dtype=acc)
+        W = k.new_empty(B, H, T, DK, dtype=acc) if use_delta else k.new_empty(0, dtype=acc)
         U = k.new_empty(B, H, T, DV, dtype=acc)
         Hs = k.new_empty(torch.sym_max(NC, 1), H, DK, DV, dtype=acc)
         ht = k.new_empty(N, H, DK, DV, dtype=acc) if output_final_state else k.new_empty(0, dtype=acc)
@@ -1205,7 +1275,7 @@ def make_op(name: str, launch_meta: Callable[[int, int, torch.dtype, int], dict]
                h0_dtype: Optional[torch.dtype]
                ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         mt = launch_meta(k.shape[-1], v.shape[-1], q.dtype, arch)
-        return chunk_bwd(mt, q, k, v, g, beta, Tm, W, VN, Hs, do, dht, cu_seqlens, C, h0_dtype)
+        return chunk_bwd(mt, q, k, v, g, beta, Tm, W, VN, Hs, do, dht, cu_seqlens, C, h0_dtype, use_delta)
 
     @bwd_op.register_fake
     def _(q, k, v, g, beta, Tm, W, VN, Hs, do, dht, cu_seqlens, C, arch, h0_dtype):
@@ -1253,49 +1323,67 @@ def run(name: str, fwd_op, launch_meta, arch: int, q, k, v, g, beta, initial_sta
 # ---- the compile gate ------------------------------------------------------------------------------
 
 def gate_launches(mt: dict, arch: int, dt: str, dk: int, dv: int, C: int, varlen: bool, use_g: bool,
-                  use_gk: bool = False) -> List[dict]:
+                  use_gk: bool = False, use_delta: bool = True) -> List[dict]:
     """The eight kernels' launches at launch config ``mt`` (an op's ``launch_meta``) for an op's
     ``compile_cases.py``: input dtype ``dt`` ("bf16", "fp32"), head dims, kernel chunk C, fixed-length or
     packed (``cu_seqlens``, configs named "varlen"), with an initial and a final state; with
     ``use_g`` the decay's pointers are float32 and the configs are named "USE_G", without they are
     constexpr None; with ``use_gk`` (the per-channel decay, configs named "USE_GK") the decay's
     and the scores' pointers are float32, as are the dq, dk and dg buffers the USE_GK backward
-    leaves to ``_gk_bwd_intra``, and the three USE_GK kernels are added. One dict per launch, in
-    the form ``kernels.compile_report.cases_from_launches`` takes."""
+    leaves to ``_gk_bwd_intra``, and the three USE_GK kernels are added. With ``use_delta`` False
+    (configs named "NO_DELTA", the SSD's) ``_wy_inv`` and ``_wy_fwd`` are not launched,
+    ``_bwd_beta`` replaces ``_bwd_wy``, W, U, Tm and dw are constexpr None and β, dβ float32. One
+    dict per launch, in the form ``kernels.compile_report.cases_from_launches`` takes."""
     io = lambda *names: {n: "*" + dt for n in names}     # noqa: E731
     acc = lambda *names: {n: "*fp32" for n in names}      # noqa: E731
     ints = {"T": "i32", "H": "i32"}
     # the decay's pointers, and the scores' of USE_GK: float32 when switched on, else constexpr None
     ptr_on = {**{n: use_g or use_gk for n in ("g", "dg_part", "dg")},
-              **{n: use_gk for n in ("Aqk", "Akk", "dAqk", "dAkk")}}
+              **{n: use_gk for n in ("Aqk", "Akk", "dAqk", "dAkk")},
+              **{n: use_delta for n in ("W", "U", "Tm", "dw")}}
     base = dict(C=C, IS_VARLEN=False, ACC=tl.float32, EMU=False, USE_G=use_g, USE_GK=use_gk, cu_seqlens=None,
                 chunk_offsets=None)
     io_gk = acc if use_gk else io   # dq of _bwd_dqk, dk of _bwd_wy
-    entries = [
+    if not use_delta:   # the SSD's β is its step Δ, kept in float32
+        io = lambda *names: {n: ("*fp32" if n in ("beta", "dbeta") else "*" + dt) for n in names}   # noqa: E731
+    dl = dict(USE_DELTA=use_delta)
+    fwd_state_io = ({**io("k"), **acc("W", "U", "Hs", "VN", "h0", "ht")} if use_delta else
+                    {**io("k", "v", "beta"), **acc("Hs", "VN", "h0", "ht")})
+    wy = [
         (_wy_inv, {**io("k", "beta"), **acc("Tm"), **ints},
          dict(base, chunk_indices=None, DK=dk, BK=mt["BK"], PK=mt["PREC"], PS=mt["PS"]), mt["warps_inv"]),
         (_wy_fwd, {**io("k", "v", "beta"), **acc("Tm", "W", "U"), **ints},
          dict(base, chunk_indices=None, DK=dk, DV=dv, BK=mt["BKW"], BV=mt["BVW"], PS=mt["PS"]), mt["warps_wy"]),
-        (_fwd_state, {**io("k"), **acc("W", "U", "Hs", "VN", "h0", "ht"), **ints},
-         dict(base, DK=dk, DV=dv, BK=mt["BKS"], BV=mt["BV"], USE_H0=True, STORE_HT=True, PS=mt["PS"]),
-         mt["warps_state"]),
+    ] if use_delta else []
+    entries = wy + [
+        (_fwd_state, {**fwd_state_io, **ints},
+         dict(base, **dl, DK=dk, DV=dv, BK=mt["BKS"], BV=mt["BV"], USE_H0=True, STORE_HT=True, PS=mt["PS"],
+              **({"v": None, "beta": None} if use_delta else {})), mt["warps_state"]),
         (_fwd_o, {**io("q", "k"), **acc("VN", "Hs"), **io("o"), **ints},
          dict(base, chunk_indices=None, DK=dk, DV=dv, BK=mt["BKS"], BV=mt["BV"], PREC=mt["PREC"],
               PS=mt["PS"]), mt["warps_o"]),
         (_bwd_dv_local, {**io("q", "k", "do"), **acc("dVN"), **ints},
          dict(base, chunk_indices=None, DK=dk, DV=dv, BK=mt["BKS"], BV=mt["BV"], PREC=mt["PREC"],
               PS=mt["PS"]), mt["warps_o"]),
-        (_bwd_state, {**io("q", "k", "do"), **acc("W", "dht", "dHs", "dVN", "dh0"), **ints},
-         dict(base, DK=dk, DV=dv, BK=mt["BKS"], BV=mt["BV"], USE_DHT=True, STORE_DH0=True, PS=mt["PS"]),
+        (_bwd_state, {**io("q", "k", "do"), **acc(*(("W",) if use_delta else ()), "dht", "dHs", "dVN", "dh0"), **ints},
+         dict(base, **dl, DK=dk, DV=dv, BK=mt["BKS"], BV=mt["BV"], USE_DHT=True, STORE_DH0=True, PS=mt["PS"]),
          mt["warps_state"]),
-        (_bwd_dqk, {**io("q", "k", "do"), **io_gk("dq"), **acc("VN", "dVN", "Hs", "dHs", "dk_part", "dw"), **ints},
-         dict(base, chunk_indices=None, DK=dk, DV=dv, BK=mt["BK"], BV=mt["BV"], PREC=mt["PREC"],
+        (_bwd_dqk, {**io("q", "k", "do"), **io_gk("dq"),
+                    **acc("VN", "dVN", "Hs", "dHs", "dk_part", *(("dw",) if use_delta else ())), **ints},
+         dict(base, **dl, chunk_indices=None, DK=dk, DV=dv, BK=mt["BK"], BV=mt["BV"], PREC=mt["PREC"],
               PS=mt["PS"]), mt["warps_chunk"]),
-        (_bwd_wy, {**io("k", "v", "beta", "dv", "dbeta"), **io_gk("dk"), **acc("Tm", "dVN", "dk_part", "dw"),
-                   **ints},
-         dict(base, chunk_indices=None, DK=dk, DV=dv, BK=mt["BKS"], BV=mt["BV_bwd_wy"], PREC=mt["PREC"],
-              PS=mt["PS"]), mt["warps_bwd_wy"]),
     ]
+    if use_delta:
+        entries.append(
+            (_bwd_wy, {**io("k", "v", "beta", "dv", "dbeta"), **io_gk("dk"), **acc("Tm", "dVN", "dk_part", "dw"),
+                       **ints},
+             dict(base, chunk_indices=None, DK=dk, DV=dv, BK=mt["BKS"], BV=mt["BV_bwd_wy"], PREC=mt["PREC"],
+                  PS=mt["PS"]), mt["warps_bwd_wy"]))
+    else:
+        entries.append(
+            (_bwd_beta, {**io("v", "beta", "dk", "dv", "dbeta"), **acc("dVN", "dk_part"), **ints},
+             dict(C=C, IS_VARLEN=False, ACC=tl.float32, USE_G=use_g, cu_seqlens=None, chunk_offsets=None,
+                  chunk_indices=None, DK=dk, DV=dv, BK=mt["BKS"], BV=mt["BV"]), mt["warps_beta"]))
     if use_gk:
         gk = dict(C=C, IS_VARLEN=False, ACC=tl.float32, cu_seqlens=None, chunk_offsets=None, chunk_indices=None,
                   DK=dk, BK=mt["BKG"])
@@ -1321,7 +1409,8 @@ def gate_launches(mt: dict, arch: int, dt: str, dk: int, dv: int, C: int, varlen
             cex = {n: v for n, v in cex.items() if n not in tables} | {"IS_VARLEN": True}
         # every argument in the kernel's order (the report maps names, but a reader compares them)
         sig = {n: sig[n] for n in names if n in sig}
-        cfg = f"{'USE_G ' if use_g else ''}{'USE_GK ' if use_gk else ''}{dt} dk={dk} dv={dv} C={C}{' varlen' if varlen else ''} sm_{arch}"
+        cfg = (f"{'' if use_delta else 'NO_DELTA '}{'USE_G ' if use_g else ''}{'USE_GK ' if use_gk else ''}{dt} "
+               f"dk={dk} dv={dv} C={C}{' varlen' if varlen else ''} sm_{arch}")
         out.append(dict(name=f"{fn.__name__}[{cfg}]", kernel=fn, config=cfg, signature=sig,
                         constexprs=cex, num_warps=warps, num_stages=mt["stages"], archs=(arch,)))
     return out

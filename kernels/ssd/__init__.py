@@ -8,8 +8,9 @@ sequential specification; ``torch_chunk.py`` the chunked (SSD) form, finite unde
 docstring says how). Every backend checks shapes and dtypes at entry (``shapes.py``); the public
 function also checks A ≤ 0 and Δ ≥ 0. Design notes: ``kernels/ssd/README.md``.
 
-Backends: "reference" and "torch". The Triton kernels (chunked forward and backward, varlen) are
-not written yet: ``backend="triton"`` is refused with that reason.
+Backends: "reference", "torch" and "triton" (``chunk.py``: the delta-rule family's chunked
+kernels with the delta term switched off, forward and backward, packed batches in one launch per
+kernel; n ≤ 128, p ≤ 256).
 """
 from __future__ import annotations
 
@@ -19,15 +20,23 @@ from typing import Optional, Tuple
 import torch
 
 from kernels.contract import OpContract, backends_listed
+from kernels.gated_delta_rule.shapes import MAX_DK, MAX_DV
 from kernels.ssd.reference import ssd_reference
 from kernels.ssd.shapes import check_ssd_inputs, check_ssd_values
 from kernels.ssd.torch_chunk import ssd_chunk_torch
 
+try:
+    from kernels.ssd.chunk import ssd_triton
+except ImportError:  # no triton installed: the PyTorch forms still work
+    ssd_triton = None
+
 #: implementations ``ssd`` can dispatch to
-BACKENDS = ("torch", "reference")
-#: what the Triton backend covers (``kernels.contract``): not built yet, which the reason says.
-#: A caller passes the head sizes h, p, n and the groups g (``shapes.py``'s names) for limits here.
-CONTRACT = OpContract("kernels.ssd", backends_listed(sys.modules[__name__]))
+BACKENDS = ("torch", "reference") + (("triton",) if ssd_triton is not None else ())
+#: what the Triton backend covers (``kernels.contract``): the delta-rule family's head sizes, the
+#: state size n as its d_k and the head dim p as its d_v. A caller passes h, p, n and the groups g
+#: (``shapes.py``'s names).
+CONTRACT = OpContract("kernels.ssd", backends_listed(sys.modules[__name__]),
+                      max_dims={"n": MAX_DK, "p": MAX_DV})
 
 
 def ssd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
@@ -43,21 +52,22 @@ def ssd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: 
     Returns (y [b, T, h, p] in x's dtype, final state [N, h, p, n] in the accumulation dtype —
     float32 for half inputs — or None unless ``output_final_state``). ``backend``: "torch"
     (chunked, ``chunk_size`` tokens per chunk, a power of two; the result does not depend on it)
+    "triton" (``chunk.py``; n ≤ 128, p ≤ 256; kernel chunk ``chunk_size`` capped per dtype and GPU)
     or "reference" (sequential). ``cu_seqlens`` [N + 1] (b = 1): a packed batch of N sequences,
     each from its own row of ``initial_state`` (or zero) and with its own final state, in one
     call (both backends restart the state inside the scan)."""
     check_ssd_inputs("ssd", x, dt, A, B, C, D, z, dt_bias, initial_state, chunk_size, cu_seqlens)
-    if backend == "triton":
-        raise ValueError("ssd: no Triton backend yet (the chunked forward and backward kernels are not written); "
-                         f"available: {list(BACKENDS)}")
     if backend not in BACKENDS:
         raise ValueError(f"ssd: unknown backend {backend!r}; available: {list(BACKENDS)}")
     if not torch.compiler.is_compiling():
         check_ssd_values("ssd", dt, A, dt_bias, dt_softplus)
+    if backend == "triton":
+        return ssd_triton(x, dt, A, B, C, D, z, dt_bias, dt_softplus, initial_state, output_final_state,
+                          chunk_size, cu_seqlens)
     if backend == "torch":
         return ssd_chunk_torch(x, dt, A, B, C, D, z, dt_bias, dt_softplus, initial_state, output_final_state,
                                chunk_size, cu_seqlens)
     return ssd_reference(x, dt, A, B, C, D, z, dt_bias, dt_softplus, initial_state, output_final_state, cu_seqlens)
 
 
-__all__ = ["CONTRACT", "ssd", "ssd_reference", "ssd_chunk_torch", "BACKENDS"]
+__all__ = ["CONTRACT", "ssd", "ssd_reference", "ssd_chunk_torch", "ssd_triton", "BACKENDS"]

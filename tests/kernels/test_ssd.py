@@ -327,8 +327,6 @@ def test_refuses_bad_input():
         ssd(x, dt, A, B, C, chunk_size=48)
     with pytest.raises(ValueError, match=r"chunk_size must be a power of two .* got 0"):
         ssd(x, dt, A, B, C, chunk_size=0)
-    with pytest.raises(ValueError, match="no Triton backend yet"):
-        ssd(x, dt, A, B, C, backend="triton")
     with pytest.raises(ValueError, match="unknown backend 'cuda'"):
         ssd(x, dt, A, B, C, backend="cuda")
     with pytest.raises(ValueError, match=r"the step dt must be >= 0"):

@@ -17,9 +17,9 @@ g = ngroups groups of B and C (head i reads group i // (h / g)) and state size n
     out_t                = W_out [SiLU(z₀) ∘ x₀ | y_t]
 
 ``kernels.ssd`` runs the scan (mamba_ssm's ``mamba_chunk_scan_combined`` layout). Forms:
-``reference`` the op's token-by-token reference, ``chunked`` its chunked (SSD) form (the one
-resolver picks the backend: PyTorch today; a Triton backend of the op, once ``kernels.ssd.BACKENDS``
-lists it, on CUDA), ``step`` one token from the cache {conv [B, conv_dim, d_conv]: the last d_conv
+``reference`` the op's token-by-token reference, ``chunked`` its chunked (SSD) form (the
+resolver picks the backend: the op's Triton kernels, ``kernels::ssd_fwd``, on CUDA; PyTorch
+elsewhere), ``step`` one token from the cache {conv [B, conv_dim, d_conv]: the last d_conv
 inputs of the conv, as mamba_ssm's ``conv_state``; ssm [B, h, p, n]: S}.
 
 Init (mamba_ssm's ``Mamba2.__init__``): A ~ U(A_init_range) = U(1, 16) per head, A_log = log A;
@@ -201,6 +201,7 @@ class Mamba2(Mixer):
     #: the state is affine in its initial value (a scalar decay per head): chunk summaries combine
     cp_form = "summary"
     op_name = "ssd"
+    triton_custom_op = "kernels::ssd_fwd"
 
     def __init__(self, cfg, layer_idx: int):
         super().__init__()
@@ -329,8 +330,9 @@ class Mamba2(Mixer):
         With ``inp["cu_seqlens"]`` (packed documents) the op runs once on the batch flattened to one
         row ([B, T, ·] → [1, B·T, ·]), and ``initial_state`` / the final state are then per
         document of ``cu_seqlens`` ([N, h, p, n], N documents; context parallelism routes its rows'
-        states to them). The PyTorch and reference backends are called directly (A < 0 and Δ > 0
-        hold by construction); any other goes through ``kernels.ssd.ssd``."""
+        states to them). The PyTorch, reference and Triton backends are called directly (A < 0 and
+        Δ > 0 hold by construction: no value check, no read back); any other goes through
+        ``kernels.ssd.ssd``."""
         args = {k: inp[k] for k in _SSD_ARGS}
         cu = inp.get("cu_seqlens")
         Bt, T = args["x"].shape[:2]
@@ -347,6 +349,9 @@ class Mamba2(Mixer):
             args.pop("chunk_size")
             y, fin = ssd_reference(**args, initial_state=initial_state, output_final_state=output_final_state,
                                    cu_seqlens=cu)
+        elif backend == Backend.TRITON:
+            y, fin = _ssd.ssd_triton(**args, initial_state=initial_state, output_final_state=output_final_state,
+                                     cu_seqlens=cu)
         else:
             y, fin = _ssd.ssd(**args, initial_state=initial_state, output_final_state=output_final_state,
                               backend=str(backend), cu_seqlens=cu)
