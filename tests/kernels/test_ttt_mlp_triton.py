@@ -332,7 +332,7 @@ def test_launch_config_per_gpu_family(monkeypatch):
     the same on both; packed batches ("varlen")
     have packed variants of the two serial kernels only (state pass and carry, column blocks of
     16), the output and per-mini-batch backward kernels run as they are."""
-    from kernels.ttt import chunk, gate, mlp_chunk
+    from kernels.ttt import chunk, compile_cases as gate, mlp_chunk
 
     monkeypatch.setattr(mlp_chunk, "is_interpreting", lambda: False)
     monkeypatch.setattr(chunk, "is_interpreting", lambda: False)     # compile_cases.py lists TTT-Linear too
