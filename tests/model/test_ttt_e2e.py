@@ -274,16 +274,15 @@ def test_training_config_refusals():
     from ttt_lm.config import load_config
     with pytest.raises(ValueError, match="inner_batch=96 must divide data.seq_len=256"):
         load_config("configs/tiny_ttt_e2e.yaml", ["model.ttt_e2e.inner_batch=96"])
-    with pytest.raises(ValueError, match="parallel.tensor_parallel=2 is not built yet for TTT-E2E"):
-        load_config("configs/tiny_ttt_e2e.yaml", ["parallel.tensor_parallel=2"])
+    with pytest.raises(ValueError, match="parallel.sequence_parallel=true is not built for TTT-E2E"):
+        load_config("configs/tiny_ttt_e2e.yaml", ["parallel.tensor_parallel=2", "parallel.sequence_parallel=true"])
     load_config("configs/tiny_ttt_e2e_swa.yaml", ["model.ttt_e2e.inner_batch=96"])   # no TTT blocks: no chunks
 
 
 def test_not_built_parts_refuse_naming_the_model():
     m = build(e2e_config(), torch.float32)
-    ids, _ = batch(m.cfg)
     with pytest.raises(NotImplementedError, match="TTT-E2E .* not built yet"):
-        m.hidden(ids)
+        m.compile_blocks()
     from ttt_lm.parallel.cp_model import ContextParallelLM  # noqa: F401  (a subclass of LM)
 
     class Sub(LM):

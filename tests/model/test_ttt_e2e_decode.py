@@ -131,6 +131,33 @@ def test_forward_with_carried_states_equals_one_forward():
     close(torch.cat([a.logits, b_.logits, c.logits], 1), full)
 
 
+@pytest.mark.parametrize("case", ["two_ttt_w6_b4", "one_ttt_w3_b4", "no_ttt_w5"])
+def test_hidden_gives_the_forward_logits_through_the_head_and_carries_states(case):
+    """hidden (the LM.hidden contract: final-normed, then lm_head) = forward's logits within 1e-12;
+    chunked calls with carried states = one call; in training mode (ρ and the graph) too."""
+    m = model(case)
+    ids = tokens(m, 26)
+    full = forward_logits(m, ids)
+    with torch.no_grad():
+        h, st = m.hidden(ids)
+        assert st is None and h.shape == (2, 26, m.cfg.d_model)
+        close(m.lm_head(h), full, 1e-12)
+        a, sa = m.hidden(ids[:, :9], output_states=True)
+        b_, sb = m.hidden(ids[:, 9:14], sa, output_states=True)
+        c, sc = m.hidden(ids[:, 14:], sb)
+        assert sc is None
+        close(torch.cat([a, b_, c], 1), h, 1e-12)
+        close(m.lm_head(torch.cat([a, b_, c], 1)), full, 1e-12)
+        whole, s_whole = m.hidden(ids, output_states=True)
+        close(whole, h, 1e-12)
+        assert [x.pos for x in s_whole] == [x.pos for x in m(ids, output_states=True).states] == [26] * m.cfg.n_layers
+    m.train().set_train_step(2)
+    ht, _ = m.hidden(ids)
+    assert ht.requires_grad
+    with torch.no_grad():
+        close(m.lm_head(ht), m(ids).logits, 1e-12)
+
+
 @pytest.mark.parametrize("case", ["two_ttt_w6_b4", "no_ttt_w5"])
 def test_greedy_generate_is_the_argmax_of_the_forward(case):
     m = model(case)

@@ -6,7 +6,8 @@ every parameter is partitioned between steps (persistence threshold 0) and the m
 itself for each step (``E2ELM.gathers_zero3_parameters``: the engine removes DeepSpeed's per-module
 hooks, whose releases the inner step would read empty).
 
-And the layouts refused for TTT-E2E, naming the value and the reason: tensor and context parallelism.
+And the layouts refused for TTT-E2E, naming the value and the reason: sequence and context parallelism
+(tensor parallelism: tests/parallel/test_ttt_e2e_tp.py).
 
 Tolerance: float32 through DeepSpeed's flat buffers; sums in another order only, ~1e-7 on gradients
 of ~1e-2 and weights after lr-1e-2 AdamW steps; 1e-5 absolute catches a gradient that a wrong
@@ -133,11 +134,11 @@ def test_zero_stages_equal_one_process(zero_results, stage):
     assert not errs, "\n".join(errs)
 
 
-def test_tensor_and_context_parallelism_are_refused_with_the_reason():
+def test_sequence_and_context_parallelism_are_refused_with_the_reason():
     from ttt_lm.config import ConfigError, load_config
-    with pytest.raises(ConfigError, match=r"parallel.tensor_parallel=2 is not built yet for TTT-E2E .*inner clip's "
-                                          r"global norm summed over the TP ranks' shards"):
-        load_config("configs/tiny_ttt_e2e.yaml", ["parallel.tensor_parallel=2"])
+    with pytest.raises(ConfigError, match=r"parallel.sequence_parallel=true is not built for TTT-E2E .*replicated "
+                                          r"final norm and LM head"):
+        load_config("configs/tiny_ttt_e2e.yaml", ["parallel.tensor_parallel=2", "parallel.sequence_parallel=true"])
     with pytest.raises(ConfigError, match=r"parallel.context_parallel=2 is refused for TTT-E2E .*serialises the ranks"):
         load_config("configs/tiny_ttt_e2e.yaml", ["parallel.context_parallel=2"])
     cfg = load_config("configs/tiny_ttt_e2e.yaml", ["parallel.zero_stage=3"])   # ZeRO-3 is accepted

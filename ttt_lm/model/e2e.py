@@ -111,13 +111,40 @@ at a chunk boundary costs more). Token-by-token decode and chunked prefill (any 
 equal the forward of the whole sequence in eval: float64 ~1e-14 (tests/model/test_ttt_e2e_decode.py).
 
 Distributed. ZeRO 1–3 over data-parallel ranks (``tests/model/test_ttt_e2e_dist.py``); under ZeRO-3
-the model gathers its own parameters for each step (``gathers_zero3_parameters``, below). Tensor
-parallelism and context parallelism are refused with their reasons (``TTTE2EConfig.validate_training``):
-the inner loss runs through the vocab-sized head, which has no twice-differentiable TP form here, and
-the chunks' inner steps are sequential, so passing fast weights from rank to rank serialises them.
+the model gathers its own parameters for each step (``gathers_zero3_parameters``, below). Context
+parallelism is refused with its reason (``TTTE2EConfig.validate_training``): the chunks' inner steps
+are sequential, so passing fast weights from rank to rank serialises them.
+
+Tensor parallelism (``parallel.tensor_parallel`` = p; ``parallelize_tp`` calls
+:meth:`E2ELM.tensor_parallel_form`), Megatron's layout with f (identity, all-reduce backward) and
+g (all-reduce, identity backward) at the region borders:
+
+    attention   q, k, v column-parallel by heads (rank r: heads r·H/p …), o row-parallel (g);
+                qk-norm acts per head with one gain per layer: replicated, its gradient summed (f)
+    SwiGLU      W_1, W_3 column-parallel (rows of [F, D]), W_2 row-parallel (columns of [D, F]), g:
+                every static MLP, and the prime MLPs, so each rank's fast weights W_1^(r), W_3^(r)
+                [B, F/p, D], W_2^(r) [B, D, F/p] are its shards of W^{(i)}
+    pre-norms   seq_norm, prime_norm, ffn_norm replicated; their outputs enter the region by f
+    the rest    the embedding, every post-norm, the final norm and the (tied) head replicated
+
+    ‖g_i‖² = Σ_r Σ_{W ∈ shards of r} ‖∂ℓ_i/∂W‖²      (one all-reduce of B numbers per inner step)
+
+The inner gradient of a shard is the shard of the full gradient (the loss is replicated, the
+collectives route the rest), so with the all-reduced norm every rank's clipped step is its slice of
+the single-rank step. The inner step is differentiated again by the outer gradient, so every
+collective in it is twice differentiable (f's backward is g's forward, g's is f's, Σ's is Σ's:
+``ttt_lm.parallel.tensor_parallel``). Why the head is replicated, not vocab-parallel: the inner
+loss and its second derivative then need no collective beyond the blocks' (the simplest exact
+form); the cost is the head's V·D weights and the head's matmul (forward, inner step and their
+backward, V·D per token each) on every rank instead of 1/p of them, and its gradient's optimizer
+state replicated; for the 125M preset the V·D embedding is 98.5M of the 184M parameters.
+Sequence parallelism is refused (validate_training and ``parallelize_tp``). Decode under TP holds
+the local heads' caches and the fast weights' shards (prefill, step, generate and ``hidden`` run
+as in one process); ``tests/parallel/test_ttt_e2e_tp.py`` compares losses, W^{(i)}, ‖g_i‖, the
+outer gradient of every parameter and decoding with one process (float64, 1e-10).
 
 Not built yet (refused, naming the model): labels with carried states (the sequence loss is a mean
-over a whole sequence's chunks).
+over a whole sequence's chunks), ``compile_blocks``.
 """
 from __future__ import annotations
 
@@ -295,6 +322,8 @@ class E2EBlock(nn.Module):
         if ttt:
             self.prime_norm, self.prime_post_norm = RMSNorm(D, eps), RMSNorm(D, eps)
             self.prime = PrimeMLP(D, cfg.ff)
+            # g under tensor parallelism (the prime MLP's W_2 product over this rank's F/p features)
+            self.prime_sum = nn.Identity()
         self.ffn_norm, self.ffn_post_norm = RMSNorm(D, eps), RMSNorm(D, eps)
         self.mlp = GatedMLP(D, cfg.ff, "silu")   # gate_proj W_1, up_proj W_3, down_proj W_2
 
@@ -307,7 +336,7 @@ class E2EBlock(nn.Module):
         """A TTT block on one chunk with fast weights W = [w1, w3, w2]: (h, the new cache)."""
         a, cache = self.attn.chunk(self.seq_norm(h), cache, start, backend)
         h = h + self.seq_post_norm(a)
-        h = h + self.prime_post_norm(swiglu(self.prime_norm(h), *W))
+        h = h + self.prime_post_norm(self.prime_sum(swiglu(self.prime_norm(h), *W)))
         return h + self.ffn_post_norm(self.mlp(self.ffn_norm(h))), cache
 
     def extend(self, h, cache, W: Optional[List[torch.Tensor]] = None, backend: str = "math"):
@@ -316,7 +345,7 @@ class E2EBlock(nn.Module):
         a, cache = self.attn.extend(self.seq_norm(h), cache, backend)
         h = h + self.seq_post_norm(a)
         if W is not None:
-            h = h + self.prime_post_norm(swiglu(self.prime_norm(h), *W))
+            h = h + self.prime_post_norm(self.prime_sum(swiglu(self.prime_norm(h), *W)))
         return h + self.ffn_post_norm(self.mlp(self.ffn_norm(h))), cache
 
 
@@ -325,13 +354,15 @@ class E2ETrace:
     """What one forward did, per chunk i (for the tests and diagnostics): losses [n, B] (ℓ_i per
     sequence), weights [n] (1, or r/b for a partial chunk), grad_norms [n−1, B] (‖g_i‖ before the
     clip), fast [n][S][3] (W^{(i)}, the weights chunk i ran with), logits [B, T, V] (with
-    ``keep_logits``), loss (the batch loss)."""
+    ``keep_logits``), loss (the batch loss), hidden [B, T, D] (the final-normed hidden states, with
+    ``keep_logits="hidden"``)."""
     losses: torch.Tensor
     weights: List[float]
     grad_norms: Optional[torch.Tensor]
     fast: List[List[List[torch.Tensor]]]
     logits: Optional[torch.Tensor]
     loss: torch.Tensor
+    hidden: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -351,6 +382,19 @@ class E2EState(MixerState):
     chunk_h: Optional[torch.Tensor] = None
     chunk_ids: Optional[torch.Tensor] = None
     steps: int = 0
+
+
+class _RegionSum(nn.Module):
+    """g (all-reduce forward, f backward) on a row-parallel product computed outside an nn.Linear:
+    the prime MLP's (silu(x W_1) ⊙ x W_3) W_2 over this rank's F/p features."""
+
+    def __init__(self, ctx):
+        super().__init__()
+        self.ctx = ctx
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from ttt_lm.parallel.tensor_parallel import reduce_from_tensor_parallel_region
+        return reduce_from_tensor_parallel_region(x, self.ctx.group)
 
 
 # ---- the model ----------------------------------------------------------------------------------
@@ -460,6 +504,58 @@ class E2ELM(LM):
         """W^{(0)} of every TTT block (w1, w3, w2 each)."""
         return [p for b in self.layers[self.n_prefix:] for p in (b.prime.w1, b.prime.w3, b.prime.w2)]
 
+    # ---- tensor parallelism -------------------------------------------------------------------
+    #: ``ttt_lm.parallel.tp_model.parallelize_tp`` hands the conversion to :meth:`tensor_parallel_form`
+    #: (the layout of the module docstring, tensor parallelism); the class stays E2ELM
+    converts_itself_for_tp = True
+    #: the TP group's context once converted (None: one rank)
+    tp_ctx = None
+
+    @property
+    def local_heads(self) -> int:
+        """The attention heads this rank holds (n_heads, or n_heads/p under tensor parallelism)."""
+        return self.layers[0].attn.n_heads
+
+    def tensor_parallel_form(self, ctx) -> None:
+        """Convert in place to this rank's shard (module docstring, tensor parallelism): q, k, v
+        column-parallel by heads, o row-parallel, qk-norm gains replicated with their gradient
+        summed over the group, every SwiGLU's W_1, W_3 by rows and W_2 by columns (the prime
+        MLPs' too: their fast weights are then this rank's shards), the norms before them entering
+        the TP region (f); embedding, final norm and head replicated. Every rank must hold the
+        same weights (built from one seed). Refused (before any change): a group size that does
+        not divide n_heads or d_ff."""
+        from ttt_lm.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+        from ttt_lm.parallel.tp_model import SharedParamsModule, _entry_norm, _shard_param
+        p = ctx.world_size
+        bad = [f"{k}={v}" for k, v in (("model.n_heads", self.cfg.n_heads), ("the MLP width d_ff", self.cfg.ff)) if v % p]
+        if bad:
+            raise ValueError(f"{MODEL_NAME}: parallel.tensor_parallel={p} must divide {', '.join(bad)}")
+        col = lambda lin: ColumnParallelLinear.from_linear(lin, ctx, input_in_region=True)
+        row = lambda lin: RowParallelLinear.from_linear(lin, ctx, input_is_parallel=True)
+        for blk in self.layers:
+            a = blk.attn
+            a.wq, a.wk, a.wv, a.wo = col(a.wq), col(a.wk), col(a.wv), row(a.wo)
+            a.q_norm, a.k_norm = SharedParamsModule(a.q_norm, ctx), SharedParamsModule(a.k_norm, ctx)
+            a.n_heads //= p
+            blk.seq_norm = _entry_norm(blk.seq_norm, ctx)
+            blk.mlp.gate_proj, blk.mlp.up_proj, blk.mlp.down_proj = \
+                col(blk.mlp.gate_proj), col(blk.mlp.up_proj), row(blk.mlp.down_proj)
+            blk.ffn_norm = _entry_norm(blk.ffn_norm, ctx)
+            if blk.ttt:
+                pr = blk.prime
+                pr.w1, pr.w3, pr.w2 = _shard_param(pr.w1, 0, ctx), _shard_param(pr.w3, 0, ctx), _shard_param(pr.w2, 1, ctx)
+                blk.prime_norm = _entry_norm(blk.prime_norm, ctx)
+                blk.prime_sum = _RegionSum(ctx)
+        self.tp_ctx = ctx
+
+    def _sum_over_tp(self, sq: torch.Tensor) -> torch.Tensor:
+        """The inner clip's squared global norm: this rank's Σ‖g‖² over its fast-weight shards,
+        summed over the TP group (all-reduce forward and backward, twice differentiable)."""
+        if self.tp_ctx is None:
+            return sq
+        from ttt_lm.parallel.tensor_parallel import all_reduce_sum
+        return all_reduce_sum(sq, self.tp_ctx.group)
+
     # ---- ZeRO-3 -------------------------------------------------------------------------------
     #: ZeRO-3 gathers and releases each module's parameters by hooks around that module's forward
     #: and backward; this model reads the prime MLPs' parameters outside any module's forward (as
@@ -501,11 +597,12 @@ class E2ELM(LM):
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(h))
 
-    def _chunk_step(self, start: int, update: bool, keep_logits: bool, rho: float, outer: bool,
+    def _chunk_step(self, start: int, update: bool, keep_logits, rho: float, outer: bool,
                     h0: torch.Tensor, targets: torch.Tensor, *flat: torch.Tensor):
         """The TTT blocks on one chunk: (ℓ_i [B], ‖g_i‖ [B] or empty, logits or empty, then
         W^{(i+1)} (or W^{(i)} without ``update``) and the new caches, flattened). ``outer``: the
-        outer gradient is wanted (g_i keeps its graph)."""
+        outer gradient is wanted (g_i keeps its graph). ``keep_logits`` "hidden": the final-normed
+        hidden states RMSNorm_f(h) in the logits' place."""
         S = self.e2e.suffix_len
         W = [list(flat[3 * j:3 * j + 3]) for j in range(S)]
         caches = [tuple(flat[3 * S + 2 * j:3 * S + 2 * j + 2]) for j in range(S)]
@@ -517,7 +614,8 @@ class E2ELM(LM):
             for blk, ws, c in zip(self.layers[self.n_prefix:], W, caches):
                 h, c = blk.chunk(h, c, start, ws, self.e2e.suffix_attention)
                 new_caches.append(c)
-            logits = self._logits(h)
+            hn = self.norm(h)
+            logits = self.lm_head(hn)
             lf = acc(logits)                                   # fp32 CE (fp64 stays)
             m = targets != -100
             ce = F.cross_entropy(lf.transpose(1, 2), targets.masked_fill(~m, 0), reduction="none")
@@ -527,7 +625,7 @@ class E2ELM(LM):
             if update:
                 flatW = [w for ws in W for w in ws]
                 g = torch.autograd.grad(loss.sum(), flatW, create_graph=outer)
-                sq = sum(gi.pow(2).flatten(1).sum(1) for gi in g)                 # [B]: one global norm
+                sq = self._sum_over_tp(sum(gi.pow(2).flatten(1).sum(1) for gi in g))   # [B]: one global norm
                 # floored at the dtype's tiny: a chunk without targets (g = 0) gives a zero step, not NaN
                 gnorm = torch.sqrt(sq.clamp_min(torch.finfo(sq.dtype).tiny))
                 c = self.e2e.inner_clip
@@ -537,15 +635,17 @@ class E2ELM(LM):
             else:
                 newW = [w for ws in W for w in ws]
         if not outer:
-            loss, gnorm, logits = loss.detach(), gnorm.detach(), logits.detach()
+            loss, gnorm, logits, hn = loss.detach(), gnorm.detach(), logits.detach(), hn.detach()
             newW = [w.detach() for w in newW]
             new_caches = [tuple(t.detach() for t in c) for c in new_caches]
-        out_logits = logits if keep_logits else loss.new_zeros(0)
+        out_logits = (hn if keep_logits == "hidden" else logits) if keep_logits else loss.new_zeros(0)
         return (loss, gnorm, out_logits, *newW, *[t for c in new_caches for t in c])
 
-    def run(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None, keep_logits: bool = False,
+    def run(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None, keep_logits=False,
             keep_fast: bool = False) -> E2ETrace:
-        """The forward of the module docstring, with what it did (:class:`E2ETrace`)."""
+        """The forward of the module docstring, with what it did (:class:`E2ETrace`).
+        ``keep_logits`` "hidden": keep the final-normed hidden states (``E2ETrace.hidden``) instead
+        of the logits."""
         e = self.e2e
         B, T = input_ids.shape
         if labels is None:
@@ -560,6 +660,10 @@ class E2ELM(LM):
         if self.n_prefix:
             h = checkpoint(self._prefix, h, use_reentrant=False) if remat else self._prefix(h)
         if e.suffix_len == 0:
+            if keep_logits == "hidden":
+                hn = self.norm(h)
+                return E2ETrace(losses=hn.new_zeros(0, B), weights=[], grad_norms=None, fast=[], logits=None,
+                                loss=None, hidden=hn)       # no chunks: no loss is taken
             logits = self._logits(h) if (keep_logits or labels is None) else None
             if labels is not None:
                 loss = self.lm_head(self.norm(h), labels)
@@ -569,7 +673,7 @@ class E2ELM(LM):
                             fast=[], logits=logits, loss=loss)
         S, b, w = e.suffix_len, e.inner_batch, e.window
         flat = [t for blk in self.layers[self.n_prefix:] for t in blk.prime.fast_weights(B)]
-        cache0 = h.new_zeros(B, self.cfg.n_heads, 0, self.cfg.hd)     # grows to w keys
+        cache0 = h.new_zeros(B, self.local_heads, 0, self.cfg.hd)     # grows to w keys
         flat += [cache0] * (2 * S)
         rho = self.rho()
         losses, norms, logits, fast, weights = [], [], [], [], []
@@ -592,8 +696,10 @@ class E2ELM(LM):
         wt = torch.tensor(weights, dtype=losses[0].dtype, device=losses[0].device)
         L = torch.stack(losses)                                               # [n, B]
         loss = ((L * wt[:, None]).sum(0) / wt.sum()).mean()
+        kept = torch.cat(logits, dim=1) if keep_logits else None
+        hidden = kept if keep_logits == "hidden" else None
         return E2ETrace(losses=L, weights=weights, grad_norms=torch.stack(norms) if norms else None, fast=fast,
-                        logits=torch.cat(logits, dim=1) if keep_logits else None, loss=loss)
+                        logits=None if hidden is not None else kept, loss=loss, hidden=hidden)
 
     def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None,
                 states=None, output_states: bool = False,
@@ -627,8 +733,27 @@ class E2ELM(LM):
             return LMOutput(logits=None, loss=tr.loss)
         return LMOutput(logits=tr.logits)
 
-    def hidden(self, input_ids, states=None, output_states: bool = False, position_ids=None):
-        raise not_built("the blocks' hidden states alone (the TTT blocks' inner loss reads the head)")
+    def hidden(self, input_ids: torch.Tensor, states=None, output_states: bool = False,
+               position_ids: Optional[torch.Tensor] = None):
+        """As ``LM.hidden``: the final-normed hidden states RMSNorm_f(h) [B, T, D] (so that
+        ``lm_head(hidden)`` are ``forward``'s logits) and the new states (None without
+        ``output_states``). The TTT blocks' inner steps still run the head on each chunk (their
+        loss is the next-token loss, targets the inputs shifted by one as in ``forward`` without
+        labels); with ``states`` or ``output_states`` the tokens continue the states by
+        :meth:`advance`, as ``forward`` does. ``position_ids`` are accepted and not read."""
+        if self._gather_zero3() and not torch.is_grad_enabled():   # no backward follows: release now
+            try:
+                return self.hidden(input_ids, states, output_states, position_ids)
+            finally:
+                self.release_parameters()
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [B, T], got {tuple(input_ids.shape)}")
+        if states is not None or output_states:
+            if states is None:
+                states = self.init_states(input_ids.shape[0], input_ids.device)
+            h, new = self.advance(input_ids, states, "hidden")
+            return h, (new if output_states else None)
+        return self.run(input_ids, None, keep_logits="hidden").hidden, None
 
     # ---- decode -------------------------------------------------------------------------------
     def global_attention_layers(self) -> int:
@@ -654,7 +779,7 @@ class E2ELM(LM):
         p = self.embed.weight
         device = p.device if device is None else device
         dtype = p.dtype if dtype is None else dtype
-        B, H, d, D = batch_size, self.cfg.n_heads, self.cfg.hd, self.cfg.d_model
+        B, H, d, D = batch_size, self.local_heads, self.cfg.hd, self.cfg.d_model
         empty = torch.zeros(B, H, 0, d, device=device, dtype=dtype)
         out = []
         for j, blk in enumerate(self.layers):
@@ -683,12 +808,13 @@ class E2ELM(LM):
     def advance(self, ids: torch.Tensor, states: List[E2EState], logits: Optional[str] = "last"):
         """The decode form: the tokens ids [B, r] after ``states`` (module docstring, decode):
         (logits, the new states). ``logits``: "all" [B, r, V], "last" [B, V] (the head on the
-        last position only) or None (no head but the inner steps'). The prefix blocks run once on
+        last position only), "hidden" (the final-normed hidden states [B, r, D] in their place) or
+        None (no head but the inner steps'). The prefix blocks run once on
         the r tokens; the TTT blocks run segment by segment between chunk boundaries, and when
         token n = (i+1)·b arrives the inner step of chunk i is taken (its targets, tokens ib+1 …
         (i+1)b, are then known) before that token is run with W^{(i+1)}."""
-        if logits not in ("all", "last", None):
-            raise ValueError(f"logits must be 'all', 'last' or None, got {logits!r}")
+        if logits not in ("all", "last", "hidden", None):
+            raise ValueError(f"logits must be 'all', 'last', 'hidden' or None, got {logits!r}")
         e = self.e2e
         B, r = ids.shape
         self._check_states(states, B)
@@ -720,7 +846,7 @@ class E2ELM(LM):
                 outs.append(x)
                 ch, cid = torch.cat([ch, h[:, s:en]], 1), torch.cat([cid, ids[:, s:en]], 1)
                 s = en
-            h = torch.cat(outs, 1) if logits == "all" else outs[-1]
+            h = torch.cat(outs, 1) if logits in ("all", "hidden") else outs[-1]
             for j, st in enumerate(states[P:]):
                 k, v = kv[j]
                 ns = grow(st, k, v, k.shape[2])
@@ -733,6 +859,8 @@ class E2ELM(LM):
         new = [st.map(_own_storage) for st in new]
         if logits is None:
             return None, new
+        if logits == "hidden":
+            return self.norm(h), new
         if logits == "all":
             return self._logits(h), new
         return self._logits(h[:, -1:])[:, 0], new

@@ -92,13 +92,11 @@ class TTTE2EConfig:
                              "training chunk is a full inner batch, as in the official code; the partial-chunk "
                              "rule serves evaluation)")
         tp, cp = cfg.parallel.tensor_parallel, cfg.parallel.context_parallel
-        if tp > 1:
-            raise ValueError(f"model.ttt_e2e: parallel.tensor_parallel={tp} is not built yet for TTT-E2E (set it to 1; "
-                             "ZeRO 1-3 shard over data-parallel ranks). The inner loss runs through the final norm "
-                             "and the LM head, so under TP the inner step would differentiate twice through the "
-                             "vocab-parallel cross-entropy and embedding, and the prime MLPs' fast weights would be "
-                             "split by rows/columns with the inner clip's global norm summed over the TP ranks' "
-                             "shards; none of that has a TP form here yet")
+        if tp > 1 and cfg.parallel.sequence_parallel:
+            raise ValueError(f"model.ttt_e2e: parallel.sequence_parallel=true is not built for TTT-E2E (set it to false; "
+                             f"parallel.tensor_parallel={tp} alone is supported). Its tensor-parallel form splits the "
+                             "heads and the MLP features, the prime MLPs' fast weights included; the inner step runs "
+                             "the chunk's tokens through the replicated final norm and LM head on every rank")
         if cp > 1:
             raise ValueError(f"model.ttt_e2e: parallel.context_parallel={cp} is refused for TTT-E2E (set it to 1). "
                              "The inner loop is sequential over chunks: chunk i runs with the fast weights W^(i), "

@@ -40,6 +40,14 @@ and the variance over all n features with two all-reduces of one number per toke
 
 (centered second pass, as F.layer_norm, rather than E[x²] − μ², which cancels when |μ| ≫ σ).
 Each sum is used by every rank, so its backward all-reduces the gradient too (``all_reduce_sum``).
+
+Second order. f, g, ``all_reduce_sum`` and the feature scatter/gather are twice differentiable:
+each backward is the other function's ``apply`` (f's backward is g, g's is f, Σ's is Σ, scatter's
+is gather and gather's scatter), so a backward taken with ``create_graph=True`` records the
+collective it runs, and differentiating that graph again runs the adjoint collective. A model whose
+forward contains a gradient step (TTT-E2E's inner step, ``torch.autograd.grad(create_graph=True)``)
+is differentiated through them exactly. Without ``create_graph`` the numbers are those of the raw
+collectives. The sequence-parallel functions and the vocab-parallel cross-entropy differentiate once.
 """
 from __future__ import annotations
 
@@ -133,17 +141,20 @@ class _CopyToRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return _all_reduce(g, ctx.group), None
+        # g's forward: under create_graph the all-reduce is itself differentiable (as f's adjoint)
+        return _ReduceFromRegion.apply(g, ctx.group), None
 
 
 class _ReduceFromRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
+        ctx.group = group
         return _all_reduce(x, group)
 
     @staticmethod
     def backward(ctx, g):
-        return g, None
+        # f's forward (identity), whose own backward all-reduces: twice differentiable
+        return _CopyToRegion.apply(g, ctx.group), None
 
 
 class _AllReduceSum(torch.autograd.Function):
@@ -154,8 +165,9 @@ class _AllReduceSum(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        # every rank consumes the sum: a rank's term gets the sum of all ranks' gradients
-        return _all_reduce(g, ctx.group), None
+        # every rank consumes the sum: a rank's term gets the sum of all ranks' gradients (the
+        # same function again, so that its double backward all-reduces too)
+        return _AllReduceSum.apply(g, ctx.group), None
 
 
 class _ScatterToRegion(torch.autograd.Function):
@@ -166,7 +178,7 @@ class _ScatterToRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return _all_gather(g, -1, ctx.group), None
+        return _GatherFromRegion.apply(g, ctx.group), None
 
 
 class _GatherFromRegion(torch.autograd.Function):
@@ -177,7 +189,7 @@ class _GatherFromRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return _split(g, -1, ctx.group), None
+        return _ScatterToRegion.apply(g, ctx.group), None
 
 
 class _ScatterToSeq(torch.autograd.Function):

@@ -402,12 +402,24 @@ def parallelize_tp(model: LM, groups, sequence_parallel: bool = False) -> TPLM:
     """Convert ``model`` in place (every TP rank must hold the same weights, e.g. built from the
     same seed) and return it. ``groups`` is a ParallelGroups or a TPContext's process group.
 
+    A subclass of LM whose class sets ``converts_itself_for_tp = True`` (TTT-E2E) converts itself
+    (``model.tensor_parallel_form(ctx)``, which sets ``model.tp_ctx``) and keeps its class; sequence
+    parallelism is refused for it.
+
     A subclass of LM whose class sets ``runs_tp_layers = True`` (the context-parallel LM) keeps its
     class and its own forward: its layers are converted and ``model.tp_ctx`` set, and its forward
     must take the vocab-parallel loss itself (without sequence parallelism)."""
     group = groups.tp_group if isinstance(groups, ParallelGroups) else groups
     ctx = TPContext(group, sequence_parallel)
     p = ctx.world_size
+    if getattr(type(model), "converts_itself_for_tp", False):
+        # a model variant with its own layout under TP (TTT-E2E: ``tensor_parallel_form``), keeping its class
+        if sequence_parallel:
+            raise ValueError(f"{type(model).__name__}: parallel.sequence_parallel=true is not built for it (its "
+                             "tensor-parallel form splits heads and MLP features only); set "
+                             "parallel.sequence_parallel=false")
+        model.tensor_parallel_form(ctx)   # refuses, before any change, a layout that p does not divide
+        return model
     own_forward = type(model) is not LM and isinstance(model, LM) and getattr(type(model), "runs_tp_layers", False)
     if type(model) is not LM and not own_forward:
         raise TypeError(f"parallelize_tp takes a single-rank LM, got {type(model).__name__}")
