@@ -238,7 +238,7 @@ def test_bad_states_and_labels_with_states_are_refused():
         m.init_states(0)
     with pytest.raises(ValueError, match="prefill_chunk .* must be an integer >= 1.*got 0"):
         m.prefill(ids, 0)
-    with pytest.raises(ValueError, match="logits must be 'all', 'last' or None, got 'first'"):
+    with pytest.raises(ValueError, match="logits must be 'all', 'last', 'hidden' or None, got 'first'"):
         m.advance(ids, st, "first")
     assert all(isinstance(s, E2EState) for s in st)
 
