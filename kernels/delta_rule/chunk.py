@@ -60,11 +60,13 @@ def launch_meta(DK: int, DV: int, dtype: torch.dtype, arch: int = INTERPRET_ARCH
     252–253 registers in the gated rule's and KDA's), ``_bwd_wy`` summing over d_k in blocks of 32
     (``BK_bwd_wy``: with 64, 16 B spilled in the gated rule's at d_k = 64) and ``_wy_inv`` forming
     every block of L before the inverses, each K_i K_jᵀ summed over d_k in blocks of 64
-    (``BK_inv``; with the four [16, d_k] row blocks of K held whole, 36–84 B spilled at d_k = 128). On sm_80 half inputs keep C = 32: at C = 64 (d = 64 and 128, 8 warps) ptxas
-    spilled 7.5 KB in ``_bwd_dqk``, 296 B in ``_bwd_wy`` and 16 B in ``_wy_inv`` (mma.sync keeps
-    the [C, C] and [C, d_k] accumulators of every warp in registers); at C = 32 nothing spills.
-    float32 inputs (TF32×3 products hold three operand
-    splits) take C = 16 with 4 warps; on sm_80 the state kernels also need BV = 16 and 8 warps.
+    (``BK_inv``; with the four [16, d_k] row blocks of K held whole, 36–84 B spilled at
+    d_k = 128). On sm_80 half inputs keep C = 32: at C = 64 (the delta rule's, 8 warps) ptxas
+    spilled 7.5 KB in ``_bwd_dqk`` (d = 64) and 296 B in ``_bwd_wy`` (d = 64 and 128): mma.sync
+    keeps every warp's share of the [C, C] and [C, d_k] accumulators in registers; at C = 32
+    nothing spills.
+    float32 inputs (TF32×3 products hold three operand splits) take C = 16 with 4 warps; on
+    sm_80 the state kernels also need BV = 16 and 8 warps.
     At d = 128 float32, ``_fwd_state``, ``_bwd_state`` and ``_bwd_wy`` spilled 0.2–7 KB with every
     BV and warp count tried while they held [C, d_k] operands (each warp holds a 16-row left
     operand whole) and the [d_k, BV] state in registers; they now sum over d_k in blocks of

@@ -898,7 +898,8 @@ def _bwd_dqk(q, k, g, VN, do, dVN, Hs, dHs, dq, dk_part, dw, dg_part, dAqk,
         tl.store(dq + rows[:, None] * DK + o_k[None, :], b_dq.to(dq.dtype.element_ty), mask=m_tk)
         # O ∋ (M ∘ P(Q)) Ṽ: dP for ``_gk_bwd_intra``
         dP = tl.where(o_c[:, None] >= o_c[None, :], dP, 0.0)
-        tl.store(dAqk + rows[:, None] * C + o_c[None, :], dP.to(dAqk.dtype.element_ty), mask=m_t[:, None] & (i_k == 0))
+        if i_k == 0:
+            tl.store(dAqk + rows[:, None] * C + o_c[None, :], dP.to(dAqk.dtype.element_ty), mask=m_t[:, None])
         # S_{n+1} ∋ Diag(e^{γ_C}) S_n + K_dᵀ Ṽ,  K_d = K ∘ e^{γ_C − γ}
         b_dk = b_dk * tl.exp(tl.minimum(gC_k[None, :] - gam, 0.0))
         kd = b_dk * b_k
