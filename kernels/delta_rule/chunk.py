@@ -33,15 +33,16 @@ from kernels.delta_rule.shapes import check_delta_rule_inputs, fold_channel_beta
 
 
 #: the state tile one program holds is [d_k, BV] with BK · BV ≤ STATE_TILE: d_v is split into more
-#: programs as d_k grows (64 × 32, or 128 × 16). Compiled for sm_90 at d = 64, bf16, C = 64 with
-#: 8 warps: BV = 64 spilled in all three state/backward kernels, BV = 32 spills 24 bytes in
-#: ``_fwd_state`` only (4 warps spilled more)
+#: programs as d_k grows (64 × 32, or 128 × 16); ``_bwd_dqk`` holds [BK_dqk, BV] blocks of S_n and dS
 STATE_TILE = 64 * 32
 #: widest d_v block one program holds
 BV_MAX = 64
 #: the d_k block of ``_fwd_state`` and ``_bwd_state`` (rows of the state read back at a time) and
 #: of ``_bwd_wy`` (columns of K): their products over d_k are summed over blocks of this size
 BKS_MAX = 32
+#: the same d_k block for half inputs on sm_90: 64 rows, so that the state kernels' products with a d_k-row
+#: left operand (K_dᵀ Ṽ, Qᵀ dO, Wᵀ dṼ) have the 64 rows a Hopper warpgroup's wgmma needs
+BKS_MAX_HALF = 64
 
 
 def launch_meta(DK: int, DV: int, dtype: torch.dtype, arch: int = INTERPRET_ARCH):
@@ -50,35 +51,48 @@ def launch_meta(DK: int, DV: int, dtype: torch.dtype, arch: int = INTERPRET_ARCH
     ``compile_cases.py`` read them from. The kernel chunk is ``min(C, chunk_size rounded up)``.
 
     What ptxas reported (``python -m kernels.compile_report``, spilled bytes) chose them:
-    half inputs keep C = 64 on sm_90 at d ≤ 64, where nothing spills; elsewhere their state and
-    backward kernels spilled 0.1–8 KB at C = 64 and none at C = 32 (8 warps), the [C, C] and
-    [C, d_k] tiles being what overflows. float32 inputs (TF32×3 products hold three operand
-    splits) take C = 16 with 4 warps; on sm_80 the state kernels also need BV = 16 and 8 warps.
+    half inputs take C = 64 on sm_90 (flash-linear-attention's chunk) at every head size up to
+    d_k = 128, d_v = 256, nothing spilling, and every product over the chunk is a wgmma there
+    (the 16-row blocks of ``_wy_inv`` and of KDA's score kernels excepted: mma). That takes
+    64-row d_k blocks in the state kernels (``BKS_MAX_HALF``: with 32, K_dᵀ Ṽ, Qᵀ dO and Wᵀ dṼ have
+    32-row left operands and lowered to mma), ``_bwd_dqk`` split over d_k in blocks of 64
+    (``BK_dqk``, a grid axis: whole, at d_k = 128 it spilled 8 B in the SSD's form and sat at
+    252–253 registers in the gated rule's and KDA's), ``_bwd_wy`` summing over d_k in blocks of 32
+    (``BK_bwd_wy``: with 64, 16 B spilled in the gated rule's at d_k = 64) and ``_wy_inv`` forming
+    every block of L before the inverses, each K_i K_jᵀ summed over d_k in blocks of 64
+    (``BK_inv``; with the four [16, d_k] row blocks of K held whole, 36–84 B spilled at
+    d_k = 128). On sm_80 half inputs keep C = 32: at C = 64 (the delta rule's, 8 warps) ptxas
+    spilled 7.5 KB in ``_bwd_dqk`` (d = 64) and 296 B in ``_bwd_wy`` (d = 64 and 128): mma.sync
+    keeps every warp's share of the [C, C] and [C, d_k] accumulators in registers; at C = 32
+    nothing spills.
+    float32 inputs (TF32×3 products hold three operand splits) take C = 16 with 4 warps; on
+    sm_80 the state kernels also need BV = 16 and 8 warps.
     At d = 128 float32, ``_fwd_state``, ``_bwd_state`` and ``_bwd_wy`` spilled 0.2–7 KB with every
     BV and warp count tried while they held [C, d_k] operands (each warp holds a 16-row left
     operand whole) and the [d_k, BV] state in registers; they now sum over d_k in blocks of
     ``BKS`` = 32 rows (the state read back from Hs / dHs), and nothing spills.
-    ``_wy_fwd`` (W, U by column blocks) spilled 32 B on sm_90 at C = 32 with 64-wide blocks and
-    takes 32-wide ones there. The chunk-parallel ``_fwd_o`` and ``_bwd_dv_local`` take the state
+    The chunk-parallel ``_fwd_o`` and ``_bwd_dv_local`` take the state
     kernels' d_k and d_v blocks (BKS, BV) and ``warps_o`` warps (those of the state kernels)."""
     BK = _pow2(DK)
     BV = min(_pow2(DV), BV_MAX, max(16, STATE_TILE // BK))
     half = dtype in (torch.bfloat16, torch.float16)
-    small = BK <= 64 and _pow2(DV) <= 64
     mt = dict(BK=BK, BV=BV, BKS=min(BK, BKS_MAX), PREC=_PREC[dtype], PS=_PREC_SOLVE[dtype], stages=1)
-    if half and arch >= 90 and small:
-        mt.update(C=64, BKW=min(BK, 64), BVW=min(_pow2(DV), 64),
+    if half and arch >= 90:
+        mt.update(C=64, BKS=min(BK, BKS_MAX_HALF), BKW=min(BK, 64), BVW=min(_pow2(DV), 64),
                   warps_inv=4, warps_wy=8, warps_state=8, warps_o=8, warps_chunk=8)
     elif half:
-        W = 32 if arch >= 90 else 64
-        mt.update(C=32, BKW=min(BK, W), BVW=min(_pow2(DV), W),
+        mt.update(C=32, BKW=min(BK, 64), BVW=min(_pow2(DV), 64),
                   warps_inv=8, warps_wy=8, warps_state=8, warps_o=8, warps_chunk=8)
     else:
         mt.update(C=16, BKW=min(BK, 64), BVW=min(_pow2(DV), 64),
                   warps_inv=4, warps_wy=4, warps_state=4, warps_o=4, warps_chunk=4)
         if arch < 90:
             mt.update(BV=min(BV, 16), warps_state=8, warps_o=8)
-    mt.update(BV_bwd_wy=mt["BV"], warps_bwd_wy=mt["warps_chunk"])   # ``_bwd_wy``'s own (the gated rule's differ)
+    # ``_bwd_wy``'s own (the gated rule's differ); its d_k block stays at BKS_MAX for half inputs too
+    mt.update(BK_bwd_wy=min(BK, BKS_MAX), BV_bwd_wy=mt["BV"], warps_bwd_wy=mt["warps_chunk"])
+    # ``_bwd_dqk``'s d_k block (a grid axis): 64 for half inputs on sm_90, all of d_k elsewhere;
+    # ``_wy_inv``'s (the K Kᵀ blocks summed over d_k blocks of 64)
+    mt.update(BK_dqk=min(BK, 64) if half and arch >= 90 else BK, BK_inv=min(BK, 64))
     return mt
 
 

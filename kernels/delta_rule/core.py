@@ -55,9 +55,10 @@ Backward, with dS the gradient of the state at the end of the chunk being proces
                   (M ∘ Γ ∘ Q Kᵀ)ᵀ dO (fla's ``chunk_bwd_dv_local``), stored in dṼ's buffer.
   ``_bwd_state``  grid (d_v blocks, sequences·H), chunks in reverse, adds the state's part:
                   dṼ = (M ∘ Γ ∘ Q Kᵀ)ᵀ dO + K_d dS;  dS ← e^{γ_C} dS + (diag(e^{γ}) Q)ᵀ dO − Wᵀ dṼ
-  ``_bwd_dqk``, ``_bwd_wy``  grid (chunks, H), everything else, chunk-local, split in two so
-                  that each keeps fewer tiles live (the first ends at dQ, dW and the dK terms
-                  through the state; the second goes through W, U and T):
+  ``_bwd_dqk``, ``_bwd_wy``  grid (chunks, H; ``_bwd_dqk`` also d_k blocks), everything else,
+                  chunk-local, split in two so that each keeps fewer tiles live (the first ends
+                  at dQ, dW and the dK terms through the state, per d_k block, its part of the
+                  scalar dγ stored per block; the second goes through W, U and T):
                   dP = M ∘ Γ ∘ dO Ṽᵀ,  dQ = diag(e^{γ}) dO S_nᵀ + dP K,
                   dK ∋ dPᵀ Q + diag(e^{γ_C − γ}) Ṽ dSᵀ,  dW = −dṼ S_nᵀ,  dU = dṼ;
                   through W, U:  dT = dW (β e^{γ} K)ᵀ + dU (βV)ᵀ;
@@ -219,14 +220,11 @@ def _gamma(g, rows, m_t, ACC: tl.constexpr):
 
 
 @triton.jit
-def _kblock(k, beta, g, row0, Tn, c, i: tl.constexpr, C: tl.constexpr, DK: tl.constexpr, BK: tl.constexpr,
-            ACC: tl.constexpr, USE_G: tl.constexpr):
-    """Rows 16i … 16i+15 of chunk c: k [16, BK] (input dtype), β [16] (masked past the sequence)
-    and, with USE_G, γ [16] (the sums over the chunk's g up to each row; zeros without)."""
+def _kblock(beta, g, row0, Tn, c, i: tl.constexpr, C: tl.constexpr, ACC: tl.constexpr, USE_G: tl.constexpr):
+    """Rows 16i … 16i+15 of chunk c: β [16] (masked past the sequence) and, with USE_G, γ [16]
+    (the sums over the chunk's g up to each row; zeros without)."""
     o_t = c * C + i * 16 + tl.arange(0, 16)
     m_t = o_t < Tn
-    o_k = tl.arange(0, BK)
-    b_k = tl.load(k + (row0 + o_t)[:, None] * DK + o_k[None, :], mask=m_t[:, None] & (o_k[None, :] < DK), other=0.0)
     b_b = tl.load(beta + row0 + o_t, mask=m_t, other=0.0).to(ACC)
     gam = tl.zeros([16], dtype=ACC)
     if USE_G:
@@ -235,22 +233,34 @@ def _kblock(k, beta, g, row0, Tn, c, i: tl.constexpr, C: tl.constexpr, DK: tl.co
         b_g = tl.load(g + row0 + o_ct, mask=o_ct < Tn, other=0.0).to(ACC)
         r = i * 16 + tl.arange(0, 16)
         gam = tl.sum(tl.where(o_c[None, :] <= r[:, None], b_g[None, :], 0.0), 1)
-    return b_k, b_b, gam
+    return b_b, gam
 
 
 @triton.jit
-def _lblock(k_i, b_i, g_i, k_j, g_j, PK: tl.constexpr, EMU: tl.constexpr, USE_G: tl.constexpr):
+def _lblock(k, row0, Tn, c, i: tl.constexpr, j: tl.constexpr, b_i, g_i, g_j, C: tl.constexpr, DK: tl.constexpr,
+            BK: tl.constexpr, PK: tl.constexpr, EMU: tl.constexpr, USE_G: tl.constexpr):
     """Block (i, j) of diag(β) (K Kᵀ ∘ Γ), unmasked (every entry of a block i > j is below the
-    diagonal)."""
-    x = b_i[:, None] * _mm(k_i, tl.trans(k_j), PK, EMU)
+    diagonal): K_i K_jᵀ summed over d_k in blocks of BK columns, the [16, BK] rows of K loaded
+    per block pair (held across the blocks, the four [16, d_k] row blocks of a 64-chunk spilled
+    at d_k = 128)."""
+    o_i = c * C + i * 16 + tl.arange(0, 16)
+    o_j = c * C + j * 16 + tl.arange(0, 16)
+    kk = tl.zeros([16, 16], dtype=b_i.dtype)
+    for k0 in range(0, DK, BK):
+        o_k = k0 + tl.arange(0, BK)
+        m_k = o_k[None, :] < DK
+        k_i = tl.load(k + (row0 + o_i)[:, None] * DK + o_k[None, :], mask=(o_i < Tn)[:, None] & m_k, other=0.0)
+        k_j = tl.load(k + (row0 + o_j)[:, None] * DK + o_k[None, :], mask=(o_j < Tn)[:, None] & m_k, other=0.0)
+        kk += _mm(k_i, tl.trans(k_j), PK, EMU)
+    x = b_i[:, None] * kk
     if USE_G:
         x = x * _decay(g_i, g_j)
     return x
 
 
 @triton.jit
-def _lb(k_i, b_i, g_i, k_j, g_j, Akk, row0, Tn, c, i: tl.constexpr, j: tl.constexpr, C: tl.constexpr,
-        PK: tl.constexpr, EMU: tl.constexpr, USE_G: tl.constexpr, USE_GK: tl.constexpr):
+def _lb(k, b_i, g_i, g_j, Akk, row0, Tn, c, i: tl.constexpr, j: tl.constexpr, C: tl.constexpr, DK: tl.constexpr,
+        BK: tl.constexpr, PK: tl.constexpr, EMU: tl.constexpr, USE_G: tl.constexpr, USE_GK: tl.constexpr):
     """Block (i, j) of L's matrix diag(β) (K Kᵀ ∘ Γ): computed (``_lblock``), or with USE_GK read
     from the per-channel decayed scores Akk (P(K), ``_gk_scores``) and scaled by β."""
     if USE_GK:
@@ -259,7 +269,7 @@ def _lb(k_i, b_i, g_i, k_j, g_j, Akk, row0, Tn, c, i: tl.constexpr, j: tl.conste
         x = tl.load(Akk + (row0 + o_t)[:, None] * C + o_j[None, :], mask=(o_t < Tn)[:, None], other=0.0)
         x = b_i[:, None] * x.to(b_i.dtype)
     else:
-        x = _lblock(k_i, b_i, g_i, k_j, g_j, PK, EMU, USE_G)
+        x = _lblock(k, row0, Tn, c, i, j, b_i, g_i, g_j, C, DK, BK, PK, EMU, USE_G)
     return x
 
 
@@ -474,29 +484,36 @@ def _wy_inv(k, beta, g, Tm, Akk, cu_seqlens, chunk_offsets, chunk_indices, T, H,
     o = tl.arange(0, 16)
     low = o[:, None] > o[None, :]
     zero = tl.zeros([16, 16], dtype=ACC)
-    k0, b0, g0 = _kblock(k, beta, g, row0, Tn, c, 0, C, DK, BK, ACC, USE_G)
-    T00 = _unit_lower_inverse16(tl.where(low, _lb(k0, b0, g0, k0, g0, Akk, row0, Tn, c, 0, 0, C, PK, EMU, USE_G, USE_GK), 0.0))
+    # every block of L first (each summed over d_k blocks of BK, ``_lblock``), then the inverses
+    b0, g0 = _kblock(beta, g, row0, Tn, c, 0, C, ACC, USE_G)
+    L00 = tl.where(low, _lb(k, b0, g0, g0, Akk, row0, Tn, c, 0, 0, C, DK, BK, PK, EMU, USE_G, USE_GK), 0.0)
+    if C > 16:
+        b1, g1 = _kblock(beta, g, row0, Tn, c, 1, C, ACC, USE_G)
+        L11 = tl.where(low, _lb(k, b1, g1, g1, Akk, row0, Tn, c, 1, 1, C, DK, BK, PK, EMU, USE_G, USE_GK), 0.0)
+        L10 = _lb(k, b1, g1, g0, Akk, row0, Tn, c, 1, 0, C, DK, BK, PK, EMU, USE_G, USE_GK)
+        if C > 32:
+            b2, g2 = _kblock(beta, g, row0, Tn, c, 2, C, ACC, USE_G)
+            L22 = tl.where(low, _lb(k, b2, g2, g2, Akk, row0, Tn, c, 2, 2, C, DK, BK, PK, EMU, USE_G, USE_GK), 0.0)
+            L20 = _lb(k, b2, g2, g0, Akk, row0, Tn, c, 2, 0, C, DK, BK, PK, EMU, USE_G, USE_GK)
+            L21 = _lb(k, b2, g2, g1, Akk, row0, Tn, c, 2, 1, C, DK, BK, PK, EMU, USE_G, USE_GK)
+            b3, g3 = _kblock(beta, g, row0, Tn, c, 3, C, ACC, USE_G)
+            L33 = tl.where(low, _lb(k, b3, g3, g3, Akk, row0, Tn, c, 3, 3, C, DK, BK, PK, EMU, USE_G, USE_GK), 0.0)
+            L30 = _lb(k, b3, g3, g0, Akk, row0, Tn, c, 3, 0, C, DK, BK, PK, EMU, USE_G, USE_GK)
+            L31 = _lb(k, b3, g3, g1, Akk, row0, Tn, c, 3, 1, C, DK, BK, PK, EMU, USE_G, USE_GK)
+            L32 = _lb(k, b3, g3, g2, Akk, row0, Tn, c, 3, 2, C, DK, BK, PK, EMU, USE_G, USE_GK)
+    T00 = _unit_lower_inverse16(L00)
     _store_block(Tm, T00, row0, Tn, c, 0, 0, C)
     if C > 16:
-        k1, b1, g1 = _kblock(k, beta, g, row0, Tn, c, 1, C, DK, BK, ACC, USE_G)
-        T11 = _unit_lower_inverse16(tl.where(low, _lb(k1, b1, g1, k1, g1, Akk, row0, Tn, c, 1, 1, C, PK, EMU, USE_G, USE_GK), 0.0))
-        L10 = _lb(k1, b1, g1, k0, g0, Akk, row0, Tn, c, 1, 0, C, PK, EMU, USE_G, USE_GK)
+        T11 = _unit_lower_inverse16(L11)
         T10 = -_mm(T11, _mm(L10, T00, PS, EMU), PS, EMU)
         _store_block(Tm, T10, row0, Tn, c, 1, 0, C)
         _store_block(Tm, T11, row0, Tn, c, 1, 1, C)
         _store_block(Tm, zero, row0, Tn, c, 0, 1, C)
         if C > 32:
-            k2, b2, g2 = _kblock(k, beta, g, row0, Tn, c, 2, C, DK, BK, ACC, USE_G)
-            k3, b3, g3 = _kblock(k, beta, g, row0, Tn, c, 3, C, DK, BK, ACC, USE_G)
-            T22 = _unit_lower_inverse16(tl.where(low, _lb(k2, b2, g2, k2, g2, Akk, row0, Tn, c, 2, 2, C, PK, EMU, USE_G, USE_GK), 0.0))
-            T33 = _unit_lower_inverse16(tl.where(low, _lb(k3, b3, g3, k3, g3, Akk, row0, Tn, c, 3, 3, C, PK, EMU, USE_G, USE_GK), 0.0))
-            L20 = _lb(k2, b2, g2, k0, g0, Akk, row0, Tn, c, 2, 0, C, PK, EMU, USE_G, USE_GK)
-            L21 = _lb(k2, b2, g2, k1, g1, Akk, row0, Tn, c, 2, 1, C, PK, EMU, USE_G, USE_GK)
+            T22 = _unit_lower_inverse16(L22)
             T21 = -_mm(T22, _mm(L21, T11, PS, EMU), PS, EMU)
             T20 = -_mm(T22, _mm(L20, T00, PS, EMU) + _mm(L21, T10, PS, EMU), PS, EMU)
-            L30 = _lb(k3, b3, g3, k0, g0, Akk, row0, Tn, c, 3, 0, C, PK, EMU, USE_G, USE_GK)
-            L31 = _lb(k3, b3, g3, k1, g1, Akk, row0, Tn, c, 3, 1, C, PK, EMU, USE_G, USE_GK)
-            L32 = _lb(k3, b3, g3, k2, g2, Akk, row0, Tn, c, 3, 2, C, PK, EMU, USE_G, USE_GK)
+            T33 = _unit_lower_inverse16(L33)
             T32 = -_mm(T33, _mm(L32, T22, PS, EMU), PS, EMU)
             T31 = -_mm(T33, _mm(L31, T11, PS, EMU) + _mm(L32, T21, PS, EMU), PS, EMU)
             T30 = -_mm(T33, _mm(L30, T00, PS, EMU) + _mm(L31, T10, PS, EMU) + _mm(L32, T20, PS, EMU), PS, EMU)
@@ -819,21 +836,29 @@ def _bwd_dqk(q, k, g, VN, do, dVN, Hs, dHs, dq, dk_part, dw, dg_part, dAqk,
              cu_seqlens, chunk_offsets, chunk_indices, T, H,
              DK: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
              IS_VARLEN: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr, PS: tl.constexpr,
-             EMU: tl.constexpr, USE_G: tl.constexpr, USE_GK: tl.constexpr, USE_DELTA: tl.constexpr):
+             EMU: tl.constexpr, USE_G: tl.constexpr, USE_GK: tl.constexpr, USE_DELTA: tl.constexpr,
+             NKD: tl.constexpr = 1):
     """Chunk-local gradients through the state and the intra-chunk attention, summed over d_v
     blocks: dP = M ∘ Γ ∘ dO Ṽᵀ, dQ = diag(e^{γ}) dO S_nᵀ + dP K, dK ∋ dPᵀ Q + K_d's terms (stored as
     dk_part), dW = −dṼ S_nᵀ (stored for ``_bwd_wy``) and, with USE_G, the gradient of γ from these
     terms (dg_part; module docstring). With USE_GK the terms through the decayed scores are left
     to ``_gk_bwd_intra``: dq gets the state's part (Q ∘ e^{γ}) only, dP is stored to dAqk, and
     dg_part is the per-channel dγ [C, d_k] of the state terms. Without USE_DELTA there is no W
-    (dw is None and dW is not formed)."""
-    i_c, h = tl.program_id(0), tl.program_id(1)
+    (dw is None and dW is not formed).
+
+    Grid (chunks, H, NKD): program i_k takes the d_k columns i_k·BK … i_k·BK + BK − 1 of dQ, dK,
+    dW (and S_n, dS rows), recomputing dP (over d_v) as flash-linear-attention's
+    ``chunk_bwd_dqkwg`` does; every term of the scalar dγ (USE_G) is a sum over d_k (q·(S_n dO),
+    rowsum − colsum of dP ∘ Q Kᵀ with Q Kᵀ = Σ_blocks Q_b K_bᵀ, k·(dS Ṽ), ⟨S_n, dS⟩), so each
+    program stores its block's part to dg_part [.., NKD] and the next kernel sums the NKD parts.
+    With USE_GK only program 0 stores dP."""
+    i_c, h, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     c, row0, Tn, coff = _chunk_info(cu_seqlens, chunk_offsets, chunk_indices, i_c, h, T, H, C, IS_VARLEN)
     hs_off = ((coff + c) * H + h) * DK * DV
     o_t = c * C + tl.arange(0, C)
     m_t = o_t < Tn
     rows = row0 + o_t
-    o_k = tl.arange(0, BK)
+    o_k = i_k * BK + tl.arange(0, BK)
     o_c = tl.arange(0, C)
     m_tk = m_t[:, None] & (o_k[None, :] < DK)
     b_dq = tl.zeros([C, BK], dtype=ACC)
@@ -873,7 +898,8 @@ def _bwd_dqk(q, k, g, VN, do, dVN, Hs, dHs, dq, dk_part, dw, dg_part, dAqk,
         tl.store(dq + rows[:, None] * DK + o_k[None, :], b_dq.to(dq.dtype.element_ty), mask=m_tk)
         # O ∋ (M ∘ P(Q)) Ṽ: dP for ``_gk_bwd_intra``
         dP = tl.where(o_c[:, None] >= o_c[None, :], dP, 0.0)
-        tl.store(dAqk + rows[:, None] * C + o_c[None, :], dP.to(dAqk.dtype.element_ty), mask=m_t[:, None])
+        if i_k == 0:
+            tl.store(dAqk + rows[:, None] * C + o_c[None, :], dP.to(dAqk.dtype.element_ty), mask=m_t[:, None])
         # S_{n+1} ∋ Diag(e^{γ_C}) S_n + K_dᵀ Ṽ,  K_d = K ∘ e^{γ_C − γ}
         b_dk = b_dk * tl.exp(tl.minimum(gC_k[None, :] - gam, 0.0))
         kd = b_dk * b_k
@@ -917,7 +943,7 @@ def _bwd_dqk(q, k, g, VN, do, dVN, Hs, dHs, dq, dk_part, dw, dg_part, dAqk,
             b_dk += _mm(tl.trans(dP), b_q, PS, EMU)
         tl.store(dk_part + rows[:, None] * DK + o_k[None, :], b_dk.to(dk_part.dtype.element_ty), mask=m_tk)
         if USE_G:
-            tl.store(dg_part + rows, dgam.to(dg_part.dtype.element_ty), mask=m_t)
+            tl.store(dg_part + rows * NKD + i_k, dgam.to(dg_part.dtype.element_ty), mask=m_t)
 
 
 @triton.jit
@@ -925,7 +951,7 @@ def _bwd_wy(k, v, beta, g, Tm, dVN, dk_part, dw, dg_part, dk, dv, dbeta, dg, Akk
             cu_seqlens, chunk_offsets, chunk_indices, T, H,
             DK: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
             IS_VARLEN: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr, PS: tl.constexpr,
-            EMU: tl.constexpr, USE_G: tl.constexpr, USE_GK: tl.constexpr):
+            EMU: tl.constexpr, USE_G: tl.constexpr, USE_GK: tl.constexpr, NKD: tl.constexpr = 1):
     """Gradients through U = T (βV), W = T (β e^{γ} K) and T = (I + L)⁻¹ (module docstring), given
     dU = dṼ and dW from ``_bwd_dqk``: writes dv, dβ, dk = dk_part + β e^{γ} Tᵀ dW + (dG + dGᵀ) K
     and, with USE_G, dg = the reverse cumulative sum of dγ (dg_part plus the terms here). With
@@ -947,8 +973,10 @@ def _bwd_wy(k, v, beta, g, Tm, dVN, dk_part, dw, dg_part, dk, dv, dbeta, dg, Akk
     X = tl.load(Tm + rows[:, None] * C + o_c[None, :], mask=m_t[:, None], other=0.0)
     dX = tl.zeros([C, C], dtype=ACC)
     b_db = tl.zeros([C], dtype=ACC)
-    if USE_G:
-        dgam = tl.load(dg_part + rows, mask=m_t, other=0.0).to(ACC)
+    if USE_G:   # the NKD d_k-block parts ``_bwd_dqk`` stored
+        dgam = tl.zeros([C], dtype=ACC)
+        for i_k in tl.static_range(NKD):
+            dgam += tl.load(dg_part + rows * NKD + i_k, mask=m_t, other=0.0).to(ACC)
     for i_v in range(tl.cdiv(DV, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_tv = m_t[:, None] & (o_v[None, :] < DV)
@@ -1022,7 +1050,7 @@ def _bwd_wy(k, v, beta, g, Tm, dVN, dk_part, dw, dg_part, dk, dv, dbeta, dg, Akk
 @triton.jit
 def _bwd_beta(v, beta, dVN, dk_part, dg_part, dk, dv, dbeta, dg, cu_seqlens, chunk_offsets, chunk_indices, T, H,
               DK: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-              IS_VARLEN: tl.constexpr, ACC: tl.constexpr, USE_G: tl.constexpr):
+              IS_VARLEN: tl.constexpr, ACC: tl.constexpr, USE_G: tl.constexpr, NKD: tl.constexpr = 1):
     """``_bwd_wy`` without USE_DELTA (T = I, W = 0, Ṽ = diag(β) V): for one chunk (grid: chunks,
     H), dv = diag(β) dṼ, dβ = rowsum(dṼ ∘ V), dk = dk_part (``_bwd_dqk``'s terms are all of it)
     and, with USE_G, dg = the reverse cumulative sum of dg_part over the chunk. No products."""
@@ -1046,8 +1074,10 @@ def _bwd_beta(v, beta, dVN, dk_part, dg_part, dk, dv, dbeta, dg, cu_seqlens, chu
         m_tk = m_t[:, None] & (o_k[None, :] < DK)
         b_dk = tl.load(dk_part + rows[:, None] * DK + o_k[None, :], mask=m_tk, other=0.0)
         tl.store(dk + rows[:, None] * DK + o_k[None, :], b_dk.to(dk.dtype.element_ty), mask=m_tk)
-    if USE_G:
-        dgam = tl.load(dg_part + rows, mask=m_t, other=0.0).to(ACC)
+    if USE_G:   # the NKD d_k-block parts ``_bwd_dqk`` stored
+        dgam = tl.zeros([C], dtype=ACC)
+        for i_k in tl.static_range(NKD):
+            dgam += tl.load(dg_part + rows * NKD + i_k, mask=m_t, other=0.0).to(ACC)
         b_dg = tl.sum(dgam, 0) - tl.cumsum(dgam, 0) + dgam
         tl.store(dg + rows, b_dg.to(dg.dtype.element_ty), mask=m_t)
 
@@ -1141,7 +1171,7 @@ def chunk_fwd(mt: dict, q, k, v, g, beta, initial_state, cu_seqlens, C: int, out
     ht = torch.empty(N, H, DK, DV, dtype=acc, device=k.device) if output_final_state else None
     cu = cu_seqlens
     if B * T > 0 and use_delta:   # some chunk holds tokens
-        _wy_inv[(NC, H)](k, beta, g, Tm, Akk, cu, chunk_offsets, chunk_indices, T, H, DK=DK, BK=BK,
+        _wy_inv[(NC, H)](k, beta, g, Tm, Akk, cu, chunk_offsets, chunk_indices, T, H, DK=DK, BK=mt["BK_inv"],
                          PK=mt["PREC"], PS=mt["PS"], num_warps=mt["warps_inv"], **common)
         BKW, BVW = mt["BKW"], mt["BVW"]
         _wy_fwd[(NC, H, triton.cdiv(DK, BKW) + triton.cdiv(DV, BVW))](
@@ -1202,25 +1232,31 @@ def chunk_bwd(mt: dict, q, k, v, g, beta, Tm, W, VN, Hs, do, dht, cu_seqlens, C:
         acc = Hs.dtype
         dk_part = torch.empty(B, H, T, DK, dtype=acc, device=k.device)
         dw = torch.empty_like(dk_part) if use_delta else None
-        dg_part = torch.empty(g.shape, dtype=acc, device=k.device) if use_g else None
+        BKQ = mt["BK_dqk"]
+        NKD = triton.cdiv(DK, BKQ)
+        # the scalar decay's dγ comes in NKD parts, one per d_k block of ``_bwd_dqk``
+        dg_part = (None if not use_g else torch.empty(g.shape, dtype=acc, device=k.device) if use_gk else
+                   torch.empty(*g.shape, NKD, dtype=acc, device=k.device))
+        NKD = 1 if use_gk else NKD
         # USE_GK: _bwd_dqk and _bwd_wy leave dq, dk and dγ in float32 buffers, dP and dG in
         # dAqk and dAkk, for _gk_bwd_intra to finish
         dq1, dk1, dg1, dAqk, dAkk = dq, dk, (dg if use_g else None), None, None
         if use_gk:
             dq1, dk1, dg1 = (torch.empty_like(dk_part) for _ in range(3))
             dAqk, dAkk = torch.empty_like(Aqk), torch.empty_like(Akk)
-        _bwd_dqk[(NC, H)](q, k, gam, VN, do, dVN, Hs, dHs, dq1, dk_part, dw, dg_part, dAqk, cu, chunk_offsets,
-                          chunk_indices, T, H, DK=DK, DV=DV, BK=BK, BV=BV, PREC=mt["PREC"], PS=mt["PS"],
+        _bwd_dqk[(NC, H, triton.cdiv(DK, BKQ))](
+                          q, k, gam, VN, do, dVN, Hs, dHs, dq1, dk_part, dw, dg_part, dAqk, cu, chunk_offsets,
+                          chunk_indices, T, H, DK=DK, DV=DV, BK=BKQ, BV=BV, PREC=mt["PREC"], PS=mt["PS"], NKD=NKD,
                           USE_DELTA=use_delta, num_warps=mt["warps_chunk"], **common)
         if not use_delta:
             _bwd_beta[(NC, H)](v, beta, dVN, dk_part, dg_part, dk, dv, dbeta, dg if use_g else None, cu,
                                chunk_offsets, chunk_indices, T, H, DK=DK, DV=DV, BK=mt["BKS"], BV=BV, C=C,
-                               IS_VARLEN=common["IS_VARLEN"], ACC=common["ACC"], USE_G=common["USE_G"],
+                               IS_VARLEN=common["IS_VARLEN"], ACC=common["ACC"], USE_G=common["USE_G"], NKD=NKD,
                                num_warps=mt["warps_beta"], num_stages=mt["stages"])
         else:
             _bwd_wy[(NC, H)](k, v, beta, gam, Tm, dVN, dk_part, dw, dg_part, dk1, dv, dbeta, dg1, Akk, dAkk,
-                             cu, chunk_offsets, chunk_indices, T, H, DK=DK, DV=DV, BK=mt["BKS"], BV=mt["BV_bwd_wy"],
-                             PREC=mt["PREC"], PS=mt["PS"], num_warps=mt["warps_bwd_wy"], **common)
+                             cu, chunk_offsets, chunk_indices, T, H, DK=DK, DV=DV, BK=mt["BK_bwd_wy"], BV=mt["BV_bwd_wy"],
+                             PREC=mt["PREC"], PS=mt["PS"], NKD=NKD, num_warps=mt["warps_bwd_wy"], **common)
         if use_gk:
             BKG = mt["BKG"]
             _gk_bwd_intra[(NC, H, triton.cdiv(DK, BKG))](
@@ -1347,11 +1383,12 @@ def gate_launches(mt: dict, arch: int, dt: str, dk: int, dv: int, C: int, varlen
     if not use_delta:   # the SSD's β is its step Δ, kept in float32
         io = lambda *names: {n: ("*fp32" if n in ("beta", "dbeta") else "*" + dt) for n in names}   # noqa: E731
     dl = dict(USE_DELTA=use_delta)
+    nkd = 1 if use_gk else triton.cdiv(dk, mt["BK_dqk"])   # the parts of the scalar decay's dγ
     fwd_state_io = ({**io("k"), **acc("W", "U", "Hs", "VN", "h0", "ht")} if use_delta else
                     {**io("k", "v", "beta"), **acc("Hs", "VN", "h0", "ht")})
     wy = [
         (_wy_inv, {**io("k", "beta"), **acc("Tm"), **ints},
-         dict(base, chunk_indices=None, DK=dk, BK=mt["BK"], PK=mt["PREC"], PS=mt["PS"]), mt["warps_inv"]),
+         dict(base, chunk_indices=None, DK=dk, BK=mt["BK_inv"], PK=mt["PREC"], PS=mt["PS"]), mt["warps_inv"]),
         (_wy_fwd, {**io("k", "v", "beta"), **acc("Tm", "W", "U"), **ints},
          dict(base, chunk_indices=None, DK=dk, DV=dv, BK=mt["BKW"], BV=mt["BVW"], PS=mt["PS"]), mt["warps_wy"]),
     ] if use_delta else []
@@ -1370,20 +1407,20 @@ def gate_launches(mt: dict, arch: int, dt: str, dk: int, dv: int, C: int, varlen
          mt["warps_state"]),
         (_bwd_dqk, {**io("q", "k", "do"), **io_gk("dq"),
                     **acc("VN", "dVN", "Hs", "dHs", "dk_part", *(("dw",) if use_delta else ())), **ints},
-         dict(base, **dl, chunk_indices=None, DK=dk, DV=dv, BK=mt["BK"], BV=mt["BV"], PREC=mt["PREC"],
-              PS=mt["PS"]), mt["warps_chunk"]),
+         dict(base, **dl, chunk_indices=None, DK=dk, DV=dv, BK=mt["BK_dqk"], BV=mt["BV"], PREC=mt["PREC"],
+              PS=mt["PS"], NKD=nkd), mt["warps_chunk"]),
     ]
     if use_delta:
         entries.append(
             (_bwd_wy, {**io("k", "v", "beta", "dv", "dbeta"), **io_gk("dk"), **acc("Tm", "dVN", "dk_part", "dw"),
                        **ints},
-             dict(base, chunk_indices=None, DK=dk, DV=dv, BK=mt["BKS"], BV=mt["BV_bwd_wy"], PREC=mt["PREC"],
-                  PS=mt["PS"]), mt["warps_bwd_wy"]))
+             dict(base, chunk_indices=None, DK=dk, DV=dv, BK=mt["BK_bwd_wy"], BV=mt["BV_bwd_wy"], PREC=mt["PREC"],
+                  PS=mt["PS"], NKD=nkd), mt["warps_bwd_wy"]))
     else:
         entries.append(
             (_bwd_beta, {**io("v", "beta", "dk", "dv", "dbeta"), **acc("dVN", "dk_part"), **ints},
              dict(C=C, IS_VARLEN=False, ACC=tl.float32, USE_G=use_g, cu_seqlens=None, chunk_offsets=None,
-                  chunk_indices=None, DK=dk, DV=dv, BK=mt["BKS"], BV=mt["BV"]), mt["warps_beta"]))
+                  chunk_indices=None, DK=dk, DV=dv, BK=mt["BKS"], BV=mt["BV"], NKD=nkd), mt["warps_beta"]))
     if use_gk:
         gk = dict(C=C, IS_VARLEN=False, ACC=tl.float32, cu_seqlens=None, chunk_offsets=None, chunk_indices=None,
                   DK=dk, BK=mt["BKG"])

@@ -84,6 +84,15 @@ def test_state_kernels_read_back_dk_blocks(monkeypatch):
     _compare(2, 1, 37, 40, 24, 16, torch.float32, True, atol=1e-4, rtol=1e-4)
 
 
+def test_chunk_64_with_dk_blocks(monkeypatch):
+    """Kernel chunk 64 (bf16's on sm_90) over a full chunk and a ragged one, with the state
+    kernels' and ``_bwd_dqk``'s d_k in blocks of 16 (d_k = 40: three, the last ragged; ``_bwd_dqk``
+    one program per block): float32 within the tolerances above."""
+    meta = dr_chunk.launch_meta
+    monkeypatch.setattr(dr_chunk, "launch_meta", lambda DK, DV, dtype, arch=90: dict(
+        meta(DK, DV, dtype, arch), C=64, BKS=16, BK_dqk=16))
+    _compare(1, 2, 70, 40, 12, 64, torch.float32, True, atol=1e-4, rtol=1e-4)
+
 @pytest.mark.parametrize("arch", [80, 90])
 @pytest.mark.parametrize("dtype,atol,rtol", [(torch.float32, 1e-4, 1e-4), (torch.bfloat16, 5e-2, 2e-2)])
 def test_launch_config_of_each_gpu_family(monkeypatch, arch, dtype, atol, rtol):

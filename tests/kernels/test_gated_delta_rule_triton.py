@@ -119,6 +119,27 @@ def test_several_dv_and_dk_blocks(monkeypatch):
     _compare(2, 1, 37, 40, 40, 16, torch.float32, True, atol=1e-4, rtol=1e-4)
 
 
+def test_chunk_64_with_dqk_in_dk_blocks(monkeypatch):
+    """Kernel chunk 64 (bf16's on sm_90) over a full chunk and a ragged one, with ``_bwd_dqk``
+    split over d_k (d_k = 40 in blocks of 16: three programs per chunk, the last ragged, each
+    storing its part of the scalar decay's dγ for ``_bwd_wy`` to sum): float32, tolerances as above."""
+    meta = gdr_chunk.launch_meta
+    monkeypatch.setattr(gdr_chunk, "launch_meta", lambda DK, DV, dtype, arch=90: dict(
+        meta(DK, DV, dtype, arch), C=64, BK_dqk=16))
+    _compare(1, 2, 70, 40, 12, 64, torch.float32, True, atol=1e-4, rtol=1e-4)
+
+
+def test_varlen_at_chunk_64(monkeypatch):
+    """cu_seqlens with the kernel chunk 64: sequences of 70 (a full chunk and a ragged one), 0, 5
+    and 64 (one full chunk) equal the reference per sequence (float64, 1e-10)."""
+    meta = gdr_chunk.launch_meta
+    monkeypatch.setattr(gdr_chunk, "launch_meta", lambda DK, DV, dtype, arch=90: dict(meta(DK, DV, dtype, arch), C=64))
+    cu, ins, S0, wo, wS, ref = _packed([70, 0, 5, 64], 5, seed=13)
+    tri = _run(lambda q, k, v, g, b, s: gated_delta_rule_triton(q, k, v, g, b, s, True, chunk_size=64,
+                                                                 cu_seqlens=cu), ins, S0, wo, wS)
+    for n, a, b in zip(NAMES, ref, tri):
+        torch.testing.assert_close(b, a, atol=1e-10, rtol=1e-10, msg=lambda s: f"{n}: {s}")
+
 def _packed(lens, dv, seed):
     T = sum(lens)
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)

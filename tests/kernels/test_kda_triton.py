@@ -100,6 +100,15 @@ def test_float64_block_structure_under_strong_decay(monkeypatch, C):
     _compare(1, 1, C + 9, 20, 8, 64, D64, True, seed=1, g_min=-20.0, tol=1e-10)
 
 
+def test_float64_chunk_64_with_dqk_in_dk_blocks(monkeypatch):
+    """Kernel chunk 64 with ``_bwd_dqk`` split over d_k (d_k = 40 in blocks of 16: three programs
+    per chunk, the last ragged; only the first stores dP): float64, 1e-10, over a full chunk and a
+    ragged one."""
+    meta = kda_chunk.launch_meta
+    monkeypatch.setattr(kda_chunk, "launch_meta", lambda DK, DV, dtype, arch=90: dict(
+        meta(DK, DV, dtype, arch), C=64, BK_dqk=16))
+    _compare(1, 1, 70, 40, 8, 64, D64, True, seed=5, tol=1e-10)
+
 def test_float32_matches_reference():
     """float32 (float32 products under the interpreter, TF32×3 on a GPU), no initial state: 2e-5
     of each tensor's largest entry."""

@@ -87,6 +87,15 @@ def test_float64_is_exact():
     _compare(1, 35, 2, 8, 2, 16, 16, D64, True, rtol=1e-10, D_hdim=True)
 
 
+def test_float64_chunk_64_with_dqk_in_dk_blocks(monkeypatch):
+    """Kernel chunk 64 (bf16's on sm_90) over a full chunk and a ragged one, with ``_bwd_dqk``
+    split over the state size (n = 40 in blocks of 16: three programs per chunk, the last ragged,
+    each storing its part of dγ for ``_bwd_beta`` to sum): float64, 1e-10."""
+    meta = ssd_chunk.launch_meta
+    monkeypatch.setattr(ssd_chunk, "launch_meta", lambda DK, DV, dtype, arch=90: dict(
+        meta(DK, DV, dtype, arch), C=64, BK_dqk=16))
+    _compare(1, 70, 2, 8, 1, 40, 64, D64, True, rtol=1e-10)
+
 def test_bfloat16_inputs():
     """bf16 x, B, C, z (products of bf16 inputs on the tensor cores, TF32 for the float32
     intermediates, y rounded to bf16 before D x): 3e-2 of the largest entry."""
