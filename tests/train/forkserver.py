@@ -12,7 +12,9 @@ What a rank gets, as ``subprocess.Popen`` would give it:
 * its environment (``os.environ`` replaced before the script runs), working directory, argv and
   ``sys.path[0]`` (the script's folder);
 * stdout and stderr on its log file (file descriptors 1 and 2), stdin on /dev/null;
-* default signal dispositions (SIGINT raises KeyboardInterrupt, as in a fresh interpreter);
+* default signal dispositions (SIGINT raises KeyboardInterrupt, as in a fresh interpreter), but
+  those the requesting process ignores stay ignored, as across exec (SIGINT in a shell's
+  background job, SIGHUP under nohup);
 * its exit status: the script's ``sys.exit`` code, 1 after an uncaught exception (its traceback in
   the log), or minus the signal that killed it.
 
@@ -54,14 +56,23 @@ def server_key(env: Dict[str, str]) -> tuple:
                         if k not in PER_RUN and not k.startswith(("TTT_TEST_", "PYTEST_"))))
 
 
+def _ignored_signals() -> list:
+    """The signals this (requesting) process ignores, which a process it starts would inherit."""
+    return [s.name for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
+            if signal.getsignal(s) is signal.SIG_IGN]
+
+
 # ---- the server (``python forkserver.py FD``) ------------------------------------------------------
 def _child(req: dict, sock: socket.socket) -> None:
     """In the forked process: become ``python argv…`` and run the script; never returns into the
     server loop (its exit is the interpreter's)."""
     sock.close()
+    # what a started process of the requester gets: a signal the requester ignores stays ignored
+    # across exec (SIGINT in a background job, SIGHUP under nohup); the rest start at their defaults
+    ignored = set(req.get("ignored", ()))
     for s in (signal.SIGCHLD, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP):
-        signal.signal(s, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(s, signal.SIG_IGN if s.name in ignored else signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN if "SIGINT" in ignored else signal.default_int_handler)
     os.chdir(req["cwd"])
     os.environ.clear()
     os.environ.update(req["env"])
@@ -170,7 +181,7 @@ class _Server:
         with self.lock:
             self.next_id += 1
             rid = self.next_id
-            req = {"id": rid, "argv": list(argv), "env": env, "cwd": cwd, "log": log}
+            req = {"id": rid, "argv": list(argv), "env": env, "cwd": cwd, "log": log, "ignored": _ignored_signals()}
             self.sock.sendall((json.dumps(req) + "\n").encode())
             while rid not in self.replies:
                 if not self._pump(60):
