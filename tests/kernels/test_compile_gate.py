@@ -41,7 +41,7 @@ KNOWN_FAILURES = {
     # sm_80; the RG-LRU scan's backward autotune candidates with 16 warps and BLOCK_D 64 (1 and 2
     # stages; 512 threads cap a thread at 128 registers) in training on sm_90, which a GPU
     # compiles and times when it tunes; TTT-MLP's forward at tiny_ttt_mlp's d = 32 on sm_80
-    (80, "_bwd_dqk", "captured tiny_gated_deltanet:train eddfa8b4"): "no_spills: 212/212 B spilled at 255 registers",
+    (80, "_bwd_dqk", "captured tiny_gated_deltanet:train 76248102"): "no_spills: 216/216 B spilled at 255 registers",
     (90, "_bwd_kernel", "captured griffin_125m:train bc626e20"): "no_spills: 88/88 B spilled at 128 registers",
     (90, "_bwd_kernel", "captured griffin_125m:train 7e47b750"): "no_spills: 88/88 B spilled at 128 registers",
     (90, "_bwd_kernel", "captured tiny_griffin:train d386cb62"): "no_spills: 88/88 B spilled at 128 registers",
