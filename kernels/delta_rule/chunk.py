@@ -61,10 +61,16 @@ def launch_meta(DK: int, DV: int, dtype: torch.dtype, arch: int = INTERPRET_ARCH
     (``BK_bwd_wy``: with 64, 16 B spilled in the gated rule's at d_k = 64) and ``_wy_inv`` forming
     every block of L before the inverses, each K_i K_jᵀ summed over d_k in blocks of 64
     (``BK_inv``; with the four [16, d_k] row blocks of K held whole, 36–84 B spilled at
-    d_k = 128). On sm_80 half inputs keep C = 32: at C = 64 (the delta rule's, 8 warps) ptxas
-    spilled 7.5 KB in ``_bwd_dqk`` (d = 64) and 296 B in ``_bwd_wy`` (d = 64 and 128): mma.sync
-    keeps every warp's share of the [C, C] and [C, d_k] accumulators in registers; at C = 32
-    nothing spills.
+    d_k = 128). On sm_80 half inputs take C = 64 as well, where mma.sync keeps every warp's share
+    of each operand and accumulator in registers: with the sm_90 blocks ptxas spilled 7.5–9.6 KB
+    in ``_bwd_dqk`` (d_k = 64, one block), 0.3–0.6 KB in ``_bwd_wy`` and 4 B in ``_bwd_dv_local``
+    (d_k = 128, 8 warps). So ``_bwd_dqk`` takes d_k and d_v blocks of 16 (``BK_dqk``, ``BV_dqk``:
+    with blocks of 32 it spilled 8–500 B or sat at 255 registers; at 16 × 16, 172–206 registers),
+    ``_bwd_dv_local`` 4 warps (``warps_dv_local``), and ``_bwd_wy`` d_k blocks of 16 with
+    ``stage_dl``: dL = −Tᵀ dT Tᵀ through memory (its STAGE_DL; the two chained [C, C] products
+    alone held ~60 registers more, and no d_k or d_v block of 16 or 32 at 4, 8 or 16 warps, in TF32
+    or in bf16, kept it from spilling 0.1–0.9 KB); it then compiles at 250–255 registers, 0 spills.
+    Chunk 32 there (before) spilled nothing with the sm_90 blocks.
     float32 inputs (TF32×3 products hold three operand splits) take C = 16 with 4 warps; on
     sm_80 the state kernels also need BV = 16 and 8 warps.
     At d = 128 float32, ``_fwd_state``, ``_bwd_state`` and ``_bwd_wy`` spilled 0.2–7 KB with every
@@ -72,7 +78,8 @@ def launch_meta(DK: int, DV: int, dtype: torch.dtype, arch: int = INTERPRET_ARCH
     operand whole) and the [d_k, BV] state in registers; they now sum over d_k in blocks of
     ``BKS`` = 32 rows (the state read back from Hs / dHs), and nothing spills.
     The chunk-parallel ``_fwd_o`` and ``_bwd_dv_local`` take the state
-    kernels' d_k and d_v blocks (BKS, BV) and ``warps_o`` warps (those of the state kernels)."""
+    kernels' d_k and d_v blocks (BKS, BV) and ``warps_o`` warps (those of the state kernels;
+    ``warps_dv_local`` for ``_bwd_dv_local``)."""
     BK = _pow2(DK)
     BV = min(_pow2(DV), BV_MAX, max(16, STATE_TILE // BK))
     half = dtype in (torch.bfloat16, torch.float16)
@@ -81,7 +88,7 @@ def launch_meta(DK: int, DV: int, dtype: torch.dtype, arch: int = INTERPRET_ARCH
         mt.update(C=64, BKS=min(BK, BKS_MAX_HALF), BKW=min(BK, 64), BVW=min(_pow2(DV), 64),
                   warps_inv=4, warps_wy=8, warps_state=8, warps_o=8, warps_chunk=8)
     elif half:
-        mt.update(C=32, BKW=min(BK, 64), BVW=min(_pow2(DV), 64),
+        mt.update(C=64, BKW=min(BK, 64), BVW=min(_pow2(DV), 64),
                   warps_inv=8, warps_wy=8, warps_state=8, warps_o=8, warps_chunk=8)
     else:
         mt.update(C=16, BKW=min(BK, 64), BVW=min(_pow2(DV), 64),
@@ -89,10 +96,16 @@ def launch_meta(DK: int, DV: int, dtype: torch.dtype, arch: int = INTERPRET_ARCH
         if arch < 90:
             mt.update(BV=min(BV, 16), warps_state=8, warps_o=8)
     # ``_bwd_wy``'s own (the gated rule's differ); its d_k block stays at BKS_MAX for half inputs too
-    mt.update(BK_bwd_wy=min(BK, BKS_MAX), BV_bwd_wy=mt["BV"], warps_bwd_wy=mt["warps_chunk"])
+    mt.update(BK_bwd_wy=min(BK, BKS_MAX), BV_bwd_wy=mt["BV"], warps_bwd_wy=mt["warps_chunk"], stage_dl=False)
     # ``_bwd_dqk``'s d_k block (a grid axis): 64 for half inputs on sm_90, all of d_k elsewhere;
     # ``_wy_inv``'s (the K Kᵀ blocks summed over d_k blocks of 64)
-    mt.update(BK_dqk=min(BK, 64) if half and arch >= 90 else BK, BK_inv=min(BK, 64))
+    mt.update(BK_dqk=min(BK, 64) if half and arch >= 90 else BK, BK_inv=min(BK, 64),
+              BV_dqk=mt["BV"], warps_dqk=mt["warps_chunk"], warps_dv_local=mt["warps_o"])
+    if half and arch < 90:
+        # C = 64 on sm_80: ``_bwd_dqk`` in d_k and d_v blocks of 16, ``_bwd_wy`` in d_k blocks of 16
+        # with dL staged through memory (STAGE_DL), ``_bwd_dv_local`` at 4 warps
+        mt.update(BK_dqk=min(BK, 16), BV_dqk=min(mt["BV"], 16), warps_dqk=8,
+                  BK_bwd_wy=min(BK, 16), warps_bwd_wy=8, stage_dl=True, warps_dv_local=4)
     return mt
 
 

@@ -947,17 +947,23 @@ def _bwd_dqk(q, k, g, VN, do, dVN, Hs, dHs, dq, dk_part, dw, dg_part, dAqk,
 
 
 @triton.jit
-def _bwd_wy(k, v, beta, g, Tm, dVN, dk_part, dw, dg_part, dk, dv, dbeta, dg, Akk, dAkk,
+def _bwd_wy(k, v, beta, g, Tm, dVN, dk_part, dw, dg_part, dk, dv, dbeta, dg, Akk, dAkk, Ms,
             cu_seqlens, chunk_offsets, chunk_indices, T, H,
             DK: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
             IS_VARLEN: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr, PS: tl.constexpr,
-            EMU: tl.constexpr, USE_G: tl.constexpr, USE_GK: tl.constexpr, NKD: tl.constexpr = 1):
+            EMU: tl.constexpr, USE_G: tl.constexpr, USE_GK: tl.constexpr, NKD: tl.constexpr = 1,
+            STAGE_DL: tl.constexpr = False):
     """Gradients through U = T (βV), W = T (β e^{γ} K) and T = (I + L)⁻¹ (module docstring), given
     dU = dṼ and dW from ``_bwd_dqk``: writes dv, dβ, dk = dk_part + β e^{γ} Tᵀ dW + (dG + dGᵀ) K
     and, with USE_G, dg = the reverse cumulative sum of dγ (dg_part plus the terms here). With
     USE_GK, W = T diag(β) (K ∘ e^{γ}), G = P(K) is read from Akk, dG = diag(β) dL is stored to dAkk,
     and dk and dg (pointers to float32 [.., d_k] buffers) get the terms so far, dk_part +
-    β e^{γ} ∘ Tᵀ dW and dg_part + β k ∘ e^{γ} ∘ Tᵀ dW, for ``_gk_bwd_intra`` to finish."""
+    β e^{γ} ∘ Tᵀ dW and dg_part + β k ∘ e^{γ} ∘ Tᵀ dW, for ``_gk_bwd_intra`` to finish.
+
+    STAGE_DL: of the two products of dL = −Tᵀ dT Tᵀ, the first one's [C, C] result is written to
+    ``Ms`` (float32 [.., T, C], as Tm) and read back, and T is read again from Tm, so that the
+    operands of the two products are not live at once (at C = 64 on sm_80, where mma.sync holds
+    every operand in registers, the chained products spilled 0.3–0.8 KB)."""
     i_c, h = tl.program_id(0), tl.program_id(1)
     c, row0, Tn, coff = _chunk_info(cu_seqlens, chunk_offsets, chunk_indices, i_c, h, T, H, C, IS_VARLEN)
     o_t = c * C + tl.arange(0, C)
@@ -1008,7 +1014,14 @@ def _bwd_wy(k, v, beta, g, Tm, dVN, dk_part, dw, dg_part, dk, dv, dbeta, dg, Akk
             b_db += r
             G += _mm(b_k, tl.trans(b_k), PREC, EMU)
     # T = (I + L)⁻¹  ⇒  dL = −Tᵀ dT Tᵀ, kept on the strictly lower part where L lives
-    dL = _mm(_mm(tl.trans(X), dX, PS, EMU), tl.trans(X), PS, EMU)
+    if STAGE_DL:
+        tl.store(Ms + rows[:, None] * C + o_c[None, :], _mm(tl.trans(X), dX, PS, EMU), mask=m_t[:, None])
+        tl.debug_barrier()
+        M = tl.load(Ms + rows[:, None] * C + o_c[None, :], mask=m_t[:, None], other=0.0)
+        X = tl.load(Tm + rows[:, None] * C + o_c[None, :], mask=m_t[:, None], other=0.0)
+        dL = _mm(M, tl.trans(X), PS, EMU)
+    else:
+        dL = _mm(_mm(tl.trans(X), dX, PS, EMU), tl.trans(X), PS, EMU)
     dL = tl.where(o_c[:, None] > o_c[None, :], -dL, 0.0)
     if USE_GK:
         G = tl.load(Akk + rows[:, None] * C + o_c[None, :], mask=m_t[:, None], other=0.0).to(ACC)
@@ -1221,7 +1234,7 @@ def chunk_bwd(mt: dict, q, k, v, g, beta, Tm, W, VN, Hs, do, dht, cu_seqlens, C:
     if B * T > 0:   # some chunk holds tokens
         _bwd_dv_local[(NC, H, NV)](q, k, gam, do, dVN, Aqk, cu, chunk_offsets, chunk_indices, T, H, DK=DK, DV=DV,
                                    BK=mt["BKS"], BV=BV, PREC=mt["PREC"], PS=mt["PS"],
-                                   num_warps=mt["warps_o"], **common)
+                                   num_warps=mt["warps_dv_local"], **common)
     _bwd_state[(NV, N * H)](q, k, gam, W if use_delta else None, do, dht, dHs, dVN, dh0, cu, chunk_offsets, T, H,
                             DK=DK, DV=DV, BK=mt["BKS"], BV=BV, USE_DHT=dht is not None, STORE_DH0=has_h0,
                             PS=mt["PS"], USE_DELTA=use_delta, num_warps=mt["warps_state"], **common)
@@ -1246,17 +1259,19 @@ def chunk_bwd(mt: dict, q, k, v, g, beta, Tm, W, VN, Hs, do, dht, cu_seqlens, C:
             dAqk, dAkk = torch.empty_like(Aqk), torch.empty_like(Akk)
         _bwd_dqk[(NC, H, triton.cdiv(DK, BKQ))](
                           q, k, gam, VN, do, dVN, Hs, dHs, dq1, dk_part, dw, dg_part, dAqk, cu, chunk_offsets,
-                          chunk_indices, T, H, DK=DK, DV=DV, BK=BKQ, BV=BV, PREC=mt["PREC"], PS=mt["PS"], NKD=NKD,
-                          USE_DELTA=use_delta, num_warps=mt["warps_chunk"], **common)
+                          chunk_indices, T, H, DK=DK, DV=DV, BK=BKQ, BV=mt["BV_dqk"], PREC=mt["PREC"], PS=mt["PS"],
+                          NKD=NKD, USE_DELTA=use_delta, num_warps=mt["warps_dqk"], **common)
         if not use_delta:
             _bwd_beta[(NC, H)](v, beta, dVN, dk_part, dg_part, dk, dv, dbeta, dg if use_g else None, cu,
                                chunk_offsets, chunk_indices, T, H, DK=DK, DV=DV, BK=mt["BKS"], BV=BV, C=C,
                                IS_VARLEN=common["IS_VARLEN"], ACC=common["ACC"], USE_G=common["USE_G"], NKD=NKD,
                                num_warps=mt["warps_beta"], num_stages=mt["stages"])
         else:
-            _bwd_wy[(NC, H)](k, v, beta, gam, Tm, dVN, dk_part, dw, dg_part, dk1, dv, dbeta, dg1, Akk, dAkk,
+            Ms = torch.empty_like(Tm) if mt["stage_dl"] else None   # _bwd_wy's STAGE_DL scratch
+            _bwd_wy[(NC, H)](k, v, beta, gam, Tm, dVN, dk_part, dw, dg_part, dk1, dv, dbeta, dg1, Akk, dAkk, Ms,
                              cu, chunk_offsets, chunk_indices, T, H, DK=DK, DV=DV, BK=mt["BK_bwd_wy"], BV=mt["BV_bwd_wy"],
-                             PREC=mt["PREC"], PS=mt["PS"], NKD=NKD, num_warps=mt["warps_bwd_wy"], **common)
+                             PREC=mt["PREC"], PS=mt["PS"], NKD=NKD, STAGE_DL=mt["stage_dl"],
+                             num_warps=mt["warps_bwd_wy"], **common)
         if use_gk:
             BKG = mt["BKG"]
             _gk_bwd_intra[(NC, H, triton.cdiv(DK, BKG))](
@@ -1376,7 +1391,7 @@ def gate_launches(mt: dict, arch: int, dt: str, dk: int, dv: int, C: int, varlen
     # the decay's pointers, and the scores' of USE_GK: float32 when switched on, else constexpr None
     ptr_on = {**{n: use_g or use_gk for n in ("g", "dg_part", "dg")},
               **{n: use_gk for n in ("Aqk", "Akk", "dAqk", "dAkk")},
-              **{n: use_delta for n in ("W", "U", "Tm", "dw")}}
+              **{n: use_delta for n in ("W", "U", "Tm", "dw")}, "Ms": use_delta and mt["stage_dl"]}
     base = dict(C=C, IS_VARLEN=False, ACC=tl.float32, EMU=False, USE_G=use_g, USE_GK=use_gk, cu_seqlens=None,
                 chunk_offsets=None)
     io_gk = acc if use_gk else io   # dq of _bwd_dqk, dk of _bwd_wy
@@ -1401,21 +1416,21 @@ def gate_launches(mt: dict, arch: int, dt: str, dk: int, dv: int, C: int, varlen
               PS=mt["PS"]), mt["warps_o"]),
         (_bwd_dv_local, {**io("q", "k", "do"), **acc("dVN"), **ints},
          dict(base, chunk_indices=None, DK=dk, DV=dv, BK=mt["BKS"], BV=mt["BV"], PREC=mt["PREC"],
-              PS=mt["PS"]), mt["warps_o"]),
+              PS=mt["PS"]), mt["warps_dv_local"]),
         (_bwd_state, {**io("q", "k", "do"), **acc(*(("W",) if use_delta else ()), "dht", "dHs", "dVN", "dh0"), **ints},
          dict(base, **dl, DK=dk, DV=dv, BK=mt["BKS"], BV=mt["BV"], USE_DHT=True, STORE_DH0=True, PS=mt["PS"]),
          mt["warps_state"]),
         (_bwd_dqk, {**io("q", "k", "do"), **io_gk("dq"),
                     **acc("VN", "dVN", "Hs", "dHs", "dk_part", *(("dw",) if use_delta else ())), **ints},
-         dict(base, **dl, chunk_indices=None, DK=dk, DV=dv, BK=mt["BK_dqk"], BV=mt["BV"], PREC=mt["PREC"],
-              PS=mt["PS"], NKD=nkd), mt["warps_chunk"]),
+         dict(base, **dl, chunk_indices=None, DK=dk, DV=dv, BK=mt["BK_dqk"], BV=mt["BV_dqk"], PREC=mt["PREC"],
+              PS=mt["PS"], NKD=nkd), mt["warps_dqk"]),
     ]
     if use_delta:
         entries.append(
             (_bwd_wy, {**io("k", "v", "beta", "dv", "dbeta"), **io_gk("dk"), **acc("Tm", "dVN", "dk_part", "dw"),
                        **ints},
              dict(base, chunk_indices=None, DK=dk, DV=dv, BK=mt["BK_bwd_wy"], BV=mt["BV_bwd_wy"], PREC=mt["PREC"],
-                  PS=mt["PS"], NKD=nkd), mt["warps_bwd_wy"]))
+                  PS=mt["PS"], NKD=nkd, STAGE_DL=mt["stage_dl"]), mt["warps_bwd_wy"]))
     else:
         entries.append(
             (_bwd_beta, {**io("v", "beta", "dk", "dv", "dbeta"), **acc("dVN", "dk_part"), **ints},

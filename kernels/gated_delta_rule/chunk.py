@@ -53,7 +53,7 @@ def launch_meta(DK: int, DV: int, dtype: torch.dtype, arch: int = INTERPRET_ARCH
     mt = dict(_dr_chunk.launch_meta(DK, DV, dtype, arch))
     half = dtype in (torch.bfloat16, torch.float16)
     if not half and arch >= 90:
-        mt.update(warps_state=8, warps_chunk=8, warps_bwd_wy=8, BV_bwd_wy=min(mt["BV"], 16))
+        mt.update(warps_state=8, warps_chunk=8, warps_dqk=8, warps_bwd_wy=8, BV_bwd_wy=min(mt["BV"], 16))
     if half and arch < 90:
         mt.update(BKW=min(mt["BKW"], 32), BVW=min(mt["BVW"], 32))
     return mt

@@ -50,7 +50,7 @@ def launch_meta(DK: int, DV: int, dtype: torch.dtype, arch: int = INTERPRET_ARCH
     mt.update(BKG=min(mt["BK"], BKG_MAX), warps_gk=4)
     if arch < 90:
         # with USE_GK ``_wy_inv`` only inverts the stored scores: at 8 warps ptxas spilled 4 B of it
-        # at 32 registers on sm_80 (d_k 128, C = 32); 4 warps keep it in registers
+        # at 32 registers on sm_80 (d_k 128); 4 warps keep it in registers
         mt.update(warps_inv=4)
     return mt
 

@@ -84,26 +84,29 @@ def test_state_kernels_read_back_dk_blocks(monkeypatch):
     _compare(2, 1, 37, 40, 24, 16, torch.float32, True, atol=1e-4, rtol=1e-4)
 
 
-def test_chunk_64_with_dk_blocks(monkeypatch):
-    """Kernel chunk 64 (bf16's on sm_90) over a full chunk and a ragged one, with the state
-    kernels' and ``_bwd_dqk``'s d_k in blocks of 16 (d_k = 40: three, the last ragged; ``_bwd_dqk``
-    one program per block): float32 within the tolerances above."""
+@pytest.mark.parametrize("stage_dl", [False, True])
+def test_chunk_64_with_dk_blocks(monkeypatch, stage_dl):
+    """Kernel chunk 64 (bf16's) over a full chunk and a ragged one, with the state kernels' and
+    ``_bwd_dqk``'s d_k in blocks of 16 (d_k = 40: three, the last ragged; ``_bwd_dqk`` one program
+    per block) and, as on sm_80, ``_bwd_dqk``'s d_v and ``_bwd_wy``'s d_k in blocks of 16 with dL
+    staged through memory (STAGE_DL): float32 within the tolerances above."""
     meta = dr_chunk.launch_meta
+    sm80 = dict(stage_dl=True, BK_bwd_wy=16, BV_dqk=16) if stage_dl else {}
     monkeypatch.setattr(dr_chunk, "launch_meta", lambda DK, DV, dtype, arch=90: dict(
-        meta(DK, DV, dtype, arch), C=64, BKS=16, BK_dqk=16))
+        meta(DK, DV, dtype, arch), C=64, BKS=16, BK_dqk=16, **sm80))
     _compare(1, 2, 70, 40, 12, 64, torch.float32, True, atol=1e-4, rtol=1e-4)
 
 @pytest.mark.parametrize("arch", [80, 90])
 @pytest.mark.parametrize("dtype,atol,rtol", [(torch.float32, 1e-4, 1e-4), (torch.bfloat16, 5e-2, 2e-2)])
 def test_launch_config_of_each_gpu_family(monkeypatch, arch, dtype, atol, rtol):
     """The launch config ``launch_meta`` picks for sm_80 and for sm_90 (kernel chunk capped at 64,
-    32 or 16, d_v blocks of 16 for float32 on sm_80, the tiles the compile gate checks), run
+    or 16, d_v blocks of 16 for float32 on sm_80, the tiles the compile gate checks), run
     under the interpreter with chunk_size 64 over two chunks and a ragged third: each matches
     the reference with the tolerances of the tests above."""
     monkeypatch.setattr(dr_chunk, "device_arch", lambda device: arch)
     mt = dr_chunk.launch_meta(16, 16, dtype, arch)
     assert mt["C"] == {(80, torch.float32): 16, (90, torch.float32): 16,
-                       (80, torch.bfloat16): 32, (90, torch.bfloat16): 64}[arch, dtype]
+                       (80, torch.bfloat16): 64, (90, torch.bfloat16): 64}[arch, dtype]
     _compare(1, 1, 2 * mt["C"] + 5, 16, 20, 64, dtype, True, atol=atol, rtol=rtol)
 
 

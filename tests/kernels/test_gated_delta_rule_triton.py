@@ -85,14 +85,13 @@ def test_float64_is_exact():
 @pytest.mark.parametrize("dtype,atol,rtol", [(torch.float32, 1e-4, 1e-4), (torch.bfloat16, 5e-2, 2e-2)])
 def test_launch_config_of_each_gpu_family(monkeypatch, arch, dtype, atol, rtol):
     """The launch config the delta rule's ``launch_meta`` picks for sm_80 and sm_90 (kernel chunk
-    64 for bf16 on sm_90, which runs the 4 × 4-block inverse with decays between blocks; 32 for bf16
-    on sm_80; 16 for float32), run under the interpreter with chunk_size 64 over two chunks and a
+    64 for bf16, which runs the 4 × 4-block inverse with decays between blocks; 16 for float32), run under the interpreter with chunk_size 64 over two chunks and a
     ragged third: each matches the reference (bf16: inputs and outputs rounded to bf16, relative
     error 2^-8 on values up to ~20, so 5e-2 absolute plus 2e-2 relative)."""
     monkeypatch.setattr(gdr_chunk, "device_arch", lambda device: arch)
     mt = gdr_chunk.launch_meta(16, 16, dtype, arch)
     assert mt["C"] == {(80, torch.float32): 16, (90, torch.float32): 16,
-                       (80, torch.bfloat16): 32, (90, torch.bfloat16): 64}[arch, dtype]
+                       (80, torch.bfloat16): 64, (90, torch.bfloat16): 64}[arch, dtype]
     _compare(1, 1, 2 * mt["C"] + 5, 16, 20, 64, dtype, True, atol=atol, rtol=rtol)
 
 
@@ -119,13 +118,17 @@ def test_several_dv_and_dk_blocks(monkeypatch):
     _compare(2, 1, 37, 40, 40, 16, torch.float32, True, atol=1e-4, rtol=1e-4)
 
 
-def test_chunk_64_with_dqk_in_dk_blocks(monkeypatch):
-    """Kernel chunk 64 (bf16's on sm_90) over a full chunk and a ragged one, with ``_bwd_dqk``
-    split over d_k (d_k = 40 in blocks of 16: three programs per chunk, the last ragged, each
-    storing its part of the scalar decay's dγ for ``_bwd_wy`` to sum): float32, tolerances as above."""
+@pytest.mark.parametrize("stage_dl", [False, True])
+def test_chunk_64_with_dqk_in_dk_blocks(monkeypatch, stage_dl):
+    """Kernel chunk 64 (bf16's) over a full chunk and a ragged one, with ``_bwd_dqk`` split over
+    d_k (d_k = 40 in blocks of 16: three programs per chunk, the last ragged, each storing its part
+    of the scalar decay's dγ for ``_bwd_wy`` to sum) and, as on sm_80, ``_bwd_dqk``'s d_v and
+    ``_bwd_wy``'s d_k in blocks of 16 with dL staged through memory (STAGE_DL): float32,
+    tolerances as above."""
     meta = gdr_chunk.launch_meta
+    sm80 = dict(stage_dl=True, BK_bwd_wy=16, BV_dqk=16) if stage_dl else {}
     monkeypatch.setattr(gdr_chunk, "launch_meta", lambda DK, DV, dtype, arch=90: dict(
-        meta(DK, DV, dtype, arch), C=64, BK_dqk=16))
+        meta(DK, DV, dtype, arch), C=64, BK_dqk=16, **sm80))
     _compare(1, 2, 70, 40, 12, 64, torch.float32, True, atol=1e-4, rtol=1e-4)
 
 

@@ -100,13 +100,16 @@ def test_float64_block_structure_under_strong_decay(monkeypatch, C):
     _compare(1, 1, C + 9, 20, 8, 64, D64, True, seed=1, g_min=-20.0, tol=1e-10)
 
 
-def test_float64_chunk_64_with_dqk_in_dk_blocks(monkeypatch):
+@pytest.mark.parametrize("stage_dl", [False, True])
+def test_float64_chunk_64_with_dqk_in_dk_blocks(monkeypatch, stage_dl):
     """Kernel chunk 64 with ``_bwd_dqk`` split over d_k (d_k = 40 in blocks of 16: three programs
-    per chunk, the last ragged; only the first stores dP): float64, 1e-10, over a full chunk and a
-    ragged one."""
+    per chunk, the last ragged; only the first stores dP) and, as on sm_80, ``_bwd_dqk``'s d_v and
+    ``_bwd_wy``'s d_k in blocks of 16 with dL staged through memory (STAGE_DL): float64, 1e-10,
+    over a full chunk and a ragged one."""
     meta = kda_chunk.launch_meta
+    sm80 = dict(stage_dl=True, BK_bwd_wy=16, BV_dqk=16) if stage_dl else {}
     monkeypatch.setattr(kda_chunk, "launch_meta", lambda DK, DV, dtype, arch=90: dict(
-        meta(DK, DV, dtype, arch), C=64, BK_dqk=16))
+        meta(DK, DV, dtype, arch), C=64, BK_dqk=16, **sm80))
     _compare(1, 1, 70, 40, 8, 64, D64, True, seed=5, tol=1e-10)
 
 def test_float32_matches_reference():
@@ -124,11 +127,11 @@ def test_float32_strong_decay_stays_finite_and_accurate(monkeypatch):
 
 @pytest.mark.parametrize("arch", [80, 90])
 def test_bfloat16_launch_config_of_each_gpu_family(monkeypatch, arch):
-    """bf16 with the launch config of sm_80 (kernel chunk 32) and sm_90 (64), run under the
+    """bf16 with the launch config of sm_80 and of sm_90 (kernel chunk 64 on both), run under the
     interpreter over one full chunk and a ragged one: 5e-2 absolute plus 2e-2 relative."""
     monkeypatch.setattr(kda_chunk, "device_arch", lambda device: arch)
     C = kda_chunk.launch_meta(16, 16, torch.bfloat16, arch)["C"]
-    assert C == {80: 32, 90: 64}[arch]
+    assert C == {80: 64, 90: 64}[arch]
     _compare(1, 1, C + 5, 16, 16, 64, torch.bfloat16, True, seed=2, atol=5e-2, rtol=2e-2)
 
 
