@@ -88,3 +88,47 @@ def test_tensor_parallel_2_trains_to_the_one_process_losses(tmp_path):
     assert sds[0].keys() == sds[1].keys()
     for name, v in sds[0].items():
         assert (sds[1][name] - v).abs().max() <= 1e-4, name
+
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A prepared corpus (the synthetic counting data cannot carry its loader state to another
+    parallel layout; the prepared shards' loader can)."""
+    from tests.data.corpus import SHARD_TOKENS, VOCAB, make_texts, write_corpus
+    from ttt_lm.data.prepare import prepare
+    base = tmp_path_factory.mktemp("e2ecorpus")
+    raw = write_corpus(str(base / "raw"), make_texts(40))
+    prepare([raw], str(base / "data"), vocab_size=VOCAB, shard_tokens=SHARD_TOKENS, val_fraction=0.05, workers=1,
+            progress=False, overwrite=True)
+    return str(base / "data"), VOCAB + 20
+
+
+def test_tensor_parallel_2_under_zero_2_and_3_and_a_resume_at_tp_1(tmp_path, corpus):
+    """parallel.tensor_parallel=2 under ZeRO-2 and under ZeRO-3 (every parameter of each TP slice
+    partitioned between steps over its data-parallel group: persistence threshold 0) trains to the
+    one-process losses; and the ZeRO-2 run's checkpoint after step 2 resumes at tensor_parallel=1
+    (the slices joined along the checkpoint's partition_dims, AdamW's moments with them) to the
+    one-process losses of steps 3 and 4. On a prepared corpus, whose loader state carries across
+    layouts. Tolerances as the test above (fp32 summation order)."""
+    path, vocab = corpus
+    ds = tmp_path / "ds.json"
+    ds.write_text('{"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}')
+    short = ([a for a in E2E if not a.startswith("train.max_steps")] +
+             ["train.max_steps=4", "optim.lr=1e-3", "model.ttt_e2e.inner_clip=0.05", f"data.path={path}",
+              f"model.vocab_size={vocab}", "data.streams=2", "parallel.zero_stage=2"])
+    env = {"TTT_TEST_REAL_DATA": "1"}
+    one, z2, z3, back = (str(tmp_path / n) for n in ("tp1", "tp2_zero2", "tp2_zero3", "tp1_resumed"))
+    run(one, short, timeout=300, env=env)
+    run(z2, [*short, "parallel.tensor_parallel=2", "checkpoint.every=2"], nprocs=2, timeout=300, env=env)
+    run(z3, [*short, "parallel.tensor_parallel=2", "parallel.zero_stage=3", f"parallel.deepspeed_config={ds}"],
+        nprocs=2, timeout=300, env=env)
+    ckpt = os.path.join(z2, "checkpoints", "step_00000002")
+    r = run(back, [*short, f"train.resume_from={ckpt}"], timeout=300, env=env)
+    assert f"resuming from {ckpt} at step 2" in r.output(0), r.output(0)[-2000:]
+    ref = losses_by_step(one)
+    assert sorted(ref) == [1, 2, 3, 4], ref
+    for d, steps in ((z2, [1, 2, 3, 4]), (z3, [1, 2, 3, 4]), (back, [3, 4])):
+        got = losses_by_step(d)
+        assert sorted(got) == steps, (d, got)
+        assert all(abs(got[s] - ref[s]) < 1e-4 for s in steps), (d, ref, got)
