@@ -24,8 +24,8 @@ from ttt_lm.model.lm import LM
 TOL = {torch.float64: 1e-10, torch.float32: 2e-5}
 
 
-def e2e_config(S=2, L=3, b=4, w=6, clip=1e3, lr=1.0, **kw) -> ModelConfig:
-    cfg = ModelConfig(vocab_size=37, d_model=16, n_layers=L, n_heads=2, d_ff=24, init_std=0.2, **kw)
+def e2e_config(S=2, L=3, b=4, w=6, clip=1e3, lr=1.0, n_heads=2, **kw) -> ModelConfig:
+    cfg = ModelConfig(vocab_size=37, d_model=16, n_layers=L, n_heads=n_heads, d_ff=24, init_std=0.2, **kw)
     e = cfg.ttt_e2e
     e.enabled, e.suffix_len, e.inner_batch, e.window, e.inner_clip, e.inner_lr = True, S, b, w, clip, lr
     e.rope_theta = 100.0           # short sequences: a small θ makes every frequency turn

@@ -30,21 +30,13 @@ CLIP = 0.05          # below every chunk's ‖g_i‖ here, so every inner step i
 
 
 def _cfg(clip=CLIP, n_heads=4):
-    from ttt_lm.model.config import ModelConfig
-    cfg = ModelConfig(vocab_size=37, d_model=16, n_layers=3, n_heads=n_heads, d_ff=24, init_std=0.2)
-    e = cfg.ttt_e2e
-    e.enabled, e.suffix_len, e.inner_batch, e.window, e.inner_clip, e.inner_lr = True, 2, 4, 6, clip, 1.0
-    e.rope_theta = 100.0
-    e.ilr_init, e.ilr_warmup_steps = 0.1, 4
-    return cfg
+    from tests.model.test_ttt_e2e import e2e_config
+    return e2e_config(clip=clip, n_heads=n_heads)
 
 
 def _batch(cfg, B=2, T=14, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, cfg.vocab_size, (B, T), generator=g)
-    labels = torch.randint(0, cfg.vocab_size, (B, T), generator=g)
-    labels[torch.rand(B, T, generator=g) < 0.25] = -100
-    return ids, labels
+    from tests.model.test_ttt_e2e import batch
+    return batch(cfg, B, T, seed)
 
 
 _GROUPS = {}
