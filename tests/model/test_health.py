@@ -3,8 +3,10 @@
 One case per architecture family: the smallest preset of each layer pattern found in configs/
 (the 125M-class shape), tiny.yaml, and every registered layer kind that no preset uses (on the
 125M shape, sizes/125m.yaml), so a new preset or a new kind is covered without editing this file.
-Each case keeps the preset's width, heads, mixer settings, sequence length (``data.seq_len``, at most ``MAX_LEN`` = 4,096 tokens),
-learning rate and gradient clipping, with 2 layers (or one repeat of a longer layer pattern), a
+Each case keeps the preset's width, heads, mixer settings, sequence length (``data.seq_len``, at
+most ``MAX_LEN`` = 4,096 tokens), learning rate and gradient clipping, with 2 layers (or one repeat
+of a longer layer pattern; a model class may shrink other settings with it,
+``LM.few_layer_overrides``: TTT-E2E keeps one prefix block and two TTT blocks), a
 512-token vocabulary, batch 1, random tokens, float32:
 
 * at initialization: logits, loss and every gradient are finite;
@@ -86,8 +88,8 @@ CASES = _cases()
 
 def _config(case: Case):
     base = load_config(case.path, list(case.overrides))
-    layers = max(_layers(base.model.layer_pattern), model_class(base.model).min_layers(base.model))
-    over = [f"model.n_layers={layers}", f"model.vocab_size={VOCAB}"]
+    over = model_class(base.model).few_layer_overrides(base.model, _layers(base.model.layer_pattern))
+    over.append(f"model.vocab_size={VOCAB}")
     if base.data.seq_len > MAX_LEN:
         over.append(f"data.seq_len={MAX_LEN}")
     return load_config(case.path, list(case.overrides) + over)

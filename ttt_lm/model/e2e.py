@@ -417,9 +417,12 @@ class E2ELM(LM):
     runs_kernel_ops = False
 
     @classmethod
-    def min_layers(cls, cfg: ModelConfig) -> int:
-        """The TTT blocks and one prefix block."""
-        return cfg.ttt_e2e.suffix_len + 1
+    def few_layer_overrides(cls, cfg: ModelConfig, n_layers: int) -> list:
+        """One prefix block and at most two TTT blocks: the second TTT block attends to window keys
+        that the first one's fast weights made, the one path a single TTT block lacks; each further
+        TTT block repeats it at the cost of another second-order pass."""
+        S = min(cfg.ttt_e2e.suffix_len, 2)
+        return [f"model.n_layers={max(n_layers, S + 1)}", f"model.ttt_e2e.suffix_len={S}"]
 
     #: prefill, step and generate carry E2EState (the decode section of the module docstring)
     supports_decode = True

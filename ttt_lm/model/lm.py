@@ -171,9 +171,11 @@ class LM(nn.Module):
         return False
 
     @classmethod
-    def min_layers(cls, cfg: ModelConfig) -> int:
-        """The fewest ``model.n_layers`` that build this model with ``cfg``'s other settings."""
-        return 1
+    def few_layer_overrides(cls, cfg: ModelConfig, n_layers: int) -> list:
+        """Overrides (``model.<field>=<value>``) that make ``cfg`` a model of this class with about
+        ``n_layers`` blocks that still runs every path the class has: the numerical-health tests
+        run each preset so, at its own width and sequence length. Here ``n_layers`` itself."""
+        return [f"model.n_layers={n_layers}"]
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
