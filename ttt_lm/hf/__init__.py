@@ -12,6 +12,20 @@ is needed. Needs the ``hf`` extra (transformers, tokenizers).
 """
 from __future__ import annotations
 
+import importlib.metadata as _metadata
+
+try:
+    _metadata.version("kernels")
+except _metadata.PackageNotFoundError:
+    pass
+else:
+    # transformers imports the Hugging Face ``kernels`` distribution whenever it is installed, by its
+    # import name, which is also this repository's ``kernels/`` package: it would import ours and fail
+    raise ImportError(
+        "the Hugging Face 'kernels' distribution is installed, and its import name is this repository's "
+        "kernels/ package, which transformers then imports in its place; transformers>=5.25 requires it: "
+        "pip install 'transformers>=5.0,<5.25' && pip uninstall -y kernels")
+
 try:
     from transformers import AutoConfig, AutoModelForCausalLM
 except ImportError as e:  # pragma: no cover - the hf extra is part of the test extra
