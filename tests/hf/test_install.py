@@ -1,13 +1,14 @@
 """The install the hf extra needs: transformers imports the Hugging Face ``kernels`` distribution
 by its import name whenever it is installed, and that name is this repository's ``kernels/``
 package, so ``ttt_lm.hf`` refuses to load with it present, naming the problem and the fix."""
+import importlib.metadata
 import subprocess
 import sys
-import importlib.metadata
+from pathlib import Path
 
 import pytest
 
-ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_kernels_distribution_is_not_installed():
