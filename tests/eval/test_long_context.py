@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from tests.eval.conftest import export_model, global_kind, recurrent_kind, tiny_model, windowed_kind
 from ttt_lm.eval import EvalError, loss_by_position, summarize
 from ttt_lm.eval.__main__ import main
-from ttt_lm.eval.long_context import log_buckets, plot_loss_by_position, windows
+from ttt_lm.eval.long_context import log_buckets, paired_difference, plot_loss_by_position, windows
 from ttt_lm.model.registry import builtin_kinds, kinds_with
 
 
@@ -73,9 +73,21 @@ def test_cli_plots_several_checkpoints(prepared, attn_export, tmp_path, capsys):
         assert r["documents"] == 2 and set(r["mean_loss_at_length"]) == {"64", "256"}
     png = (tmp_path / "long_context.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    # the second checkpoint against the first, paired over the same documents: every document reaches
+    # every position here, so a range's difference is the difference of the two curves' means over it
+    pd = out["paired"]["other"]
+    assert pd["reference"] == "attn" and [(r["start"], r["end"]) for r in pd["ranges"]] == [(1, 64), (65, 256)]
+    at = {n: out["result"][n]["mean_loss_at_length"] for n in ("attn", "other")}
+    assert pd["ranges"][0]["diff"] == pytest.approx(at["other"]["64"]["loss"] - at["attn"]["64"]["loss"], abs=1e-5)
+    whole = (256 * (at["other"]["256"]["loss"] - at["attn"]["256"]["loss"]) - 64 * pd["ranges"][0]["diff"]) / 192
+    assert pd["ranges"][1]["diff"] == pytest.approx(whole, abs=1e-5)
+    assert pd["change"]["diff"] == pytest.approx(pd["ranges"][1]["diff"] - pd["ranges"][0]["diff"], abs=1e-6)
+    assert all(r["documents"] == 2 and r["ci95"] > 0 for r in pd["ranges"])
     # the console says what L is and where the files went
     printed = capsys.readouterr().out
     assert "long_context attn: mean loss over the first L tokens of each document: L=64: " in printed, printed
+    assert "long_context other - attn, paired over documents, by position (1-based; 95% interval): [1, 64]: " in printed
+    assert "change [1, 64] -> [65, 256]: " in printed, printed
     assert f"wrote {tmp_path / 'long_context.png'}, {tmp_path / 'long_context.json'}\n" in printed, printed
 
 
@@ -105,6 +117,48 @@ def test_per_document_losses_sum_to_the_totals_and_give_bands():
     assert s["mean_loss_at_length"]["32"]["ci95"] > 0
     one = summarize(loss_by_position(m, docs[:1], max_len=32, show_progress=False), [32])
     assert all(b["ci95"] is None for b in one["buckets"])  # one document: no interval
+
+
+def _stats(per_doc, doc_len, fingerprint="same"):
+    per_doc = np.asarray(per_doc, dtype=np.float32)
+    return {"sum": per_doc.sum(0).astype(np.float64), "count": np.ones(per_doc.shape[1], dtype=np.int64),
+            "documents": len(per_doc), "skipped": 0, "per_doc": per_doc,
+            "doc_len": np.asarray(doc_len, dtype=np.int64), "fingerprint": fingerprint}
+
+
+def test_paired_difference_by_range_and_its_change():
+    g = np.random.default_rng(0)
+    ref = g.uniform(2, 6, (5, 12))
+    ref[4, 7:] = 0  # the last document reaches 7 positions: it counts in [1, 4] and [5, 8] only
+    shift = np.where(np.arange(12) < 4, 0.1, 0.3) + g.normal(0, 0.02, (5, 12))  # other - ref, larger later
+    other = np.where(ref > 0, ref + shift, 0)
+    doc_len = [12, 12, 12, 12, 7]
+    r = paired_difference(_stats(ref, doc_len), _stats(other, doc_len), [4, 8])
+    assert [(x["start"], x["end"], x["documents"]) for x in r["ranges"]] == [(1, 4, 5), (5, 8, 5), (9, 12, 4)]
+    for x in r["ranges"]:
+        a, b = x["start"] - 1, x["end"]
+        n = np.clip(np.asarray(doc_len) - a, 0, b - a)
+        d = (shift[:, a:b] * (np.arange(a, b) < np.asarray(doc_len)[:, None])).sum(1)[n > 0] / n[n > 0]
+        assert x["diff"] == pytest.approx(d.mean(), abs=1e-5)
+        assert x["ci95"] == pytest.approx(1.96 * d.std(ddof=1) / np.sqrt(len(d)), rel=1e-3)
+    c = r["change"]
+    assert c["from"] == [1, 4] and c["to"] == [9, 12] and c["documents"] == 4  # documents reaching both
+    d = shift[:4, 8:].mean(1) - shift[:4, :4].mean(1)
+    assert c["diff"] == pytest.approx(d.mean(), abs=1e-5) and c["diff"] > 0.15
+    assert c["ci95"] == pytest.approx(1.96 * d.std(ddof=1) / 2, rel=1e-3)
+    # the same curves, one range: no change to state
+    assert "change" not in paired_difference(_stats(ref, doc_len), _stats(other, doc_len), [12])
+    with pytest.raises(EvalError, match="different documents"):
+        paired_difference(_stats(ref, doc_len), _stats(other, doc_len, "another"), [4, 8])
+
+
+def test_documents_fingerprint_tells_the_scored_tokens_apart():
+    m = tiny_model()
+    g = torch.Generator().manual_seed(2)
+    docs = [torch.randint(3, 300, (17,), generator=g) for _ in range(3)]
+    fp = [loss_by_position(m, d, max_len=16, show_progress=False)["fingerprint"]
+          for d in (docs, [x.clone() for x in docs], docs[::-1], docs[:2])]
+    assert fp[0] == fp[1] and len({fp[0], fp[2], fp[3]}) == 3
 
 
 def test_plot_shows_document_counts_bands_and_training_context():

@@ -159,9 +159,10 @@ def perplexity_window(given: Optional[int], train_len: Optional[int], max_seq_le
 
 def cmd_long_context(args) -> dict:
     from ttt_lm.data import check_vocab, iter_documents, load_manifest
-    from ttt_lm.eval.long_context import loss_by_position, plot_loss_by_position, summarize, windows
+    from ttt_lm.eval.long_context import (loss_by_position, paired_difference, plot_loss_by_position, summarize,
+                                          windows)
     curves, names = {}, list(args.names.split(",")) if args.names else []
-    train_lens = {}
+    train_lens, paired, ref = {}, {}, None
     for i, path in enumerate(args.checkpoint):
         ck = _load(args, path)
         name = names[i] if i < len(names) else ck.name
@@ -181,17 +182,39 @@ def cmd_long_context(args) -> dict:
         curves[name] = summ
         del ck
         at = summ["mean_loss_at_length"]
+        what = "window" if args.windows else "document"
         if args.dist.is_main:
-            what = "window" if args.windows else "document"
             print(f"long_context {name}: mean loss over the first L tokens of each {what}: "
                   + "  ".join(f"L={k}: {v['loss']:.4f}" for k, v in at.items())
                   + f"  ({summ['documents']} {what}s)")
+        if ref is None:
+            ref = (name, stats)
+            continue
+        try:
+            pd = paired_difference(ref[1], stats, args.lengths or [args.max_len])
+        except EvalError as e:
+            paired[name] = {"reference": ref[0], "skipped": str(e)}
+            if args.dist.is_main:
+                print(f"long_context {name} - {ref[0]}: no paired comparison: {e}")
+            continue
+        paired[name] = {"reference": ref[0], **pd}
+        if args.dist.is_main:
+            def fmt(r):
+                ci = "" if r["ci95"] is None else f" ± {r['ci95']:.4f}"
+                return f"{r['diff']:+.4f}{ci}"
+            line = "  ".join(f"[{r['start']}, {r['end']}]: {fmt(r)}" for r in pd["ranges"])
+            if "change" in pd:
+                c = pd["change"]
+                line += f"  change [{c['from'][0]}, {c['from'][1]}] -> [{c['to'][0]}, {c['to'][1]}]: {fmt(c)}"
+            print(f"long_context {name} - {ref[0]}, paired over {what}s, by position (1-based; 95% interval): {line}")
     if not args.dist.is_main:
         return dict(task="long_context", result=curves)
     png = _out(args, "long_context.png")
     unit = f"windows of {args.max_len} tokens" if args.windows else f"first {args.max_len} tokens of each document"
     plot_loss_by_position(curves, png, f"loss by token position ({args.split} split, {unit})", train_lens)
     out = dict(task="long_context", result=curves, plot=png, **_meta(args, args.dev))
+    if paired:
+        out["paired"] = paired
     write_json(_out(args, "long_context.json"), out)
     return out
 

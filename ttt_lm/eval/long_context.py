@@ -24,9 +24,18 @@ With several processes every rank reads the documents in the same order and form
 batches (documents of equal length, ``batch_size`` at a time); batch i runs on rank i mod world,
 and S and C are summed over ranks, so C and the document counts equal one process's exactly and S
 up to the order of float64 additions.
+
+Two checkpoints scored on the same documents are compared paired (:func:`paired_difference`):
+for each range of positions [L_{j−1}, L_j) between the requested lengths (L_0 = 0) and each
+document d reaching it, δ_d = (d's mean loss over the range under the other model) − (under the
+reference); the range's difference is the mean of δ_d with ±1.96·sd(δ_d)/√n over those documents,
+and the change from the first range to the last is the same statistic of δ_d(last) − δ_d(first),
+so that a difference which grows with the position (one model using context the other cannot
+reach) is measured against the document-to-document noise of both curves at once.
 """
 from __future__ import annotations
 
+import hashlib
 import math
 from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Union
 
@@ -72,6 +81,7 @@ def loss_by_position(model: LM, docs: Iterable[torch.Tensor], max_len: int, chun
     pending: Dict[int, List[torch.Tensor]] = {}
     pending_idx: Dict[int, List[int]] = {}
     rows: Dict[int, torch.Tensor] = {}  # document index -> its per-position losses (this rank's documents)
+    digest = hashlib.sha256()  # of every scored document's tokens, in order (every rank reads them all)
 
     def run(group: List[torch.Tensor], idx: List[int]):
         x = torch.stack(group).to(dev)
@@ -112,6 +122,8 @@ def loss_by_position(model: LM, docs: Iterable[torch.Tensor], max_len: int, chun
                 skipped += 1
                 continue
             d = doc[:max_len + 1].long()
+            digest.update(len(d).to_bytes(8, "little"))
+            digest.update(d.numpy().astype("<i8").tobytes())
             pending.setdefault(len(d), []).append(d)
             pending_idx.setdefault(len(d), []).append(used)
             lengths.append(len(d) - 1)
@@ -137,7 +149,47 @@ def loss_by_position(model: LM, docs: Iterable[torch.Tensor], max_len: int, chun
         raise EvalError(f"no document has >= {min_len} tokens ({skipped} shorter ones skipped); lower --max-len "
                         f"or pass --min-len to include shorter documents")
     return {"sum": S.numpy(), "count": C.numpy(), "documents": used, "skipped": skipped,
-            "per_doc": per_doc, "doc_len": np.asarray(lengths, dtype=np.int64)}
+            "per_doc": per_doc, "doc_len": np.asarray(lengths, dtype=np.int64), "fingerprint": digest.hexdigest()}
+
+
+def _doc_means(stats: Dict[str, np.ndarray], a: int, b: int) -> tuple:
+    """Each document's mean loss over positions [a, b) (0-based) where it reaches a, and which."""
+    reach = np.clip(stats["doc_len"] - a, 0, b - a)
+    ok = reach > 0
+    return stats["per_doc"][:, a:b].astype(np.float64).sum(1) / np.maximum(reach, 1), ok
+
+
+def _mean_ci(x: np.ndarray) -> dict:
+    ci = float(1.96 * x.std(ddof=1) / math.sqrt(len(x))) if len(x) >= 2 else None
+    return {"diff": float(x.mean()), "ci95": ci, "documents": int(len(x))}
+
+
+def paired_difference(ref: Dict[str, np.ndarray], other: Dict[str, np.ndarray], lengths: Sequence[int]) -> dict:
+    """``other`` − ``ref`` per range of positions between consecutive ``lengths`` (from 0; the
+    last range ends at max_len), paired over documents (the module docstring), and the change of
+    that difference from the first range to the last. Both must have scored the same documents
+    (their ``fingerprint``): otherwise an :class:`EvalError` names what differs."""
+    if ref.get("fingerprint") != other.get("fingerprint") or len(ref["sum"]) != len(other["sum"]):
+        raise EvalError(f"the two runs scored different documents ({ref['documents']} and {other['documents']} "
+                        f"documents of up to {len(ref['sum'])} and {len(other['sum'])} tokens, "
+                        f"fingerprints {str(ref.get('fingerprint'))[:12]} and {str(other.get('fingerprint'))[:12]}); "
+                        f"give both the same --data")
+    max_len = len(ref["sum"])
+    edges = [0] + sorted(set(int(x) for x in lengths if 0 < int(x) < max_len)) + [max_len]
+    ranges, deltas = [], []
+    for a, b in zip(edges[:-1], edges[1:]):
+        m_ref, ok = _doc_means(ref, a, b)
+        m_oth, _ = _doc_means(other, a, b)
+        d = m_oth - m_ref
+        deltas.append((d, ok))
+        ranges.append({"start": a + 1, "end": b, **_mean_ci(d[ok])})
+    out = {"ranges": ranges}
+    if len(ranges) >= 2:
+        (d0, ok0), (d1, ok1) = deltas[0], deltas[-1]
+        both = ok0 & ok1
+        out["change"] = {"from": [ranges[0]["start"], ranges[0]["end"]], "to": [ranges[-1]["start"], ranges[-1]["end"]],
+                         **_mean_ci(d1[both] - d0[both])}
+    return out
 
 
 def log_buckets(max_len: int, n: int = 32) -> np.ndarray:
