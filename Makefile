@@ -56,7 +56,7 @@ bench: setup
 # `make gpu-bench-prepare` writes benchmarks/.campaign_commit (the commit the results will name)
 # and downloads into .whl/ the wheels a bare GPU image lacks (benchmarks/gpu_wheels.txt). There:
 # `make gpu-bench` (≤ 9 min: warm-up, gpu tests, kernels, training, profile), then
-# `make gpu-bench-more` (≤ 5 min: 350M, seq_len 8192, H = 16 D = 128). Back here:
+# `make gpu-bench-more` (≤ 6 min: 350M, seq_len 8192, H = 16 D = 128, TTT-E2E step). Back here:
 # `make gpu-bench-record FROM=<the results folder>` puts them into benchmarks/RESULTS.md.
 # Uses .venv where it exists, else the machine's python3 (a GPU image with torch and triton).
 BENCH_PY ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))

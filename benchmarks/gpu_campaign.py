@@ -3,7 +3,7 @@ what to fix next. See docs/gpu_campaign.md for how to run it in a window and how
 
     python benchmarks/gpu_campaign.py prepare                  # here, before sending the tree: the commit
     python benchmarks/gpu_campaign.py run [--out DIR]          # `make gpu-bench`: ≤ 9 min on an H100
-    python benchmarks/gpu_campaign.py more [--out DIR]         # `make gpu-bench-more`: ≤ 5 min
+    python benchmarks/gpu_campaign.py more [--out DIR]         # `make gpu-bench-more`: ≤ 6 min
     python benchmarks/gpu_campaign.py record --from DIR        # DIR's results into benchmarks/RESULTS.md
 
 ``run`` prints the device and software line, then runs its steps in order, each within its own
@@ -27,7 +27,9 @@ budget (seconds it did not use pass to the next step; the whole stays within ``-
    ``--profile-archs`` 125M presets (torch.profiler).
 
 ``more`` runs ``warmup``, ``kernels128`` (H = 16, D = 128), ``train350`` (350M-class presets at 2048)
-and ``train8k`` (the 125M-class presets at seq_len 8192, the transformer as the baseline).
+``train8k`` (the 125M-class presets at seq_len 8192, the transformer as the baseline) and ``e2e``
+(``benchmarks/ttt_e2e_step.py``: time and peak memory per token of a TTT-E2E 125M training step,
+second-order backward included, against its sliding-window baseline at the preset's 8k).
 
 An item that crashes or runs past its limit is a row with its error, and the campaign goes on; an
 item that no budget was left for is a row marked "not run (... budget spent)". After the last
@@ -65,12 +67,13 @@ RESULTS_MARKER = "## GPU campaign (`benchmarks/gpu_campaign.py`, `make gpu-bench
 #: (step, seconds) of each command; a step's unused seconds pass to the next
 PLANS: Dict[str, List[Tuple[str, float]]] = {
     "run": [("warmup", 140.0), ("tests", 60.0), ("kernels", 70.0), ("train", 200.0), ("profile", 40.0)],
-    "more": [("warmup", 60.0), ("kernels128", 60.0), ("train350", 90.0), ("train8k", 70.0)],
+    "more": [("warmup", 60.0), ("kernels128", 60.0), ("train350", 90.0), ("train8k", 70.0), ("e2e", 70.0)],
 }
-BUDGETS = {"run": 510.0, "more": 280.0}
+BUDGETS = {"run": 510.0, "more": 350.0}
 #: seconds an item may take at most, per step
 ITEM_LIMITS = {"record": 90.0, "tests": 600.0, "kernels": 45.0, "kernels128": 45.0, "train": 45.0,
-               "train_compile": 75.0, "train350": 45.0, "train8k": 45.0, "profile": 40.0}
+               "train_compile": 75.0, "train350": 45.0, "train8k": 45.0, "profile": 40.0,
+               "e2e": 45.0}
 #: an item is not started with fewer seconds left in its step
 MIN_START = 8.0
 TOKENS_PER_STEP = 16384
@@ -700,6 +703,63 @@ def step_profile(step: Step, a, log) -> None:
         step.data.setdefault("profiles", {})[p.path] = prof
 
 
+# ---- TTT-E2E's training step against its sliding-window baseline ------------------------------------
+E2E_SIZE = "125m"
+E2E_COLUMNS = ["preset", "baseline", "T × batch", "µs/token", "baseline µs/token", "time ratio", "peak GiB",
+               "baseline peak GiB", "memory ratio"]
+
+
+def e2e_pairs(size: str = E2E_SIZE, root: Path = ROOT) -> List[Tuple[str, str]]:
+    """(TTT-E2E preset, its sliding-window baseline) of a size, as configs/ names them:
+    ``ttt_e2e_swa_<size>.yaml`` beside ``ttt_e2e_<size>.yaml``. TTT-E2E launches no Triton kernel
+    (its ops are torch's; kernels/captured_launches.json lists none for it), so the warm-up has
+    nothing to compile for this step."""
+    out = []
+    for base in sorted((root / "configs").glob(f"*_swa_{size}.yaml")):
+        e2e = base.with_name(base.name.replace(f"_swa_{size}", f"_{size}"))
+        if e2e.exists():
+            out.append((e2e.stem, base.stem))
+    return out
+
+
+def e2e_cmd(preset: str, json_out: Path, steps: int = 3) -> List[str]:
+    """One preset's step at its own data.seq_len (the training length), batch 1, bf16 autocast."""
+    return [PY, "benchmarks/ttt_e2e_step.py", "--one", preset, "--device", "cuda", "--batch", "1",
+            "--steps", str(steps), "--json", str(json_out)]
+
+
+def step_e2e(step: Step, a, log) -> None:
+    for e2e, base in e2e_pairs():
+        res: Dict[str, dict] = {}
+        why = ""
+        for p in (e2e, base):
+            if not step.can_start():
+                why = why or "not run (step budget spent)"
+                continue
+            jf = a.out / "items" / f"e2e_{p}.json"
+            jf.parent.mkdir(parents=True, exist_ok=True)
+            if jf.exists():
+                jf.unlink()
+            cmd = e2e_cmd(p, jf)
+            step.commands.append(" ".join(cmd[1:]))
+            r = run_cmd(cmd, min(ITEM_LIMITS["e2e"], step.left()))
+            log(f"e2e {p}", cmd, r)
+            if r.rc != 0 or not jf.exists():
+                stop = "stopped at its time limit" if r.timed_out else f"exit {r.rc}"
+                why = why or f"{p}: {stop} after {r.seconds:.0f} s: {last_error(r.out)}"
+                continue
+            res[p] = json.loads(jf.read_text())
+        if why:
+            step.rows.append([e2e, base, why] + [""] * 6)
+            continue
+        r, b = res[e2e], res[base]
+        step.rows.append([e2e, base, f"{r['seq_len']} × {r['batch']}", f"{r['us_per_token']:.1f}",
+                          f"{b['us_per_token']:.1f}", f"{r['us_per_token'] / b['us_per_token']:.2f}",
+                          f"{r['mem_bytes'] / 2**30:.2f}", f"{b['mem_bytes'] / 2**30:.2f}",
+                          f"{r['mem_bytes'] / max(b['mem_bytes'], 1):.2f}"])
+        step.data.setdefault("results", []).append({"e2e": r, "baseline": b})
+
+
 STEP_TITLES = {
     "warmup": ("Compile warm-up (every Triton specialization the later steps launch)", ["what", "result"]),
     "tests": ("`gpu` test tier", ["file", "passed", "failed", "errors", "skipped", "failures (error line)"]),
@@ -709,6 +769,8 @@ STEP_TITLES = {
     "train350": ("Training, 350M-class presets, seq_len 2048, bf16, 16,384 tokens per step", TRAIN_COLUMNS),
     "train8k": ("Training, 125M-class presets, seq_len 8192, bf16, 16,384 tokens per step", TRAIN_COLUMNS),
     "profile": ("Profile: the ten CUDA kernels taking the most time in one training step", PROFILE_COLUMNS),
+    "e2e": ("TTT-E2E training step (forward + second-order backward, no optimizer) against its sliding-window "
+            "baseline, bf16 autocast, the preset's seq_len, batch 1", E2E_COLUMNS),
 }
 
 
@@ -828,6 +890,8 @@ def run_campaign(a, command: str) -> int:
                 step_train(s, a, log)
             elif name == "profile":
                 step_profile(s, a, log)
+            elif name == "e2e":
+                step_e2e(s, a, log)
         except Exception as e:  # noqa: BLE001 - a broken step is a result; the campaign goes on
             import traceback
             s.rows.append([f"step {name} crashed", f"{type(e).__name__}: {e}"] + [""] * (len(s.columns) - 2))
@@ -899,7 +963,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/gpu_results/<date>-<command>)")
     ap.add_argument("--from", dest="src", type=Path, default=None, help="record: the --out folder of a campaign")
     ap.add_argument("--wheels", action="store_true", help="prepare: also download benchmarks/gpu_wheels.txt into .whl/")
-    ap.add_argument("--budget", type=float, default=None, help="seconds for the whole command (run 510, more 280)")
+    ap.add_argument("--budget", type=float, default=None, help="seconds for the whole command (run 510, more 350)")
     ap.add_argument("--steps", nargs="*", default=None, help="only these steps of the command's plan")
     ap.add_argument("--jobs", type=int, default=0, help="warm-up compile workers (default: CPUs − 2)")
     ap.add_argument("--record-jobs", type=int, default=4, help="record-mode processes at a time")

@@ -77,11 +77,15 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--seq-len", type=int, default=0, help="0: the preset's data.seq_len")
-    ap.add_argument("--one", help=argparse.SUPPRESS)
+    ap.add_argument("--one", help="measure this one preset in this process and print its row as JSON")
+    ap.add_argument("--json", help="with --one: also write the row to this file")
     ap.add_argument("--record", action="store_true", help="write the table into benchmarks/RESULTS.md")
     a = ap.parse_args(argv)
     if a.one:
-        print(json.dumps(measure(a.one, a.device, a.batch, a.steps, a.seq_len)))
+        row = measure(a.one, a.device, a.batch, a.steps, a.seq_len)
+        print(json.dumps(row))
+        if a.json:
+            Path(a.json).write_text(json.dumps(row))
         return 0
     rows = []
     for pair in a.pairs.split(","):
