@@ -8,8 +8,8 @@ Cases: prompts whose length is not a multiple of the inner batch b, prefill piec
 multiples of b (smaller and larger than b), windows that are not multiples of b (w = 6 > b = 4
 and w = 3 < b), one and two TTT blocks, and the model without them (S = 0).
 
-Tolerance: float64 runs the same math in another order (attention over a cache at other local
-RoPE positions, the prefix blocks by SDPA with a mask instead of the sliding-window kernel), so it
+Tolerance: float64 runs the same math in another order (attention over a cache whose keys are
+rotated at absolute positions instead of the forward's local ones, the prefix blocks by SDPA with a mask instead of the sliding-window kernel), so it
 agrees to rounding (measured ~1e-14); the bound is 1e-10. float32: 2e-5 of max(1, the largest
 |logit|), as the model's reference tests.
 """
@@ -220,6 +220,30 @@ def test_states_reorder_rows_like_separate_runs():
         lg, moved = m.step(nxt[:, t], moved)
     full = forward_logits(m, torch.cat([ids[idx], nxt], 1))[:, -1]
     close(lg, full)
+
+
+def test_decode_appends_in_place_and_two_continuations_do_not_overwrite_each_other():
+    """Decode steps write each key into the caches' buffer (the state's k is a view of it, not a
+    copy per token), while every state stays at most 1.5x its keys plus 16; stepping twice from
+    one state (two continuations of a prompt) gives each the logits of its own forward."""
+    m = model("two_ttt_w6_b4")
+    b = m.e2e.inner_batch
+    ids = tokens(m, 3 * b + 1)
+    _, st = m.prefill(ids, 5)
+    a, c = tokens(m, 2 * b + 3, seed=3), tokens(m, 2 * b + 3, seed=4)
+    sa, sc = st, st
+    for t in range(a.shape[1]):
+        before = [s.k.untyped_storage().data_ptr() for s in sa]
+        la, sa = m.step(a[:, t], sa)        # a first, then c from the same states: c must not see a's keys
+        lc, sc = m.step(c[:, t], sc)
+        if t:
+            same = [s.k.untyped_storage().data_ptr() == p for s, p in zip(sa, before)]
+            assert sum(same) >= len(sa) - 2, same    # a buffer is rebuilt now and then, not every step
+        for s in sa + sc:
+            assert s.kv_buf is not None and s.k.untyped_storage().nbytes() <= \
+                (1.5 * s.k.shape[2] + 16 + 1) * s.k[:, :, :1].numel() * s.k.element_size()
+    close(la, forward_logits(m, torch.cat([ids, a], 1))[:, -1])
+    close(lc, forward_logits(m, torch.cat([ids, c], 1))[:, -1])
 
 
 def test_bad_states_and_labels_with_states_are_refused():

@@ -89,7 +89,8 @@ parameter filled, shapes checked against the config; ``ttt_lm.convert``'s docstr
 
 Decode (``init_states``, ``prefill``, ``step``, ``generate``, and ``forward`` with ``states`` or
 ``output_states``; the official code has none, this follows its eval forward). The state is one
-:class:`E2EState` per block: every block's window cache (k before RoPE and v of the last w tokens;
+:class:`E2EState` per block: every block's window cache (k, rotated by RoPE at its token's absolute
+position, and v of the last w tokens;
 a TTT block's also of the open chunk's tokens, from w before the chunk's start), each TTT block's
 fast weights W^{(i)} (per sequence), the open chunk (its token ids and the TTT blocks' inputs for
 those tokens, the prefix's output, in the first TTT block's state) and the chunk counter i. Its
@@ -107,8 +108,14 @@ of r tokens runs the embedding and the prefix blocks once on all r, then the TTT
 segment between chunk boundaries; the head runs on the last position only (and in each inner
 step, on the chunk: ``state_update_head_tokens``). Each chunk costs one recomputed TTT-block
 forward and backward, so a token costs the same at any context (amortised over b tokens: the step
-at a chunk boundary costs more). Token-by-token decode and chunked prefill (any piece length)
-equal the forward of the whole sequence in eval: float64 ~1e-14 (tests/model/test_ttt_e2e_decode.py).
+at a chunk boundary costs more). Each key is rotated once, at its absolute position, when it enters
+the cache (q·k depends only on the positions' difference, so the scores are those of the forward's
+local positions up to rounding; the inner step rotates its chunk-start cache back to the training
+step's local positions), and a decode step appends its key and value in place into a buffer that
+holds the cache with room to grow (``_append_kv``; a copy of the cache every m/2 steps), so a
+step's cost beyond the attention itself does not grow with the cache. Token-by-token decode and
+chunked prefill (any piece length) equal the forward of the whole sequence in eval: float64 ~1e-14
+(tests/model/test_ttt_e2e_decode.py).
 
 Distributed. ZeRO 1–3 over data-parallel ranks (``tests/model/test_ttt_e2e_dist.py``); under ZeRO-3
 the model gathers its own parameters for each step (``gathers_zero3_parameters``, below). Context
@@ -149,7 +156,7 @@ over a whole sequence's chunks), ``compile_blocks``.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
 import torch
@@ -271,30 +278,79 @@ class E2EAttention(nn.Module):
         keep = max(0, n - w)
         return self.out(o), (k_all[:, :, keep:], v_all[:, :, keep:])
 
-    def extend(self, x: torch.Tensor, cache: Tuple[torch.Tensor, torch.Tensor], backend: str = "math"):
-        """The decode form: x [B, r, D], the r tokens that follow the m tokens of ``cache`` = (k, v)
-        [B, H, m, d] (k before RoPE, the tokens right before x's): (output, the concatenated cache
-        [B, H, m + r, d], not trimmed: the caller keeps what it needs). RoPE at local positions
-        (keys 0 … m+r−1, queries m … m+r−1) and the window mask (a query sees itself and the w − 1
-        keys before it; every key with w None) as :meth:`chunk`. ``backend`` "sdpa" (no second
-        order: the prefix blocks) is SDPA with the boolean mask, else :func:`masked_softmax_attention`."""
+    def extend(self, x: torch.Tensor, cache: Tuple[torch.Tensor, torch.Tensor], pos0: int, backend: str = "math",
+               buf: Optional["_CacheBuffer"] = None, buf_end: Optional[int] = None):
+        """The decode form: x [B, r, D], the r tokens at absolute positions pos0 … pos0+r−1 that
+        follow the m tokens of ``cache`` = (k, v) [B, H, m, d] (k after RoPE at its own absolute
+        position, the tokens right before x's): (output, the cache with x's keys appended
+        [B, H, m + r, d], not trimmed: the caller keeps what it needs, the buffer holding it or
+        None). RoPE at absolute positions (q·k depends on the positions' difference only, so the
+        scores are :meth:`chunk`'s, whose positions are local, up to rounding), and the window
+        mask (a query sees itself and the w − 1 keys before it; every key with w None) as
+        :meth:`chunk`; each key is rotated once, when it is appended. ``backend`` "sdpa" (no second
+        order: the prefix blocks) is SDPA with the boolean mask, else :func:`masked_softmax_attention`.
+        ``buf``/``buf_end``: the buffer ``cache`` is a view of and its fill when that state was
+        made (:func:`_append_kv`)."""
         r = x.shape[1]
         q, k, v = self.qkv(x)
-        k_all = torch.cat([cache[0], k], dim=2)
-        v_all = torch.cat([cache[1], v], dim=2)
+        p = torch.arange(pos0, pos0 + r, device=x.device)
+        q, k = rope_interleaved(q, p, self.theta), rope_interleaved(k, p, self.theta)
+        k_all, v_all, buf = _append_kv(cache, k, v, buf, buf_end)
         n = k_all.shape[2]
-        local = torch.arange(n, device=x.device)
-        q = rope_interleaved(q, local[n - r:], self.theta)
-        kr = rope_interleaved(k_all, local, self.theta)
-        qi, ki = local[n - r:, None], local[None, :]
-        mask = qi >= ki
-        if self.window is not None:
-            mask = mask & (qi < ki + self.window)
+        mask = None
+        if r > 1 or (self.window is not None and n > self.window):
+            local = torch.arange(n, device=x.device)
+            qi, ki = local[n - r:, None], local[None, :]
+            mask = qi >= ki
+            if self.window is not None:
+                mask = mask & (qi < ki + self.window)
         if backend == "sdpa":
-            o = F.scaled_dot_product_attention(q, kr, v_all, attn_mask=mask)
+            o = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask)
         else:
-            o = masked_softmax_attention(q, kr, v_all, mask, backend)
-        return self.out(o), (k_all, v_all)
+            if mask is None:
+                mask = torch.ones(r, n, dtype=torch.bool, device=x.device)
+            o = masked_softmax_attention(q, k_all, v_all, mask, backend)
+        return self.out(o), (k_all, v_all), buf
+
+
+class _CacheBuffer:
+    """Keys and values [B, H, capacity, d] and how far they are filled (``end``): the decode
+    caches are views of its filled part ending at ``end``, so a step appends in place."""
+    __slots__ = ("k", "v", "end")
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, end: int):
+        self.k, self.v, self.end = k, v, end
+
+
+#: a piece of at most this many tokens appends into a buffer (decode); longer ones concatenate
+APPEND_IN_PLACE_MAX = 16
+
+
+def _append_kv(cache: Tuple[torch.Tensor, torch.Tensor], k: torch.Tensor, v: torch.Tensor,
+               buf: Optional[_CacheBuffer], buf_end: Optional[int]):
+    """(cached keys followed by k, the same for values, the buffer they are views of or None),
+    as attention's KV buffer: a decode step (≤ ``APPEND_IN_PLACE_MAX`` tokens, nothing requiring
+    grad) writes k, v in place after the cached ones while ``cache`` is the buffer's newest view
+    (``buf_end`` = its fill: stepping twice from one state gives the second a copy, so neither
+    overwrites the other), else a new buffer holding the cache with room for max(16, m/2) more
+    tokens (a copy of m keys every m/2 steps: O(1) per token, the state at most 1.5× its keys).
+    Longer pieces, and any graph through the cache, concatenate."""
+    ck, cv = cache
+    r, m = k.shape[2], ck.shape[2]
+    if r > APPEND_IN_PLACE_MAX or (torch.is_grad_enabled() and any(t.requires_grad for t in (k, v, ck, cv))):
+        return torch.cat([ck.to(k.dtype), k], dim=2), torch.cat([cv.to(v.dtype), v], dim=2), None
+    if not (buf is not None and buf.end == buf_end and buf.end + r <= buf.k.shape[2] and buf.k.dtype == k.dtype
+            and buf.k.device == k.device and buf.k.shape[:2] == k.shape[:2] and buf.v.dtype == v.dtype
+            and buf.k.shape[3] == k.shape[3]):
+        cap = m + r + max(16, m // 2)
+        bk = k.new_empty(k.shape[0], k.shape[1], cap, k.shape[3])
+        bv = v.new_empty(v.shape[0], v.shape[1], cap, v.shape[3])
+        bk[:, :, :m], bv[:, :, :m] = ck, cv
+        buf = _CacheBuffer(bk, bv, m)
+    buf.k[:, :, buf.end:buf.end + r] = k
+    buf.v[:, :, buf.end:buf.end + r] = v
+    buf.end += r
+    return buf.k[:, :, buf.end - m - r:buf.end], buf.v[:, :, buf.end - m - r:buf.end], buf
 
 
 class PrimeMLP(nn.Module):
@@ -339,14 +395,16 @@ class E2EBlock(nn.Module):
         h = h + self.prime_post_norm(self.prime_sum(swiglu(self.prime_norm(h), *W)))
         return h + self.ffn_post_norm(self.mlp(self.ffn_norm(h))), cache
 
-    def extend(self, h, cache, W: Optional[List[torch.Tensor]] = None, backend: str = "math"):
-        """The decode form of a block (:meth:`E2EAttention.extend`): h [B, r, D] after ``cache``,
-        with fast weights W (a TTT block) or none (a prefix block): (h, the untrimmed cache)."""
-        a, cache = self.attn.extend(self.seq_norm(h), cache, backend)
+    def extend(self, h, cache, pos0: int, W: Optional[List[torch.Tensor]] = None, backend: str = "math",
+               buf=None, buf_end: Optional[int] = None):
+        """The decode form of a block (:meth:`E2EAttention.extend`): h [B, r, D] at positions
+        pos0 … after ``cache``, with fast weights W (a TTT block) or none (a prefix block): (h, the
+        untrimmed cache, its buffer or None)."""
+        a, cache, buf = self.attn.extend(self.seq_norm(h), cache, pos0, backend, buf, buf_end)
         h = h + self.seq_post_norm(a)
         if W is not None:
             h = h + self.prime_post_norm(self.prime_sum(swiglu(self.prime_norm(h), *W)))
-        return h + self.ffn_post_norm(self.mlp(self.ffn_norm(h))), cache
+        return h + self.ffn_post_norm(self.mlp(self.ffn_norm(h))), cache, buf
 
 
 @dataclass
@@ -368,20 +426,23 @@ class E2ETrace:
 @dataclass
 class E2EState(MixerState):
     """One block's decode state (:meth:`E2ELM.init_states`; the decode section of the module
-    docstring). k, v [B, H, m, d]: the window cache, k after qk-norm and before RoPE, of the m
-    tokens before the next one: a prefix block's m = min(w, pos); a TTT block's also keeps the
+    docstring). k, v [B, H, m, d]: the window cache, k after qk-norm and RoPE at its token's
+    absolute position, of the m tokens before the next one: a prefix block's m = min(w, pos); a TTT block's also keeps the
     open chunk's tokens, m = min(w, c) + (pos − c) with c the open chunk's first position (the
     chunk's inner step reads the cache as it was at c). TTT blocks only: fast = (w1, w3, w2)
     [B, F, D], [B, F, D], [B, D, F], W^{(i)} in the accumulation dtype. The first TTT block only:
     chunk_h [B, r, D], the open chunk's r tokens' inputs to the TTT blocks (the prefix's output),
     chunk_ids [B, r] their token ids. steps: the chunk counter i, inner steps taken (W^{(i)});
-    pos: tokens read."""
+    pos: tokens read. ``kv_buf`` / ``kv_end``: the buffer k and v are views of and its fill when
+    this state was made (derived: ``map`` drops them, the next step copies into a new one)."""
     k: Optional[torch.Tensor] = None
     v: Optional[torch.Tensor] = None
     fast: Optional[Tuple[torch.Tensor, ...]] = None
     chunk_h: Optional[torch.Tensor] = None
     chunk_ids: Optional[torch.Tensor] = None
     steps: int = 0
+    kv_buf: Optional[_CacheBuffer] = field(default=None, repr=False, compare=False, metadata={"derived": True})
+    kv_end: Optional[int] = field(default=None, repr=False, compare=False, metadata={"derived": True})
 
 
 class _RegionSum(nn.Module):
@@ -823,17 +884,20 @@ class E2ELM(LM):
         self._check_states(states, B)
         n0 = states[0].pos
         P, S, b, w = self.n_prefix, e.suffix_len, e.inner_batch, e.window
-        grow = lambda st, k, v, keep: E2EState(pos=n0 + r, k=k[:, :, k.shape[2] - keep:], v=v[:, :, v.shape[2] - keep:],
-                                               fast=st.fast, steps=st.steps)
+        def grow(st, k, v, keep, buf):
+            return E2EState(pos=n0 + r, k=k[:, :, k.shape[2] - keep:], v=v[:, :, v.shape[2] - keep:], fast=st.fast,
+                            steps=st.steps, kv_buf=buf, kv_end=None if buf is None else buf.end)
         h = self.embed(ids)
         new: List[E2EState] = []
         for blk, st in zip(self.layers[:P], states[:P]):
-            h, (k, v) = blk.extend(h, (st.k, st.v), backend=e.prefix_attention)
-            new.append(grow(st, k, v, k.shape[2] if w is None else min(w, k.shape[2])))
+            h, (k, v), buf = blk.extend(h, (st.k, st.v), n0, backend=e.prefix_attention, buf=st.kv_buf,
+                                        buf_end=st.kv_end)
+            new.append(grow(st, k, v, k.shape[2] if w is None else min(w, k.shape[2]), buf))
         if S:
             first = states[P]
             W = [list(st.fast) for st in states[P:]]
             kv = [(st.k, st.v) for st in states[P:]]
+            bufs = [(st.kv_buf, st.kv_end) for st in states[P:]]
             ch, cid, steps = first.chunk_h, first.chunk_ids, first.steps
             outs = []
             s = 0
@@ -845,21 +909,22 @@ class E2ELM(LM):
                 en = min(r, s + b - n % b)
                 x = h[:, s:en]
                 for j, blk in enumerate(self.layers[P:]):
-                    x, kv[j] = blk.extend(x, kv[j], W[j], e.suffix_attention)
+                    x, kv[j], buf = blk.extend(x, kv[j], n, W[j], e.suffix_attention, *bufs[j])
+                    bufs[j] = (buf, None if buf is None else buf.end)
                 outs.append(x)
                 ch, cid = torch.cat([ch, h[:, s:en]], 1), torch.cat([cid, ids[:, s:en]], 1)
                 s = en
             h = torch.cat(outs, 1) if logits in ("all", "hidden") else outs[-1]
             for j, st in enumerate(states[P:]):
                 k, v = kv[j]
-                ns = grow(st, k, v, k.shape[2])
+                ns = grow(st, k, v, k.shape[2], bufs[j][0] if bufs[j][1] is not None else None)
                 ns.fast, ns.steps = tuple(W[j]), steps
                 if j == 0:
                     ns.chunk_h, ns.chunk_ids = ch, cid
                 new.append(ns)
         for st in new:
             st.steps = new[-1].steps
-        new = [st.map(_own_storage) for st in new]
+        new = [_settle(st) for st in new]
         if logits is None:
             return None, new
         if logits == "hidden":
@@ -877,7 +942,11 @@ class E2ELM(LM):
         min(w, start + b) keys, the cache at the next chunk's start)."""
         S, b, w = self.e2e.suffix_len, self.e2e.inner_batch, self.e2e.window
         m0 = min(w, start)
-        flat = [t for ws in W for t in ws] + [t[:, :, :m0] for c in kv for t in c]
+        # the training step reads keys before RoPE at local positions: undo the decode's absolute one
+        before = torch.arange(start - m0, start, device=chunk_h.device)
+        flat = [t for ws in W for t in ws] + [x for k, v in kv
+                                               for x in (rope_interleaved(k[:, :, :m0], -before, self.e2e.rope_theta),
+                                                         v[:, :, :m0])]
         res = self._chunk_step(start, True, False, 1.0, False, chunk_h, targets, *flat)
         newW = list(res[3:3 + 3 * S])
         keep = min(w, start + b)
@@ -911,6 +980,19 @@ class E2ELM(LM):
         for s in range(0, T0, n):
             logits, states = self.advance(prompt_ids[:, s:s + n], states, "last" if s + n >= T0 else None)
         return logits, states
+
+
+def _settle(st: E2EState) -> E2EState:
+    """``st`` with its tensors in storages of their own size (``_own_storage``) but for the keys
+    and values that are views of a decode buffer (at most 1.5× what they hold, kept to append in
+    place)."""
+    if st.kv_buf is None:
+        return st.map(_own_storage)
+    k, v, buf, end = st.k, st.v, st.kv_buf, st.kv_end
+    st.k = st.v = None
+    out = st.map(_own_storage)
+    out.k, out.v, out.kv_buf, out.kv_end = k, v, buf, end
+    return out
 
 
 def plain_mean_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
