@@ -266,6 +266,8 @@ def test_warmup_step_records_compiles_and_reports(monkeypatch, tmp_path):
     cache = tmp_path / "cache"
     monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
     monkeypatch.setenv("TRITON_INTERPRET", "0")
+    # the campaign's 90 s per record process is a GPU machine's; a loaded 2-core CPU may need more
+    monkeypatch.setitem(gc.ITEM_LIMITS, "record", 600.0)
     code = _FAKE_DRIVER.format(root=str(ROOT)) + _BENCH_PATHS.format(root=str(ROOT), size=SIZE, ops=["linear_scan"])
     items = [("linear_scan", [sys.executable, "-c", code]),
              ("broken", [sys.executable, "-c", "raise SystemExit('RuntimeError: no such preset')"])]
