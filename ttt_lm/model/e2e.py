@@ -169,6 +169,7 @@ from ttt_lm.model.config import ModelConfig
 from ttt_lm.model.layers import GatedMLP, RMSNorm, acc, acc_dtype
 from ttt_lm.model.lm import (LM, LMHead, LMOutput, PREFILL_CHUNK, _own_storage, check_prefill_chunk,
                              check_prompt_ids)
+from ttt_lm.model.mixers.attention import _KVBuffer   # the decode caches' buffer, as attention's
 from ttt_lm.model.mixers.base import MixerState
 from ttt_lm.model.window_attention import sliding_window_attention
 
@@ -279,7 +280,7 @@ class E2EAttention(nn.Module):
         return self.out(o), (k_all[:, :, keep:], v_all[:, :, keep:])
 
     def extend(self, x: torch.Tensor, cache: Tuple[torch.Tensor, torch.Tensor], pos0: int, backend: str = "math",
-               buf: Optional["_CacheBuffer"] = None, buf_end: Optional[int] = None):
+               buf: Optional[_KVBuffer] = None, buf_end: Optional[int] = None):
         """The decode form: x [B, r, D], the r tokens at absolute positions pos0 … pos0+r−1 that
         follow the m tokens of ``cache`` = (k, v) [B, H, m, d] (k after RoPE at its own absolute
         position, the tokens right before x's): (output, the cache with x's keys appended
@@ -313,21 +314,12 @@ class E2EAttention(nn.Module):
         return self.out(o), (k_all, v_all), buf
 
 
-class _CacheBuffer:
-    """Keys and values [B, H, capacity, d] and how far they are filled (``end``): the decode
-    caches are views of its filled part ending at ``end``, so a step appends in place."""
-    __slots__ = ("k", "v", "end")
-
-    def __init__(self, k: torch.Tensor, v: torch.Tensor, end: int):
-        self.k, self.v, self.end = k, v, end
-
-
 #: a piece of at most this many tokens appends into a buffer (decode); longer ones concatenate
 APPEND_IN_PLACE_MAX = 16
 
 
 def _append_kv(cache: Tuple[torch.Tensor, torch.Tensor], k: torch.Tensor, v: torch.Tensor,
-               buf: Optional[_CacheBuffer], buf_end: Optional[int]):
+               buf: Optional[_KVBuffer], buf_end: Optional[int]):
     """(cached keys followed by k, the same for values, the buffer they are views of or None),
     as attention's KV buffer: a decode step (≤ ``APPEND_IN_PLACE_MAX`` tokens, nothing requiring
     grad) writes k, v in place after the cached ones while ``cache`` is the buffer's newest view
@@ -346,7 +338,7 @@ def _append_kv(cache: Tuple[torch.Tensor, torch.Tensor], k: torch.Tensor, v: tor
         bk = k.new_empty(k.shape[0], k.shape[1], cap, k.shape[3])
         bv = v.new_empty(v.shape[0], v.shape[1], cap, v.shape[3])
         bk[:, :, :m], bv[:, :, :m] = ck, cv
-        buf = _CacheBuffer(bk, bv, m)
+        buf = _KVBuffer(bk, bv, m)
     buf.k[:, :, buf.end:buf.end + r] = k
     buf.v[:, :, buf.end:buf.end + r] = v
     buf.end += r
@@ -441,7 +433,7 @@ class E2EState(MixerState):
     chunk_h: Optional[torch.Tensor] = None
     chunk_ids: Optional[torch.Tensor] = None
     steps: int = 0
-    kv_buf: Optional[_CacheBuffer] = field(default=None, repr=False, compare=False, metadata={"derived": True})
+    kv_buf: Optional[_KVBuffer] = field(default=None, repr=False, compare=False, metadata={"derived": True})
     kv_end: Optional[int] = field(default=None, repr=False, compare=False, metadata={"derived": True})
 
 
@@ -917,7 +909,7 @@ class E2ELM(LM):
             h = torch.cat(outs, 1) if logits in ("all", "hidden") else outs[-1]
             for j, st in enumerate(states[P:]):
                 k, v = kv[j]
-                ns = grow(st, k, v, k.shape[2], bufs[j][0] if bufs[j][1] is not None else None)
+                ns = grow(st, k, v, k.shape[2], bufs[j][0])
                 ns.fast, ns.steps = tuple(W[j]), steps
                 if j == 0:
                     ns.chunk_h, ns.chunk_ids = ch, cid
